@@ -1,0 +1,36 @@
+"""attn-setup: initialize an inference engine's attention backends as an observable state machine.
+
+Entry point: :func:`build_attention_backends`. Importing this package imports neither torch, nor
+triton, nor flashinfer (backends are imported lazily by the registry when they are built).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "build_attention_backends": ("pipeline.build", "build_attention_backends"),
+    "AttentionBackends": ("pipeline.result", "AttentionBackends"),
+    "AttentionArgs": ("pipeline.contracts", "AttentionArgs"),
+    "SetupRequest": ("pipeline.contracts", "SetupRequest"),
+    "ModelSpec": ("pipeline.contracts", "ModelSpec"),
+    "DeviceFacts": ("pipeline.contracts", "DeviceFacts"),
+    "PoolFacts": ("pipeline.contracts", "PoolFacts"),
+    "ErrorInfo": ("pipeline.contracts", "ErrorInfo"),
+    "ResolvedAttentionBackendStr": ("pipeline.contracts", "ResolvedAttentionBackendStr"),
+    "load_model_spec": ("pipeline.model_spec", "load_model_spec"),
+    "EventLog": ("pipeline.eventlog", "EventLog"),
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        mod, attr = _EXPORTS[name]
+        return getattr(importlib.import_module(mod), attr)
+    raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Attention backends: the interface, the registry and one module per backend."""

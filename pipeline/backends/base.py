@@ -1,0 +1,159 @@
+"""The attention backend interface (sglang's contract) and the forward-batch record.
+
+An engine that already speaks sglang's ``AttentionBackend`` can plug any backend built here into
+its model: the method names and arguments match sglang's
+(``init_forward_metadata``, ``init_cuda_graph_state``, ``init_forward_metadata_capture_cuda_graph``,
+``init_forward_metadata_replay_cuda_graph``, ``get_cuda_graph_seq_len_fill_value``, ``forward``).
+
+Shapes (T = tokens in the batch, H = q heads, Hkv = kv heads, D = qk head dim, Dv = v head dim):
+
+- ``q``: [T, H, D] or [T, H*D]; ``k``: [T, Hkv, D]; ``v``: [T, Hkv, Dv]; dtype = the model dtype.
+- output: [T, H*Dv], same dtype as ``q``.
+- KV memory: see :mod:`pipeline.memory` (``req_to_token`` [max_reqs, max_context_len] int32;
+  per-layer K/V buffers [num_token_slots, Hkv, D] / [num_token_slots, Hkv, Dv]).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from pipeline.contracts import ForwardMode
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from pipeline.memory import KVPool, ReqToTokenPool
+
+
+@dataclass
+class AttentionLayer:
+    """Per-layer attention parameters (what sglang's ``RadixAttention`` carries).
+
+    ``sliding_window``: keys visible to a query, itself included (None = full attention).
+    ``logit_softcap``: ``cap * tanh(score / cap)`` applied to scaled scores (None = off).
+    ``sinks``: [H] float32 per-head sink logits (gpt-oss): an extra softmax term ``exp(sink)`` in
+    the denominator that attends to no value (None = off).
+    ``is_mla``: absorbed MLA layer (one latent KV head, D = kv_lora_rank + rope dim, Dv = kv_lora_rank).
+    """
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    scaling: float
+    sliding_window: Optional[int] = None
+    logit_softcap: Optional[float] = None
+    sinks: Optional["torch.Tensor"] = None
+    is_mla: bool = False
+
+
+@dataclass
+class ForwardBatch:
+    """One forward step's batch, as the backends see it (sglang's ``ForwardBatch`` subset).
+
+    ``req_pool_indices``: [B] int64 rows of ``req_to_token``.
+    ``seq_lens``: [B] int32, tokens per request *after* this step (prefix + new).
+    ``extend_prefix_lens`` / ``extend_seq_lens``: [B] int32, cached prefix and new tokens
+    (extend only; for decode every request has exactly one new token).
+    ``out_cache_loc``: [T] int64 KV slots for the new tokens, in batch order.
+    ``positions``: [T] int64 position of each new token.
+    ``*_cpu``: host copies (Python lists) for planning without a device sync.
+    """
+
+    forward_mode: ForwardMode
+    batch_size: int
+    req_pool_indices: "torch.Tensor"
+    seq_lens: "torch.Tensor"
+    out_cache_loc: "torch.Tensor"
+    positions: "torch.Tensor"
+    req_to_token_pool: "ReqToTokenPool"
+    token_to_kv_pool: "KVPool"
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    extend_prefix_lens: Optional["torch.Tensor"] = None
+    extend_seq_lens: Optional["torch.Tensor"] = None
+    extend_prefix_lens_cpu: list[int] = field(default_factory=list)
+    extend_seq_lens_cpu: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_cache_loc.shape[0])
+
+    def is_decode(self) -> bool:
+        return self.forward_mode is ForwardMode.DECODE
+
+    def is_extend(self) -> bool:
+        return self.forward_mode is ForwardMode.EXTEND
+
+
+class AttentionBackend(abc.ABC):
+    """Base class of every backend (sglang's ``AttentionBackend`` contract).
+
+    Subclasses implement :meth:`forward_extend` and :meth:`forward_decode`; CUDA-graph hooks
+    raise :class:`NotImplementedError` unless the backend's capability record claims
+    ``cuda_graph``. :meth:`close` releases every buffer the backend owns (idempotent).
+
+    After the annotate state, ``prefill_attention_backend_str`` and
+    ``decode_attention_backend_str`` hold the resolved names (as sglang sets them).
+    """
+
+    name: str = "base"
+    prefill_attention_backend_str: Optional[str] = None
+    decode_attention_backend_str: Optional[str] = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Plan one forward batch (host metadata, index buffers) before the layers run."""
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate fixed-address metadata buffers for CUDA-graph capture (``max_bs`` requests)."""
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, num_tokens: int, req_pool_indices: "torch.Tensor", seq_lens: "torch.Tensor",
+        encoder_lens: Any, forward_mode: ForwardMode, spec_info: Any,
+    ) -> None:
+        """Fill the graph metadata buffers for capture at batch size ``bs``."""
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs: int, req_pool_indices: "torch.Tensor", seq_lens: "torch.Tensor", seq_lens_sum: int,
+        encoder_lens: Any, forward_mode: ForwardMode, spec_info: Any, seq_lens_cpu: Optional["torch.Tensor"],
+    ) -> None:
+        """Refresh the graph metadata buffers (outside the graph) before a replay."""
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Sequence length written into padded graph slots (sglang uses 1 for most backends)."""
+        return 1
+
+    def forward(
+        self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", layer: AttentionLayer,
+        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> "torch.Tensor":
+        """Run attention for one layer; dispatches on ``forward_batch.forward_mode``.
+
+        Returns [T, H*Dv] in q's dtype. With ``save_kv_cache`` the new K/V are first written to
+        ``out_cache_loc`` of layer ``layer.layer_id``.
+        """
+        if forward_batch.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
+
+    @abc.abstractmethod
+    def forward_extend(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True) -> "torch.Tensor":
+        """Extend: new tokens attend to their cached prefix and causally to each other."""
+
+    @abc.abstractmethod
+    def forward_decode(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True) -> "torch.Tensor":
+        """Decode: one new token per request attends to everything cached before it and itself."""
+
+    def owned_buffers(self) -> list[Any]:
+        """Tensors this backend allocated (for release accounting); wrappers include children."""
+        return []
+
+    def close(self) -> None:
+        """Release every buffer this backend owns; calling twice is harmless."""

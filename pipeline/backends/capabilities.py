@@ -1,0 +1,88 @@
+"""Capability records of the built-in backends, as data.
+
+They live in one torch-free module (instead of inside each backend module) so that resolve and
+``attn-setup plan`` can read them without importing torch, triton or flashinfer; each record names
+its factory, which sits in the backend's own module. ``tests/test_capabilities.py`` runs a real case
+for every claim and checks resolve refuses everything unclaimed.
+"""
+
+from __future__ import annotations
+
+from pipeline.backends.registry import Capability
+
+MiB = 1 << 20
+
+TORCH_NATIVE = Capability(
+    devices=["cpu", "cuda", "musa", "npu", "xpu", "mps"],
+    archs=None,
+    head_dims_qk=None,
+    head_dims_v=None,
+    q_dtypes=["bfloat16", "float16", "float32"],
+    kv_dtypes=["bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"],
+    features=["mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "encoder_decoder",
+              "speculative", "tbo", "pdmux"],
+    page_sizes=None,
+    packages=["torch"],
+    workspace_bytes=0,
+    source="reference backend: per-request torch SDPA-style math in fp32; no CUDA graphs "
+           "(sglang's torch_native also turns them off)",
+)
+
+FLASHINFER = Capability(
+    devices=["cuda"],
+    archs=["sm80", "sm86", "sm89", "sm90"],
+    head_dims_qk=[64, 128, 256],
+    head_dims_v=[64, 128, 256],
+    q_dtypes=["bfloat16", "float16"],
+    kv_dtypes=["bfloat16", "float16"],
+    features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "cuda_graph", "tbo", "pdmux"],
+    page_sizes=None,
+    packages=["flashinfer-python"],
+    workspace_bytes=384 * MiB,
+    source="sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default; FlashInfer 0.6.13 wrappers (fa2 prefill, "
+           "CUDA-core/tensor-core decode, attention-sink wrapper), verified on an H200 (sm90) only: "
+           "see benchmarks/RESULTS.md",
+)
+
+FA3 = Capability(
+    devices=["cuda"],
+    archs=["sm90"],
+    head_dims_qk=[64, 128, 256],
+    head_dims_v=[64, 128, 256],
+    q_dtypes=["bfloat16", "float16"],
+    kv_dtypes=["bfloat16", "float16"],
+    features=["mha", "sliding_window", "logit_softcap", "cuda_graph", "tbo", "pdmux"],
+    page_sizes=None,
+    packages=["flashinfer-python"],
+    workspace_bytes=384 * MiB,
+    source="sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default; FlashInfer 0.6.13 backend='fa3' (sm90) "
+           "prefill kernels for extend and decode, verified on an H200: see benchmarks/RESULTS.md",
+)
+
+TRITON_CAP = Capability(
+    devices=["cuda"],
+    archs=["sm80", "sm86", "sm89", "sm90"],
+    head_dims_qk=[64, 96, 128, 256],
+    head_dims_v=[64, 96, 128, 256],
+    q_dtypes=["bfloat16", "float16"],
+    kv_dtypes=["bfloat16", "float16"],
+    features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "cuda_graph", "speculative", "tbo",
+              "pdmux"],
+    page_sizes=None,
+    packages=["torch", "triton"],
+    workspace_bytes=0,
+    source="pipeline/backends/triton (our kernels): decode split-K + LSE merge and paged extend. Verified against "
+           "the float64 reference under TRITON_INTERPRET=1 on CPU (D 64/96, GQA 1/2/4, pages 1/4/16, window, softcap, "
+           "sinks, graph-metadata refresh) and on an H200 (sm90: D 64/128/256, bf16/fp16, pages 1/16/64, GQA 1/4/8, "
+           "CUDA-graph replay == eager); sm80-89 claimed from the kernels using only portable Triton ops, not run. "
+           "No MLA (D != Dv), no fp8/fp32 KV, no encoder-decoder; speculative = draft decode + target verify as "
+           "eager extend; extend is never captured (sglang captures decode only)",
+)
+
+# name, capability, "module:factory"
+BUILTINS: list[tuple[str, Capability, str]] = [
+    ("torch_native", TORCH_NATIVE, "pipeline.backends.torch_native:create"),
+    ("flashinfer", FLASHINFER, "pipeline.backends.flashinfer:create"),
+    ("fa3", FA3, "pipeline.backends.flashinfer:create_fa3"),
+    ("triton", TRITON_CAP, "pipeline.backends.triton.backend:create"),
+]

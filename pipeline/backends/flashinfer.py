@@ -1,0 +1,307 @@
+"""The ``flashinfer`` and ``fa3`` backends: FlashInfer wrappers over the paged KV cache.
+
+One backend instance serves every layer kind of the model (full / sliding, with or without softcap
+or sinks); each kind has its own wrappers because FlashInfer compiles window and softcap in.
+
+- **extend**: :class:`flashinfer.BatchPrefillWithRaggedKVCacheWrapper` on the new K/V when no
+  request has a cached prefix, else :class:`flashinfer.BatchPrefillWithPagedKVCacheWrapper` over
+  prefix + new tokens; causal, bottom-right aligned (FlashInfer's convention).
+- **decode**: :class:`flashinfer.BatchDecodeWithPagedKVCacheWrapper`, on CUDA cores or on the
+  prefill (tensor-core) kernel per :func:`~pipeline.backends.flashinfer_sizing.use_tensor_core_decode`.
+- **sinks**: :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` (the only 0.6.13 fa2/fa3
+  path that honours sinks: the plain wrappers accept ``sinks=`` but only trtllm-gen uses it).
+- ``fa3``: the same, with ``backend="fa3"`` (sm90 kernels) for extend *and* decode.
+
+``plan()`` runs once per forward batch in :meth:`init_forward_metadata` (keyword arguments,
+CPU-side indptr / last-page-len, page ids gathered on the device); ``run()`` once per layer.
+Paged layout: the pool's ``[num_token_slots, Hkv, D]`` buffer viewed as
+``[num_pages, page_size, Hkv, D]`` is FlashInfer's ``NHD`` paged cache; the page ids of request r
+are ``req_to_token[r, ::page_size] // page_size``. Sliding window W (key j visible from query i
+iff ``0 <= i - j < W``) is FlashInfer's ``window_left = W - 1``. The float workspace is the
+pool's (``ctx.workspace``); the backend never allocates its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from pipeline.backends import flashinfer_sizing as sizing
+from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
+from pipeline.backends.flashinfer_graph import GraphState
+from pipeline.contracts import ForwardMode, LayerKind
+from pipeline.errors import BackendUnavailable, CapabilityMismatch, ConfigError
+from pipeline.jit import Variant, ensure_compiled
+
+PACKAGE = "flashinfer-python"
+
+
+def import_flashinfer(name: str = "flashinfer") -> Any:
+    """Import FlashInfer or raise :class:`BackendUnavailable` naming the package and the extra."""
+    try:
+        import flashinfer
+    except ImportError as e:
+        raise BackendUnavailable(
+            f"backend {name!r} needs the {PACKAGE} package, which is not installed ({e})",
+            flags=[("attention_backend", name)], allowed=["torch_native", "triton"],
+            remedy="pip install 'attn-setup[cuda]' (flashinfer-python>=0.6.13,<0.7), or choose another backend",
+        ) from e
+    return flashinfer
+
+
+class KindWrappers:
+    """The wrappers and compile-time switches of one layer kind."""
+
+    def __init__(self, fi: Any, kind: LayerKind, backend: "FlashInferBackend") -> None:
+        self.kind = kind
+        self.window_left = kind.sliding_window - 1 if kind.sliding_window else -1
+        self.softcap = kind.logit_softcap or None
+        self.sinks = kind.has_sinks
+        ws, pb = backend.workspace, backend.prefill_backend
+        if self.sinks:
+            self.paged = backend.sink_wrapper(kind, self.window_left)
+            self.ragged = None
+        else:
+            self.paged = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=pb)
+            self.ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=pb)
+        self.decode_cc = None if self.sinks or pb == "fa3" else fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        self.decode_tc = None if self.sinks else fi.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_tensor_cores=True, backend=pb)
+        self.active: Any = None
+        self.mode = "decode"
+
+    def common(self, backend: "FlashInferBackend") -> dict[str, Any]:
+        """Plan keywords shared by every wrapper of this kind."""
+        return dict(num_qo_heads=self.kind.num_heads, num_kv_heads=self.kind.num_kv_heads,
+                    window_left=self.window_left, logits_soft_cap=self.softcap, sm_scale=self.kind.scaling,
+                    q_data_type=backend.q_dtype, kv_data_type=backend.kv_dtype)
+
+    def decode_wrapper(self, batch_size: int, kv_dtype: str) -> tuple[Any, bool]:
+        """(wrapper, is_prefill_class) used for decode at ``batch_size`` requests."""
+        if self.sinks:
+            return self.paged, True
+        g = self.kind.num_heads // self.kind.num_kv_heads
+        if self.decode_cc is None or sizing.use_tensor_core_decode(g, batch_size, kv_dtype):
+            return self.decode_tc, False
+        return self.decode_cc, False
+
+
+class FlashInferBackend(AttentionBackend):
+    """FlashInfer attention over the pool's paged KV cache (see the module docstring).
+
+    Parameters: ``ctx`` (:class:`~pipeline.backends.registry.BackendContext`; its workspace
+    buffer must be a uint8 CUDA tensor of at least the bytes :func:`sizing.workspace_need` gives),
+    ``prefill_backend`` ``"fa2"`` (name ``flashinfer``) or ``"fa3"`` (name ``fa3``).
+    Forward shapes follow :mod:`pipeline.backends.base`; output ``[T, H * Dv]`` in q's dtype.
+    """
+
+    def __init__(self, ctx: Any, prefill_backend: str = "fa2", *, heartbeat_s: float = 10.0) -> None:
+        self.fi = import_flashinfer(ctx.name)
+        self.name = ctx.name
+        self.prefill_backend = prefill_backend
+        self.ctx = ctx
+        self.workspace = ctx.workspace.buffer
+        self.kv_pool, self.req_pool = ctx.kv_pool, ctx.req_to_token_pool
+        self.page_size = self.kv_pool.page_size
+        self.q_dtype = getattr(torch, ctx.dtype)
+        self.kv_dtype = self.kv_pool.dtype
+        self.kv_dtype_name = str(self.kv_dtype).replace("torch.", "")
+        self.jit_report = [ensure_compiled(v, heartbeat_s=heartbeat_s) for v in self.variants()]
+        self.kinds = [KindWrappers(self.fi, k, self) for k in ctx.layer_kinds]
+        self.layer_kind = {lid: i for i, k in enumerate(ctx.layer_kinds) for lid in k.layer_ids}
+        self._paged_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graph: Optional[GraphState] = None
+        self.extend_ragged = False
+
+    def variants(self) -> list[Variant]:
+        """The kernel variants this backend uses (each checked/compiled before first use)."""
+        arch, q, kv = self.ctx.device.arch or "", str(self.q_dtype)[6:], self.kv_dtype_name
+        out: list[Variant] = []
+        for k in self.ctx.layer_kinds:
+            swa, cap = bool(k.sliding_window), bool(k.logit_softcap)
+            base = dict(q_dtype=q, kv_dtype=kv, head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, arch=arch)
+            if k.has_sinks:
+                out.append(Variant(kind="sink", backend=self.prefill_backend, sliding_window=swa, **base))
+                continue
+            out.append(Variant(kind="prefill", backend=self.prefill_backend, sliding_window=swa, logit_softcap=cap, **base))
+            if self.prefill_backend == "fa2":
+                out.append(Variant(kind="decode", backend="cuda_core", sliding_window=swa, logit_softcap=cap, **base))
+        return list(dict.fromkeys(out))
+
+    def sink_wrapper(self, kind: LayerKind, window_left: int, **graph_bufs: Any) -> Any:
+        """A :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` for ``kind``."""
+        return self.fi.BatchAttentionWithAttentionSinkWrapper(
+            self.workspace, "NHD", backend=self.prefill_backend, q_data_type=self.q_dtype,
+            kv_data_type=self.kv_dtype, head_dim_qk=kind.head_dim_qk, head_dim_vo=kind.head_dim_v,
+            window_left=window_left, **graph_bufs)
+
+    # ------------------------------------------------------------------ planning
+    def page_table(self, req_pool_indices: torch.Tensor, seq_lens: list[int]) -> tuple[torch.Tensor, ...]:
+        """(kv_indptr [B+1] int32 CPU, kv_indices [P] int32 device, last_page_len [B] int32 CPU)."""
+        ps = self.page_size
+        seq = torch.tensor(seq_lens, dtype=torch.int64)
+        npages = (seq + ps - 1) // ps
+        indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+        torch.cumsum(npages, 0, out=indptr[1:])
+        total = int(indptr[-1])
+        rows = torch.repeat_interleave(torch.arange(len(seq_lens)), npages, output_size=total)
+        cols = (torch.arange(total) - indptr[:-1].repeat_interleave(npages, output_size=total)) * ps
+        rc = torch.stack([rows, cols]).to(req_pool_indices.device, non_blocking=True)
+        r2t = self.req_pool.req_to_token
+        indices = (r2t[req_pool_indices[rc[0]], rc[1]] // ps).to(torch.int32)
+        last = (seq - (npages - 1) * ps).to(torch.int32)
+        return indptr.to(torch.int32), indices, last
+
+    def plan_decode(self, kinds_wrappers: list[tuple["KindWrappers", Any, bool]], req_pool_indices: torch.Tensor,
+                    seq_lens: list[int]) -> None:
+        """Plan every kind's decode wrapper for one batch (outside any CUDA graph)."""
+        indptr, indices, last = self.page_table(req_pool_indices, seq_lens)
+        qo = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+        for kw, w, is_prefill in kinds_wrappers:
+            k = kw.kind
+            if is_prefill:
+                w.plan(qo_indptr=qo, paged_kv_indptr=indptr, paged_kv_indices=indices, paged_kv_last_page_len=last,
+                       head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, page_size=self.page_size, causal=False,
+                       **kw.common(self))
+            else:
+                w.plan(indptr=indptr, indices=indices, last_page_len=last, head_dim=k.head_dim_qk,
+                       page_size=self.page_size, **kw.common(self))
+            kw.active, kw.mode = w, "decode"
+
+    def plan_extend(self, fb: ForwardBatch) -> None:
+        """Plan every kind for an extend batch (ragged if no request has a cached prefix)."""
+        ext = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
+        pre = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
+        qo = torch.zeros(len(ext) + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(ext, dtype=torch.int32), 0, out=qo[1:])
+        self.extend_ragged = not any(pre)
+        paged_args = None
+        for kw in self.kinds:
+            k = kw.kind
+            dims = dict(head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, causal=True, **kw.common(self))
+            if self.extend_ragged and kw.ragged is not None:
+                kw.ragged.plan(qo_indptr=qo, kv_indptr=qo, **dims)
+                kw.active, kw.mode = kw.ragged, "ragged"
+                continue
+            if paged_args is None:
+                seq = [p + e for p, e in zip(pre, ext)]
+                paged_args = self.page_table(fb.req_pool_indices, seq)
+            indptr, indices, last = paged_args
+            kw.paged.plan(qo_indptr=qo, paged_kv_indptr=indptr, paged_kv_indices=indices,
+                          paged_kv_last_page_len=last, page_size=self.page_size, **dims)
+            kw.active, kw.mode = kw.paged, "paged"
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Plan the batch once (host metadata + page ids); the layers then only ``run()``."""
+        fb = forward_batch
+        if fb.is_decode():
+            seq = fb.seq_lens_cpu or fb.seq_lens.tolist()
+            sel = [(kw, *kw.decode_wrapper(len(seq), self.kv_dtype_name)) for kw in self.kinds]
+            self.plan_decode(sel, fb.req_pool_indices, seq)
+        else:
+            self.plan_extend(fb)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the fixed indptr / indices / last-page-len buffers for ``max_bs`` requests."""
+        self.graph = GraphState(self, max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
+                                                 forward_mode, spec_info) -> None:
+        """Build (once per ``bs``) the ``use_cuda_graph=True`` wrappers and plan them for capture."""
+        self._require_graph(forward_mode)
+        self.plan_decode(self.graph.wrappers(bs), req_pool_indices[:bs], seq_lens[:bs].tolist())
+
+    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
+                                                forward_mode, spec_info, seq_lens_cpu=None) -> None:
+        """Re-plan the ``bs`` graph wrappers for the new lengths (outside the graph) before replay."""
+        self._require_graph(forward_mode)
+        seq = (seq_lens_cpu[:bs] if seq_lens_cpu is not None else seq_lens[:bs]).tolist()
+        self.plan_decode(self.graph.wrappers(bs), req_pool_indices[:bs], seq)
+
+    def _require_graph(self, forward_mode: ForwardMode) -> None:
+        if self.graph is None:
+            raise ConfigError("init_cuda_graph_state was not called before capture/replay", code="out_of_order",
+                              remedy="call init_cuda_graph_state(max_bs, max_num_tokens) first")
+        if forward_mode is not ForwardMode.DECODE:
+            raise CapabilityMismatch(f"{self.name} captures decode batches only", flags=[("forward_mode", forward_mode.value)],
+                                     allowed=["decode"], remedy="run extend batches eagerly")
+
+    # ------------------------------------------------------------------ forward
+    def paged_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_id``'s K/V buffers viewed as ``[num_pages, page_size, Hkv, D]`` (no copy)."""
+        if layer_id not in self._paged_views:
+            kb, vb = self.kv_pool.get_key_buffer(layer_id), self.kv_pool.get_value_buffer(layer_id)
+            ps = self.page_size
+            self._paged_views[layer_id] = (kb.view(-1, ps, *kb.shape[1:]), vb.view(-1, ps, *vb.shape[1:]))
+        return self._paged_views[layer_id]
+
+    def _run(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
+        if save_kv_cache and k is not None:
+            fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        kw = self.kinds[self.layer_kind[layer.layer_id]]
+        q3 = q.reshape(-1, layer.num_heads, layer.head_dim)
+        if kw.mode == "ragged":
+            o = kw.active.run(q3, k.reshape(-1, layer.num_kv_heads, layer.head_dim),
+                              v.reshape(-1, layer.num_kv_heads, layer.v_head_dim))
+        elif kw.sinks:
+            o = kw.active.run(q3, self.paged_kv(layer.layer_id), layer.sinks.float(), layer.scaling)
+        else:
+            o = kw.active.run(q3, self.paged_kv(layer.layer_id))
+        return o.view(-1, layer.num_heads * layer.v_head_dim)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        """Extend: causal attention of the new tokens over prefix + new (planned wrapper)."""
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        """Decode: one token per request over its whole (or windowed) cached context."""
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def owned_buffers(self) -> list[Any]:
+        return self.graph.buffers() if self.graph is not None else []
+
+    def close(self) -> None:
+        self.kinds, self.graph, self._paged_views = [], None, {}
+
+
+def _check_ctx(ctx: Any, prefill_backend: str) -> None:
+    """Refuse, before allocating, what the backend cannot serve (device, arch, workspace, layout)."""
+    if ctx.device.type != "cuda":
+        raise CapabilityMismatch(f"{ctx.name} runs on CUDA devices only", flags=[("device", ctx.device.type)],
+                                 allowed=["cuda"], remedy="use torch_native on this device")
+    if prefill_backend == "fa3" and ctx.device.arch != "sm90":
+        raise CapabilityMismatch("fa3 kernels need an sm90 (Hopper) GPU", flags=[("compute_capability", ctx.device.arch)],
+                                 allowed=["sm90"], remedy="use --attention-backend flashinfer on this GPU")
+    for k in ctx.layer_kinds:
+        if k.has_sinks and k.logit_softcap:
+            raise CapabilityMismatch("FlashInfer's attention-sink kernel has no logit softcap",
+                                     flags=[("logit_softcap", k.logit_softcap), ("has_sinks", True)],
+                                     allowed=["sinks or softcap"], remedy="use torch_native for this model")
+    if ctx.workspace is None or ctx.workspace.buffer is None:
+        raise ConfigError(f"{ctx.name} needs a workspace from the pool", code="workspace_missing",
+                          flags=[("flashinfer_workspace_size", None)], remedy="plan a shared or private workspace")
+    if ctx.kv_pool.size % ctx.kv_pool.page_size:
+        raise ConfigError("num_token_slots must be a multiple of page_size for the paged view",
+                          flags=[("pool.num_token_slots", ctx.kv_pool.size), ("page_size", ctx.kv_pool.page_size)],
+                          remedy="round num_token_slots to whole pages")
+    need = sizing.workspace_need(
+        [sizing.HeadShape(k.num_heads, k.num_kv_heads, k.head_dim_v, k.has_sinks) for k in ctx.layer_kinds],
+        num_sms=max(ctx.device.sm_count, 1), max_batch_size=ctx.req_to_token_pool.max_reqs,
+        cuda_graph_max_bs=int(ctx.extra.get("cuda_graph_max_bs", 0) or 0), prefill_backend=prefill_backend)
+    sizing.check_workspace_size(ctx.workspace.nbytes, need)
+
+
+def create(ctx: Any) -> FlashInferBackend:
+    """Factory of the ``flashinfer`` backend (FA2 prefill, CUDA-core / tensor-core decode)."""
+    import_flashinfer(ctx.name)
+    _check_ctx(ctx, "fa2")
+    return FlashInferBackend(ctx, "fa2")
+
+
+def create_fa3(ctx: Any) -> FlashInferBackend:
+    """Factory of the ``fa3`` backend (FlashInfer's sm90 fa3 kernels for extend and decode)."""
+    import_flashinfer(ctx.name)
+    _check_ctx(ctx, "fa3")
+    return FlashInferBackend(ctx, "fa3")

@@ -1,0 +1,161 @@
+"""FlashInfer workspace sizing and kernel-choice rules, as pure arithmetic (no torch).
+
+FlashInfer's ``plan()`` carves its split-KV scratch (partial outputs ``tmp_v`` and partial
+log-sum-exps ``tmp_s``, both float32) out of the caller-owned *float* workspace buffer and fails
+with "Out of workspace memory" when it does not fit. The amount depends only on the head shape,
+the SM count and — under CUDA-graph capture — the captured batch size, so the bytes a backend
+can ever need are known at build time. build-mode calls :func:`workspace_need` and
+:func:`check_workspace_size` to refuse a too-small ``flashinfer_workspace_size`` before anything
+is allocated, instead of failing later during graph capture (a reported sglang pain point).
+
+The formulas mirror FlashInfer 0.6.13's scheduler (``include/flashinfer/attention/scheduler.cuh``):
+
+- CUDA-core decode (``DecodePlan``): KV is split only while ``batch * num_kv_heads`` is below the
+  grid the kernel fills (``blocks_per_sm * num_sms``), so at most ``grid / num_kv_heads`` split
+  rows exist; we bound ``blocks_per_sm`` by 16 (>= 128 threads per CTA, 2048 threads per SM).
+  Bytes: ``H * rows * (Dv + 1) * 4``.
+- FA2 prefill / tensor-core decode (``PrefillPlan``): eager plans split into at most
+  ``2 * num_sms // num_kv_heads`` work tiles of ``cta_tile_q`` rows; a CUDA-graph plan pads to
+  ``max(that, ceil(bs * G / cta_tile_q) + bs - 1)`` tiles. Bytes: ``H * tiles * cta_tile_q * (Dv + 1) * 4``.
+- FA3 (``PrefillSM90Plan``) keeps no float scratch.
+
+Every allocation is 16-byte aligned; we add 16 bytes per buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from pipeline.errors import ConfigError
+
+MiB = 1 << 20
+DEFAULT_WORKSPACE_BYTES = 384 * MiB
+DEFAULT_WORKSPACE_SOURCE = "sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default"
+FLOAT_BYTES = 4
+ALIGN_BYTES = 16
+MAX_DECODE_BLOCKS_PER_SM = 16
+PREFILL_CTAS_PER_SM = 2
+
+# Tensor-core (prefill-kernel) decode pays once the GQA group and the batch are both large
+# enough; measured on the H200 (see benchmarks/RESULTS.md, "FlashInfer backends").
+TENSOR_CORE_MIN_GROUP = 4
+TENSOR_CORE_MIN_BATCH = 8
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """One layer kind's attention heads: q heads ``H``, kv heads ``Hkv``, v head dim ``Dv``.
+
+    ``sinks``: the kind has attention sinks, so its decode also runs the prefill kernel.
+    """
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim_vo: int
+    sinks: bool = False
+
+    @property
+    def group(self) -> int:
+        """GQA group size ``H // Hkv``."""
+        return self.num_qo_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class WorkspaceNeed:
+    """Bytes of float workspace needed, and the largest term per kernel path (for messages)."""
+
+    bytes: int
+    parts: dict[str, int] = field(default_factory=dict)
+
+
+def use_tensor_core_decode(group: int, batch_size: int, kv_dtype: str = "bfloat16") -> bool:
+    """Whether decode should run FlashInfer's prefill (tensor-core) kernel instead of CUDA cores.
+
+    fp8 KV always uses tensor cores (as sglang does); otherwise the GQA group must be at least
+    :data:`TENSOR_CORE_MIN_GROUP` and the batch at least :data:`TENSOR_CORE_MIN_BATCH`.
+    """
+    if kv_dtype.startswith("fp8"):
+        return True
+    return group >= TENSOR_CORE_MIN_GROUP and batch_size >= TENSOR_CORE_MIN_BATCH
+
+
+def cta_tile_q(packed_qo_len: int, head_dim_vo: int) -> int:
+    """FlashInfer FA2's query tile (rows) for a packed query length (``qo_len * group``) on sm80+."""
+    if packed_qo_len > 64 and head_dim_vo < 256:
+        return 128
+    return 64 if packed_qo_len > 16 else 16
+
+
+def _tmp_bytes(heads: int, rows: int, head_dim_vo: int) -> int:
+    return heads * rows * head_dim_vo * FLOAT_BYTES + heads * rows * FLOAT_BYTES + 2 * ALIGN_BYTES
+
+
+def cuda_core_decode_bytes(shape: HeadShape, num_sms: int) -> int:
+    """Upper bound of the float scratch of CUDA-core decode (eager or graph, any batch size)."""
+    rows = MAX_DECODE_BLOCKS_PER_SM * num_sms // shape.num_kv_heads
+    return _tmp_bytes(shape.num_qo_heads, rows, shape.head_dim_vo)
+
+
+def fa2_eager_bytes(shape: HeadShape, num_sms: int) -> int:
+    """Upper bound of FA2 prefill / tensor-core decode scratch for an eager plan (any batch)."""
+    tiles = PREFILL_CTAS_PER_SM * num_sms // shape.num_kv_heads
+    tile = 128 if shape.head_dim_vo < 256 else 64
+    return _tmp_bytes(shape.num_qo_heads, tiles * tile, shape.head_dim_vo)
+
+
+def fa2_graph_decode_bytes(shape: HeadShape, num_sms: int, batch_size: int) -> int:
+    """Exact FA2 scratch of a tensor-core decode plan captured at ``batch_size`` requests."""
+    tile = cta_tile_q(shape.group, shape.head_dim_vo)
+    split_tiles = PREFILL_CTAS_PER_SM * num_sms // shape.num_kv_heads
+    q_tiles = -(-batch_size * shape.group // tile) + batch_size - 1
+    return _tmp_bytes(shape.num_qo_heads, max(split_tiles, q_tiles) * tile, shape.head_dim_vo)
+
+
+def workspace_need(shapes: Iterable[HeadShape], *, num_sms: int, max_batch_size: int,
+                   cuda_graph_max_bs: int = 0, prefill_backend: str = "fa2") -> WorkspaceNeed:
+    """Float-workspace bytes a FlashInfer backend needs for the largest batch it will plan.
+
+    Parameters
+    ----------
+    shapes: the head shapes of every layer kind the backend serves.
+    num_sms: streaming multiprocessors of the device (``DeviceFacts.sm_count``), > 0.
+    max_batch_size: the largest batch planned: max of the request pool (``max_reqs``) and the
+        CUDA-graph batch sizes.
+    cuda_graph_max_bs: largest captured batch size, 0 when CUDA graphs are off.
+    prefill_backend: ``"fa2"`` (the ``flashinfer`` backend) or ``"fa3"`` (the ``fa3`` backend,
+        whose SM90 kernels keep no float scratch).
+
+    Returns a :class:`WorkspaceNeed`; ``parts`` names the largest term per path.
+    """
+    parts: dict[str, int] = {"cuda_core_decode": 0, "fa2_eager": 0, "fa2_graph_decode": 0}
+    for s in shapes:
+        if prefill_backend == "fa3":
+            continue
+        parts["cuda_core_decode"] = max(parts["cuda_core_decode"], cuda_core_decode_bytes(s, num_sms))
+        parts["fa2_eager"] = max(parts["fa2_eager"], fa2_eager_bytes(s, num_sms))
+        bs = min(cuda_graph_max_bs, max_batch_size) if max_batch_size > 0 else cuda_graph_max_bs
+        if bs > 0 and (s.sinks or use_tensor_core_decode(s.group, bs)):
+            parts["fa2_graph_decode"] = max(parts["fa2_graph_decode"], fa2_graph_decode_bytes(s, num_sms, bs))
+    return WorkspaceNeed(bytes=max(parts.values()), parts=parts)
+
+
+def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: str = "flashinfer_workspace_size",
+                         state: str = "build-mode") -> None:
+    """Raise :class:`ConfigError` (``workspace_too_small``) when ``size_bytes < need.bytes``.
+
+    The error names ``field_name`` and its value, the needed bytes (and the path that needs
+    them) and the remedy (set the field or ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` to at least that).
+    """
+    if size_bytes >= need.bytes:
+        return
+    worst = max(need.parts, key=need.parts.get) if need.parts else "plan"
+    raise ConfigError(
+        f"the FlashInfer workspace of {size_bytes} bytes is smaller than the {need.bytes} bytes the "
+        f"largest planned batch needs ({worst})",
+        code="workspace_too_small", state=state,
+        flags=[(field_name, size_bytes), ("needed_bytes", need.bytes)],
+        allowed=[f">= {need.bytes}"],
+        remedy=f"set {field_name} (or SGLANG_FLASHINFER_WORKSPACE_SIZE) to at least {need.bytes}, "
+               "or lower cuda_graph_max_bs",
+    )

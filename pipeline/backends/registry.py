@@ -1,0 +1,160 @@
+"""Backend registry: names → capability record + lazily imported factory.
+
+Each backend module declares a :class:`Capability` next to its factory; this registry only holds
+the import path of the factory, so ``import pipeline`` never imports torch, triton or flashinfer.
+
+Factories have the signature ``factory(ctx: BackendContext) -> AttentionBackend``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import msgspec
+
+from pipeline.errors import BackendUnavailable, BackendUnknown
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipeline.contracts import AttentionArgs, DeviceFacts, LayerKind, ModelSpec
+    from pipeline.memory import KVPool, ReqToTokenPool
+    from pipeline.workspace import Workspace
+
+_STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
+
+FEATURES = ("mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "encoder_decoder",
+            "speculative", "cuda_graph", "tbo", "pdmux")
+
+
+class Capability(msgspec.Struct, **_STRUCT):
+    """What a backend can serve. Resolve refuses any request outside it, with the reason.
+
+    ``devices``: device types; ``archs``: compute capabilities as ``"sm90"`` strings (None = any,
+    e.g. CPU); ``head_dims_qk`` / ``head_dims_v``: supported dims (None = any);
+    ``q_dtypes`` / ``kv_dtypes``: torch dtype names; ``features``: subset of :data:`FEATURES`;
+    ``page_sizes``: allowed page sizes (None = any >= 1); ``packages``: distributions that must
+    be installed (checked by metadata at plan time, by import at run time);
+    ``workspace_bytes``: default workspace size in bytes (0 = needs none); ``source``: where the
+    limits come from.
+    """
+
+    devices: list[str]
+    archs: Optional[list[str]] = None
+    head_dims_qk: Optional[list[int]] = None
+    head_dims_v: Optional[list[int]] = None
+    q_dtypes: list[str] = msgspec.field(default_factory=lambda: ["bfloat16", "float16", "float32"])
+    kv_dtypes: list[str] = msgspec.field(default_factory=lambda: ["bfloat16", "float16", "float32"])
+    features: list[str] = []
+    page_sizes: Optional[list[int]] = None
+    packages: list[str] = []
+    workspace_bytes: int = 0
+    source: str = ""
+
+    def has(self, feature: str) -> bool:
+        return feature in self.features
+
+
+@dataclass
+class BackendContext:
+    """What a factory receives: facts, pools and its workspace — never the whole runner.
+
+    ``torch_device``: e.g. ``"cpu"`` or ``"cuda:0"``; ``role``: the instance's role in the plan
+    (``"primary"``, ``"tbo_child_0"``, ``"pdmux_decode_2"`` …); ``dtype``: model dtype name.
+    """
+
+    name: str
+    role: str
+    device: "DeviceFacts"
+    torch_device: str
+    model: "ModelSpec"
+    layer_kinds: list["LayerKind"]
+    args: "AttentionArgs"
+    req_to_token_pool: "ReqToTokenPool"
+    kv_pool: "KVPool"
+    workspace: Optional["Workspace"]
+    dtype: str = "bfloat16"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """A registered backend: name, capability record and ``"module:function"`` factory path."""
+
+    name: str
+    capability: Capability
+    factory: str
+
+    def load_factory(self) -> Callable[[BackendContext], Any]:
+        """Import the factory (this is where torch/triton/flashinfer get imported)."""
+        mod, _, fn = self.factory.partition(":")
+        try:
+            module = importlib.import_module(mod)
+        except ImportError as e:
+            pk = ", ".join(self.capability.packages) or mod
+            raise BackendUnavailable(
+                f"backend {self.name!r} could not be imported: {e}",
+                flags=[("backend", self.name)],
+                remedy=f"install {pk} (pip install 'attn-setup[cuda]'), or choose another backend",
+            ) from e
+        return getattr(module, fn)
+
+
+_REGISTRY: dict[str, BackendEntry] = {}
+
+# sglang backend names attn-setup knows but does not implement, with what to use instead.
+KNOWN_UNAVAILABLE: dict[str, str] = {
+    "trtllm_mha": "flashinfer (decode) or fa3 on sm90",
+    "trtllm_mla": "triton or torch_native for MLA models",
+    "flashmla": "triton or torch_native for MLA models",
+    "cutlass_mla": "triton or torch_native for MLA models",
+    "aiter": "triton or torch_native on ROCm",
+    "wave": "triton or torch_native on ROCm",
+    "ascend": "torch_native on NPU",
+    "intel_amx": "torch_native on CPU",
+    "intel_xpu": "torch_native on XPU",
+    "flex_attention": "torch_native",
+    "dual_chunk_flash_attn": "flashinfer or triton",
+    "fa4": "fa3 on sm90, flashinfer elsewhere",
+    "nsa": "triton or torch_native",
+    "hybrid_linear_attn": "not applicable to the attention layers served here",
+}
+
+
+def register(name: str, capability: Capability, factory: str) -> None:
+    """Add or replace a backend entry (the built-in ones are registered on import of this module)."""
+    _REGISTRY[name] = BackendEntry(name=name, capability=capability, factory=factory)
+
+
+def names() -> list[str]:
+    """Registered backend names, in priority-free alphabetical order."""
+    return sorted(_REGISTRY)
+
+
+def get(name: str, *, flag: str = "attention_backend") -> BackendEntry:
+    """The entry for ``name``; raises BackendUnavailable (known sglang name) or BackendUnknown."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name in KNOWN_UNAVAILABLE:
+        raise BackendUnavailable(
+            f"backend {name!r} is known (an sglang backend) but not available in attn-setup",
+            flags=[(flag, name)],
+            allowed=names(),
+            remedy=f"use {KNOWN_UNAVAILABLE[name]} instead",
+        )
+    raise BackendUnknown(
+        f"unknown attention backend {name!r}",
+        flags=[(flag, name)],
+        allowed=names(),
+        remedy=f"set {flag} to one of: {', '.join(names())}",
+    )
+
+
+def _register_builtins() -> None:
+    from pipeline.backends import capabilities as caps
+
+    for name, cap, factory in caps.BUILTINS:
+        register(name, cap, factory)
+
+
+_register_builtins()

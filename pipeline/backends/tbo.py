@@ -1,0 +1,177 @@
+"""Two-batch overlap (TBO) wrapper: one primary and two children built by the same factory.
+
+sglang's ``TboAttnBackend`` keeps a primary backend for the whole batch and two children, each of
+which serves one micro-batch while the other one's communication overlaps. Here the wrapper does
+the split itself so the rule is visible and testable: the first ``ceil(B/2)`` requests go to child
+0, the rest to child 1 (a batch of one request goes to child 0 only). Each child gets its own
+sub-:class:`ForwardBatch` (rows, seq lens, prefix/new lens, ``out_cache_loc`` and ``positions``
+sliced to its requests' tokens), is planned with ``init_forward_metadata`` and run with
+``forward``; outputs are concatenated in batch order. Every call is appended to :attr:`call_log`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence
+
+from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
+from pipeline.errors import BuildError
+
+__all__ = ["CallRecord", "TboAttnBackend", "split_batch", "split_point"]
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One call a wrapper made to an inner backend.
+
+    ``role``: the inner backend's role (``"primary"``, ``"tbo_child_0"``, ``"prefill"`` …);
+    ``child``: child index for TBO, else None; ``method``: ``"init_forward_metadata"`` or
+    ``"forward"``; ``forward_mode``: ``"extend"``/``"decode"``; ``rows``: the ``req_to_token`` rows
+    of the requests served; ``layer_id``: the layer for ``forward`` calls, else None.
+    """
+
+    role: str
+    child: Optional[int]
+    method: str
+    forward_mode: str
+    rows: tuple[int, ...]
+    layer_id: Optional[int] = None
+
+
+def split_point(batch_size: int) -> int:
+    """Requests given to child 0: ``ceil(B / 2)`` (so B = 1 → all to child 0)."""
+    return (batch_size + 1) // 2
+
+
+def _token_counts(fb: ForwardBatch) -> list[int]:
+    if fb.is_decode():
+        return [1] * fb.batch_size
+    return list(fb.extend_seq_lens_cpu) or [int(x) for x in fb.extend_seq_lens.tolist()]
+
+
+def _sub_batch(fb: ForwardBatch, r0: int, r1: int, t0: int, t1: int) -> ForwardBatch:
+    """Requests ``[r0, r1)`` whose new tokens are ``[t0, t1)`` of the batch, as a ForwardBatch."""
+    def cut(x):
+        return None if x is None else x[r0:r1]
+
+    return replace(
+        fb, batch_size=r1 - r0, req_pool_indices=fb.req_pool_indices[r0:r1], seq_lens=fb.seq_lens[r0:r1],
+        out_cache_loc=fb.out_cache_loc[t0:t1], positions=fb.positions[t0:t1],
+        seq_lens_cpu=list(fb.seq_lens_cpu[r0:r1]), extend_prefix_lens=cut(fb.extend_prefix_lens),
+        extend_seq_lens=cut(fb.extend_seq_lens), extend_prefix_lens_cpu=list(fb.extend_prefix_lens_cpu[r0:r1]),
+        extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu[r0:r1]))
+
+
+def split_batch(fb: ForwardBatch) -> list[tuple[ForwardBatch, int, int]]:
+    """Split into at most two sub-batches: ``[(sub_batch, token_start, token_end), …]``.
+
+    Child 0 gets the first ``ceil(B/2)`` requests, child 1 the rest (absent when B = 1).
+    Token ranges index the batch's new tokens (``q``/``k``/``v`` rows).
+    """
+    counts = _token_counts(fb)
+    cut_r = split_point(fb.batch_size)
+    cut_t = sum(counts[:cut_r])
+    total = sum(counts)
+    parts = [(_sub_batch(fb, 0, cut_r, 0, cut_t), 0, cut_t)]
+    if cut_r < fb.batch_size:
+        parts.append((_sub_batch(fb, cut_r, fb.batch_size, cut_t, total), cut_t, total))
+    return parts
+
+
+def _rows(fb: ForwardBatch) -> tuple[int, ...]:
+    return tuple(int(r) for r in fb.req_pool_indices.tolist())
+
+
+class TboAttnBackend(AttentionBackend):
+    """TBO wrapper over ``primary`` and ``children = [child0, child1]`` (three distinct instances).
+
+    ``init_forward_metadata(fb)`` plans the primary on the whole batch (as sglang does) and each
+    child on its half; ``forward`` runs each child on its half of ``q``/``k``/``v`` and returns
+    [T, H*Dv] in batch order. CUDA-graph hooks go to the primary (sglang captures the full batch
+    with the primary); torch_native children and primaries refuse them.
+    """
+
+    name = "tbo"
+
+    def __init__(self, primary: AttentionBackend, children: Sequence[AttentionBackend]) -> None:
+        if len(children) != 2:
+            raise BuildError(f"TBO needs exactly 2 children, got {len(children)}", code="tbo_children",
+                             flags=[("children", len(children))], allowed=["2"],
+                             remedy="build three instances with the same factory: primary + 2 children")
+        self.primary = primary
+        self.children = list(children)
+        self.call_log: list[CallRecord] = []
+        self._split: Optional[tuple[int, list[tuple[ForwardBatch, int, int]]]] = None
+
+    @staticmethod
+    def _role(backend: AttentionBackend, default: str) -> str:
+        return str(getattr(backend, "role", default))
+
+    def _log(self, backend: AttentionBackend, child: Optional[int], method: str, fb: ForwardBatch,
+             layer_id: Optional[int] = None) -> None:
+        role = self._role(backend, "primary" if child is None else f"tbo_child_{child}")
+        self.call_log.append(CallRecord(role, child, method, fb.forward_mode.value, _rows(fb), layer_id))
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Plan the primary on the full batch and each child on its half."""
+        self.primary.init_forward_metadata(forward_batch)
+        self._log(self.primary, None, "init_forward_metadata", forward_batch)
+        parts = split_batch(forward_batch)
+        for i, (sub, _, _) in enumerate(parts):
+            self.children[i].init_forward_metadata(sub)
+            self._log(self.children[i], i, "init_forward_metadata", sub)
+        self._split = (id(forward_batch), parts)
+
+    def _parts(self, fb: ForwardBatch) -> list[tuple[ForwardBatch, int, int]]:
+        if self._split is None or self._split[0] != id(fb):
+            self.init_forward_metadata(fb)
+        return self._split[1]
+
+    def _run(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool):
+        import torch
+
+        outs = []
+        for i, (sub, t0, t1) in enumerate(self._parts(fb)):
+            ks = None if k is None else k[t0:t1]
+            vs = None if v is None else v[t0:t1]
+            outs.append(self.children[i].forward(q[t0:t1], ks, vs, layer, sub, save_kv_cache=save_kv_cache))
+            self._log(self.children[i], i, "forward", sub, layer.layer_id)
+        return torch.cat(outs, dim=0)
+
+    def forward_extend(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
+        """Extend on both halves; q [T, H, D] → [T, H*Dv]."""
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
+        """Decode on both halves; q [B, H, D] → [B, H*Dv]."""
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Graph buffers for the primary (which captures the full batch)."""
+        self.primary.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture_cuda_graph(self, *args: Any, **kwargs: Any) -> None:
+        self.primary.init_forward_metadata_capture_cuda_graph(*args, **kwargs)
+
+    def init_forward_metadata_replay_cuda_graph(self, *args: Any, **kwargs: Any) -> None:
+        self.primary.init_forward_metadata_replay_cuda_graph(*args, **kwargs)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.primary.get_cuda_graph_seq_len_fill_value()
+
+    def _members(self) -> list[AttentionBackend]:
+        seen: list[AttentionBackend] = []
+        for b in [self.primary, *self.children]:
+            if not any(b is s for s in seen):
+                seen.append(b)
+        return seen
+
+    def owned_buffers(self) -> list[Any]:
+        """Buffers of the primary and both children."""
+        return [buf for b in self._members() for buf in b.owned_buffers()]
+
+    def close(self) -> None:
+        """Close the primary and both children (each object once)."""
+        for b in self._members():
+            b.close()
+        self._split = None

@@ -1,0 +1,238 @@
+"""``TritonAttnBackend``: sglang's AttentionBackend over our own Triton kernels and the paged KV cache.
+
+- Decode: :func:`~pipeline.backends.triton.launch.decode_attention` (split-K flash-decoding, GQA-aware,
+  LSE merge). CUDA graphs: :meth:`init_cuda_graph_state` allocates fixed-address buffers
+  (``req_pool_indices`` [max_bs] int64, ``seq_lens`` [max_bs] int32 and the fp32 split scratch) that
+  capture points the kernels at and :meth:`init_forward_metadata_replay_cuda_graph` refreshes; the
+  launch grid depends on the batch size only, so one graph serves any new lengths.
+- Extend: :func:`~pipeline.backends.triton.launch.extend_attention` (prefix through ``req_to_token``,
+  causal among the new tokens), eager only, as in sglang's decode-only graph capture.
+- Both write the new K/V into the pool first when ``save_kv_cache`` (sglang's order).
+
+Layers: bf16/fp16, head dims up to 256 (D == Dv; no MLA), any GQA ratio, sliding window, logit
+softcap, attention sinks. Output: [T, H*Dv] in q's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
+from pipeline.backends.triton import launch
+from pipeline.contracts import ForwardMode
+from pipeline.errors import BuildError, CapabilityMismatch
+
+__all__ = ["TritonAttnBackend", "create"]
+
+
+@dataclass
+class _DecodeMeta:
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    bs: int
+    scratch: Optional[torch.Tensor] = None
+
+
+@dataclass
+class _ExtendMeta:
+    req_pool_indices: torch.Tensor
+    qo_indptr: torch.Tensor
+    prefix_lens: torch.Tensor
+    max_extend_len: int
+
+
+def _bad(field: str, value: Any, allowed: str, remedy: str) -> BuildError:
+    return BuildError(f"triton backend: {field}={value!r} does not match the layer/batch", code="forward_input_invalid",
+                      state="forward", flags=[(field, value)], allowed=[allowed], remedy=remedy)
+
+
+class TritonAttnBackend(AttentionBackend):
+    """Paged decode/extend attention through this package's Triton kernels.
+
+    Parameters
+    ----------
+    torch_device : the device of the pools (``"cuda:0"``; ``"cpu"`` only under ``TRITON_INTERPRET=1``).
+    layer_dims : ``(H, Hkv, D, Dv)`` of every layer kind served (sizes the CUDA-graph scratch).
+    num_sms : multiprocessor count (sets the decode split cap per batch size).
+    role : the instance's role in the build plan.
+    """
+
+    name = "triton"
+
+    def __init__(self, *, torch_device: str | torch.device, layer_dims: list[tuple[int, int, int, int]],
+                 num_sms: int = 132, role: str = "primary", decode_config: Optional[launch.DecodeConfig] = None,
+                 extend_config: Optional[launch.ExtendConfig] = None) -> None:
+        self.torch_device = torch.device(torch_device)
+        self.layer_dims = list(layer_dims)
+        self.num_sms = int(num_sms)
+        self.role = role
+        self.decode_config = decode_config
+        self.extend_config = extend_config
+        self._decode: Optional[_DecodeMeta] = None
+        self._extend: Optional[_ExtendMeta] = None
+        self._graph: dict[str, torch.Tensor] = {}
+        self.closed = False
+
+    # ----------------------------------------------------------------------------- metadata
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Eager batch: point decode at the batch's own tensors, or build extend's ``qo_indptr``."""
+        fb = forward_batch
+        if fb.is_decode():
+            self._decode = _DecodeMeta(fb.req_pool_indices, fb.seq_lens, fb.batch_size)
+            return
+        self._extend = self._extend_meta(fb)
+
+    def _extend_meta(self, fb: ForwardBatch) -> _ExtendMeta:
+        if fb.extend_seq_lens is None or fb.extend_prefix_lens is None:
+            raise _bad("forward_batch.extend_seq_lens", None, "[B] int32 tensors", "fill extend_(prefix|seq)_lens")
+        ext = fb.extend_seq_lens
+        qo = torch.zeros(fb.batch_size + 1, dtype=torch.int32, device=ext.device)
+        qo[1:] = torch.cumsum(ext, 0)
+        max_ext = max(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu else int(ext.max().item())
+        return _ExtendMeta(fb.req_pool_indices, qo, fb.extend_prefix_lens, int(max_ext))
+
+    def _max_splits(self, bs: int, num_kv_heads: int) -> int:
+        cfg = self.decode_config or launch.DecodeConfig()
+        return launch.decode_max_splits(bs, num_kv_heads, self.num_sms, cfg)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the fixed-address decode buffers for batches of up to ``max_bs`` requests.
+
+        ``req_pool_indices`` [max_bs] int64 (0 = sglang's padding row), ``seq_lens`` [max_bs] int32
+        (filled with :meth:`get_cuda_graph_seq_len_fill_value`), and fp32 scratch large enough for
+        every batch size ``<= max_bs`` and every layer kind.
+        """
+        if max_bs < 1:
+            raise _bad("max_bs", max_bs, ">= 1", "capture at least one batch size")
+        need = max(launch.decode_scratch_numel(bs, h, dv, self._max_splits(bs, hkv))
+                   for bs in range(1, max_bs + 1) for h, hkv, _, dv in self.layer_dims)
+        dev = self.torch_device
+        self._graph = {
+            "req_pool_indices": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "seq_lens": torch.full((max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int32, device=dev),
+            "scratch": torch.empty(need, dtype=torch.float32, device=dev),
+        }
+
+    def _graph_meta(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                    forward_mode: ForwardMode) -> _DecodeMeta:
+        if not self._graph:
+            raise _bad("cuda_graph_state", None, "init_cuda_graph_state() called", "call init_cuda_graph_state first")
+        if forward_mode is not ForwardMode.DECODE:
+            raise CapabilityMismatch("the triton backend captures decode batches only",
+                                     flags=[("forward_mode", str(forward_mode.value))], allowed=["decode"],
+                                     remedy="run extend batches eagerly (as sglang does)")
+        g_req, g_seq = self._graph["req_pool_indices"], self._graph["seq_lens"]
+        if not 1 <= bs <= g_req.shape[0]:
+            raise _bad("bs", bs, f"1..{g_req.shape[0]}", "raise max_bs in init_cuda_graph_state")
+        g_req[:bs].copy_(req_pool_indices[:bs])
+        g_seq[:bs].copy_(seq_lens[:bs])
+        return _DecodeMeta(g_req[:bs], g_seq[:bs], bs, self._graph["scratch"])
+
+    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
+                                                 forward_mode, spec_info) -> None:
+        """Point decode at the graph buffers (filled with this batch) before capture at size ``bs``."""
+        self._decode = self._graph_meta(bs, req_pool_indices, seq_lens, forward_mode)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
+                                                forward_mode, spec_info, seq_lens_cpu=None) -> None:
+        """Copy the new batch's rows and lengths into the graph buffers (outside the graph)."""
+        self._decode = self._graph_meta(bs, req_pool_indices, seq_lens, forward_mode)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Padded graph rows get length 1 (row 0, slot 0: sglang's padding slot)."""
+        return 1
+
+    # ----------------------------------------------------------------------------- forward
+    def _prepare(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
+                 fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
+        """Check the layer against its KV buffers, write the new K/V when asked; returns q as [T, H, D]."""
+        if layer.is_mla or layer.head_dim != layer.v_head_dim:
+            raise CapabilityMismatch("the triton backend serves D == Dv (no MLA)",
+                                     flags=[("layer.head_dim", layer.head_dim), ("layer.v_head_dim", layer.v_head_dim)],
+                                     allowed=["D == Dv"], remedy="use torch_native for MLA layers")
+        pool = fb.token_to_kv_pool
+        if not 0 <= layer.layer_id < len(pool.k_buffer):
+            raise _bad("layer.layer_id", layer.layer_id, f"0..{len(pool.k_buffer) - 1}", "size the KV pool per layer")
+        kb = pool.get_key_buffer(layer.layer_id)
+        want = (layer.num_kv_heads, layer.head_dim)
+        if tuple(kb.shape[1:]) != want:
+            raise _bad("kv_pool.buffer_shape", tuple(kb.shape[1:]), str(want), "build the pool from the layer kinds")
+        t, h, d = fb.num_tokens, layer.num_heads, layer.head_dim
+        if q.numel() != t * h * d or q.shape[0] != t:
+            raise _bad("q.shape", tuple(q.shape), f"[{t}, {h}, {d}] or [{t}, {h * d}]", "pass q for the new tokens")
+        if save_kv_cache:
+            if k is None or v is None:
+                raise _bad("k/v", None, "tensors when save_kv_cache", "pass the new K/V or save_kv_cache=False")
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        return q.reshape(t, h, d)
+
+    def forward_decode(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True) -> torch.Tensor:
+        """Decode: q [B, H, D] (or [B, H*D]) → [B, H*Dv] in q's dtype; the new token is read from the pool."""
+        fb = forward_batch
+        q3 = self._prepare(q, k, v, layer, fb, save_kv_cache)
+        meta = self._decode if self._decode is not None and self._decode.bs == fb.batch_size else None
+        if meta is None:
+            meta = _DecodeMeta(fb.req_pool_indices, fb.seq_lens, fb.batch_size)
+        pool = fb.token_to_kv_pool
+        out = torch.empty((meta.bs, layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
+        launch.decode_attention(
+            q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+            fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens, out,
+            sm_scale=layer.scaling, max_splits=self._max_splits(meta.bs, layer.num_kv_heads), scratch=meta.scratch,
+            sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap, sinks=layer.sinks,
+            config=self.decode_config)
+        return out.view(meta.bs, layer.num_heads * layer.v_head_dim)
+
+    def forward_extend(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True) -> torch.Tensor:
+        """Extend: q [T, H, D] → [T, H*Dv]; prefix from the pool, new tokens from k/v (or the pool if None)."""
+        fb = forward_batch
+        q3 = self._prepare(q, k, v, layer, fb, save_kv_cache)
+        meta = self._extend if self._extend is not None else self._extend_meta(fb)
+        pool = fb.token_to_kv_pool
+        kb, vb = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        t, h = q3.shape[0], layer.num_heads
+        if k is None or v is None:
+            k, v = kb[fb.out_cache_loc], vb[fb.out_cache_loc]
+        k = k.reshape(t, layer.num_kv_heads, layer.head_dim).to(kb.dtype)
+        v = v.reshape(t, layer.num_kv_heads, layer.v_head_dim).to(vb.dtype)
+        out = torch.empty((t, h, layer.v_head_dim), dtype=q.dtype, device=q.device)
+        launch.extend_attention(
+            q3, k, v, kb, vb, fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.qo_indptr,
+            meta.prefix_lens, out, max_extend_len=meta.max_extend_len, sm_scale=layer.scaling,
+            sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap, sinks=layer.sinks,
+            config=self.extend_config)
+        return out.view(t, h * layer.v_head_dim)
+
+    # ----------------------------------------------------------------------------- ownership
+    def owned_buffers(self) -> list[Any]:
+        """The CUDA-graph metadata buffers and scratch (empty before init_cuda_graph_state)."""
+        return list(self._graph.values())
+
+    def close(self) -> None:
+        """Drop graph buffers and batch metadata; idempotent."""
+        self._graph = {}
+        self._decode = None
+        self._extend = None
+        self.closed = True
+
+
+def create(ctx: Any) -> TritonAttnBackend:
+    """Registry factory: ``create(ctx: BackendContext) -> TritonAttnBackend`` (needs no workspace).
+
+    Raises CapabilityMismatch for a layer kind the kernels cannot serve (MLA, D != Dv, D > 256).
+    """
+    dims = []
+    for kind in ctx.layer_kinds:
+        if kind.is_mla or kind.head_dim_qk != kind.head_dim_v or kind.head_dim_qk > launch.MAX_HEAD_DIM:
+            raise CapabilityMismatch(
+                f"triton cannot serve a layer kind with D={kind.head_dim_qk}, Dv={kind.head_dim_v}, mla={kind.is_mla}",
+                flags=[("model.head_dim", kind.head_dim_qk), ("model.v_head_dim", kind.head_dim_v)],
+                allowed=["D == Dv <= 256, no MLA"], remedy="use flashinfer or torch_native for this model")
+        dims.append((kind.num_heads, kind.num_kv_heads, kind.head_dim_qk, kind.head_dim_v))
+    sms = getattr(ctx.device, "sm_count", 0) or 132
+    return TritonAttnBackend(torch_device=ctx.torch_device, layer_dims=dims, num_sms=sms, role=ctx.role)

@@ -1,0 +1,5 @@
+"""Triton kernel bodies of the ``triton`` backend (no validation here: see ``launch.py``).
+
+- :mod:`.decode`: flash-decoding over the paged KV cache (split-K partials + log-sum-exp merge).
+- :mod:`.extend`: extend/prefill over a cached prefix (through ``req_to_token``) plus causal new tokens.
+"""

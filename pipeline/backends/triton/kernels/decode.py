@@ -1,0 +1,150 @@
+"""Flash-decoding over sglang's paged KV cache, in two kernels.
+
+Stage 1 (:func:`decode_split_kernel`), grid ``(B, Hkv, max_splits)``: program ``(b, g, s)`` takes
+request ``b``'s visible keys, splits them into ``n_splits(b)`` contiguous ranges (a whole number of
+``BLOCK_N`` tiles each) and reduces range ``s`` for all ``G = H / Hkv`` query heads of kv head ``g``
+at once, so every K/V tile is read from memory once per kv group (GQA-aware). Keys are gathered
+through ``req_to_token`` (slot = ``req_to_token[req, pos]``), so any page size works. It writes the
+range's normalised partial output and its log2-sum-exp.
+
+Stage 2 (:func:`decode_merge_kernel`), grid ``(B, H)``: merges the partials with their LSE
+weights and the optional attention-sink term, and writes the output in the model dtype.
+
+``n_splits(b)`` is computed inside both kernels from ``seq_lens[b]`` (at most ``max_splits``,
+one range per ``SPLIT_MIN`` keys at least), so the grid depends only on the batch size: a CUDA
+graph captured at batch size B replays correctly for any new lengths.
+
+Scores are kept in the log2 domain (``exp2``) with ``sm_scale * log2(e)`` folded in; the logit
+softcap (``cap * tanh(s / cap)``) is applied to the natural-unit score first, as FlashInfer and
+sglang do. Sliding window: key ``j`` is visible from query position ``i`` when ``i - j < window``.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_bounds(seq_len, window, max_splits, SPLIT_MIN: tl.constexpr, BLOCK_N: tl.constexpr,
+                  USE_WINDOW: tl.constexpr):
+    """(kv_start, n_splits, split_len) of one request: visible keys are [kv_start, seq_len)."""
+    kv_start = seq_len * 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(seq_len - window, 0)
+    kv_len = seq_len - kv_start
+    n_splits = tl.minimum(tl.maximum(tl.cdiv(kv_len, SPLIT_MIN), 1), max_splits)
+    split_len = tl.cdiv(tl.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N
+    return kv_start, n_splits, split_len
+
+
+@triton.jit
+def _softcap(s, cap):
+    """cap * tanh(s / cap), with tanh written through exp2 (no libdevice dependency)."""
+    x = s / cap
+    e = tl.exp2(x * (2.0 * 1.4426950408889634))
+    return cap * (1.0 - 2.0 / (e + 1.0))
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    """tl.dot; with UPCAST the operands go to fp32 first (Triton's CPU interpreter mis-multiplies bf16)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def decode_split_kernel(
+    Q, K, V, ReqToToken, ReqIdx, SeqLens, OPart, LsePart,
+    sm_scale, softcap, window, G, max_splits,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Stage 1: partial attention of one (request, kv head, key range) for its G query heads."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    kv_start, n_splits, split_len = _split_bounds(seq_len, window, max_splits, SPLIT_MIN, BLOCK_N, USE_WINDOW)
+    if s >= n_splits:
+        return
+    lo = kv_start + s * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+    req = tl.load(ReqIdx + b).to(tl.int64)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < G
+    heads = kvh * G + offs_g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & (offs_d[None, :] < D), other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_DV], dtype=tl.float32)
+    r2t = ReqToToken + req * stride_r2t
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        n_mask = pos < hi
+        slot = tl.load(r2t + pos, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0)
+        qk = _dot(q, tl.trans(k), UPCAST)
+        if USE_SOFTCAP:
+            qk = _softcap(qk * sm_scale, softcap) * 1.4426950408889634
+        else:
+            qk = qk * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
+                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    lse = m_i + tl.log2(l_i)
+    o_ptr = OPart + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_dv[None, :]
+    tl.store(o_ptr, out, mask=g_mask[:, None] & (offs_dv[None, :] < DV))
+    tl.store(LsePart + b * stride_lb + heads * stride_lh + s, lse, mask=g_mask)
+
+
+@triton.jit
+def decode_merge_kernel(
+    OPart, LsePart, SeqLens, Sinks, Out,
+    window, max_splits,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_MIN: tl.constexpr, USE_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    """Stage 2: LSE-weighted merge of one (request, q head)'s partials (+ sink term)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    kv_start, n_splits, split_len = _split_bounds(seq_len, window, max_splits, SPLIT_MIN, BLOCK_N, USE_WINDOW)
+    offs_s = tl.arange(0, S_PAD)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_mask = offs_s < n_splits
+    lse = tl.load(LsePart + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    w = tl.exp2(lse - m)
+    w = tl.where(s_mask, w, 0.0)
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m)
+    o = tl.load(OPart + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_dv[None, :],
+                mask=s_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    out = tl.sum(o * w[:, None], 0) / denom
+    tl.store(Out + b * stride_outb + h * stride_outh + offs_dv, out.to(Out.dtype.element_ty), mask=offs_dv < DV)

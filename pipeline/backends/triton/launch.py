@@ -1,0 +1,256 @@
+"""Launchers of the Triton kernels: validate every input, then launch (nothing allocated before).
+
+Shapes (B requests, T new tokens, H q heads, Hkv kv heads, D qk dim, Dv v dim, S slots):
+
+- ``q``: [B or T, H, D]; ``k_buffer``/``v_buffer``: [S, Hkv, D] / [S, Hkv, Dv] (one layer of the
+  pool), same dtype as ``q`` (bf16 or fp16); ``req_to_token``: [max_reqs, max_context_len] int32;
+  ``req_pool_indices``: [B] int32/int64; ``seq_lens``: [B] int32/int64 (decode: tokens *after* this
+  step, the new one already in the pool); ``out``: [B or T, H, Dv] in q's dtype.
+- Last dims must be contiguous (stride 1); other strides are free.
+
+Errors: :class:`~pipeline.errors.CapabilityMismatch` for a dtype, head dim or device the kernels do
+not serve; :class:`~pipeline.errors.BuildError` (``bad_tensor``) for inconsistent shapes/dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import triton
+
+from pipeline.backends.triton.kernels import decode as kdec
+from pipeline.backends.triton.kernels import extend as kext
+from pipeline.errors import BuildError, CapabilityMismatch
+
+Q_DTYPES = (torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tuning of the decode kernels: tile of keys, warps, pipeline depth and split policy.
+
+    ``split_min``: fewest keys per split (a request gets ``ceil(len / split_min)`` splits, capped);
+    ``programs_per_sm``: target stage-1 programs per SM that sets the split cap for a batch size.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    split_min: int = 256
+    programs_per_sm: int = 4
+    max_splits_cap: int = 64
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Tuning of the extend kernel: query rows and key tile per program, warps, pipeline depth."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def default_decode_config(head_dim: int) -> DecodeConfig:
+    """Decode config by head dim (smaller key tiles for 256 to bound registers)."""
+    return DecodeConfig(block_n=32) if head_dim > 128 else DecodeConfig()
+
+
+def default_extend_config(head_dim: int) -> ExtendConfig:
+    """Extend config by head dim (64x32 tiles for 256, 128x64 otherwise)."""
+    if head_dim > 128:
+        return ExtendConfig(block_m=64, block_n=32, num_warps=4)
+    return ExtendConfig()
+
+
+def decode_max_splits(batch_size: int, num_kv_heads: int, num_sms: int, cfg: DecodeConfig) -> int:
+    """The split cap for a batch size: enough stage-1 programs to fill ``programs_per_sm`` x SMs.
+
+    Depends only on the batch size (fixed per captured CUDA graph), never on sequence lengths.
+    """
+    want = math.ceil(cfg.programs_per_sm * max(num_sms, 1) / max(batch_size * num_kv_heads, 1))
+    return int(min(max(want, 1), cfg.max_splits_cap))
+
+
+def _bad(field: str, value: Any, allowed: str, remedy: str, *, cap: bool = False) -> Exception:
+    cls = CapabilityMismatch if cap else BuildError
+    kw = {} if cap else {"code": "bad_tensor"}
+    return cls(f"triton attention: {field}={value!r} is not accepted (allowed: {allowed})",
+               flags=[(field, value)], allowed=[allowed], remedy=remedy, **kw)
+
+
+def _check_tensor(name: str, t: Any, ndim: int, dtypes: tuple, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise _bad(name, type(t).__name__, "torch.Tensor", f"pass {name} as a tensor")
+    if t.dim() != ndim:
+        raise _bad(f"{name}.shape", tuple(t.shape), f"{ndim} dims", f"reshape {name} to {ndim} dims")
+    if t.dtype not in dtypes:
+        raise _bad(f"{name}.dtype", str(t.dtype), ", ".join(map(str, dtypes)), f"cast {name}",
+                   cap=name in ("q", "k_buffer"))
+    if t.device != device:
+        raise _bad(f"{name}.device", str(t.device), str(device), f"move {name} to {device}")
+    if t.numel() and t.stride(-1) != 1:
+        raise _bad(f"{name}.stride(-1)", t.stride(-1), "1", f"call {name}.contiguous()")
+
+
+def _check_heads(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
+    """Common head/dim/dtype checks of q against one layer of the KV pool."""
+    dev = q.device
+    _check_tensor("q", q, 3, Q_DTYPES, dev)
+    _check_tensor("k_buffer", k_buffer, 3, (q.dtype,), dev)
+    _check_tensor("v_buffer", v_buffer, 3, (q.dtype,), dev)
+    h, d = q.shape[1], q.shape[2]
+    hkv = k_buffer.shape[1]
+    if d != k_buffer.shape[2]:
+        raise _bad("q.shape[2]", d, f"k_buffer head dim {k_buffer.shape[2]}", "use the layer's K buffer")
+    if v_buffer.shape[:2] != k_buffer.shape[:2]:
+        raise _bad("v_buffer.shape", tuple(v_buffer.shape), f"[{k_buffer.shape[0]}, {hkv}, Dv]",
+                   "use the V buffer of the same layer")
+    if hkv < 1 or h % hkv:
+        raise _bad("num_heads", h, f"a multiple of num_kv_heads={hkv}", "check the model's head counts")
+    if max(d, v_buffer.shape[2]) > MAX_HEAD_DIM:
+        raise _bad("head_dim", max(d, v_buffer.shape[2]), f"<= {MAX_HEAD_DIM}",
+                   "use the flashinfer or torch_native backend for larger heads", cap=True)
+
+
+def _check_features(h: int, sliding_window: Optional[int], logit_softcap: Optional[float],
+                    sinks: Optional[torch.Tensor], device: torch.device) -> None:
+    if sliding_window is not None and sliding_window < 1:
+        raise _bad("sliding_window", sliding_window, ">= 1 or None", "pass None for full attention")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise _bad("logit_softcap", logit_softcap, "> 0 or None", "pass None to disable the softcap")
+    if sinks is not None:
+        _check_tensor("sinks", sinks, 1, (torch.float32, torch.bfloat16, torch.float16), device)
+        if sinks.shape[0] != h:
+            raise _bad("sinks.shape", tuple(sinks.shape), f"[{h}]", "pass one sink logit per q head")
+
+
+def _check_index(name: str, t: torch.Tensor, n: int, device: torch.device) -> None:
+    _check_tensor(name, t, 1, (torch.int32, torch.int64), device)
+    if t.shape[0] != n:
+        raise _bad(f"{name}.shape", tuple(t.shape), f"[{n}]", f"give one {name} entry per request")
+
+
+def _interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1`` (kernels then upcast dot operands: the interpreter's bf16 dot is wrong)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2(x: int) -> int:
+    return triton.next_power_of_2(max(int(x), 1))
+
+
+def decode_scratch_numel(batch_size: int, num_heads: int, v_head_dim: int, max_splits: int) -> int:
+    """fp32 elements of decode scratch: partial outputs [B, H, S, Dv] then LSEs [B, H, S]."""
+    return batch_size * num_heads * max_splits * (v_head_dim + 1)
+
+
+def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,
+                     sm_scale: float, max_splits: int, scratch: Optional[torch.Tensor] = None,
+                     sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                     sinks: Optional[torch.Tensor] = None, config: Optional[DecodeConfig] = None) -> torch.Tensor:
+    """Paged flash-decoding: one new query per request over its cached keys (itself included).
+
+    ``q`` [B, H, D]; ``out`` [B, H, Dv] (written, returned). ``scratch``: fp32, at least
+    :func:`decode_scratch_numel` elements (allocated when None — pass a fixed buffer for CUDA graphs).
+    ``max_splits``: split cap (see :func:`decode_max_splits`); the grid is ``(B, Hkv, max_splits)``.
+    Mirrors sglang's two-stage Triton decode (split-K + LSE merge) with FlashInfer's
+    ``window_left``/``logits_soft_cap``/sinks semantics. Raises the errors of the module docstring.
+    """
+    _check_heads(q, k_buffer, v_buffer)
+    bsz, h, d = q.shape
+    hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
+    dev = q.device
+    _check_tensor("req_to_token", req_to_token, 2, (torch.int32,), dev)
+    _check_index("req_pool_indices", req_pool_indices, bsz, dev)
+    _check_index("seq_lens", seq_lens, bsz, dev)
+    _check_tensor("out", out, 3, (q.dtype,), dev)
+    if tuple(out.shape) != (bsz, h, dv):
+        raise _bad("out.shape", tuple(out.shape), f"[{bsz}, {h}, {dv}]", "allocate out as [B, H, Dv]")
+    _check_features(h, sliding_window, logit_softcap, sinks, dev)
+    if max_splits < 1:
+        raise _bad("max_splits", max_splits, ">= 1", "use decode_max_splits()")
+    need = decode_scratch_numel(bsz, h, dv, max_splits)
+    if scratch is None:
+        scratch = torch.empty(need, dtype=torch.float32, device=dev)
+    elif scratch.dtype != torch.float32 or scratch.device != dev or scratch.numel() < need:
+        raise _bad("scratch", f"{scratch.dtype}[{scratch.numel()}]@{scratch.device}", f"float32[>={need}]@{dev}",
+                   "size it with decode_scratch_numel() at the largest batch size")
+    if bsz == 0:
+        return out
+    cfg = config or default_decode_config(d)
+    o_part = scratch[: bsz * h * max_splits * dv].view(bsz, h, max_splits, dv)
+    lse = scratch[bsz * h * max_splits * dv: need].view(bsz, h, max_splits)
+    win = int(sliding_window or 0)
+    common = dict(SPLIT_MIN=cfg.split_min, BLOCK_N=cfg.block_n, USE_WINDOW=sliding_window is not None)
+    kdec.decode_split_kernel[(bsz, hkv, max_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, o_part, lse,
+        float(sm_scale), float(logit_softcap or 1.0), win, h // hkv, max_splits,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        D=d, DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), G_PAD=max(16, _pow2(h // hkv)),
+        USE_SOFTCAP=logit_softcap is not None, UPCAST=_interpreting(), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **common)
+    kdec.decode_merge_kernel[(bsz, h)](
+        o_part, lse, seq_lens, sinks if sinks is not None else lse, out, win, max_splits,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        DV=dv, BLOCK_DV=_pow2(dv), S_PAD=_pow2(max_splits), HAS_SINKS=sinks is not None, num_warps=4, **common)
+    return out
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor,
+                     v_buffer: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     qo_indptr: torch.Tensor, prefix_lens: torch.Tensor, out: torch.Tensor, *,
+                     max_extend_len: int, sm_scale: float, sliding_window: Optional[int] = None,
+                     logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                     config: Optional[ExtendConfig] = None) -> torch.Tensor:
+    """Extend attention over a paged prefix plus the step's own tokens (causal), ragged batch.
+
+    ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] / [T, Hkv, Dv]: the new tokens, request after request;
+    ``qo_indptr`` [B+1] int32/int64 (request b owns rows ``qo_indptr[b]:qo_indptr[b+1]``);
+    ``prefix_lens`` [B] cached tokens per request (read from the pool through ``req_to_token``);
+    ``max_extend_len``: the largest new-token count (a host int: it sizes the grid).
+    ``out`` [T, H, Dv] is written and returned. Mirrors sglang's Triton ``extend_attention_fwd``.
+    """
+    _check_heads(q, k_buffer, v_buffer)
+    t, h, d = q.shape
+    hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
+    dev = q.device
+    _check_tensor("k", k, 3, (q.dtype,), dev)
+    _check_tensor("v", v, 3, (q.dtype,), dev)
+    if tuple(k.shape) != (t, hkv, d) or tuple(v.shape) != (t, hkv, dv):
+        raise _bad("k.shape/v.shape", (tuple(k.shape), tuple(v.shape)), f"[{t}, {hkv}, {d}] / [{t}, {hkv}, {dv}]",
+                   "pass the step's new K/V, one row per new token")
+    _check_tensor("req_to_token", req_to_token, 2, (torch.int32,), dev)
+    bsz = int(prefix_lens.shape[0]) if isinstance(prefix_lens, torch.Tensor) else -1
+    _check_index("prefix_lens", prefix_lens, bsz, dev)
+    _check_index("req_pool_indices", req_pool_indices, bsz, dev)
+    _check_index("qo_indptr", qo_indptr, bsz + 1, dev)
+    _check_tensor("out", out, 3, (q.dtype,), dev)
+    if tuple(out.shape) != (t, h, dv):
+        raise _bad("out.shape", tuple(out.shape), f"[{t}, {h}, {dv}]", "allocate out as [T, H, Dv]")
+    _check_features(h, sliding_window, logit_softcap, sinks, dev)
+    if max_extend_len < 0:
+        raise _bad("max_extend_len", max_extend_len, ">= 0", "pass max(extend_seq_lens)")
+    if bsz == 0 or max_extend_len == 0 or t == 0:
+        return out
+    cfg = config or default_extend_config(d)
+    grid = (h, triton.cdiv(max_extend_len, cfg.block_m), bsz)
+    kext.extend_kernel[grid](
+        q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens,
+        sinks if sinks is not None else q, out,
+        float(sm_scale), float(logit_softcap or 1.0), int(sliding_window or 0), h // hkv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+        out.stride(0), out.stride(1),
+        D=d, DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=logit_softcap is not None, HAS_SINKS=sinks is not None,
+        UPCAST=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

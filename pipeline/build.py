@@ -1,0 +1,288 @@
+"""The library entry point: run the six-state pipeline and return :class:`AttentionBackends`."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+import uuid
+from typing import Any, Mapping, Optional
+
+import msgspec
+
+from pipeline import events as ev
+from pipeline import settings
+from pipeline.contracts import InstancePlan, SetupRequest
+from pipeline.errors import AttnSetupError, error_info_from
+from pipeline.eventlog import EventLog
+from pipeline.machine import SetupMachine, State
+from pipeline.platforms import parse_device, platform_for
+from pipeline.platforms.base import Platform
+from pipeline.result import AttentionBackends
+from states import annotate, build_mode, device_init, npu_lazy_mem, resolve
+from states.capability_check import kv_dtype, model_dtype
+
+PACKAGES = ("torch", "triton", "flashinfer-python")
+_IMPORT_NAME = {"torch": "torch", "triton": "triton", "flashinfer-python": "flashinfer"}
+
+
+def installed_by_metadata(packages: tuple[str, ...] = PACKAGES) -> dict[str, bool]:
+    """Package presence from distribution metadata (no import; what ``attn-setup plan`` uses)."""
+    out = {}
+    for p in packages:
+        try:
+            importlib.metadata.version(p)
+            out[p] = True
+        except importlib.metadata.PackageNotFoundError:
+            out[p] = False
+    return out
+
+
+def installed_by_import(packages: tuple[str, ...] = PACKAGES) -> dict[str, bool]:
+    """Package presence by a real import (what a run uses; a broken install counts as absent)."""
+    out = {}
+    for p in packages:
+        try:
+            importlib.import_module(_IMPORT_NAME[p])
+            out[p] = True
+        except Exception:  # noqa: BLE001 - any import failure means "not usable"
+            out[p] = False
+    return out
+
+
+def versions(installed: Mapping[str, bool]) -> dict[str, Optional[str]]:
+    """Versions recorded in the trace (attn-setup, Python, torch, CUDA, triton, flashinfer)."""
+    import platform as _p
+
+    def ver(d: str) -> Optional[str]:
+        try:
+            return importlib.metadata.version(d)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    out = {"attn-setup": ver("attn-setup"), "python": _p.python_version()}
+    out.update({p: ver(p) for p in PACKAGES})
+    if installed.get("torch"):
+        import torch
+
+        out["cuda"] = torch.version.cuda
+    return out
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+
+
+def redacted_request(request: SetupRequest) -> dict[str, Any]:
+    """The request as builtins with every secret value replaced."""
+    data = msgspec.to_builtins(request)
+    data["secrets"] = {k: "<redacted>" for k in request.secrets}
+    return data
+
+
+class _Run:
+    """One pipeline run: the machine, the log, and what each state produced."""
+
+    def __init__(self, request: SetupRequest, platform: Optional[Platform], log: EventLog,
+                 pools: Optional[dict[str, Any]], installed: Optional[Mapping[str, bool]], cpu_group: Any) -> None:
+        self.req, self.log, self.cpu_group = request, log, cpu_group
+        self.platform = platform or platform_for(request.device)
+        self.machine = SetupMachine(on_transition=self._on_transition)
+        self.installed = dict(installed) if installed is not None else installed_by_import()
+        self.given_pools = pools
+        self.pools: dict[str, Any] = dict(pools or {})
+        self.workspace_pool: Any = None
+        self.built = build_mode.Built(plan=None)  # type: ignore[arg-type]
+        self.t0 = time.perf_counter()
+
+    @property
+    def state(self) -> str:
+        return self.machine.state.value
+
+    def _on_transition(self, src: State, dst: State, trigger: str, ms: float) -> None:
+        self.log.emit(ev.StateTransition, state=dst.value, outcome="failed" if dst is State.FAILED else "ok",
+                      from_state=src.value, to=dst.value, trigger=trigger, duration_ms=ms)
+
+    # -- states ---------------------------------------------------------------------------
+    def device_init(self) -> None:
+        _, index = parse_device(self.req.device)
+        facts, blas = device_init.apply(self.platform, index)
+        self.torch_device = self.platform.torch_device(index)
+        self.log.emit(ev.DeviceInitialized, state=self.state, facts=facts, blas_init=blas)
+        self.machine.model.device_facts = facts
+        self.machine.fire("device_ready")
+
+    def resolve(self) -> None:
+        r = resolve.decide(self.req.args, self.req.served_model, self.machine.model.device_facts,
+                           is_draft_worker=self.req.is_draft_worker, installed=self.installed)
+        self.log.emit(ev.BackendsResolved, state=self.state, prefill=r.pair.prefill, decode=r.pair.decode,
+                      is_draft_override=r.pair.is_draft_override, rules=dict(r.rules), rejected=r.rejected)
+        for s in r.skips:
+            self.log.emit(ev.FeatureDowngraded, state=self.state, outcome="skipped", what=s.what, reason=s.reason)
+        self.machine.model.resolution = r
+        self.machine.fire("resolved")
+
+    def _workspace_bytes(self, backend: str) -> int:
+        from pipeline.backends import registry
+
+        if backend in ("flashinfer", "fa3"):
+            nbytes, source = self.fi_ws
+            return nbytes
+        return registry.get(backend).capability.workspace_bytes
+
+    def build(self) -> None:
+        res = self.machine.model.resolution
+        model = self.req.served_model
+        if {res.pair.prefill, res.pair.decode} & {"flashinfer", "fa3"}:
+            self.fi_ws = settings.flashinfer_workspace_size(self.req.args, model)
+            self.log.emit(ev.SettingResolved, state=self.state, field="flashinfer_workspace_size",
+                          value=self.fi_ws[0], source=self.fi_ws[1], env_var="SGLANG_FLASHINFER_WORKSPACE_SIZE")
+        plan = build_mode.decide(self.req.args, res.pair, is_draft_worker=self.req.is_draft_worker,
+                                 workspace_bytes=self._workspace_bytes)
+        self.built.plan = plan
+        self.log.emit(ev.BuildPlanned, state=self.state, mode=plan.mode, hybrid=plan.hybrid,
+                      instances=plan.instances, workspaces=plan.workspaces)
+        for s in plan.skips:
+            self.log.emit(ev.FeatureDowngraded, state=self.state, outcome="skipped", what=s.what, reason=s.reason)
+        self._make_pools(model)
+        from pipeline.workspace import WorkspacePool
+
+        self.workspace_pool = WorkspacePool(self.torch_device)
+        for ws_plan in plan.workspaces:
+            self.workspace_pool.allocate(ws_plan)
+        build_mode.apply(plan, self._make_instance, self.built)
+        self.machine.model.backends = self.built
+        self.machine.fire("built")
+
+    def _make_pools(self, model: Any) -> None:
+        if self.given_pools:
+            return
+        from pipeline.memory import KVPool, ReqToTokenPool, torch_dtype
+
+        p = self.req.pool
+        self.pools["req_to_token_pool"] = ReqToTokenPool(p.max_reqs, p.max_context_len, self.torch_device)
+        self.pools["kv_pool"] = KVPool.for_layer_kinds(
+            model.layer_kinds(), model.num_hidden_layers, p.num_token_slots, p.page_size,
+            torch_dtype(kv_dtype(self.req.args, model)), self.torch_device)
+
+    def _make_instance(self, inst: InstancePlan) -> Any:
+        from pipeline.backends.registry import BackendContext, get
+
+        ws = self.workspace_pool.get(inst.workspace) if inst.workspace else None
+        model = self.req.served_model
+        ctx = BackendContext(name=inst.backend, role=inst.role, device=self.machine.model.device_facts,
+                             torch_device=self.torch_device, model=model, layer_kinds=model.layer_kinds(),
+                             args=self.req.args, req_to_token_pool=self.pools["req_to_token_pool"],
+                             kv_pool=self.pools["kv_pool"], workspace=ws, dtype=model_dtype(self.req.args, model))
+        t = time.perf_counter()
+        backend = get(inst.backend).load_factory()(ctx)
+        self.log.emit(ev.BackendBuilt, state=self.state, role=inst.role, backend=inst.backend,
+                      duration_ms=(time.perf_counter() - t) * 1e3)
+        return backend
+
+    def npu_lazy_mem(self) -> None:
+        size, source = settings.zbal_local_mem_size(self.req.args)
+        self.log.emit(ev.SettingResolved, state=self.state, field="zbal_local_mem_size", value=size, source=source,
+                      env_var="SGLANG_ZBAL_LOCAL_MEM_SIZE")
+        d = npu_lazy_mem.decide(self.platform.device_type, size, source, self.req.is_draft_worker)
+        npu_lazy_mem.apply(self.platform, d, self.req.rank, self.req.world_size, self.cpu_group)
+        if d.run:
+            self.log.emit(ev.LazyMemInitialized, state=self.state, bytes=d.nbytes, rank_arg=self.req.rank,
+                          world_size=self.req.world_size)
+            self.machine.model.lazy_mem = "done"
+        else:
+            self.log.emit(ev.StepSkipped, state=self.state, outcome="skipped", what="npu_lazy_mem", reason=d.reason)
+            self.machine.model.lazy_mem = d.reason
+        self.machine.fire("lazy_mem_settled")
+
+    def annotate(self) -> AttentionBackends:
+        pair = self.machine.model.resolution.pair
+        annotate.apply(self.built.attn_backend, pair)
+        self.log.emit(ev.BackendsAnnotated, state=self.state, target=type(self.built.attn_backend).__name__,
+                      prefill=pair.prefill, decode=pair.decode)
+        self.machine.model.names_set = True
+        self.machine.fire("annotated")
+        res = self.machine.model.resolution
+        return AttentionBackends(
+            attn_backend=self.built.attn_backend, decode_attn_backend=self.built.decode_attn_backend,
+            decode_attn_backend_group=list(self.built.decode_attn_backend_group),
+            prefill_attention_backend_str=pair.prefill, decode_attention_backend_str=pair.decode,
+            run_id=self.log.run_id, resolution=res, plan=self.built.plan,
+            skips=list(res.skips) + list(self.built.plan.skips), instances=dict(self.built.instances),
+            pools={} if self.given_pools else self.pools, workspace_pool=self.workspace_pool,
+            events=self.log.records, torch_device=self.torch_device)
+
+    def fail(self, exc: BaseException) -> None:
+        state = self.state
+        info = error_info_from(exc, state)
+        released = release(self.built.instances, self.workspace_pool, {} if self.given_pools else self.pools)
+        if self.machine.state not in (State.DONE, State.FAILED):
+            self.machine.fire("fail")
+        if released:
+            self.log.emit(ev.ResourcesReleased, state=State.FAILED.value, released=released)
+        self.log.emit(ev.RunFailed, state=State.FAILED.value, outcome="failed", error=info, released=released)
+
+
+def release(instances: dict[str, Any], workspace_pool: Any, pools: dict[str, Any]) -> list[str]:
+    """Close every backend, drop every workspace and pool; returns what was released."""
+    released = []
+    for role, b in list(instances.items()):
+        close = getattr(b, "close", None)
+        if close is not None:
+            close()
+        released.append(f"backend:{role}")
+    instances.clear()
+    if workspace_pool is not None:
+        released += [f"workspace:{w}" for w in workspace_pool.release_all()]
+    for name in list(pools):
+        released.append(f"pool:{name}")
+        pools.pop(name)
+    return released
+
+
+def build_attention_backends(request: SetupRequest, *, platform: Optional[Platform] = None,
+                             log: Optional[EventLog] = None, log_file: Optional[str] = None,
+                             pools: Optional[dict[str, Any]] = None,
+                             installed: Optional[Mapping[str, bool]] = None,
+                             cpu_group: Any = None) -> AttentionBackends:
+    """Run ``device-init → resolve → build-mode → npu-lazy-mem → annotate → done``.
+
+    Parameters
+    ----------
+    request: the immutable inputs (args, model, pools' sizes, device, rank …).
+    platform: the device platform (default: chosen from ``request.device``); tests pass a fake.
+    log / log_file: an :class:`EventLog` to emit to, or a JSON-lines trace path for a new one.
+    pools: the engine's own KV pools ``{"req_to_token_pool": …, "kv_pool": …}`` (sglang builds
+        them before the backends); default: built here from ``request.pool``.
+    installed: package presence override (default: real imports of torch/triton/flashinfer).
+    cpu_group: the world's CPU process group, passed to NPU lazy memory init.
+
+    Returns :class:`AttentionBackends`. Raises the typed error that failed the run (ConfigError
+    subclasses for refused configurations, BuildError …) after the machine entered ``failed``,
+    the failure was logged with its ErrorInfo, and everything allocated was released.
+    """
+    run_id = request.run_id or (log.run_id if log else new_run_id())
+    own_log = log is None
+    log = log or EventLog(run_id, request.rank, log_file, secrets=tuple(request.secrets.values()))
+    run = None
+    try:
+        run = _Run(request, platform, log, pools, installed, cpu_group)
+        log.emit(ev.RunStarted, state=run.state, request=redacted_request(request),
+                 versions=versions(run.installed), packages=run.installed,
+                 platform=type(run.platform).__name__)
+        run.device_init()
+        run.resolve()
+        run.build()
+        run.npu_lazy_mem()
+        result = run.annotate()
+        log.emit(ev.RunFinished, state=State.DONE.value, duration_ms=(time.perf_counter() - run.t0) * 1e3)
+        return result
+    except BaseException as exc:
+        if run is None:
+            info = error_info_from(exc, "device-init")
+            log.emit(ev.RunFailed, state=State.FAILED.value, outcome="failed", error=info)
+        else:
+            run.fail(exc)
+        raise
+    finally:
+        if own_log:
+            log.close()

@@ -1,0 +1,349 @@
+"""Data contracts shared by every state, command and later feature.
+
+All records are frozen, keyword-only msgspec Structs that reject unknown fields, so a typo in a
+recorded trace or a config file is an error rather than a silently ignored key. Invariants are
+checked in ``__post_init__`` and raise :class:`pipeline.errors.ConfigError` subclasses that carry
+an :class:`ErrorInfo`. New values are made with ``msgspec.structs.replace``.
+
+Nothing here imports torch, triton or flashinfer.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+_STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
+
+
+class Flag(msgspec.Struct, **_STRUCT):
+    """One flag or field and the value it had, as shown in errors."""
+
+    name: str
+    value: Any = None
+
+
+class ErrorInfo(msgspec.Struct, **_STRUCT):
+    """The one error shape every command prints and every failure event carries.
+
+    Fields
+    ------
+    code: stable snake_case error code (e.g. ``backend_unknown``).
+    state: the pipeline state the error was raised in (``"resolve"``…), or ``"args"`` for input
+        validation before the machine starts.
+    flags: the flags/fields involved, with their values.
+    json_path: JSON path into the offending document (``$.num_attention_heads``), or None.
+    message: one sentence saying what is wrong.
+    allowed: the allowed values, or the backends that would work here.
+    remedy: one line saying what to change.
+    """
+
+    code: str
+    state: str
+    flags: list[Flag] = []
+    json_path: str | None = None
+    message: str
+    allowed: list[str] = []
+    remedy: str = ""
+
+
+class Mode(str, enum.Enum):
+    """Build mode, in sglang's order of checks (PD-mux, then TBO, then normal)."""
+
+    NORMAL = "normal"
+    TBO = "tbo"
+    PDMUX = "pdmux"
+
+
+class ForwardMode(str, enum.Enum):
+    """What a forward batch does: extend (prefill with an optional cached prefix) or decode."""
+
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+
+class AttentionArgs(msgspec.Struct, **_STRUCT):
+    """The attention-related server arguments, with sglang's names and meanings.
+
+    Backend names are strings (``"torch_native"``, ``"triton"``, ``"flashinfer"``, ``"fa3"`` …);
+    ``None`` means "not given". Resolution precedence per phase: draft override (draft worker
+    only) > phase flag (``prefill_attention_backend`` / ``decode_attention_backend``) > global
+    flag (``attention_backend``) > auto-selection — as sglang's ``_resolve_attention_backend_str``
+    does, with auto-selection added where sglang leaves the string ``None``.
+
+    Sizes are in bytes. ``zbal_local_mem_size`` and ``flashinfer_workspace_size`` follow the
+    precedence explicit field > env var (``SGLANG_ZBAL_LOCAL_MEM_SIZE``,
+    ``SGLANG_FLASHINFER_WORKSPACE_SIZE``) > default; see :mod:`pipeline.settings`.
+
+    Raises :class:`pipeline.errors.ConfigError` (``invalid_value``) from ``__post_init__`` for
+    values outside their domain (``page_size < 1``, ``sm_group_num < 1``, negative sizes…).
+    """
+
+    attention_backend: str | None = None
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
+    speculative_draft_attention_backend: str | None = None
+    speculative_algorithm: str | None = None
+    speculative_eagle_topk: int | None = None
+    enable_pdmux: bool = False
+    sm_group_num: int = 3
+    enable_two_batch_overlap: bool = False
+    kv_cache_dtype: str = "auto"
+    page_size: int = 1
+    disable_cuda_graph: bool = False
+    cuda_graph_bs: list[int] | None = None
+    cuda_graph_max_bs: int | None = None
+    zbal_local_mem_size: int | None = None
+    flashinfer_workspace_size: int | None = None
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        from pipeline.validation import check_attention_args
+
+        check_attention_args(self)
+
+
+class MLADims(msgspec.Struct, **_STRUCT):
+    """Multi-head latent attention dimensions (DeepSeek-V2/V3 style), from config.json."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    @property
+    def absorbed_qk_dim(self) -> int:
+        """qk head dim of the absorbed form: ``kv_lora_rank + qk_rope_head_dim`` (e.g. 576)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def absorbed_v_dim(self) -> int:
+        """v head dim of the absorbed form: ``kv_lora_rank`` (e.g. 512)."""
+        return self.kv_lora_rank
+
+
+class LayerKind(msgspec.Struct, **_STRUCT):
+    """One distinct kind of attention layer as a backend sees it.
+
+    ``head_dim_qk``/``head_dim_v`` are the dims the kernel sees (for MLA: the absorbed dims),
+    ``num_heads``/``num_kv_heads`` likewise (MLA absorbed: ``num_kv_heads == 1``).
+    ``sliding_window`` is the number of keys a query may see, itself included (HF convention:
+    key j is visible from query i when ``0 <= i - j < sliding_window``); None = full attention.
+    ``layer_ids`` lists the layers of this kind.
+    """
+
+    kind: Literal["full", "sliding"]
+    num_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_v: int
+    scaling: float
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+    has_sinks: bool = False
+    is_mla: bool = False
+    layer_ids: list[int] = []
+
+
+class ModelSpec(msgspec.Struct, **_STRUCT):
+    """What attention setup needs to know about a model, read from a Hugging Face config.json.
+
+    Build one with :func:`pipeline.model_spec.load_model_spec` (path or dict); per-``model_type``
+    rules for implicit fields (Gemma-2's alternating windows, Qwen2's ``use_sliding_window`` /
+    ``max_window_layers``, gpt-oss's ``layer_types`` and sinks …) live in that module only.
+
+    ``layer_types`` has one entry per hidden layer: ``"full"`` or ``"sliding"``.
+    ``head_dim``/``v_head_dim`` are the per-head qk / v dims of the un-absorbed model;
+    for MLA the absorbed dims are in :attr:`mla`.
+    ``scaling`` is the softmax scale (``query_pre_attn_scalar ** -0.5`` where set, else
+    ``head_dim ** -0.5``; for MLA ``(qk_nope + qk_rope) ** -0.5``).
+    """
+
+    model_type: str
+    architectures: list[str] = []
+    source: str = ""
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    v_head_dim: int
+    scaling: float
+    layer_types: list[Literal["full", "sliding"]]
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+    has_attention_sinks: bool = False
+    mla: MLADims | None = None
+    is_encoder_decoder: bool = False
+    dtype: str = "bfloat16"
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    vocab_size: int = 32000
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla is not None
+
+    def layer_kinds(self) -> list[LayerKind]:
+        """The distinct attention layer kinds, in first-layer order (see :class:`LayerKind`)."""
+        from pipeline.model_spec import layer_kinds
+
+        return layer_kinds(self)
+
+
+class DeviceFacts(msgspec.Struct, **_STRUCT):
+    """Facts about the device one rank initializes on.
+
+    ``type`` is torch's device type (``cpu``, ``cuda``, ``musa``, ``npu``, ``xpu``, ``rocm`` is
+    reported as ``cuda`` with ``vendor="amd"``); ``compute_capability`` is (major, minor) for
+    CUDA, None elsewhere; ``total_memory_bytes`` is the device memory in bytes (host RAM on CPU).
+    ``source`` says where the facts came from (``torch.cuda``, ``profile:h200`` …).
+    """
+
+    type: Literal["cpu", "cuda", "musa", "npu", "xpu", "mps"]
+    index: int = 0
+    name: str = ""
+    vendor: str = ""
+    compute_capability: tuple[int, int] | None = None
+    sm_count: int = 0
+    total_memory_bytes: int = 0
+    cuda_version: str | None = None
+    source: str = ""
+
+    @property
+    def device_str(self) -> str:
+        return "cpu" if self.type == "cpu" else f"{self.type}:{self.index}"
+
+    @property
+    def arch(self) -> str | None:
+        """``"sm90"`` style name, or None without a compute capability."""
+        if self.compute_capability is None:
+            return None
+        return f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
+
+
+class PoolFacts(msgspec.Struct, **_STRUCT):
+    """Sizes of the engine's KV memory pools (made before the backends, as in sglang).
+
+    ``max_reqs``: rows of ``req_to_token``; ``max_context_len``: its columns (tokens);
+    ``num_token_slots``: rows of each per-layer K/V buffer; ``page_size``: tokens per page.
+    """
+
+    max_reqs: int = 16
+    max_context_len: int = 4096
+    num_token_slots: int = 16384
+    page_size: int = 1
+
+    def __post_init__(self) -> None:
+        from pipeline.validation import check_pool_facts
+
+        check_pool_facts(self)
+
+
+class SetupRequest(msgspec.Struct, **_STRUCT):
+    """Everything the pipeline needs, in one immutable record (the input of a run).
+
+    ``device`` is ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (likewise musa/npu/xpu).
+    ``draft_model`` is the draft model's spec for a speculative-decoding draft worker
+    (``is_draft_worker=True``); when None the draft worker uses ``model``.
+    ``secrets`` names extra engine arguments that are secret (tokens, API keys); they are carried
+    but always redacted in logs and traces.
+    """
+
+    args: AttentionArgs = msgspec.field(default_factory=AttentionArgs)
+    model: ModelSpec
+    draft_model: ModelSpec | None = None
+    is_draft_worker: bool = False
+    device: str = "auto"
+    rank: int = 0
+    world_size: int = 1
+    pool: PoolFacts = msgspec.field(default_factory=PoolFacts)
+    run_id: str | None = None
+    secrets: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        from pipeline.validation import check_setup_request
+
+        check_setup_request(self)
+
+    @property
+    def served_model(self) -> ModelSpec:
+        """The model this worker serves: the draft model on a draft worker when given."""
+        if self.is_draft_worker and self.draft_model is not None:
+            return self.draft_model
+        return self.model
+
+
+# --------------------------------------------------------------------------------------------
+# Decisions
+# --------------------------------------------------------------------------------------------
+
+Rule = Literal["draft_override", "phase_flag", "global_flag", "auto"]
+
+
+class Rejection(msgspec.Struct, **_STRUCT):
+    """A backend that was considered and refused, with every reason."""
+
+    backend: str
+    reasons: list[str]
+
+
+class ResolvedAttentionBackendStr(msgspec.Struct, **_STRUCT):
+    """The resolved backend names, with the seed's field names (never None after resolve)."""
+
+    prefill: str
+    decode: str
+    is_draft_override: bool = False
+
+
+class Resolution(msgspec.Struct, **_STRUCT):
+    """Output of the resolve state: the pair, the rule per half, and what auto-selection refused."""
+
+    pair: ResolvedAttentionBackendStr
+    rules: dict[str, Rule]
+    rejected: dict[str, list[Rejection]] = {}
+    skips: list["Skip"] = []
+
+
+class Skip(msgspec.Struct, **_STRUCT):
+    """A step or feature deliberately not done, and why (e.g. TBO on a draft worker)."""
+
+    what: str
+    reason: str
+
+
+class InstancePlan(msgspec.Struct, **_STRUCT):
+    """One backend instance to build: its role, backend name and workspace id (or None)."""
+
+    role: str
+    backend: str
+    workspace: str | None = None
+
+
+class WorkspacePlan(msgspec.Struct, **_STRUCT):
+    """One workspace buffer: id, owner role, size in bytes, and the roles sharing it."""
+
+    id: str
+    owner: str
+    bytes: int
+    shared_by: list[str] = []
+
+
+class BuildPlan(msgspec.Struct, **_STRUCT):
+    """Output of build-mode's decision: mode, whether hybrid, instances and workspaces."""
+
+    mode: Mode
+    hybrid: bool
+    instances: list[InstancePlan]
+    workspaces: list[WorkspacePlan]
+    skips: list[Skip] = []

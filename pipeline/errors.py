@@ -1,0 +1,144 @@
+"""Typed errors. Each carries one :class:`~pipeline.contracts.ErrorInfo` record.
+
+Hierarchy::
+
+    AttnSetupError
+    ├── ConfigError            exit code 3: configuration refused, nothing allocated
+    │   ├── BackendUnknown      a backend name nobody knows
+    │   ├── BackendUnavailable  known name, not usable here (not implemented / package missing)
+    │   ├── CapabilityMismatch  the backend cannot serve this device, model or flag
+    │   ├── ConflictingOptions  two options that cannot be used together
+    │   └── ModelConfigError    config.json unreadable or inconsistent (JSON path given)
+    ├── OrderingError          a trigger fired out of order (current and expected state)
+    ├── BuildError             exit code 1: building or verifying a backend failed
+    └── UsageError             exit code 2: bad command-line usage / unreadable file
+
+None of these derive from ValueError/TypeError on purpose: msgspec would otherwise fold them into
+its own ``ValidationError`` when they are raised from ``__post_init__`` and the ErrorInfo would
+be lost.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from pipeline.contracts import ErrorInfo, Flag
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_REFUSED = 3
+
+
+class AttnSetupError(Exception):
+    """Base class: an error with a structured :class:`ErrorInfo` (``.info``)."""
+
+    code = "error"
+    exit_code = EXIT_FAILED
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        state: str = "args",
+        flags: Iterable[tuple[str, Any]] | dict[str, Any] = (),
+        json_path: str | None = None,
+        allowed: Iterable[str] = (),
+        remedy: str = "",
+    ) -> None:
+        super().__init__(message)
+        items = flags.items() if isinstance(flags, dict) else flags
+        self.info = ErrorInfo(
+            code=code or self.code,
+            state=state,
+            flags=[Flag(name=n, value=_jsonable(v)) for n, v in items],
+            json_path=json_path,
+            message=message,
+            allowed=[str(a) for a in allowed],
+            remedy=remedy,
+        )
+
+    def with_state(self, state: str) -> "AttnSetupError":
+        """Return self with ``info.state`` set (the machine fills it in when it catches)."""
+        import msgspec
+
+        self.info = msgspec.structs.replace(self.info, state=state)
+        return self
+
+    def __str__(self) -> str:  # one readable line for tracebacks and the console
+        i = self.info
+        parts = [f"[{i.code}] {i.message}"]
+        if i.flags:
+            parts.append("flags: " + ", ".join(f"{f.name}={f.value!r}" for f in i.flags))
+        if i.json_path:
+            parts.append(f"at {i.json_path}")
+        if i.allowed:
+            parts.append("allowed: " + ", ".join(i.allowed))
+        if i.remedy:
+            parts.append("remedy: " + i.remedy)
+        return " | ".join(parts)
+
+
+class ConfigError(AttnSetupError):
+    code = "config_invalid"
+    exit_code = EXIT_REFUSED
+
+
+class BackendUnknown(ConfigError):
+    code = "backend_unknown"
+
+
+class BackendUnavailable(ConfigError):
+    code = "backend_unavailable"
+
+
+class CapabilityMismatch(ConfigError):
+    code = "capability_mismatch"
+
+
+class ConflictingOptions(ConfigError):
+    code = "conflicting_options"
+
+
+class ModelConfigError(ConfigError):
+    code = "model_config_invalid"
+
+
+class OrderingError(AttnSetupError):
+    code = "out_of_order"
+    exit_code = EXIT_FAILED
+
+
+class BuildError(AttnSetupError):
+    code = "build_failed"
+    exit_code = EXIT_FAILED
+
+
+class UsageError(AttnSetupError):
+    code = "usage"
+    exit_code = EXIT_USAGE
+
+
+def _jsonable(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    return repr(v)
+
+
+def error_info_from(exc: BaseException, state: str) -> ErrorInfo:
+    """The ErrorInfo of any exception: typed errors keep theirs, others get ``internal_error``."""
+    if isinstance(exc, AttnSetupError):
+        if exc.info.state == "args" and state != "args":
+            exc.with_state(state)
+        return exc.info
+    return ErrorInfo(
+        code="internal_error",
+        state=state,
+        message=f"{type(exc).__name__}: {exc}",
+        remedy="This is a bug or an environment failure; the log holds the full event.",
+    )

@@ -1,0 +1,197 @@
+"""Event records: one per transition and per decision, schema-versioned, a tagged union.
+
+Every record carries ``schema_version``, ``ts_ns`` (wall clock, ns), ``run_id``, ``rank``, ``state``
+and ``outcome`` ∈ {ok, skipped, failed}; the ``event`` tag names it (stable snake_case). A run's
+records, one JSON object a line, are its trace: :func:`decode_line` reads one back into its type.
+
+Schema policy: ``schema_version`` rises when a field is removed or changes meaning; adding a field
+with a default does not. Readers accept versions ``<= SCHEMA_VERSION``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, Union
+
+import msgspec
+
+from pipeline.contracts import (
+    SCHEMA_VERSION, BuildPlan, DeviceFacts, ErrorInfo, InstancePlan, Mode, Rejection, WorkspacePlan,
+)
+
+Outcome = Literal["ok", "skipped", "failed"]
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="event"):
+    """Fields every record carries. ``level`` (class attribute) is the log level it is emitted at."""
+
+    level: ClassVar[str] = "info"
+    schema_version: int = SCHEMA_VERSION
+    ts_ns: int
+    run_id: str
+    rank: int = 0
+    state: str
+    outcome: Outcome = "ok"
+
+
+class RunStarted(Event, tag="run_started", kw_only=True):
+    """The inputs (redacted request, model, packages) and versions, so the run can be replayed."""
+
+    request: dict[str, Any]
+    versions: dict[str, str | None] = {}
+    packages: dict[str, bool] = {}
+    platform: str = ""
+
+
+class StateTransition(Event, tag="state_transition", kw_only=True):
+    """The machine moved ``from`` → ``to`` by ``trigger``; ``duration_ms`` spent in ``from``."""
+
+    from_state: str = msgspec.field(name="from")
+    to: str
+    trigger: str
+    duration_ms: float
+
+
+class DeviceInitialized(Event, tag="device_initialized", kw_only=True):
+    """device-init's result: the device facts and whether BLAS was initialised (cuda/musa only)."""
+
+    facts: DeviceFacts
+    blas_init: bool
+
+
+class SettingResolved(Event, tag="setting_resolved", kw_only=True):
+    """Which source won for a setting sglang also reads from the environment (field > env > default)."""
+
+    field: str
+    value: Any = None
+    source: Literal["field", "env", "default"]
+    env_var: str | None = None
+
+
+class BackendsResolved(Event, tag="backends_resolved", kw_only=True):
+    """resolve's decision: the pair, the rule per half and every rejected candidate with reasons."""
+
+    prefill: str
+    decode: str
+    is_draft_override: bool
+    rules: dict[str, str]
+    rejected: dict[str, list[Rejection]] = {}
+
+
+class BuildPlanned(Event, tag="build_planned", kw_only=True):
+    """build-mode's decision: mode, hybrid, instances ``[{role, backend, workspace}]`` and workspaces."""
+
+    mode: Mode
+    hybrid: bool
+    instances: list[InstancePlan]
+    workspaces: list[WorkspacePlan]
+
+
+class BackendBuilt(Event, tag="backend_built", kw_only=True):
+    """One backend instance constructed (``duration_ms`` includes any JIT reported separately)."""
+
+    role: str
+    backend: str
+    duration_ms: float
+
+
+class StepSkipped(Event, tag="step_skipped", kw_only=True):
+    """A step deliberately not done because it does not apply (e.g. zbal memory off NPU), and why."""
+
+    what: str
+    reason: str
+
+
+class FeatureDowngraded(Event, tag="feature_downgraded", kw_only=True):
+    """One of the allowed downgrades (TBO on a draft worker; CUDA graphs where unsupported): a warning."""
+
+    level: ClassVar[str] = "warning"
+    what: str
+    reason: str
+
+
+class LazyMemInitialized(Event, tag="npu_lazy_mem_initialized", kw_only=True):
+    """NPU zbal lazy memory was initialised with these sizes (bytes) and world facts."""
+
+    bytes: int
+    rank_arg: int
+    world_size: int
+
+
+class BackendsAnnotated(Event, tag="backends_annotated", kw_only=True):
+    """annotate's effect: the resolved names set on the top-level backend object."""
+
+    target: str
+    prefill: str
+    decode: str
+
+
+class InstanceVerified(Event, tag="instance_verified", kw_only=True):
+    """One built instance checked on a real batch against the float64 reference."""
+
+    role: str
+    backend: str
+    max_rel_err: float
+    tol: float
+    passed: bool
+
+
+class ResourcesReleased(Event, tag="resources_released", kw_only=True):
+    """What a failed run (or ``close()``) released: workspace ids and backend roles."""
+
+    released: list[str]
+
+
+class Heartbeat(Event, tag="heartbeat", kw_only=True):
+    """Emitted while a long step (JIT compile, graph capture) is still running."""
+
+    what: str
+    elapsed_s: float
+
+
+class RunFailed(Event, tag="run_failed", kw_only=True):
+    """The run entered ``failed``: the one ErrorInfo and what was released."""
+
+    level: ClassVar[str] = "error"
+    error: ErrorInfo
+    released: list[str] = []
+
+
+class RunFinished(Event, tag="run_finished", kw_only=True):
+    """The run reached ``done``; ``duration_ms`` from device-init to done."""
+
+    duration_ms: float
+
+
+AnyEvent = Union[
+    RunStarted, StateTransition, DeviceInitialized, SettingResolved, BackendsResolved, BuildPlanned,
+    BackendBuilt, StepSkipped, FeatureDowngraded, LazyMemInitialized, BackendsAnnotated, InstanceVerified, ResourcesReleased,
+    Heartbeat, RunFailed, RunFinished,
+]
+EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
+
+_decoder = msgspec.json.Decoder(AnyEvent)
+_encoder = msgspec.json.Encoder()
+
+
+def encode(event: Event) -> bytes:
+    """One JSON line (without the newline)."""
+    return _encoder.encode(event)
+
+
+def decode_line(line: bytes | str) -> Event:
+    """Decode one JSON line back into its typed record (raises ``msgspec.DecodeError``/``ValidationError``)."""
+    return _decoder.decode(line)
+
+
+def event_name(cls: type[Event]) -> str:
+    return cls.__struct_config__.tag  # type: ignore[return-value]
+
+
+def catalogue() -> list[tuple[str, str, list[str]]]:
+    """(event name, level, fields beyond the common ones) for every record type — the README table."""
+    common = set(Event.__struct_fields__)
+    rows = []
+    for cls in EVENT_TYPES:
+        enc = dict(zip(cls.__struct_fields__, cls.__struct_encode_fields__))
+        rows.append((event_name(cls), cls.level, [enc[f] for f in cls.__struct_fields__ if f not in common]))
+    return rows

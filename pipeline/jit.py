@@ -1,0 +1,206 @@
+"""JIT visibility for FlashInfer kernels: cached-or-compiling events, heartbeats, timing, warmup.
+
+FlashInfer compiles each kernel *variant* (dtypes, head dims, sliding window on/off, logit softcap
+on/off, prefill backend, GPU arch) on first use: 15–25 s for a decode module, ~110 s for an sm90
+fa3 prefill module. Unannounced, that looks like a hang (a reported sglang complaint). Before a
+backend first touches a variant it calls :func:`ensure_compiled`, which logs
+
+- ``jit_variant`` with ``status="cached"`` or ``status="compiling"`` and the variant's fields,
+- ``jit_heartbeat`` every ``heartbeat_s`` seconds while compiling ("still compiling X after N s"),
+- ``jit_variant_ready`` with the seconds taken (or ``jit_variant_failed``).
+
+Events go to ``structlog.get_logger("attn_setup")``; this module never configures logging.
+Only :func:`spec_for` / :func:`load_variant` import torch and flashinfer (lazily).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import structlog
+
+KINDS = ("decode", "prefill", "sink")
+_SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+
+
+def _log():
+    return structlog.get_logger("attn_setup")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One FlashInfer kernel module.
+
+    ``kind``: ``decode`` (CUDA-core batch decode), ``prefill`` (batch prefill, also used for
+    tensor-core decode) or ``sink`` (prefill kernel with the attention-sink variant);
+    ``backend``: ``fa2``/``fa3`` for prefill and sink, ``"cuda_core"`` for decode;
+    dtypes are torch dtype names; ``sliding_window``/``logit_softcap`` are the compile-time
+    switches (FlashInfer compiles one module per combination); ``arch`` is e.g. ``"sm90"``.
+    """
+
+    kind: str
+    backend: str
+    q_dtype: str
+    kv_dtype: str
+    head_dim_qk: int
+    head_dim_vo: int
+    sliding_window: bool = False
+    logit_softcap: bool = False
+    arch: str = ""
+
+    @property
+    def name(self) -> str:
+        """Stable short name, e.g. ``prefill-fa2/bf16-bf16/d128/swa1/cap0/sm90``."""
+        d = f"d{self.head_dim_qk}" if self.head_dim_qk == self.head_dim_vo else f"d{self.head_dim_qk}x{self.head_dim_vo}"
+        q, kv = _SHORT.get(self.q_dtype, self.q_dtype), _SHORT.get(self.kv_dtype, self.kv_dtype)
+        return (f"{self.kind}-{self.backend}/{q}-{kv}/{d}/swa{int(self.sliding_window)}"
+                f"/cap{int(self.logit_softcap)}/{self.arch or 'any'}")
+
+    def fields(self) -> dict[str, Any]:
+        """The variant as a plain dict (for log events and JSON reports)."""
+        return {"variant": self.name, **asdict(self)}
+
+
+def _sink_jit_args(v: Variant) -> tuple[list[Any], dict[str, Any]]:
+    import torch
+    from flashinfer.jit.attention.variants import attention_sink_decl
+    from flashinfer.jit.utils import filename_safe_dtype_map
+
+    q = getattr(torch, v.q_dtype)
+    uri = f"batch_prefill_attention_sink_{filename_safe_dtype_map[q]}_swa_{v.sliding_window}_{v.backend}"
+    args = [uri, q, getattr(torch, v.kv_dtype), q, torch.int32, v.head_dim_qk, v.head_dim_vo, ["sink"], ["float"],
+            ["sm_scale"], ["double"], "AttentionSink", attention_sink_decl[v.backend]]
+    return args, {"use_sliding_window": v.sliding_window, "use_fp16_qk_reduction": False, "pos_encoding_mode": 0}
+
+
+def _module_args(v: Variant) -> tuple:
+    import torch
+
+    q, kv = getattr(torch, v.q_dtype), getattr(torch, v.kv_dtype)
+    return (q, kv, q, torch.int32, v.head_dim_qk, v.head_dim_vo, 0, v.sliding_window, v.logit_softcap)
+
+
+def spec_for(v: Variant) -> Any:
+    """FlashInfer's ``JitSpec`` for ``v`` (writes generated sources, compiles nothing)."""
+    from flashinfer.jit.attention import modules as m
+
+    if v.kind == "decode":
+        return m.gen_batch_decode_module(*_module_args(v))
+    if v.kind == "prefill":
+        return m.gen_batch_prefill_module(v.backend, *_module_args(v), False)
+    args, kw = _sink_jit_args(v)
+    return m.gen_customize_batch_prefill_module(v.backend, *args, **kw)
+
+
+def is_cached(v: Variant) -> bool:
+    """True when the variant's shared library is already built (JIT cache or AOT package)."""
+    spec = spec_for(v)
+    return bool(spec.is_aot or spec.is_compiled)
+
+
+def load_variant(v: Variant) -> Any:
+    """Compile (if needed) and load ``v`` through FlashInfer's own cached loaders."""
+    if v.kind == "decode":
+        from flashinfer.decode import get_batch_decode_module
+
+        return get_batch_decode_module(*_module_args(v))
+    if v.kind == "prefill":
+        from flashinfer.prefill import get_batch_prefill_module
+
+        return get_batch_prefill_module(v.backend, *_module_args(v), False)
+    from flashinfer.prefill import get_customize_batch_prefill_module
+
+    args, kw = _sink_jit_args(v)
+    return get_customize_batch_prefill_module(v.backend, *args, **kw)
+
+
+@contextmanager
+def heartbeat(what: str, every_s: float = 10.0, *, log: Any = None) -> Iterator[None]:
+    """Emit ``jit_heartbeat`` ("still compiling ``what`` after N s") every ``every_s`` seconds
+    from a daemon thread while the body runs; stops (and joins) when the body ends."""
+    log = log or _log()
+    stop = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            n = time.monotonic() - t0
+            log.info("jit_heartbeat", variant=what, elapsed_s=round(n, 1),
+                     message=f"still compiling {what} after {n:.0f} s")
+
+    th = threading.Thread(target=beat, name=f"jit-heartbeat-{what}", daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()
+
+
+def ensure_compiled(v: Variant, *, heartbeat_s: float = 10.0, loader: Optional[Callable[[Variant], Any]] = None,
+                    cached: Optional[Callable[[Variant], bool]] = None, log: Any = None) -> dict[str, Any]:
+    """Log cached/compiling for ``v``, compile it with heartbeats, and log the time taken.
+
+    ``loader``/``cached`` default to :func:`load_variant` / :func:`is_cached` (tests pass fakes).
+    Returns ``{"variant", "status", "seconds"}``; re-raises the loader's exception after logging
+    ``jit_variant_failed``.
+    """
+    log = log or _log()
+    loader, cached = loader or load_variant, cached or is_cached
+    status = "cached" if cached(v) else "compiling"
+    log.info("jit_variant", status=status, **v.fields())
+    t0 = time.monotonic()
+    try:
+        if status == "compiling":
+            with heartbeat(v.name, heartbeat_s, log=log):
+                loader(v)
+        else:
+            loader(v)
+    except Exception as e:
+        log.error("jit_variant_failed", variant=v.name, error=f"{type(e).__name__}: {e}"[:2000])
+        raise
+    dt = round(time.monotonic() - t0, 3)
+    log.info("jit_variant_ready", variant=v.name, status=status, seconds=dt)
+    return {"variant": v.name, "status": status, "seconds": dt}
+
+
+def _compile_in_child(fields: dict[str, Any]) -> dict[str, Any]:
+    fields = {k: v for k, v in fields.items() if k != "variant"}
+    v = Variant(**fields)
+    t0 = time.monotonic()
+    try:
+        status = "cached" if is_cached(v) else "compiled"
+        load_variant(v)
+        return {"variant": v.name, "status": status, "seconds": round(time.monotonic() - t0, 3), "error": None}
+    except Exception as e:  # reported per variant, the other variants still compile
+        return {"variant": v.name, "status": "failed", "seconds": round(time.monotonic() - t0, 3),
+                "error": f"{type(e).__name__}: {e}"[-2000:]}
+
+
+def warmup_variants(variants: Sequence[Variant], jobs: int = 4) -> list[dict[str, Any]]:
+    """Compile ``variants`` in ``jobs`` parallel processes (each variant is its own module).
+
+    Returns one record per variant, in input order: ``variant``, ``status``
+    (``cached``/``compiled``/``failed``), ``seconds``, ``error``. Logs ``jit_warmup_start`` /
+    ``jit_warmup_variant`` / ``jit_warmup_done``. Needs a CUDA device and FlashInfer.
+    """
+    import multiprocessing as mp
+
+    log = _log()
+    uniq = list(dict.fromkeys(variants))
+    log.info("jit_warmup_start", variants=[v.name for v in uniq], jobs=jobs)
+    t0 = time.monotonic()
+    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(_compile_in_child, v.fields()) for v in uniq]
+        with heartbeat(f"{len(uniq)} variants", 15.0, log=log):
+            results = [f.result() for f in futures]
+    for r in results:
+        log.info("jit_warmup_variant", **r)
+    log.info("jit_warmup_done", seconds=round(time.monotonic() - t0, 3),
+             failed=sum(r["status"] == "failed" for r in results))
+    return results

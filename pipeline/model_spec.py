@@ -1,0 +1,381 @@
+"""Read a Hugging Face ``config.json`` into a :class:`~pipeline.contracts.ModelSpec`.
+
+Fields are read as published (``num_key_value_heads`` defaults to the head count, ``head_dim``
+to ``hidden_size // num_attention_heads``); a multimodal config that wraps its language model in
+``text_config`` is read from there. What a config leaves implicit (which layers use a sliding
+window, whether attention sinks exist) is decided by the per-``model_type`` table
+:data:`LAYER_RULES` below, the only place such rules live. An explicit ``layer_types`` list always
+wins over the table. Unknown extra keys are ignored: HF configs carry many.
+
+Bad input raises :class:`pipeline.errors.ModelConfigError` (exit code 3) with the JSON path of the
+offending key; an unreadable file raises :class:`pipeline.errors.UsageError` (exit code 2).
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from typing import Any, Callable, Mapping, NamedTuple
+
+from pipeline.contracts import LayerKind, MLADims, ModelSpec
+from pipeline.errors import ModelConfigError, UsageError
+
+BUNDLED_CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "data" / "configs"
+DEFAULT_MODEL_CONFIG = BUNDLED_CONFIG_DIR / "llama-3.1-8b.json"
+
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
+_LAYER_TYPE_NAMES = {"full_attention": "full", "sliding_attention": "sliding",
+                     "full": "full", "sliding": "sliding"}
+_REMEDY = "fix this key in config.json (compare with the model's published config on the Hub)"
+
+
+class _Cfg:
+    """One JSON object plus its JSON path, with typed getters that raise ModelConfigError."""
+
+    def __init__(self, data: Mapping[str, Any], path: str) -> None:
+        self.data, self.path = data, path
+
+    def at(self, key: str) -> str:
+        return f"{self.path}.{key}"
+
+    def bad(self, key: str, value: Any, allowed: str, why: str) -> ModelConfigError:
+        return ModelConfigError(f"{self.at(key)} {why}", flags=[(key, value)], json_path=self.at(key),
+                                allowed=[allowed], remedy=_REMEDY)
+
+    def get(self, key: str) -> Any:
+        """The value, or None when the key is absent or JSON null."""
+        return self.data.get(key)
+
+    def integer(self, key: str, default: int | None = None, *, required: bool = False,
+            lo: int = 1) -> int | None:
+        v = self.get(key)
+        if v is None:
+            if required:
+                raise self.bad(key, None, f"an integer >= {lo}", "is missing (required)")
+            return default
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise self.bad(key, v, f"an integer >= {lo}", f"must be an integer >= {lo}")
+        return v
+
+    def num(self, key: str, default: float | None = None) -> float | None:
+        v = self.get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise self.bad(key, v, "a finite number > 0", "must be a finite number > 0")
+        return float(v)
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        v = self.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise self.bad(key, v, "true or false", "must be a boolean")
+        return v
+
+    def text(self, key: str, *, required: bool = False) -> str | None:
+        v = self.get(key)
+        if v is None and required:
+            raise self.bad(key, None, "a non-empty string", "is missing (required)")
+        if v is not None and (not isinstance(v, str) or not v):
+            raise self.bad(key, v, "a non-empty string", "must be a non-empty string")
+        return v
+
+
+# --------------------------------------------------------------------------------------------
+# Implicit per-model_type rules: THE one place they live. Each rule returns one entry per layer,
+# "full" or "sliding"; it runs only when the config has no explicit ``layer_types`` list.
+# --------------------------------------------------------------------------------------------
+
+
+def _all_full(c: _Cfg, n: int) -> list[str]:
+    return ["full"] * n
+
+
+def _uniform(c: _Cfg, n: int) -> list[str]:
+    return ["sliding" if c.get("sliding_window") is not None else "full"] * n
+
+
+def _even_sliding(c: _Cfg, n: int) -> list[str]:
+    return ["sliding" if i % 2 == 0 else "full" for i in range(n)]
+
+
+def _qwen_window_layers(c: _Cfg, n: int) -> list[str]:
+    if not c.flag("use_sliding_window") or c.get("sliding_window") is None:
+        return ["full"] * n
+    first = c.integer("max_window_layers", 28, lo=0)
+    return ["sliding" if i >= first else "full" for i in range(n)]
+
+
+def _every_nth_full(c: _Cfg, n: int) -> list[str]:
+    period = c.integer("sliding_window_pattern", 6)
+    return ["full" if (i + 1) % period == 0 else "sliding" for i in range(n)]
+
+
+class LayerRule(NamedTuple):
+    """An implicit rule: ``layers(cfg, n)`` gives each layer's kind; ``has_sinks``; ``cite`` = source."""
+
+    layers: Callable[[_Cfg, int], list[str]]
+    has_sinks: bool
+    cite: str
+
+
+_QWEN = LayerRule(_qwen_window_layers, False,
+                  "HF Qwen2Config/Qwen3Config: sliding_window applies only when use_sliding_window, "
+                  "to layers i >= max_window_layers (default 28); the first max_window_layers are full")
+LAYER_RULES: dict[str, LayerRule] = {
+    "llama": LayerRule(_all_full, False, "HF LlamaConfig: no sliding window"),
+    "mistral": LayerRule(_uniform, False, "HF MistralConfig: sliding_window (4096 in v0.1) on every layer"),
+    "mixtral": LayerRule(_uniform, False, "HF MixtralConfig: sliding_window on every layer when set"),
+    "gemma2": LayerRule(_even_sliding, False,
+                        "HF Gemma2Config.layer_types: layer i slides iff (i + 1) % 2, i.e. even i "
+                        "(0, 2, ...) slide and odd are full; sglang gemma2.py: layer_id % 2 == 0"),
+    "gemma3_text": LayerRule(_every_nth_full, False,
+                             "HF Gemma3TextConfig: layer i is full iff (i + 1) % sliding_window_pattern == 0"),
+    "qwen2": _QWEN, "qwen2_moe": _QWEN, "qwen3": _QWEN, "qwen3_moe": _QWEN,
+    "gpt_oss": LayerRule(_even_sliding, True,
+                         "HF GptOssConfig: layer_types default alternates sliding/full from layer 0; "
+                         "every attention layer has learned per-head sinks (GptOssAttention.sinks)"),
+    "deepseek_v2": LayerRule(_all_full, False, "DeepSeek-V2 MLA: full attention everywhere"),
+    "deepseek_v3": LayerRule(_all_full, False, "DeepSeek-V3 MLA: full attention everywhere"),
+}
+DEFAULT_RULE = LayerRule(_uniform, False, "HF convention for other decoders: sliding_window, when set, "
+                                          "applies to every layer")
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN attention-scale correction ``0.1 * mscale * ln(factor) + 1`` (1.0 when factor <= 1).
+
+    Mirrors ``yarn_get_mscale`` in HF's and sglang's DeepSeek-V2 code; the softmax scale is
+    multiplied by its square when ``rope_scaling.mscale_all_dim`` is set.
+    """
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def _read_json(path: pathlib.Path) -> Any:
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read model config {str(path)!r}: {e.strerror or e}",
+                         code="config_unreadable", flags=[("path", str(path))],
+                         remedy="pass the path of a readable Hugging Face config.json") from None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{path} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
+                               code="model_config_malformed", json_path="$",
+                               flags=[("path", str(path)), ("line", e.lineno), ("column", e.colno)],
+                               allowed=["a JSON object"], remedy="fix the JSON syntax") from None
+    except UnicodeDecodeError as e:
+        raise ModelConfigError(f"{path} is not UTF-8 text: {e.reason}", code="model_config_malformed",
+                               json_path="$", flags=[("path", str(path))], allowed=["UTF-8 JSON"],
+                               remedy="save config.json as UTF-8") from None
+
+
+def load_model_spec(src: str | os.PathLike | Mapping[str, Any], *, source: str | None = None) -> ModelSpec:
+    """Read a Hugging Face ``config.json`` (a path, or the already-parsed dict) into a ModelSpec.
+
+    Parameters
+    ----------
+    src: path of a ``config.json`` file, or its parsed content (a dict).
+    source: label recorded in ``ModelSpec.source`` (default: the path, or ``"dict"``).
+
+    Returns
+    -------
+    ModelSpec with per-layer kinds, softmax ``scaling`` (``query_pre_attn_scalar ** -0.5``
+    where set, else ``head_dim ** -0.5``; MLA: ``(qk_nope + qk_rope) ** -0.5`` times
+    ``yarn_mscale(factor, mscale_all_dim) ** 2`` when ``rope_scaling.mscale_all_dim`` is set, as
+    HF's and sglang's DeepSeek-V2 attention do) and MLA dims when ``kv_lora_rank`` is set.
+
+    Raises
+    ------
+    UsageError: the file cannot be read (code ``config_unreadable``, flag ``path``).
+    ModelConfigError: malformed JSON, a missing/mistyped/non-positive key, a head count not
+        divisible by the kv-head count, or inconsistent layer types; ``info.json_path`` names
+        the key (``$.num_attention_heads``, ``$.text_config.head_dim`` …).
+    """
+    if isinstance(src, Mapping):
+        data, label = src, "dict"
+    elif isinstance(src, (str, os.PathLike)):
+        data, label = _read_json(pathlib.Path(src)), os.fspath(src)
+    else:
+        raise UsageError(f"model config must be a path or a dict, not {type(src).__name__}",
+                         flags=[("src", type(src).__name__)], allowed=["str", "os.PathLike", "dict"],
+                         remedy="pass the path of config.json or its parsed dict")
+    if not isinstance(data, Mapping):
+        raise ModelConfigError("config.json must hold a JSON object", json_path="$",
+                               flags=[("config", type(data).__name__)], allowed=["a JSON object"],
+                               remedy="the top level of config.json is {...}")
+    return _build(_Cfg(data, "$"), source if source is not None else label)
+
+
+def _text_cfg(top: _Cfg) -> _Cfg:
+    inner = top.get("text_config")
+    if inner is None:
+        return top
+    if not isinstance(inner, Mapping):
+        raise top.bad("text_config", inner, "a JSON object", "must be a JSON object")
+    return _Cfg(inner, top.at("text_config"))
+
+
+def _heads(c: _Cfg) -> tuple[int, int, int, int]:
+    """(hidden_size, layers, heads, kv_heads); kv heads default to heads and must divide them."""
+    hidden = c.integer("hidden_size", required=True)
+    layers = c.integer("num_hidden_layers", required=True)
+    heads = c.integer("num_attention_heads", required=True)
+    kv = c.integer("num_key_value_heads", heads)
+    if heads % kv:
+        raise ModelConfigError(
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}",
+            flags=[("num_key_value_heads", kv), ("num_attention_heads", heads)],
+            json_path=c.at("num_key_value_heads"),
+            allowed=[str(d) for d in range(1, heads + 1) if heads % d == 0], remedy=_REMEDY)
+    return hidden, layers, heads, kv
+
+
+def _mla(c: _Cfg) -> MLADims | None:
+    if c.get("kv_lora_rank") is None:
+        return None
+    return MLADims(kv_lora_rank=c.integer("kv_lora_rank", required=True),
+                   qk_rope_head_dim=c.integer("qk_rope_head_dim", required=True),
+                   qk_nope_head_dim=c.integer("qk_nope_head_dim", required=True),
+                   v_head_dim=c.integer("v_head_dim", required=True), q_lora_rank=c.integer("q_lora_rank"))
+
+
+def _head_dims(c: _Cfg, hidden: int, heads: int, mla: MLADims | None) -> tuple[int, int]:
+    """(qk head dim, v head dim) of the un-absorbed model."""
+    if mla is not None:
+        return mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
+    head_dim = c.integer("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise c.bad("head_dim", None, "an integer >= 1",
+                        f"is missing and hidden_size={hidden} is not divisible by num_attention_heads={heads}")
+        head_dim = hidden // heads
+    return head_dim, c.integer("v_head_dim", head_dim)
+
+
+def _rope_block(c: _Cfg) -> tuple[str, _Cfg] | None:
+    for key in ("rope_scaling", "rope_parameters"):
+        block = c.get(key)
+        if block is None:
+            continue
+        if not isinstance(block, Mapping):
+            raise c.bad(key, block, "a JSON object or null", "must be a JSON object or null")
+        return key, _Cfg(block, c.at(key))
+    return None
+
+
+def _scaling(c: _Cfg, head_dim: int, mla: MLADims | None) -> float:
+    """Softmax scale as HF/sglang compute it (see :func:`load_model_spec`)."""
+    if mla is None:
+        return c.num("query_pre_attn_scalar", float(head_dim)) ** -0.5
+    scale = float(head_dim) ** -0.5
+    rope = _rope_block(c)
+    if rope is not None and rope[1].get("mscale_all_dim"):
+        m = yarn_mscale(rope[1].num("factor", 1.0), rope[1].num("mscale_all_dim"))
+        scale *= m * m
+    return scale
+
+
+def _layer_types(c: _Cfg, n: int, rule: LayerRule) -> list[str]:
+    explicit = c.get("layer_types")
+    if explicit is None:
+        return rule.layers(c, n)
+    if not isinstance(explicit, list) or len(explicit) != n:
+        raise c.bad("layer_types", explicit, f"a list of {n} layer types (one per hidden layer)",
+                    f"must list one type per layer (num_hidden_layers={n})")
+    out = []
+    for i, t in enumerate(explicit):
+        if t not in _LAYER_TYPE_NAMES:
+            raise ModelConfigError(f"{c.at('layer_types')}[{i}]={t!r} is not a supported attention layer type",
+                                   flags=[(f"layer_types[{i}]", t)], json_path=f"{c.at('layer_types')}[{i}]",
+                                   allowed=["full_attention", "sliding_attention"], remedy=_REMEDY)
+        out.append(_LAYER_TYPE_NAMES[t])
+    return out
+
+
+def _rope_theta(c: _Cfg) -> float:
+    theta = c.num("rope_theta")
+    rope = _rope_block(c)
+    if theta is None and rope is not None:
+        theta = rope[1].num("rope_theta")
+    return theta if theta is not None else 10000.0
+
+
+def _dtype(c: _Cfg, top: _Cfg) -> str:
+    for cfg in (c, top):
+        for key in ("torch_dtype", "dtype"):
+            v = cfg.get(key)
+            if v is not None:
+                if v not in _DTYPES:
+                    raise cfg.bad(key, v, "bfloat16, float16 or float32", "is not a supported model dtype")
+                return _DTYPES[v]
+    return "bfloat16"
+
+
+def _build(top: _Cfg, source: str) -> ModelSpec:
+    c = _text_cfg(top)
+    model_type = c.text("model_type") or top.text("model_type", required=True)
+    archs = top.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise top.bad("architectures", archs, "a list of strings", "must be a list of strings")
+    hidden, n_layers, heads, kv = _heads(c)
+    mla = _mla(c)
+    head_dim, v_dim = _head_dims(c, hidden, heads, mla)
+    rule = LAYER_RULES.get(model_type, DEFAULT_RULE)
+    kinds = _layer_types(c, n_layers, rule)
+    window = c.integer("sliding_window", required=True) if "sliding" in kinds else None
+    return ModelSpec(
+        model_type=model_type, architectures=list(archs), source=source, hidden_size=hidden,
+        num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv,
+        head_dim=head_dim, v_head_dim=v_dim, scaling=_scaling(c, head_dim, mla), layer_types=kinds,
+        sliding_window=window, logit_softcap=c.num("attn_logit_softcapping"),
+        has_attention_sinks=rule.has_sinks, mla=mla,
+        is_encoder_decoder=top.flag("is_encoder_decoder") or c.flag("is_encoder_decoder"),
+        dtype=_dtype(c, top), rope_theta=_rope_theta(c),
+        max_position_embeddings=c.integer("max_position_embeddings", 4096),
+        vocab_size=c.integer("vocab_size", 32000))
+
+
+def layer_kinds(spec: ModelSpec) -> list[LayerKind]:
+    """The distinct attention layer kinds of ``spec``, in first-layer order.
+
+    Non-MLA layers are grouped into ``"full"`` and ``"sliding"`` (window ``spec.sliding_window``
+    keys, the query itself included; FlashInfer's / sglang's ``window_left`` is ``window - 1``).
+    MLA layers are reported in absorbed form, as sglang's MLA
+    backends see them: one latent KV head (``num_kv_heads == 1``), ``head_dim_qk =
+    kv_lora_rank + qk_rope_head_dim`` (576 for DeepSeek-V2), ``head_dim_v = kv_lora_rank``.
+
+    Raises ModelConfigError when ``layer_types`` does not have one entry per layer or a sliding
+    layer has no ``sliding_window``.
+    """
+    if len(spec.layer_types) != spec.num_hidden_layers:
+        raise ModelConfigError("layer_types must have one entry per hidden layer", json_path="$.layer_types",
+                               flags=[("layer_types", len(spec.layer_types)),
+                                      ("num_hidden_layers", spec.num_hidden_layers)],
+                               allowed=[f"{spec.num_hidden_layers} entries"], remedy=_REMEDY)
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(spec.layer_types):
+        groups.setdefault(t, []).append(i)
+    if "sliding" in groups and spec.sliding_window is None:
+        raise ModelConfigError("sliding layers need a sliding_window", json_path="$.sliding_window",
+                               flags=[("sliding_window", None)], allowed=["an integer >= 1"], remedy=_REMEDY)
+    mla = spec.mla
+    return [LayerKind(
+        kind=t, num_heads=spec.num_attention_heads,
+        num_kv_heads=1 if mla else spec.num_key_value_heads,
+        head_dim_qk=mla.absorbed_qk_dim if mla else spec.head_dim,
+        head_dim_v=mla.absorbed_v_dim if mla else spec.v_head_dim, scaling=spec.scaling,
+        sliding_window=spec.sliding_window if t == "sliding" else None,
+        logit_softcap=spec.logit_softcap, has_sinks=spec.has_attention_sinks,
+        is_mla=mla is not None, layer_ids=ids) for t, ids in groups.items()]

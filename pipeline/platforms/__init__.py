@@ -1,0 +1,43 @@
+"""Platforms: one implementation of :class:`Platform` per device type, chosen by :func:`platform_for`.
+
+This replaces sglang's ``if device == "cuda" … elif "npu"`` chains. Importing this package does not
+import torch; each platform imports it when it first touches the device.
+"""
+
+from __future__ import annotations
+
+from pipeline.platforms.base import Platform
+from pipeline.errors import ConfigError
+
+__all__ = ["Platform", "platform_for", "parse_device"]
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """``"cuda:1"`` → ("cuda", 1); ``"cpu"`` → ("cpu", 0); ``"auto"`` → ("auto", 0)."""
+    head, _, idx = device.partition(":")
+    return head, int(idx) if idx else 0
+
+
+def platform_for(device: str) -> Platform:
+    """The platform for a device string (``auto`` picks CUDA when torch sees a GPU, else CPU).
+
+    Raises :class:`ConfigError` (``device_unavailable``) when the device type is not present.
+    """
+    kind, _ = parse_device(device)
+    if kind == "auto":
+        import torch
+
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cpu":
+        from pipeline.platforms.cpu import CpuPlatform
+
+        return CpuPlatform()
+    if kind == "cuda":
+        from pipeline.platforms.cuda import CudaPlatform
+
+        return CudaPlatform()
+    raise ConfigError(
+        f"device type {kind!r} has no platform on this machine",
+        code="device_unavailable", flags=[("device", device)], allowed=["auto", "cpu", "cuda[:N]"],
+        remedy="pass --device cpu, or run on a machine with that accelerator and its torch plugin",
+    )

@@ -1,0 +1,54 @@
+"""CUDA platform (NVIDIA; ROCm builds of torch also report ``cuda`` and set ``vendor="amd"``)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pipeline.contracts import DeviceFacts
+from pipeline.errors import ConfigError
+
+
+class CudaPlatform:
+    """Platform for ``device=cuda[:N]``; facts come from ``torch.cuda.get_device_properties``."""
+
+    device_type = "cuda"
+
+    def _torch(self):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("CUDA was asked for but torch sees no CUDA device", code="device_unavailable",
+                              flags=[("device", "cuda")], allowed=["cpu"],
+                              remedy="pass --device cpu, or install a CUDA build of torch on a GPU machine")
+        return torch
+
+    def init_blas(self) -> bool:
+        """Create the cuBLAS handle with a tiny GEMM on the current device (as sglang's init_cublas)."""
+        torch = self._torch()
+        a = torch.ones((16, 16), dtype=torch.float16, device="cuda")
+        (a @ a).sum().item()
+        return True
+
+    def device_facts(self, index: int = 0) -> DeviceFacts:
+        torch = self._torch()
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"cuda:{index} does not exist (this machine has {torch.cuda.device_count()} GPUs)",
+                              code="device_unavailable", flags=[("device", f"cuda:{index}")],
+                              allowed=[f"cuda:{i}" for i in range(torch.cuda.device_count())],
+                              remedy="pick an existing GPU index (LOCAL_RANK under torchrun)")
+        torch.cuda.set_device(index)
+        p = torch.cuda.get_device_properties(index)
+        is_hip = getattr(torch.version, "hip", None) is not None
+        return DeviceFacts(type="cuda", index=index, name=p.name, vendor="amd" if is_hip else "nvidia",
+                           compute_capability=(p.major, p.minor), sm_count=p.multi_processor_count,
+                           total_memory_bytes=p.total_memory, cuda_version=torch.version.cuda,
+                           source="torch.cuda")
+
+    def torch_device(self, index: int = 0) -> str:
+        return f"cuda:{index}"
+
+    def init_lazy_device_memory(self, nbytes: int, rank: int, world_size: int, cpu_group: Optional[Any]) -> None:
+        raise NotImplementedError("lazy device memory (zbal) exists on NPU only")
+
+    def memory_allocated(self, index: int = 0) -> int:
+        return int(self._torch().cuda.memory_allocated(index))

@@ -1,0 +1,44 @@
+"""A fake platform for tests and replay: reports given DeviceFacts and records every call in order."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pipeline.contracts import DeviceFacts
+
+
+class FakePlatform:
+    """Pretends to be ``facts.type`` while tensors live on ``torch_device_str`` (default CPU).
+
+    ``calls`` records ``(method, args)`` in call order, so tests can check e.g. that zbal lazy
+    memory was initialised once, with the right rank and world size, before graph capture.
+    """
+
+    def __init__(self, facts: DeviceFacts, torch_device_str: str = "cpu") -> None:
+        self.facts = facts
+        self.device_type = facts.type
+        self._torch_device = torch_device_str
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def init_blas(self) -> bool:
+        self.calls.append(("init_blas", ()))
+        return self.device_type in ("cuda", "musa")
+
+    def device_facts(self, index: int = 0) -> DeviceFacts:
+        self.calls.append(("device_facts", (index,)))
+        return self.facts
+
+    def torch_device(self, index: int = 0) -> str:
+        return self._torch_device
+
+    def init_lazy_device_memory(self, nbytes: int, rank: int, world_size: int, cpu_group: Optional[Any]) -> None:
+        self.calls.append(("init_lazy_device_memory", (nbytes, rank, world_size, cpu_group)))
+        if self.device_type != "npu":
+            raise NotImplementedError("lazy device memory (zbal) exists on NPU only")
+
+    def memory_allocated(self, index: int = 0) -> int:
+        return 0
+
+    def called(self, method: str) -> list[tuple[Any, ...]]:
+        """Arguments of every call to ``method``, in order."""
+        return [args for name, args in self.calls if name == method]

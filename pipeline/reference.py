@@ -1,0 +1,116 @@
+"""Dense float64 reference attention over un-paged K/V, one request at a time.
+
+This is the yardstick every backend is checked against (tests and ``attn-setup run``'s
+verification). It is deliberately written apart from the backends: it never sees ``req_to_token``,
+the paged KV pool or ``scaled_dot_product_attention``; it takes one request's keys and values as
+plain tensors (positions ``0..L-1``) and spells the math out: ``q @ k^T * scale``, optional logit
+softcap, causal + sliding-window mask on absolute positions, optional attention sinks, softmax,
+``@ v``.
+
+Error metric used with it everywhere: :func:`rel_err` = ``max|out - ref| / max|ref|``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pipeline.errors import BuildError
+
+__all__ = ["reference_attention", "rel_err"]
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+           window: Optional[int], sinks: Optional[torch.Tensor]) -> None:
+    """Shape checks; raises :class:`BuildError` (``reference_input_invalid``) naming the argument."""
+    def bad(field: str, value: object, allowed: str) -> BuildError:
+        return BuildError(f"reference_attention: {field}={value} is not allowed", code="reference_input_invalid",
+                          flags=[(field, value)], allowed=[allowed], remedy=f"pass {field} as {allowed}")
+
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise bad("q/k/v.dim", (q.dim(), k.dim(), v.dim()), "q [Tq, H, D], k [L, Hkv, D], v [L, Hkv, Dv]")
+    (tq, h, d), (lk, hkv, dk), (lv, hkv_v, _) = q.shape, k.shape, v.shape
+    if dk != d or lv != lk or hkv_v != hkv:
+        raise bad("k/v.shape", (tuple(k.shape), tuple(v.shape)), f"k [L, Hkv, {d}] and v [L, Hkv, Dv] with equal L, Hkv")
+    if hkv < 1 or h % hkv:
+        raise bad("num_kv_heads", hkv, f"a divisor of num_heads={h}")
+    if tuple(q_positions.shape) != (tq,):
+        raise bad("q_positions.shape", tuple(q_positions.shape), f"[{tq}]")
+    if tq and (int(q_positions.min()) < 0 or int(q_positions.max()) >= lk):
+        raise bad("q_positions", (int(q_positions.min()), int(q_positions.max())), f"positions in [0, {lk - 1}]")
+    if window is not None and window < 1:
+        raise bad("window", window, "None or an integer >= 1")
+    if sinks is not None and tuple(sinks.shape) != (h,):
+        raise bad("sinks.shape", tuple(sinks.shape), f"[{h}]")
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
+                        scale: float, window: Optional[int] = None, softcap: Optional[float] = None,
+                        sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of one request's queries over all of its keys, in float64.
+
+    Parameters
+    ----------
+    q : [Tq, H, D] any float dtype — the queries (upcast to float64).
+    k : [L, Hkv, D] — every key of the request, key ``j`` at absolute position ``j``.
+    v : [L, Hkv, Dv] — every value of the request (``Dv`` may differ from ``D``: MLA absorbed form
+        uses D = kv_lora_rank + rope dim, e.g. 576, and Dv = kv_lora_rank, e.g. 512).
+    q_positions : [Tq] int — absolute position of each query (prefix included).
+    scale : softmax scale applied to ``q @ k^T``.
+    window : sliding window in keys, the query itself included: key ``j`` is visible from query
+        ``i`` iff ``0 <= i - j < window`` (HF / sglang convention); None = causal only.
+    softcap : logit softcap: scaled scores become ``softcap * tanh(s / softcap)`` (Gemma-2).
+    sinks : [H] per-head sink logits (gpt-oss): each adds ``exp(sink_h)`` to the softmax
+        denominator of head ``h`` and attends to no value.
+
+    GQA: query head ``h`` reads kv head ``h // (H // Hkv)``.
+
+    Returns
+    -------
+    [Tq, H, Dv] float64 on q's device.
+
+    Raises
+    ------
+    BuildError (``reference_input_invalid``) for inconsistent shapes, positions or window.
+    """
+    _check(q, k, v, q_positions, window, sinks)
+    f64 = torch.float64
+    h, hkv = q.shape[1], k.shape[1]
+    kv_of_head = torch.arange(h, device=k.device) // (h // hkv)
+    qh = q.to(f64).transpose(0, 1)                                # [H, Tq, D]
+    kh = k.to(f64)[:, kv_of_head].transpose(0, 1)                 # [H, L, D]
+    vh = v.to(f64)[:, kv_of_head].transpose(0, 1)                 # [H, L, Dv]
+    scores = (qh @ kh.transpose(1, 2)) * scale                    # [H, Tq, L]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    dist = q_positions.to(q.device).view(-1, 1) - torch.arange(k.shape[0], device=q.device).view(1, -1)
+    visible = dist >= 0
+    if window is not None:
+        visible &= dist < window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)                   # every query sees itself: finite
+    if sinks is not None:
+        sink = sinks.to(device=q.device, dtype=f64).view(h, 1, 1)
+        row_max = torch.maximum(row_max, sink)
+    weights = torch.exp(scores - row_max)
+    denom = weights.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - row_max)
+    out = (weights / denom) @ vh                                  # [H, Tq, Dv]
+    return out.transpose(0, 1).contiguous()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max|out - ref| / max|ref|`` computed in float64; NaN/inf in ``out`` give ``inf``.
+
+    ``out`` and ``ref`` must have the same number of elements (they are flattened). If ``ref`` is
+    all zeros the absolute error is returned.
+    """
+    o = out.detach().to(torch.float64).reshape(-1)
+    r = ref.detach().to(device=o.device, dtype=torch.float64).reshape(-1)
+    if not bool(torch.isfinite(o).all()):
+        return float("inf")
+    num = float((o - r).abs().max()) if o.numel() else 0.0
+    den = float(r.abs().max()) if r.numel() else 0.0
+    return num / den if den > 0 else num

@@ -1,0 +1,58 @@
+"""Settings sglang also reads from the environment: explicit field > env var > default.
+
+- ``zbal_local_mem_size`` ↔ ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` (bytes; default 0 = off).
+- ``flashinfer_workspace_size`` ↔ ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` (bytes; default 384 MiB as
+  in sglang's FlashInfer backend, 512 MiB for Qwen2/Qwen3-family models as sglang raises it).
+
+The resolved value and the source that won are logged as a ``setting_resolved`` event.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, Mapping, Optional
+
+from pipeline.contracts import AttentionArgs, ModelSpec
+from pipeline.errors import ConfigError
+
+MiB = 1 << 20
+FLASHINFER_WORKSPACE_DEFAULT = 384 * MiB
+FLASHINFER_WORKSPACE_QWEN = 512 * MiB
+QWEN_FAMILY = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl")
+
+Source = Literal["field", "env", "default"]
+
+
+def _from_env(env: Mapping[str, str], name: str) -> Optional[int]:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        val = int(raw)
+    except ValueError:
+        val = -1
+    if val < 0:
+        raise ConfigError(f"environment variable {name}={raw!r} is not a non-negative integer (bytes)",
+                          code="invalid_value", flags=[(name, raw)], allowed=["an integer >= 0 (bytes)"],
+                          remedy=f"unset {name} or set it to a byte count")
+    return val
+
+
+def zbal_local_mem_size(args: AttentionArgs, env: Mapping[str, str] = os.environ) -> tuple[int, Source]:
+    """Bytes of NPU zbal lazy memory and where the value came from."""
+    if args.zbal_local_mem_size is not None:
+        return args.zbal_local_mem_size, "field"
+    v = _from_env(env, "SGLANG_ZBAL_LOCAL_MEM_SIZE")
+    return (v, "env") if v is not None else (0, "default")
+
+
+def flashinfer_workspace_size(args: AttentionArgs, model: ModelSpec,
+                              env: Mapping[str, str] = os.environ) -> tuple[int, Source]:
+    """Bytes of the FlashInfer workspace buffer and where the value came from."""
+    if args.flashinfer_workspace_size is not None:
+        return args.flashinfer_workspace_size, "field"
+    v = _from_env(env, "SGLANG_FLASHINFER_WORKSPACE_SIZE")
+    if v is not None:
+        return v, "env"
+    default = FLASHINFER_WORKSPACE_QWEN if model.model_type in QWEN_FAMILY else FLASHINFER_WORKSPACE_DEFAULT
+    return default, "default"

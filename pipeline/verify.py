@@ -1,0 +1,203 @@
+"""Verification harness: run a real batch through a built backend and compare with the reference.
+
+``attn-setup run`` calls :func:`verify_all` on every built instance (TBO children, PD-mux members,
+both halves of a hybrid). For one representative layer of each distinct layer kind of the model
+it drives the backend through the engine's own pools:
+
+1. an extend that caches the prefixes of the requests that have one (lengths 3, 21, 10 — not
+   multiples of page_size > 1, and 21 crosses a 16-token page),
+2. an extend of new tokens for every request (prefix lengths 0, 3, 21, 0, 10),
+3. ``decode_steps`` decode steps,
+
+with random q/k/v (and random sinks for kinds with sinks), pages handed out scrambled by
+:class:`~pipeline.memory.PageAllocator`. It keeps its own un-paged copy of every K/V written (as
+rounded to the KV storage dtype) and compares every step's output per request with
+:func:`pipeline.reference.reference_attention` using ``max|out - ref| / max|ref|``.
+
+Shrunk for speed and to exercise masking: sliding windows are capped at :data:`VERIFY_WINDOW`
+keys; for softcapped kinds q is scaled so scaled scores are of the order of the cap (otherwise a
+cap of 50 would never bite). Both are stated in :attr:`VerifyResult.detail`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional, Sequence
+
+import msgspec
+import torch
+
+from pipeline.backends.base import AttentionBackend, AttentionLayer
+from pipeline.contracts import ForwardMode, LayerKind, ModelSpec
+from pipeline.errors import BuildError
+from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
+from pipeline.reference import reference_attention, rel_err
+
+__all__ = ["VerifyResult", "verify_backend", "verify_all", "tolerance", "VERIFY_WINDOW"]
+
+PREFIX_LENS = (0, 3, 21, 0, 10)
+NEW_LENS = (9, 4, 2, 6, 1)
+VERIFY_WINDOW = 7
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "auto": torch.bfloat16}
+
+
+class VerifyResult(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Outcome of verifying one built instance.
+
+    ``max_rel_err``: worst ``max|out - ref| / max|ref|`` over kinds, steps and requests
+    (``inf`` when the backend produced NaN/inf); ``passed``: ``max_rel_err <= tol``.
+    """
+
+    role: str
+    backend: str
+    max_rel_err: float
+    passed: bool
+    tol: float
+    detail: str
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise BuildError(f"verification dtype {dtype!r} is not supported", code="verify_dtype",
+                         flags=[("dtype", dtype)], allowed=sorted(_DTYPES), remedy="use bfloat16, float16 or float32")
+    return _DTYPES[dtype]
+
+
+def tolerance(dtype: Any) -> float:
+    """Allowed relative error for q/output dtype ``dtype``: fp32 1e-4, bf16/fp16 1e-2."""
+    return 1e-4 if _torch_dtype(dtype) is torch.float32 else 1e-2
+
+
+class _Case:
+    """One layer kind under test: its layer, q gain and the un-paged K/V history per request."""
+
+    def __init__(self, kind: LayerKind, kv_pool: KVPool, device: torch.device, gen: torch.Generator) -> None:
+        lid = kind.layer_ids[0] if kind.layer_ids else 0
+        want = (kind.num_kv_heads, kind.head_dim_qk), (kind.num_kv_heads, kind.head_dim_v)
+        have = ((tuple(kv_pool.k_buffer[lid].shape[1:]), tuple(kv_pool.v_buffer[lid].shape[1:]))
+                if lid < len(kv_pool.k_buffer) else None)
+        if have != want:
+            raise BuildError(f"KV pool layer {lid} has dims {have}, the model's {kind.kind} layers need {want}",
+                             code="verify_pool_mismatch", flags=[("layer_id", lid)],
+                             remedy="build the KV pool from the model's layer kinds")
+        window = None if kind.sliding_window is None else min(kind.sliding_window, VERIFY_WINDOW)
+        sinks = None
+        if kind.has_sinks:
+            sinks = (torch.randn(kind.num_heads, generator=gen) + 2.0).to(device)
+        self.kind = kind
+        self.layer = AttentionLayer(layer_id=lid, num_heads=kind.num_heads, num_kv_heads=kind.num_kv_heads,
+                                    head_dim=kind.head_dim_qk, v_head_dim=kind.head_dim_v, scaling=kind.scaling,
+                                    sliding_window=window, logit_softcap=kind.logit_softcap, sinks=sinks,
+                                    is_mla=kind.is_mla)
+        self.q_gain = 1.0
+        if kind.logit_softcap is not None:
+            self.q_gain = kind.logit_softcap / (math.sqrt(kind.head_dim_qk) * kind.scaling)
+        self.k_hist: dict[int, list[torch.Tensor]] = {}
+        self.v_hist: dict[int, list[torch.Tensor]] = {}
+
+    def notes(self) -> list[str]:
+        k, out = self.kind, []
+        if k.sliding_window is not None and self.layer.sliding_window != k.sliding_window:
+            out.append(f"{k.kind} window {k.sliding_window}->{self.layer.sliding_window} for verification")
+        if k.logit_softcap is not None:
+            out.append(f"softcap {k.logit_softcap}: q x{self.q_gain:.3g} so scores reach the cap")
+        return out
+
+
+def _inputs(case: _Case, n: int, dtype: torch.dtype, device: torch.device,
+            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q [n, H, D], k [n, Hkv, D], v [n, Hkv, Dv] (MLA: v = the latent part of k)."""
+    L = case.layer
+    q = (torch.randn(n, L.num_heads, L.head_dim, generator=gen) * case.q_gain).to(dtype)
+    k = torch.randn(n, L.num_kv_heads, L.head_dim, generator=gen).to(dtype)
+    if L.is_mla:
+        v = k[..., : L.v_head_dim].clone()
+    else:
+        v = torch.randn(n, L.num_kv_heads, L.v_head_dim, generator=gen).to(dtype)
+    return q.to(device), k.to(device), v.to(device)
+
+
+def _check_case_step(case: _Case, backend: AttentionBackend, fb, rows: Sequence[int], new: Sequence[int],
+                     dtype: torch.dtype, gen: torch.Generator) -> list[float]:
+    """Run one layer of one step; returns the per-request relative errors."""
+    pool, dev = fb.token_to_kv_pool, fb.token_to_kv_pool.device
+    q, k, v = _inputs(case, sum(new), dtype, dev, gen)
+    out = backend.forward(q, k, v, case.layer, fb, save_kv_cache=True)
+    L = case.layer
+    out = out.reshape(sum(new), L.num_heads, L.v_head_dim)
+    errs, start = [], 0
+    for row, n in zip(rows, new):
+        sl = slice(start, start + n)
+        case.k_hist.setdefault(row, []).append(k[sl].to(pool.dtype).to(torch.float64).cpu())
+        case.v_hist.setdefault(row, []).append(v[sl].to(pool.dtype).to(torch.float64).cpu())
+        kk, vv = torch.cat(case.k_hist[row]), torch.cat(case.v_hist[row])
+        pos = torch.arange(kk.shape[0] - n, kk.shape[0])
+        ref = reference_attention(q[sl].cpu(), kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
+                                  softcap=L.logit_softcap, sinks=None if L.sinks is None else L.sinks.cpu())
+        errs.append(rel_err(out[sl].cpu(), ref))
+        start += n
+    return errs
+
+
+def _steps(rows: Sequence[int], decode_steps: int) -> list[tuple[str, ForwardMode, list[int], list[int]]]:
+    b = len(rows)
+    pre = [(r, p) for r, p in zip(rows, PREFIX_LENS[:b]) if p > 0]
+    steps = [("prefix-extend", ForwardMode.EXTEND, [r for r, _ in pre], [p for _, p in pre])] if pre else []
+    steps.append(("extend", ForwardMode.EXTEND, list(rows), list(NEW_LENS[:b])))
+    steps += [(f"decode#{i}", ForwardMode.DECODE, list(rows), [1] * b) for i in range(decode_steps)]
+    return steps
+
+
+def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: ModelSpec,
+                   req_to_token_pool: ReqToTokenPool, kv_pool: KVPool, torch_device: str | torch.device,
+                   dtype: Any, seed: int = 0, decode_steps: int = 3,
+                   layer_kinds: Optional[Sequence[LayerKind]] = None) -> VerifyResult:
+    """Verify one instance on the engine's pools; see the module docstring for the batch.
+
+    Parameters
+    ----------
+    backend : the built instance (a wrapper is driven as a whole).
+    role, name : the instance's plan role and backend name (copied into the result).
+    model : the served model; its ``layer_kinds()`` are tested (or ``layer_kinds`` if given).
+    req_to_token_pool, kv_pool : the pools the backend was built for; rows ``0..B-1`` (B <= 5) of
+        ``req_to_token`` and scrambled pages of ``kv_pool`` are used, the rows are zeroed after.
+    torch_device : device of the pools; dtype : q/k/v dtype (name or torch dtype).
+
+    Returns :class:`VerifyResult`. Raises :class:`BuildError` when the pools cannot hold the batch
+    or do not match the model; exceptions from the backend propagate unchanged.
+    """
+    qdtype, tol = _torch_dtype(dtype), tolerance(dtype)
+    device = torch.device(torch_device)
+    gen = torch.Generator().manual_seed(seed)
+    kinds = list(layer_kinds) if layer_kinds is not None else model.layer_kinds()
+    cases = [_Case(kind, kv_pool, device, gen) for kind in kinds]
+    rows = list(range(min(len(PREFIX_LENS), req_to_token_pool.max_reqs)))
+    alloc = PageAllocator(req_to_token_pool, kv_pool.size, kv_pool.page_size, seed=seed)
+    worst, where = 0.0, ""
+    try:
+        for label, mode, srows, new in _steps(rows, decode_steps):
+            fb = make_forward_batch(mode, srows, new, alloc, kv_pool)
+            backend.init_forward_metadata(fb)
+            for case in cases:
+                for row, err in zip(srows, _check_case_step(case, backend, fb, srows, new, qdtype, gen)):
+                    if not err <= worst:  # also catches NaN
+                        worst, where = (err if err == err else math.inf), f"{case.kind.kind}/{label}/req{row}"
+    finally:
+        for r in rows:
+            alloc.free(r)
+            req_to_token_pool.req_to_token[r].zero_()
+    notes = list(dict.fromkeys(n for c in cases for n in c.notes()))
+    detail = (f"{len(cases)} kind(s) x {len(_steps(rows, decode_steps))} steps x {len(rows)} reqs, "
+              f"prefix {list(PREFIX_LENS[:len(rows)])}, new {list(NEW_LENS[:len(rows)])}, "
+              f"page_size {kv_pool.page_size}, kv {str(kv_pool.dtype).replace('torch.', '')}; worst at {where}")
+    if notes:
+        detail += "; " + "; ".join(notes)
+    return VerifyResult(role=role, backend=name, max_rel_err=worst, passed=worst <= tol, tol=tol, detail=detail)
+
+
+def verify_all(instances: Iterable[tuple[str, str, AttentionBackend]], **kwargs: Any) -> list[VerifyResult]:
+    """:func:`verify_backend` for each ``(role, name, backend)``; ``kwargs`` are passed through."""
+    return [verify_backend(backend, role=role, name=name, **kwargs) for role, name, backend in instances]

@@ -1,0 +1,40 @@
+"""npu-lazy-mem: NPU zbal lazy device memory, which must exist before graph capture.
+
+Rule (sglang): run only when the device is ``npu``, the zbal size (field > env
+``SGLANG_ZBAL_LOCAL_MEM_SIZE`` > 0) is positive and this is not a draft worker; it is called with
+the world group's rank, world size and CPU process group. Otherwise skipped with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import msgspec
+
+from pipeline.platforms.base import Platform
+
+
+class LazyMemDecision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``run``: whether to initialise; ``nbytes``: size in bytes; ``reason``: why skipped (if so)."""
+
+    run: bool
+    nbytes: int = 0
+    reason: str = ""
+
+
+def decide(device_type: str, nbytes: int, source: str, is_draft_worker: bool) -> LazyMemDecision:
+    """Pure decision; ``source`` says where ``nbytes`` came from (field, env, default)."""
+    if device_type != "npu":
+        return LazyMemDecision(run=False, reason=f"device type is {device_type!r}, zbal lazy memory exists on npu only")
+    if is_draft_worker:
+        return LazyMemDecision(run=False, reason="draft worker: the target worker owns zbal lazy memory")
+    if nbytes <= 0:
+        return LazyMemDecision(run=False, reason=f"zbal_local_mem_size is 0 (from {source})")
+    return LazyMemDecision(run=True, nbytes=nbytes)
+
+
+def apply(platform: Platform, decision: LazyMemDecision, rank: int, world_size: int,
+          cpu_group: Optional[Any]) -> None:
+    """Initialise lazy device memory through the platform when the decision says so."""
+    if decision.run:
+        platform.init_lazy_device_memory(decision.nbytes, rank, world_size, cpu_group)

@@ -1,0 +1,285 @@
+"""ModelSpec from Hugging Face config.json: the bundled real configs and the error paths.
+
+The EXPECTED table below was written by hand from the model cards / papers (Llama 3 herd paper,
+Qwen2.5 and Qwen3 model cards, Mistral 7B paper, Gemma 2 report, DeepSeek-V2 paper, gpt-oss
+model card), not by running the loader.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from pipeline.contracts import ModelSpec
+from pipeline.errors import EXIT_REFUSED, EXIT_USAGE, ModelConfigError, UsageError
+from pipeline.model_spec import DEFAULT_MODEL_CONFIG, LAYER_RULES, layer_kinds, load_model_spec
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "examples" / "configs"
+
+# DeepSeek-V2-Lite: softmax scale 1/sqrt(128 + 64), times the YaRN mscale squared with
+# mscale_all_dim = 0.707 and factor 40 (DeepSeek-V2 paper, appendix on YaRN).
+_DSV2_MSCALE = 1.0 + 0.1 * 0.707 * math.log(40.0)
+_EVEN = lambda n: [i for i in range(n) if i % 2 == 0]  # noqa: E731
+
+EXPECTED = {
+    # file: (model_type, layers, heads, kv_heads, head_dim, v_dim, scale, sliding ids, window,
+    #        softcap, sinks, mla (kv_lora, rope, nope, v, q_lora) or None, dtype, vocab, max_pos, theta)
+    "llama-3.1-8b.json": ("llama", 32, 32, 8, 128, 128, 1 / math.sqrt(128), [], None,
+                          None, False, None, "bfloat16", 128256, 131072, 500000.0),
+    "qwen2.5-7b.json": ("qwen2", 28, 28, 4, 128, 128, 1 / math.sqrt(128), [], None,
+                        None, False, None, "bfloat16", 152064, 131072, 1e6),
+    "mistral-7b-v0.1.json": ("mistral", 32, 32, 8, 128, 128, 1 / math.sqrt(128), list(range(32)), 4096,
+                             None, False, None, "bfloat16", 32000, 32768, 10000.0),
+    "gemma-2-9b.json": ("gemma2", 42, 16, 8, 256, 256, 1 / 16, _EVEN(42), 4096,
+                        50.0, False, None, "float32", 256000, 8192, 10000.0),
+    "qwen3-8b.json": ("qwen3", 36, 32, 8, 128, 128, 1 / math.sqrt(128), [], None,
+                      None, False, None, "bfloat16", 151936, 40960, 1e6),
+    "deepseek-v2-lite.json": ("deepseek_v2", 27, 16, 16, 192, 128, _DSV2_MSCALE**2 / math.sqrt(192), [], None,
+                              None, False, (512, 64, 128, 128, None), "bfloat16", 102400, 163840, 10000.0),
+    "gpt-oss-20b.json": ("gpt_oss", 24, 64, 8, 64, 64, 1 / 8, _EVEN(24), 128,
+                         None, True, None, "bfloat16", 201088, 131072, 150000.0),
+}
+
+
+def _cfg(name: str) -> dict:
+    return json.loads((CONFIGS / name).read_text())
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_bundled_config_fields(name):
+    """Each bundled config reads to the hand-written table's values."""
+    (mt, layers, heads, kv, hd, vd, scale, sliding, window, cap, sinks, mla, dtype, vocab, max_pos,
+     theta) = EXPECTED[name]
+    s = load_model_spec(CONFIGS / name)
+    assert (s.model_type, s.num_hidden_layers, s.num_attention_heads, s.num_key_value_heads) == (mt, layers, heads, kv)
+    assert (s.head_dim, s.v_head_dim) == (hd, vd)
+    assert abs(s.scaling - scale) / scale < 1e-12
+    assert [i for i, t in enumerate(s.layer_types) if t == "sliding"] == sliding
+    assert len(s.layer_types) == layers and s.sliding_window == window
+    assert s.logit_softcap == cap and s.has_attention_sinks is sinks
+    got_mla = None if s.mla is None else (s.mla.kv_lora_rank, s.mla.qk_rope_head_dim, s.mla.qk_nope_head_dim,
+                                          s.mla.v_head_dim, s.mla.q_lora_rank)
+    assert got_mla == mla
+    assert (s.dtype, s.vocab_size, s.max_position_embeddings, s.rope_theta) == (dtype, vocab, max_pos, theta)
+    assert s.is_encoder_decoder is False and s.source == str(CONFIGS / name)
+
+
+# file -> [(kind, num_kv_heads, head_dim_qk, head_dim_v, window, is_mla, number of layers)]
+EXPECTED_KINDS = {
+    "llama-3.1-8b.json": [("full", 8, 128, 128, None, False, 32)],
+    "qwen2.5-7b.json": [("full", 4, 128, 128, None, False, 28)],
+    "mistral-7b-v0.1.json": [("sliding", 8, 128, 128, 4096, False, 32)],
+    "gemma-2-9b.json": [("sliding", 8, 256, 256, 4096, False, 21), ("full", 8, 256, 256, None, False, 21)],
+    "qwen3-8b.json": [("full", 8, 128, 128, None, False, 36)],
+    "deepseek-v2-lite.json": [("full", 1, 576, 512, None, True, 27)],
+    "gpt-oss-20b.json": [("sliding", 8, 64, 64, 128, False, 12), ("full", 8, 64, 64, None, False, 12)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_KINDS))
+def test_layer_kinds_counts(name):
+    """layer_kinds groups layers by kind (MLA in absorbed form) and covers every layer once."""
+    s = load_model_spec(CONFIGS / name)
+    kinds = s.layer_kinds()
+    got = [(k.kind, k.num_kv_heads, k.head_dim_qk, k.head_dim_v, k.sliding_window, k.is_mla, len(k.layer_ids))
+           for k in kinds]
+    assert got == EXPECTED_KINDS[name]
+    assert sorted(i for k in kinds for i in k.layer_ids) == list(range(s.num_hidden_layers))
+    assert all(k.num_heads == EXPECTED[name][2] and k.has_sinks == EXPECTED[name][10] for k in kinds)
+    assert all(k.logit_softcap == EXPECTED[name][9] and k.scaling == s.scaling for k in kinds)
+
+
+def test_bundled_default_is_byte_identical_copy():
+    """The package's default config is the example Llama-3.1-8B file, byte for byte."""
+    assert DEFAULT_MODEL_CONFIG.read_bytes() == (CONFIGS / "llama-3.1-8b.json").read_bytes()
+    assert load_model_spec(DEFAULT_MODEL_CONFIG).num_key_value_heads == 8
+
+
+def test_every_example_config_is_in_the_table():
+    """No example config ships without a row in the hand-written table."""
+    assert sorted(p.name for p in CONFIGS.glob("*.json")) == sorted(EXPECTED)
+
+
+def test_spec_round_trips_through_msgspec():
+    """A loaded spec encodes to JSON and decodes back to an equal frozen Struct."""
+    s = load_model_spec(CONFIGS / "deepseek-v2-lite.json", source="deepseek-ai/DeepSeek-V2-Lite")
+    assert s.source == "deepseek-ai/DeepSeek-V2-Lite"
+    assert msgspec.json.decode(msgspec.json.encode(s), type=ModelSpec) == s
+
+
+# ------------------------------------------------------------------------------------------
+# The implicit rules
+# ------------------------------------------------------------------------------------------
+
+
+def test_qwen2_sliding_starts_at_max_window_layers():
+    """Qwen2 with use_sliding_window: layers >= max_window_layers slide, earlier ones are full."""
+    c = _cfg("qwen2.5-7b.json") | {"use_sliding_window": True, "max_window_layers": 20, "sliding_window": 32768}
+    s = load_model_spec(c)
+    assert [i for i, t in enumerate(s.layer_types) if t == "sliding"] == list(range(20, 28))
+    assert s.sliding_window == 32768 and s.source == "dict"
+
+
+def test_explicit_layer_types_win_over_rules():
+    """An explicit layer_types list overrides Gemma-2's alternating rule."""
+    c = _cfg("gemma-2-9b.json") | {"layer_types": ["full_attention"] * 41 + ["sliding_attention"]}
+    s = load_model_spec(c)
+    assert s.layer_types == ["full"] * 41 + ["sliding"] and s.sliding_window == 4096
+
+
+def test_gpt_oss_without_layer_types_alternates_and_keeps_sinks():
+    """gpt-oss falls back to sliding-first alternation; sinks stay on."""
+    c = _cfg("gpt-oss-20b.json")
+    del c["layer_types"]
+    s = load_model_spec(c)
+    assert s.layer_types == ["sliding", "full"] * 12 and s.has_attention_sinks
+
+
+def test_text_config_nesting_and_defaults():
+    """A multimodal wrapper is read through text_config; kv heads default to heads; extras ignored."""
+    inner = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+             "rope_parameters": {"rope_theta": 250000.0, "rope_type": "default"}, "some_new_key": [1, 2]}
+    s = load_model_spec({"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
+                         "dtype": "float16", "text_config": inner})
+    assert (s.model_type, s.num_key_value_heads, s.head_dim, s.scaling) == ("llama", 8, 128, 128**-0.5)
+    assert (s.rope_theta, s.dtype, s.architectures) == (250000.0, "float16", ["LlavaForConditionalGeneration"])
+
+
+def test_query_pre_attn_scalar_sets_scale():
+    """Gemma-2-27B style: query_pre_attn_scalar=144 (not head_dim=128) gives scale 1/12."""
+    c = _cfg("gemma-2-9b.json") | {"head_dim": 128, "query_pre_attn_scalar": 144}
+    assert abs(load_model_spec(c).scaling - 1 / 12) < 1e-15
+
+
+def test_mla_without_rope_scaling_has_plain_scale():
+    """Without YaRN mscale the MLA scale is 1/sqrt(qk_nope + qk_rope)."""
+    c = _cfg("deepseek-v2-lite.json")
+    c["rope_scaling"] = None
+    assert load_model_spec(c).scaling == 192**-0.5
+
+
+def test_rule_table_cites_every_entry():
+    """Each implicit rule carries a citation of where it comes from."""
+    assert {"gemma2", "qwen2", "qwen3", "mistral", "gpt_oss", "deepseek_v2"} <= set(LAYER_RULES)
+    assert all(r.cite for r in LAYER_RULES.values())
+
+
+def test_module_does_not_import_torch():
+    """pipeline.model_spec imports without torch."""
+    code = "import sys, pipeline.model_spec; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------
+
+_LLAMA = json.loads((CONFIGS / "llama-3.1-8b.json").read_text())
+
+
+def _with(**changes) -> dict:
+    c = copy.deepcopy(_LLAMA)
+    for k, v in changes.items():
+        if v is ...:
+            del c[k]
+        else:
+            c[k] = v
+    return c
+
+
+BAD_DICTS = [
+    # (id, config, json_path, flag name, flag value)
+    ("missing_heads", _with(num_attention_heads=...), "$.num_attention_heads", "num_attention_heads", None),
+    ("missing_hidden", _with(hidden_size=...), "$.hidden_size", "hidden_size", None),
+    ("missing_model_type", _with(model_type=...), "$.model_type", "model_type", None),
+    ("layers_as_string", _with(num_hidden_layers="32"), "$.num_hidden_layers", "num_hidden_layers", "32"),
+    ("kv_heads_bool", _with(num_key_value_heads=True), "$.num_key_value_heads", "num_key_value_heads", True),
+    ("zero_layers", _with(num_hidden_layers=0), "$.num_hidden_layers", "num_hidden_layers", 0),
+    ("negative_head_dim", _with(head_dim=-128), "$.head_dim", "head_dim", -128),
+    ("heads_not_divisible", _with(num_key_value_heads=5), "$.num_key_value_heads", "num_key_value_heads", 5),
+    ("hidden_not_divisible", _with(hidden_size=4100), "$.head_dim", "head_dim", None),
+    ("negative_softcap", _with(attn_logit_softcapping=-50.0), "$.attn_logit_softcapping",
+     "attn_logit_softcapping", -50.0),
+    ("bad_dtype", _with(torch_dtype="int8"), "$.torch_dtype", "torch_dtype", "int8"),
+    ("layer_types_short", _with(layer_types=["full_attention"] * 3), "$.layer_types", "layer_types",
+     ["full_attention"] * 3),
+    ("layer_type_unknown", _with(layer_types=["full_attention"] * 3 + ["chunked_attention"] + ["full_attention"] * 28),
+     "$.layer_types[3]", "layer_types[3]", "chunked_attention"),
+    ("sliding_without_window", _with(model_type="mistral", layer_types=["sliding_attention"] * 32),
+     "$.sliding_window", "sliding_window", None),
+    ("text_config_missing_heads", {"model_type": "llava", "text_config": _with(num_attention_heads=...)},
+     "$.text_config.num_attention_heads", "num_attention_heads", None),
+    ("text_config_not_object", {"model_type": "llava", "text_config": [1]}, "$.text_config", "text_config", [1]),
+    ("mla_missing_rope_dim", {k: v for k, v in _cfg("deepseek-v2-lite.json").items() if k != "qk_rope_head_dim"},
+     "$.qk_rope_head_dim", "qk_rope_head_dim", None),
+    ("nan_rope_theta", _with(rope_theta=float("nan")), "$.rope_theta", "rope_theta", None),
+]
+
+
+@pytest.mark.parametrize("case", BAD_DICTS, ids=[c[0] for c in BAD_DICTS])
+def test_bad_config_raises_typed_error(case):
+    """Each bad config raises ModelConfigError naming the JSON path, the key and its value."""
+    _, cfg, path, flag, value = case
+    with pytest.raises(ModelConfigError) as ei:
+        load_model_spec(cfg)
+    info = ei.value.info
+    assert info.json_path == path and ei.value.exit_code == EXIT_REFUSED
+    assert info.flags[0].name == flag
+    if flag == "rope_theta":  # NaN is never equal to itself; check it is reported as NaN
+        assert math.isnan(info.flags[0].value)
+    else:
+        assert info.flags[0].value == value
+    assert info.allowed and info.remedy and info.code == "model_config_invalid"
+
+
+@pytest.mark.parametrize("text, line", [
+    ('{"model_type": "llama", "hidden_size": 4096,\n}', 2),            # trailing comma
+    ((CONFIGS / "llama-3.1-8b.json").read_text()[:300], None),        # truncated file
+    ("", 1),                                                          # empty file
+])
+def test_malformed_json_file(tmp_path, text, line):
+    """Malformed or truncated JSON raises ModelConfigError at $ naming the file and line."""
+    p = tmp_path / "config.json"
+    p.write_text(text)
+    with pytest.raises(ModelConfigError) as ei:
+        load_model_spec(p)
+    info = ei.value.info
+    assert info.json_path == "$" and info.code == "model_config_malformed"
+    flags = {f.name: f.value for f in info.flags}
+    assert flags["path"] == str(p)
+    assert flags["line"] == (line if line is not None else text.count("\n") + 1)
+
+
+def test_top_level_must_be_object(tmp_path):
+    """A JSON list at the top level is refused at $."""
+    p = tmp_path / "config.json"
+    p.write_text("[1, 2]")
+    with pytest.raises(ModelConfigError) as ei:
+        load_model_spec(p)
+    assert ei.value.info.json_path == "$" and ei.value.info.flags[0].value == "list"
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory"])
+def test_unreadable_path_is_usage_error(tmp_path, kind):
+    """An unreadable path raises UsageError (exit code 2) naming the path."""
+    p = tmp_path / "nope.json" if kind == "missing" else tmp_path
+    with pytest.raises(UsageError) as ei:
+        load_model_spec(str(p))
+    assert ei.value.exit_code == EXIT_USAGE and ei.value.info.code == "config_unreadable"
+    assert ei.value.info.flags[0].name == "path" and ei.value.info.flags[0].value == str(p)
+
+
+def test_layer_kinds_rejects_inconsistent_spec():
+    """layer_kinds refuses a hand-built spec whose layer_types do not match the layer count."""
+    s = msgspec.structs.replace(load_model_spec(CONFIGS / "llama-3.1-8b.json"), layer_types=["full"])
+    with pytest.raises(ModelConfigError) as ei:
+        layer_kinds(s)
+    assert ei.value.info.json_path == "$.layer_types" and ei.value.info.flags[0].value == 1
