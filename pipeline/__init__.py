@@ -22,6 +22,8 @@ _EXPORTS = {
     "ResolvedAttentionBackendStr": ("pipeline.contracts", "ResolvedAttentionBackendStr"),
     "load_model_spec": ("pipeline.model_spec", "load_model_spec"),
     "EventLog": ("pipeline.eventlog", "EventLog"),
+    "replay": ("pipeline.replay", "replay"),
+    "read_trace": ("pipeline.trace", "read_trace"),
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import time
 import uuid
@@ -51,6 +52,13 @@ def installed_by_import(packages: tuple[str, ...] = PACKAGES) -> dict[str, bool]
 
 def versions(installed: Mapping[str, bool]) -> dict[str, Optional[str]]:
     """Versions recorded in the trace (attn-setup, Python, torch, CUDA, triton, flashinfer)."""
+    return dict(_versions(tuple(sorted(installed.items()))))
+
+
+@functools.lru_cache(maxsize=8)
+def _versions(installed_items: tuple[tuple[str, bool], ...]) -> tuple[tuple[str, Optional[str]], ...]:
+    """Cached per process: reading distribution metadata costs milliseconds and cannot change mid-run."""
+    installed = dict(installed_items)
     import platform as _p
 
     def ver(d: str) -> Optional[str]:
@@ -65,10 +73,17 @@ def versions(installed: Mapping[str, bool]) -> dict[str, Optional[str]]:
         import torch
 
         out["cuda"] = torch.version.cuda
-    return out
+    return tuple(out.items())
 
 
 def new_run_id() -> str:
+    """A fresh run id, or ``ATTN_SETUP_RUN_ID`` / torchrun's ``TORCHELASTIC_RUN_ID`` when set, so the
+    ranks of one launch share a run id and their traces merge by (run_id, rank)."""
+    import os
+
+    shared = os.environ.get("ATTN_SETUP_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    if shared and shared != "none":
+        return shared
     return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
 
 
@@ -132,6 +147,7 @@ class _Run:
     def build(self) -> None:
         res = self.machine.model.resolution
         model = self.req.served_model
+        self.kinds = model.layer_kinds()
         if {res.pair.prefill, res.pair.decode} & {"flashinfer", "fa3"}:
             self.fi_ws = settings.flashinfer_workspace_size(self.req.args, model)
             self.log.emit(ev.SettingResolved, state=self.state, field="flashinfer_workspace_size",
@@ -161,7 +177,7 @@ class _Run:
         p = self.req.pool
         self.pools["req_to_token_pool"] = ReqToTokenPool(p.max_reqs, p.max_context_len, self.torch_device)
         self.pools["kv_pool"] = KVPool.for_layer_kinds(
-            model.layer_kinds(), model.num_hidden_layers, p.num_token_slots, p.page_size,
+            self.kinds, model.num_hidden_layers, p.num_token_slots, p.page_size,
             torch_dtype(kv_dtype(self.req.args, model)), self.torch_device)
 
     def _make_instance(self, inst: InstancePlan) -> Any:
@@ -170,7 +186,7 @@ class _Run:
         ws = self.workspace_pool.get(inst.workspace) if inst.workspace else None
         model = self.req.served_model
         ctx = BackendContext(name=inst.backend, role=inst.role, device=self.machine.model.device_facts,
-                             torch_device=self.torch_device, model=model, layer_kinds=model.layer_kinds(),
+                             torch_device=self.torch_device, model=model, layer_kinds=self.kinds,
                              args=self.req.args, req_to_token_pool=self.pools["req_to_token_pool"],
                              kv_pool=self.pools["kv_pool"], workspace=ws, dtype=model_dtype(self.req.args, model))
         t = time.perf_counter()

@@ -77,19 +77,27 @@ def add_setup_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
     add_attention_flags(p)
 
 
+# Subcommand modules: each defines ``add_parser(subparsers)`` and ``cmd(ns) -> int`` (exit code).
+# A new subcommand is one module and one line here.
+COMMANDS: list[str] = [
+    "pipeline.cli_run",
+    "pipeline.cli_plan",
+    "pipeline.cli_inspect", "pipeline.cli_replay", "pipeline.cli_graph",
+]
+
+
+def _modules() -> list[Any]:
+    import importlib
+
+    return [importlib.import_module(m) for m in COMMANDS]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="attn-setup", description=__doc__.splitlines()[0])
+    p = _Parser(prog="attn-setup", description=(__doc__ or "").splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true", help="show info-level log events on stderr")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    run = sub.add_parser("run", help="run the pipeline and verify every built backend on a real batch")
-    add_setup_flags(run)
-    run.add_argument("--log-file", default="./attn-setup-logs/{run_id}.rank{rank}.jsonl",
-                     help="JSON-lines trace path; {run_id} and {rank} are filled in")
-    run.add_argument("--decode-steps", type=int, default=3, help="decode steps verified after the extend")
-    plan = sub.add_parser("plan", help="resolve and plan for a device profile without importing torch")
-    add_setup_flags(plan, device=False)
-    plan.add_argument("--device-profile", default="auto", help="a named profile (cpu, h200, a100 …) or auto")
-    plan.add_argument("--installed", default=None, help="comma-separated packages to assume installed")
+    for mod in _modules():
+        mod.add_parser(sub).set_defaults(_cmd=mod.cmd)
     return p
 
 
@@ -123,15 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         ns = build_parser().parse_args(argv)
         configure_logging(ns.verbose)
-        if ns.command == "run":
-            from pipeline.cli_run import cmd_run
-
-            return cmd_run(ns)
-        if ns.command == "plan":
-            from pipeline.cli_plan import cmd_plan
-
-            return cmd_plan(ns)
-        raise UsageError(f"unknown command {ns.command!r}")
+        return int(ns._cmd(ns))
     except AttnSetupError as e:
         print_error(e, as_json)
         return e.exit_code

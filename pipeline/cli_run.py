@@ -42,12 +42,13 @@ def pool_facts(ns: argparse.Namespace, args: Any, on_gpu: bool) -> PoolFacts:
 
 def request_from(ns: argparse.Namespace, *, on_gpu: bool) -> SetupRequest:
     from pipeline.cli import attention_args_from
+    from pipeline.eventlog import secrets_from_env
 
     args = attention_args_from(ns)
     model, draft = load_models(ns)
     return SetupRequest(args=args, model=model, draft_model=draft, is_draft_worker=ns.draft_worker,
                         device=getattr(ns, "device", "cpu"), rank=ns.rank, world_size=ns.world_size,
-                        pool=pool_facts(ns, args, on_gpu))
+                        pool=pool_facts(ns, args, on_gpu), secrets=secrets_from_env())
 
 
 def _on_gpu(device: str) -> bool:
@@ -82,7 +83,19 @@ def _verify(backends: Any, request: SetupRequest, log: Any, decode_steps: int) -
     return out
 
 
-def cmd_run(ns: argparse.Namespace) -> int:
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from pipeline.cli import add_setup_flags
+
+    run = sub.add_parser("run", help="run the pipeline and verify every built backend on a real batch")
+    add_setup_flags(run)
+    run.add_argument("--log-file", default="./attn-setup-logs/{run_id}.rank{rank}.jsonl",
+                     help="JSON-lines trace path; {run_id} and {rank} are filled in")
+    run.add_argument("--decode-steps", type=int, default=3, help="decode steps verified after the extend")
+    return run
+
+
+def cmd(ns: argparse.Namespace) -> int:
+    """Run the pipeline, verify every instance, print the report; returns the exit code."""
     from pipeline.build import build_attention_backends, new_run_id
     from pipeline.eventlog import EventLog
 
@@ -90,6 +103,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     run_id = new_run_id()
     log_file = ns.log_file.format(run_id=run_id, rank=request.rank)
     log = EventLog(run_id, request.rank, log_file, secrets=tuple(request.secrets.values()))
+    log.install_signal_handlers()
     error: Optional[ErrorInfo] = None
     code, backends, verified = EXIT_OK, None, []
     try:

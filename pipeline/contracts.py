@@ -164,7 +164,9 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
 
     ``layer_types`` has one entry per hidden layer: ``"full"`` or ``"sliding"``.
     ``head_dim``/``v_head_dim`` are the per-head qk / v dims of the un-absorbed model;
-    for MLA the absorbed dims are in :attr:`mla`.
+    for MLA the absorbed dims are in :attr:`mla`. ``global_head_dim``: qk and v head dim of the
+    full-attention layers when it differs from the sliding layers' ``head_dim`` (Gemma-style
+    256 local / 512 global); None = every layer uses ``head_dim``/``v_head_dim``.
     ``scaling`` is the softmax scale (``query_pre_attn_scalar ** -0.5`` where set, else
     ``head_dim ** -0.5``; for MLA ``(qk_nope + qk_rope) ** -0.5``).
     """
@@ -178,6 +180,7 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     num_key_value_heads: int
     head_dim: int
     v_head_dim: int
+    global_head_dim: int | None = None
     scaling: float
     layer_types: list[Literal["full", "sliding"]]
     sliding_window: int | None = None

@@ -10,10 +10,13 @@ line per record and flushes it (so a crash loses nothing already emitted). Secre
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, Any, Iterator, Mapping, Optional
 
 import msgspec
 import structlog
@@ -21,6 +24,18 @@ import structlog
 from pipeline import events as ev
 
 REDACTED = "<redacted>"
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+SECRET_ENV_PREFIX = "ATTN_SETUP_SECRET_"
+
+
+def secrets_from_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """Secrets passed to the CLI as ``ATTN_SETUP_SECRET_<NAME>=value`` → ``{NAME: value}``.
+
+    An engine's secret arguments (API keys, hub tokens) go into ``SetupRequest.secrets`` this way
+    rather than on the command line, where ``ps`` would show them; empty values are ignored.
+    """
+    return {k[len(SECRET_ENV_PREFIX):]: v for k, v in sorted(environ.items())
+            if k.startswith(SECRET_ENV_PREFIX) and len(k) > len(SECRET_ENV_PREFIX) and v}
 
 
 class EventLog:
@@ -66,12 +81,90 @@ class EventLog:
             self.records.append(record)
             if self._file_log is not None:
                 self._file_log.msg(ev.event_name(cls), record=record)
-        payload = msgspec.json.decode(self._redact_bytes(ev.encode(record)))
-        name = payload.pop("event")
-        for k in ("run_id", "rank"):
-            payload.pop(k, None)
-        getattr(self._app, cls.level)(name, **payload)
+        if self._app_enabled(cls.level):
+            payload = (msgspec.json.decode(self._redact_bytes(ev.encode(record))) if self._secrets
+                       else msgspec.to_builtins(record))
+            name = payload.pop("event")
+            for k in ("run_id", "rank"):
+                payload.pop(k, None)
+            getattr(self._app, cls.level)(name, **payload)
         return record
+
+    def _app_enabled(self, level: str) -> bool:
+        """Whether the application's logger would keep this level (skips building the payload if not)."""
+        check = getattr(self._app, "is_enabled_for", None)
+        return True if check is None else bool(check(_LEVELS[level]))
+
+    @property
+    def current_state(self) -> str:
+        """The state of the last record emitted (``device-init`` before any)."""
+        return self.records[-1].state if self.records else "device-init"
+
+    @contextmanager
+    def heartbeat(self, what: str, every_s: float = 10.0) -> Iterator[None]:
+        """Emit a ``heartbeat`` record ("still in <state>: <what> after N s") every ``every_s``
+        seconds from a daemon thread while the body runs (JIT compiles, CUDA graph capture)."""
+        state, t0, start_ns = self.current_state, time.monotonic(), time.time_ns()
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(every_s):
+                n = time.monotonic() - t0
+                self.emit(ev.Heartbeat, state=state, what=what, elapsed_s=round(n, 3), started_ns=start_ns,
+                          message=f"still in {state}: {what} after {n:.0f} s")
+
+        th = threading.Thread(target=beat, name=f"attn-setup-heartbeat-{what}", daemon=True)
+        th.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            th.join()
+
+    def _interrupted(self, reason: str, sig: Optional[str], info: Any) -> None:
+        if any(isinstance(r, (ev.RunFailed, ev.RunInterrupted)) for r in self.records):
+            return
+        self.emit(ev.RunInterrupted, state=self.current_state, outcome="failed", reason=reason, signal=sig,
+                  error=info)
+
+    def install_signal_handlers(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> bool:
+        """Write a last ``run_interrupted`` record on SIGTERM and on an uncaught exception.
+
+        Never done on import: the CLI calls it. The previous handlers run afterwards (a default
+        SIGTERM still terminates the process). Returns False when not called from the main thread
+        (Python only lets the main thread set signal handlers); the exception hook is set anyway.
+        """
+        from pipeline.contracts import ErrorInfo
+        from pipeline.errors import error_info_from
+
+        prev_hook = sys.excepthook
+
+        def hook(tp: Any, exc: BaseException, tb: Any) -> None:
+            self._interrupted("uncaught_exception", None, error_info_from(exc, self.current_state))
+            self.close()
+            prev_hook(tp, exc, tb)
+
+        def on_signal(signum: int, frame: Any) -> None:
+            name = signal.Signals(signum).name
+            self._interrupted("signal", name, ErrorInfo(
+                code="interrupted", state=self.current_state, message=f"received {name} in state {self.current_state}",
+                remedy="the process was stopped from outside (scheduler, timeout, operator); rerun the start"))
+            self.close()
+            prev = self._prev_handlers.get(signum, signal.SIG_DFL)
+            if callable(prev):
+                prev(signum, frame)
+            elif prev != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        sys.excepthook = hook
+        self._prev_handlers: dict[int, Any] = {}
+        try:
+            for s in signals:
+                self._prev_handlers[s] = signal.signal(s, on_signal)
+        except ValueError:  # not the main thread
+            return False
+        return True
 
     def close(self) -> None:
         """Close the trace file (records stay in memory)."""

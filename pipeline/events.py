@@ -142,10 +142,16 @@ class ResourcesReleased(Event, tag="resources_released", kw_only=True):
 
 
 class Heartbeat(Event, tag="heartbeat", kw_only=True):
-    """Emitted while a long step (JIT compile, graph capture) is still running."""
+    """Emitted while a long step (JIT compile, graph capture) is still running.
+
+    ``started_ns`` (wall clock) is when the step began, so a timeline can draw it as a slice;
+    ``message`` reads "still in <state>: <what> after N s".
+    """
 
     what: str
     elapsed_s: float
+    started_ns: int = 0
+    message: str = ""
 
 
 class RunFailed(Event, tag="run_failed", kw_only=True):
@@ -154,6 +160,18 @@ class RunFailed(Event, tag="run_failed", kw_only=True):
     level: ClassVar[str] = "error"
     error: ErrorInfo
     released: list[str] = []
+
+
+class RunInterrupted(Event, tag="run_interrupted", kw_only=True):
+    """The process is going away mid-run: a signal (``SIGTERM``) or an uncaught exception.
+
+    The last record such a run writes; ``state`` is the state it was in, ``error`` says why.
+    """
+
+    level: ClassVar[str] = "error"
+    reason: Literal["signal", "uncaught_exception"]
+    signal: str | None = None
+    error: ErrorInfo
 
 
 class RunFinished(Event, tag="run_finished", kw_only=True):
@@ -165,7 +183,7 @@ class RunFinished(Event, tag="run_finished", kw_only=True):
 AnyEvent = Union[
     RunStarted, StateTransition, DeviceInitialized, SettingResolved, BackendsResolved, BuildPlanned,
     BackendBuilt, StepSkipped, FeatureDowngraded, LazyMemInitialized, BackendsAnnotated, InstanceVerified, ResourcesReleased,
-    Heartbeat, RunFailed, RunFinished,
+    Heartbeat, RunFailed, RunFinished, RunInterrupted,
 ]
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
 
@@ -195,3 +213,16 @@ def catalogue() -> list[tuple[str, str, list[str]]]:
         enc = dict(zip(cls.__struct_fields__, cls.__struct_encode_fields__))
         rows.append((event_name(cls), cls.level, [enc[f] for f in cls.__struct_fields__ if f not in common]))
     return rows
+
+
+def catalogue_markdown() -> str:
+    """The README's log-event table (between the ``events:begin``/``events:end`` markers)."""
+    lines = ["| event | level | fields (besides schema_version, ts_ns, run_id, rank, state, outcome) |",
+             "|---|---|---|"]
+    for name, level, fields in catalogue():
+        lines.append(f"| `{name}` | {level} | {', '.join(f'`{f}`' for f in fields)} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m pipeline.events  → prints the README table
+    print(catalogue_markdown())

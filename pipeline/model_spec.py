@@ -347,6 +347,11 @@ def _build(top: _Cfg, source: str) -> ModelSpec:
         vocab_size=c.integer("vocab_size", 32000))
 
 
+def _kind_dim(spec: ModelSpec, kind: str, dim: int) -> int:
+    """Head dim of a layer kind: ``global_head_dim`` for full layers when set (Gemma-style), else ``dim``."""
+    return spec.global_head_dim if kind == "full" and spec.global_head_dim is not None else dim
+
+
 def layer_kinds(spec: ModelSpec) -> list[LayerKind]:
     """The distinct attention layer kinds of ``spec``, in first-layer order.
 
@@ -374,8 +379,8 @@ def layer_kinds(spec: ModelSpec) -> list[LayerKind]:
     return [LayerKind(
         kind=t, num_heads=spec.num_attention_heads,
         num_kv_heads=1 if mla else spec.num_key_value_heads,
-        head_dim_qk=mla.absorbed_qk_dim if mla else spec.head_dim,
-        head_dim_v=mla.absorbed_v_dim if mla else spec.v_head_dim, scaling=spec.scaling,
+        head_dim_qk=mla.absorbed_qk_dim if mla else _kind_dim(spec, t, spec.head_dim),
+        head_dim_v=mla.absorbed_v_dim if mla else _kind_dim(spec, t, spec.v_head_dim), scaling=spec.scaling,
         sliding_window=spec.sliding_window if t == "sliding" else None,
         logit_softcap=spec.logit_softcap, has_sinks=spec.has_attention_sinks,
         is_mla=mla is not None, layer_ids=ids) for t, ids in groups.items()]

@@ -151,7 +151,7 @@ def _steps(rows: Sequence[int], decode_steps: int) -> list[tuple[str, ForwardMod
     return steps
 
 
-def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: ModelSpec,
+def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Optional[ModelSpec],
                    req_to_token_pool: ReqToTokenPool, kv_pool: KVPool, torch_device: str | torch.device,
                    dtype: Any, seed: int = 0, decode_steps: int = 3,
                    layer_kinds: Optional[Sequence[LayerKind]] = None) -> VerifyResult:
@@ -161,7 +161,8 @@ def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Mo
     ----------
     backend : the built instance (a wrapper is driven as a whole).
     role, name : the instance's plan role and backend name (copied into the result).
-    model : the served model; its ``layer_kinds()`` are tested (or ``layer_kinds`` if given).
+    model : the served model; its ``layer_kinds()`` are tested. ``layer_kinds`` (if given) is
+        used instead, and ``model`` may then be None.
     req_to_token_pool, kv_pool : the pools the backend was built for; rows ``0..B-1`` (B <= 5) of
         ``req_to_token`` and scrambled pages of ``kv_pool`` are used, the rows are zeroed after.
     torch_device : device of the pools; dtype : q/k/v dtype (name or torch dtype).
@@ -172,6 +173,9 @@ def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Mo
     qdtype, tol = _torch_dtype(dtype), tolerance(dtype)
     device = torch.device(torch_device)
     gen = torch.Generator().manual_seed(seed)
+    if layer_kinds is None and model is None:
+        raise BuildError("verify_backend needs a model or layer_kinds", code="verify_no_model",
+                         flags=[("model", None)], remedy="pass the served ModelSpec")
     kinds = list(layer_kinds) if layer_kinds is not None else model.layer_kinds()
     cases = [_Case(kind, kv_pool, device, gen) for kind in kinds]
     rows = list(range(min(len(PREFIX_LENS), req_to_token_pool.max_reqs)))

@@ -1,12 +1,20 @@
 """Checks of one backend's capability record against the device, the model and the flags.
 
-``reasons(...)`` returns every reason the backend cannot serve this request (empty = it can),
-in the spirit of vLLM's ``validate_configuration``. Pure: no torch, no imports of backends.
+:func:`reasons_with_flags` returns every reason a backend cannot serve a request (empty = it
+can), each with the request flags it is about, in the spirit of vLLM's
+``validate_configuration`` (a list of reasons per candidate, never just the first).
+:func:`reasons` is the same as plain strings (what :class:`~pipeline.contracts.Rejection` holds).
+Pure decisions: no torch, no import of any backend module.
+
+Checks, in order: device type, arch (compute capability), packages, the model's layer kinds
+(MHA/MLA, encoder-decoder, qk/v head dims, sliding window, logit softcap, attention sinks — each
+reason names the head dim or feature *and* the layer kind with its layers), q dtype, KV-cache
+dtype, page size, speculative decoding (incl. EAGLE tree verification), TBO, PD-mux.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 from pipeline.backends.registry import Capability
 from pipeline.contracts import AttentionArgs, DeviceFacts, ModelSpec
@@ -14,9 +22,26 @@ from pipeline.contracts import AttentionArgs, DeviceFacts, ModelSpec
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}
 
 PACKAGE_OF = {"flashinfer-python": "flashinfer-python", "triton": "triton", "torch": "torch"}
+# How each distribution is installed (the remedy of a "package missing" reason).
+INSTALL_HINT = {"torch": "pip install torch", "triton": "pip install 'attn-setup[cuda]'",
+                "flashinfer-python": "pip install 'attn-setup[cuda]'"}
+PACKAGE_REASON_PREFIX = "package "
+
+
+class Reason(NamedTuple):
+    """One reason a backend cannot serve a request: the text and the request flags it concerns."""
+
+    text: str
+    flags: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def is_package(self) -> bool:
+        """True for a "package X is not installed" reason (installing it would remove the reason)."""
+        return self.text.startswith(PACKAGE_REASON_PREFIX)
 
 
 def norm_dtype(name: str) -> str:
+    """Canonical dtype name (``bf16`` → ``bfloat16``, ``fp16``/``half`` → ``float16`` …)."""
     return _DTYPE_ALIASES.get(name, name)
 
 
@@ -34,53 +59,105 @@ def _layers(ids: list[int]) -> str:
     return f"layers {ids[0]}..{ids[-1]} ({len(ids)})" if len(ids) > 3 else f"layers {ids}"
 
 
-def model_reasons(cap: Capability, model: ModelSpec) -> list[str]:
+def _model_flag(model: ModelSpec) -> tuple[str, Any]:
+    return ("model", model.source or model.model_type)
+
+
+def model_reasons_with_flags(cap: Capability, model: ModelSpec) -> list[Reason]:
     """Reasons from the model's attention layer kinds (head dims, MLA, window, softcap, sinks, enc-dec)."""
-    out: list[str] = []
+    out: list[Reason] = []
+    mf = _model_flag(model)
     if model.is_mla and not cap.has("mla"):
-        out.append("MLA models are not supported")
+        out.append(Reason("MLA models are not supported", (mf,)))
     if not model.is_mla and not cap.has("mha"):
-        out.append("MHA/GQA (non-MLA) models are not supported; this backend is MLA-only")
+        out.append(Reason("MHA/GQA (non-MLA) models are not supported; this backend is MLA-only", (mf,)))
     if model.is_encoder_decoder and not cap.has("encoder_decoder"):
-        out.append("encoder-decoder (cross attention) is not supported")
+        out.append(Reason("encoder-decoder (cross attention) is not supported", (mf,)))
     for k in model.layer_kinds():
         where = f"{k.kind} layers ({_layers(k.layer_ids)})"
         if cap.head_dims_qk is not None and k.head_dim_qk not in cap.head_dims_qk:
-            out.append(f"qk head dim {k.head_dim_qk} of {where} is not supported (supports {cap.head_dims_qk})")
+            out.append(Reason(f"qk head dim {k.head_dim_qk} of {where} is not supported "
+                              f"(supports {cap.head_dims_qk})", (mf, (f"{k.kind}.head_dim_qk", k.head_dim_qk))))
         if cap.head_dims_v is not None and k.head_dim_v not in cap.head_dims_v:
-            out.append(f"v head dim {k.head_dim_v} of {where} is not supported (supports {cap.head_dims_v})")
+            out.append(Reason(f"v head dim {k.head_dim_v} of {where} is not supported "
+                              f"(supports {cap.head_dims_v})", (mf, (f"{k.kind}.head_dim_v", k.head_dim_v))))
         if k.sliding_window is not None and not cap.has("sliding_window"):
-            out.append(f"sliding window ({k.sliding_window}) of {where} is not supported")
+            out.append(Reason(f"sliding window ({k.sliding_window}) of {where} is not supported",
+                              (mf, (f"{k.kind}.sliding_window", k.sliding_window))))
         if k.logit_softcap is not None and not cap.has("logit_softcap"):
-            out.append(f"logit softcap ({k.logit_softcap}) of {where} is not supported")
+            out.append(Reason(f"logit softcap ({k.logit_softcap}) of {where} is not supported",
+                              (mf, (f"{k.kind}.logit_softcap", k.logit_softcap))))
         if k.has_sinks and not cap.has("attention_sinks"):
-            out.append(f"attention sinks of {where} are not supported")
+            out.append(Reason(f"attention sinks of {where} are not supported", (mf, (f"{k.kind}.has_sinks", True))))
     return list(dict.fromkeys(out))
+
+
+def model_reasons(cap: Capability, model: ModelSpec) -> list[str]:
+    """:func:`model_reasons_with_flags` as plain strings."""
+    return [r.text for r in model_reasons_with_flags(cap, model)]
+
+
+def _device_reasons(cap: Capability, device: DeviceFacts, installed: Mapping[str, bool]) -> list[Reason]:
+    out: list[Reason] = []
+    if device.type not in cap.devices:
+        out.append(Reason(f"device type {device.type!r} is not supported (supports {cap.devices})",
+                          (("device", device.type),)))
+    elif cap.archs is not None and device.arch not in cap.archs:
+        out.append(Reason(f"arch {device.arch} is not supported (supports {cap.archs})",
+                          (("device.arch", device.arch),)))
+    for pkg in cap.packages:
+        if not installed.get(pkg, False):
+            out.append(Reason(f"{PACKAGE_REASON_PREFIX}{pkg!r} is not installed ({INSTALL_HINT.get(pkg, 'pip install ' + pkg)})",
+                              (("installed", pkg),)))
+    return out
+
+
+def _flag_reasons(cap: Capability, args: AttentionArgs, model: ModelSpec, is_draft_worker: bool) -> list[Reason]:
+    out: list[Reason] = []
+    qd, kd = model_dtype(args, model), kv_dtype(args, model)
+    if qd not in cap.q_dtypes:
+        out.append(Reason(f"dtype {qd} is not supported (supports {cap.q_dtypes})", (("dtype", qd),)))
+    if kd not in cap.kv_dtypes:
+        out.append(Reason(f"kv_cache_dtype {kd} is not supported (supports {cap.kv_dtypes})",
+                          (("kv_cache_dtype", kd),)))
+    if cap.page_sizes is not None and args.page_size not in cap.page_sizes:
+        out.append(Reason(f"page_size {args.page_size} is not supported (supports {cap.page_sizes})",
+                          (("page_size", args.page_size),)))
+    spec_flags: tuple[tuple[str, Any], ...] = tuple(
+        f for f in (("speculative_algorithm", args.speculative_algorithm),
+                    ("is_draft_worker", True) if is_draft_worker else None) if f and f[1] is not None)
+    if (args.speculative_algorithm or is_draft_worker) and not cap.has("speculative"):
+        out.append(Reason("speculative decoding is not supported", spec_flags))
+    topk = args.speculative_eagle_topk
+    if (args.speculative_algorithm or is_draft_worker) and topk is not None and topk > 1 \
+            and not cap.has("speculative_tree"):
+        out.append(Reason(f"tree verification (speculative_eagle_topk={topk} > 1, a custom tree mask) is not "
+                          "supported", (("speculative_eagle_topk", topk),)))
+    if args.enable_two_batch_overlap and not is_draft_worker and not cap.has("tbo"):
+        out.append(Reason("two-batch overlap is not supported", (("enable_two_batch_overlap", True),)))
+    if args.enable_pdmux and not cap.has("pdmux"):
+        out.append(Reason("PD-multiplexing is not supported", (("enable_pdmux", True),)))
+    return out
+
+
+def reasons_with_flags(cap: Capability, *, args: AttentionArgs, model: ModelSpec, device: DeviceFacts,
+                       installed: Mapping[str, bool], is_draft_worker: bool) -> list[Reason]:
+    """Every reason ``cap`` cannot serve this request (empty when it can), with the flags involved.
+
+    Parameters
+    ----------
+    cap : the backend's capability record.
+    args, model, device : the request's attention flags, the served model, the device facts.
+    installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → present.
+    is_draft_worker : a speculative-decoding draft worker (implies speculative support is needed;
+        TBO is not required there because build-mode downgrades it, as sglang does).
+    """
+    return (_device_reasons(cap, device, installed) + model_reasons_with_flags(cap, model)
+            + _flag_reasons(cap, args, model, is_draft_worker))
 
 
 def reasons(cap: Capability, *, args: AttentionArgs, model: ModelSpec, device: DeviceFacts,
             installed: Mapping[str, bool], is_draft_worker: bool) -> list[str]:
-    """Every reason ``cap`` cannot serve this request; empty when it can."""
-    out: list[str] = []
-    if device.type not in cap.devices:
-        out.append(f"device type {device.type!r} is not supported (supports {cap.devices})")
-    elif cap.archs is not None and device.arch not in cap.archs:
-        out.append(f"arch {device.arch} is not supported (supports {cap.archs})")
-    for pkg in cap.packages:
-        if not installed.get(pkg, False):
-            out.append(f"package {pkg!r} is not installed (pip install 'attn-setup[cuda]')")
-    out += model_reasons(cap, model)
-    qd, kd = model_dtype(args, model), kv_dtype(args, model)
-    if qd not in cap.q_dtypes:
-        out.append(f"dtype {qd} is not supported (supports {cap.q_dtypes})")
-    if kd not in cap.kv_dtypes:
-        out.append(f"kv_cache_dtype {kd} is not supported (supports {cap.kv_dtypes})")
-    if cap.page_sizes is not None and args.page_size not in cap.page_sizes:
-        out.append(f"page_size {args.page_size} is not supported (supports {cap.page_sizes})")
-    if (args.speculative_algorithm or is_draft_worker) and not cap.has("speculative"):
-        out.append("speculative decoding is not supported")
-    if args.enable_two_batch_overlap and not is_draft_worker and not cap.has("tbo"):
-        out.append("two-batch overlap is not supported")
-    if args.enable_pdmux and not cap.has("pdmux"):
-        out.append("PD-multiplexing is not supported")
-    return out
+    """Every reason ``cap`` cannot serve this request, as strings; empty when it can."""
+    return [r.text for r in reasons_with_flags(cap, args=args, model=model, device=device, installed=installed,
+                                               is_draft_worker=is_draft_worker)]

@@ -15,7 +15,7 @@ import torch
 
 from pipeline.backends.base import AttentionLayer
 from pipeline.backends.registry import BackendContext
-from pipeline.contracts import DeviceFacts, ForwardMode, LayerKind
+from pipeline.contracts import DeviceFacts, ForwardMode, LayerKind, WorkspacePlan
 from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
 from pipeline.workspace import WorkspacePool
 
@@ -72,7 +72,7 @@ class Scenario:
 
     def __init__(self, kinds, *, device="cuda", dtype=torch.bfloat16, page_size=16, max_reqs=16,
                  max_context_len=4096, num_slots=None, ws_bytes=64 << 20, name="flashinfer", sm_count=132,
-                 arch=(9, 0), extra=None, seed=0) -> None:
+                 arch=(9, 0), extra=None, seed=0, facts_type=None) -> None:
         self.kinds, self.device, self.dtype, self.page_size = list(kinds), device, dtype, page_size
         nl = 1 + max(l for k in kinds for l in k.layer_ids)
         num_slots = num_slots or page_size * (max_reqs * (-(-max_context_len // page_size)) + 2)
@@ -80,8 +80,8 @@ class Scenario:
         self.kv = KVPool.for_layer_kinds(kinds, nl, num_slots, page_size, dtype, device)
         self.alloc = PageAllocator(self.req_pool, num_slots, page_size, seed=seed)
         self.ws_pool = WorkspacePool(device)
-        ws = self.ws_pool.shared("primary", ws_bytes)
-        facts = DeviceFacts(type="cuda" if str(device).startswith("cuda") else "cpu", compute_capability=arch,
+        ws = self.ws_pool.allocate(WorkspacePlan(id="ws-shared", owner="primary", bytes=ws_bytes, shared_by=["primary"]))
+        facts = DeviceFacts(type=facts_type or ("cuda" if str(device).startswith("cuda") else "cpu"), compute_capability=arch,
                             sm_count=sm_count, source="test")
         from pipeline.contracts import AttentionArgs, ModelSpec
 
@@ -93,10 +93,11 @@ class Scenario:
                                   layer_kinds=list(kinds), args=AttentionArgs(page_size=page_size),
                                   req_to_token_pool=self.req_pool, kv_pool=self.kv, workspace=ws,
                                   dtype=str(dtype).replace("torch.", ""), extra=dict(extra or {}))
-        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(self, *shape, scale=1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=self.gen) * scale).to(self.device, self.dtype)
+        """Standard normal values (times ``scale``) made on the device, in the pool dtype."""
+        return (torch.randn(*shape, generator=self.gen, device=self.device) * scale).to(self.dtype)
 
     def fill_prefix(self, reqs, lens) -> None:
         """Give each request ``lens[i]`` cached tokens of random K/V in every layer."""

@@ -19,13 +19,14 @@ TORCH_NATIVE = Capability(
     head_dims_v=None,
     q_dtypes=["bfloat16", "float16", "float32"],
     kv_dtypes=["bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"],
-    features=["mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "encoder_decoder",
-              "speculative", "tbo", "pdmux"],
+    features=["mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "speculative", "tbo", "pdmux"],
     page_sizes=None,
     packages=["torch"],
     workspace_bytes=0,
     source="reference backend: per-request torch SDPA-style math in fp32; no CUDA graphs "
-           "(sglang's torch_native also turns them off)",
+           "(sglang's torch_native also turns them off); no encoder-decoder (its forward is causal "
+           "self-attention only); speculative = draft decode + chain (topk 1) target verify as extend. "
+           "Every claim runs in tests/test_capabilities.py",
 )
 
 FLASHINFER = Capability(

@@ -101,7 +101,7 @@ class TboAttnBackend(AttentionBackend):
         self.primary = primary
         self.children = list(children)
         self.call_log: list[CallRecord] = []
-        self._split: Optional[tuple[int, list[tuple[ForwardBatch, int, int]]]] = None
+        self._split: Optional[tuple[ForwardBatch, list[tuple[ForwardBatch, int, int]]]] = None
 
     @staticmethod
     def _role(backend: AttentionBackend, default: str) -> str:
@@ -120,10 +120,10 @@ class TboAttnBackend(AttentionBackend):
         for i, (sub, _, _) in enumerate(parts):
             self.children[i].init_forward_metadata(sub)
             self._log(self.children[i], i, "init_forward_metadata", sub)
-        self._split = (id(forward_batch), parts)
+        self._split = (forward_batch, parts)
 
     def _parts(self, fb: ForwardBatch) -> list[tuple[ForwardBatch, int, int]]:
-        if self._split is None or self._split[0] != id(fb):
+        if self._split is None or self._split[0] is not fb:
             self.init_forward_metadata(fb)
         return self._split[1]
 

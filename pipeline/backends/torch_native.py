@@ -59,9 +59,11 @@ def _check_layer(layer: AttentionLayer, fb: ForwardBatch) -> None:
 
 
 def check_forward_inputs(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
-                         layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
+                         layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool,
+                         layout: Optional[list[tuple[int, int, int]]] = None) -> torch.Tensor:
     """Validate one layer call; returns ``q`` viewed as [T, H, D].
 
+    ``layout`` is the batch's :func:`batch_layout` when already computed (read from fb otherwise).
     ``q``: [T, H, D] or [T, H*D], fp32/bf16/fp16, on the KV pool's device. ``k``: [T, Hkv, D] and
     ``v``: [T, Hkv, Dv] (or flattened last dims) when ``save_kv_cache``; otherwise may be None.
     Raises :class:`BuildError` (``forward_input_invalid``) naming the field, before any write.
@@ -80,7 +82,7 @@ def check_forward_inputs(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional
             if x is None or not x.is_floating_point() or x.shape[0] != t or x.numel() != t * hkv * dim:
                 got = None if x is None else (tuple(x.shape), str(x.dtype))
                 raise _bad(f"{name}.shape", got, f"float [{t}, {hkv}, {dim}]", f"pass {name} for the new tokens")
-    layout = batch_layout(fb)
+    layout = batch_layout(fb) if layout is None else layout
     if sum(n for _, _, n in layout) != t:
         raise _bad("forward_batch.num_tokens", t, str(sum(n for _, _, n in layout)),
                    "out_cache_loc must hold one slot per new token")
@@ -153,20 +155,21 @@ class TorchNativeBackend(AttentionBackend):
     def __init__(self, *, torch_device: str | torch.device = "cpu", role: str = "primary") -> None:
         self.torch_device = torch.device(torch_device)
         self.role = role
-        self._layout: Optional[tuple[int, list[tuple[int, int, int]]]] = None
+        self._layout: Optional[tuple[ForwardBatch, list[tuple[int, int, int]]]] = None
         self.closed = False
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Read the batch layout from host data once per batch (no device work)."""
-        self._layout = (id(forward_batch), batch_layout(forward_batch))
+        self._layout = (forward_batch, batch_layout(forward_batch))
 
     def _layout_for(self, fb: ForwardBatch) -> list[tuple[int, int, int]]:
-        if self._layout is not None and self._layout[0] == id(fb):
+        if self._layout is not None and self._layout[0] is fb:
             return self._layout[1]
         return batch_layout(fb)
 
     def _run(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
-        q3 = check_forward_inputs(q, k, v, layer, fb, save_kv_cache)
+        layout = self._layout_for(fb)
+        q3 = check_forward_inputs(q, k, v, layer, fb, save_kv_cache, layout)
         pool = fb.token_to_kv_pool
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
@@ -174,7 +177,7 @@ class TorchNativeBackend(AttentionBackend):
         r2t = fb.req_to_token_pool.req_to_token
         out = torch.empty((q3.shape[0], layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
         start = 0
-        for row, prefix, new in self._layout_for(fb):
+        for row, prefix, new in layout:
             slots = r2t[row, : prefix + new].to(torch.int64)
             k_req, v_req = kb[slots].to(torch.float32), vb[slots].to(torch.float32)
             q_req = q3[start : start + new].to(torch.float32)

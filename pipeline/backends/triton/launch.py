@@ -34,14 +34,17 @@ MAX_HEAD_DIM = 256
 class DecodeConfig:
     """Tuning of the decode kernels: tile of keys, warps, pipeline depth and split policy.
 
-    ``split_min``: fewest keys per split (a request gets ``ceil(len / split_min)`` splits, capped);
-    ``programs_per_sm``: target stage-1 programs per SM that sets the split cap for a batch size.
+    ``block_n``: keys per tile; ``block_n_single``: keys per tile when the batch alone fills the GPU
+    (split cap 1: long sequential loops); ``split_min``: fewest keys per split (a request gets
+    ``ceil(len / split_min)`` splits, capped); ``programs_per_sm``: target stage-1 programs per SM,
+    which sets the split cap for a batch size.
     """
 
     block_n: int = 64
+    block_n_single: int = 128
     num_warps: int = 4
-    num_stages: int = 2
-    split_min: int = 256
+    num_stages: int = 3
+    split_min: int = 128
     programs_per_sm: int = 4
     max_splits_cap: int = 64
 
@@ -56,16 +59,25 @@ class ExtendConfig:
     num_stages: int = 2
 
 
+def _is_sm90(device: Optional[torch.device]) -> bool:
+    return device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def default_decode_config(head_dim: int) -> DecodeConfig:
-    """Decode config by head dim (smaller key tiles for 256 to bound registers)."""
-    return DecodeConfig(block_n=32) if head_dim > 128 else DecodeConfig()
+    """Decode config by head dim (H200-tuned, see benchmarks/NOTES.md; 32-key tiles for D > 128)."""
+    if head_dim > 128:
+        return DecodeConfig(block_n=32, block_n_single=32, num_stages=2)
+    return DecodeConfig()
 
 
-def default_extend_config(head_dim: int) -> ExtendConfig:
-    """Extend config by head dim (64x32 tiles for 256, 128x64 otherwise)."""
+def default_extend_config(head_dim: int, device: Optional[torch.device] = None) -> ExtendConfig:
+    """Extend config by head dim and arch: 128x128 tiles, 3 stages on sm90 (about 192 KB of shared
+    memory); tiles that fit 99 KB elsewhere; 64x32 tiles for D > 128."""
     if head_dim > 128:
         return ExtendConfig(block_m=64, block_n=32, num_warps=4)
-    return ExtendConfig()
+    if _is_sm90(device):
+        return ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 
 
 def decode_max_splits(batch_size: int, num_kv_heads: int, num_sms: int, cfg: DecodeConfig) -> int:
@@ -185,10 +197,11 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     if bsz == 0:
         return out
     cfg = config or default_decode_config(d)
+    block_n = cfg.block_n_single if max_splits == 1 else cfg.block_n
     o_part = scratch[: bsz * h * max_splits * dv].view(bsz, h, max_splits, dv)
     lse = scratch[bsz * h * max_splits * dv: need].view(bsz, h, max_splits)
     win = int(sliding_window or 0)
-    common = dict(SPLIT_MIN=cfg.split_min, BLOCK_N=cfg.block_n, USE_WINDOW=sliding_window is not None)
+    common = dict(SPLIT_MIN=cfg.split_min, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None)
     kdec.decode_split_kernel[(bsz, hkv, max_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, o_part, lse,
         float(sm_scale), float(logit_softcap or 1.0), win, h // hkv, max_splits,
@@ -241,7 +254,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
         raise _bad("max_extend_len", max_extend_len, ">= 0", "pass max(extend_seq_lens)")
     if bsz == 0 or max_extend_len == 0 or t == 0:
         return out
-    cfg = config or default_extend_config(d)
+    cfg = config or default_extend_config(d, dev)
     grid = (h, triton.cdiv(max_extend_len, cfg.block_m), bsz)
     kext.extend_kernel[grid](
         q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens,

@@ -1,0 +1,42 @@
+"""Attention-kernel benchmark table: our FlashInfer decode step vs the raw FlashInfer calls.
+
+Prints, for H=32 q / 8 kv heads, head dim 128, bf16, page 16 (the shapes of ../shared/gpu/README.md):
+our 32-layer decode step (``init_forward_metadata`` + 32 ``forward_decode``) against the same raw
+``plan`` + 32 ``run`` calls on one wrapper, median of ``triton.testing.do_bench``; and the CUDA-core
+vs tensor-core crossover. If ``benchmarks/triton_kernels.py`` exposes ``rows()``, its rows are appended.
+
+Usage (GPU): ``python benchmarks/attention_kernels.py [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import flashinfer_gpu_check as chk  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    chk.phase_bench()
+    print(f"{'kernel':<28} {'B':>4} {'ctx':>6} {'µs':>9} {'anchor µs':>10} {'ratio':>6}")
+    for r in chk.R["bench"]:
+        print(f"{'flashinfer decode x32 (ours)':<28} {r['B']:>4} {r['ctx']:>6} {r['ours_us']:9.1f} {r['raw_us']:10.1f} "
+              f"{r['ratio']:6.3f}")
+    try:
+        tk = importlib.import_module("triton_kernels")
+    except ImportError:
+        tk = None
+    if tk is not None and hasattr(tk, "rows"):
+        for row in tk.rows():
+            print(row if isinstance(row, str) else "  ".join(str(x) for x in (row.values() if isinstance(row, dict) else row)))
+
+
+if __name__ == "__main__":
+    main()

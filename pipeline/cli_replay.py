@@ -1,0 +1,44 @@
+"""``attn-setup replay LOG [LOG …]``: re-run the recorded decisions without a GPU.
+
+Exit codes: 0 every run decides the same now · 1 a run diverged (the first divergence is printed
+as state, field, recorded, now) · 2 the trace is unreadable (nothing to replay from).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import msgspec
+
+from pipeline.errors import EXIT_FAILED, EXIT_OK
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("replay", help="re-run a trace's decisions on a fake platform; report the first divergence")
+    p.add_argument("logs", nargs="+", metavar="LOG", help="JSON-lines trace(s) written by 'attn-setup run'")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def cmd(ns: argparse.Namespace) -> int:
+    from pipeline.replay import replay
+
+    result = replay(ns.logs)
+    if ns.json:
+        from pipeline.report import emit_json
+
+        emit_json({"same": result.same, "runs": [{**msgspec.to_builtins(r), "same": r.same} for r in result.runs],
+                   "divergence": None if result.divergence is None else msgspec.to_builtins(result.divergence),
+                   "skipped_lines": result.skipped_lines})
+    else:
+        for r in result.runs:
+            head = f"run {r.run_id} rank {r.rank}: "
+            if r.divergence is None:
+                print(head + f"same ({len(r.checked)} decisions checked)" + (f"; stopped: {r.stopped}" if r.stopped else ""))
+            else:
+                d = r.divergence
+                print(head + f"DIVERGED in state {d.state!r}, field {d.field!r}: recorded {d.recorded!r}, now {d.now!r}")
+        if result.skipped_lines:
+            print(f"skipped {result.skipped_lines} unreadable line(s)")
+    return EXIT_OK if result.same else EXIT_FAILED

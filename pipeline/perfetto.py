@@ -1,0 +1,87 @@
+"""Chrome trace-event JSON of one or more runs (opens in ui.perfetto.dev and chrome://tracing).
+
+Layout: one process per run_id, one thread (track) per rank. Each state is a complete slice
+(``ph: "X"``); sub-steps are slices nested inside it on the same track: every ``backend_built``
+(its ``duration_ms`` ends at the record), every long step reported by heartbeats (JIT compile,
+CUDA graph capture: from ``started_ns`` to the last heartbeat), and any future record with a
+``duration_ms``. Decisions, skips and failures are instant events (``ph: "i"``) with their fields
+as ``args``. Times are microseconds since the earliest record of all runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pipeline import events as ev
+from pipeline.trace import Run, Trace
+
+# Records drawn as instants (the rest are drawn as slices or are part of the state slices).
+_INSTANTS = (ev.RunStarted, ev.DeviceInitialized, ev.SettingResolved, ev.BackendsResolved, ev.BuildPlanned,
+             ev.StepSkipped, ev.FeatureDowngraded, ev.LazyMemInitialized, ev.BackendsAnnotated, ev.InstanceVerified,
+             ev.ResourcesReleased, ev.RunFailed, ev.RunInterrupted, ev.RunFinished)
+_NOT_SUBSTEPS = (ev.StateTransition, ev.RunFinished)
+
+
+def _args(rec: ev.Event) -> dict[str, Any]:
+    d = msgspec.to_builtins(rec)
+    for k in ("event", "schema_version", "ts_ns", "run_id", "rank"):
+        d.pop(k, None)
+    return d
+
+
+def _slice(name: str, cat: str, start_ns: int, dur_ns: int, pid: int, tid: int, t0: int,
+           args: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "cat": cat, "ph": "X", "ts": (start_ns - t0) / 1e3, "dur": max(dur_ns, 0) / 1e3,
+            "pid": pid, "tid": tid, "args": args}
+
+
+def _substeps(run: Run, pid: int, tid: int, t0: int) -> list[dict[str, Any]]:
+    out = []
+    for r in run.records:
+        dur = getattr(r, "duration_ms", None)
+        if dur is not None and not isinstance(r, _NOT_SUBSTEPS):
+            label = f"build {r.role} ({r.backend})" if isinstance(r, ev.BackendBuilt) else ev.event_name(type(r))
+            out.append(_slice(label, "substep", r.ts_ns - int(dur * 1e6), int(dur * 1e6), pid, tid, t0, _args(r)))
+    beats: dict[tuple[str, int], list[ev.Heartbeat]] = {}
+    for h in run.all(ev.Heartbeat):
+        beats.setdefault((h.what, h.started_ns or h.ts_ns - int(h.elapsed_s * 1e9)), []).append(h)
+    for (what, start), hs in beats.items():
+        out.append(_slice(what, "long_step", start, hs[-1].ts_ns - start, pid, tid, t0,
+                          {"heartbeats": len(hs), "last": hs[-1].message}))
+        out += [{"name": h.message or f"still in {h.state}: {what}", "cat": "heartbeat", "ph": "i", "s": "t",
+                 "ts": (h.ts_ns - t0) / 1e3, "pid": pid, "tid": tid, "args": {"elapsed_s": h.elapsed_s}} for h in hs]
+    return out
+
+
+def chrome_trace(trace: Trace) -> dict[str, Any]:
+    """The ``{"traceEvents": [...], "displayTimeUnit": "ms"}`` object for every run of ``trace``."""
+    runs = [r for r in trace.runs if r.records]
+    events: list[dict[str, Any]] = []
+    if not runs:
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+    t0 = min(min(s["start_ns"] for s in r.states()) for r in runs)
+    pids = {rid: i + 1 for i, rid in enumerate(dict.fromkeys(r.run_id for r in runs))}
+    for rid, pid in pids.items():
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"run {rid}"}})
+    for run in runs:
+        pid, tid = pids[run.run_id], run.rank
+        events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": f"rank {tid}"}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        for s in run.states():
+            events.append(_slice(s["state"], "state", s["start_ns"], int(s["duration_ms"] * 1e6), pid, tid, t0,
+                                 {"outcome": s["outcome"]}))
+        events += _substeps(run, pid, tid, t0)
+        events += [{"name": ev.event_name(type(r)), "cat": "decision", "ph": "i", "s": "t",
+                    "ts": (r.ts_ns - t0) / 1e3, "pid": pid, "tid": tid, "args": _args(r)}
+                   for r in run.records if isinstance(r, _INSTANTS)]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(trace: Trace, path: str) -> int:
+    """Write :func:`chrome_trace` to ``path``; returns the number of trace events written."""
+    obj = chrome_trace(trace)
+    with open(path, "wb") as fh:
+        fh.write(msgspec.json.encode(obj))
+    return len(obj["traceEvents"])

@@ -1,0 +1,257 @@
+"""Replay: re-run a recorded start's decisions and report the first place they now differ.
+
+``pipeline.replay(trace)`` takes a trace (path, paths, :class:`~pipeline.trace.Trace`, a run or a
+list of records). For each run it rebuilds the :class:`SetupRequest` from ``run_started``, builds a
+:class:`~pipeline.platforms.fake.FakePlatform` from the recorded ``device_initialized`` facts and
+re-runs the pure decision functions of :mod:`states` in pipeline order — ``device_init.decide_blas``,
+``resolve.decide``, the settings rules, ``build_mode.decide``, ``npu_lazy_mem.decide`` — with the
+*recorded* inputs: package presence from ``run_started.packages`` and environment-backed settings
+from the ``setting_resolved`` records (never the current environment). No GPU is touched and no
+backend is constructed. A recorded failure in a decision state must fail again with the same error
+code; a failure in an effect (building a backend, the device itself) ends the comparison there.
+
+The module object is itself callable (``pipeline.replay(trace)`` works whether ``pipeline.replay``
+resolves to this module or to :func:`replay`). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Callable, Optional
+
+import msgspec
+
+from pipeline import events as ev
+from pipeline import settings
+from pipeline.contracts import DeviceFacts, SetupRequest
+from pipeline.errors import AttnSetupError, UsageError
+from pipeline.trace import Run, Trace, as_trace
+
+
+class Divergence(msgspec.Struct, frozen=True, kw_only=True):
+    """The first decision that differs: in ``state``, ``field`` was ``recorded`` and is ``now``."""
+
+    state: str
+    field: str
+    recorded: Any = None
+    now: Any = None
+
+    def __str__(self) -> str:
+        return f"{self.state}: {self.field}: recorded {self.recorded!r}, now {self.now!r}"
+
+
+class RunReplay(msgspec.Struct, frozen=True, kw_only=True):
+    """One run's replay: ``checked`` lists the fields compared (in order); ``divergence`` or None.
+
+    ``stopped`` says why comparison ended before ``done`` (a recorded effect failure, an
+    incomplete trace), or is empty.
+    """
+
+    run_id: str
+    rank: int
+    checked: list[str]
+    divergence: Optional[Divergence] = None
+    stopped: str = ""
+
+    @property
+    def same(self) -> bool:
+        return self.divergence is None
+
+
+class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Every run's replay; ``same`` when no run diverged; ``divergence`` is the first found."""
+
+    runs: list[RunReplay]
+    skipped_lines: int = 0
+
+    @property
+    def same(self) -> bool:
+        return all(r.same for r in self.runs)
+
+    @property
+    def divergence(self) -> Optional[Divergence]:
+        return next((r.divergence for r in self.runs if r.divergence is not None), None)
+
+
+class _Diverged(Exception):
+    def __init__(self, d: Divergence) -> None:
+        super().__init__(str(d))
+        self.d = d
+
+
+class _Stop(Exception):
+    """Comparison cannot continue (the recorded run ended here)."""
+
+
+def _b(x: Any) -> Any:
+    return msgspec.to_builtins(x)
+
+
+class _Replayer:
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.checked: list[str] = []
+        started = run.started
+        if started is None:
+            raise UsageError(f"run {run.run_id} rank {run.rank} has no run_started record: cannot replay",
+                             code="trace_unreadable", flags=[("run_id", run.run_id)],
+                             remedy="replay a trace written from the start of a run")
+        self.req = msgspec.convert(started.request, SetupRequest)
+        self.installed = dict(started.packages)
+        self.failure = run.first(ev.RunFailed) or run.first(ev.RunInterrupted)
+
+    def check(self, state: str, fld: str, recorded: Any, now: Any) -> None:
+        self.checked.append(f"{state}.{fld}")
+        if _b(recorded) != _b(now):
+            raise _Diverged(Divergence(state=state, field=fld, recorded=_b(recorded), now=_b(now)))
+
+    def decide(self, state: str, fn: Callable[[], Any]) -> Any:
+        """Run a decision; a typed error must match a recorded failure in ``state``."""
+        try:
+            out = fn()
+        except AttnSetupError as e:
+            rec = self.failure.error if self.failure is not None and self.failure.error.state == state else None
+            self.check(state, "error.code", rec.code if rec else None, e.info.code)
+            self.check(state, "error.message", rec.message, e.info.message)
+            raise _Stop(f"failed in {state} as recorded")
+        if self.failure is not None and self.failure.error.state == state and self.failure.error.code != "interrupted":
+            if not self._effect_failure(state):
+                self.check(state, "error.code", self.failure.error.code, None)
+        return out
+
+    def _effect_failure(self, state: str) -> bool:
+        """True when the recorded failure in ``state`` came after its decision (an effect failed)."""
+        decision = {"device-init": ev.DeviceInitialized, "resolve": ev.BackendsResolved,
+                    "build-mode": ev.BuildPlanned, "npu-lazy-mem": ev.StepSkipped}.get(state)
+        return decision is not None and any(r.state == state for r in self.run.all(decision))
+
+    def need(self, cls: type, state: str) -> Any:
+        rec = self.run.first(cls)
+        if rec is None:
+            raise _Stop(f"the trace ends before {state} recorded its decision")
+        return rec
+
+    def setting(self, name: str, compute: Callable[[dict[str, str]], tuple[int, str]], state: str) -> tuple[int, str]:
+        """Recompute a field > env > default setting with the recorded env value; compare it."""
+        rec = next((s for s in self.run.all(ev.SettingResolved) if s.field == name), None)
+        env = {rec.env_var: str(rec.value)} if rec is not None and rec.source == "env" and rec.env_var else {}
+        value, source = compute(env)
+        self.check(state, f"setting.{name}", None if rec is None else [rec.value, rec.source], [value, source])
+        return value, source
+
+    # -- the states, in pipeline order -------------------------------------------------------------
+    def device_init(self) -> DeviceFacts:
+        from pipeline.platforms import parse_device
+        from pipeline.platforms.fake import FakePlatform
+        from states import device_init
+
+        rec = self.run.first(ev.DeviceInitialized)
+        if rec is None:
+            raise _Stop("device-init recorded no device facts (the device itself failed, or the trace ends)")
+        _, index = parse_device(self.req.device)
+        facts, _ = device_init.apply(FakePlatform(rec.facts), index)
+        self.check("device-init", "blas_init", rec.blas_init, device_init.decide_blas(facts.type))
+        return facts
+
+    def resolve(self, facts: DeviceFacts) -> Any:
+        from states import resolve
+
+        res = self.decide("resolve", lambda: resolve.decide(
+            self.req.args, self.req.served_model, facts, is_draft_worker=self.req.is_draft_worker,
+            installed=self.installed))
+        rec = self.need(ev.BackendsResolved, "resolve")
+        for fld, now in (("prefill", res.pair.prefill), ("decode", res.pair.decode),
+                         ("is_draft_override", res.pair.is_draft_override), ("rules", dict(res.rules)),
+                         ("rejected", res.rejected)):
+            self.check("resolve", fld, getattr(rec, fld), now)
+        self.check("resolve", "skips", self._skips("resolve"), [[s.what, s.reason] for s in res.skips])
+        return res
+
+    def _skips(self, state: str) -> list[list[str]]:
+        return [[r.what, r.reason] for r in self.run.all(ev.FeatureDowngraded) if r.state == state]
+
+    def build_mode(self, res: Any) -> Any:
+        from pipeline.backends import registry
+        from states import build_mode
+
+        model, pair = self.req.served_model, res.pair
+        fi_bytes = 0
+        if {pair.prefill, pair.decode} & {"flashinfer", "fa3"}:
+            fi_bytes, _ = self.setting("flashinfer_workspace_size", lambda env: settings.flashinfer_workspace_size(
+                self.req.args, model, env=env), "build-mode")
+
+        def ws_bytes(backend: str) -> int:
+            return fi_bytes if backend in ("flashinfer", "fa3") else registry.get(backend).capability.workspace_bytes
+
+        plan = self.decide("build-mode", lambda: build_mode.decide(
+            self.req.args, pair, is_draft_worker=self.req.is_draft_worker, workspace_bytes=ws_bytes))
+        rec = self.need(ev.BuildPlanned, "build-mode")
+        for fld in ("mode", "hybrid", "instances", "workspaces"):
+            self.check("build-mode", fld, getattr(rec, fld), getattr(plan, fld))
+        self.check("build-mode", "skips", self._skips("build-mode"), [[s.what, s.reason] for s in plan.skips])
+        if self.failure is not None and self.failure.error.state == "build-mode":
+            raise _Stop(f"building failed as recorded ({self.failure.error.code}): an effect, not replayed")
+        return plan
+
+    def npu_lazy_mem(self, facts: DeviceFacts) -> None:
+        from states import npu_lazy_mem
+
+        if self.run.first(ev.StateTransition) is None or "npu-lazy-mem" not in {
+                t.to for t in self.run.all(ev.StateTransition)}:
+            raise _Stop("the trace ends before npu-lazy-mem")
+        size, source = self.setting("zbal_local_mem_size",
+                                    lambda env: settings.zbal_local_mem_size(self.req.args, env=env), "npu-lazy-mem")
+        d = self.decide("npu-lazy-mem", lambda: npu_lazy_mem.decide(facts.type, size, source,
+                                                                     self.req.is_draft_worker))
+        lazy = self.run.first(ev.LazyMemInitialized)
+        skip = next((s for s in self.run.all(ev.StepSkipped) if s.what == "npu_lazy_mem"), None)
+        if lazy is None and skip is None:
+            raise _Stop("the trace ends before npu-lazy-mem recorded its decision")
+        self.check("npu-lazy-mem", "run", lazy is not None, d.run)
+        if d.run:
+            self.check("npu-lazy-mem", "bytes", lazy.bytes, d.nbytes)
+        else:
+            self.check("npu-lazy-mem", "reason", skip.reason, d.reason)
+
+    def annotate(self, res: Any) -> None:
+        rec = self.need(ev.BackendsAnnotated, "annotate")
+        self.check("annotate", "names", [rec.prefill, rec.decode], [res.pair.prefill, res.pair.decode])
+
+    def replay(self) -> RunReplay:
+        stopped = ""
+        try:
+            facts = self.device_init()
+            res = self.resolve(facts)
+            self.build_mode(res)
+            self.npu_lazy_mem(facts)
+            self.annotate(res)
+        except _Diverged as e:
+            return RunReplay(run_id=self.run.run_id, rank=self.run.rank, checked=self.checked, divergence=e.d)
+        except _Stop as e:
+            stopped = str(e)
+        return RunReplay(run_id=self.run.run_id, rank=self.run.rank, checked=self.checked, stopped=stopped)
+
+
+def replay(trace: Any) -> ReplayResult:
+    """Re-run every recorded run's decisions; see the module docstring.
+
+    Parameters
+    ----------
+    trace: a trace path (str/PathLike), a list of paths, a :class:`~pipeline.trace.Trace`, a
+        :class:`~pipeline.trace.Run` or a list of event records.
+
+    Returns :class:`ReplayResult` (``.same``, ``.divergence`` = (state, field, recorded, now)).
+    Raises :class:`UsageError` (``trace_unreadable``, exit 2) when no record is readable or a run
+    has no ``run_started`` record (nothing to replay from).
+    """
+    t: Trace = as_trace(trace).require_records()
+    return ReplayResult(runs=[_Replayer(r).replay() for r in t.runs], skipped_lines=t.skipped_lines)
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, trace: Any) -> ReplayResult:
+        return replay(trace)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,54 @@
+"""Shared fixtures: bundled model specs, small CPU pools, fake platforms."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "examples" / "configs"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip GPU-marked tests when torch sees no CUDA device (reported as skipped, never silent)."""
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200 with `pytest -m gpu`)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def llama():
+    from pipeline.model_spec import load_model_spec
+
+    return load_model_spec(CONFIGS / "llama-3.1-8b.json")
+
+
+@pytest.fixture(scope="session")
+def small_pool():
+    from pipeline.contracts import PoolFacts
+
+    return PoolFacts(max_reqs=8, max_context_len=256, num_token_slots=512, page_size=1)
+
+
+def cuda_facts(arch=(9, 0), name="NVIDIA H200 (fake)"):
+    from pipeline.contracts import DeviceFacts
+
+    return DeviceFacts(type="cuda", index=0, name=name, vendor="nvidia", compute_capability=arch, sm_count=132,
+                       total_memory_bytes=141 << 30, cuda_version="13.0", source="test")
+
+
+def npu_facts():
+    from pipeline.contracts import DeviceFacts
+
+    return DeviceFacts(type="npu", index=0, name="Ascend 910B (fake)", vendor="huawei", sm_count=24,
+                       total_memory_bytes=64 << 30, source="test")

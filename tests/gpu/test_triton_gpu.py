@@ -1,0 +1,177 @@
+"""The Triton backend on a CUDA GPU: the grid of issue 7 against torch_native (fp32) and the float64 reference.
+
+Batches 1…256, ragged contexts up to 32k, pages 1/16/64, GQA 1/4/8, head dims 64/96/128/256,
+bf16/fp16, sliding window / softcap / sinks. Outputs are NaN-poisoned first; the metric is
+``max|out - ref| / max|ref|`` per request, bf16/fp16 tolerance 1e-2. A CUDA graph captured once
+replays equal to eager execution for changed lengths. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from pipeline.backends.base import AttentionLayer  # noqa: E402
+from pipeline.contracts import ForwardMode  # noqa: E402
+from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
+from pipeline.reference import reference_attention, rel_err  # noqa: E402
+
+DEV = "cuda"
+TOL = 1e-2
+
+
+def _backends(h, hkv, d):
+    from pipeline.backends.torch_native import TorchNativeBackend
+    from pipeline.backends.triton.backend import TritonAttnBackend
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return TritonAttnBackend(torch_device=DEV, layer_dims=[(h, hkv, d, d)], num_sms=sms), TorchNativeBackend(torch_device=DEV)
+
+
+def _layer(h, hkv, d, features, seed):
+    g = torch.Generator().manual_seed(seed)
+    return AttentionLayer(layer_id=0, num_heads=h, num_kv_heads=hkv, head_dim=d, v_head_dim=d, scaling=d ** -0.5,
+                          sliding_window=300 if "window" in features else None,
+                          logit_softcap=4.0 if "softcap" in features else None,
+                          sinks=(torch.randn(h, generator=g) * 2).to(DEV) if "sinks" in features else None)
+
+
+def _setup(prefix, page, h, hkv, d, dtype, seed, extra):
+    """Pools with the given prefixes cached (random K/V in every slot); room for ``extra`` more tokens."""
+    total = sum(prefix) + extra
+    slots = (total // page + len(prefix) * 2 + 4) * page
+    rp = ReqToTokenPool(len(prefix) + 1, max(prefix) + extra + 1, DEV)
+    kv = KVPool(slots, page, [(hkv, d, d)], dtype, DEV)
+    kv.k_buffer[0].normal_()
+    kv.v_buffer[0].normal_()
+    alloc = PageAllocator(rp, slots, page, seed=seed)
+    rows = list(range(1, len(prefix) + 1))
+    for r, p in zip(rows, prefix):
+        if p:
+            alloc.extend(r, p)
+    return rp, kv, alloc, rows
+
+
+def _check_against_refs(out, tn_out, fb, layer, q, sample):
+    """Every request vs torch_native; sampled requests vs the float64 reference."""
+    assert not torch.isnan(out).any()
+    pool, r2t = fb.token_to_kv_pool, fb.req_to_token_pool.req_to_token
+    h, d = layer.num_heads, layer.head_dim
+    new = fb.extend_seq_lens_cpu
+    starts = [sum(new[:i]) for i in range(len(new))]
+    for i in range(fb.batch_size):
+        sl = slice(starts[i], starts[i] + new[i])
+        assert rel_err(out[sl], tn_out[sl]) <= TOL, ("torch_native", i)
+    for i in sample:
+        sl = slice(starts[i], starts[i] + new[i])
+        row, s = int(fb.req_pool_indices[i]), fb.seq_lens_cpu[i]
+        slots = r2t[row, :s].long()
+        ref = reference_attention(q[sl].view(-1, h, d), pool.k_buffer[0][slots], pool.v_buffer[0][slots],
+                                  q_positions=torch.arange(s - new[i], s, device=DEV), scale=layer.scaling,
+                                  window=layer.sliding_window, softcap=layer.logit_softcap, sinks=layer.sinks)
+        assert rel_err(out[sl].view(-1, h, d), ref) <= TOL, ("reference", i)
+
+
+def _run(mode, prefix, new, page, h, hkv, d, dtype, features, seed):
+    torch.manual_seed(seed)
+    rp, kv, alloc, rows = _setup(prefix, page, h, hkv, d, dtype, seed, extra=sum(new))
+    fb = make_forward_batch(mode, rows, new, alloc, kv)
+    t = fb.num_tokens
+    q = torch.randn(t, h, d, dtype=dtype, device=DEV)
+    k = torch.randn(t, hkv, d, dtype=dtype, device=DEV)
+    v = torch.randn(t, hkv, d, dtype=dtype, device=DEV)
+    layer = _layer(h, hkv, d, features, seed)
+    tri, tn = _backends(h, hkv, d)
+    tri.init_forward_metadata(fb)
+    out = tri.forward(q, k, v, layer, fb)
+    tn.init_forward_metadata(fb)
+    tn_out = tn.forward(q, k, v, layer, fb, save_kv_cache=False)
+    torch.cuda.synchronize()
+    _check_against_refs(out, tn_out, fb, layer, q, sample=sorted({0, len(prefix) // 2, len(prefix) - 1}))
+
+
+def _ragged(b, max_len, seed, min_len=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (b,), generator=g).tolist()
+    lens[0] = max_len
+    return lens
+
+
+DECODE_GRID = [
+    # (B, max ctx, page, H, Hkv, D, dtype, features)
+    (1, 1, 1, 32, 8, 128, torch.bfloat16, ()),
+    (7, 5000, 16, 32, 8, 128, torch.bfloat16, ()),
+    (256, 2048, 64, 16, 16, 64, torch.float16, ()),
+    (64, 32768, 16, 32, 4, 128, torch.bfloat16, ()),
+    (16, 3000, 1, 16, 4, 256, torch.bfloat16, ("window", "softcap", "sinks")),
+    (33, 1500, 16, 8, 8, 64, torch.bfloat16, ("window",)),
+    (9, 2500, 64, 32, 8, 128, torch.float16, ("softcap", "sinks")),
+    (5, 32768, 16, 64, 8, 128, torch.bfloat16, ("window", "softcap", "sinks")),
+    (12, 4000, 16, 16, 4, 96, torch.bfloat16, ()),
+    (128, 1024, 1, 32, 8, 256, torch.float16, ()),
+]
+
+
+@pytest.mark.parametrize("b,ctx,page,h,hkv,d,dtype,features", DECODE_GRID)
+def test_decode_grid(b, ctx, page, h, hkv, d, dtype, features):
+    """Decode over ragged cached contexts equals torch_native and the float64 reference."""
+    _run(ForwardMode.DECODE, _ragged(b, ctx - 1, seed=b + ctx), [1] * b, page, h, hkv, d, dtype, features, seed=b)
+
+
+EXTEND_GRID = [
+    # (prefix, new, page, H, Hkv, D, dtype, features)
+    ([0, 100, 3000, 17], [512, 1, 77, 300], 16, 32, 8, 128, torch.bfloat16, ()),
+    ([5, 0, 64], [33, 200, 1], 1, 8, 8, 64, torch.float16, ("window",)),
+    ([1000, 7, 0], [129, 64, 250], 64, 16, 4, 256, torch.bfloat16, ("window", "softcap", "sinks")),
+    ([2000, 31], [100, 257], 16, 64, 8, 128, torch.float16, ("softcap", "sinks")),
+    ([300, 0], [90, 45], 16, 16, 4, 96, torch.bfloat16, ()),
+    (_ragged(16, 8000, seed=3), _ragged(16, 1000, seed=4, min_len=1), 16, 32, 8, 128, torch.bfloat16, ()),
+]
+
+
+@pytest.mark.parametrize("prefix,new,page,h,hkv,d,dtype,features", EXTEND_GRID)
+def test_extend_grid(prefix, new, page, h, hkv, d, dtype, features):
+    """Extend (paged prefix + causal new tokens, ragged) equals torch_native and the float64 reference."""
+    _run(ForwardMode.EXTEND, prefix, new, page, h, hkv, d, dtype, features, seed=len(prefix) + d)
+
+
+def test_cuda_graph_replay_equals_eager_for_changed_lengths():
+    """A decode graph captured once replays to the eager result after lengths and rows change."""
+    h, hkv, d, page, bs = 32, 8, 128, 16, 8
+    rp, kv, alloc, rows = _setup([100] * bs, page, h, hkv, d, torch.bfloat16, seed=5, extra=6000)
+    layer = _layer(h, hkv, d, ("window", "sinks"), seed=5)
+    tri, _ = _backends(h, hkv, d)
+    tri.init_cuda_graph_state(max_bs=16, max_num_tokens=16)
+    fb = make_forward_batch(ForwardMode.DECODE, rows, [1] * bs, alloc, kv)
+    q, k, v = (torch.randn(bs, n, d, dtype=torch.bfloat16, device=DEV) for n in (h, hkv, hkv))
+    loc = fb.out_cache_loc.clone()
+    fb.out_cache_loc = loc
+    tri.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices, fb.seq_lens, None, ForwardMode.DECODE, None)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        tri.forward(q, k, v, layer, fb)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = tri.forward(q, k, v, layer, fb)
+    for step, grow in enumerate([[1] * bs, [500, 1, 3000, 7, 1, 64, 2, 900]]):
+        for r, n in zip(rows, grow):   # lengthen each request by a different amount
+            if n > 1:
+                alloc.extend(r, n - 1)
+        fb2 = make_forward_batch(ForwardMode.DECODE, rows[::-1], [1] * bs, alloc, kv)
+        for x in (q, k, v):
+            x.normal_()
+        loc.copy_(fb2.out_cache_loc)
+        tri.init_forward_metadata_replay_cuda_graph(bs, fb2.req_pool_indices, fb2.seq_lens, sum(fb2.seq_lens_cpu),
+                                                    None, ForwardMode.DECODE, None, None)
+        g.replay()
+        torch.cuda.synchronize()
+        graphed = out.clone()
+        tri.init_forward_metadata(fb2)
+        eager = tri.forward(q, k, v, layer, fb2)
+        assert torch.equal(graphed, eager), step
+        _check_against_refs(graphed, eager, fb2, layer, q, sample=range(bs))

@@ -1,0 +1,100 @@
+"""`attn-setup run` as a subprocess on every bundled config, with each config's pinned CPU outcome."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIGS
+from pipeline import events as ev
+
+SIX = ["device-init", "resolve", "build-mode", "npu-lazy-mem", "annotate", "done"]
+
+# config → (extra flags, exit code, mode, roles verified); written from the rules, not by running the tool.
+PINNED = {
+    "llama-3.1-8b.json": ([], 0, "normal", ["primary"]),
+    "qwen2.5-7b.json": (["--page-size", "16"], 0, "normal", ["primary"]),
+    "mistral-7b-v0.1.json": (["--page-size", "64"], 0, "normal", ["primary"]),
+    "gemma-2-9b.json": (["--enable-two-batch-overlap"], 0, "tbo",
+                        ["tbo.primary", "tbo.child0", "tbo.child1", "tbo.wrapper"]),
+    "qwen3-8b.json": (["--enable-pdmux"], 3, None, []),  # PD-mux needs GPU SMs: refused on CPU
+    "deepseek-v2-lite.json": (["--kv-cache-dtype", "fp8_e4m3"], 0, "normal", ["primary"]),
+    "gpt-oss-20b.json": (["--attention-backend", "torch_native"], 0, "normal", ["primary"]),
+}
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def test_every_bundled_config_is_pinned():
+    """The table covers exactly the shipped configs."""
+    assert sorted(PINNED) == sorted(p.name for p in CONFIGS.glob("*.json"))
+
+
+@pytest.mark.parametrize("config", sorted(PINNED))
+def test_run_outcome_per_config(config, tmp_path):
+    """run --json: exit code, states, plan and every instance verified as pinned; the log replays the states."""
+    flags, code, mode, roles = PINNED[config]
+    log = tmp_path / "{run_id}.rank{rank}.jsonl"
+    proc = run_cli("run", "--device", "cpu", "--json", "--model", str(CONFIGS / config), "--log-file", str(log), *flags)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["ok"] is (code == 0)
+    assert set(out) == {"ok", "run_id", "states", "resolved", "plan", "skips", "verified", "log_file", "error"}
+    records = [ev.decode_line(l) for l in Path(out["log_file"]).read_bytes().splitlines()]
+    assert all(r.run_id == out["run_id"] for r in records)
+    transitions = [r for r in records if isinstance(r, ev.StateTransition)]
+    if code == 0:
+        assert [s["state"] for s in out["states"]] == SIX
+        assert [t.from_state for t in transitions] + [transitions[-1].to] == SIX
+        assert out["plan"]["mode"] == mode and out["error"] is None
+        assert [v["role"] for v in out["verified"]] == roles
+        assert all(v["passed"] and v["max_rel_err"] <= v["tol"] for v in out["verified"])
+        assert out["resolved"]["prefill"] == "torch_native"
+    else:
+        assert out["error"]["code"] and out["error"]["remedy"] and out["verified"] == []
+        assert transitions[-1].to == "failed"
+        assert not any(isinstance(r, ev.BackendBuilt) for r in records)
+        assert any(isinstance(r, ev.RunFailed) and r.error.code == out["error"]["code"] for r in records)
+
+
+def test_log_file_placeholders(tmp_path):
+    """{run_id} and {rank} are filled into --log-file."""
+    proc = run_cli("run", "--device", "cpu", "--json", "--rank", "1", "--world-size", "2",
+                   "--log-file", str(tmp_path / "x-{run_id}-r{rank}.jsonl"))
+    out = json.loads(proc.stdout)
+    assert Path(out["log_file"]).name == f"x-{out['run_id']}-r1.jsonl"
+
+
+@pytest.mark.parametrize("args,code,field", [
+    (["--page-size", "0"], 3, "page_size"),
+    (["--attention-backend", "nope"], 3, "attention_backend"),
+    (["--attention-backend", "flashmla"], 3, "attention_backend"),
+    (["--page-size", "abc"], 2, None),
+    (["--model", "/nonexistent/config.json"], 2, "path"),
+    (["--no-such-flag"], 2, None),
+    (["--sm-group-num", "0"], 3, "sm_group_num"),
+    (["--enable-pdmux", "--enable-two-batch-overlap"], 3, "enable_pdmux"),
+])
+def test_bad_input_exit_codes(args, code, field, tmp_path):
+    """Bad flags exit 2, refused configurations exit 3, each with one ErrorInfo naming the flag."""
+    proc = run_cli("run", "--device", "cpu", "--json", "--log-file", str(tmp_path / "l.jsonl"), *args)
+    assert proc.returncode == code, proc.stdout + proc.stderr[-1000:]
+    err = json.loads(proc.stdout)["error"]
+    assert err["message"] and err["remedy"]
+    if field:
+        assert field in [f["name"] for f in err["flags"]]
+
+
+def test_human_output_has_tables(tmp_path):
+    """Without --json the states and verification tables are printed."""
+    proc = run_cli("run", "--device", "cpu", "--log-file", str(tmp_path / "l.jsonl"))
+    assert proc.returncode == 0
+    for word in ("device-init", "npu-lazy-mem", "verification", "torch_native"):
+        assert word in proc.stdout

@@ -1,0 +1,237 @@
+"""The pipeline end to end through the library entry point: modes, hybrid, draft override, refusals."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from conftest import cuda_facts
+from pipeline import events as ev
+from pipeline.backends import registry
+from pipeline.backends.capabilities import TORCH_NATIVE
+from pipeline.build import build_attention_backends
+from pipeline.contracts import AttentionArgs, SetupRequest
+from pipeline.errors import BackendUnknown, CapabilityMismatch, ConflictingOptions
+from pipeline.platforms.fake import FakePlatform
+
+INSTALLED = {"torch": True, "triton": False, "flashinfer-python": False}
+
+
+def _req(model, pool, **args):
+    extra = {k: args.pop(k) for k in ("is_draft_worker", "device", "draft_model") if k in args}
+    return SetupRequest(args=AttentionArgs(**args), model=model, pool=pool, device=extra.pop("device", "cpu"), **extra)
+
+
+def _build(req, platform=None):
+    return build_attention_backends(req, platform=platform, installed=INSTALLED)
+
+
+def _states(records):
+    return [r.from_state for r in records if isinstance(r, ev.StateTransition)] + [
+        [r.to for r in records if isinstance(r, ev.StateTransition)][-1]]
+
+
+def test_normal_mode_reaches_done_with_annotated_names(llama, small_pool):
+    """CPU, no flags: one torch_native backend, six states in order, names on the backend object."""
+    with _build(_req(llama, small_pool)) as out:
+        assert _states(out.events) == ["device-init", "resolve", "build-mode", "npu-lazy-mem", "annotate", "done"]
+        assert out.plan.mode.value == "normal" and not out.plan.hybrid
+        assert out.attn_backend is out.instances["primary"]
+        assert out.attn_backend.prefill_attention_backend_str == "torch_native"
+        assert out.decode_attn_backend is None and out.decode_attn_backend_group == []
+        assert out.resolution.rules == {"prefill": "auto", "decode": "auto"}
+
+
+def test_tbo_builds_primary_and_two_children_of_one_factory(llama, small_pool):
+    """TBO: three distinct instances of the same backend on the shared workspace, wrapper annotated."""
+    with _build(_req(llama, small_pool, enable_two_batch_overlap=True)) as out:
+        roles = [i.role for i in out.plan.instances]
+        assert roles == ["tbo.primary", "tbo.child0", "tbo.child1"]
+        objs = [out.instances[r] for r in roles]
+        assert len({id(o) for o in objs}) == 3 and {type(o) for o in objs} == {type(objs[0])}
+        top = out.attn_backend
+        assert top.primary is objs[0] and top.children == objs[1:]
+        assert top.decode_attention_backend_str == "torch_native"
+        assert [w.id for w in out.plan.workspaces] == ["ws-shared"]
+
+
+def test_tbo_children_serve_one_half_each_and_match_normal_mode(llama, small_pool):
+    """Each TBO child serves exactly its half of the requests; the wrapper passes verification."""
+    from pipeline.verify import verify_backend
+
+    with _build(_req(llama, small_pool, enable_two_batch_overlap=True)) as out:
+        top = out.attn_backend
+        res = verify_backend(top, role="tbo", name="tbo", model=llama, req_to_token_pool=out.pools["req_to_token_pool"],
+                             kv_pool=out.pools["kv_pool"], torch_device="cpu", dtype="bfloat16", decode_steps=1)
+        assert res.passed, res
+        fwd = [c for c in top.call_log if c.method == "forward" and c.child is not None]
+        for mode in ("extend", "decode"):
+            rows0 = {c.rows for c in fwd if c.child == 0 and c.forward_mode == mode}
+            rows1 = {c.rows for c in fwd if c.child == 1 and c.forward_mode == mode}
+            assert rows0 and rows1
+            for r0 in rows0:
+                for r1 in rows1:
+                    assert not set(r0) & set(r1)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 8])
+def test_pdmux_one_private_and_one_shared_workspace_for_any_n(llama, small_pool, n):
+    """PD-mux: prefill on a private workspace, N decode backends all on one shared buffer object."""
+    plat = FakePlatform(cuda_facts())
+    with _build(_req(llama, small_pool, enable_pdmux=True, sm_group_num=n, device="cuda"), plat) as out:
+        ws = out.plan.workspaces
+        assert [w.id for w in ws] == ["ws-private-pdmux.prefill", "ws-shared"]
+        assert ws[1].shared_by == [f"pdmux.decode{i}" for i in range(n)]
+        assert len(out.decode_attn_backend_group) == n
+        assert out.decode_attn_backend is out.decode_attn_backend_group[0]
+        pool = out.workspace_pool
+        assert pool.get("ws-shared") is not pool.get("ws-private-pdmux.prefill")
+        assert len({id(w) for w in pool.workspaces}) == 2
+
+
+def test_hybrid_routes_extend_and_decode_to_different_backends(llama, small_pool, monkeypatch):
+    """prefill ≠ decode: both halves are plan instances and the wrapper routes by forward mode."""
+    monkeypatch.setitem(registry._REGISTRY, "torch_native_b", registry.BackendEntry(
+        "torch_native_b", TORCH_NATIVE, "pipeline.backends.torch_native:create"))
+    from pipeline.verify import verify_backend
+
+    req = _req(llama, small_pool, prefill_attention_backend="torch_native", decode_attention_backend="torch_native_b")
+    with _build(req) as out:
+        assert out.plan.hybrid and [i.role for i in out.plan.instances] == ["primary.prefill", "primary.decode"]
+        top = out.attn_backend
+        res = verify_backend(top, role="hybrid", name="hybrid", model=llama, req_to_token_pool=out.pools["req_to_token_pool"],
+                             kv_pool=out.pools["kv_pool"], torch_device="cpu", dtype="bfloat16", decode_steps=1)
+        assert res.passed
+        routes = {(c.role, c.forward_mode) for c in top.call_log}
+        assert routes == {("prefill", "extend"), ("decode", "decode")}
+
+
+def test_draft_override_serves_both_halves(llama, small_pool):
+    """A draft worker with speculative_draft_attention_backend uses it for both halves (is_draft_override)."""
+    req = _req(llama, small_pool, attention_backend="torch_native", prefill_attention_backend="nope",
+               speculative_draft_attention_backend="torch_native", speculative_algorithm="EAGLE", is_draft_worker=True)
+    with _build(req) as out:
+        assert out.resolution.pair.is_draft_override
+        assert out.resolution.rules == {"prefill": "draft_override", "decode": "draft_override"}
+
+
+def test_reviewers_none_case_reads_only_resolved_strings(llama, small_pool):
+    """attention_backend=None with both phase flags set resolves from the phase flags (no 'Invalid … None')."""
+    req = _req(llama, small_pool, prefill_attention_backend="torch_native", decode_attention_backend="torch_native")
+    with _build(req) as out:
+        assert out.prefill_attention_backend_str == out.decode_attention_backend_str == "torch_native"
+        assert out.resolution.rules == {"prefill": "phase_flag", "decode": "phase_flag"}
+
+
+def test_only_decode_flag_leaves_prefill_to_auto(llama, small_pool):
+    """Only decode_attention_backend set: prefill comes from auto-selection, recorded as such."""
+    with _build(_req(llama, small_pool, decode_attention_backend="torch_native")) as out:
+        assert out.resolution.rules == {"prefill": "auto", "decode": "phase_flag"}
+
+
+def _assert_refused_before_allocation(exc_info, records_holder):
+    recs = records_holder
+    assert not any(isinstance(r, ev.BackendBuilt) for r in recs)
+    failed = [r for r in recs if isinstance(r, ev.RunFailed)]
+    assert len(failed) == 1 and failed[0].error == exc_info.value.info
+
+
+def test_pdmux_with_tbo_is_refused_before_anything_is_allocated(llama, small_pool):
+    """PD-mux + TBO: ConflictingOptions naming both flags, exit code 3, no backend built."""
+    from pipeline.eventlog import EventLog
+
+    log = EventLog("t", 0)
+    with pytest.raises(ConflictingOptions) as ei:
+        build_attention_backends(_req(llama, small_pool, enable_pdmux=True, enable_two_batch_overlap=True,
+                                      device="cuda"), platform=FakePlatform(cuda_facts()), installed=INSTALLED, log=log)
+    assert {f.name for f in ei.value.info.flags} == {"enable_pdmux", "enable_two_batch_overlap"}
+    assert ei.value.exit_code == 3 and ei.value.info.state == "resolve"
+    _assert_refused_before_allocation(ei, log.records)
+
+
+def test_pdmux_on_cpu_is_refused(llama, small_pool):
+    """PD-mux partitions GPU SMs: on a CPU device it is refused at resolve."""
+    with pytest.raises(CapabilityMismatch) as ei:
+        _build(_req(llama, small_pool, enable_pdmux=True))
+    assert ei.value.info.state == "resolve" and "CPU" in ei.value.info.message
+
+
+def test_tbo_on_draft_worker_is_a_recorded_downgrade(llama, small_pool):
+    """TBO on a draft worker: normal mode plus a feature_downgraded warning and a skip entry."""
+    req = _req(llama, small_pool, enable_two_batch_overlap=True, speculative_algorithm="EAGLE", is_draft_worker=True)
+    with _build(req) as out:
+        assert out.plan.mode.value == "normal"
+        downs = [r for r in out.events if isinstance(r, ev.FeatureDowngraded)]
+        assert any(d.what == "two_batch_overlap" for d in downs)
+        assert any(s.what == "two_batch_overlap" for s in out.skips)
+
+
+def test_unknown_backend_lists_the_registered_ones(llama, small_pool):
+    """An unknown name is refused at resolve with the registered names as allowed values."""
+    with pytest.raises(BackendUnknown) as ei:
+        _build(_req(llama, small_pool, attention_backend="flashattn9"))
+    assert "torch_native" in ei.value.info.allowed
+    assert ei.value.info.flags[0].name == "attention_backend"
+
+
+STATE_FUNCS = [("device-init", "states.device_init", "apply"), ("resolve", "states.resolve", "decide"),
+               ("build-mode", "states.build_mode", "apply"), ("npu-lazy-mem", "states.npu_lazy_mem", "decide"),
+               ("annotate", "states.annotate", "apply")]
+
+
+@pytest.mark.parametrize("state,module,func", STATE_FUNCS)
+def test_failure_in_each_state_is_logged_released_and_retryable(llama, small_pool, monkeypatch, state, module, func):
+    """An exception in any state: failed, one ErrorInfo naming the state, nothing kept; a new run succeeds."""
+    import importlib
+    import weakref
+
+    from pipeline.eventlog import EventLog
+
+    mod = importlib.import_module(module)
+    refs = []
+    real = getattr(mod, func)
+
+    def boom(*a, **k):
+        if module == "states.build_mode":
+            real(*a, **k)
+            refs.extend(weakref.ref(b) for b in a[2].instances.values())
+        raise RuntimeError(f"injected in {state}")
+
+    monkeypatch.setattr(mod, func, boom)
+    log = EventLog("t", 0)
+    with pytest.raises(RuntimeError):
+        build_attention_backends(_req(llama, small_pool), installed=INSTALLED, log=log)
+    failed = [r for r in log.records if isinstance(r, ev.RunFailed)]
+    assert len(failed) == 1 and failed[0].error.state == state and "injected" in failed[0].error.message
+    assert [r.to for r in log.records if isinstance(r, ev.StateTransition)][-1] == "failed"
+    if module == "states.build_mode":
+        assert "backend:primary" in failed[0].released and refs
+        import gc
+
+        gc.collect()
+        assert all(r() is None for r in refs)
+    monkeypatch.undo()
+    with _build(_req(llama, small_pool)) as out:
+        assert out.attn_backend is not None
+
+
+def test_close_releases_buffers(llama, small_pool):
+    """close() drops pools and workspaces: weak references to the KV buffers die."""
+    import gc
+    import weakref
+
+    out = _build(_req(llama, small_pool))
+    ref = weakref.ref(out.pools["kv_pool"].k_buffer[0])
+    released = out.close()
+    assert "pool:kv_pool" in released and "backend:primary" in released
+    gc.collect()
+    assert ref() is None
+    assert out.close() == []
+
+
+def test_events_round_trip_through_json(llama, small_pool):
+    """Every record a run emits decodes back to an equal typed record."""
+    with _build(_req(llama, small_pool, enable_two_batch_overlap=True)) as out:
+        for rec in out.events:
+            assert ev.decode_line(ev.encode(rec)) == rec

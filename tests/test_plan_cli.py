@@ -1,0 +1,144 @@
+"""``attn-setup plan`` as a subprocess: JSON shape, exit codes 0/2/3, and no torch/triton/flashinfer import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from pipeline import profiles
+from pipeline.contracts import AttentionArgs
+from pipeline.errors import BackendUnavailable
+from pipeline.model_spec import load_model_spec
+from states import resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = ROOT / "examples" / "configs"
+ALL = "torch,triton,flashinfer-python"
+
+
+def plan(*argv: str) -> tuple[int, dict]:
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", *argv, "--json"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_h200_plan_json_has_run_objects_and_rejected():
+    """h200 + flashinfer missing: triton pair, rejected per half, plan and skips objects as run prints."""
+    rc, out = plan("--device-profile", "h200", "--installed", "torch,triton")
+    assert rc == 0 and out["ok"] is True
+    assert out["resolved"] == {"prefill": "triton", "decode": "triton", "is_draft_override": False,
+                               "rules": {"prefill": "auto", "decode": "auto"}}
+    assert [r["backend"] for r in out["rejected"]["prefill"]] == ["flashinfer", "fa3"]
+    assert any("flashinfer-python" in x for x in out["rejected"]["decode"][0]["reasons"])
+    assert out["plan"] == {"mode": "normal", "hybrid": False,
+                           "instances": [{"role": "primary", "backend": "triton", "workspace": "ws-shared"}],
+                           "workspaces": [{"id": "ws-shared", "owner": "primary", "bytes": 0,
+                                           "shared_by": ["primary"]}]}
+    assert out["skips"] == [{"what": "npu_lazy_mem", "reason": "device type is 'cuda', zbal lazy memory exists on npu only"}]
+    assert out["device"]["compute_capability"] == [9, 0] and out["device"]["source"].startswith("profile:h200")
+
+
+def test_qwen_flashinfer_workspace_is_512_mib_in_the_plan():
+    """Qwen-family models get sglang's 512 MiB FlashInfer workspace in the planned bytes."""
+    rc, out = plan("--device-profile", "h100", "--installed", ALL, "--model", str(CFG / "qwen2.5-7b.json"))
+    assert rc == 0 and out["plan"]["workspaces"][0]["bytes"] == 512 * 2**20
+
+
+def test_decode_only_flag_records_auto_prefill_and_hybrid_plan():
+    """Only --decode-attention-backend: prefill from auto, a hybrid plan with both halves."""
+    rc, out = plan("--device-profile", "h200", "--installed", ALL, "--decode-attention-backend", "triton")
+    assert rc == 0 and out["resolved"]["rules"] == {"prefill": "auto", "decode": "phase_flag"}
+    assert out["plan"]["hybrid"] and [i["backend"] for i in out["plan"]["instances"]] == ["flashinfer", "triton"]
+
+
+def test_refused_configuration_exits_3_with_one_error_info():
+    """fa3 forced on an A100: exit 3, ErrorInfo naming the flag, the arch and the working backends."""
+    rc, out = plan("--device-profile", "a100", "--installed", ALL, "--attention-backend", "fa3")
+    assert rc == 3 and out["ok"] is False
+    err = out["error"]
+    assert err["code"] == "capability_mismatch" and err["state"] == "resolve"
+    assert {"attention_backend", "device.arch"} <= {f["name"] for f in err["flags"]}
+    assert sorted(err["allowed"]) == ["flashinfer", "torch_native", "triton"] and "sm90" in err["message"]
+
+
+def test_draft_worker_with_mla_draft_model_exits_3_naming_the_draft_flag():
+    """A draft model the inherited backend cannot serve: remedy names --speculative-draft-attention-backend."""
+    rc, out = plan("--device-profile", "h200", "--installed", ALL, "--attention-backend", "triton",
+                   "--speculative-algorithm", "EAGLE", "--draft-worker", "--draft-model",
+                   str(CFG / "deepseek-v2-lite.json"))
+    assert rc == 3 and "--speculative-draft-attention-backend" in out["error"]["remedy"]
+
+
+@pytest.mark.parametrize("argv", [
+    ("--device-profile", "tpu-v9"),
+    ("--device-profile", "cpu", "--installed", "torch,flash-attn"),
+    ("--device-profile", "cpu", "--model", "/nonexistent/config.json"),
+    ("--device-profile", "cpu", "--page-size", "not-a-number"),
+])
+def test_usage_errors_exit_2(argv):
+    """Unknown profile, unknown package, unreadable file, bad flag value: exit 2 with an ErrorInfo."""
+    rc, out = plan(*argv)
+    assert rc == 2 and out["ok"] is False and out["error"]["remedy"]
+
+
+def test_plan_imports_no_torch_triton_or_flashinfer():
+    """In-process: running plan leaves torch, triton and flashinfer out of sys.modules."""
+    code = ("import sys, io, contextlib; from pipeline.cli import main;"
+            "buf = io.StringIO();"
+            "rc = [main(['plan', '--device-profile', p, '--json']) for p in ('h200', 'cpu', 'mi300x')];"
+            "bad = [m for m in ('torch', 'triton', 'flashinfer') if m in sys.modules];"
+            "print(rc, bad); sys.exit(0 if rc == [0, 0, 0] and not bad else 1)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_named_profile_plans():
+    """Each named profile plans the bundled Llama on its own source-cited facts."""
+    for name, facts in profiles.PROFILES.items():
+        assert facts.source.startswith(f"profile:{name}")
+        rc, out = plan("--device-profile", name, "--installed", ALL)
+        assert rc == 0 and out["device"]["name"] == facts.name
+
+
+def test_nvidia_smi_output_is_parsed_without_torch():
+    """A recorded nvidia-smi line of an H200 becomes cuda sm90 facts with the profile's SM count."""
+    facts = profiles.parse_nvidia_smi("0, NVIDIA H200, 9.0, 143771, 580.159.03\n")
+    assert (facts.type, facts.arch, facts.total_memory_bytes, facts.sm_count) == ("cuda", "sm90", 143771 << 20, 132)
+    assert facts.source == "auto:nvidia-smi"
+    assert profiles.parse_nvidia_smi("") is None and profiles.parse_nvidia_smi("0, Old GPU, [N/A], 1024, 1\n") is None
+
+
+def test_auto_without_any_gpu_tool_is_cpu(monkeypatch):
+    """auto: no NVML, no nvidia-smi → the cpu facts, saying so in source."""
+    monkeypatch.setattr(profiles, "from_nvml", lambda index=0: None)
+    monkeypatch.setattr(profiles.shutil, "which", lambda exe: None)
+    facts = profiles.get("auto")
+    assert facts.type == "cpu" and facts.source.startswith("auto:cpu")
+
+
+def test_run_refuses_when_metadata_and_import_disagree_on_the_outcome():
+    """Metadata says flashinfer is installed, its import fails: the run refuses naming the package."""
+    llama = load_model_spec(CFG / "llama-3.1-8b.json")
+    meta = {"torch": True, "triton": True, "flashinfer-python": True}
+    imp = {**meta, "flashinfer-python": False}
+    with pytest.raises(BackendUnavailable) as ei:
+        resolve.decide_for_run(AttentionArgs(), llama, profiles.PROFILES["h200"], is_draft_worker=False,
+                               metadata=meta, imported=imp, import_errors={"flashinfer-python": "ImportError: libcuda"})
+    info = ei.value.info
+    assert info.code == "package_presence_mismatch" and [f.value for f in info.flags] == ["flashinfer-python"]
+    assert "libcuda" in info.message and "flashinfer-python" in info.remedy
+
+
+def test_run_ignores_a_disagreement_that_changes_nothing():
+    """On a CPU device a broken flashinfer changes nothing: torch_native, no error."""
+    llama = load_model_spec(CFG / "llama-3.1-8b.json")
+    meta = {"torch": True, "triton": True, "flashinfer-python": True}
+    res = resolve.decide_for_run(AttentionArgs(), llama, profiles.PROFILES["cpu"], is_draft_worker=False,
+                                 metadata=meta, imported={**meta, "flashinfer-python": False})
+    assert msgspec.to_builtins(res.pair) == {"prefill": "torch_native", "decode": "torch_native",
+                                             "is_draft_override": False}

@@ -1,0 +1,105 @@
+"""Replay of golden traces; a changed rule is reported as the exact divergence."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import pipeline
+from pipeline import testing
+from pipeline.errors import UsageError
+from pipeline.replay import Divergence, replay
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+ALL = sorted(GOLDEN.glob("*.jsonl"))
+
+
+def _raw(path):
+    return [json.loads(x) for x in Path(path).read_text().splitlines()]
+
+
+def test_golden_traces_exist():
+    assert len(ALL) >= 10
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.stem)
+def test_golden_trace_replays(path):
+    result = testing.assert_replays(path)
+    (run,) = result.runs
+    failed = any(r["event"] == "run_failed" for r in _raw(path))
+    # ok runs compare every decision through annotate; refused ones up to the recorded error
+    assert run.checked[-1] == ("resolve.error.message" if failed else "annotate.names")
+    assert run.stopped == ("failed in resolve as recorded" if failed else "")
+
+
+def test_pipeline_replay_is_callable_and_merges():
+    result = pipeline.replay([GOLDEN / "tp2_rank0.jsonl", GOLDEN / "tp2_rank1.jsonl"])
+    assert result.same and [(r.run_id, r.rank) for r in result.runs] == [("golden-tp2", 0), ("golden-tp2", 1)]
+
+
+def test_changed_blas_rule_diverges(monkeypatch):
+    import states.device_init as di
+
+    monkeypatch.setattr(di, "decide_blas", lambda device_type: True)
+    d = replay(GOLDEN / "ok_default.jsonl").divergence
+    assert d == Divergence(state="device-init", field="blas_init", recorded=False, now=True)
+
+
+def test_changed_mode_rule_diverges(monkeypatch):
+    import states.build_mode as bm
+    from pipeline.contracts import Mode
+
+    monkeypatch.setattr(bm, "decide_mode", lambda args, is_draft_worker: (Mode.TBO, []))
+    d = replay(GOLDEN / "ok_default.jsonl").divergence
+    assert (d.state, d.field, d.recorded, d.now) == ("build-mode", "mode", "normal", "tbo")
+    with pytest.raises(AssertionError, match="state 'build-mode', field 'mode': recorded 'normal', now 'tbo'"):
+        testing.assert_replays(GOLDEN / "ok_default.jsonl")
+
+
+def test_dropped_refusal_diverges(monkeypatch):
+    import states.resolve as rs
+
+    monkeypatch.setattr(rs, "check_modes", lambda *a, **k: None)
+    d = replay(GOLDEN / "failed_pdmux.jsonl").divergence
+    assert (d.state, d.field, d.recorded, d.now) == ("resolve", "error.code", "capability_mismatch", None)
+
+
+def test_changed_lazy_mem_rule_diverges(monkeypatch):
+    import states.npu_lazy_mem as nl
+
+    monkeypatch.setattr(nl, "decide", lambda *a: nl.LazyMemDecision(run=False, reason="changed"))
+    d = replay(GOLDEN / "ok_default.jsonl").divergence
+    assert (d.state, d.field, d.now) == ("npu-lazy-mem", "reason", "changed")
+    assert d.recorded == "device type is 'cpu', zbal lazy memory exists on npu only"
+
+
+def test_replay_uses_recorded_environment_not_current(monkeypatch):
+    monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "999")
+    assert replay(GOLDEN / "ok_default.jsonl").same
+    monkeypatch.delenv("SGLANG_ZBAL_LOCAL_MEM_SIZE")
+    rec = [r for r in _raw(GOLDEN / "ok_zbal_env.jsonl") if r["event"] == "setting_resolved"][0]
+    assert (rec["value"], rec["source"]) == (4096, "env")
+    assert replay(GOLDEN / "ok_zbal_env.jsonl").same
+
+
+def test_unreadable_trace(tmp_path):
+    p = tmp_path / "junk.jsonl"
+    p.write_text("garbage\n")
+    with pytest.raises(UsageError) as e:
+        replay(p)
+    assert e.value.info.code == "trace_unreadable"
+
+
+def test_record_trace_on_fake_gpu_replays(tmp_path):
+    from pipeline.contracts import SetupRequest
+    from pipeline.model_spec import load_model_spec
+
+    req = SetupRequest(model=load_model_spec(GOLDEN.parents[2] / "pipeline/data/configs/llama-3.1-8b.json"),
+                       device="cuda:0", pool=pipeline.PoolFacts(max_reqs=2, max_context_len=64, num_token_slots=64))
+    t = testing.record_trace(req, tmp_path / "fake.jsonl", facts=testing.cuda_facts(),
+                             installed={"torch": True, "triton": False, "flashinfer-python": False})
+    run = t.runs[0]
+    d = run.decisions()
+    assert d["device"]["blas_init"] is True and d["resolved"]["prefill"] == "torch_native"
+    assert d["resolved"]["rejected"]["prefill"][0]["backend"] == "flashinfer"
+    testing.assert_replays(tmp_path / "fake.jsonl")

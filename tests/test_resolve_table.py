@@ -1,0 +1,338 @@
+"""Hand-written resolve table: profile × bundled config × flags → expected pair and rules, or the error.
+
+Every row was written by reading the capability records (pipeline/backends/capabilities.py), the
+precedence and auto-priority rules (states/resolve.py docstring, backend-rules.md, issue 3) and
+the configs (examples/configs/README.md) — never by running the resolver. Each row cites its rule.
+
+Facts used (from the records): torch_native: every device type, any head dim, q bf16/fp16/fp32,
+KV also fp8, MLA/window/softcap/sinks/speculative/TBO/PD-mux, no CUDA graphs. flashinfer:
+cuda sm80/86/89/90, head dims 64/128/256, bf16/fp16 only, window/softcap/sinks/graphs/TBO/PD-mux,
+no MLA, no speculative. fa3: like flashinfer but sm90 only and no sinks. triton: cuda sm80-sm90,
+head dims 64/96/128/256, bf16/fp16, window/softcap/sinks/graphs/speculative/TBO/PD-mux, no MLA,
+packages torch+triton. Auto priority on cuda: flashinfer > fa3 > triton > torch_native; else
+torch_native. PD-mux SM table: sm80/86/89/90/100. Models: llama/qwen/qwen3 128 full bf16;
+mistral 128 all sliding; gemma-2 256, sliding+full, softcap 50, *float32*; deepseek-v2-lite MLA
+(absorbed 576/512); gpt-oss 64, sliding+full, sinks. These rows need the triton/flashinfer/fa3
+records to be registered: without them the GPU rows fail (BackendUnknown), they never skip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import msgspec
+import pytest
+
+from pipeline.cli_plan import plan_report
+from pipeline.contracts import AttentionArgs, ModelSpec, PoolFacts, SetupRequest
+from pipeline.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConflictingOptions
+from pipeline.model_spec import load_model_spec
+from pipeline.profiles import PROFILES
+
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+ALL, NOFI, TORCH, NONE = "torch,triton,flashinfer-python", "torch,triton", "torch", ""
+PDMUX_ARCHS = ("sm80", "sm86", "sm89", "sm90", "sm100")
+
+# Gemma-style: 256-dim local (sliding) layers, 512-dim global (full) layers.
+GEMMA_STYLE = dict(model_type="gemma_style", hidden_size=2560, num_hidden_layers=6, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=256, v_head_dim=256, global_head_dim=512, scaling=256 ** -0.5,
+                   layer_types=["sliding"] * 5 + ["full"], sliding_window=1024, dtype="bfloat16",
+                   source="gemma-style")
+ENC_DEC = dict(model_type="t5_like", hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+               num_key_value_heads=16, head_dim=64, v_head_dim=64, scaling=0.125, layer_types=["full"] * 4,
+               is_encoder_decoder=True, dtype="bfloat16", source="enc-dec")
+CUSTOM = {"gemma-style": GEMMA_STYLE, "enc-dec": ENC_DEC}
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    rule: str
+    profile: str
+    config: str
+    flags: dict = field(default_factory=dict)
+    installed: str = ALL
+    draft: bool = False
+    draft_config: Optional[str] = None
+    pair: Optional[tuple[str, str]] = None
+    rules: Optional[tuple[str, str]] = None
+    rejected: Optional[tuple[tuple[str, ...], tuple[str, ...]]] = None  # (prefill, decode) backend names
+    skips: Optional[tuple[str, ...]] = None     # skip "what"s, npu_lazy_mem left out
+    mode: Optional[str] = None
+    error: Optional[type] = None
+    code: Optional[str] = None
+    err_flags: tuple[str, ...] = ()              # flag names the error must carry
+    allowed: Optional[tuple[str, ...]] = None    # exact allowed list
+    text: tuple[str, ...] = ()                   # substrings of message + remedy
+
+
+def ok(id, rule, profile, config, pair, rules, **kw) -> Row:
+    return Row(id=id, rule=rule, profile=profile, config=config, pair=pair, rules=rules, **kw)
+
+
+def err(id, rule, profile, config, error, **kw) -> Row:
+    return Row(id=id, rule=rule, profile=profile, config=config, error=error, **kw)
+
+
+TN, FI, FA3, TR = "torch_native", "flashinfer", "fa3", "triton"
+AA, AUTO, GF, PF, DO = ("auto", "auto"), "auto", "global_flag", "phase_flag", "draft_override"
+SPEC = {"speculative_algorithm": "EAGLE"}
+
+ROWS: list[Row] = [
+    # --- auto-selection per device (issue 3 §3) ---------------------------------------------
+    ok("cpu-llama", "auto: CPU -> torch_native", "cpu", "llama-3.1-8b", (TN, TN), AA, rejected=((), ()),
+       skips=("cuda_graph",), mode="normal"),
+    ok("cpu-gemma2", "auto: CPU -> torch_native (softcap+window)", "cpu", "gemma-2-9b", (TN, TN), AA),
+    ok("cpu-deepseek", "auto: CPU -> torch_native (MLA)", "cpu", "deepseek-v2-lite", (TN, TN), AA),
+    ok("cpu-gptoss", "auto: CPU -> torch_native (sinks)", "cpu", "gpt-oss-20b", (TN, TN), AA),
+    ok("h200-llama", "auto: sm90 -> flashinfer when installed", "h200", "llama-3.1-8b", (FI, FI), AA,
+       rejected=((), ()), skips=(), mode="normal"),
+    ok("h200-llama-nofi", "auto: sm90 -> triton when flashinfer missing (fa3 too)", "h200", "llama-3.1-8b",
+       (TR, TR), AA, installed=NOFI, rejected=((FI, FA3), (FI, FA3)), skips=()),
+    ok("h100-qwen3", "auto: sm90 -> flashinfer", "h100", "qwen3-8b", (FI, FI), AA),
+    ok("a100-llama", "auto: sm80 -> flashinfer", "a100", "llama-3.1-8b", (FI, FI), AA, rejected=((), ())),
+    ok("a100-llama-nofi", "auto: sm80 -> triton; fa3 rejected (arch+package)", "a100", "llama-3.1-8b", (TR, TR),
+       AA, installed=NOFI, rejected=((FI, FA3), (FI, FA3))),
+    ok("l40s-mistral", "auto: sm89 -> flashinfer (sliding window claimed)", "l40s", "mistral-7b-v0.1", (FI, FI), AA),
+    ok("l40s-mistral-nofi", "auto: sm89 -> triton", "l40s", "mistral-7b-v0.1", (TR, TR), AA, installed=NOFI),
+    ok("b200-llama", "auto: sm100 -> as records allow: only torch_native", "b200", "llama-3.1-8b", (TN, TN), AA,
+       rejected=((FI, FA3, TR), (FI, FA3, TR)), skips=("cuda_graph",)),
+    ok("rtxpro-qwen25", "auto: sm120 -> torch_native", "rtx-pro-6000", "qwen2.5-7b", (TN, TN), AA,
+       rejected=((FI, FA3, TR), (FI, FA3, TR))),
+    ok("mi300x-llama", "auto: ROCm gfx942 (sm94) in no CUDA-arch list -> torch_native", "mi300x", "llama-3.1-8b",
+       (TN, TN), AA, rejected=((FI, FA3, TR), (FI, FA3, TR))),
+    ok("ascend-llama", "auto: npu -> torch_native; CUDA graphs skipped", "ascend-910b", "llama-3.1-8b", (TN, TN), AA,
+       rejected=((), ()), skips=("cuda_graph",)),
+    ok("h200-gemma2-fp32", "auto: model dtype float32 outside GPU q_dtypes -> torch_native", "h200", "gemma-2-9b",
+       (TN, TN), AA, rejected=((FI, FA3, TR), (FI, FA3, TR)), text=()),
+    ok("h200-gemma2-bf16", "auto: --dtype bfloat16 -> flashinfer (256, softcap, window)", "h200", "gemma-2-9b",
+       (FI, FI), AA, flags={"dtype": "bfloat16"}),
+    ok("h200-gemma2-bf16-nofi", "auto: triton serves head dim 256 + softcap", "h200", "gemma-2-9b", (TR, TR), AA,
+       flags={"dtype": "bfloat16"}, installed=NOFI),
+    ok("h200-deepseek", "auto: MLA -> only torch_native claims mla", "h200", "deepseek-v2-lite", (TN, TN), AA,
+       rejected=((FI, FA3, TR), (FI, FA3, TR)), skips=("cuda_graph",)),
+    ok("h200-gptoss", "auto: sinks -> flashinfer claims sinks", "h200", "gpt-oss-20b", (FI, FI), AA),
+    ok("h200-gptoss-nofi", "auto: sinks, no flashinfer -> triton (fa3 has no sinks anyway)", "h200", "gpt-oss-20b",
+       (TR, TR), AA, installed=NOFI),
+    ok("h200-kvfp8", "auto: fp8 KV only in torch_native", "h200", "llama-3.1-8b", (TN, TN), AA,
+       flags={"kv_cache_dtype": "fp8_e4m3"}, rejected=((FI, FA3, TR), (FI, FA3, TR))),
+    ok("h200-fp16", "auto: float16 is in every GPU record", "h200", "llama-3.1-8b", (FI, FI), AA,
+       flags={"dtype": "float16"}),
+    ok("h200-page64", "auto: no record limits page sizes", "h200", "llama-3.1-8b", (FI, FI), AA,
+       flags={"page_size": 64}),
+    ok("a100-spec", "auto: speculative skips flashinfer and fa3 -> triton", "a100", "llama-3.1-8b", (TR, TR), AA,
+       flags=SPEC, rejected=((FI, FA3), (FI, FA3))),
+    ok("h200-spec", "auto: speculative on sm90 -> triton", "h200", "llama-3.1-8b", (TR, TR), AA, flags=SPEC),
+    ok("h200-spec-torchonly", "auto: speculative, only torch installed -> torch_native", "h200", "llama-3.1-8b",
+       (TN, TN), AA, flags=SPEC, installed=TORCH, rejected=((FI, FA3, TR), (FI, FA3, TR)), skips=("cuda_graph",)),
+    err("h200-spec-tree", "validation: EAGLE topk>1 needs tree masks no backend has", "h200", "llama-3.1-8b",
+        CapabilityMismatch, flags={**SPEC, "speculative_eagle_topk": 4}, err_flags=("speculative_eagle_topk",),
+        allowed=(), text=("tree verification",)),
+    err("cpu-encdec", "validation: encoder-decoder claimed by no backend", "cpu", "enc-dec", CapabilityMismatch,
+        allowed=(), text=("encoder-decoder",)),
+    # --- explicit choices: passed or refused, never replaced (issue 3 §2-3) -------------------
+    ok("cpu-tn-global", "precedence: global flag", "cpu", "llama-3.1-8b", (TN, TN), (GF, GF),
+       flags={"attention_backend": TN}, rejected=((), ())),
+    err("cpu-triton", "explicit: triton has no cpu device -> refused, allowed = working", "cpu", "llama-3.1-8b",
+        CapabilityMismatch, flags={"attention_backend": TR}, err_flags=("attention_backend",), allowed=(TN,),
+        text=("device type 'cpu'",)),
+    err("cpu-flashinfer", "explicit: flashinfer is cuda-only", "cpu", "llama-3.1-8b", CapabilityMismatch,
+        flags={"attention_backend": FI}, allowed=(TN,)),
+    err("a100-fa3", "explicit: fa3 on sm80 refused with its arches and working backends", "a100", "llama-3.1-8b",
+        CapabilityMismatch, flags={"attention_backend": FA3}, err_flags=("attention_backend", "device.arch"),
+        allowed=(FI, TN, TR), text=("sm80", "['sm90']")),
+    err("b200-fa3", "explicit: fa3 on sm100 refused", "b200", "llama-3.1-8b", CapabilityMismatch,
+        flags={"attention_backend": FA3}, err_flags=("attention_backend", "device.arch"), allowed=(TN,),
+        text=("sm100", "['sm90']")),
+    ok("h200-fa3", "explicit: fa3 on sm90 passes", "h200", "llama-3.1-8b", (FA3, FA3), (GF, GF),
+       flags={"attention_backend": FA3}, skips=()),
+    err("h200-fi-spec", "explicit + speculative: refused naming both options", "h200", "llama-3.1-8b",
+        CapabilityMismatch, flags={"attention_backend": FI, **SPEC},
+        err_flags=("attention_backend", "speculative_algorithm"), allowed=(TN, TR), text=("speculative",)),
+    err("h200-fa3-spec", "explicit + speculative: fa3 refused", "h200", "llama-3.1-8b", CapabilityMismatch,
+        flags={"attention_backend": FA3, **SPEC}, err_flags=("attention_backend", "speculative_algorithm"),
+        allowed=(TN, TR)),
+    ok("h200-triton-spec", "explicit + speculative: triton claims it", "h200", "llama-3.1-8b", (TR, TR), (GF, GF),
+       flags={"attention_backend": TR, **SPEC}),
+    err("h200-fa3-sinks", "explicit: fa3 lacks attention sinks (both layer kinds named)", "h200", "gpt-oss-20b",
+        CapabilityMismatch, flags={"attention_backend": FA3}, err_flags=("sliding.has_sinks", "full.has_sinks"),
+        allowed=(FI, TN, TR), text=("attention sinks of sliding layers", "attention sinks of full layers")),
+    err("h200-triton-mla", "explicit: triton lacks MLA and head dims 576/512", "h200", "deepseek-v2-lite",
+        CapabilityMismatch, flags={"attention_backend": TR}, allowed=(TN,),
+        text=("MLA", "qk head dim 576", "v head dim 512")),
+    err("h200-fi-gemmastyle", "explicit: head dim 512 of full layers refused, naming dim and kind", "h200",
+        "gemma-style", CapabilityMismatch, flags={"attention_backend": FI}, err_flags=("full.head_dim_qk",),
+        allowed=(TN,), text=("qk head dim 512 of full layers",)),
+    err("h200-triton-gemmastyle", "explicit: triton lacks head dim 512 (global layers)", "h200", "gemma-style",
+        CapabilityMismatch, flags={"attention_backend": TR}, err_flags=("full.head_dim_qk", "full.head_dim_v"),
+        allowed=(TN,), text=("512 of full layers",)),
+    ok("h200-gemmastyle-auto", "auto: 512-dim global layers -> torch_native", "h200", "gemma-style", (TN, TN), AA,
+       rejected=((FI, FA3, TR), (FI, FA3, TR))),
+    err("h200-fi-fp8", "explicit: flashinfer has no fp8 KV", "h200", "llama-3.1-8b", CapabilityMismatch,
+        flags={"attention_backend": FI, "kv_cache_dtype": "fp8_e5m2"}, err_flags=("kv_cache_dtype",),
+        allowed=(TN,)),
+    ok("cpu-fp8", "explicit-free: fp8 KV on CPU in torch_native", "cpu", "llama-3.1-8b", (TN, TN), AA,
+       flags={"kv_cache_dtype": "fp8_e4m3"}),
+    err("h200-triton-fp32", "explicit: triton q dtypes are bf16/fp16", "h200", "llama-3.1-8b", CapabilityMismatch,
+        flags={"attention_backend": TR, "dtype": "float32"}, err_flags=("dtype",), allowed=(TN,)),
+    err("h200-fi-missing", "explicit: package missing -> refused, not replaced", "h200", "llama-3.1-8b",
+        CapabilityMismatch, flags={"attention_backend": FI}, installed=NOFI, allowed=(TN, TR),
+        text=("flashinfer-python",)),
+    # --- precedence per half (issue 3 §2) ---------------------------------------------------
+    ok("h200-decode-only", "precedence: only decode flag -> prefill from auto, recorded", "h200", "llama-3.1-8b",
+       (FI, TR), (AUTO, PF), flags={"decode_attention_backend": TR}, rejected=((), ()), mode="normal"),
+    ok("h200-decode-only-nofi", "precedence: prefill auto records rejected candidates", "h200", "llama-3.1-8b",
+       (TR, TR), (AUTO, PF), flags={"decode_attention_backend": TR}, installed=NOFI, rejected=((FI, FA3), ())),
+    ok("cpu-decode-only", "precedence: decode flag on cpu, prefill auto", "cpu", "llama-3.1-8b", (TN, TN), (AUTO, PF),
+       flags={"decode_attention_backend": TN}),
+    ok("h200-prefill-only", "precedence: only prefill flag -> decode from auto", "h200", "llama-3.1-8b", (FA3, FI),
+       (PF, AUTO), flags={"prefill_attention_backend": FA3}),
+    ok("h200-both-phase", "precedence: both phase flags", "h200", "llama-3.1-8b", (FA3, FI), (PF, PF),
+       flags={"prefill_attention_backend": FA3, "decode_attention_backend": FI}),
+    ok("h200-phase-over-global", "precedence: phase flag > global flag", "h200", "llama-3.1-8b", (FI, TR), (PF, GF),
+       flags={"attention_backend": TR, "prefill_attention_backend": FI}),
+    ok("h200-decode-over-global", "precedence: decode phase flag > global flag", "h200", "llama-3.1-8b", (TR, TN),
+       (GF, PF), flags={"attention_backend": TR, "decode_attention_backend": TN}, skips=("cuda_graph",)),
+    # --- names attn-setup knows but does not implement (issue 3 §1) --------------------------
+    err("unknown-name", "registry: unknown name lists registered ones", "h200", "llama-3.1-8b", BackendUnknown,
+        flags={"attention_backend": "flashattn9"}, code="backend_unknown", err_flags=("attention_backend",)),
+    err("trtllm-mha", "registry: known sglang name -> unavailable, allowed = working here", "h200", "llama-3.1-8b",
+        BackendUnavailable, flags={"attention_backend": "trtllm_mha"}, code="backend_unavailable",
+        allowed=(FA3, FI, TN, TR), text=("not available in attn-setup",)),
+    err("aiter-mi300x", "registry: aiter known, unavailable; torch_native works on ROCm", "mi300x", "llama-3.1-8b",
+        BackendUnavailable, flags={"attention_backend": "aiter"}, allowed=(TN,)),
+    err("flashmla-decode", "registry: decode flag with a known name", "h200", "deepseek-v2-lite", BackendUnavailable,
+        flags={"decode_attention_backend": "flashmla"}, err_flags=("decode_attention_backend",), allowed=(TN,)),
+    err("ascend-name", "registry: ascend known, unavailable", "ascend-910b", "llama-3.1-8b", BackendUnavailable,
+        flags={"attention_backend": "ascend"}, allowed=(TN,)),
+    # --- draft worker (issue 3 §2, §4) -------------------------------------------------------
+    ok("draft-override", "precedence: draft override > everything on a draft worker", "h200", "llama-3.1-8b",
+       (TR, TR), (DO, DO), flags={**SPEC, "attention_backend": FI, "speculative_draft_attention_backend": TR},
+       draft=True),
+    ok("draft-inherits", "precedence: draft worker without override inherits the global flag", "h200",
+       "llama-3.1-8b", (TR, TR), (GF, GF), flags={**SPEC, "attention_backend": TR}, draft=True),
+    ok("target-ignores-draft", "precedence: draft override ignored on the target worker", "h200", "llama-3.1-8b",
+       (TR, TR), (GF, GF), flags={**SPEC, "attention_backend": TR, "speculative_draft_attention_backend": TN}),
+    err("draft-mla-inherited", "validation: draft model's own shapes vs inherited backend -> draft flag remedy",
+        "h200", "llama-3.1-8b", CapabilityMismatch, flags={**SPEC, "attention_backend": TR}, draft=True,
+        draft_config="deepseek-v2-lite", allowed=(TN,), text=("--speculative-draft-attention-backend", "MLA")),
+    ok("draft-mla-override", "precedence: draft override serves the MLA draft model", "h200", "llama-3.1-8b",
+       (TN, TN), (DO, DO), flags={**SPEC, "attention_backend": TR, "speculative_draft_attention_backend": TN},
+       draft=True, draft_config="deepseek-v2-lite"),
+    ok("draft-auto", "auto on a draft worker needs speculative -> triton", "h200", "llama-3.1-8b", (TR, TR), AA,
+       flags=SPEC, draft=True, rejected=((FI, FA3), (FI, FA3))),
+    ok("draft-tbo", "downgrade: TBO on a draft worker -> normal + skip", "h200", "llama-3.1-8b", (TR, TR), (GF, GF),
+       flags={**SPEC, "attention_backend": TR, "enable_two_batch_overlap": True}, draft=True,
+       mode="normal", skips=("two_batch_overlap",)),
+    err("draft-fi", "validation: draft worker with a backend lacking speculative", "h200", "llama-3.1-8b",
+        CapabilityMismatch, flags={"attention_backend": FI}, draft=True,
+        err_flags=("attention_backend", "is_draft_worker"), allowed=(TN, TR)),
+    # --- modes (issue 3 §4) -----------------------------------------------------------------
+    err("pdmux-tbo", "validation: PD-mux with TBO refused", "h200", "llama-3.1-8b", ConflictingOptions,
+        flags={"enable_pdmux": True, "enable_two_batch_overlap": True}, code="conflicting_options",
+        err_flags=("enable_pdmux", "enable_two_batch_overlap")),
+    err("pdmux-cpu", "validation: PD-mux on CPU refused", "cpu", "llama-3.1-8b", CapabilityMismatch,
+        flags={"enable_pdmux": True}, allowed=PDMUX_ARCHS, err_flags=("enable_pdmux",)),
+    err("pdmux-sm120", "validation: PD-mux on an arch missing from the SM table lists supported arches",
+        "rtx-pro-6000", "llama-3.1-8b", CapabilityMismatch, flags={"enable_pdmux": True}, allowed=PDMUX_ARCHS,
+        err_flags=("enable_pdmux", "device.arch"), text=("sm120",)),
+    err("pdmux-mi300x", "validation: PD-mux on gfx942 (sm94) refused", "mi300x", "llama-3.1-8b",
+        CapabilityMismatch, flags={"enable_pdmux": True}, allowed=PDMUX_ARCHS),
+    err("pdmux-npu", "validation: PD-mux on npu refused", "ascend-910b", "llama-3.1-8b", CapabilityMismatch,
+        flags={"enable_pdmux": True}, allowed=PDMUX_ARCHS),
+    ok("pdmux-h200", "mode: PD-mux on sm90 with flashinfer", "h200", "llama-3.1-8b", (FI, FI), AA,
+       flags={"enable_pdmux": True}, mode="pdmux", skips=()),
+    ok("pdmux-b200", "mode: PD-mux on sm100 (in the table) with torch_native", "b200", "llama-3.1-8b", (TN, TN), AA,
+       flags={"enable_pdmux": True}, mode="pdmux", skips=("cuda_graph",)),
+    ok("tbo-h200", "mode: TBO on the target worker", "h200", "llama-3.1-8b", (FI, FI), AA,
+       flags={"enable_two_batch_overlap": True}, mode="tbo", skips=()),
+    # --- CUDA-graph downgrade (issue 3 §4) ----------------------------------------------------
+    ok("graph-off", "downgrade: none when graphs are disabled", "h200", "llama-3.1-8b", (TN, TN), (GF, GF),
+       flags={"attention_backend": TN, "disable_cuda_graph": True}, skips=()),
+    ok("graph-tn", "downgrade: torch_native decode cannot be captured", "h200", "llama-3.1-8b", (TN, TN), (GF, GF),
+       flags={"attention_backend": TN}, skips=("cuda_graph",)),
+    ok("graph-hybrid-ok", "downgrade: decode backend decides (flashinfer captures)", "h200", "llama-3.1-8b",
+       (TN, FI), (PF, PF), flags={"prefill_attention_backend": TN, "decode_attention_backend": FI}, skips=()),
+    ok("graph-hybrid-tn", "downgrade: torch_native decode half -> skip", "h200", "llama-3.1-8b", (FI, TN), (PF, PF),
+       flags={"prefill_attention_backend": FI, "decode_attention_backend": TN}, skips=("cuda_graph",)),
+    # --- the only capable backend not installed (issue 3 cases) --------------------------------
+    err("softcap-cpu-notorch", "not installed: one error saying so, no advice to use the missing backend", "cpu",
+        "gemma-2-9b", CapabilityMismatch, installed=NONE, allowed=(), text=("only torch_native could", "torch")),
+    err("softcap-b200-notorch", "not installed: sm100 leaves only torch_native, torch missing", "b200", "gemma-2-9b",
+        CapabilityMismatch, installed="triton,flashinfer-python", allowed=(), text=("only torch_native could",)),
+    err("softcap-explicit-notorch", "not installed: explicit torch_native without torch", "cpu", "gemma-2-9b",
+        CapabilityMismatch, flags={"attention_backend": TN}, installed=NONE, allowed=(),
+        err_flags=("attention_backend", "installed"), text=("not installed", "install torch")),
+]
+
+
+def _model(name: str) -> ModelSpec:
+    if name in CUSTOM:
+        return msgspec.convert(CUSTOM[name], ModelSpec)
+    return load_model_spec(CONFIGS / f"{name}.json")
+
+
+def _run(row: Row) -> dict[str, Any]:
+    args = AttentionArgs(**row.flags)
+    draft = _model(row.draft_config) if row.draft_config else None
+    req = SetupRequest(args=args, model=_model(row.config), draft_model=draft, is_draft_worker=row.draft,
+                       device="cpu", pool=PoolFacts(page_size=args.page_size, num_token_slots=64 * args.page_size))
+    installed = {p: p in row.installed.split(",") for p in ("torch", "triton", "flashinfer-python")}
+    return plan_report(req, PROFILES[row.profile], installed)
+
+
+def test_table_is_large_and_unique():
+    """At least 60 rows, unique ids, every row cites a rule."""
+    assert len(ROWS) >= 60 and len({r.id for r in ROWS}) == len(ROWS)
+    assert all(r.rule for r in ROWS)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.error is None], ids=lambda r: r.id)
+def test_resolved_rows(row: Row):
+    """The pair, rules, rejected candidates, mode and skips are the hand-written ones."""
+    out = _run(row)
+    res = out["resolved"]
+    assert (res["prefill"], res["decode"]) == row.pair, row.rule
+    assert (res["rules"]["prefill"], res["rules"]["decode"]) == row.rules, row.rule
+    assert res["is_draft_override"] == (row.rules[0] == DO)
+    if row.rejected is not None:
+        got = tuple(tuple(r["backend"] for r in out["rejected"][h]) for h in ("prefill", "decode"))
+        assert got == row.rejected, row.rule
+        assert all(r["reasons"] for h in ("prefill", "decode") for r in out["rejected"][h])
+    if row.skips is not None:
+        assert tuple(s["what"] for s in out["skips"] if s["what"] != "npu_lazy_mem") == row.skips, row.rule
+    if row.mode is not None:
+        assert out["plan"]["mode"] == row.mode
+    assert out["plan"]["hybrid"] == (row.pair[0] != row.pair[1])
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.error is not None], ids=lambda r: r.id)
+def test_refused_rows(row: Row):
+    """The error class, code, flags, allowed backends/arches and key words are the hand-written ones."""
+    with pytest.raises(row.error) as ei:
+        _run(row)
+    info = ei.value.info
+    assert type(ei.value) is row.error and ei.value.exit_code == 3
+    assert info.state == "resolve"
+    if row.code:
+        assert info.code == row.code
+    names = [f.name for f in info.flags]
+    for f in row.err_flags:
+        assert f in names, (f, names)
+    if row.allowed is not None:
+        assert sorted(info.allowed) == sorted(row.allowed), row.rule
+    blob = info.message + " | " + info.remedy
+    for t in row.text:
+        assert t in blob, (t, blob)
+    assert info.remedy
+
+
+def test_missing_backend_is_not_advised():
+    """When the only capable backend is not installed, neither allowed nor remedy advise using it."""
+    row = next(r for r in ROWS if r.id == "softcap-cpu-notorch")
+    with pytest.raises(CapabilityMismatch) as ei:
+        _run(row)
+    info = ei.value.info
+    assert info.allowed == [] and "torch_native" not in info.remedy and "install torch" in info.remedy

@@ -1,0 +1,128 @@
+"""Trace reading: round-trip of every record type, schema policy, tolerant reading, last words."""
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgspec
+import pytest
+
+from pipeline import events as ev
+from pipeline import trace as tr
+from pipeline.contracts import DeviceFacts, ErrorInfo, InstancePlan, Mode, Rejection, WorkspacePlan
+from pipeline.eventlog import EventLog
+
+ERR = ErrorInfo(code="capability_mismatch", state="resolve", message="m", remedy="r")
+SAMPLES = {
+    ev.RunStarted: dict(request={"device": "cpu"}, versions={"python": "3.11"}, packages={"torch": True}),
+    ev.StateTransition: dict(from_state="resolve", to="build-mode", trigger="resolved", duration_ms=1.5),
+    ev.DeviceInitialized: dict(facts=DeviceFacts(type="cuda", compute_capability=(9, 0)), blas_init=True),
+    ev.SettingResolved: dict(field="zbal_local_mem_size", value=7, source="env", env_var="X"),
+    ev.BackendsResolved: dict(prefill="a", decode="b", is_draft_override=False, rules={"prefill": "auto"},
+                              rejected={"prefill": [Rejection(backend="c", reasons=["x"])]}),
+    ev.BuildPlanned: dict(mode=Mode.TBO, hybrid=False, instances=[InstancePlan(role="p", backend="a", workspace="w")],
+                          workspaces=[WorkspacePlan(id="w", owner="p", bytes=3, shared_by=["p"])]),
+    ev.BackendBuilt: dict(role="p", backend="a", duration_ms=2.0),
+    ev.StepSkipped: dict(what="npu_lazy_mem", reason="cpu"),
+    ev.FeatureDowngraded: dict(what="cuda_graph", reason="cpu"),
+    ev.LazyMemInitialized: dict(bytes=4096, rank_arg=1, world_size=2),
+    ev.BackendsAnnotated: dict(target="T", prefill="a", decode="b"),
+    ev.InstanceVerified: dict(role="p", backend="a", max_rel_err=1e-3, tol=1e-2, passed=True),
+    ev.ResourcesReleased: dict(released=["backend:p"]),
+    ev.Heartbeat: dict(what="jit", elapsed_s=10.0, started_ns=5, message="still"),
+    ev.RunFailed: dict(error=ERR, released=["x"]),
+    ev.RunFinished: dict(duration_ms=3.0),
+    ev.RunInterrupted: dict(reason="signal", signal="SIGTERM", error=ERR),
+}
+
+
+def test_every_record_type_has_a_sample():
+    assert set(SAMPLES) == set(ev.EVENT_TYPES)
+
+
+@pytest.mark.parametrize("cls", ev.EVENT_TYPES, ids=lambda c: ev.event_name(c))
+def test_round_trip_every_record_type(cls, tmp_path):
+    rec = cls(ts_ns=123, run_id="r", rank=1, state="resolve", **SAMPLES[cls])
+    assert ev.decode_line(ev.encode(rec)) == rec
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(ev.encode(rec) + b"\n")
+    t = tr.read_trace(path)
+    assert t.skipped_lines == 0 and t.runs[0].records == [rec] and (t.runs[0].run_id, t.runs[0].rank) == ("r", 1)
+
+
+def _line(**over):
+    obj = {"event": "run_finished", "schema_version": 1, "ts_ns": 1, "run_id": "r", "rank": 0, "state": "done",
+           "outcome": "ok", "duration_ms": 1.0, **over}
+    return json.dumps(obj).encode()
+
+
+def test_schema_policy_and_tolerance(tmp_path, monkeypatch):
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(b"\n".join([
+        _line(), b"{not json", _line(schema_version=99), _line(event="from_the_future"),
+        _line(new_field="x", ts_ns=2), b'{"event": "run_finished", "ts_ns": "bad"}', _line(ts_ns=3)[:20]]))
+    t = tr.read_trace(p)
+    assert [s.reason for s in t.skipped] == ["not_json", "newer_schema", "unknown_event", "invalid_record", "not_json"]
+    assert [s.line for s in t.skipped] == [2, 3, 4, 6, 7]
+    assert t.dropped_fields == 1 and [r.ts_ns for r in t.runs[0].records] == [1, 2]
+    # an old version passes through its upgrader
+    monkeypatch.setattr(tr, "UPGRADERS", {0: lambda o: {**{k: v for k, v in o.items() if k != "ms"}, "duration_ms": o["ms"]}})
+    old = tmp_path / "old.jsonl"
+    old.write_bytes(_line(schema_version=0, ms=4.0, duration_ms=None).replace(b'"duration_ms": null, ', b""))
+    rec = tr.read_trace(old).runs[0].records[0]
+    assert rec.duration_ms == 4.0 and rec.schema_version == 1
+
+
+def test_missing_file_and_nothing_readable(tmp_path):
+    t = tr.read_trace([tmp_path / "nope.jsonl"])
+    assert t.unreadable_files == [str(tmp_path / "nope.jsonl")] and t.runs == []
+    from pipeline.errors import UsageError
+    with pytest.raises(UsageError) as e:
+        t.require_records()
+    assert e.value.info.code == "trace_unreadable" and e.value.exit_code == 2
+
+
+def test_heartbeat_records(tmp_path):
+    log = EventLog("hb", 0, tmp_path / "hb.jsonl")
+    log.emit(ev.StepSkipped, state="build-mode", what="x", reason="y")
+    with log.heartbeat("jit compile of decode kernel", every_s=0.05):
+        time.sleep(0.28)
+    log.close()
+    beats = tr.read_trace(tmp_path / "hb.jsonl").runs[0].all(ev.Heartbeat)
+    assert 3 <= len(beats) <= 6
+    assert all(b.state == "build-mode" and b.what == "jit compile of decode kernel" for b in beats)
+    assert [b.elapsed_s for b in beats] == sorted(b.elapsed_s for b in beats) and beats[0].elapsed_s >= 0.05
+    assert beats[0].message.startswith("still in build-mode: jit compile of decode kernel after")
+    assert len({b.started_ns for b in beats}) == 1
+
+
+SCRIPT = """
+import os, signal, sys
+from pipeline import events as ev
+from pipeline.eventlog import EventLog
+log = EventLog("sig", 0, sys.argv[1])
+log.install_signal_handlers()
+log.emit(ev.StateTransition, state="build-mode", from_state="resolve", to="build-mode", trigger="resolved", duration_ms=1.0)
+if sys.argv[2] == "term":
+    os.kill(os.getpid(), signal.SIGTERM)
+    import time; time.sleep(5)
+raise RuntimeError("boom in build")
+"""
+
+
+@pytest.mark.parametrize("how", ["term", "raise"])
+def test_sigterm_and_uncaught_exception_write_a_last_event(tmp_path, how):
+    path = tmp_path / "t.jsonl"
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT), str(path), how], capture_output=True, timeout=60)
+    last = tr.read_trace(path).runs[0].records[-1]
+    assert isinstance(last, ev.RunInterrupted) and last.state == "build-mode" and last.outcome == "failed"
+    if how == "term":
+        assert p.returncode == -15 and last.reason == "signal" and last.signal == "SIGTERM"
+        assert last.error.code == "interrupted"
+    else:
+        assert p.returncode == 1 and last.reason == "uncaught_exception"
+        assert last.error.code == "internal_error" and "boom in build" in last.error.message
+    run = tr.read_trace(path).runs[0]
+    assert run.status == "failed" and run.states()[-1] == {**run.states()[-1], "state": "build-mode", "outcome": "failed"}
