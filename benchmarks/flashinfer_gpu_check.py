@@ -125,7 +125,8 @@ def phase_graphs():
 
     for name, h, bs, real in (("flashinfer", 32, 16, 11), ("flashinfer", 32, 4, 3), ("flashinfer", 8, 16, 16), ("fa3", 32, 16, 11)):
         kind = make_kind(h, 8, 128, layer_ids=(0, 1))
-        sc = Scenario([kind], page_size=16, name=name, max_reqs=64, max_context_len=8192, extra={"cuda_graph_max_bs": bs})
+        sc = Scenario([kind], page_size=16, name=name, max_reqs=64, max_context_len=8192, extra={"cuda_graph_max_bs": bs},
+                      ws_bytes=384 << 20)
         be = (fib.create_fa3 if name == "fa3" else fib.create)(sc.ctx)
         be.init_cuda_graph_state(bs, bs)
         reqs = list(range(1, real + 1))

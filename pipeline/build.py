@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
 import time
 import uuid
 from typing import Any, Mapping, Optional
@@ -38,15 +39,21 @@ def installed_by_metadata(packages: tuple[str, ...] = PACKAGES) -> dict[str, boo
     return out
 
 
-def installed_by_import(packages: tuple[str, ...] = PACKAGES) -> dict[str, bool]:
-    """Package presence by a real import (what a run uses; a broken install counts as absent)."""
+def installed_by_import(packages: tuple[str, ...] = PACKAGES,
+                        errors: Optional[dict[str, str]] = None) -> dict[str, bool]:
+    """Package presence by a real import (what a run uses; a broken install counts as absent).
+
+    ``errors``, when given, receives the import error text of each package that failed.
+    """
     out = {}
     for p in packages:
         try:
             importlib.import_module(_IMPORT_NAME[p])
             out[p] = True
-        except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
             out[p] = False
+            if errors is not None and importlib.util.find_spec(_IMPORT_NAME[p]) is not None:
+                errors[p] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -102,7 +109,9 @@ class _Run:
         self.req, self.log, self.cpu_group = request, log, cpu_group
         self.platform = platform or platform_for(request.device)
         self.machine = SetupMachine(on_transition=self._on_transition)
-        self.installed = dict(installed) if installed is not None else installed_by_import()
+        self.import_errors: dict[str, str] = {}
+        self.installed_given = installed is not None
+        self.installed = dict(installed) if installed is not None else installed_by_import(errors=self.import_errors)
         self.given_pools = pools
         self.pools: dict[str, Any] = dict(pools or {})
         self.workspace_pool: Any = None
@@ -127,8 +136,14 @@ class _Run:
         self.machine.fire("device_ready")
 
     def resolve(self) -> None:
-        r = resolve.decide(self.req.args, self.req.served_model, self.machine.model.device_facts,
-                           is_draft_worker=self.req.is_draft_worker, installed=self.installed)
+        facts, model = self.machine.model.device_facts, self.req.served_model
+        if self.installed_given:
+            r = resolve.decide(self.req.args, model, facts, is_draft_worker=self.req.is_draft_worker,
+                               installed=self.installed)
+        else:  # a run: imports decide, and must agree with what `attn-setup plan` (metadata) would say
+            r = resolve.decide_for_run(self.req.args, model, facts, is_draft_worker=self.req.is_draft_worker,
+                                       metadata=installed_by_metadata(), imported=self.installed,
+                                       import_errors=self.import_errors)
         self.log.emit(ev.BackendsResolved, state=self.state, prefill=r.pair.prefill, decode=r.pair.decode,
                       is_draft_override=r.pair.is_draft_override, rules=dict(r.rules), rejected=r.rejected)
         for s in r.skips:
@@ -165,7 +180,8 @@ class _Run:
         self.workspace_pool = WorkspacePool(self.torch_device)
         for ws_plan in plan.workspaces:
             self.workspace_pool.allocate(ws_plan)
-        build_mode.apply(plan, self._make_instance, self.built)
+        with self.log.heartbeat(f"building {len(plan.instances)} backend instance(s)"):
+            build_mode.apply(plan, self._make_instance, self.built)
         self.machine.model.backends = self.built
         self.machine.fire("built")
 

@@ -62,15 +62,17 @@ def render_error(info: ErrorInfo) -> None:
     from rich.console import Console
 
     c = Console(stderr=True, highlight=False, width=120)
-    c.print(f"[bold red]error[/] [{info.code}] in state {info.state}: {info.message}")
+    from rich.markup import escape
+
+    c.print(f"[bold red]error[/] {escape(f'[{info.code}]')} in state {info.state}: {escape(info.message)}")
     for f in info.flags:
-        c.print(f"  flag   {f.name} = {f.value!r}")
+        c.print(f"  flag   {f.name} = {f.value!r}", markup=False)
     if info.json_path:
-        c.print(f"  at     {info.json_path}")
+        c.print(f"  at     {info.json_path}", markup=False)
     if info.allowed:
-        c.print(f"  allowed: {', '.join(info.allowed)}")
+        c.print(f"  allowed: {', '.join(info.allowed)}", markup=False)
     if info.remedy:
-        c.print(f"  remedy: {info.remedy}")
+        c.print(f"  remedy: {info.remedy}", markup=False)
 
 
 def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = None) -> None:

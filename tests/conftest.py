@@ -26,6 +26,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _reset_structlog():
+    """In-process CLI calls configure structlog (as applications do); undo it after each test."""
+    yield
+    import structlog
+
+    structlog.reset_defaults()
+
+
 @pytest.fixture(scope="session")
 def llama():
     from pipeline.model_spec import load_model_spec

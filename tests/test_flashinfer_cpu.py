@@ -107,8 +107,9 @@ def test_check_workspace_size_error_names_field_and_bytes():
 
 
 def test_tensor_core_rule_and_cta_tile():
-    """Tensor-core decode for group >= 4 and batch >= 8 (fp8 always); FA2 tile rows per qo length."""
+    """Tensor-core decode for group >= 8, or >= 4 at batch >= 8 (fp8 always); FA2 tile rows per qo length."""
     assert not sz.use_tensor_core_decode(1, 256) and not sz.use_tensor_core_decode(4, 1)
+    assert sz.use_tensor_core_decode(8, 1)
     assert sz.use_tensor_core_decode(4, 8) and sz.use_tensor_core_decode(1, 1, "fp8_e4m3")
     assert [sz.cta_tile_q(n, 128) for n in (1, 16, 17, 64, 65)] == [16, 16, 64, 64, 128]
     assert sz.cta_tile_q(65, 256) == 64

@@ -23,8 +23,7 @@ def test_no_secret_in_any_output(tmp_path):
     secret = "hf_" + uuid.uuid4().hex
     env = {**os.environ, "ATTN_SETUP_SECRET_HF_TOKEN": secret, "ATTN_SETUP_SECRET_API_KEY": "sk-" + secret[::-1]}
     log = tmp_path / "t.jsonl"
-    outputs = [_cli("-v", "run", "--device", "cpu", "--log-file", str(log), "--max-context-len", "64",
-                    "--num-token-slots", "64", env=env)]
+    outputs = [_cli("-v", "run", "--device", "cpu", "--log-file", str(log), env=env)]
     assert outputs[0].returncode == 0, outputs[0].stderr.decode()[-2000:]
     outputs += [_cli("-v", "run", "--device", "cpu", "--json", "--enable-pdmux", "--log-file", str(log), env=env)]
     assert outputs[-1].returncode == 3

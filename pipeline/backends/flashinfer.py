@@ -37,6 +37,16 @@ from pipeline.jit import Variant, ensure_compiled
 PACKAGE = "flashinfer-python"
 
 
+class _NoEvent:
+    """Stand-in for a CUDA event when the pool lives on the CPU (tests)."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 def import_flashinfer(name: str = "flashinfer") -> Any:
     """Import FlashInfer or raise :class:`BackendUnavailable` naming the package and the extra."""
     try:
@@ -138,20 +148,36 @@ class FlashInferBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ planning
     def page_table(self, req_pool_indices: torch.Tensor, seq_lens: list[int]) -> tuple[torch.Tensor, ...]:
-        """(kv_indptr [B+1] int32 CPU, kv_indices [P] int32 device, last_page_len [B] int32 CPU)."""
+        """(kv_indptr [B+1] int32 CPU, kv_indices [P] int32 device, last_page_len [B] int32 CPU).
+
+        Row/column positions are built on the host into a pinned staging buffer and sent with one
+        asynchronous copy (a pageable copy would wait for the previous step's kernels); the page
+        ids are then gathered from ``req_to_token`` on the device.
+        """
         ps = self.page_size
         seq = torch.tensor(seq_lens, dtype=torch.int64)
         npages = (seq + ps - 1) // ps
         indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
         torch.cumsum(npages, 0, out=indptr[1:])
         total = int(indptr[-1])
-        rows = torch.repeat_interleave(torch.arange(len(seq_lens)), npages, output_size=total)
-        cols = (torch.arange(total) - indptr[:-1].repeat_interleave(npages, output_size=total)) * ps
-        rc = torch.stack([rows, cols]).to(req_pool_indices.device, non_blocking=True)
-        r2t = self.req_pool.req_to_token
-        indices = (r2t[req_pool_indices[rc[0]], rc[1]] // ps).to(torch.int32)
+        rc = self._staging(2 * total).view(2, total)
+        rc[0].copy_(torch.repeat_interleave(torch.arange(len(seq_lens)), npages, output_size=total))
+        torch.mul(torch.arange(total) - indptr[:-1].repeat_interleave(npages, output_size=total), ps, out=rc[1])
+        dev_rc = rc.to(req_pool_indices.device, non_blocking=True)
+        self._staging_event.record()
+        indices = self.req_pool.req_to_token[req_pool_indices[dev_rc[0]], dev_rc[1]] // ps
         last = (seq - (npages - 1) * ps).to(torch.int32)
         return indptr.to(torch.int32), indices, last
+
+    def _staging(self, n: int) -> torch.Tensor:
+        """A pinned int64 host buffer of >= n elements, safe to overwrite (its last copy finished)."""
+        if getattr(self, "_stage", None) is None or self._stage.numel() < n:
+            pin = self.kv_pool.device.type == "cuda"
+            self._stage = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=pin)
+            self._staging_event = torch.cuda.Event() if pin else _NoEvent()
+        else:
+            self._staging_event.synchronize()
+        return self._stage[:n]
 
     def plan_decode(self, kinds_wrappers: list[tuple["KindWrappers", Any, bool]], req_pool_indices: torch.Tensor,
                     seq_lens: list[int]) -> None:

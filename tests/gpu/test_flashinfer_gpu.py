@@ -52,7 +52,7 @@ def _err(sc, be, kind, mode, reqs, prefix, new, sinks=None):
 def test_decode_and_extend_match_float64(name, page_size):
     """bf16 decode and extend (ragged and paged) are within 1e-2 of float64, never NaN."""
     kind = make_kind(32, 8, 128)
-    sc = Scenario([kind], page_size=page_size, name=name, max_reqs=16, max_context_len=8192)
+    sc = Scenario([kind], page_size=page_size, name=name, max_reqs=16, max_context_len=8192, ws_bytes=384 << 20)
     be = (fib.create_fa3 if name == "fa3" else fib.create)(sc.ctx)
     assert _err(sc, be, kind, ForwardMode.EXTEND, [0, 1, 2], [0, 0, 0], [5, 300, 77]) <= 1e-2
     assert _err(sc, be, kind, ForwardMode.EXTEND, [0, 3], [0, 900], [40, 129]) <= 1e-2
@@ -64,7 +64,7 @@ def test_features_match_float64(feat):
     """Sliding window, softcap and sinks on the flashinfer backend match float64."""
     kind = make_kind(32, 8, 128, **feat)
     sinks = torch.randn(32, device="cuda") if feat.get("sinks") else None
-    sc = Scenario([kind], page_size=16, max_reqs=8, max_context_len=4096)
+    sc = Scenario([kind], page_size=16, max_reqs=8, max_context_len=4096, ws_bytes=384 << 20)
     be = fib.create(sc.ctx)
     assert _err(sc, be, kind, ForwardMode.EXTEND, [0, 1], [0, 700], [200, 90], sinks) <= 1e-2
     assert _err(sc, be, kind, ForwardMode.DECODE, [0, 1, 2], [0, 0, 1500], [1, 1, 1], sinks) <= 1e-2

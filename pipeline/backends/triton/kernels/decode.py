@@ -108,7 +108,10 @@ def decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
                     mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        # p = hi + lo in v's dtype: two MMAs keep P's 16-bit rounding out of the result (free when memory-bound).
+        p_hi = p.to(v.dtype)
+        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        acc = acc * alpha[:, None] + _dot(p_hi, v, UPCAST) + _dot(p_lo, v, UPCAST)
         m_i = m_new
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
