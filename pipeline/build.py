@@ -174,6 +174,7 @@ class _Run:
                       instances=plan.instances, workspaces=plan.workspaces)
         for s in plan.skips:
             self.log.emit(ev.FeatureDowngraded, state=self.state, outcome="skipped", what=s.what, reason=s.reason)
+        self._check_workspaces(plan)
         self._make_pools(model)
         from pipeline.workspace import WorkspacePool
 
@@ -184,6 +185,26 @@ class _Run:
             build_mode.apply(plan, self._make_instance, self.built)
         self.machine.model.backends = self.built
         self.machine.fire("built")
+
+    def _graph_max_bs(self) -> int:
+        no_graphs = any(s.what == "cuda_graph" for s in self.machine.model.resolution.skips)
+        return 0 if no_graphs else settings.cuda_graph_max_bs(self.req.args, self.req.pool.max_reqs)
+
+    def _check_workspaces(self, plan: Any) -> None:
+        """Refuse a FlashInfer workspace too small for the largest planned batch, before allocating."""
+        from pipeline.backends import flashinfer_sizing as sizing
+
+        for ws in plan.workspaces:
+            users = {i.backend for i in plan.instances if i.workspace == ws.id} & {"flashinfer", "fa3"}
+            if not users:
+                continue
+            shapes = [sizing.HeadShape(k.num_heads, k.num_kv_heads, k.head_dim_v, k.has_sinks) for k in self.kinds]
+            for backend in sorted(users):
+                need = sizing.workspace_need(
+                    shapes, num_sms=max(self.machine.model.device_facts.sm_count, 1),
+                    max_batch_size=self.req.pool.max_reqs, cuda_graph_max_bs=self._graph_max_bs(),
+                    prefill_backend="fa3" if backend == "fa3" else "fa2")
+                sizing.check_workspace_size(ws.bytes, need)
 
     def _make_pools(self, model: Any) -> None:
         if self.given_pools:
@@ -204,7 +225,8 @@ class _Run:
         ctx = BackendContext(name=inst.backend, role=inst.role, device=self.machine.model.device_facts,
                              torch_device=self.torch_device, model=model, layer_kinds=self.kinds,
                              args=self.req.args, req_to_token_pool=self.pools["req_to_token_pool"],
-                             kv_pool=self.pools["kv_pool"], workspace=ws, dtype=model_dtype(self.req.args, model))
+                             kv_pool=self.pools["kv_pool"], workspace=ws, dtype=model_dtype(self.req.args, model),
+                             extra={"cuda_graph_max_bs": self._graph_max_bs()})
         t = time.perf_counter()
         backend = get(inst.backend).load_factory()(ctx)
         self.log.emit(ev.BackendBuilt, state=self.state, role=inst.role, backend=inst.backend,

@@ -82,6 +82,7 @@ def add_setup_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
 COMMANDS: list[str] = [
     "pipeline.cli_run",
     "pipeline.cli_plan",
+    "pipeline.cli_warmup",
     "pipeline.cli_inspect", "pipeline.cli_replay", "pipeline.cli_graph",
 ]
 

@@ -8,8 +8,10 @@ Hierarchy::
     │   ├── BackendUnavailable  known name, not usable here (not implemented / package missing)
     │   ├── CapabilityMismatch  the backend cannot serve this device, model or flag
     │   ├── ConflictingOptions  two options that cannot be used together
-    │   └── ModelConfigError    config.json unreadable or inconsistent (JSON path given)
+    │   ├── ModelConfigError    config.json unreadable or inconsistent (JSON path given)
+    │   └── RankDivergence      the ranks of one launch resolved differently (table rank → device → pair)
     ├── OrderingError          a trigger fired out of order (current and expected state)
+    ├── RankExchangeError      exit code 1: a rank did not take part in the exchange within the timeout
     ├── BuildError             exit code 1: building or verifying a backend failed
     └── UsageError             exit code 2: bad command-line usage / unreadable file
 
@@ -103,6 +105,24 @@ class ConflictingOptions(ConfigError):
 
 class ModelConfigError(ConfigError):
     code = "model_config_invalid"
+
+
+class RankDivergence(ConfigError):
+    """The ranks of one torch.distributed launch disagree (resolved pair, attention args or device).
+
+    Raised on *every* rank together (each compares the same gathered table), before anything is
+    allocated. ``info.flags`` holds one ``rank[i]`` entry per rank (device, host, prefill, decode)
+    and ``diverging`` names the fields that differ; the message carries the same table as text.
+    """
+
+    code = "rank_divergence"
+
+
+class RankExchangeError(AttnSetupError):
+    """A rank did not join the resolution exchange within ``timeout_s`` (crashed, hung, or not launched)."""
+
+    code = "rank_exchange_failed"
+    exit_code = EXIT_FAILED
 
 
 class OrderingError(AttnSetupError):

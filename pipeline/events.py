@@ -77,6 +77,28 @@ class BackendsResolved(Event, tag="backends_resolved", kw_only=True):
     rejected: dict[str, list[Rejection]] = {}
 
 
+class RankRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One rank's line in the many-ranks table: where it runs and what it resolved."""
+
+    rank: int
+    host: str
+    device: str
+    prefill: str
+    decode: str
+    is_draft_override: bool = False
+
+
+class RanksAgreed(Event, tag="ranks_agreed", kw_only=True):
+    """Every rank of the launch resolved the same pair with the same attention args (resolve state).
+
+    ``table`` has one :class:`RankRow` per rank, in rank order; ``duration_ms`` is the exchange.
+    """
+
+    world_size: int
+    table: list[RankRow]
+    duration_ms: float = 0.0
+
+
 class BuildPlanned(Event, tag="build_planned", kw_only=True):
     """build-mode's decision: mode, hybrid, instances ``[{role, backend, workspace}]`` and workspaces."""
 
@@ -181,7 +203,7 @@ class RunFinished(Event, tag="run_finished", kw_only=True):
 
 
 AnyEvent = Union[
-    RunStarted, StateTransition, DeviceInitialized, SettingResolved, BackendsResolved, BuildPlanned,
+    RunStarted, StateTransition, DeviceInitialized, SettingResolved, BackendsResolved, RanksAgreed, BuildPlanned,
     BackendBuilt, StepSkipped, FeatureDowngraded, LazyMemInitialized, BackendsAnnotated, InstanceVerified, ResourcesReleased,
     Heartbeat, RunFailed, RunFinished, RunInterrupted,
 ]

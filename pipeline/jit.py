@@ -66,6 +66,27 @@ class Variant:
         return {"variant": self.name, **asdict(self)}
 
 
+def variants_for(layer_kinds: Sequence[Any], prefill_backend: str, q_dtype: str, kv_dtype: str,
+                 arch: str) -> list[Variant]:
+    """The FlashInfer kernel variants a backend needs for ``layer_kinds`` (torch-free).
+
+    ``prefill_backend``: ``fa2`` (the ``flashinfer`` backend: prefill kernels for extend and
+    tensor-core decode, plus the CUDA-core decode kernels) or ``fa3`` (prefill kernels for both).
+    Layer kinds with sinks use the attention-sink variant only. Dtypes are torch dtype names.
+    """
+    out: list[Variant] = []
+    for k in layer_kinds:
+        swa, cap = bool(k.sliding_window), bool(k.logit_softcap)
+        base = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, arch=arch)
+        if k.has_sinks:
+            out.append(Variant(kind="sink", backend=prefill_backend, sliding_window=swa, **base))
+            continue
+        out.append(Variant(kind="prefill", backend=prefill_backend, sliding_window=swa, logit_softcap=cap, **base))
+        if prefill_backend == "fa2":
+            out.append(Variant(kind="decode", backend="cuda_core", sliding_window=swa, logit_softcap=cap, **base))
+    return list(dict.fromkeys(out))
+
+
 def _sink_jit_args(v: Variant) -> tuple[list[Any], dict[str, Any]]:
     import torch
     from flashinfer.jit.attention.variants import attention_sink_decl

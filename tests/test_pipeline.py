@@ -235,3 +235,25 @@ def test_events_round_trip_through_json(llama, small_pool):
     with _build(_req(llama, small_pool, enable_two_batch_overlap=True)) as out:
         for rec in out.events:
             assert ev.decode_line(ev.encode(rec)) == rec
+
+
+def test_flashinfer_workspace_too_small_is_refused_in_build_mode_before_allocation(llama, small_pool):
+    """A flashinfer_workspace_size below the planned need fails build-mode naming the field and bytes."""
+    from pipeline.backends import flashinfer_sizing as sizing
+    from pipeline.errors import ConfigError
+    from pipeline.eventlog import EventLog
+
+    log = EventLog("t", 0)
+    req = _req(llama, small_pool, attention_backend="flashinfer", flashinfer_workspace_size=1 << 20, device="cuda")
+    with pytest.raises(ConfigError) as ei:
+        build_attention_backends(req, platform=FakePlatform(cuda_facts()), log=log,
+                                 installed={"torch": True, "triton": False, "flashinfer-python": True})
+    info = ei.value.info
+    assert info.code == "workspace_too_small" and info.state == "build-mode"
+    flags = {f.name: f.value for f in info.flags}
+    assert flags["flashinfer_workspace_size"] == 1 << 20
+    k = llama.layer_kinds()[0]
+    need = sizing.workspace_need([sizing.HeadShape(k.num_heads, k.num_kv_heads, k.head_dim_v)], num_sms=132,
+                                 max_batch_size=small_pool.max_reqs, cuda_graph_max_bs=small_pool.max_reqs)
+    assert flags["needed_bytes"] == need.bytes > 1 << 20
+    assert not any(isinstance(r, ev.BackendBuilt) for r in log.records)

@@ -8,7 +8,7 @@ for every claim and checks resolve refuses everything unclaimed.
 
 from __future__ import annotations
 
-from pipeline.backends.registry import Capability
+from pipeline.backends.capability import Capability
 
 MiB = 1 << 20
 

@@ -32,7 +32,7 @@ from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatc
 from pipeline.backends.flashinfer_graph import GraphState
 from pipeline.contracts import ForwardMode, LayerKind
 from pipeline.errors import BackendUnavailable, CapabilityMismatch, ConfigError
-from pipeline.jit import Variant, ensure_compiled
+from pipeline.jit import Variant, ensure_compiled, variants_for
 
 PACKAGE = "flashinfer-python"
 
@@ -126,18 +126,8 @@ class FlashInferBackend(AttentionBackend):
 
     def variants(self) -> list[Variant]:
         """The kernel variants this backend uses (each checked/compiled before first use)."""
-        arch, q, kv = self.ctx.device.arch or "", str(self.q_dtype)[6:], self.kv_dtype_name
-        out: list[Variant] = []
-        for k in self.ctx.layer_kinds:
-            swa, cap = bool(k.sliding_window), bool(k.logit_softcap)
-            base = dict(q_dtype=q, kv_dtype=kv, head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, arch=arch)
-            if k.has_sinks:
-                out.append(Variant(kind="sink", backend=self.prefill_backend, sliding_window=swa, **base))
-                continue
-            out.append(Variant(kind="prefill", backend=self.prefill_backend, sliding_window=swa, logit_softcap=cap, **base))
-            if self.prefill_backend == "fa2":
-                out.append(Variant(kind="decode", backend="cuda_core", sliding_window=swa, logit_softcap=cap, **base))
-        return list(dict.fromkeys(out))
+        return variants_for(self.ctx.layer_kinds, self.prefill_backend, str(self.q_dtype)[6:], self.kv_dtype_name,
+                            self.ctx.device.arch or "")
 
     def sink_wrapper(self, kind: LayerKind, window_left: int, **graph_bufs: Any) -> Any:
         """A :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` for ``kind``."""

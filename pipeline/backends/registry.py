@@ -21,38 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from pipeline.memory import KVPool, ReqToTokenPool
     from pipeline.workspace import Workspace
 
-_STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
-
-FEATURES = ("mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "encoder_decoder",
-            "speculative", "cuda_graph", "tbo", "pdmux")
-
-
-class Capability(msgspec.Struct, **_STRUCT):
-    """What a backend can serve. Resolve refuses any request outside it, with the reason.
-
-    ``devices``: device types; ``archs``: compute capabilities as ``"sm90"`` strings (None = any,
-    e.g. CPU); ``head_dims_qk`` / ``head_dims_v``: supported dims (None = any);
-    ``q_dtypes`` / ``kv_dtypes``: torch dtype names; ``features``: subset of :data:`FEATURES`;
-    ``page_sizes``: allowed page sizes (None = any >= 1); ``packages``: distributions that must
-    be installed (checked by metadata at plan time, by import at run time);
-    ``workspace_bytes``: default workspace size in bytes (0 = needs none); ``source``: where the
-    limits come from.
-    """
-
-    devices: list[str]
-    archs: Optional[list[str]] = None
-    head_dims_qk: Optional[list[int]] = None
-    head_dims_v: Optional[list[int]] = None
-    q_dtypes: list[str] = msgspec.field(default_factory=lambda: ["bfloat16", "float16", "float32"])
-    kv_dtypes: list[str] = msgspec.field(default_factory=lambda: ["bfloat16", "float16", "float32"])
-    features: list[str] = []
-    page_sizes: Optional[list[int]] = None
-    packages: list[str] = []
-    workspace_bytes: int = 0
-    source: str = ""
-
-    def has(self, feature: str) -> bool:
-        return feature in self.features
+from pipeline.backends.capability import FEATURES, Capability  # noqa: E402,F401 (re-exported)
 
 
 @dataclass
@@ -126,13 +95,20 @@ def register(name: str, capability: Capability, factory: str) -> None:
     _REGISTRY[name] = BackendEntry(name=name, capability=capability, factory=factory)
 
 
+def _ensure_builtins() -> None:
+    if not _BUILTINS_LOADED:
+        _register_builtins()
+
+
 def names() -> list[str]:
     """Registered backend names, in priority-free alphabetical order."""
+    _ensure_builtins()
     return sorted(_REGISTRY)
 
 
 def get(name: str, *, flag: str = "attention_backend") -> BackendEntry:
     """The entry for ``name``; raises BackendUnavailable (known sglang name) or BackendUnknown."""
+    _ensure_builtins()
     if name in _REGISTRY:
         return _REGISTRY[name]
     if name in KNOWN_UNAVAILABLE:
@@ -150,11 +126,14 @@ def get(name: str, *, flag: str = "attention_backend") -> BackendEntry:
     )
 
 
+_BUILTINS_LOADED = False
+
+
 def _register_builtins() -> None:
+    """Register the built-in records (on first lookup, so either module may be imported first)."""
+    global _BUILTINS_LOADED
     from pipeline.backends import capabilities as caps
 
+    _BUILTINS_LOADED = True
     for name, cap, factory in caps.BUILTINS:
-        register(name, cap, factory)
-
-
-_register_builtins()
+        _REGISTRY.setdefault(name, BackendEntry(name=name, capability=cap, factory=factory))

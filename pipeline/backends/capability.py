@@ -1,0 +1,40 @@
+"""The capability record type (torch-free), shared by the registry and the records module."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import msgspec
+
+_STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
+
+FEATURES = ("mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "encoder_decoder",
+            "speculative", "cuda_graph", "tbo", "pdmux")
+
+
+class Capability(msgspec.Struct, **_STRUCT):
+    """What a backend can serve. Resolve refuses any request outside it, with the reason.
+
+    ``devices``: device types; ``archs``: compute capabilities as ``"sm90"`` strings (None = any,
+    e.g. CPU); ``head_dims_qk`` / ``head_dims_v``: supported dims (None = any);
+    ``q_dtypes`` / ``kv_dtypes``: torch dtype names; ``features``: subset of :data:`FEATURES`;
+    ``page_sizes``: allowed page sizes (None = any >= 1); ``packages``: distributions that must
+    be installed (checked by metadata at plan time, by import at run time);
+    ``workspace_bytes``: default workspace size in bytes (0 = needs none); ``source``: where the
+    limits come from.
+    """
+
+    devices: list[str]
+    archs: Optional[list[str]] = None
+    head_dims_qk: Optional[list[int]] = None
+    head_dims_v: Optional[list[int]] = None
+    q_dtypes: list[str] = msgspec.field(default_factory=lambda: ["bfloat16", "float16", "float32"])
+    kv_dtypes: list[str] = msgspec.field(default_factory=lambda: ["bfloat16", "float16", "float32"])
+    features: list[str] = []
+    page_sizes: Optional[list[int]] = None
+    packages: list[str] = []
+    workspace_bytes: int = 0
+    source: str = ""
+
+    def has(self, feature: str) -> bool:
+        return feature in self.features

@@ -1,0 +1,73 @@
+"""``attn-setup warmup``: compile every FlashInfer kernel variant a configuration needs, in parallel.
+
+Resolves exactly as ``run`` would on this machine (same flags, same device), lists the kernel
+variants of the resolved flashinfer/fa3 backends for every attention layer kind of the model
+(:func:`pipeline.jit.variants_for`), and compiles them in ``--jobs`` processes, each variant its
+own module, so the first real start finds them cached instead of "hanging" in a silent JIT.
+Exit codes as README: 0 every variant cached or compiled (also when nothing needs compiling),
+1 a compile failed, 2 usage, 3 configuration refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from pipeline.cli import add_setup_flags
+
+    p = sub.add_parser("warmup", help="compile the FlashInfer kernel variants a configuration needs")
+    add_setup_flags(p)
+    p.add_argument("--jobs", type=int, default=4, help="parallel compile processes (default 4)")
+    return p
+
+
+def variants_for_request(request: Any, facts: Any, pair: Any) -> list[Any]:
+    """Kernel variants of the resolved pair's FlashInfer backends for the served model."""
+    from pipeline.jit import variants_for
+    from states.capability_check import kv_dtype, model_dtype
+
+    model = request.served_model
+    q, kv = model_dtype(request.args, model), kv_dtype(request.args, model)
+    out: list[Any] = []
+    for name in dict.fromkeys((pair.prefill, pair.decode)):
+        if name in ("flashinfer", "fa3"):
+            out += variants_for(model.layer_kinds(), "fa3" if name == "fa3" else "fa2", q, kv, facts.arch or "")
+    return list(dict.fromkeys(out))
+
+
+def cmd(ns: argparse.Namespace) -> int:
+    """Resolve, list the variants, compile them; prints a table or one JSON object."""
+    from pipeline import report as rp
+    from pipeline.build import installed_by_import
+    from pipeline.cli_run import _on_gpu, request_from
+    from pipeline.errors import UsageError
+    from pipeline.jit import warmup_variants
+    from pipeline.platforms import parse_device, platform_for
+    from states import resolve
+
+    if ns.jobs < 1:
+        raise UsageError(f"--jobs {ns.jobs} must be >= 1", flags=[("--jobs", ns.jobs)], remedy="pass --jobs 1 or more")
+    request = request_from(ns, on_gpu=_on_gpu(ns.device))
+    facts = platform_for(request.device).device_facts(parse_device(request.device)[1])
+    res = resolve.decide(request.args, request.served_model, facts, is_draft_worker=request.is_draft_worker,
+                         installed=installed_by_import())
+    variants = variants_for_request(request, facts, res.pair)
+    results = warmup_variants(variants, jobs=ns.jobs) if variants else []
+    ok = all(r["status"] != "failed" for r in results)
+    report = {"ok": ok, "resolved": rp.resolved_obj(res), "variants": results,
+              "note": None if variants else "the resolved backends use no FlashInfer JIT kernels"}
+    if ns.json:
+        rp.emit_json(report)
+    else:
+        from rich.console import Console
+
+        c = Console(highlight=False)
+        c.print(f"resolved: prefill={res.pair.prefill} decode={res.pair.decode}")
+        for r in results:
+            c.print(f"  {r['status']:9} {r['seconds']:7.1f} s  {r['variant']}  {r.get('error') or ''}", markup=False)
+        if not variants:
+            c.print(report["note"])
+        c.print("[bold green]ok[/]" if ok else "[bold red]failed[/]")
+    return 0 if ok else 1
