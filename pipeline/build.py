@@ -16,6 +16,7 @@ from pipeline import settings
 from pipeline.contracts import InstancePlan, SetupRequest
 from pipeline.errors import AttnSetupError, error_info_from
 from pipeline.eventlog import EventLog
+from pipeline.faults import Faults, check as fault_point
 from pipeline.machine import SetupMachine, State
 from pipeline.platforms import parse_device, platform_for
 from pipeline.platforms.base import Platform
@@ -105,8 +106,12 @@ class _Run:
     """One pipeline run: the machine, the log, and what each state produced."""
 
     def __init__(self, request: SetupRequest, platform: Optional[Platform], log: EventLog,
-                 pools: Optional[dict[str, Any]], installed: Optional[Mapping[str, bool]], cpu_group: Any) -> None:
+                 pools: Optional[dict[str, Any]], installed: Optional[Mapping[str, bool]], cpu_group: Any,
+                 faults: Optional[Faults] = None, rank_group: Any = None) -> None:
         self.req, self.log, self.cpu_group = request, log, cpu_group
+        self.faults, self.rank_group = faults, rank_group  # faults: test-only (pipeline.faults)
+        if cpu_group is None and rank_group is not None:  # NPU zbal init uses the world's CPU group
+            self.cpu_group = rank_group.cpu_group
         self.platform = platform or platform_for(request.device)
         self.machine = SetupMachine(on_transition=self._on_transition)
         self.import_errors: dict[str, str] = {}
@@ -128,28 +133,64 @@ class _Run:
 
     # -- states ---------------------------------------------------------------------------
     def device_init(self) -> None:
+        fault_point(self.faults, "state:device-init")
         _, index = parse_device(self.req.device)
+        if self.rank_group is not None:  # many ranks: each on its own device, never device 0 by accident
+            from pipeline.distributed import check_rank_device
+
+            check_rank_device(self.req.device, self.platform.device_type, self.rank_group)
         facts, blas = device_init.apply(self.platform, index)
         self.torch_device = self.platform.torch_device(index)
         self.log.emit(ev.DeviceInitialized, state=self.state, facts=facts, blas_init=blas)
         self.machine.model.device_facts = facts
+        fault_point(self.faults, "state:device-init:done")
         self.machine.fire("device_ready")
 
     def resolve(self) -> None:
+        fault_point(self.faults, "state:resolve")
         facts, model = self.machine.model.device_facts, self.req.served_model
-        if self.installed_given:
-            r = resolve.decide(self.req.args, model, facts, is_draft_worker=self.req.is_draft_worker,
-                               installed=self.installed)
-        else:  # a run: imports decide, and must agree with what `attn-setup plan` (metadata) would say
-            r = resolve.decide_for_run(self.req.args, model, facts, is_draft_worker=self.req.is_draft_worker,
-                                       metadata=installed_by_metadata(), imported=self.installed,
-                                       import_errors=self.import_errors)
+        try:
+            r = self._decide(facts, model)
+        except Exception as e:  # the other ranks must hear of it, or they would wait out the timeout
+            self._agree_across_ranks(None, facts, error=error_info_from(e, "resolve"))
+            raise
         self.log.emit(ev.BackendsResolved, state=self.state, prefill=r.pair.prefill, decode=r.pair.decode,
                       is_draft_override=r.pair.is_draft_override, rules=dict(r.rules), rejected=r.rejected)
         for s in r.skips:
             self.log.emit(ev.FeatureDowngraded, state=self.state, outcome="skipped", what=s.what, reason=s.reason)
+        self._agree_across_ranks(r, facts)
         self.machine.model.resolution = r
+        fault_point(self.faults, "state:resolve:done")
         self.machine.fire("resolved")
+
+    def _decide(self, facts: Any, model: Any) -> Any:
+        if self.installed_given:
+            return resolve.decide(self.req.args, model, facts, is_draft_worker=self.req.is_draft_worker,
+                                  installed=self.installed)
+        # a run: imports decide, and must agree with what `attn-setup plan` (metadata) would say
+        return resolve.decide_for_run(self.req.args, model, facts, is_draft_worker=self.req.is_draft_worker,
+                                      metadata=installed_by_metadata(), imported=self.installed,
+                                      import_errors=self.import_errors)
+
+    def _agree_across_ranks(self, r: Any, facts: Any, error: Any = None) -> None:
+        """world_size > 1 with a rank group: all ranks agree on the pair (and args), or all raise
+        RankDivergence; without a group the exchange is recorded as skipped. One rank: nothing to do."""
+        if self.req.world_size <= 1:
+            return
+        if self.rank_group is None:
+            self.log.emit(ev.StepSkipped, state=self.state, outcome="skipped", what="rank_agreement",
+                          reason=f"world_size={self.req.world_size} but no rank_group was given")
+            return
+        from pipeline.distributed import agree_on_resolution
+
+        t = time.perf_counter()
+        g = self.rank_group
+        table = agree_on_resolution(r, facts, group=g.cpu_group, rank=self.req.rank, world_size=self.req.world_size,
+                                    timeout_s=g.timeout_s, args=self.req.args, error=error)
+        if error is not None:
+            return
+        self.log.emit(ev.RanksAgreed, state=self.state, world_size=self.req.world_size, table=table,
+                      duration_ms=(time.perf_counter() - t) * 1e3)
 
     def _workspace_bytes(self, backend: str) -> int:
         from pipeline.backends import registry
@@ -160,6 +201,7 @@ class _Run:
         return registry.get(backend).capability.workspace_bytes
 
     def build(self) -> None:
+        fault_point(self.faults, "state:build-mode")
         res = self.machine.model.resolution
         model = self.req.served_model
         self.kinds = model.layer_kinds()
@@ -175,15 +217,19 @@ class _Run:
         for s in plan.skips:
             self.log.emit(ev.FeatureDowngraded, state=self.state, outcome="skipped", what=s.what, reason=s.reason)
         self._check_workspaces(plan)
+        fault_point(self.faults, "build:pools")
         self._make_pools(model)
         from pipeline.workspace import WorkspacePool
 
         self.workspace_pool = WorkspacePool(self.torch_device)
         for ws_plan in plan.workspaces:
+            fault_point(self.faults, f"build:workspace:{ws_plan.id}", *self.pools.values())
             self.workspace_pool.allocate(ws_plan)
         with self.log.heartbeat(f"building {len(plan.instances)} backend instance(s)"):
             build_mode.apply(plan, self._make_instance, self.built)
         self.machine.model.backends = self.built
+        fault_point(self.faults, "build:compose", *self.workspace_pool.workspaces)
+        fault_point(self.faults, "state:build-mode:done")
         self.machine.fire("built")
 
     def _graph_max_bs(self) -> int:
@@ -227,13 +273,27 @@ class _Run:
                              args=self.req.args, req_to_token_pool=self.pools["req_to_token_pool"],
                              kv_pool=self.pools["kv_pool"], workspace=ws, dtype=model_dtype(self.req.args, model),
                              extra={"cuda_graph_max_bs": self._graph_max_bs()})
+        fault_point(self.faults, f"build:instance:{inst.role}")
         t = time.perf_counter()
         backend = get(inst.backend).load_factory()(ctx)
+        if self.faults is not None:
+            self._fault_after_factory(inst.role, backend)
         self.log.emit(ev.BackendBuilt, state=self.state, role=inst.role, backend=inst.backend,
                       duration_ms=(time.perf_counter() - t) * 1e3)
         return backend
 
+    def _fault_after_factory(self, role: str, backend: Any) -> None:
+        """Test-only: a fault right after a factory returned closes the backend that nobody holds yet."""
+        try:
+            fault_point(self.faults, f"build:instance:{role}:built", backend)
+        except BaseException:
+            close = getattr(backend, "close", None)
+            if close is not None:
+                close()
+            raise
+
     def npu_lazy_mem(self) -> None:
+        fault_point(self.faults, "state:npu-lazy-mem")
         size, source = settings.zbal_local_mem_size(self.req.args)
         self.log.emit(ev.SettingResolved, state=self.state, field="zbal_local_mem_size", value=size, source=source,
                       env_var="SGLANG_ZBAL_LOCAL_MEM_SIZE")
@@ -246,14 +306,17 @@ class _Run:
         else:
             self.log.emit(ev.StepSkipped, state=self.state, outcome="skipped", what="npu_lazy_mem", reason=d.reason)
             self.machine.model.lazy_mem = d.reason
+        fault_point(self.faults, "state:npu-lazy-mem:done")
         self.machine.fire("lazy_mem_settled")
 
     def annotate(self) -> AttentionBackends:
+        fault_point(self.faults, "state:annotate")
         pair = self.machine.model.resolution.pair
         annotate.apply(self.built.attn_backend, pair)
         self.log.emit(ev.BackendsAnnotated, state=self.state, target=type(self.built.attn_backend).__name__,
                       prefill=pair.prefill, decode=pair.decode)
         self.machine.model.names_set = True
+        fault_point(self.faults, "state:annotate:done")
         self.machine.fire("annotated")
         res = self.machine.model.resolution
         return AttentionBackends(
@@ -297,7 +360,8 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
                              log: Optional[EventLog] = None, log_file: Optional[str] = None,
                              pools: Optional[dict[str, Any]] = None,
                              installed: Optional[Mapping[str, bool]] = None,
-                             cpu_group: Any = None) -> AttentionBackends:
+                             cpu_group: Any = None, rank_group: Any = None,
+                             faults: Optional[Faults] = None) -> AttentionBackends:
     """Run ``device-init → resolve → build-mode → npu-lazy-mem → annotate → done``.
 
     Parameters
@@ -309,17 +373,22 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
         them before the backends); default: built here from ``request.pool``.
     installed: package presence override (default: real imports of torch/triton/flashinfer).
     cpu_group: the world's CPU process group, passed to NPU lazy memory init.
+    rank_group: a :class:`pipeline.distributed.RankGroup` (from ``init_from_env()``) when
+        ``request.world_size > 1``: device-init checks the rank's own device, resolve exchanges
+        the resolution with every rank (``ranks_agreed``, or :class:`RankDivergence` on all ranks),
+        its run id is used when ``request.run_id`` is None, its CPU group when ``cpu_group`` is None.
+    faults: test-only fault injection (:class:`pipeline.faults.Faults`); None in shipped code.
 
     Returns :class:`AttentionBackends`. Raises the typed error that failed the run (ConfigError
     subclasses for refused configurations, BuildError …) after the machine entered ``failed``,
     the failure was logged with its ErrorInfo, and everything allocated was released.
     """
-    run_id = request.run_id or (log.run_id if log else new_run_id())
+    run_id = request.run_id or (log.run_id if log else None) or getattr(rank_group, "run_id", None) or new_run_id()
     own_log = log is None
     log = log or EventLog(run_id, request.rank, log_file, secrets=tuple(request.secrets.values()))
     run = None
     try:
-        run = _Run(request, platform, log, pools, installed, cpu_group)
+        run = _Run(request, platform, log, pools, installed, cpu_group, faults, rank_group)
         log.emit(ev.RunStarted, state=run.state, request=redacted_request(request),
                  versions=versions(run.installed), packages=run.installed,
                  platform=type(run.platform).__name__)

@@ -78,7 +78,11 @@ class BackendsResolved(Event, tag="backends_resolved", kw_only=True):
 
 
 class RankRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One rank's line in the many-ranks table: where it runs and what it resolved."""
+    """One rank's line in the many-ranks table: where it runs and what it resolved.
+
+    ``prefill``/``decode`` are ``"-"`` and ``error`` holds the error code when that rank's own
+    resolve failed.
+    """
 
     rank: int
     host: str
@@ -86,6 +90,7 @@ class RankRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     prefill: str
     decode: str
     is_draft_override: bool = False
+    error: str | None = None
 
 
 class RanksAgreed(Event, tag="ranks_agreed", kw_only=True):

@@ -18,9 +18,14 @@ def parse_device(device: str) -> tuple[str, int]:
     return head, int(idx) if idx else 0
 
 
+_VENDOR = {"musa": ("pipeline.platforms.musa", "MusaPlatform"), "npu": ("pipeline.platforms.npu", "NpuPlatform"),
+           "xpu": ("pipeline.platforms.xpu", "XpuPlatform")}
+
+
 def platform_for(device: str) -> Platform:
     """The platform for a device string (``auto`` picks CUDA when torch sees a GPU, else CPU).
 
+    musa/npu/xpu platforms import their vendor plugin lazily, when they first touch the device.
     Raises :class:`ConfigError` (``device_unavailable``) when the device type is not present.
     """
     kind, _ = parse_device(device)
@@ -36,8 +41,14 @@ def platform_for(device: str) -> Platform:
         from pipeline.platforms.cuda import CudaPlatform
 
         return CudaPlatform()
+    if kind in _VENDOR:
+        import importlib
+
+        mod, cls = _VENDOR[kind]
+        return getattr(importlib.import_module(mod), cls)()
     raise ConfigError(
         f"device type {kind!r} has no platform on this machine",
-        code="device_unavailable", flags=[("device", device)], allowed=["auto", "cpu", "cuda[:N]"],
+        code="device_unavailable", flags=[("device", device)],
+        allowed=["auto", "cpu", "cuda[:N]", "musa[:N]", "npu[:N]", "xpu[:N]"],
         remedy="pass --device cpu, or run on a machine with that accelerator and its torch plugin",
     )

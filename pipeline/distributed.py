@@ -1,0 +1,279 @@
+"""Many ranks under torch.distributed: one run id, each rank on its own device, one agreed resolution.
+
+What engines already run (``torchrun``, or their own launcher setting ``RANK``/``WORLD_SIZE``/
+``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``):
+
+- :func:`init_from_env` joins the process group (gloo when nothing is initialised yet), makes a
+  gloo **CPU group** with a timeout, agrees on one run id (rank 0's, broadcast over that group;
+  rank 0 takes ``ATTN_SETUP_RUN_ID`` / ``TORCHELASTIC_RUN_ID`` when set) and picks the rank's own
+  device (``cuda`` / ``auto`` → ``cuda:LOCAL_RANK``), returning a :class:`RankGroup`.
+- :func:`check_rank_device` (device-init) refuses a device string that would put this rank on
+  another rank's device, e.g. a bare ``cuda`` that means ``cuda:0`` on every rank.
+- :func:`agree_on_resolution` (resolve) exchanges msgspec-encoded reports (resolved pair, attention
+  args, device, host) over the CPU group. Every rank compares the same gathered table, so either
+  all ranks agree or all raise :class:`~pipeline.errors.RankDivergence` carrying the table
+  rank → host → device → pair. A rank that does not arrive within ``timeout_s`` makes the others
+  raise :class:`~pipeline.errors.RankExchangeError` instead of hanging.
+
+torch is imported lazily (only :func:`init_from_env` and the exchange need it).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping, Optional
+
+import msgspec
+
+from pipeline.contracts import AttentionArgs, DeviceFacts, ErrorInfo, Resolution
+from pipeline.errors import ConfigError, RankDivergence, RankExchangeError, UsageError
+from pipeline.events import RankRow
+
+__all__ = ["RankGroup", "init_from_env", "rank_device", "check_rank_device", "agree_on_resolution",
+           "RankReport", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 60.0
+ACCELERATORS = ("cuda", "musa", "npu", "xpu")
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """This process's place in the launch.
+
+    ``cpu_group``: a gloo process group (created with ``timeout=timeout_s``) for the exchange and
+    NPU zbal init; ``device``: the device this rank must initialise (``cuda:LOCAL_RANK``);
+    ``run_id``: the same on every rank; ``owns_process_group``: :func:`init_from_env` initialised
+    the default group (so :meth:`close` destroys it).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    cpu_group: Any
+    run_id: str
+    device: str
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    host: str = ""
+    owns_process_group: bool = False
+
+    def close(self) -> None:
+        """Destroy the default process group if :func:`init_from_env` created it."""
+        if self.owns_process_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={raw!r} is not an integer", flags=[(name, raw)],
+                         allowed=["a non-negative integer"], remedy="launch with torchrun, which sets it") from None
+
+
+def rank_device(device: str, local_rank: int, *, cuda_available: Optional[bool] = None) -> str:
+    """The device this rank initialises: an accelerator without index gets ``LOCAL_RANK``.
+
+    ``auto`` → ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``; ``cuda`` → ``cuda:LOCAL_RANK``
+    (likewise musa/npu/xpu); an explicit ``cuda:N`` or ``cpu`` is kept (an engine's own mapping,
+    e.g. sglang's ``base_gpu_id + tp_rank``).
+    """
+    head, _, idx = device.partition(":")
+    if head == "auto":
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+        head = "cuda" if cuda_available else "cpu"
+    if head in ACCELERATORS and not idx:
+        return f"{head}:{local_rank}"
+    return device if head != "cpu" else "cpu"
+
+
+def check_rank_device(device: str, device_type: str, group: RankGroup) -> None:
+    """device-init's guard: on an accelerator with ``world_size > 1`` the request's device must name
+    an index and be the rank group's device, so no rank lands on device 0 by accident.
+
+    Raises :class:`ConfigError` (``rank_device_mismatch``) naming both devices and LOCAL_RANK.
+    """
+    if group.world_size <= 1 or device_type == "cpu":
+        return
+    head, _, idx = device.partition(":")
+    want = group.device
+    if idx and (want.partition(":")[2] == "" or device == want):
+        return
+    raise ConfigError(
+        f"rank {group.rank} (LOCAL_RANK={group.local_rank}) asked for device {device!r}, "
+        f"but its own device is {want!r}" + ("" if idx else f"; {device!r} without an index means {head}:0 on every rank"),
+        code="rank_device_mismatch", state="device-init",
+        flags=[("device", device), ("rank", group.rank), ("local_rank", group.local_rank)], allowed=[want],
+        remedy=f"pass device={want!r} (init_from_env() picks {head}:LOCAL_RANK), or give each rank its own index")
+
+
+def init_from_env(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  environ: Mapping[str, str] = os.environ) -> Optional[RankGroup]:
+    """Join the launch described by torchrun's environment; None when ``WORLD_SIZE`` is 1 or unset.
+
+    Initialises the default process group with gloo (``env://``, ``timeout=timeout_s``) unless the
+    engine already did, then creates a gloo CPU group with the same timeout and broadcasts rank 0's
+    run id over it. Every rank must call this (group creation is collective).
+    Raises :class:`UsageError` for a malformed ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``.
+    """
+    world = _env_int(environ, "WORLD_SIZE", 1)
+    if world <= 1:
+        return None
+    rank = _env_int(environ, "RANK", 0)
+    local = _env_int(environ, "LOCAL_RANK", rank)
+    if not 0 <= rank < world:
+        raise UsageError(f"RANK={rank} is outside 0..{world - 1}", flags=[("RANK", rank), ("WORLD_SIZE", world)],
+                         allowed=[f"0..{world - 1}"], remedy="launch with torchrun, which sets RANK and WORLD_SIZE")
+    import torch.distributed as dist
+
+    td = timedelta(seconds=timeout_s)
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=td)
+    cpu_group = dist.new_group(backend="gloo", timeout=td)
+    run_id = _shared_run_id(cpu_group, rank)
+    return RankGroup(rank=rank, world_size=world, local_rank=local, cpu_group=cpu_group, run_id=run_id,
+                     device=rank_device(device, local), timeout_s=timeout_s, host=socket.gethostname(),
+                     owns_process_group=owns)
+
+
+def _shared_run_id(cpu_group: Any, rank: int) -> str:
+    """Rank 0's run id (launcher's id when set, else a fresh one), broadcast to every rank."""
+    import torch.distributed as dist
+
+    from pipeline.build import new_run_id
+
+    box = [new_run_id() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(cpu_group, 0), group=cpu_group)
+    return str(box[0])
+
+
+class RankReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What one rank sends: where it runs, the pair it resolved (or its resolve error) and its args."""
+
+    rank: int
+    host: str
+    device: DeviceFacts
+    resolution: Optional[Resolution] = None
+    error: Optional[ErrorInfo] = None
+    args: Optional[AttentionArgs] = None
+
+
+def _row(r: RankReport) -> RankRow:
+    if r.resolution is None:
+        return RankRow(rank=r.rank, host=r.host, device=r.device.device_str, prefill="-", decode="-",
+                       error=r.error.code if r.error else "missing")
+    p = r.resolution.pair
+    return RankRow(rank=r.rank, host=r.host, device=r.device.device_str, prefill=p.prefill, decode=p.decode,
+                   is_draft_override=p.is_draft_override)
+
+
+def _gather(payload: bytes, group: Any, rank: int, world_size: int, timeout_s: float) -> list[bytes]:
+    """all_gather of each rank's bytes over the gloo group; every rank must arrive within timeout_s."""
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+        out: list[Any] = [None] * world_size
+        dist.all_gather_object(out, payload, group=group)
+    except RuntimeError as e:
+        raise RankExchangeError(
+            f"rank {rank}: not every rank joined the resolution exchange within {timeout_s:g} s: {e}",
+            state="resolve", flags=[("rank", rank), ("world_size", world_size), ("timeout_s", timeout_s)],
+            remedy="look at the other ranks' logs for the failure that kept them away; raise timeout_s for "
+                   "slow starts") from e
+    return out
+
+
+def _diverging(reports: list[RankReport]) -> list[str]:
+    """Names of what differs between ranks: ``resolve_error``, ``pair``, ``args.<field>``, ``device``."""
+    out = []
+    if any(r.resolution is None for r in reports):
+        out.append("resolve_error")
+    pairs = {msgspec.json.encode(r.resolution.pair) for r in reports if r.resolution is not None}
+    if len(pairs) > 1:
+        out.append("pair")
+    given = [r.args for r in reports if r.args is not None]
+    for f in AttentionArgs.__struct_fields__:
+        if len({msgspec.json.encode(getattr(a, f)) for a in given}) > 1:
+            out.append(f"args.{f}")
+    seen: dict[tuple[str, str], int] = {}
+    for r in reports:
+        if r.device.type == "cpu":
+            continue
+        key = (r.host, r.device.device_str)
+        if key in seen:
+            out.append("device")
+            break
+        seen[key] = r.rank
+    return out
+
+
+def table_text(rows: list[RankRow]) -> str:
+    """The rank table as aligned text (rank, host, device, prefill, decode, error)."""
+    head = ("rank", "host", "device", "prefill", "decode", "error")
+    body = [(str(r.rank), r.host, r.device, r.prefill, r.decode, r.error or "") for r in rows]
+    w = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(line)).rstrip() for line in [head, *body])
+
+
+def agree_on_resolution(resolution: Optional[Resolution], device_facts: DeviceFacts, *, group: Any, rank: int,
+                        world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                        args: Optional[AttentionArgs] = None, error: Optional[ErrorInfo] = None,
+                        host: Optional[str] = None) -> list[RankRow]:
+    """Exchange this rank's resolution with every rank; return the table when all agree.
+
+    Parameters
+    ----------
+    resolution : this rank's resolve result, or None when its resolve failed (then give ``error``).
+    device_facts : this rank's device (``device_facts.device_str`` goes into the table).
+    group : a gloo process group (the CPU group of :class:`RankGroup`); None = the default group.
+    rank, world_size : this rank and the group size; ``world_size == 1`` returns at once.
+    timeout_s : seconds to wait for every rank to arrive (then :class:`RankExchangeError`).
+    args : the attention args; every field must match across ranks (``page_size``, backends …).
+    error : this rank's own resolve error; a rank that passes one gets the table back and should
+        re-raise its own error, while every other rank raises :class:`RankDivergence` naming it.
+
+    Returns the rows (one :class:`RankRow` per rank, in rank order).
+    Raises :class:`RankDivergence` on every rank (same table) when pairs, args or devices differ.
+    """
+    host = host if host is not None else socket.gethostname()
+    mine = RankReport(rank=rank, host=host, device=device_facts, resolution=resolution, error=error, args=args)
+    if world_size <= 1:
+        return [_row(mine)]
+    blobs = _gather(msgspec.msgpack.encode(mine), group, rank, world_size, timeout_s)
+    dec = msgspec.msgpack.Decoder(RankReport)
+    reports = [dec.decode(b) for b in blobs]
+    rows = [_row(r) for r in reports]
+    bad = _diverging(reports)
+    if not bad or error is not None:  # agreed, or this rank re-raises its own resolve error
+        return rows
+    raise _divergence(rank, rows, reports, bad)
+
+
+def _divergence(rank: int, rows: list[RankRow], reports: list[RankReport], bad: list[str]) -> RankDivergence:
+    failed = [r for r in reports if r.error is not None]
+    why = "; ".join(f"rank {r.rank} refused: [{r.error.code}] {r.error.message}" for r in failed)
+    msg = (f"the {len(rows)} ranks disagree on {', '.join(bad)}" + (f" ({why})" if why else "")
+           + f" — seen from rank {rank}:\n" + table_text(rows))
+    flags: list[tuple[str, Any]] = [("diverging", bad)]
+    flags += [(f"rank[{r.rank}]", {"host": r.host, "device": r.device, "prefill": r.prefill, "decode": r.decode,
+                                   **({"error": r.error} if r.error else {})}) for r in rows]
+    for f in (b for b in bad if b.startswith("args.")):
+        name = f[len("args."):]
+        flags.append((f, {str(r.rank): getattr(r.args, name) for r in reports if r.args is not None}))
+    remedy = ("fix the failing rank's error first (its own log has the remedy)" if failed else
+              "launch every rank with the same flags and model, on devices that resolve the same backends "
+              "(one device per rank); pin --prefill/--decode-attention-backend if the hardware differs")
+    return RankDivergence(msg, state="resolve", flags=flags, allowed=["every rank the same"], remedy=remedy)

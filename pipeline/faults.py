@@ -1,0 +1,122 @@
+"""Test-only fault injection: make a run fail at a named point, to check cleanup and error records.
+
+Off in every shipped code path: the pipeline consults a :class:`Faults` object only when the
+caller passes one explicitly (``build_attention_backends(request, faults=Faults(at=[...]))``).
+No environment variable, import side effect or global switch turns it on, so an engine that
+does not pass ``faults=`` runs exactly the code it would run without this module.
+
+Fault points (``:func:`points_of_run``` lists those a successful run visits, in order)::
+
+    state:<state>              entering a state (before its work): device-init, resolve, build-mode,
+                               npu-lazy-mem, annotate
+    state:<state>:done         the state's work done, just before its trigger fires
+    build:pools                before the KV pools (req_to_token, per-layer K/V) are allocated
+    build:workspace:<id>       before workspace <id> (``ws-shared``, ``ws-private-…``) is allocated
+    build:instance:<role>      before the factory of plan role <role> runs
+    build:instance:<role>:built  after that factory returned (the new backend is closed on a fault)
+    build:compose              every instance built and wrappers composed, before ``built`` fires
+
+A point matches a pattern by :func:`fnmatch.fnmatchcase` (``build:instance:*`` hits every role).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from typing import Any, Callable, Iterable, Optional
+
+from pipeline.errors import EXIT_FAILED, AttnSetupError
+
+__all__ = ["Faults", "InjectedFault", "STATE_POINTS", "points_of_run"]
+
+STATE_POINTS = ("device-init", "resolve", "build-mode", "npu-lazy-mem", "annotate")
+
+
+class InjectedFault(AttnSetupError):
+    """The error a :class:`Faults` point raises by default (``code="injected_fault"``, exit 1).
+
+    ``info.flags`` names the point: ``[("fault_point", "build:instance:primary")]``.
+    """
+
+    code = "injected_fault"
+    exit_code = EXIT_FAILED
+
+
+class Faults:
+    """Which points raise, and what every point saw.
+
+    Parameters
+    ----------
+    at : fault-point patterns that raise when reached (fnmatch syntax); empty = only record.
+    make_error : ``point -> BaseException`` to raise instead of :class:`InjectedFault`
+        (e.g. ``lambda p: RuntimeError(p)`` to mimic an untyped crash, or ``MemoryError``).
+
+    Attributes
+    ----------
+    visited : every point reached, in order (also on runs that do not fail).
+    fired : the points that raised.
+    objects : weak references to the objects handed to :meth:`hit` (pools, workspaces, backends),
+        so a test can check that each one is garbage once the failed run has been cleaned up.
+    """
+
+    def __init__(self, at: Iterable[str] = (), *,
+                 make_error: Optional[Callable[[str], BaseException]] = None) -> None:
+        self.at = tuple(at)
+        self.make_error = make_error
+        self.visited: list[str] = []
+        self.fired: list[str] = []
+        self.objects: list[tuple[str, weakref.ref]] = []
+
+    def matches(self, point: str) -> bool:
+        return any(fnmatch.fnmatchcase(point, pat) for pat in self.at)
+
+    def hit(self, point: str, *objs: Any) -> None:
+        """Record ``point`` (and weak references to ``objs``); raise if it matches ``at``."""
+        self.visited.append(point)
+        for o in objs:
+            for x in _leaves(o):
+                self.objects.append((point, weakref.ref(x)))
+        if self.matches(point):
+            self.fired.append(point)
+            if self.make_error is not None:
+                raise self.make_error(point)
+            raise InjectedFault(f"fault injected at {point}", flags=[("fault_point", point)],
+                                remedy="this is a test-only fault (pipeline.faults); run without faults=")
+
+    def alive(self) -> list[str]:
+        """Points whose recorded objects are still alive (call ``gc.collect()`` first)."""
+        return [p for p, r in self.objects if r() is not None]
+
+
+def _leaves(obj: Any) -> list[Any]:
+    """The weak-referenceable objects worth tracking inside ``obj`` (tensors of pools and workspaces)."""
+    out = []
+    for attr in ("req_to_token", "k_buffer", "v_buffer", "buffer"):
+        v = getattr(obj, attr, None)
+        if v is None:
+            continue
+        out += list(v) if isinstance(v, (list, tuple)) else [v]
+    if not out:
+        out = [obj]
+    return [x for x in out if _weakrefable(x)]
+
+
+def _weakrefable(x: Any) -> bool:
+    try:
+        weakref.ref(x)
+    except TypeError:
+        return False
+    return True
+
+
+def check(faults: Optional[Faults], point: str, *objs: Any) -> None:
+    """The call point used by the pipeline: a no-op when ``faults`` is None (every shipped path)."""
+    if faults is not None:
+        faults.hit(point, *objs)
+
+
+def points_of_run(run: Callable[[Faults], Any]) -> list[str]:
+    """The fault points a successful ``run(faults)`` visits, in order (``run`` must clean up itself)."""
+    f = Faults()
+    run(f)
+    return list(f.visited)

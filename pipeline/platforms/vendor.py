@@ -1,0 +1,89 @@
+"""Shared plumbing for vendor platforms whose torch support ships as a plugin module.
+
+MUSA (``torch_musa``), Ascend NPU (``torch_npu``) and Intel XPU (built into torch ≥ 2.4, older
+builds via ``intel_extension_for_pytorch``) all follow the same pattern: importing the plugin
+registers a device module at ``torch.<type>`` exposing ``is_available``, ``device_count``,
+``set_device``, ``get_device_properties`` and ``memory_allocated`` like ``torch.cuda`` does.
+:class:`VendorPlatform` holds that logic once; subclasses name the device type, the plugin and
+what differs (BLAS init on MUSA, zbal lazy memory on NPU).
+
+Untested on hardware: every vendor platform is exercised only against fake plugin modules
+injected into ``sys.modules`` (``tests/test_platforms.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Optional
+
+from pipeline.contracts import DeviceFacts
+from pipeline.errors import ConfigError
+
+
+class VendorPlatform:
+    """Base of the plugin-backed platforms; ``device_type`` and ``plugin`` are set by subclasses.
+
+    ``plugin``: the import name of the vendor module (None = nothing to import, the device module
+    is built into torch); ``vendor``: recorded in :class:`DeviceFacts`.
+    """
+
+    device_type = "?"
+    plugin: Optional[str] = None
+    vendor = ""
+
+    def __init__(self) -> None:
+        self._plugin_mod: Any = None
+
+    def _unavailable(self, why: str) -> ConfigError:
+        return ConfigError(f"{self.device_type} was asked for but {why}", code="device_unavailable",
+                           flags=[("device", self.device_type)], allowed=["cpu", "cuda[:N]"],
+                           remedy=f"install torch with its {self.plugin or self.device_type} plugin on a machine "
+                                  f"with that accelerator, or pass --device cpu")
+
+    def vendor_module(self) -> Any:
+        """The imported plugin module (imported once; raises ConfigError when it is not installed)."""
+        if self._plugin_mod is None and self.plugin is not None:
+            try:
+                self._plugin_mod = importlib.import_module(self.plugin)
+            except ImportError as e:
+                raise self._unavailable(f"{self.plugin} cannot be imported ({e})") from e
+        return self._plugin_mod
+
+    def device_module(self) -> Any:
+        """``torch.<device_type>`` after the plugin registered it; ConfigError when absent or no device."""
+        self.vendor_module()
+        import torch
+
+        mod = getattr(torch, self.device_type, None)
+        if mod is None or not mod.is_available():
+            raise self._unavailable(f"torch.{self.device_type} reports no device")
+        return mod
+
+    def init_blas(self) -> bool:
+        """No BLAS handle to warm (sglang initialises BLAS on cuda and musa only)."""
+        return False
+
+    def device_facts(self, index: int = 0) -> DeviceFacts:
+        """Facts of device ``index`` from the device module's ``get_device_properties``."""
+        mod = self.device_module()
+        count = int(mod.device_count())
+        if not 0 <= index < count:
+            raise ConfigError(f"{self.device_type}:{index} does not exist (this machine has {count})",
+                              code="device_unavailable", flags=[("device", f"{self.device_type}:{index}")],
+                              allowed=[f"{self.device_type}:{i}" for i in range(count)],
+                              remedy="pick an existing device index (LOCAL_RANK under torchrun)")
+        mod.set_device(index)
+        p = mod.get_device_properties(index)
+        return DeviceFacts(type=self.device_type, index=index, name=str(getattr(p, "name", "")), vendor=self.vendor,
+                           sm_count=int(getattr(p, "multi_processor_count", 0) or 0),
+                           total_memory_bytes=int(getattr(p, "total_memory", 0) or 0),
+                           source=f"torch.{self.device_type}")
+
+    def torch_device(self, index: int = 0) -> str:
+        return f"{self.device_type}:{index}"
+
+    def init_lazy_device_memory(self, nbytes: int, rank: int, world_size: int, cpu_group: Optional[Any]) -> None:
+        raise NotImplementedError("lazy device memory (zbal) exists on NPU only")
+
+    def memory_allocated(self, index: int = 0) -> int:
+        return int(self.device_module().memory_allocated(index))
