@@ -138,7 +138,8 @@ class _Run:
         if self.rank_group is not None:  # many ranks: each on its own device, never device 0 by accident
             from pipeline.distributed import check_rank_device
 
-            check_rank_device(self.req.device, self.platform.device_type, self.rank_group)
+            check_rank_device(self.req.device, self.platform.device_type, self.rank_group,
+                              rank=self.req.rank, world_size=self.req.world_size)
         facts, blas = device_init.apply(self.platform, index)
         self.torch_device = self.platform.torch_device(index)
         self.log.emit(ev.DeviceInitialized, state=self.state, facts=facts, blas_init=blas)
@@ -178,8 +179,9 @@ class _Run:
         if self.req.world_size <= 1:
             return
         if self.rank_group is None:
-            self.log.emit(ev.StepSkipped, state=self.state, outcome="skipped", what="rank_agreement",
-                          reason=f"world_size={self.req.world_size} but no rank_group was given")
+            if error is None:
+                self.log.emit(ev.StepSkipped, state=self.state, outcome="skipped", what="rank_agreement",
+                              reason=f"world_size={self.req.world_size} but no rank_group was given")
             return
         from pipeline.distributed import agree_on_resolution
 
@@ -189,7 +191,7 @@ class _Run:
                                     timeout_s=g.timeout_s, args=self.req.args, error=error)
         if error is not None:
             return
-        self.log.emit(ev.RanksAgreed, state=self.state, world_size=self.req.world_size, table=table,
+        self.log.emit(ev.ResolutionAgreed, state=self.state, world_size=self.req.world_size, table=table,
                       duration_ms=(time.perf_counter() - t) * 1e3)
 
     def _workspace_bytes(self, backend: str) -> int:
@@ -273,7 +275,7 @@ class _Run:
                              args=self.req.args, req_to_token_pool=self.pools["req_to_token_pool"],
                              kv_pool=self.pools["kv_pool"], workspace=ws, dtype=model_dtype(self.req.args, model),
                              extra={"cuda_graph_max_bs": self._graph_max_bs()})
-        fault_point(self.faults, f"build:instance:{inst.role}")
+        fault_point(self.faults, f"build:instance:{inst.role}", *([ws] if ws is not None else []))
         t = time.perf_counter()
         backend = get(inst.backend).load_factory()(ctx)
         if self.faults is not None:

@@ -1,4 +1,13 @@
-"""``attn-setup run``: the pipeline, then verification of every built instance on a real batch."""
+"""``attn-setup run``: the runner flow, then verification on real batches.
+
+Every device goes through the same runner states (:mod:`pipeline.runner`): init-distributed,
+load-model (``--num-layers``, default 2 on CPU, all on GPU), init-memory-pool (``--mem-fraction`` /
+``--mem-bytes`` / ``--num-token-slots``), attention (the six-state pipeline), capture-cuda-graphs
+(skipped with its reason on CPU or for backends without CUDA graphs), ready. Then every built
+instance is verified on a batch against the float64 reference, and the attention stack runs an
+extend, a chunked extend and decode steps (replayed from graphs where captured) checked against
+the dense float64 stack reference.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +22,7 @@ from pipeline.contracts import ErrorInfo, ModelSpec, PoolFacts, SetupRequest
 from pipeline.errors import EXIT_FAILED, EXIT_OK, AttnSetupError, UsageError, error_info_from
 
 BUNDLED_MODEL = "llama-3.1-8b.json"
+CPU_DEFAULT_LAYERS = 2
 
 
 def default_model_path() -> str:
@@ -61,11 +71,49 @@ def _on_gpu(device: str) -> bool:
     return False
 
 
-def _verify(backends: Any, request: SetupRequest, log: Any, decode_steps: int) -> list[dict[str, Any]]:
+def runner_config(ns: argparse.Namespace, request: SetupRequest, on_gpu: bool) -> Any:
+    """The RunnerConfig from the flags (CPU default: 2 layers, so a run stays quick)."""
+    from pipeline.runner import RunnerConfig
+
+    layers = ns.num_layers if ns.num_layers is not None else (None if on_gpu else CPU_DEFAULT_LAYERS)
+    layers = min(layers, request.served_model.num_hidden_layers) if layers is not None else None
+    return RunnerConfig(request=request, num_layers=layers, num_token_slots=ns.num_token_slots,
+                        mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction)
+
+
+def runner_states(records: Any) -> list[dict[str, Any]]:
+    """``[{state, outcome, duration_ms}]`` of the runner's outer machine, from its transition records."""
+    skipped = {r.state for r in records if isinstance(r, ev.StepSkipped) and r.what == "cuda_graph_capture"}
+    out, last = [], None
+    for r in records:
+        if isinstance(r, ev.RunnerTransition):
+            outcome = "failed" if r.to == "failed" else ("skipped" if r.from_state in skipped else "ok")
+            out.append({"state": r.from_state, "outcome": outcome, "duration_ms": round(r.duration_ms, 3)})
+            last = r.to
+    if last in ("ready", "failed"):
+        out.append({"state": last, "outcome": "ok" if last == "ready" else "failed", "duration_ms": 0.0})
+    return out
+
+
+def _model_steps(runner: Any, log: Any, decode_steps: int) -> list[dict[str, Any]]:
+    from pipeline.runner_verify import verify_model_steps
+
+    out = []
+    for c in verify_model_steps(runner, decode_steps=decode_steps):
+        log.emit(ev.ModelStepVerified, state="ready", outcome="ok" if c.passed else "failed", step=c.step,
+                 mode=c.mode, batch_size=c.batch_size, graph=c.graph, max_rel_err=c.max_rel_err, tol=c.tol,
+                 passed=c.passed)
+        out.append({"step": c.step, "mode": c.mode, "batch_size": c.batch_size, "graph": c.graph,
+                    "max_rel_err": c.max_rel_err, "tol": c.tol, "passed": c.passed})
+    return out
+
+
+def _verify(backends: Any, request: SetupRequest, log: Any, decode_steps: int,
+            pools: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     from pipeline.verify import verify_backend
     from states.capability_check import model_dtype
 
-    model = request.served_model
+    model, pools = request.served_model, pools or backends.pools
     targets = [(i.role, i.backend, backends.instances[i.role]) for i in backends.plan.instances]
     top = backends.attn_backend
     if top is not backends.instances.get(backends.plan.instances[0].role):
@@ -73,7 +121,7 @@ def _verify(backends: Any, request: SetupRequest, log: Any, decode_steps: int) -
     out = []
     for role, name, backend in targets:
         r = verify_backend(backend, role=role, name=name, model=model,
-                           req_to_token_pool=backends.pools["req_to_token_pool"], kv_pool=backends.pools["kv_pool"],
+                           req_to_token_pool=pools["req_to_token_pool"], kv_pool=pools["kv_pool"],
                            torch_device=backends.torch_device, dtype=model_dtype(request.args, model),
                            decode_steps=decode_steps)
         log.emit(ev.InstanceVerified, state="done", outcome="ok" if r.passed else "failed", role=role,
@@ -91,27 +139,37 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     run.add_argument("--log-file", default="./attn-setup-logs/{run_id}.rank{rank}.jsonl",
                      help="JSON-lines trace path; {run_id} and {rank} are filled in")
     run.add_argument("--decode-steps", type=int, default=3, help="decode steps verified after the extend")
+    run.add_argument("--num-layers", type=int, default=None,
+                     help=f"build only the first N layers (default: {CPU_DEFAULT_LAYERS} on CPU, all on GPU)")
+    budget = run.add_mutually_exclusive_group()
+    budget.add_argument("--mem-fraction", type=float, default=None,
+                        help="size the KV pool from this share of device memory (sglang's mem_fraction_static)")
+    budget.add_argument("--mem-bytes", type=int, default=None, help="size the KV pool from this many bytes")
     return run
 
 
 def cmd(ns: argparse.Namespace) -> int:
-    """Run the pipeline, verify every instance, print the report; returns the exit code."""
-    from pipeline.build import build_attention_backends, new_run_id
+    """Run the runner flow, verify every instance and the stack's steps, print the report; returns the exit code."""
+    from pipeline.build import new_run_id
     from pipeline.eventlog import EventLog
+    from pipeline.runner import Runner
 
-    request = request_from(ns, on_gpu=_on_gpu(ns.device))
+    on_gpu = _on_gpu(ns.device)
+    request = request_from(ns, on_gpu=on_gpu)
     run_id = new_run_id()
     log_file = ns.log_file.format(run_id=run_id, rank=request.rank)
     log = EventLog(run_id, request.rank, log_file, secrets=tuple(request.secrets.values()))
     log.install_signal_handlers()
     error: Optional[ErrorInfo] = None
-    code, backends, verified = EXIT_OK, None, []
+    code, runner, verified, steps = EXIT_OK, None, [], []
     try:
-        backends = build_attention_backends(request, log=log)
-        verified = _verify(backends, request, log, ns.decode_steps)
-        if not all(v["passed"] for v in verified):
-            bad = [v["role"] for v in verified if not v["passed"]]
-            error = ErrorInfo(code="verification_failed", state="done", message=f"instances failed verification: {bad}",
+        runner = Runner(runner_config(ns, request, on_gpu), log=log)
+        runner.initialize()
+        verified = _verify(runner.backends, runner.request, log, ns.decode_steps, runner.pools)
+        steps = _model_steps(runner, log, ns.decode_steps)
+        bad = [v["role"] for v in verified if not v["passed"]] + [f"model:{s['step']}" for s in steps if not s["passed"]]
+        if bad:
+            error = ErrorInfo(code="verification_failed", state="done", message=f"failed verification: {bad}",
                               remedy="the backend computes wrong attention for this model; report it with the log")
             code = EXIT_FAILED
     except AttnSetupError as e:
@@ -119,13 +177,25 @@ def cmd(ns: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - any crash becomes exit 1 with its ErrorInfo
         error, code = error_info_from(e, log.records[-1].state if log.records else "device-init"), EXIT_FAILED
     finally:
-        if backends is not None:
-            released = backends.close()
-            log.emit(ev.ResourcesReleased, state="done", released=released)
+        if runner is not None:
+            runner.close()
         log.close()
+    report = _report(log, run_id, code, verified, steps, log_file, error)
+    if ns.json:
+        rp.emit_json(report)
+    else:
+        _render_runner(report)
+        rp.render_tables(report)
+        if error is not None:
+            rp.render_error(error)
+    return code
+
+
+def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_file: str,
+            error: Optional[ErrorInfo]) -> dict[str, Any]:
     resolved = next((r for r in log.records if isinstance(r, ev.BackendsResolved)), None)
     planned = next((r for r in log.records if isinstance(r, ev.BuildPlanned)), None)
-    report = {
+    return {
         "ok": code == EXIT_OK, "run_id": run_id, "states": rp.states_from(log.records),
         "resolved": None if resolved is None else {
             "prefill": resolved.prefill, "decode": resolved.decode, "is_draft_override": resolved.is_draft_override,
@@ -137,11 +207,29 @@ def cmd(ns: argparse.Namespace) -> int:
                            for w in planned.workspaces]},
         "skips": rp.skips_from(log.records), "verified": verified, "log_file": os.path.abspath(log_file),
         "error": None if error is None else __import__("msgspec").to_builtins(error),
+        "runner_states": runner_states(log.records), "model_steps": steps,
     }
-    if ns.json:
-        rp.emit_json(report)
-    else:
-        rp.render_tables(report)
-        if error is not None:
-            rp.render_error(error)
-    return code
+
+
+def _render_runner(report: dict[str, Any]) -> None:
+    """Runner states and the stack's verified steps as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console(highlight=False, soft_wrap=False, width=120)
+    if report["runner_states"]:
+        t = Table(title="runner states", title_justify="left")
+        for col in ("state", "outcome", "duration ms"):
+            t.add_column(col)
+        for s in report["runner_states"]:
+            t.add_row(s["state"], s["outcome"], f"{s['duration_ms']:.2f}")
+        c.print(t)
+    if report["model_steps"]:
+        t = Table(title="attention stack steps vs float64 dense reference (max|dout-dref|/max|dref|)",
+                  title_justify="left")
+        for col in ("step", "bs", "graph", "max rel err", "tol", "passed"):
+            t.add_column(col)
+        for s in report["model_steps"]:
+            t.add_row(s["step"], str(s["batch_size"]), "yes" if s["graph"] else "no", f"{s['max_rel_err']:.2e}",
+                      f"{s['tol']:.0e}", "yes" if s["passed"] else "NO")
+        c.print(t)

@@ -98,12 +98,19 @@ def rank_device(device: str, local_rank: int, *, cuda_available: Optional[bool] 
     return device if head != "cpu" else "cpu"
 
 
-def check_rank_device(device: str, device_type: str, group: RankGroup) -> None:
-    """device-init's guard: on an accelerator with ``world_size > 1`` the request's device must name
-    an index and be the rank group's device, so no rank lands on device 0 by accident.
+def check_rank_device(device: str, device_type: str, group: RankGroup, *, rank: Optional[int] = None,
+                      world_size: Optional[int] = None) -> None:
+    """device-init's guard: the request's rank/world size are the group's, and on an accelerator
+    with ``world_size > 1`` the request's device names an index and is the rank group's device,
+    so no rank lands on device 0 by accident.
 
-    Raises :class:`ConfigError` (``rank_device_mismatch``) naming both devices and LOCAL_RANK.
+    Raises :class:`ConfigError` (``rank_mismatch`` / ``rank_device_mismatch``) naming both values.
     """
+    for name, mine, theirs in (("rank", rank, group.rank), ("world_size", world_size, group.world_size)):
+        if mine is not None and mine != theirs:
+            raise ConfigError(f"the request says {name}={mine} but the process group says {theirs}",
+                              code="rank_mismatch", state="device-init", flags=[(name, mine)], allowed=[str(theirs)],
+                              remedy=f"build the SetupRequest with {name}={theirs} (from the RankGroup)")
     if group.world_size <= 1 or device_type == "cpu":
         return
     head, _, idx = device.partition(":")
@@ -265,14 +272,15 @@ def agree_on_resolution(resolution: Optional[Resolution], device_facts: DeviceFa
 def _divergence(rank: int, rows: list[RankRow], reports: list[RankReport], bad: list[str]) -> RankDivergence:
     failed = [r for r in reports if r.error is not None]
     why = "; ".join(f"rank {r.rank} refused: [{r.error.code}] {r.error.message}" for r in failed)
+    per_arg = {b: {str(r.rank): getattr(r.args, b[len("args."):]) for r in reports if r.args is not None}
+               for b in bad if b.startswith("args.")}
+    lines = [f"{f}: " + ", ".join(f"rank {k}={v!r}" for k, v in vals.items()) for f, vals in per_arg.items()]
     msg = (f"the {len(rows)} ranks disagree on {', '.join(bad)}" + (f" ({why})" if why else "")
-           + f" — seen from rank {rank}:\n" + table_text(rows))
+           + f" — seen from rank {rank}:\n" + table_text(rows) + "".join("\n" + x for x in lines))
     flags: list[tuple[str, Any]] = [("diverging", bad)]
     flags += [(f"rank[{r.rank}]", {"host": r.host, "device": r.device, "prefill": r.prefill, "decode": r.decode,
                                    **({"error": r.error} if r.error else {})}) for r in rows]
-    for f in (b for b in bad if b.startswith("args.")):
-        name = f[len("args."):]
-        flags.append((f, {str(r.rank): getattr(r.args, name) for r in reports if r.args is not None}))
+    flags += list(per_arg.items())
     remedy = ("fix the failing rank's error first (its own log has the remedy)" if failed else
               "launch every rank with the same flags and model, on devices that resolve the same backends "
               "(one device per rank); pin --prefill/--decode-attention-backend if the hardware differs")

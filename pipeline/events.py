@@ -93,7 +93,7 @@ class RankRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     error: str | None = None
 
 
-class RanksAgreed(Event, tag="ranks_agreed", kw_only=True):
+class ResolutionAgreed(Event, tag="resolution_agreed", kw_only=True):
     """Every rank of the launch resolved the same pair with the same attention args (resolve state).
 
     ``table`` has one :class:`RankRow` per rank, in rank order; ``duration_ms`` is the exchange.
@@ -207,10 +207,88 @@ class RunFinished(Event, tag="run_finished", kw_only=True):
     duration_ms: float
 
 
+class RunnerStarted(Event, tag="runner_started", kw_only=True):
+    """The runner's outer ``initialize()`` began: its own settings (layers, memory budget, aux layers)."""
+
+    config: dict[str, Any]
+
+
+class RunnerTransition(Event, tag="runner_transition", kw_only=True):
+    """The runner's outer machine moved ``from`` → ``to`` by ``trigger``; ``duration_ms`` spent in ``from``."""
+
+    from_state: str = msgspec.field(name="from")
+    to: str
+    trigger: str
+    duration_ms: float
+
+
+class DistributedInitialized(Event, tag="distributed_initialized", kw_only=True):
+    """init-distributed: the world this rank belongs to and whether a CPU process group exists."""
+
+    world_size: int
+    has_cpu_group: bool
+    source: str
+
+
+class ModelLoaded(Event, tag="model_loaded", kw_only=True):
+    """load-model: the attention stack built (random weights, fixed seed) and its size in bytes."""
+
+    num_layers: int
+    num_hidden_layers: int
+    param_bytes: int
+    dtype: str
+    seed: int
+    aux_hidden_state_layers: list[int] | None = None
+
+
+class MemoryPoolSized(Event, tag="memory_pool_sized", kw_only=True):
+    """init-memory-pool: where the size came from, tokens and bytes of ``req_to_token`` and the K/V buffers."""
+
+    source: str
+    budget_bytes: int | None = None
+    bytes_per_token: int
+    num_token_slots: int
+    max_reqs: int
+    max_context_len: int
+    page_size: int
+    req_to_token_bytes: int
+    kv_bytes: int
+
+
+class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
+    """One decode CUDA graph captured: batch size and capture time (warm-up run included)."""
+
+    bs: int
+    capture_ms: float
+    backend: str
+
+
+class ModelStepVerified(Event, tag="model_step_verified", kw_only=True):
+    """One extend/decode step of the attention stack checked against the float64 dense reference."""
+
+    step: str
+    mode: str
+    batch_size: int
+    graph: bool
+    max_rel_err: float
+    tol: float
+    passed: bool
+
+
+class RunnerReady(Event, tag="runner_ready", kw_only=True):
+    """The runner reached ``ready``: total ``duration_ms``, the captured decode batch sizes and how the
+    ranks agreed on the resolution (``single rank``, ``resolution_agreed``, or the recorded skip reason)."""
+
+    duration_ms: float
+    graph_batch_sizes: list[int] = []
+    rank_agreement: str = ""
+
+
 AnyEvent = Union[
-    RunStarted, StateTransition, DeviceInitialized, SettingResolved, BackendsResolved, RanksAgreed, BuildPlanned,
+    RunStarted, StateTransition, DeviceInitialized, SettingResolved, BackendsResolved, ResolutionAgreed, BuildPlanned,
     BackendBuilt, StepSkipped, FeatureDowngraded, LazyMemInitialized, BackendsAnnotated, InstanceVerified, ResourcesReleased,
-    Heartbeat, RunFailed, RunFinished, RunInterrupted,
+    Heartbeat, RunFailed, RunFinished, RunInterrupted, RunnerStarted, RunnerTransition, DistributedInitialized,
+    ModelLoaded, MemoryPoolSized, CudaGraphCaptured, ModelStepVerified, RunnerReady,
 ]
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
 

@@ -37,9 +37,9 @@ DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.flo
 
 
 def spec(**kw: Any) -> ModelSpec:
-    """A small ModelSpec (3 layers, 4 heads, 2 kv heads, head dim 64, bf16) with overrides."""
-    base = dict(model_type="probe", hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=64, v_head_dim=64, scaling=0.125, layer_types=["full"] * 3,
+    """A small ModelSpec (3 layers, 4 heads, 2 kv heads, head dim 128 — every GPU record's common dim —, bf16)."""
+    base = dict(model_type="probe", hidden_size=512, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=128, v_head_dim=128, scaling=128 ** -0.5, layer_types=["full"] * 3,
                 dtype="bfloat16", source="probe")
     base.update(kw)
     return msgspec.convert(base, ModelSpec)
@@ -177,7 +177,8 @@ def test_torch_native_head_dims_run(d, dv):
 
 def test_torch_native_mixed_head_dims_run():
     """Gemma-style layers of two head dims (64 local, 128 global) in one model."""
-    m = spec(layer_types=["sliding", "sliding", "full"], sliding_window=5, global_head_dim=128)
+    m = spec(layer_types=["sliding", "sliding", "full"], sliding_window=5, head_dim=64, v_head_dim=64, scaling=0.125,
+             global_head_dim=128)
     assert [k.head_dim_qk for k in m.layer_kinds()] == [64, 128]
     assert_passed(build_and_verify(m, "cpu", TN_CPU, attention_backend="torch_native"))
 

@@ -13,6 +13,7 @@ from conftest import CONFIGS
 from pipeline import events as ev
 
 SIX = ["device-init", "resolve", "build-mode", "npu-lazy-mem", "annotate", "done"]
+RUNNER = ["init-distributed", "load-model", "init-memory-pool", "attention", "capture-cuda-graphs", "ready"]
 
 # config → (extra flags, exit code, mode, roles verified); written from the rules, not by running the tool.
 PINNED = {
@@ -46,7 +47,8 @@ def test_run_outcome_per_config(config, tmp_path):
     assert proc.returncode == code, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["ok"] is (code == 0)
-    assert set(out) == {"ok", "run_id", "states", "resolved", "plan", "skips", "verified", "log_file", "error"}
+    assert set(out) == {"ok", "run_id", "states", "resolved", "plan", "skips", "verified", "log_file", "error",
+                        "runner_states", "model_steps"}
     records = [ev.decode_line(l) for l in Path(out["log_file"]).read_bytes().splitlines()]
     assert all(r.run_id == out["run_id"] for r in records)
     transitions = [r for r in records if isinstance(r, ev.StateTransition)]
@@ -57,6 +59,8 @@ def test_run_outcome_per_config(config, tmp_path):
         assert [v["role"] for v in out["verified"]] == roles
         assert all(v["passed"] and v["max_rel_err"] <= v["tol"] for v in out["verified"])
         assert out["resolved"]["prefill"] == "torch_native"
+        assert [s["state"] for s in out["runner_states"]] == RUNNER
+        assert out["model_steps"] and all(s["passed"] and not s["graph"] for s in out["model_steps"])
     else:
         assert out["error"]["code"] and out["error"]["remedy"] and out["verified"] == []
         assert transitions[-1].to == "failed"

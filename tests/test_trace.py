@@ -35,6 +35,19 @@ SAMPLES = {
     ev.RunFailed: dict(error=ERR, released=["x"]),
     ev.RunFinished: dict(duration_ms=3.0),
     ev.RunInterrupted: dict(reason="signal", signal="SIGTERM", error=ERR),
+    ev.RunnerStarted: dict(config={"num_layers": 2}),
+    ev.RunnerTransition: dict(from_state="load-model", to="init-memory-pool", trigger="model_loaded", duration_ms=1.0),
+    ev.DistributedInitialized: dict(world_size=2, has_cpu_group=False, source="arguments"),
+    ev.ModelLoaded: dict(num_layers=2, num_hidden_layers=32, param_bytes=10, dtype="bfloat16", seed=0,
+                         aux_hidden_state_layers=[0, 1]),
+    ev.MemoryPoolSized: dict(source="bytes", budget_bytes=1 << 20, bytes_per_token=8, num_token_slots=64, max_reqs=2,
+                             max_context_len=16, page_size=1, req_to_token_bytes=128, kv_bytes=512),
+    ev.ResolutionAgreed: dict(world_size=2, table=[ev.RankRow(rank=r, host="h", device=f"cuda:{r}", prefill="fa3",
+                                                           decode="fa3") for r in (0, 1)], duration_ms=1.5),
+    ev.CudaGraphCaptured: dict(bs=8, capture_ms=12.5, backend="flashinfer"),
+    ev.ModelStepVerified: dict(step="decode#0", mode="decode", batch_size=4, graph=True, max_rel_err=1e-3, tol=1e-2,
+                               passed=True),
+    ev.RunnerReady: dict(duration_ms=5.0, graph_batch_sizes=[1, 2], rank_agreement="single rank"),
 }
 
 

@@ -68,17 +68,16 @@ TRITON_CAP = Capability(
     head_dims_v=[64, 96, 128, 256],
     q_dtypes=["bfloat16", "float16"],
     kv_dtypes=["bfloat16", "float16"],
-    features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "cuda_graph", "speculative", "tbo",
-              "pdmux"],
+    features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "cuda_graph", "tbo", "pdmux"],
     page_sizes=None,
     packages=["torch", "triton"],
     workspace_bytes=0,
-    source="pipeline/backends/triton (our kernels): decode split-K + LSE merge and paged extend. Verified against "
-           "the float64 reference under TRITON_INTERPRET=1 on CPU (D 64/96, GQA 1/2/4, pages 1/4/16, window, softcap, "
-           "sinks, graph-metadata refresh) and on an H200 (sm90: D 64/128/256, bf16/fp16, pages 1/16/64, GQA 1/4/8, "
-           "CUDA-graph replay == eager); sm80-89 claimed from the kernels using only portable Triton ops, not run. "
-           "No MLA (D != Dv), no fp8/fp32 KV, no encoder-decoder; speculative = draft decode + target verify as "
-           "eager extend; extend is never captured (sglang captures decode only)",
+    source="pipeline/backends/triton (our kernels): split-K paged decode + LSE merge, paged extend. Verified vs "
+           "the float64 reference and torch_native on an H200 (sm90, triton 3.6: D 64/96/128/256, bf16/fp16, "
+           "pages 1/16/64, GQA 1/4/8, B 1-256, ctx to 32k, window/softcap/sinks, CUDA-graph replay == eager) and "
+           "under TRITON_INTERPRET=1 on CPU (CI). sm80/86/89: portable Triton ops and configs sized for 99 KB of "
+           "shared memory, not run. No MLA (D != Dv), no fp8/fp32, no encoder-decoder, no speculative (tree "
+           "verification needs a custom mask the extend kernel lacks); only decode is graph-captured (as in sglang)",
 )
 
 # name, capability, "module:factory"

@@ -18,9 +18,13 @@ class MusaPlatform(VendorPlatform):
 
     def init_blas(self) -> bool:
         """Create the muBLAS handle with a 16x16 fp16 GEMM on the current MUSA device; returns True."""
-        self.device_module()
+        mod = self.device_module()
+        self.warm_gemm(f"musa:{int(mod.current_device())}")
+        return True
+
+    def warm_gemm(self, device: str) -> None:
+        """One tiny GEMM on ``device`` (the first GEMM creates the BLAS handle)."""
         import torch
 
-        a = torch.ones((16, 16), dtype=torch.float16, device="musa")
+        a = torch.ones((16, 16), dtype=torch.float16, device=device)
         (a @ a).sum().item()
-        return True

@@ -1,0 +1,166 @@
+"""Decode CUDA graphs: capture the attention stack's decode step per batch size, replay it later.
+
+As sglang's ``CudaGraphRunner``: fixed-address input buffers sized for the largest batch
+(``hidden`` [max_bs, hidden_size], ``positions`` [max_bs] int64, ``req_pool_indices`` [max_bs]
+int64, ``seq_lens`` [max_bs] int32, ``out_cache_loc`` [max_bs] int64), the backend's
+``init_cuda_graph_state(max_bs, max_bs)``, then for each batch size (largest first, sharing one
+memory pool) ``init_forward_metadata_capture_cuda_graph`` + a warm-up run on a side stream + the
+capture. A replay copies a real decode batch into the buffers, pads it to the next captured size
+(padded rows: request row 0, ``seq_len`` = the backend's fill value, KV slot 0 — page 0 is the
+reserved padding page), calls ``init_forward_metadata_replay_cuda_graph`` outside the graph and
+replays. Only decode is captured (sglang runs extend eagerly).
+
+:func:`skip_reason` says why capture does not apply (disabled, not a CUDA device, a backend
+without the ``cuda_graph`` capability); the runner logs it and moves on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from pipeline.contracts import AttentionArgs, ForwardMode
+from pipeline.errors import ConfigError
+
+__all__ = ["capture_batch_sizes", "skip_reason", "DecodeGraphRunner"]
+
+
+def capture_batch_sizes(args: AttentionArgs, max_reqs: int) -> list[int]:
+    """The decode batch sizes to capture, ascending.
+
+    ``cuda_graph_bs`` when given (each must be in ``1..max_reqs``), else sglang's series
+    1, 2, 4, 8, 16, 24, 32, … (step 8 from 16) up to ``cuda_graph_max_bs`` (default: ``max_reqs``),
+    never above ``max_reqs`` (rows of ``req_to_token``). Raises ConfigError naming the field.
+    """
+    if args.cuda_graph_bs:
+        bad = [b for b in args.cuda_graph_bs if not 1 <= b <= max_reqs]
+        if bad:
+            raise ConfigError(f"cuda_graph_bs {bad} outside 1..max_reqs={max_reqs}", code="invalid_value",
+                              flags=[("cuda_graph_bs", list(args.cuda_graph_bs)), ("max_reqs", max_reqs)],
+                              allowed=[f"1..{max_reqs}"], remedy="capture batch sizes the req_to_token pool can hold")
+        return sorted(set(args.cuda_graph_bs))
+    top = min(args.cuda_graph_max_bs or max_reqs, max_reqs)
+    series = [1, 2, 4, 8] + list(range(16, top + 1, 8))
+    return [b for b in series if b <= top]
+
+
+def skip_reason(args: AttentionArgs, device_type: str, backend_names: Sequence[str],
+                supports_graph: Callable[[str], bool]) -> Optional[str]:
+    """Why decode graphs are not captured, or None when they are.
+
+    Checked in order: ``disable_cuda_graph``; a device other than cuda; any decode backend whose
+    capability record lacks ``cuda_graph`` (torch_native: sglang turns graphs off for it too).
+    """
+    if args.disable_cuda_graph:
+        return "disable_cuda_graph is set"
+    if device_type != "cuda":
+        return f"device type is {device_type!r}: CUDA graphs need a CUDA device"
+    lacking = [n for n in backend_names if not supports_graph(n)]
+    if lacking:
+        return f"decode backend {lacking[0]!r} does not support CUDA graphs (no cuda_graph capability)"
+    return None
+
+
+class DecodeGraphRunner:
+    """Captured decode graphs of ``stack`` through ``backend`` for batch sizes ``batch_sizes``.
+
+    ``on_captured(bs, capture_ms)`` is called after each capture (the runner logs it).
+    :attr:`capture_ms` maps bs → milliseconds spent capturing (warm-up run included).
+    """
+
+    def __init__(self, stack: Any, backend: Any, req_to_token_pool: Any, kv_pool: Any,
+                 batch_sizes: Sequence[int]) -> None:
+        import torch
+
+        self.stack, self.backend, self.req_pool, self.kv_pool = stack, backend, req_to_token_pool, kv_pool
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_bs = self.batch_sizes[-1]
+        dev, n = kv_pool.device, self.max_bs
+        self.fill = int(backend.get_cuda_graph_seq_len_fill_value())
+        self.buf = {"hidden": torch.zeros(n, stack.hidden, dtype=stack.dtype, device=dev),
+                    "positions": torch.zeros(n, dtype=torch.int64, device=dev),
+                    "req_pool_indices": torch.zeros(n, dtype=torch.int64, device=dev),
+                    "seq_lens": torch.full((n,), self.fill, dtype=torch.int32, device=dev),
+                    "out_cache_loc": torch.zeros(n, dtype=torch.int64, device=dev)}
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, tuple[Any, list[Any]]] = {}
+        self.capture_ms: dict[int, float] = {}
+        self.pool: Any = None
+
+    def _batch(self, bs: int) -> Any:
+        from pipeline.backends.base import ForwardBatch
+
+        b = self.buf
+        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs, req_pool_indices=b["req_pool_indices"][:bs],
+                            seq_lens=b["seq_lens"][:bs], out_cache_loc=b["out_cache_loc"][:bs],
+                            positions=b["positions"][:bs], req_to_token_pool=self.req_pool,
+                            token_to_kv_pool=self.kv_pool, seq_lens_cpu=[self.fill] * bs)
+
+    def capture(self, on_captured: Optional[Callable[[int, float], None]] = None) -> None:
+        """Capture every batch size, largest first (so smaller graphs reuse its memory pool)."""
+        import torch
+
+        self.backend.init_cuda_graph_state(self.max_bs, self.max_bs)
+        self.pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.batch_sizes):
+            t0 = time.perf_counter()
+            fb = self._batch(bs)
+            b = self.buf
+            self.backend.init_forward_metadata_capture_cuda_graph(
+                bs, bs, b["req_pool_indices"][:bs], b["seq_lens"][:bs], None, ForwardMode.DECODE, None)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.stack.forward(b["hidden"][:bs], fb, self.backend)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                out = self.stack.forward(b["hidden"][:bs], fb, self.backend)
+            torch.cuda.synchronize()
+            self.graphs[bs], self.outputs[bs] = g, out
+            self.capture_ms[bs] = (time.perf_counter() - t0) * 1e3
+            if on_captured is not None:
+                on_captured(bs, self.capture_ms[bs])
+
+    def graph_bs(self, bs: int) -> int:
+        """The smallest captured size >= ``bs``; ConfigError when ``bs`` exceeds every captured size."""
+        for b in self.batch_sizes:
+            if b >= bs:
+                return b
+        raise ConfigError(f"decode batch of {bs} exceeds the largest captured size {self.max_bs}",
+                          code="invalid_value", flags=[("batch_size", bs), ("cuda_graph_max_bs", self.max_bs)],
+                          remedy="raise cuda_graph_max_bs, or run this batch eagerly")
+
+    def can_run(self, forward_batch: Any) -> bool:
+        """Whether this decode batch fits a captured graph."""
+        return forward_batch.is_decode() and forward_batch.batch_size <= self.max_bs and bool(self.graphs)
+
+    def replay(self, hidden: Any, forward_batch: Any) -> tuple[Any, list[Any]]:
+        """Replay the decode step for a real batch; returns (output [B, hidden], aux list) copies.
+
+        ``hidden`` [B, hidden_size]; ``forward_batch`` a DECODE batch of B <= max captured size.
+        """
+        fb, n = forward_batch, forward_batch.batch_size
+        bs, b = self.graph_bs(n), self.buf
+        b["hidden"][:n].copy_(hidden)
+        b["positions"][:n].copy_(fb.positions)
+        b["req_pool_indices"][:n].copy_(fb.req_pool_indices)
+        b["seq_lens"][:n].copy_(fb.seq_lens)
+        b["out_cache_loc"][:n].copy_(fb.out_cache_loc)
+        b["req_pool_indices"][n:bs].zero_()
+        b["seq_lens"][n:bs].fill_(self.fill)
+        b["out_cache_loc"][n:bs].zero_()
+        b["positions"][n:bs].zero_()
+        seq_cpu = list(fb.seq_lens_cpu) + [self.fill] * (bs - n)
+        import torch
+
+        self.backend.init_forward_metadata_replay_cuda_graph(
+            bs, b["req_pool_indices"][:bs], b["seq_lens"][:bs], sum(seq_cpu), None, ForwardMode.DECODE, None,
+            torch.tensor(seq_cpu, dtype=torch.int32))
+        self.graphs[bs].replay()
+        out, aux = self.outputs[bs]
+        return out[:n].clone(), [a[:n].clone() for a in aux]
+
+    def close(self) -> None:
+        """Drop the graphs, their outputs and the memory pool handle."""
+        self.graphs, self.outputs, self.pool = {}, {}, None

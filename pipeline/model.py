@@ -1,0 +1,240 @@
+"""A real attention stack built from a Hugging Face config, run through a built attention backend.
+
+:class:`AttentionStack` is the attention half of a decoder (no MLP, no embeddings — the part this
+project initialises): per layer, an RMS norm, the QKV projection, rotary position embedding, paged
+attention through the backend (:class:`~pipeline.backends.base.AttentionLayer` per layer, with the
+layer kind's sliding window, logit softcap, scaling and — gpt-oss — per-head sink logits), the
+output projection and the residual add. Weights cannot be downloaded here, so they are random with
+a fixed seed (``randn / sqrt(fan_in)``, generated on CPU so every device gets the same values).
+``num_layers`` builds only the first N layers.
+
+MLA (DeepSeek-V2/V3) runs in the *absorbed* form, as sglang's MLA backends see it: the KV cache
+holds one latent head per token, ``[c_kv (kv_lora_rank, RMS-normed), k_rope (qk_rope_head_dim)]``
+(576 dims for DeepSeek-V2) with ``v = c_kv`` (512); the query's no-rope part is absorbed through
+``W_UK`` (``q_abs[h] = q_nope[h] @ W_UK[h]``, [kv_lora_rank]) and the latent output goes back through
+``W_UV`` per head before ``o_proj``. ``q_lora_rank`` is ignored (the query comes from one
+projection). :func:`reference_forward` computes the same layers in float64 *un-absorbed*
+(per-head ``k_nope = W_UK c`` and ``v = W_UV c``), so it checks the absorption too.
+
+RoPE: NeoX style (rotate halves) with ``rope_theta``, on the whole head for MHA/GQA and on the
+rope dims only for MLA; rope scaling (Llama-3's ``rope_scaling``) is not applied — it changes the
+frequencies, not the attention path under test.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import msgspec
+import torch
+
+from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
+from pipeline.contracts import LayerKind, ModelSpec
+from pipeline.errors import ConfigError
+from pipeline.reference import reference_attention
+
+__all__ = ["AttentionStack", "truncate_spec", "reference_forward", "rope_neox"]
+EPS = 1e-6
+
+
+def truncate_spec(spec: ModelSpec, num_layers: Optional[int]) -> ModelSpec:
+    """``spec`` with only its first ``num_layers`` layers (None = all).
+
+    Raises ConfigError (``invalid_value``) when ``num_layers`` is not in ``1..num_hidden_layers``.
+    """
+    if num_layers is None or num_layers == spec.num_hidden_layers:
+        return spec
+    if not 1 <= num_layers <= spec.num_hidden_layers:
+        raise ConfigError(f"num_layers={num_layers} is outside 1..{spec.num_hidden_layers}", code="invalid_value",
+                          flags=[("num_layers", num_layers)], allowed=[f"1..{spec.num_hidden_layers}"],
+                          remedy="pass --num-layers between 1 and the model's num_hidden_layers")
+    return msgspec.structs.replace(spec, num_hidden_layers=num_layers, layer_types=spec.layer_types[:num_layers])
+
+
+def rope_neox(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """NeoX rotary embedding of x [T, H, d] (d even) at positions [T]; computed in float32, returns x's dtype."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    ang = positions.to(torch.float32).view(-1, 1, 1) * inv.view(1, 1, -1)
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x[..., : d // 2].float(), x[..., d // 2:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+class AttentionStack:
+    """The first ``num_layers`` attention layers of ``spec`` with random weights (seed ``seed``).
+
+    Parameters
+    ----------
+    spec : the model (already truncated or not); dims per layer come from ``spec.layer_kinds()``.
+    dtype : weights / activations dtype (torch dtype); device : where the weights live.
+    num_layers : build only layers ``0..N-1`` (default: all).
+
+    ``layers[i]``: the :class:`AttentionLayer` of layer i; ``weights[i]``: its tensors
+    (MHA: ``qkv`` [H·D + 2·Hkv·D, hidden] — with Dv = D — and ``o`` [hidden, H·Dv]; MLA: ``q``
+    [H·(nope+rope), hidden], ``dkv`` [kv_lora+rope, hidden], ``uk`` [H, nope, kv_lora], ``uv``
+    [H, v_head, kv_lora], ``o`` [hidden, H·v_head]). Raises ConfigError for a model whose qk and v
+    head dims differ without MLA (no such HF config is bundled).
+    """
+
+    def __init__(self, spec: ModelSpec, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
+                 num_layers: Optional[int] = None) -> None:
+        self.spec = truncate_spec(spec, num_layers)
+        self.num_layers = self.spec.num_hidden_layers
+        self.dtype, self.device, self.seed = dtype, torch.device(device), seed
+        self.hidden = spec.hidden_size
+        self.kind_of: list[LayerKind] = [None] * self.num_layers  # type: ignore[list-item]
+        for kind in self.spec.layer_kinds():
+            for lid in kind.layer_ids:
+                self.kind_of[lid] = kind
+        gen = torch.Generator().manual_seed(seed)
+        self.layers: list[AttentionLayer] = []
+        self.weights: list[dict[str, torch.Tensor]] = []
+        for lid, kind in enumerate(self.kind_of):
+            if not kind.is_mla and kind.head_dim_qk != kind.head_dim_v:
+                raise ConfigError("qk and v head dims differ on a non-MLA layer", code="model_config_invalid",
+                                  flags=[("head_dim", kind.head_dim_qk), ("v_head_dim", kind.head_dim_v)],
+                                  remedy="use a config whose head_dim equals v_head_dim")
+            self.weights.append(self._weights(kind, gen))
+            sinks = (torch.randn(kind.num_heads, generator=gen) + 1.0).to(self.device) if kind.has_sinks else None
+            self.layers.append(AttentionLayer(
+                layer_id=lid, num_heads=kind.num_heads, num_kv_heads=kind.num_kv_heads, head_dim=kind.head_dim_qk,
+                v_head_dim=kind.head_dim_v, scaling=kind.scaling, sliding_window=kind.sliding_window,
+                logit_softcap=kind.logit_softcap, sinks=sinks, is_mla=kind.is_mla))
+        self.aux_hidden_state_layers: Optional[list[int]] = None
+        self._f64_weights: Optional[list[dict[str, torch.Tensor]]] = None  # reference_forward's cache
+
+    def _rand(self, gen: torch.Generator, *shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])).to(self.device, self.dtype)
+
+    def _weights(self, kind: LayerKind, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        h, hid = kind.num_heads, self.hidden
+        if kind.is_mla:
+            m = self.spec.mla
+            return {"q": self._rand(gen, h * (m.qk_nope_head_dim + m.qk_rope_head_dim), hid),
+                    "dkv": self._rand(gen, m.kv_lora_rank + m.qk_rope_head_dim, hid),
+                    "uk": self._rand(gen, h, m.qk_nope_head_dim, m.kv_lora_rank),
+                    "uv": self._rand(gen, h, m.v_head_dim, m.kv_lora_rank),
+                    "o": self._rand(gen, hid, h * m.v_head_dim)}
+        d, hkv = kind.head_dim_qk, kind.num_kv_heads
+        return {"qkv": self._rand(gen, (h + 2 * hkv) * d, hid), "o": self._rand(gen, hid, h * d)}
+
+    def param_bytes(self) -> int:
+        """Bytes held by the weights (sinks included)."""
+        ts = [t for w in self.weights for t in w.values()] + [L.sinks for L in self.layers if L.sinks is not None]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def set_aux_hidden_state_layers(self, layer_ids: Sequence[int]) -> None:
+        """EAGLE3-style capture: :meth:`forward` also returns the residual stream *entering* these layers.
+
+        Raises ConfigError (``invalid_value``) for ids outside ``0..num_layers-1``. Must be set
+        before CUDA-graph capture: a captured graph records which tensors it writes.
+        """
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"aux hidden-state layer ids {bad} are outside 0..{self.num_layers - 1}",
+                              code="invalid_value", flags=[("aux_hidden_state_layers", list(layer_ids))],
+                              allowed=[f"0..{self.num_layers - 1}"], remedy="pick layers the stack builds")
+        self.aux_hidden_state_layers = list(layer_ids)
+
+    def _qkv(self, lid: int, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        L, w, theta = self.layers[lid], self.weights[lid], self.spec.rope_theta
+        t = x.shape[0]
+        if not L.is_mla:
+            q, k, v = (x @ w["qkv"].T).split([L.num_heads * L.head_dim, L.num_kv_heads * L.head_dim,
+                                               L.num_kv_heads * L.head_dim], dim=-1)
+            q = rope_neox(q.reshape(t, L.num_heads, L.head_dim), pos, theta)
+            k = rope_neox(k.reshape(t, L.num_kv_heads, L.head_dim), pos, theta)
+            return q, k, v.reshape(t, L.num_kv_heads, L.v_head_dim)
+        m = self.spec.mla
+        q = (x @ w["q"].T).reshape(t, L.num_heads, -1)
+        q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        q_abs = torch.einsum("thn,hnc->thc", q_nope, w["uk"])
+        lat = x @ w["dkv"].T
+        c = _rms(lat[:, : m.kv_lora_rank])
+        k_rope = rope_neox(lat[:, None, m.kv_lora_rank:], pos, theta)
+        q = torch.cat([q_abs, rope_neox(q_rope, pos, theta)], dim=-1)
+        return q, torch.cat([c[:, None], k_rope], dim=-1), c[:, None].contiguous()
+
+    def forward(self, hidden: torch.Tensor, forward_batch: ForwardBatch,
+                backend: AttentionBackend) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run every layer on ``hidden`` [T, hidden_size] (model dtype) for ``forward_batch``.
+
+        K/V of the new tokens are written into the batch's KV pool by the backend. The residual
+        stream is kept in float32 (each layer's input is normed and cast to the model dtype).
+        Returns the residual stream after the last layer [T, hidden_size] float32 and the aux
+        hidden states (one [T, hidden_size] float32 per configured aux layer, in order; [] when
+        not configured).
+        """
+        pos, h, aux = forward_batch.positions, hidden.float(), []
+        for lid, L in enumerate(self.layers):
+            if self.aux_hidden_state_layers and lid in self.aux_hidden_state_layers:
+                aux.append(h)
+            q, k, v = self._qkv(lid, _rms(h).to(self.dtype), pos)
+            o = backend.forward(q, k, v, L, forward_batch, save_kv_cache=True)
+            o = o.reshape(h.shape[0], L.num_heads, L.v_head_dim)
+            if L.is_mla:
+                o = torch.einsum("thc,hvc->thv", o, self.weights[lid]["uv"])
+            h = h + (o.reshape(h.shape[0], -1) @ self.weights[lid]["o"].T).float()
+        return h, aux
+
+
+def _rope_complex(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Reference RoPE in float64 through complex rotation of (x_i, x_{i+d/2}) pairs."""
+    d = x.shape[-1]
+    z = torch.complex(x[..., : d // 2], x[..., d // 2:])
+    freq = 1.0 / theta ** (torch.arange(d // 2, dtype=torch.float64) * 2 / d)
+    z = z * torch.polar(torch.ones_like(freq), pos.to(torch.float64).view(-1, 1, 1) * freq)
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+def reference_forward(stack: AttentionStack, hidden: torch.Tensor,
+                      kv_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One request's whole sequence [L, hidden_size] through the stack in float64, dense and causal.
+
+    Written apart from :meth:`AttentionStack.forward`: no backend, no KV cache, complex-number RoPE,
+    MLA un-absorbed (per-head ``k_nope = c @ W_UK[h]^T``, ``v = c @ W_UV[h]^T``). ``kv_dtype``
+    (e.g. ``torch.float8_e4m3fn``): round what the KV cache stores (K and V; for MLA the latent
+    ``c`` and ``k_rope``) through that dtype, as the cache does. Returns the float64 output
+    [L, hidden_size] (CPU) and the aux hidden states like ``forward``.
+    """
+    def cached(t: torch.Tensor) -> torch.Tensor:
+        return t if kv_dtype is None else t.to(kv_dtype).to(torch.float64)
+
+    f = lambda t: t.detach().to("cpu", torch.float64)  # noqa: E731
+    if getattr(stack, "_f64_weights", None) is None:
+        stack._f64_weights = [{k: f(t) for k, t in w.items()} for w in stack.weights]
+    h, aux, n = f(hidden), [], hidden.shape[0]
+    pos, theta = torch.arange(n), stack.spec.rope_theta
+    for lid, L in enumerate(stack.layers):
+        if stack.aux_hidden_state_layers and lid in stack.aux_hidden_state_layers:
+            aux.append(h)
+        w = stack._f64_weights[lid]
+        x = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+        if L.is_mla:
+            m = stack.spec.mla
+            q = (x @ w["q"].T).reshape(n, L.num_heads, -1)
+            lat = x @ w["dkv"].T
+            c = lat[:, : m.kv_lora_rank]
+            c = cached(c / torch.sqrt(c.pow(2).mean(-1, keepdim=True) + EPS))
+            k_nope = torch.einsum("lc,hnc->lhn", c, w["uk"])
+            k_rope = cached(_rope_complex(lat[:, None, m.kv_lora_rank:], pos, theta)).expand(n, L.num_heads, -1)
+            qq = torch.cat([q[..., : m.qk_nope_head_dim], _rope_complex(q[..., m.qk_nope_head_dim:], pos, theta)], -1)
+            kk = torch.cat([k_nope, k_rope], dim=-1)
+            vv = torch.einsum("lc,hvc->lhv", c, w["uv"])
+        else:
+            d, hkv = L.head_dim, L.num_kv_heads
+            q, k, v = (x @ w["qkv"].T).split([L.num_heads * d, hkv * d, hkv * d], dim=-1)
+            qq = _rope_complex(q.reshape(n, L.num_heads, d), pos, theta)
+            kk = cached(_rope_complex(k.reshape(n, hkv, d), pos, theta))
+            vv = cached(v.reshape(n, hkv, d))
+        o = reference_attention(qq, kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
+                                softcap=L.logit_softcap, sinks=None if L.sinks is None else f(L.sinks))
+        h = h + o.reshape(n, -1) @ w["o"].T
+    return h, aux

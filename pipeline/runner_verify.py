@@ -1,0 +1,107 @@
+"""Steps through a ready runner, checked against the float64 dense reference of the stack.
+
+:func:`verify_model_steps` drives the runner's attention stack the way an engine does: an extend of
+new requests, an extend of more tokens on their cached prefixes (chunked prefill), then
+``decode_steps`` decode steps — each decode replayed from a CUDA graph when the runner captured
+one, else eager. Inputs are random hidden states (seeded); pages are handed out scrambled.
+After every step each request's outputs are compared with :func:`pipeline.model.reference_forward`
+over its whole history. Metric: ``max|Δout − Δref| / max|Δref|`` per request, where ``Δ`` is the
+stack's update to the residual stream (output minus input), so the input's own magnitude cannot
+hide an attention error; the worst request is reported per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeline.contracts import ForwardMode
+from pipeline.memory import PageAllocator, make_forward_batch
+from pipeline.model import reference_forward
+from pipeline.reference import rel_err
+
+__all__ = ["StepCheck", "verify_model_steps", "EXTEND_LENS", "CHUNK_LENS"]
+
+EXTEND_LENS = (5, 9, 2, 7)
+CHUNK_LENS = (3, 1, 4, 2)
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """One step's outcome: label, mode, batch size, whether replayed from a graph, worst error, tolerance."""
+
+    step: str
+    mode: str
+    batch_size: int
+    graph: bool
+    max_rel_err: float
+    tol: float
+
+    @property
+    def passed(self) -> bool:
+        return self.max_rel_err <= self.tol
+
+
+# fp8 KV: half the relative rounding step of the format (e4m3: 3 mantissa bits, e5m2: 2)
+FP8_TOL = {torch.float8_e4m3fn: 2.0 ** -4, torch.float8_e5m2: 2.0 ** -3}
+FP8 = tuple(FP8_TOL)
+
+
+def _tol(dtype: torch.dtype, kv_fp8: Any = None) -> float:
+    if kv_fp8 is not None:
+        return FP8_TOL[kv_fp8]
+    return 1e-4 if dtype is torch.float32 else 1e-2
+
+
+def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0) -> list[StepCheck]:
+    """Run extend, chunked extend and decode steps through a ready ``runner``; see the module docstring.
+
+    Uses ``req_to_token`` rows ``0..B-1`` (B = min(4, max_reqs)) and frees them afterwards.
+    Tolerance: 1e-4 for float32 stacks, 1e-2 for bf16/fp16 (the residual stream is float32);
+    with an fp8 KV cache the reference rounds what the cache stores through fp8 too, and the
+    tolerance is half the format's relative step (e4m3 2^-4, e5m2 2^-3): K/V computed in bf16 and
+    in float64 land on different fp8 steps for values near a rounding boundary.
+    The stack is causal, so each request's reference is computed once, over its whole history,
+    after the last step. Raises BuildError when the pools are too small.
+    """
+    stack, pools = runner.stack, runner.pools
+    req_pool, kv = pools["req_to_token_pool"], pools["kv_pool"]
+    gen = torch.Generator().manual_seed(seed)
+    b = min(len(EXTEND_LENS), req_pool.max_reqs)
+    rows = list(range(b))
+    alloc = PageAllocator(req_pool, kv.size, kv.page_size, seed=seed)
+    hist: dict[int, list[torch.Tensor]] = {r: [] for r in rows}
+    steps = [("extend", ForwardMode.EXTEND, list(EXTEND_LENS[:b])), ("chunked-extend", ForwardMode.EXTEND,
+                                                                       list(CHUNK_LENS[:b]))]
+    steps += [(f"decode#{i}", ForwardMode.DECODE, [1] * b) for i in range(decode_steps)]
+    outs: list[tuple[str, ForwardMode, list[int], bool, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+    try:
+        for label, mode, new in steps:
+            fb = make_forward_batch(mode, rows, new, alloc, kv)
+            x = torch.randn(sum(new), stack.hidden, generator=gen).to(kv.device, stack.dtype)
+            out, _aux, graphed = runner.forward(x, fb)
+            per_req, start = [], 0
+            for r, n in zip(rows, new):
+                hist[r].append(x[start:start + n].cpu())
+                per_req.append((x[start:start + n].double().cpu(), out[start:start + n].double().cpu()))
+                start += n
+            outs.append((label, mode, new, graphed, per_req))
+    finally:
+        for r in rows:
+            alloc.free(r)
+            req_pool.req_to_token[r].zero_()
+    quantized = kv.dtype if kv.dtype in FP8 else None
+    refs = {r: reference_forward(stack, torch.cat(hist[r]), kv_dtype=quantized)[0] for r in rows}
+    checks, done = [], {r: 0 for r in rows}
+    for label, mode, new, graphed, per_req in outs:
+        worst = 0.0
+        for r, n, (xin, o) in zip(rows, new, per_req):
+            ref = refs[r][done[r]:done[r] + n]
+            done[r] += n
+            err = rel_err(o - xin, ref - xin)
+            worst = max(worst, err) if err == err else float("inf")
+        checks.append(StepCheck(step=label, mode=mode.value, batch_size=b, graph=graphed, max_rel_err=worst,
+                                tol=_tol(stack.dtype, quantized)))
+    return checks

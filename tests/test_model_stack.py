@@ -1,0 +1,144 @@
+"""The attention stack (pipeline.model) against hand-derived values and its float64 dense reference.
+
+Independent yardsticks: a one-token step has a softmax over one key, so attention returns that
+token's V exactly (times exp(s)/(exp(s)+exp(sink)) with a sink) — no RoPE or scores involved;
+RoPE's relative-position property; and the dense float64 reference (complex RoPE, MLA un-absorbed)
+against the paged torch_native run in float32 (tolerance 1e-5).
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+import torch
+
+from conftest import CONFIGS
+from pipeline.backends.torch_native import TorchNativeBackend
+from pipeline.contracts import ForwardMode
+from pipeline.errors import ConfigError
+from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
+from pipeline.model import AttentionStack, _rope_complex, reference_forward, rope_neox, truncate_spec
+from pipeline.model_spec import load_model_spec
+from pipeline.reference import rel_err
+
+
+def _spec(name, **over):
+    s = load_model_spec(CONFIGS / name)
+    return msgspec.structs.replace(s, **over) if over else s
+
+
+def test_truncate_spec():
+    s = _spec("gemma-2-9b.json")
+    t = truncate_spec(s, 3)
+    assert (t.num_hidden_layers, t.layer_types) == (3, s.layer_types[:3]) and truncate_spec(s, None) is s
+    for bad in (0, s.num_hidden_layers + 1):
+        with pytest.raises(ConfigError) as e:
+            truncate_spec(s, bad)
+        assert e.value.info.flags[0].name == "num_layers"
+
+
+def test_rope_matches_complex_rotation_and_is_relative():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 64, generator=g, dtype=torch.float64)
+    pos = torch.tensor([0, 1, 7, 100, 4095])
+    got, want = rope_neox(x.float(), pos, 10000.0), _rope_complex(x, pos, 10000.0)
+    assert rel_err(got[:4], want[:4]) < 1e-5
+    assert rel_err(got[4:], want[4:]) < 1e-3   # fp32 angle at position 4095: ~2e-4 absolute
+    q, k = torch.randn(1, 1, 64, dtype=torch.float64), torch.randn(1, 1, 64, dtype=torch.float64)
+    dots = [(_rope_complex(q, torch.tensor([m + 5]), 1e4) * _rope_complex(k, torch.tensor([m]), 1e4)).sum()
+            for m in (0, 17, 300)]
+    assert max(abs(float(d - dots[0])) for d in dots) < 1e-9   # depends only on m - n
+
+
+def test_weights_are_seeded():
+    s = _spec("qwen3-8b.json")
+    a, b = AttentionStack(s, dtype=torch.float32, device="cpu", num_layers=1, seed=1), \
+        AttentionStack(s, dtype=torch.float32, device="cpu", num_layers=1, seed=1)
+    c = AttentionStack(s, dtype=torch.float32, device="cpu", num_layers=1, seed=2)
+    assert torch.equal(a.weights[0]["qkv"], b.weights[0]["qkv"]) and not torch.equal(a.weights[0]["qkv"],
+                                                                                      c.weights[0]["qkv"])
+    h, hkv, d = s.num_attention_heads, s.num_key_value_heads, s.head_dim
+    assert a.param_bytes() == 4 * ((h + 2 * hkv) * d * s.hidden_size + s.hidden_size * h * d)
+
+
+@pytest.mark.parametrize("config", ["llama-3.1-8b.json", "gpt-oss-20b.json"])
+def test_one_token_attention_is_its_value(config):
+    """Position 0 sees only itself: the layer adds (expand_gqa(V) · w) @ Wo, w = 1 or the sink share."""
+    s = _spec(config)
+    st = AttentionStack(s, dtype=torch.float32, device="cpu", num_layers=1, seed=4)
+    x = torch.randn(1, s.hidden_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    L, w = st.layers[0], {k: t.double() for k, t in st.weights[0].items()}
+    xn = x / torch.sqrt(x.pow(2).mean() + 1e-6)
+    v = (xn @ w["qkv"].T)[:, (L.num_heads + L.num_kv_heads) * L.head_dim:].reshape(L.num_kv_heads, L.head_dim)
+    heads = v.repeat_interleave(L.num_heads // L.num_kv_heads, dim=0)          # [H, D]
+    if L.sinks is not None:
+        # softmax over {score s, sink}: weight of the key = 1 / (1 + exp(sink - s)); s = q·k·scale
+        qk = (xn @ w["qkv"].T)
+        q = rope_neox(qk[:, : L.num_heads * L.head_dim].reshape(1, L.num_heads, L.head_dim).float(),
+                      torch.tensor([0]), s.rope_theta).double()[0]
+        k = qk[0, L.num_heads * L.head_dim:(L.num_heads + L.num_kv_heads) * L.head_dim].reshape(L.num_kv_heads, -1)
+        s_h = (q * k.repeat_interleave(L.num_heads // L.num_kv_heads, 0)).sum(-1) * L.scaling
+        share = 1.0 / (1.0 + torch.exp(L.sinks.double() - s_h))
+        heads = heads * share[:, None]
+    want = x + heads.reshape(1, -1) @ w["o"].T
+    got, _ = reference_forward(st, x)
+    assert rel_err(got - x, want - x) < 1e-6
+
+
+CASES = [("llama-3.1-8b.json", {}, 1), ("gemma-2-9b.json", {"sliding_window": 3}, 2),
+         ("gpt-oss-20b.json", {"sliding_window": 4}, 2), ("deepseek-v2-lite.json", {}, 1),
+         ("qwen2.5-7b.json", {}, 1)]
+
+
+@pytest.mark.parametrize("config,over,layers", CASES, ids=[c[0] for c in CASES])
+def test_paged_stack_equals_dense_reference(config, over, layers):
+    """extend, chunked extend and decode through torch_native (paged, fp32) == dense float64 reference.
+
+    Windows are shrunk (3-4 keys) so they bite within the 12-token sequences; pages of 4 slots are
+    handed out scrambled.
+    """
+    s = _spec(config, **over)
+    st = AttentionStack(s, dtype=torch.float32, device="cpu", num_layers=layers, seed=7)
+    rp = ReqToTokenPool(3, 64, "cpu")
+    kv = KVPool.for_layer_kinds(st.spec.layer_kinds(), layers, 256, 4, torch.float32, "cpu")
+    alloc, be = PageAllocator(rp, 256, 4, seed=3), TorchNativeBackend(torch_device="cpu")
+    g = torch.Generator().manual_seed(11)
+    rows, hist, outs = [0, 1, 2], {0: [], 1: [], 2: []}, {0: [], 1: [], 2: []}
+    for mode, new in [(ForwardMode.EXTEND, [5, 1, 7]), (ForwardMode.EXTEND, [2, 3, 1]),
+                      (ForwardMode.DECODE, [1, 1, 1]), (ForwardMode.DECODE, [1, 1, 1])]:
+        fb = make_forward_batch(mode, rows, new, alloc, kv)
+        x = torch.randn(sum(new), s.hidden_size, generator=g)
+        be.init_forward_metadata(fb)
+        out, _ = st.forward(x, fb, be)
+        assert out.dtype is torch.float32 and out.shape == x.shape
+        for r, piece_x, piece_o in zip(rows, x.split(new), out.split(new)):
+            hist[r].append(piece_x)
+            outs[r].append(piece_o)
+    for r in rows:
+        xs = torch.cat(hist[r]).double()
+        ref, _ = reference_forward(st, xs)
+        assert rel_err(torch.cat(outs[r]).double() - xs, ref - xs) < 1e-5, r
+
+
+def test_aux_hidden_states_are_layer_inputs():
+    s = _spec("qwen3-8b.json")
+    st = AttentionStack(s, dtype=torch.float32, device="cpu", num_layers=3, seed=0)
+    with pytest.raises(ConfigError) as e:
+        st.set_aux_hidden_state_layers([0, 3])
+    assert e.value.info.flags[0].name == "aux_hidden_state_layers"
+    x = torch.randn(4, s.hidden_size, dtype=torch.float64)
+    full, _ = reference_forward(st, x)
+    st.set_aux_hidden_state_layers([0, 2])
+    out, aux = reference_forward(st, x)
+    one = AttentionStack(s, dtype=torch.float32, device="cpu", num_layers=2, seed=0)
+    two, _ = reference_forward(one, x)       # the input of layer 2 = the output of a 2-layer stack
+    assert torch.equal(out, full) and torch.equal(aux[0], x) and rel_err(aux[1], two) < 1e-12
+
+
+def test_non_mla_model_with_distinct_v_dim_is_refused():
+    s = _spec("llama-3.1-8b.json", v_head_dim=64)
+    with pytest.raises(ConfigError) as e:
+        AttentionStack(s, dtype=torch.float32, device="cpu", num_layers=1)
+    assert {f.name for f in e.value.info.flags} == {"head_dim", "v_head_dim"}
