@@ -1,7 +1,7 @@
 """``attn-setup run``: the runner flow, then verification on real batches.
 
 Every device goes through the same runner states (:mod:`pipeline.runner`): init-distributed,
-load-model (``--num-layers``, default 2 on CPU, all on GPU), init-memory-pool (``--mem-fraction`` /
+load-model (``--num-layers``, default 2 on every device), init-memory-pool (``--mem-fraction`` /
 ``--mem-bytes`` / ``--num-token-slots``), attention (the six-state pipeline), capture-cuda-graphs
 (skipped with its reason on CPU or for backends without CUDA graphs), ready. Then every built
 instance is verified on a batch against the float64 reference, and the attention stack runs an
@@ -22,7 +22,7 @@ from pipeline.contracts import ErrorInfo, ModelSpec, PoolFacts, SetupRequest
 from pipeline.errors import EXIT_FAILED, EXIT_OK, AttnSetupError, UsageError, error_info_from
 
 BUNDLED_MODEL = "llama-3.1-8b.json"
-CPU_DEFAULT_LAYERS = 2
+DEFAULT_LAYERS = 2  # a verification run: enough for every alternating layer pattern, quick on CPU
 
 
 def default_model_path() -> str:
@@ -72,11 +72,11 @@ def _on_gpu(device: str) -> bool:
 
 
 def runner_config(ns: argparse.Namespace, request: SetupRequest, on_gpu: bool) -> Any:
-    """The RunnerConfig from the flags (CPU default: 2 layers, so a run stays quick)."""
+    """The RunnerConfig from the flags (default: the first 2 layers on every device)."""
     from pipeline.runner import RunnerConfig
 
-    layers = ns.num_layers if ns.num_layers is not None else (None if on_gpu else CPU_DEFAULT_LAYERS)
-    layers = min(layers, request.served_model.num_hidden_layers) if layers is not None else None
+    n = request.served_model.num_hidden_layers
+    layers = ns.num_layers if ns.num_layers is not None else min(DEFAULT_LAYERS, n)
     return RunnerConfig(request=request, num_layers=layers, num_token_slots=ns.num_token_slots,
                         mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction)
 
@@ -140,7 +140,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                      help="JSON-lines trace path; {run_id} and {rank} are filled in")
     run.add_argument("--decode-steps", type=int, default=3, help="decode steps verified after the extend")
     run.add_argument("--num-layers", type=int, default=None,
-                     help=f"build only the first N layers (default: {CPU_DEFAULT_LAYERS} on CPU, all on GPU)")
+                     help=f"build only the first N layers (default {DEFAULT_LAYERS}, on every device)")
     budget = run.add_mutually_exclusive_group()
     budget.add_argument("--mem-fraction", type=float, default=None,
                         help="size the KV pool from this share of device memory (sglang's mem_fraction_static)")

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+try:  # Triton's interpreter mode is fixed when triton is first imported: decide it before any test does.
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover - torch is a hard dependency
+    pass
 CONFIGS = ROOT / "examples" / "configs"
 
 

@@ -294,3 +294,37 @@ def test_runner_trace_reads_and_replays(qwen, tmp_path):
     assert t.skipped_lines == 0 and t.runs[0].status == "ok"
     assert [s["state"] for s in t.runs[0].states()][-1] == "done"
     assert replay(tmp_path / "r.jsonl").same
+
+
+@pytest.mark.parametrize("flags,code,flag", [
+    (["--num-layers", "0"], 3, "num_layers"), (["--mem-fraction", "1.5"], 3, "mem_fraction"),
+    (["--mem-bytes", "5000"], 3, "bytes"), (["--mem-fraction", "0.5", "--mem-bytes", "1"], 2, None),
+])
+def test_cli_budget_and_layer_flags_refused(tmp_path, flags, code, flag):
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--device", "cpu", "--json", "--log-file",
+                           str(tmp_path / "l.jsonl"), *flags], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == code, proc.stderr[-1500:]
+    err = json.loads(proc.stdout)["error"]
+    assert err["remedy"] and (flag is None or flag in [f["name"] for f in err["flags"]])
+
+
+def test_cli_mem_bytes_sizes_the_pool(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--device", "cpu", "--json", "--num-layers",
+                           "3", "--mem-bytes", str(8 << 20), "--log-file", str(tmp_path / "l.jsonl")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-1500:]
+    recs = [ev.decode_line(x) for x in (tmp_path / "l.jsonl").read_bytes().splitlines()]
+    sized = next(r for r in recs if isinstance(r, ev.MemoryPoolSized))
+    per_tok = 3 * 8 * 2 * 128 * 2   # llama: 3 layers x Hkv 8 x (K+V) 128 dims x bf16
+    assert (sized.source, sized.bytes_per_token) == ("bytes", per_tok)
+    assert sized.num_token_slots == ((8 << 20) - 8 * 1024 * 4) // per_tok
+    loaded = next(r for r in recs if isinstance(r, ev.ModelLoaded))
+    assert (loaded.num_layers, loaded.num_hidden_layers) == (3, 32)

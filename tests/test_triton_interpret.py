@@ -1,54 +1,57 @@
 """The Triton kernels and backend on CPU under ``TRITON_INTERPRET=1``, against the float64 reference.
 
-Small shapes (a few requests, tens of keys, 16-wide tiles) so the interpreter stays fast; the
-GPU grid lives in ``tests/gpu/test_triton_gpu.py``. The interpreter mode is switched on by a
-module fixture that re-creates the kernels and restores the environment afterwards, so other
-test modules in the same process are unaffected.
+Small shapes (a few requests, tens of keys, 16-wide tiles) so the interpreter stays fast; the GPU
+grid lives in ``tests/gpu/test_triton_gpu.py``.
+
+Interpreter mode is decided when triton is first imported (``triton.language``'s own jit helpers,
+``tl.sum``/``tl.cdiv``…, are created then). So: on a CUDA machine this module is skipped (the GPU
+tests run the compiled kernels, and the variable must not leak into them); on CPU, if triton is not
+imported yet the variable is set here; if another test module imported triton first, the whole
+module re-runs in a fresh subprocess with the variable set (one test reports it).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from pipeline.backends.base import AttentionLayer
-from pipeline.contracts import ForwardMode
-from pipeline.errors import BuildError, CapabilityMismatch
-from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
-from pipeline.reference import reference_attention, rel_err
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+DIRECT = not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1" and (
+    "triton" not in sys.modules or type(sys.modules["triton"].language.sum).__name__ == "InterpretedFunction")
 
-DEC = None  # launch module, set by the fixture
+pytestmark = pytest.mark.skipif(HAS_CUDA, reason="CUDA present: tests/gpu/test_triton_gpu.py runs the compiled kernels")
+
+from pipeline.backends.base import AttentionLayer  # noqa: E402
+from pipeline.backends.triton import launch as DEC  # noqa: E402
+from pipeline.contracts import ForwardMode  # noqa: E402
+from pipeline.errors import BuildError, CapabilityMismatch  # noqa: E402
+from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
+from pipeline.reference import reference_attention, rel_err  # noqa: E402
+
 SMALL_DEC = dict(block_n=16, block_n_single=32, split_min=32, num_warps=4, num_stages=1)
 SMALL_EXT = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    """Re-create the kernels as interpreted functions for this module only."""
-    global DEC
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    from pipeline.backends.triton import launch
-    from pipeline.backends.triton.kernels import decode, extend
-
-    importlib.reload(decode)
-    importlib.reload(extend)
-    DEC = launch
-    yield launch
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-    importlib.reload(decode)
-    importlib.reload(extend)
+@pytest.mark.skipif(DIRECT, reason="triton is in interpreter mode in this process: the tests run directly")
+def test_interpreter_suite_in_subprocess():
+    """Triton was imported before TRITON_INTERPRET could be set: run this module in a fresh process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 
 @pytest.fixture(autouse=True)
-def _seed():
-    """Fixed draws per test, so a CI failure reproduces."""
+def _seed(request):
+    """Fixed draws per test, so a CI failure reproduces; the kernel tests run only in interpreter mode."""
+    if not DIRECT and request.node.name != "test_interpreter_suite_in_subprocess":
+        pytest.skip("ran in a subprocess with TRITON_INTERPRET=1 (see test_interpreter_suite_in_subprocess)")
     torch.manual_seed(1234)
 
 

@@ -36,7 +36,8 @@ FLASHINFER = Capability(
     head_dims_v=[64, 128, 256],
     q_dtypes=["bfloat16", "float16"],
     kv_dtypes=["bfloat16", "float16"],
-    features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "cuda_graph", "tbo", "pdmux"],
+    features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "cuda_graph", "speculative", "tbo",
+              "pdmux"],
     page_sizes=None,
     packages=["flashinfer-python"],
     workspace_bytes=384 * MiB,
@@ -68,7 +69,8 @@ TRITON_CAP = Capability(
     head_dims_v=[64, 96, 128, 256],
     q_dtypes=["bfloat16", "float16"],
     kv_dtypes=["bfloat16", "float16"],
-    features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "cuda_graph", "tbo", "pdmux"],
+    features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "cuda_graph", "speculative", "tbo",
+              "pdmux"],
     page_sizes=None,
     packages=["torch", "triton"],
     workspace_bytes=0,
@@ -76,8 +78,9 @@ TRITON_CAP = Capability(
            "the float64 reference and torch_native on an H200 (sm90, triton 3.6: D 64/96/128/256, bf16/fp16, "
            "pages 1/16/64, GQA 1/4/8, B 1-256, ctx to 32k, window/softcap/sinks, CUDA-graph replay == eager) and "
            "under TRITON_INTERPRET=1 on CPU (CI). sm80/86/89: portable Triton ops and configs sized for 99 KB of "
-           "shared memory, not run. No MLA (D != Dv), no fp8/fp32, no encoder-decoder, no speculative (tree "
-           "verification needs a custom mask the extend kernel lacks); only decode is graph-captured (as in sglang)",
+           "shared memory, not run. No MLA (D != Dv), no fp8/fp32, no encoder-decoder. Speculative: draft "
+           "decode and chain (top-k 1) target verify as causal extend; tree verify (top-k > 1) would need a custom "
+           "mask the extend kernel lacks. Only decode is graph-captured (as in sglang)",
 )
 
 # name, capability, "module:factory"

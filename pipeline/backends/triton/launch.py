@@ -8,25 +8,26 @@ Shapes (B requests, T new tokens, H q heads, Hkv kv heads, D qk dim, Dv v dim, S
   step, the new one already in the pool); ``out``: [B or T, H, Dv] in q's dtype.
 - Last dims must be contiguous (stride 1); other strides are free.
 
-Errors: :class:`~pipeline.errors.CapabilityMismatch` for a dtype, head dim or device the kernels do
-not serve; :class:`~pipeline.errors.BuildError` (``bad_tensor``) for inconsistent shapes/dtypes.
+Errors (checked in :mod:`.checks`): :class:`~pipeline.errors.CapabilityMismatch` for a dtype or head
+dim the kernels do not serve; :class:`~pipeline.errors.BuildError` (``bad_tensor``) for inconsistent
+shapes, dtypes, devices or strides.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import triton
 
+from pipeline.backends.triton.checks import MAX_HEAD_DIM, Q_DTYPES, bad, check_decode, check_extend
 from pipeline.backends.triton.kernels import decode as kdec
 from pipeline.backends.triton.kernels import extend as kext
-from pipeline.errors import BuildError, CapabilityMismatch
 
-Q_DTYPES = (torch.bfloat16, torch.float16)
-MAX_HEAD_DIM = 256
+__all__ = ["DecodeConfig", "ExtendConfig", "decode_attention", "extend_attention", "decode_max_splits",
+           "decode_scratch_numel", "default_decode_config", "default_extend_config", "MAX_HEAD_DIM", "Q_DTYPES"]
 
 
 @dataclass(frozen=True)
@@ -94,65 +95,6 @@ def decode_max_splits(batch_size: int, num_kv_heads: int, num_sms: int, cfg: Dec
     return int(min(max(want, 1), cfg.max_splits_cap))
 
 
-def _bad(field: str, value: Any, allowed: str, remedy: str, *, cap: bool = False) -> Exception:
-    cls = CapabilityMismatch if cap else BuildError
-    kw = {} if cap else {"code": "bad_tensor"}
-    return cls(f"triton attention: {field}={value!r} is not accepted (allowed: {allowed})",
-               flags=[(field, value)], allowed=[allowed], remedy=remedy, **kw)
-
-
-def _check_tensor(name: str, t: Any, ndim: int, dtypes: tuple, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise _bad(name, type(t).__name__, "torch.Tensor", f"pass {name} as a tensor")
-    if t.dim() != ndim:
-        raise _bad(f"{name}.shape", tuple(t.shape), f"{ndim} dims", f"reshape {name} to {ndim} dims")
-    if t.dtype not in dtypes:
-        raise _bad(f"{name}.dtype", str(t.dtype), ", ".join(map(str, dtypes)), f"cast {name}",
-                   cap=name in ("q", "k_buffer"))
-    if t.device != device:
-        raise _bad(f"{name}.device", str(t.device), str(device), f"move {name} to {device}")
-    if t.numel() and t.stride(-1) != 1:
-        raise _bad(f"{name}.stride(-1)", t.stride(-1), "1", f"call {name}.contiguous()")
-
-
-def _check_heads(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
-    """Common head/dim/dtype checks of q against one layer of the KV pool."""
-    dev = q.device
-    _check_tensor("q", q, 3, Q_DTYPES, dev)
-    _check_tensor("k_buffer", k_buffer, 3, (q.dtype,), dev)
-    _check_tensor("v_buffer", v_buffer, 3, (q.dtype,), dev)
-    h, d = q.shape[1], q.shape[2]
-    hkv = k_buffer.shape[1]
-    if d != k_buffer.shape[2]:
-        raise _bad("q.shape[2]", d, f"k_buffer head dim {k_buffer.shape[2]}", "use the layer's K buffer")
-    if v_buffer.shape[:2] != k_buffer.shape[:2]:
-        raise _bad("v_buffer.shape", tuple(v_buffer.shape), f"[{k_buffer.shape[0]}, {hkv}, Dv]",
-                   "use the V buffer of the same layer")
-    if hkv < 1 or h % hkv:
-        raise _bad("num_heads", h, f"a multiple of num_kv_heads={hkv}", "check the model's head counts")
-    if max(d, v_buffer.shape[2]) > MAX_HEAD_DIM:
-        raise _bad("head_dim", max(d, v_buffer.shape[2]), f"<= {MAX_HEAD_DIM}",
-                   "use the flashinfer or torch_native backend for larger heads", cap=True)
-
-
-def _check_features(h: int, sliding_window: Optional[int], logit_softcap: Optional[float],
-                    sinks: Optional[torch.Tensor], device: torch.device) -> None:
-    if sliding_window is not None and sliding_window < 1:
-        raise _bad("sliding_window", sliding_window, ">= 1 or None", "pass None for full attention")
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise _bad("logit_softcap", logit_softcap, "> 0 or None", "pass None to disable the softcap")
-    if sinks is not None:
-        _check_tensor("sinks", sinks, 1, (torch.float32, torch.bfloat16, torch.float16), device)
-        if sinks.shape[0] != h:
-            raise _bad("sinks.shape", tuple(sinks.shape), f"[{h}]", "pass one sink logit per q head")
-
-
-def _check_index(name: str, t: torch.Tensor, n: int, device: torch.device) -> None:
-    _check_tensor(name, t, 1, (torch.int32, torch.int64), device)
-    if t.shape[0] != n:
-        raise _bad(f"{name}.shape", tuple(t.shape), f"[{n}]", f"give one {name} entry per request")
-
-
 def _interpreting() -> bool:
     """True under ``TRITON_INTERPRET=1`` (kernels then upcast dot operands: the interpreter's bf16 dot is wrong)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -180,24 +122,16 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     Mirrors sglang's two-stage Triton decode (split-K + LSE merge) with FlashInfer's
     ``window_left``/``logits_soft_cap``/sinks semantics. Raises the errors of the module docstring.
     """
-    _check_heads(q, k_buffer, v_buffer)
+    check_decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out, sliding_window,
+                 logit_softcap, sinks, max_splits)
     bsz, h, d = q.shape
     hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
     dev = q.device
-    _check_tensor("req_to_token", req_to_token, 2, (torch.int32,), dev)
-    _check_index("req_pool_indices", req_pool_indices, bsz, dev)
-    _check_index("seq_lens", seq_lens, bsz, dev)
-    _check_tensor("out", out, 3, (q.dtype,), dev)
-    if tuple(out.shape) != (bsz, h, dv):
-        raise _bad("out.shape", tuple(out.shape), f"[{bsz}, {h}, {dv}]", "allocate out as [B, H, Dv]")
-    _check_features(h, sliding_window, logit_softcap, sinks, dev)
-    if max_splits < 1:
-        raise _bad("max_splits", max_splits, ">= 1", "use decode_max_splits()")
     need = decode_scratch_numel(bsz, h, dv, max_splits)
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.float32, device=dev)
     elif scratch.dtype != torch.float32 or scratch.device != dev or scratch.numel() < need:
-        raise _bad("scratch", f"{scratch.dtype}[{scratch.numel()}]@{scratch.device}", f"float32[>={need}]@{dev}",
+        raise bad("scratch", f"{scratch.dtype}[{scratch.numel()}]@{scratch.device}", f"float32[>={need}]@{dev}",
                    "size it with decode_scratch_numel() at the largest batch size")
     if bsz == 0:
         return out
@@ -237,26 +171,10 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
     ``max_extend_len``: the largest new-token count (a host int: it sizes the grid).
     ``out`` [T, H, Dv] is written and returned. Mirrors sglang's Triton ``extend_attention_fwd``.
     """
-    _check_heads(q, k_buffer, v_buffer)
+    bsz = check_extend(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens, out,
+                       sliding_window, logit_softcap, sinks, max_extend_len)
     t, h, d = q.shape
     hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
-    dev = q.device
-    _check_tensor("k", k, 3, (q.dtype,), dev)
-    _check_tensor("v", v, 3, (q.dtype,), dev)
-    if tuple(k.shape) != (t, hkv, d) or tuple(v.shape) != (t, hkv, dv):
-        raise _bad("k.shape/v.shape", (tuple(k.shape), tuple(v.shape)), f"[{t}, {hkv}, {d}] / [{t}, {hkv}, {dv}]",
-                   "pass the step's new K/V, one row per new token")
-    _check_tensor("req_to_token", req_to_token, 2, (torch.int32,), dev)
-    bsz = int(prefix_lens.shape[0]) if isinstance(prefix_lens, torch.Tensor) else -1
-    _check_index("prefix_lens", prefix_lens, bsz, dev)
-    _check_index("req_pool_indices", req_pool_indices, bsz, dev)
-    _check_index("qo_indptr", qo_indptr, bsz + 1, dev)
-    _check_tensor("out", out, 3, (q.dtype,), dev)
-    if tuple(out.shape) != (t, h, dv):
-        raise _bad("out.shape", tuple(out.shape), f"[{t}, {h}, {dv}]", "allocate out as [T, H, Dv]")
-    _check_features(h, sliding_window, logit_softcap, sinks, dev)
-    if max_extend_len < 0:
-        raise _bad("max_extend_len", max_extend_len, ">= 0", "pass max(extend_seq_lens)")
     if bsz == 0 or max_extend_len == 0 or t == 0:
         return out
     cfg = config or default_extend_config(d, dev)

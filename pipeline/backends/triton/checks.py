@@ -1,0 +1,120 @@
+"""Input checks of the Triton launchers: typed errors naming the field, raised before any launch.
+
+:class:`~pipeline.errors.CapabilityMismatch` for what the kernels do not serve (q dtype other than
+bf16/fp16, KV dtype other than q's, head dim > 256); :class:`~pipeline.errors.BuildError`
+(``bad_tensor``) for inconsistent shapes, dtypes, devices or strides. Shapes as in ``launch.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from pipeline.errors import BuildError, CapabilityMismatch
+
+Q_DTYPES = (torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256
+
+
+def bad(field: str, value: Any, allowed: str, remedy: str, *, cap: bool = False) -> Exception:
+    cls = CapabilityMismatch if cap else BuildError
+    kw = {} if cap else {"code": "bad_tensor"}
+    return cls(f"triton attention: {field}={value!r} is not accepted (allowed: {allowed})",
+               flags=[(field, value)], allowed=[allowed], remedy=remedy, **kw)
+
+
+def _check_tensor(name: str, t: Any, ndim: int, dtypes: tuple, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise bad(name, type(t).__name__, "torch.Tensor", f"pass {name} as a tensor")
+    if t.dim() != ndim:
+        raise bad(f"{name}.shape", tuple(t.shape), f"{ndim} dims", f"reshape {name} to {ndim} dims")
+    if t.dtype not in dtypes:
+        raise bad(f"{name}.dtype", str(t.dtype), ", ".join(map(str, dtypes)), f"cast {name}",
+                   cap=name in ("q", "k_buffer"))
+    if t.device != device:
+        raise bad(f"{name}.device", str(t.device), str(device), f"move {name} to {device}")
+    if t.numel() and t.stride(-1) != 1:
+        raise bad(f"{name}.stride(-1)", t.stride(-1), "1", f"call {name}.contiguous()")
+
+
+def _check_heads(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
+    """Common head/dim/dtype checks of q against one layer of the KV pool."""
+    dev = q.device
+    _check_tensor("q", q, 3, Q_DTYPES, dev)
+    _check_tensor("k_buffer", k_buffer, 3, (q.dtype,), dev)
+    _check_tensor("v_buffer", v_buffer, 3, (q.dtype,), dev)
+    h, d = q.shape[1], q.shape[2]
+    hkv = k_buffer.shape[1]
+    if d != k_buffer.shape[2]:
+        raise bad("q.shape[2]", d, f"k_buffer head dim {k_buffer.shape[2]}", "use the layer's K buffer")
+    if v_buffer.shape[:2] != k_buffer.shape[:2]:
+        raise bad("v_buffer.shape", tuple(v_buffer.shape), f"[{k_buffer.shape[0]}, {hkv}, Dv]",
+                   "use the V buffer of the same layer")
+    if hkv < 1 or h % hkv:
+        raise bad("num_heads", h, f"a multiple of num_kv_heads={hkv}", "check the model's head counts")
+    if max(d, v_buffer.shape[2]) > MAX_HEAD_DIM:
+        raise bad("head_dim", max(d, v_buffer.shape[2]), f"<= {MAX_HEAD_DIM}",
+                   "use the flashinfer or torch_native backend for larger heads", cap=True)
+
+
+def _check_features(h: int, sliding_window: Optional[int], logit_softcap: Optional[float],
+                    sinks: Optional[torch.Tensor], device: torch.device) -> None:
+    if sliding_window is not None and sliding_window < 1:
+        raise bad("sliding_window", sliding_window, ">= 1 or None", "pass None for full attention")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise bad("logit_softcap", logit_softcap, "> 0 or None", "pass None to disable the softcap")
+    if sinks is not None:
+        _check_tensor("sinks", sinks, 1, (torch.float32, torch.bfloat16, torch.float16), device)
+        if sinks.shape[0] != h:
+            raise bad("sinks.shape", tuple(sinks.shape), f"[{h}]", "pass one sink logit per q head")
+
+
+def _check_index(name: str, t: torch.Tensor, n: int, device: torch.device) -> None:
+    _check_tensor(name, t, 1, (torch.int32, torch.int64), device)
+    if t.shape[0] != n:
+        raise bad(f"{name}.shape", tuple(t.shape), f"[{n}]", f"give one {name} entry per request")
+
+
+def check_decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out,
+                 sliding_window, logit_softcap, sinks, max_splits) -> None:
+    """All inputs of :func:`pipeline.backends.triton.launch.decode_attention`."""
+    _check_heads(q, k_buffer, v_buffer)
+    bsz, h = q.shape[:2]
+    dv = v_buffer.shape[2]
+    dev = q.device
+    _check_tensor("req_to_token", req_to_token, 2, (torch.int32,), dev)
+    _check_index("req_pool_indices", req_pool_indices, bsz, dev)
+    _check_index("seq_lens", seq_lens, bsz, dev)
+    _check_tensor("out", out, 3, (q.dtype,), dev)
+    if tuple(out.shape) != (bsz, h, dv):
+        raise bad("out.shape", tuple(out.shape), f"[{bsz}, {h}, {dv}]", "allocate out as [B, H, Dv]")
+    _check_features(h, sliding_window, logit_softcap, sinks, dev)
+    if max_splits < 1:
+        raise bad("max_splits", max_splits, ">= 1", "use decode_max_splits()")
+
+
+def check_extend(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens, out,
+                 sliding_window, logit_softcap, sinks, max_extend_len) -> int:
+    """All inputs of :func:`pipeline.backends.triton.launch.extend_attention`; returns the batch size."""
+    _check_heads(q, k_buffer, v_buffer)
+    t, h, d = q.shape
+    hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
+    dev = q.device
+    _check_tensor("k", k, 3, (q.dtype,), dev)
+    _check_tensor("v", v, 3, (q.dtype,), dev)
+    if tuple(k.shape) != (t, hkv, d) or tuple(v.shape) != (t, hkv, dv):
+        raise bad("k.shape/v.shape", (tuple(k.shape), tuple(v.shape)), f"[{t}, {hkv}, {d}] / [{t}, {hkv}, {dv}]",
+                   "pass the step's new K/V, one row per new token")
+    _check_tensor("req_to_token", req_to_token, 2, (torch.int32,), dev)
+    bsz = int(prefix_lens.shape[0]) if isinstance(prefix_lens, torch.Tensor) else -1
+    _check_index("prefix_lens", prefix_lens, bsz, dev)
+    _check_index("req_pool_indices", req_pool_indices, bsz, dev)
+    _check_index("qo_indptr", qo_indptr, bsz + 1, dev)
+    _check_tensor("out", out, 3, (q.dtype,), dev)
+    if tuple(out.shape) != (t, h, dv):
+        raise bad("out.shape", tuple(out.shape), f"[{t}, {h}, {dv}]", "allocate out as [T, H, Dv]")
+    _check_features(h, sliding_window, logit_softcap, sinks, dev)
+    if max_extend_len < 0:
+        raise bad("max_extend_len", max_extend_len, ">= 0", "pass max(extend_seq_lens)")
+    return bsz
