@@ -74,7 +74,9 @@ class Runner:
 
     After ``ready``: ``stack`` (the :class:`~pipeline.model.AttentionStack`), ``pools``,
     ``backends`` (:class:`~pipeline.result.AttentionBackends`), ``graphs``
-    (:class:`~pipeline.cuda_graphs.DecodeGraphRunner` or None) and :meth:`forward`.
+    (:class:`~pipeline.cuda_graphs.DecodeGraphRunner` or None) and :meth:`forward`. With PD-mux,
+    decode (eager and graphs) runs on ``decode_attn_backend``, the first decode backend of the
+    group; the other group members are built and verified but not graph-captured here.
     """
 
     def __init__(self, config: RunnerConfig, *, platform: Any = None, log: Optional[EventLog] = None,
@@ -102,13 +104,23 @@ class Runner:
     def state(self) -> RunnerState:
         return self.machine.state
 
-    def __getattr__(self, name: str) -> Any:
-        if name in ("stack", "pools", "backends"):
-            return getattr(self.machine.model, name)
-        if name == "graphs":
-            g = self.machine.model.graphs
-            return None if isinstance(g, str) else g
-        raise AttributeError(name)
+    @property
+    def stack(self) -> Any:
+        return self.machine.model.stack
+
+    @property
+    def pools(self) -> Any:
+        return self.machine.model.pools
+
+    @property
+    def backends(self) -> Any:
+        return self.machine.model.backends
+
+    @property
+    def graphs(self) -> Any:
+        """The DecodeGraphRunner, or None (capture skipped or not reached)."""
+        g = self.machine.model.graphs
+        return None if isinstance(g, str) else g
 
     def _moved(self, src: RunnerState, dst: RunnerState, trigger: str, ms: float) -> None:
         self.log.emit(ev.RunnerTransition, state=dst.value, outcome="failed" if dst is RunnerState.FAILED else "ok",
@@ -269,7 +281,8 @@ class Runner:
             m.graphs = reason
         else:
             sizes = capture_batch_sizes(req.args, req.pool.max_reqs)
-            g = DecodeGraphRunner(m.stack, out.attn_backend, m.pools["req_to_token_pool"], m.pools["kv_pool"], sizes)
+            g = DecodeGraphRunner(m.stack, self._backend_for(True), m.pools["req_to_token_pool"], m.pools["kv_pool"],
+                                  sizes)
             m.graphs = g
             with self.log.heartbeat(f"capturing decode CUDA graphs for bs {sizes}"):
                 g.capture(lambda bs, ms: self.log.emit(ev.CudaGraphCaptured, state=self.state.value, bs=bs,
@@ -301,10 +314,15 @@ class Runner:
         if g is not None and g.can_run(forward_batch):
             out, aux = g.replay(hidden, forward_batch)
             return out, aux, True
-        backend = self.machine.model.backends.attn_backend
+        backend = self._backend_for(forward_batch.is_decode())
         backend.init_forward_metadata(forward_batch)
         out, aux = self.machine.model.stack.forward(hidden, forward_batch, backend)
         return out, aux, False
+
+    def _backend_for(self, decode: bool) -> Any:
+        """PD-mux decodes on ``decode_attn_backend`` (the first of its group); everything else on ``attn_backend``."""
+        out = self.machine.model.backends
+        return out.decode_attn_backend if decode and out.decode_attn_backend is not None else out.attn_backend
 
     def release(self) -> list[str]:
         """Drop graphs, backends (their buffers and workspaces) and the pools; returns what was released."""

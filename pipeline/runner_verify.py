@@ -92,6 +92,12 @@ def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0) -> 
         for r in rows:
             alloc.free(r)
             req_pool.req_to_token[r].zero_()
+    return _compare(stack, kv, rows, hist, outs, b)
+
+
+def _compare(stack: Any, kv: Any, rows: list[int], hist: dict[int, list[torch.Tensor]], outs: list[Any],
+             b: int) -> list[StepCheck]:
+    """One reference per request over its whole history; worst per-request error per step."""
     quantized = kv.dtype if kv.dtype in FP8 else None
     refs = {r: reference_forward(stack, torch.cat(hist[r]), kv_dtype=quantized)[0] for r in rows}
     checks, done = [], {r: 0 for r in rows}

@@ -8,7 +8,6 @@ against the paged torch_native run in float32 (tolerance 1e-5).
 
 from __future__ import annotations
 
-import math
 
 import msgspec
 import pytest
@@ -74,10 +73,10 @@ def test_one_token_attention_is_its_value(config):
     v = (xn @ w["qkv"].T)[:, (L.num_heads + L.num_kv_heads) * L.head_dim:].reshape(L.num_kv_heads, L.head_dim)
     heads = v.repeat_interleave(L.num_heads // L.num_kv_heads, dim=0)          # [H, D]
     if L.sinks is not None:
-        # softmax over {score s, sink}: weight of the key = 1 / (1 + exp(sink - s)); s = q·k·scale
+        # softmax over {score s, sink}: weight of the key = 1 / (1 + exp(sink - s)); s = q·k·scale,
+        # and RoPE at position 0 is the identity
         qk = (xn @ w["qkv"].T)
-        q = rope_neox(qk[:, : L.num_heads * L.head_dim].reshape(1, L.num_heads, L.head_dim).float(),
-                      torch.tensor([0]), s.rope_theta).double()[0]
+        q = qk[0, : L.num_heads * L.head_dim].reshape(L.num_heads, L.head_dim)
         k = qk[0, L.num_heads * L.head_dim:(L.num_heads + L.num_kv_heads) * L.head_dim].reshape(L.num_kv_heads, -1)
         s_h = (q * k.repeat_interleave(L.num_heads // L.num_kv_heads, 0)).sum(-1) * L.scaling
         share = 1.0 / (1.0 + torch.exp(L.sinks.double() - s_h))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-import torch
 
 from conftest import CONFIGS, npu_facts
 from pipeline import events as ev
@@ -270,7 +269,6 @@ def test_skip_reason(args, dev, names, want):
 
 def test_compat_adapter_exposes_sglang_attributes(qwen):
     from pipeline.compat import ModelRunnerAttention
-    from pipeline.contracts import ResolvedAttentionBackendStr  # noqa: F401
 
     req = SetupRequest(model=qwen, device="cpu", pool=POOL)
     m = ModelRunnerAttention(req, platform=FakePlatform(cpu_facts()))
