@@ -154,16 +154,21 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.eventlog import EventLog
     from pipeline.runner import Runner
 
+    from pipeline.distributed import init_from_env
+
+    group = init_from_env(ns.device)  # None unless launched with WORLD_SIZE > 1 (torchrun)
+    if group is not None:
+        ns.rank, ns.world_size, ns.device = group.rank, group.world_size, group.device
     on_gpu = _on_gpu(ns.device)
     request = request_from(ns, on_gpu=on_gpu)
-    run_id = new_run_id()
+    run_id = group.run_id if group is not None else new_run_id()
     log_file = ns.log_file.format(run_id=run_id, rank=request.rank)
     log = EventLog(run_id, request.rank, log_file, secrets=tuple(request.secrets.values()))
     log.install_signal_handlers()
     error: Optional[ErrorInfo] = None
     code, runner, verified, steps = EXIT_OK, None, [], []
     try:
-        runner = Runner(runner_config(ns, request, on_gpu), log=log)
+        runner = Runner(runner_config(ns, request, on_gpu), log=log, rank_group=group)
         runner.initialize()
         verified = _verify(runner.backends, runner.request, log, ns.decode_steps, runner.pools)
         steps = _model_steps(runner, log, ns.decode_steps)
@@ -179,6 +184,8 @@ def cmd(ns: argparse.Namespace) -> int:
     finally:
         if runner is not None:
             runner.close()
+        if group is not None:
+            group.close()
         log.close()
     report = _report(log, run_id, code, verified, steps, log_file, error)
     if ns.json:

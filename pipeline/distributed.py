@@ -129,8 +129,8 @@ def init_from_env(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
                   environ: Mapping[str, str] = os.environ) -> Optional[RankGroup]:
     """Join the launch described by torchrun's environment; None when ``WORLD_SIZE`` is 1 or unset.
 
-    Initialises the default process group with gloo (``env://``, ``timeout=timeout_s``) unless the
-    engine already did, then creates a gloo CPU group with the same timeout and broadcasts rank 0's
+    Initialises the default (world) process group — NCCL when the rank's device is CUDA, gloo
+    otherwise (``env://``, ``timeout=timeout_s``) — unless the engine already did, then creates a gloo CPU group with the same timeout and broadcasts rank 0's
     run id over it. Every rank must call this (group creation is collective).
     Raises :class:`UsageError` for a malformed ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``.
     """
@@ -145,13 +145,14 @@ def init_from_env(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
     import torch.distributed as dist
 
     td = timedelta(seconds=timeout_s)
+    dev = rank_device(device, local)
     owns = not dist.is_initialized()
-    if owns:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=td)
+    if owns:  # the world group: NCCL between GPUs (as engines run), gloo on CPU; exchanges use the gloo CPU group
+        dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo", rank=rank, world_size=world, timeout=td)
     cpu_group = dist.new_group(backend="gloo", timeout=td)
     run_id = _shared_run_id(cpu_group, rank)
     return RankGroup(rank=rank, world_size=world, local_rank=local, cpu_group=cpu_group, run_id=run_id,
-                     device=rank_device(device, local), timeout_s=timeout_s, host=socket.gethostname(),
+                     device=dev, timeout_s=timeout_s, host=socket.gethostname(),
                      owns_process_group=owns)
 
 
