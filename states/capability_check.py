@@ -120,6 +120,9 @@ def _flag_reasons(cap: Capability, args: AttentionArgs, model: ModelSpec, is_dra
     if kd not in cap.kv_dtypes:
         out.append(Reason(f"kv_cache_dtype {kd} is not supported (supports {cap.kv_dtypes})",
                           (("kv_cache_dtype", kd),)))
+    if cap.kv_dtype_matches_q and kd != qd and kd in cap.kv_dtypes and qd in cap.q_dtypes:
+        out.append(Reason(f"kv_cache_dtype {kd} differs from dtype {qd}; this backend needs them equal",
+                          (("kv_cache_dtype", kd), ("dtype", qd))))
     if cap.page_sizes is not None and args.page_size not in cap.page_sizes:
         out.append(Reason(f"page_size {args.page_size} is not supported (supports {cap.page_sizes})",
                           (("page_size", args.page_size),)))

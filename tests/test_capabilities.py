@@ -221,7 +221,8 @@ def _gpu_cases() -> list:
         for d, dv in zip(cap.head_dims_qk or [], cap.head_dims_v or []):
             cases.append((name, dict(head_dim=d, v_head_dim=dv), {}))
         cases += [(name, dict(dtype=q), {}) for q in cap.q_dtypes]
-        cases += [(name, {}, dict(kv_cache_dtype=k)) for k in cap.kv_dtypes]
+        cases += [(name, dict(dtype=k) if cap.kv_dtype_matches_q else {}, dict(kv_cache_dtype=k))
+                  for k in cap.kv_dtypes]
         cases += [(name, {}, {"page_size": p}) for p in (cap.page_sizes or [1, 16])]
         for f in cap.features:
             if f in FEATURE_MODELS:
@@ -287,8 +288,9 @@ def test_unclaimed_head_dims_and_dtypes_are_refused(name):
         why = _refused(name, spec(dtype=q))
         assert bool(why) == (q not in cap.q_dtypes) and (not why or q in why[0])
     for kv in ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"):
-        why = _refused(name, spec(), kv_cache_dtype=kv)
-        assert bool(why) == (kv not in cap.kv_dtypes) and (not why or kv in why[0])
+        why = _refused(name, spec(), kv_cache_dtype=kv)  # spec() is bfloat16
+        unequal = cap.kv_dtype_matches_q and kv != "bfloat16"
+        assert bool(why) == (kv not in cap.kv_dtypes or unequal) and (not why or kv in why[0])
 
 
 @pytest.mark.parametrize("name", registry.names())

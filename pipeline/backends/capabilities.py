@@ -40,6 +40,7 @@ FLASHINFER = Capability(
               "pdmux"],
     page_sizes=None,
     packages=["flashinfer-python"],
+    kv_dtype_matches_q=True,
     workspace_bytes=384 * MiB,
     source="sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default; FlashInfer 0.6.13 wrappers (fa2 prefill, "
            "CUDA-core/tensor-core decode, attention-sink wrapper), verified on an H200 (sm90) only: "
@@ -56,6 +57,7 @@ FA3 = Capability(
     features=["mha", "cuda_graph", "tbo", "pdmux"],
     page_sizes=None,
     packages=["flashinfer-python"],
+    kv_dtype_matches_q=True,
     workspace_bytes=384 * MiB,
     source="sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default; FlashInfer 0.6.13 backend='fa3' (sm90) "
            "prefill kernels for extend and decode; only head dim 128 without window/softcap/sinks was "
@@ -73,6 +75,7 @@ TRITON_CAP = Capability(
               "pdmux"],
     page_sizes=None,
     packages=["torch", "triton"],
+    kv_dtype_matches_q=True,
     workspace_bytes=0,
     source="pipeline/backends/triton (our kernels): split-K paged decode + LSE merge, paged extend. Verified vs "
            "the float64 reference and torch_native on an H200 (sm90, triton 3.6: D 64/96/128/256, bf16/fp16, "

@@ -20,8 +20,10 @@ class Capability(msgspec.Struct, **_STRUCT):
     ``q_dtypes`` / ``kv_dtypes``: torch dtype names; ``features``: subset of :data:`FEATURES`;
     ``page_sizes``: allowed page sizes (None = any >= 1); ``packages``: distributions that must
     be installed (checked by metadata at plan time, by import at run time);
-    ``workspace_bytes``: default workspace size in bytes (0 = needs none); ``source``: where the
-    limits come from.
+    ``workspace_bytes``: default workspace size in bytes (0 = needs none); ``kv_dtype_matches_q``:
+    the KV-cache dtype must equal the q dtype (the kernels take one element type for both, e.g.
+    FlashInfer's fa3 has no bf16×fp16 GMMA and its fa2 wrappers check ``k.dtype``); ``source``:
+    where the limits come from.
     """
 
     devices: list[str]
@@ -34,6 +36,7 @@ class Capability(msgspec.Struct, **_STRUCT):
     page_sizes: Optional[list[int]] = None
     packages: list[str] = []
     workspace_bytes: int = 0
+    kv_dtype_matches_q: bool = False
     source: str = ""
 
     def has(self, feature: str) -> bool:

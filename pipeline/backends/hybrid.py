@@ -16,8 +16,7 @@ from pipeline.backends.tbo import CallRecord
 __all__ = ["HybridAttnBackend"]
 
 
-def _rows(fb: ForwardBatch) -> tuple[int, ...]:
-    return tuple(int(r) for r in fb.req_pool_indices.tolist())
+from pipeline.backends.tbo import _rows  # noqa: E402  (one definition: no host sync during capture)
 
 
 class HybridAttnBackend(AttentionBackend):

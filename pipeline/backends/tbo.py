@@ -79,7 +79,13 @@ def split_batch(fb: ForwardBatch) -> list[tuple[ForwardBatch, int, int]]:
 
 
 def _rows(fb: ForwardBatch) -> tuple[int, ...]:
-    return tuple(int(r) for r in fb.req_pool_indices.tolist())
+    """Request rows of ``fb`` for the call log; () while a CUDA graph is being captured (no host sync there)."""
+    if fb.req_pool_indices.is_cuda:
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():
+            return ()
+    return tuple(int(x) for x in fb.req_pool_indices.tolist())
 
 
 class TboAttnBackend(AttentionBackend):
@@ -114,6 +120,7 @@ class TboAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Plan the primary on the full batch and each child on its half."""
+        self._graph_mode = False
         self.primary.init_forward_metadata(forward_batch)
         self._log(self.primary, None, "init_forward_metadata", forward_batch)
         parts = split_batch(forward_batch)
@@ -130,6 +137,9 @@ class TboAttnBackend(AttentionBackend):
     def _run(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool):
         import torch
 
+        if self._graph_mode:  # captured/replayed decode: the primary holds the graph metadata for the full batch
+            self._log(self.primary, None, "forward", fb, layer.layer_id)
+            return self.primary.forward(q, k, v, layer, fb, save_kv_cache=save_kv_cache)
         outs = []
         for i, (sub, t0, t1) in enumerate(self._parts(fb)):
             ks = None if k is None else k[t0:t1]
@@ -151,10 +161,14 @@ class TboAttnBackend(AttentionBackend):
         self.primary.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_capture_cuda_graph(self, *args: Any, **kwargs: Any) -> None:
+        """Graph capture plans the primary for the full batch; forward then runs the primary."""
         self.primary.init_forward_metadata_capture_cuda_graph(*args, **kwargs)
+        self._graph_mode = True
 
     def init_forward_metadata_replay_cuda_graph(self, *args: Any, **kwargs: Any) -> None:
+        """Re-plan the primary before a replay (outside the graph)."""
         self.primary.init_forward_metadata_replay_cuda_graph(*args, **kwargs)
+        self._graph_mode = True
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.primary.get_cuda_graph_seq_len_fill_value()

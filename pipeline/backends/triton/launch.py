@@ -177,7 +177,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
     hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
     if bsz == 0 or max_extend_len == 0 or t == 0:
         return out
-    cfg = config or default_extend_config(d, dev)
+    cfg = config or default_extend_config(d, q.device)
     grid = (h, triton.cdiv(max_extend_len, cfg.block_m), bsz)
     kext.extend_kernel[grid](
         q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens,
