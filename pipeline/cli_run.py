@@ -225,12 +225,7 @@ def _render_runner(report: dict[str, Any]) -> None:
 
     c = Console(highlight=False, soft_wrap=False, width=120)
     if report["runner_states"]:
-        t = Table(title="runner states", title_justify="left")
-        for col in ("state", "outcome", "duration ms"):
-            t.add_column(col)
-        for s in report["runner_states"]:
-            t.add_row(s["state"], s["outcome"], f"{s['duration_ms']:.2f}")
-        c.print(t)
+        c.print(rp.states_table("runner states", report["runner_states"]))
     if report["model_steps"]:
         t = Table(title="attention stack steps vs float64 dense reference (max|dout-dref|/max|dref|)",
                   title_justify="left")

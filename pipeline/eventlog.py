@@ -104,22 +104,16 @@ class EventLog:
     def heartbeat(self, what: str, every_s: float = 10.0) -> Iterator[None]:
         """Emit a ``heartbeat`` record ("still in <state>: <what> after N s") every ``every_s``
         seconds from a daemon thread while the body runs (JIT compiles, CUDA graph capture)."""
-        state, t0, start_ns = self.current_state, time.monotonic(), time.time_ns()
-        stop = threading.Event()
+        from pipeline.heartbeat import beating
 
-        def beat() -> None:
-            while not stop.wait(every_s):
-                n = time.monotonic() - t0
-                self.emit(ev.Heartbeat, state=state, what=what, elapsed_s=round(n, 3), started_ns=start_ns,
-                          message=f"still in {state}: {what} after {n:.0f} s")
+        state, start_ns = self.current_state, time.time_ns()
 
-        th = threading.Thread(target=beat, name=f"attn-setup-heartbeat-{what}", daemon=True)
-        th.start()
-        try:
+        def beat(n: float) -> None:
+            self.emit(ev.Heartbeat, state=state, what=what, elapsed_s=round(n, 3), started_ns=start_ns,
+                      message=f"still in {state}: {what} after {n:.0f} s")
+
+        with beating(every_s, beat, name=f"attn-setup-heartbeat-{what}"):
             yield
-        finally:
-            stop.set()
-            th.join()
 
     def _interrupted(self, reason: str, sig: Optional[str], info: Any) -> None:
         if any(isinstance(r, (ev.RunFailed, ev.RunInterrupted)) for r in self.records):

@@ -15,7 +15,6 @@ Only :func:`spec_for` / :func:`load_variant` import torch and flashinfer (lazily
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -144,23 +143,15 @@ def load_variant(v: Variant) -> Any:
 def heartbeat(what: str, every_s: float = 10.0, *, log: Any = None) -> Iterator[None]:
     """Emit ``jit_heartbeat`` ("still compiling ``what`` after N s") every ``every_s`` seconds
     from a daemon thread while the body runs; stops (and joins) when the body ends."""
+    from pipeline.heartbeat import beating
+
     log = log or _log()
-    stop = threading.Event()
-    t0 = time.monotonic()
 
-    def beat() -> None:
-        while not stop.wait(every_s):
-            n = time.monotonic() - t0
-            log.info("jit_heartbeat", variant=what, elapsed_s=round(n, 1),
-                     message=f"still compiling {what} after {n:.0f} s")
+    def beat(n: float) -> None:
+        log.info("jit_heartbeat", variant=what, elapsed_s=round(n, 1), message=f"still compiling {what} after {n:.0f} s")
 
-    th = threading.Thread(target=beat, name=f"jit-heartbeat-{what}", daemon=True)
-    th.start()
-    try:
+    with beating(every_s, beat, name=f"jit-heartbeat-{what}"):
         yield
-    finally:
-        stop.set()
-        th.join()
 
 
 def ensure_compiled(v: Variant, *, heartbeat_s: float = 10.0, loader: Optional[Callable[[Variant], Any]] = None,

@@ -75,18 +75,25 @@ def render_error(info: ErrorInfo) -> None:
         c.print(f"  remedy: {info.remedy}", markup=False)
 
 
+def states_table(title: str, states: list[dict[str, Any]]) -> Any:
+    """A rich table of ``[{state, outcome, duration_ms}]``."""
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for col in ("state", "outcome", "duration ms"):
+        t.add_column(col)
+    for s in states:
+        t.add_row(s["state"], s["outcome"], f"{s['duration_ms']:.2f}")
+    return t
+
+
 def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = None) -> None:
     """States, decisions, skips and verification as rich tables on stdout."""
     from rich.table import Table
 
     c = _console()
     if report.get("states"):
-        t = Table(title="states", title_justify="left")
-        for col in ("state", "outcome", "duration ms"):
-            t.add_column(col)
-        for s in report["states"]:
-            t.add_row(s["state"], s["outcome"], f"{s['duration_ms']:.2f}")
-        c.print(t)
+        c.print(states_table("states", report["states"]))
     res = report.get("resolved")
     if res:
         c.print(f"resolved: prefill={res['prefill']} ({res['rules']['prefill']}), "
