@@ -1,30 +1,64 @@
-"""A periodic beat while a long step runs (JIT compiles, graph capture): one shared mechanism."""
+"""A periodic beat while a long step runs (JIT compiles, graph capture): one shared mechanism.
+
+One daemon thread per process serves every active beat, so entering and leaving a step costs a
+lock and a dict update rather than a thread start and join (a start's hot path must stay cheap:
+``benchmarks/pipeline_overhead.py``). The thread starts on first use, never on import.
+"""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+_cond = threading.Condition()
+_active: dict[int, list] = {}  # id → [next_due, every_s, t0, beat]
+_ids = itertools.count()
+_thread: threading.Thread | None = None
+
+
+def _serve() -> None:
+    while True:
+        with _cond:
+            now = time.monotonic()
+            nxt = min((e[0] for e in _active.values()), default=None)
+            if nxt is None or nxt > now:
+                _cond.wait(None if nxt is None else nxt - now)
+                continue
+            due = [e for e in _active.values() if e[0] <= now]
+            for e in due:
+                e[0] = now + e[1]
+        for _, _, t0, beat in due:
+            try:
+                beat(now - t0)
+            except Exception:  # noqa: BLE001 - a failing beat must not kill the shared thread
+                pass
+
+
+def _ensure_thread() -> None:
+    global _thread
+    if _thread is None or not _thread.is_alive():
+        _thread = threading.Thread(target=_serve, name="attn-setup-heartbeat", daemon=True)
+        _thread.start()
+
 
 @contextmanager
-def beating(every_s: float, beat: Callable[[float], None], name: str = "attn-setup-heartbeat") -> Iterator[None]:
-    """Call ``beat(elapsed_s)`` every ``every_s`` seconds from a daemon thread while the body runs.
+def beating(every_s: float, beat: Callable[[float], None], name: str = "") -> Iterator[None]:
+    """Call ``beat(elapsed_s)`` every ``every_s`` seconds while the body runs.
 
-    The thread stops and is joined when the body ends (normally or by an exception).
+    ``name`` is for debugging only. Beats stop as soon as the body ends (normally or by an
+    exception); a beat already running when it ends may still finish.
     """
-    stop = threading.Event()
     t0 = time.monotonic()
-
-    def run() -> None:
-        while not stop.wait(every_s):
-            beat(time.monotonic() - t0)
-
-    th = threading.Thread(target=run, name=name, daemon=True)
-    th.start()
+    key = next(_ids)
+    with _cond:
+        _ensure_thread()
+        _active[key] = [t0 + every_s, every_s, t0, beat]
+        _cond.notify()
     try:
         yield
     finally:
-        stop.set()
-        th.join()
+        with _cond:
+            _active.pop(key, None)
