@@ -6,6 +6,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import time
+import traceback
 import uuid
 from typing import Any, Mapping, Optional
 
@@ -334,6 +335,11 @@ class _Run:
         state = self.state
         info = error_info_from(exc, state)
         released = release(self.built.instances, self.workspace_pool, {} if self.given_pools else self.pools)
+        # Drop every reference this run holds, so a caller keeping the exception (and with it these
+        # frames) keeps no device memory alive either.
+        self.built.attn_backend = self.built.decode_attn_backend = None
+        self.built.decode_attn_backend_group = []
+        self.workspace_pool, self.pools = None, {}
         if self.machine.state not in (State.DONE, State.FAILED):
             self.machine.fire("fail")
         if released:
@@ -407,6 +413,9 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
             log.emit(ev.RunFailed, state=State.FAILED.value, outcome="failed", error=info)
         else:
             run.fail(exc)
+        # The traceback's frames (factories, states) still reference pools, workspaces and backends;
+        # clear their locals so a caller who keeps the exception keeps no device memory alive.
+        traceback.clear_frames(exc.__traceback__)
         raise
     finally:
         if own_log:

@@ -132,3 +132,14 @@ def test_without_faults_nothing_is_consulted(tiny, monkeypatch):
     monkeypatch.setattr(Faults, "hit", lambda self, *a: calls.append(a))
     build_attention_backends(_req(tiny), installed=INSTALLED).close()
     assert calls == []
+
+
+def test_a_kept_exception_keeps_no_buffer_alive(tiny):
+    """A caller holding the raised exception (and its traceback) keeps no pool, workspace or backend alive."""
+    req = _req(tiny, enable_two_batch_overlap=True)
+    for point in points_of_run(lambda f: build_attention_backends(req, installed=INSTALLED, faults=f).close()):
+        faults = Faults(at=[point])
+        with pytest.raises(InjectedFault) as kept:
+            build_attention_backends(req, installed=INSTALLED, faults=faults)
+        gc.collect()
+        assert kept.value.__traceback__ is not None and faults.alive() == [], point

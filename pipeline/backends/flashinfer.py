@@ -279,7 +279,10 @@ class FlashInferBackend(AttentionBackend):
         return self.graph.buffers() if self.graph is not None else []
 
     def close(self) -> None:
+        """Drop wrappers, graph state and every reference to the pool and workspace tensors (idempotent)."""
         self.kinds, self.graph, self._paged_views = [], None, {}
+        self.workspace = self.kv_pool = self.req_pool = self.ctx = None
+        self._stage = None
 
 
 def _check_ctx(ctx: Any, prefill_backend: str) -> None:
