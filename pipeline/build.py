@@ -90,8 +90,18 @@ def new_run_id() -> str:
     ranks of one launch share a run id and their traces merge by (run_id, rank)."""
     import os
 
-    shared = os.environ.get("ATTN_SETUP_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
-    if shared and shared != "none":
+    import re
+
+    for var in ("ATTN_SETUP_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        shared = os.environ.get(var)
+        if not shared or shared == "none":
+            continue
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", shared) or ".." in shared:
+            from pipeline.errors import UsageError
+
+            raise UsageError(f"{var}={shared!r} is not a usable run id (it names log files)", code="usage",
+                             flags=[(var, shared)], allowed=["1-128 of A-Z a-z 0-9 . _ -, not starting with . or -"],
+                             remedy=f"set {var} to a plain identifier such as job-42")
         return shared
     return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
 
@@ -391,6 +401,12 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
     subclasses for refused configurations, BuildError …) after the machine entered ``failed``,
     the failure was logged with its ErrorInfo, and everything allocated was released.
     """
+    if not isinstance(request, SetupRequest):
+        from pipeline.errors import UsageError
+
+        raise UsageError(f"build_attention_backends needs a SetupRequest, got {type(request).__name__}",
+                         code="usage", flags=[("request", type(request).__name__)], allowed=["SetupRequest"],
+                         remedy="build one: SetupRequest(args=AttentionArgs(...), model=load_model_spec(path))")
     run_id = request.run_id or (log.run_id if log else None) or getattr(rank_group, "run_id", None) or new_run_id()
     own_log = log is None
     log = log or EventLog(run_id, request.rank, log_file, secrets=tuple(request.secrets.values()))

@@ -74,6 +74,8 @@ def add_setup_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
     p.add_argument("--rank", type=int, default=0, help="this process's rank (default 0; RANK under torchrun)")
     p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="show info-level log events on stderr")
     add_attention_flags(p)
 
 
@@ -94,7 +96,8 @@ def _modules() -> list[Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="attn-setup", description=(__doc__ or "").splitlines()[0])
+    p = _Parser(prog="attn-setup", description="Initialize an inference engine's attention backends as an observable "
+                "state machine: run, plan, warmup, inspect, replay, graph.")
     p.add_argument("-v", "--verbose", action="store_true", help="show info-level log events on stderr")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for mod in _modules():

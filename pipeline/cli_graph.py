@@ -41,8 +41,10 @@ def path_of(log: Optional[str], rank: Optional[int]) -> tuple[list[State], Optio
     runs = [r for r in trace.runs if rank is None or r.rank == rank] or [trace.run(rank=rank)]
     run = next((r for r in runs if r.status == "failed"), runs[0])
     rows = run.states()
-    taken = [State(s["state"]) for s in rows]
-    failed = next((State(s["state"]) for s in rows if s["outcome"] == "failed" and s["state"] != "failed"), None)
+    known = {st.value for st in State}  # runner steps (load-model, capture-cuda-graphs …) are not drawn here
+    taken = [State(s["state"]) for s in rows if s["state"] in known]
+    failed = next((State(s["state"]) for s in rows
+                   if s["outcome"] == "failed" and s["state"] != "failed" and s["state"] in known), None)
     return taken, failed
 
 
@@ -103,11 +105,15 @@ def cmd(ns: argparse.Namespace) -> int:
                          flags=[("-o", ns.output)], allowed=[".mmd", ".dot"],
                          remedy="install Graphviz (apt-get install graphviz / brew install graphviz), or use -o FILE.mmd")
     taken, failed = path_of(ns.log, ns.rank)
-    if ext == ".mmd":
-        out.write_text(mermaid(taken, failed))
-    elif ext == ".dot":
-        out.write_text(dot(taken, failed))
-    else:
-        subprocess.run(["dot", f"-T{ext[1:]}", "-o", str(out)], input=dot(taken, failed).encode(), check=True)
+    try:
+        if ext == ".mmd":
+            out.write_text(mermaid(taken, failed))
+        elif ext == ".dot":
+            out.write_text(dot(taken, failed))
+        else:
+            subprocess.run(["dot", f"-T{ext[1:]}", "-o", str(out)], input=dot(taken, failed).encode(), check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise UsageError(f"cannot write {str(out)!r}: {getattr(e, 'strerror', None) or e}", code="usage",
+                         flags=[("-o", ns.output)], remedy="pick a writable output path") from None
     print(f"wrote {out}")
     return EXIT_OK

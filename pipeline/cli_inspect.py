@@ -113,7 +113,13 @@ def cmd(ns: argparse.Namespace) -> int:
     if ns.perfetto:
         from pipeline.perfetto import write_chrome_trace
 
-        n = write_chrome_trace(trace, ns.perfetto)
+        try:
+            n = write_chrome_trace(trace, ns.perfetto)
+        except OSError as e:
+            from pipeline.errors import UsageError
+
+            raise UsageError(f"cannot write {ns.perfetto!r}: {e.strerror or e}", code="usage",
+                             flags=[("--perfetto", ns.perfetto)], remedy="pick a writable file path") from None
         if not ns.json:
             print(f"perfetto: wrote {n} trace events to {ns.perfetto}", file=sys.stderr)
     if ns.json:

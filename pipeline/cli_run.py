@@ -12,6 +12,7 @@ the dense float64 stack reference.
 from __future__ import annotations
 
 import argparse
+import re
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -19,7 +20,7 @@ from typing import Any, Optional
 from pipeline import events as ev
 from pipeline import report as rp
 from pipeline.contracts import ErrorInfo, ModelSpec, PoolFacts, SetupRequest
-from pipeline.errors import EXIT_FAILED, EXIT_OK, AttnSetupError, UsageError, error_info_from
+from pipeline.errors import EXIT_FAILED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from
 
 BUNDLED_MODEL = "llama-3.1-8b.json"
 DEFAULT_LAYERS = 2  # a verification run: enough for every alternating layer pattern, quick on CPU
@@ -42,12 +43,86 @@ def load_models(ns: argparse.Namespace) -> tuple[ModelSpec, Optional[ModelSpec]]
 
 
 def pool_facts(ns: argparse.Namespace, args: Any, on_gpu: bool) -> PoolFacts:
-    """Pool sizes from the flags, with CPU-friendly defaults; slots rounded up to whole pages."""
-    slots = ns.num_token_slots or (65536 if on_gpu else 1024)
+    """Pool sizes from the flags (explicit values are checked, never replaced); defaults are CPU-friendly.
+
+    Raises ConfigError for a ``--num-token-slots`` that is not whole pages (only the default is
+    rounded up to whole pages) and, via PoolFacts, for values below 1.
+    """
     ps = args.page_size
-    slots = -(-slots // ps) * ps
-    return PoolFacts(max_reqs=ns.max_reqs or 8, max_context_len=ns.max_context_len or 1024,
+    if ns.num_token_slots is not None and ns.num_token_slots > 0 and ns.num_token_slots % ps:
+        raise ConfigError(f"--num-token-slots {ns.num_token_slots} is not a whole number of pages of {ps} tokens",
+                          code="invalid_value", flags=[("num_token_slots", ns.num_token_slots), ("page_size", ps)],
+                          allowed=[f"a multiple of {ps}"],
+                          remedy=f"use --num-token-slots {-(-ns.num_token_slots // ps) * ps} (or another multiple)")
+    slots = ns.num_token_slots if ns.num_token_slots is not None else -(-(65536 if on_gpu else 1024) // ps) * ps
+    return PoolFacts(max_reqs=8 if ns.max_reqs is None else ns.max_reqs,
+                     max_context_len=1024 if ns.max_context_len is None else ns.max_context_len,
                      num_token_slots=slots, page_size=ps)
+
+
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+
+
+def log_path(template: str, run_id: str, rank: int) -> str:
+    """Fill ``{run_id}`` and ``{rank}`` into ``--log-file`` (no other placeholder, no format spec).
+
+    Raises UsageError naming ``--log-file`` for other placeholders, unbalanced braces, or a path
+    that is a directory or cannot be created.
+    """
+    for name in _PLACEHOLDER.findall(template):
+        if name not in ("run_id", "rank"):
+            raise UsageError(f"--log-file has an unknown placeholder {{{name}}}", code="usage",
+                             flags=[("--log-file", template)], allowed=["{run_id}", "{rank}"],
+                             remedy="use only {run_id} and {rank} in --log-file")
+    path = template.replace("{run_id}", run_id).replace("{rank}", str(rank))
+    if "{" in path or "}" in path:
+        raise UsageError("--log-file has an unbalanced brace", code="usage", flags=[("--log-file", template)],
+                         allowed=["{run_id}", "{rank}"], remedy="balance the braces or remove them")
+    if os.path.isdir(path):
+        raise UsageError(f"--log-file {path!r} is a directory", code="usage", flags=[("--log-file", template)],
+                         remedy="give a file path, e.g. DIR/{run_id}.rank{rank}.jsonl")
+    return path
+
+
+def open_log(path: str, template: str, run_id: str, rank: int, secrets: tuple[str, ...]) -> Any:
+    """The run's EventLog; an unwritable path is a UsageError naming ``--log-file``."""
+    from pipeline.eventlog import EventLog
+
+    try:
+        return EventLog(run_id, rank, path, secrets=secrets)
+    except OSError as e:
+        raise UsageError(f"cannot write the log file {path!r}: {e.strerror or e}", code="usage",
+                         flags=[("--log-file", template)], remedy="pick a writable path for --log-file") from None
+
+
+def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: Any) -> None:
+    """Refuse, before the runner loads the model or sizes the pools, what the pipeline would refuse.
+
+    Checks flag values, the env settings, that the device exists, ``--mem-bytes`` against its
+    memory, and the resolution; a refused resolution is run through the pipeline so the log
+    records device-init → resolve → failed with the ErrorInfo (nothing is allocated there).
+    """
+    from pipeline import settings
+    from pipeline.build import build_attention_backends, installed_by_import
+    from pipeline.platforms import parse_device, platform_for
+    from states import resolve
+
+    if ns.decode_steps < 0:
+        raise UsageError(f"--decode-steps {ns.decode_steps} must be >= 0", code="usage",
+                         flags=[("--decode-steps", ns.decode_steps)], allowed=[">= 0"], remedy="pass --decode-steps 3")
+    settings.zbal_local_mem_size(request.args)
+    settings.flashinfer_workspace_size(request.args, request.served_model)
+    facts = platform_for(request.device).device_facts(parse_device(request.device)[1])
+    if ns.mem_bytes is not None and facts.total_memory_bytes and ns.mem_bytes > facts.total_memory_bytes:
+        raise ConfigError(f"--mem-bytes {ns.mem_bytes} exceeds the device's {facts.total_memory_bytes} bytes",
+                          code="invalid_value", flags=[("mem_bytes", ns.mem_bytes)],
+                          allowed=[f"<= {facts.total_memory_bytes}"], remedy="lower --mem-bytes or use --mem-fraction")
+    try:
+        resolve.decide(request.args, request.served_model, facts, is_draft_worker=request.is_draft_worker,
+                       installed=installed_by_import())
+    except ConfigError:
+        build_attention_backends(request, log=log, rank_group=group)  # fails in resolve, logged, nothing allocated
+        raise
 
 
 def request_from(ns: argparse.Namespace, *, on_gpu: bool) -> SetupRequest:
@@ -151,7 +226,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def cmd(ns: argparse.Namespace) -> int:
     """Run the runner flow, verify every instance and the stack's steps, print the report; returns the exit code."""
     from pipeline.build import new_run_id
-    from pipeline.eventlog import EventLog
     from pipeline.runner import Runner
 
     from pipeline.distributed import init_from_env
@@ -162,12 +236,13 @@ def cmd(ns: argparse.Namespace) -> int:
     on_gpu = _on_gpu(ns.device)
     request = request_from(ns, on_gpu=on_gpu)
     run_id = group.run_id if group is not None else new_run_id()
-    log_file = ns.log_file.format(run_id=run_id, rank=request.rank)
-    log = EventLog(run_id, request.rank, log_file, secrets=tuple(request.secrets.values()))
+    log_file = log_path(ns.log_file, run_id, request.rank)
+    log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
     log.install_signal_handlers()
     error: Optional[ErrorInfo] = None
     code, runner, verified, steps = EXIT_OK, None, [], []
     try:
+        preflight(ns, request, log, group)
         runner = Runner(runner_config(ns, request, on_gpu), log=log, rank_group=group)
         runner.initialize()
         verified = _verify(runner.backends, runner.request, log, ns.decode_steps, runner.pools)
@@ -179,6 +254,8 @@ def cmd(ns: argparse.Namespace) -> int:
             code = EXIT_FAILED
     except AttnSetupError as e:
         error, code = e.info, e.exit_code
+        if not any(isinstance(r, (ev.RunFailed, ev.RunInterrupted)) for r in log.records):  # refused in preflight
+            log.emit(ev.RunFailed, state=e.info.state, outcome="failed", error=e.info)
     except Exception as e:  # noqa: BLE001 - any crash becomes exit 1 with its ErrorInfo
         error, code = error_info_from(e, log.records[-1].state if log.records else "device-init"), EXIT_FAILED
     finally:

@@ -99,6 +99,7 @@ class PageAllocator:
         self.req_pool = req_pool
         self.page_size = page_size
         num_pages = num_token_slots // page_size
+        self.num_pages = num_pages
         g = torch.Generator().manual_seed(seed)
         order = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()  # page 0 reserved for padding
         self.free_pages: list[int] = order
@@ -116,9 +117,10 @@ class PageAllocator:
         pages = self.req_pages.setdefault(req, [])
         while len(pages) * self.page_size < new:
             if not self.free_pages:
-                raise BuildError("the KV pool has no free page", code="kv_pool_exhausted",
-                                 flags=[("pool.num_token_slots", "exhausted")],
-                                 remedy="raise num_token_slots or verify with fewer tokens")
+                raise BuildError("the KV pool has no free page", code="kv_pool_exhausted", state="verify",
+                                 flags=[("num_token_slots", self.num_pages * self.page_size),
+                                        ("page_size", self.page_size)],
+                                 remedy="raise --num-token-slots (each request needs whole pages) or lower --decode-steps")
             pages.append(self.free_pages.pop())
         t = torch.arange(old, new, dtype=torch.int64)
         page_idx = torch.tensor(pages, dtype=torch.int64)[t // self.page_size]

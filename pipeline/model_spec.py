@@ -33,6 +33,13 @@ _LAYER_TYPE_NAMES = {"full_attention": "full", "sliding_attention": "sliding",
 _REMEDY = "fix this key in config.json (compare with the model's published config on the Hub)"
 
 
+# Upper bounds far above any published model, so a typo cannot make the pipeline size (or loop over)
+# absurd structures: a billion layers would hang before anything could be refused.
+UPPER = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 1024,
+         "v_head_dim": 1024, "hidden_size": 1 << 20, "kv_lora_rank": 8192, "qk_rope_head_dim": 1024,
+         "qk_nope_head_dim": 1024, "q_lora_rank": 1 << 16, "sliding_window": 1 << 24}
+
+
 class _Cfg:
     """One JSON object plus its JSON path, with typed getters that raise ModelConfigError."""
 
@@ -51,14 +58,17 @@ class _Cfg:
         return self.data.get(key)
 
     def integer(self, key: str, default: int | None = None, *, required: bool = False,
-            lo: int = 1) -> int | None:
+                lo: int = 1) -> int | None:
+        """An integer in ``[lo, UPPER[key]]`` (absurd sizes are refused before anything is sized from them)."""
         v = self.get(key)
+        hi = UPPER.get(key)
+        rng = f"an integer in [{lo}, {hi}]" if hi else f"an integer >= {lo}"
         if v is None:
             if required:
-                raise self.bad(key, None, f"an integer >= {lo}", "is missing (required)")
+                raise self.bad(key, None, rng, "is missing (required)")
             return default
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise self.bad(key, v, f"an integer >= {lo}", f"must be an integer >= {lo}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+            raise self.bad(key, v, rng, f"must be {rng}")
         return v
 
     def num(self, key: str, default: float | None = None) -> float | None:
@@ -175,6 +185,10 @@ def _read_json(path: pathlib.Path) -> Any:
                                code="model_config_malformed", json_path="$",
                                flags=[("path", str(path)), ("line", e.lineno), ("column", e.colno)],
                                allowed=["a JSON object"], remedy="fix the JSON syntax") from None
+    except RecursionError:
+        raise ModelConfigError(f"{path} nests JSON too deeply to be a model config", code="model_config_malformed",
+                               json_path="$", flags=[("path", str(path))], allowed=["a flat JSON object"],
+                               remedy="pass the model's config.json") from None
     except UnicodeDecodeError as e:
         raise ModelConfigError(f"{path} is not UTF-8 text: {e.reason}", code="model_config_malformed",
                                json_path="$", flags=[("path", str(path))], allowed=["UTF-8 JSON"],
@@ -242,8 +256,15 @@ def _heads(c: _Cfg) -> tuple[int, int, int, int]:
     return hidden, layers, heads, kv
 
 
+_MLA_KEYS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
+
+
 def _mla(c: _Cfg) -> MLADims | None:
     if c.get("kv_lora_rank") is None:
+        partial = [k for k in _MLA_KEYS[1:] if c.get(k) is not None]
+        if partial:  # an MLA config that lost kv_lora_rank must not silently become an MHA model
+            raise c.bad("kv_lora_rank", None, "an integer >= 1",
+                        f"is missing although {', '.join(partial)} (MLA dims) are set")
         return None
     return MLADims(kv_lora_rank=c.integer("kv_lora_rank", required=True),
                    qk_rope_head_dim=c.integer("qk_rope_head_dim", required=True),
@@ -261,6 +282,8 @@ def _head_dims(c: _Cfg, hidden: int, heads: int, mla: MLADims | None) -> tuple[i
             raise c.bad("head_dim", None, "an integer >= 1",
                         f"is missing and hidden_size={hidden} is not divisible by num_attention_heads={heads}")
         head_dim = hidden // heads
+    if head_dim % 2:
+        raise c.bad("head_dim", head_dim, "an even integer", "must be even (rotary embeddings rotate pairs of dims)")
     return head_dim, c.integer("v_head_dim", head_dim)
 
 

@@ -100,7 +100,7 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
                 f"decode={res['decode']} ({res['rules']['decode']}), draft override={res['is_draft_override']}")
     for half, rej in (rejected or {}).items():
         for r in rej:
-            c.print(f"  rejected for {half}: {r['backend']}: {'; '.join(r['reasons'])}")
+            c.print(f"  rejected for {half}: {r['backend']}: {'; '.join(r['reasons'])}", markup=False)
     plan = report.get("plan")
     if plan:
         t = Table(title=f"plan: mode={plan['mode']} hybrid={plan['hybrid']}", title_justify="left")
@@ -112,7 +112,7 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
         for w in plan["workspaces"]:
             c.print(f"  workspace {w['id']}: {w['bytes']} bytes, owner {w['owner']}, shared by {', '.join(w['shared_by'])}")
     for s in report.get("skips") or []:
-        c.print(f"skipped: {s['what']}: {s['reason']}")
+        c.print(f"skipped: {s['what']}: {s['reason']}", markup=False)
     if report.get("verified"):
         t = Table(title="verification vs float64 reference (max|out-ref|/max|ref|)", title_justify="left")
         for col in ("role", "backend", "max rel err", "tol", "passed"):

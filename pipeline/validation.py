@@ -48,6 +48,10 @@ def check_attention_args(a: "AttentionArgs") -> None:
     _positive("cuda_graph_max_bs", a.cuda_graph_max_bs)
     _positive("speculative_eagle_topk", a.speculative_eagle_topk)
     if a.cuda_graph_bs is not None:
+        if not isinstance(a.cuda_graph_bs, (list, tuple)):
+            _bad("cuda_graph_bs", a.cuda_graph_bs, ["a list of positive integers"], "pass batch sizes as a list")
+        if len(set(a.cuda_graph_bs)) != len(a.cuda_graph_bs):
+            _bad("cuda_graph_bs", a.cuda_graph_bs, ["distinct batch sizes"], "list each batch size once")
         if not a.cuda_graph_bs:
             _bad("cuda_graph_bs", a.cuda_graph_bs, ["a non-empty list of positive integers"],
                  "omit --cuda-graph-bs to use the defaults, or list at least one batch size")
@@ -60,9 +64,15 @@ def check_attention_args(a: "AttentionArgs") -> None:
     if a.speculative_algorithm is not None and a.speculative_algorithm.upper() not in SPECULATIVE_ALGORITHMS:
         _bad("speculative_algorithm", a.speculative_algorithm, SPECULATIVE_ALGORITHMS,
              "use one of sglang's speculative algorithms, or leave it unset")
+    if a.speculative_eagle_topk is not None and a.speculative_algorithm is None:
+        raise ConfigError("speculative_eagle_topk is set without speculative_algorithm", code="conflicting_options",
+                          flags=[("speculative_eagle_topk", a.speculative_eagle_topk), ("speculative_algorithm", None)],
+                          remedy="set --speculative-algorithm too, or drop --speculative-eagle-topk")
     for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend",
                   "speculative_draft_attention_backend"):
         v = getattr(a, field)
+        if v is not None and not isinstance(v, str):
+            _bad(field, v, ["a backend name (string)"], f"give {field} a backend name such as torch_native")
         if v is not None and (not v or v != v.strip()):
             _bad(field, v, ["a backend name"], f"give {field} a backend name such as torch_native, or omit it")
 

@@ -56,6 +56,11 @@ def check_modes(args: AttentionArgs, device: DeviceFacts, is_draft_worker: bool)
             "PD-multiplexing partitions GPU SMs into groups; a CPU device has none",
             state="resolve", flags=[("enable_pdmux", True), ("device", device.device_str)],
             allowed=list(PDMUX_SM_PARTITION_ARCHS), remedy="drop --enable-pdmux, or run on a supported GPU")
+    if args.enable_pdmux and device.sm_count and args.sm_group_num > device.sm_count:
+        raise CapabilityMismatch(
+            f"sm_group_num={args.sm_group_num} SM groups cannot be carved from {device.sm_count} SMs",
+            state="resolve", flags=[("sm_group_num", args.sm_group_num), ("device.sm_count", device.sm_count)],
+            allowed=[f"1..{device.sm_count}"], remedy="lower --sm-group-num (sglang uses a handful of groups)")
     if args.enable_pdmux and device.arch not in PDMUX_SM_PARTITION_ARCHS:
         raise CapabilityMismatch(
             f"PD-multiplexing has no SM partition table for {device.arch or device.type}",
@@ -116,7 +121,9 @@ def _lookup(name: str, flag: str, survey: _Survey) -> registry.BackendEntry:
     try:
         return registry.get(name, flag=flag)
     except (BackendUnavailable, BackendUnknown) as e:
-        e.info = msgspec.structs.replace(e.info, state="resolve", allowed=survey.working or e.info.allowed)
+        working = survey.working or e.info.allowed
+        remedy = e.info.remedy if isinstance(e, BackendUnavailable) else f"set {flag} to one of: {', '.join(working)}"
+        e.info = msgspec.structs.replace(e.info, state="resolve", allowed=working, remedy=remedy)
         raise
 
 

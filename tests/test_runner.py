@@ -242,7 +242,7 @@ def test_num_layers_truncates_model_pool_and_request(qwen):
 
 @pytest.mark.parametrize("bs,max_bs,max_reqs,want", [
     (None, None, 40, [1, 2, 4, 8, 16, 24, 32, 40]), (None, 20, 64, [1, 2, 4, 8, 16]),
-    (None, 3, 64, [1, 2]), ([8, 1, 3, 3], None, 8, [1, 3, 8]), (None, 300, 4, [1, 2, 4]),
+    (None, 3, 64, [1, 2]), ([8, 1, 3], None, 8, [1, 3, 8]), (None, 300, 4, [1, 2, 4]),
 ])
 def test_capture_batch_sizes(bs, max_bs, max_reqs, want):
     assert capture_batch_sizes(AttentionArgs(cuda_graph_bs=bs, cuda_graph_max_bs=max_bs), max_reqs) == want

@@ -1,0 +1,111 @@
+"""Bad input found by adversarial testing: each is a typed error with the right exit code, never a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import CONFIGS
+from pipeline.cli import main
+
+
+def _run(capsys, *argv: str) -> tuple[int, dict]:
+    code = main(list(argv))
+    out = capsys.readouterr().out.strip().splitlines()
+    return code, (json.loads(out[-1]) if out else {})
+
+
+def _config(tmp_path, **override):
+    data = json.loads((CONFIGS / "llama-3.1-8b.json").read_text())
+    data.update(override)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(data))
+    return str(p)
+
+
+@pytest.mark.parametrize("template", ["{nope}.jsonl", "x/{.jsonl", "x/{run_id!r:>9}.jsonl", "x/{run_id.__class__}.j"])
+def test_log_file_accepts_only_run_id_and_rank(capsys, tmp_path, template):
+    """Unknown placeholders, format specs and unbalanced braces in --log-file: usage error naming it."""
+    code, out = _run(capsys, "run", "--device", "cpu", "--json", "--log-file", str(tmp_path / template))
+    assert code == 2 and out["error"]["flags"][0]["name"] == "--log-file"
+
+
+def test_log_file_directory_is_a_usage_error(capsys, tmp_path):
+    """A directory as --log-file: exit 2, not IsADirectoryError."""
+    code, out = _run(capsys, "run", "--device", "cpu", "--json", "--log-file", str(tmp_path))
+    assert code == 2 and "directory" in out["error"]["message"]
+
+
+@pytest.mark.parametrize("run_id", ["../../etc/x", "a\nb", "-x", "a/b"])
+def test_odd_run_ids_are_refused(capsys, tmp_path, monkeypatch, run_id):
+    """ATTN_SETUP_RUN_ID names files: path separators, '..' and control characters are refused."""
+    monkeypatch.setenv("ATTN_SETUP_RUN_ID", run_id)
+    code, out = _run(capsys, "run", "--device", "cpu", "--json", "--log-file", str(tmp_path / "{run_id}.jsonl"))
+    assert code == 2 and out["error"]["flags"][0]["name"] == "ATTN_SETUP_RUN_ID"
+
+
+@pytest.mark.parametrize("flags,code,name", [
+    (["--max-reqs", "0"], 3, "pool.max_reqs"),
+    (["--max-context-len", "0"], 3, "pool.max_context_len"),
+    (["--page-size", "16", "--num-token-slots", "1000"], 3, "num_token_slots"),
+    (["--decode-steps", "-1"], 2, "--decode-steps"),
+    (["--cuda-graph-bs", "4", "4", "8"], 3, "cuda_graph_bs"),
+    (["--speculative-eagle-topk", "4"], 3, "speculative_eagle_topk"),
+    (["--device", "cuda"], 3, "device"),
+])
+def test_explicit_values_are_checked_not_replaced(capsys, tmp_path, flags, code, name):
+    """An explicit value is refused with its flag, never silently replaced by a default or rounded."""
+    got, out = _run(capsys, "run", "--device", "cpu", "--json", "--log-file", str(tmp_path / "l.jsonl"), *flags)
+    assert got == code and name in [f["name"] for f in out["error"]["flags"]] and out["error"]["remedy"]
+
+
+def test_device_refusal_is_logged(capsys, tmp_path):
+    """A device refused before the runner starts still leaves a run_failed record in the log."""
+    log = tmp_path / "l.jsonl"
+    _run(capsys, "run", "--device", "cuda", "--json", "--log-file", str(log))
+    assert '"event":"run_failed"' in log.read_text()
+
+
+@pytest.mark.parametrize("override,path", [
+    (dict(num_hidden_layers=10 ** 9), "$.num_hidden_layers"),
+    (dict(head_dim=10 ** 6), "$.head_dim"),
+    (dict(head_dim=127), "$.head_dim"),
+    (dict(qk_rope_head_dim=64, qk_nope_head_dim=128), "$.kv_lora_rank"),
+])
+def test_absurd_or_partial_configs_are_refused_at_load(capsys, tmp_path, override, path):
+    """Huge sizes, an odd head dim, MLA dims without kv_lora_rank: exit 3 at the JSON path, no hang."""
+    code, out = _run(capsys, "plan", "--device-profile", "cpu", "--json", "--model", _config(tmp_path, **override))
+    assert code == 3 and out["error"]["json_path"] == path
+
+
+def test_deeply_nested_json_is_malformed_not_a_crash(capsys, tmp_path):
+    """100 000 nested brackets: model_config_malformed, exit 3."""
+    p = tmp_path / "deep.json"
+    p.write_text("[" * 100000 + "]" * 100000)
+    code, out = _run(capsys, "plan", "--device-profile", "cpu", "--json", "--model", str(p))
+    assert code == 3 and out["error"]["code"] == "model_config_malformed"
+
+
+def test_more_sm_groups_than_sms_is_refused(capsys):
+    """PD-mux with more SM groups than the GPU has SMs: refused at resolve naming both."""
+    code, out = _run(capsys, "plan", "--device-profile", "h100", "--installed", "torch,triton,flashinfer-python",
+                     "--enable-pdmux", "--sm-group-num", "100000", "--json")
+    assert code == 3 and {"sm_group_num", "device.sm_count"} <= {f["name"] for f in out["error"]["flags"]}
+
+
+def test_unwritable_outputs_are_usage_errors(capsys, tmp_path):
+    """inspect --perfetto into a directory and graph -o into a missing folder: exit 2."""
+    golden = str(CONFIGS.parent.parent / "tests" / "data" / "golden" / "ok_tbo.jsonl")
+    assert main(["inspect", golden, "--json", "--perfetto", str(tmp_path)]) == 2
+    assert main(["graph", "-o", str(tmp_path / "missing" / "g.mmd")]) == 2
+
+
+def test_library_rejects_a_non_request():
+    """build_attention_backends(None) is a typed usage error, not an AttributeError."""
+    from pipeline import build_attention_backends
+    from pipeline.errors import UsageError
+
+    with pytest.raises(UsageError) as ei:
+        build_attention_backends(None)
+    assert ei.value.info.allowed == ["SetupRequest"]
