@@ -94,9 +94,11 @@ class _Replayer:
         self.checked: list[str] = []
         started = run.started
         if started is None:
-            raise UsageError(f"run {run.run_id} rank {run.rank} has no run_started record: cannot replay",
+            why = (f"it failed in {run.failure.state!r} before the attention pipeline started, so it made no "
+                   "decision to replay" if run.failure is not None else "its first records are missing (truncated?)")
+            raise UsageError(f"run {run.run_id} rank {run.rank} has no run_started record: {why}",
                              code="trace_unreadable", flags=[("run_id", run.run_id)],
-                             remedy="replay a trace written from the start of a run")
+                             remedy="inspect it with `attn-setup inspect`; replay a trace of a run that reached resolve")
         self.req = msgspec.convert(started.request, SetupRequest)
         self.installed = dict(started.packages)
         self.failure = run.first(ev.RunFailed) or run.first(ev.RunInterrupted)
