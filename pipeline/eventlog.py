@@ -64,7 +64,7 @@ class EventLog:
             self._fh = open(self.path, "ab")
             self._file_log = structlog.wrap_logger(
                 structlog.BytesLogger(self._fh), processors=[self._render], wrapper_class=structlog.BoundLogger,
-                cache_logger_on_first_use=False)
+                cache_logger_on_first_use=False).bind()  # a concrete logger: a lazy proxy would re-bind per record
 
     def _render(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> bytes:
         return self._redact_bytes(ev.encode(event_dict["record"]))
