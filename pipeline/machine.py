@@ -143,16 +143,3 @@ class SetupMachine:
         if self._on_transition is not None:
             self._on_transition(src, self.state, trigger, duration_ms)
         return self.state
-
-
-def mermaid() -> str:
-    """The transition table as mermaid ``stateDiagram-v2`` text."""
-    lines = ["stateDiagram-v2", f"    [*] --> {State.DEVICE_INIT.name}"]
-    for t, s, d, _, _ in STEPS:
-        lines.append(f"    {s.name} --> {d.name}: {t}")
-    for s in State:
-        if s not in TERMINAL:
-            lines.append(f"    {s.name} --> FAILED: fail")
-    lines += [f"    {State.DONE.name} --> [*]", f"    {State.FAILED.name} --> [*]"]
-    lines += [f"    state \"{s.value}\" as {s.name}" for s in State]
-    return "\n".join(lines)

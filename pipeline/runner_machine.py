@@ -175,12 +175,3 @@ class RunnerMachine:
         if self._on_transition is not None:
             self._on_transition(src, self.state, trigger, ms)
         return self.state
-
-
-def mermaid() -> str:
-    """The runner table as mermaid ``stateDiagram-v2`` text."""
-    lines = ["stateDiagram-v2", f"    [*] --> {RunnerState.INIT_DISTRIBUTED.name}"]
-    lines += [f"    {s.name} --> {d.name}: {t}" for t, s, d, _, _ in STEPS]
-    lines += [f"    {s.name} --> FAILED: fail" for s in RunnerState if s not in TERMINAL]
-    lines += [f"    state \"{s.value}\" as {s.name}" for s in RunnerState]
-    return "\n".join(lines)
