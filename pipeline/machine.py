@@ -48,9 +48,6 @@ STEPS: list[tuple[str, State, State, str, str]] = [
      "the resolved names are set on the top-level backend object"),
 ]
 
-TRANSITIONS: list[dict[str, Any]] = [
-    dict(trigger=t, source=s, dest=d, conditions=[g]) for t, s, d, g, _ in STEPS
-] + [dict(trigger="fail", source=[s for s in State if s not in TERMINAL], dest=State.FAILED)]
 
 TRIGGER_SOURCE = {t: s for t, s, _, _, _ in STEPS}
 GUARD_INVARIANT = {g: why for _, _, _, g, why in STEPS}
@@ -91,22 +88,32 @@ class SetupModel:
         return self.names_set
 
 
-class SetupMachine:
-    """Wraps a pytransitions ``Machine`` over a :class:`SetupModel`.
+class TableMachine:
+    """A pytransitions ``Machine`` over a model, driven by a table of steps, with typed errors and timing.
 
-    ``on_transition(from_state, to_state, trigger, duration_ms)`` is called after every move.
+    Shared by the attention machine (:class:`SetupMachine`) and the runner's (``pipeline.runner_machine``).
+    Subclasses set ``STATES`` (an Enum), ``STEPS`` — ``(trigger, source, dest, guard or guards, invariant)`` —,
+    ``TERMINAL``, ``INVARIANTS`` (guard → the invariant it protects), ``LABEL`` (how messages name a trigger)
+    and ``REMEDY``. ``on_transition(from_state, to_state, trigger, duration_ms)`` is called after every move.
     """
 
-    def __init__(self, model: Optional[SetupModel] = None,
-                 on_transition: Optional[Callable[[State, State, str, float], None]] = None) -> None:
-        self.model = model or SetupModel()
+    STATES: Any = None
+    STEPS: list[tuple[str, Any, Any, Any, str]] = []
+    TERMINAL: tuple[Any, ...] = ()
+    INVARIANTS: dict[str, str] = {}
+    LABEL = "trigger"
+    REMEDY = "run the steps in order"
+
+    def __init__(self, model: Any, on_transition: Optional[Callable[[Any, Any, str, float], None]] = None) -> None:
+        self.model = model
         self._on_transition = on_transition
         self._entered = time.perf_counter()
-        self._machine = Machine(model=self.model, states=State, transitions=TRANSITIONS, initial=State.DEVICE_INIT,
-                                auto_transitions=False, send_event=False, after_state_change=None)
+        self._source = {t: src for t, src, _, _, _ in self.STEPS}
+        Machine(model=self.model, states=self.STATES, transitions=table(self.STEPS, self.STATES, self.TERMINAL),
+                initial=self.STEPS[0][1], auto_transitions=False, send_event=False)
 
     @property
-    def state(self) -> State:
+    def state(self) -> Any:
         return self.model.state
 
     def may(self, trigger: str) -> bool:
@@ -116,30 +123,53 @@ class SetupMachine:
         except (AttributeError, MachineError):
             return False
 
-    def fire(self, trigger: str) -> State:
+    def fire(self, trigger: str) -> Any:
         """Fire ``trigger``; raises OrderingError / GuardError instead of moving illegally."""
         src = self.state
-        if trigger != "fail" and trigger not in TRIGGER_SOURCE:
-            raise OrderingError(f"unknown trigger {trigger!r}", state=src.value, flags=[("trigger", trigger)],
-                                allowed=list(TRIGGER_SOURCE) + ["fail"], remedy="use one of the machine's triggers")
+        if trigger != "fail" and trigger not in self._source:
+            raise OrderingError(f"unknown {self.LABEL} {trigger!r}", state=src.value, flags=[("trigger", trigger)],
+                                allowed=list(self._source) + ["fail"], remedy=self.REMEDY)
         try:
             moved = getattr(self.model, trigger)()
         except MachineError as e:
-            expected = "any non-terminal state" if trigger == "fail" else TRIGGER_SOURCE[trigger].value
+            expected = "any non-terminal state" if trigger == "fail" else self._source[trigger].value
             raise OrderingError(
-                f"trigger {trigger!r} is not allowed in state {src.value!r}; it belongs to {expected!r}",
+                f"{self.LABEL} {trigger!r} is not allowed in state {src.value!r}; it belongs to {expected!r}",
                 state=src.value, flags=[("trigger", trigger), ("current_state", src.value)],
-                allowed=[t for t, s in TRIGGER_SOURCE.items() if s == src] or ["none (terminal)"],
-                remedy="run the pipeline's steps in order; a finished or failed run cannot continue — start a new run",
-            ) from e
+                allowed=[t for t, s in self._source.items() if s == src] or ["none (terminal)"],
+                remedy=self.REMEDY) from e
         if not moved:
-            guard = next(g for t, _, _, g, _ in STEPS if t == trigger)
-            raise GuardError(f"guard {guard!r} blocked {trigger!r} in {src.value!r}: {GUARD_INVARIANT[guard]}",
-                             state=src.value, flags=[("trigger", trigger), ("guard", guard)],
+            guards = _as_tuple(next(g for t, _, _, g, _ in self.STEPS if t == trigger))
+            bad = next((g for g in guards if not getattr(self.model, g)()), guards[0])
+            raise GuardError(f"guard {bad!r} blocked {trigger!r} in {src.value!r}: {self.INVARIANTS.get(bad, '')}",
+                             state=src.value, flags=[("trigger", trigger), ("guard", bad)],
                              remedy="complete the current state's work before firing its trigger")
         now = time.perf_counter()
-        duration_ms = (now - self._entered) * 1e3
-        self._entered = now
+        duration_ms, self._entered = (now - self._entered) * 1e3, now
         if self._on_transition is not None:
             self._on_transition(src, self.state, trigger, duration_ms)
         return self.state
+
+
+def _as_tuple(guards: Any) -> tuple[str, ...]:
+    return (guards,) if isinstance(guards, str) else tuple(guards)
+
+
+def table(steps: list[tuple[str, Any, Any, Any, str]], states: Any, terminal: tuple[Any, ...]) -> list[dict[str, Any]]:
+    """pytransitions' transition dicts for a step table, plus ``fail`` from every non-terminal state."""
+    return [dict(trigger=t, source=s, dest=d, conditions=list(_as_tuple(g))) for t, s, d, g, _ in steps] + [
+        dict(trigger="fail", source=[s for s in states if s not in terminal], dest=terminal[-1])]
+
+
+class SetupMachine(TableMachine):
+    """The attention pipeline's machine over a :class:`SetupModel` (the table above)."""
+
+    STATES, STEPS, TERMINAL, INVARIANTS = State, STEPS, TERMINAL, GUARD_INVARIANT
+    REMEDY = "run the pipeline's steps in order; a finished or failed run cannot continue — start a new run"
+
+    def __init__(self, model: Optional[SetupModel] = None,
+                 on_transition: Optional[Callable[[State, State, str, float], None]] = None) -> None:
+        super().__init__(model or SetupModel(), on_transition)
+
+
+TRANSITIONS: list[dict[str, Any]] = table(STEPS, State, TERMINAL)

@@ -13,13 +13,10 @@ refused unless every :data:`CAPTURE_PRECONDITIONS` guard holds; a step called ou
 from __future__ import annotations
 
 import enum
-import time
 from typing import Any, Callable, Optional
 
-from transitions import Machine, MachineError
-
 from pipeline.errors import OrderingError
-from pipeline.machine import GuardError
+from pipeline.machine import GuardError, TableMachine, table
 
 
 class RunnerState(str, enum.Enum):
@@ -65,9 +62,7 @@ INVARIANT = {g: why for g, why, _ in CAPTURE_PRECONDITIONS}
 INVARIANT.update({gs[0]: why for _, _, _, gs, why in STEPS})
 INVARIANT["graphs_outcome"] = "decode graphs captured, or capture skipped with a recorded reason"
 
-TRANSITIONS: list[dict[str, Any]] = [
-    dict(trigger=t, source=s, dest=d, conditions=list(g)) for t, s, d, g, _ in STEPS
-] + [dict(trigger="fail", source=[s for s in RunnerState if s not in TERMINAL], dest=RunnerState.FAILED)]
+TRANSITIONS: list[dict[str, Any]] = table(STEPS, RunnerState, TERMINAL)
 
 
 class RunnerModel:
@@ -112,20 +107,16 @@ class RunnerModel:
         return self.graphs is not None
 
 
-class RunnerMachine:
-    """pytransitions ``Machine`` over a :class:`RunnerModel`; ``on_transition(src, dst, trigger, ms)``."""
+class RunnerMachine(TableMachine):
+    """The runner's machine over a :class:`RunnerModel` (the table above); ``on_transition(src, dst, trigger, ms)``."""
+
+    STATES, STEPS, TERMINAL, INVARIANTS = RunnerState, STEPS, TERMINAL, INVARIANT
+    LABEL = "runner trigger"
+    REMEDY = "run initialize()'s steps in order"
 
     def __init__(self, model: Optional[RunnerModel] = None,
                  on_transition: Optional[Callable[[RunnerState, RunnerState, str, float], None]] = None) -> None:
-        self.model = model or RunnerModel()
-        self._on_transition = on_transition
-        self._entered = time.perf_counter()
-        Machine(model=self.model, states=RunnerState, transitions=TRANSITIONS, initial=RunnerState.INIT_DISTRIBUTED,
-                auto_transitions=False, send_event=False)
-
-    @property
-    def state(self) -> RunnerState:
-        return self.model.state
+        super().__init__(model or RunnerModel(), on_transition)
 
     def require_step(self, step: RunnerState) -> None:
         """Raise OrderingError unless the machine is in ``step`` (naming the missing or finished steps)."""
@@ -153,25 +144,3 @@ class RunnerMachine:
                 raise GuardError(f"capture refused: {why} does not hold (guard {guard!r}; missing step: {step})",
                                  state=self.state.value, flags=[("guard", guard), ("missing_step", step)],
                                  remedy=f"complete {step} before capturing CUDA graphs")
-
-    def fire(self, trigger: str) -> RunnerState:
-        """Fire ``trigger``; raises OrderingError / GuardError (naming the invariant) instead of moving."""
-        src = self.state
-        try:
-            moved = getattr(self.model, trigger)()
-        except (MachineError, AttributeError) as e:
-            raise OrderingError(f"runner trigger {trigger!r} is not allowed in state {src.value!r}", state=src.value,
-                                flags=[("trigger", trigger), ("current_state", src.value)],
-                                allowed=[STEP_OF_STATE.get(src, "none (terminal)")],
-                                remedy="run initialize()'s steps in order") from e
-        if not moved:
-            guards = next(g for t, _, _, g, _ in STEPS if t == trigger)
-            bad = next(g for g in guards if not getattr(self.model, g)())
-            raise GuardError(f"guard {bad!r} blocked {trigger!r} in {src.value!r}: {INVARIANT[bad]}",
-                             state=src.value, flags=[("trigger", trigger), ("guard", bad)],
-                             remedy="complete the current step's work before moving on")
-        now = time.perf_counter()
-        ms, self._entered = (now - self._entered) * 1e3, now
-        if self._on_transition is not None:
-            self._on_transition(src, self.state, trigger, ms)
-        return self.state
