@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+import msgspec
+
 from pipeline import events as ev
 from pipeline import report as rp
 from pipeline.contracts import ErrorInfo, ModelSpec, PoolFacts, SetupRequest
@@ -277,20 +279,11 @@ def cmd(ns: argparse.Namespace) -> int:
 
 def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_file: str,
             error: Optional[ErrorInfo]) -> dict[str, Any]:
-    resolved = next((r for r in log.records if isinstance(r, ev.BackendsResolved)), None)
-    planned = next((r for r in log.records if isinstance(r, ev.BuildPlanned)), None)
     return {
         "ok": code == EXIT_OK, "run_id": run_id, "states": rp.states_from(log.records),
-        "resolved": None if resolved is None else {
-            "prefill": resolved.prefill, "decode": resolved.decode, "is_draft_override": resolved.is_draft_override,
-            "rules": resolved.rules},
-        "plan": None if planned is None else {
-            "mode": planned.mode.value, "hybrid": planned.hybrid,
-            "instances": [{"role": i.role, "backend": i.backend, "workspace": i.workspace} for i in planned.instances],
-            "workspaces": [{"id": w.id, "owner": w.owner, "bytes": w.bytes, "shared_by": w.shared_by}
-                           for w in planned.workspaces]},
+        "resolved": rp.resolved_from(log.records), "plan": rp.plan_from(log.records),
         "skips": rp.skips_from(log.records), "verified": verified, "log_file": os.path.abspath(log_file),
-        "error": None if error is None else __import__("msgspec").to_builtins(error),
+        "error": None if error is None else msgspec.to_builtins(error),
         "runner_states": runner_states(log.records), "model_steps": steps,
     }
 

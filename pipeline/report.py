@@ -27,14 +27,30 @@ def states_from(records: Iterable[ev.Event]) -> list[dict[str, Any]]:
     return out
 
 
+def _resolved(prefill: str, decode: str, is_draft_override: bool, rules: Any) -> dict[str, Any]:
+    return {"prefill": prefill, "decode": decode, "is_draft_override": is_draft_override, "rules": dict(rules)}
+
+
 def resolved_obj(res: Optional[Resolution]) -> Optional[dict[str, Any]]:
+    """The ``resolved`` object of run/plan JSON, from a Resolution."""
     if res is None:
         return None
-    return {"prefill": res.pair.prefill, "decode": res.pair.decode, "is_draft_override": res.pair.is_draft_override,
-            "rules": dict(res.rules)}
+    return _resolved(res.pair.prefill, res.pair.decode, res.pair.is_draft_override, res.rules)
 
 
-def plan_obj(plan: Optional[BuildPlan]) -> Optional[dict[str, Any]]:
+def resolved_from(records: Iterable[ev.Event]) -> Optional[dict[str, Any]]:
+    """The same object from a run's ``backends_resolved`` record (None if the run never resolved)."""
+    e = next((r for r in records if isinstance(r, ev.BackendsResolved)), None)
+    return None if e is None else _resolved(e.prefill, e.decode, e.is_draft_override, e.rules)
+
+
+def plan_from(records: Iterable[ev.Event]) -> Optional[dict[str, Any]]:
+    """The ``plan`` object from a run's ``build_planned`` record (None if the run never planned)."""
+    return plan_obj(next((r for r in records if isinstance(r, ev.BuildPlanned)), None))
+
+
+def plan_obj(plan: Optional[BuildPlan | ev.BuildPlanned]) -> Optional[dict[str, Any]]:
+    """The ``plan`` object of run/plan JSON, from a BuildPlan (or the record that logged it)."""
     if plan is None:
         return None
     return {"mode": plan.mode.value, "hybrid": plan.hybrid, "instances": msgspec.to_builtins(plan.instances),

@@ -30,16 +30,16 @@ import torch
 from pipeline.backends.base import AttentionBackend, AttentionLayer
 from pipeline.contracts import ForwardMode, LayerKind, ModelSpec
 from pipeline.errors import BuildError
-from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
+from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch, torch_dtype
 from pipeline.reference import reference_attention, rel_err
+from states.capability_check import norm_dtype
 
 __all__ = ["VerifyResult", "verify_backend", "verify_all", "tolerance", "VERIFY_WINDOW"]
 
 PREFIX_LENS = (0, 3, 21, 0, 10)
 NEW_LENS = (9, 4, 2, 6, 1)
 VERIFY_WINDOW = 7
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "auto": torch.bfloat16}
+_Q_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class VerifyResult(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -60,10 +60,11 @@ class VerifyResult(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 def _torch_dtype(dtype: Any) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in _DTYPES:
+    name = norm_dtype(str(dtype))
+    if name not in _Q_DTYPES:
         raise BuildError(f"verification dtype {dtype!r} is not supported", code="verify_dtype",
-                         flags=[("dtype", dtype)], allowed=sorted(_DTYPES), remedy="use bfloat16, float16 or float32")
-    return _DTYPES[dtype]
+                         flags=[("dtype", dtype)], allowed=list(_Q_DTYPES), remedy="use bfloat16, float16 or float32")
+    return torch_dtype(name)
 
 
 def tolerance(dtype: Any) -> float:
