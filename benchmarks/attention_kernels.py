@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 
@@ -25,6 +26,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     chk.phase_bench()
+    with open(os.path.join(a.out, "attention_kernels.json"), "w") as fh:  # full rows for RESULTS.md
+        json.dump({"bench": chk.R["bench"], "crossover": chk.R["crossover"]}, fh, indent=1)
     print(f"{'kernel':<28} {'B':>4} {'ctx':>6} {'µs':>9} {'anchor µs':>10} {'ratio':>6}")
     for r in chk.R["bench"]:
         print(f"{'flashinfer decode x32 (ours)':<28} {r['B']:>4} {r['ctx']:>6} {r['ours_us']:9.1f} {r['raw_us']:10.1f} "

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional
 from pipeline import events as ev
 from pipeline import settings
 from pipeline.contracts import InstancePlan, SetupRequest
-from pipeline.errors import AttnSetupError, error_info_from
+from pipeline.errors import error_info_from
 from pipeline.eventlog import EventLog
 from pipeline.faults import Faults, check as fault_point
 from pipeline.machine import SetupMachine, State

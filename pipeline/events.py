@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, Union
 import msgspec
 
 from pipeline.contracts import (
-    SCHEMA_VERSION, BuildPlan, DeviceFacts, ErrorInfo, InstancePlan, Mode, Rejection, WorkspacePlan,
+    SCHEMA_VERSION, DeviceFacts, ErrorInfo, InstancePlan, Mode, Rejection, WorkspacePlan,
 )
 
 Outcome = Literal["ok", "skipped", "failed"]

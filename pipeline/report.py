@@ -8,7 +8,7 @@ from typing import Any, Iterable, Optional
 import msgspec
 
 from pipeline import events as ev
-from pipeline.contracts import BuildPlan, ErrorInfo, Resolution, Skip
+from pipeline.contracts import BuildPlan, ErrorInfo, Resolution
 
 
 def states_from(records: Iterable[ev.Event]) -> list[dict[str, Any]]:

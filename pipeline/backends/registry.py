@@ -12,7 +12,6 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import msgspec
 
 from pipeline.errors import BackendUnavailable, BackendUnknown
 
