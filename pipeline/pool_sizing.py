@@ -42,6 +42,9 @@ class PoolSizing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     kv_bytes: int
 
 
+# The flag behind each budget source, for error messages.
+_FLAG = {"bytes": "mem_bytes", "mem_fraction": "mem_fraction"}
+
 def kv_bytes_per_token(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str) -> int:
     """KV-cache bytes one token slot costs over layers ``0..num_layers-1`` (K and V, every layer)."""
     if kv_dtype not in KV_ELEM_BYTES:
@@ -85,9 +88,11 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
             raise ConfigError(
                 f"a pool budget of {budget} bytes cannot hold req_to_token ({r2t} bytes) and two pages of "
                 f"{page_size} token(s) at {per_tok} bytes per token ({need} bytes in all)",
-                code="pool_budget_too_small", flags=[(source, budget), ("max_reqs", max_reqs),
+                code="pool_budget_too_small", flags=[(_FLAG.get(source, source), budget), ("max_reqs", max_reqs),
                                                      ("max_context_len", max_context_len)],
-                allowed=[f">= {need} bytes"], remedy="raise --mem-fraction, or lower --max-reqs/--max-context-len")
+                allowed=[f">= {need} bytes"],
+                remedy=f"raise --{_FLAG.get(source, source).replace('_', '-')} to cover {need} bytes, or lower "
+                       "--max-reqs/--max-context-len")
     else:
         raise ConfigError("size_pools needs num_token_slots or budget_bytes", code="invalid_value",
                           flags=[("num_token_slots", None), ("budget_bytes", None)],

@@ -108,7 +108,7 @@ def _device_reasons(cap: Capability, device: DeviceFacts, installed: Mapping[str
     for pkg in cap.packages:
         if not installed.get(pkg, False):
             out.append(Reason(f"{PACKAGE_REASON_PREFIX}{pkg!r} is not installed ({INSTALL_HINT.get(pkg, 'pip install ' + pkg)})",
-                              (("installed", pkg),)))
+                              (("missing_package", pkg),)))
     return out
 
 

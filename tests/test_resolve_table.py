@@ -266,7 +266,7 @@ ROWS: list[Row] = [
         CapabilityMismatch, installed="triton,flashinfer-python", allowed=(), text=("only torch_native could",)),
     err("softcap-explicit-notorch", "not installed: explicit torch_native without torch", "cpu", "gemma-2-9b",
         CapabilityMismatch, flags={"attention_backend": TN}, installed=NONE, allowed=(),
-        err_flags=("attention_backend", "installed"), text=("not installed", "install torch")),
+        err_flags=("attention_backend", "missing_package"), text=("not installed", "install torch")),
 ]
 
 

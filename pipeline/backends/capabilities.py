@@ -39,7 +39,7 @@ FLASHINFER = Capability(
     features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "cuda_graph", "speculative", "tbo",
               "pdmux"],
     page_sizes=None,
-    packages=["flashinfer-python"],
+    packages=["torch", "flashinfer-python"],
     kv_dtype_matches_q=True,
     workspace_bytes=384 * MiB,
     source="sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default; FlashInfer 0.6.13 wrappers (fa2 prefill, "
@@ -56,7 +56,7 @@ FA3 = Capability(
     kv_dtypes=["bfloat16", "float16"],
     features=["mha", "cuda_graph", "tbo", "pdmux"],
     page_sizes=None,
-    packages=["flashinfer-python"],
+    packages=["torch", "flashinfer-python"],
     kv_dtype_matches_q=True,
     workspace_bytes=384 * MiB,
     source="sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default; FlashInfer 0.6.13 backend='fa3' (sm90) "
