@@ -2,8 +2,8 @@
 
 Prints, for H=32 q / 8 kv heads, head dim 128, bf16, page 16 (the shapes of ../shared/gpu/README.md):
 our 32-layer decode step (``init_forward_metadata`` + 32 ``forward_decode``) against the same raw
-``plan`` + 32 ``run`` calls on one wrapper, median of ``triton.testing.do_bench``; and the CUDA-core
-vs tensor-core crossover. If ``benchmarks/triton_kernels.py`` exposes ``rows()``, its rows are appended.
+``plan`` + 32 ``run`` calls on one wrapper, eager and under CUDA-graph replay (interleaved wall-clock
+medians, ``decode_step_overhead.interleaved``); and the CUDA-core vs tensor-core crossover. If ``benchmarks/triton_kernels.py`` exposes ``rows()``, its rows are appended.
 
 Usage (GPU): ``python benchmarks/attention_kernels.py [--out DIR]``.
 """
@@ -28,10 +28,10 @@ def main() -> None:
     chk.phase_bench()
     with open(os.path.join(a.out, "attention_kernels.json"), "w") as fh:  # full rows for RESULTS.md
         json.dump({"bench": chk.R["bench"], "crossover": chk.R["crossover"]}, fh, indent=1)
-    print(f"{'kernel':<28} {'B':>4} {'ctx':>6} {'µs':>9} {'anchor µs':>10} {'ratio':>6}")
+    print(f"{'kernel':<28} {'B':>4} {'ctx':>6} {'µs':>9} {'anchor µs':>10} {'ratio':>6} {'graph ratio':>11}")
     for r in chk.R["bench"]:
-        print(f"{'flashinfer decode x32 (ours)':<28} {r['B']:>4} {r['ctx']:>6} {r['ours_us']:9.1f} {r['raw_us']:10.1f} "
-              f"{r['ratio']:6.3f}")
+        print(f"{'flashinfer decode x32 (ours)':<28} {r['B']:>4} {r['ctx']:>6} {r['step_ours_us']:9.1f} "
+              f"{r['step_raw_us']:10.1f} {r['step_ratio']:6.3f} {r['graph_ratio']:11.3f}")
     try:
         tk = importlib.import_module("triton_kernels")
     except ImportError:

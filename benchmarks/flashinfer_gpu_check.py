@@ -19,6 +19,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
 
 from fi_reference import Scenario, dense_reference, make_kind, make_layer, rel_err  # noqa: E402
 from pipeline.backends import flashinfer_sizing as sz  # noqa: E402
@@ -227,7 +228,7 @@ def phase_bench():
                 reqs = list(range(1, B + 1))
                 sc.fill_prefix(reqs, [ctx - 1] * B)
                 fb = sc.batch(ForwardMode.DECODE, reqs, [1] * B)
-                indptr, indices, last = be.page_table(fb.req_pool_indices, fb.seq_lens_cpu)
+                indptr, indices, last = be.page_table(fb.req_pool_indices, fb.seq_lens_cpu, fb.seq_lens)
                 kv = be.paged_kv(0)
                 q = torch.randn(B, h, 128, dtype=torch.bfloat16, device="cuda")
                 t = {}
@@ -239,36 +240,17 @@ def phase_bench():
                 gb = 2 * B * ctx * hkv * 128 * 2 / 1e9
                 cross.append(dict(h=h, hkv=hkv, B=B, ctx=ctx, cc_us=t[False], tc_us=t[True], tc_GBps=gb / (t[True] * 1e-6),
                                   tc_faster=t[True] < t[False]))
-                if hkv == 8:
-                    rows.append(_ours_vs_raw(flashinfer, be, sc, kind, fb, indptr, indices, last, q, B, ctx))
                 be.close()
                 del sc, be
                 torch.cuda.empty_cache()
+    import decode_step_overhead as dso  # our 32-layer step vs the same raw calls, eager and CUDA graph
+
+    for B in (1, 8, 64, 256):
+        for ctx in (512, 4096, 32768):
+            if B * ctx <= (1 << 21):
+                rows.append(dso.case(B, ctx, reps=15))
+                torch.cuda.empty_cache()
     R["crossover"], R["bench"] = cross, rows
-
-
-def _ours_vs_raw(flashinfer, be, sc, kind, fb, indptr, indices, last, q, B, ctx, L=32):
-    be.layer_kind = {i: 0 for i in range(L)}
-    be._paged_views = {i: be.paged_kv(0) for i in range(L)}
-    layers = [make_layer(kind, i) for i in range(L)]
-    tc = sz.use_tensor_core_decode(kind.num_heads // kind.num_kv_heads, B)
-    raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(sc.ctx.workspace.buffer, "NHD", use_tensor_cores=tc)
-    kv = be.paged_kv(0)
-
-    def ours():
-        be.init_forward_metadata(fb)
-        for l in layers:
-            be.forward_decode(q, None, None, l, fb, save_kv_cache=False)
-
-    def rawstep():
-        raw.plan(indptr=indptr, indices=indices, last_page_len=last, num_qo_heads=kind.num_heads,
-                 num_kv_heads=kind.num_kv_heads, head_dim=128, page_size=16, q_data_type=torch.bfloat16,
-                 kv_data_type=torch.bfloat16, sm_scale=kind.scaling)
-        for _ in range(L):
-            raw.run(q, kv)
-
-    to, tr = _bench(ours), _bench(rawstep)
-    return dict(B=B, ctx=ctx, tc=tc, ours_us=to, raw_us=tr, ratio=tr / to)
 
 
 def main():
@@ -309,9 +291,10 @@ def summarize(total):
     print(f"{'H/Hkv':>6} {'B':>4} {'ctx':>6} {'cc µs':>8} {'tc µs':>8} {'tc GB/s':>8}")
     for c in R.get("crossover", []):
         print(f"{c['h']}/{c['hkv']:<3} {c['B']:>4} {c['ctx']:>6} {c['cc_us']:8.1f} {c['tc_us']:8.1f} {c['tc_GBps']:8.0f}")
-    print(f"{'B':>4} {'ctx':>6} {'tc':>3} {'ours µs':>9} {'raw µs':>9} {'raw/ours':>8}")
-    for r in R.get("bench", []):
-        print(f"{r['B']:>4} {r['ctx']:>6} {int(r['tc']):>3} {r['ours_us']:9.1f} {r['raw_us']:9.1f} {r['ratio']:8.3f}")
+    if R.get("bench"):
+        import decode_step_overhead as dso
+
+        print(dso.table(R["bench"]))
     for k, v in R["errors"].items():
         print(f"ERROR in {k}:\n{v[-1500:]}")
     print(f"total {total:.0f} s")

@@ -70,7 +70,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
     def plan(self, *, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kw):
         self._store(torch.arange(len(last_page_len) + 1), indptr, indices, last_page_len, kw)
 
-    def run(self, q, kv, *args):
+    def run(self, q, kv, *args, enable_pdl=None):
+        assert enable_pdl is None or isinstance(enable_pdl, bool), enable_pdl
         return self._paged(q, kv, False, *args)
 
 

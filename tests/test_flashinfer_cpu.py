@@ -289,3 +289,17 @@ def test_sinks_with_softcap_refused(fib):
     sc = _scenario([make_kind(4, 2, 16, sinks=True, softcap=3.0)], 4)
     with pytest.raises(CapabilityMismatch):
         fib.create(sc.ctx)
+
+
+def test_glue_pdl_decided_at_build_like_flashinfer(fib):
+    """enable_pdl mirrors flashinfer.utils.device_support_pdl (major >= 9) and reaches every decode run."""
+    seen = []
+    for arch, want in (((9, 0), True), ((8, 0), False), ((10, 0), True)):
+        sc = _scenario([make_kind(4, 2, 16)], 4, arch=arch)
+        be = fib.create(sc.ctx)
+        assert be.enable_pdl is want
+        w = be.kinds[0].decode_cc
+        orig = w.run
+        w.run = lambda q, kv, *a, enable_pdl=None, _o=orig: (seen.append(enable_pdl), _o(q, kv, *a))[1]
+        assert _check_batch(sc, be, ForwardMode.DECODE, [0, 1], [5, 9], [1, 1]) < 1e-5
+        assert seen[-1] is want

@@ -13,7 +13,8 @@ or sinks); each kind has its own wrappers because FlashInfer compiles window and
 - ``fa3``: the same, with ``backend="fa3"`` (sm90 kernels) for extend *and* decode.
 
 ``plan()`` runs once per forward batch in :meth:`init_forward_metadata` (keyword arguments,
-CPU-side indptr / last-page-len, page ids gathered on the device); ``run()`` once per layer.
+CPU-side indptr / last-page-len, page ids gathered on the device by one kernel, see
+:mod:`pipeline.backends.kv_indices`); ``run()`` once per layer.
 Paged layout: the pool's ``[num_token_slots, Hkv, D]`` buffer viewed as
 ``[num_pages, page_size, Hkv, D]`` is FlashInfer's ``NHD`` paged cache; the page ids of request r
 are ``req_to_token[r, ::page_size] // page_size``. Sliding window W (key j visible from query i
@@ -30,21 +31,12 @@ import torch
 from pipeline.backends import flashinfer_sizing as sizing
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
 from pipeline.backends.flashinfer_graph import GraphState
+from pipeline.backends.kv_indices import gather_kv_indices, host_page_meta
 from pipeline.contracts import ForwardMode, LayerKind
 from pipeline.errors import BackendUnavailable, CapabilityMismatch, ConfigError
 from pipeline.jit import Variant, ensure_compiled, variants_for
 
 PACKAGE = "flashinfer-python"
-
-
-class _NoEvent:
-    """Stand-in for a CUDA event when the pool lives on the CPU (tests)."""
-
-    def record(self) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
 
 
 def import_flashinfer(name: str = "flashinfer") -> Any:
@@ -80,12 +72,10 @@ class KindWrappers:
             ws, "NHD", use_tensor_cores=True, backend=pb)
         self.active: Any = None
         self.mode = "decode"
-
-    def common(self, backend: "FlashInferBackend") -> dict[str, Any]:
-        """Plan keywords shared by every wrapper of this kind."""
-        return dict(num_qo_heads=self.kind.num_heads, num_kv_heads=self.kind.num_kv_heads,
-                    window_left=self.window_left, logits_soft_cap=self.softcap, sm_scale=self.kind.scaling,
-                    q_data_type=backend.q_dtype, kv_data_type=backend.kv_dtype)
+        self.plan_kw = dict(num_qo_heads=kind.num_heads, num_kv_heads=kind.num_kv_heads, window_left=self.window_left,
+                            logits_soft_cap=self.softcap, sm_scale=kind.scaling, q_data_type=backend.q_dtype,
+                            kv_data_type=backend.kv_dtype)
+        self.decode_kw = dict(head_dim=kind.head_dim_qk, page_size=backend.page_size, **self.plan_kw)
 
     def decode_wrapper(self, batch_size: int, kv_dtype: str) -> tuple[Any, bool]:
         """(wrapper, is_prefill_class) used for decode at ``batch_size`` requests."""
@@ -117,12 +107,19 @@ class FlashInferBackend(AttentionBackend):
         self.q_dtype = getattr(torch, ctx.dtype)
         self.kv_dtype = self.kv_pool.dtype
         self.kv_dtype_name = str(self.kv_dtype).replace("torch.", "")
+        cc = ctx.device.compute_capability
+        self.enable_pdl = bool(cc and cc[0] >= 9)  # flashinfer.utils.device_support_pdl
         self.jit_report = [ensure_compiled(v, heartbeat_s=heartbeat_s) for v in self.variants()]
         self.kinds = [KindWrappers(self.fi, k, self) for k in ctx.layer_kinds]
         self.layer_kind = {lid: i for i, k in enumerate(ctx.layer_kinds) for lid in k.layer_ids}
         self._paged_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layer_info: dict[int, tuple] = {}
+        self._decode_sel: dict[int, list] = {}
         self.graph: Optional[GraphState] = None
         self.extend_ragged = False
+        # compile (or load from Triton's cache) the page-table gather now, not in the first forward batch
+        self.page_table(torch.zeros(1, dtype=torch.int64, device=self.kv_pool.device), [1],
+                        torch.ones(1, dtype=torch.int32, device=self.kv_pool.device))
 
     def variants(self) -> list[Variant]:
         """The kernel variants this backend uses (each checked/compiled before first use)."""
@@ -137,52 +134,38 @@ class FlashInferBackend(AttentionBackend):
             window_left=window_left, **graph_bufs)
 
     # ------------------------------------------------------------------ planning
-    def page_table(self, req_pool_indices: torch.Tensor, seq_lens: list[int]) -> tuple[torch.Tensor, ...]:
+    def page_table(self, req_pool_indices: torch.Tensor, seq_lens: list[int],
+                   seq_lens_dev: Optional[torch.Tensor] = None,
+                   out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
         """(kv_indptr [B+1] int32 CPU, kv_indices [P] int32 device, last_page_len [B] int32 CPU).
 
-        Row/column positions are built on the host into a pinned staging buffer and sent with one
-        asynchronous copy (a pageable copy would wait for the previous step's kernels); the page
-        ids are then gathered from ``req_to_token`` on the device.
+        ``seq_lens`` (host ints) give the host metadata (:func:`kv_indices.host_page_meta`);
+        ``seq_lens_dev`` (the same lengths on the pool's device, e.g. ``ForwardBatch.seq_lens``;
+        copied from ``seq_lens`` when absent) feeds the one-launch device gather
+        (:func:`kv_indices.gather_kv_indices`), written into ``out`` when given (a CUDA-graph buffer).
         """
-        ps = self.page_size
-        seq = torch.tensor(seq_lens, dtype=torch.int64)
-        npages = (seq + ps - 1) // ps
-        indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
-        torch.cumsum(npages, 0, out=indptr[1:])
-        total = int(indptr[-1])
-        rc = self._staging(2 * total).view(2, total)
-        rc[0].copy_(torch.repeat_interleave(torch.arange(len(seq_lens)), npages, output_size=total))
-        torch.mul(torch.arange(total) - indptr[:-1].repeat_interleave(npages, output_size=total), ps, out=rc[1])
-        dev_rc = rc.to(req_pool_indices.device, non_blocking=True)
-        self._staging_event.record()
-        indices = self.req_pool.req_to_token[req_pool_indices[dev_rc[0]], dev_rc[1]] // ps
-        last = (seq - (npages - 1) * ps).to(torch.int32)
-        return indptr.to(torch.int32), indices, last
-
-    def _staging(self, n: int) -> torch.Tensor:
-        """A pinned int64 host buffer of >= n elements, safe to overwrite (its last copy finished)."""
-        if getattr(self, "_stage", None) is None or self._stage.numel() < n:
-            pin = self.kv_pool.device.type == "cuda"
-            self._stage = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=pin)
-            self._staging_event = torch.cuda.Event() if pin else _NoEvent()
-        else:
-            self._staging_event.synchronize()
-        return self._stage[:n]
+        r2t = self.req_pool.req_to_token
+        indptr, last, total = host_page_meta(seq_lens, self.page_size)
+        if not isinstance(seq_lens_dev, torch.Tensor) or seq_lens_dev.device != r2t.device:
+            seq_lens_dev = torch.tensor(seq_lens, dtype=torch.int32).to(r2t.device, non_blocking=True)
+        rows = req_pool_indices if req_pool_indices.device == r2t.device else req_pool_indices.to(r2t.device)
+        indices = gather_kv_indices(r2t, rows, seq_lens_dev, total, self.page_size, out=out)
+        return indptr, indices, last
 
     def plan_decode(self, kinds_wrappers: list[tuple["KindWrappers", Any, bool]], req_pool_indices: torch.Tensor,
-                    seq_lens: list[int]) -> None:
+                    seq_lens: list[int], seq_lens_dev: Optional[torch.Tensor] = None,
+                    indices_out: Optional[torch.Tensor] = None) -> None:
         """Plan every kind's decode wrapper for one batch (outside any CUDA graph)."""
-        indptr, indices, last = self.page_table(req_pool_indices, seq_lens)
-        qo = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+        indptr, indices, last = self.page_table(req_pool_indices, seq_lens, seq_lens_dev, indices_out)
         for kw, w, is_prefill in kinds_wrappers:
             k = kw.kind
             if is_prefill:
+                qo = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
                 w.plan(qo_indptr=qo, paged_kv_indptr=indptr, paged_kv_indices=indices, paged_kv_last_page_len=last,
                        head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, page_size=self.page_size, causal=False,
-                       **kw.common(self))
+                       **kw.plan_kw)
             else:
-                w.plan(indptr=indptr, indices=indices, last_page_len=last, head_dim=k.head_dim_qk,
-                       page_size=self.page_size, **kw.common(self))
+                w.plan(indptr=indptr, indices=indices, last_page_len=last, **kw.decode_kw)
             kw.active, kw.mode = w, "decode"
 
     def plan_extend(self, fb: ForwardBatch) -> None:
@@ -195,14 +178,14 @@ class FlashInferBackend(AttentionBackend):
         paged_args = None
         for kw in self.kinds:
             k = kw.kind
-            dims = dict(head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, causal=True, **kw.common(self))
+            dims = dict(head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, causal=True, **kw.plan_kw)
             if self.extend_ragged and kw.ragged is not None:
                 kw.ragged.plan(qo_indptr=qo, kv_indptr=qo, **dims)
                 kw.active, kw.mode = kw.ragged, "ragged"
                 continue
             if paged_args is None:
                 seq = [p + e for p, e in zip(pre, ext)]
-                paged_args = self.page_table(fb.req_pool_indices, seq)
+                paged_args = self.page_table(fb.req_pool_indices, seq, fb.seq_lens)
             indptr, indices, last = paged_args
             kw.paged.plan(qo_indptr=qo, paged_kv_indptr=indptr, paged_kv_indices=indices,
                           paged_kv_last_page_len=last, page_size=self.page_size, **dims)
@@ -213,8 +196,11 @@ class FlashInferBackend(AttentionBackend):
         fb = forward_batch
         if fb.is_decode():
             seq = fb.seq_lens_cpu or fb.seq_lens.tolist()
-            sel = [(kw, *kw.decode_wrapper(len(seq), self.kv_dtype_name)) for kw in self.kinds]
-            self.plan_decode(sel, fb.req_pool_indices, seq)
+            sel = self._decode_sel.get(len(seq))
+            if sel is None:  # the wrapper choice depends on the batch size only
+                sel = self._decode_sel[len(seq)] = [(kw, *kw.decode_wrapper(len(seq), self.kv_dtype_name))
+                                                    for kw in self.kinds]
+            self.plan_decode(sel, fb.req_pool_indices, seq, fb.seq_lens)
         else:
             self.plan_extend(fb)
 
@@ -227,14 +213,15 @@ class FlashInferBackend(AttentionBackend):
                                                  forward_mode, spec_info) -> None:
         """Build (once per ``bs``) the ``use_cuda_graph=True`` wrappers and plan them for capture."""
         self._require_graph(forward_mode)
-        self.plan_decode(self.graph.wrappers(bs), req_pool_indices[:bs], seq_lens[:bs].tolist())
+        self.plan_decode(self.graph.wrappers(bs), req_pool_indices[:bs], seq_lens[:bs].tolist(), seq_lens[:bs],
+                         self.graph.indices)
 
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
                                                 forward_mode, spec_info, seq_lens_cpu=None) -> None:
         """Re-plan the ``bs`` graph wrappers for the new lengths (outside the graph) before replay."""
         self._require_graph(forward_mode)
         seq = (seq_lens_cpu[:bs] if seq_lens_cpu is not None else seq_lens[:bs]).tolist()
-        self.plan_decode(self.graph.wrappers(bs), req_pool_indices[:bs], seq)
+        self.plan_decode(self.graph.wrappers(bs), req_pool_indices[:bs], seq, seq_lens[:bs], self.graph.indices)
 
     def _require_graph(self, forward_mode: ForwardMode) -> None:
         if self.graph is None:
@@ -253,36 +240,52 @@ class FlashInferBackend(AttentionBackend):
             self._paged_views[layer_id] = (kb.view(-1, ps, *kb.shape[1:]), vb.view(-1, ps, *vb.shape[1:]))
         return self._paged_views[layer_id]
 
+    def _layer(self, layer: AttentionLayer) -> tuple:
+        """(kind wrappers, paged K/V, H, D, H*Dv) of ``layer``, looked up once (the per-layer path is host-bound)."""
+        kw = self.kinds[self.layer_kind[layer.layer_id]]
+        info = (kw, self.paged_kv(layer.layer_id), layer.num_heads, layer.head_dim, layer.num_heads * layer.v_head_dim)
+        self._layer_info[layer.layer_id] = info
+        return info
+
     def _run(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         if save_kv_cache and k is not None:
             fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-        kw = self.kinds[self.layer_kind[layer.layer_id]]
-        q3 = q.reshape(-1, layer.num_heads, layer.head_dim)
+        kw, kv, h, d, hdv = self._layer_info.get(layer.layer_id) or self._layer(layer)
+        q3 = q if q.dim() == 3 else q.reshape(-1, h, d)
         if kw.mode == "ragged":
-            o = kw.active.run(q3, k.reshape(-1, layer.num_kv_heads, layer.head_dim),
-                              v.reshape(-1, layer.num_kv_heads, layer.v_head_dim))
+            o = kw.active.run(q3, k.reshape(-1, layer.num_kv_heads, d), v.reshape(-1, layer.num_kv_heads, layer.v_head_dim))
         elif kw.sinks:
-            o = kw.active.run(q3, self.paged_kv(layer.layer_id), layer.sinks.float(), layer.scaling)
+            o = kw.active.run(q3, kv, layer.sinks.float(), layer.scaling)
         else:
-            o = kw.active.run(q3, self.paged_kv(layer.layer_id))
-        return o.view(-1, layer.num_heads * layer.v_head_dim)
+            o = kw.active.run(q3, kv)
+        return o.view(-1, hdv)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         """Extend: causal attention of the new tokens over prefix + new (planned wrapper)."""
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        """Decode: one token per request over its whole (or windowed) cached context."""
-        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+        """Decode: one token per request over its whole (or windowed) cached context.
+
+        The common case (no sinks) is kept to one dict lookup, the q/o views and FlashInfer's
+        ``run``: an eager small-batch decode step is bound by host time. ``enable_pdl`` is passed
+        as decided at build (FlashInfer's own default, ``device_support_pdl``: sm90 and newer)
+        instead of being recomputed from ``q.device`` in every call.
+        """
+        if save_kv_cache and k is not None:
+            forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        kw, kv, h, d, hdv = self._layer_info.get(layer.layer_id) or self._layer(layer)
+        if kw.sinks:
+            return self._run(q, None, None, layer, forward_batch, False)
+        return kw.active.run(q if q.dim() == 3 else q.view(-1, h, d), kv, enable_pdl=self.enable_pdl).view(-1, hdv)
 
     def owned_buffers(self) -> list[Any]:
         return self.graph.buffers() if self.graph is not None else []
 
     def close(self) -> None:
         """Drop wrappers, graph state and every reference to the pool and workspace tensors (idempotent)."""
-        self.kinds, self.graph, self._paged_views = [], None, {}
+        self.kinds, self.graph, self._paged_views, self._layer_info, self._decode_sel = [], None, {}, {}, {}
         self.workspace = self.kv_pool = self.req_pool = self.ctx = None
-        self._stage = None
 
 
 def _check_ctx(ctx: Any, prefill_backend: str) -> None:
