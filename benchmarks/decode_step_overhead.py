@@ -5,9 +5,13 @@ For H=32 q / 8 kv heads, head dim 128, bf16, page 16, 32 layers sharing one KV b
 ``triton.testing.do_bench``):
 
 - ``step``: ours = ``init_forward_metadata`` + 32 ``forward_decode`` (q as the engine passes it,
-  ``[B, H*D]``); raw = ``plan`` on precomputed indices + 32 ``run``;
+  ``[B, H*D]``); raw = ``plan`` on precomputed indices + 32 ``run`` (same ``enable_pdl`` as ours);
+  ``ours q3``: ours with q already ``[B, H, D]``; ``raw+pt``: raw plus what an engine calling
+  FlashInfer itself must also do (page ids from ``req_to_token``, q and output views);
+- the 32 layers share one KV buffer (memory), so at short contexts it stays in L2 and the GPU part
+  is smaller than in a real model: host-bound rows here are host-bound at least as much there;
 - ``plan``: the planning half alone; ``layers``: the 32 per-layer calls alone;
-- ``page table``: our gather (``kv_indices``) vs the torch-op gather it replaced (kept here);
+- ``page table``: our gather (``kv_indices``) vs the torch-op gather it replaced (``LegacyPageTable``);
 - ``graph``: one CUDA-graph decode step (re-plan outside the graph + replay of the 32 layers), ours
   through ``init_forward_metadata_replay_cuda_graph`` vs a raw ``use_cuda_graph=True`` wrapper;
 - with ``--profile``, the top host functions (cProfile, 200 steps) of ours and raw.
@@ -70,20 +74,40 @@ def interleaved(fns: dict, reps: int = 21, target_us: float = 20000.0, spread: O
     return {k: statistics.median(v) for k, v in res.items()}
 
 
-def legacy_page_table(be, req_pool_indices, seq_lens):
-    """The torch-op page table of 0.x (host row/col build, pageable copy, device gather), for comparison."""
-    ps = be.page_size
-    seq = torch.tensor(seq_lens, dtype=torch.int64)
-    npages = (seq + ps - 1) // ps
-    indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
-    torch.cumsum(npages, 0, out=indptr[1:])
-    total = int(indptr[-1])
-    rows = torch.repeat_interleave(torch.arange(len(seq_lens)), npages, output_size=total)
-    cols = (torch.arange(total) - indptr[:-1].repeat_interleave(npages, output_size=total)) * ps
-    rc = torch.stack([rows, cols]).pin_memory().to(req_pool_indices.device, non_blocking=True)
-    indices = be.req_pool.req_to_token[req_pool_indices[rc[0]], rc[1]] // ps
-    last = (seq - (npages - 1) * ps).to(torch.int32)
-    return indptr.to(torch.int32), indices, last
+class LegacyPageTable:
+    """The page table this backend used before ``kv_indices`` (kept here, as it was, to compare against).
+
+    Host torch ops build every page's (row, column) pair into a cached page-locked staging buffer
+    (guarded by an event so it is reused only after its copy finished), one async copy sends it,
+    and the page ids are gathered from ``req_to_token`` with torch indexing on the device.
+    """
+
+    def __init__(self, be) -> None:
+        self.be, self.stage, self.event = be, None, None
+
+    def _staging(self, n: int) -> torch.Tensor:
+        if self.stage is None or self.stage.numel() < n:
+            self.stage = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True)
+            self.event = torch.cuda.Event()
+        else:
+            self.event.synchronize()
+        return self.stage[:n]
+
+    def __call__(self, req_pool_indices, seq_lens):
+        ps = self.be.page_size
+        seq = torch.tensor(seq_lens, dtype=torch.int64)
+        npages = (seq + ps - 1) // ps
+        indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+        torch.cumsum(npages, 0, out=indptr[1:])
+        total = int(indptr[-1])
+        rc = self._staging(2 * total).view(2, total)
+        rc[0].copy_(torch.repeat_interleave(torch.arange(len(seq_lens)), npages, output_size=total))
+        torch.mul(torch.arange(total) - indptr[:-1].repeat_interleave(npages, output_size=total), ps, out=rc[1])
+        dev_rc = rc.to(req_pool_indices.device, non_blocking=True)
+        self.event.record()
+        indices = self.be.req_pool.req_to_token[req_pool_indices[dev_rc[0]], dev_rc[1]] // ps
+        last = (seq - (npages - 1) * ps).to(torch.int32)
+        return indptr.to(torch.int32), indices, last
 
 
 def top(fn, n=200, k=14) -> str:
@@ -118,7 +142,8 @@ def case(B, ctx, profile=False, graphs=True, reps=21):
     q3 = q2.view(B, h, d)
     kv = be.paged_kv(0)
     indptr, indices, last = be.page_table(fb.req_pool_indices, fb.seq_lens_cpu, fb.seq_lens)
-    old = legacy_page_table(be, fb.req_pool_indices, fb.seq_lens_cpu)
+    legacy_page_table = LegacyPageTable(be)
+    old = legacy_page_table(fb.req_pool_indices, fb.seq_lens_cpu)
     assert torch.equal(old[1], indices) and torch.equal(old[0], indptr) and torch.equal(old[2], last)
     tc = sz.use_tensor_core_decode(h // hkv, B)
     same = dict(use_tensor_cores=tc, backend="fa2" if tc else "auto")  # the kernels our backend picks
@@ -129,9 +154,11 @@ def case(B, ctx, profile=False, graphs=True, reps=21):
     def raw_plan():
         raw.plan(indptr=indptr, indices=indices, last_page_len=last, **plan_kw)
 
+    pdl = be.enable_pdl  # the same run() arguments ours passes (FlashInfer's own default on this GPU)
+
     def raw_layers():
         for _ in range(L):
-            raw.run(q3, kv)
+            raw.run(q3, kv, enable_pdl=pdl)
 
     def raw_step():
         raw_plan()
@@ -152,7 +179,7 @@ def case(B, ctx, profile=False, graphs=True, reps=21):
     raw_step()
     torch.cuda.synchronize()
     o_ours = be.forward_decode(q2, None, None, layers[0], fb, save_kv_cache=False)
-    o_raw = raw.run(q3, kv).view(B, -1)
+    o_raw = raw.run(q3, kv, enable_pdl=pdl).view(B, -1)
     assert torch.equal(o_ours, o_raw), "ours and raw differ"
     spread: dict = {}
     row = dict(B=B, ctx=ctx, tc=tc, min_max_us=spread)
@@ -166,12 +193,12 @@ def case(B, ctx, profile=False, graphs=True, reps=21):
         ip, ix, la = be.page_table(fb.req_pool_indices, fb.seq_lens_cpu, fb.seq_lens)
         raw.plan(indptr=ip, indices=ix, last_page_len=la, **plan_kw)
         for _ in range(L):
-            raw.run(q2.view(-1, h, d), kv).view(-1, h * d)
+            raw.run(q2.view(-1, h, d), kv, enable_pdl=pdl).view(-1, h * d)
 
     t = interleaved(dict(step_ours=ours_step, step_ours_q3=ours_step3, step_raw=raw_step, step_raw_engine=raw_engine_step,
                          plan_ours=ours_plan, plan_raw=raw_plan, layers_ours=ours_layers, layers_raw=raw_layers,
                          pt_new=lambda: be.page_table(fb.req_pool_indices, fb.seq_lens_cpu, fb.seq_lens),
-                         pt_old=lambda: legacy_page_table(be, fb.req_pool_indices, fb.seq_lens_cpu)),
+                         pt_old=lambda: legacy_page_table(fb.req_pool_indices, fb.seq_lens_cpu)),
                     reps=reps, spread=spread)
     row.update({f"{k}_us": v for k, v in t.items()})
     row["step_ratio"] = t["step_raw"] / t["step_ours"]
@@ -203,12 +230,12 @@ def case(B, ctx, profile=False, graphs=True, reps=21):
     g_raw = torch.cuda.CUDAGraph()
     with torch.cuda.stream(s):
         for _ in range(2):
-            graw.run(q3, kv)
+            graw.run(q3, kv, enable_pdl=pdl)
         torch.cuda.synchronize()
         with torch.cuda.graph(g_raw, stream=s):
-            out_raw = graw.run(q3, kv)
+            out_raw = graw.run(q3, kv, enable_pdl=pdl)
             for _ in range(L - 1):
-                graw.run(q3, kv)
+                graw.run(q3, kv, enable_pdl=pdl)
     torch.cuda.current_stream().wait_stream(s)
     seq_cpu = torch.tensor(fb.seq_lens_cpu, dtype=torch.int32)
 

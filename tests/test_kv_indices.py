@@ -103,3 +103,46 @@ def test_gather_over_more_requests_than_one_block(impl):
     got = gather_kv_indices(r2t, torch.tensor(rows, device=DEV), torch.tensor(lens, device=DEV), total, 4, impl=impl)
     assert got.tolist() == _reference(r2t, rows, lens, 4)[0]
 
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_gather_honours_strides_of_every_input(impl):
+    """Strided rows / lengths (slices with a step) and a column-strided req_to_token give the same ids."""
+    r2t = _pool(8, 64, 16, seed=5)
+    rows, lens = [1, 6, 2, 3], [9, 33, 64, 1]
+    want = _reference(r2t, rows, lens, 16)[0]
+    rows_s = torch.tensor([x for r in rows for x in (r, 7)], device=DEV)[::2]
+    lens_s = torch.tensor([x for n in lens for x in (n, 999)], dtype=torch.int32, device=DEV)[::2]
+    r2t_t = r2t.t().contiguous().t()  # same values, strides (1, 8)
+    total = host_page_meta(lens, 16)[2]
+    assert not rows_s.is_contiguous() and not lens_s.is_contiguous() and r2t_t.stride(1) != 1
+    got = gather_kv_indices(r2t_t, rows_s, lens_s, total, 16, impl=impl)
+    assert got.tolist() == want
+
+
+def test_kernel_never_writes_past_the_host_total():
+    """Device lengths larger than the host's page total: the Triton kernel stops at total_pages."""
+    r2t = _pool(2, 64, 16, seed=6)
+    out = torch.full((20,), -7, dtype=torch.int32, device=DEV)
+    got = gather_kv_indices(r2t, torch.tensor([1], device=DEV), torch.tensor([64], dtype=torch.int32, device=DEV), 1,
+                            16, out=out, impl="triton")
+    assert got.tolist() == _reference(r2t, [1], [64], 16)[0][:1]
+    assert out[1:].tolist() == [-7] * 19
+
+
+def test_errors_name_the_problem_and_the_remedy(monkeypatch):
+    from pipeline.backends import kv_indices
+
+    r2t = _pool(2, 32, 16, seed=7)
+    with pytest.raises(ValueError, match="non-contiguous"):
+        gather_kv_indices(r2t, torch.tensor([0], device=DEV), torch.tensor([1], device=DEV), 1, 16,
+                          out=torch.empty(8, dtype=torch.int32, device=DEV)[::2])
+    monkeypatch.setattr(kv_indices, "_INTERPRETED", DEV == "cuda")  # the mode in which Triton cannot run on DEV
+    with pytest.raises(ValueError, match="impl='triton' cannot run.*impl='auto'"):
+        gather_kv_indices(r2t, torch.tensor([0], device=DEV), torch.tensor([1], device=DEV), 1, 16, impl="triton")
+    got = gather_kv_indices(r2t, torch.tensor([0], device=DEV), torch.tensor([17], device=DEV), 2, 16)  # auto: torch
+    assert got.tolist() == _reference(r2t, [0], [17], 16)[0]
+    with pytest.raises(ValueError, match="page_size=0"):
+        host_page_meta([3], 0)
+    with pytest.raises(ValueError, match="seq_lens has 0"):
+        host_page_meta([3, 0], 16)

@@ -16,6 +16,7 @@ Without Triton (or on a CPU without ``TRITON_INTERPRET=1``) the same gather runs
 
 from __future__ import annotations
 
+import inspect
 import os
 from itertools import accumulate
 from typing import Optional, Sequence
@@ -37,6 +38,11 @@ def host_page_meta(seq_lens: Sequence[int], page_size: int) -> tuple[torch.Tenso
     torch CPU ops. (Page-locked copies were measured too: on the H200 host ``pin_memory()`` cost
     ~30 µs a step and the GPU-bound steps gained nothing, so the tensors stay pageable.)
     """
+    if page_size < 1:
+        raise ValueError(f"page_size={page_size}: must be >= 1 (the KV pool's page size)")
+    if seq_lens and min(seq_lens) < 1:
+        raise ValueError(f"seq_lens has {min(seq_lens)}: every request holds >= 1 token after the step "
+                         "(padded CUDA-graph slots use seq_len 1); fix the batch's seq_lens_cpu")
     ps = page_size
     npages = [(s + ps - 1) // ps for s in seq_lens]
     indptr = [0, *accumulate(npages)]
@@ -45,35 +51,45 @@ def host_page_meta(seq_lens: Sequence[int], page_size: int) -> tuple[torch.Tenso
     return meta[: b + 1], meta[b + 1:], indptr[-1]
 
 
-if triton is not None:
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # triton.jit fixes its mode at decoration, as here
 
-    @triton.jit(do_not_specialize=["stride_row"])
-    def _kv_indices_kernel(req_to_token, stride_row, req_pool_indices, seq_lens, out, page_size,
-                           BLOCK: tl.constexpr):
+if triton is not None:
+    # Pointer alignment and stride values are not specialized: slices at any offset (e.g. a TBO child's
+    # half of the batch) reuse the kernel compiled at build instead of compiling in their first step.
+    _NO_SPEC = ["req_pool_indices", "seq_lens", "out", "stride_row", "stride_rpi", "stride_sl", "total"]
+    _jit_kw = {"do_not_specialize": _NO_SPEC}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        _jit_kw["do_not_specialize_on_alignment"] = ["req_pool_indices", "seq_lens", "out"]
+
+    @triton.jit(**_jit_kw)
+    def _kv_indices_kernel(req_to_token, stride_row, stride_col, req_pool_indices, stride_rpi, seq_lens, stride_sl,
+                           out, total, page_size, BLOCK: tl.constexpr):
         # one program per request r; its first output position is the page count of requests 0..r-1,
-        # summed in BLOCK-wide chunks (no batch-size constexpr, so one compiled kernel serves every B)
+        # summed in BLOCK-wide chunks (no batch-size constexpr, so one compiled kernel serves every B);
+        # stores are masked to the host's page total, so device lengths that disagree cannot overrun out
         r = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.int64)
         for i0 in range(0, r, BLOCK):
             i = i0 + offs
-            lens = tl.load(seq_lens + i, mask=i < r, other=0).to(tl.int64)
+            lens = tl.load(seq_lens + i * stride_sl, mask=i < r, other=0).to(tl.int64)
             acc += (lens + page_size - 1) // page_size
         start = tl.sum(acc, axis=0)
-        n = (tl.load(seq_lens + r).to(tl.int64) + page_size - 1) // page_size
-        row = tl.load(req_pool_indices + r).to(tl.int64)
+        n = (tl.load(seq_lens + r * stride_sl).to(tl.int64) + page_size - 1) // page_size
+        row = tl.load(req_pool_indices + r * stride_rpi).to(tl.int64)
         src = req_to_token + row * stride_row
         for p0 in range(0, n, BLOCK):
             p = p0 + offs
-            m = p < n
-            slot = tl.load(src + p * page_size, mask=m, other=0)
+            m = (p < n) & (start + p < total)
+            slot = tl.load(src + p * page_size * stride_col, mask=m, other=0)
             tl.store(out + start + p, (slot // page_size).to(tl.int32), mask=m)
 
 
 def _use_triton(device: torch.device) -> bool:
+    """Triton where it runs: compiled on CUDA, interpreted on CPU under ``TRITON_INTERPRET=1`` (set before import)."""
     if triton is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return (device.type == "cuda" and not _INTERPRETED) or (device.type == "cpu" and _INTERPRETED)
 
 
 def gather_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -87,26 +103,34 @@ def gather_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
     elements, e.g. a CUDA-graph buffer) is written in place when given. ``impl``: ``"triton"``,
     ``"torch"`` or ``"auto"`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, torch otherwise).
 
-    Preconditions (not checked on this per-step path, as in sglang): rows and lengths are within
-    ``req_to_token``. Raises ValueError when ``out`` is too small, not contiguous int32 on the pool's
-    device, or ``impl`` is unknown.
+    Any strides are accepted. Preconditions (not checked on this per-step path, as in sglang): rows
+    and lengths lie within ``req_to_token``; the kernel never writes past ``total_pages`` even if the
+    device lengths disagree with it. Raises ValueError when ``out`` is too small or not a contiguous
+    int32 tensor on the pool's device, when ``impl`` is unknown, or when ``impl="triton"`` cannot run here.
     """
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl={impl!r}: allowed 'auto', 'triton', 'torch'")
     dev = req_to_token.device
+    if impl == "triton" and not _use_triton(dev):
+        raise ValueError(f"impl='triton' cannot run on {dev.type}: " + (
+            "triton is not installed; pip install triton" if triton is None else
+            "Triton runs on CUDA, or on the CPU only when TRITON_INTERPRET=1 is set before triton is imported")
+            + "; or use impl='auto' (torch ops where Triton cannot run)")
     exact = out is None
     if exact:
         out = torch.empty(total_pages, dtype=torch.int32, device=dev)
     elif out.numel() < total_pages:
         raise ValueError(f"out has {out.numel()} elements, the batch needs {total_pages} page ids")
     elif out.dtype != torch.int32 or out.device != dev or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous int32 tensor on {dev} (FlashInfer's kv_indices), "
-                         f"got {out.dtype} on {out.device}")
+        raise ValueError(f"out must be a contiguous int32 tensor on {dev} (FlashInfer's kv_indices), got "
+                         f"{'a non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} tensor on {out.device}; "
+                         "pass a fresh torch.empty(n, dtype=torch.int32) or leave out=None")
     b = req_pool_indices.numel()
     if b == 0 or total_pages == 0:
         return out[:0]
     if impl == "triton" or (impl == "auto" and _use_triton(dev)):
-        _kv_indices_kernel[(b,)](req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens, out, page_size,
+        _kv_indices_kernel[(b,)](req_to_token, req_to_token.stride(0), req_to_token.stride(1), req_pool_indices,
+                                 req_pool_indices.stride(0), seq_lens, seq_lens.stride(0), out, total_pages, page_size,
                                  BLOCK=128)
         return out if exact else out[:total_pages]
     lens = seq_lens.to(torch.int64)
