@@ -99,9 +99,12 @@ def test_gather_over_more_requests_than_one_block(impl):
     rows = list(range(300))
     g.shuffle(rows)
     lens = [g.randint(1, 40) for _ in rows]
-    indptr, last, total = host_page_meta(lens, 4)
+    indptr, last, total = host_page_meta(lens, 4)  # > 64 requests: the torch-op host path
+    want_ids, want_indptr, want_last = _reference(r2t, rows, lens, 4)
+    assert indptr.tolist() == want_indptr and last.tolist() == want_last and total == want_indptr[-1]
+    assert indptr.dtype == last.dtype == torch.int32
     got = gather_kv_indices(r2t, torch.tensor(rows, device=DEV), torch.tensor(lens, device=DEV), total, 4, impl=impl)
-    assert got.tolist() == _reference(r2t, rows, lens, 4)[0]
+    assert got.tolist() == want_ids
 
 
 

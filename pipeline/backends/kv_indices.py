@@ -33,21 +33,29 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 def host_page_meta(seq_lens: Sequence[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(kv_indptr [B+1] int32 CPU, last_page_len [B] int32 CPU, total pages) for ``seq_lens`` tokens.
 
-    ``seq_lens`` are tokens per request after this step (each >= 1). Pure Python on ints and one
-    tensor: for the batch sizes where the host bounds a decode step (B <= 64) this is cheaper than
-    torch CPU ops. (Page-locked copies were measured too: on the H200 host ``pin_memory()`` cost
-    ~30 µs a step and the GPU-bound steps gained nothing, so the tensors stay pageable.)
+    ``seq_lens`` are tokens per request after this step (each >= 1). Up to 64 requests: pure Python
+    on ints and one tensor (cheaper than torch CPU ops where the host bounds a decode step); above,
+    a few torch CPU ops (their cost does not grow with B). Page-locked copies were measured too: on
+    the H200 host ``pin_memory()`` cost ~30 µs a step and GPU-bound steps gained nothing, so the
+    tensors stay pageable.
     """
     if page_size < 1:
         raise ValueError(f"page_size={page_size}: must be >= 1 (the KV pool's page size)")
     if seq_lens and min(seq_lens) < 1:
         raise ValueError(f"seq_lens has {min(seq_lens)}: every request holds >= 1 token after the step "
                          "(padded CUDA-graph slots use seq_len 1); fix the batch's seq_lens_cpu")
-    ps = page_size
+    ps, b = page_size, len(seq_lens)
+    if b > 64:  # torch ops cost the same at any B; Python costs ~1 µs per request on a slow host
+        seq = torch.tensor(seq_lens, dtype=torch.int32)
+        npages = (seq + (ps - 1)) // ps
+        meta = torch.empty(2 * b + 1, dtype=torch.int32)
+        meta[0] = 0
+        torch.cumsum(npages, 0, out=meta[1: b + 1])
+        torch.sub(seq, (npages - 1) * ps, out=meta[b + 1:])
+        return meta[: b + 1], meta[b + 1:], int(meta[b])
     npages = [(s + ps - 1) // ps for s in seq_lens]
     indptr = [0, *accumulate(npages)]
     meta = torch.tensor(indptr + [s - (n - 1) * ps for s, n in zip(seq_lens, npages)], dtype=torch.int32)
-    b = len(npages)
     return meta[: b + 1], meta[b + 1:], indptr[-1]
 
 
@@ -68,6 +76,8 @@ if triton is not None:
         # summed in BLOCK-wide chunks (no batch-size constexpr, so one compiled kernel serves every B);
         # stores are masked to the host's page total, so device lengths that disagree cannot overrun out
         r = tl.program_id(0)
+        c = tl.program_id(1)  # this program's share of request r's pages: chunks c, c + nc, c + 2 nc, ...
+        nc = tl.num_programs(1)
         offs = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.int64)
         for i0 in range(0, r, BLOCK):
@@ -78,7 +88,7 @@ if triton is not None:
         n = (tl.load(seq_lens + r * stride_sl).to(tl.int64) + page_size - 1) // page_size
         row = tl.load(req_pool_indices + r * stride_rpi).to(tl.int64)
         src = req_to_token + row * stride_row
-        for p0 in range(0, n, BLOCK):
+        for p0 in range(c * BLOCK, n, nc * BLOCK):
             p = p0 + offs
             m = (p < n) & (start + p < total)
             slot = tl.load(src + p * page_size * stride_col, mask=m, other=0)
@@ -129,7 +139,9 @@ def gather_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
     if b == 0 or total_pages == 0:
         return out[:0]
     if impl == "triton" or (impl == "auto" and _use_triton(dev)):
-        _kv_indices_kernel[(b,)](req_to_token, req_to_token.stride(0), req_to_token.stride(1), req_pool_indices,
+        # spread long requests over several programs (the loads are latency-bound), at most 16 per request
+        chunks = max(1, min(16, -(-total_pages // (b * 128))))
+        _kv_indices_kernel[(b, chunks)](req_to_token, req_to_token.stride(0), req_to_token.stride(1), req_pool_indices,
                                  req_pool_indices.stride(0), seq_lens, seq_lens.stride(0), out, total_pages, page_size,
                                  BLOCK=128)
         return out if exact else out[:total_pages]
