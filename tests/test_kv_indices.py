@@ -149,3 +149,14 @@ def test_errors_name_the_problem_and_the_remedy(monkeypatch):
         host_page_meta([3], 0)
     with pytest.raises(ValueError, match="seq_lens has 0"):
         host_page_meta([3, 0], 16)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_long_requests_split_over_programs(impl):
+    """2 requests of 300 pages (page 1): the kernel runs 3 programs per request (grid-stride over chunks)."""
+    r2t = _pool(4, 300, 1, seed=8)
+    rows, lens = [3, 1], [300, 257]
+    total = host_page_meta(lens, 1)[2]
+    assert -(-total // (2 * 128)) == 3
+    got = gather_kv_indices(r2t, torch.tensor(rows, device=DEV), torch.tensor(lens, device=DEV), total, 1, impl=impl)
+    assert got.tolist() == _reference(r2t, rows, lens, 1)[0]
