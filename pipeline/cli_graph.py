@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -105,6 +106,9 @@ def cmd(ns: argparse.Namespace) -> int:
                          flags=[("-o", ns.output)], allowed=[".mmd", ".dot"],
                          remedy="install Graphviz (apt-get install graphviz / brew install graphviz), or use -o FILE.mmd")
     taken, failed = path_of(ns.log, ns.rank)
+    if ns.log is not None and not taken:
+        print(f"note: {ns.log} never entered the setup machine (its runner stopped before the attention step; "
+              "'attn-setup inspect' shows where): nothing is highlighted", file=sys.stderr)
     try:
         if ext == ".mmd":
             out.write_text(mermaid(taken, failed))

@@ -1,6 +1,7 @@
 """``attn-setup inspect LOG [LOG …]``: what a start did, read back from its trace.
 
-Per run (``run_id``, rank): a timeline table (state, start, duration, outcome), the decisions, and
+Per run (``run_id``, rank): a timeline table (state, start, duration, outcome; for an ``attn-setup
+run`` trace the runner's states with the setup machine's nested under ``attention``), the decisions, and
 for a failed start a short explanation (failed state, cause, the flag to change). Several logs
 merge by (run_id, rank); where the ranks of one run_id decided differently is listed. Truncated or
 corrupt lines are counted and skipped. Exit codes: 0 every start succeeded · 1 a start failed or
@@ -31,7 +32,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run_obj(run: Run) -> dict[str, Any]:
     """The ``--json`` shape of one run."""
     return {"run_id": run.run_id, "rank": run.rank, "ok": run.ok, "status": run.status,
-            "last_state": run.last_state, "states": run.states(), "decisions": run.decisions(),
+            "last_state": run.last_state, "states": run.states(), "runner_states": run.runner_states(),
+            "decisions": run.decisions(),
             "failure": None if run.failure is None else msgspec.to_builtins(run.failure)}
 
 
@@ -92,10 +94,17 @@ def render(trace: Trace) -> None:
         t = Table(title_justify="left")
         for col in ("state", "start (ms)", "duration (ms)", "outcome"):
             t.add_column(col)
-        states = run.states()
-        t0 = states[0]["start_ns"] if states else 0
-        for s in states:
-            t.add_row(s["state"], f"{(s['start_ns'] - t0) / 1e6:.2f}", f"{s['duration_ms']:.2f}", s["outcome"])
+        outer, inner = run.runner_states(), run.states()
+        t0 = min([s["start_ns"] for s in outer + inner] or [0])
+
+        def row(s: dict[str, Any], indent: str = "") -> None:
+            t.add_row(indent + s["state"], f"{(s['start_ns'] - t0) / 1e6:.2f}", f"{s['duration_ms']:.2f}", s["outcome"])
+
+        for s in outer or inner:  # a runner's table nests the setup machine under its attention step
+            row(s)
+            if outer and s["state"] == "attention":
+                for i in inner:
+                    row(i, "  ")
         c.print(t)
         for line in _decision_lines(run.decisions()) + explain(run):
             c.print("  " + line, markup=False)

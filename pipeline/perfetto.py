@@ -1,7 +1,8 @@
 """Chrome trace-event JSON of one or more runs (opens in ui.perfetto.dev and chrome://tracing).
 
 Layout: one process per run_id, one thread (track) per rank. Each state is a complete slice
-(``ph: "X"``); sub-steps are slices nested inside it on the same track: every ``backend_built``
+(``ph: "X"``; an ``attn-setup run`` trace's runner states, category ``runner_state``, enclose the
+setup machine's, category ``state``, which nest inside ``attention``); sub-steps are slices nested inside it on the same track: every ``backend_built``
 (its ``duration_ms`` ends at the record), every long step reported by heartbeats (JIT compile,
 CUDA graph capture: from ``started_ns`` to the last heartbeat), and any future record with a
 ``duration_ms``. Decisions, skips and failures are instant events (``ph: "i"``) with their fields
@@ -21,7 +22,7 @@ from pipeline.trace import Run, Trace
 _INSTANTS = (ev.RunStarted, ev.DeviceInitialized, ev.SettingResolved, ev.BackendsResolved, ev.BuildPlanned,
              ev.StepSkipped, ev.FeatureDowngraded, ev.LazyMemInitialized, ev.BackendsAnnotated, ev.InstanceVerified,
              ev.ResourcesReleased, ev.RunFailed, ev.RunInterrupted, ev.RunFinished)
-_NOT_SUBSTEPS = (ev.StateTransition, ev.RunFinished)
+_NOT_SUBSTEPS = (ev.StateTransition, ev.RunnerTransition, ev.RunFinished, ev.RunnerReady)
 
 
 def _args(rec: ev.Event) -> dict[str, Any]:
@@ -61,7 +62,7 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     if not runs:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
-    t0 = min(min(s["start_ns"] for s in r.states()) for r in runs)
+    t0 = min(min([s["start_ns"] for s in r.runner_states() + r.states()] or [r.records[0].ts_ns]) for r in runs)
     pids = {rid: i + 1 for i, rid in enumerate(dict.fromkeys(r.run_id for r in runs))}
     for rid, pid in pids.items():
         events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"run {rid}"}})
@@ -69,9 +70,9 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
         pid, tid = pids[run.run_id], run.rank
         events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": f"rank {tid}"}})
         events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
-        for s in run.states():
-            events.append(_slice(s["state"], "state", s["start_ns"], int(s["duration_ms"] * 1e6), pid, tid, t0,
-                                 {"outcome": s["outcome"]}))
+        for cat, rows in (("runner_state", run.runner_states()), ("state", run.states())):
+            events += [_slice(s["state"], cat, s["start_ns"], int(s["duration_ms"] * 1e6), pid, tid, t0,
+                              {"outcome": s["outcome"]}) for s in rows]
         events += _substeps(run, pid, tid, t0)
         events += [{"name": ev.event_name(type(r)), "cat": "decision", "ph": "i", "s": "t",
                     "ts": (r.ts_ns - t0) / 1e3, "pid": pid, "tid": tid, "args": _args(r)}

@@ -104,7 +104,8 @@ class Run:
 
     @property
     def last_state(self) -> str:
-        moves = self.all(ev.StateTransition)
+        """The state the run was last seen in: the target of its latest transition (setup or runner)."""
+        moves = [r for r in self.records if isinstance(r, (ev.StateTransition, ev.RunnerTransition))]
         return moves[-1].to if moves else (self.records[0].state if self.records else "device-init")
 
     @property
@@ -165,27 +166,40 @@ class Run:
         return out
 
     def states(self) -> list[dict[str, Any]]:
-        """``[{state, start_ns, duration_ms, outcome}]``: one row per state entered, in order.
+        """``[{state, start_ns, duration_ms, outcome}]``: one row per setup-machine state entered, in order.
 
         ``outcome``: ok · skipped (npu-lazy-mem skipped its work) · failed (left by ``fail``) ·
-        incomplete (the state the run was last seen in, when it never ended).
+        incomplete (the state the run was last seen in, when it never ended). Empty when the run is
+        a runner's that failed before its attention step started the setup machine.
         """
-        if not self.records:
+        if not self.records or (self.started is None and self.first(ev.RunnerStarted) is not None):
             return []
-        skipped = {r.state for r in self.all(ev.StepSkipped)}
-        start = self.started.ts_ns if self.started else self.records[0].ts_ns
+        first = self.started or self.records[0]
+        return self._timeline(ev.StateTransition, first, {r.state for r in self.all(ev.StepSkipped)}, ("done", "failed"))
+
+    def runner_states(self) -> list[dict[str, Any]]:
+        """The same rows for the runner's outer machine (``attn-setup run``; empty for a bare setup run).
+
+        The ``attention`` row spans the whole setup machine (:meth:`states`).
+        """
+        first = self.first(ev.RunnerStarted)
+        if first is None:
+            return []
+        return self._timeline(ev.RunnerTransition, first, set(), ("ready", "failed"))
+
+    def _timeline(self, cls: type, first: ev.Event, skipped: set, terminal: tuple[str, str]) -> list[dict[str, Any]]:
+        start, cur = first.ts_ns, first.state
         rows: list[dict[str, Any]] = []
-        cur = self.records[0].state if not self.started else self.started.state
-        for t in self.all(ev.StateTransition):
+        for t in self.all(cls):
             outcome = "failed" if t.to == "failed" else ("skipped" if t.from_state in skipped else "ok")
             # the state began duration_ms before it was left (its own clock, which also covers setup
             # done before the first record was written)
             begin = min(start, t.ts_ns - int(t.duration_ms * 1e6))
             rows.append({"state": t.from_state, "start_ns": begin, "duration_ms": t.duration_ms, "outcome": outcome})
             start, cur = t.ts_ns, t.to
-        if cur in TERMINAL:
+        if cur in terminal:
             rows.append({"state": cur, "start_ns": start, "duration_ms": 0.0,
-                         "outcome": "ok" if cur == "done" else "failed"})
+                         "outcome": "ok" if cur == terminal[0] else "failed"})
         else:
             end = self.records[-1].ts_ns
             failed = self.status == "failed"
@@ -296,7 +310,10 @@ def read_trace(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
                 groups.setdefault((rec.run_id, rec.rank), Run(rec.run_id, rec.rank)).records.append(rec)
         except OSError:
             trace.unreadable_files.append(path)
-    trace.runs = sorted(groups.values(), key=lambda r: (r.records[0].ts_ns, r.rank))
+    first_ts: dict[str, int] = {}
+    for r in groups.values():  # launches in time order, the ranks of one launch in rank order
+        first_ts[r.run_id] = min(first_ts.get(r.run_id, r.records[0].ts_ns), r.records[0].ts_ns)
+    trace.runs = sorted(groups.values(), key=lambda r: (first_ts[r.run_id], r.run_id, r.rank))
     return trace
 
 

@@ -108,3 +108,49 @@ def test_replay_cli_exit_codes(capsys, monkeypatch, tmp_path):
     assert main(["replay", str(GOLDEN / "ok_default.jsonl"), "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["divergence"] == {"state": "device-init", "field": "blas_init", "recorded": False, "now": True}
+
+
+def test_runner_failure_before_the_setup_machine(capsys, tmp_path):
+    """A runner that fails in init-memory-pool: the timeline shows the runner's states with their real
+    outcomes (not one 'init-distributed failed' row), the setup machine is absent, Perfetto and graph agree."""
+    log = tmp_path / "pool.jsonl"
+    assert main(["run", "--device", "cpu", "--mem-bytes", "1000", "--log-file", str(log)]) == 3
+    capsys.readouterr()
+    raw = _raw(log)
+    moves = [r for r in raw if r["event"] == "runner_transition"]
+    code, out = _inspect(capsys, log)
+    (run,) = out["runs"]
+    assert code == 1 and run["states"] == [] and run["last_state"] == "failed"
+    assert [(s["state"], s["outcome"]) for s in run["runner_states"]] == [
+        (m["from"], "failed" if m["to"] == "failed" else "ok") for m in moves] + [("failed", "failed")]
+    assert [s["state"] for s in run["runner_states"]][:3] == ["init-distributed", "load-model", "init-memory-pool"]
+    assert run["failure"]["state"] == "init-memory-pool"
+    perf = tmp_path / "p.json"
+    assert main(["inspect", str(log), "--perfetto", str(perf)]) == 1
+    slices = [e for e in json.loads(perf.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["cat"]) for e in slices] == [(s["state"], "runner_state") for s in run["runner_states"]]
+    assert main(["graph", str(log), "-o", str(tmp_path / "g.mmd")]) == 0
+    assert "never entered the setup machine" in capsys.readouterr().err
+
+
+def test_runner_success_nests_the_setup_machine(capsys, tmp_path):
+    log = tmp_path / "ok.jsonl"
+    assert main(["run", "--device", "cpu", "--log-file", str(log)]) == 0
+    capsys.readouterr()
+    code, out = _inspect(capsys, log)
+    (run,) = out["runs"]
+    outer = [s["state"] for s in run["runner_states"]]
+    assert code == 0 and outer[-1] == "ready" and "attention" in outer and run["last_state"] == "ready"
+    att = run["runner_states"][outer.index("attention")]
+    assert [s["state"] for s in run["states"]][-1] == "done"
+    assert all(att["start_ns"] <= s["start_ns"] <= att["start_ns"] + att["duration_ms"] * 1e6 + 1e6 for s in run["states"])
+    assert main(["inspect", str(log)]) == 0
+    text = capsys.readouterr().out
+    assert text.index("attention") < text.index("  device-init") < text.index("capture-cuda-graphs")
+
+
+def test_ranks_of_one_launch_listed_in_rank_order(capsys):
+    code, out = _inspect(capsys, GOLDEN / "tp2_rank1.jsonl", GOLDEN / "tp2_rank0.jsonl")
+    ids = [(r["run_id"], r["rank"]) for r in out["runs"]]
+    assert ids == sorted(ids, key=lambda x: (ids.index(next(i for i in ids if i[0] == x[0])), x[1]))
+    assert [r["rank"] for r in out["runs"] if r["run_id"] == ids[0][0]] == [0, 1]
