@@ -177,6 +177,7 @@ class _Run:
 
     def _make_pools(self, model: Any) -> None:
         if self.given_pools:
+            self._check_given_pools()
             return
         from pipeline.memory import KVPool, ReqToTokenPool, torch_dtype
 
@@ -185,6 +186,39 @@ class _Run:
         self.pools["kv_pool"] = KVPool.for_layer_kinds(
             self.kinds, model.num_hidden_layers, p.num_token_slots, p.page_size,
             torch_dtype(kv_dtype(self.req.args, model)), self.torch_device)
+
+    def _check_given_pools(self) -> None:
+        """Refuse engine pools that the request's ``PoolFacts`` or the model do not describe.
+
+        The workspace bound and the backends' buffers are sized from ``request.pool`` and the layer
+        kinds, so pools that differ would be read past their end or under-sized (sglang builds both
+        from one ModelRunner config). Raises ConfigError ``pools_mismatch`` before any allocation.
+        """
+        from pipeline.errors import ConfigError
+
+        remedy = ("build the SetupRequest's PoolFacts from the pools you pass (max_reqs, max_context_len, "
+                  "num_token_slots, page_size), or pass pools=None and let the pipeline build them")
+        missing = [k for k in ("req_to_token_pool", "kv_pool") if k not in self.given_pools]
+        if missing:
+            raise ConfigError(f"pools is missing {missing}", code="pools_mismatch", flags=[("pools", sorted(self.given_pools))],
+                              allowed=["{'req_to_token_pool': ReqToTokenPool, 'kv_pool': KVPool}"], remedy=remedy)
+        r2t, kv, p = self.given_pools["req_to_token_pool"], self.given_pools["kv_pool"], self.req.pool
+        got = {"max_reqs": getattr(r2t, "max_reqs", None), "max_context_len": getattr(r2t, "max_context_len", None),
+               "num_token_slots": getattr(kv, "size", None), "page_size": getattr(kv, "page_size", None)}
+        for name, value in got.items():
+            if value != getattr(p, name):
+                raise ConfigError(f"the given pools have {name}={value}, the request's PoolFacts says {getattr(p, name)}",
+                                  code="pools_mismatch", flags=[(f"pool.{name}", getattr(p, name)), (f"pools.{name}", value)],
+                                  allowed=[f"{name}={value}"], remedy=remedy)
+        for k in self.kinds:
+            for lid in k.layer_ids:
+                want = (k.num_kv_heads, k.head_dim_qk)
+                have = tuple(kv.k_buffer[lid].shape[1:]) if lid < len(getattr(kv, "k_buffer", [])) else None
+                if have != want:
+                    raise ConfigError(f"kv_pool layer {lid} holds K of [slots, Hkv, D] = {have}, the model needs {want}",
+                                      code="pools_mismatch", flags=[("kv_pool.layer", lid), ("kv_pool.k_shape", have)],
+                                      allowed=[f"[slots, {want[0]}, {want[1]}] for layers 0..{self.req.served_model.num_hidden_layers - 1}"],
+                                      remedy="build the KV pool from this model (KVPool.for_layer_kinds)")
 
     def _make_instance(self, inst: InstancePlan) -> Any:
         from pipeline.backends.registry import BackendContext, get

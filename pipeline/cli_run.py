@@ -101,7 +101,7 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
     """Refuse, before the runner loads the model or sizes the pools, what the pipeline would refuse.
 
     Checks flag values, the env settings, that the device exists, ``--mem-bytes`` against its
-    memory, and the resolution; a refused resolution is run through the pipeline so the log
+    memory and against what the pools need (``pool_budget_too_small``), and the resolution; a refused resolution is run through the pipeline so the log
     records device-init → resolve → failed with the ErrorInfo (nothing is allocated there).
     """
     from pipeline import settings
@@ -119,6 +119,16 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
         raise ConfigError(f"--mem-bytes {ns.mem_bytes} exceeds the device's {facts.total_memory_bytes} bytes",
                           code="invalid_value", flags=[("mem_bytes", ns.mem_bytes)],
                           allowed=[f"<= {facts.total_memory_bytes}"], remedy="lower --mem-bytes or use --mem-fraction")
+    if ns.mem_bytes is not None and ns.num_token_slots is None:  # the byte budget, checked before the weights load
+        from pipeline.pool_sizing import size_pools
+        from states.capability_check import kv_dtype
+
+        n = request.served_model.num_hidden_layers
+        layers = min(ns.num_layers if ns.num_layers is not None else min(DEFAULT_LAYERS, n), n)
+        p = request.pool
+        size_pools(request.served_model.layer_kinds(), layers, kv_dtype(request.args, request.served_model),
+                   page_size=request.args.page_size, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
+                   budget_bytes=ns.mem_bytes, source="bytes")
     try:
         resolve.decide(request.args, request.served_model, facts, is_draft_worker=request.is_draft_worker,
                        installed=installed_by_import())

@@ -16,7 +16,8 @@ class AttentionBackends:
     ``decode_attn_backend``: PD-mux's first decode backend, else None;
     ``decode_attn_backend_group``: PD-mux's ``sm_group_num`` decode backends, else [];
     ``prefill_attention_backend_str`` / ``decode_attention_backend_str``: the resolved names.
-    ``instances`` maps plan role → concrete backend; ``pools`` holds the KV pools built (or given).
+    ``instances`` maps plan role → concrete backend; ``pools`` holds the KV pools the pipeline built
+    (empty when the engine passed its own with ``pools=``: the engine keeps owning those).
     ``close()`` (or ``with``) releases every backend buffer, workspace and pool this run owns.
     """
 

@@ -102,3 +102,15 @@ def test_human_output_has_tables(tmp_path):
     assert proc.returncode == 0
     for word in ("device-init", "npu-lazy-mem", "verification", "torch_native"):
         assert word in proc.stdout
+
+
+def test_mem_bytes_too_small_is_refused_before_the_model_loads(tmp_path, capsys):
+    """Exit 3 means nothing was allocated: the byte budget is checked in preflight, not after load-model."""
+    from pipeline.cli import main
+
+    log = tmp_path / "l.jsonl"
+    assert main(["run", "--device", "cpu", "--mem-bytes", "1000", "--log-file", str(log), "--json"]) == 3
+    out = json.loads(capsys.readouterr().out)
+    assert out["error"]["code"] == "pool_budget_too_small" and out["error"]["flags"][0] == {"name": "mem_bytes", "value": 1000}
+    events = [json.loads(x)["event"] for x in log.read_text().splitlines()]
+    assert "model_loaded" not in events and "runner_started" not in events and events[-1] == "run_failed"

@@ -303,3 +303,17 @@ def test_glue_pdl_decided_at_build_like_flashinfer(fib):
         w.run = lambda q, kv, *a, enable_pdl=None, _o=orig: (seen.append(enable_pdl), _o(q, kv, *a))[1]
         assert _check_batch(sc, be, ForwardMode.DECODE, [0, 1], [5, 9], [1, 1]) < 1e-5
         assert seen[-1] is want
+
+
+def test_glue_host_lengths_as_tensors_like_sglang(fib):
+    """sglang passes seq_lens_cpu as a CPU tensor: planning reads it (no truth-value error, no device read)."""
+    import dataclasses
+
+    sc = _scenario([make_kind(4, 2, 16)], 4)
+    be = fib.create(sc.ctx)
+    sc.fill_prefix([0, 1], [5, 9])
+    fb = sc.batch(ForwardMode.DECODE, [0, 1], [1, 1])
+    fb2 = dataclasses.replace(fb, seq_lens_cpu=torch.tensor(fb.seq_lens_cpu))
+    be.init_forward_metadata(fb2)
+    w = be.kinds[0].active
+    assert fb.seq_lens_cpu == [6, 10] and w.indptr.tolist() == [0, 2, 5] and w.last.tolist() == [2, 2]  # page 4

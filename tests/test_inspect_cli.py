@@ -110,11 +110,21 @@ def test_replay_cli_exit_codes(capsys, monkeypatch, tmp_path):
     assert out["divergence"] == {"state": "device-init", "field": "blas_init", "recorded": False, "now": True}
 
 
-def test_runner_failure_before_the_setup_machine(capsys, tmp_path):
+def test_runner_failure_before_the_setup_machine(capsys, tmp_path, llama):
     """A runner that fails in init-memory-pool: the timeline shows the runner's states with their real
     outcomes (not one 'init-distributed failed' row), the setup machine is absent, Perfetto and graph agree."""
-    log = tmp_path / "pool.jsonl"
-    assert main(["run", "--device", "cpu", "--mem-bytes", "1000", "--log-file", str(log)]) == 3
+    from pipeline.contracts import DeviceFacts, PoolFacts, SetupRequest
+    from pipeline.platforms.fake import FakePlatform
+    from pipeline.runner import Runner, RunnerConfig
+
+    log = tmp_path / "pool.jsonl"  # (attn-setup run refuses this budget in preflight; the Runner API meets it in the pool step)
+    req = SetupRequest(model=llama, device="cpu", pool=PoolFacts(max_reqs=4, max_context_len=64, num_token_slots=256))
+    r = Runner(RunnerConfig(request=req, num_layers=1, mem_bytes=1000),
+               platform=FakePlatform(DeviceFacts(type="cpu", name="cpu", source="test")))
+    r.log.__init__(r.log.run_id, 0, log)
+    with pytest.raises(Exception, match="cannot hold req_to_token"):
+        r.initialize()
+    r.log.close()
     capsys.readouterr()
     raw = _raw(log)
     moves = [r for r in raw if r["event"] == "runner_transition"]

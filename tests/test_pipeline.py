@@ -257,3 +257,29 @@ def test_flashinfer_workspace_too_small_is_refused_in_build_mode_before_allocati
                                  max_batch_size=small_pool.max_reqs, cuda_graph_max_bs=small_pool.max_reqs)
     assert flags["needed_bytes"] == need.bytes > 1 << 20
     assert not any(isinstance(r, ev.BackendBuilt) for r in log.records)
+
+
+
+def test_engine_pools_are_used_and_checked_against_the_request(llama, small_pool):
+    """pools= must match request.pool and the model: a mismatch is pools_mismatch (exit 3) before allocation."""
+    from pipeline.errors import ConfigError
+    from pipeline.memory import KVPool, ReqToTokenPool
+
+    kinds, p, n = llama.layer_kinds(), small_pool, llama.num_hidden_layers
+
+    def pools(max_reqs=p.max_reqs, layers=n, slots=p.num_token_slots):
+        k = kinds[0]
+        kv = (KVPool.for_layer_kinds(kinds, n, slots, p.page_size, torch.float32, "cpu") if layers == n else
+              KVPool(slots, p.page_size, [(k.num_kv_heads, k.head_dim_qk, k.head_dim_v)] * layers, torch.float32, "cpu"))
+        return {"req_to_token_pool": ReqToTokenPool(max_reqs, p.max_context_len, "cpu"), "kv_pool": kv}
+
+    given = pools()
+    with build_attention_backends(_req(llama, p), installed=INSTALLED, pools=given) as out:
+        assert out.pools == {} and out.plan is not None
+    assert len(given["kv_pool"].k_buffer) == n and given["req_to_token_pool"].req_to_token.numel() > 0  # still the engine's
+    for bad, field in ((pools(max_reqs=4), "max_reqs"), (pools(slots=256), "num_token_slots"), (pools(layers=2), "layer")):
+        with pytest.raises(ConfigError) as ei:
+            build_attention_backends(_req(llama, p), installed=INSTALLED, pools=bad)
+        assert ei.value.info.code == "pools_mismatch" and field in str(ei.value.info.flags), ei.value.info
+    with pytest.raises(ConfigError, match="missing"):
+        build_attention_backends(_req(llama, p), installed=INSTALLED, pools={"kv_pool": given["kv_pool"]})

@@ -170,8 +170,8 @@ class FlashInferBackend(AttentionBackend):
 
     def plan_extend(self, fb: ForwardBatch) -> None:
         """Plan every kind for an extend batch (ragged if no request has a cached prefix)."""
-        ext = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
-        pre = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
+        ext = _host_ints(fb.extend_seq_lens_cpu, fb.extend_seq_lens)
+        pre = _host_ints(fb.extend_prefix_lens_cpu, fb.extend_prefix_lens)
         qo = torch.zeros(len(ext) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(ext, dtype=torch.int32), 0, out=qo[1:])
         self.extend_ragged = not any(pre)
@@ -195,7 +195,7 @@ class FlashInferBackend(AttentionBackend):
         """Plan the batch once (host metadata + page ids); the layers then only ``run()``."""
         fb = forward_batch
         if fb.is_decode():
-            seq = fb.seq_lens_cpu or fb.seq_lens.tolist()
+            seq = _host_ints(fb.seq_lens_cpu, fb.seq_lens)
             sel = self._decode_sel.get(len(seq))
             if sel is None:  # the wrapper choice depends on the batch size only
                 sel = self._decode_sel[len(seq)] = [(kw, *kw.decode_wrapper(len(seq), self.kv_dtype_name))
@@ -286,6 +286,14 @@ class FlashInferBackend(AttentionBackend):
         """Drop wrappers, graph state and every reference to the pool and workspace tensors (idempotent)."""
         self.kinds, self.graph, self._paged_views, self._layer_info, self._decode_sel = [], None, {}, {}, {}
         self.workspace = self.kv_pool = self.req_pool = self.ctx = None
+
+
+def _host_ints(host: Any, device: torch.Tensor) -> list[int]:
+    """Host lengths as a list: ours are lists, sglang's ``seq_lens_cpu`` is a CPU tensor; read the
+    device tensor (a sync) only when the engine gave none."""
+    if host is None or len(host) == 0:
+        return device.tolist()
+    return host.tolist() if isinstance(host, torch.Tensor) else list(host)
 
 
 def _check_ctx(ctx: Any, prefill_backend: str) -> None:
