@@ -1,9 +1,10 @@
 """Attention-kernel benchmark table: our FlashInfer decode step vs the raw FlashInfer calls.
 
-Prints, for H=32 q / 8 kv heads, head dim 128, bf16, page 16 (the shapes of ../shared/gpu/README.md):
+Prints, for H=32 q / 8 kv heads, head dim 128, bf16, page 16 (the H200 anchor shapes of the team's GPU notes):
 our 32-layer decode step (``init_forward_metadata`` + 32 ``forward_decode``) against the same raw
 ``plan`` + 32 ``run`` calls on one wrapper, eager and under CUDA-graph replay (interleaved wall-clock
-medians, ``decode_step_overhead.interleaved``); and the CUDA-core vs tensor-core crossover. If ``benchmarks/triton_kernels.py`` exposes ``rows()``, its rows are appended.
+medians, ``decode_step_overhead.interleaved``); and the CUDA-core vs tensor-core crossover. If
+``benchmarks/triton_kernels.py`` exposes ``rows()``, its rows are appended.
 
 Usage (GPU): ``python benchmarks/attention_kernels.py [--out DIR]``.
 """

@@ -1,8 +1,8 @@
 """Where the host time of our FlashInfer decode step goes, against the same raw FlashInfer calls.
 
 For H=32 q / 8 kv heads, head dim 128, bf16, page 16, 32 layers sharing one KV buffer (as in
-``flashinfer_gpu_check.phase_bench``), side by side in one process (median µs of
-``triton.testing.do_bench``):
+``flashinfer_gpu_check.phase_bench``), side by side in one process (median µs per step of
+interleaved back-to-back turns, :func:`interleaved`):
 
 - ``step``: ours = ``init_forward_metadata`` + 32 ``forward_decode`` (q as the engine passes it,
   ``[B, H*D]``); raw = ``plan`` on precomputed indices + 32 ``run`` (same ``enable_pdl`` as ours);

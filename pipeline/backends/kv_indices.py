@@ -9,8 +9,10 @@ FlashInfer's paged wrappers take, per forward batch of B requests,
 
 The page ids live in ``req_to_token`` on the device, so they are gathered there. sglang does this with
 one Triton kernel over a device ``kv_indptr`` (``create_flashinfer_kv_indices_triton``); ours also
-computes each request's start on the device (a masked prefix sum over ``seq_lens``), so a step needs
-no host-to-device copy and no pinned staging buffer: one kernel launch per forward batch.
+computes each request's start on the device (a masked prefix sum over ``seq_lens``), so the gather
+needs no host-to-device copy of its own and no pinned staging buffer: one kernel launch per forward
+batch. (FlashInfer's ``plan()`` still copies the host ``kv_indptr``/``last_page_len`` to the device,
+and :meth:`FlashInferBackend.page_table` copies ``seq_lens`` when the caller has no device copy.)
 Without Triton (or on a CPU without ``TRITON_INTERPRET=1``) the same gather runs as torch ops.
 """
 
