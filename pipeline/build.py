@@ -176,7 +176,7 @@ class _Run:
                 sizing.check_workspace_size(ws.bytes, need)
 
     def _make_pools(self, model: Any) -> None:
-        if self.given_pools:
+        if self.given_pools is not None:
             self._check_given_pools()
             return
         from pipeline.memory import KVPool, ReqToTokenPool, torch_dtype
@@ -192,33 +192,54 @@ class _Run:
 
         The workspace bound and the backends' buffers are sized from ``request.pool`` and the layer
         kinds, so pools that differ would be read past their end or under-sized (sglang builds both
-        from one ModelRunner config). Raises ConfigError ``pools_mismatch`` before any allocation.
+        from one ModelRunner config). Checked: both keys; ``req_to_token`` [max_reqs, max_context_len]
+        int32; per model layer a K [num_token_slots, Hkv, D] and V [num_token_slots, Hkv, Dv] buffer
+        of the KV dtype, on the run's device; ``page_size``. Raises ConfigError ``pools_mismatch``
+        (naming the field, what it holds and what is needed) before any allocation.
         """
-        from pipeline.errors import ConfigError
+        import torch
 
-        remedy = ("build the SetupRequest's PoolFacts from the pools you pass (max_reqs, max_context_len, "
-                  "num_token_slots, page_size), or pass pools=None and let the pipeline build them")
-        missing = [k for k in ("req_to_token_pool", "kv_pool") if k not in self.given_pools]
-        if missing:
-            raise ConfigError(f"pools is missing {missing}", code="pools_mismatch", flags=[("pools", sorted(self.given_pools))],
-                              allowed=["{'req_to_token_pool': ReqToTokenPool, 'kv_pool': KVPool}"], remedy=remedy)
-        r2t, kv, p = self.given_pools["req_to_token_pool"], self.given_pools["kv_pool"], self.req.pool
-        got = {"max_reqs": getattr(r2t, "max_reqs", None), "max_context_len": getattr(r2t, "max_context_len", None),
-               "num_token_slots": getattr(kv, "size", None), "page_size": getattr(kv, "page_size", None)}
-        for name, value in got.items():
-            if value != getattr(p, name):
-                raise ConfigError(f"the given pools have {name}={value}, the request's PoolFacts says {getattr(p, name)}",
-                                  code="pools_mismatch", flags=[(f"pool.{name}", getattr(p, name)), (f"pools.{name}", value)],
-                                  allowed=[f"{name}={value}"], remedy=remedy)
+        from pipeline.errors import ConfigError
+        from pipeline.memory import torch_dtype
+        from states.capability_check import kv_dtype
+
+        remedy = ("build the pools from the same sizes as the SetupRequest's PoolFacts (max_reqs, max_context_len, "
+                  "num_token_slots, page_size) and the model (KVPool.for_layer_kinds), or pass pools=None")
+
+        def bad(field: str, have: Any, want: Any) -> ConfigError:
+            return ConfigError(f"the given pools' {field} is {have!r}, this run needs {want!r}", code="pools_mismatch",
+                               flags=[(f"pools.{field}", repr(have))], allowed=[repr(want)], remedy=remedy)
+
+        pools, p, model = self.given_pools, self.req.pool, self.req.served_model
+        for key in ("req_to_token_pool", "kv_pool"):
+            if pools.get(key) is None:
+                raise bad(key, None if key not in pools else pools[key], "a pool object")
+        r2t, kv = pools["req_to_token_pool"], pools["kv_pool"]
+        dev = torch.device(self.torch_device)
+
+        def tensor(field: str, t: Any, shape: tuple, dtype: Any) -> None:
+            if not isinstance(t, torch.Tensor):
+                raise bad(field, type(t).__name__, f"a torch.Tensor {list(shape)} {dtype}")
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise bad(field, f"{list(t.shape)} {t.dtype}", f"{list(shape)} {dtype}")
+            if t.device.type != dev.type or (dev.index is not None and t.device.index not in (None, dev.index)):
+                raise bad(f"{field}.device", str(t.device), str(dev))
+
+        tensor("req_to_token_pool.req_to_token", getattr(r2t, "req_to_token", None), (p.max_reqs, p.max_context_len),
+               torch.int32)
+        if getattr(kv, "page_size", None) != p.page_size:
+            raise bad("kv_pool.page_size", getattr(kv, "page_size", None), p.page_size)
+        kvd = torch_dtype(kv_dtype(self.req.args, model))
+        kb, vb = getattr(kv, "k_buffer", None), getattr(kv, "v_buffer", None)
+        n = model.num_hidden_layers
+        for name, bufs in (("k_buffer", kb), ("v_buffer", vb)):
+            if not isinstance(bufs, (list, tuple)) or len(bufs) < n:
+                raise bad(f"kv_pool.{name}", f"{type(bufs).__name__} of {len(bufs) if isinstance(bufs, (list, tuple)) else '-'}",
+                          f"a list of {n} per-layer buffers")
         for k in self.kinds:
             for lid in k.layer_ids:
-                want = (k.num_kv_heads, k.head_dim_qk)
-                have = tuple(kv.k_buffer[lid].shape[1:]) if lid < len(getattr(kv, "k_buffer", [])) else None
-                if have != want:
-                    raise ConfigError(f"kv_pool layer {lid} holds K of [slots, Hkv, D] = {have}, the model needs {want}",
-                                      code="pools_mismatch", flags=[("kv_pool.layer", lid), ("kv_pool.k_shape", have)],
-                                      allowed=[f"[slots, {want[0]}, {want[1]}] for layers 0..{self.req.served_model.num_hidden_layers - 1}"],
-                                      remedy="build the KV pool from this model (KVPool.for_layer_kinds)")
+                tensor(f"kv_pool.k_buffer[{lid}]", kb[lid], (p.num_token_slots, k.num_kv_heads, k.head_dim_qk), kvd)
+                tensor(f"kv_pool.v_buffer[{lid}]", vb[lid], (p.num_token_slots, k.num_kv_heads, k.head_dim_v), kvd)
 
     def _make_instance(self, inst: InstancePlan) -> Any:
         from pipeline.backends.registry import BackendContext, get
@@ -282,13 +303,13 @@ class _Run:
             prefill_attention_backend_str=pair.prefill, decode_attention_backend_str=pair.decode,
             run_id=self.log.run_id, resolution=res, plan=self.built.plan,
             skips=list(res.skips) + list(self.built.plan.skips), instances=dict(self.built.instances),
-            pools={} if self.given_pools else self.pools, workspace_pool=self.workspace_pool,
+            pools={} if self.given_pools is not None else self.pools, workspace_pool=self.workspace_pool,
             events=self.log.records, torch_device=self.torch_device)
 
     def fail(self, exc: BaseException) -> None:
         state = self.state
         info = error_info_from(exc, state)
-        released = release(self.built.instances, self.workspace_pool, {} if self.given_pools else self.pools)
+        released = release(self.built.instances, self.workspace_pool, {} if self.given_pools is not None else self.pools)
         # Drop every reference this run holds, so a caller keeping the exception (and with it these
         # frames) keeps no device memory alive either.
         self.built.attn_backend = self.built.decode_attn_backend = None
@@ -351,6 +372,13 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
         raise UsageError(f"build_attention_backends needs a SetupRequest, got {type(request).__name__}",
                          code="usage", flags=[("request", type(request).__name__)], allowed=["SetupRequest"],
                          remedy="build one: SetupRequest(args=AttentionArgs(...), model=load_model_spec(path))")
+    if pools is not None and not isinstance(pools, Mapping):
+        from pipeline.errors import UsageError
+
+        raise UsageError(f"pools must be a dict of the engine's pools, got {type(pools).__name__}", code="usage",
+                         flags=[("pools", type(pools).__name__)],
+                         allowed=["{'req_to_token_pool': ReqToTokenPool, 'kv_pool': KVPool}", "None"],
+                         remedy="pass pools=None to let the pipeline build them")
     run_id = request.run_id or (log.run_id if log else None) or getattr(rank_group, "run_id", None) or new_run_id()
     own_log = log is None
     log = log or EventLog(run_id, request.rank, log_file, secrets=tuple(request.secrets.values()))

@@ -107,8 +107,8 @@ def cmd(ns: argparse.Namespace) -> int:
                          remedy="install Graphviz (apt-get install graphviz / brew install graphviz), or use -o FILE.mmd")
     taken, failed = path_of(ns.log, ns.rank)
     if ns.log is not None and not taken:
-        print(f"note: {ns.log} never entered the setup machine (its runner stopped before the attention step; "
-              "'attn-setup inspect' shows where): nothing is highlighted", file=sys.stderr)
+        print(f"note: {ns.log} never entered the setup machine (the runner stopped, or the trace ends, before "
+              "its attention step started it; 'attn-setup inspect' shows where): nothing is highlighted", file=sys.stderr)
     try:
         if ext == ".mmd":
             out.write_text(mermaid(taken, failed))

@@ -71,8 +71,11 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
         events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": f"rank {tid}"}})
         events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
         for cat, rows in (("runner_state", run.runner_states()), ("state", run.states())):
-            events += [_slice(s["state"], cat, s["start_ns"], int(s["duration_ms"] * 1e6), pid, tid, t0,
-                              {"outcome": s["outcome"]}) for s in rows]
+            for i, s in enumerate(rows):
+                dur = int(s["duration_ms"] * 1e6)
+                if i + 1 < len(rows):  # a state's own clock can overrun the next record by µs: keep slices disjoint
+                    dur = min(dur, max(0, rows[i + 1]["start_ns"] - s["start_ns"]))
+                events.append(_slice(s["state"], cat, s["start_ns"], dur, pid, tid, t0, {"outcome": s["outcome"]}))
         events += _substeps(run, pid, tid, t0)
         events += [{"name": ev.event_name(type(r)), "cat": "decision", "ph": "i", "s": "t",
                     "ts": (r.ts_ns - t0) / 1e3, "pid": pid, "tid": tid, "args": _args(r)}

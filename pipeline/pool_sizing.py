@@ -69,11 +69,11 @@ def budget_from_fraction(mem_fraction: float, total_memory_bytes: int, already_a
 
 def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, page_size: int, max_reqs: int,
                max_context_len: int, num_token_slots: Optional[int] = None, budget_bytes: Optional[int] = None,
-               source: Source = "bytes") -> PoolSizing:
+               source: Source = "bytes", mem_fraction: Optional[float] = None) -> PoolSizing:
     """Size ``req_to_token`` and the K/V buffers; see the module docstring for the rules.
 
     Exactly one of ``num_token_slots`` (rounded up to whole pages) or ``budget_bytes`` must be
-    given. Raises ConfigError (``pool_budget_too_small``) naming the budget, what it must cover and
+    given (``mem_fraction``: the fraction a ``source="mem_fraction"`` budget came from, for the error). Raises ConfigError (``pool_budget_too_small``) naming the budget, what it must cover and
     a remedy when the budget cannot hold ``req_to_token`` plus two pages; nothing is allocated.
     """
     per_tok = kv_bytes_per_token(kinds, num_layers, kv_dtype)
@@ -88,8 +88,10 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
             raise ConfigError(
                 f"a pool budget of {budget} bytes cannot hold req_to_token ({r2t} bytes) and two pages of "
                 f"{page_size} token(s) at {per_tok} bytes per token ({need} bytes in all)",
-                code="pool_budget_too_small", flags=[(_FLAG.get(source, source), budget), ("max_reqs", max_reqs),
-                                                     ("max_context_len", max_context_len)],
+                code="pool_budget_too_small",
+                flags=([("mem_fraction", mem_fraction), ("budget_bytes", budget)] if source == "mem_fraction"
+                       else [(_FLAG.get(source, source), budget)]) + [("max_reqs", max_reqs),
+                                                                      ("max_context_len", max_context_len)],
                 allowed=[f">= {need} bytes"],
                 remedy=f"raise --{_FLAG.get(source, source).replace('_', '-')} to cover {need} bytes, or lower "
                        "--max-reqs/--max-context-len")

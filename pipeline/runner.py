@@ -216,7 +216,8 @@ class Runner:
                                                                              else p.num_token_slots)
         kvd = kv_dtype(req.args, model)
         s = size_pools(model.layer_kinds(), stack.num_layers, kvd, page_size=req.args.page_size, max_reqs=p.max_reqs,
-                       max_context_len=p.max_context_len, num_token_slots=slots, budget_bytes=budget, source=source)
+                       max_context_len=p.max_context_len, num_token_slots=slots, budget_bytes=budget, source=source,
+                       mem_fraction=cfg.mem_fraction)
         self.sizing, self.request = s, msgspec.structs.replace(req, pool=s.facts)
         dev = self.platform.torch_device(self.index)
         pools = {"req_to_token_pool": ReqToTokenPool(p.max_reqs, p.max_context_len, dev)}

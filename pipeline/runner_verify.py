@@ -22,7 +22,7 @@ from pipeline.memory import PageAllocator, make_forward_batch
 from pipeline.model import reference_forward
 from pipeline.reference import rel_err
 
-__all__ = ["StepCheck", "verify_model_steps", "EXTEND_LENS", "CHUNK_LENS"]
+__all__ = ["StepCheck", "verify_model_steps", "slots_needed", "EXTEND_LENS", "CHUNK_LENS"]
 
 EXTEND_LENS = (5, 9, 2, 7)
 CHUNK_LENS = (3, 1, 4, 2)
@@ -53,6 +53,12 @@ def _tol(dtype: torch.dtype, kv_fp8: Any = None) -> float:
     if kv_fp8 is not None:
         return FP8_TOL[kv_fp8]
     return 1e-4 if dtype is torch.float32 else 1e-2
+
+
+def slots_needed(max_reqs: int, page_size: int, decode_steps: int = 3) -> int:
+    """Token slots :func:`verify_model_steps` allocates (whole pages per request, plus the reserved page 0)."""
+    b = min(len(EXTEND_LENS), max_reqs)
+    return page_size * (1 + sum(-(-(e + c + decode_steps) // page_size) for e, c in zip(EXTEND_LENS[:b], CHUNK_LENS[:b])))
 
 
 def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0) -> list[StepCheck]:

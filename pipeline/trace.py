@@ -122,12 +122,23 @@ class Run:
                                      + ", ".join(f"{r.role} ({r.backend}: {r.max_rel_err:.2e} > {r.tol:.0e})"
                                                  for r in bad),
                              remedy="the backend computes wrong attention for this model; report it with the log")
+        steps = [r for r in self.all(ev.ModelStepVerified) if not r.passed]
+        if steps:
+            return ErrorInfo(code="verification_failed", state="ready",
+                             message="model steps failed verification against the float64 reference: "
+                                     + ", ".join(f"{r.step} ({'graph' if r.graph else 'eager'}: {r.max_rel_err:.2e} > "
+                                                 f"{r.tol:.0e})" for r in steps),
+                             remedy="the backend computes wrong attention for this model; report it with the log")
         return None
 
     @property
     def status(self) -> str:
+        """failed · ok (the setup machine reached done; for a runner's trace, the runner reached ready) · incomplete."""
         if self.failure is not None:
             return "failed"
+        if self.first(ev.RunnerStarted) is not None:
+            ready = any(t.to == "ready" for t in self.all(ev.RunnerTransition))
+            return "ok" if ready else "incomplete"
         return "ok" if self.first(ev.RunFinished) is not None else "incomplete"
 
     @property
@@ -185,7 +196,7 @@ class Run:
         first = self.first(ev.RunnerStarted)
         if first is None:
             return []
-        return self._timeline(ev.RunnerTransition, first, set(), ("ready", "failed"))
+        return self._timeline(ev.RunnerTransition, first, {r.state for r in self.all(ev.StepSkipped)}, ("ready", "failed"))
 
     def _timeline(self, cls: type, first: ev.Event, skipped: set, terminal: tuple[str, str]) -> list[dict[str, Any]]:
         start, cur = first.ts_ns, first.state
@@ -297,6 +308,7 @@ def read_trace(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
     plist = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
     trace = Trace(runs=[], paths=plist)
     groups: dict[tuple[str, int], Run] = {}
+    seen: set[bytes] = set()  # the same line read twice (a file passed twice, overlapping copies) counts once
     for path in plist:
         try:
             for n, raw in enumerate(_lines(path), 1):
@@ -306,10 +318,15 @@ def read_trace(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
                 if rec is None:
                     trace.skipped.append(SkippedLine(path, n, reason))
                     continue
+                if raw.strip() in seen:
+                    continue
+                seen.add(raw.strip())
                 trace.dropped_fields += dropped
                 groups.setdefault((rec.run_id, rec.rank), Run(rec.run_id, rec.rank)).records.append(rec)
         except OSError:
             trace.unreadable_files.append(path)
+    for r in groups.values():  # pieces of one trace may come in any file order
+        r.records.sort(key=lambda x: x.ts_ns)
     first_ts: dict[str, int] = {}
     for r in groups.values():  # launches in time order, the ranks of one launch in rank order
         first_ts[r.run_id] = min(first_ts.get(r.run_id, r.records[0].ts_ns), r.records[0].ts_ns)

@@ -143,6 +143,12 @@ def _check_case_step(case: _Case, backend: AttentionBackend, fb, rows: Sequence[
     return errs
 
 
+def slots_needed(max_reqs: int, page_size: int, decode_steps: int = 3) -> int:
+    """Token slots :func:`verify_backend` allocates (whole pages per request, plus the reserved page 0)."""
+    b = min(len(PREFIX_LENS), max_reqs)
+    return page_size * (1 + sum(-(-(p + n + decode_steps) // page_size) for p, n in zip(PREFIX_LENS[:b], NEW_LENS[:b])))
+
+
 def _steps(rows: Sequence[int], decode_steps: int) -> list[tuple[str, ForwardMode, list[int], list[int]]]:
     b = len(rows)
     pre = [(r, p) for r, p in zip(rows, PREFIX_LENS[:b]) if p > 0]

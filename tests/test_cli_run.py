@@ -114,3 +114,27 @@ def test_mem_bytes_too_small_is_refused_before_the_model_loads(tmp_path, capsys)
     assert out["error"]["code"] == "pool_budget_too_small" and out["error"]["flags"][0] == {"name": "mem_bytes", "value": 1000}
     events = [json.loads(x)["event"] for x in log.read_text().splitlines()]
     assert "model_loaded" not in events and "runner_started" not in events and events[-1] == "run_failed"
+
+
+def test_pool_must_hold_the_verification_batches_before_the_model_loads(tmp_path, capsys):
+    """The slots run's checks allocate (verify + model steps, whole pages) are the boundary: one less is
+    refused in preflight naming the flag and the need; exactly that many runs (pages 1 and 16)."""
+    from pipeline import runner_verify, verify
+    from pipeline.cli import main
+
+    for ps in (1, 16):
+        need = max(verify.slots_needed(8, ps), runner_verify.slots_needed(8, ps))
+        log = tmp_path / f"l{ps}.jsonl"
+        assert main(["run", "--device", "cpu", "--page-size", str(ps), "--num-token-slots", str(need - ps),
+                     "--log-file", str(log), "--json"]) == 3
+        out = json.loads(capsys.readouterr().out)
+        assert out["error"]["code"] == "pool_budget_too_small" and out["error"]["allowed"] == [f">= {need}"]
+        assert "model_loaded" not in log.read_text()
+    assert main(["run", "--device", "cpu", "--num-token-slots", str(need), "--page-size", "16",
+                 "--log-file", str(tmp_path / "ok.jsonl"), "--json"]) == 0
+    capsys.readouterr()
+    for frac in ("0", "nan", "1.5"):
+        assert main(["run", "--device", "cpu", "--mem-fraction", frac, "--log-file", str(tmp_path / "f.jsonl"),
+                     "--json"]) == 3
+        out = json.loads(capsys.readouterr().out)
+        assert out["error"]["flags"][0]["name"] == "mem_fraction" and out["error"]["state"] == "args"

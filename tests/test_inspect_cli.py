@@ -164,3 +164,39 @@ def test_ranks_of_one_launch_listed_in_rank_order(capsys):
     ids = [(r["run_id"], r["rank"]) for r in out["runs"]]
     assert ids == sorted(ids, key=lambda x: (ids.index(next(i for i in ids if i[0] == x[0])), x[1]))
     assert [r["rank"] for r in out["runs"] if r["run_id"] == ids[0][0]] == [0, 1]
+
+
+def test_runner_traces_cut_failed_split_or_doubled(capsys, tmp_path):
+    """A runner trace cut before 'ready' is incomplete (exit 1); a failed model-step check is a failure;
+    pieces in any file order merge by time; a line read twice counts once; skipped steps say so."""
+    log = tmp_path / "ok.jsonl"
+    assert main(["run", "--device", "cpu", "--log-file", str(log)]) == 0
+    capsys.readouterr()
+    lines = log.read_text().splitlines()
+    ready = next(i for i, x in enumerate(lines) if json.loads(x).get("to") == "ready")  # the runner's last move
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines[:ready]) + "\n")
+    code, out = _inspect(capsys, cut)
+    assert code == 1 and out["runs"][0]["status"] == "incomplete"
+    assert out["runs"][0]["runner_states"][-1]["outcome"] == "incomplete"
+    bad = tmp_path / "bad.jsonl"
+    i = next(i for i, x in enumerate(lines) if json.loads(x)["event"] == "model_step_verified")
+    rec = json.loads(lines[i])
+    rec["passed"] = False
+    bad.write_text("\n".join(lines[:i] + [json.dumps(rec)] + lines[i + 1:]) + "\n")
+    code, out = _inspect(capsys, bad)
+    assert code == 1 and out["runs"][0]["failure"]["code"] == "verification_failed"
+    assert rec["step"] in out["runs"][0]["failure"]["message"]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(lines[:10]) + "\n")
+    b.write_text("\n".join(lines[10:]) + "\n")
+    code, whole = _inspect(capsys, log)
+    code2, split = _inspect(capsys, b, a, log)  # out of order, and every line a second time
+    assert code == code2 == 0 and split["runs"] == whole["runs"]
+    outcome = {s["state"]: s["outcome"] for s in whole["runs"][0]["runner_states"]}
+    assert outcome["capture-cuda-graphs"] == "skipped"  # CPU: as `attn-setup run --json` reports it
+    perf = tmp_path / "p.json"
+    assert main(["inspect", str(log), "--perfetto", str(perf)]) == 0
+    capsys.readouterr()
+    spans = [e for e in json.loads(perf.read_text())["traceEvents"] if e.get("cat") == "runner_state"]
+    assert all(x["ts"] + x["dur"] <= y["ts"] + 1e-6 for x, y in zip(spans, spans[1:]))

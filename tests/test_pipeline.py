@@ -262,24 +262,40 @@ def test_flashinfer_workspace_too_small_is_refused_in_build_mode_before_allocati
 
 def test_engine_pools_are_used_and_checked_against_the_request(llama, small_pool):
     """pools= must match request.pool and the model: a mismatch is pools_mismatch (exit 3) before allocation."""
-    from pipeline.errors import ConfigError
+    from pipeline.errors import ConfigError, UsageError
     from pipeline.memory import KVPool, ReqToTokenPool
 
     kinds, p, n = llama.layer_kinds(), small_pool, llama.num_hidden_layers
+    bf = torch.bfloat16  # the model's KV dtype
 
-    def pools(max_reqs=p.max_reqs, layers=n, slots=p.num_token_slots):
+    def pools(max_reqs=p.max_reqs, layers=n, slots=p.num_token_slots, dtype=bf, page=p.page_size):
         k = kinds[0]
-        kv = (KVPool.for_layer_kinds(kinds, n, slots, p.page_size, torch.float32, "cpu") if layers == n else
-              KVPool(slots, p.page_size, [(k.num_kv_heads, k.head_dim_qk, k.head_dim_v)] * layers, torch.float32, "cpu"))
+        kv = (KVPool.for_layer_kinds(kinds, n, slots, page, dtype, "cpu") if layers == n else
+              KVPool(slots, page, [(k.num_kv_heads, k.head_dim_qk, k.head_dim_v)] * layers, dtype, "cpu"))
         return {"req_to_token_pool": ReqToTokenPool(max_reqs, p.max_context_len, "cpu"), "kv_pool": kv}
 
     given = pools()
     with build_attention_backends(_req(llama, p), installed=INSTALLED, pools=given) as out:
         assert out.pools == {} and out.plan is not None
     assert len(given["kv_pool"].k_buffer) == n and given["req_to_token_pool"].req_to_token.numel() > 0  # still the engine's
-    for bad, field in ((pools(max_reqs=4), "max_reqs"), (pools(slots=256), "num_token_slots"), (pools(layers=2), "layer")):
+
+    def narrow_v(pl):
+        pl["kv_pool"].v_buffer[3] = pl["kv_pool"].v_buffer[3][:, :, :64]
+        return pl
+
+    def lying_r2t(pl):
+        pl["req_to_token_pool"].req_to_token = pl["req_to_token_pool"].req_to_token[:2]
+        return pl
+
+    cases = [(pools(max_reqs=4), "req_to_token"), (pools(slots=256), "k_buffer[0]"), (pools(layers=2), "k_buffer"),
+             (pools(dtype=torch.float16), "k_buffer[0]"), (pools(page=2), "page_size"), (narrow_v(pools()), "v_buffer[3]"),
+             (lying_r2t(pools()), "req_to_token"), ({}, "req_to_token_pool"), ({"kv_pool": given["kv_pool"]}, "req_to_token_pool"),
+             ({"req_to_token_pool": None, "kv_pool": given["kv_pool"]}, "req_to_token_pool")]
+    for bad, field in cases:
         with pytest.raises(ConfigError) as ei:
             build_attention_backends(_req(llama, p), installed=INSTALLED, pools=bad)
-        assert ei.value.info.code == "pools_mismatch" and field in str(ei.value.info.flags), ei.value.info
-    with pytest.raises(ConfigError, match="missing"):
-        build_attention_backends(_req(llama, p), installed=INSTALLED, pools={"kv_pool": given["kv_pool"]})
+        assert ei.value.info.code == "pools_mismatch" and field in str(ei.value.info.flags), (field, ei.value.info)
+        assert ei.value.info.remedy and ei.value.info.allowed
+    for wrong in (["a"], True, "pools"):
+        with pytest.raises(UsageError, match="pools must be a dict"):
+            build_attention_backends(_req(llama, p), installed=INSTALLED, pools=wrong)
