@@ -119,10 +119,10 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
         raise ConfigError(f"--mem-bytes {ns.mem_bytes} exceeds the device's {facts.total_memory_bytes} bytes",
                           code="invalid_value", flags=[("mem_bytes", ns.mem_bytes)],
                           allowed=[f"<= {facts.total_memory_bytes}"], remedy="lower --mem-bytes or use --mem-fraction")
-    if ns.mem_fraction is not None and not 0.0 < ns.mem_fraction <= 1.0:  # also refuses nan
-        raise ConfigError(f"--mem-fraction {ns.mem_fraction} is outside (0, 1]", code="invalid_value",
-                          flags=[("mem_fraction", ns.mem_fraction)], allowed=["0 < mem_fraction <= 1"],
-                          remedy="pass a fraction such as 0.8 (sglang's mem_fraction_static)")
+    if ns.mem_fraction is not None:
+        from pipeline.pool_sizing import check_mem_fraction
+
+        check_mem_fraction(ns.mem_fraction)
     check_pool_for_checks(ns, request)
     try:
         resolve.decide(request.args, request.served_model, facts, is_draft_worker=request.is_draft_worker,
@@ -137,36 +137,23 @@ def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest) -> None
 
     The built instances are verified on a 5-request batch and the model steps on a 4-request one
     (:func:`pipeline.verify.slots_needed`, :func:`pipeline.runner_verify.slots_needed`, whole pages
-    each). ``--num-token-slots`` must hold that many slots; a ``--mem-bytes`` budget must hold
-    ``req_to_token`` plus that many slots (``--mem-fraction`` is checked after the weights load,
-    since they count against it). Raises ConfigError ``pool_budget_too_small`` naming the flag.
+    each): :func:`pipeline.pool_sizing.size_pools` is asked for at least that many slots from
+    ``--num-token-slots`` or a ``--mem-bytes`` budget (``--mem-fraction`` is sized after the weights
+    load, since they count against it). Raises ConfigError ``pool_budget_too_small`` naming the flag.
     """
     from pipeline import runner_verify, verify
-    from pipeline.pool_sizing import REQ_TO_TOKEN_ELEM_BYTES, kv_bytes_per_token
+    from pipeline.pool_sizing import size_pools
     from states.capability_check import kv_dtype
 
-    p, ps, steps = request.pool, request.args.page_size, max(ns.decode_steps, 0)
+    if ns.num_token_slots is None and ns.mem_bytes is None:
+        return
+    p, ps, steps, model = request.pool, request.args.page_size, max(ns.decode_steps, 0), request.served_model
     need = max(verify.slots_needed(p.max_reqs, ps, steps), runner_verify.slots_needed(p.max_reqs, ps, steps))
-    if ns.num_token_slots is not None:
-        if ns.num_token_slots < need:
-            raise ConfigError(f"--num-token-slots {ns.num_token_slots} cannot hold the verification batches "
-                              f"({need} slots in pages of {ps})", code="pool_budget_too_small",
-                              flags=[("num_token_slots", ns.num_token_slots), ("decode_steps", ns.decode_steps)],
-                              allowed=[f">= {need}"], remedy=f"pass --num-token-slots {need} or more (or fewer --decode-steps)")
-        return
-    if ns.mem_bytes is None:
-        return
-    n = request.served_model.num_hidden_layers
+    n = model.num_hidden_layers
     layers = min(ns.num_layers if ns.num_layers is not None and ns.num_layers > 0 else min(DEFAULT_LAYERS, n), n)
-    per_tok = kv_bytes_per_token(request.served_model.layer_kinds(), layers, kv_dtype(request.args, request.served_model))
-    want = p.max_reqs * p.max_context_len * REQ_TO_TOKEN_ELEM_BYTES + need * per_tok
-    if ns.mem_bytes < want:
-        raise ConfigError(f"a pool budget of {ns.mem_bytes} bytes cannot hold req_to_token and the verification "
-                          f"batches ({need} slots at {per_tok} bytes per token: {want} bytes in all)",
-                          code="pool_budget_too_small", flags=[("mem_bytes", ns.mem_bytes), ("max_reqs", p.max_reqs),
-                                                               ("max_context_len", p.max_context_len)],
-                          allowed=[f">= {want} bytes"],
-                          remedy=f"raise --mem-bytes to {want} or more, or lower --max-reqs/--max-context-len")
+    size_pools(model.layer_kinds(), layers, kv_dtype(request.args, model), page_size=ps, max_reqs=p.max_reqs,
+               max_context_len=p.max_context_len, num_token_slots=ns.num_token_slots, budget_bytes=ns.mem_bytes,
+               source="bytes", min_slots=need, min_slots_for=f"the verification batches with --decode-steps {steps}")
 
 
 def request_from(ns: argparse.Namespace, *, on_gpu: bool) -> SetupRequest:

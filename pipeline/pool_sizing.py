@@ -55,39 +55,54 @@ def kv_bytes_per_token(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: st
     return sum(per_layer.get(lid, 0) for lid in range(num_layers)) * KV_ELEM_BYTES[kv_dtype]
 
 
+def check_mem_fraction(mem_fraction: float) -> None:
+    """Raise ConfigError (``invalid_value``) unless ``0 < mem_fraction <= 1`` (nan is refused too)."""
+    if not 0.0 < mem_fraction <= 1.0:
+        raise ConfigError(f"mem_fraction={mem_fraction} is outside (0, 1]", code="invalid_value",
+                          flags=[("mem_fraction", mem_fraction)], allowed=["0 < mem_fraction <= 1"],
+                          remedy="pass a fraction such as 0.8 (sglang's mem_fraction_static)")
+
+
 def budget_from_fraction(mem_fraction: float, total_memory_bytes: int, already_allocated: int = 0) -> int:
     """``mem_fraction·total − already_allocated`` bytes (sglang: weights count against the static share).
 
     Raises ConfigError (``invalid_value``) when ``mem_fraction`` is not in (0, 1].
     """
-    if not 0.0 < mem_fraction <= 1.0:
-        raise ConfigError(f"mem_fraction={mem_fraction} is outside (0, 1]", code="invalid_value",
-                          flags=[("mem_fraction", mem_fraction)], allowed=["0 < mem_fraction <= 1"],
-                          remedy="pass a fraction such as 0.8 (sglang's mem_fraction_static)")
+    check_mem_fraction(mem_fraction)
     return int(mem_fraction * total_memory_bytes) - int(already_allocated)
 
 
 def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, page_size: int, max_reqs: int,
                max_context_len: int, num_token_slots: Optional[int] = None, budget_bytes: Optional[int] = None,
-               source: Source = "bytes", mem_fraction: Optional[float] = None) -> PoolSizing:
+               source: Source = "bytes", mem_fraction: Optional[float] = None, min_slots: int = 0,
+               min_slots_for: str = "") -> PoolSizing:
     """Size ``req_to_token`` and the K/V buffers; see the module docstring for the rules.
 
     Exactly one of ``num_token_slots`` (rounded up to whole pages) or ``budget_bytes`` must be
-    given (``mem_fraction``: the fraction a ``source="mem_fraction"`` budget came from, for the error). Raises ConfigError (``pool_budget_too_small``) naming the budget, what it must cover and
-    a remedy when the budget cannot hold ``req_to_token`` plus two pages; nothing is allocated.
+    given (``mem_fraction``: the fraction a ``source="mem_fraction"`` budget came from, for the
+    error). The pool must hold at least two pages and ``min_slots`` token slots (rounded up to
+    pages; ``min_slots_for`` says what needs them, e.g. ``attn-setup run``'s verification batches).
+    Raises ConfigError (``pool_budget_too_small``) naming the flag, what it must cover and a remedy
+    otherwise; nothing is allocated.
     """
     per_tok = kv_bytes_per_token(kinds, num_layers, kv_dtype)
     r2t = max_reqs * max_context_len * REQ_TO_TOKEN_ELEM_BYTES
+    floor = max(2 * page_size, -(-min_slots // page_size) * page_size)
+    what = f"{floor} token slots ({min_slots_for})" if min_slots_for else f"{floor // page_size} pages of {page_size} token(s)"
     if num_token_slots is not None:
         slots, source, budget = -(-num_token_slots // page_size) * page_size, "slots", None
+        if slots < floor:
+            raise ConfigError(f"--num-token-slots {num_token_slots} cannot hold {what}", code="pool_budget_too_small",
+                              flags=[("num_token_slots", num_token_slots), ("page_size", page_size)],
+                              allowed=[f">= {floor}"], remedy=f"pass --num-token-slots {floor} or more")
     elif budget_bytes is not None:
         budget = int(budget_bytes)
         slots = max(0, (budget - r2t) // max(per_tok, 1)) // page_size * page_size
-        need = r2t + 2 * page_size * per_tok
-        if slots < 2 * page_size:
+        need = r2t + floor * per_tok
+        if slots < floor:
             raise ConfigError(
-                f"a pool budget of {budget} bytes cannot hold req_to_token ({r2t} bytes) and two pages of "
-                f"{page_size} token(s) at {per_tok} bytes per token ({need} bytes in all)",
+                f"a pool budget of {budget} bytes cannot hold req_to_token ({r2t} bytes) and {what} "
+                f"at {per_tok} bytes per token ({need} bytes in all)",
                 code="pool_budget_too_small",
                 flags=([("mem_fraction", mem_fraction), ("budget_bytes", budget)] if source == "mem_fraction"
                        else [(_FLAG.get(source, source), budget)]) + [("max_reqs", max_reqs),

@@ -185,8 +185,7 @@ class Run:
         """
         if not self.records or (self.started is None and self.first(ev.RunnerStarted) is not None):
             return []
-        first = self.started or self.records[0]
-        return self._timeline(ev.StateTransition, first, {r.state for r in self.all(ev.StepSkipped)}, ("done", "failed"))
+        return self._timeline(ev.StateTransition, self.started or self.records[0], TERMINAL)
 
     def runner_states(self) -> list[dict[str, Any]]:
         """The same rows for the runner's outer machine (``attn-setup run``; empty for a bare setup run).
@@ -196,9 +195,11 @@ class Run:
         first = self.first(ev.RunnerStarted)
         if first is None:
             return []
-        return self._timeline(ev.RunnerTransition, first, {r.state for r in self.all(ev.StepSkipped)}, ("ready", "failed"))
+        return self._timeline(ev.RunnerTransition, first, ("ready", "failed"))
 
-    def _timeline(self, cls: type, first: ev.Event, skipped: set, terminal: tuple[str, str]) -> list[dict[str, Any]]:
+    def _timeline(self, cls: type, first: ev.Event, terminal: tuple[str, str]) -> list[dict[str, Any]]:
+        """Rows from the ``cls`` transitions after ``first``; ``terminal`` = (success state, failed state)."""
+        skipped = {r.state for r in self.all(ev.StepSkipped)}  # state names of the two machines do not overlap
         start, cur = first.ts_ns, first.state
         rows: list[dict[str, Any]] = []
         for t in self.all(cls):
@@ -314,13 +315,14 @@ def read_trace(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
             for n, raw in enumerate(_lines(path), 1):
                 if not raw.strip():
                     continue
-                rec, reason, dropped = decode_record(raw.strip())
+                line = raw.strip()
+                rec, reason, dropped = decode_record(line)
                 if rec is None:
                     trace.skipped.append(SkippedLine(path, n, reason))
                     continue
-                if raw.strip() in seen:
+                if line in seen:
                     continue
-                seen.add(raw.strip())
+                seen.add(line)
                 trace.dropped_fields += dropped
                 groups.setdefault((rec.run_id, rec.rank), Run(rec.run_id, rec.rank)).records.append(rec)
         except OSError:
