@@ -25,7 +25,7 @@ from pipeline.contracts import ErrorInfo, ModelSpec, PoolFacts, SetupRequest
 from pipeline.errors import EXIT_FAILED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from
 
 BUNDLED_MODEL = "llama-3.1-8b.json"
-DEFAULT_LAYERS = 2  # a verification run: enough for every alternating layer pattern, quick on CPU
+DEFAULT_LAYERS = 2  # a verification run: at least 2 layers, more when a layer kind first appears later (quick on CPU)
 
 
 def default_model_path() -> str:
@@ -142,6 +142,7 @@ def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest) -> None
     load, since they count against it). Raises ConfigError ``pool_budget_too_small`` naming the flag.
     """
     from pipeline import runner_verify, verify
+    from pipeline.model_spec import attention_layer_ids, attention_prefix, layers_covering_every_kind
     from pipeline.pool_sizing import size_pools
     from states.capability_check import kv_dtype
 
@@ -149,8 +150,12 @@ def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest) -> None
         return
     p, ps, steps, model = request.pool, request.args.page_size, max(ns.decode_steps, 0), request.served_model
     need = max(verify.slots_needed(p.max_reqs, ps, steps), runner_verify.slots_needed(p.max_reqs, ps, steps))
-    n = model.num_hidden_layers
-    layers = min(ns.num_layers if ns.num_layers is not None and ns.num_layers > 0 else min(DEFAULT_LAYERS, n), n)
+    n = len(attention_layer_ids(model))  # --num-layers counts attention layers (a hybrid's others hold no KV)
+    if n == 0:
+        return  # nothing to size: resolve refuses a model without attention layers
+    default = layers_covering_every_kind(model, DEFAULT_LAYERS)
+    attn = min(ns.num_layers if ns.num_layers is not None and ns.num_layers > 0 else default, n)
+    layers = attention_prefix(model, attn)
     size_pools(model.layer_kinds(), layers, kv_dtype(request.args, model), page_size=ps, max_reqs=p.max_reqs,
                max_context_len=p.max_context_len, num_token_slots=ns.num_token_slots, budget_bytes=ns.mem_bytes,
                source="bytes", min_slots=need, min_slots_for=f"the verification batches with --decode-steps {steps}")
@@ -178,11 +183,13 @@ def _on_gpu(device: str) -> bool:
 
 
 def runner_config(ns: argparse.Namespace, request: SetupRequest, on_gpu: bool) -> Any:
-    """The RunnerConfig from the flags (default: the first 2 layers on every device)."""
+    """The RunnerConfig from the flags (default on every device: the first 2 attention layers, or as many as
+    it takes to include one layer of every attention kind, e.g. 4 for Llama-4, 6 for Gemma-3)."""
+    from pipeline.model_spec import layers_covering_every_kind
     from pipeline.runner import RunnerConfig
 
-    n = request.served_model.num_hidden_layers
-    layers = ns.num_layers if ns.num_layers is not None else min(DEFAULT_LAYERS, n)
+    default = layers_covering_every_kind(request.served_model, DEFAULT_LAYERS)
+    layers = ns.num_layers if ns.num_layers is not None else max(default, 1)
     return RunnerConfig(request=request, num_layers=layers, num_token_slots=ns.num_token_slots,
                         mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction)
 
@@ -246,7 +253,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                      help="JSON-lines trace path; {run_id} and {rank} are filled in")
     run.add_argument("--decode-steps", type=int, default=3, help="decode steps verified after the extend")
     run.add_argument("--num-layers", type=int, default=None,
-                     help=f"build only the first N layers (default {DEFAULT_LAYERS}, on every device)")
+                     help=f"build only the first N attention layers (default {DEFAULT_LAYERS}, or as many as it takes "
+                          "to include every attention layer kind; a hybrid model's linear-attention / mamba layers "
+                          "are skipped, not counted)")
     budget = run.add_mutually_exclusive_group()
     budget.add_argument("--mem-fraction", type=float, default=None,
                         help="size the KV pool from this share of device memory (sglang's mem_fraction_static)")

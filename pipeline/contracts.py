@@ -132,17 +132,30 @@ class MLADims(msgspec.Struct, **_STRUCT):
         return self.kv_lora_rank
 
 
+# Attention layer kinds a backend computes (``LayerKind.kind``) and the per-layer entries of
+# ``ModelSpec.layer_types``: the attention kinds plus the layer types that are not softmax
+# attention over a KV cache (computed by the model's own linear-attention / state-space kernels).
+ATTENTION_LAYER_TYPES = ("full", "sliding", "chunked")
+NOT_ATTENTION_LAYER_TYPES = ("linear_attention", "mamba")
+AttentionLayerType = Literal["full", "sliding", "chunked"]
+LayerType = Literal["full", "sliding", "chunked", "linear_attention", "mamba"]
+
+
 class LayerKind(msgspec.Struct, **_STRUCT):
     """One distinct kind of attention layer as a backend sees it.
 
     ``head_dim_qk``/``head_dim_v`` are the dims the kernel sees (for MLA: the absorbed dims),
     ``num_heads``/``num_kv_heads`` likewise (MLA absorbed: ``num_kv_heads == 1``).
     ``sliding_window`` is the number of keys a query may see, itself included (HF convention:
-    key j is visible from query i when ``0 <= i - j < sliding_window``); None = full attention.
+    key j is visible from query i when ``0 <= i - j < sliding_window``); None = no window.
+    ``attention_chunk_size`` (``kind == "chunked"``, Llama-4's local layers): chunked local
+    attention, a window that resets at chunk boundaries — key j is visible from query i iff
+    ``j <= i`` and ``j // C == i // C`` (HF ``Llama4TextConfig.attention_chunk_size``; sglang's
+    ``attention_chunk_size``); None = no chunking.
     ``layer_ids`` lists the layers of this kind.
     """
 
-    kind: Literal["full", "sliding"]
+    kind: AttentionLayerType
     num_heads: int
     num_kv_heads: int
     head_dim_qk: int
@@ -153,6 +166,16 @@ class LayerKind(msgspec.Struct, **_STRUCT):
     has_sinks: bool = False
     is_mla: bool = False
     layer_ids: list[int] = []
+    attention_chunk_size: int | None = None
+
+
+class LayerGroup(msgspec.Struct, **_STRUCT):
+    """Layers of one type that no attention backend computes (``kind``: ``linear_attention`` or
+    ``mamba``), with their ids: they keep no KV cache, so the pools, the model stack and the
+    verification cover only the attention layers."""
+
+    kind: str
+    layer_ids: list[int]
 
 
 class ModelSpec(msgspec.Struct, **_STRUCT):
@@ -162,7 +185,11 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     rules for implicit fields (Gemma-2's alternating windows, Qwen2's ``use_sliding_window`` /
     ``max_window_layers``, gpt-oss's ``layer_types`` and sinks …) live in that module only.
 
-    ``layer_types`` has one entry per hidden layer: ``"full"`` or ``"sliding"``.
+    ``layer_types`` has one entry per hidden layer: an attention kind (``"full"``, ``"sliding"``,
+    ``"chunked"``) or a layer that is not softmax attention over a KV cache (``"linear_attention"``:
+    Qwen3-Next's Gated DeltaNet layers; ``"mamba"``: Jamba-style state-space layers) — those are
+    listed by :meth:`not_attention` and served by no attention backend.
+    ``attention_chunk_size``: the chunk of the ``"chunked"`` layers (Llama-4), None without them.
     ``head_dim``/``v_head_dim`` are the per-head qk / v dims of the un-absorbed model;
     for MLA the absorbed dims are in :attr:`mla`. ``global_head_dim``: qk and v head dim of the
     full-attention layers when it differs from the sliding layers' ``head_dim`` (Gemma-style
@@ -182,7 +209,7 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     v_head_dim: int
     global_head_dim: int | None = None
     scaling: float
-    layer_types: list[Literal["full", "sliding"]]
+    layer_types: list[LayerType]
     sliding_window: int | None = None
     logit_softcap: float | None = None
     has_attention_sinks: bool = False
@@ -192,6 +219,7 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     vocab_size: int = 32000
+    attention_chunk_size: int | None = None
 
     @property
     def is_mla(self) -> bool:
@@ -202,6 +230,14 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
         from pipeline.model_spec import layer_kinds
 
         return layer_kinds(self)
+
+    def not_attention(self) -> list[LayerGroup]:
+        """The layers no attention backend computes, grouped by type in first-layer order ([] for most models)."""
+        groups: dict[str, list[int]] = {}
+        for i, t in enumerate(self.layer_types):
+            if t in NOT_ATTENTION_LAYER_TYPES:
+                groups.setdefault(t, []).append(i)
+        return [LayerGroup(kind=k, layer_ids=ids) for k, ids in groups.items()]
 
 
 class DeviceFacts(msgspec.Struct, **_STRUCT):
@@ -309,13 +345,30 @@ class ResolvedAttentionBackendStr(msgspec.Struct, **_STRUCT):
     is_draft_override: bool = False
 
 
+class DtypeChoice(msgspec.Struct, **_STRUCT):
+    """The compute dtype and the rule that set it (:func:`pipeline.dtypes.resolve_dtype`).
+
+    ``source``: ``"field"`` (``--dtype`` given) or ``"auto:<rule>"`` (see
+    :data:`pipeline.dtypes.AUTO_RULES`).
+    """
+
+    value: str
+    source: str
+
+
 class Resolution(msgspec.Struct, **_STRUCT):
-    """Output of the resolve state: the pair, the rule per half, and what auto-selection refused."""
+    """Output of the resolve state: the pair, the rule per half, and what auto-selection refused.
+
+    ``dtype``: the compute dtype and the rule that chose it; ``not_attention``: the model's layers
+    that no attention backend computes (linear attention, mamba), left to the model's own kernels.
+    """
 
     pair: ResolvedAttentionBackendStr
     rules: dict[str, Rule]
     rejected: dict[str, list[Rejection]] = {}
     skips: list["Skip"] = []
+    dtype: DtypeChoice | None = None
+    not_attention: list[LayerGroup] = []
 
 
 class Skip(msgspec.Struct, **_STRUCT):

@@ -6,7 +6,11 @@ attention through the backend (:class:`~pipeline.backends.base.AttentionLayer` p
 layer kind's sliding window, logit softcap, scaling and — gpt-oss — per-head sink logits), the
 output projection and the residual add. Weights cannot be downloaded here, so they are random with
 a fixed seed (``randn / sqrt(fan_in)``, generated on CPU so every device gets the same values).
-``num_layers`` builds only the first N layers.
+``num_layers`` builds only the first N attention layers. A hybrid model's linear-attention / mamba
+layers (Qwen3-Next, Jamba) are not attention and are skipped: the stack runs only its attention
+layers, in order, each with its real layer id (the KV pool holds no buffer for the others).
+Llama-4's chunked layers run with their ``attention_chunk_size``; like every layer here they get
+RoPE (Llama-4's NoPE full layers would not), which changes the inputs, not the attention under test.
 
 MLA (DeepSeek-V2/V3) runs in the *absorbed* form, as sglang's MLA backends see it: the KV cache
 holds one latent head per token, ``[c_kv (kv_lora_rank, RMS-normed), k_rope (qk_rope_head_dim)]``
@@ -32,6 +36,7 @@ import torch
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
 from pipeline.contracts import LayerKind, ModelSpec
 from pipeline.errors import ConfigError
+from pipeline.model_spec import attention_prefix
 from pipeline.reference import reference_attention
 
 __all__ = ["AttentionStack", "truncate_spec", "reference_forward", "rope_neox"]
@@ -39,17 +44,18 @@ EPS = 1e-6
 
 
 def truncate_spec(spec: ModelSpec, num_layers: Optional[int]) -> ModelSpec:
-    """``spec`` with only its first ``num_layers`` layers (None = all).
+    """``spec`` cut after its ``num_layers``-th attention layer (None = all layers).
 
-    Raises ConfigError (``invalid_value``) when ``num_layers`` is not in ``1..num_hidden_layers``.
+    For an all-attention model that is its first ``num_layers`` layers; a hybrid keeps the
+    non-attention layers in between (:func:`pipeline.model_spec.attention_prefix`).
+    Raises ConfigError (``invalid_value``) when ``num_layers`` is not in ``1..<attention layers>``.
     """
-    if num_layers is None or num_layers == spec.num_hidden_layers:
+    if num_layers is None:
         return spec
-    if not 1 <= num_layers <= spec.num_hidden_layers:
-        raise ConfigError(f"num_layers={num_layers} is outside 1..{spec.num_hidden_layers}", code="invalid_value",
-                          flags=[("num_layers", num_layers)], allowed=[f"1..{spec.num_hidden_layers}"],
-                          remedy="pass --num-layers between 1 and the model's num_hidden_layers")
-    return msgspec.structs.replace(spec, num_hidden_layers=num_layers, layer_types=spec.layer_types[:num_layers])
+    n = attention_prefix(spec, num_layers)
+    if n == spec.num_hidden_layers:
+        return spec
+    return msgspec.structs.replace(spec, num_hidden_layers=n, layer_types=spec.layer_types[:n])
 
 
 def rope_neox(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -74,9 +80,11 @@ class AttentionStack:
     ----------
     spec : the model (already truncated or not); dims per layer come from ``spec.layer_kinds()``.
     dtype : weights / activations dtype (torch dtype); device : where the weights live.
-    num_layers : build only layers ``0..N-1`` (default: all).
+    num_layers : build only the first N attention layers (default: all); ``self.num_layers`` is then
+        the number of hidden layers they span (ids ``0..num_layers-1``, non-attention ones skipped).
 
-    ``layers[i]``: the :class:`AttentionLayer` of layer i; ``weights[i]``: its tensors
+    ``layers[i]``: the :class:`AttentionLayer` of the i-th attention layer (``layer_id`` its id in
+    the model); ``weights[i]``: its tensors
     (MHA: ``qkv`` [H·D + 2·Hkv·D, hidden] — with Dv = D — and ``o`` [hidden, H·Dv]; MLA: ``q``
     [H·(nope+rope), hidden], ``dkv`` [kv_lora+rope, hidden], ``uk`` [H, nope, kv_lora], ``uv``
     [H, v_head, kv_lora], ``o`` [hidden, H·v_head]). Raises ConfigError for a model whose qk and v
@@ -89,14 +97,11 @@ class AttentionStack:
         self.num_layers = self.spec.num_hidden_layers
         self.dtype, self.device, self.seed = dtype, torch.device(device), seed
         self.hidden = spec.hidden_size
-        self.kind_of: list[LayerKind] = [None] * self.num_layers  # type: ignore[list-item]
-        for kind in self.spec.layer_kinds():
-            for lid in kind.layer_ids:
-                self.kind_of[lid] = kind
+        self.kind_of: dict[int, LayerKind] = {lid: kind for kind in self.spec.layer_kinds() for lid in kind.layer_ids}
         gen = torch.Generator().manual_seed(seed)
         self.layers: list[AttentionLayer] = []
         self.weights: list[dict[str, torch.Tensor]] = []
-        for lid, kind in enumerate(self.kind_of):
+        for lid, kind in sorted(self.kind_of.items()):
             if not kind.is_mla and kind.head_dim_qk != kind.head_dim_v:
                 raise ConfigError("qk and v head dims differ on a non-MLA layer", code="model_config_invalid",
                                   flags=[("head_dim", kind.head_dim_qk), ("v_head_dim", kind.head_dim_v)],
@@ -106,7 +111,8 @@ class AttentionStack:
             self.layers.append(AttentionLayer(
                 layer_id=lid, num_heads=kind.num_heads, num_kv_heads=kind.num_kv_heads, head_dim=kind.head_dim_qk,
                 v_head_dim=kind.head_dim_v, scaling=kind.scaling, sliding_window=kind.sliding_window,
-                logit_softcap=kind.logit_softcap, sinks=sinks, is_mla=kind.is_mla))
+                logit_softcap=kind.logit_softcap, sinks=sinks, is_mla=kind.is_mla,
+                attention_chunk_size=kind.attention_chunk_size))
         self.aux_hidden_state_layers: Optional[list[int]] = None
         self._f64_weights: Optional[list[dict[str, torch.Tensor]]] = None  # reference_forward's cache
 
@@ -133,18 +139,21 @@ class AttentionStack:
     def set_aux_hidden_state_layers(self, layer_ids: Sequence[int]) -> None:
         """EAGLE3-style capture: :meth:`forward` also returns the residual stream *entering* these layers.
 
-        Raises ConfigError (``invalid_value``) for ids outside ``0..num_layers-1``. Must be set
-        before CUDA-graph capture: a captured graph records which tensors it writes.
+        Raises ConfigError (``invalid_value``) for ids that are not built attention layers (outside
+        ``0..num_layers-1``, or a hybrid's linear-attention / mamba layer). Must be set before
+        CUDA-graph capture: a captured graph records which tensors it writes.
         """
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        built = [L.layer_id for L in self.layers]
+        bad = [i for i in layer_ids if i not in built]
         if bad:
-            raise ConfigError(f"aux hidden-state layer ids {bad} are outside 0..{self.num_layers - 1}",
+            allowed = f"0..{self.num_layers - 1}" if len(built) == self.num_layers else ", ".join(map(str, built))
+            raise ConfigError(f"aux hidden-state layer ids {bad} are not attention layers the stack builds",
                               code="invalid_value", flags=[("aux_hidden_state_layers", list(layer_ids))],
-                              allowed=[f"0..{self.num_layers - 1}"], remedy="pick layers the stack builds")
+                              allowed=[allowed], remedy="pick layers the stack builds")
         self.aux_hidden_state_layers = list(layer_ids)
 
-    def _qkv(self, lid: int, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        L, w, theta = self.layers[lid], self.weights[lid], self.spec.rope_theta
+    def _qkv(self, idx: int, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        L, w, theta = self.layers[idx], self.weights[idx], self.spec.rope_theta
         t = x.shape[0]
         if not L.is_mla:
             q, k, v = (x @ w["qkv"].T).split([L.num_heads * L.head_dim, L.num_kv_heads * L.head_dim,
@@ -173,15 +182,15 @@ class AttentionStack:
         not configured).
         """
         pos, h, aux = forward_batch.positions, hidden.float(), []
-        for lid, L in enumerate(self.layers):
-            if self.aux_hidden_state_layers and lid in self.aux_hidden_state_layers:
+        for idx, L in enumerate(self.layers):
+            if self.aux_hidden_state_layers and L.layer_id in self.aux_hidden_state_layers:
                 aux.append(h)
-            q, k, v = self._qkv(lid, _rms(h).to(self.dtype), pos)
+            q, k, v = self._qkv(idx, _rms(h).to(self.dtype), pos)
             o = backend.forward(q, k, v, L, forward_batch, save_kv_cache=True)
             o = o.reshape(h.shape[0], L.num_heads, L.v_head_dim)
             if L.is_mla:
-                o = torch.einsum("thc,hvc->thv", o, self.weights[lid]["uv"])
-            h = h + (o.reshape(h.shape[0], -1) @ self.weights[lid]["o"].T).float()
+                o = torch.einsum("thc,hvc->thv", o, self.weights[idx]["uv"])
+            h = h + (o.reshape(h.shape[0], -1) @ self.weights[idx]["o"].T).float()
         return h, aux
 
 
@@ -212,10 +221,10 @@ def reference_forward(stack: AttentionStack, hidden: torch.Tensor,
         stack._f64_weights = [{k: f(t) for k, t in w.items()} for w in stack.weights]
     h, aux, n = f(hidden), [], hidden.shape[0]
     pos, theta = torch.arange(n), stack.spec.rope_theta
-    for lid, L in enumerate(stack.layers):
-        if stack.aux_hidden_state_layers and lid in stack.aux_hidden_state_layers:
+    for idx, L in enumerate(stack.layers):
+        if stack.aux_hidden_state_layers and L.layer_id in stack.aux_hidden_state_layers:
             aux.append(h)
-        w = stack._f64_weights[lid]
+        w = stack._f64_weights[idx]
         x = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
         if L.is_mla:
             m = stack.spec.mla
@@ -235,6 +244,7 @@ def reference_forward(stack: AttentionStack, hidden: torch.Tensor,
             kk = cached(_rope_complex(k.reshape(n, hkv, d), pos, theta))
             vv = cached(v.reshape(n, hkv, d))
         o = reference_attention(qq, kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
-                                softcap=L.logit_softcap, sinks=None if L.sinks is None else f(L.sinks))
+                                softcap=L.logit_softcap, sinks=None if L.sinks is None else f(L.sinks),
+                                chunk=L.attention_chunk_size)
         h = h + o.reshape(n, -1) @ w["o"].T
     return h, aux

@@ -3,9 +3,16 @@
 Fields are read as published (``num_key_value_heads`` defaults to the head count, ``head_dim``
 to ``hidden_size // num_attention_heads``); a multimodal config that wraps its language model in
 ``text_config`` is read from there. What a config leaves implicit (which layers use a sliding
-window, whether attention sinks exist) is decided by the per-``model_type`` table
-:data:`LAYER_RULES` below, the only place such rules live. An explicit ``layer_types`` list always
-wins over the table. Unknown extra keys are ignored: HF configs carry many.
+window, which are chunked local attention, which are not attention at all, whether attention sinks
+exist, and the HF class defaults a sparse config leaves out) is decided by the per-``model_type``
+table :data:`LAYER_RULES` below, the only place such rules live. An explicit per-layer list
+(``layer_types``, else ``layers_block_type``, else MiniMax's ``attn_type_list``) always wins over
+the table. Unknown extra keys are ignored: HF configs carry many.
+
+Layers that are not softmax attention over a KV cache — Qwen3-Next's linear-attention (Gated
+DeltaNet) layers, Jamba's mamba layers — are read as ``"linear_attention"`` / ``"mamba"`` in
+``ModelSpec.layer_types``; they form no :class:`LayerKind` (no backend computes them, no KV cache
+is sized for them) and are listed by ``ModelSpec.not_attention()``.
 
 Bad input raises :class:`pipeline.errors.ModelConfigError` (exit code 3) with the JSON path of the
 offending key; an unreadable file raises :class:`pipeline.errors.UsageError` (exit code 2).
@@ -18,18 +25,22 @@ import json
 import math
 import os
 import pathlib
-from typing import Any, Callable, Mapping, NamedTuple
+from collections import ChainMap
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
-from pipeline.contracts import LayerKind, MLADims, ModelSpec
-from pipeline.errors import ModelConfigError, UsageError
+from pipeline.contracts import ATTENTION_LAYER_TYPES, LayerKind, MLADims, ModelSpec
+from pipeline.errors import ConfigError, ModelConfigError, UsageError
 
 BUNDLED_CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "data" / "configs"
 DEFAULT_MODEL_CONFIG = BUNDLED_CONFIG_DIR / "llama-3.1-8b.json"
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
            "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
-_LAYER_TYPE_NAMES = {"full_attention": "full", "sliding_attention": "sliding",
-                     "full": "full", "sliding": "sliding"}
+# Per-layer type names as HF configs spell them (``layer_types``; ``layers_block_type`` uses
+# "attention"/"mamba"; HF Llama4TextConfig "chunked_attention"; Qwen3NextConfig "linear_attention").
+_LAYER_TYPE_NAMES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
+                     "attention": "full", "linear_attention": "linear_attention", "mamba": "mamba",
+                     "full": "full", "sliding": "sliding", "chunked": "chunked"}
 _REMEDY = "fix this key in config.json (compare with the model's published config on the Hub)"
 
 
@@ -37,7 +48,8 @@ _REMEDY = "fix this key in config.json (compare with the model's published confi
 # absurd structures: a billion layers would hang before anything could be refused.
 UPPER = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 1024,
          "v_head_dim": 1024, "hidden_size": 1 << 20, "kv_lora_rank": 8192, "qk_rope_head_dim": 1024,
-         "qk_nope_head_dim": 1024, "q_lora_rank": 1 << 16, "sliding_window": 1 << 24}
+         "qk_nope_head_dim": 1024, "q_lora_rank": 1 << 16, "sliding_window": 1 << 24,
+         "attention_chunk_size": 1 << 24}
 
 
 class _Cfg:
@@ -97,8 +109,9 @@ class _Cfg:
 
 
 # --------------------------------------------------------------------------------------------
-# Implicit per-model_type rules: THE one place they live. Each rule returns one entry per layer,
-# "full" or "sliding"; it runs only when the config has no explicit ``layer_types`` list.
+# Implicit per-model_type rules: THE one place they live. Each rule returns one entry per layer
+# ("full", "sliding", "chunked", "linear_attention" or "mamba"); it runs only when the config has
+# no explicit per-layer list (layer_types / layers_block_type / attn_type_list).
 # --------------------------------------------------------------------------------------------
 
 
@@ -126,17 +139,84 @@ def _every_nth_full(c: _Cfg, n: int) -> list[str]:
     return ["full" if (i + 1) % period == 0 else "sliding" for i in range(n)]
 
 
+def _every_nth_full_else_linear(c: _Cfg, n: int) -> list[str]:
+    """Qwen3-Next: layer i is full attention iff (i + 1) % full_attention_interval == 0, else linear attention."""
+    period = c.integer("full_attention_interval", 4)
+    return ["full" if (i + 1) % period == 0 else "linear_attention" for i in range(n)]
+
+
+def _attn_period_else_mamba(c: _Cfg, n: int) -> list[str]:
+    """Jamba: layer i is attention iff i % attn_layer_period == attn_layer_offset, else mamba."""
+    period = c.integer("attn_layer_period", 8)
+    offset = c.integer("attn_layer_offset", 4, lo=0)
+    if offset >= period:
+        raise c.bad("attn_layer_offset", offset, f"an integer in [0, {period - 1}]",
+                    f"must be smaller than attn_layer_period={period} (HF JambaConfig checks the same)")
+    attn = "sliding" if c.get("sliding_window") is not None else "full"
+    return [attn if i % period == offset else "mamba" for i in range(n)]
+
+
+def _llama4_chunked(c: _Cfg, n: int) -> list[str]:
+    """Llama-4: no_rope_layers[i] == 1 (a RoPE layer) is chunked local attention, 0 (NoPE) is full.
+
+    An absent / empty ``no_rope_layers`` is built as HF does: ``int((i + 1) % no_rope_layer_interval != 0)``.
+    With ``attention_chunk_size: null`` nothing is chunked (sglang serves no local attention then).
+    """
+    flags = c.get("no_rope_layers")
+    if not flags:
+        interval = c.integer("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(n)]
+    if (not isinstance(flags, list) or len(flags) < n
+            or any(isinstance(f, bool) or f not in (0, 1) for f in flags)):
+        raise c.bad("no_rope_layers", flags, f"a list of at least {n} entries, each 0 or 1",
+                    f"must give each of the {n} layers 0 (NoPE, full attention) or 1 (RoPE, chunked attention)")
+    if c.get("attention_chunk_size") is None:
+        return ["full"] * n
+    return ["chunked" if f else "full" for f in flags[:n]]
+
+
 class LayerRule(NamedTuple):
-    """An implicit rule: ``layers(cfg, n)`` gives each layer's kind; ``has_sinks``; ``cite`` = source."""
+    """An implicit rule: ``layers(cfg, n)`` gives each layer's type; ``has_sinks``; ``cite`` = source;
+    ``defaults``: the HF configuration class's defaults for keys a published config may leave out
+    (applied only where the key is absent)."""
 
     layers: Callable[[_Cfg, int], list[str]]
     has_sinks: bool
     cite: str
+    defaults: Mapping[str, Any] = {}
 
 
 _QWEN = LayerRule(_qwen_window_layers, False,
                   "HF Qwen2Config/Qwen3Config: sliding_window applies only when use_sliding_window, "
                   "to layers i >= max_window_layers (default 28); the first max_window_layers are full")
+_GEMMA3 = LayerRule(
+    _every_nth_full, False,
+    "HF Gemma3TextConfig: layer i is full iff (i + 1) % sliding_window_pattern == 0 (default 6), else sliding; "
+    "the published multimodal configs (Gemma3ForConditionalGeneration) leave head_dim, query_pre_attn_scalar "
+    "and other class defaults out of text_config, so those defaults apply",
+    defaults={"hidden_size": 2304, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+              "rope_theta": 1_000_000.0, "max_position_embeddings": 131072, "vocab_size": 262208})
+_LLAMA4 = LayerRule(
+    _llama4_chunked, False,
+    "HF Llama4TextConfig: layer_types default to 'chunked_attention' where no_rope_layers[i] (RoPE layers) "
+    "else 'full_attention' (NoPE); no_rope_layers defaults to int((i + 1) % no_rope_layer_interval != 0), "
+    "interval 4; attention_chunk_size default 8192 (sglang get_hybrid_layer_ids: (i + 1) % 4 != 0 are local)",
+    defaults={"attention_chunk_size": 8192, "no_rope_layer_interval": 4, "head_dim": 128, "hidden_size": 5120,
+              "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "rope_theta": 500000.0,
+              "max_position_embeddings": 131072, "vocab_size": 202048})
+_QWEN3_NEXT = LayerRule(
+    _every_nth_full_else_linear, False,
+    "HF Qwen3NextConfig: layer_types default to 'full_attention' iff (i + 1) % full_attention_interval == 0 "
+    "(default 4), else 'linear_attention' (Gated DeltaNet, no KV cache)",
+    defaults={"full_attention_interval": 4, "head_dim": 256, "hidden_size": 2048, "num_hidden_layers": 48,
+              "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 151936,
+              "max_position_embeddings": 32768})
+_JAMBA = LayerRule(
+    _attn_period_else_mamba, False,
+    "HF JambaConfig.layers_block_type: 'attention' iff i % attn_layer_period == attn_layer_offset "
+    "(defaults 8, 4), else 'mamba'",
+    defaults={"attn_layer_period": 8, "attn_layer_offset": 4})
 LAYER_RULES: dict[str, LayerRule] = {
     "llama": LayerRule(_all_full, False, "HF LlamaConfig: no sliding window"),
     "mistral": LayerRule(_uniform, False, "HF MistralConfig: sliding_window (4096 in v0.1) on every layer"),
@@ -144,14 +224,17 @@ LAYER_RULES: dict[str, LayerRule] = {
     "gemma2": LayerRule(_even_sliding, False,
                         "HF Gemma2Config.layer_types: layer i slides iff (i + 1) % 2, i.e. even i "
                         "(0, 2, ...) slide and odd are full; sglang gemma2.py: layer_id % 2 == 0"),
-    "gemma3_text": LayerRule(_every_nth_full, False,
-                             "HF Gemma3TextConfig: layer i is full iff (i + 1) % sliding_window_pattern == 0"),
+    "gemma3_text": _GEMMA3,
+    "gemma3": _GEMMA3,  # the multimodal wrapper, when its text_config names no model_type
     "qwen2": _QWEN, "qwen2_moe": _QWEN, "qwen3": _QWEN, "qwen3_moe": _QWEN,
     "gpt_oss": LayerRule(_even_sliding, True,
                          "HF GptOssConfig: layer_types default alternates sliding/full from layer 0; "
                          "every attention layer has learned per-head sinks (GptOssAttention.sinks)"),
     "deepseek_v2": LayerRule(_all_full, False, "DeepSeek-V2 MLA: full attention everywhere"),
     "deepseek_v3": LayerRule(_all_full, False, "DeepSeek-V3 MLA: full attention everywhere"),
+    "llama4_text": _LLAMA4, "llama4": _LLAMA4,
+    "qwen3_next": _QWEN3_NEXT,
+    "jamba": _JAMBA,
 }
 DEFAULT_RULE = LayerRule(_uniform, False, "HF convention for other decoders: sliding_window, when set, "
                                           "applies to every layer")
@@ -310,21 +393,55 @@ def _scaling(c: _Cfg, head_dim: int, mla: MLADims | None) -> float:
     return scale
 
 
-def _layer_types(c: _Cfg, n: int, rule: LayerRule) -> list[str]:
-    explicit = c.get("layer_types")
-    if explicit is None:
-        return rule.layers(c, n)
+def _listed_types(c: _Cfg, key: str, n: int) -> list[str]:
+    """An explicit per-layer list (``layer_types`` / ``layers_block_type``) read into layer types."""
+    explicit = c.get(key)
     if not isinstance(explicit, list) or len(explicit) != n:
-        raise c.bad("layer_types", explicit, f"a list of {n} layer types (one per hidden layer)",
+        raise c.bad(key, explicit, f"a list of {n} layer types (one per hidden layer)",
                     f"must list one type per layer (num_hidden_layers={n})")
+    known = sorted(k for k in _LAYER_TYPE_NAMES if k not in ATTENTION_LAYER_TYPES)
     out = []
     for i, t in enumerate(explicit):
-        if t not in _LAYER_TYPE_NAMES:
-            raise ModelConfigError(f"{c.at('layer_types')}[{i}]={t!r} is not a supported attention layer type",
-                                   flags=[(f"layer_types[{i}]", t)], json_path=f"{c.at('layer_types')}[{i}]",
-                                   allowed=["full_attention", "sliding_attention"], remedy=_REMEDY)
+        if not isinstance(t, str) or t not in _LAYER_TYPE_NAMES:
+            raise ModelConfigError(
+                f"{c.at(key)}[{i}]={t!r} is not a layer type attn-setup knows", flags=[(f"{key}[{i}]", t)],
+                json_path=f"{c.at(key)}[{i}]", allowed=known,
+                remedy=f"if config.json is the published one, attn-setup does not support this layer type yet "
+                       f"(it reads {', '.join(known)}); otherwise fix the entry")
         out.append(_LAYER_TYPE_NAMES[t])
     return out
+
+
+def _minimax_types(c: _Cfg, n: int) -> list[str]:
+    """MiniMax ``attn_type_list``: 1 = softmax (full) attention, 0 = linear (lightning) attention (vLLM
+    ``ModelConfig.get_num_layers_by_block_type`` counts attention layers the same way)."""
+    flags = c.get("attn_type_list")
+    if not isinstance(flags, list) or len(flags) != n or any(isinstance(f, bool) or f not in (0, 1) for f in flags):
+        raise c.bad("attn_type_list", flags, f"a list of {n} entries, each 0 or 1",
+                    "must give each layer 1 (softmax attention) or 0 (linear attention)")
+    return ["full" if f else "linear_attention" for f in flags]
+
+
+def _layer_types(c: _Cfg, n: int, rule: Optional[LayerRule]) -> list[str]:
+    """Per-layer types: an explicit list wins, then the model_type's rule, then the hybrid conventions.
+
+    Order: ``layer_types`` > ``layers_block_type`` (Jamba-style) > ``attn_type_list`` (MiniMax) >
+    :data:`LAYER_RULES` > a config with ``full_attention_interval`` and ``linear_*`` keys (the
+    Qwen3-Next / Qwen3.5 layout) > ``attn_layer_period`` + ``attn_layer_offset`` (the Jamba layout) >
+    :data:`DEFAULT_RULE`.
+    """
+    for key in ("layer_types", "layers_block_type"):
+        if c.get(key) is not None:
+            return _listed_types(c, key, n)
+    if c.get("attn_type_list") is not None:
+        return _minimax_types(c, n)
+    if rule is not None:
+        return rule.layers(c, n)
+    if c.get("full_attention_interval") is not None and any(k.startswith("linear_") for k in c.data):
+        return _every_nth_full_else_linear(c, n)
+    if c.get("attn_layer_period") is not None and c.get("attn_layer_offset") is not None:
+        return _attn_period_else_mamba(c, n)
+    return DEFAULT_RULE.layers(c, n)
 
 
 def _rope_theta(c: _Cfg) -> float:
@@ -352,22 +469,25 @@ def _build(top: _Cfg, source: str) -> ModelSpec:
     archs = top.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise top.bad("architectures", archs, "a list of strings", "must be a list of strings")
+    rule = LAYER_RULES.get(model_type)
+    if rule is not None and rule.defaults:  # HF class defaults for the keys a published config leaves out
+        c = _Cfg(ChainMap(dict(c.data), dict(rule.defaults)), c.path)
     hidden, n_layers, heads, kv = _heads(c)
     mla = _mla(c)
     head_dim, v_dim = _head_dims(c, hidden, heads, mla)
-    rule = LAYER_RULES.get(model_type, DEFAULT_RULE)
     kinds = _layer_types(c, n_layers, rule)
     window = c.integer("sliding_window", required=True) if "sliding" in kinds else None
+    chunk = c.integer("attention_chunk_size", required=True) if "chunked" in kinds else None
     return ModelSpec(
         model_type=model_type, architectures=list(archs), source=source, hidden_size=hidden,
         num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv,
         head_dim=head_dim, v_head_dim=v_dim, scaling=_scaling(c, head_dim, mla), layer_types=kinds,
         sliding_window=window, logit_softcap=c.num("attn_logit_softcapping"),
-        has_attention_sinks=rule.has_sinks, mla=mla,
+        has_attention_sinks=(rule or DEFAULT_RULE).has_sinks, mla=mla,
         is_encoder_decoder=top.flag("is_encoder_decoder") or c.flag("is_encoder_decoder"),
         dtype=_dtype(c, top), rope_theta=_rope_theta(c),
         max_position_embeddings=c.integer("max_position_embeddings", 4096),
-        vocab_size=c.integer("vocab_size", 32000))
+        vocab_size=c.integer("vocab_size", 32000), attention_chunk_size=chunk)
 
 
 def _kind_dim(spec: ModelSpec, kind: str, dim: int) -> int:
@@ -378,14 +498,18 @@ def _kind_dim(spec: ModelSpec, kind: str, dim: int) -> int:
 def layer_kinds(spec: ModelSpec) -> list[LayerKind]:
     """The distinct attention layer kinds of ``spec``, in first-layer order.
 
-    Non-MLA layers are grouped into ``"full"`` and ``"sliding"`` (window ``spec.sliding_window``
-    keys, the query itself included; FlashInfer's / sglang's ``window_left`` is ``window - 1``).
+    Non-MLA layers are grouped into ``"full"``, ``"sliding"`` (window ``spec.sliding_window``
+    keys, the query itself included; FlashInfer's / sglang's ``window_left`` is ``window - 1``) and
+    ``"chunked"`` (chunked local attention, chunk ``spec.attention_chunk_size``: key j is visible
+    from query i iff ``j <= i`` and ``j // C == i // C``; Llama-4's RoPE layers).
     MLA layers are reported in absorbed form, as sglang's MLA
     backends see them: one latent KV head (``num_kv_heads == 1``), ``head_dim_qk =
     kv_lora_rank + qk_rope_head_dim`` (576 for DeepSeek-V2), ``head_dim_v = kv_lora_rank``.
+    Layers that are not attention (``linear_attention``, ``mamba``) form no kind: see
+    ``ModelSpec.not_attention()``. A model made only of such layers has no kind ([]).
 
-    Raises ModelConfigError when ``layer_types`` does not have one entry per layer or a sliding
-    layer has no ``sliding_window``.
+    Raises ModelConfigError when ``layer_types`` does not have one entry per layer, a sliding
+    layer has no ``sliding_window`` or a chunked layer no ``attention_chunk_size``.
     """
     if len(spec.layer_types) != spec.num_hidden_layers:
         raise ModelConfigError("layer_types must have one entry per hidden layer", json_path="$.layer_types",
@@ -394,10 +518,12 @@ def layer_kinds(spec: ModelSpec) -> list[LayerKind]:
                                allowed=[f"{spec.num_hidden_layers} entries"], remedy=_REMEDY)
     groups: dict[str, list[int]] = {}
     for i, t in enumerate(spec.layer_types):
-        groups.setdefault(t, []).append(i)
-    if "sliding" in groups and spec.sliding_window is None:
-        raise ModelConfigError("sliding layers need a sliding_window", json_path="$.sliding_window",
-                               flags=[("sliding_window", None)], allowed=["an integer >= 1"], remedy=_REMEDY)
+        if t in ATTENTION_LAYER_TYPES:
+            groups.setdefault(t, []).append(i)
+    for kind, key in (("sliding", "sliding_window"), ("chunked", "attention_chunk_size")):
+        if kind in groups and getattr(spec, key) is None:
+            raise ModelConfigError(f"{kind} layers need {key}", json_path=f"$.{key}", flags=[(key, None)],
+                                   allowed=["an integer >= 1"], remedy=_REMEDY)
     mla = spec.mla
     return [LayerKind(
         kind=t, num_heads=spec.num_attention_heads,
@@ -406,4 +532,60 @@ def layer_kinds(spec: ModelSpec) -> list[LayerKind]:
         head_dim_v=mla.absorbed_v_dim if mla else _kind_dim(spec, t, spec.v_head_dim), scaling=spec.scaling,
         sliding_window=spec.sliding_window if t == "sliding" else None,
         logit_softcap=spec.logit_softcap, has_sinks=spec.has_attention_sinks,
-        is_mla=mla is not None, layer_ids=ids) for t, ids in groups.items()]
+        is_mla=mla is not None, layer_ids=ids,
+        attention_chunk_size=spec.attention_chunk_size if t == "chunked" else None) for t, ids in groups.items()]
+
+
+def format_layer_ids(ids: list[int]) -> str:
+    """Layer ids exactly and briefly: ``0..31 (32)``, ``3, 7, .., 47 (12, every 4th)``, ``0..2, 4..6 (6)``."""
+    if len(ids) <= 3:
+        return ", ".join(map(str, ids))
+    steps = {b - a for a, b in zip(ids, ids[1:])}
+    if steps == {1}:
+        return f"{ids[0]}..{ids[-1]} ({len(ids)})"
+    if len(steps) == 1:
+        k = steps.pop()
+        nth = f"{k}{'nd' if k % 10 == 2 and k % 100 != 12 else 'rd' if k % 10 == 3 and k % 100 != 13 else 'th'}"
+        return f"{ids[0]}, {ids[1]}, .., {ids[-1]} ({len(ids)}, every {nth})"
+    runs, start = [], ids[0]
+    for a, b in zip(ids, ids[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start}..{a}")
+            start = b
+    return f"{', '.join(runs)} ({len(ids)})"
+
+
+def attention_layer_ids(spec: ModelSpec) -> list[int]:
+    """Ids of the layers an attention backend computes (every layer but ``linear_attention`` / ``mamba``)."""
+    return [i for i, t in enumerate(spec.layer_types) if t in ATTENTION_LAYER_TYPES]
+
+
+def layers_covering_every_kind(spec: ModelSpec, minimum: int = 2) -> int:
+    """The fewest leading attention layers (at least ``minimum``, at most all) that include one layer of
+    every attention kind: 2 for Llama-3 or Gemma-2 (alternating), 4 for Llama-4 (a full layer every
+    4th), 6 for Gemma-3 (every 6th). ``attn-setup run``'s default ``--num-layers``."""
+    ids = attention_layer_ids(spec)
+    first = {}
+    for n, lid in enumerate(ids, start=1):
+        first.setdefault(spec.layer_types[lid], n)
+    return min(max([minimum] + list(first.values())), len(ids))
+
+
+def attention_prefix(spec: ModelSpec, num_attention_layers: int) -> int:
+    """How many leading hidden layers hold the first ``num_attention_layers`` attention layers.
+
+    ``attn-setup run --num-layers N`` builds the first N *attention* layers: for an all-attention model
+    that is layers ``0..N-1``; for a hybrid (Qwen3-Next: 3 linear-attention layers, then 1 full) the
+    prefix also spans the linear layers in between (N=2 → 8 layers: ids 3 and 7 are built).
+
+    Raises ConfigError (``invalid_value``) naming ``num_layers`` when N is outside 1..(attention layers).
+    """
+    ids = attention_layer_ids(spec)
+    if not 1 <= num_attention_layers <= len(ids):
+        hybrid = f" ({len(ids)} of its {spec.num_hidden_layers} layers are attention)" \
+            if len(ids) != spec.num_hidden_layers else ""
+        raise ConfigError(f"num_layers={num_attention_layers} is outside 1..{len(ids)}{hybrid}", code="invalid_value",
+                          flags=[("num_layers", num_attention_layers)], allowed=[f"1..{len(ids)}"],
+                          remedy=f"pass --num-layers between 1 and {len(ids)}" if ids else
+                          "this model has no attention layer to build")
+    return ids[num_attention_layers - 1] + 1

@@ -4,8 +4,8 @@ This is the yardstick every backend is checked against (tests and ``attn-setup r
 verification). It is deliberately written apart from the backends: it never sees ``req_to_token``,
 the paged KV pool or ``scaled_dot_product_attention``; it takes one request's keys and values as
 plain tensors (positions ``0..L-1``) and spells the math out: ``q @ k^T * scale``, optional logit
-softcap, causal + sliding-window mask on absolute positions, optional attention sinks, softmax,
-``@ v``.
+softcap, causal + sliding-window + chunked-local mask on absolute positions, optional attention
+sinks, softmax, ``@ v``.
 
 Error metric used with it everywhere: :func:`rel_err` = ``max|out - ref| / max|ref|``.
 """
@@ -22,7 +22,7 @@ __all__ = ["reference_attention", "rel_err"]
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-           window: Optional[int], sinks: Optional[torch.Tensor]) -> None:
+           window: Optional[int], sinks: Optional[torch.Tensor], chunk: Optional[int] = None) -> None:
     """Shape checks; raises :class:`BuildError` (``reference_input_invalid``) naming the argument."""
     def bad(field: str, value: object, allowed: str) -> BuildError:
         return BuildError(f"reference_attention: {field}={value} is not allowed", code="reference_input_invalid",
@@ -41,13 +41,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch
         raise bad("q_positions", (int(q_positions.min()), int(q_positions.max())), f"positions in [0, {lk - 1}]")
     if window is not None and window < 1:
         raise bad("window", window, "None or an integer >= 1")
+    if chunk is not None and chunk < 1:
+        raise bad("chunk", chunk, "None or an integer >= 1")
     if sinks is not None and tuple(sinks.shape) != (h,):
         raise bad("sinks.shape", tuple(sinks.shape), f"[{h}]")
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
                         scale: float, window: Optional[int] = None, softcap: Optional[float] = None,
-                        sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        sinks: Optional[torch.Tensor] = None, chunk: Optional[int] = None) -> torch.Tensor:
     """Attention of one request's queries over all of its keys, in float64.
 
     Parameters
@@ -63,6 +65,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
     softcap : logit softcap: scaled scores become ``softcap * tanh(s / softcap)`` (Gemma-2).
     sinks : [H] per-head sink logits (gpt-oss): each adds ``exp(sink_h)`` to the softmax
         denominator of head ``h`` and attends to no value.
+    chunk : chunked local attention (Llama-4's ``attention_chunk_size``): key ``j`` is visible from
+        query ``i`` only when ``j // chunk == i // chunk`` (a window that resets at chunk
+        boundaries; HF's chunked-attention mask); None = no chunking. Combines with ``window``.
 
     GQA: query head ``h`` reads kv head ``h // (H // Hkv)``.
 
@@ -72,9 +77,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
 
     Raises
     ------
-    BuildError (``reference_input_invalid``) for inconsistent shapes, positions or window.
+    BuildError (``reference_input_invalid``) for inconsistent shapes, positions, window or chunk.
     """
-    _check(q, k, v, q_positions, window, sinks)
+    _check(q, k, v, q_positions, window, sinks, chunk)
     f64 = torch.float64
     h, hkv = q.shape[1], k.shape[1]
     kv_of_head = torch.arange(h, device=k.device) // (h // hkv)
@@ -88,6 +93,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
     visible = dist >= 0
     if window is not None:
         visible &= dist < window
+    if chunk is not None:
+        key_pos = torch.arange(k.shape[0], device=q.device).view(1, -1)
+        visible &= (q_positions.to(q.device).view(-1, 1) // chunk) == (key_pos // chunk)
     scores = scores.masked_fill(~visible, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)                   # every query sees itself: finite
     if sinks is not None:

@@ -40,7 +40,8 @@ SINGLE_RANK = "single rank: agrees trivially"
 class RunnerConfig:
     """What ``initialize()`` needs beyond the :class:`SetupRequest`.
 
-    ``num_layers``: build only the first N layers (None = all). ``seed``: weight seed.
+    ``num_layers``: build only the first N attention layers (None = all; a hybrid model's
+    linear-attention / mamba layers are skipped, not counted). ``seed``: weight seed.
     Pool size (first given wins): ``num_token_slots`` > ``mem_bytes`` (a byte budget) >
     ``mem_fraction`` (share of device memory, weights subtracted) > ``request.pool.num_token_slots``.
     ``aux_hidden_state_layers``: EAGLE3 layer ids whose input hidden states the model returns.
@@ -172,7 +173,7 @@ class Runner:
         self._step(RunnerState.INIT_DISTRIBUTED, work)
 
     def load_model(self) -> None:
-        """Build the attention stack (first ``num_layers`` layers, seeded) and set EAGLE3 aux layers."""
+        """Build the attention stack (first ``num_layers`` attention layers, seeded) and set EAGLE3 aux layers."""
         def work() -> None:
             from pipeline.memory import torch_dtype
             from pipeline.model import AttentionStack

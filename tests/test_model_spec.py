@@ -2,7 +2,8 @@
 
 The EXPECTED table below was written by hand from the model cards / papers (Llama 3 herd paper,
 Qwen2.5 and Qwen3 model cards, Mistral 7B paper, Gemma 2 report, DeepSeek-V2 paper, gpt-oss
-model card), not by running the loader.
+model card; Qwen3-Next, Llama-4-Scout and Gemma-3 model cards with the HF configuration classes'
+defaults), not by running the loader.
 """
 
 from __future__ import annotations
@@ -17,9 +18,15 @@ import sys
 import msgspec
 import pytest
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from pipeline.contracts import ModelSpec
-from pipeline.errors import EXIT_REFUSED, EXIT_USAGE, ModelConfigError, UsageError
-from pipeline.model_spec import DEFAULT_MODEL_CONFIG, LAYER_RULES, layer_kinds, load_model_spec
+from pipeline.errors import EXIT_REFUSED, EXIT_USAGE, ConfigError, ModelConfigError, UsageError
+from pipeline.model_spec import (
+    DEFAULT_MODEL_CONFIG, LAYER_RULES, attention_prefix, format_layer_ids, layer_kinds, layers_covering_every_kind,
+    load_model_spec,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
@@ -28,6 +35,8 @@ CONFIGS = ROOT / "examples" / "configs"
 # mscale_all_dim = 0.707 and factor 40 (DeepSeek-V2 paper, appendix on YaRN).
 _DSV2_MSCALE = 1.0 + 0.1 * 0.707 * math.log(40.0)
 _EVEN = lambda n: [i for i in range(n) if i % 2 == 0]  # noqa: E731
+_EVERY = lambda n, k: [i for i in range(n) if (i + 1) % k == 0]  # noqa: E731  layers 3, 7, … for k = 4
+_NOT_EVERY = lambda n, k: [i for i in range(n) if (i + 1) % k]  # noqa: E731
 
 EXPECTED = {
     # file: (model_type, layers, heads, kv_heads, head_dim, v_dim, scale, sliding ids, window,
@@ -46,6 +55,16 @@ EXPECTED = {
                               None, False, (512, 64, 128, 128, None), "bfloat16", 102400, 163840, 10000.0),
     "gpt-oss-20b.json": ("gpt_oss", 24, 64, 8, 64, 64, 1 / 8, _EVEN(24), 128,
                          None, True, None, "bfloat16", 201088, 131072, 150000.0),
+    # 48 layers: 3 Gated DeltaNet then 1 gated full attention, x12; 16 q / 2 kv heads of 256 (model card)
+    "qwen3-next-80b-a3b-instruct.json": ("qwen3_next", 48, 16, 2, 256, 256, 1 / 16, [], None,
+                                         None, False, None, "bfloat16", 151936, 262144, 1e7),
+    # text_config: 48 layers, 40 q / 8 kv heads of 128, chunked (8192) except every 4th layer (NoPE, global)
+    "llama-4-scout-17b-16e-instruct.json": ("llama4_text", 48, 40, 8, 128, 128, 1 / math.sqrt(128), [], None,
+                                            None, False, None, "bfloat16", 202048, 10485760, 500000.0),
+    # sparse text_config: head_dim 256 and query_pre_attn_scalar 256 are Gemma3TextConfig defaults (3840 / 16
+    # would give 240); 5 local (window 1024) : 1 global; vocab / positions / theta are class defaults too
+    "gemma-3-12b-it.json": ("gemma3_text", 48, 16, 8, 256, 256, 1 / 16, _NOT_EVERY(48, 6), 1024,
+                            None, False, None, "bfloat16", 262208, 131072, 1e6),
 }
 
 
@@ -81,18 +100,33 @@ EXPECTED_KINDS = {
     "qwen3-8b.json": [("full", 8, 128, 128, None, False, 36)],
     "deepseek-v2-lite.json": [("full", 1, 576, 512, None, True, 27)],
     "gpt-oss-20b.json": [("sliding", 8, 64, 64, 128, False, 12), ("full", 8, 64, 64, None, False, 12)],
+    "qwen3-next-80b-a3b-instruct.json": [("full", 2, 256, 256, None, False, 12)],
+    "llama-4-scout-17b-16e-instruct.json": [("chunked", 8, 128, 128, None, False, 36),
+                                            ("full", 8, 128, 128, None, False, 12)],
+    "gemma-3-12b-it.json": [("sliding", 8, 256, 256, 1024, False, 40), ("full", 8, 256, 256, None, False, 8)],
+}
+# file -> (attention_chunk_size of the chunked kind, [(not-attention kind, ids)])
+EXPECTED_OTHER = {
+    "qwen3-next-80b-a3b-instruct.json": (None, [("linear_attention", _NOT_EVERY(48, 4))]),
+    "llama-4-scout-17b-16e-instruct.json": (8192, []),
 }
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_KINDS))
 def test_layer_kinds_counts(name):
-    """layer_kinds groups layers by kind (MLA in absorbed form) and covers every layer once."""
+    """layer_kinds groups layers by kind (MLA in absorbed form); with the not-attention groups they cover
+    every layer once; chunked kinds carry the chunk, the others none."""
     s = load_model_spec(CONFIGS / name)
     kinds = s.layer_kinds()
     got = [(k.kind, k.num_kv_heads, k.head_dim_qk, k.head_dim_v, k.sliding_window, k.is_mla, len(k.layer_ids))
            for k in kinds]
     assert got == EXPECTED_KINDS[name]
-    assert sorted(i for k in kinds for i in k.layer_ids) == list(range(s.num_hidden_layers))
+    chunk, others = EXPECTED_OTHER.get(name, (None, []))
+    assert [(g.kind, g.layer_ids) for g in s.not_attention()] == others
+    assert [k.attention_chunk_size for k in kinds] == [chunk if k.kind == "chunked" else None for k in kinds]
+    assert s.attention_chunk_size == chunk
+    ids = [i for k in kinds for i in k.layer_ids] + [i for g in s.not_attention() for i in g.layer_ids]
+    assert sorted(ids) == list(range(s.num_hidden_layers))
     assert all(k.num_heads == EXPECTED[name][2] and k.has_sinks == EXPECTED[name][10] for k in kinds)
     assert all(k.logit_softcap == EXPECTED[name][9] and k.scaling == s.scaling for k in kinds)
 
@@ -211,8 +245,26 @@ BAD_DICTS = [
     ("bad_dtype", _with(torch_dtype="int8"), "$.torch_dtype", "torch_dtype", "int8"),
     ("layer_types_short", _with(layer_types=["full_attention"] * 3), "$.layer_types", "layer_types",
      ["full_attention"] * 3),
-    ("layer_type_unknown", _with(layer_types=["full_attention"] * 3 + ["chunked_attention"] + ["full_attention"] * 28),
-     "$.layer_types[3]", "layer_types[3]", "chunked_attention"),
+    ("layer_type_unknown", _with(layer_types=["full_attention"] * 3 + ["hyena"] + ["full_attention"] * 28),
+     "$.layer_types[3]", "layer_types[3]", "hyena"),
+    ("layer_type_not_string", _with(layer_types=["full_attention"] * 31 + [1]), "$.layer_types[31]",
+     "layer_types[31]", 1),
+    ("chunked_without_chunk_size", _with(layer_types=["chunked_attention"] * 32), "$.attention_chunk_size",
+     "attention_chunk_size", None),
+    ("block_type_unknown", _with(layers_block_type=["attention"] * 31 + ["hybrid"]), "$.layers_block_type[31]",
+     "layers_block_type[31]", "hybrid"),
+    ("attn_offset_not_below_period", _with(model_type="jamba", attn_layer_period=4, attn_layer_offset=4),
+     "$.attn_layer_offset", "attn_layer_offset", 4),
+    ("full_attention_interval_zero", _with(model_type="qwen3_next", full_attention_interval=0),
+     "$.full_attention_interval", "full_attention_interval", 0),
+    ("attn_type_list_bad", _with(attn_type_list=[1] * 31 + [2]), "$.attn_type_list", "attn_type_list",
+     [1] * 31 + [2]),
+    ("no_rope_layers_short", {"model_type": "llama4", "text_config": _with(model_type="llama4_text",
+                                                                          no_rope_layers=[1, 0])},
+     "$.text_config.no_rope_layers", "no_rope_layers", [1, 0]),
+    ("chunk_size_zero", {"model_type": "llama4", "text_config": _with(model_type="llama4_text",
+                                                                     attention_chunk_size=0)},
+     "$.text_config.attention_chunk_size", "attention_chunk_size", 0),
     ("sliding_without_window", _with(model_type="mistral", layer_types=["sliding_attention"] * 32),
      "$.sliding_window", "sliding_window", None),
     ("text_config_missing_heads", {"model_type": "llava", "text_config": _with(num_attention_heads=...)},
@@ -283,3 +335,143 @@ def test_layer_kinds_rejects_inconsistent_spec():
     with pytest.raises(ModelConfigError) as ei:
         layer_kinds(s)
     assert ei.value.info.json_path == "$.layer_types" and ei.value.info.flags[0].value == 1
+
+
+# ------------------------------------------------------------------------------------------
+# Layers that are not softmax attention over the whole context (issue 13 §3)
+# ------------------------------------------------------------------------------------------
+_QWEN3_NEXT = _cfg("qwen3-next-80b-a3b-instruct.json")
+_SCOUT = _cfg("llama-4-scout-17b-16e-instruct.json")
+_GEMMA3 = _cfg("gemma-3-12b-it.json")
+
+
+def test_qwen3_next_interval_and_explicit_layer_types_agree():
+    """full_attention_interval 4 (the published file has no layer_types) and the explicit list HF would write
+    read to the same types; interval 2 and the HF default (4) when the key is absent."""
+    explicit = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)]
+    a = load_model_spec(_QWEN3_NEXT)
+    b = load_model_spec(_QWEN3_NEXT | {"layer_types": explicit})
+    assert a.layer_types == b.layer_types == ["full" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)]
+    two = load_model_spec(_QWEN3_NEXT | {"full_attention_interval": 2})
+    assert [i for i, t in enumerate(two.layer_types) if t == "full"] == list(range(1, 48, 2))
+    default = {k: v for k, v in _QWEN3_NEXT.items() if k != "full_attention_interval"}
+    assert load_model_spec(default).layer_types == a.layer_types
+
+
+def test_linear_attention_in_layer_types_of_any_model_type_is_read_not_refused():
+    """A config listing linear_attention (e.g. a Qwen3.5 text config) is valid: those layers are not attention."""
+    c = _with(model_type="qwen3_5_text", layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                      "linear_attention"] * 8)
+    s = load_model_spec(c)
+    assert [k.layer_ids for k in s.layer_kinds()] == [list(range(2, 32, 4))]
+    assert [(g.kind, len(g.layer_ids)) for g in s.not_attention()] == [("linear_attention", 24)]
+
+
+def test_qwen_style_hybrid_of_an_unknown_model_type_uses_the_interval():
+    """full_attention_interval plus linear_* keys without a rule: the Qwen3-Next layout, not all-full."""
+    c = _with(model_type="some_new_hybrid", full_attention_interval=4, linear_num_value_heads=32)
+    assert load_model_spec(c).layer_types == ["full" if (i + 1) % 4 == 0 else "linear_attention" for i in range(32)]
+
+
+def test_jamba_period_offset_and_explicit_block_types():
+    """Jamba: attention iff i % attn_layer_period == attn_layer_offset (HF defaults 8, 4), else mamba;
+    an explicit layers_block_type wins; an unknown model_type with the two keys reads the same way."""
+    jamba = _with(model_type="jamba")
+    assert [i for i, t in enumerate(load_model_spec(jamba).layer_types) if t == "full"] == [4, 12, 20, 28]
+    odd = load_model_spec(_with(model_type="other", attn_layer_period=2, attn_layer_offset=1))
+    assert odd.layer_types == ["mamba", "full"] * 16
+    listed = load_model_spec(_with(model_type="jamba", layers_block_type=["attention", "mamba"] * 16))
+    assert listed.layer_types == ["full", "mamba"] * 16
+    assert [(g.kind, g.layer_ids) for g in listed.not_attention()] == [("mamba", list(range(1, 32, 2)))]
+
+
+def test_minimax_attn_type_list():
+    """attn_type_list: 1 = softmax attention, 0 = linear (lightning) attention."""
+    s = load_model_spec(_with(model_type="minimax", attn_type_list=[0] * 7 + [1] + [0] * 7 + [1] + [1] * 16))
+    assert [i for i, t in enumerate(s.layer_types) if t == "linear_attention"] == list(range(7)) + list(range(8, 15))
+
+
+def test_llama4_chunked_layers_from_no_rope_layers_and_defaults():
+    """Scout: no_rope_layers 1 = chunked (RoPE), 0 = full (NoPE); absent no_rope_layers → HF's interval 4;
+    absent attention_chunk_size → 8192 (HF default); null → nothing chunked; explicit layer_types win."""
+    s = load_model_spec(_SCOUT)
+    assert s.layer_types == ["full" if (i + 1) % 4 == 0 else "chunked" for i in range(48)]
+    tc = dict(_SCOUT["text_config"])
+    del tc["no_rope_layers"], tc["attention_chunk_size"]
+    d = load_model_spec(_SCOUT | {"text_config": tc | {"no_rope_layer_interval": 3}})
+    assert d.layer_types == ["full" if (i + 1) % 3 == 0 else "chunked" for i in range(48)]
+    assert d.attention_chunk_size == 8192
+    off = load_model_spec(_SCOUT | {"text_config": dict(_SCOUT["text_config"], attention_chunk_size=None)})
+    assert off.layer_types == ["full"] * 48 and off.attention_chunk_size is None
+    # MobileLLM-R1 style: layer_types all full_attention win over no_rope_layers all 1
+    mob = load_model_spec(_SCOUT | {"text_config": dict(_SCOUT["text_config"], layer_types=["full_attention"] * 48)})
+    assert mob.layer_types == ["full"] * 48 and mob.attention_chunk_size is None
+
+
+def test_gemma3_sparse_text_config_takes_class_defaults():
+    """Gemma-3's published text_config leaves head_dim / query_pre_attn_scalar out: 256 each (HF defaults),
+    not hidden/heads = 240; a text_config without model_type is read through the gemma3 wrapper's type."""
+    s = load_model_spec(_GEMMA3)
+    assert (s.head_dim, s.scaling, s.sliding_window) == (256, 1 / 16, 1024)
+    tc = {k: v for k, v in _GEMMA3["text_config"].items() if k != "model_type"}
+    w = load_model_spec(_GEMMA3 | {"text_config": tc})
+    assert (w.model_type, w.layer_types, w.head_dim) == ("gemma3", s.layer_types, 256)
+    p4 = load_model_spec(_GEMMA3 | {"text_config": dict(_GEMMA3["text_config"], sliding_window_pattern=4)})
+    assert [i for i, t in enumerate(p4.layer_types) if t == "full"] == _EVERY(48, 4)
+
+
+def test_attention_prefix_and_default_layer_count():
+    """--num-layers N counts attention layers: N=2 of Qwen3-Next spans 8 layers; the default covers every kind."""
+    q, scout, g3 = (load_model_spec(CONFIGS / n) for n in ("qwen3-next-80b-a3b-instruct.json",
+                                                           "llama-4-scout-17b-16e-instruct.json", "gemma-3-12b-it.json"))
+    assert (attention_prefix(q, 1), attention_prefix(q, 2), attention_prefix(q, 12)) == (4, 8, 48)
+    llama = load_model_spec(CONFIGS / "llama-3.1-8b.json")
+    assert attention_prefix(llama, 2) == 2 and layers_covering_every_kind(llama) == 2
+    assert (layers_covering_every_kind(q), layers_covering_every_kind(scout), layers_covering_every_kind(g3)) == (2, 4, 6)
+    with pytest.raises(ConfigError) as ei:
+        attention_prefix(q, 13)
+    assert ei.value.info.flags[0].name == "num_layers" and ei.value.info.allowed == ["1..12"]
+
+
+def test_format_layer_ids_is_exact():
+    """Runs, progressions and short lists: every id can be read back."""
+    assert format_layer_ids([4]) == "4"
+    assert format_layer_ids(list(range(32))) == "0..31 (32)"
+    assert format_layer_ids(_EVERY(48, 4)) == "3, 7, .., 47 (12, every 4th)"
+    assert format_layer_ids(_EVEN(42)) == "0, 2, .., 40 (21, every 2nd)"
+    assert format_layer_ids([0, 1, 2, 4, 5, 9]) == "0..2, 4..5, 9 (6)"
+
+
+_TYPE_NAMES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
+               "attention": "full", "linear_attention": "linear_attention", "mamba": "mamba"}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(sorted(_TYPE_NAMES)), min_size=1, max_size=40), st.sampled_from(["llama", "x"]))
+def test_any_layer_type_list_reads_to_a_partition(names, model_type):
+    """Any per-layer list: each name maps to its type; attention kinds and not-attention groups partition the
+    layers in first-layer order; windows / chunks sit only on their kinds."""
+    c = _with(model_type=model_type, num_hidden_layers=len(names), layer_types=names, sliding_window=5,
+              attention_chunk_size=6)
+    s = load_model_spec(c)
+    assert s.layer_types == [_TYPE_NAMES[n] for n in names]
+    kinds, others = s.layer_kinds(), s.not_attention()
+    ids = sorted([i for k in kinds for i in k.layer_ids] + [i for g in others for i in g.layer_ids])
+    assert ids == list(range(len(names)))
+    for k in kinds:
+        assert all(s.layer_types[i] == k.kind for i in k.layer_ids)
+        assert k.sliding_window == (5 if k.kind == "sliding" else None)
+        assert k.attention_chunk_size == (6 if k.kind == "chunked" else None)
+    firsts = [k.layer_ids[0] for k in kinds]
+    assert firsts == sorted(firsts)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 9))
+def test_qwen3_next_interval_property(n, interval):
+    """Any layer count and interval: full iff (i + 1) % interval == 0, the rest linear attention."""
+    s = load_model_spec(_QWEN3_NEXT | {"num_hidden_layers": n, "full_attention_interval": interval})
+    full = [i for i in range(n) if (i + 1) % interval == 0]
+    assert [i for i, t in enumerate(s.layer_types) if t == "full"] == full
+    assert [i for g in s.not_attention() for i in g.layer_ids] == [i for i in range(n) if i not in full]
+    assert [i for k in s.layer_kinds() for i in k.layer_ids] == full

@@ -86,22 +86,27 @@ def test_one_token_attention_is_its_value(config):
     assert rel_err(got - x, want - x) < 1e-6
 
 
+SMALL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, v_head_dim=64,
+             scaling=0.125)  # the hybrid / chunked layouts at a size the CPU reference handles quickly
 CASES = [("llama-3.1-8b.json", {}, 1), ("gemma-2-9b.json", {"sliding_window": 3}, 2),
          ("gpt-oss-20b.json", {"sliding_window": 4}, 2), ("deepseek-v2-lite.json", {}, 1),
-         ("qwen2.5-7b.json", {}, 1)]
+         ("qwen2.5-7b.json", {}, 1),
+         ("llama-4-scout-17b-16e-instruct.json", {"attention_chunk_size": 3, **SMALL}, 4),  # chunked x3 + full
+         ("qwen3-next-80b-a3b-instruct.json", SMALL, 2)]  # attention layers 3 and 7 of 8
 
 
 @pytest.mark.parametrize("config,over,layers", CASES, ids=[c[0] for c in CASES])
 def test_paged_stack_equals_dense_reference(config, over, layers):
     """extend, chunked extend and decode through torch_native (paged, fp32) == dense float64 reference.
 
-    Windows are shrunk (3-4 keys) so they bite within the 12-token sequences; pages of 4 slots are
-    handed out scrambled.
+    Windows and chunks are shrunk (3-4 keys) so they bite within the 12-token sequences; pages of 4
+    slots are handed out scrambled. A hybrid's linear-attention layers are skipped (no KV buffer).
     """
     s = _spec(config, **over)
     st = AttentionStack(s, dtype=torch.float32, device="cpu", num_layers=layers, seed=7)
+    assert len(st.layers) == layers
     rp = ReqToTokenPool(3, 64, "cpu")
-    kv = KVPool.for_layer_kinds(st.spec.layer_kinds(), layers, 256, 4, torch.float32, "cpu")
+    kv = KVPool.for_layer_kinds(st.spec.layer_kinds(), st.num_layers, 256, 4, torch.float32, "cpu")
     alloc, be = PageAllocator(rp, 256, 4, seed=3), TorchNativeBackend(torch_device="cpu")
     g = torch.Generator().manual_seed(11)
     rows, hist, outs = [0, 1, 2], {0: [], 1: [], 2: []}, {0: [], 1: [], 2: []}
@@ -141,3 +146,25 @@ def test_non_mla_model_with_distinct_v_dim_is_refused():
     with pytest.raises(ConfigError) as e:
         AttentionStack(s, dtype=torch.float32, device="cpu", num_layers=1)
     assert {f.name for f in e.value.info.flags} == {"head_dim", "v_head_dim"}
+
+
+def test_hybrid_stack_builds_only_attention_layers():
+    """Qwen3-Next: --num-layers 2 builds attention layers 3 and 7 (of 8 spanned); their KV buffers exist, the
+    linear-attention layers' are empty; aux hidden states only on built layers."""
+    s = _spec("qwen3-next-80b-a3b-instruct.json", **SMALL)
+    st = AttentionStack(s, dtype=torch.float32, device="cpu", num_layers=2, seed=0)
+    assert st.num_layers == 8 and [L.layer_id for L in st.layers] == [3, 7]
+    kv = KVPool.for_layer_kinds(st.spec.layer_kinds(), st.num_layers, 16, 4, torch.float32, "cpu")
+    assert [tuple(b.shape[1:]) for b in kv.k_buffer] == [(0, 0)] * 3 + [(2, 64)] + [(0, 0)] * 3 + [(2, 64)]
+    with pytest.raises(ConfigError):
+        st.set_aux_hidden_state_layers([2])
+    st.set_aux_hidden_state_layers([7])
+    _, aux = reference_forward(st, torch.randn(3, s.hidden_size, dtype=torch.float64))
+    assert len(aux) == 1
+
+
+def test_chunked_layers_carry_the_chunk():
+    """Llama-4's chunked layers get attention_chunk_size, its full (NoPE) layers none."""
+    st = AttentionStack(_spec("llama-4-scout-17b-16e-instruct.json", **SMALL), dtype=torch.float32, device="cpu",
+                        num_layers=4, seed=0)
+    assert [(L.layer_id, L.attention_chunk_size) for L in st.layers] == [(0, 8192), (1, 8192), (2, 8192), (3, None)]

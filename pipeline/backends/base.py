@@ -36,6 +36,8 @@ class AttentionLayer:
     ``sinks``: [H] float32 per-head sink logits (gpt-oss): an extra softmax term ``exp(sink)`` in
     the denominator that attends to no value (None = off).
     ``is_mla``: absorbed MLA layer (one latent KV head, D = kv_lora_rank + rope dim, Dv = kv_lora_rank).
+    ``attention_chunk_size``: chunked local attention (Llama-4): key j is visible from query i iff
+    ``j <= i`` and ``j // C == i // C`` (None = off); served by backends claiming ``chunked_local_attention``.
     """
 
     layer_id: int
@@ -48,6 +50,7 @@ class AttentionLayer:
     logit_softcap: Optional[float] = None
     sinks: Optional["torch.Tensor"] = None
     is_mla: bool = False
+    attention_chunk_size: Optional[int] = None
 
 
 @dataclass
