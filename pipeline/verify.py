@@ -15,8 +15,9 @@ rounded to the KV storage dtype) and compares every step's output per request wi
 :func:`pipeline.reference.reference_attention` using ``max|out - ref| / max|ref|``.
 
 Shrunk for speed and to exercise masking: sliding windows are capped at :data:`VERIFY_WINDOW`
-keys; for softcapped kinds q is scaled so scaled scores are of the order of the cap (otherwise a
-cap of 50 would never bite). Both are stated in :attr:`VerifyResult.detail`.
+keys and attention chunks (Llama-4's chunked layers) at :data:`VERIFY_CHUNK` tokens, so both bite
+on these short requests; for softcapped kinds q is scaled so scaled scores are of the order of the
+cap (otherwise a cap of 50 would never bite). All are stated in :attr:`VerifyResult.detail`.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_
 from pipeline.reference import reference_attention, rel_err
 from states.capability_check import norm_dtype
 
-__all__ = ["VerifyResult", "verify_backend", "verify_all", "tolerance", "VERIFY_WINDOW"]
+__all__ = ["VerifyResult", "verify_backend", "verify_all", "tolerance", "VERIFY_WINDOW", "VERIFY_CHUNK"]
 
 PREFIX_LENS = (0, 3, 21, 0, 10)
 NEW_LENS = (9, 4, 2, 6, 1)
 VERIFY_WINDOW = 7
+VERIFY_CHUNK = 8  # requests reach 26 tokens: chunk boundaries at 8, 16, 24 fall inside prefixes and new tokens
 _Q_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -85,6 +87,7 @@ class _Case:
                              code="verify_pool_mismatch", flags=[("layer_id", lid)],
                              remedy="build the KV pool from the model's layer kinds")
         window = None if kind.sliding_window is None else min(kind.sliding_window, VERIFY_WINDOW)
+        chunk = None if kind.attention_chunk_size is None else min(kind.attention_chunk_size, VERIFY_CHUNK)
         sinks = None
         if kind.has_sinks:
             sinks = (torch.randn(kind.num_heads, generator=gen) + 2.0).to(device)
@@ -92,7 +95,7 @@ class _Case:
         self.layer = AttentionLayer(layer_id=lid, num_heads=kind.num_heads, num_kv_heads=kind.num_kv_heads,
                                     head_dim=kind.head_dim_qk, v_head_dim=kind.head_dim_v, scaling=kind.scaling,
                                     sliding_window=window, logit_softcap=kind.logit_softcap, sinks=sinks,
-                                    is_mla=kind.is_mla)
+                                    is_mla=kind.is_mla, attention_chunk_size=chunk)
         self.q_gain = 1.0
         if kind.logit_softcap is not None:
             self.q_gain = kind.logit_softcap / (math.sqrt(kind.head_dim_qk) * kind.scaling)
@@ -103,6 +106,8 @@ class _Case:
         k, out = self.kind, []
         if k.sliding_window is not None and self.layer.sliding_window != k.sliding_window:
             out.append(f"{k.kind} window {k.sliding_window}->{self.layer.sliding_window} for verification")
+        if k.attention_chunk_size is not None and self.layer.attention_chunk_size != k.attention_chunk_size:
+            out.append(f"{k.kind} chunk {k.attention_chunk_size}->{self.layer.attention_chunk_size} for verification")
         if k.logit_softcap is not None:
             out.append(f"softcap {k.logit_softcap}: q x{self.q_gain:.3g} so scores reach the cap")
         return out
@@ -137,7 +142,8 @@ def _check_case_step(case: _Case, backend: AttentionBackend, fb, rows: Sequence[
         kk, vv = torch.cat(case.k_hist[row]), torch.cat(case.v_hist[row])
         pos = torch.arange(kk.shape[0] - n, kk.shape[0])
         ref = reference_attention(q[sl].cpu(), kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
-                                  softcap=L.logit_softcap, sinks=None if L.sinks is None else L.sinks.cpu())
+                                  softcap=L.logit_softcap, sinks=None if L.sinks is None else L.sinks.cpu(),
+                                  chunk=L.attention_chunk_size)
         errs.append(rel_err(out[sl].cpu(), ref))
         start += n
     return errs

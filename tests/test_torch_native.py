@@ -50,7 +50,8 @@ def run_steps(backend, layer: AttentionLayer, *, page_size=16, kv_dtype=torch.fl
             kk, vv = torch.cat(hist[r][0]), torch.cat(hist[r][1])
             ref = reference_attention(q[sl].cpu(), kk, vv, q_positions=torch.arange(len(kk) - n, len(kk)),
                                       scale=layer.scaling, window=layer.sliding_window, softcap=layer.logit_softcap,
-                                      sinks=None if layer.sinks is None else layer.sinks.cpu())
+                                      sinks=None if layer.sinks is None else layer.sinks.cpu(),
+                                      chunk=layer.attention_chunk_size)
             errs.append(rel_err(out[sl].cpu(), ref))
             start += n
     return errs
@@ -93,7 +94,18 @@ def test_reference_gqa_head_mapping():
     assert out[0, :, 0].tolist() == [2.0, 2.0, 200.0, 200.0]
 
 
-def naive(q, k, v, pos, scale, window, softcap, sinks):
+def test_reference_chunk_by_hand():
+    """Chunked local attention: chunk 2 at position 1 sees keys 0 and 1, at position 2 only key 2; chunk 1
+    sees only the query itself."""
+    k, v = torch.zeros(3, 1, 1), torch.tensor([[[10.0]], [[20.0]], [[40.0]]])
+    q = torch.zeros(2, 1, 1)  # equal scores: the output is the mean of the visible values
+    out = reference_attention(q, k, v, q_positions=torch.tensor([1, 2]), scale=1.0, chunk=2)
+    assert out[:, 0, 0].tolist() == [15.0, 40.0]
+    one = reference_attention(q, k, v, q_positions=torch.tensor([1, 2]), scale=1.0, chunk=1)
+    assert one[:, 0, 0].tolist() == [20.0, 40.0]
+
+
+def naive(q, k, v, pos, scale, window, softcap, sinks, chunk=None):
     """Pure-Python loops, one (query, head) at a time."""
     tq, h, _ = q.shape
     g = h // k.shape[1]
@@ -102,7 +114,8 @@ def naive(q, k, v, pos, scale, window, softcap, sinks):
         for hh in range(h):
             logits = {}
             for j in range(k.shape[0]):
-                if 0 <= pos[i] - j and (window is None or pos[i] - j < window):
+                if 0 <= pos[i] - j and (window is None or pos[i] - j < window) and (
+                        chunk is None or pos[i] // chunk == j // chunk):
                     s = sum(a * b for a, b in zip(q[i, hh].tolist(), k[j, hh // g].tolist())) * scale
                     logits[j] = softcap * math.tanh(s / softcap) if softcap else s
             m = max(logits.values())
@@ -121,6 +134,10 @@ def test_reference_matches_python_loops():
     got = reference_attention(q, k, v, q_positions=torch.tensor(pos), scale=0.7, window=4, softcap=2.0,
                               sinks=torch.tensor(sinks, dtype=torch.float64))
     assert rel_err(got, naive(q, k, v, pos, 0.7, 4, 2.0, sinks)) < 1e-12
+    for window, chunk in ((None, 3), (2, 4)):   # chunk boundaries at 6 and 8 fall among the queries
+        got = reference_attention(q, k, v, q_positions=torch.tensor(pos), scale=0.7, window=window, softcap=2.0,
+                                  sinks=torch.tensor(sinks, dtype=torch.float64), chunk=chunk)
+        assert rel_err(got, naive(q, k, v, pos, 0.7, window, 2.0, sinks, chunk)) < 1e-12
 
 
 # ---------------------------------------------------------------- torch_native vs reference
@@ -139,6 +156,9 @@ LAYERS = {
     "sinks": dict(sinks=torch.tensor([2.0, 0.5, -1.0, 3.0, 1.0, 2.5, 0.0, 1.5])),
     "window+softcap": dict(sliding_window=4, logit_softcap=30.0),
     "window+sinks": dict(sliding_window=3, sinks=torch.full((8,), 2.0)),
+    "chunked": dict(attention_chunk_size=6),
+    "chunked+sinks": dict(attention_chunk_size=4, sinks=torch.full((8,), 1.0)),
+    "chunked+window": dict(attention_chunk_size=8, sliding_window=5),
 }
 
 
@@ -158,6 +178,22 @@ def test_softcap_changes_output():
     errs = run_steps(TorchNativeBackend(), replace(layer, logit_softcap=None), q_gain=30.0)
     bad = run_steps(_NoCapInReference(), layer, q_gain=30.0)
     assert max(errs) < 1e-5 and max(bad) > 0.1
+
+
+def test_chunk_changes_output():
+    """The chunked case would fail if the chunk were ignored (guards the test's own power)."""
+    bad = run_steps(_NoChunk(), mk_layer(attention_chunk_size=6))
+    assert max(bad) > 0.1
+
+
+class _NoChunk(TorchNativeBackend):
+    """Computes without the chunk while the reference applies it."""
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
+        return super().forward_extend(q, k, v, replace(layer, attention_chunk_size=None), fb, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
+        return super().forward_decode(q, k, v, replace(layer, attention_chunk_size=None), fb, save_kv_cache)
 
 
 class _NoCapInReference(TorchNativeBackend):
@@ -215,6 +251,7 @@ def test_without_save_kv_cache_reads_the_cache():
     ("kv_pool.buffer_shape", lambda q, k, v, L: (q, k, v, replace(L, head_dim=32, v_head_dim=32))),
     ("layer.sinks.shape", lambda q, k, v, L: (q, k, v, replace(L, sinks=torch.zeros(3)))),
     ("layer.sliding_window", lambda q, k, v, L: (q, k, v, replace(L, sliding_window=0))),
+    ("layer.attention_chunk_size", lambda q, k, v, L: (q, k, v, replace(L, attention_chunk_size=0))),
 ])
 def test_bad_inputs_raise_before_writing(field, mutate):
     """Each mismatch raises BuildError naming the field, and the KV cache is left untouched."""

@@ -83,7 +83,8 @@ def _feature_kwargs(features, h, seed):
 
 def _ref(q, k, v, qpos, scale, kw):
     return reference_attention(q, k, v, q_positions=qpos, scale=scale, window=kw.get("sliding_window"),
-                               softcap=kw.get("logit_softcap"), sinks=kw.get("sinks"))
+                               softcap=kw.get("logit_softcap"), sinks=kw.get("sinks"),
+                               chunk=kw.get("attention_chunk_size"))
 
 
 DECODE_CASES = [
@@ -143,6 +144,59 @@ def test_extend_kernel_matches_reference(h, hkv, d, page, dtype, features):
         assert rel_err(out[sl], ref) <= 1e-2, (i, p, n)
 
 
+# Chunked local attention (Llama-4): chunk sizes below, at and above the 16-key tile, 1 (each query
+# sees only itself) and a chunk that is not a multiple of the page size; lengths put chunk boundaries
+# right before / after the last query and inside the split ranges.
+CHUNK_DECODE = [  # (chunk, page, max_splits, extra features)
+    (1, 4, 2, ()), (5, 1, 4, ("sinks",)), (16, 16, 4, ()), (48, 4, 8, ()), (24, 4, 8, ("window", "softcap")),
+]
+
+
+@pytest.mark.parametrize("chunk,page,max_splits,features", CHUNK_DECODE)
+def test_decode_kernel_chunked_matches_reference(chunk, page, max_splits, features):
+    """Chunked decode: the query at L-1 sees keys [(L-1)//C*C, L) only; equals the float64 reference."""
+    h, hkv, d, dtype = 4, 2, 64, torch.bfloat16
+    lens = [1, 37, 130, 16, 64, 65, 49]
+    kb, vb, r2t, rows = _paged(lens, hkv, d, page, dtype, seed=chunk + page)
+    q = torch.randn(len(lens), h, d).to(dtype)
+    kw = dict(_feature_kwargs(features, h, seed=chunk), attention_chunk_size=chunk)
+    out = torch.full((len(lens), h, d), float("nan"), dtype=dtype)
+    DEC.decode_attention(q, kb, vb, r2t, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), out,
+                         sm_scale=d ** -0.5, max_splits=max_splits, config=DEC.DecodeConfig(**SMALL_DEC), **kw)
+    for i, (r, n) in enumerate(zip(rows, lens)):
+        slots = r2t[r, :n].long()
+        ref = _ref(q[i:i + 1], kb[slots], vb[slots], torch.tensor([n - 1]), d ** -0.5, kw)
+        assert rel_err(out[i:i + 1], ref) <= 1e-2, (i, n)
+    # the chunk bites: ignoring it changes the result of a request whose chunk starts after 0
+    i = lens.index(130)
+    slots = r2t[rows[i], :130].long()
+    full = _ref(q[i:i + 1], kb[slots], vb[slots], torch.tensor([129]), d ** -0.5, {**kw, "attention_chunk_size": None})
+    assert rel_err(out[i:i + 1], full) > 5e-2
+
+
+@pytest.mark.parametrize("chunk,page,features", [(8, 4, ()), (16, 16, ("sinks",)), (20, 1, ("window",)),
+                                                 (1, 4, ()), (7, 3, ("softcap",))])
+def test_extend_kernel_chunked_matches_reference(chunk, page, features):
+    """Chunked extend: prefix and new tokens both masked by chunk; blocks past the first (30 new tokens)."""
+    h, hkv, d, dtype = 4, 2, 64, torch.bfloat16
+    prefix, new = [0, 5, 23, 40], [19, 1, 7, 30]
+    lens = [p + n for p, n in zip(prefix, new)]
+    kb, vb, r2t, rows = _paged(lens, hkv, d, page, dtype, seed=chunk * 3 + page)
+    q = torch.randn(sum(new), h, d).to(dtype)
+    new_slots = torch.cat([r2t[r, p:p + n].long() for r, p, n in zip(rows, prefix, new)])
+    k, v = kb[new_slots].clone(), vb[new_slots].clone()
+    kw = dict(_feature_kwargs(features, h, seed=chunk), attention_chunk_size=chunk)
+    qo = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32)
+    out = torch.full((sum(new), h, d), float("nan"), dtype=dtype)
+    DEC.extend_attention(q, k, v, kb, vb, r2t, torch.tensor(rows), qo, torch.tensor(prefix, dtype=torch.int32), out,
+                         max_extend_len=max(new), sm_scale=d ** -0.5, config=DEC.ExtendConfig(**SMALL_EXT), **kw)
+    for i, (r, p, n) in enumerate(zip(rows, prefix, new)):
+        slots = r2t[r, :p + n].long()
+        sl = slice(int(qo[i]), int(qo[i + 1]))
+        ref = _ref(q[sl], kb[slots], vb[slots], torch.arange(p, p + n), d ** -0.5, kw)
+        assert rel_err(out[sl], ref) <= 1e-2, (i, p, n)
+
+
 # ------------------------------------------------------------------------------------------- backend
 def _backend(h, hkv, d, **kw):
     from pipeline.backends.triton.backend import TritonAttnBackend
@@ -175,7 +229,8 @@ def _check_step(fb, q, out, layer):
         slots = r2t[row, :s].long()
         ref = reference_attention(q[start:start + n], pool.k_buffer[0][slots], pool.v_buffer[0][slots],
                                   q_positions=torch.arange(s - n, s), scale=layer.scaling,
-                                  window=layer.sliding_window, softcap=layer.logit_softcap, sinks=layer.sinks)
+                                  window=layer.sliding_window, softcap=layer.logit_softcap, sinks=layer.sinks,
+                                  chunk=layer.attention_chunk_size)
         assert rel_err(out[start:start + n].view(n, layer.num_heads, -1), ref) <= 1e-2
         start += n
 
@@ -194,6 +249,32 @@ def test_backend_extend_then_decode_writes_kv_and_matches_reference():
         fb, q, k, v, out = _step(be, ForwardMode.DECODE, [3, 1], [1, 1], alloc, kv, layer, torch.bfloat16)
         assert torch.equal(kv.k_buffer[0][fb.out_cache_loc], k)
         _check_step(fb, q, out, layer)
+
+
+def test_backend_chunked_layer_extend_decode_and_graph_replay():
+    """A Llama-4 style chunked layer through the backend: extend, decode across a chunk boundary, and a
+    graph-hook replay equal to eager; each against the float64 reference and torch_native."""
+    from pipeline.backends.torch_native import TorchNativeBackend
+
+    rp, kv, alloc = _engine()
+    layer = AttentionLayer(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, scaling=0.125,
+                           attention_chunk_size=8)
+    be, tn = _backend(4, 2, 64), TorchNativeBackend(torch_device="cpu")
+    fb, q, k, v, out = _step(be, ForwardMode.EXTEND, [1, 3, 4], [21, 6, 7], alloc, kv, layer, torch.bfloat16)
+    _check_step(fb, q, out, layer)
+    tn.init_forward_metadata(fb)
+    assert rel_err(out, tn.forward(q, k, v, layer, fb, save_kv_cache=False)) <= 1e-2
+    for _ in range(2):  # lengths 22/7/8 then 23/8/9: request 4 crosses into a new chunk
+        fb, q, k, v, out = _step(be, ForwardMode.DECODE, [1, 3, 4], [1, 1, 1], alloc, kv, layer, torch.bfloat16)
+        _check_step(fb, q, out, layer)
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    fb = make_forward_batch(ForwardMode.DECODE, [1, 3, 4], [1, 1, 1], alloc, kv)
+    be.init_forward_metadata_capture_cuda_graph(3, 3, fb.req_pool_indices, fb.seq_lens, None, ForwardMode.DECODE, None)
+    q, k, v = torch.randn(3, 4, 64).bfloat16(), torch.randn(3, 2, 64).bfloat16(), torch.randn(3, 2, 64).bfloat16()
+    graphed = be.forward(q, k, v, layer, fb)
+    be.init_forward_metadata(fb)
+    assert torch.equal(graphed, be.forward(q, k, v, layer, fb, save_kv_cache=False))
+    _check_step(fb, q, graphed, layer)
 
 
 def test_backend_matches_torch_native():
@@ -260,10 +341,11 @@ def _dec_args(**over):
     (dict(q=torch.zeros(2, 64, 4, dtype=torch.bfloat16).transpose(1, 2)), BuildError, "q.stride(-1)"),
     (dict(sinks=torch.zeros(3)), BuildError, "sinks.shape"),
     (dict(sliding_window=0), BuildError, "sliding_window"),
+    (dict(attention_chunk_size=0), BuildError, "attention_chunk_size"),
 ])
 def test_decode_launcher_rejects_bad_input(over, err, field):
     """Bad inputs raise the typed error naming the field, before any launch."""
-    kw = {k: over.pop(k) for k in ("sinks", "sliding_window") if k in over}
+    kw = {k: over.pop(k) for k in ("sinks", "sliding_window", "attention_chunk_size") if k in over}
     with pytest.raises(err) as ei:
         DEC.decode_attention(**_dec_args(**over), sm_scale=0.1, max_splits=2, **kw)
     assert ei.value.info.flags[0].name == field and ei.value.info.remedy

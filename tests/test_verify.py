@@ -12,7 +12,7 @@ from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.contracts import LayerKind, MLADims, ModelSpec
 from pipeline.errors import BuildError
 from pipeline.memory import KVPool, ReqToTokenPool
-from pipeline.verify import VERIFY_WINDOW, VerifyResult, verify_all, verify_backend
+from pipeline.verify import VERIFY_CHUNK, VERIFY_WINDOW, VerifyResult, verify_all, verify_backend
 
 
 def spec(**kw) -> ModelSpec:
@@ -32,6 +32,8 @@ GEMMA = [kind("sliding", h=4, hkv=2, d=128, dv=128, lid=0, sliding_window=4096, 
 GPT_OSS = [kind("sliding", h=16, hkv=2, lid=0, sliding_window=128, has_sinks=True),
            kind("full", h=16, hkv=2, lid=1, has_sinks=True)]
 MLA = [kind("full", h=4, hkv=1, d=576, dv=512, lid=0, is_mla=True)]
+LLAMA4 = [kind("chunked", h=4, hkv=2, d=64, dv=64, lid=0, attention_chunk_size=8192),
+          kind("full", h=4, hkv=2, d=64, dv=64, lid=1)]
 LLAMA = [kind("full", h=32, hkv=8, d=128, dv=128)]
 
 
@@ -46,7 +48,8 @@ def run(backend, kinds, dtype="bfloat16", **kw):
                           kv_pool=kv, torch_device="cpu", dtype=dtype, layer_kinds=kinds)
 
 
-@pytest.mark.parametrize("kinds", [LLAMA, GEMMA, GPT_OSS, MLA], ids=["llama", "gemma2", "gpt-oss", "mla"])
+@pytest.mark.parametrize("kinds", [LLAMA, GEMMA, GPT_OSS, MLA, LLAMA4], ids=["llama", "gemma2", "gpt-oss", "mla",
+                                                                         "llama4"])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("dtype,kv_dtype,tol", [("float32", torch.float32, 1e-4), ("bfloat16", torch.bfloat16, 1e-2),
                                                 ("bfloat16", torch.float8_e4m3fn, 1e-2)])
@@ -60,6 +63,7 @@ def test_detail_states_the_shrunk_window_and_softcap_scaling():
     """Windows are capped at VERIFY_WINDOW and softcapped q is scaled; the detail says so."""
     res = run(TorchNativeBackend(), GEMMA)
     assert f"window 4096->{VERIFY_WINDOW}" in res.detail and "softcap 50.0" in res.detail
+    assert f"chunk 8192->{VERIFY_CHUNK}" in run(TorchNativeBackend(), LLAMA4).detail
 
 
 class Broken(TorchNativeBackend):
@@ -81,7 +85,8 @@ class Broken(TorchNativeBackend):
     (GPT_OSS, dict(sinks=None)),
     (GPT_OSS, dict(sliding_window=None)),
     (LLAMA, dict(scaling=1.0 / 12)),
-], ids=["drops-softcap", "drops-sinks", "ignores-window", "wrong-scale"])
+    (LLAMA4, dict(attention_chunk_size=None)),
+], ids=["drops-softcap", "drops-sinks", "ignores-window", "wrong-scale", "ignores-chunk"])
 def test_broken_backend_fails(kinds, change):
     """A backend that drops a feature is caught: error far above tolerance, passed=False."""
     res = run(Broken(**change), kinds)

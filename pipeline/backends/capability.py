@@ -8,8 +8,8 @@ import msgspec
 
 _STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
 
-FEATURES = ("mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "encoder_decoder",
-            "speculative", "cuda_graph", "tbo", "pdmux")
+FEATURES = ("mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention",
+            "encoder_decoder", "speculative", "cuda_graph", "tbo", "pdmux")
 
 
 class Capability(msgspec.Struct, **_STRUCT):
@@ -17,7 +17,8 @@ class Capability(msgspec.Struct, **_STRUCT):
 
     ``devices``: device types; ``archs``: compute capabilities as ``"sm90"`` strings (None = any,
     e.g. CPU); ``head_dims_qk`` / ``head_dims_v``: supported dims (None = any);
-    ``q_dtypes`` / ``kv_dtypes``: torch dtype names; ``features``: subset of :data:`FEATURES`;
+    ``q_dtypes`` / ``kv_dtypes``: torch dtype names; ``features``: subset of :data:`FEATURES`
+    (``chunked_local_attention``: Llama-4's chunked layers, a window that resets at chunk boundaries);
     ``page_sizes``: allowed page sizes (None = any >= 1); ``packages``: distributions that must
     be installed (checked by metadata at plan time, by import at run time);
     ``workspace_bytes``: default workspace size in bytes (0 = needs none); ``kv_dtype_matches_q``:

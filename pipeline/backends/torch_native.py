@@ -7,7 +7,8 @@ workspace and does not support CUDA graphs (the base class raises; sglang turns 
 - extend: new tokens attend to their cached prefix and causally to each other; the new K/V are
   first written to ``out_cache_loc`` (``save_kv_cache``).
 - decode: one new token per request attends to every cached token and itself.
-- GQA (``H % Hkv == 0``), sliding window, logit softcap, attention sinks, MLA absorbed form
+- GQA (``H % Hkv == 0``), sliding window, chunked local attention (Llama-4: key j visible from
+  query i iff ``j // C == i // C``), logit softcap, attention sinks, MLA absorbed form
   (``Dv != D``, one latent KV head), any ``page_size >= 1``; KV storage fp32/bf16/fp16 or fp8
   (``float8_e4m3fn`` / ``float8_e5m2``, upcast on read with scale 1).
 - ``scaled_dot_product_attention`` is used when neither softcap nor sinks are set; explicit math
@@ -52,6 +53,9 @@ def _check_layer(layer: AttentionLayer, fb: ForwardBatch) -> None:
                    "build the KV pool from the same layer kinds as the layers")
     if layer.sliding_window is not None and layer.sliding_window < 1:
         raise _bad("layer.sliding_window", layer.sliding_window, "None or >= 1", "use None for full attention")
+    if layer.attention_chunk_size is not None and layer.attention_chunk_size < 1:
+        raise _bad("layer.attention_chunk_size", layer.attention_chunk_size, "None or >= 1",
+                   "use None for attention without chunks")
     if layer.logit_softcap is not None and not layer.logit_softcap > 0:
         raise _bad("layer.logit_softcap", layer.logit_softcap, "None or > 0", "use None to turn the softcap off")
     if layer.sinks is not None and tuple(layer.sinks.shape) != (h,):
@@ -120,6 +124,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, laye
     mask = dist >= 0
     if layer.sliding_window is not None:
         mask &= dist < layer.sliding_window
+    if layer.attention_chunk_size is not None:
+        c = layer.attention_chunk_size
+        mask &= (qpos // c) == (torch.arange(s, device=q.device).view(1, -1) // c)
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # [H, n, D], [Hkv, s, *]
     if layer.logit_softcap is None and layer.sinks is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scaling,

@@ -9,8 +9,8 @@
   causal among the new tokens), eager only, as in sglang's decode-only graph capture.
 - Both write the new K/V into the pool first when ``save_kv_cache`` (sglang's order).
 
-Layers: bf16/fp16, head dims up to 256 (D == Dv; no MLA), any GQA ratio, sliding window, logit
-softcap, attention sinks. Output: [T, H*Dv] in q's dtype.
+Layers: bf16/fp16, head dims up to 256 (D == Dv; no MLA), any GQA ratio, sliding window, chunked
+local attention (Llama-4), logit softcap, attention sinks. Output: [T, H*Dv] in q's dtype.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class TritonAttnBackend(AttentionBackend):
             fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens, out,
             sm_scale=layer.scaling, max_splits=self._max_splits(meta.bs, layer.num_kv_heads), scratch=meta.scratch,
             sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap, sinks=layer.sinks,
-            config=self.decode_config)
+            config=self.decode_config, attention_chunk_size=layer.attention_chunk_size)
         return out.view(meta.bs, layer.num_heads * layer.v_head_dim)
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch,
@@ -205,7 +205,7 @@ class TritonAttnBackend(AttentionBackend):
             q3, k, v, kb, vb, fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.qo_indptr,
             meta.prefix_lens, out, max_extend_len=meta.max_extend_len, sm_scale=layer.scaling,
             sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap, sinks=layer.sinks,
-            config=self.extend_config)
+            config=self.extend_config, attention_chunk_size=layer.attention_chunk_size)
         return out.view(t, h * layer.v_head_dim)
 
     # ----------------------------------------------------------------------------- ownership

@@ -59,9 +59,14 @@ def _check_heads(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
 
 
 def _check_features(h: int, sliding_window: Optional[int], logit_softcap: Optional[float],
-                    sinks: Optional[torch.Tensor], device: torch.device) -> None:
+                    sinks: Optional[torch.Tensor], device: torch.device,
+                    attention_chunk_size: Optional[int] = None) -> None:
     if sliding_window is not None and sliding_window < 1:
         raise bad("sliding_window", sliding_window, ">= 1 or None", "pass None for full attention")
+    if attention_chunk_size is not None and (isinstance(attention_chunk_size, bool)
+                                             or not isinstance(attention_chunk_size, int) or attention_chunk_size < 1):
+        raise bad("attention_chunk_size", attention_chunk_size, "an integer >= 1 or None",
+                  "pass None for attention without chunks")
     if logit_softcap is not None and not logit_softcap > 0:
         raise bad("logit_softcap", logit_softcap, "> 0 or None", "pass None to disable the softcap")
     if sinks is not None:
@@ -77,7 +82,7 @@ def _check_index(name: str, t: torch.Tensor, n: int, device: torch.device) -> No
 
 
 def check_decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out,
-                 sliding_window, logit_softcap, sinks, max_splits) -> None:
+                 sliding_window, logit_softcap, sinks, max_splits, attention_chunk_size=None) -> None:
     """All inputs of :func:`pipeline.backends.triton.launch.decode_attention`."""
     _check_heads(q, k_buffer, v_buffer)
     bsz, h = q.shape[:2]
@@ -89,13 +94,13 @@ def check_decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens
     _check_tensor("out", out, 3, (q.dtype,), dev)
     if tuple(out.shape) != (bsz, h, dv):
         raise bad("out.shape", tuple(out.shape), f"[{bsz}, {h}, {dv}]", "allocate out as [B, H, Dv]")
-    _check_features(h, sliding_window, logit_softcap, sinks, dev)
+    _check_features(h, sliding_window, logit_softcap, sinks, dev, attention_chunk_size)
     if max_splits < 1:
         raise bad("max_splits", max_splits, ">= 1", "use decode_max_splits()")
 
 
 def check_extend(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens, out,
-                 sliding_window, logit_softcap, sinks, max_extend_len) -> int:
+                 sliding_window, logit_softcap, sinks, max_extend_len, attention_chunk_size=None) -> int:
     """All inputs of :func:`pipeline.backends.triton.launch.extend_attention`; returns the batch size."""
     _check_heads(q, k_buffer, v_buffer)
     t, h, d = q.shape
@@ -114,7 +119,7 @@ def check_extend(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo
     _check_tensor("out", out, 3, (q.dtype,), dev)
     if tuple(out.shape) != (t, h, dv):
         raise bad("out.shape", tuple(out.shape), f"[{t}, {h}, {dv}]", "allocate out as [T, H, Dv]")
-    _check_features(h, sliding_window, logit_softcap, sinks, dev)
+    _check_features(h, sliding_window, logit_softcap, sinks, dev, attention_chunk_size)
     if max_extend_len < 0:
         raise bad("max_extend_len", max_extend_len, ">= 0", "pass max(extend_seq_lens)")
     return bsz

@@ -113,17 +113,20 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,
                      sm_scale: float, max_splits: int, scratch: Optional[torch.Tensor] = None,
                      sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
-                     sinks: Optional[torch.Tensor] = None, config: Optional[DecodeConfig] = None) -> torch.Tensor:
+                     sinks: Optional[torch.Tensor] = None, config: Optional[DecodeConfig] = None,
+                     attention_chunk_size: Optional[int] = None) -> torch.Tensor:
     """Paged flash-decoding: one new query per request over its cached keys (itself included).
 
     ``q`` [B, H, D]; ``out`` [B, H, Dv] (written, returned). ``scratch``: fp32, at least
     :func:`decode_scratch_numel` elements (allocated when None — pass a fixed buffer for CUDA graphs).
     ``max_splits``: split cap (see :func:`decode_max_splits`); the grid is ``(B, Hkv, max_splits)``.
     Mirrors sglang's two-stage Triton decode (split-K + LSE merge) with FlashInfer's
-    ``window_left``/``logits_soft_cap``/sinks semantics. Raises the errors of the module docstring.
+    ``window_left``/``logits_soft_cap``/sinks semantics. ``attention_chunk_size`` (Llama-4 chunked
+    local attention): the query sees only the keys of its own chunk, ``[(L-1)//C*C, L)``.
+    Raises the errors of the module docstring.
     """
     check_decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out, sliding_window,
-                 logit_softcap, sinks, max_splits)
+                 logit_softcap, sinks, max_splits, attention_chunk_size)
     bsz, h, d = q.shape
     hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
     dev = q.device
@@ -139,18 +142,19 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     block_n = cfg.block_n_single if max_splits == 1 else cfg.block_n
     o_part = scratch[: bsz * h * max_splits * dv].view(bsz, h, max_splits, dv)
     lse = scratch[bsz * h * max_splits * dv: need].view(bsz, h, max_splits)
-    win = int(sliding_window or 0)
-    common = dict(SPLIT_MIN=cfg.split_min, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None)
+    win, chunk = int(sliding_window or 0), int(attention_chunk_size or 1)
+    common = dict(SPLIT_MIN=cfg.split_min, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
+                  USE_CHUNK=attention_chunk_size is not None)
     kdec.decode_split_kernel[(bsz, hkv, max_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, o_part, lse,
-        float(sm_scale), float(logit_softcap or 1.0), win, h // hkv, max_splits,
+        float(sm_scale), float(logit_softcap or 1.0), win, chunk, h // hkv, max_splits,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         D=d, DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), G_PAD=max(16, _pow2(h // hkv)),
         USE_SOFTCAP=logit_softcap is not None, UPCAST=_interpreting(), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **common)
     kdec.decode_merge_kernel[(bsz, h)](
-        o_part, lse, seq_lens, sinks if sinks is not None else lse, out, win, max_splits,
+        o_part, lse, seq_lens, sinks if sinks is not None else lse, out, win, chunk, max_splits,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         DV=dv, BLOCK_DV=_pow2(dv), S_PAD=_pow2(max_splits), HAS_SINKS=sinks is not None, num_warps=4, **common)
@@ -162,7 +166,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
                      qo_indptr: torch.Tensor, prefix_lens: torch.Tensor, out: torch.Tensor, *,
                      max_extend_len: int, sm_scale: float, sliding_window: Optional[int] = None,
                      logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-                     config: Optional[ExtendConfig] = None) -> torch.Tensor:
+                     config: Optional[ExtendConfig] = None,
+                     attention_chunk_size: Optional[int] = None) -> torch.Tensor:
     """Extend attention over a paged prefix plus the step's own tokens (causal), ragged batch.
 
     ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] / [T, Hkv, Dv]: the new tokens, request after request;
@@ -170,9 +175,11 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
     ``prefix_lens`` [B] cached tokens per request (read from the pool through ``req_to_token``);
     ``max_extend_len``: the largest new-token count (a host int: it sizes the grid).
     ``out`` [T, H, Dv] is written and returned. Mirrors sglang's Triton ``extend_attention_fwd``.
+    ``attention_chunk_size``: chunked local attention (key at position p visible from the query at
+    position i iff ``p // C == i // C``), None = off.
     """
     bsz = check_extend(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens, out,
-                       sliding_window, logit_softcap, sinks, max_extend_len)
+                       sliding_window, logit_softcap, sinks, max_extend_len, attention_chunk_size)
     t, h, d = q.shape
     hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
     if bsz == 0 or max_extend_len == 0 or t == 0:
@@ -182,11 +189,13 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
     kext.extend_kernel[grid](
         q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens,
         sinks if sinks is not None else q, out,
-        float(sm_scale), float(logit_softcap or 1.0), int(sliding_window or 0), h // hkv,
+        float(sm_scale), float(logit_softcap or 1.0), int(sliding_window or 0), int(attention_chunk_size or 1),
+        h // hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1),
         D=d, DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=logit_softcap is not None, HAS_SINKS=sinks is not None,
-        UPCAST=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        UPCAST=_interpreting(), USE_CHUNK=attention_chunk_size is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out

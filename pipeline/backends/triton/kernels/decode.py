@@ -17,6 +17,9 @@ graph captured at batch size B replays correctly for any new lengths.
 Scores are kept in the log2 domain (``exp2``) with ``sm_scale * log2(e)`` folded in; the logit
 softcap (``cap * tanh(s / cap)``) is applied to the natural-unit score first, as FlashInfer and
 sglang do. Sliding window: key ``j`` is visible from query position ``i`` when ``i - j < window``.
+Chunked local attention (Llama-4): the query at position ``i = seq_len - 1`` sees keys from
+``(i // chunk) * chunk`` on, so its visible range starts at the later of the window start and the
+chunk start (both kernels recompute it from ``seq_len``, keeping CUDA-graph replays exact).
 """
 
 import triton
@@ -26,12 +29,14 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _split_bounds(seq_len, window, max_splits, SPLIT_MIN: tl.constexpr, BLOCK_N: tl.constexpr,
-                  USE_WINDOW: tl.constexpr):
+def _split_bounds(seq_len, window, chunk, max_splits, SPLIT_MIN: tl.constexpr, BLOCK_N: tl.constexpr,
+                  USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr):
     """(kv_start, n_splits, split_len) of one request: visible keys are [kv_start, seq_len)."""
     kv_start = seq_len * 0
     if USE_WINDOW:
         kv_start = tl.maximum(seq_len - window, 0)
+    if USE_CHUNK:
+        kv_start = tl.maximum(kv_start, ((seq_len - 1) // chunk) * chunk)
     kv_len = seq_len - kv_start
     n_splits = tl.minimum(tl.maximum(tl.cdiv(kv_len, SPLIT_MIN), 1), max_splits)
     split_len = tl.cdiv(tl.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N
@@ -57,19 +62,20 @@ def _dot(a, b, UPCAST: tl.constexpr):
 @triton.jit
 def decode_split_kernel(
     Q, K, V, ReqToToken, ReqIdx, SeqLens, OPart, LsePart,
-    sm_scale, softcap, window, G, max_splits,
+    sm_scale, softcap, window, chunk, G, max_splits,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, USE_CHUNK: tl.constexpr,
 ):
     """Stage 1: partial attention of one (request, kv head, key range) for its G query heads."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    kv_start, n_splits, split_len = _split_bounds(seq_len, window, max_splits, SPLIT_MIN, BLOCK_N, USE_WINDOW)
+    kv_start, n_splits, split_len = _split_bounds(seq_len, window, chunk, max_splits, SPLIT_MIN, BLOCK_N,
+                                                  USE_WINDOW, USE_CHUNK)
     if s >= n_splits:
         return
     lo = kv_start + s * split_len
@@ -124,16 +130,17 @@ def decode_split_kernel(
 @triton.jit
 def decode_merge_kernel(
     OPart, LsePart, SeqLens, Sinks, Out,
-    window, max_splits,
+    window, chunk, max_splits,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_MIN: tl.constexpr, USE_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SPLIT_MIN: tl.constexpr, USE_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr,
 ):
     """Stage 2: LSE-weighted merge of one (request, q head)'s partials (+ sink term)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    kv_start, n_splits, split_len = _split_bounds(seq_len, window, max_splits, SPLIT_MIN, BLOCK_N, USE_WINDOW)
+    kv_start, n_splits, split_len = _split_bounds(seq_len, window, chunk, max_splits, SPLIT_MIN, BLOCK_N,
+                                                  USE_WINDOW, USE_CHUNK)
     offs_s = tl.arange(0, S_PAD)
     offs_dv = tl.arange(0, BLOCK_DV)
     s_mask = offs_s < n_splits

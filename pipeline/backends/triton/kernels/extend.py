@@ -8,7 +8,9 @@ Phase 1 attends to the cached prefix ``[0, prefix_len)``, gathered through ``req
 the pool (any page size). Phase 2 attends to the new tokens themselves, read contiguously from the
 ``k``/``v`` tensors of this step (rows ``qo_indptr[b] …``), causally: new token ``i`` sees new
 token ``j`` when ``j <= i``. With a sliding window, key position ``kp`` is visible from query
-position ``qp`` when ``qp - kp < window``; phase 1 skips tiles wholly outside the window.
+position ``qp`` when ``qp - kp < window``; phase 1 skips tiles wholly outside the window. With
+chunked local attention (Llama-4) it is visible when ``kp // chunk == qp // chunk``; both phases
+start at the chunk of the block's first query.
 Sink logits add ``exp(sink)`` to the softmax denominator. Scores use ``exp2`` with the scale
 folded in; softcap as in :mod:`.decode`.
 """
@@ -32,13 +34,13 @@ def _scores(q, k, sm_scale, softcap, USE_SOFTCAP: tl.constexpr, UPCAST: tl.const
 @triton.jit
 def extend_kernel(
     Q, KNew, VNew, KBuf, VBuf, ReqToToken, ReqIdx, QoIndptr, PrefixLens, Sinks, Out,
-    sm_scale, softcap, window, G,
+    sm_scale, softcap, window, chunk, G,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t, stride_ot, stride_oh,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, USE_CHUNK: tl.constexpr,
 ):
     """One (q head, block of new tokens, request): prefix phase, then causal phase."""
     h = tl.program_id(0)
@@ -70,7 +72,9 @@ def extend_kernel(
     lo = prefix * 0
     if USE_WINDOW:
         lo = tl.maximum(prefix + mb * BLOCK_M - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
+    if USE_CHUNK:
+        lo = tl.maximum(lo, ((prefix + mb * BLOCK_M) // chunk) * chunk)
+    lo = (lo // BLOCK_N) * BLOCK_N
     r2t = ReqToToken + req * stride_r2t
     for start in range(lo, prefix, BLOCK_N):
         pos = start + offs_n
@@ -82,6 +86,8 @@ def extend_kernel(
         vis = n_mask[None, :]
         if USE_WINDOW:
             vis = vis & ((q_pos[:, None] - pos[None, :]) < window)
+        if USE_CHUNK:
+            vis = vis & ((q_pos[:, None] // chunk) == (pos[None, :] // chunk))
         qk = tl.where(vis, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -97,7 +103,9 @@ def extend_kernel(
     lo2 = prefix * 0
     if USE_WINDOW:
         lo2 = tl.maximum(mb * BLOCK_M - window + 1, 0)
-        lo2 = (lo2 // BLOCK_N) * BLOCK_N
+    if USE_CHUNK:
+        lo2 = tl.maximum(lo2, ((prefix + mb * BLOCK_M) // chunk) * chunk - prefix)
+    lo2 = (lo2 // BLOCK_N) * BLOCK_N
     for start in range(lo2, hi, BLOCK_N):
         n_idx = start + offs_n
         n_mask = n_idx < ext_len
@@ -108,6 +116,8 @@ def extend_kernel(
         vis = n_mask[None, :] & (n_idx[None, :] <= offs_m[:, None])
         if USE_WINDOW:
             vis = vis & ((offs_m[:, None] - n_idx[None, :]) < window)
+        if USE_CHUNK:
+            vis = vis & ((q_pos[:, None] // chunk) == ((prefix + n_idx)[None, :] // chunk))
         qk = tl.where(vis, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
