@@ -76,8 +76,12 @@ class _Run:
         except Exception as e:  # the other ranks must hear of it, or they would wait out the timeout
             self._agree_across_ranks(None, facts, error=error_info_from(e, "resolve"))
             raise
+        if r.dtype is not None:
+            self.log.emit(ev.SettingResolved, state=self.state, field="dtype", value=r.dtype.value,
+                          source=r.dtype.source)
         self.log.emit(ev.BackendsResolved, state=self.state, prefill=r.pair.prefill, decode=r.pair.decode,
-                      is_draft_override=r.pair.is_draft_override, rules=dict(r.rules), rejected=r.rejected)
+                      is_draft_override=r.pair.is_draft_override, rules=dict(r.rules), rejected=r.rejected,
+                      not_attention=list(r.not_attention))
         for s in r.skips:
             self.log.emit(ev.FeatureDowngraded, state=self.state, outcome="skipped", what=s.what, reason=s.reason)
         self._agree_across_ranks(r, facts)

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, Union
 import msgspec
 
 from pipeline.contracts import (
-    SCHEMA_VERSION, DeviceFacts, ErrorInfo, InstancePlan, Mode, Rejection, WorkspacePlan,
+    SCHEMA_VERSION, DeviceFacts, ErrorInfo, InstancePlan, LayerGroup, Mode, Rejection, WorkspacePlan,
 )
 
 Outcome = Literal["ok", "skipped", "failed"]
@@ -59,22 +59,26 @@ class DeviceInitialized(Event, tag="device_initialized", kw_only=True):
 
 
 class SettingResolved(Event, tag="setting_resolved", kw_only=True):
-    """Which source won for a setting sglang also reads from the environment (field > env > default)."""
+    """Which source won for a setting: ``field`` > ``env`` > ``default`` for those sglang also reads
+    from the environment; for ``dtype`` (state ``resolve``) ``field`` or ``auto:<rule>``, the rule of
+    :data:`pipeline.dtypes.AUTO_RULES` that chose it."""
 
     field: str
     value: Any = None
-    source: Literal["field", "env", "default"]
+    source: str
     env_var: str | None = None
 
 
 class BackendsResolved(Event, tag="backends_resolved", kw_only=True):
-    """resolve's decision: the pair, the rule per half and every rejected candidate with reasons."""
+    """resolve's decision: the pair, the rule per half, every rejected candidate with reasons, and the
+    model's layers that no attention backend serves (``not_attention``: linear attention, mamba)."""
 
     prefill: str
     decode: str
     is_draft_override: bool
     rules: dict[str, str]
     rejected: dict[str, list[Rejection]] = {}
+    not_attention: list[LayerGroup] = []
 
 
 class RankRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

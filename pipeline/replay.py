@@ -163,9 +163,12 @@ class _Replayer:
             self.req.args, self.req.served_model, facts, is_draft_worker=self.req.is_draft_worker,
             installed=self.installed))
         rec = self.need(ev.BackendsResolved, "resolve")
+        dt = next((s for s in self.run.all(ev.SettingResolved) if s.field == "dtype"), None)
+        if dt is not None and res.dtype is not None:  # traces from before the dtype rule record none
+            self.check("resolve", "setting.dtype", [dt.value, dt.source], [res.dtype.value, res.dtype.source])
         for fld, now in (("prefill", res.pair.prefill), ("decode", res.pair.decode),
                          ("is_draft_override", res.pair.is_draft_override), ("rules", dict(res.rules)),
-                         ("rejected", res.rejected)):
+                         ("rejected", res.rejected), ("not_attention", res.not_attention)):
             self.check("resolve", fld, getattr(rec, fld), now)
         self.check("resolve", "skips", self._skips("resolve"), [[s.what, s.reason] for s in res.skips])
         return res

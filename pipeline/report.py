@@ -8,7 +8,8 @@ from typing import Any, Iterable, Optional
 import msgspec
 
 from pipeline import events as ev
-from pipeline.contracts import BuildPlan, ErrorInfo, Resolution
+from pipeline.contracts import BuildPlan, DtypeChoice, ErrorInfo, Resolution
+from pipeline.model_spec import format_layer_ids
 
 
 def states_from(records: Iterable[ev.Event]) -> list[dict[str, Any]]:
@@ -27,21 +28,39 @@ def states_from(records: Iterable[ev.Event]) -> list[dict[str, Any]]:
     return out
 
 
-def _resolved(prefill: str, decode: str, is_draft_override: bool, rules: Any) -> dict[str, Any]:
-    return {"prefill": prefill, "decode": decode, "is_draft_override": is_draft_override, "rules": dict(rules)}
+def _resolved(prefill: str, decode: str, is_draft_override: bool, rules: Any, dtype: Any,
+              not_attention: Any) -> dict[str, Any]:
+    return {"prefill": prefill, "decode": decode, "is_draft_override": is_draft_override, "rules": dict(rules),
+            "dtype": None if dtype is None else {"value": dtype.value, "source": dtype.source},
+            "not_attention": msgspec.to_builtins(list(not_attention))}
 
 
 def resolved_obj(res: Optional[Resolution]) -> Optional[dict[str, Any]]:
-    """The ``resolved`` object of run/plan JSON, from a Resolution."""
+    """The ``resolved`` object of run/plan JSON, from a Resolution.
+
+    ``{prefill, decode, is_draft_override, rules, dtype: {value, source}, not_attention: [{kind, layer_ids}]}``
+    — ``dtype.source`` is ``field`` or ``auto:<rule>`` (:data:`pipeline.dtypes.AUTO_RULES`);
+    ``not_attention`` lists the layers no attention backend serves (linear attention, mamba).
+    """
     if res is None:
         return None
-    return _resolved(res.pair.prefill, res.pair.decode, res.pair.is_draft_override, res.rules)
+    return _resolved(res.pair.prefill, res.pair.decode, res.pair.is_draft_override, res.rules, res.dtype,
+                     res.not_attention)
 
 
 def resolved_from(records: Iterable[ev.Event]) -> Optional[dict[str, Any]]:
-    """The same object from a run's ``backends_resolved`` record (None if the run never resolved)."""
+    """The same object from a run's ``backends_resolved`` and ``setting_resolved`` (dtype) records
+    (None if the run never resolved)."""
+    records = list(records)
     e = next((r for r in records if isinstance(r, ev.BackendsResolved)), None)
-    return None if e is None else _resolved(e.prefill, e.decode, e.is_draft_override, e.rules)
+    d = next((r for r in records if isinstance(r, ev.SettingResolved) and r.field == "dtype"), None)
+    return None if e is None else _resolved(e.prefill, e.decode, e.is_draft_override, e.rules,
+                                            None if d is None else DtypeChoice(value=str(d.value), source=d.source),
+                                            e.not_attention)
+
+
+def _layers_text(ids: list[int]) -> str:
+    return format_layer_ids(ids)
 
 
 def plan_from(records: Iterable[ev.Event]) -> Optional[dict[str, Any]]:
@@ -114,6 +133,11 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
     if res:
         c.print(f"resolved: prefill={res['prefill']} ({res['rules']['prefill']}), "
                 f"decode={res['decode']} ({res['rules']['decode']}), draft override={res['is_draft_override']}")
+        if res.get("dtype"):
+            c.print(f"dtype: {res['dtype']['value']} ({res['dtype']['source']})", markup=False)
+        for g in res.get("not_attention") or []:
+            c.print(f"not attention (no KV cache, computed by the model's own kernels): {g['kind']} layers "
+                    f"{_layers_text(g['layer_ids'])}", markup=False)
     for half, rej in (rejected or {}).items():
         for r in rej:
             c.print(f"  rejected for {half}: {r['backend']}: {'; '.join(r['reasons'])}", markup=False)

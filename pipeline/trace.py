@@ -156,6 +156,8 @@ class Run:
         if r is not None:
             out["resolved"] = {"prefill": r.prefill, "decode": r.decode, "is_draft_override": r.is_draft_override,
                                "rules": dict(r.rules), "rejected": b(r.rejected)}
+            if r.not_attention:
+                out["resolved"]["not_attention"] = b(r.not_attention)
         settings = {s.field: {"value": s.value, "source": s.source} for s in self.all(ev.SettingResolved)}
         if settings:
             out["settings"] = settings

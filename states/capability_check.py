@@ -7,8 +7,9 @@ can), each with the request flags it is about, in the spirit of vLLM's
 Pure decisions: no torch, no import of any backend module.
 
 Checks, in order: device type, arch (compute capability), packages, the model's layer kinds
-(MHA/MLA, encoder-decoder, qk/v head dims, sliding window, logit softcap, attention sinks — each
-reason names the head dim or feature *and* the layer kind with its layers), q dtype, KV-cache
+(MHA/MLA, encoder-decoder, qk/v head dims, sliding window, logit softcap, attention sinks, chunked
+local attention — each reason names the head dim or feature *and* the layer kind with its layers;
+a hybrid model's linear-attention / mamba layers are no attention kind and need nothing), q dtype, KV-cache
 dtype, page size, speculative decoding (incl. EAGLE tree verification), TBO, PD-mux.
 """
 
@@ -18,8 +19,8 @@ from typing import Any, Mapping, NamedTuple
 
 from pipeline.backends.registry import Capability
 from pipeline.contracts import AttentionArgs, DeviceFacts, ModelSpec
-
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}
+from pipeline.dtypes import norm_dtype, resolve_dtype
+from pipeline.model_spec import format_layer_ids
 
 PACKAGE_OF = {"flashinfer-python": "flashinfer-python", "triton": "triton", "torch": "torch"}
 # How each distribution is installed (the remedy of a "package missing" reason).
@@ -40,14 +41,10 @@ class Reason(NamedTuple):
         return self.text.startswith(PACKAGE_REASON_PREFIX)
 
 
-def norm_dtype(name: str) -> str:
-    """Canonical dtype name (``bf16`` → ``bfloat16``, ``fp16``/``half`` → ``float16`` …)."""
-    return _DTYPE_ALIASES.get(name, name)
-
-
 def model_dtype(args: AttentionArgs, model: ModelSpec) -> str:
-    """The compute dtype: ``args.dtype`` unless ``auto``, then the model's (float32 stays float32)."""
-    return norm_dtype(model.dtype if args.dtype == "auto" else args.dtype)
+    """The compute dtype: ``args.dtype``, or for ``auto`` the engines' rule (:func:`pipeline.dtypes.resolve_dtype`:
+    a float32 checkpoint becomes bfloat16 for the Gemma family, float16 otherwise). Raises its ConfigError."""
+    return resolve_dtype(args, model).value
 
 
 def kv_dtype(args: AttentionArgs, model: ModelSpec) -> str:
@@ -56,7 +53,7 @@ def kv_dtype(args: AttentionArgs, model: ModelSpec) -> str:
 
 
 def _layers(ids: list[int]) -> str:
-    return f"layers {ids[0]}..{ids[-1]} ({len(ids)})" if len(ids) > 3 else f"layers {ids}"
+    return f"layers {format_layer_ids(ids)}"
 
 
 def _model_flag(model: ModelSpec) -> tuple[str, Any]:
@@ -89,6 +86,9 @@ def model_reasons_with_flags(cap: Capability, model: ModelSpec) -> list[Reason]:
                               (mf, (f"{k.kind}.logit_softcap", k.logit_softcap))))
         if k.has_sinks and not cap.has("attention_sinks"):
             out.append(Reason(f"attention sinks of {where} are not supported", (mf, (f"{k.kind}.has_sinks", True))))
+        if k.attention_chunk_size is not None and not cap.has("chunked_local_attention"):
+            out.append(Reason(f"chunked local attention (chunk {k.attention_chunk_size}) of {where} is not supported",
+                              (mf, (f"{k.kind}.attention_chunk_size", k.attention_chunk_size))))
     return list(dict.fromkeys(out))
 
 

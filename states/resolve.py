@@ -13,6 +13,11 @@ SM-partition table) also happen here, before anything is allocated.
 
 When no *installed* backend can serve a request but one would if its package were installed, the
 error says exactly that (and names the package), instead of advising a backend that is missing.
+
+The resolution also carries the compute dtype and the rule that chose it
+(:func:`pipeline.dtypes.resolve_dtype`; an explicit float16 the model type refuses is refused here)
+and the model's layers that are not attention (linear attention, mamba): those need no backend, so
+only the attention layer kinds are checked; a model with no attention layer at all is refused.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from pipeline.backends import registry
 from pipeline.contracts import (
     AttentionArgs, DeviceFacts, ModelSpec, Rejection, Resolution, ResolvedAttentionBackendStr, Rule, Skip,
 )
+from pipeline.dtypes import resolve_dtype
 from pipeline.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
+from pipeline.model_spec import format_layer_ids
 from states.capability_check import Reason, reasons_with_flags
 
 # Arches whose SMs sglang's PD-multiplexing can partition into groups (green contexts need sm80+
@@ -192,10 +199,15 @@ def decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dra
     installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → present.
 
     Returns a :class:`Resolution` (never None): the pair, the rule per half, every auto candidate
-    refused (per half, with reasons) and the CUDA-graph downgrade, if any.
-    Raises BackendUnknown / BackendUnavailable / CapabilityMismatch / ConflictingOptions (exit 3).
+    refused (per half, with reasons), the CUDA-graph downgrade if any, the compute dtype with its
+    rule, and the layers that are not attention (``not_attention``).
+    Raises BackendUnknown / BackendUnavailable / CapabilityMismatch / ConflictingOptions / ConfigError
+    (``dtype_refused``; ``no_attention_layers`` for a model made only of linear-attention / mamba
+    layers) — exit 3.
     """
     check_modes(args, device, is_draft_worker)
+    dtype = resolve_dtype(args, model)
+    check_has_attention(model)
     survey = _Survey(args=args, model=model, device=device, installed=installed, is_draft_worker=is_draft_worker)
     picks, rules, rejected = {}, {}, {}
     for half in ("prefill", "decode"):
@@ -206,7 +218,25 @@ def decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dra
             rejected[half] = rej
     pair = ResolvedAttentionBackendStr(prefill=picks["prefill"], decode=picks["decode"],
                                        is_draft_override=rules["prefill"] == "draft_override")
-    return Resolution(pair=pair, rules=rules, rejected=rejected, skips=_graph_skips(args, picks["decode"], device))
+    return Resolution(pair=pair, rules=rules, rejected=rejected, skips=_graph_skips(args, picks["decode"], device),
+                      dtype=dtype, not_attention=model.not_attention())
+
+
+def check_has_attention(model: ModelSpec) -> None:
+    """Refuse a model none of whose layers is attention (nothing for an attention backend to serve).
+
+    Raises CapabilityMismatch (``no_attention_layers``) naming each layer type and its ids.
+    """
+    if model.layer_kinds():
+        return
+    groups = model.not_attention()
+    what = "; ".join(f"{g.kind} layers {format_layer_ids(g.layer_ids)}" for g in groups)
+    raise CapabilityMismatch(
+        f"model {model.source or model.model_type!r} has no attention layer ({what}): no attention backend has "
+        "anything to serve", code="no_attention_layers", state="resolve",
+        flags=[("model", model.source or model.model_type)] + [(f"{g.kind}.layer_ids", g.layer_ids) for g in groups],
+        remedy="serve this model with an engine's linear-attention / state-space kernels; attn-setup initializes "
+               "attention backends only")
 
 
 def decide_for_run(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_draft_worker: bool,

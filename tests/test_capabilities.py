@@ -29,6 +29,7 @@ from pipeline.profiles import PROFILES
 from pipeline.reference import reference_attention, rel_err
 from pipeline.verify import verify_backend
 from states import resolve
+from states.capability_check import model_dtype
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 ALL = {"torch": True, "triton": True, "flashinfer-python": True}
@@ -51,6 +52,7 @@ FEATURE_MODELS = {
     "mha": spec(), "mla": spec(**MLA),
     "sliding_window": spec(layer_types=["sliding", "full", "sliding"], sliding_window=6),
     "logit_softcap": spec(logit_softcap=3.0), "attention_sinks": spec(has_attention_sinks=True),
+    "chunked_local_attention": spec(layer_types=["chunked", "full", "chunked"], attention_chunk_size=5),
     "encoder_decoder": spec(is_encoder_decoder=True),
 }
 FEATURE_ARGS = {"speculative": dict(speculative_algorithm="EAGLE"), "tbo": dict(enable_two_batch_overlap=True),
@@ -67,7 +69,7 @@ def build_and_verify(model: ModelSpec, device: str, installed: dict, page_size: 
         targets = [(i.role, i.backend, out.instances[i.role]) for i in out.plan.instances]
         if out.attn_backend is not out.instances.get(out.plan.instances[0].role):
             targets.append(("wrapper", "wrapper", out.attn_backend))
-        dtype = a.dtype if a.dtype != "auto" else model.dtype
+        dtype = model_dtype(a, model)  # the same rule the pipeline used (auto: sglang's downcast of float32)
         return [verify_backend(b, role=r, name=n, model=model, req_to_token_pool=out.pools["req_to_token_pool"],
                                kv_pool=out.pools["kv_pool"], torch_device=out.torch_device, dtype=dtype,
                                decode_steps=2) for r, n, b in targets]
@@ -116,7 +118,8 @@ TN_CPU = {"torch": True, "triton": False, "flashinfer-python": False}
 # ---------------------------------------------------------------------------------------------
 # torch_native: one real CPU case per claim
 # ---------------------------------------------------------------------------------------------
-TESTED_FEATURES = {"mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "speculative", "tbo", "pdmux"}
+TESTED_FEATURES = {"mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention",
+                   "speculative", "tbo", "pdmux"}
 TESTED_Q = {"bfloat16", "float16", "float32"}
 TESTED_KV = {"bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"}
 TESTED_DEVICES = {"cpu", "cuda", "musa", "npu", "xpu", "mps"}
@@ -130,7 +133,8 @@ def test_every_torch_native_claim_has_a_case():
     assert TORCH_NATIVE.head_dims_qk is None and TORCH_NATIVE.page_sizes is None
 
 
-@pytest.mark.parametrize("feature", ["mha", "mla", "sliding_window", "logit_softcap", "attention_sinks"])
+@pytest.mark.parametrize("feature", ["mha", "mla", "sliding_window", "logit_softcap", "attention_sinks",
+                                     "chunked_local_attention"])
 def test_torch_native_model_features_run(feature):
     """Each claimed model feature: built on CPU, every layer kind verified against the reference."""
     assert_passed(build_and_verify(FEATURE_MODELS[feature], "cpu", TN_CPU, attention_backend="torch_native"))
@@ -158,15 +162,15 @@ def test_torch_native_speculative_runs():
 
 @pytest.mark.parametrize("dtype", sorted(TESTED_Q))
 def test_torch_native_q_dtypes_run(dtype):
-    """Each claimed q dtype (model dtype), KV in the same dtype."""
-    assert_passed(build_and_verify(spec(dtype=dtype), "cpu", TN_CPU, attention_backend="torch_native"))
+    """Each claimed q dtype (given as --dtype), KV in the same dtype."""
+    assert_passed(build_and_verify(spec(dtype=dtype), "cpu", TN_CPU, attention_backend="torch_native", dtype=dtype))
 
 
 @pytest.mark.parametrize("kv", sorted(TESTED_KV))
 def test_torch_native_kv_dtypes_run(kv):
     """Each claimed KV-cache dtype (fp8 stored as float8 and upcast on read)."""
     assert_passed(build_and_verify(spec(dtype="float32"), "cpu", TN_CPU, attention_backend="torch_native",
-                                   kv_cache_dtype=kv))
+                                   kv_cache_dtype=kv, dtype="float32"))
 
 
 @pytest.mark.parametrize("d,dv", [(32, 32), (80, 80), (96, 96), (128, 128), (256, 256), (192, 128)])
@@ -285,7 +289,7 @@ def test_unclaimed_head_dims_and_dtypes_are_refused(name):
         if why:
             assert f"head dim {d}" in why[0]
     for q in ("bfloat16", "float16", "float32"):
-        why = _refused(name, spec(dtype=q))
+        why = _refused(name, spec(), dtype=q)
         assert bool(why) == (q not in cap.q_dtypes) and (not why or q in why[0])
     for kv in ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"):
         why = _refused(name, spec(), kv_cache_dtype=kv)  # spec() is bfloat16

@@ -25,7 +25,15 @@ PINNED = {
     "qwen3-8b.json": (["--enable-pdmux"], 3, None, []),  # PD-mux needs GPU SMs: refused on CPU
     "deepseek-v2-lite.json": (["--kv-cache-dtype", "fp8_e4m3"], 0, "normal", ["primary"]),
     "gpt-oss-20b.json": (["--attention-backend", "torch_native"], 0, "normal", ["primary"]),
+    "qwen3-next-80b-a3b-instruct.json": (["--page-size", "16"], 0, "normal", ["primary"]),
+    "llama-4-scout-17b-16e-instruct.json": ([], 0, "normal", ["primary"]),
+    "gemma-3-12b-it.json": ([], 0, "normal", ["primary"]),
 }
+# config → (dtype, its rule, not-attention layers of what the run builds): --num-layers defaults to the first 2
+# attention layers (more when a kind starts later), so Qwen3-Next builds layers 0..7 (attention 3 and 7).
+RUN_DTYPE = {"gemma-2-9b.json": ("bfloat16", "auto:float32_to_bfloat16", []),
+             "qwen3-next-80b-a3b-instruct.json": ("bfloat16", "auto:checkpoint",
+                                                  [{"kind": "linear_attention", "layer_ids": [0, 1, 2, 4, 5, 6]}])}
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -59,6 +67,11 @@ def test_run_outcome_per_config(config, tmp_path):
         assert [v["role"] for v in out["verified"]] == roles
         assert all(v["passed"] and v["max_rel_err"] <= v["tol"] for v in out["verified"])
         assert out["resolved"]["prefill"] == "torch_native"
+        dtype, rule, others = RUN_DTYPE.get(config, ("bfloat16", "auto:checkpoint", []))
+        assert out["resolved"]["dtype"] == {"value": dtype, "source": rule}
+        assert out["resolved"]["not_attention"] == others
+        assert [(r.value, r.source) for r in records if isinstance(r, ev.SettingResolved) and r.field == "dtype"] \
+            == [(dtype, rule)]
         assert [s["state"] for s in out["runner_states"]] == RUNNER
         assert out["model_steps"] and all(s["passed"] and not s["graph"] for s in out["model_steps"])
     else:

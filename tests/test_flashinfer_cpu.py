@@ -291,6 +291,17 @@ def test_sinks_with_softcap_refused(fib):
         fib.create(sc.ctx)
 
 
+def test_chunked_kind_refused_by_the_factory(fib):
+    """A chunked local-attention kind (Llama-4) is refused before building, naming triton / torch_native."""
+    import msgspec
+
+    kind = msgspec.structs.replace(make_kind(4, 2, 16), kind="chunked", attention_chunk_size=8)
+    sc = _scenario([kind], 4)
+    with pytest.raises(CapabilityMismatch) as ei:
+        fib.create(sc.ctx)
+    assert ei.value.info.flags[0].name == "attention_chunk_size" and "triton" in ei.value.info.remedy
+
+
 def test_glue_pdl_decided_at_build_like_flashinfer(fib):
     """enable_pdl mirrors flashinfer.utils.device_support_pdl (major >= 9) and reaches every decode run."""
     seen = []

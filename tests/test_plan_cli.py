@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -32,7 +34,8 @@ def test_h200_plan_json_has_run_objects_and_rejected():
     rc, out = plan("--device-profile", "h200", "--installed", "torch,triton")
     assert rc == 0 and out["ok"] is True
     assert out["resolved"] == {"prefill": "triton", "decode": "triton", "is_draft_override": False,
-                               "rules": {"prefill": "auto", "decode": "auto"}}
+                               "rules": {"prefill": "auto", "decode": "auto"},
+                               "dtype": {"value": "bfloat16", "source": "auto:checkpoint"}, "not_attention": []}
     assert [r["backend"] for r in out["rejected"]["prefill"]] == ["flashinfer", "fa3"]
     assert any("flashinfer-python" in x for x in out["rejected"]["decode"][0]["reasons"])
     assert out["plan"] == {"mode": "normal", "hybrid": False,
@@ -41,6 +44,57 @@ def test_h200_plan_json_has_run_objects_and_rejected():
                                            "shared_by": ["primary"]}]}
     assert out["skips"] == [{"what": "npu_lazy_mem", "reason": "device type is 'cuda', zbal lazy memory exists on npu only"}]
     assert out["device"]["compute_capability"] == [9, 0] and out["device"]["source"].startswith("profile:h200")
+
+
+# Every bundled config planned on the H200 with every package assumed installed: the pair, the dtype and
+# its rule, and the layers no attention backend serves — written from the capability records, the dtype
+# rule (pipeline/dtypes.py) and the configs (examples/configs/README.md), not by running the tool.
+H200_PINNED = {
+    "llama-3.1-8b.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),
+    "qwen2.5-7b.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),
+    "mistral-7b-v0.1.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),
+    "gemma-2-9b.json": ("flashinfer", ("bfloat16", "auto:float32_to_bfloat16"), []),  # float32 checkpoint
+    "qwen3-8b.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),
+    "deepseek-v2-lite.json": ("torch_native", ("bfloat16", "auto:checkpoint"), []),   # MLA: only torch_native
+    "gpt-oss-20b.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),          # no torch_dtype: bf16
+    "qwen3-next-80b-a3b-instruct.json": ("flashinfer", ("bfloat16", "auto:checkpoint"),
+                                         [("linear_attention", [i for i in range(48) if (i + 1) % 4])]),
+    "llama-4-scout-17b-16e-instruct.json": ("triton", ("bfloat16", "auto:checkpoint"), []),  # chunked layers
+    "gemma-3-12b-it.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),
+}
+
+
+def test_every_bundled_config_has_a_pinned_h200_plan():
+    """The table covers exactly the shipped configs."""
+    assert sorted(H200_PINNED) == sorted(p.name for p in CFG.glob("*.json"))
+
+
+@pytest.mark.parametrize("config", sorted(H200_PINNED))
+def test_bundled_config_plans_on_h200(config):
+    """plan --device-profile h200, every package: the pinned pair, dtype rule and not-attention layers."""
+    from pipeline.cli import main
+
+    backend, dtype, others = H200_PINNED[config]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["plan", "--device-profile", "h200", "--installed", ALL, "--model", str(CFG / config), "--json"])
+    out = json.loads(buf.getvalue())
+    assert rc == 0 and out["ok"], out
+    res = out["resolved"]
+    assert (res["prefill"], res["decode"]) == (backend, backend)
+    assert (res["dtype"]["value"], res["dtype"]["source"]) == dtype
+    assert [(g["kind"], g["layer_ids"]) for g in res["not_attention"]] == others
+
+
+def test_plan_human_output_shows_dtype_rule_and_not_attention(capsys):
+    """The tables name the dtype with its rule and the linear-attention layers with their ids."""
+    from pipeline.cli import main
+
+    assert main(["plan", "--device-profile", "h200", "--installed", ALL, "--model",
+                 str(CFG / "qwen3-next-80b-a3b-instruct.json")]) == 0
+    text = capsys.readouterr().out
+    assert "dtype: bfloat16 (auto:checkpoint)" in text
+    assert "linear_attention layers 0..2, 4..6, 8..10" in text
 
 
 def test_qwen_flashinfer_workspace_is_512_mib_in_the_plan():

@@ -103,3 +103,54 @@ def test_record_trace_on_fake_gpu_replays(tmp_path):
     assert d["device"]["blas_init"] is True and d["resolved"]["prefill"] == "torch_native"
     assert d["resolved"]["rejected"]["prefill"][0]["backend"] == "flashinfer"
     testing.assert_replays(tmp_path / "fake.jsonl")
+
+
+def _record(tmp_path, config, name, **args):
+    from pipeline.contracts import AttentionArgs, SetupRequest
+    from pipeline.model_spec import load_model_spec
+
+    req = SetupRequest(args=AttentionArgs(**args), model=load_model_spec(GOLDEN.parents[2] / "examples/configs" / config),
+                       device="cpu", pool=pipeline.PoolFacts(max_reqs=2, max_context_len=64, num_token_slots=16))
+    testing.record_trace(req, tmp_path / name)
+    return tmp_path / name
+
+
+def test_dtype_rule_is_recorded_and_replayed(tmp_path, monkeypatch):
+    """gemma-2 (float32 checkpoint): setting_resolved dtype bfloat16 from auto:float32_to_bfloat16 replays the
+    same; a changed rule diverges at resolve / setting.dtype."""
+    import states.resolve as rs
+    from pipeline.contracts import DtypeChoice
+
+    path = _record(tmp_path, "gemma-2-9b.json", "gemma2.jsonl")
+    rec = [r for r in _raw(path) if r["event"] == "setting_resolved" and r["field"] == "dtype"]
+    assert [(r["state"], r["value"], r["source"]) for r in rec] == [("resolve", "bfloat16", "auto:float32_to_bfloat16")]
+    run = testing.assert_replays(path).runs[0]
+    assert "resolve.setting.dtype" in run.checked
+    monkeypatch.setattr(rs, "resolve_dtype", lambda args, model: DtypeChoice(value="float32", source="auto:checkpoint"))
+    d = replay(path).divergence
+    assert (d.state, d.field, d.recorded, d.now) == ("resolve", "setting.dtype", ["bfloat16", "auto:float32_to_bfloat16"],
+                                                     ["float32", "auto:checkpoint"])
+
+
+def test_not_attention_layers_are_recorded_and_replayed(tmp_path):
+    """Qwen3-Next: backends_resolved records the linear-attention layer ids; the trace replays the same and the
+    inspect view shows them."""
+    path = _record(tmp_path, "qwen3-next-80b-a3b-instruct.json", "qwen3next.jsonl")
+    rec = next(r for r in _raw(path) if r["event"] == "backends_resolved")
+    assert rec["not_attention"] == [{"kind": "linear_attention", "layer_ids": [i for i in range(48) if (i + 1) % 4]}]
+    run = testing.assert_replays(path).runs[0]
+    assert "resolve.not_attention" in run.checked
+    assert run_decisions(path)["resolved"]["not_attention"] == rec["not_attention"]
+
+
+def run_decisions(path):
+    return testing.read_trace(path).runs[0].decisions()
+
+
+def test_dtype_refusal_is_recorded_and_replayed(tmp_path):
+    """--dtype float16 on gemma-2 fails in resolve with dtype_refused; replay fails the same way."""
+    path = _record(tmp_path, "gemma-2-9b.json", "fp16.jsonl", dtype="float16")
+    failed = next(r for r in _raw(path) if r["event"] == "run_failed")
+    assert (failed["error"]["code"], failed["error"]["state"]) == ("dtype_refused", "resolve")
+    run = testing.assert_replays(path).runs[0]
+    assert run.stopped == "failed in resolve as recorded"

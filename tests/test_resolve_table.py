@@ -11,8 +11,11 @@ no MLA, no speculative. fa3: like flashinfer but sm90 only and no sinks. triton:
 head dims 64/96/128/256, bf16/fp16, window/softcap/sinks/graphs/speculative/TBO/PD-mux, no MLA,
 packages torch+triton. Auto priority on cuda: flashinfer > fa3 > triton > torch_native; else
 torch_native. PD-mux SM table: sm80/86/89/90/100. Models: llama/qwen/qwen3 128 full bf16;
-mistral 128 all sliding; gemma-2 256, sliding+full, softcap 50, *float32*; deepseek-v2-lite MLA
-(absorbed 576/512); gpt-oss 64, sliding+full, sinks. These rows need the triton/flashinfer/fa3
+mistral 128 all sliding; gemma-2 256, sliding+full, softcap 50, *float32* (auto: bfloat16, sglang's
+Gemma rule); deepseek-v2-lite MLA (absorbed 576/512); gpt-oss 64, sliding+full, sinks; qwen3-next
+256, 12 full + 36 linear-attention layers; llama-4-scout 128, 36 chunked (8192) + 12 full;
+gemma-3-12b 256, 40 sliding (1024) + 8 full. dtype rule (pipeline/dtypes.py): auto keeps a bf16/fp16
+checkpoint, float32 -> bfloat16 for gemma* and the float16-refused types, else float16. These rows need the triton/flashinfer/fa3
 records to be registered: without them the GPU rows fail (BackendUnknown), they never skip.
 """
 
@@ -27,7 +30,7 @@ import pytest
 
 from pipeline.cli_plan import plan_report
 from pipeline.contracts import AttentionArgs, ModelSpec, PoolFacts, SetupRequest
-from pipeline.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConflictingOptions
+from pipeline.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
 from pipeline.model_spec import load_model_spec
 from pipeline.profiles import PROFILES
 
@@ -43,7 +46,14 @@ GEMMA_STYLE = dict(model_type="gemma_style", hidden_size=2560, num_hidden_layers
 ENC_DEC = dict(model_type="t5_like", hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
                num_key_value_heads=16, head_dim=64, v_head_dim=64, scaling=0.125, layer_types=["full"] * 4,
                is_encoder_decoder=True, dtype="bfloat16", source="enc-dec")
-CUSTOM = {"gemma-style": GEMMA_STYLE, "enc-dec": ENC_DEC}
+LLAMA_LIKE = dict(model_type="llama", hidden_size=4096, num_hidden_layers=4, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128, v_head_dim=128, scaling=128 ** -0.5, layer_types=["full"] * 4)
+CUSTOM = {"gemma-style": GEMMA_STYLE, "enc-dec": ENC_DEC,
+          "llama-fp32": dict(LLAMA_LIKE, dtype="float32", source="llama-fp32"),
+          "glm4-fp32": dict(LLAMA_LIKE, model_type="glm4", dtype="float32", source="glm4-fp32"),
+          "gemma3-fp16": dict(LLAMA_LIKE, model_type="gemma3_text", head_dim=256, v_head_dim=256, scaling=1 / 16,
+                              dtype="float16", source="gemma3-fp16"),
+          "all-linear": dict(LLAMA_LIKE, layer_types=["linear_attention"] * 4, dtype="bfloat16", source="all-linear")}
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,8 @@ class Row:
     err_flags: tuple[str, ...] = ()              # flag names the error must carry
     allowed: Optional[tuple[str, ...]] = None    # exact allowed list
     text: tuple[str, ...] = ()                   # substrings of message + remedy
+    dtype: Optional[tuple[str, str]] = None      # (resolved dtype, source)
+    not_attention: tuple[tuple[str, int], ...] = ()  # (kind, number of layers) no backend serves
 
 
 def ok(id, rule, profile, config, pair, rules, **kw) -> Row:
@@ -105,8 +117,9 @@ ROWS: list[Row] = [
        (TN, TN), AA, rejected=((FI, FA3, TR), (FI, FA3, TR))),
     ok("ascend-llama", "auto: npu -> torch_native; CUDA graphs skipped", "ascend-910b", "llama-3.1-8b", (TN, TN), AA,
        rejected=((), ()), skips=("cuda_graph",)),
-    ok("h200-gemma2-fp32", "auto: model dtype float32 outside GPU q_dtypes -> torch_native", "h200", "gemma-2-9b",
-       (TN, TN), AA, rejected=((FI, FA3, TR), (FI, FA3, TR)), text=()),
+    ok("h200-gemma2-fp32", "explicit --dtype float32 is outside the GPU q_dtypes -> torch_native", "h200",
+       "gemma-2-9b", (TN, TN), AA, flags={"dtype": "float32"}, rejected=((FI, FA3, TR), (FI, FA3, TR)),
+       dtype=("float32", "field")),
     ok("h200-gemma2-bf16", "auto: --dtype bfloat16 -> flashinfer (256, softcap, window)", "h200", "gemma-2-9b",
        (FI, FI), AA, flags={"dtype": "bfloat16"}),
     ok("h200-gemma2-bf16-nofi", "auto: triton serves head dim 256 + softcap", "h200", "gemma-2-9b", (TR, TR), AA,
@@ -182,6 +195,48 @@ ROWS: list[Row] = [
     err("h200-fi-missing", "explicit: package missing -> refused, not replaced", "h200", "llama-3.1-8b",
         CapabilityMismatch, flags={"attention_backend": FI}, installed=NOFI, allowed=(TN, TR),
         text=("flashinfer-python",)),
+    # --- --dtype auto as sglang does it; float16 refused as vLLM does (issue 13 §2) ------------
+    ok("h100-gemma2-auto", "dtype auto: a float32 Gemma checkpoint runs in bfloat16 (sglang) -> flashinfer", "h100",
+       "gemma-2-9b", (FI, FI), AA, rejected=((), ()), dtype=("bfloat16", "auto:float32_to_bfloat16")),
+    ok("h200-llama-fp32-auto", "dtype auto: a float32 non-Gemma checkpoint runs in float16 (sglang)", "h200",
+       "llama-fp32", (FI, FI), AA, dtype=("float16", "auto:float32_to_float16")),
+    ok("h200-glm4-fp32-auto", "dtype auto: float16 is refused for glm4, so float32 -> bfloat16", "h200", "glm4-fp32",
+       (FI, FI), AA, dtype=("bfloat16", "auto:float32_to_bfloat16")),
+    ok("h200-gemma3-fp16-auto", "dtype auto: a float16 gemma3 checkpoint runs in bfloat16 (vLLM)", "h200",
+       "gemma3-fp16", (FI, FI), AA, dtype=("bfloat16", "auto:float16_refused_to_bfloat16")),
+    ok("h200-llama-ckpt", "dtype auto: the bfloat16 checkpoint is kept", "h200", "llama-3.1-8b", (FI, FI), AA,
+       dtype=("bfloat16", "auto:checkpoint")),
+    ok("h200-llama-fp16-field", "dtype: an explicit choice is kept", "h200", "llama-3.1-8b", (FI, FI), AA,
+       flags={"dtype": "float16"}, dtype=("float16", "field")),
+    err("h200-gemma2-fp16", "dtype: float16 refused for gemma2 (vLLM _FLOAT16_NOT_SUPPORTED_MODELS)", "h200",
+        "gemma-2-9b", ConfigError, flags={"dtype": "float16"}, code="dtype_refused", err_flags=("dtype", "model_type"),
+        allowed=("bfloat16", "float32", "auto"), text=("'gemma2'", "--dtype bfloat16")),
+    err("cpu-gemma3-half", "dtype: 'half' is float16, refused for gemma3_text", "cpu", "gemma-3-12b-it", ConfigError,
+        flags={"dtype": "half"}, code="dtype_refused", err_flags=("dtype",), text=("gemma3_text",)),
+    # --- layers that are not softmax attention over the whole context (issue 13 §3) ----------
+    ok("h200-qwen3next", "hybrid: the 12 full layers are served; 36 linear-attention layers need no backend", "h200",
+       "qwen3-next-80b-a3b-instruct", (FI, FI), AA, rejected=((), ()), not_attention=(("linear_attention", 36),)),
+    ok("cpu-qwen3next", "hybrid on CPU -> torch_native", "cpu", "qwen3-next-80b-a3b-instruct", (TN, TN), AA,
+       not_attention=(("linear_attention", 36),)),
+    ok("h200-llama4", "chunked: flashinfer and fa3 lack chunked_local_attention -> triton", "h200",
+       "llama-4-scout-17b-16e-instruct", (TR, TR), AA, rejected=((FI, FA3), (FI, FA3)), skips=()),
+    ok("h200-llama4-torchonly", "chunked: triton missing -> torch_native claims it", "h200",
+       "llama-4-scout-17b-16e-instruct", (TN, TN), AA, installed=TORCH, rejected=((FI, FA3, TR), (FI, FA3, TR))),
+    ok("h200-triton-llama4", "explicit: triton serves chunked local attention", "h200",
+       "llama-4-scout-17b-16e-instruct", (TR, TR), (GF, GF), flags={"attention_backend": TR}),
+    ok("cpu-llama4", "chunked on CPU -> torch_native", "cpu", "llama-4-scout-17b-16e-instruct", (TN, TN), AA),
+    err("h200-fi-llama4", "explicit: flashinfer refused naming the chunked kind, chunk and layer ids", "h200",
+        "llama-4-scout-17b-16e-instruct", CapabilityMismatch, flags={"attention_backend": FI},
+        err_flags=("attention_backend", "chunked.attention_chunk_size"), allowed=(TN, TR),
+        text=("chunked local attention (chunk 8192) of chunked layers", "0..2, 4..6", "--attention-backend")),
+    err("h200-fa3-llama4-decode", "explicit decode half: fa3 refused for chunked layers", "h200",
+        "llama-4-scout-17b-16e-instruct", CapabilityMismatch, flags={"decode_attention_backend": FA3},
+        err_flags=("decode_attention_backend",), allowed=(TN, TR), text=("chunked local attention",)),
+    ok("h200-gemma3", "per-layer sliding: 40 sliding (1024) + 8 full layers, head dim 256 -> flashinfer", "h200",
+       "gemma-3-12b-it", (FI, FI), AA, dtype=("bfloat16", "auto:checkpoint")),
+    err("cpu-all-linear", "no attention layer at all: refused naming the layer type and ids", "cpu", "all-linear",
+        CapabilityMismatch, code="no_attention_layers", err_flags=("linear_attention.layer_ids",),
+        text=("linear_attention layers 0..3 (4)",)),
     # --- precedence per half (issue 3 §2) ---------------------------------------------------
     ok("h200-decode-only", "precedence: only decode flag -> prefill from auto, recorded", "h200", "llama-3.1-8b",
        (FI, TR), (AUTO, PF), flags={"decode_attention_backend": TR}, rejected=((), ()), mode="normal"),
@@ -308,6 +363,9 @@ def test_resolved_rows(row: Row):
     if row.mode is not None:
         assert out["plan"]["mode"] == row.mode
     assert out["plan"]["hybrid"] == (row.pair[0] != row.pair[1])
+    if row.dtype is not None:
+        assert (res["dtype"]["value"], res["dtype"]["source"]) == row.dtype, row.rule
+    assert tuple((g["kind"], len(g["layer_ids"])) for g in res["not_attention"]) == row.not_attention
 
 
 @pytest.mark.parametrize("row", [r for r in ROWS if r.error is not None], ids=lambda r: r.id)

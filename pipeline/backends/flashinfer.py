@@ -305,6 +305,11 @@ def _check_ctx(ctx: Any, prefill_backend: str) -> None:
         raise CapabilityMismatch("fa3 kernels need an sm90 (Hopper) GPU", flags=[("compute_capability", ctx.device.arch)],
                                  allowed=["sm90"], remedy="use --attention-backend flashinfer on this GPU")
     for k in ctx.layer_kinds:
+        if k.attention_chunk_size is not None:  # its record does not claim chunked_local_attention
+            raise CapabilityMismatch(
+                f"{ctx.name} has no chunked local attention (chunk {k.attention_chunk_size}, layers {k.layer_ids})",
+                flags=[("attention_chunk_size", k.attention_chunk_size)], allowed=["triton", "torch_native"],
+                remedy="use --attention-backend triton (or torch_native) for this model")
         if k.has_sinks and k.logit_softcap:
             raise CapabilityMismatch("FlashInfer's attention-sink kernel has no logit softcap",
                                      flags=[("logit_softcap", k.logit_softcap), ("has_sinks", True)],

@@ -31,12 +31,13 @@ def _backends(h, hkv, d):
     return TritonAttnBackend(torch_device=DEV, layer_dims=[(h, hkv, d, d)], num_sms=sms), TorchNativeBackend(torch_device=DEV)
 
 
-def _layer(h, hkv, d, features, seed):
+def _layer(h, hkv, d, features, seed, chunk=None):
     g = torch.Generator().manual_seed(seed)
     return AttentionLayer(layer_id=0, num_heads=h, num_kv_heads=hkv, head_dim=d, v_head_dim=d, scaling=d ** -0.5,
                           sliding_window=300 if "window" in features else None,
                           logit_softcap=4.0 if "softcap" in features else None,
-                          sinks=(torch.randn(h, generator=g) * 2).to(DEV) if "sinks" in features else None)
+                          sinks=(torch.randn(h, generator=g) * 2).to(DEV) if "sinks" in features else None,
+                          attention_chunk_size=chunk)
 
 
 def _setup(prefix, page, h, hkv, d, dtype, seed, extra):
@@ -71,11 +72,12 @@ def _check_against_refs(out, tn_out, fb, layer, q, sample):
         slots = r2t[row, :s].long()
         ref = reference_attention(q[sl].view(-1, h, d), pool.k_buffer[0][slots], pool.v_buffer[0][slots],
                                   q_positions=torch.arange(s - new[i], s, device=DEV), scale=layer.scaling,
-                                  window=layer.sliding_window, softcap=layer.logit_softcap, sinks=layer.sinks)
+                                  window=layer.sliding_window, softcap=layer.logit_softcap, sinks=layer.sinks,
+                                  chunk=layer.attention_chunk_size)
         assert rel_err(out[sl].view(-1, h, d), ref) <= TOL, ("reference", i)
 
 
-def _run(mode, prefix, new, page, h, hkv, d, dtype, features, seed):
+def _run(mode, prefix, new, page, h, hkv, d, dtype, features, seed, chunk=None):
     torch.manual_seed(seed)
     rp, kv, alloc, rows = _setup(prefix, page, h, hkv, d, dtype, seed, extra=sum(new))
     fb = make_forward_batch(mode, rows, new, alloc, kv)
@@ -83,7 +85,7 @@ def _run(mode, prefix, new, page, h, hkv, d, dtype, features, seed):
     q = torch.randn(t, h, d, dtype=dtype, device=DEV)
     k = torch.randn(t, hkv, d, dtype=dtype, device=DEV)
     v = torch.randn(t, hkv, d, dtype=dtype, device=DEV)
-    layer = _layer(h, hkv, d, features, seed)
+    layer = _layer(h, hkv, d, features, seed, chunk)
     tri, tn = _backends(h, hkv, d)
     tri.init_forward_metadata(fb)
     out = tri.forward(q, k, v, layer, fb)
@@ -160,6 +162,78 @@ def test_cuda_graph_replay_equals_eager_for_changed_lengths():
         out = tri.forward(q, k, v, layer, fb)
     for step, grow in enumerate([[1] * bs, [500, 1, 3000, 7, 1, 64, 2, 900]]):
         for r, n in zip(rows, grow):   # lengthen each request by a different amount
+            if n > 1:
+                alloc.extend(r, n - 1)
+        fb2 = make_forward_batch(ForwardMode.DECODE, rows[::-1], [1] * bs, alloc, kv)
+        for x in (q, k, v):
+            x.normal_()
+        loc.copy_(fb2.out_cache_loc)
+        tri.init_forward_metadata_replay_cuda_graph(bs, fb2.req_pool_indices, fb2.seq_lens, sum(fb2.seq_lens_cpu),
+                                                    None, ForwardMode.DECODE, None, None)
+        g.replay()
+        torch.cuda.synchronize()
+        graphed = out.clone()
+        tri.init_forward_metadata(fb2)
+        eager = tri.forward(q, k, v, layer, fb2)
+        assert torch.equal(graphed, eager), step
+        _check_against_refs(graphed, eager, fb2, layer, q, sample=range(bs))
+
+
+# Chunked local attention (Llama-4-Scout's layers: 40 q / 8 kv heads of 128, chunk 8192), contexts that
+# cross chunk boundaries (split-K decode ranges start at the chunk), and small chunks that bite often.
+CHUNK_DECODE = [
+    # (B, max ctx, page, H, Hkv, D, dtype, features, chunk)
+    (8, 20000, 16, 40, 8, 128, torch.bfloat16, (), 8192),
+    (64, 3000, 1, 40, 8, 128, torch.bfloat16, (), 1000),
+    (5, 9000, 64, 40, 8, 128, torch.float16, ("sinks",), 8192),
+    (16, 2500, 16, 32, 8, 128, torch.bfloat16, ("window", "softcap"), 256),
+]
+
+
+@pytest.mark.parametrize("b,ctx,page,h,hkv,d,dtype,features,chunk", CHUNK_DECODE)
+def test_chunked_local_attention_decode(b, ctx, page, h, hkv, d, dtype, features, chunk):
+    """Chunked decode equals torch_native and the float64 reference over contexts crossing chunk boundaries."""
+    _run(ForwardMode.DECODE, _ragged(b, ctx - 1, seed=b + chunk), [1] * b, page, h, hkv, d, dtype, features, seed=b,
+         chunk=chunk)
+
+
+CHUNK_EXTEND = [
+    # (prefix, new, page, H, Hkv, D, dtype, features, chunk): boundaries inside prefixes and new tokens
+    ([0, 8000, 8190, 100], [512, 400, 5, 300], 16, 40, 8, 128, torch.bfloat16, (), 8192),
+    ([1000, 0, 37], [129, 700, 250], 64, 40, 8, 128, torch.bfloat16, ("sinks",), 128),
+    ([300, 5], [90, 45], 1, 40, 8, 128, torch.float16, (), 7),
+]
+
+
+@pytest.mark.parametrize("prefix,new,page,h,hkv,d,dtype,features,chunk", CHUNK_EXTEND)
+def test_chunked_local_attention_extend(prefix, new, page, h, hkv, d, dtype, features, chunk):
+    """Chunked extend equals torch_native and the float64 reference."""
+    _run(ForwardMode.EXTEND, prefix, new, page, h, hkv, d, dtype, features, seed=len(prefix) + chunk, chunk=chunk)
+
+
+def test_chunked_local_attention():
+    """A chunked decode graph replays equal to eager after lengths cross chunk boundaries, and equals the
+    reference (the chunk start is recomputed from seq_len inside the kernels at replay)."""
+    h, hkv, d, page, bs, chunk = 40, 8, 128, 16, 4, 512
+    rp, kv, alloc, rows = _setup([500, 1023, 100, 2000], page, h, hkv, d, torch.bfloat16, seed=9, extra=4000)
+    layer = _layer(h, hkv, d, (), seed=9, chunk=chunk)
+    tri, _ = _backends(h, hkv, d)
+    tri.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    fb = make_forward_batch(ForwardMode.DECODE, rows, [1] * bs, alloc, kv)
+    q, k, v = (torch.randn(bs, n, d, dtype=torch.bfloat16, device=DEV) for n in (h, hkv, hkv))
+    loc = fb.out_cache_loc.clone()
+    fb.out_cache_loc = loc
+    tri.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices, fb.seq_lens, None, ForwardMode.DECODE, None)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        tri.forward(q, k, v, layer, fb)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = tri.forward(q, k, v, layer, fb)
+    for step, grow in enumerate([[12, 1, 412, 48], [700, 2, 3, 1]]):
+        for r, n in zip(rows, grow):
             if n > 1:
                 alloc.extend(r, n - 1)
         fb2 = make_forward_batch(ForwardMode.DECODE, rows[::-1], [1] * bs, alloc, kv)

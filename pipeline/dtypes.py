@@ -1,0 +1,113 @@
+"""The compute dtype (``dtype`` / ``--dtype``): the explicit choice, or the engines' rule for ``auto``.
+
+The one place the rule lives: resolve, ``plan``, the runner, the backends and verification all
+ask :func:`resolve_dtype` (``states.capability_check.model_dtype`` is its value). Torch-free.
+
+``auto`` follows sglang (``python/sglang/srt/configs/model_config.py``, ``_get_and_verify_dtype``,
+checked in the current source), whose argument names this library uses:
+
+- a bfloat16 / float16 checkpoint keeps its dtype (rule ``checkpoint``);
+- a float32 checkpoint is downcast: to bfloat16 for the Gemma family (``model_type`` starting with
+  ``gemma``; sglang logs "For Gemma N, we downcast float32 to bfloat16 instead of float16"), to
+  float16 otherwise ("Following the common practice, we use float16 for float32 models")
+  (rules ``float32_to_bfloat16`` / ``float32_to_float16``).
+
+vLLM refuses float16 for the model types of its ``_FLOAT16_NOT_SUPPORTED_MODELS`` table
+(``vllm/config/model.py``: gemma2, gemma3, gemma3_text, plamo2, glm4 — "Numerical instability.
+Please use bfloat16 or float32 instead."; ``_check_valid_dtype`` raises for an explicit float16).
+We refuse it too (:data:`FLOAT16_REFUSED`), and ``auto`` never picks a refused dtype: a float32
+checkpoint of such a type becomes bfloat16 even where sglang's prefix test would say float16
+(plamo2, glm4), and a float16 checkpoint of one becomes bfloat16 (rule
+``float16_refused_to_bfloat16``; vLLM's ``_resolve_auto_dtype`` likewise falls back to its
+preferred dtype when the checkpoint's is not allowed).
+
+Where vLLM differs, and we do not follow it: for a float32 checkpoint vLLM's current
+``_resolve_auto_dtype`` takes the platform's first supported dtype (CUDA sm80+: bfloat16 for
+every model; sm60–sm75: float16, or float32 for the types above), so a non-Gemma float32
+checkpoint gets bfloat16 there and float16 here (sglang). A config without ``torch_dtype`` /
+``dtype`` is read by :mod:`pipeline.model_spec` as bfloat16 (sglang would read it as float32 and
+pick float16; vLLM reads the weights' safetensors dtypes, which we do not have).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipeline.contracts import DtypeChoice
+from pipeline.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipeline.contracts import AttentionArgs, ModelSpec
+
+__all__ = ["AUTO_RULES", "FLOAT16_REFUSED", "norm_dtype", "resolve_dtype"]
+
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}
+
+# model_type -> why float16 is refused (vLLM's _FLOAT16_NOT_SUPPORTED_MODELS, same reason text).
+FLOAT16_REFUSED: dict[str, str] = {
+    t: "numerical instability (vLLM's _FLOAT16_NOT_SUPPORTED_MODELS)"
+    for t in ("gemma2", "gemma3", "gemma3_text", "plamo2", "glm4")
+}
+
+# rule name (the ``auto:<rule>`` source) -> what it does.
+AUTO_RULES: dict[str, str] = {
+    "checkpoint": "the checkpoint's bfloat16/float16 dtype is kept (sglang, vLLM)",
+    "float32_to_bfloat16": "a float32 checkpoint of the Gemma family (or of a model type float16 is refused for) "
+                           "is downcast to bfloat16 (sglang _get_and_verify_dtype; vLLM _FLOAT16_NOT_SUPPORTED_MODELS)",
+    "float32_to_float16": "a float32 checkpoint is downcast to float16 (sglang _get_and_verify_dtype)",
+    "float16_refused_to_bfloat16": "a float16 checkpoint of a model type float16 is refused for runs in bfloat16 "
+                                   "(vLLM _resolve_auto_dtype falls back to its preferred dtype)",
+}
+
+
+def norm_dtype(name: str) -> str:
+    """Canonical dtype name (``bf16`` → ``bfloat16``, ``fp16``/``half`` → ``float16`` …)."""
+    return _ALIASES.get(name, name)
+
+
+def _refused(model_type: str) -> bool:
+    return model_type in FLOAT16_REFUSED
+
+
+def _auto(model: "ModelSpec") -> DtypeChoice:
+    ckpt, mt = norm_dtype(model.dtype), model.model_type
+    if ckpt == "float32":
+        if mt.startswith("gemma") or _refused(mt):
+            return DtypeChoice(value="bfloat16", source="auto:float32_to_bfloat16")
+        return DtypeChoice(value="float16", source="auto:float32_to_float16")
+    if ckpt == "float16" and _refused(mt):
+        return DtypeChoice(value="bfloat16", source="auto:float16_refused_to_bfloat16")
+    return DtypeChoice(value=ckpt, source="auto:checkpoint")
+
+
+def resolve_dtype(args: "AttentionArgs", model: "ModelSpec") -> DtypeChoice:
+    """The compute (q / activation) dtype of ``model`` under ``args.dtype``, and the rule that set it.
+
+    Parameters
+    ----------
+    args : the attention flags; ``args.dtype`` is ``auto`` or a dtype name (``bfloat16``,
+        ``float16``/``half``, ``float32``/``float``).
+    model : the served model (``model.dtype`` is the checkpoint's dtype, ``model.model_type``
+        keys the Gemma / float16 rules).
+
+    Returns
+    -------
+    :class:`~pipeline.contracts.DtypeChoice` — ``value`` a canonical name (``bfloat16``,
+    ``float16``, ``float32``), ``source`` ``"field"`` or ``"auto:<rule>"`` (:data:`AUTO_RULES`).
+
+    Raises
+    ------
+    ConfigError (``dtype_refused``, exit 3, state ``resolve``): an explicit float16 for a model
+    type in :data:`FLOAT16_REFUSED`, naming ``dtype``, the model type and the dtypes that work.
+    """
+    if args.dtype == "auto":
+        return _auto(model)
+    value = norm_dtype(args.dtype)
+    if value == "float16" and _refused(model.model_type):
+        raise ConfigError(
+            f"--dtype {args.dtype} is refused for model_type {model.model_type!r}: "
+            f"{FLOAT16_REFUSED[model.model_type]}",
+            code="dtype_refused", state="resolve",
+            flags=[("dtype", args.dtype), ("model_type", model.model_type)], allowed=["bfloat16", "float32", "auto"],
+            remedy="pass --dtype bfloat16 (or float32), or leave --dtype auto, which picks bfloat16 for this model")
+    return DtypeChoice(value=value, source="field")
