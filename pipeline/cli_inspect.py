@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from pipeline.errors import EXIT_FAILED, EXIT_OK
+from pipeline.model_spec import format_layer_ids
 from pipeline.trace import Run, Trace, rank_differences, read_trace
 
 
@@ -73,6 +74,8 @@ def _decision_lines(d: dict[str, Any]) -> list[str]:
                    f"({r['rules']['decode']}), draft override={r['is_draft_override']}")
         for half, rej in r["rejected"].items():
             out += [f"  rejected for {half}: {x['backend']}: {'; '.join(x['reasons'])}" for x in rej]
+        out += [f"  not attention (no KV cache): {g['kind']} layers {format_layer_ids(g['layer_ids'])}"
+                for g in r.get("not_attention", [])]
     for name, s in d.get("settings", {}).items():
         out.append(f"setting: {name}={s['value']} (from {s['source']})")
     if "plan" in d:

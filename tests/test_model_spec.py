@@ -422,12 +422,12 @@ def test_gemma3_sparse_text_config_takes_class_defaults():
 
 def test_attention_prefix_and_default_layer_count():
     """--num-layers N counts attention layers: N=2 of Qwen3-Next spans 8 layers; the default covers every kind."""
-    q, scout, g3 = (load_model_spec(CONFIGS / n) for n in ("qwen3-next-80b-a3b-instruct.json",
-                                                           "llama-4-scout-17b-16e-instruct.json", "gemma-3-12b-it.json"))
+    names = ("qwen3-next-80b-a3b-instruct.json", "llama-4-scout-17b-16e-instruct.json", "gemma-3-12b-it.json")
+    q, scout, g3 = (load_model_spec(CONFIGS / n) for n in names)
     assert (attention_prefix(q, 1), attention_prefix(q, 2), attention_prefix(q, 12)) == (4, 8, 48)
     llama = load_model_spec(CONFIGS / "llama-3.1-8b.json")
     assert attention_prefix(llama, 2) == 2 and layers_covering_every_kind(llama) == 2
-    assert (layers_covering_every_kind(q), layers_covering_every_kind(scout), layers_covering_every_kind(g3)) == (2, 4, 6)
+    assert [layers_covering_every_kind(m) for m in (q, scout, g3)] == [2, 4, 6]
     with pytest.raises(ConfigError) as ei:
         attention_prefix(q, 13)
     assert ei.value.info.flags[0].name == "num_layers" and ei.value.info.allowed == ["1..12"]

@@ -15,8 +15,9 @@ mistral 128 all sliding; gemma-2 256, sliding+full, softcap 50, *float32* (auto:
 Gemma rule); deepseek-v2-lite MLA (absorbed 576/512); gpt-oss 64, sliding+full, sinks; qwen3-next
 256, 12 full + 36 linear-attention layers; llama-4-scout 128, 36 chunked (8192) + 12 full;
 gemma-3-12b 256, 40 sliding (1024) + 8 full. dtype rule (pipeline/dtypes.py): auto keeps a bf16/fp16
-checkpoint, float32 -> bfloat16 for gemma* and the float16-refused types, else float16. These rows need the triton/flashinfer/fa3
-records to be registered: without them the GPU rows fail (BackendUnknown), they never skip.
+checkpoint, float32 -> bfloat16 for gemma* and the float16-refused types, else float16. These rows
+need the triton/flashinfer/fa3 records to be registered: without them the GPU rows fail
+(BackendUnknown), they never skip.
 """
 
 from __future__ import annotations

@@ -81,9 +81,9 @@ TRITON_CAP = Capability(
     source="pipeline/backends/triton (our kernels): split-K paged decode + LSE merge, paged extend. Verified vs "
            "the float64 reference and torch_native on an H200 (sm90, triton 3.6: D 64/96/128/256, bf16/fp16, "
            "pages 1/16/64, GQA 1/4/8, B 1-256, ctx to 32k, window/softcap/sinks, CUDA-graph replay == eager) and "
-           "under TRITON_INTERPRET=1 on CPU (CI). Chunked local attention (Llama-4) is verified under the "
-           "interpreter in CI; its H200 run is tests/gpu/test_triton_gpu.py::test_chunked_local_attention. sm80/86/89: portable Triton ops and configs sized for 99 KB of "
-           "shared memory, not run. No MLA (D != Dv), no fp8/fp32, no encoder-decoder. Speculative: draft "
+           "under TRITON_INTERPRET=1 on CPU (CI). Chunked local attention (Llama-4): verified under the "
+           "interpreter in CI; its H200 tests are tests/gpu/test_triton_gpu.py::test_chunked_local_attention*. "
+           "sm80/86/89: portable Triton ops and configs sized for 99 KB of shared memory, not run. No MLA (D != Dv), no fp8/fp32, no encoder-decoder. Speculative: draft "
            "decode and chain (top-k 1) target verify as causal extend; tree verify (top-k > 1) would need a custom "
            "mask the extend kernel lacks. Only decode is graph-captured (as in sglang)",
 )

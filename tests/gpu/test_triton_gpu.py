@@ -223,7 +223,8 @@ def test_chunked_local_attention():
     q, k, v = (torch.randn(bs, n, d, dtype=torch.bfloat16, device=DEV) for n in (h, hkv, hkv))
     loc = fb.out_cache_loc.clone()
     fb.out_cache_loc = loc
-    tri.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices, fb.seq_lens, None, ForwardMode.DECODE, None)
+    tri.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices, fb.seq_lens, None,
+                                                 ForwardMode.DECODE, None)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
