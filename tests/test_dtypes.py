@@ -1,0 +1,78 @@
+"""The --dtype rule over its whole space: model type x checkpoint dtype x flag, against the engines' rules.
+
+The expectations below restate sglang's ``_get_and_verify_dtype`` (float32 checkpoint: bfloat16 for
+``model_type.startswith("gemma")``, else float16; other checkpoints kept) and vLLM's
+``_FLOAT16_NOT_SUPPORTED_MODELS`` (gemma2, gemma3, gemma3_text, plamo2, glm4: explicit float16 refused,
+auto falls back to bfloat16) as a table, written apart from pipeline/dtypes.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import pytest
+
+from pipeline.contracts import AttentionArgs, ModelSpec
+from pipeline.dtypes import AUTO_RULES, resolve_dtype
+from pipeline.errors import EXIT_REFUSED, ConfigError
+
+VLLM_NO_FP16 = {"gemma2", "gemma3", "gemma3_text", "plamo2", "glm4"}
+MODEL_TYPES = ["gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "plamo2", "glm4", "llama", "qwen3_next",
+               "llama4_text", "gpt_oss", "deepseek_v2"]
+CHECKPOINTS = ["bfloat16", "float16", "float32"]
+# every --dtype spelling AttentionArgs accepts (vLLM's ModelDType: auto, half, float16, bfloat16, float, float32)
+FLAGS = {"auto": None, "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+         "float": "float32"}
+
+
+def _spec(model_type: str, dtype: str) -> ModelSpec:
+    return msgspec.convert(dict(model_type=model_type, hidden_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=128, v_head_dim=128, scaling=128 ** -0.5,
+                                layer_types=["full", "full"], dtype=dtype), ModelSpec)
+
+
+def expected(model_type: str, ckpt: str, flag: str):
+    """(value, source) or 'refused', restated from the two engines."""
+    want = FLAGS[flag]
+    if want is not None:
+        return "refused" if want == "float16" and model_type in VLLM_NO_FP16 else (want, "field")
+    if ckpt == "float32":
+        if model_type.startswith("gemma") or model_type in VLLM_NO_FP16:
+            return "bfloat16", "auto:float32_to_bfloat16"
+        return "float16", "auto:float32_to_float16"
+    if ckpt == "float16" and model_type in VLLM_NO_FP16:
+        return "bfloat16", "auto:float16_refused_to_bfloat16"
+    return ckpt, "auto:checkpoint"
+
+
+CASES = list(itertools.product(MODEL_TYPES, CHECKPOINTS, FLAGS))
+
+
+def test_the_space_is_covered():
+    """Every model type x checkpoint x flag spelling (12 x 3 x 6)."""
+    assert len(CASES) == 216
+
+
+@pytest.mark.parametrize("model_type,ckpt,flag", CASES)
+def test_dtype_rule(model_type, ckpt, flag):
+    """resolve_dtype equals the restated rule; a refusal is exit 3 naming dtype, the model type and what works."""
+    args, spec = AttentionArgs(dtype=flag), _spec(model_type, ckpt)
+    want = expected(model_type, ckpt, flag)
+    if want == "refused":
+        with pytest.raises(ConfigError) as ei:
+            resolve_dtype(args, spec)
+        info = ei.value.info
+        assert ei.value.exit_code == EXIT_REFUSED and info.code == "dtype_refused" and info.state == "resolve"
+        assert [(f.name, f.value) for f in info.flags] == [("dtype", flag), ("model_type", model_type)]
+        assert info.allowed == ["bfloat16", "float32", "auto"] and "--dtype" in info.remedy
+        # the remedy is true: each dtype it names resolves
+        for ok in ("bfloat16", "float32", "auto"):
+            assert resolve_dtype(AttentionArgs(dtype=ok), spec).value != "float16"
+        return
+    got = resolve_dtype(args, spec)
+    assert (got.value, got.source) == want
+    if got.source.startswith("auto:"):
+        assert got.source[5:] in AUTO_RULES
+        # auto never picks what an explicit flag would be refused for
+        assert not (got.value == "float16" and model_type in VLLM_NO_FP16)
