@@ -113,8 +113,19 @@ def test_human_output_has_tables(tmp_path):
     """Without --json the states and verification tables are printed."""
     proc = run_cli("run", "--device", "cpu", "--log-file", str(tmp_path / "l.jsonl"))
     assert proc.returncode == 0
-    for word in ("device-init", "npu-lazy-mem", "verification", "torch_native"):
+    for word in ("device-init", "npu-lazy-mem", "verification", "torch_native", "dtype: bfloat16 (auto:checkpoint)"):
         assert word in proc.stdout
+
+
+def test_human_output_of_a_hybrid_names_dtype_rule_and_not_attention_layers(tmp_path, capsys):
+    """run (tables) on Qwen3-Next: the dtype with its rule and the linear-attention layers it skipped."""
+    from pipeline.cli import main
+
+    assert main(["run", "--device", "cpu", "--model", str(CONFIGS / "qwen3-next-80b-a3b-instruct.json"),
+                 "--num-layers", "1", "--decode-steps", "1", "--log-file", str(tmp_path / "l.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "dtype: bfloat16 (auto:checkpoint)" in out
+    assert "not attention (no KV cache, computed by the model's own kernels): linear_attention layers 0, 1, 2" in out
 
 
 def test_mem_bytes_too_small_is_refused_before_the_model_loads(tmp_path, capsys):
