@@ -29,7 +29,8 @@ if not HAS_CUDA and "triton" not in sys.modules:
 DIRECT = not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1" and (
     "triton" not in sys.modules or type(sys.modules["triton"].language.sum).__name__ == "InterpretedFunction")
 
-pytestmark = pytest.mark.skipif(HAS_CUDA, reason="CUDA present: tests/gpu/test_triton_mla_gpu.py runs the compiled kernels")
+pytestmark = pytest.mark.skipif(HAS_CUDA,
+                                reason="CUDA present: tests/gpu/test_triton_mla_gpu.py runs the compiled kernels")
 
 from conftest import CONFIGS  # noqa: E402
 from pipeline.backends.base import AttentionLayer  # noqa: E402
@@ -40,7 +41,7 @@ from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_
 from pipeline.reference import reference_attention, rel_err  # noqa: E402
 
 TOL = 1e-2   # bf16/fp16 inputs and output (output rounding alone is up to 2^-9 relative)
-SMALL_DEC = dict(block_n=16, split_min=16, num_warps=4, num_stages=1)
+SMALL_DEC = dict(block_n=16, split_min=16, num_warps=4, num_stages=1, merge_block_h=8)
 SMALL_EXT = dict(block_n=16, num_warps=4, num_stages=1)
 
 
@@ -79,17 +80,17 @@ def _ref(q, kv_rows, dv, q_positions, scale):
 
 
 DECODE_CASES = [
-    # (H, Dv, rope, page, dtype, block_h, max_splits, lazy) — Dv + rope = the cache row
-    (16, 512, 64, 1, torch.bfloat16, 16, 1, True),        # DeepSeek-V2-Lite dims, one split: direct output
-    (16, 512, 64, 16, torch.float16, 16, 5, False),       # V2-Lite dims, split-K + merge, eager rescale
-    (40, 64, 16, 16, torch.bfloat16, 16, 4, True),        # 3 head blocks, the last one partial; an empty split
-    (32, 64, 32, 1, torch.bfloat16, 32, 3, True),
-    (20, 96, 24, 4, torch.float16, 16, 2, True),          # dims that are not powers of two (masked tiles)
+    # (H, Dv, rope, page, dtype, block_h, max_splits, lazy, bf16 partials) — Dv + rope = the cache row
+    (16, 512, 64, 1, torch.bfloat16, 16, 1, True, False),     # DeepSeek-V2-Lite dims, one split: direct output
+    (16, 512, 64, 16, torch.float16, 16, 5, False, False),    # V2-Lite dims, split-K + merge, eager rescale
+    (40, 64, 16, 16, torch.bfloat16, 16, 4, True, False),     # 3 head blocks, the last one partial; an empty split
+    (32, 64, 32, 1, torch.bfloat16, 32, 3, True, True),
+    (20, 96, 24, 4, torch.float16, 16, 2, True, True),        # dims that are not powers of two (masked tiles)
 ]
 
 
-@pytest.mark.parametrize("h,dv,dr,page,dtype,block_h,max_splits,lazy", DECODE_CASES)
-def test_mla_decode_kernel_matches_reference(h, dv, dr, page, dtype, block_h, max_splits, lazy):
+@pytest.mark.parametrize("h,dv,dr,page,dtype,block_h,max_splits,lazy,bf16_part", DECODE_CASES)
+def test_mla_decode_kernel_matches_reference(h, dv, dr, page, dtype, block_h, max_splits, lazy, bf16_part):
     """Decode over scrambled pages and ragged lengths equals float64 attention per request.
 
     Lengths 1..129 with 16-key splits: a request of 129 keys and 4 splits gets 48-key ranges, so its
@@ -100,7 +101,7 @@ def test_mla_decode_kernel_matches_reference(h, dv, dr, page, dtype, block_h, ma
     q = torch.randn(len(lens), h, dv + dr).to(dtype)
     out = torch.full((len(lens), h, dv), float("nan"), dtype=dtype)
     scale = (dv + dr) ** -0.5 * 1.3
-    cfg = M.MLADecodeConfig(block_h=block_h, lazy_rescale=lazy, **SMALL_DEC)
+    cfg = M.MLADecodeConfig(block_h=block_h, lazy_rescale=lazy, partial_bf16=bf16_part, **SMALL_DEC)
     M.mla_decode_attention(q, kv, r2t, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), out,
                            sm_scale=scale, max_splits=max_splits, config=cfg)
     for i, (r, n) in enumerate(zip(rows, lens)):
@@ -132,7 +133,7 @@ EXTEND_CASES = [
     (16, 512, 64, 1, torch.bfloat16, 32),     # V2-Lite dims; a 32-row block = 2 tokens x 16 heads
     (16, 64, 16, 16, torch.float16, 64),      # 4 tokens per block
     (40, 64, 16, 16, torch.bfloat16, 32),     # blocks straddle tokens mid-head-range
-    (24, 96, 24, 4, torch.bfloat16, 16),
+    (24, 96, 24, 4, torch.bfloat16, 32),      # 24 heads: every block straddles a token boundary
 ]
 
 
@@ -367,6 +368,7 @@ BAD_DECODE = [
     (dict(max_splits=0), BuildError, "max_splits"),
     (dict(scratch=torch.zeros(10)), BuildError, "scratch"),
     (dict(config=M.MLADecodeConfig(block_h=24)), BuildError, "config.block_h"),
+    (dict(config=M.MLADecodeConfig(merge_block_h=3)), BuildError, "config.merge_block_h"),
 ]
 
 

@@ -59,18 +59,24 @@ class MLADecodeConfig:
     ``detach``: compute the softmax in a region so Triton splits the score tile over the warp groups
     instead of replicating it (matters at 64 heads x 8 warps, see :mod:`.kernels.mla`);
     ``lazy_rescale``: raise the running max only when it grows by more than 2^8 (skips most [M, 512]
-    accumulator rescales; exact).
+    accumulator rescales; exact); ``partial_bf16``: store the split partials in bf16 instead of fp32
+    (half the partials' bytes — at B=8, ctx 4096 with 8 splits fp32 partials move about as many bytes
+    as the latent itself — for one more bf16 rounding of the output, as FlashInfer's MLA stores its
+    partial outputs in the output dtype); ``merge_block_h``: heads per merge program (a power of two;
+    1 = one program per (request, head), the most parallel).
     """
 
     block_h: int = 64
     block_n: int = 32
     num_warps: int = 8
     num_stages: int = 2
-    split_min: int = 256
+    split_min: int = 128
     programs_per_sm: int = 1
     max_splits_cap: int = 64
     detach: bool = True
     lazy_rescale: bool = True
+    partial_bf16: bool = False
+    merge_block_h: int = 1
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ MLA_DECODE_CONFIGS: dict[str, dict[int, MLADecodeConfig]] = {
         16: MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, split_min=128, programs_per_sm=2),
         # More heads: 64 heads per program on wgmma (two warp groups split the 512 output dims, 128 fp32
         # accumulator registers each), 32-row latent tiles double-buffered: 148 KB, one program per SM.
-        128: MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=256, programs_per_sm=1),
+        128: MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128, programs_per_sm=1),
     },
     "other": {
         16: MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, split_min=128, programs_per_sm=2),
@@ -111,16 +117,19 @@ MLA_EXTEND_CONFIGS: dict[str, MLAExtendConfig] = {
 # Candidates ``benchmarks/mla_decode.py --sweep`` times at 128 heads (name, config); one GPU run picks.
 # All compile for sm90 without register spills (offline check, benchmarks/NOTES.md) except where noted.
 SWEEP_DECODE: list[tuple[str, MLADecodeConfig]] = [
-    ("h64n32w8s2", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)),
-    ("h64n32w8s3", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=3)),
-    ("h64n64w8s2", MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)),          # 224 KB smem
-    ("h64n16w8s4", MLADecodeConfig(block_h=64, block_n=16, num_warps=8, num_stages=4)),
-    ("h64n32w8s2-eager-rescale", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2,
+    ("h64n32w8s3", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, split_min=128)),
+    ("h64n64w8s2", MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, split_min=128)),  # 224 KB
+    ("h64n16w8s4", MLADecodeConfig(block_h=64, block_n=16, num_warps=8, num_stages=4, split_min=128)),
+    ("h64n32w8s2-eager-rescale", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128,
                                                  lazy_rescale=False)),
-    ("h64n32w8s2-chained", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2,
+    ("h64n32w8s2-chained", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128,
                                            detach=False)),                                     # spills
-    ("h64n32w8s2-pps2", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, programs_per_sm=2)),
-    ("h64n32w8s2-sm128", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128)),
+    ("h64n32w8s2-pps2", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128,
+                                        programs_per_sm=2)),
+    ("h64n32w8s2-sm64", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=64)),
+    ("h64n32w8s2-sm256", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=256)),
+    ("h64n32w8s2-bf16part", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128,
+                                            partial_bf16=True)),
 ]
 
 
@@ -216,6 +225,9 @@ def check_mla_decode(q, kv_buffer, req_to_token, req_pool_indices, seq_lens, out
     if not isinstance(max_splits, int) or max_splits < 1:
         raise bad("max_splits", max_splits, "an int >= 1", "use mla_decode_max_splits()")
     _check_cfg(cfg, ("block_h", "block_n"))
+    mh = cfg.merge_block_h
+    if not isinstance(mh, int) or mh < 1 or mh & (mh - 1):
+        raise bad("config.merge_block_h", mh, "a power of two >= 1", "pick merge_block_h from 1, 2, 4, 8, 16")
     need = mla_decode_scratch_numel(bsz, h, dv, max_splits)
     if scratch is not None and (scratch.dtype != torch.float32 or scratch.device != dev or scratch.numel() < need):
         raise bad("scratch", f"{scratch.dtype}[{scratch.numel()}]@{scratch.device}", f"float32[>={need}]@{dev}",
@@ -231,9 +243,9 @@ def mla_decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token:
 
     ``q`` [B, H, D]; ``kv_buffer`` [S, 1, D]; ``out`` [B, H, Dv] (written, returned), all as in the
     module docstring. ``max_splits``: split cap (:func:`mla_decode_max_splits`); the stage-1 grid is
-    ``(cdiv(H, block_h), max_splits, B)`` and the merge grid ``(B, H)`` (no merge when 1). ``scratch``:
-    fp32 with at least :func:`mla_decode_scratch_numel` elements (allocated when None and needed — pass a
-    fixed buffer for CUDA graphs). No host synchronisation: capturable in a CUDA graph. Mirrors sglang's
+    ``(cdiv(H, block_h), max_splits, B)`` and the merge grid ``(B, cdiv(H, merge_block_h))`` (no merge
+    when 1). ``scratch``: fp32 with at least :func:`mla_decode_scratch_numel` elements (allocated when
+    None and needed — pass a fixed buffer for CUDA graphs). No host synchronisation: capturable in a CUDA graph. Mirrors sglang's
     two-stage Triton MLA decode (grouped heads, split-K + LSE merge) with tensor-core tiles over heads.
     Raises the errors of the module docstring.
     """
@@ -253,8 +265,12 @@ def mla_decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token:
     else:
         if scratch is None:
             scratch = torch.empty(need, dtype=torch.float32, device=q.device)
-        o_part = scratch[: bsz * h * max_splits * dv].view(bsz, h, max_splits, dv)
-        lse = scratch[bsz * h * max_splits * dv: need].view(bsz, h, max_splits)
+        n_part = bsz * h * max_splits * dv
+        o_part = scratch[:n_part]
+        if cfg.partial_bf16:   # the same fp32 region, half of it used as bf16
+            o_part = o_part.view(torch.bfloat16)[:n_part]
+        o_part = o_part.view(bsz, h, max_splits, dv)
+        lse = scratch[n_part:need].view(bsz, h, max_splits)
         so = (o_part.stride(0), o_part.stride(1), o_part.stride(2))
         sl = (lse.stride(0), lse.stride(1))
     common = dict(BLOCK_N=cfg.block_n, SPLIT_MIN=cfg.split_min)
@@ -267,9 +283,10 @@ def mla_decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token:
         DETACH=bool(cfg.detach), LAZY=bool(cfg.lazy_rescale), UPCAST=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
     if not direct:
-        kmla.mla_decode_merge_kernel[(bsz, h)](
-            o_part, lse, seq_lens, out, max_splits, *so, *sl, out.stride(0), out.stride(1),
-            DL=dv, BLOCK_L=_pow2(dv), S_PAD=_pow2(max_splits), UPCAST=_interpreting(), num_warps=4, **common)
+        kmla.mla_decode_merge_kernel[(bsz, triton.cdiv(h, cfg.merge_block_h))](
+            o_part, lse, seq_lens, out, h, max_splits, *so, *sl, out.stride(0), out.stride(1),
+            DL=dv, BLOCK_L=_pow2(dv), MERGE_H=cfg.merge_block_h, S_PAD=_pow2(max_splits), UPCAST=_interpreting(),
+            num_warps=4, **common)
     return out
 
 

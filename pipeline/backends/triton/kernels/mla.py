@@ -15,9 +15,11 @@ Kernels (no validation here: see ``launch_mla.py``):
   reduces key range ``s`` of request ``b`` for heads ``hb * BLOCK_H …``. The head block is the fastest
   grid axis, so the programs that read the same latent tiles run together (the second read hits L2).
   With ``DIRECT`` (the split cap is 1: the batch alone fills the GPU) it writes the normalised output
-  in the model dtype; otherwise the partial output and its log2-sum-exp, merged by
-- :func:`mla_decode_merge_kernel`, grid ``(B, H)``: LSE-weighted sum of the partials, looping over the
-  splits one ``DL``-row at a time (a [splits, 512] fp32 block would not fit in registers).
+  in the model dtype; otherwise the partial output (fp32, or bf16 to halve the partials' traffic) and
+  its log2-sum-exp, merged by
+- :func:`mla_decode_merge_kernel`, grid ``(B, cdiv(H, MERGE_H))``: LSE-weighted sum of the partials,
+  looping over the splits one [MERGE_H, DL] block at a time (a [splits, 512] fp32 block per head would
+  not fit in registers).
 - :func:`mla_extend_kernel`, grid ``(cdiv(max_extend_len * H, BLOCK_M), B)``: request ``b``'s new
   tokens times heads packed token-major (row ``r`` = token ``r // H``, head ``r % H``, as FlashInfer's
   MLA scheduler packs ``qo_len * num_heads``); phase 1 attends to the cached prefix gathered through
@@ -179,36 +181,40 @@ def mla_decode_split_kernel(
     else:
         # An empty split (its range past the end: l == 0) gets -inf and weighs nothing in the merge.
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        tl.store(OPart + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_l[None, :], out,
-                 mask=o_mask)
+        tl.store(OPart + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_l[None, :],
+                 _round(out, OPart.dtype.element_ty, UPCAST), mask=o_mask)
         tl.store(LsePart + b * stride_lb + heads * stride_lh + s, lse, mask=h_mask)
 
 
 @triton.jit
 def mla_decode_merge_kernel(
-    OPart, LsePart, SeqLens, Out, max_splits,
+    OPart, LsePart, SeqLens, Out, H, max_splits,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-    DL: tl.constexpr, BLOCK_L: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_MIN: tl.constexpr, UPCAST: tl.constexpr,
+    DL: tl.constexpr, BLOCK_L: tl.constexpr, MERGE_H: tl.constexpr, S_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Stage 2: one (request, head): ``sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)``."""
+    """Stage 2: MERGE_H heads of one request: ``sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)``."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    heads = tl.program_id(1) * MERGE_H + tl.arange(0, MERGE_H)
+    h_mask = heads < H
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    n_splits, split_len = _mla_bounds(seq_len, max_splits, SPLIT_MIN, BLOCK_N)
+    n_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, SPLIT_MIN), 1), max_splits)   # as _mla_bounds
     offs_s = tl.arange(0, S_PAD)
     offs_l = tl.arange(0, BLOCK_L)
-    lse_row = LsePart + b * stride_lb + h * stride_lh
-    lse = tl.load(lse_row + offs_s, mask=offs_s < n_splits, other=float("-inf"))
-    m = tl.max(lse, 0)
-    denom = tl.sum(tl.where(offs_s < n_splits, tl.exp2(lse - m), 0.0), 0)
-    acc = tl.zeros([BLOCK_L], dtype=tl.float32)
-    o_row = OPart + b * stride_ob + h * stride_oh
+    lse_rows = LsePart + b * stride_lb + heads * stride_lh
+    lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=h_mask[:, None] & (offs_s[None, :] < n_splits),
+                  other=float("-inf"))
+    m = tl.max(lse, 1)
+    m = tl.where(h_mask, m, 0.0)
+    denom = tl.sum(tl.where(offs_s[None, :] < n_splits, tl.exp2(lse - m[:, None]), 0.0), 1)
+    acc = tl.zeros([MERGE_H, BLOCK_L], dtype=tl.float32)
+    o_rows = OPart + b * stride_ob + heads[:, None] * stride_oh + offs_l[None, :]
+    o_mask = h_mask[:, None] & (offs_l[None, :] < DL)
     for s in range(0, n_splits):
-        w = tl.exp2(tl.load(lse_row + s) - m)
-        acc += w * tl.load(o_row + s * stride_os + offs_l, mask=offs_l < DL, other=0.0)
-    out = _round(acc / denom, Out.dtype.element_ty, UPCAST)
-    tl.store(Out + b * stride_outb + h * stride_outh + offs_l, out, mask=offs_l < DL)
+        w = tl.exp2(tl.load(lse_rows + s, mask=h_mask, other=0.0) - m)
+        acc += w[:, None] * tl.load(o_rows + s * stride_os, mask=o_mask, other=0.0).to(tl.float32)
+    out = _round(acc / tl.where(h_mask, denom, 1.0)[:, None], Out.dtype.element_ty, UPCAST)
+    tl.store(Out + b * stride_outb + heads[:, None] * stride_outh + offs_l[None, :], out, mask=o_mask)
 
 
 @triton.jit
