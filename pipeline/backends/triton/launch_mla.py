@@ -245,8 +245,9 @@ def mla_decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token:
     module docstring. ``max_splits``: split cap (:func:`mla_decode_max_splits`); the stage-1 grid is
     ``(cdiv(H, block_h), max_splits, B)`` and the merge grid ``(B, cdiv(H, merge_block_h))`` (no merge
     when 1). ``scratch``: fp32 with at least :func:`mla_decode_scratch_numel` elements (allocated when
-    None and needed — pass a fixed buffer for CUDA graphs). No host synchronisation: capturable in a CUDA graph. Mirrors sglang's
-    two-stage Triton MLA decode (grouped heads, split-K + LSE merge) with tensor-core tiles over heads.
+    None and needed — pass a fixed buffer for CUDA graphs). No host synchronisation: capturable in a CUDA
+    graph. Mirrors sglang's two-stage Triton MLA decode (grouped heads, split-K + LSE merge) with
+    tensor-core tiles over heads.
     Raises the errors of the module docstring.
     """
     cfg = config or default_mla_decode_config(q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 3 else 1,
