@@ -20,8 +20,8 @@ Flags: ``--runs N`` repeats the table (a median table follows); ``--sweep`` firs
 configs of :data:`pipeline.backends.triton.launch_mla.SWEEP_DECODE` on a few shapes, picks the one with
 the best geometric-mean speed (ties: B=64 ctx 4096), then runs the table with it and with the default;
 ``--shapes B:CTX,...`` overrides the grid; ``--page`` (default 64); ``--warm`` only JIT-compiles
-FlashInfer's MLA module (start it in parallel with other work); ``--out PATH`` writes the JSON (a
-directory gets ``mla_decode.json``).
+FlashInfer's MLA module (start it in parallel with other work); ``--precompile N`` compiles our kernel
+variants in N processes first; ``--out PATH`` writes the JSON (a directory gets ``mla_decode.json``).
 
 GPU only. Usage: ``python benchmarks/mla_decode.py [--sweep] [--runs 2] [--out $OUT]``.
 """
@@ -225,6 +225,41 @@ def median_table(runs: list[list[dict]]) -> list[dict]:
     return out
 
 
+def _precompile_worker(job: tuple[dict, list[int]]) -> str:
+    """Launch one config once per split cap on a 1-request problem: Triton compiles the same kernel
+    variants (constexprs and argument specialisations match the real shapes) into its on-disk cache."""
+    cfg_fields, caps = job
+    cfg = launch_mla.MLADecodeConfig(**cfg_fields)
+    dev = "cuda"
+    kv = torch.zeros(64, 1, D, dtype=torch.bfloat16, device=dev)
+    r2t = torch.zeros(1, 64, dtype=torch.int32, device=dev)
+    q = torch.zeros(1, H, D, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(1, H, DV, dtype=torch.bfloat16, device=dev)
+    rows = torch.zeros(1, dtype=torch.int64, device=dev)
+    lens = torch.full((1,), 16, dtype=torch.int32, device=dev)
+    for s in caps:
+        scratch = torch.empty(max(launch_mla.mla_decode_scratch_numel(1, H, DV, s), 1), dtype=torch.float32,
+                              device=dev)
+        launch_mla.mla_decode_attention(q, kv, r2t, rows, lens, out, sm_scale=SCALE, max_splits=s, scratch=scratch,
+                                        config=cfg)
+    torch.cuda.synchronize()
+    return f"{cfg} caps {caps}"
+
+
+def precompile(configs, shapes, workers: int) -> None:
+    """Compile every (config, split cap) the run will meet in ``workers`` parallel processes (Triton's disk
+    cache is shared), so the timed process loads kernels instead of compiling them one by one."""
+    import concurrent.futures
+    import multiprocessing
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    jobs = [(cfg.__dict__, sorted({launch_mla.mla_decode_max_splits(b, H, sms, cfg) for b, _ in shapes}))
+            for _, cfg in configs]
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for msg in ex.map(_precompile_worker, jobs):
+            print("precompiled", msg)
+
+
 def warm(device: str = "cuda") -> None:
     """JIT-compile FlashInfer's MLA module (bf16, 512 + 64) on a tiny problem."""
     cache = Cache(64 * 64, 64, device)
@@ -243,6 +278,8 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--shapes", help="B:CTX,... (default: the 4 x 3 grid)")
     ap.add_argument("--warm", action="store_true")
+    ap.add_argument("--precompile", type=int, default=0, metavar="N",
+                    help="compile every config in N parallel processes first (Triton disk cache)")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.warm:
@@ -250,6 +287,9 @@ def main() -> None:
         return
     shapes = ([tuple(int(x) for x in s.split(":")) for s in a.shapes.split(",")] if a.shapes
               else [(b, c) for c in DECODE_CTX for b in DECODE_B])
+    if a.precompile:
+        every = [("default", _default_cfg())] + (list(launch_mla.SWEEP_DECODE) if a.sweep else [])
+        precompile(every, shapes + list(SWEEP_SHAPES if a.sweep else []), a.precompile)
     torch.manual_seed(0)
     ceiling = copy_bandwidth("cuda")
     print(f"device {torch.cuda.get_device_name(0)}; copy {ceiling:.0f} GB/s r+w (reference {COPY_CEILING_GBPS:.0f}); "

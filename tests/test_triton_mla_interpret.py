@@ -275,7 +275,7 @@ def test_backend_mla_graph_hooks_replay_equals_eager():
     kv = KVPool.for_layer_kinds([kind], 1, 512, 16, torch.bfloat16, "cpu")
     alloc, be = PageAllocator(rp, 512, 16, seed=2), _mla_backend(num_sms=8)
     be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
-    assert M.mla_decode_max_splits(3, 16, 8, be.mla_decode_config) == 2   # split path (scratch used)
+    assert M.mla_decode_max_splits(3, 16, 8, be.mla_decode_config) > 1   # split path (scratch used)
     bufs = [b.data_ptr() for b in be.owned_buffers()]
     assert be.owned_buffers()[2].numel() >= M.mla_decode_scratch_numel(1, 16, 512, 8)
     g = torch.Generator().manual_seed(6)
@@ -331,15 +331,30 @@ def test_default_config_table_by_head_count():
 @settings(max_examples=200, deadline=None)
 @given(b=st.integers(1, 4096), h=st.integers(1, 256), sms=st.integers(1, 200),
        bh=st.sampled_from([16, 32, 64]), pps=st.integers(1, 8), cap=st.integers(1, 128))
-def test_split_cap_fills_at_most_the_target_programs(b, h, sms, bh, pps, cap):
-    """The split cap is in [1, cap] and (above one split) keeps the stage-1 grid within pps * SMs programs."""
+def test_split_cap_is_near_the_best_wave_time(b, h, sms, bh, pps, cap):
+    """The split cap is one of the candidates (1 .. at most two waves of programs, <= cap); its modelled time
+    ceil(P*s/slots)/s is within SPLIT_GAIN of every other candidate's and never worse than one split; a batch
+    that fills whole waves gets one split (no merge)."""
     cfg = M.MLADecodeConfig(block_h=bh, programs_per_sm=pps, max_splits_cap=cap)
     s = M.mla_decode_max_splits(b, h, sms, cfg)
-    assert 1 <= s <= cap
-    programs = b * -(-h // bh)
-    assert s == 1 or programs * s <= pps * sms
-    assert s == cap or programs * (s + 1) > pps * sms          # and it takes the most that fit
+    programs, slots = b * -(-h // bh), pps * sms
+    t = lambda k: -(-programs * k // slots) / k  # noqa: E731
+    cands = M.mla_split_candidates(b, h, sms, cfg)
+    assert s in cands and 1 <= s <= cap and programs * (cands[-1] - 1) < 2 * slots
+    assert all(t(s) * (1 - M.SPLIT_GAIN) <= t(k) for k in cands)
+    assert t(s) <= t(1)
+    if programs % slots == 0 or programs >= 2 * slots:
+        assert s == 1
     assert M.mla_decode_scratch_numel(b, h, 512, s) == (0 if s == 1 else b * h * s * 513)
+
+
+def test_split_cap_examples():
+    """132 SMs, 128 heads in 64-head blocks, one program per SM: B=64 fills 128 slots (no split); B=40 (80
+    programs) and B=34 split 3 ways; B=8 (16 programs) 8 ways; B=100 and 256 (>= a full wave) do not split."""
+    cfg = M.MLADecodeConfig()
+    got = [M.mla_decode_max_splits(b, 128, 132, cfg) for b in (64, 40, 34, 8, 100, 256)]
+    assert got == [1, 3, 3, 8, 1, 1]
+    assert M.mla_decode_max_splits(1, 128, 132, cfg) >= 60
 
 
 # ------------------------------------------------------------------------------------------- errors

@@ -29,6 +29,7 @@ Tile choices and their measurement: ``benchmarks/NOTES.md`` (MLA section); ``ben
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from pipeline.backends.triton.checks import Q_DTYPES, _check_index, _check_tenso
 from pipeline.backends.triton.kernels import mla as kmla
 
 __all__ = ["MLADecodeConfig", "MLAExtendConfig", "mla_decode_attention", "mla_extend_attention",
-           "mla_decode_max_splits", "mla_decode_scratch_numel", "default_mla_decode_config",
+           "mla_decode_max_splits", "mla_split_candidates", "mla_decode_scratch_numel", "default_mla_decode_config",
            "default_mla_extend_config", "MLA_MAX_LATENT_DIM", "MLA_MAX_ROPE_DIM", "SWEEP_DECODE"]
 
 MLA_MAX_LATENT_DIM = 512   # the [BLOCK_H, 512] fp32 accumulator is the register budget of a program
@@ -54,8 +55,9 @@ class MLADecodeConfig:
 
     ``block_h``: q heads per program (the M of ``tl.dot``; >= 16); ``block_n``: cache rows per tile
     (>= 16); ``num_warps``/``num_stages``: Triton's; ``split_min``: fewest keys per split (a request gets
-    ``ceil(len / split_min)`` splits, capped); ``programs_per_sm``: target stage-1 programs per SM, which
-    sets the split cap for a batch size (:func:`mla_decode_max_splits`); ``max_splits_cap``: hard cap;
+    ``ceil(len / split_min)`` splits, capped); ``programs_per_sm``: stage-1 programs resident per SM
+    (shared memory / registers allow 1 at 64 heads), which with the batch size sets the split cap
+    (:func:`mla_decode_max_splits`); ``max_splits_cap``: hard cap;
     ``detach``: compute the softmax in a region so Triton splits the score tile over the warp groups
     instead of replicating it (matters at 64 heads x 8 warps, see :mod:`.kernels.mla`);
     ``lazy_rescale``: raise the running max only when it grows by more than 2^8 (skips most [M, 512]
@@ -151,15 +153,38 @@ def default_mla_extend_config(device: Optional[torch.device] = None) -> MLAExten
     return MLA_EXTEND_CONFIGS[_arch(device)]
 
 
-def mla_decode_max_splits(batch_size: int, num_heads: int, num_sms: int, cfg: MLADecodeConfig) -> int:
-    """Split cap for a batch size: ``floor(programs_per_sm * SMs / (B * cdiv(H, block_h)))`` in [1, cap].
+SPLIT_GAIN = 0.15   # a larger split cap must shorten the modelled time by more than this to be taken
 
-    Depends on the batch size (and the layer), never on sequence lengths, so it is fixed per captured
-    CUDA graph. 1 means the batch alone fills the GPU: stage 1 then writes the output itself (no merge).
+
+def mla_split_candidates(batch_size: int, num_heads: int, num_sms: int, cfg: MLADecodeConfig) -> range:
+    """Split caps :func:`mla_decode_max_splits` considers: 1 .. min(max_splits_cap, ceil(2 * slots / P))."""
+    programs = max(batch_size, 1) * triton.cdiv(num_heads, cfg.block_h)
+    slots = max(cfg.programs_per_sm * num_sms, 1)
+    return range(1, max(1, min(cfg.max_splits_cap, triton.cdiv(2 * slots, programs))) + 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def mla_decode_max_splits(batch_size: int, num_heads: int, num_sms: int, cfg: MLADecodeConfig) -> int:
+    """Split cap for a batch size, chosen against wave quantisation.
+
+    With ``P = B * cdiv(H, block_h)`` programs per split and ``slots = programs_per_sm * SMs`` running
+    at once, ``s`` splits take about ``ceil(P * s / slots) / s`` (in units of one unsplit request's time).
+    Candidates stop at two waves' worth of programs (:func:`mla_split_candidates`): more splits mostly
+    add partial outputs (``B * H * s * 512 * 4`` B written and merged), which the model leaves out; a
+    larger cap is taken only when it cuts the modelled time by more than :data:`SPLIT_GAIN`. Unlike a
+    plain ``floor(slots / P)`` this splits B=40 x 2 head blocks (80 programs: 61 % of 132 SMs busy) three
+    ways (240 programs in 2 waves, 2/3 of the time) and leaves B=64 (128 programs) unsplit. Depends on the
+    batch size (and the layer), never on sequence lengths, so it is fixed per captured CUDA graph. 1 means
+    the batch fills the GPU: stage 1 writes the output itself (no merge).
     """
     programs = max(batch_size, 1) * triton.cdiv(num_heads, cfg.block_h)
-    want = (cfg.programs_per_sm * max(num_sms, 1)) // programs
-    return int(min(max(want, 1), cfg.max_splits_cap))
+    slots = max(cfg.programs_per_sm * num_sms, 1)
+    best, best_t = 1, float(triton.cdiv(programs, slots))
+    for s in mla_split_candidates(batch_size, num_heads, num_sms, cfg)[1:]:
+        t = triton.cdiv(programs * s, slots) / s
+        if t < best_t * (1 - SPLIT_GAIN):
+            best, best_t = s, t
+    return best
 
 
 def mla_decode_scratch_numel(batch_size: int, num_heads: int, v_head_dim: int, max_splits: int) -> int:
