@@ -141,6 +141,7 @@ def _arch(device: Optional[torch.device]) -> str:
     return "other" if device is not None and device.type == "cuda" else "sm90"
 
 
+@functools.lru_cache(maxsize=64)
 def default_mla_decode_config(num_heads: int, device: Optional[torch.device] = None) -> MLADecodeConfig:
     """The :data:`MLA_DECODE_CONFIGS` entry for ``num_heads`` on ``device``'s arch (sm90 when not CUDA)."""
     table = MLA_DECODE_CONFIGS[_arch(device)]
@@ -148,6 +149,7 @@ def default_mla_decode_config(num_heads: int, device: Optional[torch.device] = N
     return table[next((k for k in keys if k >= num_heads), keys[-1])]
 
 
+@functools.lru_cache(maxsize=64)
 def default_mla_extend_config(device: Optional[torch.device] = None) -> MLAExtendConfig:
     """The :data:`MLA_EXTEND_CONFIGS` entry for ``device``'s arch (sm90 when not CUDA)."""
     return MLA_EXTEND_CONFIGS[_arch(device)]
