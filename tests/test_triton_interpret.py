@@ -352,13 +352,13 @@ def test_decode_launcher_rejects_bad_input(over, err, field):
 
 
 def test_factory_refuses_mla_kind():
-    """create() refuses an MLA layer kind with CapabilityMismatch (D != Dv)."""
+    """create() refuses an MLA layer kind its MLA kernels cannot serve (latent > 512) with CapabilityMismatch."""
     from types import SimpleNamespace
 
     from pipeline.backends.triton.backend import create
     from pipeline.contracts import LayerKind
 
-    mla = LayerKind(kind="full", num_heads=16, num_kv_heads=1, head_dim_qk=576, head_dim_v=512, scaling=0.1,
+    mla = LayerKind(kind="full", num_heads=16, num_kv_heads=1, head_dim_qk=1088, head_dim_v=1024, scaling=0.1,
                     is_mla=True)
     ctx = SimpleNamespace(layer_kinds=[mla], torch_device="cpu", device=SimpleNamespace(sm_count=4), role="primary")
     with pytest.raises(CapabilityMismatch):

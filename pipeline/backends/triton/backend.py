@@ -9,8 +9,12 @@
   causal among the new tokens), eager only, as in sglang's decode-only graph capture.
 - Both write the new K/V into the pool first when ``save_kv_cache`` (sglang's order).
 
-Layers: bf16/fp16, head dims up to 256 (D == Dv; no MLA), any GQA ratio, sliding window, chunked
-local attention (Llama-4), logit softcap, attention sinks. Output: [T, H*Dv] in q's dtype.
+Layers: bf16/fp16, head dims up to 256 (D == Dv), any GQA ratio, sliding window, chunked local
+attention (Llama-4), logit softcap, attention sinks. Output: [T, H*Dv] in q's dtype.
+
+MLA layers (``layer.is_mla``: absorbed form, one latent KV head, D = kv_lora_rank + rope, Dv =
+kv_lora_rank) go to :mod:`.launch_mla` (decode and extend over the latent rows of the K buffer; the
+pool's V copy is not read); no window, chunk, softcap or sinks there.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
-from pipeline.backends.triton import launch
+from pipeline.backends.triton import launch, launch_mla
 from pipeline.contracts import ForwardMode
 from pipeline.errors import BuildError, CapabilityMismatch
 
@@ -64,13 +68,17 @@ class TritonAttnBackend(AttentionBackend):
 
     def __init__(self, *, torch_device: str | torch.device, layer_dims: list[tuple[int, int, int, int]],
                  num_sms: int = 132, role: str = "primary", decode_config: Optional[launch.DecodeConfig] = None,
-                 extend_config: Optional[launch.ExtendConfig] = None) -> None:
+                 extend_config: Optional[launch.ExtendConfig] = None,
+                 mla_decode_config: Optional[launch_mla.MLADecodeConfig] = None,
+                 mla_extend_config: Optional[launch_mla.MLAExtendConfig] = None) -> None:
         self.torch_device = torch.device(torch_device)
         self.layer_dims = list(layer_dims)
         self.num_sms = int(num_sms)
         self.role = role
         self.decode_config = decode_config
         self.extend_config = extend_config
+        self.mla_decode_config = mla_decode_config
+        self.mla_extend_config = mla_extend_config
         self._decode: Optional[_DecodeMeta] = None
         self._extend: Optional[_ExtendMeta] = None
         self._graph: dict[str, torch.Tensor] = {}
@@ -98,6 +106,17 @@ class TritonAttnBackend(AttentionBackend):
         cfg = self.decode_config or launch.DecodeConfig()
         return launch.decode_max_splits(bs, num_kv_heads, self.num_sms, cfg)
 
+    def _mla_cfg(self, num_heads: int) -> launch_mla.MLADecodeConfig:
+        return self.mla_decode_config or launch_mla.default_mla_decode_config(num_heads, self.torch_device)
+
+    def _mla_splits(self, bs: int, num_heads: int) -> int:
+        return launch_mla.mla_decode_max_splits(bs, num_heads, self.num_sms, self._mla_cfg(num_heads))
+
+    def _scratch_numel(self, bs: int, h: int, hkv: int, d: int, dv: int) -> int:
+        if d != dv:  # an MLA layer (create() refuses D != Dv otherwise)
+            return launch_mla.mla_decode_scratch_numel(bs, h, dv, self._mla_splits(bs, h))
+        return launch.decode_scratch_numel(bs, h, dv, self._max_splits(bs, hkv))
+
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the fixed-address decode buffers for batches of up to ``max_bs`` requests.
 
@@ -107,8 +126,8 @@ class TritonAttnBackend(AttentionBackend):
         """
         if max_bs < 1:
             raise _bad("max_bs", max_bs, ">= 1", "capture at least one batch size")
-        need = max(launch.decode_scratch_numel(bs, h, dv, self._max_splits(bs, hkv))
-                   for bs in range(1, max_bs + 1) for h, hkv, _, dv in self.layer_dims)
+        need = max(self._scratch_numel(bs, h, hkv, d, dv)
+                   for bs in range(1, max_bs + 1) for h, hkv, d, dv in self.layer_dims)
         dev = self.torch_device
         self._graph = {
             "req_pool_indices": torch.zeros(max_bs, dtype=torch.int64, device=dev),
@@ -149,10 +168,15 @@ class TritonAttnBackend(AttentionBackend):
     def _prepare(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
                  fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         """Check the layer against its KV buffers, write the new K/V when asked; returns q as [T, H, D]."""
-        if layer.is_mla or layer.head_dim != layer.v_head_dim:
-            raise CapabilityMismatch("the triton backend serves D == Dv (no MLA)",
+        if not layer.is_mla and layer.head_dim != layer.v_head_dim:
+            raise CapabilityMismatch("the triton backend serves D == Dv, or MLA layers",
                                      flags=[("layer.head_dim", layer.head_dim), ("layer.v_head_dim", layer.v_head_dim)],
-                                     allowed=["D == Dv"], remedy="use torch_native for MLA layers")
+                                     allowed=["D == Dv", "is_mla"], remedy="use torch_native for this layer")
+        if layer.is_mla:
+            for name in ("sliding_window", "logit_softcap", "sinks"):
+                if getattr(layer, name) is not None:
+                    raise CapabilityMismatch(f"the triton MLA kernels have no {name}", flags=[(f"layer.{name}", "set")],
+                                             allowed=["None"], remedy="use torch_native for this layer")
         pool = fb.token_to_kv_pool
         if not 0 <= layer.layer_id < len(pool.k_buffer):
             raise _bad("layer.layer_id", layer.layer_id, f"0..{len(pool.k_buffer) - 1}", "size the KV pool per layer")
@@ -179,6 +203,13 @@ class TritonAttnBackend(AttentionBackend):
             meta = _DecodeMeta(fb.req_pool_indices, fb.seq_lens, fb.batch_size)
         pool = fb.token_to_kv_pool
         out = torch.empty((meta.bs, layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
+        if layer.is_mla:
+            cfg = self._mla_cfg(layer.num_heads)
+            launch_mla.mla_decode_attention(
+                q3, pool.get_key_buffer(layer.layer_id), fb.req_to_token_pool.req_to_token, meta.req_pool_indices,
+                meta.seq_lens, out, sm_scale=layer.scaling, max_splits=self._mla_splits(meta.bs, layer.num_heads),
+                scratch=meta.scratch, config=cfg)
+            return out.view(meta.bs, layer.num_heads * layer.v_head_dim)
         launch.decode_attention(
             q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
             fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens, out,
@@ -196,6 +227,14 @@ class TritonAttnBackend(AttentionBackend):
         pool = fb.token_to_kv_pool
         kb, vb = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         t, h = q3.shape[0], layer.num_heads
+        if layer.is_mla:  # new latent rows from k (or the pool); the kernels never read v
+            kv_new = (kb[fb.out_cache_loc] if k is None else k).reshape(t, 1, layer.head_dim).to(kb.dtype)
+            out = torch.empty((t, h, layer.v_head_dim), dtype=q.dtype, device=q.device)
+            launch_mla.mla_extend_attention(
+                q3, kv_new, kb, fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.qo_indptr,
+                meta.prefix_lens, out, max_extend_len=meta.max_extend_len, sm_scale=layer.scaling,
+                config=self.mla_extend_config)
+            return out.view(t, h * layer.v_head_dim)
         if k is None or v is None:
             k, v = kb[fb.out_cache_loc], vb[fb.out_cache_loc]
         k = k.reshape(t, layer.num_kv_heads, layer.head_dim).to(kb.dtype)
@@ -224,11 +263,22 @@ class TritonAttnBackend(AttentionBackend):
 def create(ctx: Any) -> TritonAttnBackend:
     """Registry factory: ``create(ctx: BackendContext) -> TritonAttnBackend`` (needs no workspace).
 
-    Raises CapabilityMismatch for a layer kind the kernels cannot serve (MLA, D != Dv, D > 256).
+    Raises CapabilityMismatch for a layer kind the kernels cannot serve (D != Dv or D > 256 without MLA;
+    MLA with more than one KV head, kv_lora_rank > 512 or rope dims > 128).
     """
     dims = []
     for kind in ctx.layer_kinds:
-        if kind.is_mla or kind.head_dim_qk != kind.head_dim_v or kind.head_dim_qk > launch.MAX_HEAD_DIM:
+        if kind.is_mla:
+            dv, dr = kind.head_dim_v, kind.head_dim_qk - kind.head_dim_v
+            if kind.num_kv_heads != 1 or not 1 <= dv <= launch_mla.MLA_MAX_LATENT_DIM or \
+                    not 1 <= dr <= launch_mla.MLA_MAX_ROPE_DIM:
+                raise CapabilityMismatch(
+                    f"triton MLA kernels cannot serve kv_lora_rank={dv}, rope dims={dr}, kv heads={kind.num_kv_heads}",
+                    flags=[("model.kv_lora_rank", dv), ("model.qk_rope_head_dim", dr)],
+                    allowed=[f"1 latent head, kv_lora_rank <= {launch_mla.MLA_MAX_LATENT_DIM}, "
+                             f"rope dims 1..{launch_mla.MLA_MAX_ROPE_DIM}"],
+                    remedy="use flashinfer or torch_native for this model")
+        elif kind.head_dim_qk != kind.head_dim_v or kind.head_dim_qk > launch.MAX_HEAD_DIM:
             raise CapabilityMismatch(
                 f"triton cannot serve a layer kind with D={kind.head_dim_qk}, Dv={kind.head_dim_v}, mla={kind.is_mla}",
                 flags=[("model.head_dim", kind.head_dim_qk), ("model.v_head_dim", kind.head_dim_v)],

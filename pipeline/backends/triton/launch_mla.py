@@ -1,0 +1,371 @@
+"""Launchers of the absorbed-MLA Triton kernels (:mod:`.kernels.mla`): validate every input, then launch.
+
+Shapes (B requests, T new tokens, H q heads, S cache slots; DeepSeek-V2/V3 and Kimi-K2 have
+``Dv = kv_lora_rank = 512`` latent dims and ``D = Dv + qk_rope_head_dim = 576``):
+
+- ``q``: [B or T, H, D] bf16/fp16, the absorbed query (``[q_nope @ W_UK, q_rope]``);
+- ``kv_buffer``: [S, 1, D] — one layer of the latent cache, same dtype as ``q``. Row ``slot`` is
+  ``[c_kv (Dv), k_rope (D - Dv)]``; the values are its first ``Dv`` dims, read from the same row (as
+  sglang's ``MLATokenToKVPool``, whose value buffer is a view of the first ``kv_lora_rank`` dims of the
+  one latent buffer). Our :class:`~pipeline.memory.KVPool` also keeps a V copy ([S, 1, Dv]) for the
+  backends that want one; these kernels never read it;
+- ``req_to_token``: [max_reqs, max_context_len] int32; ``req_pool_indices``: [B] int32/int64;
+  ``seq_lens``: [B] int32/int64 (decode: tokens *after* this step, the new one already in the cache);
+- ``out``: [B or T, H, Dv] in q's dtype (written and returned); ``Dv`` is read from it.
+- Last dims contiguous (stride 1); other strides are free (q may be a view).
+
+Softmax scale: pass the model's (``LayerKind.scaling`` / ``ModelSpec.scaling``:
+``(qk_nope + qk_rope) ** -0.5`` times YaRN's ``mscale ** 2``, see :mod:`pipeline.model_spec`) — the
+absorbed dims do not change it (FlashInfer's MLA docs: "use head dimension before matrix absorption").
+
+Errors, raised before any launch: :class:`~pipeline.errors.CapabilityMismatch` for what the kernels do
+not serve (q dtype other than bf16/fp16, cache dtype other than q's, Dv > 512 or rope dims > 128);
+:class:`~pipeline.errors.BuildError` (``bad_tensor``) for inconsistent shapes, dtypes, devices, strides
+or arguments, naming the argument.
+
+Tile choices and their measurement: ``benchmarks/NOTES.md`` (MLA section); ``benchmarks/mla_decode.py
+--sweep`` times the candidates of :data:`SWEEP_DECODE`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from pipeline.backends.triton.checks import Q_DTYPES, _check_index, _check_tensor, bad
+from pipeline.backends.triton.kernels import mla as kmla
+
+__all__ = ["MLADecodeConfig", "MLAExtendConfig", "mla_decode_attention", "mla_extend_attention",
+           "mla_decode_max_splits", "mla_split_candidates", "mla_decode_scratch_numel", "default_mla_decode_config",
+           "default_mla_extend_config", "MLA_MAX_LATENT_DIM", "MLA_MAX_ROPE_DIM", "SWEEP_DECODE"]
+
+MLA_MAX_LATENT_DIM = 512   # the [BLOCK_H, 512] fp32 accumulator is the register budget of a program
+MLA_MAX_ROPE_DIM = 128
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Tuning of the MLA decode kernels.
+
+    ``block_h``: q heads per program (the M of ``tl.dot``; >= 16); ``block_n``: cache rows per tile
+    (>= 16); ``num_warps``/``num_stages``: Triton's; ``split_min``: fewest keys per split (a request gets
+    ``ceil(len / split_min)`` splits, capped); ``programs_per_sm``: stage-1 programs resident per SM
+    (shared memory / registers allow 1 at 64 heads), which with the batch size sets the split cap
+    (:func:`mla_decode_max_splits`); ``max_splits_cap``: hard cap;
+    ``detach``: compute the softmax in a region so Triton splits the score tile over the warp groups
+    instead of replicating it (matters at 64 heads x 8 warps, see :mod:`.kernels.mla`);
+    ``lazy_rescale``: raise the running max only when it grows by more than 2^8 (skips most [M, 512]
+    accumulator rescales; exact); ``partial_bf16``: store the split partials in bf16 instead of fp32
+    (half the partials' bytes — at B=8, ctx 4096 with 8 splits fp32 partials move about as many bytes
+    as the latent itself — for one more bf16 rounding of the output, as FlashInfer's MLA stores its
+    partial outputs in the output dtype); ``merge_block_h``: heads per merge program (a power of two;
+    1 = one program per (request, head), the most parallel).
+    """
+
+    block_h: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+    split_min: int = 128
+    programs_per_sm: int = 1
+    max_splits_cap: int = 64
+    detach: bool = True
+    lazy_rescale: bool = True
+    partial_bf16: bool = False
+    merge_block_h: int = 1
+
+
+@dataclass(frozen=True)
+class MLAExtendConfig:
+    """Tuning of the MLA extend kernel: packed (token, head) rows and cache rows per tile, warps, stages."""
+
+    block_m: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+    detach: bool = True
+    lazy_rescale: bool = True
+
+
+# Default decode configs by head count (the smallest key >= H; the largest key above that), per arch
+# class. sm90: 227 KB of shared memory per block; "other" tiles fit 99 KB (sm86/89; sm80 has 163 KB).
+# Registers / shared memory / spills of each were read from an offline sm90 (and sm80/89) compile; the
+# speed is not measured yet. Rationale: benchmarks/NOTES.md, "MLA decode".
+MLA_DECODE_CONFIGS: dict[str, dict[int, MLADecodeConfig]] = {
+    "sm90": {
+        # 16 heads (DeepSeek-V2-Lite, or V3 at TP 8): memory-bound; mma.sync tiles of 16 rows, 180
+        # registers x 4 warps and 56 KB: two programs per SM.
+        16: MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, split_min=128, programs_per_sm=2),
+        # More heads: 64 heads per program on wgmma (two warp groups split the 512 output dims, 128 fp32
+        # accumulator registers each), 32-row latent tiles double-buffered: 148 KB, one program per SM.
+        128: MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128, programs_per_sm=1),
+    },
+    "other": {
+        16: MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, split_min=128, programs_per_sm=2),
+        128: MLADecodeConfig(block_h=32, block_n=16, num_warps=8, num_stages=2, split_min=128, programs_per_sm=2),
+    },
+}
+MLA_EXTEND_CONFIGS: dict[str, MLAExtendConfig] = {
+    "sm90": MLAExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
+    "other": MLAExtendConfig(block_m=32, block_n=16, num_warps=8, num_stages=2),
+}
+
+# Candidates ``benchmarks/mla_decode.py --sweep`` times at 128 heads (name, config); one GPU run picks.
+# All compile for sm90 without register spills (offline check, benchmarks/NOTES.md) except where noted.
+SWEEP_DECODE: list[tuple[str, MLADecodeConfig]] = [
+    ("h64n32w8s3", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, split_min=128)),
+    ("h64n64w8s2", MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, split_min=128)),  # 224 KB
+    ("h64n16w8s4", MLADecodeConfig(block_h=64, block_n=16, num_warps=8, num_stages=4, split_min=128)),
+    ("h64n32w8s2-eager-rescale", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128,
+                                                 lazy_rescale=False)),
+    ("h64n32w8s2-chained", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128,
+                                           detach=False)),                                     # spills
+    ("h64n32w8s2-pps2", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128,
+                                        programs_per_sm=2)),
+    ("h64n32w8s2-sm64", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=64)),
+    ("h64n32w8s2-sm256", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=256)),
+    ("h64n32w8s2-bf16part", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128,
+                                            partial_bf16=True)),
+]
+
+
+def _arch(device: Optional[torch.device]) -> str:
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        return "sm90"
+    return "other" if device is not None and device.type == "cuda" else "sm90"
+
+
+@functools.lru_cache(maxsize=64)
+def default_mla_decode_config(num_heads: int, device: Optional[torch.device] = None) -> MLADecodeConfig:
+    """The :data:`MLA_DECODE_CONFIGS` entry for ``num_heads`` on ``device``'s arch (sm90 when not CUDA)."""
+    table = MLA_DECODE_CONFIGS[_arch(device)]
+    keys = sorted(table)
+    return table[next((k for k in keys if k >= num_heads), keys[-1])]
+
+
+@functools.lru_cache(maxsize=64)
+def default_mla_extend_config(device: Optional[torch.device] = None) -> MLAExtendConfig:
+    """The :data:`MLA_EXTEND_CONFIGS` entry for ``device``'s arch (sm90 when not CUDA)."""
+    return MLA_EXTEND_CONFIGS[_arch(device)]
+
+
+SPLIT_GAIN = 0.15   # a larger split cap must shorten the modelled time by more than this to be taken
+
+
+def mla_split_candidates(batch_size: int, num_heads: int, num_sms: int, cfg: MLADecodeConfig) -> range:
+    """Split caps :func:`mla_decode_max_splits` considers: 1 .. min(max_splits_cap, ceil(2 * slots / P))."""
+    programs = max(batch_size, 1) * triton.cdiv(num_heads, cfg.block_h)
+    slots = max(cfg.programs_per_sm * num_sms, 1)
+    return range(1, max(1, min(cfg.max_splits_cap, triton.cdiv(2 * slots, programs))) + 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def mla_decode_max_splits(batch_size: int, num_heads: int, num_sms: int, cfg: MLADecodeConfig) -> int:
+    """Split cap for a batch size, chosen against wave quantisation.
+
+    With ``P = B * cdiv(H, block_h)`` programs per split and ``slots = programs_per_sm * SMs`` running
+    at once, ``s`` splits take about ``ceil(P * s / slots) / s`` (in units of one unsplit request's time).
+    Candidates stop at two waves' worth of programs (:func:`mla_split_candidates`): more splits mostly
+    add partial outputs (``B * H * s * 512 * 4`` B written and merged), which the model leaves out; a
+    larger cap is taken only when it cuts the modelled time by more than :data:`SPLIT_GAIN`. Unlike a
+    plain ``floor(slots / P)`` this splits B=40 x 2 head blocks (80 programs: 61 % of 132 SMs busy) three
+    ways (240 programs in 2 waves, 2/3 of the time) and leaves B=64 (128 programs) unsplit. Depends on the
+    batch size (and the layer), never on sequence lengths, so it is fixed per captured CUDA graph. 1 means
+    the batch fills the GPU: stage 1 writes the output itself (no merge).
+    """
+    programs = max(batch_size, 1) * triton.cdiv(num_heads, cfg.block_h)
+    slots = max(cfg.programs_per_sm * num_sms, 1)
+    best, best_t = 1, float(triton.cdiv(programs, slots))
+    for s in mla_split_candidates(batch_size, num_heads, num_sms, cfg)[1:]:
+        t = triton.cdiv(programs * s, slots) / s
+        if t < best_t * (1 - SPLIT_GAIN):
+            best, best_t = s, t
+    return best
+
+
+def mla_decode_scratch_numel(batch_size: int, num_heads: int, v_head_dim: int, max_splits: int) -> int:
+    """fp32 elements of decode scratch: partials [B, H, S, Dv] then LSEs [B, H, S]; 0 when ``max_splits == 1``."""
+    return 0 if max_splits == 1 else batch_size * num_heads * max_splits * (v_head_dim + 1)
+
+
+def _interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1`` (the kernels then upcast dot operands: the interpreter's bf16 dot is wrong)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2(x: int) -> int:
+    return triton.next_power_of_2(max(int(x), 1))
+
+
+def _check_cfg(cfg, fields: tuple[str, ...]) -> None:
+    for f in fields:
+        v = getattr(cfg, f)
+        if not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise bad(f"config.{f}", v, "a power of two >= 16", f"pick {f} from 16, 32, 64, 128")
+
+
+def _check_mla(q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, sm_scale: float) -> tuple[int, int]:
+    """q / latent cache / out against each other; returns (Dv, rope dims)."""
+    dev = q.device if isinstance(q, torch.Tensor) else None
+    _check_tensor("q", q, 3, Q_DTYPES, dev)
+    if isinstance(kv_buffer, torch.Tensor) and kv_buffer.dtype != q.dtype:
+        raise bad("kv_buffer.dtype", str(kv_buffer.dtype), str(q.dtype),
+                  "store the latent cache in the model dtype (fp8 latent caches: use torch_native)", cap=True)
+    _check_tensor("kv_buffer", kv_buffer, 3, (q.dtype,), dev)
+    _check_tensor("out", out, 3, (q.dtype,), dev)
+    h, d = q.shape[1], q.shape[2]
+    if kv_buffer.shape[1] != 1:
+        raise bad("kv_buffer.shape[1]", kv_buffer.shape[1], "1 (one latent KV head)",
+                  "pass the MLA layer's latent cache [slots, 1, kv_lora_rank + rope dims]")
+    if kv_buffer.shape[2] != d:
+        raise bad("q.shape[2]", d, f"kv_buffer row width {kv_buffer.shape[2]}",
+                  "pass the absorbed q [.., H, kv_lora_rank + rope dims] of this layer")
+    dv = out.shape[2]
+    if tuple(out.shape[:2]) != (q.shape[0], h) or not 1 <= dv < d:
+        raise bad("out.shape", tuple(out.shape), f"[{q.shape[0]}, {h}, Dv] with 1 <= Dv < {d}",
+                  "allocate out as [rows, H, kv_lora_rank]")
+    if h < 1:
+        raise bad("q.shape[1]", h, ">= 1 heads", "pass at least one q head")
+    if dv > MLA_MAX_LATENT_DIM or d - dv > MLA_MAX_ROPE_DIM:
+        raise bad("mla dims", (dv, d - dv), f"kv_lora_rank <= {MLA_MAX_LATENT_DIM}, rope <= {MLA_MAX_ROPE_DIM}",
+                  "use the torch_native backend for this model", cap=True)
+    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
+        raise bad("sm_scale", sm_scale, "a finite float > 0", "pass the layer's scaling (ModelSpec.scaling)")
+    return dv, d - dv
+
+
+def check_mla_decode(q, kv_buffer, req_to_token, req_pool_indices, seq_lens, out, sm_scale, max_splits,
+                     scratch, cfg: MLADecodeConfig) -> tuple[int, int]:
+    """All inputs of :func:`mla_decode_attention`; returns (Dv, rope dims)."""
+    dv, dr = _check_mla(q, kv_buffer, out, sm_scale)
+    bsz, h = q.shape[:2]
+    dev = q.device
+    _check_tensor("req_to_token", req_to_token, 2, (torch.int32,), dev)
+    _check_index("req_pool_indices", req_pool_indices, bsz, dev)
+    _check_index("seq_lens", seq_lens, bsz, dev)
+    if not isinstance(max_splits, int) or max_splits < 1:
+        raise bad("max_splits", max_splits, "an int >= 1", "use mla_decode_max_splits()")
+    _check_cfg(cfg, ("block_h", "block_n"))
+    mh = cfg.merge_block_h
+    if not isinstance(mh, int) or mh < 1 or mh & (mh - 1):
+        raise bad("config.merge_block_h", mh, "a power of two >= 1", "pick merge_block_h from 1, 2, 4, 8, 16")
+    need = mla_decode_scratch_numel(bsz, h, dv, max_splits)
+    if scratch is not None and (scratch.dtype != torch.float32 or scratch.device != dev or scratch.numel() < need):
+        raise bad("scratch", f"{scratch.dtype}[{scratch.numel()}]@{scratch.device}", f"float32[>={need}]@{dev}",
+                  "size it with mla_decode_scratch_numel() at the largest batch size")
+    return dv, dr
+
+
+def mla_decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch.Tensor,
+                         req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,
+                         sm_scale: float, max_splits: int, scratch: Optional[torch.Tensor] = None,
+                         config: Optional[MLADecodeConfig] = None) -> torch.Tensor:
+    """Absorbed-MLA paged decode: one new query per request over its cached latent rows (itself included).
+
+    ``q`` [B, H, D]; ``kv_buffer`` [S, 1, D]; ``out`` [B, H, Dv] (written, returned), all as in the
+    module docstring. ``max_splits``: split cap (:func:`mla_decode_max_splits`); the stage-1 grid is
+    ``(cdiv(H, block_h), max_splits, B)`` and the merge grid ``(B, cdiv(H, merge_block_h))`` (no merge
+    when 1). ``scratch``: fp32 with at least :func:`mla_decode_scratch_numel` elements (allocated when
+    None and needed — pass a fixed buffer for CUDA graphs). No host synchronisation: capturable in a CUDA
+    graph. Mirrors sglang's two-stage Triton MLA decode (grouped heads, split-K + LSE merge) with
+    tensor-core tiles over heads.
+    Raises the errors of the module docstring.
+    """
+    cfg = config or default_mla_decode_config(q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 3 else 1,
+                                              q.device if isinstance(q, torch.Tensor) else None)
+    dv, dr = check_mla_decode(q, kv_buffer, req_to_token, req_pool_indices, seq_lens, out, sm_scale, max_splits,
+                              scratch, cfg)
+    bsz, h = q.shape[:2]
+    if bsz == 0:
+        return out
+    need = mla_decode_scratch_numel(bsz, h, dv, max_splits)
+    direct = max_splits == 1
+    if direct:
+        o_part, lse = out, out            # unused by the kernel (DIRECT)
+        so = (0, 0, 0)
+        sl = (0, 0)
+    else:
+        if scratch is None:
+            scratch = torch.empty(need, dtype=torch.float32, device=q.device)
+        n_part = bsz * h * max_splits * dv
+        o_part = scratch[:n_part]
+        if cfg.partial_bf16:   # the same fp32 region, half of it used as bf16
+            o_part = o_part.view(torch.bfloat16)[:n_part]
+        o_part = o_part.view(bsz, h, max_splits, dv)
+        lse = scratch[n_part:need].view(bsz, h, max_splits)
+        so = (o_part.stride(0), o_part.stride(1), o_part.stride(2))
+        sl = (lse.stride(0), lse.stride(1))
+    common = dict(BLOCK_N=cfg.block_n, SPLIT_MIN=cfg.split_min)
+    kmla.mla_decode_split_kernel[(triton.cdiv(h, cfg.block_h), max_splits, bsz)](
+        q, kv_buffer, req_to_token, req_pool_indices, seq_lens, o_part, lse, out,
+        float(sm_scale), h, max_splits,
+        q.stride(0), q.stride(1), kv_buffer.stride(0), req_to_token.stride(0), *so, *sl,
+        out.stride(0), out.stride(1),
+        DL=dv, DR=dr, BLOCK_L=_pow2(dv), BLOCK_R=_pow2(dr), BLOCK_H=cfg.block_h, DIRECT=direct,
+        DETACH=bool(cfg.detach), LAZY=bool(cfg.lazy_rescale), UPCAST=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+    if not direct:
+        kmla.mla_decode_merge_kernel[(bsz, triton.cdiv(h, cfg.merge_block_h))](
+            o_part, lse, seq_lens, out, h, max_splits, *so, *sl, out.stride(0), out.stride(1),
+            DL=dv, BLOCK_L=_pow2(dv), MERGE_H=cfg.merge_block_h, S_PAD=_pow2(max_splits), UPCAST=_interpreting(),
+            num_warps=4, **common)
+    return out
+
+
+def check_mla_extend(q, kv_new, kv_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens, out,
+                     sm_scale, max_extend_len, cfg: MLAExtendConfig) -> tuple[int, int, int]:
+    """All inputs of :func:`mla_extend_attention`; returns (batch size, Dv, rope dims)."""
+    dv, dr = _check_mla(q, kv_buffer, out, sm_scale)
+    t, d = q.shape[0], q.shape[2]
+    dev = q.device
+    _check_tensor("kv_new", kv_new, 3, (q.dtype,), dev)
+    if tuple(kv_new.shape) != (t, 1, d):
+        raise bad("kv_new.shape", tuple(kv_new.shape), f"[{t}, 1, {d}]",
+                  "pass the step's new latent rows, one per new token")
+    _check_tensor("req_to_token", req_to_token, 2, (torch.int32,), dev)
+    bsz = int(prefix_lens.shape[0]) if isinstance(prefix_lens, torch.Tensor) and prefix_lens.dim() == 1 else -1
+    _check_index("prefix_lens", prefix_lens, bsz, dev)
+    _check_index("req_pool_indices", req_pool_indices, bsz, dev)
+    _check_index("qo_indptr", qo_indptr, bsz + 1, dev)
+    if not isinstance(max_extend_len, int) or max_extend_len < 0:
+        raise bad("max_extend_len", max_extend_len, "an int >= 0", "pass max(extend_seq_lens)")
+    _check_cfg(cfg, ("block_m", "block_n"))
+    return bsz, dv, dr
+
+
+def mla_extend_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch.Tensor,
+                         req_pool_indices: torch.Tensor, qo_indptr: torch.Tensor, prefix_lens: torch.Tensor,
+                         out: torch.Tensor, *, max_extend_len: int, sm_scale: float,
+                         config: Optional[MLAExtendConfig] = None) -> torch.Tensor:
+    """Absorbed-MLA extend: new tokens attend to their paged cached prefix and causally to each other.
+
+    ``q`` [T, H, D] and ``kv_new`` [T, 1, D] (the step's new latent rows), request after request;
+    ``qo_indptr`` [B+1] (request b owns rows ``qo_indptr[b]:qo_indptr[b+1]``); ``prefix_lens`` [B]
+    cached tokens per request, read from ``kv_buffer`` through ``req_to_token``; ``max_extend_len``: the
+    largest new-token count (a host int: it sizes the grid ``(cdiv(max_extend_len * H, block_m), B)``).
+    Causal mask bottom-right aligned (new token i sees prefix + new tokens 0..i), as sglang's extend and
+    FlashInfer's ``causal=True``. ``out`` [T, H, Dv] is written and returned. Raises the errors of the
+    module docstring.
+    """
+    cfg = config or default_mla_extend_config(q.device if isinstance(q, torch.Tensor) else None)
+    bsz, dv, dr = check_mla_extend(q, kv_new, kv_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens,
+                                   out, sm_scale, max_extend_len, cfg)
+    t, h = q.shape[:2]
+    if bsz == 0 or max_extend_len == 0 or t == 0:
+        return out
+    grid = (triton.cdiv(max_extend_len * h, cfg.block_m), bsz)
+    kmla.mla_extend_kernel[grid](
+        q, kv_new, kv_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens, out,
+        float(sm_scale), h,
+        q.stride(0), q.stride(1), kv_new.stride(0), kv_buffer.stride(0), req_to_token.stride(0),
+        out.stride(0), out.stride(1),
+        DL=dv, DR=dr, BLOCK_L=_pow2(dv), BLOCK_R=_pow2(dr), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        DETACH=bool(cfg.detach), LAZY=bool(cfg.lazy_rescale), UPCAST=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
