@@ -70,16 +70,3 @@ def flashinfer_workspace_size(args: AttentionArgs, model: ModelSpec,
         return v, "env"
     big = any(a in WORKSPACE_512_MIB_ARCHITECTURES for a in model.architectures)
     return (FLASHINFER_WORKSPACE_QWEN if big else FLASHINFER_WORKSPACE_DEFAULT), "default"
-
-
-def cuda_graph_max_bs(args: AttentionArgs, max_reqs: int) -> int:
-    """The largest batch size a decode CUDA graph will be captured for (0 = no graphs).
-
-    ``max(cuda_graph_bs)`` when given, else ``cuda_graph_max_bs``, else the request pool's size
-    (a graph can never hold more requests than ``req_to_token`` has rows).
-    """
-    if args.disable_cuda_graph:
-        return 0
-    if args.cuda_graph_bs:
-        return max(args.cuda_graph_bs)
-    return args.cuda_graph_max_bs or max_reqs

@@ -13,20 +13,37 @@ SM-partition table) also happen here, before anything is allocated.
 
 When no *installed* backend can serve a request but one would if its package were installed, the
 error says exactly that (and names the package), instead of advising a backend that is missing.
+
+Remedies are true for the request at hand: ``allowed`` and every backend a remedy names are ones
+that resolve for this device, model and flags (with ``strict``, the extra fields a backend needs
+to pass strict are named with it); an unknown name gets the closest known one ("did you mean"),
+registered or sglang's, installed or not, with the package it needs. Library wording: field names
+(``attention_backend``), assignments as ``field='value'``; the CLI shows its flags instead.
+
+Warnings (:func:`warnings_for`): auto-selection landing on ``torch_native`` — the reference
+backend — on an accelerator (``reference_fallback``, with every rejected candidate's reasons), and
+every downgrade (:class:`~pipeline.contracts.Skip` with ``downgrade=True``: CUDA graphs off on a
+CUDA device, TBO dropped on a draft worker). With ``args.strict`` each of them is a refusal in
+resolve instead (``reference_fallback`` / ``downgrade_refused``, exit 3), naming the fields that
+accept or avoid it; applying them resolves under strict.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Union
+import difflib
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import msgspec
 
 from pipeline.backends import registry
 from pipeline.contracts import (
-    AttentionArgs, DeviceFacts, ModelSpec, Rejection, Resolution, ResolvedAttentionBackendStr, Rule, Skip,
+    AttentionArgs, DeviceFacts, ModelSpec, Rejection, Resolution, ResolvedAttentionBackendStr, Rule, SetupWarning,
+    Skip,
 )
+from pipeline.cuda_graphs import decide_graphs
 from pipeline.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
-from states.capability_check import Reason, reasons_with_flags
+from states.build_mode import decide_mode
+from states.capability_check import INSTALL_HINT, Reason, reasons_with_flags
 
 # Arches whose SMs sglang's PD-multiplexing can partition into groups (green contexts need sm80+
 # and a per-arch SM table; sglang's table covers Ampere, Ada, Hopper and Blackwell datacenter).
@@ -40,32 +57,75 @@ AUTO_PRIORITY: dict[str, list[str]] = {
     "cuda": ["flashinfer", "fa3", "triton", "torch_native"],
 }
 DEFAULT_PRIORITY = ["torch_native"]
+# The reference backend: correct everywhere, slow, no CUDA graphs. Landing on it by auto-selection on
+# an accelerator is a warning (refused under strict); choosing it explicitly is not.
+REFERENCE_BACKEND = "torch_native"
 
 Explicit = tuple[Rule, str, str]  # (rule, backend name, flag that named it)
+
+
+def one_of(names: Sequence[str]) -> str:
+    """``a, b, c`` (never a Python list repr)."""
+    return ", ".join(str(n) for n in names)
+
+
+def assignments(fix: Mapping[str, Any]) -> str:
+    """Library wording of field changes: ``set a='x' and b=True, and drop c`` (``c=False`` is "drop c").
+
+    The CLI rewrites each ``field=value`` / ``drop field`` into its flag (``--a x``, ``--b``, ``drop --c``).
+    """
+    sets = [f"{k}={v!r}" for k, v in fix.items() if v is not False]
+    drops = [k for k, v in fix.items() if v is False]
+    out = ("set " + " and ".join(sets)) if sets else ""
+    if drops:
+        out += (", and " if out else "") + "drop " + " and ".join(drops)
+    return out
+
+
+class StrictRefusal(CapabilityMismatch):
+    """A fallback or downgrade refused because ``strict`` is set (``reference_fallback`` / ``downgrade_refused``).
+
+    ``avoid`` holds the field assignments that accept or avoid every refused fallback and downgrade.
+    """
+
+    def __init__(self, message: str, *, avoid: Mapping[str, Any], **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.avoid = dict(avoid)
+
+
+def _refuse_mode(err: ConfigError, fixes: list[dict[str, Any]], prose: str = "") -> ConfigError:
+    """``err`` with its remedy written from ``fixes`` (alternatives; kept on ``err.fixes`` so a strict
+    resolve can extend each with what strict also needs) and an optional closing ``prose`` alternative."""
+    err.fixes = fixes  # type: ignore[attr-defined]
+    err.info = msgspec.structs.replace(err.info, remedy=" or ".join(
+        [assignments(f) for f in fixes] + ([prose] if prose else [])))
+    return err
 
 
 def check_modes(args: AttentionArgs, device: DeviceFacts, is_draft_worker: bool) -> None:
     """Refuse mode combinations that no backend can fix (raises ConflictingOptions/CapabilityMismatch)."""
     if args.enable_pdmux and args.enable_two_batch_overlap:
-        raise ConflictingOptions(
+        raise _refuse_mode(ConflictingOptions(
             "PD-multiplexing and two-batch overlap cannot be combined (sglang silently lets PD-mux win)",
-            state="resolve", flags=[("enable_pdmux", True), ("enable_two_batch_overlap", True)],
-            remedy="drop one of --enable-pdmux / --enable-two-batch-overlap")
+            state="resolve", flags=[("enable_pdmux", True), ("enable_two_batch_overlap", True)]),
+            [{"enable_pdmux": False}, {"enable_two_batch_overlap": False}])
     if args.enable_pdmux and device.type == "cpu":
-        raise CapabilityMismatch(
+        raise _refuse_mode(CapabilityMismatch(
             "PD-multiplexing partitions GPU SMs into groups; a CPU device has none",
             state="resolve", flags=[("enable_pdmux", True), ("device", device.device_str)],
-            allowed=list(PDMUX_SM_PARTITION_ARCHS), remedy="drop --enable-pdmux, or run on a supported GPU")
+            allowed=list(PDMUX_SM_PARTITION_ARCHS)), [{"enable_pdmux": False}],
+            "run on a GPU whose arch is listed")
     if args.enable_pdmux and device.sm_count and args.sm_group_num > device.sm_count:
-        raise CapabilityMismatch(
+        raise _refuse_mode(CapabilityMismatch(
             f"sm_group_num={args.sm_group_num} SM groups cannot be carved from {device.sm_count} SMs",
             state="resolve", flags=[("sm_group_num", args.sm_group_num), ("device.sm_count", device.sm_count)],
-            allowed=[f"1..{device.sm_count}"], remedy="lower --sm-group-num (sglang uses a handful of groups)")
+            allowed=[f"1..{device.sm_count}"]), [{"sm_group_num": min(3, device.sm_count)}],
+            f"another sm_group_num up to {device.sm_count} (sglang uses a handful of groups)")
     if args.enable_pdmux and device.arch not in PDMUX_SM_PARTITION_ARCHS:
-        raise CapabilityMismatch(
+        raise _refuse_mode(CapabilityMismatch(
             f"PD-multiplexing has no SM partition table for {device.arch or device.type}",
             state="resolve", flags=[("enable_pdmux", True), ("device.arch", device.arch or device.type)],
-            allowed=list(PDMUX_SM_PARTITION_ARCHS), remedy="drop --enable-pdmux on this GPU")
+            allowed=list(PDMUX_SM_PARTITION_ARCHS)), [{"enable_pdmux": False}])
 
 
 def explicit_choice(args: AttentionArgs, half: str, is_draft_worker: bool) -> Optional[Explicit]:
@@ -101,10 +161,14 @@ class _Survey:
         return (f"no installed backend can serve this; only {', '.join(self.installable)} could, and it needs "
                 f"package(s) {', '.join(pk)}, which {'is' if len(pk) == 1 else 'are'} not installed")
 
+    def packages_of(self, name: str) -> list[str]:
+        """The packages whose absence is (part of) why ``name`` cannot serve."""
+        return sorted({x.flags[0][1] for x in self.why.get(name, []) if x.is_package})
+
     def remedy_without_working(self) -> str:
         if self.installable:
             pk = sorted({x.flags[0][1] for n in self.installable for x in self.why[n]})
-            return f"install {', '.join(pk)} (see the reasons), or change the model/dtype/flags"
+            return f"install {' and '.join(pk)} (see the reasons), or change the model/dtype/flags"
         return "no registered backend can serve this; change the model, dtype or flags named in the reasons"
 
 
@@ -116,39 +180,152 @@ def _flags_of(head: list[tuple[str, object]], bad: list[Reason], device: DeviceF
     return out + ([dev] if dev not in out and ("device.arch", device.arch) not in out else [])
 
 
-def _lookup(name: str, flag: str, survey: _Survey) -> registry.BackendEntry:
-    """registry.get, with the backends that work here (not every registered one) as allowed values."""
+def resolving_fix(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, installed: Mapping[str, bool],
+                        is_draft_worker: bool, fix: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """``fix`` if it resolves (tried through :func:`decide`), plus the fields strict also needs; else None.
+
+    A fix refused only by strict gets the fields its :class:`StrictRefusal` names, and is tried again
+    (a few rounds at most); any other refusal means the fix does not work here.
+    """
+    for _ in range(3):
+        try:
+            _decide(msgspec.structs.replace(args, **fix), model, device, is_draft_worker=is_draft_worker,
+                    installed=installed, probe=True)
+        except StrictRefusal as e:
+            if all(fix.get(k) == v for k, v in e.avoid.items()):
+                return None
+            fix = {**fix, **e.avoid}
+            continue
+        except ConfigError:
+            return None
+        return fix
+    return None
+
+
+class _Ctx:
+    """One resolve request: what remedies are checked against (a strict remedy is tried, not guessed)."""
+
+    def __init__(self, args: AttentionArgs, model: ModelSpec, device: DeviceFacts, installed: Mapping[str, bool],
+                 is_draft_worker: bool, survey: _Survey, probe: bool) -> None:
+        self.args, self.model, self.device, self.installed = args, model, device, installed
+        self.is_draft_worker, self.survey, self.probe = is_draft_worker, survey, probe
+
+    def options(self, flag: str, names: Sequence[str]) -> tuple[list[str], list[dict[str, Any]]]:
+        """Which of ``names`` resolve when ``flag`` is set to them: (alone, fixes needing more fields).
+
+        Without ``strict`` every backend the survey finds working resolves alone. With ``strict`` each
+        is tried through :func:`decide`; one refused only by strict is tried again with the fields its
+        refusal names, and listed with them when that resolves.
+        """
+        if not self.args.strict or self.probe:
+            return list(names), []
+        alone, more = [], []
+        for n in names:
+            fix = resolving_fix(self.args, self.model, self.device, self.installed, self.is_draft_worker,
+                                      {flag: n})
+            if fix is not None:
+                (alone if len(fix) == 1 else more).append(fix)
+        return [f[flag] for f in alone], more
+
+    def set_remedy(self, flag: str, names: Sequence[str], first: Optional[str] = None) -> tuple[list[str], str]:
+        """(allowed, remedy) offering ``names`` for ``flag``: only those that resolve, ``first`` leading."""
+        alone, more = self.options(flag, names)
+        if first in alone:
+            alone = [first] + [n for n in alone if n != first]
+        parts = [f"set {flag} to one of: {one_of(alone)}"] if alone else []
+        parts += [assignments(f) for f in more]
+        return alone, (", or ".join(parts) if parts else self.without_working())
+
+    def without_working(self) -> str:
+        """The remedy when no installed backend resolves: install what would serve it (with, under strict,
+        the fields strict then needs), or change the request."""
+        survey = self.survey
+        if not survey.installable:
+            return survey.remedy_without_working()
+        pk = sorted({p for n in survey.installable for p in survey.packages_of(n)})
+        fix: Optional[dict[str, Any]] = {}
+        if self.args.strict and not self.probe:
+            fix = resolving_fix(self.args, self.model, self.device, {**self.installed, **{p: True for p in pk}},
+                                      self.is_draft_worker, {})
+            if fix is None:
+                return survey.remedy_without_working()
+        then = f" and {assignments(fix)}" if fix else ""
+        return f"install {' and '.join(pk)}{then} (see the reasons), or change the model/dtype/flags"
+
+
+def _suggest(name: str, ctx: _Ctx) -> tuple[Optional[str], str]:
+    """(the closest known backend name, one sentence about it) for an unknown ``name``.
+
+    Matched over every name attn-setup knows — registered (installed or not) and sglang's that it
+    does not implement — case-insensitively, with difflib's ratio (cutoff 0.6).
+    """
+    known = registry.known_names()
+    lower = {k.lower(): k for k in known}
+    hit = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.6)
+    if not hit:
+        return None, ""
+    best = lower[hit[0]]
+    note = f"did you mean {best!r}?"
+    if best in registry.KNOWN_UNAVAILABLE:
+        return best, f"{note} (sglang's {registry.KNOWN_UNAVAILABLE[best]}, which attn-setup does not implement)"
+    why = ctx.survey.why[best]
+    if not why:
+        return best, note
+    pk = ctx.survey.packages_of(best)
+    if pk and best in ctx.survey.installable:
+        hints = sorted({INSTALL_HINT.get(p, f"pip install {p}") for p in pk})
+        return best, f"{note} It needs {one_of(pk)}, which is not installed ({'; '.join(hints)})"
+    return best, f"{note} It cannot serve this request here: {'; '.join(r.text for r in why)}"
+
+
+def _lookup(name: str, flag: str, ctx: _Ctx) -> registry.BackendEntry:
+    """registry.get, with allowed values and remedy narrowed to the backends that resolve here."""
     try:
         return registry.get(name, flag=flag)
     except (BackendUnavailable, BackendUnknown) as e:
-        working = survey.working or e.info.allowed
-        remedy = e.info.remedy if isinstance(e, BackendUnavailable) else f"set {flag} to one of: {', '.join(working)}"
-        e.info = msgspec.structs.replace(e.info, state="resolve", allowed=working, remedy=remedy)
+        survey = ctx.survey
+        msg, first = e.info.message, None
+        if isinstance(e, BackendUnknown):
+            first, note = _suggest(name, ctx)
+            msg = f"{msg}; {note}" if note else msg
+        allowed, remedy = ctx.set_remedy(flag, survey.working, first)
+        if isinstance(e, BackendUnknown) and first in survey.installable and first not in survey.working:
+            pk = survey.packages_of(first)
+            fix = {flag: first}
+            if ctx.args.strict and not ctx.probe:
+                fix = resolving_fix(ctx.args, ctx.model, ctx.device, {**ctx.installed, **{p: True for p in pk}},
+                                    ctx.is_draft_worker, fix) or {}
+            if fix:
+                remedy = f"install {' and '.join(pk)} and {assignments(fix)}" + (f", or {remedy}" if allowed else "")
+        e.args = (msg,)
+        e.info = msgspec.structs.replace(e.info, state="resolve", message=msg, allowed=allowed, remedy=remedy)
         raise
 
 
-def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reason], survey: _Survey,
-                     model: ModelSpec, device: DeviceFacts, is_draft_worker: bool) -> CapabilityMismatch:
-    working = survey.working
-    remedy = (f"set --{flag.replace('_', '-')} to one of {working}" if working else survey.remedy_without_working())
-    if rule != "draft_override" and is_draft_worker:
-        remedy = (f"the draft model cannot use the inherited {name!r}: set --speculative-draft-attention-backend"
-                  + (f" to one of {working}" if working else " once a backend can serve it"))
+def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reason], ctx: _Ctx) -> CapabilityMismatch:
+    survey, model, device = ctx.survey, ctx.model, ctx.device
+    target = flag
+    if rule != "draft_override" and ctx.is_draft_worker:
+        target = "speculative_draft_attention_backend"
+    allowed, remedy = ctx.set_remedy(target, survey.working)
+    if target != flag:
+        remedy = f"the draft model cannot use the inherited {name!r}: " + (
+            remedy if allowed or remedy.startswith("set ") else f"set {target} once a backend can serve it")
     msg = f"{flag}={name!r} cannot serve {half} here: " + "; ".join(r.text for r in bad)
-    if not working and survey.installable:
+    if not survey.working and survey.installable:
         msg += f" ({survey.missing_note()})"
     flags = _flags_of([(flag, name)], bad, device) + [("model", model.source or model.model_type)]
-    return CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=working, remedy=remedy)
+    return CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=allowed, remedy=remedy)
 
 
-def _pick(half: str, explicit: Optional[Explicit], survey: _Survey, *, model: ModelSpec, device: DeviceFacts,
-          is_draft_worker: bool) -> tuple[str, Rule, list[Rejection]]:
+def _pick(half: str, explicit: Optional[Explicit], ctx: _Ctx) -> tuple[str, Rule, list[Rejection]]:
+    survey, device = ctx.survey, ctx.device
     if explicit is not None:
         rule, name, flag = explicit
-        entry = _lookup(name, flag, survey)
+        entry = _lookup(name, flag, ctx)
         bad = survey.why[entry.name]
         if bad:
-            raise _refuse_explicit(half, rule, name, flag, bad, survey, model, device, is_draft_worker)
+            raise _refuse_explicit(half, rule, name, flag, bad, ctx)
         return name, rule, []
     rejected: list[Rejection] = []
     for name in auto_candidates(device):
@@ -164,19 +341,88 @@ def _pick(half: str, explicit: Optional[Explicit], survey: _Survey, *, model: Mo
     bad_all = [r for n in auto_candidates(device) for r in survey.why[n]]
     flags = _flags_of([(f"{half}_attention_backend", None)], [r for r in bad_all if not r.is_package], device)
     raise CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=survey.working,
-                             remedy=survey.remedy_without_working())
+                             remedy=ctx.without_working())
 
 
-def _graph_skips(args: AttentionArgs, decode: str, device: DeviceFacts) -> list[Skip]:
-    """The allowed CUDA-graph downgrade: no CUDA device, or a decode backend that cannot be captured."""
-    if args.disable_cuda_graph:
+def graph_skips(args: AttentionArgs, decode: str, device: DeviceFacts) -> list[Skip]:
+    """CUDA graphs not captured, from the one rule (:func:`pipeline.cuda_graphs.decide_graphs`).
+
+    No skip when graphs are captured or the user turned them off. On a non-CUDA device graphs do
+    not apply (``downgrade=False``); on a CUDA device with a decode backend that cannot be captured
+    they are a downgrade, avoided by ``disable_cuda_graph=True``.
+    """
+    d = decide_graphs(args, device.type, [decode], lambda n: registry.get(n).capability.has("cuda_graph"))
+    if d.capture or args.disable_cuda_graph:
         return []
-    if device.type != "cuda":
-        return [Skip(what="cuda_graph", reason=f"CUDA graphs need a CUDA device; this run is on {device.type}")]
-    if not registry.get(decode).capability.has("cuda_graph"):
-        return [Skip(what="cuda_graph", reason=f"decode backend {decode!r} cannot be captured in a CUDA graph "
-                     "(as sglang turns graphs off for torch_native)")]
-    return []
+    return [Skip(what="cuda_graph", reason=d.reason, downgrade=d.downgrade,
+                 avoid={"disable_cuda_graph": True} if d.downgrade else {})]
+
+
+def _device_name(device: DeviceFacts) -> str:
+    return f"{device.type} {device.arch}" if device.arch else device.type
+
+
+def reference_fallback(res: Resolution, device: DeviceFacts) -> Optional[SetupWarning]:
+    """The ``reference_fallback`` warning when auto-selection put ``torch_native`` on an accelerator.
+
+    Any device but ``cpu`` counts (torch_native is the slow reference everywhere else). Only halves
+    resolved by ``auto`` count: an explicit ``torch_native`` is the user's choice. ``avoid`` accepts
+    it explicitly (``attention_backend``, or the phase field of the one half that fell back).
+    """
+    if device.type == "cpu":
+        return None
+    halves = [h for h in ("prefill", "decode") if res.rules.get(h) == "auto" and getattr(res.pair, h) == REFERENCE_BACKEND]
+    if not halves:
+        return None
+    field = "attention_backend" if len(halves) == 2 else f"{halves[0]}_attention_backend"
+    rejected = {h: list(res.rejected.get(h, [])) for h in halves}
+    names = list(dict.fromkeys(r.backend for h in halves for r in rejected[h]))
+    why = f"{one_of(names)} cannot serve this request" if names else "no other backend is registered for it"
+    return SetupWarning(code="reference_fallback", what="+".join(halves),
+                        message=f"{' and '.join(halves)} fell back to {REFERENCE_BACKEND}, the slow reference backend, "
+                                f"on {_device_name(device)}: {why}",
+                        avoid={field: REFERENCE_BACKEND}, rejected=rejected)
+
+
+def warnings_for(res: Resolution, skips: Sequence[Skip], device: DeviceFacts) -> list[SetupWarning]:
+    """Every warning of a start: the reference fallback (if any), then each downgrade among ``skips``.
+
+    ``skips``: resolve's and build-mode's (``res.skips + plan.skips``). ``attn-setup plan`` lists
+    these; a run logs the same as ``reference_fallback`` and ``feature_downgraded`` events.
+    """
+    fb = reference_fallback(res, device)
+    return ([fb] if fb else []) + [SetupWarning(code="feature_downgraded", what=s.what, message=s.reason,
+                                                avoid=dict(s.avoid)) for s in skips if s.downgrade]
+
+
+def _refuse_strict(res: Resolution, args: AttentionArgs, device: DeviceFacts, is_draft_worker: bool) -> None:
+    """Under ``strict``: raise :class:`StrictRefusal` for a reference fallback or any downgrade.
+
+    Build-mode's downgrade (TBO on a draft worker) is decided here too (:func:`decide_mode`), so
+    one refusal names every field needed: accepting ``torch_native`` explicitly, ``disable_cuda_graph``,
+    dropping ``enable_two_batch_overlap``.
+    """
+    if not args.strict:
+        return
+    found = warnings_for(res, list(res.skips) + decide_mode(args, is_draft_worker)[1], device)
+    if not found:
+        return
+    avoid = {k: v for w in found for k, v in w.avoid.items()}
+    fb = next((w for w in found if w.code == "reference_fallback"), None)
+    downs = [w for w in found if w.code == "feature_downgraded"]
+    parts = []
+    if fb is not None:
+        rejected = {r.backend: r.reasons for h in fb.rejected for r in fb.rejected[h]}  # one survey: halves agree
+        detail = "; ".join(f"{b}: {' and '.join(rs)}" for b, rs in rejected.items())
+        parts.append(fb.message + (f" ({detail})" if detail else ""))
+        why = "to accept the reference backend explicitly"
+    else:
+        why = "to avoid the downgrade" + ("s" if len(downs) > 1 else "")
+    parts += [f"{w.what} downgraded: {w.message}" for w in downs]
+    msg = "strict: " + "; ".join(parts)
+    flags = [("strict", True)] + [(k, getattr(args, k)) for k in avoid] + [("device", _device_name(device))]
+    raise StrictRefusal(msg, code="reference_fallback" if fb is not None else "downgrade_refused", state="resolve",
+                        flags=flags, avoid=avoid, remedy=f"{assignments(avoid)} {why}, or drop strict")
 
 
 def decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_draft_worker: bool,
@@ -185,28 +431,52 @@ def decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dra
 
     Parameters
     ----------
-    args : the attention flags (sglang's names).
+    args : the attention flags (sglang's names, plus ``strict``).
     model : the served model (the draft model on a draft worker).
     device : the device facts (a named profile at plan time, torch's at run time).
     is_draft_worker : a speculative-decoding draft worker.
     installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → present.
 
     Returns a :class:`Resolution` (never None): the pair, the rule per half, every auto candidate
-    refused (per half, with reasons) and the CUDA-graph downgrade, if any.
-    Raises BackendUnknown / BackendUnavailable / CapabilityMismatch / ConflictingOptions (exit 3).
+    refused (per half, with reasons) and the CUDA-graph skip, if any (:func:`warnings_for` turns it
+    into the start's warnings).
+    Raises BackendUnknown / BackendUnavailable / CapabilityMismatch / ConflictingOptions (exit 3);
+    with ``args.strict``, :class:`StrictRefusal` (``reference_fallback`` / ``downgrade_refused``).
     """
-    check_modes(args, device, is_draft_worker)
+    return _decide(args, model, device, is_draft_worker=is_draft_worker, installed=installed, probe=False)
+
+
+def _decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_draft_worker: bool,
+            installed: Mapping[str, bool], probe: bool) -> Resolution:
+    """:func:`decide`; ``probe`` (remedy trials) skips trying remedies of its own."""
+    try:
+        check_modes(args, device, is_draft_worker)
+    except ConfigError as e:
+        fixes = getattr(e, "fixes", [])
+        if fixes and not probe:  # only the alternatives that resolve (with what strict also needs)
+            def tried(fix: dict[str, Any]) -> Optional[dict[str, Any]]:
+                return resolving_fix(args, model, device, installed, is_draft_worker, dict(fix))
+
+            done = [f for f in map(tried, fixes) if f is not None]
+            if not done and len(fixes) > 1:  # e.g. PD-mux + TBO on a CPU: only dropping both resolves
+                union = tried({k: v for f in fixes for k, v in f.items()})
+                done = [union] if union is not None else []
+            if done:
+                e.info = msgspec.structs.replace(e.info, remedy=" or ".join(assignments(f) for f in done))
+        raise
     survey = _Survey(args=args, model=model, device=device, installed=installed, is_draft_worker=is_draft_worker)
+    ctx = _Ctx(args, model, device, installed, is_draft_worker, survey, probe)
     picks, rules, rejected = {}, {}, {}
     for half in ("prefill", "decode"):
-        name, rule, rej = _pick(half, explicit_choice(args, half, is_draft_worker), survey, model=model,
-                                device=device, is_draft_worker=is_draft_worker)
+        name, rule, rej = _pick(half, explicit_choice(args, half, is_draft_worker), ctx)
         picks[half], rules[half] = name, rule
         if rej:
             rejected[half] = rej
     pair = ResolvedAttentionBackendStr(prefill=picks["prefill"], decode=picks["decode"],
                                        is_draft_override=rules["prefill"] == "draft_override")
-    return Resolution(pair=pair, rules=rules, rejected=rejected, skips=_graph_skips(args, picks["decode"], device))
+    res = Resolution(pair=pair, rules=rules, rejected=rejected, skips=graph_skips(args, picks["decode"], device))
+    _refuse_strict(res, args, device, is_draft_worker)
+    return res
 
 
 def decide_for_run(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_draft_worker: bool,

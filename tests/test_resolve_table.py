@@ -219,7 +219,7 @@ ROWS: list[Row] = [
        (TR, TR), (GF, GF), flags={**SPEC, "attention_backend": TR, "speculative_draft_attention_backend": TN}),
     err("draft-mla-inherited", "validation: draft model's own shapes vs inherited backend -> draft flag remedy",
         "h200", "llama-3.1-8b", CapabilityMismatch, flags={**SPEC, "attention_backend": TR}, draft=True,
-        draft_config="deepseek-v2-lite", allowed=(TN,), text=("--speculative-draft-attention-backend", "MLA")),
+        draft_config="deepseek-v2-lite", allowed=(TN,), text=("speculative_draft_attention_backend", "MLA")),
     ok("draft-mla-override", "precedence: draft override serves the MLA draft model", "h200", "llama-3.1-8b",
        (TN, TN), (DO, DO), flags={**SPEC, "attention_backend": TR, "speculative_draft_attention_backend": TN},
        draft=True, draft_config="deepseek-v2-lite"),
