@@ -94,9 +94,9 @@ class StrictRefusal(CapabilityMismatch):
 
 
 def _refuse_mode(err: ConfigError, fixes: list[dict[str, Any]], prose: str = "") -> ConfigError:
-    """``err`` with its remedy written from ``fixes`` (alternatives; kept on ``err.fixes`` so a strict
-    resolve can extend each with what strict also needs) and an optional closing ``prose`` alternative."""
-    err.fixes = fixes  # type: ignore[attr-defined]
+    """``err`` with its remedy written from ``fixes`` (alternatives; kept on ``err.fixes`` so resolve can
+    extend each with what the rest of the request needs) and an optional closing ``prose`` alternative."""
+    err.fixes, err.prose = fixes, prose  # type: ignore[attr-defined]
     err.info = msgspec.structs.replace(err.info, remedy=" or ".join(
         [assignments(f) for f in fixes] + ([prose] if prose else [])))
     return err
@@ -180,26 +180,36 @@ def _flags_of(head: list[tuple[str, object]], bad: list[Reason], device: DeviceF
     return out + ([dev] if dev not in out and ("device.arch", device.arch) not in out else [])
 
 
-def resolving_fix(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, installed: Mapping[str, bool],
-                        is_draft_worker: bool, fix: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """``fix`` if it resolves (tried through :func:`decide`), plus the fields strict also needs; else None.
+def _fixes_of(err: ConfigError) -> list[dict[str, Any]]:
+    """The field changes a resolve refusal proposes, as data (a strict refusal's ``avoid``, else ``err.fixes``)."""
+    if isinstance(err, StrictRefusal):
+        return [err.avoid]
+    return list(getattr(err, "fixes", []))
 
-    A fix refused only by strict gets the fields its :class:`StrictRefusal` names, and is tried again
-    (a few rounds at most); any other refusal means the fix does not work here.
+
+def complete_fix(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, installed: Mapping[str, bool],
+                 is_draft_worker: bool, fix: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """``fix`` extended until the request resolves: ``(fix, resolved)``.
+
+    The request with ``fix`` applied is tried through :func:`decide`; while it is refused with a fix
+    of its own (strict's fields, another flag's backend, a mode to drop) that agrees with what ``fix``
+    already sets, that fix is added and the request tried again. So a remedy names everything the
+    start needs — also a second fault the first fix would only reveal. ``resolved`` is False when a
+    refusal without such a fix remains (e.g. a package to install); ``fix`` is then the best so far.
     """
-    for _ in range(3):
+    for _ in range(8):
         try:
             _decide(msgspec.structs.replace(args, **fix), model, device, is_draft_worker=is_draft_worker,
                     installed=installed, probe=True)
-        except StrictRefusal as e:
-            if all(fix.get(k) == v for k, v in e.avoid.items()):
-                return None
-            fix = {**fix, **e.avoid}
+        except ConfigError as e:
+            nxt = next((f for f in _fixes_of(e) if any(k not in fix for k in f)
+                        and all(fix.get(k, v) == v for k, v in f.items())), None)
+            if nxt is None:
+                return fix, False
+            fix = {**fix, **nxt}
             continue
-        except ConfigError:
-            return None
-        return fix
-    return None
+        return fix, True
+    return fix, False
 
 
 class _Ctx:
@@ -210,45 +220,49 @@ class _Ctx:
         self.args, self.model, self.device, self.installed = args, model, device, installed
         self.is_draft_worker, self.survey, self.probe = is_draft_worker, survey, probe
 
-    def options(self, flag: str, names: Sequence[str]) -> tuple[list[str], list[dict[str, Any]]]:
-        """Which of ``names`` resolve when ``flag`` is set to them: (alone, fixes needing more fields).
+    def complete(self, fix: dict[str, Any], packages: Sequence[str] = ()) -> dict[str, Any]:
+        """``fix`` with what the rest of the request needs to resolve (:func:`complete_fix`), as far as it goes;
+        ``packages`` are assumed installed. A probe (a trial inside another remedy) returns ``fix`` as is."""
+        if self.probe:
+            return dict(fix)
+        installed = {**self.installed, **{p: True for p in packages}}
+        return complete_fix(self.args, self.model, self.device, installed, self.is_draft_worker, dict(fix))[0]
 
-        Without ``strict`` every backend the survey finds working resolves alone. With ``strict`` each
-        is tried through :func:`decide`; one refused only by strict is tried again with the fields its
-        refusal names, and listed with them when that resolves.
-        """
-        if not self.args.strict or self.probe:
-            return list(names), []
+    def options(self, flag: str, names: Sequence[str]) -> tuple[list[str], list[dict[str, Any]]]:
+        """Setting ``flag`` to each of ``names`` (backends that can serve it): (names that suffice alone,
+        fixes that also need other fields — strict's, or a second fault's — tried, not guessed)."""
         alone, more = [], []
         for n in names:
-            fix = resolving_fix(self.args, self.model, self.device, self.installed, self.is_draft_worker,
-                                      {flag: n})
-            if fix is not None:
-                (alone if len(fix) == 1 else more).append(fix)
+            fix = self.complete({flag: n})
+            (alone if len(fix) == 1 else more).append(fix)
         return [f[flag] for f in alone], more
 
     def set_remedy(self, flag: str, names: Sequence[str], first: Optional[str] = None) -> tuple[list[str], str]:
-        """(allowed, remedy) offering ``names`` for ``flag``: only those that resolve, ``first`` leading."""
+        """(allowed, remedy) offering ``names`` for ``flag`` with what each needs; ``first`` leading."""
         alone, more = self.options(flag, names)
         if first in alone:
             alone = [first] + [n for n in alone if n != first]
         parts = [f"set {flag} to one of: {one_of(alone)}"] if alone else []
         parts += [assignments(f) for f in more]
-        return alone, (", or ".join(parts) if parts else self.without_working())
+        return alone, (", or ".join(parts) if parts else self.install_for(flag))
+
+    def install_for(self, flag: str) -> str:
+        """The remedy when nothing installed can take ``flag``: install what a backend needs and set ``flag``
+        to it (with what else the request needs), else :meth:`without_working`."""
+        survey, parts = self.survey, []
+        for name in survey.installable:
+            pk = survey.packages_of(name)
+            parts.append(f"install {' and '.join(pk)} and {assignments(self.complete({flag: name}, pk))}")
+        return ", or ".join(parts) if parts else self.without_working()
 
     def without_working(self) -> str:
-        """The remedy when no installed backend resolves: install what would serve it (with, under strict,
-        the fields strict then needs), or change the request."""
+        """The remedy when no installed backend resolves and no flag names one: install what would serve it
+        (with what else the request then needs), or change the request."""
         survey = self.survey
         if not survey.installable:
             return survey.remedy_without_working()
         pk = sorted({p for n in survey.installable for p in survey.packages_of(n)})
-        fix: Optional[dict[str, Any]] = {}
-        if self.args.strict and not self.probe:
-            fix = resolving_fix(self.args, self.model, self.device, {**self.installed, **{p: True for p in pk}},
-                                      self.is_draft_worker, {})
-            if fix is None:
-                return survey.remedy_without_working()
+        fix = self.complete({}, pk)
         then = f" and {assignments(fix)}" if fix else ""
         return f"install {' and '.join(pk)}{then} (see the reasons), or change the model/dtype/flags"
 
@@ -291,14 +305,11 @@ def _lookup(name: str, flag: str, ctx: _Ctx) -> registry.BackendEntry:
         allowed, remedy = ctx.set_remedy(flag, survey.working, first)
         if isinstance(e, BackendUnknown) and first in survey.installable and first not in survey.working:
             pk = survey.packages_of(first)
-            fix = {flag: first}
-            if ctx.args.strict and not ctx.probe:
-                fix = resolving_fix(ctx.args, ctx.model, ctx.device, {**ctx.installed, **{p: True for p in pk}},
-                                    ctx.is_draft_worker, fix) or {}
-            if fix:
-                remedy = f"install {' and '.join(pk)} and {assignments(fix)}" + (f", or {remedy}" if allowed else "")
+            remedy = f"install {' and '.join(pk)} and {assignments(ctx.complete({flag: first}, pk))}" + (
+                f", or {remedy}" if allowed else "")
         e.args = (msg,)
         e.info = msgspec.structs.replace(e.info, state="resolve", message=msg, allowed=allowed, remedy=remedy)
+        e.fixes = [{flag: n} for n in survey.working]  # type: ignore[attr-defined]
         raise
 
 
@@ -309,13 +320,14 @@ def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reas
         target = "speculative_draft_attention_backend"
     allowed, remedy = ctx.set_remedy(target, survey.working)
     if target != flag:
-        remedy = f"the draft model cannot use the inherited {name!r}: " + (
-            remedy if allowed or remedy.startswith("set ") else f"set {target} once a backend can serve it")
+        remedy = f"the draft model cannot use the inherited {name!r}: {remedy}"
     msg = f"{flag}={name!r} cannot serve {half} here: " + "; ".join(r.text for r in bad)
     if not survey.working and survey.installable:
         msg += f" ({survey.missing_note()})"
     flags = _flags_of([(flag, name)], bad, device) + [("model", model.source or model.model_type)]
-    return CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=allowed, remedy=remedy)
+    err = CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=allowed, remedy=remedy)
+    err.fixes = [{target: n} for n in survey.working]  # type: ignore[attr-defined]
+    return err
 
 
 def _pick(half: str, explicit: Optional[Explicit], ctx: _Ctx) -> tuple[str, Rule, list[Rejection]]:
@@ -453,16 +465,16 @@ def _decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dr
         check_modes(args, device, is_draft_worker)
     except ConfigError as e:
         fixes = getattr(e, "fixes", [])
-        if fixes and not probe:  # only the alternatives that resolve (with what strict also needs)
-            def tried(fix: dict[str, Any]) -> Optional[dict[str, Any]]:
-                return resolving_fix(args, model, device, installed, is_draft_worker, dict(fix))
-
-            done = [f for f in map(tried, fixes) if f is not None]
+        if fixes and not probe:  # each alternative with what the rest needs; those that resolve first
+            tried = [complete_fix(args, model, device, installed, is_draft_worker, dict(f)) for f in fixes]
+            done = [f for f, ok in tried if ok]
             if not done and len(fixes) > 1:  # e.g. PD-mux + TBO on a CPU: only dropping both resolves
-                union = tried({k: v for f in fixes for k, v in f.items()})
-                done = [union] if union is not None else []
-            if done:
-                e.info = msgspec.structs.replace(e.info, remedy=" or ".join(assignments(f) for f in done))
+                union, ok = complete_fix(args, model, device, installed, is_draft_worker,
+                                         {k: v for f in fixes for k, v in f.items()})
+                done = [union] if ok else []
+            done = done or [f for f, _ in tried]
+            prose = [e.prose] if getattr(e, "prose", "") else []
+            e.info = msgspec.structs.replace(e.info, remedy=" or ".join([assignments(f) for f in done] + prose))
         raise
     survey = _Survey(args=args, model=model, device=device, installed=installed, is_draft_worker=is_draft_worker)
     ctx = _Ctx(args, model, device, installed, is_draft_worker, survey, probe)

@@ -42,7 +42,8 @@ def fixes_of(remedy: str) -> list[Fix]:
             continue
         fields = {k: ast.literal_eval(v) for k, v in re.findall(r"\b(\w+)=('[^']*'|True|False|-?\d+)", clause)
                   if k in FIELDS}
-        fields.update({k: False for k in re.findall(r"\bdrop (\w+)", clause) if k in FIELDS})
+        for group in re.findall(r"\bdrop (\w+(?: and \w+)*)", clause):  # "drop a and b"
+            fields.update({k: False for k in group.split(" and ") if k in FIELDS})
         if fields or pkgs:
             out.append(Fix(list(pkgs), fields))
     return out

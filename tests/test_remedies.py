@@ -4,8 +4,10 @@ The property, over every refusal of the bad-input corpus (tests/data/bad_inputs)
 table (tests/test_resolve_table.py) — each row also with ``strict`` and with every known backend
 name, mistyped ones included, forced on every profile: each backend named in ``allowed`` or in the
 remedy, and each change the remedy proposes, applied to the same request, resolves (plan's
-decisions, nothing skipped). Messages and remedies never hold a Python list repr; library remedies
-name fields, the CLI shows its flags.
+decisions, nothing skipped). Hypothesis adds random requests with several faults at once: each
+proposed fix resolves the whole request (remedies are completed with what the rest needs).
+Messages and remedies never hold a Python list repr; library remedies name fields, the CLI shows
+its flags.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import json
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import CONFIGS
 from pipeline.backends import registry
@@ -300,3 +304,45 @@ def test_cli_json_and_text_errors_show_flags(capsys):
     assert err["remedy"] == "set --attention-backend to one of: torch_native" and err["allowed"] == ["torch_native"]
     assert main(argv) == 3
     assert "remedy: set --attention-backend to one of: torch_native" in capsys.readouterr().err
+
+
+# --- random requests with several faults at once ------------------------------------------------------
+
+MANY_NAMES = [None, None, "torch_native", "triton", "flashinfer", "fa3", "trtllm_mha", "flashinfr"]
+
+
+@st.composite
+def faulty_requests(draw):
+    """Any mix of backend flags (typos and sglang-only names too), modes, dtypes, strict, worker kind and device;
+    torch installed (a remedy cannot install a package for a second fault), triton/flashinfer either way."""
+    from pipeline.contracts import PoolFacts, SetupRequest
+    from pipeline.model_spec import load_model_spec
+
+    names = st.sampled_from(MANY_NAMES)
+    args = AttentionArgs(
+        attention_backend=draw(names), prefill_attention_backend=draw(names), decode_attention_backend=draw(names),
+        speculative_draft_attention_backend=draw(names), speculative_algorithm=draw(st.sampled_from([None, "EAGLE"])),
+        enable_pdmux=draw(st.booleans()), enable_two_batch_overlap=draw(st.booleans()),
+        kv_cache_dtype=draw(st.sampled_from(["auto", "fp8_e4m3", "float16"])),
+        dtype=draw(st.sampled_from(["auto", "bfloat16", "float32"])), disable_cuda_graph=draw(st.booleans()),
+        strict=draw(st.booleans()))
+    model = load_model_spec(CONFIGS / f"{draw(st.sampled_from(FORCED_MODELS))}.json")
+    req = SetupRequest(args=args, model=model, is_draft_worker=draw(st.booleans()), device="cpu", pool=PoolFacts())
+    installed = {"torch": True, "triton": draw(st.booleans()), "flashinfer-python": draw(st.booleans())}
+    return req, PROFILES[draw(st.sampled_from(sorted(PROFILES)))], installed
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(faulty_requests())
+def test_every_fix_of_any_refusal_resolves_the_whole_request(case):
+    """However many faults a request has, each alternative its refusal's remedy proposes (completed with what the
+    rest of the request needs) resolves it entirely; no list repr; the CLI rewrite leaves no bare field name."""
+    req, device, installed = case
+    try:
+        plan_report(req, device, installed)
+    except ConfigError as e:
+        fixes = fixes_of(e.info.remedy)
+        assert fixes, e.info.remedy
+        _check_remedy(req, device, installed, e.info)
+        cli = to_cli(e.info.remedy)
+        assert not any(re.search(rf"(?<![\w.\-]){d}(?![\w\-])", cli) for d in cli_dests() if "_" in d), cli
