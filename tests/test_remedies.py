@@ -46,7 +46,9 @@ def _no_list_repr(info: ErrorInfo) -> None:
 def _check_remedy(request, device, installed, info: ErrorInfo) -> int:
     """Every backend in allowed/remedy and every fix resolves for ``request``; returns how many were applied."""
     _no_list_repr(info)
-    flag = next((f.name for f in info.flags if f.name in BACKEND_FLAGS and f.value is not None), None)
+    named_flag = re.search(r"\bset (\w+) to one of: ", info.remedy)  # the field `allowed` is for
+    flag = named_flag.group(1) if named_flag else next(
+        (f.name for f in info.flags if f.name in BACKEND_FLAGS and f.value is not None), None)
     applied, covered = 0, set()
     for name in info.allowed:
         if name in registry.known_names():
@@ -68,7 +70,6 @@ def _check_remedy(request, device, installed, info: ErrorInfo) -> int:
 # --- the resolve table -----------------------------------------------------------------------------
 
 def _table_request(row, **extra):
-    from test_resolve_table import _run  # noqa: F401 (same construction as the table)
     from pipeline.contracts import PoolFacts, SetupRequest
 
     args = AttentionArgs(**{**row.flags, **extra})
