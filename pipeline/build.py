@@ -168,21 +168,11 @@ class _Run:
                 self.log.emit(ev.StepSkipped, state=self.state, outcome="skipped", what=s.what, reason=s.reason)
 
     def _graph_max_bs(self) -> int:
-        """The largest captured decode batch (0 without graphs); refuses sizes the pool cannot hold."""
-        from pipeline.cuda_graphs import graph_max_bs
-
-        no_graphs = any(s.what == "cuda_graph" for s in self.machine.model.resolution.skips)
-        return graph_max_bs(self.req.args, self.req.pool.max_reqs, captured=not no_graphs
-                            and not self.req.args.disable_cuda_graph)
+        return graph_max_bs_of(self.req.args, self.machine.model.resolution, self.req.pool.max_reqs)
 
     def _check_workspaces(self, plan: Any) -> None:
-        """Refuse graph sizes above ``max_reqs`` and a FlashInfer workspace too small, before allocating."""
-        from pipeline.cuda_graphs import capture_batch_sizes
-
-        capture_batch_sizes(self.req.args, self.req.pool.max_reqs)
-        build_mode.check_workspaces(plan, self.kinds, num_sms=self.machine.model.device_facts.sm_count,
-                                    max_reqs=self.req.pool.max_reqs, graph_max_bs=self._graph_max_bs(),
-                                    graph_bs_given=bool(self.req.args.cuda_graph_bs))
+        check_before_allocation(self.req.args, self.machine.model.resolution, plan, self.kinds,
+                                self.machine.model.device_facts, self.req.pool.max_reqs)
 
     def _make_pools(self, model: Any) -> None:
         if self.given_pools is not None:
@@ -360,6 +350,26 @@ def workspace_bytes_for(request: SetupRequest) -> Any:
     return need
 
 
+def graph_max_bs_of(args: Any, res: Any, max_reqs: int) -> int:
+    """The largest decode batch a graph is captured for, 0 when graphs are off or skipped (``res.skips``)."""
+    from pipeline.cuda_graphs import graph_max_bs
+
+    captured = not args.disable_cuda_graph and not any(s.what == "cuda_graph" for s in res.skips)
+    return graph_max_bs(args, max_reqs, captured)
+
+
+def check_before_allocation(args: Any, res: Any, plan: Any, kinds: Any, device: Any, max_reqs: int) -> None:
+    """Build-mode's checks that need no device: CUDA-graph sizes within ``max_reqs`` (on every device) and each
+    FlashInfer workspace against the largest batch its users plan (graph sizes actually captured).
+    Raises ConfigError (``invalid_value`` / ``workspace_too_small``, state build-mode)."""
+    from pipeline.cuda_graphs import capture_batch_sizes
+
+    capture_batch_sizes(args, max_reqs)
+    build_mode.check_workspaces(plan, kinds, num_sms=device.sm_count, max_reqs=max_reqs,
+                                graph_max_bs=graph_max_bs_of(args, res, max_reqs),
+                                graph_bs_given=bool(args.cuda_graph_bs))
+
+
 def decide_offline(request: SetupRequest, device: Any, installed: Mapping[str, bool]) -> tuple[Any, Any]:
     """Every decision up to allocation, with no device touched: ``(Resolution, BuildPlan)``.
 
@@ -370,17 +380,11 @@ def decide_offline(request: SetupRequest, device: Any, installed: Mapping[str, b
     a configuration build-mode or graph capture would refuse is refused before the model loads.
     Raises the typed ConfigError of the first refusal.
     """
-    from pipeline.cuda_graphs import capture_batch_sizes, graph_max_bs
-
-    args, model, pool = request.args, request.served_model, request.pool
+    args, model = request.args, request.served_model
     res = resolve.decide(args, model, device, is_draft_worker=request.is_draft_worker, installed=installed)
     plan = build_mode.decide(args, res.pair, is_draft_worker=request.is_draft_worker,
                              workspace_bytes=workspace_bytes_for(request))
-    capture_batch_sizes(args, pool.max_reqs)
-    captured = not args.disable_cuda_graph and not any(s.what == "cuda_graph" for s in res.skips)
-    build_mode.check_workspaces(plan, model.layer_kinds(), num_sms=device.sm_count, max_reqs=pool.max_reqs,
-                                graph_max_bs=graph_max_bs(args, pool.max_reqs, captured),
-                                graph_bs_given=bool(args.cuda_graph_bs))
+    check_before_allocation(args, res, plan, model.layer_kinds(), device, request.pool.max_reqs)
     return res, plan
 
 
