@@ -319,7 +319,8 @@ def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_f
         "ok": code == EXIT_OK, "run_id": run_id, "states": rp.states_from(log.records),
         "resolved": rp.resolved_from(log.records), "plan": rp.plan_from(log.records),
         "skips": rp.skips_from(log.records), "warnings": rp.warnings_from(log.records), "verified": verified,
-        "log_file": os.path.abspath(log_file), "error": None if error is None else msgspec.to_builtins(cli_error(error)),
+        "log_file": os.path.abspath(log_file),
+        "error": None if error is None else msgspec.to_builtins(cli_error(error)),
         "runner_states": runner_states(log.records), "model_steps": steps,
     }
 

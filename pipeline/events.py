@@ -306,7 +306,8 @@ class RunnerReady(Event, tag="runner_ready", kw_only=True):
 
 AnyEvent = Union[
     RunStarted, StateTransition, DeviceInitialized, SettingResolved, BackendsResolved, ResolutionAgreed, BuildPlanned,
-    BackendBuilt, StepSkipped, FeatureDowngraded, ReferenceFallback, LazyMemInitialized, BackendsAnnotated, InstanceVerified, ResourcesReleased,
+    BackendBuilt, StepSkipped, FeatureDowngraded, ReferenceFallback, LazyMemInitialized, BackendsAnnotated,
+    InstanceVerified, ResourcesReleased,
     Heartbeat, RunFailed, RunFinished, RunInterrupted, RunnerStarted, RunnerTransition, DistributedInitialized,
     ModelLoaded, MemoryPoolSized, CudaGraphCaptured, ModelStepVerified, RunnerReady,
 ]

@@ -48,7 +48,8 @@ def truncate_spec(spec: ModelSpec, num_layers: Optional[int]) -> ModelSpec:
     if not 1 <= num_layers <= spec.num_hidden_layers:
         raise ConfigError(f"num_layers={num_layers} is outside 1..{spec.num_hidden_layers}", code="invalid_value",
                           flags=[("num_layers", num_layers)], allowed=[f"1..{spec.num_hidden_layers}"],
-                          remedy=f"set num_layers between 1 and {spec.num_hidden_layers} (the model's num_hidden_layers)")
+                          remedy=f"set num_layers between 1 and {spec.num_hidden_layers} (the model's "
+                                 "num_hidden_layers)")
     return msgspec.structs.replace(spec, num_hidden_layers=num_layers, layer_types=spec.layer_types[:num_layers])
 
 
@@ -138,7 +139,8 @@ class AttentionStack:
         """
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
-            raise ConfigError(f"aux hidden-state layer ids {', '.join(map(str, bad))} are outside 0..{self.num_layers - 1}",
+            ids = ", ".join(map(str, bad))
+            raise ConfigError(f"aux hidden-state layer ids {ids} are outside 0..{self.num_layers - 1}",
                               code="invalid_value", flags=[("aux_hidden_state_layers", list(layer_ids))],
                               allowed=[f"0..{self.num_layers - 1}"], remedy="pick layers the stack builds")
         self.aux_hidden_state_layers = list(layer_ids)

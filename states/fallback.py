@@ -85,7 +85,8 @@ def reference_fallback(res: Resolution, device: DeviceFacts) -> Optional[SetupWa
     """
     if device.type == "cpu":
         return None
-    halves = [h for h in ("prefill", "decode") if res.rules.get(h) == "auto" and getattr(res.pair, h) == REFERENCE_BACKEND]
+    halves = [h for h in ("prefill", "decode")
+              if res.rules.get(h) == "auto" and getattr(res.pair, h) == REFERENCE_BACKEND]
     if not halves:
         return None
     field = "attention_backend" if len(halves) == 2 else f"{halves[0]}_attention_backend"

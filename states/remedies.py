@@ -37,7 +37,8 @@ def fixes_of(err: ConfigError) -> list[dict[str, Any]]:
 
 
 def complete_fix(decide: ProbeDecide, args: AttentionArgs, model: ModelSpec, device: DeviceFacts,
-                 installed: Mapping[str, bool], is_draft_worker: bool, fix: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+                 installed: Mapping[str, bool], is_draft_worker: bool,
+                 fix: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """``fix`` extended until the request resolves: ``(fix, resolved)``.
 
     The request with ``fix`` applied is tried through ``decide`` (resolve's, as a probe); while it is refused with a fix

@@ -168,7 +168,8 @@ def _lookup(name: str, flag: str, ctx: Remedies) -> registry.BackendEntry:
         raise
 
 
-def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reason], ctx: Remedies) -> CapabilityMismatch:
+def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reason],
+                     ctx: Remedies) -> CapabilityMismatch:
     survey, model, device = ctx.survey, ctx.model, ctx.device
     target = flag
     if rule != "draft_override" and ctx.is_draft_worker:
