@@ -82,8 +82,12 @@ class _Run:
         self.log.emit(ev.BackendsResolved, state=self.state, prefill=r.pair.prefill, decode=r.pair.decode,
                       is_draft_override=r.pair.is_draft_override, rules=dict(r.rules), rejected=r.rejected,
                       not_attention=list(r.not_attention))
-        for s in r.skips:
-            self.log.emit(ev.FeatureDowngraded, state=self.state, outcome="skipped", what=s.what, reason=s.reason)
+        fb = resolve.reference_fallback(r, facts)
+        if fb is not None:
+            self.log.emit(ev.ReferenceFallback, state=self.state, halves=fb.what.split("+"),
+                          backend=resolve.REFERENCE_BACKEND, device=facts.arch or facts.type, rejected=fb.rejected,
+                          avoid=fb.avoid, message=fb.message)
+        self._emit_skips(r.skips)
         self._agree_across_ranks(r, facts)
         self.machine.model.resolution = r
         fault_point(self.faults, "state:resolve:done")
@@ -141,8 +145,7 @@ class _Run:
         self.built.plan = plan
         self.log.emit(ev.BuildPlanned, state=self.state, mode=plan.mode, hybrid=plan.hybrid,
                       instances=plan.instances, workspaces=plan.workspaces)
-        for s in plan.skips:
-            self.log.emit(ev.FeatureDowngraded, state=self.state, outcome="skipped", what=s.what, reason=s.reason)
+        self._emit_skips(plan.skips)
         self._check_workspaces(plan)
         fault_point(self.faults, "build:pools")
         self._make_pools(model)
@@ -159,25 +162,21 @@ class _Run:
         fault_point(self.faults, "state:build-mode:done")
         self.machine.fire("built")
 
+    def _emit_skips(self, skips: Any) -> None:
+        """A downgrade is a ``feature_downgraded`` warning; a feature that does not apply here a ``step_skipped``."""
+        for s in skips:
+            if s.downgrade:
+                self.log.emit(ev.FeatureDowngraded, state=self.state, outcome="skipped", what=s.what, reason=s.reason,
+                              avoid=dict(s.avoid))
+            else:
+                self.log.emit(ev.StepSkipped, state=self.state, outcome="skipped", what=s.what, reason=s.reason)
+
     def _graph_max_bs(self) -> int:
-        no_graphs = any(s.what == "cuda_graph" for s in self.machine.model.resolution.skips)
-        return 0 if no_graphs else settings.cuda_graph_max_bs(self.req.args, self.req.pool.max_reqs)
+        return graph_max_bs_of(self.req.args, self.machine.model.resolution, self.req.pool.max_reqs)
 
     def _check_workspaces(self, plan: Any) -> None:
-        """Refuse a FlashInfer workspace too small for the largest planned batch, before allocating."""
-        from pipeline.backends import flashinfer_sizing as sizing
-
-        for ws in plan.workspaces:
-            users = {i.backend for i in plan.instances if i.workspace == ws.id} & {"flashinfer", "fa3"}
-            if not users:
-                continue
-            shapes = [sizing.HeadShape(k.num_heads, k.num_kv_heads, k.head_dim_v, k.has_sinks) for k in self.kinds]
-            for backend in sorted(users):
-                need = sizing.workspace_need(
-                    shapes, num_sms=max(self.machine.model.device_facts.sm_count, 1),
-                    max_batch_size=self.req.pool.max_reqs, cuda_graph_max_bs=self._graph_max_bs(),
-                    prefill_backend="fa3" if backend == "fa3" else "fa2")
-                sizing.check_workspace_size(ws.bytes, need)
+        check_before_allocation(self.req.args, self.machine.model.resolution, plan, self.kinds,
+                                self.machine.model.device_facts, self.req.pool.max_reqs)
 
     def _make_pools(self, model: Any) -> None:
         if self.given_pools is not None:
@@ -341,6 +340,56 @@ def release(instances: dict[str, Any], workspace_pool: Any, pools: dict[str, Any
         released.append(f"pool:{name}")
         pools.pop(name)
     return released
+
+
+def workspace_bytes_for(request: SetupRequest) -> Any:
+    """``backend -> bytes`` of workspace for build-mode's plan (FlashInfer's from :mod:`pipeline.settings`)."""
+    from pipeline.backends import registry
+
+    def need(backend: str) -> int:
+        if backend in build_mode.FLASHINFER_BACKENDS:
+            return settings.flashinfer_workspace_size(request.args, request.served_model)[0]
+        return registry.get(backend).capability.workspace_bytes
+
+    return need
+
+
+def graph_max_bs_of(args: Any, res: Any, max_reqs: int) -> int:
+    """The largest decode batch a graph is captured for, 0 when graphs are off or skipped (``res.skips``)."""
+    from pipeline.cuda_graphs import graph_max_bs
+
+    captured = not args.disable_cuda_graph and not any(s.what == "cuda_graph" for s in res.skips)
+    return graph_max_bs(args, max_reqs, captured)
+
+
+def check_before_allocation(args: Any, res: Any, plan: Any, kinds: Any, device: Any, max_reqs: int) -> None:
+    """Build-mode's checks that need no device: CUDA-graph sizes within ``max_reqs`` (on every device) and each
+    FlashInfer workspace against the largest batch its users plan (graph sizes actually captured).
+    Raises ConfigError (``invalid_value`` / ``workspace_too_small``, state build-mode)."""
+    from pipeline.cuda_graphs import capture_batch_sizes
+
+    capture_batch_sizes(args, max_reqs)
+    build_mode.check_workspaces(plan, kinds, num_sms=device.sm_count, max_reqs=max_reqs,
+                                graph_max_bs=graph_max_bs_of(args, res, max_reqs),
+                                graph_bs_given=bool(args.cuda_graph_bs))
+
+
+def decide_offline(request: SetupRequest, device: Any, installed: Mapping[str, bool]) -> tuple[Any, Any]:
+    """Every decision up to allocation, with no device touched: ``(Resolution, BuildPlan)``.
+
+    resolve (``strict`` included), build-mode's plan, the CUDA-graph sizes against ``max_reqs``
+    (:func:`pipeline.cuda_graphs.capture_batch_sizes`) and each FlashInfer workspace against the
+    largest batch it will plan (:func:`states.build_mode.check_workspaces`) — the same rules
+    :func:`build_attention_backends` applies. ``attn-setup plan`` and ``run``'s preflight call this so
+    a configuration build-mode or graph capture would refuse is refused before the model loads.
+    Raises the typed ConfigError of the first refusal.
+    """
+    args, model = request.args, request.served_model
+    res = resolve.decide(args, model, device, is_draft_worker=request.is_draft_worker, installed=installed)
+    plan = build_mode.decide(args, res.pair, is_draft_worker=request.is_draft_worker,
+                             workspace_bytes=workspace_bytes_for(request))
+    check_before_allocation(args, res, plan, model.layer_kinds(), device, request.pool.max_reqs)
+    return res, plan
 
 
 def build_attention_backends(request: SetupRequest, *, platform: Optional[Platform] = None,

@@ -105,14 +105,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Warning events the run/plan report summarises in its one warning line (not repeated on stderr unless -v).
+REPORTED_WARNINGS = ("reference_fallback", "feature_downgraded")
+
+
 def configure_logging(verbose: bool) -> None:
-    """Application logging: structlog's console view on stderr, warnings and up unless -v."""
+    """Application logging: structlog's console view on stderr, warnings and up unless -v
+    (:data:`REPORTED_WARNINGS` only with -v: the report prints them as one line)."""
     import logging
 
     import structlog
 
+    def drop_reported(_logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        # run/plan print these as their one warning line; the full records stay in the trace (and with -v)
+        if not verbose and event_dict.get("event") in REPORTED_WARNINGS:
+            raise structlog.DropEvent
+        return event_dict
+
     structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
+        processors=[drop_reported, structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
                     structlog.dev.ConsoleRenderer(colors=False)],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO if verbose else logging.WARNING),
         logger_factory=lambda *_: structlog.PrintLogger(file=sys.stderr),  # the stderr of now, not of import
@@ -121,12 +132,16 @@ def configure_logging(verbose: bool) -> None:
 
 
 def print_error(err: AttnSetupError, as_json: bool) -> None:
+    """One ErrorInfo, its remedy in the command line's flags (:func:`pipeline.wording.cli_error`)."""
+    from pipeline.wording import cli_error
+
+    info = cli_error(err.info)
     if as_json:
-        sys.stdout.write(msgspec.json.encode({"ok": False, "error": err.info}).decode() + "\n")
+        sys.stdout.write(msgspec.json.encode({"ok": False, "error": info}).decode() + "\n")
     else:
         from pipeline.report import render_error
 
-        render_error(err.info)
+        render_error(info)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -5,7 +5,9 @@
 (resolve, build-mode, npu-lazy-mem) against a named :mod:`pipeline.profiles` record (or this
 machine, found through NVML / ``nvidia-smi``) and prints the same ``resolved``, ``plan`` and
 ``skips`` objects as ``attn-setup run --json``, plus ``rejected: {prefill: [{backend, reasons}],
-decode: […]}`` and the ``device`` facts used. Package presence comes from distribution metadata
+decode: […]}``, ``warnings`` (reference fallback and downgrades, as ``run`` reports them) and the
+``device`` facts used. It refuses what a run would refuse before allocating (``--strict``, graph
+sizes above ``--max-reqs``, a FlashInfer workspace too small). Package presence comes from distribution metadata
 (``importlib.metadata``) unless ``--installed`` lists the packages to assume.
 
 Exit codes: 0 planned · 2 usage (bad flags, unreadable file, unknown profile or package) ·
@@ -35,38 +37,34 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                       help=f"a named profile ({', '.join(names())}); auto = this machine via NVML/nvidia-smi")
     plan.add_argument("--installed", default=None, metavar="PKG,…",
                       help=f"packages to assume installed, comma-separated, from {', '.join(PACKAGES)} "
-                           "(default: read from package metadata, no import)")
+                           "(or their import names, e.g. flashinfer; default: read from package metadata, no import)")
     return plan
+
+
+# Import names accepted by --installed for a distribution (``import flashinfer`` comes from flashinfer-python).
+IMPORT_ALIASES = {"flashinfer": "flashinfer-python", "flashinfer_python": "flashinfer-python"}
 
 
 def installed_from(flag: str | None) -> dict[str, bool]:
     """Package presence: the ``--installed`` list, or distribution metadata (no import).
 
-    Raises :class:`UsageError` (exit 2) for a package name outside :data:`PACKAGES`.
+    Accepts distribution names (:data:`PACKAGES`) and their import names (:data:`IMPORT_ALIASES`,
+    e.g. ``flashinfer`` for ``flashinfer-python``), case-insensitively.
+    Raises :class:`UsageError` (exit 2) for any other name, listing both spellings.
     """
     if flag is None:
         from pipeline.build import installed_by_metadata
 
         return installed_by_metadata(PACKAGES)
     given = [p.strip() for p in flag.split(",") if p.strip()]
-    unknown = [p for p in given if p not in PACKAGES]
+    canon = [IMPORT_ALIASES.get(p.lower(), p.lower()) for p in given]
+    unknown = [p for p, c in zip(given, canon) if c not in PACKAGES]
     if unknown:
-        raise UsageError(f"--installed names unknown package(s) {unknown}", code="usage",
-                         flags=[("--installed", flag)], allowed=list(PACKAGES),
-                         remedy="list distribution names such as torch,triton,flashinfer-python (or '' for none)")
-    return {p: p in given for p in PACKAGES}
-
-
-def _workspace_bytes(request: SetupRequest):
-    from pipeline import settings
-    from pipeline.backends import registry
-
-    def need(backend: str) -> int:
-        if backend in ("flashinfer", "fa3"):
-            return settings.flashinfer_workspace_size(request.args, request.served_model)[0]
-        return registry.get(backend).capability.workspace_bytes
-
-    return need
+        raise UsageError(f"--installed names unknown package(s): {', '.join(unknown)}", code="usage",
+                         flags=[("--installed", flag)], allowed=list(PACKAGES) + ["flashinfer"],
+                         remedy=f"list distribution names ({', '.join(PACKAGES)}) or import names (torch, triton, "
+                                "flashinfer), comma-separated, or '' for none")
+    return {p: p in canon for p in PACKAGES}
 
 
 def _skips(res: Resolution, plan: Any, request: SetupRequest, device: DeviceFacts) -> list[dict[str, str]]:
@@ -88,18 +86,28 @@ def rejected_obj(res: Resolution) -> dict[str, list[dict[str, Any]]]:
             for h in ("prefill", "decode")}
 
 
-def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool]) -> dict[str, Any]:
-    """The plan report for ``request`` on ``device`` (raises the typed error of a refusal)."""
-    from pipeline import report as rp
-    from states import build_mode, resolve
+def warnings_obj(warnings: Any) -> list[dict[str, Any]]:
+    """The ``warnings`` list of plan/run JSON: ``[{code, what, message, avoid, rejected}]``."""
+    return [msgspec.to_builtins(w) for w in warnings]
 
-    res = resolve.decide(request.args, request.served_model, device, is_draft_worker=request.is_draft_worker,
-                         installed=installed)
-    plan = build_mode.decide(request.args, res.pair, is_draft_worker=request.is_draft_worker,
-                             workspace_bytes=_workspace_bytes(request))
+
+def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool]) -> dict[str, Any]:
+    """The plan report for ``request`` on ``device`` (raises the typed error of a refusal).
+
+    Runs :func:`pipeline.build.decide_offline`: resolve (``strict`` included), build-mode's plan,
+    the CUDA-graph sizes against ``max_reqs`` and the FlashInfer workspace bound, so ``plan``
+    refuses what a run would refuse before allocating. ``warnings``: the reference fallback and
+    every downgrade (:func:`states.resolve.warnings_for`), as a run logs them.
+    """
+    from pipeline import report as rp
+    from pipeline.build import decide_offline
+    from states import resolve
+
+    res, plan = decide_offline(request, device, installed)
     return {"ok": True, "device": msgspec.to_builtins(device), "installed": dict(installed),
             "resolved": rp.resolved_obj(res), "plan": rp.plan_obj(plan), "rejected": rejected_obj(res),
-            "skips": _skips(res, plan, request, device)}
+            "skips": _skips(res, plan, request, device),
+            "warnings": warnings_obj(resolve.warnings_for(res, list(res.skips) + list(plan.skips), device))}
 
 
 def cmd(ns: argparse.Namespace) -> int:

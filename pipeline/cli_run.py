@@ -101,13 +101,15 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
     """Refuse, before the runner loads the model or sizes the pools, what the pipeline would refuse.
 
     Checks flag values, the env settings, that the device exists, ``--mem-bytes`` against its
-    memory, the pool against what ``run`` verifies (:func:`check_pool_for_checks`), and the resolution; a refused resolution is run through the pipeline so the log
-    records device-init → resolve → failed with the ErrorInfo (nothing is allocated there).
+    memory, the pool against what ``run`` verifies (:func:`check_pool_for_checks`), and every decision
+    up to allocation (:func:`pipeline.build.decide_offline`: the resolution with ``--strict``, the
+    CUDA-graph sizes against ``--max-reqs`` and the FlashInfer workspace bound) on every device. A
+    refusal is run through the pipeline so the log records device-init → resolve (or build-mode) →
+    failed with the ErrorInfo (it fails before the pools, so nothing is allocated there).
     """
     from pipeline import settings
-    from pipeline.build import build_attention_backends, installed_by_import
+    from pipeline.build import build_attention_backends, decide_offline, installed_by_import
     from pipeline.platforms import parse_device, platform_for
-    from states import resolve
 
     if ns.decode_steps < 0:
         raise UsageError(f"--decode-steps {ns.decode_steps} must be >= 0", code="usage",
@@ -125,10 +127,10 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
         check_mem_fraction(ns.mem_fraction)
     check_pool_for_checks(ns, request)
     try:
-        resolve.decide(request.args, request.served_model, facts, is_draft_worker=request.is_draft_worker,
-                       installed=installed_by_import())
+        decide_offline(request, facts, installed_by_import())
     except ConfigError:
-        build_attention_backends(request, log=log, rank_group=group)  # fails in resolve, logged, nothing allocated
+        # fails again in resolve or build-mode, before the pools: logged, nothing allocated
+        build_attention_backends(request, log=log, rank_group=group)
         raise
 
 
@@ -289,7 +291,7 @@ def cmd(ns: argparse.Namespace) -> int:
         steps = _model_steps(runner, log, ns.decode_steps)
         bad = [v["role"] for v in verified if not v["passed"]] + [f"model:{s['step']}" for s in steps if not s["passed"]]
         if bad:
-            error = ErrorInfo(code="verification_failed", state="done", message=f"failed verification: {bad}",
+            error = ErrorInfo(code="verification_failed", state="done", message=f"failed verification: {', '.join(bad)}",
                               remedy="the backend computes wrong attention for this model; report it with the log")
             code = EXIT_FAILED
     except AttnSetupError as e:
@@ -311,17 +313,23 @@ def cmd(ns: argparse.Namespace) -> int:
         _render_runner(report)
         rp.render_tables(report)
         if error is not None:
-            rp.render_error(error)
+            from pipeline.wording import cli_error
+
+            rp.render_error(cli_error(error))
     return code
 
 
 def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_file: str,
             error: Optional[ErrorInfo]) -> dict[str, Any]:
+    """Run's JSON object; the error's remedy in this command line's flags."""
+    from pipeline.wording import cli_error
+
     return {
         "ok": code == EXIT_OK, "run_id": run_id, "states": rp.states_from(log.records),
         "resolved": rp.resolved_from(log.records), "plan": rp.plan_from(log.records),
-        "skips": rp.skips_from(log.records), "verified": verified, "log_file": os.path.abspath(log_file),
-        "error": None if error is None else msgspec.to_builtins(error),
+        "skips": rp.skips_from(log.records), "warnings": rp.warnings_from(log.records), "verified": verified,
+        "log_file": os.path.abspath(log_file),
+        "error": None if error is None else msgspec.to_builtins(cli_error(error)),
         "runner_states": runner_states(log.records), "model_steps": steps,
     }
 

@@ -84,6 +84,11 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
     precedence explicit field > env var (``SGLANG_ZBAL_LOCAL_MEM_SIZE``,
     ``SGLANG_FLASHINFER_WORKSPACE_SIZE``) > default; see :mod:`pipeline.settings`.
 
+    ``strict`` (not an sglang argument): refuse instead of warn. Auto-selection landing on
+    ``torch_native`` (the reference backend) on an accelerator is refused as ``reference_fallback``
+    and any downgrade (CUDA graphs off, TBO dropped on a draft worker) as ``downgrade_refused``,
+    both in resolve before anything is allocated, naming the fields that accept or avoid it.
+
     Raises :class:`pipeline.errors.ConfigError` (``invalid_value``) from ``__post_init__`` for
     values outside their domain (``page_size < 1``, ``sm_group_num < 1``, negative sizes…).
     """
@@ -105,6 +110,7 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
     zbal_local_mem_size: int | None = None
     flashinfer_workspace_size: int | None = None
     dtype: str = "auto"
+    strict: bool = False
 
     def __post_init__(self) -> None:
         from pipeline.validation import check_attention_args
@@ -372,10 +378,37 @@ class Resolution(msgspec.Struct, **_STRUCT):
 
 
 class Skip(msgspec.Struct, **_STRUCT):
-    """A step or feature deliberately not done, and why (e.g. TBO on a draft worker)."""
+    """A step or feature deliberately not done, and why (e.g. TBO on a draft worker).
+
+    ``downgrade``: True when the feature exists here and is lost because of a choice (CUDA graphs
+    off on a CUDA device because the decode backend cannot be captured; TBO dropped on a draft
+    worker): logged as ``feature_downgraded`` (a warning; refused under ``strict``). False when it
+    does not apply at all (CUDA graphs on a CPU): logged as ``step_skipped``.
+    ``avoid``: the field assignments that avoid the downgrade (e.g. ``{"disable_cuda_graph": True}``).
+    """
 
     what: str
     reason: str
+    downgrade: bool = True
+    avoid: dict[str, Any] = {}
+
+
+class SetupWarning(msgspec.Struct, **_STRUCT):
+    """One thing a start did that a user should know: the ``warnings`` list of ``run``/``plan --json``.
+
+    ``code``: ``reference_fallback`` (auto-selection landed on ``torch_native`` on an accelerator)
+    or ``feature_downgraded`` (a :class:`Skip` with ``downgrade=True``). ``what``: the halves that
+    fell back (``prefill``/``decode``/``prefill+decode``) or the feature lost (``cuda_graph`` …).
+    ``message``: one short sentence. ``avoid``: field assignments that accept or avoid it (what
+    ``strict`` asks for). ``rejected``: for a fallback, every auto candidate refused per half, with
+    its reasons.
+    """
+
+    code: Literal["reference_fallback", "feature_downgraded"]
+    what: str
+    message: str
+    avoid: dict[str, Any] = {}
+    rejected: dict[str, list[Rejection]] = {}
 
 
 class InstancePlan(msgspec.Struct, **_STRUCT):

@@ -105,9 +105,9 @@ def resolve_dtype(args: "AttentionArgs", model: "ModelSpec") -> DtypeChoice:
     value = norm_dtype(args.dtype)
     if value == "float16" and _refused(model.model_type):
         raise ConfigError(
-            f"--dtype {args.dtype} is refused for model_type {model.model_type!r}: "
+            f"dtype={args.dtype!r} is refused for model_type {model.model_type!r}: "
             f"{FLOAT16_REFUSED[model.model_type]}",
             code="dtype_refused", state="resolve",
             flags=[("dtype", args.dtype), ("model_type", model.model_type)], allowed=["bfloat16", "float32", "auto"],
-            remedy="pass --dtype bfloat16 (or float32), or leave --dtype auto, which picks bfloat16 for this model")
+            remedy="set dtype='bfloat16' (or 'float32'), or leave dtype='auto', which picks bfloat16 for this model")
     return DtypeChoice(value=value, source="field")

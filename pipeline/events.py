@@ -133,11 +133,31 @@ class StepSkipped(Event, tag="step_skipped", kw_only=True):
 
 
 class FeatureDowngraded(Event, tag="feature_downgraded", kw_only=True):
-    """One of the allowed downgrades (TBO on a draft worker; CUDA graphs where unsupported): a warning."""
+    """One of the allowed downgrades, a warning: TBO dropped on a draft worker; CUDA graphs off on a CUDA
+    device because the decode backend cannot be captured. ``avoid``: the fields that avoid it
+    (``{"disable_cuda_graph": true}``, ``{"enable_two_batch_overlap": false}``); with ``strict`` it is refused."""
 
     level: ClassVar[str] = "warning"
     what: str
     reason: str
+    avoid: dict[str, Any] = {}
+
+
+class ReferenceFallback(Event, tag="reference_fallback", kw_only=True):
+    """Auto-selection put ``torch_native``, the slow reference backend, on an accelerator: a warning.
+
+    ``halves``: the halves that fell back; ``device``: type and arch; ``rejected``: every auto
+    candidate refused for those halves, with every reason; ``avoid``: the field that accepts the
+    reference backend explicitly (with ``strict`` the start is refused instead); ``message``: one line.
+    """
+
+    level: ClassVar[str] = "warning"
+    halves: list[str]
+    backend: str
+    device: str
+    rejected: dict[str, list[Rejection]] = {}
+    avoid: dict[str, Any] = {}
+    message: str = ""
 
 
 class LazyMemInitialized(Event, tag="npu_lazy_mem_initialized", kw_only=True):
@@ -290,7 +310,8 @@ class RunnerReady(Event, tag="runner_ready", kw_only=True):
 
 AnyEvent = Union[
     RunStarted, StateTransition, DeviceInitialized, SettingResolved, BackendsResolved, ResolutionAgreed, BuildPlanned,
-    BackendBuilt, StepSkipped, FeatureDowngraded, LazyMemInitialized, BackendsAnnotated, InstanceVerified, ResourcesReleased,
+    BackendBuilt, StepSkipped, FeatureDowngraded, ReferenceFallback, LazyMemInitialized, BackendsAnnotated,
+    InstanceVerified, ResourcesReleased,
     Heartbeat, RunFailed, RunFinished, RunInterrupted, RunnerStarted, RunnerTransition, DistributedInitialized,
     ModelLoaded, MemoryPoolSized, CudaGraphCaptured, ModelStepVerified, RunnerReady,
 ]

@@ -120,8 +120,8 @@ class PageAllocator:
                 raise BuildError("the KV pool has no free page", code="kv_pool_exhausted", state="verify",
                                  flags=[("num_token_slots", self.num_pages * self.page_size),
                                         ("page_size", self.page_size)],
-                                 remedy="give the pool more token slots (--num-token-slots, --mem-bytes or --mem-fraction; each "
-                                        "request needs whole pages) or lower --decode-steps")
+                                 remedy="give the pool more token slots (num_token_slots, mem_bytes or mem_fraction; "
+                                        "each request needs whole pages) or lower decode_steps")
             pages.append(self.free_pages.pop())
         t = torch.arange(old, new, dtype=torch.int64)
         page_idx = torch.tensor(pages, dtype=torch.int64)[t // self.page_size]

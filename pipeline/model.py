@@ -147,7 +147,8 @@ class AttentionStack:
         bad = [i for i in layer_ids if i not in built]
         if bad:
             allowed = f"0..{self.num_layers - 1}" if len(built) == self.num_layers else ", ".join(map(str, built))
-            raise ConfigError(f"aux hidden-state layer ids {bad} are not attention layers the stack builds",
+            ids = ", ".join(map(str, bad))
+            raise ConfigError(f"aux hidden-state layer ids {ids} are not attention layers the stack builds",
                               code="invalid_value", flags=[("aux_hidden_state_layers", list(layer_ids))],
                               allowed=[allowed], remedy="pick layers the stack builds")
         self.aux_hidden_state_layers = list(layer_ids)

@@ -20,8 +20,8 @@ from pipeline.trace import Run, Trace
 
 # Records drawn as instants (the rest are drawn as slices or are part of the state slices).
 _INSTANTS = (ev.RunStarted, ev.DeviceInitialized, ev.SettingResolved, ev.BackendsResolved, ev.BuildPlanned,
-             ev.StepSkipped, ev.FeatureDowngraded, ev.LazyMemInitialized, ev.BackendsAnnotated, ev.InstanceVerified,
-             ev.ResourcesReleased, ev.RunFailed, ev.RunInterrupted, ev.RunFinished)
+             ev.StepSkipped, ev.FeatureDowngraded, ev.ReferenceFallback, ev.LazyMemInitialized, ev.BackendsAnnotated,
+             ev.InstanceVerified, ev.ResourcesReleased, ev.RunFailed, ev.RunInterrupted, ev.RunFinished)
 _NOT_SUBSTEPS = (ev.StateTransition, ev.RunnerTransition, ev.RunFinished, ev.RunnerReady)
 
 

@@ -92,9 +92,9 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
     if num_token_slots is not None:
         slots, source, budget = -(-num_token_slots // page_size) * page_size, "slots", None
         if slots < floor:
-            raise ConfigError(f"--num-token-slots {num_token_slots} cannot hold {what}", code="pool_budget_too_small",
+            raise ConfigError(f"num_token_slots={num_token_slots} cannot hold {what}", code="pool_budget_too_small",
                               flags=[("num_token_slots", num_token_slots), ("page_size", page_size)],
-                              allowed=[f">= {floor}"], remedy=f"pass --num-token-slots {floor} or more")
+                              allowed=[f">= {floor}"], remedy=f"set num_token_slots={floor} or more")
     elif budget_bytes is not None:
         budget = int(budget_bytes)
         slots = max(0, (budget - r2t) // max(per_tok, 1)) // page_size * page_size
@@ -108,12 +108,12 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
                        else [(_FLAG.get(source, source), budget)]) + [("max_reqs", max_reqs),
                                                                       ("max_context_len", max_context_len)],
                 allowed=[f">= {need} bytes"],
-                remedy=f"raise --{_FLAG.get(source, source).replace('_', '-')} to cover {need} bytes, or lower "
-                       "--max-reqs/--max-context-len")
+                remedy=f"raise {_FLAG.get(source, source)} to cover {need} bytes, or lower max_reqs or "
+                       "max_context_len")
     else:
         raise ConfigError("size_pools needs num_token_slots or budget_bytes", code="invalid_value",
                           flags=[("num_token_slots", None), ("budget_bytes", None)],
-                          remedy="pass --num-token-slots or --mem-fraction")
+                          remedy="pass num_token_slots or budget_bytes")
     facts = PoolFacts(max_reqs=max_reqs, max_context_len=max_context_len, num_token_slots=slots, page_size=page_size)
     return PoolSizing(facts=facts, source=source, budget_bytes=budget, bytes_per_token=per_tok,
                       req_to_token_bytes=r2t, kv_bytes=slots * per_tok)

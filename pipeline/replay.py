@@ -171,10 +171,17 @@ class _Replayer:
                          ("rejected", res.rejected), ("not_attention", res.not_attention)):
             self.check("resolve", fld, getattr(rec, fld), now)
         self.check("resolve", "skips", self._skips("resolve"), [[s.what, s.reason] for s in res.skips])
+        fb = self.run.first(ev.ReferenceFallback)
+        now = resolve.reference_fallback(res, facts)
+        self.check("resolve", "reference_fallback", None if fb is None else fb.halves,
+                   None if now is None else now.what.split("+"))
         return res
 
     def _skips(self, state: str) -> list[list[str]]:
-        return [[r.what, r.reason] for r in self.run.all(ev.FeatureDowngraded) if r.state == state]
+        """Recorded skips of ``state``: downgrades, and features that did not apply (``step_skipped``
+        ``cuda_graph``; traces before that split logged those as ``feature_downgraded`` too)."""
+        return [[r.what, r.reason] for r in self.run.records if r.state == state and (
+            isinstance(r, ev.FeatureDowngraded) or (isinstance(r, ev.StepSkipped) and r.what == "cuda_graph"))]
 
     def build_mode(self, res: Any) -> Any:
         from pipeline.backends import registry

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Optional
 import msgspec
 
 from pipeline import events as ev
-from pipeline.contracts import BuildPlan, DtypeChoice, ErrorInfo, Resolution
+from pipeline.contracts import BuildPlan, DtypeChoice, ErrorInfo, Resolution, SetupWarning
 from pipeline.model_spec import format_layer_ids
 
 
@@ -81,6 +81,37 @@ def skips_from(records: Iterable[ev.Event]) -> list[dict[str, str]]:
             if isinstance(r, (ev.StepSkipped, ev.FeatureDowngraded))]
 
 
+def warnings_from(records: Iterable[ev.Event]) -> list[dict[str, Any]]:
+    """The ``warnings`` list of run JSON from the ``reference_fallback`` / ``feature_downgraded`` records,
+    in the shape ``plan`` gives (:class:`~pipeline.contracts.SetupWarning`)."""
+    out: list[SetupWarning] = []
+    for r in records:
+        if isinstance(r, ev.ReferenceFallback):
+            out.append(SetupWarning(code="reference_fallback", what="+".join(r.halves), message=r.message,
+                                    avoid=dict(r.avoid), rejected=dict(r.rejected)))
+        elif isinstance(r, ev.FeatureDowngraded):
+            out.append(SetupWarning(code="feature_downgraded", what=r.what, message=r.reason, avoid=dict(r.avoid)))
+    return [msgspec.to_builtins(w) for w in out]
+
+
+def warning_line(warnings: list[dict[str, Any]]) -> Optional[str]:
+    """The one short line run/plan print for their warnings (None without any): what fell back or was
+    downgraded, the flags that accept or avoid it, and that ``--strict`` refuses it. The reasons are in
+    the ``rejected``/``skipped`` lines and in ``--json``'s ``warnings``."""
+    if not warnings:
+        return None
+    from pipeline.wording import cli_flags
+
+    parts, avoid = [], {}
+    for w in warnings:
+        avoid.update(w["avoid"])
+        if w["code"] == "reference_fallback":
+            parts.append(f"{w['what'].replace('+', ' and ')} fell back to torch_native (the reference backend)")
+        else:
+            parts.append(f"{w['what']} downgraded")
+    return f"warning: {'; '.join(parts)} (--strict refuses this; to accept or avoid it: {cli_flags(avoid)})"
+
+
 def emit_json(obj: dict[str, Any]) -> None:
     sys.stdout.write(msgspec.json.encode(obj).decode() + "\n")
     sys.stdout.flush()
@@ -123,7 +154,8 @@ def states_table(title: str, states: list[dict[str, Any]]) -> Any:
 
 
 def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = None) -> None:
-    """States, decisions, skips and verification as rich tables on stdout."""
+    """States, decisions, skips, the one warning line and verification as rich tables on stdout."""
+    from rich.markup import escape
     from rich.table import Table
 
     c = _console()
@@ -153,6 +185,9 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
             c.print(f"  workspace {w['id']}: {w['bytes']} bytes, owner {w['owner']}, shared by {', '.join(w['shared_by'])}")
     for s in report.get("skips") or []:
         c.print(f"skipped: {s['what']}: {s['reason']}", markup=False)
+    line = warning_line(report.get("warnings") or [])
+    if line:
+        c.print(f"[bold yellow]{escape(line)}[/]", soft_wrap=True)
     if report.get("verified"):
         t = Table(title="verification vs float64 reference (max|out-ref|/max|ref|)", title_justify="left")
         for col in ("role", "backend", "max rel err", "tol", "passed"):

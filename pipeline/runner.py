@@ -286,7 +286,7 @@ class Runner:
             g = DecodeGraphRunner(m.stack, self._backend_for(True), m.pools["req_to_token_pool"], m.pools["kv_pool"],
                                   sizes)
             m.graphs = g
-            with self.log.heartbeat(f"capturing decode CUDA graphs for bs {sizes}"):
+            with self.log.heartbeat(f"capturing decode CUDA graphs for bs {', '.join(map(str, sizes))}"):
                 g.capture(lambda bs, ms: self.log.emit(ev.CudaGraphCaptured, state=self.state.value, bs=bs,
                                                        capture_ms=ms, backend=out.decode_attention_backend_str))
         self.machine.fire("graphs_settled")

@@ -130,7 +130,8 @@ class RunnerMachine(TableMachine):
         i, j = ORDER.index(cur), ORDER.index(step)
         if j > i:
             missing = [s.value for s in ORDER[i:j]]
-            raise OrderingError(f"{step.value} refused: step(s) {missing} must run first (runner is in {cur.value!r})",
+            steps = ", ".join(missing)
+            raise OrderingError(f"{step.value} refused: step(s) {steps} must run first (runner is in {cur.value!r})",
                                 state=cur.value, flags=[("step", step.value), ("missing", missing)],
                                 allowed=[cur.value], remedy=f"run {missing[0]} first, or call initialize()")
         raise OrderingError(f"{step.value} refused: it already ran (runner is in {cur.value!r})", state=cur.value,

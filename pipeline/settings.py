@@ -2,7 +2,8 @@
 
 - ``zbal_local_mem_size`` ↔ ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` (bytes; default 0 = off).
 - ``flashinfer_workspace_size`` ↔ ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` (bytes; default 384 MiB as
-  in sglang's FlashInfer backend, 512 MiB for Qwen2/Qwen3-family models as sglang raises it).
+  in sglang's FlashInfer backend, 512 MiB for the architectures sglang raises it for: see
+  :data:`WORKSPACE_512_MIB_ARCHITECTURES`).
 
 The resolved value and the source that won are logged as a ``setting_resolved`` event.
 """
@@ -18,7 +19,14 @@ from pipeline.errors import ConfigError
 MiB = 1 << 20
 FLASHINFER_WORKSPACE_DEFAULT = 384 * MiB
 FLASHINFER_WORKSPACE_QWEN = 512 * MiB
-QWEN_FAMILY = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl")
+# sglang's FlashInferAttnBackend.__init__ (python/sglang/srt/layers/attention/flashinfer_backend.py,
+# sgl-project/sglang at 0005834c, "Qwen2/Qwen3 models require higher flashinfer workspace size")
+# raises the workspace to 512 MiB when hf_config.architectures contains one of these names, and
+# keys on nothing else: not model_type, so Qwen2-MoE, Qwen3-MoE, Qwen2-VL and Qwen2.5-VL keep 384 MiB
+# while MiMo gets 512 MiB. sglang assigns the value inside the backend, so there it also beats an
+# env var; here explicit field > env var > this default, so an explicit value is never replaced.
+WORKSPACE_512_MIB_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMoForCausalLM",
+                                   "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 
 Source = Literal["field", "env", "default"]
 
@@ -48,24 +56,17 @@ def zbal_local_mem_size(args: AttentionArgs, env: Mapping[str, str] = os.environ
 
 def flashinfer_workspace_size(args: AttentionArgs, model: ModelSpec,
                               env: Mapping[str, str] = os.environ) -> tuple[int, Source]:
-    """Bytes of the FlashInfer workspace buffer and where the value came from."""
+    """Bytes of the FlashInfer workspace buffer and where the value came from.
+
+    ``flashinfer_workspace_size`` when set, else ``SGLANG_FLASHINFER_WORKSPACE_SIZE``, else 512 MiB
+    when ``model.architectures`` names one of :data:`WORKSPACE_512_MIB_ARCHITECTURES` (sglang's
+    rule, matched on the architecture name exactly as sglang does) and 384 MiB otherwise.
+    Raises ConfigError for an env value that is not a byte count.
+    """
     if args.flashinfer_workspace_size is not None:
         return args.flashinfer_workspace_size, "field"
     v = _from_env(env, "SGLANG_FLASHINFER_WORKSPACE_SIZE")
     if v is not None:
         return v, "env"
-    default = FLASHINFER_WORKSPACE_QWEN if model.model_type in QWEN_FAMILY else FLASHINFER_WORKSPACE_DEFAULT
-    return default, "default"
-
-
-def cuda_graph_max_bs(args: AttentionArgs, max_reqs: int) -> int:
-    """The largest batch size a decode CUDA graph will be captured for (0 = no graphs).
-
-    ``max(cuda_graph_bs)`` when given, else ``cuda_graph_max_bs``, else the request pool's size
-    (a graph can never hold more requests than ``req_to_token`` has rows).
-    """
-    if args.disable_cuda_graph:
-        return 0
-    if args.cuda_graph_bs:
-        return max(args.cuda_graph_bs)
-    return args.cuda_graph_max_bs or max_reqs
+    big = any(a in WORKSPACE_512_MIB_ARCHITECTURES for a in model.architectures)
+    return (FLASHINFER_WORKSPACE_QWEN if big else FLASHINFER_WORKSPACE_DEFAULT), "default"

@@ -35,6 +35,8 @@ from pipeline.errors import UsageError
 
 UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 _BY_TAG = {ev.event_name(c): c for c in ev.EVENT_TYPES}
+# step_skipped ``what`` values that mean a whole state did no work (npu-lazy-mem, capture-cuda-graphs)
+STEP_SKIPS = ("npu_lazy_mem", "cuda_graph_capture")
 TERMINAL = ("done", "failed")
 
 
@@ -201,7 +203,9 @@ class Run:
 
     def _timeline(self, cls: type, first: ev.Event, terminal: tuple[str, str]) -> list[dict[str, Any]]:
         """Rows from the ``cls`` transitions after ``first``; ``terminal`` = (success state, failed state)."""
-        skipped = {r.state for r in self.all(ev.StepSkipped)}  # state names of the two machines do not overlap
+        # a state whose own step was skipped (state names of the two machines do not overlap); other
+        # step_skipped records (cuda_graph in resolve, rank_agreement) are decisions inside a state that ran
+        skipped = {r.state for r in self.all(ev.StepSkipped) if r.what in STEP_SKIPS}
         start, cur = first.ts_ns, first.state
         rows: list[dict[str, Any]] = []
         for t in self.all(cls):
@@ -241,7 +245,8 @@ class Trace:
         for r in self.runs:
             if (run_id is None or r.run_id == run_id) and (rank is None or r.rank == rank):
                 return r
-        raise UsageError(f"no run with run_id={run_id!r} rank={rank!r} in {self.paths}", code="run_not_found",
+        raise UsageError(f"no run with run_id={run_id!r} rank={rank!r} in {', '.join(map(str, self.paths))}",
+                         code="run_not_found",
                          flags=[("run_id", run_id), ("rank", rank)],
                          allowed=[f"{r.run_id}/rank{r.rank}" for r in self.runs],
                          remedy="pick a run_id/rank listed by 'attn-setup inspect'")

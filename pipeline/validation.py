@@ -54,7 +54,7 @@ def check_attention_args(a: "AttentionArgs") -> None:
             _bad("cuda_graph_bs", a.cuda_graph_bs, ["distinct batch sizes"], "list each batch size once")
         if not a.cuda_graph_bs:
             _bad("cuda_graph_bs", a.cuda_graph_bs, ["a non-empty list of positive integers"],
-                 "omit --cuda-graph-bs to use the defaults, or list at least one batch size")
+                 "omit cuda_graph_bs to use the defaults, or list at least one batch size")
         for bs in a.cuda_graph_bs:
             _positive("cuda_graph_bs", bs)
     if a.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -67,7 +67,7 @@ def check_attention_args(a: "AttentionArgs") -> None:
     if a.speculative_eagle_topk is not None and a.speculative_algorithm is None:
         raise ConfigError("speculative_eagle_topk is set without speculative_algorithm", code="conflicting_options",
                           flags=[("speculative_eagle_topk", a.speculative_eagle_topk), ("speculative_algorithm", None)],
-                          remedy="set --speculative-algorithm too, or drop --speculative-eagle-topk")
+                          remedy="set speculative_algorithm too, or drop speculative_eagle_topk")
     for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend",
                   "speculative_draft_attention_backend"):
         v = getattr(a, field)
@@ -103,9 +103,9 @@ def check_setup_request(r: "SetupRequest") -> None:
         )
     if r.draft_model is not None and not r.is_draft_worker:
         _bad("draft_model", r.draft_model.source or "<spec>", ["only with is_draft_worker=True"],
-             "pass --draft-worker to initialize the draft worker, or drop --draft-model")
+             "set is_draft_worker=True to initialize the draft worker, or drop draft_model")
     dev = r.device
     head, _, idx = dev.partition(":")
     if head not in ("auto", "cpu", "cuda", "musa", "npu", "xpu", "mps") or (idx and not idx.isdigit()) or (head in ("auto", "cpu") and idx):
         _bad("device", dev, ["auto", "cpu", "cuda", "cuda:N", "musa[:N]", "npu[:N]", "xpu[:N]"],
-             "pass --device auto to pick this machine's accelerator, or --device cpu")
+             "pass device='auto' to pick this machine's accelerator, or device='cpu'")

@@ -52,6 +52,11 @@ def kv_dtype(args: AttentionArgs, model: ModelSpec) -> str:
     return model_dtype(args, model) if args.kv_cache_dtype == "auto" else norm_dtype(args.kv_cache_dtype)
 
 
+def _list(values: Any) -> str:
+    """``a, b, c`` for a message (never a Python list repr)."""
+    return ", ".join(str(v) for v in values)
+
+
 def _layers(ids: list[int]) -> str:
     return f"layers {format_layer_ids(ids)}"
 
@@ -74,10 +79,10 @@ def model_reasons_with_flags(cap: Capability, model: ModelSpec) -> list[Reason]:
         where = f"{k.kind} layers ({_layers(k.layer_ids)})"
         if cap.head_dims_qk is not None and k.head_dim_qk not in cap.head_dims_qk:
             out.append(Reason(f"qk head dim {k.head_dim_qk} of {where} is not supported "
-                              f"(supports {cap.head_dims_qk})", (mf, (f"{k.kind}.head_dim_qk", k.head_dim_qk))))
+                              f"(supports {_list(cap.head_dims_qk)})", (mf, (f"{k.kind}.head_dim_qk", k.head_dim_qk))))
         if cap.head_dims_v is not None and k.head_dim_v not in cap.head_dims_v:
             out.append(Reason(f"v head dim {k.head_dim_v} of {where} is not supported "
-                              f"(supports {cap.head_dims_v})", (mf, (f"{k.kind}.head_dim_v", k.head_dim_v))))
+                              f"(supports {_list(cap.head_dims_v)})", (mf, (f"{k.kind}.head_dim_v", k.head_dim_v))))
         if k.sliding_window is not None and not cap.has("sliding_window"):
             out.append(Reason(f"sliding window ({k.sliding_window}) of {where} is not supported",
                               (mf, (f"{k.kind}.sliding_window", k.sliding_window))))
@@ -100,10 +105,10 @@ def model_reasons(cap: Capability, model: ModelSpec) -> list[str]:
 def _device_reasons(cap: Capability, device: DeviceFacts, installed: Mapping[str, bool]) -> list[Reason]:
     out: list[Reason] = []
     if device.type not in cap.devices:
-        out.append(Reason(f"device type {device.type!r} is not supported (supports {cap.devices})",
+        out.append(Reason(f"device type {device.type!r} is not supported (supports {_list(cap.devices)})",
                           (("device", device.type),)))
     elif cap.archs is not None and device.arch not in cap.archs:
-        out.append(Reason(f"arch {device.arch} is not supported (supports {cap.archs})",
+        out.append(Reason(f"arch {device.arch} is not supported (supports {_list(cap.archs)})",
                           (("device.arch", device.arch),)))
     for pkg in cap.packages:
         if not installed.get(pkg, False):
@@ -116,15 +121,15 @@ def _flag_reasons(cap: Capability, args: AttentionArgs, model: ModelSpec, is_dra
     out: list[Reason] = []
     qd, kd = model_dtype(args, model), kv_dtype(args, model)
     if qd not in cap.q_dtypes:
-        out.append(Reason(f"dtype {qd} is not supported (supports {cap.q_dtypes})", (("dtype", qd),)))
+        out.append(Reason(f"dtype {qd} is not supported (supports {_list(cap.q_dtypes)})", (("dtype", qd),)))
     if kd not in cap.kv_dtypes:
-        out.append(Reason(f"kv_cache_dtype {kd} is not supported (supports {cap.kv_dtypes})",
+        out.append(Reason(f"kv_cache_dtype {kd} is not supported (supports {_list(cap.kv_dtypes)})",
                           (("kv_cache_dtype", kd),)))
     if cap.kv_dtype_matches_q and kd != qd and kd in cap.kv_dtypes and qd in cap.q_dtypes:
         out.append(Reason(f"kv_cache_dtype {kd} differs from dtype {qd}; this backend needs them equal",
                           (("kv_cache_dtype", kd), ("dtype", qd))))
     if cap.page_sizes is not None and args.page_size not in cap.page_sizes:
-        out.append(Reason(f"page_size {args.page_size} is not supported (supports {cap.page_sizes})",
+        out.append(Reason(f"page_size {args.page_size} is not supported (supports {_list(cap.page_sizes)})",
                           (("page_size", args.page_size),)))
     spec_flags: tuple[tuple[str, Any], ...] = tuple(
         f for f in (("speculative_algorithm", args.speculative_algorithm),

@@ -18,22 +18,39 @@ The resolution also carries the compute dtype and the rule that chose it
 (:func:`pipeline.dtypes.resolve_dtype`; an explicit float16 the model type refuses is refused here)
 and the model's layers that are not attention (linear attention, mamba): those need no backend, so
 only the attention layer kinds are checked; a model with no attention layer at all is refused.
+
+Remedies are true for the request at hand: ``allowed`` and every backend a remedy names are ones
+that resolve for this device, model and flags (with ``strict``, the extra fields a backend needs
+to pass strict are named with it); an unknown name gets the closest known one ("did you mean"),
+registered or sglang's, installed or not, with the package it needs. Library wording: field names
+(``attention_backend``), assignments as ``field='value'``; the CLI shows its flags instead.
+
+Warnings (:func:`warnings_for`): auto-selection landing on ``torch_native`` — the reference
+backend — on an accelerator (``reference_fallback``, with every rejected candidate's reasons), and
+every downgrade (:class:`~pipeline.contracts.Skip` with ``downgrade=True``: CUDA graphs off on a
+CUDA device, TBO dropped on a draft worker). With ``args.strict`` each of them is a refusal in
+resolve instead (``reference_fallback`` / ``downgrade_refused``, exit 3), naming the fields that
+accept or avoid it; applying them resolves under strict.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import msgspec
 
 from pipeline.backends import registry
 from pipeline.contracts import (
-    AttentionArgs, DeviceFacts, ModelSpec, Rejection, Resolution, ResolvedAttentionBackendStr, Rule, Skip,
+    AttentionArgs, DeviceFacts, ModelSpec, Rejection, Resolution, ResolvedAttentionBackendStr, Rule,
 )
 from pipeline.dtypes import resolve_dtype
 from pipeline.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
 from pipeline.model_spec import format_layer_ids
 from states.capability_check import Reason, reasons_with_flags
+from states.fallback import (  # noqa: F401 (part of resolve's API: build, plan, replay and tests use them)
+    REFERENCE_BACKEND, StrictRefusal, assignments, graph_skips, reference_fallback, refuse_strict, warnings_for,
+)
+from states.remedies import Remedies, complete_fix, suggest
 
 # Arches whose SMs sglang's PD-multiplexing can partition into groups (green contexts need sm80+
 # and a per-arch SM table; sglang's table covers Ampere, Ada, Hopper and Blackwell datacenter).
@@ -47,32 +64,42 @@ AUTO_PRIORITY: dict[str, list[str]] = {
     "cuda": ["flashinfer", "fa3", "triton", "torch_native"],
 }
 DEFAULT_PRIORITY = ["torch_native"]
-
 Explicit = tuple[Rule, str, str]  # (rule, backend name, flag that named it)
+
+
+def _refuse_mode(err: ConfigError, fixes: list[dict[str, Any]], prose: str = "") -> ConfigError:
+    """``err`` with its remedy written from ``fixes`` (alternatives; kept on ``err.fixes`` so resolve can
+    extend each with what the rest of the request needs) and an optional closing ``prose`` alternative."""
+    err.fixes, err.prose = fixes, prose  # type: ignore[attr-defined]
+    err.info = msgspec.structs.replace(err.info, remedy=" or ".join(
+        [assignments(f) for f in fixes] + ([prose] if prose else [])))
+    return err
 
 
 def check_modes(args: AttentionArgs, device: DeviceFacts, is_draft_worker: bool) -> None:
     """Refuse mode combinations that no backend can fix (raises ConflictingOptions/CapabilityMismatch)."""
     if args.enable_pdmux and args.enable_two_batch_overlap:
-        raise ConflictingOptions(
+        raise _refuse_mode(ConflictingOptions(
             "PD-multiplexing and two-batch overlap cannot be combined (sglang silently lets PD-mux win)",
-            state="resolve", flags=[("enable_pdmux", True), ("enable_two_batch_overlap", True)],
-            remedy="drop one of --enable-pdmux / --enable-two-batch-overlap")
+            state="resolve", flags=[("enable_pdmux", True), ("enable_two_batch_overlap", True)]),
+            [{"enable_pdmux": False}, {"enable_two_batch_overlap": False}])
     if args.enable_pdmux and device.type == "cpu":
-        raise CapabilityMismatch(
+        raise _refuse_mode(CapabilityMismatch(
             "PD-multiplexing partitions GPU SMs into groups; a CPU device has none",
             state="resolve", flags=[("enable_pdmux", True), ("device", device.device_str)],
-            allowed=list(PDMUX_SM_PARTITION_ARCHS), remedy="drop --enable-pdmux, or run on a supported GPU")
+            allowed=list(PDMUX_SM_PARTITION_ARCHS)), [{"enable_pdmux": False}],
+            "run on a GPU whose arch is listed")
     if args.enable_pdmux and device.sm_count and args.sm_group_num > device.sm_count:
-        raise CapabilityMismatch(
+        raise _refuse_mode(CapabilityMismatch(
             f"sm_group_num={args.sm_group_num} SM groups cannot be carved from {device.sm_count} SMs",
             state="resolve", flags=[("sm_group_num", args.sm_group_num), ("device.sm_count", device.sm_count)],
-            allowed=[f"1..{device.sm_count}"], remedy="lower --sm-group-num (sglang uses a handful of groups)")
+            allowed=[f"1..{device.sm_count}"]), [{"sm_group_num": min(3, device.sm_count)}],
+            f"another sm_group_num up to {device.sm_count} (sglang uses a handful of groups)")
     if args.enable_pdmux and device.arch not in PDMUX_SM_PARTITION_ARCHS:
-        raise CapabilityMismatch(
+        raise _refuse_mode(CapabilityMismatch(
             f"PD-multiplexing has no SM partition table for {device.arch or device.type}",
             state="resolve", flags=[("enable_pdmux", True), ("device.arch", device.arch or device.type)],
-            allowed=list(PDMUX_SM_PARTITION_ARCHS), remedy="drop --enable-pdmux on this GPU")
+            allowed=list(PDMUX_SM_PARTITION_ARCHS)), [{"enable_pdmux": False}])
 
 
 def explicit_choice(args: AttentionArgs, half: str, is_draft_worker: bool) -> Optional[Explicit]:
@@ -108,10 +135,14 @@ class _Survey:
         return (f"no installed backend can serve this; only {', '.join(self.installable)} could, and it needs "
                 f"package(s) {', '.join(pk)}, which {'is' if len(pk) == 1 else 'are'} not installed")
 
+    def packages_of(self, name: str) -> list[str]:
+        """The packages whose absence is (part of) why ``name`` cannot serve."""
+        return sorted({x.flags[0][1] for x in self.why.get(name, []) if x.is_package})
+
     def remedy_without_working(self) -> str:
         if self.installable:
             pk = sorted({x.flags[0][1] for n in self.installable for x in self.why[n]})
-            return f"install {', '.join(pk)} (see the reasons), or change the model/dtype/flags"
+            return f"install {' and '.join(pk)} (see the reasons), or change the model/dtype/flags"
         return "no registered backend can serve this; change the model, dtype or flags named in the reasons"
 
 
@@ -123,39 +154,55 @@ def _flags_of(head: list[tuple[str, object]], bad: list[Reason], device: DeviceF
     return out + ([dev] if dev not in out and ("device.arch", device.arch) not in out else [])
 
 
-def _lookup(name: str, flag: str, survey: _Survey) -> registry.BackendEntry:
-    """registry.get, with the backends that work here (not every registered one) as allowed values."""
+def _lookup(name: str, flag: str, ctx: Remedies) -> registry.BackendEntry:
+    """registry.get, with allowed values and remedy narrowed to the backends that resolve here."""
     try:
         return registry.get(name, flag=flag)
     except (BackendUnavailable, BackendUnknown) as e:
-        working = survey.working or e.info.allowed
-        remedy = e.info.remedy if isinstance(e, BackendUnavailable) else f"set {flag} to one of: {', '.join(working)}"
-        e.info = msgspec.structs.replace(e.info, state="resolve", allowed=working, remedy=remedy)
+        survey = ctx.survey
+        msg, first = e.info.message, None
+        if isinstance(e, BackendUnknown):
+            first, note = suggest(name, ctx)
+            msg = f"{msg}; {note}" if note else msg
+        allowed, remedy = ctx.set_remedy(flag, survey.working, first)
+        if isinstance(e, BackendUnknown) and first in survey.installable and first not in survey.working:
+            pk = survey.packages_of(first)
+            remedy = f"install {' and '.join(pk)} and {assignments(ctx.complete({flag: first}, pk))}" + (
+                f", or {remedy}" if allowed else "")
+        e.args = (msg,)
+        e.info = msgspec.structs.replace(e.info, state="resolve", message=msg, allowed=allowed, remedy=remedy)
+        e.fixes = [{flag: n} for n in survey.working]  # type: ignore[attr-defined]
         raise
 
 
-def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reason], survey: _Survey,
-                     model: ModelSpec, device: DeviceFacts, is_draft_worker: bool) -> CapabilityMismatch:
-    working = survey.working
-    remedy = (f"set --{flag.replace('_', '-')} to one of {working}" if working else survey.remedy_without_working())
-    if rule != "draft_override" and is_draft_worker:
-        remedy = (f"the draft model cannot use the inherited {name!r}: set --speculative-draft-attention-backend"
-                  + (f" to one of {working}" if working else " once a backend can serve it"))
+def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reason],
+                     ctx: Remedies) -> CapabilityMismatch:
+    survey, model, device = ctx.survey, ctx.model, ctx.device
+    target = flag
+    if rule != "draft_override" and ctx.is_draft_worker:
+        target = "speculative_draft_attention_backend"
+    allowed, remedy = ctx.set_remedy(target, survey.working)
+    if target != flag:
+        remedy = f"the draft model cannot use the inherited {name!r}: {remedy}"
     msg = f"{flag}={name!r} cannot serve {half} here: " + "; ".join(r.text for r in bad)
-    if not working and survey.installable:
+    if not survey.working and survey.installable:
         msg += f" ({survey.missing_note()})"
     flags = _flags_of([(flag, name)], bad, device) + [("model", model.source or model.model_type)]
-    return CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=working, remedy=remedy)
+    if target != flag:  # the field the allowed values and the remedy are for
+        flags.append((target, None))
+    err = CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=allowed, remedy=remedy)
+    err.fixes = [{target: n} for n in survey.working]  # type: ignore[attr-defined]
+    return err
 
 
-def _pick(half: str, explicit: Optional[Explicit], survey: _Survey, *, model: ModelSpec, device: DeviceFacts,
-          is_draft_worker: bool) -> tuple[str, Rule, list[Rejection]]:
+def _pick(half: str, explicit: Optional[Explicit], ctx: Remedies) -> tuple[str, Rule, list[Rejection]]:
+    survey, device = ctx.survey, ctx.device
     if explicit is not None:
         rule, name, flag = explicit
-        entry = _lookup(name, flag, survey)
+        entry = _lookup(name, flag, ctx)
         bad = survey.why[entry.name]
         if bad:
-            raise _refuse_explicit(half, rule, name, flag, bad, survey, model, device, is_draft_worker)
+            raise _refuse_explicit(half, rule, name, flag, bad, ctx)
         return name, rule, []
     rejected: list[Rejection] = []
     for name in auto_candidates(device):
@@ -171,19 +218,7 @@ def _pick(half: str, explicit: Optional[Explicit], survey: _Survey, *, model: Mo
     bad_all = [r for n in auto_candidates(device) for r in survey.why[n]]
     flags = _flags_of([(f"{half}_attention_backend", None)], [r for r in bad_all if not r.is_package], device)
     raise CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=survey.working,
-                             remedy=survey.remedy_without_working())
-
-
-def _graph_skips(args: AttentionArgs, decode: str, device: DeviceFacts) -> list[Skip]:
-    """The allowed CUDA-graph downgrade: no CUDA device, or a decode backend that cannot be captured."""
-    if args.disable_cuda_graph:
-        return []
-    if device.type != "cuda":
-        return [Skip(what="cuda_graph", reason=f"CUDA graphs need a CUDA device; this run is on {device.type}")]
-    if not registry.get(decode).capability.has("cuda_graph"):
-        return [Skip(what="cuda_graph", reason=f"decode backend {decode!r} cannot be captured in a CUDA graph "
-                     "(as sglang turns graphs off for torch_native)")]
-    return []
+                             remedy=ctx.without_working())
 
 
 def decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_draft_worker: bool,
@@ -192,34 +227,58 @@ def decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dra
 
     Parameters
     ----------
-    args : the attention flags (sglang's names).
+    args : the attention flags (sglang's names, plus ``strict``).
     model : the served model (the draft model on a draft worker).
     device : the device facts (a named profile at plan time, torch's at run time).
     is_draft_worker : a speculative-decoding draft worker.
     installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → present.
 
     Returns a :class:`Resolution` (never None): the pair, the rule per half, every auto candidate
-    refused (per half, with reasons), the CUDA-graph downgrade if any, the compute dtype with its
-    rule, and the layers that are not attention (``not_attention``).
+    refused (per half, with reasons), the CUDA-graph skip if any (:func:`warnings_for` turns it into the
+    start's warnings), the compute dtype with its rule, and the layers that are not attention
+    (``not_attention``).
     Raises BackendUnknown / BackendUnavailable / CapabilityMismatch / ConflictingOptions / ConfigError
     (``dtype_refused``; ``no_attention_layers`` for a model made only of linear-attention / mamba
-    layers) — exit 3.
+    layers) — exit 3; with ``args.strict``, :class:`StrictRefusal` (``reference_fallback`` /
+    ``downgrade_refused``).
     """
-    check_modes(args, device, is_draft_worker)
+    return _decide(args, model, device, is_draft_worker=is_draft_worker, installed=installed, probe=False)
+
+
+def _decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_draft_worker: bool,
+            installed: Mapping[str, bool], probe: bool) -> Resolution:
+    """:func:`decide`; ``probe`` (remedy trials) skips trying remedies of its own."""
+    try:
+        check_modes(args, device, is_draft_worker)
+    except ConfigError as e:
+        fixes = getattr(e, "fixes", [])
+        if fixes and not probe:  # each alternative with what the rest needs; those that resolve first
+            tried = [complete_fix(_probe, args, model, device, installed, is_draft_worker, dict(f)) for f in fixes]
+            done = [f for f, ok in tried if ok]
+            if not done and len(fixes) > 1:  # e.g. PD-mux + TBO on a CPU: only dropping both resolves
+                union, ok = complete_fix(_probe, args, model, device, installed, is_draft_worker,
+                                         {k: v for f in fixes for k, v in f.items()})
+                done = [union] if ok else []
+            done = done or [f for f, _ in tried]
+            prose = [e.prose] if getattr(e, "prose", "") else []
+            e.info = msgspec.structs.replace(e.info, remedy=" or ".join([assignments(f) for f in done] + prose))
+        raise
     dtype = resolve_dtype(args, model)
     check_has_attention(model)
     survey = _Survey(args=args, model=model, device=device, installed=installed, is_draft_worker=is_draft_worker)
+    ctx = Remedies(_probe, args, model, device, installed, is_draft_worker, survey, probe)
     picks, rules, rejected = {}, {}, {}
     for half in ("prefill", "decode"):
-        name, rule, rej = _pick(half, explicit_choice(args, half, is_draft_worker), survey, model=model,
-                                device=device, is_draft_worker=is_draft_worker)
+        name, rule, rej = _pick(half, explicit_choice(args, half, is_draft_worker), ctx)
         picks[half], rules[half] = name, rule
         if rej:
             rejected[half] = rej
     pair = ResolvedAttentionBackendStr(prefill=picks["prefill"], decode=picks["decode"],
                                        is_draft_override=rules["prefill"] == "draft_override")
-    return Resolution(pair=pair, rules=rules, rejected=rejected, skips=_graph_skips(args, picks["decode"], device),
-                      dtype=dtype, not_attention=model.not_attention())
+    res = Resolution(pair=pair, rules=rules, rejected=rejected, skips=graph_skips(args, picks["decode"], device),
+                     dtype=dtype, not_attention=model.not_attention())
+    refuse_strict(res, args, device, is_draft_worker)
+    return res
 
 
 def check_has_attention(model: ModelSpec) -> None:
@@ -237,6 +296,12 @@ def check_has_attention(model: ModelSpec) -> None:
         flags=[("model", model.source or model.model_type)] + [(f"{g.kind}.layer_ids", g.layer_ids) for g in groups],
         remedy="serve this model with an engine's linear-attention / state-space kernels; attn-setup initializes "
                "attention backends only")
+
+
+def _probe(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_draft_worker: bool,
+           installed: Mapping[str, bool]) -> Resolution:
+    """:func:`decide` as a remedy trial: refusals come without remedies of their own (no recursion)."""
+    return _decide(args, model, device, is_draft_worker=is_draft_worker, installed=installed, probe=True)
 
 
 def decide_for_run(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_draft_worker: bool,

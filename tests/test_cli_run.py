@@ -55,8 +55,8 @@ def test_run_outcome_per_config(config, tmp_path):
     assert proc.returncode == code, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["ok"] is (code == 0)
-    assert set(out) == {"ok", "run_id", "states", "resolved", "plan", "skips", "verified", "log_file", "error",
-                        "runner_states", "model_steps"}
+    assert set(out) == {"ok", "run_id", "states", "resolved", "plan", "skips", "warnings", "verified", "log_file",
+                        "error", "runner_states", "model_steps"}
     records = [ev.decode_line(l) for l in Path(out["log_file"]).read_bytes().splitlines()]
     assert all(r.run_id == out["run_id"] for r in records)
     transitions = [r for r in records if isinstance(r, ev.StateTransition)]

@@ -65,7 +65,7 @@ def test_dtype_rule(model_type, ckpt, flag):
         info = ei.value.info
         assert ei.value.exit_code == EXIT_REFUSED and info.code == "dtype_refused" and info.state == "resolve"
         assert [(f.name, f.value) for f in info.flags] == [("dtype", flag), ("model_type", model_type)]
-        assert info.allowed == ["bfloat16", "float32", "auto"] and "--dtype" in info.remedy
+        assert info.allowed == ["bfloat16", "float32", "auto"] and "dtype='bfloat16'" in info.remedy
         # the remedy is true: each dtype it names resolves
         for ok in ("bfloat16", "float32", "auto"):
             assert resolve_dtype(AttentionArgs(dtype=ok), spec).value != "float16"

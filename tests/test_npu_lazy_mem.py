@@ -94,7 +94,7 @@ def test_bad_env_value_is_a_typed_error(monkeypatch):
 
 
 def test_flashinfer_workspace_defaults(llama, monkeypatch):
-    """384 MiB by default, 512 MiB for the Qwen family (sglang's rule), env and field override."""
+    """384 MiB by default, 512 MiB for Qwen3ForCausalLM (sglang's architecture rule), env and field override."""
     from pipeline.model_spec import load_model_spec
     from conftest import CONFIGS
 

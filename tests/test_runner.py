@@ -257,7 +257,7 @@ def test_capture_batch_size_beyond_pool_is_refused():
 @pytest.mark.parametrize("args,dev,names,want", [
     (AttentionArgs(disable_cuda_graph=True), "cuda", ["flashinfer"], "disable_cuda_graph"),
     (AttentionArgs(), "cpu", ["torch_native"], "CUDA graphs need a CUDA device"),
-    (AttentionArgs(), "cuda", ["torch_native"], "'torch_native' does not support CUDA graphs"),
+    (AttentionArgs(), "cuda", ["torch_native"], "'torch_native' cannot be captured in a CUDA graph"),
     (AttentionArgs(), "cuda", ["flashinfer"], None),
 ])
 def test_skip_reason(args, dev, names, want):

@@ -303,7 +303,7 @@ def _check_ctx(ctx: Any, prefill_backend: str) -> None:
                                  allowed=["cuda"], remedy="use torch_native on this device")
     if prefill_backend == "fa3" and ctx.device.arch != "sm90":
         raise CapabilityMismatch("fa3 kernels need an sm90 (Hopper) GPU", flags=[("compute_capability", ctx.device.arch)],
-                                 allowed=["sm90"], remedy="use --attention-backend flashinfer on this GPU")
+                                 allowed=["sm90"], remedy="set attention_backend='flashinfer' on this GPU")
     for k in ctx.layer_kinds:
         if k.attention_chunk_size is not None:  # its record does not claim chunked_local_attention
             raise CapabilityMismatch(
@@ -321,11 +321,9 @@ def _check_ctx(ctx: Any, prefill_backend: str) -> None:
         raise ConfigError("num_token_slots must be a multiple of page_size for the paged view",
                           flags=[("pool.num_token_slots", ctx.kv_pool.size), ("page_size", ctx.kv_pool.page_size)],
                           remedy="round num_token_slots to whole pages")
-    need = sizing.workspace_need(
-        [sizing.HeadShape(k.num_heads, k.num_kv_heads, k.head_dim_v, k.has_sinks) for k in ctx.layer_kinds],
-        num_sms=max(ctx.device.sm_count, 1), max_batch_size=ctx.req_to_token_pool.max_reqs,
-        cuda_graph_max_bs=int(ctx.extra.get("cuda_graph_max_bs", 0) or 0), prefill_backend=prefill_backend)
-    sizing.check_workspace_size(ctx.workspace.nbytes, need)
+    sizing.check_backend_workspace(ctx.workspace.nbytes, ctx.layer_kinds, backend=prefill_backend,
+                                   num_sms=ctx.device.sm_count, max_reqs=ctx.req_to_token_pool.max_reqs,
+                                   graph_max_bs=int(ctx.extra.get("cuda_graph_max_bs", 0) or 0))
 
 
 def create(ctx: Any) -> FlashInferBackend:

@@ -25,7 +25,7 @@ Every allocation is 16-byte aligned; we add 16 bytes per buffer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 from pipeline.errors import ConfigError
 
@@ -145,11 +145,12 @@ def workspace_need(shapes: Iterable[HeadShape], *, num_sms: int, max_batch_size:
 
 
 def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: str = "flashinfer_workspace_size",
-                         state: str = "build-mode") -> None:
+                         state: str = "build-mode", graph_fix: str = "") -> None:
     """Raise :class:`ConfigError` (``workspace_too_small``) when ``size_bytes < need.bytes``.
 
     The error names ``field_name`` and its value, the needed bytes (and the path that needs
-    them) and the remedy (set the field or ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` to at least that).
+    them) and the remedy: set the field or ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` to at least that,
+    or ``graph_fix`` (a change to the captured batch sizes that fits ``size_bytes``) when given.
     """
     if size_bytes >= need.bytes:
         return
@@ -160,6 +161,37 @@ def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: st
         code="workspace_too_small", state=state,
         flags=[(field_name, size_bytes), ("needed_bytes", need.bytes)],
         allowed=[f">= {need.bytes}"],
-        remedy=f"set {field_name} (or SGLANG_FLASHINFER_WORKSPACE_SIZE) to at least {need.bytes}, "
-               "or lower cuda_graph_max_bs",
+        remedy=f"set {field_name} (or SGLANG_FLASHINFER_WORKSPACE_SIZE) to at least {need.bytes}"
+               + (f", or {graph_fix}" if graph_fix else ""),
     )
+
+
+def shapes_of(kinds: Iterable[Any]) -> list[HeadShape]:
+    """The :class:`HeadShape` of each :class:`~pipeline.contracts.LayerKind` (heads, kv heads, v dim, sinks)."""
+    return [HeadShape(k.num_heads, k.num_kv_heads, k.head_dim_v, k.has_sinks) for k in kinds]
+
+
+def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: str, num_sms: int, max_reqs: int,
+                            graph_max_bs: int, graph_bs_given: bool = False, state: str = "build-mode") -> None:
+    """The one workspace check (build-mode, ``plan``, ``run``'s preflight and the factories call it).
+
+    ``size_bytes``: the workspace the backend gets; ``kinds``: the layer kinds it serves;
+    ``backend``: ``"flashinfer"`` (fa2 kernels) or ``"fa3"``; ``num_sms``: the device's SMs;
+    ``max_reqs``: rows of ``req_to_token`` (the largest eager batch); ``graph_max_bs``: the
+    largest captured decode batch (:func:`pipeline.cuda_graphs.graph_max_bs`, 0 without graphs);
+    ``graph_bs_given``: the sizes came from ``cuda_graph_bs`` (so the remedy names that list).
+    When only the graph term is too large and a smaller largest captured batch fits, the remedy
+    names that size. Raises ConfigError ``workspace_too_small``.
+    """
+    shapes = shapes_of(kinds)
+    kw = dict(num_sms=max(num_sms, 1), max_batch_size=max_reqs, prefill_backend="fa3" if backend == "fa3" else "fa2")
+    need = workspace_need(shapes, cuda_graph_max_bs=graph_max_bs, **kw)
+    if size_bytes >= need.bytes:
+        return
+    fits = next((bs for bs in range(min(graph_max_bs, max_reqs) - 1, 0, -1)
+                 if workspace_need(shapes, cuda_graph_max_bs=bs, **kw).bytes <= size_bytes), None)
+    fix = ""
+    if fits is not None:
+        fix = (f"use only sizes up to {fits} in cuda_graph_bs" if graph_bs_given
+               else f"set cuda_graph_max_bs={fits}")
+    check_workspace_size(size_bytes, need, state=state, graph_fix=fix)

@@ -70,23 +70,30 @@ class BackendEntry:
 
 _REGISTRY: dict[str, BackendEntry] = {}
 
-# sglang backend names attn-setup knows but does not implement, with what to use instead.
+# sglang backend names attn-setup knows but does not implement, with what each is in sglang (for the
+# message). What to use instead depends on the request, so resolve computes it (the backends that
+# resolve for this device, model and flags) rather than a fixed hint here.
 KNOWN_UNAVAILABLE: dict[str, str] = {
-    "trtllm_mha": "flashinfer (decode) or fa3 on sm90",
-    "trtllm_mla": "triton or torch_native for MLA models",
-    "flashmla": "triton or torch_native for MLA models",
-    "cutlass_mla": "triton or torch_native for MLA models",
-    "aiter": "triton or torch_native on ROCm",
-    "wave": "triton or torch_native on ROCm",
-    "ascend": "torch_native on NPU",
-    "intel_amx": "torch_native on CPU",
-    "intel_xpu": "torch_native on XPU",
-    "flex_attention": "torch_native",
-    "dual_chunk_flash_attn": "flashinfer or triton",
-    "fa4": "fa3 on sm90, flashinfer elsewhere",
-    "nsa": "triton or torch_native",
-    "hybrid_linear_attn": "not applicable to the attention layers served here",
+    "trtllm_mha": "TensorRT-LLM MHA kernels",
+    "trtllm_mla": "TensorRT-LLM MLA kernels",
+    "flashmla": "DeepSeek FlashMLA kernels",
+    "cutlass_mla": "CUTLASS MLA kernels",
+    "aiter": "AMD AITER kernels",
+    "wave": "AMD Wave kernels",
+    "ascend": "Ascend NPU kernels",
+    "intel_amx": "Intel AMX CPU kernels",
+    "intel_xpu": "Intel XPU kernels",
+    "flex_attention": "torch flex_attention",
+    "dual_chunk_flash_attn": "dual-chunk flash attention",
+    "fa4": "FlashAttention-4 kernels",
+    "nsa": "native sparse attention",
+    "hybrid_linear_attn": "the linear-attention hybrid wrapper",
 }
+
+
+def known_names() -> list[str]:
+    """Every backend name attn-setup knows: the registered ones and sglang's that it does not implement."""
+    return sorted(set(names()) | set(KNOWN_UNAVAILABLE))
 
 
 def register(name: str, capability: Capability, factory: str) -> None:
@@ -106,16 +113,21 @@ def names() -> list[str]:
 
 
 def get(name: str, *, flag: str = "attention_backend") -> BackendEntry:
-    """The entry for ``name``; raises BackendUnavailable (known sglang name) or BackendUnknown."""
+    """The entry for ``name``; raises BackendUnavailable (known sglang name) or BackendUnknown.
+
+    ``flag`` is the field that named it (for the error). Without a request to check against, the
+    error's allowed values are every registered backend; resolve narrows them to the ones that
+    resolve for its request.
+    """
     _ensure_builtins()
     if name in _REGISTRY:
         return _REGISTRY[name]
     if name in KNOWN_UNAVAILABLE:
         raise BackendUnavailable(
-            f"backend {name!r} is known (an sglang backend) but not available in attn-setup",
+            f"backend {name!r} is known (sglang's {KNOWN_UNAVAILABLE[name]}) but not available in attn-setup",
             flags=[(flag, name)],
             allowed=names(),
-            remedy=f"use {KNOWN_UNAVAILABLE[name]} instead",
+            remedy=f"set {flag} to one of: {', '.join(names())}",
         )
     raise BackendUnknown(
         f"unknown attention backend {name!r}",

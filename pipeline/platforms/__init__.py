@@ -50,5 +50,5 @@ def platform_for(device: str) -> Platform:
         f"device type {kind!r} has no platform on this machine",
         code="device_unavailable", flags=[("device", device)],
         allowed=["auto", "cpu", "cuda[:N]", "musa[:N]", "npu[:N]", "xpu[:N]"],
-        remedy="pass --device cpu, or run on a machine with that accelerator and its torch plugin",
+        remedy="pass device='cpu', or run on a machine with that accelerator and its torch plugin",
     )

@@ -19,7 +19,7 @@ class CudaPlatform:
         if not torch.cuda.is_available():
             raise ConfigError("CUDA was asked for but torch sees no CUDA device", code="device_unavailable",
                               flags=[("device", "cuda")], allowed=["cpu"],
-                              remedy="pass --device cpu, or install a CUDA build of torch on a GPU machine")
+                              remedy="pass device='cpu', or install a CUDA build of torch on a GPU machine")
         return torch
 
     def init_blas(self) -> bool:

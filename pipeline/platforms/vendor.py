@@ -38,7 +38,7 @@ class VendorPlatform:
         return ConfigError(f"{self.device_type} was asked for but {why}", code="device_unavailable",
                            flags=[("device", self.device_type)], allowed=["cpu", "cuda[:N]"],
                            remedy=f"install torch with its {self.plugin or self.device_type} plugin on a machine "
-                                  f"with that accelerator, or pass --device cpu")
+                                  f"with that accelerator, or pass device='cpu'")
 
     def vendor_module(self) -> Any:
         """The imported plugin module (imported once; raises ConfigError when it is not installed)."""

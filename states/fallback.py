@@ -1,0 +1,140 @@
+"""Warnings and strict mode: the reference fallback, downgrades, and their refusal under ``strict``.
+
+A start on an accelerator should not land on ``torch_native`` — the slow reference backend — or lose
+a feature without saying so. :func:`reference_fallback` finds the halves auto-selection put on it
+(any device but a CPU; an explicit choice is the user's, not a fallback), :func:`graph_skips` the
+CUDA-graph rule's outcome (a downgrade on a CUDA device whose decode backend cannot be captured, not
+applicable elsewhere), and :func:`warnings_for` lists them with build-mode's downgrade (TBO on a
+draft worker) as :class:`~pipeline.contracts.SetupWarning` records — what ``plan`` prints and what a
+run logs as ``reference_fallback`` / ``feature_downgraded`` events. With ``args.strict``
+:func:`refuse_strict` turns them into one :class:`StrictRefusal` in resolve, before anything is
+allocated, naming the fields that accept or avoid all of them (``avoid``).
+
+Library wording (:func:`assignments`): field names and ``field='value'``; the CLI shows its flags
+(:mod:`pipeline.wording`). Pure decisions, no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+from pipeline.backends import registry
+from pipeline.contracts import AttentionArgs, DeviceFacts, Resolution, SetupWarning, Skip
+from pipeline.cuda_graphs import decide_graphs
+from pipeline.errors import CapabilityMismatch
+from states.build_mode import decide_mode
+
+# The reference backend: correct everywhere, slow, no CUDA graphs. Landing on it by auto-selection on
+# an accelerator is a warning (refused under strict); choosing it explicitly is not.
+REFERENCE_BACKEND = "torch_native"
+
+
+def one_of(names: Sequence[str]) -> str:
+    """``a, b, c`` (never a Python list repr)."""
+    return ", ".join(str(n) for n in names)
+
+
+def assignments(fix: Mapping[str, Any]) -> str:
+    """Library wording of field changes: ``set a='x' and b=True, and drop c`` (``c=False`` is "drop c").
+
+    The CLI rewrites each ``field=value`` / ``drop field`` into its flag (``--a x``, ``--b``, ``drop --c``).
+    """
+    sets = [f"{k}={v!r}" for k, v in fix.items() if v is not False]
+    drops = [k for k, v in fix.items() if v is False]
+    out = ("set " + " and ".join(sets)) if sets else ""
+    if drops:
+        out += (", and " if out else "") + "drop " + " and ".join(drops)
+    return out
+
+
+class StrictRefusal(CapabilityMismatch):
+    """A fallback or downgrade refused because ``strict`` is set (``reference_fallback`` / ``downgrade_refused``).
+
+    ``avoid`` holds the field assignments that accept or avoid every refused fallback and downgrade.
+    """
+
+    def __init__(self, message: str, *, avoid: Mapping[str, Any], **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.avoid = dict(avoid)
+
+
+def graph_skips(args: AttentionArgs, decode: str, device: DeviceFacts) -> list[Skip]:
+    """CUDA graphs not captured, from the one rule (:func:`pipeline.cuda_graphs.decide_graphs`).
+
+    No skip when graphs are captured or the user turned them off. On a non-CUDA device graphs do
+    not apply (``downgrade=False``); on a CUDA device with a decode backend that cannot be captured
+    they are a downgrade, avoided by ``disable_cuda_graph=True``.
+    """
+    d = decide_graphs(args, device.type, [decode], lambda n: registry.get(n).capability.has("cuda_graph"))
+    if d.capture or args.disable_cuda_graph:
+        return []
+    return [Skip(what="cuda_graph", reason=d.reason, downgrade=d.downgrade,
+                 avoid={"disable_cuda_graph": True} if d.downgrade else {})]
+
+
+def _device_name(device: DeviceFacts) -> str:
+    return f"{device.type} {device.arch}" if device.arch else device.type
+
+
+def reference_fallback(res: Resolution, device: DeviceFacts) -> Optional[SetupWarning]:
+    """The ``reference_fallback`` warning when auto-selection put ``torch_native`` on an accelerator.
+
+    Any device but ``cpu`` counts (torch_native is the slow reference everywhere else). Only halves
+    resolved by ``auto`` count: an explicit ``torch_native`` is the user's choice. ``avoid`` accepts
+    it explicitly (``attention_backend``, or the phase field of the one half that fell back).
+    """
+    if device.type == "cpu":
+        return None
+    halves = [h for h in ("prefill", "decode")
+              if res.rules.get(h) == "auto" and getattr(res.pair, h) == REFERENCE_BACKEND]
+    if not halves:
+        return None
+    field = "attention_backend" if len(halves) == 2 else f"{halves[0]}_attention_backend"
+    rejected = {h: list(res.rejected.get(h, [])) for h in halves}
+    names = list(dict.fromkeys(r.backend for h in halves for r in rejected[h]))
+    why = f"{one_of(names)} cannot serve this request" if names else "no other backend is registered for it"
+    return SetupWarning(code="reference_fallback", what="+".join(halves),
+                        message=f"{' and '.join(halves)} fell back to {REFERENCE_BACKEND}, the slow reference backend, "
+                                f"on {_device_name(device)}: {why}",
+                        avoid={field: REFERENCE_BACKEND}, rejected=rejected)
+
+
+def warnings_for(res: Resolution, skips: Sequence[Skip], device: DeviceFacts) -> list[SetupWarning]:
+    """Every warning of a start: the reference fallback (if any), then each downgrade among ``skips``.
+
+    ``skips``: resolve's and build-mode's (``res.skips + plan.skips``). ``attn-setup plan`` lists
+    these; a run logs the same as ``reference_fallback`` and ``feature_downgraded`` events.
+    """
+    fb = reference_fallback(res, device)
+    return ([fb] if fb else []) + [SetupWarning(code="feature_downgraded", what=s.what, message=s.reason,
+                                                avoid=dict(s.avoid)) for s in skips if s.downgrade]
+
+
+def refuse_strict(res: Resolution, args: AttentionArgs, device: DeviceFacts, is_draft_worker: bool) -> None:
+    """Under ``strict``: raise :class:`StrictRefusal` (state resolve) for a reference fallback or any downgrade.
+
+    Build-mode's downgrade (TBO on a draft worker) is decided here too (:func:`decide_mode`), so
+    one refusal names every field needed: accepting ``torch_native`` explicitly, ``disable_cuda_graph``,
+    dropping ``enable_two_batch_overlap``.
+    """
+    if not args.strict:
+        return
+    found = warnings_for(res, list(res.skips) + decide_mode(args, is_draft_worker)[1], device)
+    if not found:
+        return
+    avoid = {k: v for w in found for k, v in w.avoid.items()}
+    fb = next((w for w in found if w.code == "reference_fallback"), None)
+    downs = [w for w in found if w.code == "feature_downgraded"]
+    parts = []
+    if fb is not None:
+        rejected = {r.backend: r.reasons for h in fb.rejected for r in fb.rejected[h]}  # one survey: halves agree
+        detail = "; ".join(f"{b}: {' and '.join(rs)}" for b, rs in rejected.items())
+        parts.append(fb.message + (f" ({detail})" if detail else ""))
+        why = "to accept the reference backend explicitly"
+    else:
+        why = "to avoid the downgrade" + ("s" if len(downs) > 1 else "")
+    parts += [f"{w.what} downgraded: {w.message}" for w in downs]
+    msg = "strict: " + "; ".join(parts)
+    flags = [("strict", True)] + [(k, getattr(args, k)) for k in avoid] + [("device", _device_name(device))]
+    raise StrictRefusal(msg, code="reference_fallback" if fb is not None else "downgrade_refused", state="resolve",
+                        flags=flags, avoid=avoid, remedy=f"{assignments(avoid)} {why}, or drop strict")

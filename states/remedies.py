@@ -1,0 +1,148 @@
+"""Remedies that are true: what to change so that a refused start resolves, tried rather than guessed.
+
+Resolve's refusals offer the backends its survey finds able to serve the request (never a fixed
+hint), each completed through :func:`complete_fix`: the request with the fix applied is decided
+again and, while it is refused with a fix of its own (strict's fields, a second flag's backend, a
+mode to drop), that fix is added — so a remedy names everything the start needs. An unknown name
+gets the closest known one (:func:`suggest`: registered, installed or not, or sglang's), with the
+package it needs. Refusals carry their fixes as data (``err.fixes``; a :class:`StrictRefusal`'s
+``avoid``) for that completion. Pure decisions, no torch; the decide function is passed in.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+
+import msgspec
+
+from pipeline.backends import registry
+from pipeline.contracts import AttentionArgs, DeviceFacts, ModelSpec
+from pipeline.errors import ConfigError
+from states.capability_check import INSTALL_HINT
+from states.fallback import StrictRefusal, assignments, one_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    from states.resolve import _Survey
+
+# decide(args, model, device, *, is_draft_worker, installed) for a trial (raises the refusal, never tries remedies)
+ProbeDecide = Callable[..., Any]
+
+
+def fixes_of(err: ConfigError) -> list[dict[str, Any]]:
+    """The field changes a resolve refusal proposes, as data (a strict refusal's ``avoid``, else ``err.fixes``)."""
+    if isinstance(err, StrictRefusal):
+        return [err.avoid]
+    return list(getattr(err, "fixes", []))
+
+
+def complete_fix(decide: ProbeDecide, args: AttentionArgs, model: ModelSpec, device: DeviceFacts,
+                 installed: Mapping[str, bool], is_draft_worker: bool,
+                 fix: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """``fix`` extended until the request resolves: ``(fix, resolved)``.
+
+    The request with ``fix`` applied is tried through ``decide`` (resolve's, as a probe); while it is refused with a fix
+    of its own (strict's fields, another flag's backend, a mode to drop) that agrees with what ``fix``
+    already sets, that fix is added and the request tried again. So a remedy names everything the
+    start needs — also a second fault the first fix would only reveal. ``resolved`` is False when a
+    refusal without such a fix remains (e.g. a package to install); ``fix`` is then the best so far.
+    """
+    for _ in range(8):
+        try:
+            decide(msgspec.structs.replace(args, **fix), model, device, is_draft_worker=is_draft_worker,
+                   installed=installed)
+        except ConfigError as e:
+            nxt = next((f for f in fixes_of(e) if any(k not in fix for k in f)
+                        and all(fix.get(k, v) == v for k, v in f.items())), None)
+            if nxt is None:
+                return fix, False
+            fix = {**fix, **nxt}
+            continue
+        return fix, True
+    return fix, False
+
+
+class Remedies:
+    """The remedies of one resolve request, checked against it.
+
+    ``survey``: every backend's reasons for the request (resolve's ``_Survey``); ``decide``: resolve's
+    decision as a probe; ``probe``: this request is itself a trial, so its remedies are not tried
+    (they name the survey's working backends as they are).
+    """
+
+    def __init__(self, decide: ProbeDecide, args: AttentionArgs, model: ModelSpec, device: DeviceFacts,
+                 installed: Mapping[str, bool], is_draft_worker: bool, survey: "_Survey", probe: bool) -> None:
+        self.decide, self.args, self.model, self.device, self.installed = decide, args, model, device, installed
+        self.is_draft_worker, self.survey, self.probe = is_draft_worker, survey, probe
+
+    def complete(self, fix: dict[str, Any], packages: Sequence[str] = ()) -> dict[str, Any]:
+        """``fix`` with what the rest of the request needs to resolve (:func:`complete_fix`), as far as it goes;
+        ``packages`` are assumed installed. A probe (a trial inside another remedy) returns ``fix`` as is."""
+        if self.probe:
+            return dict(fix)
+        installed = {**self.installed, **{p: True for p in packages}}
+        return complete_fix(self.decide, self.args, self.model, self.device, installed, self.is_draft_worker,
+                            dict(fix))[0]
+
+    def options(self, flag: str, names: Sequence[str]) -> tuple[list[str], list[dict[str, Any]]]:
+        """Setting ``flag`` to each of ``names`` (backends that can serve it): (names that suffice alone,
+        fixes that also need other fields — strict's, or a second fault's — tried, not guessed)."""
+        alone, more = [], []
+        for n in names:
+            fix = self.complete({flag: n})
+            (alone if len(fix) == 1 else more).append(fix)
+        return [f[flag] for f in alone], more
+
+    def set_remedy(self, flag: str, names: Sequence[str], first: Optional[str] = None) -> tuple[list[str], str]:
+        """(allowed, remedy) offering ``names`` for ``flag`` with what each needs; ``first`` leading."""
+        alone, more = self.options(flag, names)
+        if first in alone:
+            alone = [first] + [n for n in alone if n != first]
+        parts = [f"set {flag} to one of: {one_of(alone)}"] if alone else []
+        parts += [assignments(f) for f in more]
+        return alone, (", or ".join(parts) if parts else self.install_for(flag))
+
+    def install_for(self, flag: str) -> str:
+        """The remedy when nothing installed can take ``flag``: install what a backend needs and set ``flag``
+        to it (with what else the request needs), else :meth:`without_working`."""
+        survey, parts = self.survey, []
+        for name in survey.installable:
+            pk = survey.packages_of(name)
+            parts.append(f"install {' and '.join(pk)} and {assignments(self.complete({flag: name}, pk))}")
+        return ", or ".join(parts) if parts else self.without_working()
+
+    def without_working(self) -> str:
+        """The remedy when no installed backend resolves and no flag names one: install what would serve it
+        (with what else the request then needs), or change the request."""
+        survey = self.survey
+        if not survey.installable:
+            return survey.remedy_without_working()
+        pk = sorted({p for n in survey.installable for p in survey.packages_of(n)})
+        fix = self.complete({}, pk)
+        then = f" and {assignments(fix)}" if fix else ""
+        return f"install {' and '.join(pk)}{then} (see the reasons), or change the model/dtype/flags"
+
+
+def suggest(name: str, ctx: Remedies) -> tuple[Optional[str], str]:
+    """(the closest known backend name, one sentence about it) for an unknown ``name``.
+
+    Matched over every name attn-setup knows — registered (installed or not) and sglang's that it
+    does not implement — case-insensitively, with difflib's ratio (cutoff 0.6).
+    """
+    known = registry.known_names()
+    lower = {k.lower(): k for k in known}
+    hit = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.6)
+    if not hit:
+        return None, ""
+    best = lower[hit[0]]
+    note = f"did you mean {best!r}?"
+    if best in registry.KNOWN_UNAVAILABLE:
+        return best, f"{note} (sglang's {registry.KNOWN_UNAVAILABLE[best]}, which attn-setup does not implement)"
+    why = ctx.survey.why[best]
+    if not why:
+        return best, note
+    pk = ctx.survey.packages_of(best)
+    if pk and best in ctx.survey.installable:
+        hints = sorted({INSTALL_HINT.get(p, f"pip install {p}") for p in pk})
+        return best, f"{note} It needs {one_of(pk)}, which is not installed ({'; '.join(hints)})"
+    return best, f"{note} It cannot serve this request here: {'; '.join(r.text for r in why)}"
