@@ -16,13 +16,13 @@ softcap, attention sinks. Output: [T, H*Dv] in q's dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
-from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
+from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
 from pipeline.backends.triton import launch
-from pipeline.contracts import ForwardMode
+from pipeline.contracts import ForwardMode, LayerKind
 from pipeline.errors import BuildError, CapabilityMismatch
 
 __all__ = ["TritonAttnBackend", "create"]
@@ -58,17 +58,23 @@ class TritonAttnBackend(AttentionBackend):
     layer_dims : ``(H, Hkv, D, Dv)`` of every layer kind served (sizes the CUDA-graph scratch).
     num_sms : multiprocessor count (sets the decode split cap per batch size).
     role : the instance's role in the build plan.
+    layer_kinds : the layer kinds it is built for (the registry factory always passes the model's):
+        every call's layer is then checked against its kind once per layer object
+        (:class:`~pipeline.backends.base.PlannedLayers`; ``LayerMismatch`` before any write).
+        None computes with whatever each call's layer says (direct use in kernel tests).
     """
 
     name = "triton"
 
     def __init__(self, *, torch_device: str | torch.device, layer_dims: list[tuple[int, int, int, int]],
                  num_sms: int = 132, role: str = "primary", decode_config: Optional[launch.DecodeConfig] = None,
-                 extend_config: Optional[launch.ExtendConfig] = None) -> None:
+                 extend_config: Optional[launch.ExtendConfig] = None,
+                 layer_kinds: Optional[Sequence[LayerKind]] = None) -> None:
         self.torch_device = torch.device(torch_device)
         self.layer_dims = list(layer_dims)
         self.num_sms = int(num_sms)
         self.role = role
+        self.planned = None if layer_kinds is None else PlannedLayers(layer_kinds, backend=self.name, role=role)
         self.decode_config = decode_config
         self.extend_config = extend_config
         self._decode: Optional[_DecodeMeta] = None
@@ -148,7 +154,9 @@ class TritonAttnBackend(AttentionBackend):
     # ----------------------------------------------------------------------------- forward
     def _prepare(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
                  fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
-        """Check the layer against its KV buffers, write the new K/V when asked; returns q as [T, H, D]."""
+        """Check the layer against its plan and KV buffers, write the new K/V when asked; returns q as [T, H, D]."""
+        if self.planned is not None:
+            self.planned.check(layer)
         if layer.is_mla or layer.head_dim != layer.v_head_dim:
             raise CapabilityMismatch("the triton backend serves D == Dv (no MLA)",
                                      flags=[("layer.head_dim", layer.head_dim), ("layer.v_head_dim", layer.v_head_dim)],
@@ -235,4 +243,5 @@ def create(ctx: Any) -> TritonAttnBackend:
                 allowed=["D == Dv <= 256, no MLA"], remedy="use flashinfer or torch_native for this model")
         dims.append((kind.num_heads, kind.num_kv_heads, kind.head_dim_qk, kind.head_dim_v))
     sms = getattr(ctx.device, "sm_count", 0) or 132
-    return TritonAttnBackend(torch_device=ctx.torch_device, layer_dims=dims, num_sms=sms, role=ctx.role)
+    return TritonAttnBackend(torch_device=ctx.torch_device, layer_dims=dims, num_sms=sms, role=ctx.role,
+                             layer_kinds=ctx.layer_kinds)
