@@ -26,6 +26,8 @@ PINNED = {
     "deepseek-v2-lite.json": (["--kv-cache-dtype", "fp8_e4m3"], 0, "normal", ["primary"]),
     "gpt-oss-20b.json": (["--attention-backend", "torch_native"], 0, "normal", ["primary"]),
 }
+# the served sliding window of the windowed configs: verification builds its instances for window 7 instead
+WINDOWS = {"mistral-7b-v0.1.json": 4096, "gemma-2-9b.json": 4096, "gpt-oss-20b.json": 128}
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -58,6 +60,8 @@ def test_run_outcome_per_config(config, tmp_path):
         assert out["plan"]["mode"] == mode and out["error"] is None
         assert [v["role"] for v in out["verified"]] == roles
         assert all(v["passed"] and v["max_rel_err"] <= v["tol"] for v in out["verified"])
+        note = f"sliding window {WINDOWS[config]}->7" if config in WINDOWS else "sliding window"
+        assert all((note in v["detail"]) is (config in WINDOWS) for v in out["verified"])
         assert out["resolved"]["prefill"] == "torch_native"
         assert [s["state"] for s in out["runner_states"]] == RUNNER
         assert out["model_steps"] and all(s["passed"] and not s["graph"] for s in out["model_steps"])
