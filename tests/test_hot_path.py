@@ -127,3 +127,18 @@ def test_wrapper_state_does_not_grow_with_steps(request):
             steps(sc, w, n_decode=n)
             seen.append(sizes(w))
         assert seen[0] == seen[1], (wrap, seen)
+
+
+def test_unplanned_batch_is_planned_once_not_per_layer(request, monkeypatch):
+    """torch_native called without init_forward_metadata reads the batch layout once for all its layers."""
+    from pipeline.backends import torch_native
+
+    calls = []
+    orig = torch_native.batch_layout
+    monkeypatch.setattr(torch_native, "batch_layout", lambda fb: (calls.append(fb), orig(fb))[1])
+    sc, (be,) = make("torch_native", request, ["primary"])
+    fb = sc.batch(ForwardMode.EXTEND, [0, 1], [4, 2])
+    for k in KINDS:
+        layer = make_layer(k, k.layer_ids[0], torch.linspace(-1, 1, 8) if k.has_sinks else None)
+        be.forward(sc.randn(6, 8, 16), sc.randn(6, 2, 16), sc.randn(6, 2, 16), layer, fb)
+    assert calls == [fb]

@@ -221,3 +221,20 @@ def test_verification_dtype_and_torch_device():
     with out:
         (res,) = verify_built(out, req, decode_steps=1)
         assert res.tol == 1e-4 and "kv float32" in res.detail and torch.device(out.torch_device).type == "cpu"
+
+
+def test_runner_model_steps_use_layers_every_instance_was_built_for():
+    """The runner's model steps call its TBO instances with the stack's layers: each matches every plan."""
+    from pipeline.runner import Runner, RunnerConfig
+    from pipeline.runner_verify import verify_model_steps
+
+    req = SetupRequest(args=AttentionArgs(page_size=PAGE, enable_two_batch_overlap=True), pool=POOL, device="cpu",
+                       model=load_model_spec(CONFIGS / "gemma-2-9b.json"))
+    with Runner(RunnerConfig(request=req, num_layers=2)) as r:
+        r.initialize()
+        for inst in r.backends.instances.values():
+            assert sorted(inst.planned.by_id) == [layer.layer_id for layer in r.stack.layers]
+            for layer in r.stack.layers:
+                inst.planned.check(layer)
+        assert [layer.sliding_window for layer in r.stack.layers] == [4096, None]
+        assert all(c.passed for c in verify_model_steps(r, decode_steps=1))

@@ -170,9 +170,9 @@ class TorchNativeBackend(AttentionBackend):
         self._layout = (forward_batch, batch_layout(forward_batch))
 
     def _layout_for(self, fb: ForwardBatch) -> list[tuple[int, int, int]]:
-        if self._layout is not None and self._layout[0] is fb:
-            return self._layout[1]
-        return batch_layout(fb)
+        if self._layout is None or self._layout[0] is not fb:  # not planned: plan once, not once per layer
+            self.init_forward_metadata(fb)
+        return self._layout[1]
 
     def _run(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         if self.planned is not None:
