@@ -82,7 +82,12 @@ class GraphStep:
 
 
 def main() -> int:
+    import logging
+
+    import structlog
     from decode_step_overhead import interleaved
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))  # only the table
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="flashinfer,triton")

@@ -30,7 +30,7 @@ from pipeline.model import truncate_spec  # noqa: E402
 from pipeline.model_spec import load_model_spec  # noqa: E402
 from pipeline.reference import reference_attention, rel_err  # noqa: E402
 
-PAGE = 16
+PAGE, DEV = 16, "cuda"
 MODES = {
     "tbo-flashinfer": dict(attention_backend="flashinfer", enable_two_batch_overlap=True),
     "tbo-triton": dict(attention_backend="triton", enable_two_batch_overlap=True),
@@ -63,7 +63,7 @@ def test_eager_steps_make_no_host_sync(mode):
                                  v_head_dim=k.head_dim_v, scaling=k.scaling, sliding_window=k.sliding_window)
                   for k in model.layer_kinds() for i in k.layer_ids]
         alloc = PageAllocator(out.pools["req_to_token_pool"], kv.size, PAGE, seed=0)
-        gen = torch.Generator(device="cuda").manual_seed(0)
+        gen = torch.Generator(device=DEV).manual_seed(0)
         hist: dict = {}
         rows = [0, 1, 2, 3, 4]
         plan = [(ForwardMode.EXTEND, rows[:3], [100, 7, 70]), (ForwardMode.EXTEND, rows, [5, 9, 2, 120, 1]),
@@ -71,9 +71,9 @@ def test_eager_steps_make_no_host_sync(mode):
         for step, (fmode, srows, new) in enumerate(plan):
             fb = make_forward_batch(fmode, srows, new, alloc, kv)
             t = sum(new)
-            qkv = [(torch.randn(t, L.num_heads, L.head_dim, generator=gen, device="cuda", dtype=torch.bfloat16),
-                    torch.randn(t, L.num_kv_heads, L.head_dim, generator=gen, device="cuda", dtype=torch.bfloat16),
-                    torch.randn(t, L.num_kv_heads, L.v_head_dim, generator=gen, device="cuda", dtype=torch.bfloat16))
+            qkv = [(torch.randn(t, L.num_heads, L.head_dim, generator=gen, device=DEV, dtype=torch.bfloat16),
+                    torch.randn(t, L.num_kv_heads, L.head_dim, generator=gen, device=DEV, dtype=torch.bfloat16),
+                    torch.randn(t, L.num_kv_heads, L.v_head_dim, generator=gen, device=DEV, dtype=torch.bfloat16))
                    for L in layers]
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
