@@ -138,7 +138,7 @@ def test_check_runs_once_per_layer_object(name, request, monkeypatch):
     monkeypatch.setattr(base, "check_layer", lambda planned, layer: (seen.append(layer.layer_id), orig(planned, layer))[1])
     sc, be = build(name, request)
     layers = [layer_of(k, k.layer_ids[0]) for k in KINDS]
-    for mode, new in ((ForwardMode.EXTEND, (3, 2)), (ForwardMode.DECODE, (1, 1)), (ForwardMode.DECODE, (1, 1))):
+    for mode, new in ((ForwardMode.EXTEND, (3, 2)), (ForwardMode.DECODE, (1, 1))):
         fb = sc.batch(mode, [0, 1], list(new))
         be.init_forward_metadata(fb)
         for layer in layers:
