@@ -66,9 +66,10 @@ class LayerField(NamedTuple):
 
 
 # What a call's layer must share with the kind its id was built for. FlashInfer compiles window and
-# softcap into its kernels and plans scale / heads / dims per wrapper (``plan(window_left=...,
-# logits_soft_cap=..., sm_scale=...)``); sglang's backends likewise take them from the model config at
-# init. One row per compared field: a new per-layer parameter is one more row here.
+# softcap into its kernels and takes scale / heads / dims per planned wrapper (``plan(window_left=...,
+# logits_soft_cap=..., sm_scale=...)``); sglang's trtllm_mha backend likewise passes the window it read
+# from the model runner at init (``window_left=self.sliding_window_size``), not the layer's, to every
+# call. One row per compared field: a new per-layer parameter is one more row here.
 LAYER_FIELDS: tuple[LayerField, ...] = (
     LayerField("num_heads", attrgetter("num_heads"), attrgetter("num_heads")),
     LayerField("num_kv_heads", attrgetter("num_kv_heads"), attrgetter("num_kv_heads")),
@@ -151,10 +152,6 @@ class PlannedLayers:
         if self._seen.get(layer.layer_id) is not layer:
             check_layer(self, layer)
             self._seen[layer.layer_id] = layer
-
-    def kind_of(self, layer_id: int) -> LayerKind:
-        """The planned kind of ``layer_id`` (KeyError when the backend was not built for it)."""
-        return self.by_id[layer_id]
 
 
 @dataclass
