@@ -63,7 +63,10 @@ def make(name: str, request, roles):
     fi = name in ("flashinfer", "fa3")
     if fi:
         request.getfixturevalue("fib")
-    sc = Scenario(KINDS, device="cpu", dtype=torch.bfloat16 if fi else torch.float32, page_size=4, max_reqs=8,
+    dtype = torch.float32 if name == "torch_native" else torch.bfloat16
+    if name == "triton" and torch.cuda.is_available():
+        pytest.skip("CUDA present: triton runs compiled there (tests/gpu/test_hot_path_gpu.py)")
+    sc = Scenario(KINDS, device="cpu", dtype=dtype, page_size=4, max_reqs=8,
                   max_context_len=64, ws_bytes=1 << 20, name=name, sm_count=4, facts_type="cuda" if fi else "cpu")
     factory = registry.get(name).load_factory()
     return sc, [factory(dataclasses.replace(sc.ctx, role=r)) for r in roles]
@@ -142,3 +145,24 @@ def test_unplanned_batch_is_planned_once_not_per_layer(request, monkeypatch):
         layer = make_layer(k, k.layer_ids[0], torch.linspace(-1, 1, 8) if k.has_sinks else None)
         be.forward(sc.randn(6, 8, 16), sc.randn(6, 2, 16), sc.randn(6, 2, 16), layer, fb)
     assert calls == [fb]
+
+
+def test_triton_unplanned_extend_is_planned_once_and_never_stale(request, monkeypatch):
+    """After a planned extend batch, an unplanned one gets its own metadata (once, for all layers), not the old one."""
+    from pipeline.backends.torch_native import TorchNativeBackend
+    from pipeline.backends.triton.backend import TritonAttnBackend
+    from pipeline.reference import rel_err
+
+    sc, (be,) = make("triton", request, ["primary"])
+    metas = []
+    orig = TritonAttnBackend._extend_meta
+    monkeypatch.setattr(TritonAttnBackend, "_extend_meta", lambda self, fb: (metas.append(fb), orig(self, fb))[1])
+    layers = [make_layer(k, k.layer_ids[0], torch.linspace(-1, 1, 8) if k.has_sinks else None) for k in KINDS]
+    be.init_forward_metadata(sc.batch(ForwardMode.EXTEND, [0, 1], [5, 3]))
+    fb = sc.batch(ForwardMode.EXTEND, [2, 0, 3], [4, 2, 7])  # new lengths, not planned
+    ref = TorchNativeBackend()
+    for layer in layers:
+        q, k, v = sc.randn(13, 8, 16), sc.randn(13, 2, 16), sc.randn(13, 2, 16)
+        out = be.forward(q, k, v, layer, fb)
+        assert rel_err(out, ref.forward(q, None, None, layer, fb, save_kv_cache=False)) <= 1e-2
+    assert len(metas) == 2 and metas[1] is fb

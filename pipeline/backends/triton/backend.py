@@ -78,7 +78,7 @@ class TritonAttnBackend(AttentionBackend):
         self.decode_config = decode_config
         self.extend_config = extend_config
         self._decode: Optional[_DecodeMeta] = None
-        self._extend: Optional[_ExtendMeta] = None
+        self._extend: Optional[tuple[ForwardBatch, _ExtendMeta]] = None  # the planned extend batch and its metadata
         self._graph: dict[str, torch.Tensor] = {}
         self.closed = False
 
@@ -89,7 +89,7 @@ class TritonAttnBackend(AttentionBackend):
         if fb.is_decode():
             self._decode = _DecodeMeta(fb.req_pool_indices, fb.seq_lens, fb.batch_size)
             return
-        self._extend = self._extend_meta(fb)
+        self._extend = (fb, self._extend_meta(fb))
 
     def _extend_meta(self, fb: ForwardBatch) -> _ExtendMeta:
         if fb.extend_seq_lens is None or fb.extend_prefix_lens is None:
@@ -200,7 +200,9 @@ class TritonAttnBackend(AttentionBackend):
         """Extend: q [T, H, D] → [T, H*Dv]; prefix from the pool, new tokens from k/v (or the pool if None)."""
         fb = forward_batch
         q3 = self._prepare(q, k, v, layer, fb, save_kv_cache)
-        meta = self._extend if self._extend is not None else self._extend_meta(fb)
+        if self._extend is None or self._extend[0] is not fb:  # not planned: plan once (not per layer, never stale)
+            self._extend = (fb, self._extend_meta(fb))
+        meta = self._extend[1]
         pool = fb.token_to_kv_pool
         kb, vb = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         t, h = q3.shape[0], layer.num_heads
