@@ -7,6 +7,8 @@
 # Outputs under $OUT: <part>.log (full output) and summary.txt (the lines that say pass/fail and the tables).
 OUT=${1:?usage: gpu_layer_match_check.sh OUTDIR tests|runtests|runs|bench}; PART=${2:?part: tests|runtests|runs|bench}
 mkdir -p "$OUT"; S=$OUT/summary.txt; T0=$(date +%s)
+# FlashInfer's AOT kernels carried in .whl (as gpu_final_check.sh does); nothing happens without them
+mkdir -p /tmp/site/flashinfer/data/aot && cat .whl/fi-aot.tgz.part-* 2>/dev/null | tar xz -C /tmp/site/flashinfer/data/aot 2>/dev/null
 case $PART in
   tests)
     timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
