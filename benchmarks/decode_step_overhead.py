@@ -33,11 +33,13 @@ import time
 
 from typing import Optional
 
+import msgspec
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from fi_reference import Scenario, make_kind, make_layer  # noqa: E402
+from pipeline.backends.base import PlannedLayers  # noqa: E402
 from pipeline.backends import flashinfer_sizing as sz  # noqa: E402
 from pipeline.contracts import ForwardMode  # noqa: E402
 
@@ -133,6 +135,8 @@ def case(B, ctx, profile=False, graphs=True, reps=21):
                   num_slots=16 * (B * (ctx // 16 + 2) + 2), ws_bytes=384 << 20, extra={"cuda_graph_max_bs": B})
     be = fib.create(sc.ctx)
     be.layer_kind = {i: 0 for i in range(L)}
+    # ... planned for all L layer ids (one kind), so the per-layer check accepts layers 1..L-1 too
+    be.planned = PlannedLayers([msgspec.structs.replace(kind, layer_ids=list(range(L)))], backend=be.name, role="primary")
     be._paged_views = {i: be.paged_kv(0) for i in range(L)}  # 32 layers over one KV buffer (memory)
     reqs = list(range(1, B + 1))
     sc.fill_prefix(reqs, [ctx - 1] * B)

@@ -245,15 +245,11 @@ class _Run:
                 tensor(f"kv_pool.v_buffer[{lid}]", vb[lid], (p.num_token_slots, k.num_kv_heads, k.head_dim_v), kvd)
 
     def _make_instance(self, inst: InstancePlan) -> Any:
-        from pipeline.backends.registry import BackendContext, get
+        from pipeline.backends.registry import get
 
         ws = self.workspace_pool.get(inst.workspace) if inst.workspace else None
-        model = self.req.served_model
-        ctx = BackendContext(name=inst.backend, role=inst.role, device=self.machine.model.device_facts,
-                             torch_device=self.torch_device, model=model, layer_kinds=self.kinds,
-                             args=self.req.args, req_to_token_pool=self.pools["req_to_token_pool"],
-                             kv_pool=self.pools["kv_pool"], workspace=ws, dtype=model_dtype(self.req.args, model),
-                             extra={"cuda_graph_max_bs": self._graph_max_bs()})
+        ctx = backend_context(inst, self.req, self.req.served_model, self.kinds, self.machine.model.device_facts,
+                              self.torch_device, self.pools, ws, self._graph_max_bs())
         fault_point(self.faults, f"build:instance:{inst.role}", *([ws] if ws is not None else []))
         t = time.perf_counter()
         backend = get(inst.backend).load_factory()(ctx)
@@ -307,7 +303,7 @@ class _Run:
             run_id=self.log.run_id, resolution=res, plan=self.built.plan,
             skips=list(res.skips) + list(self.built.plan.skips), instances=dict(self.built.instances),
             pools={} if self.given_pools is not None else self.pools, workspace_pool=self.workspace_pool,
-            events=self.log.records, torch_device=self.torch_device)
+            events=self.log.records, torch_device=self.torch_device, device_facts=self.machine.model.device_facts)
 
     def fail(self, exc: BaseException) -> None:
         state = self.state
@@ -323,6 +319,52 @@ class _Run:
         if released:
             self.log.emit(ev.ResourcesReleased, state=State.FAILED.value, released=released)
         self.log.emit(ev.RunFailed, state=State.FAILED.value, outcome="failed", error=info, released=released)
+
+
+def backend_context(inst: InstancePlan, request: SetupRequest, model: Any, kinds: list[Any], facts: Any,
+                    torch_device: str, pools: Mapping[str, Any], workspace: Any, max_graph_bs: int) -> Any:
+    """The :class:`~pipeline.backends.registry.BackendContext` a factory gets for one planned instance."""
+    from pipeline.backends.registry import BackendContext
+
+    return BackendContext(name=inst.backend, role=inst.role, device=facts, torch_device=torch_device, model=model,
+                          layer_kinds=kinds, args=request.args, req_to_token_pool=pools["req_to_token_pool"],
+                          kv_pool=pools["kv_pool"], workspace=workspace, dtype=model_dtype(request.args, model),
+                          extra={"cuda_graph_max_bs": max_graph_bs})
+
+
+def build_like(backends: AttentionBackends, request: SetupRequest, model: Any,
+               pools: Optional[Mapping[str, Any]] = None) -> build_mode.Built:
+    """Build ``backends``' plan again for ``model``: the same instances (roles, backends, mode, wrappers).
+
+    ``model`` must have the layers of the served model (same ids and dims); what may differ is a
+    per-kind parameter the backends bake in, e.g. the shrunk sliding windows of
+    :func:`pipeline.verify.verification_model`, so that a check runs on instances built for exactly
+    the layers it calls them with. Each instance gets the factory, role, device facts, workspace
+    (the same buffer: the copies run only while the originals are idle) and pools
+    (``pools`` or ``backends.pools``) of the original build; the build-mode refusals of the factories
+    apply again. No pipeline event is logged. Returns a :class:`states.build_mode.Built`; the caller
+    closes its ``instances`` (they own no workspace or pool). Raises what a factory raises, after
+    closing the instances already built.
+    """
+    from pipeline.backends.registry import get
+
+    pools = pools if pools is not None else backends.pools
+    kinds, plan = model.layer_kinds(), backends.plan
+    max_graph_bs = graph_max_bs_of(request.args, backends.resolution, request.pool.max_reqs)
+    ws_pool = backends.workspace_pool
+
+    def make(inst: InstancePlan) -> Any:
+        ws = ws_pool.get(inst.workspace) if inst.workspace else None
+        ctx = backend_context(inst, request, model, kinds, backends.device_facts, backends.torch_device, pools, ws,
+                              max_graph_bs)
+        return get(inst.backend).load_factory()(ctx)
+
+    built = build_mode.Built(plan=plan)
+    try:
+        return build_mode.apply(plan, make, built)
+    except BaseException:
+        release(built.instances, None, {})
+        raise
 
 
 def release(instances: dict[str, Any], workspace_pool: Any, pools: dict[str, Any]) -> list[str]:

@@ -225,23 +225,13 @@ def _model_steps(runner: Any, log: Any, decode_steps: int) -> list[dict[str, Any
 
 def _verify(backends: Any, request: SetupRequest, log: Any, decode_steps: int,
             pools: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
-    from pipeline.verify import verify_backend
-    from states.capability_check import model_dtype
+    from pipeline.verify import verify_built
 
-    model, pools = request.served_model, pools or backends.pools
-    targets = [(i.role, i.backend, backends.instances[i.role]) for i in backends.plan.instances]
-    top = backends.attn_backend
-    if top is not backends.instances.get(backends.plan.instances[0].role):
-        targets.append((f"{backends.plan.mode.value}.wrapper", type(top).__name__, top))
     out = []
-    for role, name, backend in targets:
-        r = verify_backend(backend, role=role, name=name, model=model,
-                           req_to_token_pool=pools["req_to_token_pool"], kv_pool=pools["kv_pool"],
-                           torch_device=backends.torch_device, dtype=model_dtype(request.args, model),
-                           decode_steps=decode_steps)
-        log.emit(ev.InstanceVerified, state="done", outcome="ok" if r.passed else "failed", role=role,
-                 backend=name, max_rel_err=r.max_rel_err, tol=r.tol, passed=r.passed)
-        out.append({"role": role, "backend": name, "max_rel_err": r.max_rel_err, "passed": r.passed,
+    for r in verify_built(backends, request, pools=pools, decode_steps=decode_steps):
+        log.emit(ev.InstanceVerified, state="done", outcome="ok" if r.passed else "failed", role=r.role,
+                 backend=r.backend, max_rel_err=r.max_rel_err, tol=r.tol, passed=r.passed)
+        out.append({"role": r.role, "backend": r.backend, "max_rel_err": r.max_rel_err, "passed": r.passed,
                     "tol": r.tol, "detail": r.detail})
     return out
 

@@ -13,6 +13,7 @@ Hierarchy::
     ├── OrderingError          a trigger fired out of order (current and expected state)
     ├── RankExchangeError      exit code 1: a rank did not take part in the exchange within the timeout
     ├── BuildError             exit code 1: building or verifying a backend failed
+    │   └── LayerMismatch       a backend was called with a layer it was not built/planned for
     └── UsageError             exit code 2: bad command-line usage / unreadable file
 
 None of these derive from ValueError/TypeError on purpose: msgspec would otherwise fold them into
@@ -133,6 +134,19 @@ class OrderingError(AttnSetupError):
 class BuildError(AttnSetupError):
     code = "build_failed"
     exit_code = EXIT_FAILED
+
+
+class LayerMismatch(BuildError):
+    """A backend was called with a layer that differs from the one it was built (planned) for.
+
+    Raised by :meth:`pipeline.backends.base.PlannedLayers.check` on the first call with a layer
+    object, before anything is written: ``info.flags`` holds ``layer_id`` and ``layer.<field>``
+    (the call's value), ``info.allowed`` the built value. FlashInfer bakes window, softcap, scale
+    and sinks into each layer kind's planned wrappers, so a backend never computes with a layer
+    whose parameters differ from the plan; every backend applies the same check.
+    """
+
+    code = "layer_mismatch"
 
 
 class UsageError(AttnSetupError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pipeline.contracts import BuildPlan, Resolution, Skip
+from pipeline.contracts import BuildPlan, DeviceFacts, Resolution, Skip
 
 
 @dataclass
@@ -18,6 +18,7 @@ class AttentionBackends:
     ``prefill_attention_backend_str`` / ``decode_attention_backend_str``: the resolved names.
     ``instances`` maps plan role → concrete backend; ``pools`` holds the KV pools the pipeline built
     (empty when the engine passed its own with ``pools=``: the engine keeps owning those).
+    ``device_facts``: what device-init found (the instances were built for it).
     ``close()`` (or ``with``) releases every backend buffer, workspace and pool this run owns.
     """
 
@@ -35,6 +36,7 @@ class AttentionBackends:
     workspace_pool: Any = None
     events: list[Any] = field(default_factory=list)
     torch_device: str = "cpu"
+    device_facts: Optional[DeviceFacts] = None
     closed: bool = False
 
     def close(self) -> list[str]:

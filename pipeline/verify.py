@@ -1,8 +1,8 @@
 """Verification harness: run a real batch through a built backend and compare with the reference.
 
-``attn-setup run`` calls :func:`verify_all` on every built instance (TBO children, PD-mux members,
-both halves of a hybrid). For one representative layer of each distinct layer kind of the model
-it drives the backend through the engine's own pools:
+``attn-setup run`` calls :func:`verify_built` on its build: every instance (TBO children, PD-mux
+members, both halves of a hybrid) and the top wrapper. For one representative layer of each
+distinct layer kind of the model it drives the backend through the engine's own pools:
 
 1. an extend that caches the prefixes of the requests that have one (lengths 3, 21, 10 — not
    multiples of page_size > 1, and 21 crosses a 16-token page),
@@ -14,10 +14,14 @@ with random q/k/v (and random sinks for kinds with sinks), pages handed out scra
 rounded to the KV storage dtype) and compares every step's output per request with
 :func:`pipeline.reference.reference_attention` using ``max|out - ref| / max|ref|``.
 
-Shrunk for speed and to exercise masking: sliding windows are capped at :data:`VERIFY_WINDOW`
-keys and attention chunks (Llama-4's chunked layers) at :data:`VERIFY_CHUNK` tokens, so both bite
-on these short requests; for softcapped kinds q is scaled so scaled scores are of the order of the
-cap (otherwise a cap of 50 would never bite). All are stated in :attr:`VerifyResult.detail`.
+Verification tests what runs: the layers it calls a backend with are exactly those the backend was
+built for (every backend refuses others with ``LayerMismatch``). So that sliding windows bite within
+these short requests (at most 26 tokens), :func:`verify_built` builds the same plan again
+(:func:`pipeline.build.build_like`: same backends, roles, mode and wrappers) from
+:func:`verification_model` — the served spec with windows capped at :data:`VERIFY_WINDOW` keys and
+attention chunks (Llama-4's chunked layers) at :data:`VERIFY_CHUNK` tokens — and
+verifies those instances; for softcapped kinds q is scaled so scaled scores are of the order of the
+cap (otherwise a cap of 50 would never bite). Both are stated in :attr:`VerifyResult.detail`.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ import msgspec
 import torch
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer
-from pipeline.contracts import ForwardMode, LayerKind, ModelSpec
+from pipeline.contracts import ForwardMode, LayerKind, ModelSpec, SetupRequest
 from pipeline.errors import BuildError
 from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch, torch_dtype
 from pipeline.reference import reference_attention, rel_err
 from states.capability_check import norm_dtype
 
-__all__ = ["VerifyResult", "verify_backend", "verify_all", "tolerance", "VERIFY_WINDOW", "VERIFY_CHUNK"]
+__all__ = ["VerifyResult", "verify_backend", "verify_all", "verify_built", "verification_model", "tolerance",
+           "VERIFY_WINDOW", "VERIFY_CHUNK"]
 
 PREFIX_LENS = (0, 3, 21, 0, 10)
 NEW_LENS = (9, 4, 2, 6, 1)
@@ -86,16 +91,14 @@ class _Case:
             raise BuildError(f"KV pool layer {lid} has dims {have}, the model's {kind.kind} layers need {want}",
                              code="verify_pool_mismatch", flags=[("layer_id", lid)],
                              remedy="build the KV pool from the model's layer kinds")
-        window = None if kind.sliding_window is None else min(kind.sliding_window, VERIFY_WINDOW)
-        chunk = None if kind.attention_chunk_size is None else min(kind.attention_chunk_size, VERIFY_CHUNK)
         sinks = None
         if kind.has_sinks:
             sinks = (torch.randn(kind.num_heads, generator=gen) + 2.0).to(device)
         self.kind = kind
         self.layer = AttentionLayer(layer_id=lid, num_heads=kind.num_heads, num_kv_heads=kind.num_kv_heads,
                                     head_dim=kind.head_dim_qk, v_head_dim=kind.head_dim_v, scaling=kind.scaling,
-                                    sliding_window=window, logit_softcap=kind.logit_softcap, sinks=sinks,
-                                    is_mla=kind.is_mla, attention_chunk_size=chunk)
+                                    sliding_window=kind.sliding_window, logit_softcap=kind.logit_softcap, sinks=sinks,
+                                    is_mla=kind.is_mla, attention_chunk_size=kind.attention_chunk_size)
         self.q_gain = 1.0
         if kind.logit_softcap is not None:
             self.q_gain = kind.logit_softcap / (math.sqrt(kind.head_dim_qk) * kind.scaling)
@@ -104,10 +107,6 @@ class _Case:
 
     def notes(self) -> list[str]:
         k, out = self.kind, []
-        if k.sliding_window is not None and self.layer.sliding_window != k.sliding_window:
-            out.append(f"{k.kind} window {k.sliding_window}->{self.layer.sliding_window} for verification")
-        if k.attention_chunk_size is not None and self.layer.attention_chunk_size != k.attention_chunk_size:
-            out.append(f"{k.kind} chunk {k.attention_chunk_size}->{self.layer.attention_chunk_size} for verification")
         if k.logit_softcap is not None:
             out.append(f"softcap {k.logit_softcap}: q x{self.q_gain:.3g} so scores reach the cap")
         return out
@@ -167,18 +166,20 @@ def _steps(rows: Sequence[int], decode_steps: int) -> list[tuple[str, ForwardMod
 def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Optional[ModelSpec],
                    req_to_token_pool: ReqToTokenPool, kv_pool: KVPool, torch_device: str | torch.device,
                    dtype: Any, seed: int = 0, decode_steps: int = 3,
-                   layer_kinds: Optional[Sequence[LayerKind]] = None) -> VerifyResult:
+                   layer_kinds: Optional[Sequence[LayerKind]] = None, notes: Sequence[str] = ()) -> VerifyResult:
     """Verify one instance on the engine's pools; see the module docstring for the batch.
 
     Parameters
     ----------
     backend : the built instance (a wrapper is driven as a whole).
     role, name : the instance's plan role and backend name (copied into the result).
-    model : the served model; its ``layer_kinds()`` are tested. ``layer_kinds`` (if given) is
-        used instead, and ``model`` may then be None.
+    model : the model the backend was built for; its ``layer_kinds()`` are tested, with each kind's
+        own window, softcap, scale and sinks (a backend built for other values raises
+        ``LayerMismatch``). ``layer_kinds`` (if given) is used instead, and ``model`` may then be None.
     req_to_token_pool, kv_pool : the pools the backend was built for; rows ``0..B-1`` (B <= 5) of
         ``req_to_token`` and scrambled pages of ``kv_pool`` are used, the rows are zeroed after.
     torch_device : device of the pools; dtype : q/k/v dtype (name or torch dtype).
+    notes : what the caller changed for verification (e.g. shrunk windows), appended to the detail.
 
     Returns :class:`VerifyResult`. Raises :class:`BuildError` when the pools cannot hold the batch
     or do not match the model; exceptions from the backend propagate unchanged.
@@ -206,7 +207,7 @@ def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Op
         for r in rows:
             alloc.free(r)
             req_to_token_pool.req_to_token[r].zero_()
-    notes = list(dict.fromkeys(n for c in cases for n in c.notes()))
+    notes = list(dict.fromkeys([*notes, *(n for c in cases for n in c.notes())]))
     detail = (f"{len(cases)} kind(s) x {len(_steps(rows, decode_steps))} steps x {len(rows)} reqs, "
               f"prefix {list(PREFIX_LENS[:len(rows)])}, new {list(NEW_LENS[:len(rows)])}, "
               f"page_size {kv_pool.page_size}, kv {str(kv_pool.dtype).replace('torch.', '')}; worst at {where}")
@@ -218,3 +219,61 @@ def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Op
 def verify_all(instances: Iterable[tuple[str, str, AttentionBackend]], **kwargs: Any) -> list[VerifyResult]:
     """:func:`verify_backend` for each ``(role, name, backend)``; ``kwargs`` are passed through."""
     return [verify_backend(backend, role=role, name=name, **kwargs) for role, name, backend in instances]
+
+
+def verification_model(model: ModelSpec, window: int = VERIFY_WINDOW,
+                       chunk: int = VERIFY_CHUNK) -> tuple[ModelSpec, list[str]]:
+    """The spec verification builds its instances from, and what was changed (for the detail).
+
+    ``model`` with its sliding window capped at ``window`` keys and its attention chunk (Llama-4's
+    chunked local layers) capped at ``chunk`` tokens (the verification requests hold at most 26
+    tokens, so a 4096 or 128-key window or an 8192-token chunk would never mask anything); every other
+    field — layer ids, heads, dims, scale, softcap, sinks, MLA — is the served model's. Returns
+    ``(model, [])`` unchanged when nothing needs capping.
+    """
+    changes, notes = {}, []
+    if model.sliding_window is not None and model.sliding_window > window:
+        changes["sliding_window"] = window
+        notes.append(f"sliding window {model.sliding_window}->{window}")
+    if model.attention_chunk_size is not None and model.attention_chunk_size > chunk:
+        changes["attention_chunk_size"] = chunk
+        notes.append(f"attention chunk {model.attention_chunk_size}->{chunk}")
+    if not changes:
+        return model, []
+    note = ", ".join(notes) + ": instances built for verification from that spec"
+    return msgspec.structs.replace(model, **changes), [note]
+
+
+def verify_built(backends: Any, request: SetupRequest, *, pools: Optional[dict[str, Any]] = None,
+                 decode_steps: int = 3, seed: int = 0) -> list[VerifyResult]:
+    """Verify a build the way it runs: every planned instance, then the top wrapper if it is not one.
+
+    ``backends``: the :class:`~pipeline.result.AttentionBackends` of ``request`` (its served model);
+    ``pools``: the pools it was built over (default ``backends.pools``; a runner passes its own).
+    When :func:`verification_model` changes the spec, the plan is built again from it
+    (:func:`pipeline.build.build_like`: same backends, roles, mode, wrappers, workspaces and pools),
+    those instances are verified with the verification spec's layers and closed afterwards; else the
+    built instances themselves are. q/k/v dtype: the request's model dtype. Roles as in the plan
+    (``tbo.child0``, ``pdmux.decode1``, ``primary.prefill`` …) plus ``<mode>.wrapper``.
+    Raises what :func:`verify_backend` or a factory raises.
+    """
+    from pipeline.build import build_like
+    from states.capability_check import model_dtype
+
+    served = request.served_model
+    pools = pools if pools is not None else backends.pools
+    model, notes = verification_model(served)
+    built = backends if model is served else build_like(backends, request, model, pools)
+    try:
+        targets = [(i.role, i.backend, built.instances[i.role]) for i in backends.plan.instances]
+        if built.attn_backend is not built.instances.get(backends.plan.instances[0].role):
+            targets.append((f"{backends.plan.mode.value}.wrapper", type(built.attn_backend).__name__,
+                            built.attn_backend))
+        return [verify_backend(b, role=role, name=name, model=model, req_to_token_pool=pools["req_to_token_pool"],
+                               kv_pool=pools["kv_pool"], torch_device=backends.torch_device,
+                               dtype=model_dtype(request.args, served), seed=seed, decode_steps=decode_steps,
+                               notes=notes) for role, name, b in targets]
+    finally:
+        if built is not backends:
+            for b in built.instances.values():
+                b.close()

@@ -34,6 +34,9 @@ PINNED = {
 RUN_DTYPE = {"gemma-2-9b.json": ("bfloat16", "auto:float32_to_bfloat16", []),
              "qwen3-next-80b-a3b-instruct.json": ("bfloat16", "auto:checkpoint",
                                                   [{"kind": "linear_attention", "layer_ids": [0, 1, 2, 4, 5, 6]}])}
+# the served sliding window of the windowed configs: verification builds its instances for window 7 instead
+WINDOWS = {"mistral-7b-v0.1.json": 4096, "gemma-2-9b.json": 4096, "gpt-oss-20b.json": 128,
+           "gemma-3-12b-it.json": 1024}
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -66,6 +69,8 @@ def test_run_outcome_per_config(config, tmp_path):
         assert out["plan"]["mode"] == mode and out["error"] is None
         assert [v["role"] for v in out["verified"]] == roles
         assert all(v["passed"] and v["max_rel_err"] <= v["tol"] for v in out["verified"])
+        note = f"sliding window {WINDOWS[config]}->7" if config in WINDOWS else "sliding window"
+        assert all((note in v["detail"]) is (config in WINDOWS) for v in out["verified"])
         assert out["resolved"]["prefill"] == "torch_native"
         dtype, rule, others = RUN_DTYPE.get(config, ("bfloat16", "auto:checkpoint", []))
         assert out["resolved"]["dtype"] == {"value": dtype, "source": rule}

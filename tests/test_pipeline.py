@@ -14,6 +14,7 @@ from pipeline.build import build_attention_backends
 from pipeline.contracts import AttentionArgs, SetupRequest
 from pipeline.errors import BackendUnknown, CapabilityMismatch, ConflictingOptions
 from pipeline.platforms.fake import FakePlatform
+from spies import spy_hybrid, spy_tbo
 
 INSTALLED = {"torch": True, "triton": False, "flashinfer-python": False}
 
@@ -62,13 +63,14 @@ def test_tbo_children_serve_one_half_each_and_match_normal_mode(llama, small_poo
 
     with _build(_req(llama, small_pool, enable_two_batch_overlap=True)) as out:
         top = out.attn_backend
+        journal = spy_tbo(top)
         res = verify_backend(top, role="tbo", name="tbo", model=llama, req_to_token_pool=out.pools["req_to_token_pool"],
                              kv_pool=out.pools["kv_pool"], torch_device="cpu", dtype="bfloat16", decode_steps=1)
         assert res.passed, res
-        fwd = [c for c in top.call_log if c.method == "forward" and c.child is not None]
+        fwd = [c for c in journal if c.method == "forward" and c.role != "primary"]
         for mode in ("extend", "decode"):
-            rows0 = {c.rows for c in fwd if c.child == 0 and c.forward_mode == mode}
-            rows1 = {c.rows for c in fwd if c.child == 1 and c.forward_mode == mode}
+            rows0 = {c.rows for c in fwd if c.role == "tbo_child_0" and c.forward_mode == mode}
+            rows1 = {c.rows for c in fwd if c.role == "tbo_child_1" and c.forward_mode == mode}
             assert rows0 and rows1
             for r0 in rows0:
                 for r1 in rows1:
@@ -100,10 +102,11 @@ def test_hybrid_routes_extend_and_decode_to_different_backends(llama, small_pool
     with _build(req) as out:
         assert out.plan.hybrid and [i.role for i in out.plan.instances] == ["primary.prefill", "primary.decode"]
         top = out.attn_backend
+        journal = spy_hybrid(top)
         res = verify_backend(top, role="hybrid", name="hybrid", model=llama, req_to_token_pool=out.pools["req_to_token_pool"],
                              kv_pool=out.pools["kv_pool"], torch_device="cpu", dtype="bfloat16", decode_steps=1)
         assert res.passed
-        routes = {(c.role, c.forward_mode) for c in top.call_log}
+        routes = {(c.role, c.forward_mode) for c in journal}
         assert routes == {("prefill", "extend"), ("decode", "decode")}
 
 

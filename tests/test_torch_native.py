@@ -267,14 +267,19 @@ def test_bad_inputs_raise_before_writing(field, mutate):
 
 
 def test_no_cuda_graphs_and_factory():
-    """The registry factory builds it; CUDA-graph hooks refuse."""
+    """The registry factory builds it for the context's layer kinds; CUDA-graph hooks refuse."""
     from types import SimpleNamespace
 
     from pipeline.backends import registry
+    from pipeline.contracts import LayerKind
 
-    backend = registry.get("torch_native").load_factory()(SimpleNamespace(torch_device="cpu", role="tbo_child_1"))
+    kinds = [LayerKind(kind="full", num_heads=4, num_kv_heads=2, head_dim_qk=8, head_dim_v=8, scaling=0.5,
+                       layer_ids=[0, 1])]
+    ctx = SimpleNamespace(torch_device="cpu", role="tbo_child_1", layer_kinds=kinds)
+    backend = registry.get("torch_native").load_factory()(ctx)
     assert isinstance(backend, TorchNativeBackend) and backend.role == "tbo_child_1"
-    assert isinstance(create(SimpleNamespace(torch_device="cpu", role="p")), TorchNativeBackend)
+    assert backend.planned.kinds == kinds and sorted(backend.planned.by_id) == [0, 1]
+    assert isinstance(create(SimpleNamespace(torch_device="cpu", role="p", layer_kinds=kinds)), TorchNativeBackend)
     with pytest.raises(NotImplementedError):
         backend.init_cuda_graph_state(8, 8)
 

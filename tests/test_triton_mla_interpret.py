@@ -36,7 +36,7 @@ from conftest import CONFIGS  # noqa: E402
 from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.backends.triton import launch_mla as M  # noqa: E402
 from pipeline.contracts import ForwardMode, LayerKind  # noqa: E402
-from pipeline.errors import BuildError, CapabilityMismatch  # noqa: E402
+from pipeline.errors import BuildError, CapabilityMismatch, LayerMismatch  # noqa: E402
 from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
 from pipeline.reference import reference_attention, rel_err  # noqa: E402
 
@@ -312,11 +312,11 @@ def test_create_accepts_mla_kinds_and_refuses_what_the_kernels_cannot_serve():
     rp = ReqToTokenPool(2, 16, "cpu")
     kv = KVPool.for_layer_kinds([kind], 1, 32, 1, torch.bfloat16, "cpu")
     fb = make_forward_batch(ForwardMode.EXTEND, [1], [3], PageAllocator(rp, 32, 1), kv)
-    windowed = AttentionLayer(layer_id=0, num_heads=16, num_kv_heads=1, head_dim=576, v_head_dim=512, scaling=0.1,
-                              sliding_window=8, is_mla=True)
-    with pytest.raises(CapabilityMismatch) as ei:
+    windowed = AttentionLayer(layer_id=0, num_heads=16, num_kv_heads=1, head_dim=576, v_head_dim=512,
+                              scaling=kind.scaling, sliding_window=8, is_mla=True)
+    with pytest.raises(LayerMismatch) as ei:  # built for the model's window-less MLA kind: the per-layer check refuses
         be.forward(torch.zeros(3, 16, 576).bfloat16(), None, None, windowed, fb, save_kv_cache=False)
-    assert ei.value.info.flags[0].name == "layer.sliding_window"
+    assert ei.value.info.flags[1].name == "layer.sliding_window"
 
 
 # ------------------------------------------------------------------------------------------- config

@@ -12,7 +12,7 @@ from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.contracts import LayerKind, MLADims, ModelSpec
 from pipeline.errors import BuildError
 from pipeline.memory import KVPool, ReqToTokenPool
-from pipeline.verify import VERIFY_CHUNK, VERIFY_WINDOW, VerifyResult, verify_all, verify_backend
+from pipeline.verify import VERIFY_CHUNK, VERIFY_WINDOW, VerifyResult, verification_model, verify_all, verify_backend
 
 
 def spec(**kw) -> ModelSpec:
@@ -27,12 +27,13 @@ def kind(kind="full", h=8, hkv=2, d=64, dv=64, lid=0, **kw) -> LayerKind:
                      layer_ids=[lid], **kw)
 
 
-GEMMA = [kind("sliding", h=4, hkv=2, d=128, dv=128, lid=0, sliding_window=4096, logit_softcap=50.0),
+# the kinds verification builds for (verification_model caps windows at VERIFY_WINDOW so that they bite)
+GEMMA = [kind("sliding", h=4, hkv=2, d=128, dv=128, lid=0, sliding_window=VERIFY_WINDOW, logit_softcap=50.0),
          kind("full", h=4, hkv=2, d=128, dv=128, lid=1, logit_softcap=50.0)]
-GPT_OSS = [kind("sliding", h=16, hkv=2, lid=0, sliding_window=128, has_sinks=True),
+GPT_OSS = [kind("sliding", h=16, hkv=2, lid=0, sliding_window=VERIFY_WINDOW, has_sinks=True),
            kind("full", h=16, hkv=2, lid=1, has_sinks=True)]
 MLA = [kind("full", h=4, hkv=1, d=576, dv=512, lid=0, is_mla=True)]
-LLAMA4 = [kind("chunked", h=4, hkv=2, d=64, dv=64, lid=0, attention_chunk_size=8192),
+LLAMA4 = [kind("chunked", h=4, hkv=2, d=64, dv=64, lid=0, attention_chunk_size=VERIFY_CHUNK),
           kind("full", h=4, hkv=2, d=64, dv=64, lid=1)]
 LLAMA = [kind("full", h=32, hkv=8, d=128, dv=128)]
 
@@ -59,11 +60,28 @@ def test_torch_native_passes(kinds, page_size, dtype, kv_dtype, tol):
     assert res.passed and res.tol == tol and 0 < res.max_rel_err <= tol, res
 
 
-def test_detail_states_the_shrunk_window_and_softcap_scaling():
-    """Windows are capped at VERIFY_WINDOW and softcapped q is scaled; the detail says so."""
-    res = run(TorchNativeBackend(), GEMMA)
-    assert f"window 4096->{VERIFY_WINDOW}" in res.detail and "softcap 50.0" in res.detail
-    assert f"chunk 8192->{VERIFY_CHUNK}" in run(TorchNativeBackend(), LLAMA4).detail
+def test_detail_states_softcap_scaling_and_callers_notes():
+    """Softcapped q is scaled and the caller's notes (e.g. the shrunk window) are in the detail."""
+    res = verify_backend(TorchNativeBackend(), role="primary", name="torch_native", model=None,
+                         req_to_token_pool=pools(GEMMA)[0], kv_pool=pools(GEMMA)[1], torch_device="cpu",
+                         dtype="bfloat16", layer_kinds=GEMMA, notes=["sliding window 4096->7"])
+    assert res.passed and "sliding window 4096->7" in res.detail and "softcap 50.0: q x" in res.detail
+
+
+@pytest.mark.parametrize("window,want", [(4096, VERIFY_WINDOW), (128, VERIFY_WINDOW), (VERIFY_WINDOW, VERIFY_WINDOW),
+                                         (3, 3), (None, None)])
+def test_verification_model_caps_only_the_window(window, want):
+    """verification_model caps the window at VERIFY_WINDOW, keeps every other field, and says so."""
+    types = ["sliding", "full"] if window else ["full", "full"]
+    model = spec(layer_types=types, sliding_window=window, logit_softcap=30.0, has_attention_sinks=True)
+    vm, notes = verification_model(model)
+    assert vm.sliding_window == want
+    assert msgspec.structs.replace(vm, sliding_window=window) == model
+    if want == window:
+        assert vm is model and notes == []
+    else:
+        assert notes == [f"sliding window {window}->{VERIFY_WINDOW}: instances built for verification from that spec"]
+        assert [k.sliding_window for k in vm.layer_kinds()] == [VERIFY_WINDOW, None]
 
 
 class Broken(TorchNativeBackend):
@@ -121,7 +139,7 @@ def test_wrong_gqa_mapping_and_nan_fail():
 
 def test_verify_all_roles_and_model_layer_kinds():
     """verify_all verifies each (role, name, backend); layer kinds come from the ModelSpec."""
-    model = spec(model_type="mistral", layer_types=["sliding", "sliding"], sliding_window=4096)
+    model = verification_model(spec(model_type="mistral", layer_types=["sliding", "sliding"], sliding_window=4096))[0]
     kinds = model.layer_kinds()
     r2t, kv = pools(kinds)
     out = verify_all([("tbo_child_0", "torch_native", TorchNativeBackend()), ("decode", "x", Broken(sinks=None)),
@@ -155,3 +173,16 @@ def test_rows_cleared_and_pool_mismatch_refused():
         verify_backend(TorchNativeBackend(), role="p", name="t", model=None, req_to_token_pool=r2t, kv_pool=kv,
                        torch_device="cpu", dtype="float32", layer_kinds=GEMMA)
     assert ei.value.info.code == "verify_pool_mismatch"
+
+
+@pytest.mark.parametrize("chunk,want", [(8192, VERIFY_CHUNK), (VERIFY_CHUNK, VERIFY_CHUNK), (3, 3)])
+def test_verification_model_caps_the_attention_chunk(chunk, want):
+    """verification_model caps Llama-4's attention chunk at VERIFY_CHUNK, keeps every other field, and says so."""
+    model = spec(layer_types=["chunked", "full"], attention_chunk_size=chunk)
+    vm, notes = verification_model(model)
+    assert vm.attention_chunk_size == want
+    assert msgspec.structs.replace(vm, attention_chunk_size=chunk) == model
+    assert (notes == []) is (want == chunk)
+    if want != chunk:
+        assert notes == [f"attention chunk {chunk}->{VERIFY_CHUNK}: instances built for verification from that spec"]
+        assert [k.attention_chunk_size for k in vm.layer_kinds()] == [VERIFY_CHUNK, None]

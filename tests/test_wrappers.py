@@ -1,4 +1,4 @@
-"""TBO and hybrid wrappers: routing/splitting recorded per inner backend, outputs unchanged."""
+"""TBO and hybrid wrappers: routing/splitting observed per inner backend (spies), outputs unchanged."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pipeline.errors import BuildError
 from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
 from pipeline.reference import rel_err
 from pipeline.verify import verify_backend
+from spies import spy_hybrid, spy_tbo
 
 LAYER = AttentionLayer(layer_id=0, num_heads=8, num_kv_heads=2, head_dim=32, v_head_dim=32, scaling=32 ** -0.5,
                        sliding_window=6, logit_softcap=None, sinks=torch.linspace(-1, 2, 8))
@@ -79,27 +80,29 @@ def test_tbo_output_equals_plain_and_each_child_serves_its_half():
     """B=5: child 0 serves rows 0-2, child 1 rows 3-4, in every extend and decode call."""
     rows, prefix, new = [0, 1, 2, 3, 4], [0, 3, 21, 0, 10], [9, 4, 2, 6, 1]
     tbo = make_tbo()
+    journal = spy_tbo(tbo)
     got, want = drive(tbo, rows, prefix, new), drive(TorchNativeBackend(), rows, prefix, new)
     assert all(rel_err(g, w) <= 1e-6 for g, w in zip(got, want))
-    c0, c1 = tbo.children
+    c0, c1 = (s.inner for s in tbo.children)
     assert [c for c in c0.calls if c[0] != "init"] == [
         ("extend", "extend", (1, 2)), ("extend", "extend", (0, 1, 2)), ("decode", "decode", (0, 1, 2)),
         ("decode", "decode", (0, 1, 2))]
     assert [c for c in c1.calls if c[0] != "init"] == [
         ("extend", "extend", (4,)), ("extend", "extend", (3, 4)), ("decode", "decode", (3, 4)),
         ("decode", "decode", (3, 4))]
-    assert not [c for c in tbo.primary.calls if c[0] != "init"]        # the primary only plans
-    fwd = [(r.child, r.forward_mode, r.rows) for r in tbo.call_log if r.method == "forward"]
-    assert fwd[-2:] == [(0, "decode", (0, 1, 2)), (1, "decode", (3, 4))]
-    assert {r.role for r in tbo.call_log} == {"primary", "tbo_child_0", "tbo_child_1"}
+    assert not [c for c in tbo.primary.inner.calls if c[0] != "init"]        # the primary only plans
+    fwd = [(c.role, c.forward_mode, c.rows) for c in journal if c.method == "forward"]
+    assert fwd[-2:] == [("tbo_child_0", "decode", (0, 1, 2)), ("tbo_child_1", "decode", (3, 4))]
+    assert {c.role for c in journal} == {"primary", "tbo_child_0", "tbo_child_1"}
 
 
 def test_tbo_single_request_goes_to_child_0_only():
     """B=1 → child 0 serves everything, child 1 is never called."""
     tbo = make_tbo()
+    journal = spy_tbo(tbo)
     drive(tbo, [5], [4], [3])
-    assert tbo.children[0].calls and not tbo.children[1].calls
-    assert all(r.child in (None, 0) for r in tbo.call_log)
+    assert tbo.children[0].inner.calls and not tbo.children[1].inner.calls
+    assert {c.role for c in journal} == {"primary", "tbo_child_0"}
 
 
 def test_split_batch_slices_tokens_and_lengths():
@@ -144,12 +147,13 @@ def test_hybrid_routes_extend_to_prefill_and_decode_to_decode():
     """Two distinct torch_native instances: each gets only its phase; output equals a plain backend."""
     pre, dec = Recording("prefill"), Recording("decode")
     hyb = HybridAttnBackend(pre, dec)
+    journal = spy_hybrid(hyb)
     got = drive(hyb, [0, 1, 2], [0, 5, 17], [4, 2, 3])
     want = drive(TorchNativeBackend(), [0, 1, 2], [0, 5, 17], [4, 2, 3])
     assert all(rel_err(g, w) <= 1e-6 for g, w in zip(got, want))
     assert {(m, mode) for m, mode, _ in pre.calls} == {("init", "extend"), ("extend", "extend")}
     assert {(m, mode) for m, mode, _ in dec.calls} == {("init", "decode"), ("decode", "decode")}
-    assert [r.role for r in hyb.call_log if r.method == "forward"] == ["prefill", "prefill", "decode", "decode"]
+    assert [c.role for c in journal if c.method == "forward"] == ["prefill", "prefill", "decode", "decode"]
 
 
 def test_hybrid_close_once_each_even_if_same_object():

@@ -16,10 +16,13 @@ Shapes (T = tokens in the batch, H = q heads, Hkv = kv heads, D = qk head dim, D
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
-from pipeline.contracts import ForwardMode
+from pipeline.contracts import ForwardMode, LayerKind
+from pipeline.errors import LayerMismatch
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -27,9 +30,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from pipeline.memory import KVPool, ReqToTokenPool
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class AttentionLayer:
     """Per-layer attention parameters (what sglang's ``RadixAttention`` carries).
+
+    Frozen (make a changed layer with :func:`dataclasses.replace`): backends check a layer object
+    against what they were built for once (:class:`PlannedLayers`) and trust it afterwards.
 
     ``sliding_window``: keys visible to a query, itself included (None = full attention).
     ``logit_softcap``: ``cap * tanh(score / cap)`` applied to scaled scores (None = off).
@@ -51,6 +57,105 @@ class AttentionLayer:
     sinks: Optional["torch.Tensor"] = None
     is_mla: bool = False
     attention_chunk_size: Optional[int] = None
+
+
+class LayerField(NamedTuple):
+    """One parameter a backend is built for: its name (the :class:`AttentionLayer` attribute used in
+    errors), how to read it from the call's layer and from the planned :class:`LayerKind`."""
+
+    name: str
+    of_layer: Callable[[Any], Any]
+    of_kind: Callable[[LayerKind], Any]
+
+
+# What a call's layer must share with the kind its id was built for. FlashInfer compiles window and
+# softcap into its kernels and takes scale / heads / dims per planned wrapper (``plan(window_left=...,
+# logits_soft_cap=..., sm_scale=...)``); sglang's trtllm_mha backend likewise passes the window it read
+# from the model runner at init (``window_left=self.sliding_window_size``), not the layer's, to every
+# call. One row per compared field: a new per-layer parameter is one more row here.
+LAYER_FIELDS: tuple[LayerField, ...] = (
+    LayerField("num_heads", attrgetter("num_heads"), attrgetter("num_heads")),
+    LayerField("num_kv_heads", attrgetter("num_kv_heads"), attrgetter("num_kv_heads")),
+    LayerField("head_dim", attrgetter("head_dim"), attrgetter("head_dim_qk")),
+    LayerField("v_head_dim", attrgetter("v_head_dim"), attrgetter("head_dim_v")),
+    LayerField("is_mla", attrgetter("is_mla"), attrgetter("is_mla")),
+    LayerField("scaling", attrgetter("scaling"), attrgetter("scaling")),
+    LayerField("sliding_window", attrgetter("sliding_window"), attrgetter("sliding_window")),
+    LayerField("logit_softcap", attrgetter("logit_softcap"), attrgetter("logit_softcap")),
+    LayerField("sinks", lambda layer: layer.sinks is not None, attrgetter("has_sinks")),
+    LayerField("attention_chunk_size", attrgetter("attention_chunk_size"), attrgetter("attention_chunk_size")),
+)
+
+
+def _same(call: Any, built: Any) -> bool:
+    """Equal, with floats compared to 1e-6 relative (a scale computed in float32 by an engine still matches)."""
+    if isinstance(call, float) and isinstance(built, float):
+        return math.isclose(call, built, rel_tol=1e-6)
+    return call == built
+
+
+def check_layer(planned: "PlannedLayers", layer: Any) -> LayerKind:
+    """Compare ``layer`` with the kind its ``layer_id`` was built for; returns that kind.
+
+    Raises :class:`~pipeline.errors.LayerMismatch` naming the backend, its role, the layer id, the
+    field, the call's value and the built value — for the first field of :data:`LAYER_FIELDS`
+    that differs, or for a layer id the backend was not built for. Host-only work (no device access).
+    """
+    lid = layer.layer_id
+    kind = planned.by_id.get(lid)
+    who = f"the {planned.backend} backend ({planned.role})"
+    if kind is None:
+        built = sorted(planned.by_id)
+        raise LayerMismatch(
+            f"layer {lid} was called on {who}, which was built for layers {_ranges(built)} only",
+            state="forward", flags=[("layer_id", lid)], allowed=[_ranges(built)],
+            remedy="build the backend from the ModelSpec whose layers the model calls (its layer_kinds())")
+    for f in LAYER_FIELDS:
+        call, want = f.of_layer(layer), f.of_kind(kind)
+        if not _same(call, want):
+            raise LayerMismatch(
+                f"layer {lid}: {f.name}={call!r} in the call, but {who} was built for {f.name}={want!r} "
+                f"({kind.kind} layers)", state="forward",
+                flags=[("layer_id", lid), (f"layer.{f.name}", call)], allowed=[repr(want)],
+                remedy=f"build the backend from a ModelSpec whose {kind.kind} layers have {f.name}={call!r}, "
+                       f"or call it with the layers of the ModelSpec it was built from")
+    return kind
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    """Sorted ids as spans: ``[0, 1, 2, 5]`` → ``"0-2, 5"``."""
+    spans: list[list[int]] = []
+    for i in ids:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"
+
+
+class PlannedLayers:
+    """The layer kinds one backend instance was built for, and the check of each call's layer.
+
+    ``kinds``: the :class:`LayerKind` list of the build (``BackendContext.layer_kinds``);
+    ``backend``/``role``: named in errors. :meth:`check` compares a layer with its kind (see
+    :func:`check_layer`) the first time a layer object is seen under its id and remembers the object:
+    later calls cost one dict lookup and an identity test, no device access and no growing state
+    (one entry per layer id). :class:`AttentionLayer` is frozen, so a remembered object cannot change.
+    """
+
+    __slots__ = ("kinds", "by_id", "backend", "role", "_seen")
+
+    def __init__(self, kinds: Sequence[LayerKind], *, backend: str, role: str) -> None:
+        self.kinds = list(kinds)
+        self.by_id = {lid: k for k in self.kinds for lid in k.layer_ids}
+        self.backend, self.role = backend, role
+        self._seen: dict[int, Any] = {}
+
+    def check(self, layer: Any) -> None:
+        """Raise :class:`~pipeline.errors.LayerMismatch` unless ``layer`` matches what was built for its id."""
+        if self._seen.get(layer.layer_id) is not layer:
+            check_layer(self, layer)
+            self._seen[layer.layer_id] = layer
 
 
 @dataclass

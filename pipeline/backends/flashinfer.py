@@ -1,7 +1,10 @@
 """The ``flashinfer`` and ``fa3`` backends: FlashInfer wrappers over the paged KV cache.
 
 One backend instance serves every layer kind of the model (full / sliding, with or without softcap
-or sinks); each kind has its own wrappers because FlashInfer compiles window and softcap in.
+or sinks); each kind has its own wrappers because FlashInfer compiles window and softcap in. A call
+whose layer differs from its planned kind (window, softcap, scale, sinks, heads, dims) or whose layer
+id was not planned raises ``LayerMismatch`` on its first call
+(:class:`~pipeline.backends.base.PlannedLayers`) instead of computing with the planned values.
 
 - **extend**: :class:`flashinfer.BatchPrefillWithRaggedKVCacheWrapper` on the new K/V when no
   request has a cached prefix, else :class:`flashinfer.BatchPrefillWithPagedKVCacheWrapper` over
@@ -29,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from pipeline.backends import flashinfer_sizing as sizing
-from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
+from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
 from pipeline.backends.flashinfer_graph import GraphState
 from pipeline.backends.kv_indices import gather_kv_indices, host_page_meta
 from pipeline.contracts import ForwardMode, LayerKind
@@ -112,6 +115,7 @@ class FlashInferBackend(AttentionBackend):
         self.jit_report = [ensure_compiled(v, heartbeat_s=heartbeat_s) for v in self.variants()]
         self.kinds = [KindWrappers(self.fi, k, self) for k in ctx.layer_kinds]
         self.layer_kind = {lid: i for i, k in enumerate(ctx.layer_kinds) for lid in k.layer_ids}
+        self.planned = PlannedLayers(ctx.layer_kinds, backend=self.name, role=ctx.role)
         self._paged_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._layer_info: dict[int, tuple] = {}
         self._decode_sel: dict[int, list] = {}
@@ -241,16 +245,23 @@ class FlashInferBackend(AttentionBackend):
         return self._paged_views[layer_id]
 
     def _layer(self, layer: AttentionLayer) -> tuple:
-        """(kind wrappers, paged K/V, H, D, H*Dv) of ``layer``, looked up once (the per-layer path is host-bound)."""
+        """(layer, kind wrappers, paged K/V, H, D, H*Dv) of ``layer``, made on the first call with this layer
+        object after checking it against the plan (:class:`PlannedLayers`: ``LayerMismatch`` for a window,
+        softcap, scale, sinks, heads or dims other than the planned wrappers', or an unplanned layer id)."""
+        self.planned.check(layer)
         kw = self.kinds[self.layer_kind[layer.layer_id]]
-        info = (kw, self.paged_kv(layer.layer_id), layer.num_heads, layer.head_dim, layer.num_heads * layer.v_head_dim)
+        info = (layer, kw, self.paged_kv(layer.layer_id), layer.num_heads, layer.head_dim,
+                layer.num_heads * layer.v_head_dim)
         self._layer_info[layer.layer_id] = info
         return info
 
     def _run(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
+        info = self._layer_info.get(layer.layer_id)
+        if info is None or info[0] is not layer:
+            info = self._layer(layer)
+        _, kw, kv, h, d, hdv = info
         if save_kv_cache and k is not None:
             fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
-        kw, kv, h, d, hdv = self._layer_info.get(layer.layer_id) or self._layer(layer)
         q3 = q if q.dim() == 3 else q.reshape(-1, h, d)
         if kw.mode == "ragged":
             o = kw.active.run(q3, k.reshape(-1, layer.num_kv_heads, d), v.reshape(-1, layer.num_kv_heads, layer.v_head_dim))
@@ -267,14 +278,18 @@ class FlashInferBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         """Decode: one token per request over its whole (or windowed) cached context.
 
-        The common case (no sinks) is kept to one dict lookup, the q/o views and FlashInfer's
+        The common case (no sinks) is kept to one dict lookup (whose entry remembers the layer object
+        checked against the plan on its first call), the q/o views and FlashInfer's
         ``run``: an eager small-batch decode step is bound by host time. ``enable_pdl`` is passed
         as decided at build (FlashInfer's own default, ``device_support_pdl``: sm90 and newer)
         instead of being recomputed from ``q.device`` in every call.
         """
+        info = self._layer_info.get(layer.layer_id)
+        if info is None or info[0] is not layer:  # first call with this layer object: checked against the plan
+            info = self._layer(layer)
+        _, kw, kv, h, d, hdv = info
         if save_kv_cache and k is not None:
             forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        kw, kv, h, d, hdv = self._layer_info.get(layer.layer_id) or self._layer(layer)
         if kw.sinks:
             return self._run(q, None, None, layer, forward_batch, False)
         return kw.active.run(q if q.dim() == 3 else q.view(-1, h, d), kv, enable_pdl=self.enable_pdl).view(-1, hdv)

@@ -2,8 +2,8 @@
 
 Built when the resolved prefill and decode backend names differ (sglang's ``HybridAttnBackend``,
 which sglang calls experimental). Extend batches — planning and every layer call — go to the
-prefill backend, decode batches to the decode backend; each routed call is appended to
-:attr:`call_log`. CUDA graphs are decode graphs, so the graph hooks go to the decode backend.
+prefill backend, decode batches to the decode backend; nothing is recorded per call (tests observe
+the halves through spies). CUDA graphs are decode graphs, so the graph hooks go to the decode backend.
 """
 
 from __future__ import annotations
@@ -11,12 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
-from pipeline.backends.tbo import CallRecord
 
 __all__ = ["HybridAttnBackend"]
-
-
-from pipeline.backends.tbo import _rows  # noqa: E402  (one definition: no host sync during capture)
 
 
 class HybridAttnBackend(AttentionBackend):
@@ -31,28 +27,18 @@ class HybridAttnBackend(AttentionBackend):
     def __init__(self, prefill_backend: AttentionBackend, decode_backend: AttentionBackend) -> None:
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
-        self.call_log: list[CallRecord] = []
-
-    def _route(self, fb: ForwardBatch) -> tuple[str, AttentionBackend]:
-        return ("decode", self.decode_backend) if fb.is_decode() else ("prefill", self.prefill_backend)
-
-    def _log(self, role: str, method: str, fb: ForwardBatch, layer_id: int | None = None) -> None:
-        self.call_log.append(CallRecord(role, None, method, fb.forward_mode.value, _rows(fb), layer_id))
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Plan the batch on the backend its forward mode routes to."""
-        role, backend = self._route(forward_batch)
+        backend = self.decode_backend if forward_batch.is_decode() else self.prefill_backend
         backend.init_forward_metadata(forward_batch)
-        self._log(role, "init_forward_metadata", forward_batch)
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
         """Extend on the prefill backend: q [T, H, D] → [T, H*Dv]."""
-        self._log("prefill", "forward", forward_batch, layer.layer_id)
         return self.prefill_backend.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
 
     def forward_decode(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
         """Decode on the decode backend: q [B, H, D] → [B, H*Dv]."""
-        self._log("decode", "forward", forward_batch, layer.layer_id)
         return self.decode_backend.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

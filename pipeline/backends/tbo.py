@@ -6,36 +6,20 @@ the split itself so the rule is visible and testable: the first ``ceil(B/2)`` re
 0, the rest to child 1 (a batch of one request goes to child 0 only). Each child gets its own
 sub-:class:`ForwardBatch` (rows, seq lens, prefix/new lens, ``out_cache_loc`` and ``positions``
 sliced to its requests' tokens), is planned with ``init_forward_metadata`` and run with
-``forward``; outputs are concatenated in batch order. Every call is appended to :attr:`call_log`.
+``forward``; outputs are concatenated in batch order. The per-layer path keeps no record and reads
+nothing from the device (tests observe the children through spies); the split is computed once per
+batch from the host lengths the batch carries.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
 from pipeline.errors import BuildError
 
-__all__ = ["CallRecord", "TboAttnBackend", "split_batch", "split_point"]
-
-
-@dataclass(frozen=True)
-class CallRecord:
-    """One call a wrapper made to an inner backend.
-
-    ``role``: the inner backend's role (``"primary"``, ``"tbo_child_0"``, ``"prefill"`` …);
-    ``child``: child index for TBO, else None; ``method``: ``"init_forward_metadata"`` or
-    ``"forward"``; ``forward_mode``: ``"extend"``/``"decode"``; ``rows``: the ``req_to_token`` rows
-    of the requests served; ``layer_id``: the layer for ``forward`` calls, else None.
-    """
-
-    role: str
-    child: Optional[int]
-    method: str
-    forward_mode: str
-    rows: tuple[int, ...]
-    layer_id: Optional[int] = None
+__all__ = ["TboAttnBackend", "split_batch", "split_point"]
 
 
 def split_point(batch_size: int) -> int:
@@ -78,16 +62,6 @@ def split_batch(fb: ForwardBatch) -> list[tuple[ForwardBatch, int, int]]:
     return parts
 
 
-def _rows(fb: ForwardBatch) -> tuple[int, ...]:
-    """Request rows of ``fb`` for the call log; () while a CUDA graph is being captured (no host sync there)."""
-    if fb.req_pool_indices.is_cuda:
-        import torch
-
-        if torch.cuda.is_current_stream_capturing():
-            return ()
-    return tuple(int(x) for x in fb.req_pool_indices.tolist())
-
-
 class TboAttnBackend(AttentionBackend):
     """TBO wrapper over ``primary`` and ``children = [child0, child1]`` (three distinct instances).
 
@@ -106,27 +80,16 @@ class TboAttnBackend(AttentionBackend):
                              remedy="build three instances with the same factory: primary + 2 children")
         self.primary = primary
         self.children = list(children)
-        self.call_log: list[CallRecord] = []
         self._split: Optional[tuple[ForwardBatch, list[tuple[ForwardBatch, int, int]]]] = None
-
-    @staticmethod
-    def _role(backend: AttentionBackend, default: str) -> str:
-        return str(getattr(backend, "role", default))
-
-    def _log(self, backend: AttentionBackend, child: Optional[int], method: str, fb: ForwardBatch,
-             layer_id: Optional[int] = None) -> None:
-        role = self._role(backend, "primary" if child is None else f"tbo_child_{child}")
-        self.call_log.append(CallRecord(role, child, method, fb.forward_mode.value, _rows(fb), layer_id))
+        self._graph_mode = False
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Plan the primary on the full batch and each child on its half."""
         self._graph_mode = False
         self.primary.init_forward_metadata(forward_batch)
-        self._log(self.primary, None, "init_forward_metadata", forward_batch)
         parts = split_batch(forward_batch)
         for i, (sub, _, _) in enumerate(parts):
             self.children[i].init_forward_metadata(sub)
-            self._log(self.children[i], i, "init_forward_metadata", sub)
         self._split = (forward_batch, parts)
 
     def _parts(self, fb: ForwardBatch) -> list[tuple[ForwardBatch, int, int]]:
@@ -138,14 +101,12 @@ class TboAttnBackend(AttentionBackend):
         import torch
 
         if self._graph_mode:  # captured/replayed decode: the primary holds the graph metadata for the full batch
-            self._log(self.primary, None, "forward", fb, layer.layer_id)
             return self.primary.forward(q, k, v, layer, fb, save_kv_cache=save_kv_cache)
         outs = []
         for i, (sub, t0, t1) in enumerate(self._parts(fb)):
             ks = None if k is None else k[t0:t1]
             vs = None if v is None else v[t0:t1]
             outs.append(self.children[i].forward(q[t0:t1], ks, vs, layer, sub, save_kv_cache=save_kv_cache))
-            self._log(self.children[i], i, "forward", sub, layer.layer_id)
         return torch.cat(outs, dim=0)
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True):

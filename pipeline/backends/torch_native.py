@@ -19,12 +19,13 @@ The capability record is :data:`pipeline.backends.capabilities.TORCH_NATIVE` (ke
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
+from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
+from pipeline.contracts import LayerKind
 from pipeline.errors import BuildError
 
 __all__ = ["TorchNativeBackend", "create", "check_forward_inputs", "batch_layout"]
@@ -153,15 +154,21 @@ class TorchNativeBackend(AttentionBackend):
     ----------
     torch_device : device the pools live on (``"cpu"``, ``"cuda:0"`` …).
     role : the instance's role in the build plan (``"primary"``, ``"tbo_child_0"`` …).
+    layer_kinds : the layer kinds it is built for (the registry factory always passes the model's):
+        every call's layer is then checked against its kind once per layer object
+        (:class:`~pipeline.backends.base.PlannedLayers`; ``LayerMismatch`` before any write). None
+        (direct use as a reference) computes with whatever each call's layer says.
 
     The pools come with each :class:`ForwardBatch` (``req_to_token_pool``, ``token_to_kv_pool``).
     """
 
     name = "torch_native"
 
-    def __init__(self, *, torch_device: str | torch.device = "cpu", role: str = "primary") -> None:
+    def __init__(self, *, torch_device: str | torch.device = "cpu", role: str = "primary",
+                 layer_kinds: Optional[Sequence[LayerKind]] = None) -> None:
         self.torch_device = torch.device(torch_device)
         self.role = role
+        self.planned = None if layer_kinds is None else PlannedLayers(layer_kinds, backend=self.name, role=role)
         self._layout: Optional[tuple[ForwardBatch, list[tuple[int, int, int]]]] = None
         self.closed = False
 
@@ -170,11 +177,13 @@ class TorchNativeBackend(AttentionBackend):
         self._layout = (forward_batch, batch_layout(forward_batch))
 
     def _layout_for(self, fb: ForwardBatch) -> list[tuple[int, int, int]]:
-        if self._layout is not None and self._layout[0] is fb:
-            return self._layout[1]
-        return batch_layout(fb)
+        if self._layout is None or self._layout[0] is not fb:  # not planned: plan once, not once per layer
+            self.init_forward_metadata(fb)
+        return self._layout[1]
 
     def _run(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
+        if self.planned is not None:
+            self.planned.check(layer)
         layout = self._layout_for(fb)
         q3 = check_forward_inputs(q, k, v, layer, fb, save_kv_cache, layout)
         pool = fb.token_to_kv_pool
@@ -210,4 +219,4 @@ class TorchNativeBackend(AttentionBackend):
 
 def create(ctx: Any) -> TorchNativeBackend:
     """Registry factory: ``create(ctx: BackendContext) -> TorchNativeBackend`` (needs no workspace)."""
-    return TorchNativeBackend(torch_device=ctx.torch_device, role=ctx.role)
+    return TorchNativeBackend(torch_device=ctx.torch_device, role=ctx.role, layer_kinds=ctx.layer_kinds)

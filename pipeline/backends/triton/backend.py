@@ -20,13 +20,13 @@ pool's V copy is not read); no window, chunk, softcap or sinks there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
-from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
+from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
 from pipeline.backends.triton import launch, launch_mla
-from pipeline.contracts import ForwardMode
+from pipeline.contracts import ForwardMode, LayerKind
 from pipeline.errors import BuildError, CapabilityMismatch
 
 __all__ = ["TritonAttnBackend", "create"]
@@ -62,6 +62,10 @@ class TritonAttnBackend(AttentionBackend):
     layer_dims : ``(H, Hkv, D, Dv)`` of every layer kind served (sizes the CUDA-graph scratch).
     num_sms : multiprocessor count (sets the decode split cap per batch size).
     role : the instance's role in the build plan.
+    layer_kinds : the layer kinds it is built for (the registry factory always passes the model's):
+        every call's layer is then checked against its kind once per layer object
+        (:class:`~pipeline.backends.base.PlannedLayers`; ``LayerMismatch`` before any write).
+        None computes with whatever each call's layer says (direct use in kernel tests).
     """
 
     name = "triton"
@@ -70,17 +74,19 @@ class TritonAttnBackend(AttentionBackend):
                  num_sms: int = 132, role: str = "primary", decode_config: Optional[launch.DecodeConfig] = None,
                  extend_config: Optional[launch.ExtendConfig] = None,
                  mla_decode_config: Optional[launch_mla.MLADecodeConfig] = None,
-                 mla_extend_config: Optional[launch_mla.MLAExtendConfig] = None) -> None:
+                 mla_extend_config: Optional[launch_mla.MLAExtendConfig] = None,
+                 layer_kinds: Optional[Sequence[LayerKind]] = None) -> None:
         self.torch_device = torch.device(torch_device)
         self.layer_dims = list(layer_dims)
         self.num_sms = int(num_sms)
         self.role = role
+        self.planned = None if layer_kinds is None else PlannedLayers(layer_kinds, backend=self.name, role=role)
         self.decode_config = decode_config
         self.extend_config = extend_config
         self.mla_decode_config = mla_decode_config
         self.mla_extend_config = mla_extend_config
         self._decode: Optional[_DecodeMeta] = None
-        self._extend: Optional[_ExtendMeta] = None
+        self._extend: Optional[tuple[ForwardBatch, _ExtendMeta]] = None  # the planned extend batch and its metadata
         self._graph: dict[str, torch.Tensor] = {}
         self.closed = False
 
@@ -91,7 +97,7 @@ class TritonAttnBackend(AttentionBackend):
         if fb.is_decode():
             self._decode = _DecodeMeta(fb.req_pool_indices, fb.seq_lens, fb.batch_size)
             return
-        self._extend = self._extend_meta(fb)
+        self._extend = (fb, self._extend_meta(fb))
 
     def _extend_meta(self, fb: ForwardBatch) -> _ExtendMeta:
         if fb.extend_seq_lens is None or fb.extend_prefix_lens is None:
@@ -167,7 +173,9 @@ class TritonAttnBackend(AttentionBackend):
     # ----------------------------------------------------------------------------- forward
     def _prepare(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
                  fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
-        """Check the layer against its KV buffers, write the new K/V when asked; returns q as [T, H, D]."""
+        """Check the layer against its plan and KV buffers, write the new K/V when asked; returns q as [T, H, D]."""
+        if self.planned is not None:
+            self.planned.check(layer)
         if not layer.is_mla and layer.head_dim != layer.v_head_dim:
             raise CapabilityMismatch("the triton backend serves D == Dv, or MLA layers",
                                      flags=[("layer.head_dim", layer.head_dim), ("layer.v_head_dim", layer.v_head_dim)],
@@ -223,7 +231,9 @@ class TritonAttnBackend(AttentionBackend):
         """Extend: q [T, H, D] → [T, H*Dv]; prefix from the pool, new tokens from k/v (or the pool if None)."""
         fb = forward_batch
         q3 = self._prepare(q, k, v, layer, fb, save_kv_cache)
-        meta = self._extend if self._extend is not None else self._extend_meta(fb)
+        if self._extend is None or self._extend[0] is not fb:  # not planned: plan once (not per layer, never stale)
+            self._extend = (fb, self._extend_meta(fb))
+        meta = self._extend[1]
         pool = fb.token_to_kv_pool
         kb, vb = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         t, h = q3.shape[0], layer.num_heads
@@ -285,4 +295,5 @@ def create(ctx: Any) -> TritonAttnBackend:
                 allowed=["D == Dv <= 256, no MLA"], remedy="use flashinfer or torch_native for this model")
         dims.append((kind.num_heads, kind.num_kv_heads, kind.head_dim_qk, kind.head_dim_v))
     sms = getattr(ctx.device, "sm_count", 0) or 132
-    return TritonAttnBackend(torch_device=ctx.torch_device, layer_dims=dims, num_sms=sms, role=ctx.role)
+    return TritonAttnBackend(torch_device=ctx.torch_device, layer_dims=dims, num_sms=sms, role=ctx.role,
+                             layer_kinds=ctx.layer_kinds)
