@@ -121,6 +121,11 @@ class MLADims(msgspec.Struct, **_STRUCT):
     v_head_dim: int
     q_lora_rank: int | None = None
 
+    def __post_init__(self) -> None:
+        from pipeline.validation import check_types
+
+        check_types(self, "mla.")
+
     @property
     def absorbed_qk_dim(self) -> int:
         """qk head dim of the absorbed form: ``kv_lora_rank + qk_rope_head_dim`` (e.g. 576)."""
@@ -192,6 +197,11 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     vocab_size: int = 32000
+
+    def __post_init__(self) -> None:
+        from pipeline.validation import check_types
+
+        check_types(self)  # a ModelSpec built by hand gets the types load_model_spec guarantees
 
     @property
     def is_mla(self) -> bool:
