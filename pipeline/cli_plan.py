@@ -82,6 +82,17 @@ def _skips(res: Resolution, plan: Any, request: SetupRequest, device: DeviceFact
     return out
 
 
+def _check_workspaces(request: SetupRequest, res: Resolution, plan: Any, device: DeviceFacts) -> None:
+    """build-mode's workspace check, so ``plan`` refuses the workspace sizes ``run`` refuses."""
+    from pipeline import settings
+    from pipeline.build import check_workspace_sizes
+
+    no_graphs = any(s.what == "cuda_graph" for s in res.skips)
+    graph_max_bs = 0 if no_graphs else settings.cuda_graph_max_bs(request.args, request.pool.max_reqs)
+    check_workspace_sizes(plan, request.served_model.layer_kinds(), device, max_reqs=request.pool.max_reqs,
+                          graph_max_bs=graph_max_bs)
+
+
 def rejected_obj(res: Resolution) -> dict[str, list[dict[str, Any]]]:
     """``{prefill: [{backend, reasons}], decode: […]}`` (both halves always present)."""
     return {h: [{"backend": r.backend, "reasons": list(r.reasons)} for r in res.rejected.get(h, [])]
@@ -97,6 +108,7 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
                          installed=installed)
     plan = build_mode.decide(request.args, res.pair, is_draft_worker=request.is_draft_worker,
                              workspace_bytes=_workspace_bytes(request))
+    _check_workspaces(request, res, plan, device)
     return {"ok": True, "device": msgspec.to_builtins(device), "installed": dict(installed),
             "resolved": rp.resolved_obj(res), "plan": rp.plan_obj(plan), "rejected": rejected_obj(res),
             "skips": _skips(res, plan, request, device)}

@@ -114,7 +114,8 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
                          flags=[("--decode-steps", ns.decode_steps)], allowed=[">= 0"], remedy="pass --decode-steps 3")
     settings.zbal_local_mem_size(request.args)
     settings.flashinfer_workspace_size(request.args, request.served_model)
-    facts = platform_for(request.device).device_facts(parse_device(request.device)[1])
+    platform, index = platform_for(request.device), parse_device(request.device)[1]
+    facts = platform.device_facts(index)
     if ns.mem_bytes is not None and facts.total_memory_bytes and ns.mem_bytes > facts.total_memory_bytes:
         raise ConfigError(f"--mem-bytes {ns.mem_bytes} exceeds the device's {facts.total_memory_bytes} bytes",
                           code="invalid_value", flags=[("mem_bytes", ns.mem_bytes)],
@@ -123,7 +124,7 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
         from pipeline.pool_sizing import check_mem_fraction
 
         check_mem_fraction(ns.mem_fraction)
-    check_pool_for_checks(ns, request)
+    check_pool_for_checks(ns, request, platform, index)
     try:
         resolve.decide(request.args, request.served_model, facts, is_draft_worker=request.is_draft_worker,
                        installed=installed_by_import())
@@ -132,35 +133,60 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
         raise
 
 
-def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest) -> None:
-    """Refuse, before the model loads, a pool too small for what ``run`` verifies.
+def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platform: Any = None,
+                          index: int = 0) -> None:
+    """Refuse, before the model loads, a pool too small for what ``run`` verifies or too big for memory.
 
-    The built instances are verified on a 5-request batch and the model steps on a 4-request one
-    (:func:`pipeline.verify.slots_needed`, :func:`pipeline.runner_verify.slots_needed`, whole pages
-    each): :func:`pipeline.pool_sizing.size_pools` is asked for at least that many slots from
-    ``--num-token-slots`` or a ``--mem-bytes`` budget (``--mem-fraction`` is sized after the weights
-    load, since they count against it). Raises ConfigError ``pool_budget_too_small`` naming the flag.
+    The built instances are verified on a 5-request batch and the model steps on a 4-request one:
+    ``--max-context-len`` must hold their longest request (:func:`pipeline.verify.context_needed`,
+    :func:`pipeline.runner_verify.context_needed`; ConfigError ``invalid_value`` naming the minimum),
+    and :func:`pipeline.pool_sizing.size_pools` is asked for at least the slots they take
+    (:func:`pipeline.verify.slots_needed`, :func:`pipeline.runner_verify.slots_needed`, whole pages each)
+    from ``--num-token-slots`` or a ``--mem-bytes`` budget (``--mem-fraction``'s floor is checked after
+    the weights load, since they count against it); ConfigError ``pool_budget_too_small`` naming the flag.
+    With ``platform``, the pools these flags give (the default slots, or ``--mem-fraction`` of the
+    device's memory) must fit its free memory (:func:`pipeline.pool_sizing.check_fits`).
     """
     from pipeline import runner_verify, verify
-    from pipeline.pool_sizing import size_pools
+    from pipeline.pool_sizing import available_bytes, budget_from_fraction, check_fits, size_pools
     from states.capability_check import kv_dtype
 
-    if ns.num_token_slots is None and ns.mem_bytes is None:
-        return
     p, ps, steps, model = request.pool, request.args.page_size, max(ns.decode_steps, 0), request.served_model
-    need = max(verify.slots_needed(p.max_reqs, ps, steps), runner_verify.slots_needed(p.max_reqs, ps, steps))
+    ctx = max(verify.context_needed(p.max_reqs, steps), runner_verify.context_needed(p.max_reqs, steps))
+    if p.max_context_len < ctx:
+        raise ConfigError(f"--max-context-len {p.max_context_len} is shorter than the {ctx} tokens the longest "
+                          f"verification request reaches with --decode-steps {steps}", code="invalid_value",
+                          flags=[("max_context_len", p.max_context_len), ("decode_steps", steps)],
+                          allowed=[f">= {ctx}"], remedy=f"pass --max-context-len {ctx} or more")
     n = model.num_hidden_layers
     layers = min(ns.num_layers if ns.num_layers is not None and ns.num_layers > 0 else min(DEFAULT_LAYERS, n), n)
-    size_pools(model.layer_kinds(), layers, kv_dtype(request.args, model), page_size=ps, max_reqs=p.max_reqs,
-               max_context_len=p.max_context_len, num_token_slots=ns.num_token_slots, budget_bytes=ns.mem_bytes,
-               source="bytes", min_slots=need, min_slots_for=f"the verification batches with --decode-steps {steps}")
+    kinds, kvd = model.layer_kinds(), kv_dtype(request.args, model)
+    total, allocated = 0, 0
+    if ns.num_token_slots is not None or ns.mem_bytes is not None:
+        need = max(verify.slots_needed(p.max_reqs, ps, steps), runner_verify.slots_needed(p.max_reqs, ps, steps))
+        s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
+                       num_token_slots=ns.num_token_slots, budget_bytes=ns.mem_bytes, source="bytes", min_slots=need,
+                       min_slots_for=f"the verification batches with --decode-steps {steps}")
+    elif ns.mem_fraction is not None and platform is not None:
+        total, allocated = platform.device_facts(index).total_memory_bytes, platform.memory_allocated(index)
+        budget = budget_from_fraction(ns.mem_fraction, total, allocated)
+        s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
+                       budget_bytes=max(budget, 0), source="mem_fraction", mem_fraction=ns.mem_fraction)
+    else:
+        s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
+                       num_token_slots=p.num_token_slots)
+    if platform is not None:
+        check_fits(s, available_bytes(platform, index), device=platform.torch_device(index), total_bytes=total,
+                   allocated_bytes=allocated, mem_fraction=ns.mem_fraction)
 
 
 def request_from(ns: argparse.Namespace, *, on_gpu: bool) -> SetupRequest:
+    from pipeline import settings
     from pipeline.cli import attention_args_from
     from pipeline.eventlog import secrets_from_env
 
     args = attention_args_from(ns)
+    settings.check_env()  # SGLANG_* size variables pass the same check as their flags
     model, draft = load_models(ns)
     return SetupRequest(args=args, model=model, draft_model=draft, is_draft_worker=ns.draft_worker,
                         device=getattr(ns, "device", "cpu"), rank=ns.rank, world_size=ns.world_size,
@@ -247,6 +273,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     run.add_argument("--decode-steps", type=int, default=3, help="decode steps verified after the extend")
     run.add_argument("--num-layers", type=int, default=None,
                      help=f"build only the first N layers (default {DEFAULT_LAYERS}, on every device)")
+    run.add_argument("--dist-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="under torchrun (WORLD_SIZE > 1): seconds to wait for the rendezvous and for every rank "
+                          "in each exchange before failing with rank_exchange_failed (default 60)")
     budget = run.add_mutually_exclusive_group()
     budget.add_argument("--mem-fraction", type=float, default=None,
                         help="size the KV pool from this share of device memory (sglang's mem_fraction_static)")
@@ -259,9 +288,9 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.build import new_run_id
     from pipeline.runner import Runner
 
-    from pipeline.distributed import init_from_env
+    from pipeline.distributed import check_timeout, init_from_env
 
-    group = init_from_env(ns.device)  # None unless launched with WORLD_SIZE > 1 (torchrun)
+    group = init_from_env(ns.device, timeout_s=check_timeout(ns.dist_timeout))  # None unless WORLD_SIZE > 1
     if group is not None:
         ns.rank, ns.world_size, ns.device = group.rank, group.world_size, group.device
     on_gpu = _on_gpu(ns.device)
