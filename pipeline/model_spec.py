@@ -46,6 +46,14 @@ DEFAULT_UPPER = (1 << 31) - 1
 MAX_INT_DIGITS = 20
 
 
+def _finite(v: int | float) -> bool:
+    """A float, or an int a float can hold (``math.isfinite(10**400)`` raises OverflowError)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 class _HugeInt:
     """A JSON integer literal too long to be a config value; never equal to anything a getter accepts."""
 
@@ -95,7 +103,7 @@ class _Cfg:
         v = self.get(key)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v <= 0:
             raise self.bad(key, v, "a finite number > 0", "must be a finite number > 0")
         return float(v)
 

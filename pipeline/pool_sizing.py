@@ -27,6 +27,7 @@ import msgspec
 
 from pipeline.contracts import LayerKind, PoolFacts
 from pipeline.errors import ConfigError
+from pipeline.validation import MAX_POOL_DIM
 
 KV_ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
 REQ_TO_TOKEN_ELEM_BYTES = 4
@@ -93,6 +94,7 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
     given (``mem_fraction``: the fraction a ``source="mem_fraction"`` budget came from, for the
     error). The pool must hold at least two pages and ``min_slots`` token slots (rounded up to
     pages; ``min_slots_for`` says what needs them, e.g. ``attn-setup run``'s verification batches).
+    A budget is used up to ``MAX_POOL_DIM`` (2**31 - 1) slots, what int32 token locations address.
     Raises ConfigError (``pool_budget_too_small``) naming the flag, what it must cover and a remedy
     otherwise; nothing is allocated.
     """
@@ -108,7 +110,8 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
                               allowed=[f">= {floor}"], remedy=f"pass --num-token-slots {floor} or more")
     elif budget_bytes is not None:
         budget = int(budget_bytes)
-        slots = max(0, (budget - r2t) // max(per_tok, 1)) // page_size * page_size
+        # a budget beyond what int32 token locations address is used up to that (MAX_POOL_DIM) only
+        slots = min(max(0, (budget - r2t) // max(per_tok, 1)), MAX_POOL_DIM) // page_size * page_size
         need = r2t + floor * per_tok
         if slots < floor:
             raise ConfigError(

@@ -169,9 +169,14 @@ def check_size(field: str, value: Optional[int], *, allow_zero: bool, source: Op
 
 
 def _short(v: Any) -> str:
+    """repr(v) for messages, at most 80 characters; never fails (ints above 4300 digits cannot be repr'd)."""
     if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
         return f"<an integer of about {int(v.bit_length() * 0.30103) + 1} digits>"
-    return repr(v)
+    try:
+        text = repr(v)
+    except (ValueError, RecursionError):
+        text = f"<a {type(v).__name__} that cannot be shown>"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_device(device: str) -> None:
