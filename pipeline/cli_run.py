@@ -269,7 +269,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the pipeline and verify every built backend on a real batch")
     add_setup_flags(run)
     run.add_argument("--log-file", default="./attn-setup-logs/{run_id}.rank{rank}.jsonl",
-                     help="JSON-lines trace path; {run_id} and {rank} are filled in")
+                     help="JSON-lines trace path; {run_id} and {rank} are filled in "
+                          "(default: ./attn-setup-logs/{run_id}.rank{rank}.jsonl)")
     run.add_argument("--decode-steps", type=int, default=3, help="decode steps verified after the extend")
     run.add_argument("--num-layers", type=int, default=None,
                      help=f"build only the first N layers (default {DEFAULT_LAYERS}, on every device)")
@@ -278,8 +279,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                           "in each exchange before failing with rank_exchange_failed (default 60)")
     budget = run.add_mutually_exclusive_group()
     budget.add_argument("--mem-fraction", type=float, default=None,
-                        help="size the KV pool from this share of device memory (sglang's mem_fraction_static)")
-    budget.add_argument("--mem-bytes", type=int, default=None, help="size the KV pool from this many bytes")
+                        help="size the KV pool from this share of device memory (sglang's mem_fraction_static; "
+                             "default: unset, the pool has --num-token-slots slots)")
+    budget.add_argument("--mem-bytes", type=int, default=None,
+                        help="size the KV pool from this many bytes (default: unset, as --mem-fraction)")
     return run
 
 
@@ -328,8 +331,8 @@ def cmd(ns: argparse.Namespace) -> int:
     if ns.json:
         rp.emit_json(report)
     else:
-        _render_runner(report)
-        rp.render_tables(report)
+        _render_runner(report, log.records, request)
+        rp.render_tables({**report, "states": []})  # the setup states are in the runner timeline above
         if error is not None:
             rp.render_error(error)
     return code
@@ -346,14 +349,64 @@ def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_f
     }
 
 
-def _render_runner(report: dict[str, Any]) -> None:
-    """Runner states and the stack's verified steps as rich tables."""
+def model_line(request: SetupRequest, records: Any) -> str:
+    """``model: llama (LlamaForCausalLM) from PATH, 2 of 32 layers built`` (+ the draft model on a draft worker)."""
+    built = next((r.num_layers for r in records if isinstance(r, ev.ModelLoaded)), None)
+
+    def one(m: ModelSpec, serves: bool) -> str:
+        arch = f" ({', '.join(m.architectures)})" if m.architectures else ""
+        layers = f", {built} of {m.num_hidden_layers} layers built" if serves and built is not None else ""
+        return f"{m.model_type}{arch} from {m.source or 'a dict'}{layers}"
+
+    draft = request.draft_model
+    text = f"model: {one(request.model, draft is None or not request.is_draft_worker)}"
+    if request.is_draft_worker:
+        text += f"; draft worker serving {'the draft model: ' + one(draft, True) if draft else 'the model itself'}"
+    return text
+
+
+def timeline_rows(report: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """``(label, outcome, ms)`` in the order the states ran: the runner's states, with the setup
+    machine's states nested (indented) under ``attention``; the setup states alone without a runner."""
+    runner = report.get("runner_states") or []
+    setup = [(f"  └ {s['state']}" if runner else s["state"], s["outcome"], s["duration_ms"])
+             for s in report.get("states") or []]
+    rows: list[tuple[str, str, float]] = []
+    for s in runner:
+        rows.append((s["state"], s["outcome"], s["duration_ms"]))
+        if s["state"] == "attention":
+            rows += setup
+            setup = []
+    return rows + setup
+
+
+def _pool_line(records: Any) -> Optional[str]:
+    r = next((r for r in records if isinstance(r, ev.MemoryPoolSized)), None)
+    if r is None:
+        return None
+    return (f"KV pool: {r.num_token_slots} token slots x {rp.fmt_bytes(r.bytes_per_token)} = {rp.fmt_bytes(r.kv_bytes)} "
+            f"(from {r.source}), req_to_token {r.max_reqs} x {r.max_context_len} = {rp.fmt_bytes(r.req_to_token_bytes)}")
+
+
+def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[SetupRequest] = None) -> None:
+    """The model, the timeline (runner states with the setup states nested) and the stack's verified steps."""
     from rich.console import Console
     from rich.table import Table
 
     c = Console(highlight=False, soft_wrap=False, width=120)
-    if report["runner_states"]:
-        c.print(rp.states_table("runner states", report["runner_states"]))
+    if request is not None:
+        c.print(model_line(request, records), markup=False, soft_wrap=True)
+    pool = _pool_line(records)
+    if pool:
+        c.print(pool, markup=False, soft_wrap=True)
+    rows = timeline_rows(report)
+    if rows:
+        t = Table(title="timeline (setup states under attention)", title_justify="left")
+        for col in ("state", "outcome", "duration ms"):
+            t.add_column(col)
+        for label, outcome, ms in rows:
+            t.add_row(label, outcome, f"{ms:.1f}")
+        c.print(t)
     if report["model_steps"]:
         t = Table(title="attention stack steps vs float64 dense reference (max|dout-dref|/max|dref|)",
                   title_justify="left")

@@ -62,6 +62,14 @@ def skips_from(records: Iterable[ev.Event]) -> list[dict[str, str]]:
             if isinstance(r, (ev.StepSkipped, ev.FeatureDowngraded))]
 
 
+def fmt_bytes(n: int) -> str:
+    """A byte count for people: ``512 B``, ``32.0 KiB``, ``384.0 MiB``, ``1.50 GiB`` (JSON keeps bytes)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}" if unit == "GiB" else f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
 def emit_json(obj: dict[str, Any]) -> None:
     sys.stdout.write(msgspec.json.encode(obj).decode() + "\n")
     sys.stdout.flush()
@@ -126,7 +134,8 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
             t.add_row(i["role"], i["backend"], str(i["workspace"]))
         c.print(t)
         for w in plan["workspaces"]:
-            c.print(f"  workspace {w['id']}: {w['bytes']} bytes, owner {w['owner']}, shared by {', '.join(w['shared_by'])}")
+            c.print(f"  workspace {w['id']}: {fmt_bytes(w['bytes'])}, owner {w['owner']}, "
+                    f"shared by {', '.join(w['shared_by'])}", markup=False)
     for s in report.get("skips") or []:
         c.print(f"skipped: {s['what']}: {s['reason']}", markup=False)
     if report.get("verified"):
