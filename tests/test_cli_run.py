@@ -1,15 +1,13 @@
-"""`attn-setup run` as a subprocess on every bundled config, with each config's pinned CPU outcome."""
+"""`attn-setup run` on every bundled config, with each config's pinned CPU outcome (in-process: ``run_main``)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS
+from conftest import CONFIGS, run_main
 from pipeline import events as ev
 
 SIX = ["device-init", "resolve", "build-mode", "npu-lazy-mem", "annotate", "done"]
@@ -28,9 +26,7 @@ PINNED = {
 }
 
 
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+run_cli = run_main
 
 
 def test_every_bundled_config_is_pinned():
