@@ -9,6 +9,7 @@ This module configures logging for the application; the library never does.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from typing import Any, Optional, Sequence
@@ -54,7 +55,7 @@ class _Parser(argparse.ArgumentParser):
                     continue
                 opt = tok.split("=", 1)[0]
                 prefix = [o for o in known if o.startswith(opt) and o != opt]
-                near = prefix or difflib.get_close_matches(opt, [o for o in known if o != opt], n=2)
+                near = prefix or difflib.get_close_matches(opt, [o for o in known if o != opt], n=2, cutoff=0.75)
                 flags.append((opt, tok))
                 if near:
                     hints.append(f"{opt}: did you mean {' or '.join(near[:2])}?"
@@ -277,6 +278,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser = build_parser()
         parser.argv = argv  # type: ignore[attr-defined]  # for "did you mean" hints on unknown flags
         ns = parser.parse_args(argv)
+        if not ns.verbose:  # torch's C++ logs (c10d retries with C++ frames) only with -v; before torch is imported
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
         configure_logging(ns.verbose)
         return int(ns._cmd(ns))
     except AttnSetupError as e:

@@ -154,10 +154,14 @@ def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platfor
     p, ps, steps, model = request.pool, request.args.page_size, max(ns.decode_steps, 0), request.served_model
     ctx = max(verify.context_needed(p.max_reqs, steps), runner_verify.context_needed(p.max_reqs, steps))
     if p.max_context_len < ctx:
+        from pipeline.validation import MAX_POOL_DIM
+
         raise ConfigError(f"--max-context-len {p.max_context_len} is shorter than the {ctx} tokens the longest "
                           f"verification request reaches with --decode-steps {steps}", code="invalid_value",
                           flags=[("max_context_len", p.max_context_len), ("decode_steps", steps)],
-                          allowed=[f">= {ctx}"], remedy=f"pass --max-context-len {ctx} or more")
+                          allowed=[f">= {ctx}"],
+                          remedy=f"pass --max-context-len {ctx} or more" if ctx <= MAX_POOL_DIM else
+                          f"lower --decode-steps (--max-context-len is at most {MAX_POOL_DIM})")
     n = model.num_hidden_layers
     layers = min(ns.num_layers if ns.num_layers is not None and ns.num_layers > 0 else min(DEFAULT_LAYERS, n), n)
     kinds, kvd = model.layer_kinds(), kv_dtype(request.args, model)

@@ -139,14 +139,23 @@ def check_types(obj: msgspec.Struct, prefix: str = "") -> None:
         if not matches(v, tp):
             want = _type_name(tp)
             field = prefix + name
-            what = type(v).__name__
-            if isinstance(v, str) and not is_text(v):
-                what = "text with a lone surrogate (not valid UTF-8)"
-            elif isinstance(v, int) and not isinstance(v, bool) and not _INT64[0] <= v <= _INT64[1]:
-                what = "an integer outside int64"
+            what = _describe(v)
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if isinstance(v, (list, tuple)) and args and typing.get_origin(args[0]) is list:
+                elem = typing.get_args(args[0])[0]
+                bad = next((x for x in v if not matches(x, elem)), None)
+                what = f"a list holding {_describe(bad)}" if bad is not None else what
             raise ConfigError(f"{cls.__name__}.{name} must be {want}, got {what}", code="invalid_value",
                               flags=[(field, v)], allowed=[want],
                               remedy=_TYPE_REMEDY.get(name, f"pass a value of type {want} for {name}"))
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, str) and not is_text(v):
+        return "text with a lone surrogate (not valid UTF-8)"
+    if isinstance(v, int) and not isinstance(v, bool) and not _INT64[0] <= v <= _INT64[1]:
+        return "an integer outside int64"
+    return type(v).__name__
 
 
 def check_size(field: str, value: Optional[int], *, allow_zero: bool, source: Optional[str] = None) -> None:
