@@ -278,8 +278,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser = build_parser()
         parser.argv = argv  # type: ignore[attr-defined]  # for "did you mean" hints on unknown flags
         ns = parser.parse_args(argv)
-        if not ns.verbose:  # torch's C++ logs (c10d retries with C++ frames) only with -v; before torch is imported
-            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+        if not ns.verbose and "torch" not in sys.modules:  # read when torch is first imported (not yet here)
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # torch's C++ logs (c10d frames) only with -v
         configure_logging(ns.verbose)
         return int(ns._cmd(ns))
     except AttnSetupError as e:

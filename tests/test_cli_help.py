@@ -142,15 +142,6 @@ def test_no_raw_log_line_before_the_formatted_error(capsys, tmp_path):
     assert b'"run_failed"' in log.read_bytes()
 
 
-def test_each_skip_reported_once(capsys, tmp_path):
-    """Without -v, a skip appears once (the report's skipped lines), not also as a warning line."""
-    code = main(["run", "--device", "cpu", "--log-file", str(tmp_path / "l.jsonl"), "--num-layers", "1",
-                 "--decode-steps", "1"])
-    cap = capsys.readouterr()
-    assert code == 0 and cap.err == ""
-    assert cap.out.count("CUDA graphs need a CUDA device; this run is on cpu") == 1
-
-
 def test_verbose_prints_short_human_lines(capsys, tmp_path):
     """-v: every event as one short line on stderr (rounded ms, no JSON record); the file keeps the JSON."""
     log = tmp_path / "l.jsonl"
@@ -175,11 +166,14 @@ def test_human_line_shortens_nested_values():
 
 
 def test_run_human_output_names_the_model_and_nests_the_setup_states(capsys, tmp_path):
-    """run (human): the model line, sizes in KiB/MiB, and a timeline with the setup states under attention, in order."""
+    """run (human): the model line, sizes in KiB/MiB, a timeline with the setup states under attention in order,
+    each skip once and nothing on stderr."""
     code = main(["run", "--device", "cpu", "--log-file", str(tmp_path / "l.jsonl"), "--num-layers", "1",
                  "--decode-steps", "1", "--draft-worker", "--draft-model", str(ROOT / "examples/configs/qwen3-8b.json")])
-    out = capsys.readouterr().out
-    assert code == 0
+    cap = capsys.readouterr()
+    out = cap.out
+    assert code == 0 and cap.err == ""
+    assert out.count("CUDA graphs need a CUDA device; this run is on cpu") == 1
     assert re.search(r"model: llama \(LlamaForCausalLM\) from \S+llama-3\.1-8b\.json; draft worker serving the draft "
                      r"model: qwen3 \(Qwen3ForCausalLM\) from \S+qwen3-8b\.json, 1 of 36 layers built", out), out
     assert re.search(r"KV pool: 1024 token slots x [\d.]+ KiB = [\d.]+ MiB", out)
@@ -193,35 +187,50 @@ def test_run_human_output_names_the_model_and_nests_the_setup_states(capsys, tmp
     assert " bytes," not in out  # workspace sizes in B/KiB/MiB
 
 
-def test_run_json_keeps_bytes(capsys, tmp_path):
-    """--json keeps workspace sizes in bytes (ints)."""
-    main(["run", "--device", "cpu", "--json", "--log-file", str(tmp_path / "l.jsonl"), "--num-layers", "1",
-          "--decode-steps", "0"])
-    out = json.loads(capsys.readouterr().out)
-    assert all(isinstance(w["bytes"], int) for w in out["plan"]["workspaces"])
+@pytest.fixture(scope="module")
+def two_logs(tmp_path_factory):
+    """An ok run (--json output kept) and a run refused in resolve, each with its own log."""
+    import contextlib
+    import io
 
+    import structlog
 
-@pytest.mark.parametrize("fmt", [".mmd", ".dot"])
-def test_graph_runner_machine_from_several_logs(capsys, tmp_path, fmt):
-    """graph takes several logs and draws the runner machine with the run's path (--machine runner)."""
-    logs = []
+    d = tmp_path_factory.mktemp("logs")
+    logs, outs = [], []
     for i, extra in enumerate([[], ["--attention-backend", "triton"]]):
-        logs.append(str(tmp_path / f"l{i}.jsonl"))
-        main(["run", "--device", "cpu", "--json", "--log-file", logs[-1], "--num-layers", "1", "--decode-steps", "0",
-              *extra])
-    capsys.readouterr()
-    out = tmp_path / f"g{fmt}"
-    assert main(["graph", *logs, "--machine", "runner", "-o", str(out)]) == 0
-    text = out.read_text()
-    for s in ("init-distributed", "load-model", "init-memory-pool", "attention", "capture-cuda-graphs", "ready"):
-        assert s in text
-    if fmt == ".mmd":  # the ok run (the refused one never entered the runner) is highlighted
-        cls = dict(re.findall(r"class ([A-Z_]+) s_(\w+)", text))
-        assert cls["READY"] == "taken" and cls["FAILED"] == "default"
+        logs.append(str(d / f"l{i}.jsonl"))
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            main(["run", "--device", "cpu", "--json", "--log-file", logs[-1], "--num-layers", "1", "--decode-steps", "0",
+                  *extra])
+        outs.append(json.loads(buf.getvalue()))
+    structlog.reset_defaults()
+    return logs, outs
+
+
+def test_run_json_keeps_bytes(two_logs):
+    """--json keeps workspace sizes in bytes (ints)."""
+    out = two_logs[1][0]
+    assert out["ok"] and all(isinstance(w["bytes"], int) for w in out["plan"]["workspaces"])
+
+
+def test_graph_runner_machine_from_several_logs(capsys, tmp_path, two_logs):
+    """graph takes several logs and draws the runner machine with the run's path (--machine runner)."""
+    logs = two_logs[0]
+    for fmt in (".mmd", ".dot"):
+        out = tmp_path / f"g{fmt}"
+        assert main(["graph", *logs, "--machine", "runner", "-o", str(out)]) == 0
+        text = out.read_text()
+        for s in ("init-distributed", "load-model", "init-memory-pool", "attention", "capture-cuda-graphs", "ready"):
+            assert s in text
+    cls = dict(re.findall(r"class ([A-Z_]+) s_(\w+)", (tmp_path / "g.mmd").read_text()))
+    assert cls["READY"] == "taken" and cls["FAILED"] == "default"  # the refused run never entered the runner
+    assert 'READY [label="ready", fillcolor="honeydew"' in (tmp_path / "g.dot").read_text()
     setup = tmp_path / "s.mmd"
     assert main(["graph", *logs, "-o", str(setup)]) == 0
     cls = dict(re.findall(r"class ([A-Z_]+) s_(\w+)", setup.read_text()))
     assert cls["RESOLVE"] == "failed"  # the first failed run across both logs: refused in resolve
+    capsys.readouterr()
 
 
 def test_runner_example_prints_results_and_imports_no_cli(capsys, tmp_path, monkeypatch):

@@ -66,8 +66,8 @@ def test_run_outcome_per_config(config, tmp_path):
 
 def test_log_file_placeholders(tmp_path):
     """{run_id} and {rank} are filled into --log-file."""
-    proc = run_cli("run", "--device", "cpu", "--json", "--rank", "1", "--world-size", "2",
-                   "--log-file", str(tmp_path / "x-{run_id}-r{rank}.jsonl"))
+    proc = run_cli("run", "--device", "cpu", "--json", "--rank", "1", "--world-size", "2", "--num-layers", "1",
+                   "--decode-steps", "0", "--log-file", str(tmp_path / "x-{run_id}-r{rank}.jsonl"))
     out = json.loads(proc.stdout)
     assert Path(out["log_file"]).name == f"x-{out['run_id']}-r1.jsonl"
 
@@ -94,7 +94,8 @@ def test_bad_input_exit_codes(args, code, field, tmp_path):
 
 def test_human_output_has_tables(tmp_path):
     """Without --json the states and verification tables are printed."""
-    proc = run_cli("run", "--device", "cpu", "--log-file", str(tmp_path / "l.jsonl"))
+    proc = run_cli("run", "--device", "cpu", "--log-file", str(tmp_path / "l.jsonl"), "--num-layers", "1",
+                   "--decode-steps", "0")
     assert proc.returncode == 0
     for word in ("device-init", "npu-lazy-mem", "verification", "torch_native"):
         assert word in proc.stdout
