@@ -55,6 +55,7 @@ class _Run:
     # -- states ---------------------------------------------------------------------------
     def device_init(self) -> None:
         fault_point(self.faults, "state:device-init")
+        settings.check_env()  # the SGLANG_* size variables, checked like their fields before anything is built
         _, index = parse_device(self.req.device)
         if self.rank_group is not None:  # many ranks: each on its own device, never device 0 by accident
             from pipeline.distributed import check_rank_device
@@ -175,6 +176,24 @@ class _Run:
         return graph_max_bs_of(self.req.args, self.machine.model.resolution, self.req.pool.max_reqs)
 
     def _check_workspaces(self, plan: Any) -> None:
+        """Refuse a FlashInfer workspace too small for the largest planned batch, or larger than the
+        device's free memory, before allocating."""
+        from pipeline.pool_sizing import POOL_MEMORY_SHARE, available_bytes
+
+        total = sum(ws.bytes for ws in plan.workspaces)
+        avail = available_bytes(self.platform, parse_device(self.req.device)[1]) if total else 0
+        if avail and total > avail * POOL_MEMORY_SHARE:
+            from pipeline.errors import ConfigError
+
+            nbytes, source = getattr(self, "fi_ws", (None, "default"))
+            name = "SGLANG_FLASHINFER_WORKSPACE_SIZE" if source == "env" else "flashinfer_workspace_size"
+            per_ws = int(avail * POOL_MEMORY_SHARE) // max(len(plan.workspaces), 1)
+            raise ConfigError(f"the planned workspaces need {total} bytes but {self.torch_device} has {avail} bytes "
+                              f"free ({POOL_MEMORY_SHARE:.0%} of it may be used)", code="workspace_exceeds_memory",
+                              flags=[(name, nbytes), ("workspaces", len(plan.workspaces)), ("available_bytes", avail)],
+                              allowed=[f"<= {per_ws} bytes per workspace"],
+                              remedy=f"set {name} to {per_ws} or less")
+
         check_before_allocation(self.req.args, self.machine.model.resolution, plan, self.kinds,
                                 self.machine.model.device_facts, self.req.pool.max_reqs)
 
@@ -183,8 +202,14 @@ class _Run:
             self._check_given_pools()
             return
         from pipeline.memory import KVPool, ReqToTokenPool, torch_dtype
+        from pipeline.pool_sizing import PoolSizing, available_bytes, check_fits, kv_bytes_per_token
 
-        p = self.req.pool
+        p, kvd = self.req.pool, kv_dtype(self.req.args, model)
+        per_tok = kv_bytes_per_token(self.kinds, model.num_hidden_layers, kvd)
+        s = PoolSizing(facts=p, source="slots", budget_bytes=None, bytes_per_token=per_tok,
+                       req_to_token_bytes=p.max_reqs * p.max_context_len * 4, kv_bytes=p.num_token_slots * per_tok)
+        _, index = parse_device(self.req.device)
+        check_fits(s, available_bytes(self.platform, index), device=str(self.torch_device), cli=False)
         self.pools["req_to_token_pool"] = ReqToTokenPool(p.max_reqs, p.max_context_len, self.torch_device)
         self.pools["kv_pool"] = KVPool.for_layer_kinds(
             self.kinds, model.num_hidden_layers, p.num_token_slots, p.page_size,
@@ -367,6 +392,48 @@ def build_like(backends: AttentionBackends, request: SetupRequest, model: Any,
         raise
 
 
+def open_event_log(run_id: str, rank: int, log_file: Any, secrets: tuple[str, ...] = (),
+                   name: str = "log_file") -> EventLog:
+    """The EventLog for a library call's ``log_file=`` argument, checked before anything runs.
+
+    ``log_file`` is None (no trace file) or a path (str / os.PathLike) that is absent or a regular
+    file; its parent folders are created. Raises :class:`UsageError` (``log_file_unwritable``,
+    exit 2) naming ``name`` for another type, a directory, a device, FIFO or socket (``/dev/full``
+    takes the open and fails every write; a FIFO blocks the open until a reader comes), or a path
+    that cannot be opened for appending.
+    """
+    import os
+    import stat
+
+    from pipeline.errors import UsageError
+
+    if log_file is None:
+        return EventLog(run_id, rank, None, secrets=secrets)
+
+    def bad(why: str) -> UsageError:
+        return UsageError(f"{name}={os.fspath(log_file) if isinstance(log_file, (str, os.PathLike)) else log_file!r} "
+                          f"{why}", code="log_file_unwritable", flags=[(name, str(log_file))],
+                          allowed=["a path to a regular file (created if absent)"],
+                          remedy=f"pass {name}= a writable file path such as logs/attn.rank0.jsonl, or None")
+
+    if not isinstance(log_file, (str, os.PathLike)) or isinstance(log_file, bytes) or not os.fspath(log_file):
+        raise bad("is not a file path")
+    try:
+        mode = os.stat(log_file).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:
+        raise bad(f"cannot be checked: {e.strerror or e}") from None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise bad("is a directory")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise bad("is not a regular file (a device, FIFO or socket)")
+    try:
+        return EventLog(run_id, rank, log_file, secrets=secrets)
+    except OSError as e:
+        raise bad(f"cannot be opened for appending: {e.strerror or e}") from None
+
+
 def release(instances: dict[str, Any], workspace_pool: Any, pools: dict[str, Any]) -> list[str]:
     """Close every backend, drop every workspace and pool; returns what was released."""
     released = []
@@ -446,7 +513,8 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
     ----------
     request: the immutable inputs (args, model, pools' sizes, device, rank …).
     platform: the device platform (default: chosen from ``request.device``); tests pass a fake.
-    log / log_file: an :class:`EventLog` to emit to, or a JSON-lines trace path for a new one.
+    log / log_file: an :class:`EventLog` to emit to, or a JSON-lines trace path for a new one
+        (checked before anything runs: :func:`open_event_log`).
     pools: the engine's own KV pools ``{"req_to_token_pool": …, "kv_pool": …}`` (sglang builds
         them before the backends); default: built here from ``request.pool``.
     installed: package presence override (default: real imports of torch/triton/flashinfer).
@@ -459,7 +527,9 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
 
     Returns :class:`AttentionBackends`. Raises the typed error that failed the run (ConfigError
     subclasses for refused configurations, BuildError …) after the machine entered ``failed``,
-    the failure was logged with its ErrorInfo, and everything allocated was released.
+    the failure was logged with its ErrorInfo, and everything allocated was released;
+    :class:`UsageError` before the machine starts for a request that is not a SetupRequest, pools
+    that are not a dict, or a ``log_file`` that cannot be a trace file.
     """
     if not isinstance(request, SetupRequest):
         from pipeline.errors import UsageError
@@ -476,7 +546,7 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
                          remedy="pass pools=None to let the pipeline build them")
     run_id = request.run_id or (log.run_id if log else None) or getattr(rank_group, "run_id", None) or new_run_id()
     own_log = log is None
-    log = log or EventLog(run_id, request.rank, log_file, secrets=tuple(request.secrets.values()))
+    log = log or open_event_log(run_id, request.rank, log_file, tuple(request.secrets.values()))
     run = None
     try:
         run = _Run(request, platform, log, pools, installed, cpu_group, faults, rank_group)

@@ -9,6 +9,7 @@ This module configures logging for the application; the library never does.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from typing import Any, Optional, Sequence
@@ -19,11 +20,107 @@ from pipeline.contracts import AttentionArgs
 from pipeline.errors import EXIT_USAGE, AttnSetupError, UsageError
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows an option's default after its help unless the help already states it (or it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "default" in text.lower() or default in (None, argparse.SUPPRESS)
+                or isinstance(default, bool)):
+            return text
+        return text + " (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError (exit 2, one ErrorInfo) instead of printing and exiting."""
+    """argparse that raises UsageError (exit 2, one ErrorInfo) instead of printing and exiting.
+
+    Abbreviated long options are off (``allow_abbrev=False``): ``--device`` must never be taken
+    for ``--device-profile``, nor ``--js`` for ``--json``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
-        raise UsageError(f"{self.prog}: {message}", code="usage", remedy=f"see '{self.prog} --help'")
+        flags, hints = [], []
+        if "unrecognized arguments:" in message:
+            import difflib
+
+            known = sorted(self._all_options(getattr(self, "argv", [])))
+            for tok in message.split("unrecognized arguments:", 1)[1].split():
+                if not tok.startswith("--"):
+                    continue
+                opt = tok.split("=", 1)[0]
+                prefix = [o for o in known if o.startswith(opt) and o != opt]
+                near = prefix or difflib.get_close_matches(opt, [o for o in known if o != opt], n=2, cutoff=0.75)
+                flags.append((opt, tok))
+                if near:
+                    hints.append(f"{opt}: did you mean {' or '.join(near[:2])}?"
+                                 + (" (abbreviations are not accepted)" if prefix else ""))
+        remedy = "; ".join(hints + [f"see '{self.prog} --help'"])
+        raise UsageError(f"{self.prog}: {message}", code="usage", flags=flags, remedy=remedy)
+
+    def _all_options(self, argv: Sequence[str] = ()) -> set[str]:
+        """Long options of this parser and of the subcommand named in ``argv`` (of all, if none is)."""
+        out: set[str] = set()
+        for action in self._actions:
+            out.update(o for o in action.option_strings if o.startswith("--"))
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = [action.choices[a] for a in argv if a in action.choices][:1] or action.choices.values()
+                for sub in chosen:
+                    out |= sub._all_options() if isinstance(sub, _Parser) else set()
+        return out
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: one-line doc}`` from the ``Fields`` section of a contract's docstring
+    (``name: text`` lines, as :class:`~pipeline.contracts.AttentionArgs` writes them)."""
+    lines = (cls.__doc__ or "").splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Fields") + 2
+    except StopIteration:
+        return {}
+    out: dict[str, str] = {}
+    for line in lines[start:]:
+        name, sep, text = line.strip().partition(": ")
+        if sep and name.isidentifier():
+            out[name] = text.strip()
+    return out
+
+
+def attention_choices(name: str) -> Optional[list[str]]:
+    """The values a field accepts, where it is a closed set (backend names, dtypes, algorithms)."""
+    from pipeline import validation
+
+    if name.endswith("attention_backend"):
+        from pipeline.backends import registry
+
+        return registry.names()
+    return {"kv_cache_dtype": list(validation.KV_CACHE_DTYPES), "dtype": list(validation.MODEL_DTYPES),
+            "speculative_algorithm": list(validation.SPECULATIVE_ALGORITHMS)}.get(name)
+
+
+def _default_text(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def attention_flag_help(name: str, docs: dict[str, str]) -> str:
+    """``--help`` text of one AttentionArgs flag: its field doc, default and choices."""
+    default = next(f.default for f in msgspec.structs.fields(AttentionArgs) if f.name == name)
+    text = f"{docs.get(name, name.replace('_', ' '))} (default: {_default_text(default)}"
+    choices = attention_choices(name)
+    if choices:
+        text += f"; choices: {', '.join(choices)}"
+    return (text + ")").replace("%", "%%")
 
 
 def _flag_type(tp: Any) -> tuple[str, Any]:
@@ -41,16 +138,18 @@ def add_attention_flags(p: argparse.ArgumentParser) -> None:
     """One kebab-case flag per AttentionArgs field, generated from the Struct so none is forgotten."""
     g = p.add_argument_group("attention arguments (sglang's names)")
     hints = typing.get_type_hints(AttentionArgs)
+    docs = field_docs(AttentionArgs)
     for name in AttentionArgs.__struct_fields__:
         kind, elem = _flag_type(hints[name])
         flag = "--" + name.replace("_", "-")
+        text = attention_flag_help(name, docs)
         if kind == "bool":
-            g.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS)
+            g.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=text)
         elif kind == "list":
-            g.add_argument(flag, dest=name, nargs="+", type=elem, default=argparse.SUPPRESS, metavar="N")
+            g.add_argument(flag, dest=name, nargs="+", type=elem, default=argparse.SUPPRESS, metavar="N", help=text)
         else:
             g.add_argument(flag, dest=name, type=elem, default=argparse.SUPPRESS,
-                           metavar=name.split("_")[-1].upper())
+                           metavar=name.split("_")[-1].upper(), help=text)
 
 
 def attention_args_from(ns: argparse.Namespace) -> AttentionArgs:
@@ -64,18 +163,20 @@ def add_setup_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
     p.add_argument("--model", metavar="CONFIG_JSON", default=None,
                    help="Hugging Face config.json (default: the bundled Llama-3.1-8B)")
     p.add_argument("--draft-worker", action="store_true", help="initialize a speculative-decoding draft worker")
-    p.add_argument("--draft-model", metavar="CONFIG_JSON", default=None, help="the draft model's config.json")
+    p.add_argument("--draft-model", metavar="CONFIG_JSON", default=None,
+                   help="the draft model's config.json (default: the draft worker serves --model)")
     if device:
-        p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
+        p.add_argument("--device", default="auto",
+                       help="auto (a GPU when torch sees one, else cpu) | cpu | cuda[:N] | musa|npu|xpu[:N] (default: auto)")
     p.add_argument("--max-reqs", type=int, default=None, help="rows of req_to_token (default 8)")
     p.add_argument("--max-context-len", type=int, default=None, help="columns of req_to_token (default 1024)")
     p.add_argument("--num-token-slots", type=int, default=None,
                    help="KV slots per layer (default 1024 on CPU, 65536 on GPU)")
     p.add_argument("--rank", type=int, default=0, help="this process's rank (default 0; RANK under torchrun)")
     p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables (errors too)")
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help="show info-level log events on stderr")
+                   help="print each event as a short line on stderr (the log file keeps the JSON)")
     add_attention_flags(p)
 
 
@@ -86,6 +187,7 @@ COMMANDS: list[str] = [
     "pipeline.cli_plan",
     "pipeline.cli_warmup",
     "pipeline.cli_inspect", "pipeline.cli_replay", "pipeline.cli_graph",
+    "pipeline.cli_backends",
 ]
 
 
@@ -96,22 +198,58 @@ def _modules() -> list[Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pipeline import __version__
+
     p = _Parser(prog="attn-setup", description="Initialize an inference engine's attention backends as an observable "
-                "state machine: run, plan, warmup, inspect, replay, graph.")
-    p.add_argument("-v", "--verbose", action="store_true", help="show info-level log events on stderr")
+                "state machine: run, plan, warmup, inspect, replay, graph, backends.")
+    p.add_argument("--version", action="version", version=f"attn-setup {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print each event as a short line on stderr (the log file keeps the JSON)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for mod in _modules():
         mod.add_parser(sub).set_defaults(_cmd=mod.cmd)
     return p
 
 
-# Warning events the run/plan report summarises in its one warning line (not repeated on stderr unless -v).
-REPORTED_WARNINGS = ("reference_fallback", "feature_downgraded")
+_QUIET_KEYS = ("schema_version", "ts_ns", "run_id", "rank", "launch_id", "state", "outcome", "event")
+
+
+def _short(key: str, value: Any) -> str:
+    """One field of a -v line: ms/s rounded, nested objects shown compactly or counted."""
+    if isinstance(value, float):
+        if key.endswith("_ms") or key == "capture_ms":
+            return f"{value:.1f}ms"
+        if key.endswith("_s"):
+            return f"{value:.1f}s"
+        return f"{value:.3g}"
+    if isinstance(value, (dict, list)):
+        text = msgspec.json.encode(value).decode()
+        if len(text) <= 60:
+            return text
+        return f"{{{len(value)} keys}}" if isinstance(value, dict) else f"[{len(value)} items]"
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def human_line(_logger: Any, level: str, event_dict: dict[str, Any]) -> str:
+    """structlog renderer for ``-v``: ``HH:MM:SS.mmm LEVEL state event [outcome] key=value …`` (one short
+    line per event; the log file keeps the full JSON record)."""
+    import time
+
+    ts = event_dict.get("ts_ns") or time.time_ns()
+    clock = time.strftime("%H:%M:%S", time.localtime(ts / 1e9)) + f".{ts // 1_000_000 % 1000:03d}"
+    outcome = event_dict.get("outcome", "ok")
+    fields = " ".join(f"{k}={_short(k, v)}" for k, v in event_dict.items()
+                      if k not in _QUIET_KEYS and v not in (None, [], {}, ""))
+    line = (f"{clock} {level.upper():<7} {event_dict.get('state', ''):<19} {event_dict.get('event', '')}"
+            + ("" if outcome == "ok" else f" [{outcome}]") + (f" {fields}" if fields else ""))
+    return line if len(line) <= 240 else line[:237] + "..."
 
 
 def configure_logging(verbose: bool) -> None:
-    """Application logging: structlog's console view on stderr, warnings and up unless -v
-    (:data:`REPORTED_WARNINGS` only with -v: the report prints them as one line)."""
+    """Application logging. Without -v nothing from the event stream reaches the terminal (the
+    report shows the states, skips, warnings and the one formatted error, each once); with -v every
+    event is one short human line on stderr (:func:`human_line`). The log file keeps the JSON."""
     import logging
 
     import structlog
@@ -123,9 +261,8 @@ def configure_logging(verbose: bool) -> None:
         return event_dict
 
     structlog.configure(
-        processors=[drop_reported, structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
-                    structlog.dev.ConsoleRenderer(colors=False)],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO if verbose else logging.WARNING),
+        processors=[human_line],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO if verbose else logging.CRITICAL),
         logger_factory=lambda *_: structlog.PrintLogger(file=sys.stderr),  # the stderr of now, not of import
         cache_logger_on_first_use=False,
     )
@@ -148,7 +285,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
     try:
-        ns = build_parser().parse_args(argv)
+        parser = build_parser()
+        parser.argv = argv  # type: ignore[attr-defined]  # for "did you mean" hints on unknown flags
+        ns = parser.parse_args(argv)
+        if not ns.verbose and "torch" not in sys.modules:  # read when torch is first imported (not yet here)
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # torch's C++ logs (c10d frames) only with -v
         configure_logging(ns.verbose)
         return int(ns._cmd(ns))
     except AttnSetupError as e:

@@ -26,7 +26,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("logs", nargs="+", metavar="LOG", help="JSON-lines trace(s) written by 'attn-setup run'")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--perfetto", metavar="OUT.json", default=None,
-                   help="also write a Chrome trace-event JSON timeline (open in ui.perfetto.dev)")
+                   help="also write a Chrome trace-event JSON timeline (open in ui.perfetto.dev; default: none)")
     return p
 
 

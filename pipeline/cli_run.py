@@ -116,7 +116,8 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
                          flags=[("--decode-steps", ns.decode_steps)], allowed=[">= 0"], remedy="pass --decode-steps 3")
     settings.zbal_local_mem_size(request.args)
     settings.flashinfer_workspace_size(request.args, request.served_model)
-    facts = platform_for(request.device).device_facts(parse_device(request.device)[1])
+    platform, index = platform_for(request.device), parse_device(request.device)[1]
+    facts = platform.device_facts(index)
     if ns.mem_bytes is not None and facts.total_memory_bytes and ns.mem_bytes > facts.total_memory_bytes:
         raise ConfigError(f"--mem-bytes {ns.mem_bytes} exceeds the device's {facts.total_memory_bytes} bytes",
                           code="invalid_value", flags=[("mem_bytes", ns.mem_bytes)],
@@ -125,7 +126,7 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
         from pipeline.pool_sizing import check_mem_fraction
 
         check_mem_fraction(ns.mem_fraction)
-    check_pool_for_checks(ns, request)
+    check_pool_for_checks(ns, request, platform, index)
     try:
         decide_offline(request, facts, installed_by_import())
     except ConfigError:
@@ -134,40 +135,69 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
         raise
 
 
-def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest) -> None:
-    """Refuse, before the model loads, a pool too small for what ``run`` verifies.
+def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platform: Any = None,
+                          index: int = 0) -> None:
+    """Refuse, before the model loads, a pool too small for what ``run`` verifies or too big for memory.
 
-    The built instances are verified on a 5-request batch and the model steps on a 4-request one
-    (:func:`pipeline.verify.slots_needed`, :func:`pipeline.runner_verify.slots_needed`, whole pages
-    each): :func:`pipeline.pool_sizing.size_pools` is asked for at least that many slots from
-    ``--num-token-slots`` or a ``--mem-bytes`` budget (``--mem-fraction`` is sized after the weights
-    load, since they count against it). Raises ConfigError ``pool_budget_too_small`` naming the flag.
+    The built instances are verified on a 5-request batch and the model steps on a 4-request one:
+    ``--max-context-len`` must hold their longest request (:func:`pipeline.verify.context_needed`,
+    :func:`pipeline.runner_verify.context_needed`; ConfigError ``invalid_value`` naming the minimum),
+    and :func:`pipeline.pool_sizing.size_pools` is asked for at least the slots they take
+    (:func:`pipeline.verify.slots_needed`, :func:`pipeline.runner_verify.slots_needed`, whole pages each)
+    from ``--num-token-slots`` or a ``--mem-bytes`` budget (``--mem-fraction``'s floor is checked after
+    the weights load, since they count against it); ConfigError ``pool_budget_too_small`` naming the flag.
+    With ``platform``, the pools these flags give (the default slots, or ``--mem-fraction`` of the
+    device's memory) must fit its free memory (:func:`pipeline.pool_sizing.check_fits`).
     """
     from pipeline import runner_verify, verify
     from pipeline.model_spec import attention_layer_ids, attention_prefix, layers_covering_every_kind
-    from pipeline.pool_sizing import size_pools
+    from pipeline.pool_sizing import available_bytes, budget_from_fraction, check_fits, size_pools
     from states.capability_check import kv_dtype
 
-    if ns.num_token_slots is None and ns.mem_bytes is None:
-        return
     p, ps, steps, model = request.pool, request.args.page_size, max(ns.decode_steps, 0), request.served_model
-    need = max(verify.slots_needed(p.max_reqs, ps, steps), runner_verify.slots_needed(p.max_reqs, ps, steps))
+    ctx = max(verify.context_needed(p.max_reqs, steps), runner_verify.context_needed(p.max_reqs, steps))
+    if p.max_context_len < ctx:
+        from pipeline.validation import MAX_POOL_DIM
+
+        raise ConfigError(f"--max-context-len {p.max_context_len} is shorter than the {ctx} tokens the longest "
+                          f"verification request reaches with --decode-steps {steps}", code="invalid_value",
+                          flags=[("max_context_len", p.max_context_len), ("decode_steps", steps)],
+                          allowed=[f">= {ctx}"],
+                          remedy=f"pass --max-context-len {ctx} or more" if ctx <= MAX_POOL_DIM else
+                          f"lower --decode-steps (--max-context-len is at most {MAX_POOL_DIM})")
     n = len(attention_layer_ids(model))  # --num-layers counts attention layers (a hybrid's others hold no KV)
     if n == 0:
         return  # nothing to size: resolve refuses a model without attention layers
     default = layers_covering_every_kind(model, DEFAULT_LAYERS)
     attn = min(ns.num_layers if ns.num_layers is not None and ns.num_layers > 0 else default, n)
     layers = attention_prefix(model, attn)
-    size_pools(model.layer_kinds(), layers, kv_dtype(request.args, model), page_size=ps, max_reqs=p.max_reqs,
-               max_context_len=p.max_context_len, num_token_slots=ns.num_token_slots, budget_bytes=ns.mem_bytes,
-               source="bytes", min_slots=need, min_slots_for=f"the verification batches with --decode-steps {steps}")
+    kinds, kvd = model.layer_kinds(), kv_dtype(request.args, model)
+    total, allocated = 0, 0
+    if ns.num_token_slots is not None or ns.mem_bytes is not None:
+        need = max(verify.slots_needed(p.max_reqs, ps, steps), runner_verify.slots_needed(p.max_reqs, ps, steps))
+        s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
+                       num_token_slots=ns.num_token_slots, budget_bytes=ns.mem_bytes, source="bytes", min_slots=need,
+                       min_slots_for=f"the verification batches with --decode-steps {steps}")
+    elif ns.mem_fraction is not None and platform is not None:
+        total, allocated = platform.device_facts(index).total_memory_bytes, platform.memory_allocated(index)
+        budget = budget_from_fraction(ns.mem_fraction, total, allocated)
+        s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
+                       budget_bytes=max(budget, 0), source="mem_fraction", mem_fraction=ns.mem_fraction)
+    else:
+        s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
+                       num_token_slots=p.num_token_slots)
+    if platform is not None:
+        check_fits(s, available_bytes(platform, index), device=platform.torch_device(index), total_bytes=total,
+                   allocated_bytes=allocated, mem_fraction=ns.mem_fraction)
 
 
 def request_from(ns: argparse.Namespace, *, on_gpu: bool) -> SetupRequest:
+    from pipeline import settings
     from pipeline.cli import attention_args_from
     from pipeline.eventlog import secrets_from_env
 
     args = attention_args_from(ns)
+    settings.check_env()  # SGLANG_* size variables pass the same check as their flags
     model, draft = load_models(ns)
     return SetupRequest(args=args, model=model, draft_model=draft, is_draft_worker=ns.draft_worker,
                         device=getattr(ns, "device", "cpu"), rank=ns.rank, world_size=ns.world_size,
@@ -242,16 +272,22 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the pipeline and verify every built backend on a real batch")
     add_setup_flags(run)
     run.add_argument("--log-file", default="./attn-setup-logs/{run_id}.rank{rank}.jsonl",
-                     help="JSON-lines trace path; {run_id} and {rank} are filled in")
+                     help="JSON-lines trace path; {run_id} and {rank} are filled in "
+                          "(default: ./attn-setup-logs/{run_id}.rank{rank}.jsonl)")
     run.add_argument("--decode-steps", type=int, default=3, help="decode steps verified after the extend")
     run.add_argument("--num-layers", type=int, default=None,
                      help=f"build only the first N attention layers (default {DEFAULT_LAYERS}, or as many as it takes "
                           "to include every attention layer kind; a hybrid model's linear-attention / mamba layers "
                           "are skipped, not counted)")
+    run.add_argument("--dist-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="under torchrun (WORLD_SIZE > 1): seconds to wait for the rendezvous and for every rank "
+                          "in each exchange before failing with rank_exchange_failed (default 60)")
     budget = run.add_mutually_exclusive_group()
     budget.add_argument("--mem-fraction", type=float, default=None,
-                        help="size the KV pool from this share of device memory (sglang's mem_fraction_static)")
-    budget.add_argument("--mem-bytes", type=int, default=None, help="size the KV pool from this many bytes")
+                        help="size the KV pool from this share of device memory (sglang's mem_fraction_static; "
+                             "default: unset, the pool has --num-token-slots slots)")
+    budget.add_argument("--mem-bytes", type=int, default=None,
+                        help="size the KV pool from this many bytes (default: unset, as --mem-fraction)")
     return run
 
 
@@ -260,9 +296,9 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.build import new_run_id
     from pipeline.runner import Runner
 
-    from pipeline.distributed import init_from_env
+    from pipeline.distributed import check_timeout, init_from_env
 
-    group = init_from_env(ns.device)  # None unless launched with WORLD_SIZE > 1 (torchrun)
+    group = init_from_env(ns.device, timeout_s=check_timeout(ns.dist_timeout))  # None unless WORLD_SIZE > 1
     if group is not None:
         ns.rank, ns.world_size, ns.device = group.rank, group.world_size, group.device
     on_gpu = _on_gpu(ns.device)
@@ -300,8 +336,8 @@ def cmd(ns: argparse.Namespace) -> int:
     if ns.json:
         rp.emit_json(report)
     else:
-        _render_runner(report)
-        rp.render_tables(report)
+        _render_runner(report, log.records, request)
+        rp.render_tables({**report, "states": []})  # the setup states are in the runner timeline above
         if error is not None:
             from pipeline.wording import cli_error
 
@@ -324,14 +360,64 @@ def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_f
     }
 
 
-def _render_runner(report: dict[str, Any]) -> None:
-    """Runner states and the stack's verified steps as rich tables."""
+def model_line(request: SetupRequest, records: Any) -> str:
+    """``model: llama (LlamaForCausalLM) from PATH, 2 of 32 layers built`` (+ the draft model on a draft worker)."""
+    built = next((r.num_layers for r in records if isinstance(r, ev.ModelLoaded)), None)
+
+    def one(m: ModelSpec, serves: bool) -> str:
+        arch = f" ({', '.join(m.architectures)})" if m.architectures else ""
+        layers = f", {built} of {m.num_hidden_layers} layers built" if serves and built is not None else ""
+        return f"{m.model_type}{arch} from {m.source or 'a dict'}{layers}"
+
+    draft = request.draft_model
+    text = f"model: {one(request.model, draft is None or not request.is_draft_worker)}"
+    if request.is_draft_worker:
+        text += f"; draft worker serving {'the draft model: ' + one(draft, True) if draft else 'the model itself'}"
+    return text
+
+
+def timeline_rows(report: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """``(label, outcome, ms)`` in the order the states ran: the runner's states, with the setup
+    machine's states nested (indented) under ``attention``; the setup states alone without a runner."""
+    runner = report.get("runner_states") or []
+    setup = [(f"  └ {s['state']}" if runner else s["state"], s["outcome"], s["duration_ms"])
+             for s in report.get("states") or []]
+    rows: list[tuple[str, str, float]] = []
+    for s in runner:
+        rows.append((s["state"], s["outcome"], s["duration_ms"]))
+        if s["state"] == "attention":
+            rows += setup
+            setup = []
+    return rows + setup
+
+
+def _pool_line(records: Any) -> Optional[str]:
+    r = next((r for r in records if isinstance(r, ev.MemoryPoolSized)), None)
+    if r is None:
+        return None
+    return (f"KV pool: {r.num_token_slots} token slots x {rp.fmt_bytes(r.bytes_per_token)} = {rp.fmt_bytes(r.kv_bytes)} "
+            f"(from {r.source}), req_to_token {r.max_reqs} x {r.max_context_len} = {rp.fmt_bytes(r.req_to_token_bytes)}")
+
+
+def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[SetupRequest] = None) -> None:
+    """The model, the timeline (runner states with the setup states nested) and the stack's verified steps."""
     from rich.console import Console
     from rich.table import Table
 
     c = Console(highlight=False, soft_wrap=False, width=120)
-    if report["runner_states"]:
-        c.print(rp.states_table("runner states", report["runner_states"]))
+    if request is not None:
+        c.print(model_line(request, records), markup=False, soft_wrap=True)
+    pool = _pool_line(records)
+    if pool:
+        c.print(pool, markup=False, soft_wrap=True)
+    rows = timeline_rows(report)
+    if rows:
+        t = Table(title="timeline (setup states under attention)", title_justify="left")
+        for col in ("state", "outcome", "duration ms"):
+            t.add_column(col)
+        for label, outcome, ms in rows:
+            t.add_row(label, outcome, f"{ms:.1f}")
+        c.print(t)
     if report["model_steps"]:
         t = Table(title="attention stack steps vs float64 dense reference (max|dout-dref|/max|dref|)",
                   title_justify="left")

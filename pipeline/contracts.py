@@ -90,7 +90,30 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
     both in resolve before anything is allocated, naming the fields that accept or avoid it.
 
     Raises :class:`pipeline.errors.ConfigError` (``invalid_value``) from ``__post_init__`` for
-    values outside their domain (``page_size < 1``, ``sm_group_num < 1``, negative sizes…).
+    values outside their domain (``page_size < 1``, ``sm_group_num < 1``, negative sizes…) or
+    of the wrong type (msgspec checks types only when decoding, so Python callers get it here).
+
+    Fields
+    ------
+    (one line each; ``attn-setup``'s ``--help`` is generated from them)
+    attention_backend: backend for both phases unless a phase flag overrides it; unset = auto-select
+    prefill_attention_backend: backend for extend/prefill batches (wins over attention_backend)
+    decode_attention_backend: backend for decode batches (wins over attention_backend)
+    speculative_draft_attention_backend: on a draft worker, the backend for both phases (wins over all)
+    speculative_algorithm: speculative decoding algorithm (case-insensitive); unset = none
+    speculative_eagle_topk: EAGLE draft tokens per step; needs speculative_algorithm
+    enable_pdmux: PD-mux: one prefill backend on a private workspace, sm_group_num decode backends on one shared workspace (GPU only, not with TBO)
+    sm_group_num: number of PD-mux decode backends (SM groups)
+    enable_two_batch_overlap: TBO: a wrapper with a primary and two children, each serving half the batch (a recorded downgrade on a draft worker)
+    kv_cache_dtype: storage dtype of the KV cache; auto = the model dtype
+    page_size: tokens per KV-cache page
+    disable_cuda_graph: capture no decode CUDA graphs
+    cuda_graph_bs: decode batch sizes captured as CUDA graphs; unset = 1, 2, 4, 8, 16, 24, … up to cuda_graph_max_bs
+    cuda_graph_max_bs: largest decode batch size captured; unset = max(cuda_graph_bs), else the request pool's rows
+    zbal_local_mem_size: bytes of NPU zbal lazy memory, 0 = off; unset = SGLANG_ZBAL_LOCAL_MEM_SIZE, else 0
+    flashinfer_workspace_size: bytes of the FlashInfer workspace; unset = SGLANG_FLASHINFER_WORKSPACE_SIZE, else 384 MiB (512 MiB for sglang's Qwen2/Qwen3/MiMo architectures)
+    dtype: model (activation) dtype; auto = the checkpoint's, a float32 checkpoint in bfloat16 (Gemma family) or float16
+    strict: refuse (exit 3) instead of warning when auto lands on the torch_native reference backend on an accelerator or a feature is downgraded
     """
 
     attention_backend: str | None = None
@@ -126,6 +149,11 @@ class MLADims(msgspec.Struct, **_STRUCT):
     qk_nope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        from pipeline.validation import check_types
+
+        check_types(self, "mla.")
 
     @property
     def absorbed_qk_dim(self) -> int:
@@ -226,6 +254,11 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     max_position_embeddings: int = 4096
     vocab_size: int = 32000
     attention_chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        from pipeline.validation import check_types
+
+        check_types(self)  # a ModelSpec built by hand gets the types load_model_spec guarantees
 
     @property
     def is_mla(self) -> bool:

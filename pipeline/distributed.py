@@ -21,6 +21,7 @@ torch is imported lazily (only :func:`init_from_env` and the exchange need it).
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,7 +34,7 @@ from pipeline.errors import ConfigError, RankDivergence, RankExchangeError, Usag
 from pipeline.events import RankRow
 
 __all__ = ["RankGroup", "init_from_env", "rank_device", "check_rank_device", "agree_on_resolution",
-           "RankReport", "DEFAULT_TIMEOUT_S"]
+           "RankReport", "DEFAULT_TIMEOUT_S", "check_launch_env", "check_timeout"]
 
 DEFAULT_TIMEOUT_S = 60.0
 ACCELERATORS = ("cuda", "musa", "npu", "xpu")
@@ -68,15 +69,71 @@ class RankGroup:
                 dist.destroy_process_group()
 
 
-def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+_LAUNCH_REMEDY = "launch with torchrun, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
+MAX_WORLD_SIZE = 1 << 20
+MAX_TIMEOUT_S = 86400.0
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int, *, lo: int = 0, hi: int = MAX_WORLD_SIZE) -> int:
+    """``int(environ[name])`` in ``[lo, hi]`` (``default`` when unset or empty); UsageError naming it otherwise."""
     raw = environ.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise UsageError(f"environment variable {name}={raw!r} is not an integer", flags=[(name, raw)],
-                         allowed=["a non-negative integer"], remedy="launch with torchrun, which sets it") from None
+    text = raw.strip()
+    value = int(text) if re.fullmatch(r"[+-]?[0-9]{1,9}", text, re.ASCII) else None
+    if value is None or not lo <= value <= hi:
+        raise UsageError(f"environment variable {name}={raw[:40]!r} is not an integer in [{lo}, {hi}]",
+                         flags=[(name, raw[:40])], allowed=[f"an integer in [{lo}, {hi}]"], remedy=_LAUNCH_REMEDY)
+    return value
+
+
+def check_launch_env(environ: Mapping[str, str] = os.environ) -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` from torchrun's variables, each checked whenever it is set.
+
+    ``WORLD_SIZE`` >= 1 (default 1), ``RANK`` in ``0..WORLD_SIZE-1`` (default 0), ``LOCAL_RANK`` >= 0
+    (default RANK); with ``WORLD_SIZE > 1`` the ``env://`` rendezvous also needs ``MASTER_ADDR``
+    (a host name or address) and ``MASTER_PORT`` (1..65535), as torch's env rendezvous reads them.
+    Raises :class:`UsageError` (exit 2) naming the variable, its value and what is allowed, before
+    torch.distributed is touched.
+    """
+    world = _env_int(environ, "WORLD_SIZE", 1, lo=1)
+    rank = _env_int(environ, "RANK", 0)
+    local = _env_int(environ, "LOCAL_RANK", rank)
+    if not 0 <= rank < world:
+        raise UsageError(f"RANK={rank} is outside 0..{world - 1}", flags=[("RANK", rank), ("WORLD_SIZE", world)],
+                         allowed=[f"0..{world - 1}"], remedy=_LAUNCH_REMEDY)
+    if world > 1:
+        addr = environ.get("MASTER_ADDR", "").strip()
+        if not addr:
+            raise UsageError(f"WORLD_SIZE={world} but MASTER_ADDR is not set: the ranks cannot find rank 0",
+                             code="rendezvous_unset", flags=[("MASTER_ADDR", environ.get("MASTER_ADDR")),
+                                                             ("WORLD_SIZE", world)],
+                             allowed=["rank 0's host name or IP address"],
+                             remedy="export MASTER_ADDR=<rank 0's host> MASTER_PORT=<a free port> on every rank, "
+                                    "or " + _LAUNCH_REMEDY)
+        if environ.get("MASTER_PORT", "").strip() == "":
+            raise UsageError(f"WORLD_SIZE={world} but MASTER_PORT is not set: the ranks cannot find rank 0",
+                             code="rendezvous_unset", flags=[("MASTER_PORT", environ.get("MASTER_PORT")),
+                                                             ("WORLD_SIZE", world)], allowed=["1..65535"],
+                             remedy="export MASTER_PORT=<a free port> on every rank, or " + _LAUNCH_REMEDY)
+        _env_int(environ, "MASTER_PORT", 0, lo=1, hi=65535)
+    return rank, world, local
+
+
+def check_timeout(timeout_s: Any, name: str = "--dist-timeout") -> float:
+    """``timeout_s`` as float seconds in (0, 86400]; UsageError naming ``name`` otherwise."""
+    ok = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+    if not ok or not 0 < timeout_s <= MAX_TIMEOUT_S:  # nan fails the comparison too
+        raise UsageError(f"{name} {timeout_s!r} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]",
+                         flags=[(name, timeout_s if ok else repr(timeout_s))],
+                         allowed=[f"0 < seconds <= {MAX_TIMEOUT_S:g}"], remedy=f"pass {name} 60")
+    return float(timeout_s)
+
+
+def _dist_message(e: BaseException) -> str:
+    """torch.distributed's error without the C++ frames it appends."""
+    text = str(e).split("Exception raised from")[0].strip()
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def rank_device(device: str, local_rank: int, *, cuda_available: Optional[bool] = None) -> str:
@@ -132,25 +189,39 @@ def init_from_env(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
     Initialises the default (world) process group — NCCL when the rank's device is CUDA, gloo
     otherwise (``env://``, ``timeout=timeout_s``) — unless the engine already did, then creates a gloo CPU group with the same timeout and broadcasts rank 0's
     run id over it. Every rank must call this (group creation is collective).
-    Raises :class:`UsageError` for a malformed ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``.
+
+    Raises :class:`UsageError` (exit 2) for a malformed or missing ``RANK``/``WORLD_SIZE``/
+    ``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` (:func:`check_launch_env`) or timeout, and
+    :class:`RankExchangeError` (``rank_exchange_failed``, exit 1) when the rendezvous or the run-id
+    broadcast fails or does not complete within ``timeout_s`` seconds (rank 0 unreachable, a rank
+    not launched) — torch's own error, without its C++ frames, is in the message.
     """
-    world = _env_int(environ, "WORLD_SIZE", 1)
+    rank, world, local = check_launch_env(environ)
     if world <= 1:
         return None
-    rank = _env_int(environ, "RANK", 0)
-    local = _env_int(environ, "LOCAL_RANK", rank)
-    if not 0 <= rank < world:
-        raise UsageError(f"RANK={rank} is outside 0..{world - 1}", flags=[("RANK", rank), ("WORLD_SIZE", world)],
-                         allowed=[f"0..{world - 1}"], remedy="launch with torchrun, which sets RANK and WORLD_SIZE")
+    timeout_s = check_timeout(timeout_s, "timeout_s")
     import torch.distributed as dist
 
     td = timedelta(seconds=timeout_s)
     dev = rank_device(device, local)
     owns = not dist.is_initialized()
-    if owns:  # the world group: NCCL between GPUs (as engines run), gloo on CPU; exchanges use the gloo CPU group
-        dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo", rank=rank, world_size=world, timeout=td)
-    cpu_group = dist.new_group(backend="gloo", timeout=td)
-    run_id = _shared_run_id(cpu_group, rank)
+    where = f"{environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}"
+    try:
+        if owns:  # the world group: NCCL between GPUs (as engines run), gloo on CPU; exchanges use the gloo CPU group
+            dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo", rank=rank, world_size=world,
+                                    timeout=td)
+        cpu_group = dist.new_group(backend="gloo", timeout=td)
+        run_id = _shared_run_id(cpu_group, rank)
+    except (RuntimeError, ValueError) as e:  # DistError/DistStoreError/DistNetworkError are RuntimeErrors
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
+        raise RankExchangeError(
+            f"rank {rank}: the rendezvous at MASTER_ADDR:MASTER_PORT={where} did not complete within "
+            f"{timeout_s:g} s: {_dist_message(e)}", state="init-distributed",
+            flags=[("MASTER_ADDR", environ.get("MASTER_ADDR")), ("MASTER_PORT", environ.get("MASTER_PORT")),
+                   ("rank", rank), ("world_size", world), ("timeout_s", timeout_s)],
+            remedy="start every rank (torchrun starts all of them) with MASTER_ADDR/MASTER_PORT pointing at rank 0's "
+                   "host and a free port; raise --dist-timeout for slow starts") from None
     return RankGroup(rank=rank, world_size=world, local_rank=local, cpu_group=cpu_group, run_id=run_id,
                      device=dev, timeout_s=timeout_s, host=socket.gethostname(),
                      owns_process_group=owns)

@@ -14,6 +14,7 @@ Hierarchy::
     ├── RankExchangeError      exit code 1: a rank did not take part in the exchange within the timeout
     ├── BuildError             exit code 1: building or verifying a backend failed
     │   └── LayerMismatch       a backend was called with a layer it was not built/planned for
+    ├── BackendClosed          exit code 1: a backend was used after ``close()`` released it
     └── UsageError             exit code 2: bad command-line usage / unreadable file
 
 None of these derive from ValueError/TypeError on purpose: msgspec would otherwise fold them into
@@ -55,11 +56,11 @@ class AttnSetupError(Exception):
         self.info = ErrorInfo(
             code=code or self.code,
             state=state,
-            flags=[Flag(name=n, value=_jsonable(v)) for n, v in items],
-            json_path=json_path,
-            message=message,
-            allowed=[str(a) for a in allowed],
-            remedy=remedy,
+            flags=[Flag(name=printable(str(n)), value=_jsonable(v)) for n, v in items],
+            json_path=None if json_path is None else printable(json_path),
+            message=printable(message),
+            allowed=[printable(str(a)) for a in allowed],
+            remedy=printable(remedy),
         )
 
     def with_state(self, state: str) -> "AttnSetupError":
@@ -154,14 +155,44 @@ class UsageError(AttnSetupError):
     exit_code = EXIT_USAGE
 
 
+class BackendClosed(AttnSetupError):
+    """A backend (or its wrapper) was called after ``close()`` released its buffers.
+
+    Raised by every forward / metadata / CUDA-graph method of a closed
+    :class:`pipeline.backends.base.AttentionBackend` instead of reading freed buffers.
+    """
+
+    code = "backend_closed"
+    exit_code = EXIT_FAILED
+
+
+def printable(s: str) -> str:
+    """``s`` as valid UTF-8 text: lone surrogates (from ``\\ud800`` escapes in JSON or undecodable
+    bytes in argv / file names) become ``\\udXXX`` escapes, so an error about them can be printed
+    and logged instead of failing to encode."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# msgspec encodes ints in [-2**63, 2**64); a bigger one is shown as text so an ErrorInfo always encodes.
+_INT_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+
 def _jsonable(v: Any) -> Any:
-    if v is None or isinstance(v, (bool, int, float, str)):
+    if isinstance(v, str):
+        return printable(v)
+    if isinstance(v, int) and not isinstance(v, bool) and not _INT_RANGE[0] <= v <= _INT_RANGE[1]:
+        return f"<an integer of about {int(v.bit_length() * 0.30103) + 1} digits>"
+    if v is None or isinstance(v, (bool, int, float)):
         return v
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
     if isinstance(v, dict):
         return {str(k): _jsonable(x) for k, x in v.items()}
-    return repr(v)
+    return printable(repr(v))
 
 
 def error_info_from(exc: BaseException, state: str) -> ErrorInfo:
@@ -173,6 +204,6 @@ def error_info_from(exc: BaseException, state: str) -> ErrorInfo:
     return ErrorInfo(
         code="internal_error",
         state=state,
-        message=f"{type(exc).__name__}: {exc}",
+        message=printable(f"{type(exc).__name__}: {exc}"),
         remedy="This is a bug or an environment failure; the log holds the full event.",
     )

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 from pipeline.contracts import ATTENTION_LAYER_TYPES, LayerKind, MLADims, ModelSpec
 from pipeline.errors import ConfigError, ModelConfigError, UsageError
+from pipeline.validation import is_text
 
 BUNDLED_CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "data" / "configs"
 DEFAULT_MODEL_CONFIG = BUNDLED_CONFIG_DIR / "llama-3.1-8b.json"
@@ -50,6 +51,33 @@ UPPER = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_
          "v_head_dim": 1024, "hidden_size": 1 << 20, "kv_lora_rank": 8192, "qk_rope_head_dim": 1024,
          "qk_nope_head_dim": 1024, "q_lora_rank": 1 << 16, "sliding_window": 1 << 24,
          "attention_chunk_size": 1 << 24}
+# Any other integer key: int32 range (positions, vocab ids and layer counts are int32 in HF and sglang).
+DEFAULT_UPPER = (1 << 31) - 1
+# Longer digit strings are not parsed into ints (Python refuses above 4300 digits; nothing in a config
+# needs more than an int64): such a value reads as :class:`_HugeInt` and each key that is read refuses it.
+MAX_INT_DIGITS = 20
+
+
+def _finite(v: int | float) -> bool:
+    """A float, or an int a float can hold (``math.isfinite(10**400)`` raises OverflowError)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+class _HugeInt:
+    """A JSON integer literal too long to be a config value; never equal to anything a getter accepts."""
+
+    def __init__(self, digits: str) -> None:
+        self.n = len(digits.lstrip("+-"))
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.n} digits>"
+
+
+def _parse_int(text: str) -> int | _HugeInt:
+    return _HugeInt(text) if len(text.lstrip("-")) > MAX_INT_DIGITS else int(text)
 
 
 class _Cfg:
@@ -73,8 +101,8 @@ class _Cfg:
                 lo: int = 1) -> int | None:
         """An integer in ``[lo, UPPER[key]]`` (absurd sizes are refused before anything is sized from them)."""
         v = self.get(key)
-        hi = UPPER.get(key)
-        rng = f"an integer in [{lo}, {hi}]" if hi else f"an integer >= {lo}"
+        hi = UPPER.get(key, DEFAULT_UPPER)
+        rng = f"an integer in [{lo}, {hi}]"
         if v is None:
             if required:
                 raise self.bad(key, None, rng, "is missing (required)")
@@ -87,7 +115,7 @@ class _Cfg:
         v = self.get(key)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v <= 0:
             raise self.bad(key, v, "a finite number > 0", "must be a finite number > 0")
         return float(v)
 
@@ -103,8 +131,10 @@ class _Cfg:
         v = self.get(key)
         if v is None and required:
             raise self.bad(key, None, "a non-empty string", "is missing (required)")
-        if v is not None and (not isinstance(v, str) or not v):
-            raise self.bad(key, v, "a non-empty string", "must be a non-empty string")
+        if v is not None and (not is_text(v) or not v):
+            raise self.bad(key, v, "a non-empty string (valid UTF-8)",
+                           "must be a non-empty string" + (" of valid UTF-8 text (it holds a lone surrogate)"
+                                                           if isinstance(v, str) and v else ""))
         return v
 
 
@@ -262,7 +292,7 @@ def _read_json(path: pathlib.Path) -> Any:
                          code="config_unreadable", flags=[("path", str(path))],
                          remedy="pass the path of a readable Hugging Face config.json") from None
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_int=_parse_int)
     except json.JSONDecodeError as e:
         raise ModelConfigError(f"{path} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
                                code="model_config_malformed", json_path="$",
@@ -303,7 +333,8 @@ def load_model_spec(src: str | os.PathLike | Mapping[str, Any], *, source: str |
     if isinstance(src, Mapping):
         data, label = src, "dict"
     elif isinstance(src, (str, os.PathLike)):
-        data, label = _read_json(pathlib.Path(src)), os.fspath(src)
+        # a file name with undecodable bytes is shown with escapes: the label goes into every log record
+        data, label = _read_json(pathlib.Path(src)), os.fsencode(src).decode("utf-8", "backslashreplace")
     else:
         raise UsageError(f"model config must be a path or a dict, not {type(src).__name__}",
                          flags=[("src", type(src).__name__)], allowed=["str", "os.PathLike", "dict"],
@@ -367,7 +398,12 @@ def _head_dims(c: _Cfg, hidden: int, heads: int, mla: MLADims | None) -> tuple[i
         head_dim = hidden // heads
     if head_dim % 2:
         raise c.bad("head_dim", head_dim, "an even integer", "must be even (rotary embeddings rotate pairs of dims)")
-    return head_dim, c.integer("v_head_dim", head_dim)
+    v_dim = c.integer("v_head_dim", head_dim)
+    if v_dim != head_dim:  # only MLA has its own v dim (HF configs of other decoders have one head_dim)
+        raise c.bad("v_head_dim", v_dim, f"{head_dim} (= head_dim) unless the model is MLA (kv_lora_rank set)",
+                    f"must equal head_dim={head_dim} on a model without MLA: one head dim serves q, k and v "
+                    "(the attention stack, the KV pool and every backend's non-MLA path)")
+    return head_dim, v_dim
 
 
 def _rope_block(c: _Cfg) -> tuple[str, _Cfg] | None:
@@ -393,6 +429,24 @@ def _scaling(c: _Cfg, head_dim: int, mla: MLADims | None) -> float:
     return scale
 
 
+def _choice(v: Any, names: Mapping[str, str], path: str, flag: str, allowed: str, why: str) -> str:
+    """``names[v]`` when ``v`` is one of the string keys; any other JSON value (a list, an object, a
+    number) is refused naming ``path``, never looked up (a list or object is not even hashable)."""
+    if isinstance(v, str) and v in names:
+        return names[v]
+    raise ModelConfigError(f"{path}={_show(v)} {why}", flags=[(flag, v)], json_path=path, allowed=[allowed],
+                           remedy=_REMEDY)
+
+
+def _show(v: Any) -> str:
+    """A short JSON rendering of a config value for messages (never fails: huge ints, deep nesting)."""
+    try:
+        text = json.dumps(v, default=repr, ensure_ascii=True)
+    except (ValueError, RecursionError):
+        text = f"<a {type(v).__name__} too large to show>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _listed_types(c: _Cfg, key: str, n: int) -> list[str]:
     """An explicit per-layer list (``layer_types`` / ``layers_block_type``) read into layer types."""
     explicit = c.get(key)
@@ -404,7 +458,7 @@ def _listed_types(c: _Cfg, key: str, n: int) -> list[str]:
     for i, t in enumerate(explicit):
         if not isinstance(t, str) or t not in _LAYER_TYPE_NAMES:
             raise ModelConfigError(
-                f"{c.at(key)}[{i}]={t!r} is not a layer type attn-setup knows", flags=[(f"{key}[{i}]", t)],
+                f"{c.at(key)}[{i}]={_show(t)} is not a layer type attn-setup knows", flags=[(f"{key}[{i}]", t)],
                 json_path=f"{c.at(key)}[{i}]", allowed=known,
                 remedy=f"if config.json is the published one, attn-setup does not support this layer type yet "
                        f"(it reads {', '.join(known)}); otherwise fix the entry")
@@ -457,17 +511,17 @@ def _dtype(c: _Cfg, top: _Cfg) -> str:
         for key in ("torch_dtype", "dtype"):
             v = cfg.get(key)
             if v is not None:
-                if v not in _DTYPES:
-                    raise cfg.bad(key, v, "bfloat16, float16 or float32", "is not a supported model dtype")
-                return _DTYPES[v]
+                return _choice(v, _DTYPES, cfg.at(key), key, "bfloat16, float16 or float32",
+                               "is not a supported model dtype")
     return "bfloat16"
 
 
 def _build(top: _Cfg, source: str) -> ModelSpec:
     c = _text_cfg(top)
     model_type = c.text("model_type") or top.text("model_type", required=True)
-    archs = top.get("architectures") or []
-    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+    archs = top.get("architectures")
+    archs = [] if archs is None else archs  # absent or null; any other falsy value (0, "", {}) is refused
+    if not isinstance(archs, list) or not all(is_text(a) for a in archs):
         raise top.bad("architectures", archs, "a list of strings", "must be a list of strings")
     rule = LAYER_RULES.get(model_type)
     if rule is not None and rule.defaults:  # HF class defaults for the keys a published config leaves out

@@ -8,17 +8,26 @@ explicit slot count (``--num-token-slots``), in that order of precedence: slots 
 Bytes per token = Σ over the built layers of ``Hkv·(D_qk + D_v)·elem_size(kv_dtype)`` (sglang's
 ``cell_size``); ``req_to_token`` costs ``max_reqs·max_context_len·4`` bytes (int32). The number of
 token slots is the rest of the budget divided by bytes per token, rounded *down* to whole pages,
-with at least two pages (page 0 is the reserved padding page). Nothing here imports torch.
+with at least two pages (page 0 is the reserved padding page).
+
+Before anything is allocated, :func:`check_fits` refuses pools larger than
+:data:`POOL_MEMORY_SHARE` of the memory the device (the host on CPU) has free now
+(:func:`available_bytes`), naming the input that set the size, the limit, and a value that fits —
+rather than letting the allocator fail or the kernel's OOM killer end the process. Nothing here
+imports torch.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Sequence
+import math
+import os
+from typing import Any, Literal, Optional, Sequence
 
 import msgspec
 
 from pipeline.contracts import LayerKind, PoolFacts
 from pipeline.errors import ConfigError
+from pipeline.validation import MAX_POOL_DIM
 
 KV_ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
 REQ_TO_TOKEN_ELEM_BYTES = 4
@@ -44,6 +53,9 @@ class PoolSizing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 # The flag behind each budget source, for error messages.
 _FLAG = {"bytes": "mem_bytes", "mem_fraction": "mem_fraction"}
+# The pools may take at most this share of the memory free when they are sized: the rest is left for
+# activations, the verification batches and whatever else runs (sglang leaves 1 - mem_fraction_static).
+POOL_MEMORY_SHARE = 0.9
 
 def kv_bytes_per_token(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str) -> int:
     """KV-cache bytes one token slot costs over layers ``0..num_layers-1`` (K and V, every layer)."""
@@ -82,6 +94,7 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
     given (``mem_fraction``: the fraction a ``source="mem_fraction"`` budget came from, for the
     error). The pool must hold at least two pages and ``min_slots`` token slots (rounded up to
     pages; ``min_slots_for`` says what needs them, e.g. ``attn-setup run``'s verification batches).
+    A budget is used up to ``MAX_POOL_DIM`` (2**31 - 1) slots, what int32 token locations address.
     Raises ConfigError (``pool_budget_too_small``) naming the flag, what it must cover and a remedy
     otherwise; nothing is allocated.
     """
@@ -97,7 +110,8 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
                               allowed=[f">= {floor}"], remedy=f"set num_token_slots={floor} or more")
     elif budget_bytes is not None:
         budget = int(budget_bytes)
-        slots = max(0, (budget - r2t) // max(per_tok, 1)) // page_size * page_size
+        # a budget beyond what int32 token locations address is used up to that (MAX_POOL_DIM) only
+        slots = min(max(0, (budget - r2t) // max(per_tok, 1)), MAX_POOL_DIM) // page_size * page_size
         need = r2t + floor * per_tok
         if slots < floor:
             raise ConfigError(
@@ -117,3 +131,84 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
     facts = PoolFacts(max_reqs=max_reqs, max_context_len=max_context_len, num_token_slots=slots, page_size=page_size)
     return PoolSizing(facts=facts, source=source, budget_bytes=budget, bytes_per_token=per_tok,
                       req_to_token_bytes=r2t, kv_bytes=slots * per_tok)
+
+
+def host_available_bytes() -> int:
+    """Host memory the kernel could hand out now: ``MemAvailable`` from /proc/meminfo (Linux),
+    else free physical pages (``os.sysconf``); 0 when unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def available_bytes(platform: Any, index: int = 0) -> int:
+    """Bytes the pools could still get on ``platform``'s device ``index`` (0 = unknown).
+
+    The platform's ``memory_available(index)`` when it has one (CPU: host ``MemAvailable``; CUDA:
+    ``torch.cuda.mem_get_info``), else its total memory minus what torch has allocated there.
+    """
+    probe = getattr(platform, "memory_available", None)
+    if probe is not None:
+        return max(int(probe(index)), 0)
+    total = platform.device_facts(index).total_memory_bytes
+    return max(int(total) - int(platform.memory_allocated(index)), 0) if total else 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, total_bytes: int = 0,
+               allocated_bytes: int = 0, mem_fraction: Optional[float] = None) -> None:
+    """Refuse pools (``req_to_token`` + every layer's K/V) above ``POOL_MEMORY_SHARE × available`` bytes.
+
+    ``available``: bytes free on ``device`` now (:func:`available_bytes`; 0 = unknown, no check).
+    The error (ConfigError ``pool_exceeds_memory``, exit 3) names the input that decided the size
+    (``num_token_slots``, ``mem_bytes`` or ``mem_fraction`` by ``s.source``; ``max_reqs`` and
+    ``max_context_len`` when ``req_to_token`` alone is too big), the limit in bytes, and a value of
+    that input that fits; ``cli`` words the remedy with flags (``--num-token-slots``) rather than
+    the library's ``PoolFacts`` fields. ``total_bytes``/``allocated_bytes``/``mem_fraction`` let a
+    ``mem_fraction`` remedy compute the largest fraction that fits.
+    """
+    if available <= 0:
+        return
+    limit = int(available * POOL_MEMORY_SHARE)
+    need = s.req_to_token_bytes + s.kv_bytes
+    if need <= limit:
+        return
+    p, name = s.facts, (lambda f: "--" + f.replace("_", "-")) if cli else (lambda f: "pool." + f)
+    head = (f"the KV pools need {need} bytes ({_gib(need)}: req_to_token {s.req_to_token_bytes} + K/V "
+            f"{s.kv_bytes}) but {device} has {available} bytes free ({_gib(available)}); the pools may use "
+            f"{POOL_MEMORY_SHARE:.0%} of that, {limit} bytes")
+    allowed = [f"<= {limit} bytes of pools"]
+    if s.req_to_token_bytes + 2 * p.page_size * s.bytes_per_token > limit:
+        rows = max(limit // 2 // max(p.max_context_len * REQ_TO_TOKEN_ELEM_BYTES, 1), 0)
+        raise ConfigError(f"{head}; req_to_token alone ({p.max_reqs} x {p.max_context_len} int32) is too large",
+                          code="pool_exceeds_memory",
+                          flags=[("max_reqs", p.max_reqs), ("max_context_len", p.max_context_len),
+                                 ("limit_bytes", limit)], allowed=allowed,
+                          remedy=f"lower {name('max_reqs')} (at most {rows} rows at this context length) or "
+                                 f"{name('max_context_len')}")
+    fit_slots = (limit - s.req_to_token_bytes) // max(s.bytes_per_token, 1) // p.page_size * p.page_size
+    if s.source == "slots" or not cli:
+        raise ConfigError(head, code="pool_exceeds_memory",
+                          flags=[("num_token_slots", p.num_token_slots), ("limit_bytes", limit)], allowed=allowed,
+                          remedy=f"pass {name('num_token_slots')} {fit_slots} or fewer "
+                                 f"({s.bytes_per_token} bytes per token slot)")
+    if s.source == "bytes":
+        raise ConfigError(head, code="pool_exceeds_memory", flags=[("mem_bytes", s.budget_bytes),
+                                                                    ("limit_bytes", limit)],
+                          allowed=allowed, remedy=f"pass --mem-bytes {limit} or less")
+    frac = math.floor((limit + allocated_bytes) / total_bytes * 100) / 100 if total_bytes else 0.0
+    raise ConfigError(head, code="pool_exceeds_memory", flags=[("mem_fraction", mem_fraction),
+                                                                ("limit_bytes", limit)], allowed=allowed,
+                      remedy=(f"pass --mem-fraction {frac:.2f} or less" if frac > 0 else
+                              f"pass --num-token-slots {fit_slots} or fewer") + " (or free memory on the device)")

@@ -70,15 +70,17 @@ def names() -> list[str]:
 
 
 def get(name: str, *, detector: Optional[Callable[[], DeviceFacts]] = None) -> DeviceFacts:
-    """The DeviceFacts of profile ``name``; ``auto`` runs :func:`detect` (or ``detector``).
+    """The DeviceFacts of profile ``name`` (case-insensitive: ``H200`` is ``h200``); ``auto`` runs
+    :func:`detect` (or ``detector``).
 
     Raises :class:`UsageError` (exit 2, ``unknown_profile``) naming the allowed profiles.
     """
+    given, name = name, name.strip().lower()
     if name == "auto":
         return (detector or detect)()
     if name not in PROFILES:
-        raise UsageError(f"unknown device profile {name!r}", code="unknown_profile",
-                         flags=[("--device-profile", name)], allowed=names(),
+        raise UsageError(f"unknown device profile {given!r}", code="unknown_profile",
+                         flags=[("--device-profile", given)], allowed=names(),
                          remedy="pass one of the named profiles, or auto for this machine")
     return PROFILES[name]
 

@@ -112,6 +112,14 @@ def warning_line(warnings: list[dict[str, Any]]) -> Optional[str]:
     return f"warning: {'; '.join(parts)} (--strict refuses this; to accept or avoid it: {cli_flags(avoid)})"
 
 
+def fmt_bytes(n: int) -> str:
+    """A byte count for people: ``512 B``, ``32.0 KiB``, ``384.0 MiB``, ``1.50 GiB`` (JSON keeps bytes)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}" if unit == "GiB" else f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
 def emit_json(obj: dict[str, Any]) -> None:
     sys.stdout.write(msgspec.json.encode(obj).decode() + "\n")
     sys.stdout.flush()
@@ -182,9 +190,13 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
             t.add_row(i["role"], i["backend"], str(i["workspace"]))
         c.print(t)
         for w in plan["workspaces"]:
-            c.print(f"  workspace {w['id']}: {w['bytes']} bytes, owner {w['owner']}, shared by {', '.join(w['shared_by'])}")
+            c.print(f"  workspace {w['id']}: {fmt_bytes(w['bytes'])}, owner {w['owner']}, "
+                    f"shared by {', '.join(w['shared_by'])}", markup=False)
+    by_reason: dict[str, list[str]] = {}  # one line per reason (resolve's and capture's graph skip say the same)
     for s in report.get("skips") or []:
-        c.print(f"skipped: {s['what']}: {s['reason']}", markup=False)
+        by_reason.setdefault(s["reason"], []).append(s["what"])
+    for reason, whats in by_reason.items():
+        c.print(f"skipped: {', '.join(dict.fromkeys(whats))}: {reason}", markup=False)
     line = warning_line(report.get("warnings") or [])
     if line:
         c.print(f"[bold yellow]{escape(line)}[/]", soft_wrap=True)

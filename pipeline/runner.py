@@ -62,7 +62,8 @@ class Runner:
     Parameters
     ----------
     config : :class:`RunnerConfig`. platform : device platform (default from ``request.device``).
-    log / log_file : an EventLog to emit to, or a trace path for a new one.
+    log / log_file : an EventLog to emit to, or a trace path for a new one (checked up front:
+        :func:`pipeline.build.open_event_log` raises UsageError ``log_file_unwritable``).
     cpu_group : the world's CPU process group (passed to NPU lazy memory).
     rank_group : a :class:`pipeline.distributed.RankGroup` (``init_from_env()``): the pipeline's
         resolve state then exchanges the resolution with every rank (``resolution_agreed``).
@@ -83,16 +84,24 @@ class Runner:
     def __init__(self, config: RunnerConfig, *, platform: Any = None, log: Optional[EventLog] = None,
                  log_file: Optional[str] = None, cpu_group: Any = None, agree: Optional[AgreeFn] = None,
                  installed: Optional[dict[str, bool]] = None, rank_group: Any = None) -> None:
-        from pipeline.build import new_run_id
+        from pipeline.build import new_run_id, open_event_log
         from pipeline.platforms import parse_device, platform_for
 
+        if not isinstance(config, RunnerConfig) or not isinstance(config.request, SetupRequest):
+            from pipeline.errors import UsageError
+
+            raise UsageError(f"Runner needs a RunnerConfig holding a SetupRequest, got {type(config).__name__}"
+                             + (f" with request={type(config.request).__name__}" if isinstance(config, RunnerConfig)
+                                else ""), code="usage", flags=[("config", type(config).__name__)],
+                             allowed=["RunnerConfig(request=SetupRequest(...))"],
+                             remedy="build RunnerConfig(request=SetupRequest(args=..., model=load_model_spec(path)))")
         req = config.request
         self.config, self.agree, self.installed, self.cpu_group = config, agree, installed, cpu_group
         self.rank_group = rank_group
         if cpu_group is None and rank_group is not None:
             self.cpu_group = rank_group.cpu_group
         self.own_log = log is None
-        self.log = log or EventLog(req.run_id or new_run_id(), req.rank, log_file, secrets=tuple(req.secrets.values()))
+        self.log = log or open_event_log(req.run_id or new_run_id(), req.rank, log_file, tuple(req.secrets.values()))
         self.platform = platform or platform_for(req.device)
         self.index = parse_device(req.device)[1]
         self.machine = RunnerMachine(on_transition=self._moved)
@@ -152,6 +161,9 @@ class Runner:
     def init_distributed(self) -> None:
         """Record rank, world size and the CPU group (a gloo group when torch.distributed is up)."""
         def work() -> None:
+            from pipeline import settings
+
+            settings.check_env()  # refused here, before the model and the pools are allocated
             req, group, source = self.request, self.cpu_group, "arguments"
             if req.world_size > 1 and group is None:
                 import torch.distributed as dist
@@ -202,16 +214,16 @@ class Runner:
 
     def _init_memory_pool(self) -> None:
         from pipeline.memory import KVPool, ReqToTokenPool, torch_dtype
-        from pipeline.pool_sizing import budget_from_fraction, size_pools
+        from pipeline.pool_sizing import available_bytes, budget_from_fraction, check_fits, size_pools
         from states.capability_check import kv_dtype
 
         req, cfg, stack = self.request, self.config, self.machine.model.stack
         model, p = req.served_model, req.pool
         budget, source = cfg.mem_bytes, "bytes"
+        total, allocated = 0, self.platform.memory_allocated(self.index)
         if cfg.num_token_slots is None and budget is None and cfg.mem_fraction is not None:
-            facts = self.platform.device_facts(self.index)
-            budget = budget_from_fraction(cfg.mem_fraction, facts.total_memory_bytes,
-                                          self.platform.memory_allocated(self.index))
+            total = self.platform.device_facts(self.index).total_memory_bytes
+            budget = budget_from_fraction(cfg.mem_fraction, total, allocated)
             source = "mem_fraction"
         slots = cfg.num_token_slots if cfg.num_token_slots is not None else (None if budget is not None
                                                                              else p.num_token_slots)
@@ -219,6 +231,8 @@ class Runner:
         s = size_pools(model.layer_kinds(), stack.num_layers, kvd, page_size=req.args.page_size, max_reqs=p.max_reqs,
                        max_context_len=p.max_context_len, num_token_slots=slots, budget_bytes=budget, source=source,
                        mem_fraction=cfg.mem_fraction)
+        check_fits(s, available_bytes(self.platform, self.index), device=self.platform.torch_device(self.index),
+                   total_bytes=total, allocated_bytes=allocated, mem_fraction=cfg.mem_fraction)
         self.sizing, self.request = s, msgspec.structs.replace(req, pool=s.facts)
         dev = self.platform.torch_device(self.index)
         pools = {"req_to_token_pool": ReqToTokenPool(p.max_reqs, p.max_context_len, dev)}

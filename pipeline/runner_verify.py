@@ -61,6 +61,12 @@ def slots_needed(max_reqs: int, page_size: int, decode_steps: int = 3) -> int:
     return page_size * (1 + sum(-(-(e + c + decode_steps) // page_size) for e, c in zip(EXTEND_LENS[:b], CHUNK_LENS[:b])))
 
 
+def context_needed(max_reqs: int, decode_steps: int = 3) -> int:
+    """Tokens the longest request of :func:`verify_model_steps` reaches (the ``max_context_len`` it needs)."""
+    b = min(len(EXTEND_LENS), max_reqs)
+    return max(x + y for x, y in zip(EXTEND_LENS[:b], CHUNK_LENS[:b])) + decode_steps
+
+
 def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0) -> list[StepCheck]:
     """Run extend, chunked extend and decode steps through a ready ``runner``; see the module docstring.
 

@@ -5,16 +5,21 @@
   in sglang's FlashInfer backend, 512 MiB for the architectures sglang raises it for: see
   :data:`WORKSPACE_512_MIB_ARCHITECTURES`).
 
-The resolved value and the source that won are logged as a ``setting_resolved`` event.
+The resolved value and the source that won are logged as a ``setting_resolved`` event. A value
+from the environment passes the same check as the field (:func:`pipeline.validation.check_size`),
+so ``SGLANG_FLASHINFER_WORKSPACE_SIZE=0`` is refused like ``--flashinfer-workspace-size 0``;
+:func:`check_env` runs both checks up front, before anything is allocated.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal, Mapping, Optional
 
 from pipeline.contracts import AttentionArgs, ModelSpec
 from pipeline.errors import ConfigError
+from pipeline.validation import check_size
 
 MiB = 1 << 20
 FLASHINFER_WORKSPACE_DEFAULT = 384 * MiB
@@ -31,26 +36,42 @@ WORKSPACE_512_MIB_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMo
 Source = Literal["field", "env", "default"]
 
 
-def _from_env(env: Mapping[str, str], name: str) -> Optional[int]:
+ENV_VARS = {"zbal_local_mem_size": "SGLANG_ZBAL_LOCAL_MEM_SIZE",
+            "flashinfer_workspace_size": "SGLANG_FLASHINFER_WORKSPACE_SIZE"}
+# 0 turns zbal lazy memory off; a FlashInfer workspace of 0 bytes cannot hold any plan.
+_ALLOW_ZERO = {"zbal_local_mem_size": True, "flashinfer_workspace_size": False}
+
+
+def _from_env(env: Mapping[str, str], field: str) -> Optional[int]:
+    """The env var's value for ``field`` (None when unset or empty), checked as the field is."""
+    name = ENV_VARS[field]
     raw = env.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return None
-    try:
-        val = int(raw)
-    except ValueError:
-        val = -1
-    if val < 0:
-        raise ConfigError(f"environment variable {name}={raw!r} is not a non-negative integer (bytes)",
-                          code="invalid_value", flags=[(name, raw)], allowed=["an integer >= 0 (bytes)"],
+    text = raw.strip()
+    if not re.fullmatch(r"[+-]?[0-9]{1,30}", text, re.ASCII):
+        what = "an integer of more than 30 digits" if re.fullmatch(r"[+-]?[0-9]+", text, re.ASCII) else repr(raw)
+        raise ConfigError(f"environment variable {name}={what[:80]} is not a byte count", code="invalid_value",
+                          flags=[(name, raw[:80])], allowed=[f"an integer (bytes) as for --{field.replace('_', '-')}"],
                           remedy=f"unset {name} or set it to a byte count")
-    return val
+    check_size(field, int(text), allow_zero=_ALLOW_ZERO[field], source=name)
+    return int(text)
+
+
+def check_env(env: Mapping[str, str] = os.environ) -> None:
+    """Check every size env var sglang also reads (set or not), as its field is checked.
+
+    Raises ConfigError (``invalid_value``) naming the variable, its value and the allowed range.
+    """
+    for field in ENV_VARS:
+        _from_env(env, field)
 
 
 def zbal_local_mem_size(args: AttentionArgs, env: Mapping[str, str] = os.environ) -> tuple[int, Source]:
     """Bytes of NPU zbal lazy memory and where the value came from."""
     if args.zbal_local_mem_size is not None:
         return args.zbal_local_mem_size, "field"
-    v = _from_env(env, "SGLANG_ZBAL_LOCAL_MEM_SIZE")
+    v = _from_env(env, "zbal_local_mem_size")
     return (v, "env") if v is not None else (0, "default")
 
 
@@ -65,7 +86,7 @@ def flashinfer_workspace_size(args: AttentionArgs, model: ModelSpec,
     """
     if args.flashinfer_workspace_size is not None:
         return args.flashinfer_workspace_size, "field"
-    v = _from_env(env, "SGLANG_FLASHINFER_WORKSPACE_SIZE")
+    v = _from_env(env, "flashinfer_workspace_size")
     if v is not None:
         return v, "env"
     big = any(a in WORKSPACE_512_MIB_ARCHITECTURES for a in model.architectures)

@@ -7,7 +7,13 @@ allowed and a remedy. Cross-field and capability checks live in :mod:`states.res
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import enum
+import re
+import types
+import typing
+from typing import TYPE_CHECKING, Any, Optional
+
+import msgspec
 
 from pipeline.errors import ConfigError
 
@@ -18,11 +24,184 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 MAX_PAGE_SIZE = 4096
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+# Byte sizes (workspaces, lazy memory) above this are typos: far above any device's memory, and
+# well inside torch's int64 sizes. build-mode also checks a workspace against the device's memory.
+MAX_BYTES = 1 << 48
+# req_to_token holds int32 token locations and seq lens are int32 (sglang's ReqToTokenPool), so no
+# pool dimension can exceed the int32 range.
+MAX_POOL_DIM = (1 << 31) - 1
+DEVICE_TYPES = ("auto", "cpu", "cuda", "musa", "npu", "xpu", "mps")
+_DEVICE = re.compile(r"(auto|cpu)|(cuda|musa|npu|xpu|mps)(?::([0-9]{1,6}))?", re.ASCII)
+# msgspec encodes ints in [-2**63, 2**64): an int field outside that could not be logged.
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Types: msgspec checks field types when it decodes or converts, not when Python code calls a
+# Struct's constructor, so every input contract checks its own fields here (library callers get
+# the same typed error the CLI's flags get).
+# --------------------------------------------------------------------------------------------
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return "None"
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def is_text(v: Any) -> bool:
+    """A str that encodes as UTF-8 (no lone surrogates), so it can be logged and printed."""
+    if not isinstance(v, str):
+        return False
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def matches(v: Any, tp: Any) -> bool:
+    """Whether ``v`` is a value of the annotation ``tp`` as msgspec would decode it.
+
+    ``int`` excludes bool and values outside int64; ``float`` accepts ints; ``str`` must be valid
+    UTF-8 text; ``list``/``tuple``/``dict`` are checked element by element; Structs by isinstance.
+    """
+    if tp is Any:
+        return True
+    if tp is type(None):
+        return v is None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(matches(v, a) for a in args)
+    if origin is typing.Literal:
+        return any(type(v) is type(a) and v == a for a in args)
+    if origin is list:
+        return isinstance(v, (list, tuple)) and all(matches(x, args[0]) for x in v)
+    if origin is tuple:
+        if not isinstance(v, (list, tuple)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(matches(x, args[0]) for x in v)
+        return len(v) == len(args) and all(matches(x, a) for x, a in zip(v, args))
+    if origin is dict:
+        return isinstance(v, dict) and all(matches(k, args[0]) and matches(x, args[1]) for k, x in v.items())
+    if tp is bool:
+        return isinstance(v, bool)
+    if tp is int:
+        return isinstance(v, int) and not isinstance(v, bool) and _INT64[0] <= v <= _INT64[1]
+    if tp is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if tp is str:
+        return is_text(v)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return isinstance(v, tp)
+    if isinstance(tp, type):
+        return isinstance(v, tp)
+    return True
+
+
+# What to do about a field of the wrong type, where "pass a <type>" is not enough.
+_TYPE_REMEDY = {
+    "model": "pass model=pipeline.load_model_spec(path_or_dict), not the dict itself",
+    "draft_model": "pass draft_model=pipeline.load_model_spec(path_or_dict), or None",
+    "args": "pass args=pipeline.AttentionArgs(...)",
+    "pool": "pass pool=pipeline.contracts.PoolFacts(...)",
+    "mla": "pass mla=pipeline.contracts.MLADims(...), or let load_model_spec read the MLA dims",
+}
+
+
+def check_types(obj: msgspec.Struct, prefix: str = "") -> None:
+    """Raise ConfigError (``invalid_value``) for the first field whose value is not of its annotated type.
+
+    The error names the field (``prefix`` + name), its value, the expected type and a remedy. Run
+    from the input contracts' ``__post_init__`` before their domain checks.
+    """
+    cls = type(obj)
+    for name, tp in _hints(cls).items():
+        if name not in cls.__struct_fields__:
+            continue
+        v = getattr(obj, name)
+        if not matches(v, tp):
+            want = _type_name(tp)
+            field = prefix + name
+            what = _describe(v)
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if isinstance(v, (list, tuple)) and args and typing.get_origin(args[0]) is list:
+                elem = typing.get_args(args[0])[0]
+                bad = next((x for x in v if not matches(x, elem)), None)
+                what = f"a list holding {_describe(bad)}" if bad is not None else what
+            raise ConfigError(f"{cls.__name__}.{name} must be {want}, got {what}", code="invalid_value",
+                              flags=[(field, v)], allowed=[want],
+                              remedy=_TYPE_REMEDY.get(name, f"pass a value of type {want} for {name}"))
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, str) and not is_text(v):
+        return "text with a lone surrogate (not valid UTF-8)"
+    if isinstance(v, int) and not isinstance(v, bool) and not _INT64[0] <= v <= _INT64[1]:
+        return "an integer outside int64"
+    return type(v).__name__
+
+
+def check_size(field: str, value: Optional[int], *, allow_zero: bool, source: Optional[str] = None) -> None:
+    """The one check of a byte-size setting, wherever its value came from.
+
+    ``value`` must be an integer in ``[0 or 1, MAX_BYTES]``. ``source`` names where it came from
+    when that is not the field itself (an environment variable such as
+    ``SGLANG_FLASHINFER_WORKSPACE_SIZE``): the error then names that variable, so the flag and the
+    variable with the same value are refused alike. Raises ConfigError (``invalid_value``).
+    """
+    if value is None:
+        return
+    lo = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= MAX_BYTES:
+        rng = f"an integer in [{lo}, {MAX_BYTES}] (bytes)"
+        name = source or field
+        raise ConfigError(f"{name}={_short(value)} is not allowed", code="invalid_value",
+                          flags=[(name, value)] + ([(field, None)] if source else []), allowed=[rng],
+                          remedy=(f"unset {source} or set it to {rng}" if source else f"set {field} to {rng}"))
+
+
+def _short(v: Any) -> str:
+    """repr(v) for messages, at most 80 characters; never fails (ints above 4300 digits cannot be repr'd)."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+        return f"<an integer of about {int(v.bit_length() * 0.30103) + 1} digits>"
+    try:
+        text = repr(v)
+    except (ValueError, RecursionError):
+        text = f"<a {type(v).__name__} that cannot be shown>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_device(device: str) -> None:
+    """``auto``, ``cpu``, or an accelerator type with an optional ASCII index (``cuda``, ``cuda:1`` …).
+
+    Raises ConfigError (``invalid_value``, flag ``device``) for anything else — a non-ASCII digit
+    such as ``cuda:²`` included (``str.isdigit`` accepts it, ``int()`` does not).
+    """
+    if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+        _bad("device", device, ["auto", "cpu", "cuda", "cuda:N", "musa[:N]", "npu[:N]", "xpu[:N]"],
+             "set device='auto' to pick this machine's accelerator, or device='cpu' (N: 0-9 digits)")
 
 
 def _bad(field: str, value: Any, allowed: list[str] | tuple[str, ...], remedy: str, msg: str | None = None):
     raise ConfigError(
-        msg or f"{field}={value!r} is not allowed",
+        msg or f"{field}={_short(value)} is not allowed",
         code="invalid_value",
         flags=[(field, value)],
         allowed=allowed,
@@ -40,13 +219,15 @@ def _positive(field: str, value: int | None, *, allow_zero: bool = False, upper:
 
 
 def check_attention_args(a: "AttentionArgs") -> None:
-    """Domain checks of single fields of :class:`AttentionArgs` (raises ConfigError)."""
+    """Type and domain checks of single fields of :class:`AttentionArgs` (raises ConfigError)."""
+    # sizes first: their check names the range for any value, the same one the env vars get
+    check_size("zbal_local_mem_size", a.zbal_local_mem_size, allow_zero=True)
+    check_size("flashinfer_workspace_size", a.flashinfer_workspace_size, allow_zero=False)
     _positive("page_size", a.page_size, upper=MAX_PAGE_SIZE)
-    _positive("sm_group_num", a.sm_group_num)
-    _positive("zbal_local_mem_size", a.zbal_local_mem_size, allow_zero=True)
-    _positive("flashinfer_workspace_size", a.flashinfer_workspace_size)
-    _positive("cuda_graph_max_bs", a.cuda_graph_max_bs)
-    _positive("speculative_eagle_topk", a.speculative_eagle_topk)
+    _positive("sm_group_num", a.sm_group_num)  # above the SM count: refused at resolve, naming it
+    _positive("cuda_graph_max_bs", a.cuda_graph_max_bs, upper=MAX_POOL_DIM)
+    _positive("speculative_eagle_topk", a.speculative_eagle_topk, upper=1024)
+    check_types(a)
     if a.cuda_graph_bs is not None:
         if not isinstance(a.cuda_graph_bs, (list, tuple)):
             _bad("cuda_graph_bs", a.cuda_graph_bs, ["a list of positive integers"], "pass batch sizes as a list")
@@ -56,7 +237,7 @@ def check_attention_args(a: "AttentionArgs") -> None:
             _bad("cuda_graph_bs", a.cuda_graph_bs, ["a non-empty list of positive integers"],
                  "omit cuda_graph_bs to use the defaults, or list at least one batch size")
         for bs in a.cuda_graph_bs:
-            _positive("cuda_graph_bs", bs)
+            _positive("cuda_graph_bs", bs, upper=MAX_POOL_DIM)
     if a.kv_cache_dtype not in KV_CACHE_DTYPES:
         _bad("kv_cache_dtype", a.kv_cache_dtype, KV_CACHE_DTYPES, "pick one of the allowed KV cache dtypes")
     if a.dtype not in MODEL_DTYPES:
@@ -78,18 +259,25 @@ def check_attention_args(a: "AttentionArgs") -> None:
 
 
 def check_pool_facts(p: "PoolFacts") -> None:
-    """Domain checks of :class:`PoolFacts` (raises ConfigError)."""
-    _positive("pool.max_reqs", p.max_reqs)
-    _positive("pool.max_context_len", p.max_context_len)
-    _positive("pool.num_token_slots", p.num_token_slots)
+    """Type and domain checks of :class:`PoolFacts` (raises ConfigError).
+
+    Each size is in ``[1, 2**31 - 1]``: ``req_to_token`` stores int32 token locations (sglang's
+    ``ReqToTokenPool``), so a larger pool could not be addressed. Whether the pools fit the
+    device's memory is checked where they are allocated (:func:`pipeline.pool_sizing.check_fits`).
+    """
+    _positive("pool.max_reqs", p.max_reqs, upper=MAX_POOL_DIM)
+    _positive("pool.max_context_len", p.max_context_len, upper=MAX_POOL_DIM)
+    _positive("pool.num_token_slots", p.num_token_slots, upper=MAX_POOL_DIM)
     _positive("pool.page_size", p.page_size, upper=MAX_PAGE_SIZE)
+    check_types(p, "pool.")
     if p.num_token_slots % p.page_size:
         _bad("pool.num_token_slots", p.num_token_slots, [f"a multiple of page_size={p.page_size}"],
              "round num_token_slots to whole pages")
 
 
 def check_setup_request(r: "SetupRequest") -> None:
-    """Cross-field checks of :class:`SetupRequest` (raises ConfigError)."""
+    """Type and cross-field checks of :class:`SetupRequest` (raises ConfigError)."""
+    check_types(r)
     if r.world_size < 1:
         _bad("world_size", r.world_size, ["an integer >= 1"], "set world_size to the number of ranks")
     if not 0 <= r.rank < r.world_size:
@@ -104,8 +292,4 @@ def check_setup_request(r: "SetupRequest") -> None:
     if r.draft_model is not None and not r.is_draft_worker:
         _bad("draft_model", r.draft_model.source or "<spec>", ["only with is_draft_worker=True"],
              "set is_draft_worker=True to initialize the draft worker, or drop draft_model")
-    dev = r.device
-    head, _, idx = dev.partition(":")
-    if head not in ("auto", "cpu", "cuda", "musa", "npu", "xpu", "mps") or (idx and not idx.isdigit()) or (head in ("auto", "cpu") and idx):
-        _bad("device", dev, ["auto", "cpu", "cuda", "cuda:N", "musa[:N]", "npu[:N]", "xpu[:N]"],
-             "pass device='auto' to pick this machine's accelerator, or device='cpu'")
+    check_device(r.device)

@@ -154,6 +154,12 @@ def slots_needed(max_reqs: int, page_size: int, decode_steps: int = 3) -> int:
     return page_size * (1 + sum(-(-(p + n + decode_steps) // page_size) for p, n in zip(PREFIX_LENS[:b], NEW_LENS[:b])))
 
 
+def context_needed(max_reqs: int, decode_steps: int = 3) -> int:
+    """Tokens the longest request of :func:`verify_backend` reaches (the ``max_context_len`` it needs)."""
+    b = min(len(PREFIX_LENS), max_reqs)
+    return max(x + y for x, y in zip(PREFIX_LENS[:b], NEW_LENS[:b])) + decode_steps
+
+
 def _steps(rows: Sequence[int], decode_steps: int) -> list[tuple[str, ForwardMode, list[int], list[int]]]:
     b = len(rows)
     pre = [(r, p) for r, p in zip(rows, PREFIX_LENS[:b]) if p > 0]

@@ -70,3 +70,20 @@ def npu_facts():
 
     return DeviceFacts(type="npu", index=0, name="Ascend 910B (fake)", vendor="huawei", sm_count=24,
                        total_memory_bytes=64 << 30, source="test")
+
+
+def run_main(*args: str) -> "subprocess.CompletedProcess[str]":
+    """``attn-setup ARGS`` in this process (``pipeline.cli.main`` with stdout/stderr captured), as a
+    CompletedProcess. For tests of what a command does; the few tests of process-level behaviour
+    (imports, signals, torchrun) start a real subprocess instead. Saves ~3 s of interpreter and
+    torch start-up per call on a 2-core CI machine."""
+    import contextlib
+    import io
+    import subprocess
+
+    from pipeline.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())

@@ -1,15 +1,13 @@
-"""`attn-setup run` as a subprocess on every bundled config, with each config's pinned CPU outcome."""
+"""`attn-setup run` on every bundled config, with each config's pinned CPU outcome (in-process: ``run_main``)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS
+from conftest import CONFIGS, run_main
 from pipeline import events as ev
 
 SIX = ["device-init", "resolve", "build-mode", "npu-lazy-mem", "annotate", "done"]
@@ -39,9 +37,7 @@ WINDOWS = {"mistral-7b-v0.1.json": 4096, "gemma-2-9b.json": 4096, "gpt-oss-20b.j
            "gemma-3-12b-it.json": 1024}
 
 
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+run_cli = run_main
 
 
 def test_every_bundled_config_is_pinned():
@@ -88,8 +84,8 @@ def test_run_outcome_per_config(config, tmp_path):
 
 def test_log_file_placeholders(tmp_path):
     """{run_id} and {rank} are filled into --log-file."""
-    proc = run_cli("run", "--device", "cpu", "--json", "--rank", "1", "--world-size", "2",
-                   "--log-file", str(tmp_path / "x-{run_id}-r{rank}.jsonl"))
+    proc = run_cli("run", "--device", "cpu", "--json", "--rank", "1", "--world-size", "2", "--num-layers", "1",
+                   "--decode-steps", "0", "--log-file", str(tmp_path / "x-{run_id}-r{rank}.jsonl"))
     out = json.loads(proc.stdout)
     assert Path(out["log_file"]).name == f"x-{out['run_id']}-r1.jsonl"
 
@@ -116,7 +112,8 @@ def test_bad_input_exit_codes(args, code, field, tmp_path):
 
 def test_human_output_has_tables(tmp_path):
     """Without --json the states and verification tables are printed."""
-    proc = run_cli("run", "--device", "cpu", "--log-file", str(tmp_path / "l.jsonl"))
+    proc = run_cli("run", "--device", "cpu", "--log-file", str(tmp_path / "l.jsonl"), "--num-layers", "1",
+                   "--decode-steps", "0")
     assert proc.returncode == 0
     for word in ("device-init", "npu-lazy-mem", "verification", "torch_native", "dtype: bfloat16 (auto:checkpoint)"):
         assert word in proc.stdout

@@ -1,4 +1,4 @@
-"""``attn-setup plan`` as a subprocess: JSON shape, exit codes 0/2/3, and no torch/triton/flashinfer import."""
+"""``attn-setup plan``: JSON shape, exit codes 0/2/3 (in-process), and no torch/triton/flashinfer import (a subprocess)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ ALL = "torch,triton,flashinfer-python"
 
 
 def plan(*argv: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", *argv, "--json"], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+    from conftest import run_main
+
+    proc = run_main("plan", *argv, "--json")
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
 
 

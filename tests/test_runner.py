@@ -300,24 +300,20 @@ def test_runner_trace_reads_and_replays(qwen, tmp_path):
 ])
 def test_cli_budget_and_layer_flags_refused(tmp_path, flags, code, flag):
     import json
-    import subprocess
-    import sys
 
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--device", "cpu", "--json", "--log-file",
-                           str(tmp_path / "l.jsonl"), *flags], capture_output=True, text=True, timeout=300)
+    from conftest import run_main
+
+    proc = run_main("run", "--device", "cpu", "--json", "--log-file", str(tmp_path / "l.jsonl"), *flags)
     assert proc.returncode == code, proc.stderr[-1500:]
     err = json.loads(proc.stdout)["error"]
     assert err["remedy"] and (flag is None or flag in [f["name"] for f in err["flags"]])
 
 
 def test_cli_mem_bytes_sizes_the_pool(tmp_path):
-    import json
-    import subprocess
-    import sys
+    from conftest import run_main
 
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--device", "cpu", "--json", "--num-layers",
-                           "3", "--mem-bytes", str(8 << 20), "--log-file", str(tmp_path / "l.jsonl")],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_main("run", "--device", "cpu", "--json", "--num-layers", "3", "--mem-bytes", str(8 << 20),
+                    "--log-file", str(tmp_path / "l.jsonl"))
     assert proc.returncode == 0, proc.stderr[-1500:]
     recs = [ev.decode_line(x) for x in (tmp_path / "l.jsonl").read_bytes().splitlines()]
     sized = next(r for r in recs if isinstance(r, ev.MemoryPoolSized))

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from conftest import CONFIGS, cuda_facts
 from pipeline.contracts import AttentionArgs, ResolvedAttentionBackendStr, SetupRequest
@@ -44,7 +42,8 @@ def test_hybrid_with_torch_native_lists_only_the_flashinfer_half():
 
 def test_cpu_warmup_is_a_successful_no_op():
     """On CPU (torch_native) there is nothing to compile: exit 0 and an explanatory note."""
-    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "warmup", "--device", "cpu", "--json"],
-                       capture_output=True, text=True, timeout=120)
+    from conftest import run_main
+
+    p = run_main("warmup", "--device", "cpu", "--json")
     out = json.loads(p.stdout)
     assert p.returncode == 0 and out["variants"] == [] and out["resolved"]["prefill"] == "torch_native"

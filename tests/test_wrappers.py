@@ -10,7 +10,7 @@ from pipeline.backends.hybrid import HybridAttnBackend
 from pipeline.backends.tbo import TboAttnBackend, split_batch
 from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.contracts import ForwardMode, LayerKind
-from pipeline.errors import BuildError
+from pipeline.errors import BackendClosed, BuildError
 from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
 from pipeline.reference import rel_err
 from pipeline.verify import verify_backend
@@ -121,14 +121,19 @@ def test_split_batch_slices_tokens_and_lengths():
 
 
 def test_tbo_buffers_close_and_graph_hooks():
-    """owned_buffers/close cover all three instances; graph hooks go to the primary (which refuses)."""
+    """owned_buffers/close cover all three instances; graph hooks go to the primary (which refuses);
+    after close every member and the wrapper raise BackendClosed."""
     tbo = make_tbo()
     members = [tbo.primary, *tbo.children]
     assert [id(b) for b in tbo.owned_buffers()] == [id(m.buffer) for m in members]
-    tbo.close()
-    assert [m.closes for m in members] == [1, 1, 1]
     with pytest.raises(NotImplementedError):
         tbo.init_cuda_graph_state(4, 4)
+    tbo.close()
+    assert [m.closes for m in members] == [1, 1, 1]
+    for b in [tbo, *members]:
+        with pytest.raises(BackendClosed) as e:
+            b.init_cuda_graph_state(4, 4)
+        assert e.value.info.code == "backend_closed" and e.value.exit_code == 1
     with pytest.raises(BuildError):
         TboAttnBackend(Recording("p"), [Recording("c0")])
 
@@ -164,7 +169,9 @@ def test_hybrid_close_once_each_even_if_same_object():
     same = Recording("both")
     hyb = HybridAttnBackend(same, same)
     assert len(hyb.owned_buffers()) == 1
+    with pytest.raises(NotImplementedError):
+        hyb.init_cuda_graph_state(4, 4)
     hyb.close()
     assert same.closes == 1
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(BackendClosed):
         hyb.init_cuda_graph_state(4, 4)

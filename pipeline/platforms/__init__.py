@@ -13,7 +13,14 @@ __all__ = ["Platform", "platform_for", "parse_device"]
 
 
 def parse_device(device: str) -> tuple[str, int]:
-    """``"cuda:1"`` → ("cuda", 1); ``"cpu"`` → ("cpu", 0); ``"auto"`` → ("auto", 0)."""
+    """``"cuda:1"`` → ("cuda", 1); ``"cpu"`` → ("cpu", 0); ``"auto"`` → ("auto", 0).
+
+    Raises ConfigError (``invalid_value``, flag ``device``) for a string that is not a device
+    (:func:`pipeline.validation.check_device`), e.g. ``cuda:²``.
+    """
+    from pipeline.validation import check_device
+
+    check_device(device)
     head, _, idx = device.partition(":")
     return head, int(idx) if idx else 0
 

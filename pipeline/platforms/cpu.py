@@ -33,3 +33,9 @@ class CpuPlatform:
 
     def memory_allocated(self, index: int = 0) -> int:
         return 0
+
+    def memory_available(self, index: int = 0) -> int:
+        """Host bytes free now (``MemAvailable``), what CPU pools are checked against before allocation."""
+        from pipeline.pool_sizing import host_available_bytes
+
+        return host_available_bytes()

@@ -52,3 +52,7 @@ class CudaPlatform:
 
     def memory_allocated(self, index: int = 0) -> int:
         return int(self._torch().cuda.memory_allocated(index))
+
+    def memory_available(self, index: int = 0) -> int:
+        """Device bytes free now (``torch.cuda.mem_get_info``: other processes' use counted too)."""
+        return int(self._torch().cuda.mem_get_info(index)[0])

@@ -1,0 +1,107 @@
+"""Issue 14 §5 on a real GPU: pools and workspaces against the device's free memory, closed backends.
+
+- ``CudaPlatform.memory_available`` is ``torch.cuda.mem_get_info``'s free bytes.
+- ``run --mem-fraction 1.0`` is refused before allocation (``pool_exceeds_memory``, exit 3) — the
+  CUDA context alone makes the whole device more than is free — and the fraction its remedy names
+  then starts, verifies and exits 0 (a remedy must be true).
+- pools from the library (``PoolFacts`` at the int32 limit) and a FlashInfer workspace above the free
+  memory are refused before anything is allocated (``memory_allocated`` unchanged).
+- every GPU backend (triton, flashinfer, fa3 where installed) raises ``BackendClosed`` after close.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():  # pragma: no cover - CPU CI
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from pipeline import build_attention_backends  # noqa: E402
+from pipeline.contracts import AttentionArgs, PoolFacts, SetupRequest  # noqa: E402
+from pipeline.errors import BackendClosed, ConfigError  # noqa: E402
+from pipeline.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec  # noqa: E402
+from pipeline.platforms.cuda import CudaPlatform  # noqa: E402
+
+NEEDS = {"flashinfer": "flashinfer", "fa3": "flashinfer", "triton": "triton"}
+BACKENDS = [b for b, mod in NEEDS.items() if importlib.util.find_spec(mod) is not None]
+if torch.cuda.get_device_capability() != (9, 0) and "fa3" in BACKENDS:
+    BACKENDS.remove("fa3")
+
+
+def run_main(*args: str):
+    """``attn-setup ARGS`` in-process: (returncode, stdout)."""
+    import contextlib
+    import io
+    import subprocess
+
+    from pipeline.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(args))
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), "")
+
+
+def test_memory_available_is_mem_get_info():
+    free, total = torch.cuda.mem_get_info(0)
+    got = CudaPlatform().memory_available(0)
+    assert 0 < got <= total and abs(got - free) <= 64 << 20
+
+
+def test_mem_fraction_whole_device_refused_and_the_remedy_starts(tmp_path):
+    """--mem-fraction 1.0: exit 3 before allocation; the remedy's fraction then runs to ok (exit 0)."""
+    before = torch.cuda.memory_allocated(0)
+    proc = run_main("run", "--device", "cuda:0", "--json", "--mem-fraction", "1.0", "--num-layers", "1",
+                    "--decode-steps", "1", "--log-file", str(tmp_path / "a.jsonl"))
+    out = json.loads(proc.stdout)
+    assert proc.returncode == 3 and out["error"]["code"] == "pool_exceeds_memory", out["error"]
+    assert {f["name"] for f in out["error"]["flags"]} >= {"mem_fraction", "limit_bytes"}
+    assert torch.cuda.memory_allocated(0) == before
+    frac = re.search(r"--mem-fraction ([0-9.]+)", out["error"]["remedy"]).group(1)
+    proc = run_main("run", "--device", "cuda:0", "--json", "--mem-fraction", frac, "--num-layers", "1",
+                    "--decode-steps", "1", "--log-file", str(tmp_path / "b.jsonl"))
+    out = json.loads(proc.stdout)
+    assert proc.returncode == 0 and out["ok"], out["error"]
+    torch.cuda.empty_cache()
+
+
+def test_library_pools_beyond_the_device_are_refused_before_allocation():
+    before = torch.cuda.memory_allocated(0)
+    req = SetupRequest(model=load_model_spec(DEFAULT_MODEL_CONFIG), device="cuda:0",
+                       pool=PoolFacts(max_reqs=2 ** 31 - 1, max_context_len=4096, num_token_slots=16384))
+    with pytest.raises(ConfigError) as e:
+        build_attention_backends(req)
+    assert e.value.info.code == "pool_exceeds_memory" and torch.cuda.memory_allocated(0) == before
+
+
+@pytest.mark.skipif("flashinfer" not in BACKENDS, reason="needs flashinfer-python")
+def test_workspace_beyond_free_memory_is_refused_before_allocation():
+    before = torch.cuda.memory_allocated(0)
+    free, _ = torch.cuda.mem_get_info(0)
+    req = SetupRequest(args=AttentionArgs(attention_backend="flashinfer", flashinfer_workspace_size=int(free * 1.5)),
+                       model=load_model_spec(DEFAULT_MODEL_CONFIG), device="cuda:0",
+                       pool=PoolFacts(max_reqs=8, max_context_len=1024, num_token_slots=4096))
+    with pytest.raises(ConfigError) as e:
+        build_attention_backends(req)
+    assert e.value.info.code == "workspace_exceeds_memory" and torch.cuda.memory_allocated(0) == before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpu_backends_raise_backend_closed_after_close(backend):
+    req = SetupRequest(args=AttentionArgs(attention_backend=backend, page_size=16),
+                       model=load_model_spec(DEFAULT_MODEL_CONFIG), device="cuda:0",
+                       pool=PoolFacts(max_reqs=8, max_context_len=1024, num_token_slots=4096, page_size=16))
+    out = build_attention_backends(req)
+    held = out.attn_backend
+    out.close()
+    for call in (lambda: held.init_forward_metadata(None), lambda: held.init_cuda_graph_state(8, 8),
+                 lambda: held.forward(None, None, None, None, None)):
+        with pytest.raises(BackendClosed) as e:
+            call()
+        assert e.value.info.code == "backend_closed" and e.value.exit_code == 1
