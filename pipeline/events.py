@@ -5,30 +5,52 @@ and ``outcome`` ∈ {ok, skipped, failed}; the ``event`` tag names it (stable sn
 records, one JSON object a line, are its trace: :func:`decode_line` reads one back into its type.
 
 Schema policy: ``schema_version`` rises when a field is removed or changes meaning; adding a field
-with a default does not. Readers accept versions ``<= SCHEMA_VERSION``.
+with a default does not. Readers accept versions ``1 ..= SCHEMA_VERSION`` (``launch_id`` was added
+with a default, so traces written before it read as launch ``""``).
+
+Wire form (:func:`encode` / :func:`decode_line`): JSON has no NaN or infinity, and msgspec would
+write them as ``null`` — a value the reader then refuses for a ``float`` field, dropping the whole
+record. So a non-finite float is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``
+(the spelling of JavaScript's ``JSON.stringify`` alternatives and of protobuf's JSON mapping) and a
+``float`` field holding one of those strings reads back as the float. Inside free-form fields
+(``Any``: a request, a config) the string stays a string. A string holding a lone UTF-16 surrogate
+(which UTF-8 cannot encode) is written with the surrogate as the text ``\\udXXX``. Every record
+therefore encodes, and every record encoded reads back (``tests/test_event_wire.py`` checks it over
+every record type with hypothesis).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Union
+import math
+from typing import Annotated, Any, Callable, ClassVar, Literal, Optional, Union
 
 import msgspec
+import msgspec.inspect as mi
 
 from pipeline.contracts import (
     SCHEMA_VERSION, DeviceFacts, ErrorInfo, InstancePlan, Mode, Rejection, WorkspacePlan,
 )
 
 Outcome = Literal["ok", "skipped", "failed"]
+Ns = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # wall-clock ns (time.time_ns() fits int64)
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="event"):
-    """Fields every record carries. ``level`` (class attribute) is the log level it is emitted at."""
+    """Fields every record carries. ``level`` (class attribute) is the log level it is emitted at.
+
+    ``launch_id`` identifies one process's :class:`~pipeline.eventlog.EventLog` (a launch): two
+    launches that share a ``run_id`` and a log file (``ATTN_SETUP_RUN_ID`` reused, a retried start)
+    stay separate runs when read back. ``""`` in traces written before the field existed.
+    The reader refuses ``schema_version < 1``, ``ts_ns`` outside ``[0, 2**63)`` and ``rank < 0``
+    (values the writer never produces).
+    """
 
     level: ClassVar[str] = "info"
-    schema_version: int = SCHEMA_VERSION
-    ts_ns: int
+    schema_version: Annotated[int, msgspec.Meta(ge=1)] = SCHEMA_VERSION
+    ts_ns: Ns
     run_id: str
-    rank: int = 0
+    rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    launch_id: str = ""
     state: str
     outcome: Outcome = "ok"
 
@@ -177,7 +199,7 @@ class Heartbeat(Event, tag="heartbeat", kw_only=True):
 
     what: str
     elapsed_s: float
-    started_ns: int = 0
+    started_ns: Ns = 0
     message: str = ""
 
 
@@ -284,26 +306,154 @@ class RunnerReady(Event, tag="runner_ready", kw_only=True):
     rank_agreement: str = ""
 
 
+class CommandStarted(Event, tag="command_started", kw_only=True):
+    """A command-line launch began (``attn-setup run``): the subcommand and its arguments.
+
+    A launch that has one is ok (``inspect``) only when its ``command_finished`` says exit code 0:
+    one killed after the runner reached ``ready`` but before its checks ended is incomplete.
+    """
+
+    command: str
+    argv: list[str] = []
+
+
+class CommandFinished(Event, tag="command_finished", kw_only=True):
+    """The command's last record, on every exit it controls: ``exit_code`` (README's table; 130 after
+    SIGINT) and ``duration_ms`` since ``command_started``."""
+
+    command: str
+    exit_code: int
+    duration_ms: float
+
+
 AnyEvent = Union[
     RunStarted, StateTransition, DeviceInitialized, SettingResolved, BackendsResolved, ResolutionAgreed, BuildPlanned,
     BackendBuilt, StepSkipped, FeatureDowngraded, LazyMemInitialized, BackendsAnnotated, InstanceVerified, ResourcesReleased,
     Heartbeat, RunFailed, RunFinished, RunInterrupted, RunnerStarted, RunnerTransition, DistributedInitialized,
-    ModelLoaded, MemoryPoolSized, CudaGraphCaptured, ModelStepVerified, RunnerReady,
+    ModelLoaded, MemoryPoolSized, CudaGraphCaptured, ModelStepVerified, RunnerReady, CommandStarted, CommandFinished,
 ]
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
 
 _decoder = msgspec.json.Decoder(AnyEvent)
 _encoder = msgspec.json.Encoder()
 
+# Envelope fields: identifiers the library writes itself, never redacted (a secret equal to a state
+# name or a run id must not rewrite the record's identity).
+ENVELOPE = ("event", "schema_version", "ts_ns", "run_id", "rank", "launch_id", "state", "outcome")
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
-def encode(event: Event) -> bytes:
-    """One JSON line (without the newline)."""
-    return _encoder.encode(event)
+
+def _float_text(x: float) -> str:
+    return "NaN" if x != x else ("Infinity" if x > 0 else "-Infinity")
+
+
+def _clean_str(s: str) -> str:
+    """``s`` unchanged, or with lone surrogates written as ``\\udXXX`` text (UTF-8 cannot hold them)."""
+    if s.isascii():
+        return s
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _wire(x: Any, redact: Optional[Callable[[str], str]]) -> Any:
+    """Builtins ready for JSON: non-finite floats as text, strings cleaned (and redacted)."""
+    t = type(x)
+    if t is str:
+        return _clean_str(redact(x) if redact is not None else x)
+    if t is float:
+        return x if math.isfinite(x) else _float_text(x)
+    if t is dict:
+        return {_clean_str(k) if type(k) is str else k: _wire(v, redact) for k, v in x.items()}
+    if t is list:
+        return [_wire(v, redact) for v in x]
+    return x
+
+
+def to_wire(event: Event, redact: Optional[Callable[[str], str]] = None) -> dict[str, Any]:
+    """The record as the JSON object written for it: builtins, non-finite floats as ``"NaN"`` /
+    ``"Infinity"`` / ``"-Infinity"``, lone surrogates escaped, and — with ``redact`` — every string
+    *value* outside the envelope (:data:`ENVELOPE`) passed through ``redact`` (keys never are)."""
+    obj = msgspec.to_builtins(event)
+    return {k: (_wire(v, None) if k in ENVELOPE else _wire(v, redact)) for k, v in obj.items()}
+
+
+def encode(event: Event, redact: Optional[Callable[[str], str]] = None) -> bytes:
+    """One JSON line (without the newline); see :func:`to_wire`. Never raises for a well-typed record."""
+    return _encoder.encode(to_wire(event, redact))
+
+
+def _float_spec(t: Any, memo: dict[type, Any]) -> Any:
+    """Where a msgspec type holds floats: True (a float), a dict field → spec (a Struct), ("seq", spec), None."""
+    if isinstance(t, mi.FloatType):
+        return True
+    if isinstance(t, mi.UnionType):
+        specs = [s for s in (_float_spec(u, memo) for u in t.types) if s is not None]
+        return specs[0] if specs else None
+    if isinstance(t, (mi.ListType, mi.TupleType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)):
+        inner = t.item_type if hasattr(t, "item_type") else None
+        if inner is None:  # fixed-length tuple
+            specs = [s for s in (_float_spec(u, memo) for u in t.item_types) if s is not None]
+            return ("seq", specs[0]) if specs else None
+        s = _float_spec(inner, memo)
+        return None if s is None else ("seq", s)
+    if isinstance(t, mi.DictType):
+        s = _float_spec(t.value_type, memo)
+        return None if s is None else ("map", s)
+    if isinstance(t, mi.StructType):
+        if t.cls in memo:
+            return memo[t.cls]
+        memo[t.cls] = None
+        fields = {f.encode_name: s for f in t.fields if (s := _float_spec(f.type, memo)) is not None}
+        memo[t.cls] = fields or None
+        return memo[t.cls]
+    return None
+
+
+def _restore(x: Any, spec: Any) -> Any:
+    if spec is True:
+        return NONFINITE.get(x, x) if type(x) is str else x
+    if isinstance(spec, dict):
+        if type(x) is not dict:
+            return x
+        return {k: (_restore(v, spec[k]) if k in spec else v) for k, v in x.items()}
+    kind, inner = spec
+    if kind == "seq" and type(x) is list:
+        return [_restore(v, inner) for v in x]
+    if kind == "map" and type(x) is dict:
+        return {k: _restore(v, inner) for k, v in x.items()}
+    return x
+
+
+_MEMO: dict[type, Any] = {}
+FLOAT_FIELDS: dict[str, Any] = {}  # event tag → where its float fields are (for "NaN"/"Infinity" text)
+
+
+def restore_floats(obj: dict[str, Any]) -> dict[str, Any]:
+    """The decoded JSON object of a record with ``"NaN"``/``"Infinity"``/``"-Infinity"`` turned back
+    into floats where the record type has a ``float`` field (nested Structs included)."""
+    spec = FLOAT_FIELDS.get(obj.get("event")) if type(obj.get("event")) is str else None
+    return obj if spec is None else _restore(obj, spec)
 
 
 def decode_line(line: bytes | str) -> Event:
-    """Decode one JSON line back into its typed record (raises ``msgspec.DecodeError``/``ValidationError``)."""
-    return _decoder.decode(line)
+    """Decode one JSON line back into its typed record (raises ``msgspec.DecodeError``/``ValidationError``).
+
+    Non-finite floats written as text (see the module docstring) read back as floats.
+    """
+    try:
+        return _decoder.decode(line)
+    except msgspec.ValidationError:
+        obj = msgspec.json.decode(line)
+        if not isinstance(obj, dict):
+            raise
+        return msgspec.convert(restore_floats(obj), AnyEvent)
+
+
+for _cls in EVENT_TYPES:
+    FLOAT_FIELDS[_cls.__struct_config__.tag] = _float_spec(mi.type_info(_cls), _MEMO)
 
 
 def event_name(cls: type[Event]) -> str:
@@ -322,7 +472,7 @@ def catalogue() -> list[tuple[str, str, list[str]]]:
 
 def catalogue_markdown() -> str:
     """The README's log-event table (between the ``events:begin``/``events:end`` markers)."""
-    lines = ["| event | level | fields (besides schema_version, ts_ns, run_id, rank, state, outcome) |",
+    lines = ["| event | level | fields (besides schema_version, ts_ns, run_id, rank, launch_id, state, outcome) |",
              "|---|---|---|"]
     for name, level, fields in catalogue():
         lines.append(f"| `{name}` | {level} | {', '.join(f'`{f}`' for f in fields)} |")
