@@ -3,21 +3,26 @@
 Per run (``run_id``, rank): a timeline table (state, start, duration, outcome; for an ``attn-setup
 run`` trace the runner's states with the setup machine's nested under ``attention``), the decisions, and
 for a failed start a short explanation (failed state, cause, the flag to change). Several logs
-merge by (run_id, rank); where the ranks of one run_id decided differently is listed. Truncated or
+merge by (run_id, rank, launch); where the ranks of one run_id decided differently is listed. Truncated or
 corrupt lines are counted and skipped. Exit codes: 0 every start succeeded · 1 a start failed or
-is incomplete · 2 nothing was readable.
+is incomplete · 2 nothing was readable (or a LOG is not a regular file).
+
+Logs are read streaming (:class:`pipeline.trace.TraceReader`): runs are reported one at a time
+and let go, so memory stays bounded on huge logs; only ``--perfetto`` keeps every run (the
+timeline file holds them all anyway). Every string read from a log is printed as plain text, never
+as rich markup.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import msgspec
 
 from pipeline.errors import EXIT_FAILED, EXIT_OK
-from pipeline.trace import Run, Trace, rank_differences, read_trace
+from pipeline.trace import RankDifferences, Run, Trace, TraceReader, nothing_readable, rank_differences
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -31,16 +36,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run_obj(run: Run) -> dict[str, Any]:
     """The ``--json`` shape of one run."""
-    return {"run_id": run.run_id, "rank": run.rank, "ok": run.ok, "status": run.status,
+    return {"run_id": run.run_id, "rank": run.rank, "launch_id": run.launch_id, "ok": run.ok, "status": run.status,
             "last_state": run.last_state, "states": run.states(), "runner_states": run.runner_states(),
             "decisions": run.decisions(),
             "failure": None if run.failure is None else msgspec.to_builtins(run.failure)}
 
 
+def _tail_obj(src: Any, differences: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"skipped_lines": src.skipped_lines,
+            "skipped": [{"path": s.path, "line": s.line, "reason": s.reason} for s in src.skipped],
+            "unreadable_files": src.unreadable_files, "rank_differences": differences}
+
+
 def report_obj(trace: Trace) -> dict[str, Any]:
-    return {"runs": [run_obj(r) for r in trace.runs], "skipped_lines": trace.skipped_lines,
-            "skipped": [{"path": s.path, "line": s.line, "reason": s.reason} for s in trace.skipped],
-            "unreadable_files": trace.unreadable_files, "rank_differences": rank_differences(trace)}
+    """The whole ``--json`` object of a trace read into memory (``cmd`` streams the same shape)."""
+    return {"runs": [run_obj(r) for r in trace.runs], **_tail_obj(trace, rank_differences(trace))}
 
 
 def explain(run: Run) -> list[str]:
@@ -51,7 +61,7 @@ def explain(run: Run) -> list[str]:
     info = run.failure
     if info is None:
         return []
-    out = [f"failed in state {info.state!r}: [{info.code}] {info.message}"]
+    out = [f"failed in state {info.state!r}: [{info.code}] {info.message}"]  # printed with markup off
     if info.flags:
         out.append("flag to change: " + ", ".join(f"{f.name}={f.value!r}" for f in info.flags))
     if info.allowed:
@@ -69,8 +79,9 @@ def _decision_lines(d: dict[str, Any]) -> list[str]:
                    f"blas_init={dv['blas_init']}")
     if "resolved" in d:
         r = d["resolved"]
-        out.append(f"resolved: prefill={r['prefill']} ({r['rules']['prefill']}), decode={r['decode']} "
-                   f"({r['rules']['decode']}), draft override={r['is_draft_override']}")
+        rules = r["rules"]
+        out.append(f"resolved: prefill={r['prefill']} ({rules.get('prefill', '?')}), decode={r['decode']} "
+                   f"({rules.get('decode', '?')}), draft override={r['is_draft_override']}")
         for half, rej in r["rejected"].items():
             out += [f"  rejected for {half}: {x['backend']}: {'; '.join(x['reasons'])}" for x in rej]
     for name, s in d.get("settings", {}).items():
@@ -83,47 +94,86 @@ def _decision_lines(d: dict[str, Any]) -> list[str]:
     return out
 
 
-def render(trace: Trace) -> None:
+def _console() -> Any:
     from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=False, width=120)
+
+
+def render_run(c: Any, run: Run) -> None:
+    """One run's status line, timeline table, decisions and explanation (plain text: no markup)."""
     from rich.table import Table
+    from rich.text import Text
 
-    c = Console(highlight=False, soft_wrap=False, width=120)
-    for run in trace.runs:
-        colour = {"ok": "green", "failed": "red"}.get(run.status, "yellow")
-        c.print(f"[bold]run {run.run_id} rank {run.rank}[/]: [{colour}]{run.status}[/]")
-        t = Table(title_justify="left")
-        for col in ("state", "start (ms)", "duration (ms)", "outcome"):
-            t.add_column(col)
-        outer, inner = run.runner_states(), run.states()
-        t0 = min([s["start_ns"] for s in outer + inner] or [0])
+    colour = {"ok": "green", "failed": "red"}.get(run.status, "yellow")
+    head = Text("run ", style="bold") + Text(f"{run.run_id} rank {run.rank}", style="bold")
+    if run.launch_id:
+        head += Text(f" launch {run.launch_id}")
+    c.print(head + Text(": ") + Text(run.status, style=colour))
+    t = Table(title_justify="left")
+    for col in ("state", "start (ms)", "duration (ms)", "outcome"):
+        t.add_column(col)
+    outer, inner = run.runner_states(), run.states()
+    t0 = min([s["start_ns"] for s in outer + inner] or [0])
 
-        def row(s: dict[str, Any], indent: str = "") -> None:
-            t.add_row(indent + s["state"], f"{(s['start_ns'] - t0) / 1e6:.2f}", f"{s['duration_ms']:.2f}", s["outcome"])
+    def row(s: dict[str, Any], indent: str = "") -> None:
+        t.add_row(Text(indent + s["state"]), f"{(s['start_ns'] - t0) / 1e6:.2f}", f"{s['duration_ms']:.2f}",
+                  Text(s["outcome"]))
 
-        for s in outer or inner:  # a runner's table nests the setup machine under its attention step
-            row(s)
-            if outer and s["state"] == "attention":
-                for i in inner:
-                    row(i, "  ")
-        c.print(t)
-        for line in _decision_lines(run.decisions()) + explain(run):
-            c.print("  " + line, markup=False)
-    for d in rank_differences(trace):
+    for s in outer or inner:  # a runner's table nests the setup machine under its attention step
+        row(s)
+        if outer and s["state"] == "attention":
+            for i in inner:
+                row(i, "  ")
+    c.print(t)
+    for line in _decision_lines(run.decisions()) + explain(run):
+        c.print("  " + line, markup=False)
+
+
+def render_tail(c: Any, src: Any, differences: list[dict[str, Any]]) -> None:
+    """Rank differences and the skipped-lines summary."""
+    for d in differences:
         vals = ", ".join(f"rank {k}: {v!r}" for k, v in d["values"].items())
         c.print(f"ranks differ in run {d['run_id']}: {d['key']}: {vals}", markup=False)
-    if trace.skipped_lines or trace.unreadable_files:
-        c.print(f"skipped {trace.skipped_lines} unreadable line(s)"
-                + "".join(f"; {s.path}:{s.line} {s.reason}" for s in trace.skipped[:5])
-                + "".join(f"; {p}: unreadable file" for p in trace.unreadable_files), markup=False)
+    if src.skipped_lines or src.unreadable_files:
+        c.print(f"skipped {src.skipped_lines} unreadable line(s)"
+                + "".join(f"; {s.path}:{s.line} {s.reason}" for s in src.skipped[:5])
+                + "".join(f"; {p}: unreadable file" for p in src.unreadable_files), markup=False)
+
+
+def render(trace: Trace) -> None:
+    """Every run of a trace read into memory, then the tail (``cmd`` streams the same output)."""
+    c = _console()
+    for run in trace.runs:
+        render_run(c, run)
+    render_tail(c, trace, rank_differences(trace))
+
+
+def _first_then_rest(runs: Iterator[Run]) -> Optional[Iterator[Run]]:
+    """None when ``runs`` is empty, else an iterator over all of them (the first one peeked)."""
+    first = next(runs, None)
+    if first is None:
+        return None
+
+    def chain() -> Iterator[Run]:
+        yield first
+        yield from runs
+
+    return chain()
 
 
 def cmd(ns: argparse.Namespace) -> int:
-    trace = read_trace(ns.logs).require_records()
+    reader = TraceReader(ns.logs)
+    runs = _first_then_rest(reader.runs())
+    if runs is None:
+        raise nothing_readable(reader)
     if ns.perfetto:
         from pipeline.perfetto import write_chrome_trace
 
+        kept = list(runs)  # the timeline holds every run anyway
+        runs = iter(kept)
         try:
-            n = write_chrome_trace(trace, ns.perfetto)
+            n = write_chrome_trace(Trace(runs=kept), ns.perfetto)
         except OSError as e:
             from pipeline.errors import UsageError
 
@@ -131,10 +181,22 @@ def cmd(ns: argparse.Namespace) -> int:
                              flags=[("--perfetto", ns.perfetto)], remedy="pick a writable file path") from None
         if not ns.json:
             print(f"perfetto: wrote {n} trace events to {ns.perfetto}", file=sys.stderr)
+    diffs, ok = RankDifferences(), True
     if ns.json:
-        from pipeline.report import emit_json
-
-        emit_json(report_obj(trace))
+        out = sys.stdout
+        out.write('{"runs":[')
+        for i, run in enumerate(runs):
+            diffs.add(run)
+            ok &= run.ok
+            out.write(("," if i else "") + msgspec.json.encode(run_obj(run)).decode())
+        tail = msgspec.json.encode(_tail_obj(reader, diffs.finish())).decode()
+        out.write("]," + tail[1:] + "\n")
+        out.flush()
     else:
-        render(trace)
-    return EXIT_OK if all(r.ok for r in trace.runs) else EXIT_FAILED
+        c = _console()
+        for run in runs:
+            diffs.add(run)
+            ok &= run.ok
+            render_run(c, run)
+        render_tail(c, reader, diffs.finish())
+    return EXIT_OK if ok else EXIT_FAILED
