@@ -50,9 +50,11 @@ def redactor(secrets: tuple[str, ...]) -> Optional[Callable[[str], str]]:
     """``f(text)`` replacing every occurrence of any secret by ``"<redacted>"`` (None without secrets).
 
     Longer secrets are tried first at each position, so a secret that contains another is
-    redacted whole; the text between two markers never contains a secret.
+    redacted whole; the text between two markers never contains a secret. Text reaches it as
+    written (lone surrogates already escaped, :func:`pipeline.events.clean_str`), so secrets are
+    matched in that form.
     """
-    secrets = tuple(sorted({s for s in secrets if s}, key=len, reverse=True))
+    secrets = tuple(sorted({ev.clean_str(s) for s in secrets if s}, key=len, reverse=True))
     if not secrets:
         return None
     pattern = re.compile("|".join(re.escape(s) for s in secrets))

@@ -11,8 +11,9 @@ with a default, so traces written before it read as launch ``""``).
 Wire form (:func:`encode` / :func:`decode_line`): JSON has no NaN or infinity, and msgspec would
 write them as ``null`` — a value the reader then refuses for a ``float`` field, dropping the whole
 record. So a non-finite float is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``
-(the spelling of JavaScript's ``JSON.stringify`` alternatives and of protobuf's JSON mapping) and a
-``float`` field holding one of those strings reads back as the float. Inside free-form fields
+(the spelling protobuf's JSON mapping uses for them) and a ``float`` field holding one of those
+strings reads back as the float; ``null`` in a ``float`` field that cannot be None (what older
+versions wrote for them) reads back as NaN. Inside free-form fields
 (``Any``: a request, a config) the string stays a string. A string holding a lone UTF-16 surrogate
 (which UTF-8 cannot encode) is written with the surrogate as the text ``\\udXXX``. Every record
 therefore encodes, and every record encoded reads back (``tests/test_event_wire.py`` checks it over
@@ -347,6 +348,11 @@ def _float_text(x: float) -> str:
     return "NaN" if x != x else ("Infinity" if x > 0 else "-Infinity")
 
 
+def clean_str(s: str) -> str:
+    """Public name of :func:`_clean_str` (the redactor escapes secrets the same way)."""
+    return _clean_str(s)
+
+
 def _clean_str(s: str) -> str:
     """``s`` unchanged, or with lone surrogates written as ``\\udXXX`` text (UTF-8 cannot hold them)."""
     if s.isascii():
@@ -362,12 +368,12 @@ def _wire(x: Any, redact: Optional[Callable[[str], str]]) -> Any:
     """Builtins ready for JSON: non-finite floats as text, strings cleaned (and redacted)."""
     t = type(x)
     if t is str:
-        return _clean_str(redact(x) if redact is not None else x)
+        return redact(_clean_str(x)) if redact is not None else _clean_str(x)
     if t is float:
         return x if math.isfinite(x) else _float_text(x)
     if t is dict:
         return {_clean_str(k) if type(k) is str else k: _wire(v, redact) for k, v in x.items()}
-    if t is list:
+    if t is list or t is tuple:
         return [_wire(v, redact) for v in x]
     return x
 
@@ -375,7 +381,9 @@ def _wire(x: Any, redact: Optional[Callable[[str], str]]) -> Any:
 def to_wire(event: Event, redact: Optional[Callable[[str], str]] = None) -> dict[str, Any]:
     """The record as the JSON object written for it: builtins, non-finite floats as ``"NaN"`` /
     ``"Infinity"`` / ``"-Infinity"``, lone surrogates escaped, and — with ``redact`` — every string
-    *value* outside the envelope (:data:`ENVELOPE`) passed through ``redact`` (keys never are)."""
+    *value* outside the envelope (:data:`ENVELOPE`) passed through ``redact`` after escaping (keys
+    never are; ``redact`` gets text as written, so it must match secrets in that form too — see
+    :func:`pipeline.eventlog.redactor`)."""
     obj = msgspec.to_builtins(event)
     return {k: (_wire(v, None) if k in ENVELOPE else _wire(v, redact)) for k, v in obj.items()}
 
@@ -386,19 +394,21 @@ def encode(event: Event, redact: Optional[Callable[[str], str]] = None) -> bytes
 
 
 def _float_spec(t: Any, memo: dict[type, Any]) -> Any:
-    """Where a msgspec type holds floats: True (a float), a dict field → spec (a Struct), ("seq", spec), None."""
+    """Where a msgspec type holds floats: "f" (a float), "f?" (a float or None), a dict field → spec (a
+    Struct), ("seq", spec) / ("map", spec) for containers, or None (no float inside)."""
     if isinstance(t, mi.FloatType):
-        return True
+        return "f"
     if isinstance(t, mi.UnionType):
         specs = [s for s in (_float_spec(u, memo) for u in t.types) if s is not None]
-        return specs[0] if specs else None
-    if isinstance(t, (mi.ListType, mi.TupleType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)):
-        inner = t.item_type if hasattr(t, "item_type") else None
-        if inner is None:  # fixed-length tuple
-            specs = [s for s in (_float_spec(u, memo) for u in t.item_types) if s is not None]
-            return ("seq", specs[0]) if specs else None
-        s = _float_spec(inner, memo)
+        if not specs:
+            return None
+        return "f?" if specs[0] == "f" and t.includes_none else specs[0]
+    if isinstance(t, (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)):
+        s = _float_spec(t.item_type, memo)
         return None if s is None else ("seq", s)
+    if isinstance(t, mi.TupleType):
+        specs = [s for s in (_float_spec(u, memo) for u in t.item_types) if s is not None]
+        return ("seq", specs[0]) if specs else None
     if isinstance(t, mi.DictType):
         s = _float_spec(t.value_type, memo)
         return None if s is None else ("map", s)
@@ -413,8 +423,12 @@ def _float_spec(t: Any, memo: dict[type, Any]) -> Any:
 
 
 def _restore(x: Any, spec: Any) -> Any:
-    if spec is True:
-        return NONFINITE.get(x, x) if type(x) is str else x
+    if spec == "f" or spec == "f?":
+        if type(x) is str:
+            return NONFINITE.get(x, x)
+        # null in a float field that cannot be None: what msgspec wrote for NaN/inf before the text
+        # form existed (a trace from an older attn-setup) — read it as NaN rather than drop the record
+        return math.nan if x is None and spec == "f" else x
     if isinstance(spec, dict):
         if type(x) is not dict:
             return x

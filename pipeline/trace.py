@@ -51,6 +51,7 @@ from pipeline.errors import UsageError
 
 UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 _BY_TAG = {ev.event_name(c): c for c in ev.EVENT_TYPES}
+_BY_CLASS = frozenset(c for c in ev.EVENT_TYPES if not c.__subclasses__())  # exact types: indexable
 TERMINAL = ("done", "failed")
 MAX_LINE_BYTES = 4 << 20   # a run_started line of a 4096-layer model with a draft model is ~0.2 MB
 MAX_DEPTH = 64             # our records nest 6 deep; anything deeper is not a record we wrote
@@ -175,11 +176,37 @@ class Run:
     rank: int
     records: list[ev.Event] = field(default_factory=list)
     launch_id: str = ""
+    started_at: Optional[tuple[str, int]] = None  # (file, line) of its run_started record, when read from a file
+    _index: dict[type, list[Any]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _indexed: Optional[tuple[int, int, int]] = field(default=None, init=False, repr=False, compare=False)
+    _memo: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _by_type(self) -> dict[type, list[Any]]:
+        """Records grouped by exact type, in order (rebuilt, with the memo, when ``records`` changed)."""
+        recs = self.records
+        key = (id(recs), len(recs), id(recs[-1]) if recs else 0)
+        if self._indexed != key:
+            index: dict[type, list[Any]] = {}
+            for r in recs:
+                index.setdefault(type(r), []).append(r)
+            self._index, self._indexed, self._memo = index, key, {}
+        return self._index
+
+    def _memoized(self, name: str, compute: Callable[[], Any]) -> Any:
+        self._by_type()
+        if name not in self._memo:
+            self._memo[name] = compute()
+        return self._memo[name]
 
     def first(self, cls: type) -> Any:
+        if cls in _BY_CLASS:
+            found = self._by_type().get(cls)
+            return found[0] if found else None
         return next((r for r in self.records if isinstance(r, cls)), None)
 
     def all(self, cls: type) -> list[Any]:
+        if cls in _BY_CLASS:
+            return list(self._by_type().get(cls, ()))
         return [r for r in self.records if isinstance(r, cls)]
 
     @property
@@ -189,17 +216,25 @@ class Run:
     @property
     def last_state(self) -> str:
         """The state the run was last seen in: the target of its latest transition (setup or runner)."""
-        moves = [r for r in self.records if isinstance(r, (ev.StateTransition, ev.RunnerTransition))]
-        return moves[-1].to if moves else (self.records[0].state if self.records else "device-init")
+        return self._memoized("last_state", self._last_state)
+
+    def _last_state(self) -> str:
+        moves = [m for m in (self.all(ev.StateTransition)[-1:] + self.all(ev.RunnerTransition)[-1:])]
+        if moves:
+            return max(moves, key=lambda m: (m.ts_ns, self.records.index(m))).to
+        return self.records[0].state if self.records else "device-init"
 
     @property
     def failure(self) -> Optional[ErrorInfo]:
         """The ErrorInfo of the failure: the earliest run_failed / run_interrupted record (the cause;
         a SIGINT writes run_interrupted and then the unwinding's run_failed), else a failed
         verification, else a ``command_finished`` with a non-zero exit code."""
-        last = next((r for r in self.records if isinstance(r, (ev.RunFailed, ev.RunInterrupted))), None)
-        if last is not None:
-            return last.error
+        return self._memoized("failure", self._failure)
+
+    def _failure(self) -> Optional[ErrorInfo]:
+        ends = [r for r in (self.first(ev.RunFailed), self.first(ev.RunInterrupted)) if r is not None]
+        if ends:
+            return min(ends, key=lambda r: (r.ts_ns, self.records.index(r))).error
         bad = [r for r in self.all(ev.InstanceVerified) if not r.passed]
         if bad:
             return ErrorInfo(code="verification_failed", state="done",
@@ -233,6 +268,9 @@ class Run:
         Any failure (see :attr:`failure`) makes it ``failed``; without the terminal record it is
         ``incomplete``.
         """
+        return self._memoized("status", self._status)
+
+    def _status(self) -> str:
         if self.failure is not None:
             return "failed"
         if self.first(ev.CommandStarted) is not None:
@@ -415,18 +453,18 @@ class RankDifferences:
     def __init__(self) -> None:
         self.found: list[dict[str, Any]] = []
         self._run_id: Optional[str] = None
-        self._flat: dict[int, dict[str, Any]] = {}
+        self._runs: dict[int, Run] = {}  # the latest launch of each rank of the current run id
 
     def add(self, run: Run) -> None:
         if run.run_id != self._run_id:
             self.finish()
             self._run_id = run.run_id
-        self._flat[run.rank] = _flat_decisions(run)
+        self._runs[run.rank] = run
 
     def finish(self) -> list[dict[str, Any]]:
-        if self._run_id is not None:
-            self.found += _differences(self._run_id, self._flat)
-        self._run_id, self._flat = None, {}
+        if self._run_id is not None and len(self._runs) > 1:  # one rank: nothing to compare, nothing flattened
+            self.found += _differences(self._run_id, {k: _flat_decisions(r) for k, r in self._runs.items()})
+        self._run_id, self._runs = None, {}
         return self.found
 
 
@@ -445,6 +483,13 @@ def rank_differences(trace: Trace) -> list[dict[str, Any]]:
         if len(runs) >= 2:
             out += _differences(run_id, {rank: _flat_decisions(r) for rank, r in runs.items()})
     return out
+
+
+_BLOCK = 1 << 20
+
+
+def _ts(r: ev.Event) -> int:
+    return r.ts_ns
 
 
 class _Envelope(msgspec.Struct):
@@ -501,7 +546,7 @@ class TraceReader:
         del self.skipped[SKIP_DETAILS:]
 
     def _open(self, fi: int) -> Optional[IO[bytes]]:
-        from pipeline.eventlog import open_regular
+        from pipeline.files import open_regular
 
         if fi not in self._files:
             try:
@@ -587,8 +632,30 @@ class TraceReader:
         return sorted(self._index.items(), key=lambda kv: (first[kv[0][0]], kv[0][0], kv[0][1], kv[1].first_ts,
                                                             kv[0][2]))
 
+    def _piece_lines(self, fh: IO[bytes], start: int, end: int) -> Iterator[bytes]:
+        """The lines of one piece, read in blocks (a piece holds only lines pass 1 kept: each at most
+        :data:`MAX_LINE_BYTES`, newline-terminated except possibly the file's last)."""
+        fh.seek(start)
+        left = end - start
+        while left > 0:
+            block = fh.read(min(left, _BLOCK))
+            if not block:
+                return  # the file shrank since pass 1
+            left -= len(block)
+            if left > 0:
+                cut = block.rfind(b"\n") + 1
+                if 0 < cut < len(block):  # keep the partial last line for the next block
+                    fh.seek(cut - len(block), os.SEEK_CUR)
+                    left += len(block) - cut
+                    block = block[:cut]
+            lines = block.split(b"\n")  # \n only, as pass 1 counted them
+            if lines and not lines[-1]:
+                lines.pop()
+            yield from lines
+
     def _read_run(self, key: tuple[str, int, str], e: _Entry) -> Optional[Run]:
         run = Run(key[0], key[1], launch_id=key[2])
+        records = run.records
         seen: set[bytes] = set()
         p = e.pieces
         for i in range(0, len(p), 4):
@@ -597,7 +664,7 @@ class TraceReader:
             if fh is None:
                 continue
             try:
-                for k, (_, raw) in enumerate(self._lines(fh, start, end)):
+                for k, raw in enumerate(self._piece_lines(fh, start, end)):
                     line = raw.strip()
                     if not line:
                         continue
@@ -608,14 +675,17 @@ class TraceReader:
                     if line in seen:
                         continue
                     seen.add(line)
-                    self.dropped_fields += dropped
-                    run.records.append(rec)
+                    if dropped:
+                        self.dropped_fields += dropped
+                    records.append(rec)
+                    if run.started_at is None and type(rec) is ev.RunStarted:
+                        run.started_at = (self.paths[fi], n + k)
             except OSError:
                 if self.paths[fi] not in self.unreadable_files:
                     self.unreadable_files.append(self.paths[fi])
-        if not run.records:
+        if not records:
             return None
-        run.records.sort(key=lambda x: x.ts_ns)  # pieces of one trace may come in any file order
+        records.sort(key=_ts)  # pieces of one trace may come in any file order
         return run
 
     def runs(self) -> Iterator[Run]:
