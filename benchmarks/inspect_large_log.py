@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES = [ROOT / "tests/data/bad_inputs/logs/cli_run_ok.jsonl", ROOT / "tests/data/golden/ok_tbo.jsonl",
+TEMPLATES = [ROOT / "tests/data/bad_inputs/traces/cli_run_ok.jsonl", ROOT / "tests/data/golden/ok_tbo.jsonl",
              ROOT / "tests/data/golden/failed_pdmux.jsonl", ROOT / "tests/data/golden/ok_gemma2.jsonl"]
 
 

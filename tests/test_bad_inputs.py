@@ -33,8 +33,8 @@ def test_corpus_is_large_enough():
     files = {p.stem for p in DATA.glob("*.json")} - {"cases"}
     used = {c["name"] for c in CASES if any("{data}/" in a for a in c.get("argv", []))}
     assert files <= used, files - used
-    logs = {p.name for p in (DATA / "logs").glob("*.jsonl")}
-    used_logs = {Path(c["log"]).name for c in READ_CASES if c["log"].startswith("{data}/logs/")}
+    logs = {p.name for p in (DATA / "traces").glob("*.jsonl")}
+    used_logs = {Path(c["log"]).name for c in READ_CASES if c["log"].startswith("{data}/traces/")}
     assert logs <= used_logs, logs - used_logs
 
 
