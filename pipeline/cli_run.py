@@ -298,10 +298,10 @@ def cmd(ns: argparse.Namespace) -> int:
     log_file = log_path(ns.log_file, run_id, request.rank)
     log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
     t0 = time.perf_counter()
-    log.install_signal_handlers()
     error: Optional[ErrorInfo] = None
     code, runner, verified, steps = EXIT_OK, None, [], []
     try:
+        log.install_signal_handlers()
         log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
         if log.write_error is not None:  # the very first write failed (quota, I/O): stop before any work
             raise log.write_error
