@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Mapping, Optional
 
+import msgspec
 import structlog
 
 from pipeline import events as ev
@@ -144,7 +145,7 @@ class EventLog:
             if self._file_log is not None:
                 self._write(record)
         if self._app_enabled(cls.level):
-            payload = ev.to_wire(record, self._redact)
+            payload = ev.to_wire(record, self._redact) if self._redact is not None else msgspec.to_builtins(record)
             name = payload.pop("event")
             for k in ("run_id", "rank", "launch_id"):
                 payload.pop(k, None)

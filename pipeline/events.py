@@ -388,9 +388,75 @@ def to_wire(event: Event, redact: Optional[Callable[[str], str]] = None) -> dict
     return {k: (_wire(v, None) if k in ENVELOPE else _wire(v, redact)) for k, v in obj.items()}
 
 
+def _finite(x: Any) -> bool:
+    return x is None or type(x) is not float or math.isfinite(x)
+
+
+def _nonfinite_inside(x: Any) -> bool:
+    t = type(x)
+    if t is float:
+        return not math.isfinite(x)
+    if t is dict:
+        return any(_nonfinite_inside(v) for v in x.values())
+    if t is list or t is tuple:
+        return any(_nonfinite_inside(v) for v in x)
+    if isinstance(x, msgspec.Struct):
+        return any(_nonfinite_inside(getattr(x, f)) for f in x.__struct_fields__)
+    return False
+
+
 def encode(event: Event, redact: Optional[Callable[[str], str]] = None) -> bytes:
-    """One JSON line (without the newline); see :func:`to_wire`. Never raises for a well-typed record."""
+    """One JSON line (without the newline); see :func:`to_wire`. Never raises for a well-typed record.
+
+    Without ``redact``, a record with only finite floats and UTF-8-encodable strings (nearly all) is
+    encoded by msgspec directly — the same bytes, without building its builtins first.
+    """
+    if redact is None:
+        floats, anys = _fast_plan(type(event))
+        if floats is not None and all(_finite(getattr(event, f)) for f in floats) and not any(
+                _nonfinite_inside(getattr(event, f)) for f in anys):
+            try:
+                return _encoder.encode(event)
+            except UnicodeEncodeError:  # a lone surrogate: the wire form escapes it
+                pass
     return _encoder.encode(to_wire(event, redact))
+
+
+def _contains_any(t: Any, seen: set[type]) -> bool:
+    if isinstance(t, mi.AnyType):
+        return True
+    if isinstance(t, mi.UnionType):
+        return any(_contains_any(u, seen) for u in t.types)
+    if isinstance(t, (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)):
+        return _contains_any(t.item_type, seen)
+    if isinstance(t, mi.TupleType):
+        return any(_contains_any(u, seen) for u in t.item_types)
+    if isinstance(t, mi.DictType):
+        return _contains_any(t.value_type, seen)
+    if isinstance(t, mi.StructType):
+        if t.cls in seen:
+            return False
+        seen.add(t.cls)
+        return any(_contains_any(f.type, seen) for f in t.fields)
+    return False
+
+
+_PLANS: dict[type, tuple[Optional[tuple[str, ...]], tuple[str, ...]]] = {}
+
+
+def _fast_plan(cls: type) -> tuple[Optional[tuple[str, ...]], tuple[str, ...]]:
+    """(top-level float fields, fields that may hold free-form values) of ``cls``; floats None when a
+    float sits deeper inside a typed field (then the wire form is always built)."""
+    plan = _PLANS.get(cls)
+    if plan is None:
+        info = mi.type_info(cls)
+        spec = _float_spec(info, {}) or {}
+        nested = any(v not in ("f", "f?") for v in spec.values())
+        by_enc = {f.encode_name: f.name for f in info.fields}
+        floats = None if nested else tuple(by_enc[k] for k in spec)
+        anys = tuple(f.name for f in info.fields if _contains_any(f.type, set()))
+        plan = _PLANS[cls] = (floats, anys)
+    return plan
 
 
 def _float_spec(t: Any, memo: dict[type, Any]) -> Any:
