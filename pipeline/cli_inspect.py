@@ -9,8 +9,8 @@ is incomplete · 2 nothing was readable (or a LOG is not a regular file).
 
 Logs are read streaming (:class:`pipeline.trace.TraceReader`): runs are reported one at a time
 and let go, so memory stays bounded on huge logs; only ``--perfetto`` keeps every run (the
-timeline file holds them all anyway). Every string read from a log is printed as plain text, never
-as rich markup.
+timeline file holds them all anyway). Every string read from a log is printed as plain text (never
+rich markup), control characters escaped.
 """
 
 from __future__ import annotations
@@ -94,59 +94,74 @@ def _decision_lines(d: dict[str, Any]) -> list[str]:
     return out
 
 
-def _console() -> Any:
-    from rich.console import Console
+def _safe(text: Any) -> str:
+    """A string from a log, safe to print: control characters (terminal escapes) shown escaped."""
+    text = str(text)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
-    return Console(highlight=False, soft_wrap=False, width=120)
+
+_COLOUR = {"ok": "\x1b[32m", "failed": "\x1b[31m"}
 
 
-def render_run(c: Any, run: Run) -> None:
-    """One run's status line, timeline table, decisions and explanation (plain text: no markup)."""
-    from rich.table import Table
-    from rich.text import Text
+def run_lines(run: Run, colour: bool = False) -> list[str]:
+    """One run as plain text lines: status, the timeline table, decisions, explanation.
 
-    colour = {"ok": "green", "failed": "red"}.get(run.status, "yellow")
-    head = Text("run ", style="bold") + Text(f"{run.run_id} rank {run.rank}", style="bold")
-    if run.launch_id:
-        head += Text(f" launch {run.launch_id}")
-    c.print(head + Text(": ") + Text(run.status, style=colour))
-    t = Table(title_justify="left")
-    for col in ("state", "start (ms)", "duration (ms)", "outcome"):
-        t.add_column(col)
+    Fixed-width text rather than rich tables: a log of 100,000 launches must print in seconds,
+    and every string read from a log goes out as text (never markup), control characters escaped.
+    """
+    status = run.status
+    if colour:
+        status = f"{_COLOUR.get(status, chr(27) + '[33m')}{status}\x1b[0m"
+    head = f"run {_safe(run.run_id)} rank {run.rank}" + (f" launch {_safe(run.launch_id)}" if run.launch_id else "")
     outer, inner = run.runner_states(), run.states()
     t0 = min([s["start_ns"] for s in outer + inner] or [0])
-
-    def row(s: dict[str, Any], indent: str = "") -> None:
-        t.add_row(Text(indent + s["state"]), f"{(s['start_ns'] - t0) / 1e6:.2f}", f"{s['duration_ms']:.2f}",
-                  Text(s["outcome"]))
-
+    rows = []
     for s in outer or inner:  # a runner's table nests the setup machine under its attention step
-        row(s)
+        rows.append(("", s))
         if outer and s["state"] == "attention":
-            for i in inner:
-                row(i, "  ")
-    c.print(t)
-    for line in _decision_lines(run.decisions()) + explain(run):
-        c.print("  " + line, markup=False)
+            rows += [("  ", i) for i in inner]
+    cells = [(ind + _safe(s["state"]), f"{(s['start_ns'] - t0) / 1e6:.2f}", f"{s['duration_ms']:.2f}",
+              _safe(s["outcome"])) for ind, s in rows]
+    w = max([len("state")] + [len(c[0]) for c in cells])
+    sw = max([len("start (ms)")] + [len(c[1]) for c in cells])
+    dw = max([len("duration (ms)")] + [len(c[2]) for c in cells])
+    lines = [f"{head}: {status}", f"  {'state':<{w}}  {'start (ms)':>{sw}}  {'duration (ms)':>{dw}}  outcome"]
+    lines += [f"  {a:<{w}}  {b:>{sw}}  {c:>{dw}}  {d}" for a, b, c, d in cells]
+    lines += ["  " + _safe(line) for line in _decision_lines(run.decisions()) + explain(run)]
+    return lines
 
 
-def render_tail(c: Any, src: Any, differences: list[dict[str, Any]]) -> None:
+def render_run(out: Any, run: Run, colour: bool = False) -> None:
+    """Write :func:`run_lines` to ``out`` (a text stream)."""
+    out.write("\n".join(run_lines(run, colour)) + "\n")
+
+
+def render_tail(out: Any, src: Any, differences: list[dict[str, Any]]) -> None:
     """Rank differences and the skipped-lines summary."""
+    lines = []
     for d in differences:
         vals = ", ".join(f"rank {k}: {v!r}" for k, v in d["values"].items())
-        c.print(f"ranks differ in run {d['run_id']}: {d['key']}: {vals}", markup=False)
+        lines.append(_safe(f"ranks differ in run {d['run_id']}: {d['key']}: {vals}"))
     if src.skipped_lines or src.unreadable_files:
-        c.print(f"skipped {src.skipped_lines} unreadable line(s)"
-                + "".join(f"; {s.path}:{s.line} {s.reason}" for s in src.skipped[:5])
-                + "".join(f"; {p}: unreadable file" for p in src.unreadable_files), markup=False)
+        lines.append(_safe(f"skipped {src.skipped_lines} unreadable line(s)"
+                           + "".join(f"; {s.path}:{s.line} {s.reason}" for s in src.skipped[:5])
+                           + "".join(f"; {p}: unreadable file" for p in src.unreadable_files)))
+    if lines:
+        out.write("\n".join(lines) + "\n")
+
+
+def _is_tty(out: Any) -> bool:
+    try:
+        return bool(out.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def render(trace: Trace) -> None:
     """Every run of a trace read into memory, then the tail (``cmd`` streams the same output)."""
-    c = _console()
     for run in trace.runs:
-        render_run(c, run)
-    render_tail(c, trace, rank_differences(trace))
+        render_run(sys.stdout, run, _is_tty(sys.stdout))
+    render_tail(sys.stdout, trace, rank_differences(trace))
 
 
 def _first_then_rest(runs: Iterator[Run]) -> Optional[Iterator[Run]]:
@@ -193,10 +208,12 @@ def cmd(ns: argparse.Namespace) -> int:
         out.write("]," + tail[1:] + "\n")
         out.flush()
     else:
-        c = _console()
+        out = sys.stdout
+        colour = _is_tty(out)
         for run in runs:
             diffs.add(run)
             ok &= run.ok
-            render_run(c, run)
-        render_tail(c, reader, diffs.finish())
+            render_run(out, run, colour)
+        render_tail(out, reader, diffs.finish())
+        out.flush()
     return EXIT_OK if ok else EXIT_FAILED

@@ -147,14 +147,12 @@ def test_every_field_at_every_extreme(tmp_path, capsys):
     exit codes. Calls the same functions the commands call, without the CLI's per-call setup."""
     import io
 
-    from rich.console import Console
-
     from pipeline import cli_graph, cli_inspect
     from pipeline.errors import UsageError
     from pipeline.perfetto import chrome_trace
     from pipeline.replay import replay
 
-    console = Console(file=io.StringIO(), width=120)
+    console = io.StringIO()
     base = [json.loads(x) for x in (GOLDEN / "ok_tbo.jsonl").read_text().splitlines() if x.strip()]
     log = tmp_path / "sweep.jsonl"
     for key in _fields():
