@@ -188,7 +188,7 @@ def cmd(ns: argparse.Namespace) -> int:
         kept = list(runs)  # the timeline holds every run anyway
         runs = iter(kept)
         try:
-            n = write_chrome_trace(Trace(runs=kept), ns.perfetto)
+            n = write_chrome_trace(Trace(runs=kept), ns.perfetto, flag="--perfetto")
         except OSError as e:
             from pipeline.errors import UsageError
 

@@ -28,8 +28,8 @@ def _refuse_irregular(mode: int, p: str, *, flag: str, what: str) -> None:
 
 
 def open_regular(path: str | os.PathLike, mode: str, *, flag: str, what: str) -> IO[bytes]:
-    """Open ``path`` for binary reading (``"rb"``) or appending (``"ab"``, created if missing), refusing
-    anything that is not a regular file.
+    """Open ``path`` for binary reading (``"rb"``), appending (``"ab"``) or writing (``"wb"``; both
+    create a missing file), refusing anything that is not a regular file.
 
     A FIFO would block the open (or every read) forever and a device (``/dev/zero``,
     ``/dev/urandom``, ``/dev/full``) never ends or fails every write, so the file is opened
@@ -44,7 +44,8 @@ def open_regular(path: str | os.PathLike, mode: str, *, flag: str, what: str) ->
         _refuse_irregular(os.stat(p).st_mode, p, flag=flag, what=what)
     except OSError:
         pass  # missing (created below when appending) or unreadable: the open reports it
-    flags = (os.O_RDONLY if mode == "rb" else os.O_WRONLY | os.O_APPEND | os.O_CREAT) | getattr(os, "O_NONBLOCK", 0)
+    flags = {"rb": os.O_RDONLY, "ab": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+             "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}[mode] | getattr(os, "O_NONBLOCK", 0)
     code = "file_unreadable" if mode == "rb" else "log_file_unwritable"
     try:
         fd = os.open(p, flags | getattr(os, "O_CLOEXEC", 0), 0o644)

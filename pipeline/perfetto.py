@@ -85,9 +85,16 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(trace: Trace, path: str) -> int:
-    """Write :func:`chrome_trace` to ``path``; returns the number of trace events written."""
+def write_chrome_trace(trace: Trace, path: str, flag: str = "path") -> int:
+    """Write :func:`chrome_trace` to ``path``; returns the number of trace events written.
+
+    ``path`` must be a regular file (or not exist): a FIFO or device raises UsageError
+    ``not_a_regular_file`` naming ``flag`` (:func:`pipeline.files.open_regular`); other write
+    failures raise OSError.
+    """
+    from pipeline.files import open_regular
+
     obj = chrome_trace(trace)
-    with open(path, "wb") as fh:
+    with open_regular(path, "wb", flag=flag, what="the timeline file") as fh:
         fh.write(msgspec.json.encode(obj))
     return len(obj["traceEvents"])

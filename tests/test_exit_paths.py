@@ -240,3 +240,12 @@ def test_an_overlong_line_is_skipped_without_holding_it(tmp_path):
         tracemalloc.stop()
     assert [s.reason for s in reader.skipped] == ["line_too_long"] and len(runs) == 1
     assert peak < 3 * MAX_LINE_BYTES  # the line is 8 * MAX_LINE_BYTES long
+
+
+def test_perfetto_into_a_fifo_is_refused(tmp_path, capsys):
+    """--perfetto naming a FIFO would block until a reader came: exit 2 naming the flag, at once."""
+    fifo = tmp_path / "p.fifo"
+    os.mkfifo(fifo)
+    code = main(["inspect", str(ROOT / "tests/data/golden/ok_tbo.jsonl"), "--json", "--perfetto", str(fifo)])
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert code == 2 and err["code"] == "not_a_regular_file" and err["flags"][0]["name"] == "--perfetto"
