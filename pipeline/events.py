@@ -15,7 +15,8 @@ record. So a non-finite float is written as the string ``"NaN"``, ``"Infinity"``
 strings reads back as the float; ``null`` in a ``float`` field that cannot be None (what older
 versions wrote for them) reads back as NaN. Inside free-form fields
 (``Any``: a request, a config) the string stays a string. A string holding a lone UTF-16 surrogate
-(which UTF-8 cannot encode) is written with the surrogate as the text ``\\udXXX``. Every record
+(which UTF-8 cannot encode) is written with the surrogate as the text ``\\udXXX``; a free-form value
+nested deeper than readers keep is written as ``"<nested too deep>"``. Every record
 therefore encodes, and every record encoded reads back (``tests/test_event_wire.py`` checks it over
 every record type with hypothesis).
 """
@@ -364,17 +365,25 @@ def _clean_str(s: str) -> str:
         return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _wire(x: Any, redact: Optional[Callable[[str], str]]) -> Any:
-    """Builtins ready for JSON: non-finite floats as text, strings cleaned (and redacted)."""
+MAX_DEPTH = 64  # readers skip records nested deeper (``too_deep``); ours nest 6 deep
+_VALUE_DEPTH = MAX_DEPTH - 8  # below a field, leaving room for the record around it
+TOO_DEEP = "<nested too deep>"
+
+
+def _wire(x: Any, redact: Optional[Callable[[str], str]], depth: int = 0) -> Any:
+    """Builtins ready for JSON: non-finite floats as text, strings cleaned (and redacted), and a
+    container nested deeper than a reader keeps replaced by :data:`TOO_DEEP`."""
     t = type(x)
     if t is str:
         return redact(_clean_str(x)) if redact is not None else _clean_str(x)
     if t is float:
         return x if math.isfinite(x) else _float_text(x)
-    if t is dict:
-        return {_clean_str(k) if type(k) is str else k: _wire(v, redact) for k, v in x.items()}
-    if t is list or t is tuple:
-        return [_wire(v, redact) for v in x]
+    if t is dict or t is list or t is tuple:
+        if depth >= _VALUE_DEPTH:
+            return TOO_DEEP
+        if t is dict:
+            return {_clean_str(k) if type(k) is str else k: _wire(v, redact, depth + 1) for k, v in x.items()}
+        return [_wire(v, redact, depth + 1) for v in x]
     return x
 
 
@@ -392,21 +401,26 @@ def _finite(x: Any) -> bool:
     return x is None or type(x) is not float or math.isfinite(x)
 
 
-def _nonfinite_inside(x: Any) -> bool:
+def _needs_wire(x: Any, depth: int = 0) -> bool:
+    """Whether a free-form value holds a non-finite float or nests too deep for the fast path."""
     t = type(x)
     if t is float:
         return not math.isfinite(x)
-    if t is dict:
-        return any(_nonfinite_inside(v) for v in x.values())
-    if t is list or t is tuple:
-        return any(_nonfinite_inside(v) for v in x)
-    if isinstance(x, msgspec.Struct):
-        return any(_nonfinite_inside(getattr(x, f)) for f in x.__struct_fields__)
+    if t is dict or t is list or t is tuple or isinstance(x, msgspec.Struct):
+        if depth >= _VALUE_DEPTH - 2:  # a Struct's builtins may add a level or two
+            return True
+        if t is dict:
+            return any(_needs_wire(v, depth + 1) for v in x.values())
+        if t is list or t is tuple:
+            return any(_needs_wire(v, depth + 1) for v in x)
+        return any(_needs_wire(getattr(x, f), depth + 1) for f in x.__struct_fields__)
     return False
 
 
 def encode(event: Event, redact: Optional[Callable[[str], str]] = None) -> bytes:
-    """One JSON line (without the newline); see :func:`to_wire`. Never raises for a well-typed record.
+    """One JSON line (without the newline); see :func:`to_wire`. Never raises for a well-typed record,
+    and never writes one a reader skips (a free-form value nested deeper than :data:`MAX_DEPTH`
+    allows is written as :data:`TOO_DEEP`).
 
     Without ``redact``, a record with only finite floats and UTF-8-encodable strings (nearly all) is
     encoded by msgspec directly — the same bytes, without building its builtins first.
@@ -414,7 +428,7 @@ def encode(event: Event, redact: Optional[Callable[[str], str]] = None) -> bytes
     if redact is None:
         floats, anys = _fast_plan(type(event))
         if floats is not None and all(_finite(getattr(event, f)) for f in floats) and not any(
-                _nonfinite_inside(getattr(event, f)) for f in anys):
+                _needs_wire(getattr(event, f)) for f in anys):
             try:
                 return _encoder.encode(event)
             except UnicodeEncodeError:  # a lone surrogate: the wire form escapes it

@@ -54,7 +54,7 @@ _BY_TAG = {ev.event_name(c): c for c in ev.EVENT_TYPES}
 _BY_CLASS = frozenset(c for c in ev.EVENT_TYPES if not c.__subclasses__())  # exact types: indexable
 TERMINAL = ("done", "failed")
 MAX_LINE_BYTES = 4 << 20   # a run_started line of a 4096-layer model with a draft model is ~0.2 MB
-MAX_DEPTH = 64             # our records nest 6 deep; anything deeper is not a record we wrote
+MAX_DEPTH = ev.MAX_DEPTH   # our records nest 6 deep; the writer never writes deeper than this
 SKIP_DETAILS = 100         # skipped lines listed with file:line (all are counted)
 _NS_LIMIT = 1 << 62
 

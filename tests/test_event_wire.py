@@ -233,3 +233,17 @@ def test_issue_secret_values_keep_the_log_readable(tmp_path, value):
     raw = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert raw[0]["request"]["secrets"] == {"TOKEN": REDACTED} and all(isinstance(r["ts_ns"], int) for r in raw)
     assert all(set(r) >= {"event", "run_id", "rank", "state", "ts_ns"} for r in raw)
+
+
+def test_a_value_nested_deeper_than_readers_keep_is_cut_not_dropped():
+    """A free-form value 300 levels deep: the record is written (the deep part as text) and read back."""
+    deep: Any = "leaf"
+    for _ in range(300):
+        deep = [deep]
+    rec = ev.RunnerStarted(ts_ns=1, run_id="r", state="init-distributed", config={"deep": deep, "n": math.inf})
+    back, reason, _ = tr.decode_record(ev.encode(rec))
+    assert reason == "" and back.config["n"] == "Infinity"
+    x, depth = back.config["deep"], 0
+    while isinstance(x, list):
+        x, depth = x[0], depth + 1
+    assert x == ev.TOO_DEEP and 40 <= depth < tr.MAX_DEPTH
