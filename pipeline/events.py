@@ -370,31 +370,69 @@ _VALUE_DEPTH = MAX_DEPTH - 8  # below a field, leaving room for the record aroun
 TOO_DEEP = "<nested too deep>"
 
 
-def _wire(x: Any, redact: Optional[Callable[[str], str]], depth: int = 0) -> Any:
-    """Builtins ready for JSON: non-finite floats as text, strings cleaned (and redacted), and a
-    container nested deeper than a reader keeps replaced by :data:`TOO_DEEP`."""
+def _wire(x: Any, redact: Optional[Callable[[str], str]], depth: int = 0, closed: Any = None) -> Any:
+    """Builtins ready for JSON: non-finite floats as text, strings cleaned (and redacted, except where
+    ``closed`` marks a Literal/Enum value, which redaction would make invalid), and a container nested
+    deeper than a reader keeps replaced by :data:`TOO_DEEP`."""
     t = type(x)
     if t is str:
-        return redact(_clean_str(x)) if redact is not None else _clean_str(x)
+        return redact(_clean_str(x)) if redact is not None and closed is not True else _clean_str(x)
     if t is float:
         return x if math.isfinite(x) else _float_text(x)
     if t is dict or t is list or t is tuple:
         if depth >= _VALUE_DEPTH:
             return TOO_DEEP
+        sub = closed[1] if isinstance(closed, tuple) else None
         if t is dict:
-            return {_clean_str(k) if type(k) is str else k: _wire(v, redact, depth + 1) for k, v in x.items()}
-        return [_wire(v, redact, depth + 1) for v in x]
+            keyed = closed if isinstance(closed, dict) else None
+            return {_clean_str(k) if type(k) is str else k:
+                    _wire(v, redact, depth + 1, keyed.get(k) if keyed is not None else sub) for k, v in x.items()}
+        return [_wire(v, redact, depth + 1, sub) for v in x]
     return x
+
+
+def _closed_spec(t: Any, memo: dict[type, Any]) -> Any:
+    """Where a msgspec type holds Literal/Enum values: True, a dict field → spec (a Struct),
+    ("seq"/"map", spec) for containers, or None."""
+    if isinstance(t, (mi.LiteralType, mi.EnumType)):
+        return True
+    if isinstance(t, mi.UnionType):
+        specs = [x for x in (_closed_spec(u, memo) for u in t.types) if x is not None]
+        return specs[0] if specs else None
+    if isinstance(t, (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)):
+        inner = _closed_spec(t.item_type, memo)
+        return None if inner is None else ("seq", inner)
+    if isinstance(t, mi.TupleType):
+        specs = [x for x in (_closed_spec(u, memo) for u in t.item_types) if x is not None]
+        return ("seq", specs[0]) if specs else None
+    if isinstance(t, mi.DictType):
+        inner = _closed_spec(t.value_type, memo)
+        return None if inner is None else ("map", inner)
+    if isinstance(t, mi.StructType):
+        if t.cls in memo:
+            return memo[t.cls]
+        memo[t.cls] = None
+        fields = {f.encode_name: x for f in t.fields if (x := _closed_spec(f.type, memo)) is not None}
+        memo[t.cls] = fields or None
+        return memo[t.cls]
+    return None
+
+
+_CLOSED: dict[type, dict[str, Any]] = {}
 
 
 def to_wire(event: Event, redact: Optional[Callable[[str], str]] = None) -> dict[str, Any]:
     """The record as the JSON object written for it: builtins, non-finite floats as ``"NaN"`` /
     ``"Infinity"`` / ``"-Infinity"``, lone surrogates escaped, and — with ``redact`` — every string
-    *value* outside the envelope (:data:`ENVELOPE`) passed through ``redact`` after escaping (keys
-    never are; ``redact`` gets text as written, so it must match secrets in that form too — see
-    :func:`pipeline.eventlog.redactor`)."""
+    *value* outside the envelope (:data:`ENVELOPE`) and outside Literal/Enum fields passed through
+    ``redact`` after escaping (keys never are; ``redact`` gets text as written, so it must match
+    secrets in that form too — see :func:`pipeline.eventlog.redactor`)."""
+    cls = type(event)
+    closed = _CLOSED.get(cls)
+    if closed is None:
+        closed = _CLOSED[cls] = _closed_spec(mi.type_info(cls), {}) or {}
     obj = msgspec.to_builtins(event)
-    return {k: (_wire(v, None) if k in ENVELOPE else _wire(v, redact)) for k, v in obj.items()}
+    return {k: (_wire(v, None) if k in ENVELOPE else _wire(v, redact, 0, closed.get(k))) for k, v in obj.items()}
 
 
 def _finite(x: Any) -> bool:

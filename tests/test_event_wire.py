@@ -171,11 +171,39 @@ def _strings(x: Any, path: str = "$") -> list[tuple[str, str]]:
     return []
 
 
+def _closed_values() -> set[str]:
+    """Every Literal/Enum value any record type allows (redaction leaves those fields alone)."""
+    out: set[str] = set()
+
+    def walk(t: Any, seen: set) -> None:
+        if isinstance(t, mi.LiteralType):
+            out.update(v for v in t.values if isinstance(v, str))
+        elif isinstance(t, mi.EnumType):
+            out.update(m.value for m in t.cls)
+        elif isinstance(t, mi.UnionType):
+            for u in t.types:
+                walk(u, seen)
+        elif isinstance(t, (mi.ListType, mi.VarTupleType)):
+            walk(t.item_type, seen)
+        elif isinstance(t, mi.DictType):
+            walk(t.value_type, seen)
+        elif isinstance(t, mi.StructType) and t.cls not in seen:
+            for f in t.fields:
+                walk(f.type, seen | {t.cls})
+
+    for c in ev.EVENT_TYPES:
+        walk(mi.type_info(c), set())
+    return out
+
+
+CLOSED = _closed_values()
+
+
 def _nonfinite_paths(x: Any, path: str = "$") -> set[str]:
     if isinstance(x, float) and not math.isfinite(x):
         return {path}
     if isinstance(x, dict):
-        return {p for k, v in x.items() for p in _nonfinite_paths(v, f"{path}.{k}")}
+        return {p for k, v in x.items() for p in _nonfinite_paths(v, f"{path}.{_clean(k) if isinstance(k, str) else k}")}
     if isinstance(x, (list, tuple)):
         return {p for i, v in enumerate(x) for p in _nonfinite_paths(v, f"{path}[{i}]")}
     return set()
@@ -218,6 +246,11 @@ def test_redaction_is_structural(secrets, recs):
         for k in ev.ENVELOPE:
             assert obj[k] == plain[k]
         numbers = _nonfinite_paths(msgspec.to_builtins(rec))  # written as "NaN"/"Infinity" text: numbers, not strings
+        # Literal/Enum fields are never redacted (a redacted value would make the record invalid)
+        body = {k: v for k, v in ev.to_wire(rec, lambda text: "\0").items() if k not in ev.ENVELOPE}
+        untouched = {p for p, v in _strings(body) if v != "\0" and v} - numbers
+        assert {v for p, v in _strings(ev.to_wire(rec)) if p in untouched} <= CLOSED
+        numbers |= untouched
         for path, value in _strings({k: v for k, v in obj.items() if k not in ev.ENVELOPE}):
             if path in numbers:
                 continue
