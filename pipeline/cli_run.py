@@ -105,7 +105,7 @@ def open_log(path: str, template: str, run_id: str, rank: int, secrets: tuple[st
     from pipeline.eventlog import EventLog
 
     try:
-        return EventLog(run_id, rank, path, secrets=secrets, flag="--log-file")
+        return EventLog(run_id, rank, path, secrets=secrets, flag="--log-file", raise_write_errors=True)
     except OSError as e:
         raise UsageError(f"cannot write the log file {path!r}: {e.strerror or e}", code="usage",
                          flags=[("--log-file", template)], remedy="pick a writable path for --log-file") from None
@@ -279,8 +279,8 @@ def cmd(ns: argparse.Namespace) -> int:
     crash or a failed verification (``run_interrupted`` first on SIGINT/SIGTERM), and on every
     exit it controls ``command_finished`` with the exit code — ``inspect`` calls the launch ok
     only when that says 0. SIGINT ends with exit 130 (as SIGTERM ends with its signal), after
-    the unwinding released what was built. A trace-file write that failed makes a successful run
-    exit 2 naming ``--log-file`` (``log_write_failed``).
+    the unwinding released what was built. A trace-file write that fails stops the run there: exit 2
+    naming ``--log-file`` (``log_write_failed``), what was built released.
     """
     import time
 
@@ -303,8 +303,6 @@ def cmd(ns: argparse.Namespace) -> int:
     try:
         log.install_signal_handlers()
         log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
-        if log.write_error is not None:  # the very first write failed (quota, I/O): stop before any work
-            raise log.write_error
         preflight(ns, request, log, group)
         runner = Runner(runner_config(ns, request, on_gpu), log=log, rank_group=group)
         runner.initialize()

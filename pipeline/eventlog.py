@@ -74,16 +74,20 @@ class EventLog:
         only, before encoding — see :func:`pipeline.events.to_wire`).
     launch_id: this launch's id (default: a fresh :func:`new_launch_id`), written in every record.
     flag: the name errors about ``path`` give it (the CLI passes ``--log-file``).
+    raise_write_errors: raise the first write failure from :meth:`emit` (the CLI: a start whose
+        trace cannot be written stops there, exit 2) instead of only recording it.
 
     Raises :class:`pipeline.errors.UsageError` (exit 2) when ``path`` cannot be opened for
-    appending or is not a regular file. A write that fails later (disk full, I/O error) never
-    raises from :meth:`emit` — logging must not break the start — : the file output stops, the
-    records stay in memory, the application's logger gets one ``trace_write_failed`` warning, and
-    :attr:`write_error` holds the typed error (code ``log_write_failed``) for the caller to act on.
+    appending or is not a regular file. A write that fails later (disk full, I/O error) by default
+    never raises from :meth:`emit` — logging must not break an engine's start — : the file output
+    stops, the records stay in memory, the application's logger gets one ``trace_write_failed``
+    warning, and :attr:`write_error` holds the typed error (code ``log_write_failed``) for the
+    caller to act on.
     """
 
     def __init__(self, run_id: str, rank: int = 0, path: Optional[str | os.PathLike] = None,
-                 secrets: tuple[str, ...] = (), *, launch_id: Optional[str] = None, flag: str = "log_file") -> None:
+                 secrets: tuple[str, ...] = (), *, launch_id: Optional[str] = None, flag: str = "log_file",
+                 raise_write_errors: bool = False) -> None:
         self.run_id = run_id
         self.rank = rank
         self.launch_id = launch_id if launch_id is not None else new_launch_id()
@@ -91,6 +95,7 @@ class EventLog:
         self.flag = flag
         self.records: list[ev.Event] = []
         self.write_error: Any = None
+        self._raise_write_errors = raise_write_errors
         self._redact = redactor(tuple(secrets))
         self._lock = threading.RLock()  # re-entrant: a signal handler may emit while the main thread holds it
         self._app = structlog.get_logger("attn_setup").bind(run_id=run_id, rank=rank)
@@ -132,11 +137,13 @@ class EventLog:
                 code="log_write_failed", flags=[(self.flag, str(self.path))],
                 remedy=f"free space on its filesystem or pick another path for {self.flag}")
             self._app.warning("trace_write_failed", path=str(self.path), error=str(self.write_error.info.message))
+            if self._raise_write_errors:
+                raise self.write_error
 
     def emit(self, cls: type[ev.Event], *, state: str, outcome: ev.Outcome = "ok", **fields: Any) -> ev.Event:
         """Build a record of type ``cls`` (timestamped now), store it, and send it to both outputs.
 
-        Never raises for an I/O failure of the trace file (see the class doc).
+        Raises for an I/O failure of the trace file only with ``raise_write_errors`` (and then once).
         """
         record = cls(ts_ns=time.time_ns(), run_id=self.run_id, rank=self.rank, launch_id=self.launch_id, state=state,
                      outcome=outcome, **fields)

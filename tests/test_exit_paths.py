@@ -122,8 +122,8 @@ class _FillsUp:
 
 
 def test_log_that_fills_up_is_exit_2_naming_the_flag(tmp_path, capsys, monkeypatch):
-    """Writes that start failing mid-run: no traceback, exit 2 log_write_failed naming --log-file,
-    and every line that did get written is a whole, readable record."""
+    """Writes that start failing mid-run: the run stops there (nothing verified), no traceback, exit 2
+    log_write_failed naming --log-file, and every line that did get written is a whole, readable record."""
     import pipeline.eventlog
 
     real = pipeline.eventlog.open_regular
@@ -131,7 +131,7 @@ def test_log_that_fills_up_is_exit_2_naming_the_flag(tmp_path, capsys, monkeypat
     log = tmp_path / "l.jsonl"
     code = main(["run", "--device", "cpu", "--json", "--log-file", str(log), *FAST])
     out = json.loads(capsys.readouterr().out)
-    assert code == 2 and out["error"]["code"] == "log_write_failed"
+    assert code == 2 and out["error"]["code"] == "log_write_failed" and out["verified"] == []
     assert [f["name"] for f in out["error"]["flags"]] == ["--log-file"] and out["error"]["remedy"]
     t = read_trace(log)
     assert t.skipped_lines == 0 and len(t.runs[0].records) == 5
@@ -146,6 +146,19 @@ def test_first_write_failing_stops_before_any_work(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(pipeline.cli_run, "preflight", lambda *a: pytest.fail("work started after a failed write"))
     assert main(["run", "--device", "cpu", "--json", "--log-file", str(tmp_path / "l.jsonl")]) == 2
     assert json.loads(capsys.readouterr().out)["error"]["code"] == "log_write_failed"
+
+
+def test_library_event_log_never_raises_for_a_failed_write(tmp_path, monkeypatch):
+    """The library default: a failing write turns the file off and is recorded, emit goes on."""
+    import pipeline.eventlog
+
+    real = pipeline.eventlog.open_regular
+    monkeypatch.setattr(pipeline.eventlog, "open_regular", lambda *a, **k: _FillsUp(real(*a, **k), ok=1))
+    log = pipeline.eventlog.EventLog("r", 0, tmp_path / "l.jsonl")
+    for _ in range(3):
+        log.emit(ev.StepSkipped, state="resolve", what="x", reason="y")
+    assert len(log.records) == 3 and log.write_error.info.code == "log_write_failed"
+    assert len(read_trace(tmp_path / "l.jsonl").runs[0].records) == 1
 
 
 def test_library_log_file_errors_are_typed(tmp_path):
