@@ -281,7 +281,27 @@ def print_error(err: AttnSetupError, as_json: bool) -> None:
         render_error(info)
 
 
+def _quiet_stdout() -> None:
+    """After a closed pipe (``attn-setup inspect big.jsonl | head``): send what is left to /dev/null,
+    so the interpreter's final flush does not print a second error."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real stdout (in-process callers)
+        pass
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one subcommand; returns its exit code (README's table).
+
+    Every way out is an exit code with one ErrorInfo, never a traceback: typed errors keep their
+    code; SIGINT (Ctrl-C, KeyboardInterrupt) is 130 with ``interrupted``; a closed stdout pipe is
+    1; any other exception is 1 with ``internal_error`` naming it.
+    """
+    from pipeline.errors import EXIT_FAILED, EXIT_INTERRUPTED, error_info_from
+
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
     try:
@@ -290,6 +310,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ns = parser.parse_args(argv)
         if not ns.verbose and "torch" not in sys.modules:  # read when torch is first imported (not yet here)
             os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # torch's C++ logs (c10d frames) only with -v
+        ns._argv = argv
         configure_logging(ns.verbose)
         return int(ns._cmd(ns))
     except AttnSetupError as e:
@@ -299,6 +320,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         err = UsageError(f"invalid flag value: {e}", code="usage", remedy="see 'attn-setup --help'")
         print_error(err, as_json)
         return EXIT_USAGE
+    except KeyboardInterrupt as e:
+        _print_info(error_info_from(e, "args"), as_json)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_FAILED
+    except Exception as e:  # noqa: BLE001 - a bug still ends in one ErrorInfo, not a traceback
+        _print_info(error_info_from(e, "args"), as_json)
+        return EXIT_FAILED
+
+
+def _print_info(info: Any, as_json: bool) -> None:
+    try:
+        if as_json:
+            sys.stdout.write(msgspec.json.encode({"ok": False, "error": info}).decode() + "\n")
+        else:
+            from pipeline.report import render_error
+
+            render_error(info)
+    except (BrokenPipeError, OSError):
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

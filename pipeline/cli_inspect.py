@@ -3,22 +3,27 @@
 Per run (``run_id``, rank): a timeline table (state, start, duration, outcome; for an ``attn-setup
 run`` trace the runner's states with the setup machine's nested under ``attention``), the decisions, and
 for a failed start a short explanation (failed state, cause, the flag to change). Several logs
-merge by (run_id, rank); where the ranks of one run_id decided differently is listed. Truncated or
+merge by (run_id, rank, launch); where the ranks of one run_id decided differently is listed. Truncated or
 corrupt lines are counted and skipped. Exit codes: 0 every start succeeded · 1 a start failed or
-is incomplete · 2 nothing was readable.
+is incomplete · 2 nothing was readable (or a LOG is not a regular file).
+
+Logs are read streaming (:class:`pipeline.trace.TraceReader`): runs are reported one at a time
+and let go, so memory stays bounded on huge logs; only ``--perfetto`` keeps every run (the
+timeline file holds them all anyway). Every string read from a log is printed as plain text (never
+rich markup), control characters escaped.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import msgspec
 
 from pipeline.errors import EXIT_FAILED, EXIT_OK
 from pipeline.model_spec import format_layer_ids
-from pipeline.trace import Run, Trace, rank_differences, read_trace
+from pipeline.trace import RankDifferences, Run, Trace, TraceReader, nothing_readable, rank_differences
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -32,16 +37,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run_obj(run: Run) -> dict[str, Any]:
     """The ``--json`` shape of one run."""
-    return {"run_id": run.run_id, "rank": run.rank, "ok": run.ok, "status": run.status,
+    return {"run_id": run.run_id, "rank": run.rank, "launch_id": run.launch_id, "ok": run.ok, "status": run.status,
             "last_state": run.last_state, "states": run.states(), "runner_states": run.runner_states(),
             "decisions": run.decisions(),
             "failure": None if run.failure is None else msgspec.to_builtins(run.failure)}
 
 
+def _tail_obj(src: Any, differences: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"skipped_lines": src.skipped_lines,
+            "skipped": [{"path": s.path, "line": s.line, "reason": s.reason} for s in src.skipped],
+            "unreadable_files": src.unreadable_files, "rank_differences": differences}
+
+
 def report_obj(trace: Trace) -> dict[str, Any]:
-    return {"runs": [run_obj(r) for r in trace.runs], "skipped_lines": trace.skipped_lines,
-            "skipped": [{"path": s.path, "line": s.line, "reason": s.reason} for s in trace.skipped],
-            "unreadable_files": trace.unreadable_files, "rank_differences": rank_differences(trace)}
+    """The whole ``--json`` object of a trace read into memory (``cmd`` streams the same shape)."""
+    return {"runs": [run_obj(r) for r in trace.runs], **_tail_obj(trace, rank_differences(trace))}
 
 
 def explain(run: Run) -> list[str]:
@@ -52,7 +62,7 @@ def explain(run: Run) -> list[str]:
     info = run.failure
     if info is None:
         return []
-    out = [f"failed in state {info.state!r}: [{info.code}] {info.message}"]
+    out = [f"failed in state {info.state!r}: [{info.code}] {info.message}"]  # printed with markup off
     if info.flags:
         out.append("flag to change: " + ", ".join(f"{f.name}={f.value!r}" for f in info.flags))
     if info.allowed:
@@ -72,8 +82,9 @@ def _decision_lines(d: dict[str, Any]) -> list[str]:
                    f"blas_init={dv['blas_init']}")
     if "resolved" in d:
         r = d["resolved"]
-        out.append(f"resolved: prefill={r['prefill']} ({r['rules']['prefill']}), decode={r['decode']} "
-                   f"({r['rules']['decode']}), draft override={r['is_draft_override']}")
+        rules = r["rules"]
+        out.append(f"resolved: prefill={r['prefill']} ({rules.get('prefill', '?')}), decode={r['decode']} "
+                   f"({rules.get('decode', '?')}), draft override={r['is_draft_override']}")
         for half, rej in r["rejected"].items():
             out += [f"  rejected for {half}: {x['backend']}: {'; '.join(x['reasons'])}" for x in rej]
         out += [f"  not attention (no KV cache): {g['kind']} layers {format_layer_ids(g['layer_ids'])}"
@@ -88,47 +99,101 @@ def _decision_lines(d: dict[str, Any]) -> list[str]:
     return out
 
 
-def render(trace: Trace) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _safe(text: Any) -> str:
+    """A string from a log, safe to print: control characters (terminal escapes) shown escaped."""
+    text = str(text)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
-    c = Console(highlight=False, soft_wrap=False, width=120)
-    for run in trace.runs:
-        colour = {"ok": "green", "failed": "red"}.get(run.status, "yellow")
-        c.print(f"[bold]run {run.run_id} rank {run.rank}[/]: [{colour}]{run.status}[/]")
-        t = Table(title_justify="left")
-        for col in ("state", "start (ms)", "duration (ms)", "outcome"):
-            t.add_column(col)
-        outer, inner = run.runner_states(), run.states()
-        t0 = min([s["start_ns"] for s in outer + inner] or [0])
 
-        def row(s: dict[str, Any], indent: str = "") -> None:
-            t.add_row(indent + s["state"], f"{(s['start_ns'] - t0) / 1e6:.2f}", f"{s['duration_ms']:.2f}", s["outcome"])
+_COLOUR = {"ok": "\x1b[32m", "failed": "\x1b[31m"}
 
-        for s in outer or inner:  # a runner's table nests the setup machine under its attention step
-            row(s)
-            if outer and s["state"] == "attention":
-                for i in inner:
-                    row(i, "  ")
-        c.print(t)
-        for line in _decision_lines(run.decisions()) + explain(run):
-            c.print("  " + line, markup=False)
-    for d in rank_differences(trace):
+
+def run_lines(run: Run, colour: bool = False) -> list[str]:
+    """One run as plain text lines: status, the timeline table, decisions, explanation.
+
+    Fixed-width text rather than rich tables: a log of 100,000 launches must print in seconds,
+    and every string read from a log goes out as text (never markup), control characters escaped.
+    """
+    status = run.status
+    if colour:
+        status = f"{_COLOUR.get(status, chr(27) + '[33m')}{status}\x1b[0m"
+    head = f"run {_safe(run.run_id)} rank {run.rank}" + (f" launch {_safe(run.launch_id)}" if run.launch_id else "")
+    outer, inner = run.runner_states(), run.states()
+    t0 = min([s["start_ns"] for s in outer + inner] or [0])
+    rows = []
+    for s in outer or inner:  # a runner's table nests the setup machine under its attention step
+        rows.append(("", s))
+        if outer and s["state"] == "attention":
+            rows += [("  ", i) for i in inner]
+    cells = [(ind + _safe(s["state"]), f"{(s['start_ns'] - t0) / 1e6:.2f}", f"{s['duration_ms']:.2f}",
+              _safe(s["outcome"])) for ind, s in rows]
+    w = max([len("state")] + [len(c[0]) for c in cells])
+    sw = max([len("start (ms)")] + [len(c[1]) for c in cells])
+    dw = max([len("duration (ms)")] + [len(c[2]) for c in cells])
+    lines = [f"{head}: {status}", f"  {'state':<{w}}  {'start (ms)':>{sw}}  {'duration (ms)':>{dw}}  outcome"]
+    lines += [f"  {a:<{w}}  {b:>{sw}}  {c:>{dw}}  {d}" for a, b, c, d in cells]
+    lines += ["  " + _safe(line) for line in _decision_lines(run.decisions()) + explain(run)]
+    return lines
+
+
+def render_run(out: Any, run: Run, colour: bool = False) -> None:
+    """Write :func:`run_lines` to ``out`` (a text stream)."""
+    out.write("\n".join(run_lines(run, colour)) + "\n")
+
+
+def render_tail(out: Any, src: Any, differences: list[dict[str, Any]]) -> None:
+    """Rank differences and the skipped-lines summary."""
+    lines = []
+    for d in differences:
         vals = ", ".join(f"rank {k}: {v!r}" for k, v in d["values"].items())
-        c.print(f"ranks differ in run {d['run_id']}: {d['key']}: {vals}", markup=False)
-    if trace.skipped_lines or trace.unreadable_files:
-        c.print(f"skipped {trace.skipped_lines} unreadable line(s)"
-                + "".join(f"; {s.path}:{s.line} {s.reason}" for s in trace.skipped[:5])
-                + "".join(f"; {p}: unreadable file" for p in trace.unreadable_files), markup=False)
+        lines.append(_safe(f"ranks differ in run {d['run_id']}: {d['key']}: {vals}"))
+    if src.skipped_lines or src.unreadable_files:
+        lines.append(_safe(f"skipped {src.skipped_lines} unreadable line(s)"
+                           + "".join(f"; {s.path}:{s.line} {s.reason}" for s in src.skipped[:5])
+                           + "".join(f"; {p}: unreadable file" for p in src.unreadable_files)))
+    if lines:
+        out.write("\n".join(lines) + "\n")
+
+
+def _is_tty(out: Any) -> bool:
+    try:
+        return bool(out.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def render(trace: Trace) -> None:
+    """Every run of a trace read into memory, then the tail (``cmd`` streams the same output)."""
+    for run in trace.runs:
+        render_run(sys.stdout, run, _is_tty(sys.stdout))
+    render_tail(sys.stdout, trace, rank_differences(trace))
+
+
+def _first_then_rest(runs: Iterator[Run]) -> Optional[Iterator[Run]]:
+    """None when ``runs`` is empty, else an iterator over all of them (the first one peeked)."""
+    first = next(runs, None)
+    if first is None:
+        return None
+
+    def chain() -> Iterator[Run]:
+        yield first
+        yield from runs
+
+    return chain()
 
 
 def cmd(ns: argparse.Namespace) -> int:
-    trace = read_trace(ns.logs).require_records()
+    reader = TraceReader(ns.logs)
+    runs = _first_then_rest(reader.runs())
+    if runs is None:
+        raise nothing_readable(reader)
     if ns.perfetto:
         from pipeline.perfetto import write_chrome_trace
 
+        kept = list(runs)  # the timeline holds every run anyway
+        runs = iter(kept)
         try:
-            n = write_chrome_trace(trace, ns.perfetto)
+            n = write_chrome_trace(Trace(runs=kept), ns.perfetto, flag="--perfetto")
         except OSError as e:
             from pipeline.errors import UsageError
 
@@ -136,10 +201,24 @@ def cmd(ns: argparse.Namespace) -> int:
                              flags=[("--perfetto", ns.perfetto)], remedy="pick a writable file path") from None
         if not ns.json:
             print(f"perfetto: wrote {n} trace events to {ns.perfetto}", file=sys.stderr)
+    diffs, ok = RankDifferences(), True
     if ns.json:
-        from pipeline.report import emit_json
-
-        emit_json(report_obj(trace))
+        out = sys.stdout
+        out.write('{"runs":[')
+        for i, run in enumerate(runs):
+            diffs.add(run)
+            ok &= run.ok
+            out.write(("," if i else "") + msgspec.json.encode(run_obj(run)).decode())
+        tail = msgspec.json.encode(_tail_obj(reader, diffs.finish())).decode()
+        out.write("]," + tail[1:] + "\n")
+        out.flush()
     else:
-        render(trace)
-    return EXIT_OK if all(r.ok for r in trace.runs) else EXIT_FAILED
+        out = sys.stdout
+        colour = _is_tty(out)
+        for run in runs:
+            diffs.add(run)
+            ok &= run.ok
+            render_run(out, run, colour)
+        render_tail(out, reader, diffs.finish())
+        out.flush()
+    return EXIT_OK if ok else EXIT_FAILED

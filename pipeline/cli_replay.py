@@ -1,7 +1,9 @@
 """``attn-setup replay LOG [LOG …]``: re-run the recorded decisions without a GPU.
 
-Exit codes: 0 every run decides the same now · 1 a run diverged (the first divergence is printed
-as state, field, recorded, now) · 2 the trace is unreadable (nothing to replay from).
+Exit codes, and only these: 0 every run decides the same now · 1 a run diverged (the first
+divergence is printed as state, field, recorded, now) · 2 the trace is unreadable (nothing to
+replay from, a LOG that is not a regular file, or a recorded request/input this version cannot
+use: ``trace_unreadable`` naming the run and its ``run_started`` record).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def cmd(ns: argparse.Namespace) -> int:
                    "skipped_lines": result.skipped_lines})
     else:
         for r in result.runs:
-            head = f"run {r.run_id} rank {r.rank}: "
+            head = f"run {r.run_id} rank {r.rank}" + (f" launch {r.launch_id}" if r.launch_id else "") + ": "
             if r.divergence is None:
                 print(head + f"same ({len(r.checked)} decisions checked)" + (f"; stopped: {r.stopped}" if r.stopped else ""))
             else:

@@ -22,7 +22,9 @@ import msgspec
 from pipeline import events as ev
 from pipeline import report as rp
 from pipeline.contracts import ErrorInfo, ModelSpec, PoolFacts, SetupRequest
-from pipeline.errors import EXIT_FAILED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from
+from pipeline.errors import (
+    EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from,
+)
 
 BUNDLED_MODEL = "llama-3.1-8b.json"
 DEFAULT_LAYERS = 2  # a verification run: at least 2 layers, more when a layer kind first appears later (quick on CPU)
@@ -33,11 +35,22 @@ def default_model_path() -> str:
     return str(Path(__file__).parent / "data" / "configs" / BUNDLED_MODEL)
 
 
-def load_models(ns: argparse.Namespace) -> tuple[ModelSpec, Optional[ModelSpec]]:
+def _load_spec(path: str, flag: str) -> ModelSpec:
+    """load_model_spec, with file errors (unreadable, not a regular file, too large) naming ``flag`` too."""
+    from pipeline.contracts import Flag
     from pipeline.model_spec import load_model_spec
 
-    model = load_model_spec(ns.model or default_model_path())
-    draft = load_model_spec(ns.draft_model) if ns.draft_model else None
+    try:
+        return load_model_spec(path)
+    except UsageError as e:
+        e.info = msgspec.structs.replace(e.info, flags=[Flag(name=flag, value=path), *e.info.flags],
+                                         remedy=e.info.remedy.replace(" as path", f" as {flag}"))
+        raise
+
+
+def load_models(ns: argparse.Namespace) -> tuple[ModelSpec, Optional[ModelSpec]]:
+    model = _load_spec(ns.model, "--model") if ns.model else _load_spec(default_model_path(), "--model")
+    draft = _load_spec(ns.draft_model, "--draft-model") if ns.draft_model else None
     if draft is not None and not ns.draft_worker:
         raise UsageError("--draft-model is only meaningful with --draft-worker", code="usage",
                          flags=[("--draft-model", ns.draft_model)], remedy="add --draft-worker, or drop --draft-model")
@@ -87,11 +100,12 @@ def log_path(template: str, run_id: str, rank: int) -> str:
 
 
 def open_log(path: str, template: str, run_id: str, rank: int, secrets: tuple[str, ...]) -> Any:
-    """The run's EventLog; an unwritable path is a UsageError naming ``--log-file``."""
+    """The run's EventLog; an unwritable path or one that is not a regular file (a FIFO, ``/dev/full``)
+    is a UsageError naming ``--log-file`` (exit 2, nothing started)."""
     from pipeline.eventlog import EventLog
 
     try:
-        return EventLog(run_id, rank, path, secrets=secrets)
+        return EventLog(run_id, rank, path, secrets=secrets, flag="--log-file", raise_write_errors=True)
     except OSError as e:
         raise UsageError(f"cannot write the log file {path!r}: {e.strerror or e}", code="usage",
                          flags=[("--log-file", template)], remedy="pick a writable path for --log-file") from None
@@ -291,8 +305,22 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return run
 
 
+def _ended(log: Any) -> bool:
+    return any(isinstance(r, (ev.RunFailed, ev.RunInterrupted)) for r in log.records)
+
+
 def cmd(ns: argparse.Namespace) -> int:
-    """Run the runner flow, verify every instance and the stack's steps, print the report; returns the exit code."""
+    """Run the runner flow, verify every instance and the stack's steps, print the report; returns the exit code.
+
+    Every exit once the log is open writes a terminal record: ``run_failed`` for a refusal, a
+    crash or a failed verification (``run_interrupted`` first on SIGINT/SIGTERM), and on every
+    exit it controls ``command_finished`` with the exit code — ``inspect`` calls the launch ok
+    only when that says 0. SIGINT ends with exit 130 (as SIGTERM ends with its signal), after
+    the unwinding released what was built. A trace-file write that fails stops the run there: exit 2
+    naming ``--log-file`` (``log_write_failed``), what was built released.
+    """
+    import time
+
     from pipeline.build import new_run_id
     from pipeline.runner import Runner
 
@@ -306,10 +334,12 @@ def cmd(ns: argparse.Namespace) -> int:
     run_id = group.run_id if group is not None else new_run_id()
     log_file = log_path(ns.log_file, run_id, request.rank)
     log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
-    log.install_signal_handlers()
+    t0 = time.perf_counter()
     error: Optional[ErrorInfo] = None
     code, runner, verified, steps = EXIT_OK, None, [], []
     try:
+        log.install_signal_handlers()
+        log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
         preflight(ns, request, log, group)
         runner = Runner(runner_config(ns, request, on_gpu), log=log, rank_group=group)
         runner.initialize()
@@ -320,18 +350,33 @@ def cmd(ns: argparse.Namespace) -> int:
             error = ErrorInfo(code="verification_failed", state="done", message=f"failed verification: {', '.join(bad)}",
                               remedy="the backend computes wrong attention for this model; report it with the log")
             code = EXIT_FAILED
+            log.emit(ev.RunFailed, state=log.current_state, outcome="failed", error=error)
     except AttnSetupError as e:
         error, code = e.info, e.exit_code
-        if not any(isinstance(r, (ev.RunFailed, ev.RunInterrupted)) for r in log.records):  # refused in preflight
+        if not _ended(log):  # refused in preflight
             log.emit(ev.RunFailed, state=e.info.state, outcome="failed", error=e.info)
-    except Exception as e:  # noqa: BLE001 - any crash becomes exit 1 with its ErrorInfo
-        error, code = error_info_from(e, log.records[-1].state if log.records else "device-init"), EXIT_FAILED
+    except KeyboardInterrupt as e:  # SIGINT: the handler wrote run_interrupted; the unwinding released
+        error, code = error_info_from(e, log.current_state), EXIT_INTERRUPTED
+        if not _ended(log):
+            log.emit(ev.RunInterrupted, state=log.current_state, outcome="failed", reason="signal", signal="SIGINT",
+                     error=error)
+    except Exception as e:  # noqa: BLE001 - any crash becomes exit 1 with its ErrorInfo, logged
+        error, code = error_info_from(e, log.current_state), EXIT_FAILED
+        if not _ended(log):
+            log.emit(ev.RunFailed, state=log.current_state, outcome="failed", error=error)
     finally:
-        if runner is not None:
-            runner.close()
-        if group is not None:
-            group.close()
-        log.close()
+        try:
+            if runner is not None:
+                runner.close()
+            if group is not None:
+                group.close()
+        finally:
+            if log.write_error is not None and code == EXIT_OK:
+                error, code = log.write_error.info, log.write_error.exit_code
+            log.emit(ev.CommandFinished, state=log.current_state, command="run", exit_code=code,
+                     duration_ms=(time.perf_counter() - t0) * 1e3)
+            log.close()
+            log.restore_signal_handlers()
     report = _report(log, run_id, code, verified, steps, log_file, error)
     if ns.json:
         rp.emit_json(report)

@@ -32,6 +32,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_REFUSED = 3
+EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C): 128 + 2, the shell's convention
 
 
 class AttnSetupError(Exception):
@@ -195,12 +196,19 @@ def _jsonable(v: Any) -> Any:
     return printable(repr(v))
 
 
+INTERRUPTED_REMEDY = "the process was stopped from outside (Ctrl-C, scheduler, timeout); rerun the start"
+
+
 def error_info_from(exc: BaseException, state: str) -> ErrorInfo:
-    """The ErrorInfo of any exception: typed errors keep theirs, others get ``internal_error``."""
+    """The ErrorInfo of any exception: typed errors keep theirs, KeyboardInterrupt (SIGINT) is
+    ``interrupted``, others get ``internal_error``."""
     if isinstance(exc, AttnSetupError):
         if exc.info.state == "args" and state != "args":
             exc.with_state(state)
         return exc.info
+    if isinstance(exc, KeyboardInterrupt):
+        return ErrorInfo(code="interrupted", state=state, message=f"interrupted (SIGINT) in state {state}",
+                         remedy=INTERRUPTED_REMEDY)
     return ErrorInfo(
         code="internal_error",
         state=state,

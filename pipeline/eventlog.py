@@ -4,24 +4,28 @@ The library never configures logging. Records go to ``structlog.get_logger("attn
 with ``run_id``/``rank`` (the application decides where that goes), and — when the caller asks for
 a trace file — to a per-run structlog ``BytesLogger`` that writes exactly one msgspec-encoded JSON
 line per record and flushes it (so a crash loses nothing already emitted). Secret values given in
-``SetupRequest.secrets`` are replaced by ``"<redacted>"`` in both outputs.
+``SetupRequest.secrets`` are replaced by ``"<redacted>"`` in both outputs — in string values, before
+encoding (never by rewriting encoded bytes, which would corrupt numbers and keys).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Iterator, Mapping, Optional
+from typing import IO, Any, Callable, Iterator, Mapping, Optional
 
 import msgspec
 import structlog
 
 from pipeline import events as ev
+from pipeline.files import open_regular
 
 REDACTED = "<redacted>"
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
@@ -38,54 +42,119 @@ def secrets_from_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
             if k.startswith(SECRET_ENV_PREFIX) and len(k) > len(SECRET_ENV_PREFIX) and v}
 
 
+def new_launch_id() -> str:
+    """A fresh per-launch id (12 hex digits): one per :class:`EventLog`, written in every record."""
+    return uuid.uuid4().hex[:12]
+
+
+def redactor(secrets: tuple[str, ...]) -> Optional[Callable[[str], str]]:
+    """``f(text)`` replacing every occurrence of any secret by ``"<redacted>"`` (None without secrets).
+
+    Longer secrets are tried first at each position, so a secret that contains another is
+    redacted whole; the text between two markers never contains a secret. Text reaches it as
+    written (lone surrogates already escaped, :func:`pipeline.events.clean_str`), so secrets are
+    matched in that form.
+    """
+    secrets = tuple(sorted({ev.clean_str(s) for s in secrets if s}, key=len, reverse=True))
+    if not secrets:
+        return None
+    pattern = re.compile("|".join(re.escape(s) for s in secrets))
+    return lambda text: pattern.sub(REDACTED, text) if text else text
+
+
 class EventLog:
     """The sink for one run's events.
 
     Parameters
     ----------
     run_id, rank: bound into every record.
-    path: JSON-lines trace file (parent folders are created); None = no file.
-    secrets: values that must never appear in any output.
+    path: JSON-lines trace file (parent folders are created; appended to); None = no file. It must
+        be a regular file (or not exist yet): see :func:`open_regular`.
+    secrets: values that must never appear in any output (redacted structurally: string values
+        only, before encoding — see :func:`pipeline.events.to_wire`).
+    launch_id: this launch's id (default: a fresh :func:`new_launch_id`), written in every record.
+    flag: the name errors about ``path`` give it (the CLI passes ``--log-file``).
+    raise_write_errors: raise the first write failure from :meth:`emit` (the CLI: a start whose
+        trace cannot be written stops there, exit 2) instead of only recording it.
+
+    Raises :class:`pipeline.errors.UsageError` (exit 2) when ``path`` cannot be opened for
+    appending or is not a regular file. A write that fails later (disk full, I/O error) by default
+    never raises from :meth:`emit` — logging must not break an engine's start — : the file output
+    stops, the records stay in memory, the application's logger gets one ``trace_write_failed``
+    warning, and :attr:`write_error` holds the typed error (code ``log_write_failed``) for the
+    caller to act on.
     """
 
     def __init__(self, run_id: str, rank: int = 0, path: Optional[str | os.PathLike] = None,
-                 secrets: tuple[str, ...] = ()) -> None:
+                 secrets: tuple[str, ...] = (), *, launch_id: Optional[str] = None, flag: str = "log_file",
+                 raise_write_errors: bool = False) -> None:
         self.run_id = run_id
         self.rank = rank
+        self.launch_id = launch_id if launch_id is not None else new_launch_id()
         self.path = Path(path) if path is not None else None
+        self.flag = flag
         self.records: list[ev.Event] = []
-        self._secrets = tuple(s for s in secrets if s)
-        self._lock = threading.Lock()
+        self.write_error: Any = None
+        self._raise_write_errors = raise_write_errors
+        self._redact = redactor(tuple(secrets))
+        self._lock = threading.RLock()  # re-entrant: a signal handler may emit while the main thread holds it
         self._app = structlog.get_logger("attn_setup").bind(run_id=run_id, rank=rank)
         self._fh: Optional[IO[bytes]] = None
         self._file_log: Any = None
+        self._prev_handlers: dict[int, Any] = {}
+        self._prev_hook: Any = None
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.path, "ab")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                from pipeline.errors import UsageError
+
+                raise UsageError(f"cannot create the folder of {flag} {str(self.path)!r}: {e.strerror or e}",
+                                 code="log_file_unwritable", flags=[(flag, str(self.path))],
+                                 remedy=f"pick a writable path for {flag}") from None
+            self._fh = open_regular(self.path, "ab", flag=flag, what="the log file")
             self._file_log = structlog.wrap_logger(
                 structlog.BytesLogger(self._fh), processors=[self._render], wrapper_class=structlog.BoundLogger,
                 cache_logger_on_first_use=False).bind()  # a concrete logger: a lazy proxy would re-bind per record
 
     def _render(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> bytes:
-        return self._redact_bytes(ev.encode(event_dict["record"]))
+        return ev.encode(event_dict["record"], self._redact)
 
-    def _redact_bytes(self, data: bytes) -> bytes:
-        for s in self._secrets:
-            data = data.replace(msgspec.json.encode(s)[1:-1], REDACTED.encode())
-        return data
+    def _write(self, record: ev.Event) -> None:
+        """One line to the trace file; a failing write turns the file output off (see the class doc)."""
+        try:
+            self._file_log.msg(ev.event_name(type(record)), record=record)
+        except (OSError, ValueError) as e:  # ValueError: a file closed under us
+            from pipeline.errors import UsageError
+
+            fh, self._fh, self._file_log = self._fh, None, None
+            try:
+                fh.close()
+            except (OSError, ValueError):
+                pass
+            self.write_error = UsageError(
+                f"writing the log file {str(self.path)!r} failed: {getattr(e, 'strerror', None) or e}",
+                code="log_write_failed", flags=[(self.flag, str(self.path))],
+                remedy=f"free space on its filesystem or pick another path for {self.flag}")
+            self._app.warning("trace_write_failed", path=str(self.path), error=str(self.write_error.info.message))
+            if self._raise_write_errors:
+                raise self.write_error
 
     def emit(self, cls: type[ev.Event], *, state: str, outcome: ev.Outcome = "ok", **fields: Any) -> ev.Event:
-        """Build a record of type ``cls`` (timestamped now), store it, and send it to both outputs."""
-        record = cls(ts_ns=time.time_ns(), run_id=self.run_id, rank=self.rank, state=state, outcome=outcome, **fields)
+        """Build a record of type ``cls`` (timestamped now), store it, and send it to both outputs.
+
+        Raises for an I/O failure of the trace file only with ``raise_write_errors`` (and then once).
+        """
+        record = cls(ts_ns=time.time_ns(), run_id=self.run_id, rank=self.rank, launch_id=self.launch_id, state=state,
+                     outcome=outcome, **fields)
         with self._lock:
             self.records.append(record)
             if self._file_log is not None:
-                self._file_log.msg(ev.event_name(cls), record=record)
+                self._write(record)
         if self._app_enabled(cls.level):
-            payload = (msgspec.json.decode(self._redact_bytes(ev.encode(record))) if self._secrets
-                       else msgspec.to_builtins(record))
+            payload = ev.to_wire(record, self._redact) if self._redact is not None else msgspec.to_builtins(record)
             name = payload.pop("event")
-            for k in ("run_id", "rank"):
+            for k in ("run_id", "rank", "launch_id"):
                 payload.pop(k, None)
             getattr(self._app, cls.level)(name, **payload)
         return record
@@ -116,43 +185,49 @@ class EventLog:
             yield
 
     def _interrupted(self, reason: str, sig: Optional[str], info: Any) -> None:
-        if any(isinstance(r, (ev.RunFailed, ev.RunInterrupted)) for r in self.records):
-            return
-        self.emit(ev.RunInterrupted, state=self.current_state, outcome="failed", reason=reason, signal=sig,
-                  error=info)
+        with self._lock:
+            if any(isinstance(r, (ev.RunFailed, ev.RunInterrupted)) for r in self.records):
+                return
+            self.emit(ev.RunInterrupted, state=self.current_state, outcome="failed", reason=reason, signal=sig,
+                      error=info)
 
-    def install_signal_handlers(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> bool:
-        """Write a last ``run_interrupted`` record on SIGTERM and on an uncaught exception.
+    def install_signal_handlers(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> bool:
+        """Write a last ``run_interrupted`` record on SIGTERM, SIGINT and an uncaught exception.
 
-        Never done on import: the CLI calls it. The previous handlers run afterwards (a default
-        SIGTERM still terminates the process). Returns False when not called from the main thread
-        (Python only lets the main thread set signal handlers); the exception hook is set anyway.
+        Never done on import: the CLI calls it (and :meth:`restore_signal_handlers` when done).
+        Afterwards the previous handler runs: Python's SIGINT handler raises KeyboardInterrupt,
+        which unwinds the start (its failure paths release what was built and log it) and which
+        the CLI turns into exit 130; a default SIGTERM closes the file and terminates the
+        process. Returns False when not called from the main thread (Python only lets the main
+        thread set signal handlers); the exception hook is set anyway.
         """
         from pipeline.contracts import ErrorInfo
-        from pipeline.errors import error_info_from
+        from pipeline.errors import INTERRUPTED_REMEDY, error_info_from
 
-        prev_hook = sys.excepthook
+        prev_hook = self._prev_hook = sys.excepthook
 
         def hook(tp: Any, exc: BaseException, tb: Any) -> None:
-            self._interrupted("uncaught_exception", None, error_info_from(exc, self.current_state))
-            self.close()
-            prev_hook(tp, exc, tb)
+            try:
+                self._interrupted("uncaught_exception", None, error_info_from(exc, self.current_state))
+                self.close()
+            finally:
+                prev_hook(tp, exc, tb)
 
         def on_signal(signum: int, frame: Any) -> None:
             name = signal.Signals(signum).name
             self._interrupted("signal", name, ErrorInfo(
                 code="interrupted", state=self.current_state, message=f"received {name} in state {self.current_state}",
-                remedy="the process was stopped from outside (scheduler, timeout, operator); rerun the start"))
-            self.close()
+                remedy=INTERRUPTED_REMEDY))
             prev = self._prev_handlers.get(signum, signal.SIG_DFL)
-            if callable(prev):
+            if callable(prev):  # e.g. Python's SIGINT handler: raises KeyboardInterrupt, the process goes on
                 prev(signum, frame)
-            elif prev != signal.SIG_IGN:
+            elif prev != signal.SIG_IGN:  # the default action ends the process: close the file first
+                self.close()
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
 
         sys.excepthook = hook
-        self._prev_handlers: dict[int, Any] = {}
+        self._prev_handlers = {}
         try:
             for s in signals:
                 self._prev_handlers[s] = signal.signal(s, on_signal)
@@ -160,13 +235,26 @@ class EventLog:
             return False
         return True
 
+    def restore_signal_handlers(self) -> None:
+        """Put back the handlers and exception hook :meth:`install_signal_handlers` replaced."""
+        if self._prev_hook is not None:
+            sys.excepthook, self._prev_hook = self._prev_hook, None
+        for s, prev in list(self._prev_handlers.items()):
+            try:
+                signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+            except ValueError:  # not the main thread
+                break
+        self._prev_handlers = {}
+
     def close(self) -> None:
-        """Close the trace file (records stay in memory)."""
+        """Close the trace file (records stay in memory). Never raises."""
         with self._lock:
             if self._fh is not None:
-                self._fh.close()
-                self._fh = None
-                self._file_log = None
+                fh, self._fh, self._file_log = self._fh, None, None
+                try:
+                    fh.close()
+                except (OSError, ValueError):
+                    pass
 
     def __enter__(self) -> "EventLog":
         return self

@@ -15,7 +15,9 @@ DeltaNet) layers, Jamba's mamba layers — are read as ``"linear_attention"`` / 
 is sized for them) and are listed by ``ModelSpec.not_attention()``.
 
 Bad input raises :class:`pipeline.errors.ModelConfigError` (exit code 3) with the JSON path of the
-offending key; an unreadable file raises :class:`pipeline.errors.UsageError` (exit code 2).
+offending key; an unreadable file, one that is not a regular file (a FIFO, ``/dev/zero``) or one
+over :data:`MAX_CONFIG_BYTES` raises :class:`pipeline.errors.UsageError` (exit code 2) before
+reading more than that.
 Nothing here imports torch.
 """
 
@@ -78,6 +80,23 @@ class _HugeInt:
 
 def _parse_int(text: str) -> int | _HugeInt:
     return _HugeInt(text) if len(text.lstrip("-")) > MAX_INT_DIGITS else int(text)
+
+
+# Ranges for what sets the softmax scale and the logit softcap: wide around every published model,
+# narrow enough that attention stays finite in float16/bfloat16 (a softcap of 1e308 is inf in
+# bf16, and cap * tanh(x / cap) then gives NaN; a scale of 1e150 overflows every logit).
+SOFTCAP_RANGE = (1.0, 65504.0)        # Gemma-2: 50, Grok-1: 30; 65504 = float16's largest finite value
+PRE_ATTN_SCALAR_RANGE = (1.0, float(1 << 20))  # Gemma-2: 256 (9B), 144 (27B); scale = x ** -0.5 ∈ [2**-10, 1]
+YARN_FACTOR_RANGE = (1e-3, 1e4)       # DeepSeek-V2/V3: 40; the YaRN mscale grows with ln(factor)
+MSCALE_RANGE = (1e-3, 100.0)          # DeepSeek-V2/V3: mscale_all_dim 0.707 / 1.0
+
+
+def _in_range(c: "_Cfg", key: str, value: float | None, rng: tuple[float, float], why: str) -> float | None:
+    """``value`` when None or inside ``rng`` (inclusive), else ModelConfigError at ``key``'s JSON path."""
+    lo, hi = rng
+    if value is not None and not lo <= value <= hi:
+        raise c.bad(key, value, f"a number in [{lo:g}, {hi:g}]", f"must be in [{lo:g}, {hi:g}] ({why})")
+    return value
 
 
 class _Cfg:
@@ -284,13 +303,21 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 # --------------------------------------------------------------------------------------------
 
 
+MAX_CONFIG_BYTES = 16 << 20  # published config.json files are a few KB; the largest multimodal ones < 100 KB
+
+
 def _read_json(path: pathlib.Path) -> Any:
+    from pipeline.files import read_capped
+
     try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read model config {str(path)!r}: {e.strerror or e}",
-                         code="config_unreadable", flags=[("path", str(path))],
-                         remedy="pass the path of a readable Hugging Face config.json") from None
+        raw = read_capped(path, MAX_CONFIG_BYTES, flag="path", what="model config")
+    except UsageError as e:  # a FIFO or device (not_a_regular_file), too large, or unreadable
+        if e.info.code == "file_unreadable":
+            import msgspec
+
+            e.info = msgspec.structs.replace(e.info, code="config_unreadable",
+                                             remedy="pass the path of a readable Hugging Face config.json")
+        raise
     try:
         return json.loads(raw, parse_int=_parse_int)
     except json.JSONDecodeError as e:
@@ -325,7 +352,9 @@ def load_model_spec(src: str | os.PathLike | Mapping[str, Any], *, source: str |
 
     Raises
     ------
-    UsageError: the file cannot be read (code ``config_unreadable``, flag ``path``).
+    UsageError: the file cannot be read (code ``config_unreadable``), is not a regular file
+        (``not_a_regular_file``) or is larger than :data:`MAX_CONFIG_BYTES` (``file_too_large``);
+        flag ``path``.
     ModelConfigError: malformed JSON, a missing/mistyped/non-positive key, a head count not
         divisible by the kv-head count, or inconsistent layer types; ``info.json_path`` names
         the key (``$.num_attention_heads``, ``$.text_config.head_dim`` …).
@@ -380,8 +409,12 @@ def _mla(c: _Cfg) -> MLADims | None:
             raise c.bad("kv_lora_rank", None, "an integer >= 1",
                         f"is missing although {', '.join(partial)} (MLA dims) are set")
         return None
+    rope_dim = c.integer("qk_rope_head_dim", required=True)
+    if rope_dim % 2:
+        raise c.bad("qk_rope_head_dim", rope_dim, "an even integer",
+                    "must be even (rotary embeddings rotate pairs of dims)")
     return MLADims(kv_lora_rank=c.integer("kv_lora_rank", required=True),
-                   qk_rope_head_dim=c.integer("qk_rope_head_dim", required=True),
+                   qk_rope_head_dim=rope_dim,
                    qk_nope_head_dim=c.integer("qk_nope_head_dim", required=True),
                    v_head_dim=c.integer("v_head_dim", required=True), q_lora_rank=c.integer("q_lora_rank"))
 
@@ -420,11 +453,16 @@ def _rope_block(c: _Cfg) -> tuple[str, _Cfg] | None:
 def _scaling(c: _Cfg, head_dim: int, mla: MLADims | None) -> float:
     """Softmax scale as HF/sglang compute it (see :func:`load_model_spec`)."""
     if mla is None:
-        return c.num("query_pre_attn_scalar", float(head_dim)) ** -0.5
+        scalar = _in_range(c, "query_pre_attn_scalar", c.num("query_pre_attn_scalar"), PRE_ATTN_SCALAR_RANGE,
+                           "the softmax scale is its inverse square root")
+        return (scalar if scalar is not None else float(head_dim)) ** -0.5
     scale = float(head_dim) ** -0.5
     rope = _rope_block(c)
     if rope is not None and rope[1].get("mscale_all_dim"):
-        m = yarn_mscale(rope[1].num("factor", 1.0), rope[1].num("mscale_all_dim"))
+        r = rope[1]
+        m = yarn_mscale(_in_range(r, "factor", r.num("factor", 1.0), YARN_FACTOR_RANGE, "YaRN context extension factor"),
+                        _in_range(r, "mscale_all_dim", r.num("mscale_all_dim"), MSCALE_RANGE,
+                                  "its square multiplies the softmax scale"))
         scale *= m * m
     return scale
 
@@ -536,7 +574,9 @@ def _build(top: _Cfg, source: str) -> ModelSpec:
         model_type=model_type, architectures=list(archs), source=source, hidden_size=hidden,
         num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv,
         head_dim=head_dim, v_head_dim=v_dim, scaling=_scaling(c, head_dim, mla), layer_types=kinds,
-        sliding_window=window, logit_softcap=c.num("attn_logit_softcapping"),
+        sliding_window=window,
+        logit_softcap=_in_range(c, "attn_logit_softcapping", c.num("attn_logit_softcapping"), SOFTCAP_RANGE,
+                                "logits become cap * tanh(logit / cap)"),
         has_attention_sinks=(rule or DEFAULT_RULE).has_sinks, mla=mla,
         is_encoder_decoder=top.flag("is_encoder_decoder") or c.flag("is_encoder_decoder"),
         dtype=_dtype(c, top), rope_theta=_rope_theta(c),

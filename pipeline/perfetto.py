@@ -16,13 +16,14 @@ from typing import Any
 import msgspec
 
 from pipeline import events as ev
-from pipeline.trace import Run, Trace
+from pipeline.trace import Run, Trace, ms_to_ns, s_to_ns
 
 # Records drawn as instants (the rest are drawn as slices or are part of the state slices).
 _INSTANTS = (ev.RunStarted, ev.DeviceInitialized, ev.SettingResolved, ev.BackendsResolved, ev.BuildPlanned,
              ev.StepSkipped, ev.FeatureDowngraded, ev.ReferenceFallback, ev.LazyMemInitialized, ev.BackendsAnnotated,
-             ev.InstanceVerified, ev.ResourcesReleased, ev.RunFailed, ev.RunInterrupted, ev.RunFinished)
-_NOT_SUBSTEPS = (ev.StateTransition, ev.RunnerTransition, ev.RunFinished, ev.RunnerReady)
+             ev.InstanceVerified, ev.ResourcesReleased, ev.RunFailed, ev.RunInterrupted, ev.RunFinished,
+             ev.CommandStarted, ev.CommandFinished)
+_NOT_SUBSTEPS = (ev.StateTransition, ev.RunnerTransition, ev.RunFinished, ev.RunnerReady, ev.CommandFinished)
 
 
 def _args(rec: ev.Event) -> dict[str, Any]:
@@ -44,10 +45,11 @@ def _substeps(run: Run, pid: int, tid: int, t0: int) -> list[dict[str, Any]]:
         dur = getattr(r, "duration_ms", None)
         if dur is not None and not isinstance(r, _NOT_SUBSTEPS):
             label = f"build {r.role} ({r.backend})" if isinstance(r, ev.BackendBuilt) else ev.event_name(type(r))
-            out.append(_slice(label, "substep", r.ts_ns - int(dur * 1e6), int(dur * 1e6), pid, tid, t0, _args(r)))
+            ns = ms_to_ns(dur)  # saturating: a recorded 1e308 or NaN still draws
+            out.append(_slice(label, "substep", r.ts_ns - ns, ns, pid, tid, t0, _args(r)))
     beats: dict[tuple[str, int], list[ev.Heartbeat]] = {}
     for h in run.all(ev.Heartbeat):
-        beats.setdefault((h.what, h.started_ns or h.ts_ns - int(h.elapsed_s * 1e9)), []).append(h)
+        beats.setdefault((h.what, h.started_ns or h.ts_ns - s_to_ns(h.elapsed_s)), []).append(h)
     for (what, start), hs in beats.items():
         out.append(_slice(what, "long_step", start, hs[-1].ts_ns - start, pid, tid, t0,
                           {"heartbeats": len(hs), "last": hs[-1].message}))
@@ -72,7 +74,7 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
         events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
         for cat, rows in (("runner_state", run.runner_states()), ("state", run.states())):
             for i, s in enumerate(rows):
-                dur = int(s["duration_ms"] * 1e6)
+                dur = ms_to_ns(s["duration_ms"])
                 if i + 1 < len(rows):  # a state's own clock can overrun the next record by µs: keep slices disjoint
                     dur = min(dur, max(0, rows[i + 1]["start_ns"] - s["start_ns"]))
                 events.append(_slice(s["state"], cat, s["start_ns"], dur, pid, tid, t0, {"outcome": s["outcome"]}))
@@ -83,9 +85,16 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(trace: Trace, path: str) -> int:
-    """Write :func:`chrome_trace` to ``path``; returns the number of trace events written."""
+def write_chrome_trace(trace: Trace, path: str, flag: str = "path") -> int:
+    """Write :func:`chrome_trace` to ``path``; returns the number of trace events written.
+
+    ``path`` must be a regular file (or not exist): a FIFO or device raises UsageError
+    ``not_a_regular_file`` naming ``flag`` (:func:`pipeline.files.open_regular`); other write
+    failures raise OSError.
+    """
+    from pipeline.files import open_regular
+
     obj = chrome_trace(trace)
-    with open(path, "wb") as fh:
+    with open_regular(path, "wb", flag=flag, what="the timeline file") as fh:
         fh.write(msgspec.json.encode(obj))
     return len(obj["traceEvents"])

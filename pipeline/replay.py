@@ -53,6 +53,7 @@ class RunReplay(msgspec.Struct, frozen=True, kw_only=True):
     checked: list[str]
     divergence: Optional[Divergence] = None
     stopped: str = ""
+    launch_id: str = ""
 
     @property
     def same(self) -> bool:
@@ -88,20 +89,42 @@ def _b(x: Any) -> Any:
     return msgspec.to_builtins(x)
 
 
+def _no_start_reason(run: Run) -> str:
+    return (f"it failed in {run.failure.state!r} before the attention pipeline started, so it made no "
+            "decision to replay" if run.failure is not None else "its first records are missing (truncated?)")
+
+
+def _no_start(run: Run) -> UsageError:
+    return UsageError(f"run {run.run_id} rank {run.rank} has no run_started record: {_no_start_reason(run)}",
+                      code="trace_unreadable", flags=[("run_id", run.run_id)],
+                      remedy="inspect it with `attn-setup inspect`; replay a trace of a run that reached resolve")
+
+
+def _unreadable(run: Run, why: str) -> UsageError:
+    """trace_unreadable (exit 2) naming the run and where its run_started record is."""
+    where = f" ({run.started_at[0]}:{run.started_at[1]})" if run.started_at else ""
+    launch = f" launch {run.launch_id}" if run.launch_id else ""
+    return UsageError(f"run {run.run_id} rank {run.rank}{launch}: its run_started record{where} {why}",
+                      code="trace_unreadable",
+                      flags=[("run_id", run.run_id), ("record", f"run_started{where}")],
+                      remedy="replay a trace written by 'attn-setup run' (or the library) unchanged; "
+                             "'attn-setup inspect' still shows what the run did")
+
+
 class _Replayer:
     def __init__(self, run: Run) -> None:
         self.run = run
         self.checked: list[str] = []
         started = run.started
         if started is None:
-            why = (f"it failed in {run.failure.state!r} before the attention pipeline started, so it made no "
-                   "decision to replay" if run.failure is not None else "its first records are missing (truncated?)")
-            raise UsageError(f"run {run.run_id} rank {run.rank} has no run_started record: {why}",
-                             code="trace_unreadable", flags=[("run_id", run.run_id)],
-                             remedy="inspect it with `attn-setup inspect`; replay a trace of a run that reached resolve")
-        self.req = msgspec.convert(started.request, SetupRequest)
+            raise _no_start(run)
+        try:
+            self.req = msgspec.convert(started.request, SetupRequest)
+        except (msgspec.ValidationError, AttnSetupError) as e:
+            msg = e.info.message if isinstance(e, AttnSetupError) else str(e)
+            raise _unreadable(run, f"holds a request this version cannot rebuild: {msg}") from None
         self.installed = dict(started.packages)
-        self.failure = run.first(ev.RunFailed) or run.first(ev.RunInterrupted)
+        self.failure = next((r for r in run.records if isinstance(r, (ev.RunFailed, ev.RunInterrupted))), None)
 
     def check(self, state: str, fld: str, recorded: Any, now: Any) -> None:
         self.checked.append(f"{state}.{fld}")
@@ -138,8 +161,13 @@ class _Replayer:
         """Recompute a field > env > default setting with the recorded env value; compare it."""
         rec = next((s for s in self.run.all(ev.SettingResolved) if s.field == name), None)
         env = {rec.env_var: str(rec.value)} if rec is not None and rec.source == "env" and rec.env_var else {}
-        value, source = compute(env)
-        self.check(state, f"setting.{name}", None if rec is None else [rec.value, rec.source], [value, source])
+        recorded = None if rec is None else [rec.value, rec.source]
+        try:
+            value, source = compute(env)
+        except AttnSetupError as e:  # the recorded value is refused now: that is a divergence
+            self.check(state, f"setting.{name}", recorded, f"refused: {e.info.code}")
+            raise
+        self.check(state, f"setting.{name}", recorded, [value, source])
         return value, source
 
     # -- the states, in pipeline order -------------------------------------------------------------
@@ -239,10 +267,27 @@ class _Replayer:
             self.npu_lazy_mem(facts)
             self.annotate(res)
         except _Diverged as e:
-            return RunReplay(run_id=self.run.run_id, rank=self.run.rank, checked=self.checked, divergence=e.d)
+            return RunReplay(run_id=self.run.run_id, rank=self.run.rank, checked=self.checked, divergence=e.d,
+                             launch_id=self.run.launch_id)
         except _Stop as e:
             stopped = str(e)
-        return RunReplay(run_id=self.run.run_id, rank=self.run.rank, checked=self.checked, stopped=stopped)
+        return RunReplay(run_id=self.run.run_id, rank=self.run.rank, checked=self.checked, stopped=stopped,
+                         launch_id=self.run.launch_id)
+
+
+def _replay_run(run: Run) -> RunReplay:
+    """One run's replay; a recorded input this version cannot even use is ``trace_unreadable``."""
+    try:
+        return _Replayer(run).replay()
+    except _Diverged as e:  # a divergence found outside a state (a refused recorded setting)
+        return RunReplay(run_id=run.run_id, rank=run.rank, checked=[], divergence=e.d, launch_id=run.launch_id)
+    except UsageError:
+        raise
+    except (AttnSetupError, msgspec.ValidationError) as e:
+        msg = e.info.message if isinstance(e, AttnSetupError) else str(e)
+        raise _unreadable(run, f"holds inputs this version refuses: {msg}") from None
+    except Exception as e:  # noqa: BLE001 - recorded values no real run writes: unreadable, never a traceback
+        raise _unreadable(run, f"holds inputs this version cannot replay ({type(e).__name__}: {e})") from None
 
 
 def replay(trace: Any) -> ReplayResult:
@@ -253,12 +298,25 @@ def replay(trace: Any) -> ReplayResult:
     trace: a trace path (str/PathLike), a list of paths, a :class:`~pipeline.trace.Trace`, a
         :class:`~pipeline.trace.Run` or a list of event records.
 
-    Returns :class:`ReplayResult` (``.same``, ``.divergence`` = (state, field, recorded, now)).
-    Raises :class:`UsageError` (``trace_unreadable``, exit 2) when no record is readable or a run
-    has no ``run_started`` record (nothing to replay from).
+    Returns :class:`ReplayResult` (``.same``, ``.divergence`` = (state, field, recorded, now)). A
+    run without ``run_started`` (a launch refused before the attention pipeline started, next to
+    other launches of the same run id) is reported as stopped there, not compared.
+    Raises :class:`UsageError` (``trace_unreadable``, exit 2) when no record is readable, when no
+    run has a ``run_started`` record (nothing to replay from), or when a run's recorded request or
+    inputs cannot be used by this version (the error names the run and its ``run_started``
+    record's file and line). Never raises anything else for any file content.
     """
     t: Trace = as_trace(trace).require_records()
-    return ReplayResult(runs=[_Replayer(r).replay() for r in t.runs], skipped_lines=t.skipped_lines)
+    if not any(r.started is not None for r in t.runs):
+        raise _no_start(t.runs[0])
+    runs = []
+    for r in t.runs:
+        if r.started is None:
+            runs.append(RunReplay(run_id=r.run_id, rank=r.rank, checked=[], launch_id=r.launch_id,
+                                  stopped=f"no run_started record: {_no_start_reason(r)}"))
+        else:
+            runs.append(_replay_run(r))
+    return ReplayResult(runs=runs, skipped_lines=t.skipped_lines)
 
 
 class _CallableModule(types.ModuleType):

@@ -1,31 +1,47 @@
-"""Reading traces back: JSON-lines event logs → typed records, grouped into runs by (run_id, rank).
+"""Reading traces back: JSON-lines event logs → typed records, grouped into runs by (run_id, rank, launch).
 
-The reader is tolerant: a line that is not JSON (a crash mid-write, a truncated copy) or not a
-known record is counted in :attr:`Trace.skipped_lines` with its reason and skipped; everything else
-is kept. Several files merge: records are grouped by ``(run_id, rank)`` and ordered by ``ts_ns``.
+The reader is tolerant: a line that is not JSON (a crash mid-write, a truncated copy), nests too
+deeply, is longer than :data:`MAX_LINE_BYTES`, or is not a known valid record is counted (with its
+reason: ``not_json``, ``too_deep``, ``line_too_long``, ``unknown_event``, ``newer_schema``,
+``invalid_record``) and skipped; everything else is kept. Several files merge: records are grouped
+by ``(run_id, rank, launch_id)`` — two launches that share a run id and a log file stay two runs —
+ordered by ``ts_ns``, and a line read twice (a file passed twice, overlapping copies) counts once.
+
+Only regular files are read: a FIFO, a device or a directory is refused (``UsageError``
+``not_a_regular_file``, exit 2) instead of blocking or reading forever.
+
+Streaming (:class:`TraceReader`): the first pass reads only each line's envelope (run id, rank,
+launch id, time) and remembers, per run, the byte ranges its lines occupy (one range per
+contiguous piece); the second pass reads one run at a time from those ranges, yields it and lets
+it go. Memory is therefore bounded by the index (a few dozen bytes per contiguous piece of a run)
+plus the largest single run, not by the file — ``attn-setup inspect`` on a 1 GB log stays within a
+few hundred MB (``benchmarks/inspect_large_log.py``). :func:`read_trace` keeps every run (for
+replay, graph and tests).
 
 Schema policy for old traces
 ----------------------------
 ``schema_version`` (see :mod:`pipeline.events`) rises only when a field is removed or changes
 meaning; adding a field with a default keeps the version. Therefore:
 
-- a record with ``schema_version <= SCHEMA_VERSION`` is read; versions below the current one pass
-  through :data:`UPGRADERS` (``{old_version: fn(dict) -> dict}``, applied in order) first;
+- a record with ``1 <= schema_version <= SCHEMA_VERSION`` is read; versions below the current one
+  pass through :data:`UPGRADERS` (``{old_version: fn(dict) -> dict}``, applied in order) first;
+  ``schema_version <= 0`` (never written by any version) is ``invalid_record``;
 - a record with a *newer* version is skipped and counted (``reason="newer_schema"``): this reader
   cannot know what its fields mean;
 - a record of the current version carrying fields this reader does not know (written by a newer
   attn-setup that added fields) is read with those fields dropped, counted in
   :attr:`Trace.dropped_fields`;
-- an unknown ``event`` tag is skipped and counted (``reason="unknown_event"``).
+- an unknown ``event`` tag (or one that is not a string) is skipped and counted (``reason="unknown_event"``).
 
 Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import IO, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import msgspec
 
@@ -37,7 +53,29 @@ UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 _BY_TAG = {ev.event_name(c): c for c in ev.EVENT_TYPES}
 # step_skipped ``what`` values that mean a whole state did no work (npu-lazy-mem, capture-cuda-graphs)
 STEP_SKIPS = ("npu_lazy_mem", "cuda_graph_capture")
+_BY_CLASS = frozenset(c for c in ev.EVENT_TYPES if not c.__subclasses__())  # exact types: indexable
 TERMINAL = ("done", "failed")
+MAX_LINE_BYTES = 4 << 20   # a run_started line of a 4096-layer model with a draft model is ~0.2 MB
+MAX_DEPTH = ev.MAX_DEPTH   # our records nest 6 deep; the writer never writes deeper than this
+SKIP_DETAILS = 100         # skipped lines listed with file:line (all are counted)
+_NS_LIMIT = 1 << 62
+
+
+def ms_to_ns(ms: float) -> int:
+    """Milliseconds → integer ns, saturating: NaN → 0, ±inf and absurd values clamp to ±2**62 ns.
+
+    Recorded durations come from files that may hold anything (``1e308``, ``"NaN"``); a timeline
+    must still be drawable from them.
+    """
+    if ms != ms:
+        return 0
+    ns = ms * 1e6
+    return int(max(-_NS_LIMIT, min(_NS_LIMIT, ns))) if math.isfinite(ns) else (_NS_LIMIT if ns > 0 else -_NS_LIMIT)
+
+
+def s_to_ns(sec: float) -> int:
+    """Seconds → integer ns, saturating like :func:`ms_to_ns`."""
+    return ms_to_ns(sec * 1e3) if sec == sec else 0
 
 
 @dataclass
@@ -57,47 +95,120 @@ def _upgrade(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
+def _depth(obj: Any) -> int:
+    """Nesting depth of decoded JSON (iterative: a hostile line must not exhaust the stack)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            deepest = max(deepest, d)
+            if d > MAX_DEPTH:
+                return d
+            stack.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return deepest
+
+
+def _may_be_deep(line: bytes) -> bool:
+    return line.count(b"[") + line.count(b"{") > MAX_DEPTH
+
+
 def decode_record(line: bytes) -> tuple[Optional[ev.Event], str, int]:
-    """(record or None, skip reason or "", number of unknown fields dropped) for one line."""
+    """(record or None, skip reason or "", number of unknown fields dropped) for one line.
+
+    Never raises for any input: every failure is a skip reason (see the module docstring).
+    """
+    if len(line) > MAX_LINE_BYTES:
+        return None, "line_too_long", 0
+    if not _may_be_deep(line):
+        try:  # the fast path: a current record as written
+            rec = ev._decoder.decode(line)
+            if rec.schema_version == SCHEMA_VERSION:
+                return rec, "", 0
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            pass
     try:
         obj = msgspec.json.decode(line)
     except msgspec.DecodeError:
         return None, "not_json", 0
-    if not isinstance(obj, dict) or obj.get("event") not in _BY_TAG:
+    except RecursionError:
+        return None, "too_deep", 0
+    if not isinstance(obj, dict) or type(obj.get("event")) is not str or obj["event"] not in _BY_TAG:
         return None, "unknown_event", 0
+    if _depth(obj) > MAX_DEPTH:
+        return None, "too_deep", 0
     version = obj.get("schema_version", 1)
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
+    if type(version) is not int:
+        return None, "invalid_record", 0
+    if version > SCHEMA_VERSION:
         return None, "newer_schema", 0
-    obj = _upgrade(obj)
+    if version < 1:
+        return None, "invalid_record", 0
     try:
-        return msgspec.convert(obj, ev.AnyEvent), "", 0
-    except msgspec.ValidationError:
-        cls = _BY_TAG[obj["event"]]
-        known = set(cls.__struct_encode_fields__) | {"event"}
-        kept = {k: v for k, v in obj.items() if k in known}
+        obj = ev.restore_floats(_upgrade(obj))
         try:
-            return msgspec.convert(kept, ev.AnyEvent), "", len(obj) - len(kept)
+            return msgspec.convert(obj, ev.AnyEvent), "", 0
         except msgspec.ValidationError:
-            return None, "invalid_record", 0
+            cls = _BY_TAG[obj["event"]]
+            known = set(cls.__struct_encode_fields__) | {"event"}
+            kept = {k: v for k, v in obj.items() if k in known}
+            if len(kept) == len(obj):
+                return None, "invalid_record", 0
+            try:
+                return msgspec.convert(kept, ev.AnyEvent), "", len(obj) - len(kept)
+            except msgspec.ValidationError:
+                return None, "invalid_record", 0
+    except RecursionError:
+        return None, "too_deep", 0
+    except Exception:  # noqa: BLE001 - an upgrader choking on a hostile record: skip it, never crash
+        return None, "invalid_record", 0
 
 
 @dataclass
 class Run:
-    """The records of one start, one rank: ``(run_id, rank)``, ordered by time.
+    """The records of one start, one rank, one launch: ``(run_id, rank, launch_id)``, ordered by time.
 
-    ``status`` is ``ok`` (reached ``done``, every verified instance passed), ``failed`` (a
-    ``run_failed``/``run_interrupted`` record, or a failed verification) or ``incomplete`` (neither:
-    the process died without a last word); :attr:`last_state` is the state it was last seen in.
+    ``status`` is ``ok`` only when the run wrote its terminal success record and nothing failed,
+    ``failed`` (a ``run_failed``/``run_interrupted`` record, a failed verification, a command
+    that exited non-zero) or ``incomplete`` (no terminal record: the process died without a last
+    word); :attr:`last_state` is the state it was last seen in. See :attr:`status` for which
+    record ends which kind of run.
     """
 
     run_id: str
     rank: int
     records: list[ev.Event] = field(default_factory=list)
+    launch_id: str = ""
+    started_at: Optional[tuple[str, int]] = None  # (file, line) of its run_started record, when read from a file
+    _index: dict[type, list[Any]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _indexed: Optional[tuple[int, int, int]] = field(default=None, init=False, repr=False, compare=False)
+    _memo: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _by_type(self) -> dict[type, list[Any]]:
+        """Records grouped by exact type, in order (rebuilt, with the memo, when ``records`` changed)."""
+        recs = self.records
+        key = (id(recs), len(recs), id(recs[-1]) if recs else 0)
+        if self._indexed != key:
+            index: dict[type, list[Any]] = {}
+            for r in recs:
+                index.setdefault(type(r), []).append(r)
+            self._index, self._indexed, self._memo = index, key, {}
+        return self._index
+
+    def _memoized(self, name: str, compute: Callable[[], Any]) -> Any:
+        self._by_type()
+        if name not in self._memo:
+            self._memo[name] = compute()
+        return self._memo[name]
 
     def first(self, cls: type) -> Any:
+        if cls in _BY_CLASS:
+            found = self._by_type().get(cls)
+            return found[0] if found else None
         return next((r for r in self.records if isinstance(r, cls)), None)
 
     def all(self, cls: type) -> list[Any]:
+        if cls in _BY_CLASS:
+            return list(self._by_type().get(cls, ()))
         return [r for r in self.records if isinstance(r, cls)]
 
     @property
@@ -107,16 +218,25 @@ class Run:
     @property
     def last_state(self) -> str:
         """The state the run was last seen in: the target of its latest transition (setup or runner)."""
-        moves = [r for r in self.records if isinstance(r, (ev.StateTransition, ev.RunnerTransition))]
-        return moves[-1].to if moves else (self.records[0].state if self.records else "device-init")
+        return self._memoized("last_state", self._last_state)
+
+    def _last_state(self) -> str:
+        moves = [m for m in (self.all(ev.StateTransition)[-1:] + self.all(ev.RunnerTransition)[-1:])]
+        if moves:
+            return max(moves, key=lambda m: (m.ts_ns, self.records.index(m))).to
+        return self.records[0].state if self.records else "device-init"
 
     @property
     def failure(self) -> Optional[ErrorInfo]:
-        """The ErrorInfo of the failure (run_failed, run_interrupted, or failed verification)."""
-        for cls in (ev.RunFailed, ev.RunInterrupted):
-            r = self.first(cls)
-            if r is not None:
-                return r.error
+        """The ErrorInfo of the failure: the earliest run_failed / run_interrupted record (the cause;
+        a SIGINT writes run_interrupted and then the unwinding's run_failed), else a failed
+        verification, else a ``command_finished`` with a non-zero exit code."""
+        return self._memoized("failure", self._failure)
+
+    def _failure(self) -> Optional[ErrorInfo]:
+        ends = [r for r in (self.first(ev.RunFailed), self.first(ev.RunInterrupted)) if r is not None]
+        if ends:
+            return min(ends, key=lambda r: (r.ts_ns, self.records.index(r))).error
         bad = [r for r in self.all(ev.InstanceVerified) if not r.passed]
         if bad:
             return ErrorInfo(code="verification_failed", state="done",
@@ -131,13 +251,32 @@ class Run:
                                      + ", ".join(f"{r.step} ({'graph' if r.graph else 'eager'}: {r.max_rel_err:.2e} > "
                                                  f"{r.tol:.0e})" for r in steps),
                              remedy="the backend computes wrong attention for this model; report it with the log")
+        fin = self.first(ev.CommandFinished)
+        if fin is not None and fin.exit_code != 0:
+            return ErrorInfo(code="command_failed", state=self.last_state,
+                             message=f"'attn-setup {fin.command}' exited with code {fin.exit_code}",
+                             remedy="rerun the command and read its error output")
         return None
 
     @property
     def status(self) -> str:
-        """failed · ok (the setup machine reached done; for a runner's trace, the runner reached ready) · incomplete."""
+        """failed · ok · incomplete, from the records that end each kind of run.
+
+        - a command-line launch (``command_started``): ok only with ``command_finished`` exit 0 —
+          ``attn-setup run`` verifies after the runner is ready, so ``ready`` alone is not the end;
+        - a runner's trace (``runner_started``): ok once the runner reached ``ready``;
+        - a setup-machine trace: ok once it wrote ``run_finished`` (reached ``done``).
+
+        Any failure (see :attr:`failure`) makes it ``failed``; without the terminal record it is
+        ``incomplete``.
+        """
+        return self._memoized("status", self._status)
+
+    def _status(self) -> str:
         if self.failure is not None:
             return "failed"
+        if self.first(ev.CommandStarted) is not None:
+            return "ok" if self.first(ev.CommandFinished) is not None else "incomplete"
         if self.first(ev.RunnerStarted) is not None:
             ready = any(t.to == "ready" for t in self.all(ev.RunnerTransition))
             return "ok" if ready else "incomplete"
@@ -189,7 +328,9 @@ class Run:
         """
         if not self.records or (self.started is None and self.first(ev.RunnerStarted) is not None):
             return []
-        return self._timeline(ev.StateTransition, self.started or self.records[0], TERMINAL)
+        first = self.started or next((r for r in self.records if not isinstance(r, ev.CommandStarted)),
+                                     self.records[0])
+        return self._timeline(ev.StateTransition, first, TERMINAL)
 
     def runner_states(self) -> list[dict[str, Any]]:
         """The same rows for the runner's outer machine (``attn-setup run``; empty for a bare setup run).
@@ -212,7 +353,7 @@ class Run:
             outcome = "failed" if t.to == "failed" else ("skipped" if t.from_state in skipped else "ok")
             # the state began duration_ms before it was left (its own clock, which also covers setup
             # done before the first record was written)
-            begin = min(start, t.ts_ns - int(t.duration_ms * 1e6))
+            begin = min(start, t.ts_ns - ms_to_ns(t.duration_ms))
             rows.append({"state": t.from_state, "start_ns": begin, "duration_ms": t.duration_ms, "outcome": outcome})
             start, cur = t.ts_ns, t.to
         if cur in terminal:
@@ -235,10 +376,12 @@ class Trace:
     dropped_fields: int = 0
     unreadable_files: list[str] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    skipped_count: int = 0
 
     @property
     def skipped_lines(self) -> int:
-        return len(self.skipped)
+        """How many lines were skipped (``skipped`` lists the first :data:`SKIP_DETAILS` of them)."""
+        return max(self.skipped_count, len(self.skipped))
 
     def run(self, run_id: Optional[str] = None, rank: Optional[int] = None) -> Run:
         """The one run matching ``run_id``/``rank`` (the first when not given); raises UsageError."""
@@ -254,13 +397,18 @@ class Trace:
     def require_records(self) -> "Trace":
         """Self, or UsageError (exit 2, ``trace_unreadable``) when no record could be read at all."""
         if not self.runs:
-            why = [f"{p}: unreadable" for p in self.unreadable_files]
-            why += [f"{s.path}:{s.line}: {s.reason}" for s in self.skipped[:5]]
-            raise UsageError("no readable trace record in " + ", ".join(self.paths or ["(no file)"])
-                             + (" (" + "; ".join(why) + ")" if why else " (empty)"),
-                             code="trace_unreadable", flags=[("LOG", list(self.paths))],
-                             remedy="pass the JSON-lines file written by 'attn-setup run --log-file'")
+            raise nothing_readable(self)
         return self
+
+
+def nothing_readable(t: Any) -> UsageError:
+    """The ``trace_unreadable`` error (exit 2) for a trace (or reader) with no readable record."""
+    why = [f"{p}: unreadable" for p in t.unreadable_files]
+    why += [f"{s.path}:{s.line}: {s.reason}" for s in t.skipped[:5]]
+    return UsageError("no readable trace record in " + ", ".join(t.paths or ["(no file)"])
+                      + (" (" + "; ".join(why) + ")" if why else " (empty)"),
+                      code="trace_unreadable", flags=[("LOG", list(t.paths))],
+                      remedy="pass the JSON-lines file written by 'attn-setup run --log-file'")
 
 
 # Keys that legitimately differ between the ranks of one launch (each rank owns its GPU).
@@ -268,79 +416,314 @@ RANK_LOCAL = ("device.index", "lazy_mem.rank")
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict) and obj:
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    """``{"a.b.c": leaf}`` of nested dicts (iterative; nesting is bounded by :data:`MAX_DEPTH` on read)."""
+    out: dict[str, Any] = {}
+    stack = [(prefix, obj)]
+    while stack:
+        pre, x = stack.pop()
+        if isinstance(x, dict) and x:
+            stack.extend((f"{pre}.{k}" if pre else str(k), v) for k, v in reversed(list(x.items())))
+        else:
+            out[pre] = x
+    return out
+
+
+def _key(v: Any) -> bytes:
+    try:
+        return msgspec.json.encode(v)
+    except Exception:  # noqa: BLE001 - a value msgspec cannot encode still compares by its repr
+        return repr(v).encode()
+
+
+def _flat_decisions(r: Run) -> dict[str, Any]:
+    d = r.decisions()
+    d["args"] = r.started.request.get("args", {}) if r.started else {}
+    return _flatten(d)
+
+
+def _differences(run_id: str, flat: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if len(flat) < 2:
         return out
-    return {prefix: obj}
+    keys = sorted(set().union(*flat.values()) - set(RANK_LOCAL))
+    for k in keys:
+        vals = {rank: f.get(k) for rank, f in flat.items()}
+        if len({_key(v) for v in vals.values()}) > 1:
+            out.append({"run_id": run_id, "key": k, "values": vals})
+    return out
+
+
+class RankDifferences:
+    """:func:`rank_differences` computed run by run (runs of one run_id arrive together, as
+    :class:`TraceReader` yields them); each rank's latest launch is compared."""
+
+    def __init__(self) -> None:
+        self.found: list[dict[str, Any]] = []
+        self._run_id: Optional[str] = None
+        self._runs: dict[int, Run] = {}  # the latest launch of each rank of the current run id
+
+    def add(self, run: Run) -> None:
+        if run.run_id != self._run_id:
+            self.finish()
+            self._run_id = run.run_id
+        self._runs[run.rank] = run
+
+    def finish(self) -> list[dict[str, Any]]:
+        if self._run_id is not None and len(self._runs) > 1:  # one rank: nothing to compare, nothing flattened
+            self.found += _differences(self._run_id, {k: _flat_decisions(r) for k, r in self._runs.items()})
+        self._run_id, self._runs = None, {}
+        return self.found
 
 
 def rank_differences(trace: Trace) -> list[dict[str, Any]]:
     """Where the ranks of one run_id decided differently: ``[{run_id, key, values: {rank: value}}]``.
 
     Compares the flattened :meth:`Run.decisions` (and the request's attention args) of every rank
-    of a run_id; rank-local keys (:data:`RANK_LOCAL`) are ignored.
+    of a run_id (a rank with several launches: its latest); rank-local keys (:data:`RANK_LOCAL`)
+    are ignored.
     """
-    out = []
-    by_id: dict[str, list[Run]] = {}
+    by_id: dict[str, dict[int, Run]] = {}
     for r in trace.runs:
-        by_id.setdefault(r.run_id, []).append(r)
+        by_id.setdefault(r.run_id, {})[r.rank] = r
+    out = []
     for run_id, runs in by_id.items():
-        if len(runs) < 2:
-            continue
-        flat = {}
-        for r in runs:
-            d = r.decisions()
-            d["args"] = r.started.request.get("args", {}) if r.started else {}
-            flat[r.rank] = _flatten(d)
-        keys = sorted(set().union(*flat.values()) - set(RANK_LOCAL))
-        for k in keys:
-            vals = {rank: f.get(k) for rank, f in flat.items()}
-            if len({msgspec.json.encode(v) for v in vals.values()}) > 1:
-                out.append({"run_id": run_id, "key": k, "values": vals})
+        if len(runs) >= 2:
+            out += _differences(run_id, {rank: _flat_decisions(r) for rank, r in runs.items()})
     return out
 
 
-def _lines(path: str) -> Iterable[bytes]:
-    with open(path, "rb") as fh:
-        yield from fh
+_BLOCK = 1 << 20
+
+
+def _ts(r: ev.Event) -> int:
+    return r.ts_ns
+
+
+class _Envelope(msgspec.Struct):
+    """What the first pass reads of a line (other fields are skipped unparsed)."""
+
+    event: str
+    ts_ns: int
+    run_id: str
+    rank: int = 0
+    launch_id: str = ""
+
+
+_envelope = msgspec.json.Decoder(_Envelope)
+
+
+class _Entry:
+    """Pass-1 index of one run: its first time and its pieces ``[file, start, end, first line]``."""
+
+    __slots__ = ("first_ts", "pieces")
+
+    def __init__(self, ts: int) -> None:
+        self.first_ts = ts
+        self.pieces: list[int] = []  # flat: file index, start offset, end offset, first line number, ...
+
+
+class TraceReader:
+    """Stream the runs of one or more trace files (see the module docstring): :meth:`runs` yields
+    each :class:`Run` complete and in order, holding one run at a time.
+
+    After (or during) iteration: :attr:`skipped` (the first :data:`SKIP_DETAILS` skipped lines, in
+    file order), :attr:`skipped_lines` (all of them), :attr:`dropped_fields`,
+    :attr:`unreadable_files` (missing or unreadable paths). Raises :class:`UsageError`
+    ``not_a_regular_file`` (exit 2, naming ``LOG``) for a FIFO, device or directory.
+    """
+
+    def __init__(self, paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]) -> None:
+        self.paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
+        self.skipped: list[SkippedLine] = []
+        self.skipped_lines = 0
+        self.dropped_fields = 0
+        self.unreadable_files: list[str] = []
+        self._files: dict[int, IO[bytes]] = {}
+        self._index: Optional[dict[tuple[str, int, str], _Entry]] = None
+
+    def _skip(self, fi: int, line: int, reason: str) -> None:
+        self.skipped_lines += 1
+        self.skipped.append(SkippedLine(self.paths[fi], line, reason))
+        if len(self.skipped) > 2 * SKIP_DETAILS:
+            self._trim_skipped()
+
+    def _trim_skipped(self) -> None:
+        order = {p: i for i, p in enumerate(self.paths)}
+        self.skipped.sort(key=lambda s: (order.get(s.path, 0), s.line))
+        del self.skipped[SKIP_DETAILS:]
+
+    def _open(self, fi: int) -> Optional[IO[bytes]]:
+        from pipeline.files import open_regular
+
+        if fi not in self._files:
+            try:
+                self._files[fi] = open_regular(self.paths[fi], "rb", flag="LOG", what="the trace")
+            except UsageError as e:
+                if e.info.code != "file_unreadable":
+                    raise
+                self.unreadable_files.append(self.paths[fi])
+                return None
+        return self._files[fi]
+
+    def _lines(self, fh: IO[bytes], start: int, end: Optional[int]) -> Iterator[tuple[int, bytes]]:
+        """(offset, line) from ``start`` up to ``end``; lines over :data:`MAX_LINE_BYTES` come back as
+        ``b""`` after the rest of them was read past (never held whole)."""
+        fh.seek(start)
+        offset = start
+        while end is None or offset < end:
+            raw = fh.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            at = offset
+            offset += len(raw)
+            if len(raw) > MAX_LINE_BYTES:
+                while not raw.endswith(b"\n"):
+                    raw = fh.readline(1 << 20)
+                    if not raw:
+                        break
+                    offset += len(raw)
+                yield at, b""
+                continue
+            yield at, raw
+
+    def scan(self) -> "TraceReader":
+        """Pass 1 (once): the index of runs. Returns self."""
+        if self._index is not None:
+            return self
+        index: dict[tuple[str, int, str], _Entry] = {}
+        for fi in range(len(self.paths)):
+            fh = self._open(fi)
+            if fh is None:
+                continue
+            n = 0
+            try:
+                for at, raw in self._lines(fh, 0, None):
+                    n += 1
+                    if not raw:
+                        self._skip(fi, n, "line_too_long")
+                        continue
+                    line = raw.strip()
+                    if not line:
+                        continue
+                    try:
+                        env = _envelope.decode(line)
+                    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                        self._skip(fi, n, decode_record(line)[1] or "invalid_record")
+                        continue
+                    key = (env.run_id, env.rank, env.launch_id)
+                    e = index.get(key)
+                    if e is None:
+                        e = index[key] = _Entry(env.ts_ns)
+                    elif env.ts_ns < e.first_ts:
+                        e.first_ts = env.ts_ns
+                    p = e.pieces
+                    if p and p[-4] == fi and p[-2] == at:  # continues the run's last piece
+                        p[-2] = at + len(raw)
+                    else:
+                        p += (fi, at, at + len(raw), n)
+            except OSError:
+                self.unreadable_files.append(self.paths[fi])
+        self._index = index
+        return self
+
+    @property
+    def empty(self) -> bool:
+        """No line of any file had a record's envelope (call after :meth:`scan`)."""
+        return not self.scan()._index
+
+    def _order(self) -> list[tuple[tuple[str, int, str], _Entry]]:
+        first: dict[str, int] = {}
+        for (run_id, _, _), e in self._index.items():
+            first[run_id] = min(first.get(run_id, e.first_ts), e.first_ts)
+        # launches in time order; the ranks of one run id in rank order, a rank's launches by time
+        return sorted(self._index.items(), key=lambda kv: (first[kv[0][0]], kv[0][0], kv[0][1], kv[1].first_ts,
+                                                            kv[0][2]))
+
+    def _piece_lines(self, fh: IO[bytes], start: int, end: int) -> Iterator[bytes]:
+        """The lines of one piece, read in blocks (a piece holds only lines pass 1 kept: each at most
+        :data:`MAX_LINE_BYTES`, newline-terminated except possibly the file's last)."""
+        fh.seek(start)
+        left = end - start
+        while left > 0:
+            block = fh.read(min(left, _BLOCK))
+            if not block:
+                return  # the file shrank since pass 1
+            left -= len(block)
+            if left > 0:
+                cut = block.rfind(b"\n") + 1
+                if 0 < cut < len(block):  # keep the partial last line for the next block
+                    fh.seek(cut - len(block), os.SEEK_CUR)
+                    left += len(block) - cut
+                    block = block[:cut]
+            lines = block.split(b"\n")  # \n only, as pass 1 counted them
+            if lines and not lines[-1]:
+                lines.pop()
+            yield from lines
+
+    def _read_run(self, key: tuple[str, int, str], e: _Entry) -> Optional[Run]:
+        run = Run(key[0], key[1], launch_id=key[2])
+        records = run.records
+        seen: set[bytes] = set()
+        p = e.pieces
+        for i in range(0, len(p), 4):
+            fi, start, end, n = p[i:i + 4]
+            fh = self._open(fi)
+            if fh is None:
+                continue
+            try:
+                for k, raw in enumerate(self._piece_lines(fh, start, end)):
+                    line = raw.strip()
+                    if not line:
+                        continue
+                    rec, reason, dropped = decode_record(line)
+                    if rec is None:
+                        self._skip(fi, n + k, reason)
+                        continue
+                    if line in seen:
+                        continue
+                    seen.add(line)
+                    if dropped:
+                        self.dropped_fields += dropped
+                    records.append(rec)
+                    if run.started_at is None and type(rec) is ev.RunStarted:
+                        run.started_at = (self.paths[fi], n + k)
+            except OSError:
+                if self.paths[fi] not in self.unreadable_files:
+                    self.unreadable_files.append(self.paths[fi])
+        if not records:
+            return None
+        records.sort(key=_ts)  # pieces of one trace may come in any file order
+        return run
+
+    def runs(self) -> Iterator[Run]:
+        """Pass 2: every run with at least one valid record, in order (see :meth:`_order`)."""
+        self.scan()
+        try:
+            for key, e in self._order():
+                run = self._read_run(key, e)
+                if run is not None:
+                    yield run
+        finally:
+            self._trim_skipped()
+            self.close()
+
+    def close(self) -> None:
+        for fh in self._files.values():
+            fh.close()
+        self._files.clear()
 
 
 def read_trace(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]) -> Trace:
-    """Read one or more JSON-lines traces (tolerant; see the module docstring).
+    """Read one or more JSON-lines traces (tolerant; see the module docstring), every run kept.
 
     Never raises for bad content: missing or unreadable files go to ``unreadable_files``, bad lines
-    to ``skipped``. Call :meth:`Trace.require_records` to insist on at least one record.
+    to ``skipped``. Call :meth:`Trace.require_records` to insist on at least one record. Raises
+    :class:`UsageError` (``not_a_regular_file``, exit 2) for a path that is not a regular file.
     """
-    plist = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
-    trace = Trace(runs=[], paths=plist)
-    groups: dict[tuple[str, int], Run] = {}
-    seen: set[bytes] = set()  # the same line read twice (a file passed twice, overlapping copies) counts once
-    for path in plist:
-        try:
-            for n, raw in enumerate(_lines(path), 1):
-                if not raw.strip():
-                    continue
-                line = raw.strip()
-                rec, reason, dropped = decode_record(line)
-                if rec is None:
-                    trace.skipped.append(SkippedLine(path, n, reason))
-                    continue
-                if line in seen:
-                    continue
-                seen.add(line)
-                trace.dropped_fields += dropped
-                groups.setdefault((rec.run_id, rec.rank), Run(rec.run_id, rec.rank)).records.append(rec)
-        except OSError:
-            trace.unreadable_files.append(path)
-    for r in groups.values():  # pieces of one trace may come in any file order
-        r.records.sort(key=lambda x: x.ts_ns)
-    first_ts: dict[str, int] = {}
-    for r in groups.values():  # launches in time order, the ranks of one launch in rank order
-        first_ts[r.run_id] = min(first_ts.get(r.run_id, r.records[0].ts_ns), r.records[0].ts_ns)
-    trace.runs = sorted(groups.values(), key=lambda r: (first_ts[r.run_id], r.run_id, r.rank))
-    return trace
+    reader = TraceReader(paths)
+    runs = list(reader.runs())
+    return Trace(runs=runs, skipped=reader.skipped, dropped_fields=reader.dropped_fields,
+                 unreadable_files=reader.unreadable_files, paths=reader.paths, skipped_count=reader.skipped_lines)
 
 
 def as_trace(obj: Any) -> Trace:
@@ -350,8 +733,8 @@ def as_trace(obj: Any) -> Trace:
     if isinstance(obj, Run):
         return Trace(runs=[obj])
     if isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], ev.Event):
-        groups: dict[tuple[str, int], Run] = {}
+        groups: dict[tuple[str, int, str], Run] = {}
         for r in obj:
-            groups.setdefault((r.run_id, r.rank), Run(r.run_id, r.rank)).records.append(r)
+            groups.setdefault((r.run_id, r.rank, r.launch_id), Run(r.run_id, r.rank, launch_id=r.launch_id)).records.append(r)
         return Trace(runs=list(groups.values()))
     return read_trace(obj)

@@ -1,16 +1,21 @@
-"""A corpus of bad inputs (tests/data/bad_inputs/cases.json), each through the CLI or the library.
+"""A corpus of bad inputs (tests/data/bad_inputs/cases.json), each with its right outcome.
 
-``cases``: each through ``attn-setup run --json`` (or ``command``, e.g. ``plan``) with its ``env``.
-Every case must exit with README's code (1 start failed, 2 usage/unreadable file, 3 configuration
-refused), print one ErrorInfo with a message and a remedy, and name the JSON path (config files) or
-the flag. ``library``: each a library call that must raise the typed error with the same fields.
-Run in-process through ``pipeline.cli.main`` for speed.
+``cases`` with ``command`` ``run`` (default) or ``plan`` go through ``attn-setup <command> --json``
+with their ``env`` and must exit with README's code (1 the start failed, 2 usage / unreadable or
+irregular file, 3 configuration refused, 130 interrupted), print one ErrorInfo with a message and a
+remedy, and name the JSON path (config files) or the flag; cases that must succeed (exit 0) say so,
+and where a case writes a log, what ``inspect`` must then say about it. ``read`` cases go through all
+four log readers (inspect text and ``--json``, ``--perfetto``, replay, graph) with each one's
+expected exit code and error code. ``library``: each a library call that must raise the typed error
+with the same fields. Run in-process through ``pipeline.cli.main`` for speed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 from pathlib import Path
 
@@ -20,23 +25,34 @@ from conftest import CONFIGS
 from pipeline.cli import main
 
 DATA = Path(__file__).resolve().parent / "data" / "bad_inputs"
+GOLDEN = DATA.parent / "golden"
 CORPUS = json.loads((DATA / "cases.json").read_text())
 CASES = CORPUS["cases"]
 LIBRARY = CORPUS["library"]
+RUN_CASES = [c for c in CASES if c.get("command", "run") != "read"]
+READ_CASES = [c for c in CASES if c.get("command") == "read"]
 
 
 def test_corpus_is_large_enough():
     names = [c["name"] for c in CASES + LIBRARY]
-    assert len(CASES) >= 90 and len(LIBRARY) >= 20 and len(set(names)) == len(names)
+    assert len(CASES) >= 150 and len(LIBRARY) >= 20 and len(set(names)) == len(names)
+    assert {c.get("command", "run") for c in CASES} == {"run", "plan", "read"}
     files = {p.stem for p in DATA.glob("*.json")} - {"cases"}
-    used = {Path(a).stem for c in CASES for a in c["argv"] if a.startswith("{data}/")}
+    used = {Path(a.split("/", 1)[1]).stem for c in CASES for a in c.get("argv", []) if a.startswith("{data}/")}
     assert files <= used, files - used
+    logs = {p.name for p in (DATA / "traces").glob("*.jsonl")}
+    used_logs = {Path(c["log"]).name for c in READ_CASES if c["log"].startswith("{data}/traces/")}
+    assert logs <= used_logs, logs - used_logs
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _fmt(s: str, tmp_path: Path) -> str:
+    return s.format(data=DATA, configs=CONFIGS, tmp=tmp_path, golden=GOLDEN) if "{" in s else s
 
 
 def _check_error(err: dict, case: dict) -> None:
@@ -49,14 +65,39 @@ def _check_error(err: dict, case: dict) -> None:
         assert case["flag"] in [f["name"] for f in err["flags"]], err["flags"]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_bad_input(case, tmp_path, capsys, monkeypatch):
+def _setup(case: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for var in case.get("unset", []):
         monkeypatch.delenv(var, raising=False)
     port = str(_free_port())
-    for var, value in case.get("env", {}).items():
-        monkeypatch.setenv(var, value.replace("{free_port}", port))
-    argv = [a.format(data=DATA, configs=CONFIGS) if a.startswith("{") else a for a in case["argv"]]
+    for k, v in case.get("env", {}).items():
+        monkeypatch.setenv(k, v.replace("{free_port}", port))
+    if case.get("setup") == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+    point = case.get("interrupt")
+    if point:  # a real SIGINT, delivered to this process at that point (as Ctrl-C would)
+        import pipeline.build
+        import pipeline.cli_run
+        import pipeline.model
+
+        def interrupting(target: object, name: str) -> None:
+            real = getattr(target, name)
+
+            def wrapper(*a, **k):
+                signal.raise_signal(signal.SIGINT)
+                return real(*a, **k)
+
+            monkeypatch.setattr(target, name, wrapper)
+
+        target = {"load-model": (pipeline.model, "AttentionStack"),
+                  "npu-lazy-mem": (pipeline.build._Run, "npu_lazy_mem"),
+                  "verification": (pipeline.cli_run, "_verify")}[point]
+        interrupting(*target)
+
+
+@pytest.mark.parametrize("case", RUN_CASES, ids=[c["name"] for c in RUN_CASES])
+def test_bad_input(case, tmp_path, capsys, monkeypatch):
+    _setup(case, tmp_path, monkeypatch)
+    argv = [_fmt(a, tmp_path) for a in case["argv"]]
     command = case.get("command", "run")
     head = (["run", "--device", "cpu", "--json", "--log-file", str(tmp_path / "{run_id}.jsonl")] if command == "run"
             else [command, "--json"])
@@ -64,9 +105,59 @@ def test_bad_input(case, tmp_path, capsys, monkeypatch):
     out = json.loads(capsys.readouterr().out)
     err = out["error"]
     assert code == case["exit"], err
-    assert out["ok"] is False
-    _check_error(err, case)
-    assert not any(p.stat().st_size and b'"backend_built"' in p.read_bytes() for p in tmp_path.glob("*.jsonl"))
+    if case["exit"] == 0:
+        assert out["ok"] is True and err is None
+    else:
+        assert out["ok"] is False
+        _check_error(err, case)
+    logs = [p for p in tmp_path.glob("*.jsonl") if p.stat().st_size]
+    if case["exit"] in (2, 3):
+        assert not any(b'"backend_built"' in p.read_bytes() for p in logs)
+    want = case.get("log")
+    if want is not None:  # the log it wrote, read back
+        assert len(logs) == 1
+        got = main(["inspect", str(logs[0]), "--json"])
+        report = json.loads(capsys.readouterr().out)
+        assert got == want["inspect"] and report["skipped_lines"] == 0, report
+        (run,) = report["runs"]
+        assert run["status"] == want["status"]
+        last = json.loads(logs[0].read_bytes().splitlines()[-1])
+        assert last["event"] == "command_finished" and last["exit_code"] == case["exit"]
+        if want.get("failure"):
+            assert run["failure"]["code"] == want["failure"]
+
+
+def _expect(spec: object) -> tuple[int, str | None]:
+    return (spec, None) if isinstance(spec, int) else (spec[0], spec[1])
+
+
+@pytest.mark.parametrize("case", READ_CASES, ids=[c["name"] for c in READ_CASES])
+def test_bad_log(case, tmp_path, capsys, monkeypatch):
+    """Every reader on the log: its exit code, and for an error its code (and the flag, when named)."""
+    _setup(case, tmp_path, monkeypatch)
+    log = _fmt(case["log"], tmp_path)
+    calls = {"inspect": ["inspect", log, "--json"], "inspect_text": ["inspect", log],
+             "perfetto": ["inspect", log, "--json", "--perfetto", str(tmp_path / "p.json")],
+             "replay": ["replay", log, "--json"], "graph": ["graph", log, "-o", str(tmp_path / "g.mmd")]}
+    assert set(case["expect"]) == set(calls), "every case names the outcome of every reader"
+    for name, argv in calls.items():
+        want, code = _expect(case["expect"][name])
+        got = main(argv)
+        cap = capsys.readouterr()
+        assert got == want, (name, cap.out[-2000:], cap.err[-2000:])
+        assert "internal_error" not in cap.out + cap.err and "Traceback" not in cap.err
+        if "--json" in argv:
+            obj = json.loads(cap.out)
+            if code is not None:
+                assert obj["error"]["code"] == code, (name, obj["error"])
+                if case.get("flag"):
+                    assert case["flag"] in [f["name"] for f in obj["error"]["flags"]]
+            elif name == "inspect" and want in (0, 1):
+                assert obj.get("skipped_lines", 0) == case.get("skipped_lines", 0)
+                if "statuses" in case:
+                    assert [r["status"] for r in obj["runs"]] == case["statuses"]
+        if name == "perfetto" and want in (0, 1):
+            assert isinstance(json.loads((tmp_path / "p.json").read_bytes())["traceEvents"], list)
 
 
 def _value(v):

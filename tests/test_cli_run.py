@@ -139,7 +139,8 @@ def test_mem_bytes_too_small_is_refused_before_the_model_loads(tmp_path, capsys)
     out = json.loads(capsys.readouterr().out)
     assert out["error"]["code"] == "pool_budget_too_small" and out["error"]["flags"][0] == {"name": "mem_bytes", "value": 1000}
     events = [json.loads(x)["event"] for x in log.read_text().splitlines()]
-    assert "model_loaded" not in events and "runner_started" not in events and events[-1] == "run_failed"
+    assert "model_loaded" not in events and "runner_started" not in events
+    assert events[-2:] == ["run_failed", "command_finished"]  # the refusal, then the launch's exit code
 
 
 def test_pool_must_hold_the_verification_batches_before_the_model_loads(tmp_path, capsys):

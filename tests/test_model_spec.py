@@ -319,13 +319,13 @@ def test_top_level_must_be_object(tmp_path):
     assert ei.value.info.json_path == "$" and ei.value.info.flags[0].value == "list"
 
 
-@pytest.mark.parametrize("kind", ["missing", "directory"])
-def test_unreadable_path_is_usage_error(tmp_path, kind):
-    """An unreadable path raises UsageError (exit code 2) naming the path."""
+@pytest.mark.parametrize("kind,code", [("missing", "config_unreadable"), ("directory", "not_a_regular_file")])
+def test_unreadable_path_is_usage_error(tmp_path, kind, code):
+    """An unreadable path (or one that is not a regular file) raises UsageError (exit code 2) naming the path."""
     p = tmp_path / "nope.json" if kind == "missing" else tmp_path
     with pytest.raises(UsageError) as ei:
         load_model_spec(str(p))
-    assert ei.value.exit_code == EXIT_USAGE and ei.value.info.code == "config_unreadable"
+    assert ei.value.exit_code == EXIT_USAGE and ei.value.info.code == code
     assert ei.value.info.flags[0].name == "path" and ei.value.info.flags[0].value == str(p)
 
 

@@ -51,6 +51,8 @@ SAMPLES = {
     ev.ModelStepVerified: dict(step="decode#0", mode="decode", batch_size=4, graph=True, max_rel_err=1e-3, tol=1e-2,
                                passed=True),
     ev.RunnerReady: dict(duration_ms=5.0, graph_batch_sizes=[1, 2], rank_agreement="single rank"),
+    ev.CommandStarted: dict(command="run", argv=["--device", "cpu"]),
+    ev.CommandFinished: dict(command="run", exit_code=0, duration_ms=12.0),
 }
 
 
@@ -83,12 +85,22 @@ def test_schema_policy_and_tolerance(tmp_path, monkeypatch):
     assert [s.reason for s in t.skipped] == ["not_json", "newer_schema", "unknown_event", "invalid_record", "not_json"]
     assert [s.line for s in t.skipped] == [2, 3, 4, 6, 7]
     assert t.dropped_fields == 1 and [r.ts_ns for r in t.runs[0].records] == [1, 2]
-    # an old version passes through its upgrader
-    monkeypatch.setattr(tr, "UPGRADERS", {0: lambda o: {**{k: v for k, v in o.items() if k != "ms"}, "duration_ms": o["ms"]}})
+    # an old version passes through its upgrader (simulated: this reader at version 2, the line at 1)
+    monkeypatch.setattr(tr, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(tr, "UPGRADERS", {1: lambda o: {**{k: v for k, v in o.items() if k != "ms"}, "duration_ms": o["ms"]}})
     old = tmp_path / "old.jsonl"
-    old.write_bytes(_line(schema_version=0, ms=4.0, duration_ms=None).replace(b'"duration_ms": null, ', b""))
+    old.write_bytes(_line(schema_version=1, ms=4.0, duration_ms=None).replace(b'"duration_ms": null, ', b""))
     rec = tr.read_trace(old).runs[0].records[0]
-    assert rec.duration_ms == 4.0 and rec.schema_version == 1
+    assert rec.duration_ms == 4.0 and rec.schema_version == 2
+
+
+@pytest.mark.parametrize("version", [0, -1, True, "1", 1.0])
+def test_schema_version_below_one_or_not_an_integer_is_invalid(tmp_path, version):
+    """Version 1 is the first ever written: 0, negatives and non-integers are invalid records."""
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(_line(schema_version=version) + b"\n" + _line(ts_ns=2))
+    t = tr.read_trace(p)
+    assert [s.reason for s in t.skipped] == ["invalid_record"] and [r.ts_ns for r in t.runs[0].records] == [2]
 
 
 def test_missing_file_and_nothing_readable(tmp_path):

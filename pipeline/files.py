@@ -1,0 +1,82 @@
+"""Opening user-named files safely: regular files only, reads capped.
+
+A path on the command line can name anything: a FIFO (opening it, or reading it, blocks until a
+writer comes — forever), ``/dev/zero`` or ``/dev/urandom`` (never end), ``/dev/full`` (every write
+fails), a directory. Every file attn-setup reads or appends to by name goes through
+:func:`open_regular`; bounded reads through :func:`read_capped`. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import IO
+
+from pipeline.errors import UsageError
+
+
+def _refuse_irregular(mode: int, p: str, *, flag: str, what: str) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    raise UsageError(f"{what} {p!r} is {kind}, not a regular file", code="not_a_regular_file",
+                     flags=[(flag, p)], allowed=["a regular file"],
+                     remedy=f"pass the path of a regular file as {flag} (pipes, devices and directories "
+                            "are refused: they can block or never end)")
+
+
+def open_regular(path: str | os.PathLike, mode: str, *, flag: str, what: str) -> IO[bytes]:
+    """Open ``path`` for binary reading (``"rb"``), appending (``"ab"``) or writing (``"wb"``; both
+    create a missing file), refusing anything that is not a regular file.
+
+    A FIFO would block the open (or every read) forever and a device (``/dev/zero``,
+    ``/dev/urandom``, ``/dev/full``) never ends or fails every write, so the file is opened
+    non-blocking, checked with ``fstat`` (no race between check and use) and only then used.
+
+    Raises :class:`UsageError` naming ``flag`` (exit 2): ``not_a_regular_file``, or
+    ``file_unreadable`` / ``log_file_unwritable`` for an ``OSError`` (missing, a directory,
+    permissions).
+    """
+    p = os.fspath(path)
+    try:  # a FIFO with no reader fails a non-blocking open for writing (ENXIO): name what it is instead
+        _refuse_irregular(os.stat(p).st_mode, p, flag=flag, what=what)
+    except OSError:
+        pass  # missing (created below when appending) or unreadable: the open reports it
+    flags = {"rb": os.O_RDONLY, "ab": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+             "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}[mode] | getattr(os, "O_NONBLOCK", 0)
+    code = "file_unreadable" if mode == "rb" else "log_file_unwritable"
+    try:
+        fd = os.open(p, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        raise UsageError(f"cannot {'read' if mode == 'rb' else 'write'} {what} {p!r}: {e.strerror or e}", code=code,
+                         flags=[(flag, p)], remedy=f"pass a {'readable' if mode == 'rb' else 'writable'} regular file "
+                         f"as {flag}") from None
+    try:
+        _refuse_irregular(os.fstat(fd).st_mode, p, flag=flag, what=what)  # what was really opened
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_capped(path: str | os.PathLike, limit: int, *, flag: str, what: str) -> bytes:
+    """The whole content of the regular file ``path`` if it holds at most ``limit`` bytes.
+
+    Raises :class:`UsageError` naming ``flag`` (exit 2): those of :func:`open_regular`, and
+    ``file_too_large`` when the file is larger than ``limit`` (only ``limit + 1`` bytes are read).
+    """
+    with open_regular(path, "rb", flag=flag, what=what) as fh:
+        try:
+            data = fh.read(limit + 1)
+        except OSError as e:
+            raise UsageError(f"cannot read {what} {os.fspath(path)!r}: {e.strerror or e}", code="file_unreadable",
+                             flags=[(flag, os.fspath(path))], remedy=f"pass a readable regular file as {flag}") from None
+    if len(data) > limit:
+        raise UsageError(f"{what} {os.fspath(path)!r} is larger than {limit} bytes", code="file_too_large",
+                         flags=[(flag, os.fspath(path))], allowed=[f"at most {limit} bytes"],
+                         remedy=f"pass the right file as {flag} (this limit is far above any real one)")
+    return data
