@@ -68,6 +68,8 @@ class _Base:
 
 class BatchDecodeWithPagedKVCacheWrapper(_Base):
     def plan(self, *, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kw):
+        if not self.tc and num_qo_heads // num_kv_heads not in (1, 2, 3, 4, 8):  # FlashInfer's DISPATCH_GQA_GROUP_SIZE
+            raise RuntimeError(f"Unsupported group_size: {num_qo_heads // num_kv_heads}")
         self._store(torch.arange(len(last_page_len) + 1), indptr, indices, last_page_len, kw)
 
     def run(self, q, kv, *args, enable_pdl=None):

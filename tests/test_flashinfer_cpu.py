@@ -106,6 +106,27 @@ def test_check_workspace_size_error_names_field_and_bytes():
     assert info.flags[1].value == need.bytes and str(need.bytes) in info.remedy
 
 
+def test_cuda_core_decode_only_for_groups_flashinfer_compiles():
+    """Over every GQA group 1..64 and batch 1..300: CUDA-core decode only for FlashInfer's dispatched group sizes
+    (1, 2, 3, 4, 8); e.g. Qwen2.5-7B's group 7 (28 q / 4 kv heads) always decodes on tensor cores."""
+    for group in range(1, 65):
+        for bs in (1, 2, 7, 8, 9, 64, 300):
+            assert sz.use_tensor_core_decode(group, bs) or group in (1, 2, 3, 4, 8), (group, bs)
+    assert all(sz.use_tensor_core_decode(7, bs) for bs in range(1, 300))
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(28, 4), (10, 2), (12, 2), (48, 8)])
+def test_glue_decode_groups_without_a_cuda_core_kernel(fib, heads, kv_heads):
+    """Groups 7, 5, 6, 6 decode (small and large batches) through the fake, which refuses CUDA-core decode for
+    groups FlashInfer's kernel is not compiled for, and match float64."""
+    sc = _scenario([make_kind(heads, kv_heads, 16)], 4)
+    be = fib.create(sc.ctx)
+    for n in (1, 8):
+        reqs = list(range(n))
+        assert _check_batch(sc, be, ForwardMode.DECODE, reqs, [0] * n, [1] * n) < 1e-5
+        assert be.kinds[0].active is be.kinds[0].decode_tc
+
+
 def test_tensor_core_rule_and_cta_tile():
     """Tensor-core decode for group >= 8, or >= 4 at batch >= 8 (fp8 always); FA2 tile rows per qo length."""
     assert not sz.use_tensor_core_decode(1, 256) and not sz.use_tensor_core_decode(4, 1)

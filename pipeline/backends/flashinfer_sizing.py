@@ -42,6 +42,10 @@ PREFILL_CTAS_PER_SM = 2
 TENSOR_CORE_MIN_GROUP = 4
 TENSOR_CORE_MIN_BATCH = 8
 TENSOR_CORE_ALWAYS_GROUP = 8
+# GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (``DISPATCH_GQA_GROUP_SIZE`` in
+# include/flashinfer/utils.cuh, 0.6.13: 1, 2, 3, 4, 8); any other group ("Unsupported group_size: 7" for
+# Qwen2.5-7B's 28 q / 4 kv heads) must decode on the tensor-core (prefill) kernel, which takes any group.
+CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 
 
 @dataclass(frozen=True)
@@ -73,13 +77,14 @@ class WorkspaceNeed:
 def use_tensor_core_decode(group: int, batch_size: int, kv_dtype: str = "bfloat16") -> bool:
     """Whether decode should run FlashInfer's prefill (tensor-core) kernel instead of CUDA cores.
 
-    fp8 KV always uses tensor cores (as sglang does); a GQA group >= :data:`TENSOR_CORE_ALWAYS_GROUP`
+    fp8 KV always uses tensor cores (as sglang does); so does a GQA group the CUDA-core kernel is not
+    compiled for (:data:`CUDA_CORE_DECODE_GROUPS`), and a group >= :data:`TENSOR_CORE_ALWAYS_GROUP`
     always does; a group >= :data:`TENSOR_CORE_MIN_GROUP` does from :data:`TENSOR_CORE_MIN_BATCH`
     requests on. Measured on the H200 (H=32, D=128, bf16, page 16): group 8 tc is never slower
     (1.0-2.7x faster), group 4 loses <= 2 µs below 8 requests at short contexts and wins up to
     1.6x from there, group 1 is a tie (CUDA cores kept).
     """
-    if kv_dtype.startswith("fp8") or group >= TENSOR_CORE_ALWAYS_GROUP:
+    if kv_dtype.startswith("fp8") or group >= TENSOR_CORE_ALWAYS_GROUP or group not in CUDA_CORE_DECODE_GROUPS:
         return True
     return group >= TENSOR_CORE_MIN_GROUP and batch_size >= TENSOR_CORE_MIN_BATCH
 
