@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from fi_reference import Scenario, make_kind, make_layer  # noqa: E402
 from pipeline.backends.base import PlannedLayers  # noqa: E402
 from pipeline.backends import flashinfer_sizing as sz  # noqa: E402
-from pipeline.contracts import ForwardMode  # noqa: E402
+from pipeline.core.contracts import ForwardMode  # noqa: E402
 
 L = 32
 

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from fi_reference import Scenario, dense_reference, make_kind, make_layer, rel_err  # noqa: E402
 from pipeline.backends import flashinfer_sizing as sz  # noqa: E402
-from pipeline.contracts import ForwardMode  # noqa: E402
+from pipeline.core.contracts import ForwardMode  # noqa: E402
 from pipeline.jit import Variant, warmup_variants  # noqa: E402
 
 R: dict = {"cases": [], "errors": {}}
@@ -167,7 +167,7 @@ def phase_graphs():
 def phase_workspace():
     """Plan + capture at the computed size succeed; at half our check fires; FlashInfer then fails too."""
     from pipeline.backends import flashinfer as fib
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     kind = make_kind(32, 8, 128)
     need = sz.workspace_need([sz.HeadShape(32, 8, 128)], num_sms=torch.cuda.get_device_properties(0).multi_processor_count,

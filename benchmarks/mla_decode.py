@@ -49,7 +49,7 @@ D = DV + DR
 DECODE_B = (1, 8, 64, 256)
 DECODE_CTX = (512, 4096, 32768)
 SWEEP_SHAPES = ((64, 4096), (8, 32768), (256, 4096), (1, 32768), (8, 512), (1, 512))
-# DeepSeek-V3's softmax scale: (128 + 64)^-0.5 * YaRN mscale(40, 1.0)^2 (pipeline.model_spec).
+# DeepSeek-V3's softmax scale: (128 + 64)^-0.5 * YaRN mscale(40, 1.0)^2 (pipeline.core.model_spec).
 SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2
 COPY_CEILING_GBPS = 4265.0
 WS_BYTES = 512 << 20

@@ -21,11 +21,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
-    from pipeline import events as ev
+    from pipeline.core import events as ev
     from pipeline.build import build_attention_backends
     from pipeline.cli import configure_logging
-    from pipeline.contracts import AttentionArgs, PoolFacts, SetupRequest
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
+    from pipeline.core.model_spec import load_model_spec
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="flashinfer")

@@ -10,10 +10,10 @@ import structlog
 import torch
 
 from pipeline import AttentionArgs, SetupRequest, load_model_spec
-from pipeline.contracts import ForwardMode, PoolFacts
+from pipeline.core.contracts import ForwardMode, PoolFacts
 from pipeline.memory import PageAllocator, make_forward_batch
 from pipeline.model import reference_forward
-from pipeline.model_spec import DEFAULT_MODEL_CONFIG
+from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG
 from pipeline.runner import Runner, RunnerConfig
 
 # the application decides what the library's events print: errors only here (the trace file keeps every event)

@@ -6,19 +6,19 @@ import time
 import traceback
 from typing import Any, Mapping, Optional
 
-from pipeline import events as ev
-from pipeline import settings
-from pipeline.contracts import InstancePlan, SetupRequest
-from pipeline.errors import error_info_from
-from pipeline.eventlog import EventLog
-from pipeline.faults import Faults, check as fault_point
-from pipeline.machine import SetupMachine, State
+from pipeline.core import events as ev
+from pipeline.core import settings
+from pipeline.core.contracts import InstancePlan, SetupRequest
+from pipeline.core.errors import error_info_from
+from pipeline.core.eventlog import EventLog
+from pipeline.core.faults import Faults, check as fault_point
+from pipeline.core.machine import SetupMachine, State
 from pipeline.platforms import parse_device, platform_for
 from pipeline.platforms.base import Platform
 from pipeline.result import AttentionBackends
 from states import annotate, build_mode, device_init, npu_lazy_mem, resolve
 from states.capability_check import kv_dtype, model_dtype
-from pipeline.runinfo import (  # noqa: F401 (re-exported: part of this module's API)
+from pipeline.core.runinfo import (  # noqa: F401 (re-exported: part of this module's API)
     PACKAGES, installed_by_import, installed_by_metadata, new_run_id, redacted_request, versions,
 )
 
@@ -30,7 +30,7 @@ class _Run:
                  pools: Optional[dict[str, Any]], installed: Optional[Mapping[str, bool]], cpu_group: Any,
                  faults: Optional[Faults] = None, rank_group: Any = None) -> None:
         self.req, self.log, self.cpu_group = request, log, cpu_group
-        self.faults, self.rank_group = faults, rank_group  # faults: test-only (pipeline.faults)
+        self.faults, self.rank_group = faults, rank_group  # faults: test-only (pipeline.core.faults)
         if cpu_group is None and rank_group is not None:  # NPU zbal init uses the world's CPU group
             self.cpu_group = rank_group.cpu_group
         self.platform = platform or platform_for(request.device)
@@ -178,12 +178,12 @@ class _Run:
     def _check_workspaces(self, plan: Any) -> None:
         """Refuse a FlashInfer workspace too small for the largest planned batch, or larger than the
         device's free memory, before allocating."""
-        from pipeline.pool_sizing import POOL_MEMORY_SHARE, available_bytes
+        from pipeline.core.pool_sizing import POOL_MEMORY_SHARE, available_bytes
 
         total = sum(ws.bytes for ws in plan.workspaces)
         avail = available_bytes(self.platform, parse_device(self.req.device)[1]) if total else 0
         if avail and total > avail * POOL_MEMORY_SHARE:
-            from pipeline.errors import ConfigError
+            from pipeline.core.errors import ConfigError
 
             nbytes, source = getattr(self, "fi_ws", (None, "default"))
             name = "SGLANG_FLASHINFER_WORKSPACE_SIZE" if source == "env" else "flashinfer_workspace_size"
@@ -202,7 +202,7 @@ class _Run:
             self._check_given_pools()
             return
         from pipeline.memory import KVPool, ReqToTokenPool, torch_dtype
-        from pipeline.pool_sizing import PoolSizing, available_bytes, check_fits, kv_bytes_per_token
+        from pipeline.core.pool_sizing import PoolSizing, available_bytes, check_fits, kv_bytes_per_token
 
         p, kvd = self.req.pool, kv_dtype(self.req.args, model)
         per_tok = kv_bytes_per_token(self.kinds, model.num_hidden_layers, kvd)
@@ -227,7 +227,7 @@ class _Run:
         """
         import torch
 
-        from pipeline.errors import ConfigError
+        from pipeline.core.errors import ConfigError
         from pipeline.memory import torch_dtype
         from states.capability_check import kv_dtype
 
@@ -405,7 +405,7 @@ def open_event_log(run_id: str, rank: int, log_file: Any, secrets: tuple[str, ..
     import os
     import stat
 
-    from pipeline.errors import UsageError
+    from pipeline.core.errors import UsageError
 
     if log_file is None:
         return EventLog(run_id, rank, None, secrets=secrets)
@@ -452,7 +452,7 @@ def release(instances: dict[str, Any], workspace_pool: Any, pools: dict[str, Any
 
 
 def workspace_bytes_for(request: SetupRequest) -> Any:
-    """``backend -> bytes`` of workspace for build-mode's plan (FlashInfer's from :mod:`pipeline.settings`)."""
+    """``backend -> bytes`` of workspace for build-mode's plan (FlashInfer's from :mod:`pipeline.core.settings`)."""
     from pipeline.backends import registry
 
     def need(backend: str) -> int:
@@ -523,7 +523,7 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
         ``request.world_size > 1``: device-init checks the rank's own device, resolve exchanges
         the resolution with every rank (``ranks_agreed``, or :class:`RankDivergence` on all ranks),
         its run id is used when ``request.run_id`` is None, its CPU group when ``cpu_group`` is None.
-    faults: test-only fault injection (:class:`pipeline.faults.Faults`); None in shipped code.
+    faults: test-only fault injection (:class:`pipeline.core.faults.Faults`); None in shipped code.
 
     Returns :class:`AttentionBackends`. Raises the typed error that failed the run (ConfigError
     subclasses for refused configurations, BuildError …) after the machine entered ``failed``,
@@ -532,13 +532,13 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
     that are not a dict, or a ``log_file`` that cannot be a trace file.
     """
     if not isinstance(request, SetupRequest):
-        from pipeline.errors import UsageError
+        from pipeline.core.errors import UsageError
 
         raise UsageError(f"build_attention_backends needs a SetupRequest, got {type(request).__name__}",
                          code="usage", flags=[("request", type(request).__name__)], allowed=["SetupRequest"],
                          remedy="build one: SetupRequest(args=AttentionArgs(...), model=load_model_spec(path))")
     if pools is not None and not isinstance(pools, Mapping):
-        from pipeline.errors import UsageError
+        from pipeline.core.errors import UsageError
 
         raise UsageError(f"pools must be a dict of the engine's pools, got {type(pools).__name__}", code="usage",
                          flags=[("pools", type(pools).__name__)],

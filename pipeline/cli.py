@@ -16,8 +16,8 @@ from typing import Any, Optional, Sequence
 
 import msgspec
 
-from pipeline.contracts import AttentionArgs
-from pipeline.errors import EXIT_USAGE, AttnSetupError, UsageError
+from pipeline.core.contracts import AttentionArgs
+from pipeline.core.errors import EXIT_USAGE, AttnSetupError, UsageError
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -77,7 +77,7 @@ class _Parser(argparse.ArgumentParser):
 
 def field_docs(cls: type) -> dict[str, str]:
     """``{field: one-line doc}`` from the ``Fields`` section of a contract's docstring
-    (``name: text`` lines, as :class:`~pipeline.contracts.AttentionArgs` writes them)."""
+    (``name: text`` lines, as :class:`~pipeline.core.contracts.AttentionArgs` writes them)."""
     lines = (cls.__doc__ or "").splitlines()
     try:
         start = next(i for i, line in enumerate(lines) if line.strip() == "Fields") + 2
@@ -93,7 +93,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def attention_choices(name: str) -> Optional[list[str]]:
     """The values a field accepts, where it is a closed set (backend names, dtypes, algorithms)."""
-    from pipeline import validation
+    from pipeline.core import validation
 
     if name.endswith("attention_backend"):
         from pipeline.backends import registry
@@ -300,7 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     code; SIGINT (Ctrl-C, KeyboardInterrupt) is 130 with ``interrupted``; a closed stdout pipe is
     1; any other exception is 1 with ``internal_error`` naming it.
     """
-    from pipeline.errors import EXIT_FAILED, EXIT_INTERRUPTED, error_info_from
+    from pipeline.core.errors import EXIT_FAILED, EXIT_INTERRUPTED, error_info_from
 
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv

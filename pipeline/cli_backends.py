@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
-from pipeline.errors import EXIT_OK
+from pipeline.core.errors import EXIT_OK
 
 DOCS_PAGE = "docs/backends.md"
 
@@ -103,7 +103,7 @@ def cmd(ns: argparse.Namespace) -> int:
     import sys
 
     from pipeline import report as rp
-    from pipeline.runinfo import PACKAGES, installed_by_metadata
+    from pipeline.core.runinfo import PACKAGES, installed_by_metadata
 
     if ns.markdown:
         sys.stdout.write(markdown())

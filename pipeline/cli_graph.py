@@ -1,6 +1,6 @@
 """``attn-setup graph [LOG …] -o FILE [--machine setup|runner]``: a state machine, a recorded run's path highlighted.
 
-``--machine setup`` (default) draws the six-state setup machine (:mod:`pipeline.machine`),
+``--machine setup`` (default) draws the six-state setup machine (:mod:`pipeline.core.machine`),
 ``--machine runner`` the runner's outer machine (:mod:`pipeline.runner_machine`: init-distributed …
 ready), both from their transition tables. The format follows FILE's extension: ``.mmd`` — mermaid
 ``stateDiagram-v2`` text produced by pytransitions' own diagram support
@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
-from pipeline.errors import EXIT_OK, UsageError
-from pipeline.machine import State
+from pipeline.core.errors import EXIT_OK, UsageError
+from pipeline.core.machine import State
 
 FORMATS = (".mmd", ".dot", ".svg", ".png")
 STYLE = {"taken": {"fill": "honeydew", "color": "darkgreen"}, "failed": {"fill": "mistyrose", "color": "red"}}
@@ -45,7 +45,7 @@ def machine_spec(name: str) -> MachineSpec:
 
         return MachineSpec(rm.RunnerState, rm.TRANSITIONS, rm.STEPS, rm.TERMINAL, rm.RunnerModel,
                            "attn-setup runner machine")
-    from pipeline import machine as sm
+    from pipeline.core import machine as sm
 
     return MachineSpec(sm.State, sm.TRANSITIONS, sm.STEPS, sm.TERMINAL, sm.SetupModel, "attn-setup state machine")
 

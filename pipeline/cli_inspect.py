@@ -21,8 +21,8 @@ from typing import Any, Iterator, Optional
 
 import msgspec
 
-from pipeline.errors import EXIT_FAILED, EXIT_OK
-from pipeline.model_spec import format_layer_ids
+from pipeline.core.errors import EXIT_FAILED, EXIT_OK
+from pipeline.core.model_spec import format_layer_ids
 from pipeline.trace import RankDifferences, Run, Trace, TraceReader, nothing_readable, rank_differences
 
 
@@ -195,7 +195,7 @@ def cmd(ns: argparse.Namespace) -> int:
         try:
             n = write_chrome_trace(Trace(runs=kept), ns.perfetto, flag="--perfetto")
         except OSError as e:
-            from pipeline.errors import UsageError
+            from pipeline.core.errors import UsageError
 
             raise UsageError(f"cannot write {ns.perfetto!r}: {e.strerror or e}", code="usage",
                              flags=[("--perfetto", ns.perfetto)], remedy="pick a writable file path") from None

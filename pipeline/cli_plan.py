@@ -21,8 +21,8 @@ from typing import Any, Mapping
 
 import msgspec
 
-from pipeline.contracts import DeviceFacts, Resolution, SetupRequest
-from pipeline.errors import EXIT_OK, UsageError
+from pipeline.core.contracts import DeviceFacts, Resolution, SetupRequest
+from pipeline.core.errors import EXIT_OK, UsageError
 
 PACKAGES = ("torch", "triton", "flashinfer-python")
 
@@ -69,7 +69,7 @@ def installed_from(flag: str | None) -> dict[str, bool]:
 
 def _skips(res: Resolution, plan: Any, request: SetupRequest, device: DeviceFacts) -> list[dict[str, str]]:
     """Skips in run's order: resolve's downgrades, build-mode's, then the npu-lazy-mem step."""
-    from pipeline import settings
+    from pipeline.core import settings
     from states import npu_lazy_mem
 
     size, source = settings.zbal_local_mem_size(request.args)

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.errors import EXIT_FAILED, EXIT_OK
+from pipeline.core.errors import EXIT_FAILED, EXIT_OK
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

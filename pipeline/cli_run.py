@@ -19,10 +19,10 @@ from typing import Any, Optional
 
 import msgspec
 
-from pipeline import events as ev
+from pipeline.core import events as ev
 from pipeline import report as rp
-from pipeline.contracts import ErrorInfo, ModelSpec, PoolFacts, SetupRequest
-from pipeline.errors import (
+from pipeline.core.contracts import ErrorInfo, ModelSpec, PoolFacts, SetupRequest
+from pipeline.core.errors import (
     EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from,
 )
 
@@ -37,8 +37,8 @@ def default_model_path() -> str:
 
 def _load_spec(path: str, flag: str) -> ModelSpec:
     """load_model_spec, with file errors (unreadable, not a regular file, too large) naming ``flag`` too."""
-    from pipeline.contracts import Flag
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.contracts import Flag
+    from pipeline.core.model_spec import load_model_spec
 
     try:
         return load_model_spec(path)
@@ -102,7 +102,7 @@ def log_path(template: str, run_id: str, rank: int) -> str:
 def open_log(path: str, template: str, run_id: str, rank: int, secrets: tuple[str, ...]) -> Any:
     """The run's EventLog; an unwritable path or one that is not a regular file (a FIFO, ``/dev/full``)
     is a UsageError naming ``--log-file`` (exit 2, nothing started)."""
-    from pipeline.eventlog import EventLog
+    from pipeline.core.eventlog import EventLog
 
     try:
         return EventLog(run_id, rank, path, secrets=secrets, flag="--log-file", raise_write_errors=True)
@@ -121,7 +121,7 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
     refusal is run through the pipeline so the log records device-init → resolve (or build-mode) →
     failed with the ErrorInfo (it fails before the pools, so nothing is allocated there).
     """
-    from pipeline import settings
+    from pipeline.core import settings
     from pipeline.build import build_attention_backends, decide_offline, installed_by_import
     from pipeline.platforms import parse_device, platform_for
 
@@ -137,7 +137,7 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
                           code="invalid_value", flags=[("mem_bytes", ns.mem_bytes)],
                           allowed=[f"<= {facts.total_memory_bytes}"], remedy="lower --mem-bytes or use --mem-fraction")
     if ns.mem_fraction is not None:
-        from pipeline.pool_sizing import check_mem_fraction
+        from pipeline.core.pool_sizing import check_mem_fraction
 
         check_mem_fraction(ns.mem_fraction)
     check_pool_for_checks(ns, request, platform, index)
@@ -156,22 +156,22 @@ def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platfor
     The built instances are verified on a 5-request batch and the model steps on a 4-request one:
     ``--max-context-len`` must hold their longest request (:func:`pipeline.verify.context_needed`,
     :func:`pipeline.runner_verify.context_needed`; ConfigError ``invalid_value`` naming the minimum),
-    and :func:`pipeline.pool_sizing.size_pools` is asked for at least the slots they take
+    and :func:`pipeline.core.pool_sizing.size_pools` is asked for at least the slots they take
     (:func:`pipeline.verify.slots_needed`, :func:`pipeline.runner_verify.slots_needed`, whole pages each)
     from ``--num-token-slots`` or a ``--mem-bytes`` budget (``--mem-fraction``'s floor is checked after
     the weights load, since they count against it); ConfigError ``pool_budget_too_small`` naming the flag.
     With ``platform``, the pools these flags give (the default slots, or ``--mem-fraction`` of the
-    device's memory) must fit its free memory (:func:`pipeline.pool_sizing.check_fits`).
+    device's memory) must fit its free memory (:func:`pipeline.core.pool_sizing.check_fits`).
     """
     from pipeline import runner_verify, verify
-    from pipeline.model_spec import attention_layer_ids, attention_prefix, layers_covering_every_kind
-    from pipeline.pool_sizing import available_bytes, budget_from_fraction, check_fits, size_pools
+    from pipeline.core.model_spec import attention_layer_ids, attention_prefix, layers_covering_every_kind
+    from pipeline.core.pool_sizing import available_bytes, budget_from_fraction, check_fits, size_pools
     from states.capability_check import kv_dtype
 
     p, ps, steps, model = request.pool, request.args.page_size, max(ns.decode_steps, 0), request.served_model
     ctx = max(verify.context_needed(p.max_reqs, steps), runner_verify.context_needed(p.max_reqs, steps))
     if p.max_context_len < ctx:
-        from pipeline.validation import MAX_POOL_DIM
+        from pipeline.core.validation import MAX_POOL_DIM
 
         raise ConfigError(f"--max-context-len {p.max_context_len} is shorter than the {ctx} tokens the longest "
                           f"verification request reaches with --decode-steps {steps}", code="invalid_value",
@@ -206,9 +206,9 @@ def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platfor
 
 
 def request_from(ns: argparse.Namespace, *, on_gpu: bool) -> SetupRequest:
-    from pipeline import settings
+    from pipeline.core import settings
     from pipeline.cli import attention_args_from
-    from pipeline.eventlog import secrets_from_env
+    from pipeline.core.eventlog import secrets_from_env
 
     args = attention_args_from(ns)
     settings.check_env()  # SGLANG_* size variables pass the same check as their flags
@@ -231,7 +231,7 @@ def _on_gpu(device: str) -> bool:
 def runner_config(ns: argparse.Namespace, request: SetupRequest, on_gpu: bool) -> Any:
     """The RunnerConfig from the flags (default on every device: the first 2 attention layers, or as many as
     it takes to include one layer of every attention kind, e.g. 4 for Llama-4, 6 for Gemma-3)."""
-    from pipeline.model_spec import layers_covering_every_kind
+    from pipeline.core.model_spec import layers_covering_every_kind
     from pipeline.runner import RunnerConfig
 
     default = layers_covering_every_kind(request.served_model, DEFAULT_LAYERS)

@@ -42,7 +42,7 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline import report as rp
     from pipeline.build import installed_by_import
     from pipeline.cli_run import _on_gpu, request_from
-    from pipeline.errors import UsageError
+    from pipeline.core.errors import UsageError
     from pipeline.jit import warmup_variants
     from pipeline.platforms import parse_device, platform_for
     from states import resolve

@@ -9,7 +9,7 @@ An engine that keeps its own ``initialize()`` can replace its inline attention s
     self.decode_attn_backend_group = self._attn.decode_attn_backend_group   # PD-mux's decode backends, else []
 
 ``init_attention_backends()`` runs the six-state pipeline once (a second call raises
-:class:`~pipeline.errors.OrderingError`); before it, the three attributes are None / None / []
+:class:`~pipeline.core.errors.OrderingError`); before it, the three attributes are None / None / []
 as in sglang's ``__init__``. Nothing here imports torch until the call.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pipeline.contracts import SetupRequest
-from pipeline.errors import OrderingError
+from pipeline.core.contracts import SetupRequest
+from pipeline.core.errors import OrderingError
 
 
 class ModelRunnerAttention:

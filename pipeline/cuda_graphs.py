@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
-from pipeline.contracts import AttentionArgs, ForwardMode
-from pipeline.errors import ConfigError
+from pipeline.core.contracts import AttentionArgs, ForwardMode
+from pipeline.core.errors import ConfigError
 
 __all__ = ["capture_batch_sizes", "decide_graphs", "graph_max_bs", "skip_reason", "DecodeGraphRunner"]
 

@@ -11,9 +11,9 @@ What engines already run (``torchrun``, or their own launcher setting ``RANK``/`
   another rank's device, e.g. a bare ``cuda`` that means ``cuda:0`` on every rank.
 - :func:`agree_on_resolution` (resolve) exchanges msgspec-encoded reports (resolved pair, attention
   args, device, host) over the CPU group. Every rank compares the same gathered table, so either
-  all ranks agree or all raise :class:`~pipeline.errors.RankDivergence` carrying the table
+  all ranks agree or all raise :class:`~pipeline.core.errors.RankDivergence` carrying the table
   rank → host → device → pair. A rank that does not arrive within ``timeout_s`` makes the others
-  raise :class:`~pipeline.errors.RankExchangeError` instead of hanging.
+  raise :class:`~pipeline.core.errors.RankExchangeError` instead of hanging.
 
 torch is imported lazily (only :func:`init_from_env` and the exchange need it).
 """
@@ -29,9 +29,9 @@ from typing import Any, Mapping, Optional
 
 import msgspec
 
-from pipeline.contracts import AttentionArgs, DeviceFacts, ErrorInfo, Resolution
-from pipeline.errors import ConfigError, RankDivergence, RankExchangeError, UsageError
-from pipeline.events import RankRow
+from pipeline.core.contracts import AttentionArgs, DeviceFacts, ErrorInfo, Resolution
+from pipeline.core.errors import ConfigError, RankDivergence, RankExchangeError, UsageError
+from pipeline.core.events import RankRow
 
 __all__ = ["RankGroup", "init_from_env", "rank_device", "check_rank_device", "agree_on_resolution",
            "RankReport", "DEFAULT_TIMEOUT_S", "check_launch_env", "check_timeout"]

@@ -143,7 +143,7 @@ def load_variant(v: Variant) -> Any:
 def heartbeat(what: str, every_s: float = 10.0, *, log: Any = None) -> Iterator[None]:
     """Emit ``jit_heartbeat`` ("still compiling ``what`` after N s") every ``every_s`` seconds
     from a daemon thread while the body runs; stops (and joins) when the body ends."""
-    from pipeline.heartbeat import beating
+    from pipeline.core.heartbeat import beating
 
     log = log or _log()
 

@@ -19,8 +19,8 @@ from typing import Sequence
 import torch
 
 from pipeline.backends.base import ForwardBatch
-from pipeline.contracts import ForwardMode, LayerKind
-from pipeline.errors import BuildError
+from pipeline.core.contracts import ForwardMode, LayerKind
+from pipeline.core.errors import BuildError
 
 
 _TORCH_DTYPES = {

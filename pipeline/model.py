@@ -34,9 +34,9 @@ import msgspec
 import torch
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
-from pipeline.contracts import LayerKind, ModelSpec
-from pipeline.errors import ConfigError
-from pipeline.model_spec import attention_prefix
+from pipeline.core.contracts import LayerKind, ModelSpec
+from pipeline.core.errors import ConfigError
+from pipeline.core.model_spec import attention_prefix
 from pipeline.reference import reference_attention
 
 __all__ = ["AttentionStack", "truncate_spec", "reference_forward", "rope_neox"]
@@ -47,7 +47,7 @@ def truncate_spec(spec: ModelSpec, num_layers: Optional[int]) -> ModelSpec:
     """``spec`` cut after its ``num_layers``-th attention layer (None = all layers).
 
     For an all-attention model that is its first ``num_layers`` layers; a hybrid keeps the
-    non-attention layers in between (:func:`pipeline.model_spec.attention_prefix`).
+    non-attention layers in between (:func:`pipeline.core.model_spec.attention_prefix`).
     Raises ConfigError (``invalid_value``) when ``num_layers`` is not in ``1..<attention layers>``.
     """
     if num_layers is None:

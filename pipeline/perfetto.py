@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline import events as ev
+from pipeline.core import events as ev
 from pipeline.trace import Run, Trace, ms_to_ns, s_to_ns
 
 # Records drawn as instants (the rest are drawn as slices or are part of the state slices).
@@ -89,10 +89,10 @@ def write_chrome_trace(trace: Trace, path: str, flag: str = "path") -> int:
     """Write :func:`chrome_trace` to ``path``; returns the number of trace events written.
 
     ``path`` must be a regular file (or not exist): a FIFO or device raises UsageError
-    ``not_a_regular_file`` naming ``flag`` (:func:`pipeline.files.open_regular`); other write
+    ``not_a_regular_file`` naming ``flag`` (:func:`pipeline.core.files.open_regular`); other write
     failures raise OSError.
     """
-    from pipeline.files import open_regular
+    from pipeline.core.files import open_regular
 
     obj = chrome_trace(trace)
     with open_regular(path, "wb", flag=flag, what="the timeline file") as fh:

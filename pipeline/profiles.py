@@ -1,6 +1,6 @@
 """Named device profiles for ``attn-setup plan``, and ``auto``: this machine, found without torch.
 
-Each profile is a :class:`~pipeline.contracts.DeviceFacts` record whose ``source`` says where its
+Each profile is a :class:`~pipeline.core.contracts.DeviceFacts` record whose ``source`` says where its
 numbers come from. Memory is in bytes as the vendor states it (decimal GB, or GiB where the
 vendor says GiB); ``sm_count`` is streaming multiprocessors (compute units on AMD). ROCm builds of
 torch report AMD GPUs as ``cuda`` with ``compute_capability`` = the gfx major/minor (gfx942 →
@@ -19,8 +19,8 @@ from typing import Callable, Optional
 
 import msgspec
 
-from pipeline.contracts import DeviceFacts
-from pipeline.errors import UsageError
+from pipeline.core.contracts import DeviceFacts
+from pipeline.core.errors import UsageError
 
 GB, GiB = 10**9, 1 << 30
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from pipeline.errors import BuildError
+from pipeline.core.errors import BuildError
 
 __all__ = ["reference_attention", "rel_err"]
 

@@ -22,10 +22,10 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
-from pipeline import events as ev
-from pipeline import settings
-from pipeline.contracts import DeviceFacts, SetupRequest
-from pipeline.errors import AttnSetupError, UsageError
+from pipeline.core import events as ev
+from pipeline.core import settings
+from pipeline.core.contracts import DeviceFacts, SetupRequest
+from pipeline.core.errors import AttnSetupError, UsageError
 from pipeline.trace import Run, Trace, as_trace
 
 

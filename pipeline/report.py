@@ -7,9 +7,9 @@ from typing import Any, Iterable, Optional
 
 import msgspec
 
-from pipeline import events as ev
-from pipeline.contracts import BuildPlan, DtypeChoice, ErrorInfo, Resolution, SetupWarning
-from pipeline.model_spec import format_layer_ids
+from pipeline.core import events as ev
+from pipeline.core.contracts import BuildPlan, DtypeChoice, ErrorInfo, Resolution, SetupWarning
+from pipeline.core.model_spec import format_layer_ids
 
 
 def states_from(records: Iterable[ev.Event]) -> list[dict[str, Any]]:
@@ -39,7 +39,7 @@ def resolved_obj(res: Optional[Resolution]) -> Optional[dict[str, Any]]:
     """The ``resolved`` object of run/plan JSON, from a Resolution.
 
     ``{prefill, decode, is_draft_override, rules, dtype: {value, source}, not_attention: [{kind, layer_ids}]}``
-    — ``dtype.source`` is ``field`` or ``auto:<rule>`` (:data:`pipeline.dtypes.AUTO_RULES`);
+    — ``dtype.source`` is ``field`` or ``auto:<rule>`` (:data:`pipeline.core.dtypes.AUTO_RULES`);
     ``not_attention`` lists the layers no attention backend serves (linear attention, mamba).
     """
     if res is None:
@@ -83,7 +83,7 @@ def skips_from(records: Iterable[ev.Event]) -> list[dict[str, str]]:
 
 def warnings_from(records: Iterable[ev.Event]) -> list[dict[str, Any]]:
     """The ``warnings`` list of run JSON from the ``reference_fallback`` / ``feature_downgraded`` records,
-    in the shape ``plan`` gives (:class:`~pipeline.contracts.SetupWarning`)."""
+    in the shape ``plan`` gives (:class:`~pipeline.core.contracts.SetupWarning`)."""
     out: list[SetupWarning] = []
     for r in records:
         if isinstance(r, ev.ReferenceFallback):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pipeline.contracts import BuildPlan, DeviceFacts, Resolution, Skip
+from pipeline.core.contracts import BuildPlan, DeviceFacts, Resolution, Skip
 
 
 @dataclass

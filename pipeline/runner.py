@@ -3,7 +3,7 @@
 ``init-distributed → load-model → init-memory-pool → attention → capture-cuda-graphs → ready``
 (+ ``failed``; the table lives in :mod:`pipeline.runner_machine`). ``attention`` is the six-state
 pipeline (:func:`pipeline.build.build_attention_backends`) run over the pools this runner sized,
-writing to the same :class:`~pipeline.eventlog.EventLog`, so one trace holds both machines
+writing to the same :class:`~pipeline.core.eventlog.EventLog`, so one trace holds both machines
 (``runner_transition`` records for this one, ``state_transition`` for the pipeline).
 
 Ordering rules enforced (sglang keeps them in comments): the KV pool exists before any backend is
@@ -23,10 +23,10 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
-from pipeline import events as ev
-from pipeline.contracts import SetupRequest
-from pipeline.errors import error_info_from
-from pipeline.eventlog import EventLog
+from pipeline.core import events as ev
+from pipeline.core.contracts import SetupRequest
+from pipeline.core.errors import error_info_from
+from pipeline.core.eventlog import EventLog
 from pipeline.runner_machine import CAPTURE_PRECONDITIONS, RunnerMachine, RunnerState
 
 __all__ = ["RunnerConfig", "Runner", "RunnerState"]
@@ -88,7 +88,7 @@ class Runner:
         from pipeline.platforms import parse_device, platform_for
 
         if not isinstance(config, RunnerConfig) or not isinstance(config.request, SetupRequest):
-            from pipeline.errors import UsageError
+            from pipeline.core.errors import UsageError
 
             raise UsageError(f"Runner needs a RunnerConfig holding a SetupRequest, got {type(config).__name__}"
                              + (f" with request={type(config.request).__name__}" if isinstance(config, RunnerConfig)
@@ -161,7 +161,7 @@ class Runner:
     def init_distributed(self) -> None:
         """Record rank, world size and the CPU group (a gloo group when torch.distributed is up)."""
         def work() -> None:
-            from pipeline import settings
+            from pipeline.core import settings
 
             settings.check_env()  # refused here, before the model and the pools are allocated
             req, group, source = self.request, self.cpu_group, "arguments"
@@ -169,7 +169,7 @@ class Runner:
                 import torch.distributed as dist
 
                 if dist.is_available() and dist.is_initialized():
-                    from pipeline.errors import ConfigError
+                    from pipeline.core.errors import ConfigError
 
                     if (dist.get_rank(), dist.get_world_size()) != (req.rank, req.world_size):
                         raise ConfigError("torch.distributed disagrees with the request's rank/world_size",
@@ -214,7 +214,7 @@ class Runner:
 
     def _init_memory_pool(self) -> None:
         from pipeline.memory import KVPool, ReqToTokenPool, torch_dtype
-        from pipeline.pool_sizing import available_bytes, budget_from_fraction, check_fits, size_pools
+        from pipeline.core.pool_sizing import available_bytes, budget_from_fraction, check_fits, size_pools
         from states.capability_check import kv_dtype
 
         req, cfg, stack = self.request, self.config, self.machine.model.stack

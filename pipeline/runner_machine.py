@@ -5,9 +5,9 @@
     init-distributed ─distributed_ready─► load-model ─model_loaded─► init-memory-pool ─pool_ready─►
         attention ─attention_ready─► capture-cuda-graphs ─graphs_settled─► ready   (any non-terminal ─fail─► failed)
 
-``attention`` runs the six-state pipeline (:mod:`pipeline.machine`) composed inside it. Capture is
+``attention`` runs the six-state pipeline (:mod:`pipeline.core.machine`) composed inside it. Capture is
 refused unless every :data:`CAPTURE_PRECONDITIONS` guard holds; a step called out of order raises
-:class:`~pipeline.errors.OrderingError` naming the step(s) still missing. Nothing here imports torch.
+:class:`~pipeline.core.errors.OrderingError` naming the step(s) still missing. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import enum
 from typing import Any, Callable, Optional
 
-from pipeline.errors import OrderingError
-from pipeline.machine import GuardError, TableMachine, table
+from pipeline.core.errors import OrderingError
+from pipeline.core.machine import GuardError, TableMachine, table
 
 
 class RunnerState(str, enum.Enum):

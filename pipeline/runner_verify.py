@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pipeline.contracts import ForwardMode
+from pipeline.core.contracts import ForwardMode
 from pipeline.memory import PageAllocator, make_forward_batch
 from pipeline.model import reference_forward
 from pipeline.reference import rel_err

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from pipeline.contracts import DeviceFacts, SetupRequest
+from pipeline.core.contracts import DeviceFacts, SetupRequest
 from pipeline.platforms.fake import FakePlatform
 from pipeline.replay import ReplayResult, replay
 from pipeline.trace import Trace, read_trace
@@ -60,7 +60,7 @@ def record_trace(request: SetupRequest, path: str | os.PathLike, *, facts: Optio
     "flashinfer-python": False}`` to make a fake GPU resolve to ``torch_native``). Returns the trace read back.
     """
     from pipeline.build import build_attention_backends
-    from pipeline.errors import AttnSetupError
+    from pipeline.core.errors import AttnSetupError
 
     platform = FakePlatform(facts or cpu_facts())
     try:

@@ -20,7 +20,7 @@ replay, graph and tests).
 
 Schema policy for old traces
 ----------------------------
-``schema_version`` (see :mod:`pipeline.events`) rises only when a field is removed or changes
+``schema_version`` (see :mod:`pipeline.core.events`) rises only when a field is removed or changes
 meaning; adding a field with a default keeps the version. Therefore:
 
 - a record with ``1 <= schema_version <= SCHEMA_VERSION`` is read; versions below the current one
@@ -45,9 +45,9 @@ from typing import IO, Any, Callable, Iterable, Iterator, Optional, Sequence, Un
 
 import msgspec
 
-from pipeline import events as ev
-from pipeline.contracts import SCHEMA_VERSION, ErrorInfo
-from pipeline.errors import UsageError
+from pipeline.core import events as ev
+from pipeline.core.contracts import SCHEMA_VERSION, ErrorInfo
+from pipeline.core.errors import UsageError
 
 UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 _BY_TAG = {ev.event_name(c): c for c in ev.EVENT_TYPES}
@@ -553,7 +553,7 @@ class TraceReader:
         del self.skipped[SKIP_DETAILS:]
 
     def _open(self, fi: int) -> Optional[IO[bytes]]:
-        from pipeline.files import open_regular
+        from pipeline.core.files import open_regular
 
         if fi not in self._files:
             try:

@@ -33,8 +33,8 @@ import msgspec
 import torch
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer
-from pipeline.contracts import ForwardMode, LayerKind, ModelSpec, SetupRequest
-from pipeline.errors import BuildError
+from pipeline.core.contracts import ForwardMode, LayerKind, ModelSpec, SetupRequest
+from pipeline.core.errors import BuildError
 from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch, torch_dtype
 from pipeline.reference import reference_attention, rel_err
 from states.capability_check import norm_dtype

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 
 import msgspec
 
-from pipeline.contracts import ErrorInfo
+from pipeline.core.contracts import ErrorInfo
 
 # One-word fields rewritten when they stand alone (the others — device, model, rank — are words of prose too).
 BARE_ONE_WORD = ("strict",)

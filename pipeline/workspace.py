@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pipeline.contracts import WorkspacePlan
+from pipeline.core.contracts import WorkspacePlan
 
 
 @dataclass(eq=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.contracts import ResolvedAttentionBackendStr
+from pipeline.core.contracts import ResolvedAttentionBackendStr
 
 
 def apply(top_backend: Any, pair: ResolvedAttentionBackendStr) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from pipeline.contracts import (
+from pipeline.core.contracts import (
     AttentionArgs, BuildPlan, InstancePlan, LayerKind, Mode, ResolvedAttentionBackendStr, Skip, WorkspacePlan,
 )
 

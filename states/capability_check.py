@@ -3,7 +3,7 @@
 :func:`reasons_with_flags` returns every reason a backend cannot serve a request (empty = it
 can), each with the request flags it is about, in the spirit of vLLM's
 ``validate_configuration`` (a list of reasons per candidate, never just the first).
-:func:`reasons` is the same as plain strings (what :class:`~pipeline.contracts.Rejection` holds).
+:func:`reasons` is the same as plain strings (what :class:`~pipeline.core.contracts.Rejection` holds).
 Pure decisions: no torch, no import of any backend module.
 
 Checks, in order: device type, arch (compute capability), packages, the model's layer kinds
@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Any, Mapping, NamedTuple
 
 from pipeline.backends.registry import Capability
-from pipeline.contracts import AttentionArgs, DeviceFacts, ModelSpec
-from pipeline.dtypes import norm_dtype, resolve_dtype
-from pipeline.model_spec import format_layer_ids
+from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec
+from pipeline.core.dtypes import norm_dtype, resolve_dtype
+from pipeline.core.model_spec import format_layer_ids
 
 PACKAGE_OF = {"flashinfer-python": "flashinfer-python", "triton": "triton", "torch": "torch"}
 # How each distribution is installed (the remedy of a "package missing" reason).
@@ -42,7 +42,7 @@ class Reason(NamedTuple):
 
 
 def model_dtype(args: AttentionArgs, model: ModelSpec) -> str:
-    """The compute dtype: ``args.dtype``, or for ``auto`` the engines' rule (:func:`pipeline.dtypes.resolve_dtype`:
+    """The compute dtype: ``args.dtype``, or for ``auto`` the engines' rule (:func:`pipeline.core.dtypes.resolve_dtype`:
     a float32 checkpoint becomes bfloat16 for the Gemma family, float16 otherwise). Raises its ConfigError."""
     return resolve_dtype(args, model).value
 

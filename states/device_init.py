@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.contracts import DeviceFacts
+from pipeline.core.contracts import DeviceFacts
 from pipeline.platforms.base import Platform
 
 BLAS_DEVICES = ("cuda", "musa")

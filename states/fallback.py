@@ -5,7 +5,7 @@ a feature without saying so. :func:`reference_fallback` finds the halves auto-se
 (any device but a CPU; an explicit choice is the user's, not a fallback), :func:`graph_skips` the
 CUDA-graph rule's outcome (a downgrade on a CUDA device whose decode backend cannot be captured, not
 applicable elsewhere), and :func:`warnings_for` lists them with build-mode's downgrade (TBO on a
-draft worker) as :class:`~pipeline.contracts.SetupWarning` records — what ``plan`` prints and what a
+draft worker) as :class:`~pipeline.core.contracts.SetupWarning` records — what ``plan`` prints and what a
 run logs as ``reference_fallback`` / ``feature_downgraded`` events. With ``args.strict``
 :func:`refuse_strict` turns them into one :class:`StrictRefusal` in resolve, before anything is
 allocated, naming the fields that accept or avoid all of them (``avoid``).
@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from pipeline.backends import registry
-from pipeline.contracts import AttentionArgs, DeviceFacts, Resolution, SetupWarning, Skip
+from pipeline.core.contracts import AttentionArgs, DeviceFacts, Resolution, SetupWarning, Skip
 from pipeline.cuda_graphs import decide_graphs
-from pipeline.errors import CapabilityMismatch
+from pipeline.core.errors import CapabilityMismatch
 from states.build_mode import decide_mode
 
 # The reference backend: correct everywhere, slow, no CUDA graphs. Landing on it by auto-selection on

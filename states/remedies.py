@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 import msgspec
 
 from pipeline.backends import registry
-from pipeline.contracts import AttentionArgs, DeviceFacts, ModelSpec
-from pipeline.errors import ConfigError
+from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec
+from pipeline.core.errors import ConfigError
 from states.capability_check import INSTALL_HINT
 from states.fallback import StrictRefusal, assignments, one_of
 

@@ -15,7 +15,7 @@ When no *installed* backend can serve a request but one would if its package wer
 error says exactly that (and names the package), instead of advising a backend that is missing.
 
 The resolution also carries the compute dtype and the rule that chose it
-(:func:`pipeline.dtypes.resolve_dtype`; an explicit float16 the model type refuses is refused here)
+(:func:`pipeline.core.dtypes.resolve_dtype`; an explicit float16 the model type refuses is refused here)
 and the model's layers that are not attention (linear attention, mamba): those need no backend, so
 only the attention layer kinds are checked; a model with no attention layer at all is refused.
 
@@ -27,7 +27,7 @@ registered or sglang's, installed or not, with the package it needs. Library wor
 
 Warnings (:func:`warnings_for`): auto-selection landing on ``torch_native`` — the reference
 backend — on an accelerator (``reference_fallback``, with every rejected candidate's reasons), and
-every downgrade (:class:`~pipeline.contracts.Skip` with ``downgrade=True``: CUDA graphs off on a
+every downgrade (:class:`~pipeline.core.contracts.Skip` with ``downgrade=True``: CUDA graphs off on a
 CUDA device, TBO dropped on a draft worker). With ``args.strict`` each of them is a refusal in
 resolve instead (``reference_fallback`` / ``downgrade_refused``, exit 3), naming the fields that
 accept or avoid it; applying them resolves under strict.
@@ -40,12 +40,12 @@ from typing import Any, Mapping, Optional, Union
 import msgspec
 
 from pipeline.backends import registry
-from pipeline.contracts import (
+from pipeline.core.contracts import (
     AttentionArgs, DeviceFacts, ModelSpec, Rejection, Resolution, ResolvedAttentionBackendStr, Rule,
 )
-from pipeline.dtypes import resolve_dtype
-from pipeline.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
-from pipeline.model_spec import format_layer_ids
+from pipeline.core.dtypes import resolve_dtype
+from pipeline.core.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
+from pipeline.core.model_spec import format_layer_ids
 from states.capability_check import Reason, reasons_with_flags
 from states.fallback import (  # noqa: F401 (part of resolve's API: build, plan, replay and tests use them)
     REFERENCE_BACKEND, StrictRefusal, assignments, graph_skips, reference_fallback, refuse_strict, warnings_for,

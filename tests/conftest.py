@@ -46,27 +46,27 @@ def _reset_structlog():
 
 @pytest.fixture(scope="session")
 def llama():
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.model_spec import load_model_spec
 
     return load_model_spec(CONFIGS / "llama-3.1-8b.json")
 
 
 @pytest.fixture(scope="session")
 def small_pool():
-    from pipeline.contracts import PoolFacts
+    from pipeline.core.contracts import PoolFacts
 
     return PoolFacts(max_reqs=8, max_context_len=256, num_token_slots=512, page_size=1)
 
 
 def cuda_facts(arch=(9, 0), name="NVIDIA H200 (fake)"):
-    from pipeline.contracts import DeviceFacts
+    from pipeline.core.contracts import DeviceFacts
 
     return DeviceFacts(type="cuda", index=0, name=name, vendor="nvidia", compute_capability=arch, sm_count=132,
                        total_memory_bytes=141 << 30, cuda_version="13.0", source="test")
 
 
 def npu_facts():
-    from pipeline.contracts import DeviceFacts
+    from pipeline.core.contracts import DeviceFacts
 
     return DeviceFacts(type="npu", index=0, name="Ascend 910B (fake)", vendor="huawei", sm_count=24,
                        total_memory_bytes=64 << 30, source="test")

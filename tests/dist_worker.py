@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline import distributed  # noqa: E402
 from pipeline.build import build_attention_backends  # noqa: E402
-from pipeline.contracts import AttentionArgs, PoolFacts, SetupRequest  # noqa: E402
-from pipeline.errors import AttnSetupError  # noqa: E402
-from pipeline.model_spec import load_model_spec  # noqa: E402
+from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest  # noqa: E402
+from pipeline.core.errors import AttnSetupError  # noqa: E402
+from pipeline.core.model_spec import load_model_spec  # noqa: E402
 
 INSTALLED = {"torch": True, "triton": True, "flashinfer-python": False}
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "configs" / "llama-3.1-8b.json"

@@ -15,7 +15,7 @@ import torch
 
 from pipeline.backends.base import AttentionLayer
 from pipeline.backends.registry import BackendContext
-from pipeline.contracts import DeviceFacts, ForwardMode, LayerKind, WorkspacePlan
+from pipeline.core.contracts import DeviceFacts, ForwardMode, LayerKind, WorkspacePlan
 from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
 from pipeline.workspace import WorkspacePool
 
@@ -83,7 +83,7 @@ class Scenario:
         ws = self.ws_pool.allocate(WorkspacePlan(id="ws-shared", owner="primary", bytes=ws_bytes, shared_by=["primary"]))
         facts = DeviceFacts(type=facts_type or ("cuda" if str(device).startswith("cuda") else "cpu"), compute_capability=arch,
                             sm_count=sm_count, source="test")
-        from pipeline.contracts import AttentionArgs, ModelSpec
+        from pipeline.core.contracts import AttentionArgs, ModelSpec
 
         model = ModelSpec(model_type="test", hidden_size=kinds[0].num_heads * kinds[0].head_dim_qk,
                           num_hidden_layers=nl, num_attention_heads=kinds[0].num_heads,

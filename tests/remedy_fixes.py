@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from pipeline.backends import registry
-from pipeline.contracts import AttentionArgs, SetupRequest
+from pipeline.core.contracts import AttentionArgs, SetupRequest
 
 FIELDS = set(AttentionArgs.__struct_fields__)
 

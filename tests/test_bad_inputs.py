@@ -177,7 +177,7 @@ def _call(case, llama, tmp_path):
     import structlog
 
     from pipeline import AttentionArgs, SetupRequest, build_attention_backends, load_model_spec
-    from pipeline.contracts import PoolFacts
+    from pipeline.core.contracts import PoolFacts
     from pipeline.runner import Runner, RunnerConfig
 
     kw = _value(case["kwargs"])
@@ -200,7 +200,7 @@ def _call(case, llama, tmp_path):
         return Runner(RunnerConfig(request=SetupRequest(model=llama, device="cpu", pool=small)), **kw)
     assert call == "closed_backend"
     from pipeline.memory import PageAllocator, make_forward_batch
-    from pipeline.contracts import ForwardMode
+    from pipeline.core.contracts import ForwardMode
 
     args = AttentionArgs(enable_two_batch_overlap=kw.get("enable_two_batch_overlap", False))
     out = build_attention_backends(SetupRequest(args=args, model=llama, device="cpu", pool=small))
@@ -217,7 +217,7 @@ def _call(case, llama, tmp_path):
 @pytest.mark.parametrize("case", LIBRARY, ids=[c["name"] for c in LIBRARY])
 def test_bad_library_input(case, llama, tmp_path):
     """The library raises the typed error (code, flag / JSON path, remedy) with the corpus's exit code."""
-    from pipeline.errors import AttnSetupError
+    from pipeline.core.errors import AttnSetupError
 
     with pytest.raises(AttnSetupError) as e:
         _call(case, llama, tmp_path)

@@ -104,7 +104,7 @@ def test_unwritable_outputs_are_usage_errors(capsys, tmp_path):
 def test_library_rejects_a_non_request():
     """build_attention_backends(None) is a typed usage error, not an AttributeError."""
     from pipeline import build_attention_backends
-    from pipeline.errors import UsageError
+    from pipeline.core.errors import UsageError
 
     with pytest.raises(UsageError) as ei:
         build_attention_backends(None)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CONFIGS, run_main
-from pipeline import events as ev
+from pipeline.core import events as ev
 
 SIX = ["device-init", "resolve", "build-mode", "npu-lazy-mem", "annotate", "done"]
 RUNNER = ["init-distributed", "load-model", "init-memory-pool", "attention", "capture-cuda-graphs", "ready"]

@@ -15,10 +15,10 @@ import msgspec
 import pytest
 
 from conftest import CONFIGS, cuda_facts
-from pipeline import events as ev
+from pipeline.core import events as ev
 from pipeline.build import build_attention_backends
-from pipeline.contracts import AttentionArgs, PoolFacts, SetupRequest
-from pipeline.model_spec import load_model_spec
+from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
+from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
 
 INSTALLED = {"torch": True, "triton": False, "flashinfer-python": False}

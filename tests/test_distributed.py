@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import events as ev
-from pipeline.contracts import DeviceFacts, ResolvedAttentionBackendStr, Resolution
+from pipeline.core import events as ev
+from pipeline.core.contracts import DeviceFacts, ResolvedAttentionBackendStr, Resolution
 from pipeline.distributed import RankGroup, agree_on_resolution, check_rank_device, rank_device
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 HARD_TIMEOUT_S = 120

@@ -13,9 +13,9 @@ import itertools
 import msgspec
 import pytest
 
-from pipeline.contracts import AttentionArgs, ModelSpec
-from pipeline.dtypes import AUTO_RULES, resolve_dtype
-from pipeline.errors import EXIT_REFUSED, ConfigError
+from pipeline.core.contracts import AttentionArgs, ModelSpec
+from pipeline.core.dtypes import AUTO_RULES, resolve_dtype
+from pipeline.core.errors import EXIT_REFUSED, ConfigError
 
 VLLM_NO_FP16 = {"gemma2", "gemma3", "gemma3_text", "plamo2", "glm4"}
 MODEL_TYPES = ["gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "plamo2", "glm4", "llama", "qwen3_next",

@@ -13,12 +13,12 @@ import json
 import msgspec
 import pytest
 
-from pipeline import events as ev
+from pipeline.core import events as ev
 from pipeline.build import build_attention_backends
 from pipeline.cli import main
-from pipeline.contracts import AttentionArgs, PoolFacts, SetupRequest
-from pipeline.errors import ConfigError
-from pipeline.eventlog import EventLog
+from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
+from pipeline.core.errors import ConfigError
+from pipeline.core.eventlog import EventLog
 from pipeline.platforms.fake import FakePlatform
 from pipeline.profiles import PROFILES
 

@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import events as ev
+from pipeline.core import events as ev
 from pipeline import trace as tr
-from pipeline.contracts import SCHEMA_VERSION
-from pipeline.eventlog import REDACTED, EventLog
+from pipeline.core.contracts import SCHEMA_VERSION
+from pipeline.core.eventlog import REDACTED, EventLog
 
 SURROGATES = st.sampled_from(["\ud800", "\udcff", "a\udfffb"])
 TEXT = st.one_of(st.text(max_size=12), SURROGATES, st.sampled_from(["[bold]", "[/]", "[red]x[/red]", "NaN",
@@ -268,8 +268,8 @@ def test_redaction_is_structural(secrets, recs):
 def test_issue_secret_values_keep_the_log_readable(tmp_path, value):
     """The reported values: ATTN_SETUP_SECRET_TOKEN=1 / ':' / 'run_id' corrupted every line before."""
     from conftest import CONFIGS
-    from pipeline.contracts import PoolFacts, SetupRequest
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.contracts import PoolFacts, SetupRequest
+    from pipeline.core.model_spec import load_model_spec
     from pipeline.testing import record_trace
 
     req = SetupRequest(model=load_model_spec(CONFIGS / "llama-3.1-8b.json"), device="cpu",

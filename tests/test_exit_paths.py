@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import events as ev
+from pipeline.core import events as ev
 from pipeline.cli import main
 from pipeline.trace import MAX_LINE_BYTES, TraceReader, read_trace
 
@@ -124,10 +124,10 @@ class _FillsUp:
 def test_log_that_fills_up_is_exit_2_naming_the_flag(tmp_path, capsys, monkeypatch):
     """Writes that start failing mid-run: the run stops there (nothing verified), no traceback, exit 2
     log_write_failed naming --log-file, and every line that did get written is a whole, readable record."""
-    import pipeline.eventlog
+    import pipeline.core.eventlog
 
-    real = pipeline.eventlog.open_regular
-    monkeypatch.setattr(pipeline.eventlog, "open_regular", lambda *a, **k: _FillsUp(real(*a, **k), ok=5))
+    real = pipeline.core.eventlog.open_regular
+    monkeypatch.setattr(pipeline.core.eventlog, "open_regular", lambda *a, **k: _FillsUp(real(*a, **k), ok=5))
     log = tmp_path / "l.jsonl"
     code = main(["run", "--device", "cpu", "--json", "--log-file", str(log), *FAST])
     out = json.loads(capsys.readouterr().out)
@@ -139,10 +139,10 @@ def test_log_that_fills_up_is_exit_2_naming_the_flag(tmp_path, capsys, monkeypat
 
 def test_first_write_failing_stops_before_any_work(tmp_path, capsys, monkeypatch):
     import pipeline.cli_run
-    import pipeline.eventlog
+    import pipeline.core.eventlog
 
-    real = pipeline.eventlog.open_regular
-    monkeypatch.setattr(pipeline.eventlog, "open_regular", lambda *a, **k: _FillsUp(real(*a, **k), ok=0))
+    real = pipeline.core.eventlog.open_regular
+    monkeypatch.setattr(pipeline.core.eventlog, "open_regular", lambda *a, **k: _FillsUp(real(*a, **k), ok=0))
     monkeypatch.setattr(pipeline.cli_run, "preflight", lambda *a: pytest.fail("work started after a failed write"))
     assert main(["run", "--device", "cpu", "--json", "--log-file", str(tmp_path / "l.jsonl")]) == 2
     assert json.loads(capsys.readouterr().out)["error"]["code"] == "log_write_failed"
@@ -150,11 +150,11 @@ def test_first_write_failing_stops_before_any_work(tmp_path, capsys, monkeypatch
 
 def test_library_event_log_never_raises_for_a_failed_write(tmp_path, monkeypatch):
     """The library default: a failing write turns the file off and is recorded, emit goes on."""
-    import pipeline.eventlog
+    import pipeline.core.eventlog
 
-    real = pipeline.eventlog.open_regular
-    monkeypatch.setattr(pipeline.eventlog, "open_regular", lambda *a, **k: _FillsUp(real(*a, **k), ok=1))
-    log = pipeline.eventlog.EventLog("r", 0, tmp_path / "l.jsonl")
+    real = pipeline.core.eventlog.open_regular
+    monkeypatch.setattr(pipeline.core.eventlog, "open_regular", lambda *a, **k: _FillsUp(real(*a, **k), ok=1))
+    log = pipeline.core.eventlog.EventLog("r", 0, tmp_path / "l.jsonl")
     for _ in range(3):
         log.emit(ev.StepSkipped, state="resolve", what="x", reason="y")
     assert len(log.records) == 3 and log.write_error.info.code == "log_write_failed"
@@ -163,8 +163,8 @@ def test_library_event_log_never_raises_for_a_failed_write(tmp_path, monkeypatch
 
 def test_library_log_file_errors_are_typed(tmp_path):
     """EventLog (the library's log_file): a directory or a device is a UsageError, never an OSError."""
-    from pipeline.errors import UsageError
-    from pipeline.eventlog import EventLog
+    from pipeline.core.errors import UsageError
+    from pipeline.core.eventlog import EventLog
 
     for bad in (tmp_path, Path("/dev/full"), Path("/dev/null")):
         with pytest.raises(UsageError) as e:
@@ -175,7 +175,7 @@ def test_library_log_file_errors_are_typed(tmp_path):
 def test_two_launches_sharing_run_id_and_file_stay_apart(tmp_path):
     """A refused launch and a later good one with the same run id, one file: two runs, each with its
     own launch_id; the failure of the first is never the second's."""
-    from pipeline.eventlog import EventLog
+    from pipeline.core.eventlog import EventLog
 
     p = tmp_path / "shared.jsonl"
     a = EventLog("same", 0, p)

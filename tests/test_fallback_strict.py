@@ -23,14 +23,14 @@ import msgspec
 import pytest
 
 from conftest import CONFIGS
-from pipeline import events as ev
+from pipeline.core import events as ev
 from pipeline import report as rp
 from pipeline.build import build_attention_backends
 from pipeline.cli import main
 from pipeline.cli_plan import plan_report
-from pipeline.contracts import AttentionArgs, PoolFacts, SetupRequest
-from pipeline.errors import ConfigError
-from pipeline.model_spec import load_model_spec
+from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
+from pipeline.core.errors import ConfigError
+from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.profiles import PROFILES
 from remedy_fixes import apply, fixes_of
@@ -187,7 +187,7 @@ def test_library_logs_reference_fallback_and_downgrade_as_plan_reports_them(tmp_
 
 def test_library_strict_refuses_in_resolve_before_anything_is_allocated():
     """strict=True on the faked B200: StrictRefusal in resolve, run_failed with its code, no backend or pool."""
-    from pipeline.eventlog import EventLog
+    from pipeline.core.eventlog import EventLog
 
     req = msgspec.structs.replace(_request("llama-3.1-8b", {}, False, strict=True), device="cuda:0")
     log = EventLog("strict-test")

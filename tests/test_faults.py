@@ -11,11 +11,11 @@ import gc
 
 import pytest
 
-from pipeline import events as ev
+from pipeline.core import events as ev
 from pipeline.build import build_attention_backends
-from pipeline.contracts import AttentionArgs, SetupRequest
-from pipeline.eventlog import EventLog
-from pipeline.faults import Faults, InjectedFault, points_of_run
+from pipeline.core.contracts import AttentionArgs, SetupRequest
+from pipeline.core.eventlog import EventLog
+from pipeline.core.faults import Faults, InjectedFault, points_of_run
 
 INSTALLED = {"torch": True, "triton": False, "flashinfer-python": False}
 
@@ -39,8 +39,8 @@ def tiny():
     import json
 
     from conftest import CONFIGS
-    from pipeline.contracts import PoolFacts
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.contracts import PoolFacts
+    from pipeline.core.model_spec import load_model_spec
 
     cfg = json.loads((CONFIGS / "llama-3.1-8b.json").read_text())
     cfg["num_hidden_layers"] = 2

@@ -16,8 +16,8 @@ import torch
 from pipeline.backends.registry import get  # noqa: I001  (registry first: it imports capabilities)
 from pipeline.backends import capabilities, flashinfer_sizing as sz
 
-from pipeline.contracts import ForwardMode
-from pipeline.errors import BackendUnavailable, CapabilityMismatch, ConfigError
+from pipeline.core.contracts import ForwardMode
+from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError
 from pipeline.jit import Variant, ensure_compiled, heartbeat
 import fake_flashinfer
 from fi_reference import Scenario, dense_reference, make_kind, make_layer, rel_err

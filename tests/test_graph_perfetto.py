@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import events as ev
+from pipeline.core import events as ev
 from pipeline.cli import main
-from pipeline.eventlog import EventLog
-from pipeline.machine import STEPS, State
+from pipeline.core.eventlog import EventLog
+from pipeline.core.machine import STEPS, State
 from pipeline.perfetto import chrome_trace
 from pipeline.trace import read_trace
 

@@ -21,7 +21,7 @@ from fi_reference import Scenario, make_kind, make_layer
 from pipeline.backends import registry
 from pipeline.backends.hybrid import HybridAttnBackend
 from pipeline.backends.tbo import TboAttnBackend
-from pipeline.contracts import ForwardMode
+from pipeline.core.contracts import ForwardMode
 from spies import spy_tbo
 
 KINDS = [make_kind(8, 2, 16, layer_ids=(0,)), make_kind(8, 2, 16, window=5, softcap=3.0, layer_ids=(1,)),

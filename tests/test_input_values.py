@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import CONFIGS
-from pipeline import settings as attn_settings
-from pipeline.contracts import AttentionArgs, ModelSpec, PoolFacts, SetupRequest
-from pipeline.errors import ConfigError, ModelConfigError
-from pipeline.model_spec import load_model_spec
-from pipeline.validation import MAX_BYTES, check_device, matches
+from pipeline.core import settings as attn_settings
+from pipeline.core.contracts import AttentionArgs, ModelSpec, PoolFacts, SetupRequest
+from pipeline.core.errors import ConfigError, ModelConfigError
+from pipeline.core.model_spec import load_model_spec
+from pipeline.core.validation import MAX_BYTES, check_device, matches
 
 LLAMA = json.loads((CONFIGS / "llama-3.1-8b.json").read_text())
 DEEPSEEK = json.loads((CONFIGS / "deepseek-v2-lite.json").read_text())
@@ -200,7 +200,7 @@ def test_pool_exceeding_memory_names_the_flag_and_a_value_that_fits(llama, avail
     """check_fits refuses pools above 90% of free memory; the value its remedy names then passes size_pools + check_fits."""
     import re
 
-    from pipeline.pool_sizing import POOL_MEMORY_SHARE, check_fits, kv_bytes_per_token, size_pools
+    from pipeline.core.pool_sizing import POOL_MEMORY_SHARE, check_fits, kv_bytes_per_token, size_pools
 
     kinds, limit = llama.layer_kinds(), int(avail * POOL_MEMORY_SHARE)
     per_tok = kv_bytes_per_token(kinds, 2, "bfloat16")
@@ -234,7 +234,7 @@ def test_pool_exceeding_memory_names_the_flag_and_a_value_that_fits(llama, avail
 
 def test_runner_refuses_a_pool_beyond_the_platforms_memory_before_allocating(llama):
     """Runner.init_memory_pool checks the sized pools against the platform's free memory; nothing allocated."""
-    from pipeline.contracts import DeviceFacts
+    from pipeline.core.contracts import DeviceFacts
     from pipeline.platforms.fake import FakePlatform
     from pipeline.runner import Runner, RunnerConfig
 

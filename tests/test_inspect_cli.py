@@ -113,7 +113,7 @@ def test_replay_cli_exit_codes(capsys, monkeypatch, tmp_path):
 def test_runner_failure_before_the_setup_machine(capsys, tmp_path, llama):
     """A runner that fails in init-memory-pool: the timeline shows the runner's states with their real
     outcomes (not one 'init-distributed failed' row), the setup machine is absent, Perfetto and graph agree."""
-    from pipeline.contracts import DeviceFacts, PoolFacts, SetupRequest
+    from pipeline.core.contracts import DeviceFacts, PoolFacts, SetupRequest
     from pipeline.platforms.fake import FakePlatform
     from pipeline.runner import Runner, RunnerConfig
 

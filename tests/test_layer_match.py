@@ -20,8 +20,8 @@ import fake_flashinfer
 from fi_reference import Scenario, make_kind, make_layer
 from pipeline.backends import base, registry
 from pipeline.backends.base import LAYER_FIELDS, PlannedLayers
-from pipeline.contracts import ForwardMode
-from pipeline.errors import LayerMismatch
+from pipeline.core.contracts import ForwardMode
+from pipeline.core.errors import LayerMismatch
 
 ON_GPU = torch.cuda.is_available()
 # layer 0 full, layer 1 sliding window 5 with softcap 3, layer 2 full with sinks; D = Dv = 16, GQA 4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import OrderingError
-from pipeline.machine import ORDER, STEPS, TERMINAL, GuardError, SetupMachine, State
+from pipeline.core.errors import OrderingError
+from pipeline.core.machine import ORDER, STEPS, TERMINAL, GuardError, SetupMachine, State
 
 
 class _Ok:

@@ -21,9 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.contracts import ModelSpec
-from pipeline.errors import EXIT_REFUSED, EXIT_USAGE, ConfigError, ModelConfigError, UsageError
-from pipeline.model_spec import (
+from pipeline.core.contracts import ModelSpec
+from pipeline.core.errors import EXIT_REFUSED, EXIT_USAGE, ConfigError, ModelConfigError, UsageError
+from pipeline.core.model_spec import (
     DEFAULT_MODEL_CONFIG, LAYER_RULES, attention_prefix, format_layer_ids, layer_kinds, layers_covering_every_kind,
     load_model_spec,
 )
@@ -207,8 +207,8 @@ def test_rule_table_cites_every_entry():
 
 
 def test_module_does_not_import_torch():
-    """pipeline.model_spec imports without torch."""
-    code = "import sys, pipeline.model_spec; sys.exit('torch' in sys.modules)"
+    """pipeline.core.model_spec imports without torch."""
+    code = "import sys, pipeline.core.model_spec; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 

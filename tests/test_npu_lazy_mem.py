@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from conftest import npu_facts
-from pipeline import events as ev
+from pipeline.core import events as ev
 from pipeline.build import build_attention_backends
-from pipeline.contracts import AttentionArgs, SetupRequest
+from pipeline.core.contracts import AttentionArgs, SetupRequest
 from pipeline.platforms.fake import FakePlatform
-from pipeline import settings
+from pipeline.core import settings
 from states import npu_lazy_mem
 
 INSTALLED = {"torch": True, "triton": False, "flashinfer-python": False}
@@ -85,7 +85,7 @@ def test_explicit_zero_field_beats_env(monkeypatch):
 
 def test_bad_env_value_is_a_typed_error(monkeypatch):
     """A non-integer env value is refused naming the variable."""
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", "lots")
     with pytest.raises(ConfigError) as ei:
@@ -95,7 +95,7 @@ def test_bad_env_value_is_a_typed_error(monkeypatch):
 
 def test_flashinfer_workspace_defaults(llama, monkeypatch):
     """384 MiB by default, 512 MiB for Qwen3ForCausalLM (sglang's architecture rule), env and field override."""
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.model_spec import load_model_spec
     from conftest import CONFIGS
 
     monkeypatch.delenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", raising=False)

@@ -16,8 +16,8 @@ import os
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import OrderingError
-from pipeline.machine import ORDER, STEPS, GuardError, SetupMachine, State
+from pipeline.core.errors import OrderingError
+from pipeline.core.machine import ORDER, STEPS, GuardError, SetupMachine, State
 
 EXAMPLES = int(os.environ.get("ATTN_SETUP_HYPOTHESIS_EXAMPLES", "300"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

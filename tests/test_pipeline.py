@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from conftest import cuda_facts
-from pipeline import events as ev
+from pipeline.core import events as ev
 from pipeline.backends import registry
 from pipeline.backends.capabilities import TORCH_NATIVE
 from pipeline.build import build_attention_backends
-from pipeline.contracts import AttentionArgs, SetupRequest
-from pipeline.errors import BackendUnknown, CapabilityMismatch, ConflictingOptions
+from pipeline.core.contracts import AttentionArgs, SetupRequest
+from pipeline.core.errors import BackendUnknown, CapabilityMismatch, ConflictingOptions
 from pipeline.platforms.fake import FakePlatform
 from spies import spy_hybrid, spy_tbo
 
@@ -142,7 +142,7 @@ def _assert_refused_before_allocation(exc_info, records_holder):
 
 def test_pdmux_with_tbo_is_refused_before_anything_is_allocated(llama, small_pool):
     """PD-mux + TBO: ConflictingOptions naming both flags, exit code 3, no backend built."""
-    from pipeline.eventlog import EventLog
+    from pipeline.core.eventlog import EventLog
 
     log = EventLog("t", 0)
     with pytest.raises(ConflictingOptions) as ei:
@@ -189,7 +189,7 @@ def test_failure_in_each_state_is_logged_released_and_retryable(llama, small_poo
     import importlib
     import weakref
 
-    from pipeline.eventlog import EventLog
+    from pipeline.core.eventlog import EventLog
 
     mod = importlib.import_module(module)
     refs = []
@@ -243,8 +243,8 @@ def test_events_round_trip_through_json(llama, small_pool):
 def test_flashinfer_workspace_too_small_is_refused_in_build_mode_before_allocation(llama, small_pool):
     """A flashinfer_workspace_size below the planned need fails build-mode naming the field and bytes."""
     from pipeline.backends import flashinfer_sizing as sizing
-    from pipeline.errors import ConfigError
-    from pipeline.eventlog import EventLog
+    from pipeline.core.errors import ConfigError
+    from pipeline.core.eventlog import EventLog
 
     log = EventLog("t", 0)
     req = _req(llama, small_pool, attention_backend="flashinfer", flashinfer_workspace_size=1 << 20, device="cuda")
@@ -265,7 +265,7 @@ def test_flashinfer_workspace_too_small_is_refused_in_build_mode_before_allocati
 
 def test_engine_pools_are_used_and_checked_against_the_request(llama, small_pool):
     """pools= must match request.pool and the model: a mismatch is pools_mismatch (exit 3) before allocation."""
-    from pipeline.errors import ConfigError, UsageError
+    from pipeline.core.errors import ConfigError, UsageError
     from pipeline.memory import KVPool, ReqToTokenPool
 
     kinds, p, n = llama.layer_kinds(), small_pool, llama.num_hidden_layers

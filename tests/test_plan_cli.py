@@ -13,9 +13,9 @@ import msgspec
 import pytest
 
 from pipeline import profiles
-from pipeline.contracts import AttentionArgs
-from pipeline.errors import BackendUnavailable
-from pipeline.model_spec import load_model_spec
+from pipeline.core.contracts import AttentionArgs
+from pipeline.core.errors import BackendUnavailable
+from pipeline.core.model_spec import load_model_spec
 from states import resolve
 
 ROOT = Path(__file__).resolve().parents[1]

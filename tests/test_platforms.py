@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 
-from pipeline.contracts import AttentionArgs, PoolFacts, SetupRequest
-from pipeline.errors import BuildError, ConfigError
+from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
+from pipeline.core.errors import BuildError, ConfigError
 from pipeline.platforms import platform_for
 from pipeline.platforms.musa import MusaPlatform
 from pipeline.platforms.npu import NpuPlatform

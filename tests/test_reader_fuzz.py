@@ -16,7 +16,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import events as ev
+from pipeline.core import events as ev
 from pipeline.cli import main
 from pipeline.trace import read_trace
 
@@ -148,7 +148,7 @@ def test_every_field_at_every_extreme(tmp_path, capsys):
     import io
 
     from pipeline import cli_graph, cli_inspect
-    from pipeline.errors import UsageError
+    from pipeline.core.errors import UsageError
     from pipeline.perfetto import chrome_trace
     from pipeline.replay import replay
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from conftest import ROOT
-from pipeline import events as ev
+from pipeline.core import events as ev
 
 README = (ROOT / "README.md").read_text()
 
@@ -31,7 +31,7 @@ def test_event_catalogue_matches_the_structs():
 
 def test_exit_code_table():
     """The exit-code table lists 0-3 with the documented meanings."""
-    from pipeline import errors
+    from pipeline.core import errors
 
     assert (errors.EXIT_OK, errors.EXIT_FAILED, errors.EXIT_USAGE, errors.EXIT_REFUSED) == (0, 1, 2, 3)
     for code, word in ((0, "success"), (1, "failed"), (2, "usage"), (3, "refused")):

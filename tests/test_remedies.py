@@ -24,8 +24,8 @@ from pipeline.backends import registry
 from pipeline.cli import build_parser, main
 from pipeline.cli_plan import installed_from, plan_report
 from pipeline.cli_run import request_from
-from pipeline.contracts import AttentionArgs, ErrorInfo
-from pipeline.errors import ConfigError, UsageError
+from pipeline.core.contracts import AttentionArgs, ErrorInfo
+from pipeline.core.errors import ConfigError, UsageError
 from pipeline.profiles import PROFILES
 from pipeline.wording import cli_dests, to_cli
 from remedy_fixes import Fix, apply, backends_named, fixes_of
@@ -77,7 +77,7 @@ def _check_remedy(request, device, installed, info: ErrorInfo) -> int:
 # --- the resolve table -----------------------------------------------------------------------------
 
 def _table_request(row, **extra):
-    from pipeline.contracts import PoolFacts, SetupRequest
+    from pipeline.core.contracts import PoolFacts, SetupRequest
 
     args = AttentionArgs(**{**row.flags, **extra})
     draft = _model(row.draft_config) if row.draft_config else None
@@ -110,8 +110,8 @@ FORCED_NAMES = (sorted(registry.names()) + ["flashmla", "aiter", "trtllm_mha", "
 def test_forced_names_on_every_profile_and_model():
     """Registered, sglang-only, mistyped and unknown names forced on each distinct profile × model (global flag,
     and the decode flag under strict, where the other half falls back): every refusal's remedy is true."""
-    from pipeline.contracts import PoolFacts, SetupRequest
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.contracts import PoolFacts, SetupRequest
+    from pipeline.core.model_spec import load_model_spec
 
     models = [load_model_spec(CONFIGS / f"{m}.json") for m in FORCED_MODELS]
     refusals = 0
@@ -198,8 +198,8 @@ def test_every_corpus_refusal_has_a_true_remedy(case, tmp_path, capsys, monkeypa
 # --- did you mean ------------------------------------------------------------------------------------
 
 def _refusal(profile, installed, **args):
-    from pipeline.contracts import PoolFacts, SetupRequest
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.contracts import PoolFacts, SetupRequest
+    from pipeline.core.model_spec import load_model_spec
 
     req = SetupRequest(args=AttentionArgs(**args), model=load_model_spec(CONFIGS / "llama-3.1-8b.json"),
                        device="cpu", pool=PoolFacts())
@@ -250,8 +250,8 @@ def test_no_suggestion_for_a_name_close_to_nothing():
 ])
 def test_unavailable_sglang_names_advise_only_what_resolves(profile, model, name, want):
     """The issue's two false remedies: flashmla on an H200 MLA model and aiter on an MI300X now offer only torch_native."""
-    from pipeline.contracts import PoolFacts, SetupRequest
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.contracts import PoolFacts, SetupRequest
+    from pipeline.core.model_spec import load_model_spec
 
     req = SetupRequest(args=AttentionArgs(attention_backend=name), model=load_model_spec(CONFIGS / f"{model}.json"),
                        device="cpu", pool=PoolFacts())
@@ -346,8 +346,8 @@ MANY_NAMES = [None, None, "torch_native", "triton", "flashinfer", "fa3", "trtllm
 def faulty_requests(draw):
     """Any mix of backend flags (typos and sglang-only names too), modes, dtypes, strict, worker kind and device;
     torch installed (a remedy cannot install a package for a second fault), triton/flashinfer either way."""
-    from pipeline.contracts import PoolFacts, SetupRequest
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.contracts import PoolFacts, SetupRequest
+    from pipeline.core.model_spec import load_model_spec
 
     names = st.sampled_from(MANY_NAMES)
     args = AttentionArgs(

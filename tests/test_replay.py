@@ -7,7 +7,7 @@ import pytest
 
 import pipeline
 from pipeline import testing
-from pipeline.errors import UsageError
+from pipeline.core.errors import UsageError
 from pipeline.replay import Divergence, replay
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
@@ -47,7 +47,7 @@ def test_changed_blas_rule_diverges(monkeypatch):
 
 def test_changed_mode_rule_diverges(monkeypatch):
     import states.build_mode as bm
-    from pipeline.contracts import Mode
+    from pipeline.core.contracts import Mode
 
     monkeypatch.setattr(bm, "decide_mode", lambda args, is_draft_worker: (Mode.TBO, []))
     d = replay(GOLDEN / "ok_default.jsonl").divergence
@@ -91,8 +91,8 @@ def test_unreadable_trace(tmp_path):
 
 
 def test_record_trace_on_fake_gpu_replays(tmp_path):
-    from pipeline.contracts import SetupRequest
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.contracts import SetupRequest
+    from pipeline.core.model_spec import load_model_spec
 
     req = SetupRequest(model=load_model_spec(GOLDEN.parents[2] / "pipeline/data/configs/llama-3.1-8b.json"),
                        device="cuda:0", pool=pipeline.PoolFacts(max_reqs=2, max_context_len=64, num_token_slots=64))
@@ -106,8 +106,8 @@ def test_record_trace_on_fake_gpu_replays(tmp_path):
 
 
 def _record(tmp_path, config, name, **args):
-    from pipeline.contracts import AttentionArgs, SetupRequest
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.contracts import AttentionArgs, SetupRequest
+    from pipeline.core.model_spec import load_model_spec
 
     model = load_model_spec(GOLDEN.parents[2] / "examples/configs" / config)
     req = SetupRequest(args=AttentionArgs(**args), model=model, device="cpu",
@@ -120,7 +120,7 @@ def test_dtype_rule_is_recorded_and_replayed(tmp_path, monkeypatch):
     """gemma-2 (float32 checkpoint): setting_resolved dtype bfloat16 from auto:float32_to_bfloat16 replays the
     same; a changed rule diverges at resolve / setting.dtype."""
     import states.resolve as rs
-    from pipeline.contracts import DtypeChoice
+    from pipeline.core.contracts import DtypeChoice
 
     path = _record(tmp_path, "gemma-2-9b.json", "gemma2.jsonl")
     rec = [r for r in _raw(path) if r["event"] == "setting_resolved" and r["field"] == "dtype"]

@@ -8,9 +8,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.contracts import AttentionArgs, Resolution
-from pipeline.errors import ConfigError
-from pipeline.model_spec import load_model_spec
+from pipeline.core.contracts import AttentionArgs, Resolution
+from pipeline.core.errors import ConfigError
+from pipeline.core.model_spec import load_model_spec
 from pipeline.profiles import PROFILES
 from states import resolve
 

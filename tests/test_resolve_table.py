@@ -30,9 +30,9 @@ import msgspec
 import pytest
 
 from pipeline.cli_plan import plan_report
-from pipeline.contracts import AttentionArgs, ModelSpec, PoolFacts, SetupRequest
-from pipeline.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
-from pipeline.model_spec import load_model_spec
+from pipeline.core.contracts import AttentionArgs, ModelSpec, PoolFacts, SetupRequest
+from pipeline.core.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
+from pipeline.core.model_spec import load_model_spec
 from pipeline.profiles import PROFILES
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"

@@ -6,14 +6,14 @@ import msgspec
 import pytest
 
 from conftest import CONFIGS, npu_facts
-from pipeline import events as ev
-from pipeline.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
+from pipeline.core import events as ev
+from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
 from pipeline.cuda_graphs import capture_batch_sizes, skip_reason
-from pipeline.errors import ConfigError, OrderingError
-from pipeline.machine import GuardError
-from pipeline.model_spec import load_model_spec
+from pipeline.core.errors import ConfigError, OrderingError
+from pipeline.core.machine import GuardError
+from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
-from pipeline.pool_sizing import kv_bytes_per_token, size_pools
+from pipeline.core.pool_sizing import kv_bytes_per_token, size_pools
 from pipeline.runner import Runner, RunnerConfig, RunnerState
 
 ORDER = ["init-distributed", "load-model", "init-memory-pool", "attention", "capture-cuda-graphs", "ready"]

@@ -7,7 +7,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from pipeline.eventlog import secrets_from_env
+from pipeline.core.eventlog import secrets_from_env
 
 
 def _cli(*args, env):
@@ -46,8 +46,8 @@ def test_no_secret_in_any_output(tmp_path):
 def test_library_logs_redacted(tmp_path):
     import structlog
 
-    from pipeline import events as ev
-    from pipeline.eventlog import EventLog
+    from pipeline.core import events as ev
+    from pipeline.core.eventlog import EventLog
 
     secret = "tok-" + uuid.uuid4().hex
     log = EventLog("r", 0, tmp_path / "x.jsonl", secrets=(secret,))

@@ -10,8 +10,8 @@ import torch
 
 from pipeline.backends.base import AttentionLayer
 from pipeline.backends.torch_native import TorchNativeBackend, create
-from pipeline.contracts import ForwardMode
-from pipeline.errors import BuildError
+from pipeline.core.contracts import ForwardMode
+from pipeline.core.errors import BuildError
 from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
 from pipeline.reference import reference_attention, rel_err
 
@@ -271,7 +271,7 @@ def test_no_cuda_graphs_and_factory():
     from types import SimpleNamespace
 
     from pipeline.backends import registry
-    from pipeline.contracts import LayerKind
+    from pipeline.core.contracts import LayerKind
 
     kinds = [LayerKind(kind="full", num_heads=4, num_kv_heads=2, head_dim_qk=8, head_dim_v=8, scaling=0.5,
                        layer_ids=[0, 1])]

@@ -9,10 +9,10 @@ import time
 import msgspec
 import pytest
 
-from pipeline import events as ev
+from pipeline.core import events as ev
 from pipeline import trace as tr
-from pipeline.contracts import DeviceFacts, ErrorInfo, InstancePlan, Mode, Rejection, WorkspacePlan
-from pipeline.eventlog import EventLog
+from pipeline.core.contracts import DeviceFacts, ErrorInfo, InstancePlan, Mode, Rejection, WorkspacePlan
+from pipeline.core.eventlog import EventLog
 
 ERR = ErrorInfo(code="capability_mismatch", state="resolve", message="m", remedy="r")
 SAMPLES = {
@@ -106,7 +106,7 @@ def test_schema_version_below_one_or_not_an_integer_is_invalid(tmp_path, version
 def test_missing_file_and_nothing_readable(tmp_path):
     t = tr.read_trace([tmp_path / "nope.jsonl"])
     assert t.unreadable_files == [str(tmp_path / "nope.jsonl")] and t.runs == []
-    from pipeline.errors import UsageError
+    from pipeline.core.errors import UsageError
     with pytest.raises(UsageError) as e:
         t.require_records()
     assert e.value.info.code == "trace_unreadable" and e.value.exit_code == 2
@@ -128,8 +128,8 @@ def test_heartbeat_records(tmp_path):
 
 SCRIPT = """
 import os, signal, sys
-from pipeline import events as ev
-from pipeline.eventlog import EventLog
+from pipeline.core import events as ev
+from pipeline.core.eventlog import EventLog
 log = EventLog("sig", 0, sys.argv[1])
 log.install_signal_handlers()
 log.emit(ev.StateTransition, state="build-mode", from_state="resolve", to="build-mode", trigger="resolved", duration_ms=1.0)

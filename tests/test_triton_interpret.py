@@ -29,8 +29,8 @@ pytestmark = pytest.mark.skipif(HAS_CUDA, reason="CUDA present: tests/gpu/test_t
 
 from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.backends.triton import launch as DEC  # noqa: E402
-from pipeline.contracts import ForwardMode  # noqa: E402
-from pipeline.errors import BuildError, CapabilityMismatch  # noqa: E402
+from pipeline.core.contracts import ForwardMode  # noqa: E402
+from pipeline.core.errors import BuildError, CapabilityMismatch  # noqa: E402
 from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
 from pipeline.reference import reference_attention, rel_err  # noqa: E402
 
@@ -356,7 +356,7 @@ def test_factory_refuses_mla_kind():
     from types import SimpleNamespace
 
     from pipeline.backends.triton.backend import create
-    from pipeline.contracts import LayerKind
+    from pipeline.core.contracts import LayerKind
 
     mla = LayerKind(kind="full", num_heads=16, num_kv_heads=1, head_dim_qk=1088, head_dim_v=1024, scaling=0.1,
                     is_mla=True)

@@ -35,8 +35,8 @@ pytestmark = pytest.mark.skipif(HAS_CUDA,
 from conftest import CONFIGS  # noqa: E402
 from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.backends.triton import launch_mla as M  # noqa: E402
-from pipeline.contracts import ForwardMode, LayerKind  # noqa: E402
-from pipeline.errors import BuildError, CapabilityMismatch, LayerMismatch  # noqa: E402
+from pipeline.core.contracts import ForwardMode, LayerKind  # noqa: E402
+from pipeline.core.errors import BuildError, CapabilityMismatch, LayerMismatch  # noqa: E402
 from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
 from pipeline.reference import reference_attention, rel_err  # noqa: E402
 
@@ -176,7 +176,7 @@ def test_mla_extend_reads_new_rows_from_kv_new_not_the_cache():
 
 # ------------------------------------------------------------------------------------------- backend
 def _v2_lite_layer():
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.model_spec import load_model_spec
 
     spec = load_model_spec(CONFIGS / "deepseek-v2-lite.json")
     kind = spec.layer_kinds()[0]
@@ -242,7 +242,7 @@ def test_backend_mla_stack_matches_unabsorbed_float64_model():
     through the triton backend equals the float64 *un-absorbed* model (per-head k_nope / v from the
     latent), over extend, chunked extend and decode: the absorption, the YaRN scale and the kernels agree."""
     from pipeline.model import AttentionStack, reference_forward
-    from pipeline.model_spec import load_model_spec
+    from pipeline.core.model_spec import load_model_spec
 
     spec = load_model_spec(CONFIGS / "deepseek-v2-lite.json")
     stack = AttentionStack(spec, dtype=torch.bfloat16, device="cpu", num_layers=1, seed=7)

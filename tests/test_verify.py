@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pipeline.backends.torch_native import TorchNativeBackend
-from pipeline.contracts import LayerKind, MLADims, ModelSpec
-from pipeline.errors import BuildError
+from pipeline.core.contracts import LayerKind, MLADims, ModelSpec
+from pipeline.core.errors import BuildError
 from pipeline.memory import KVPool, ReqToTokenPool
 from pipeline.verify import VERIFY_CHUNK, VERIFY_WINDOW, VerifyResult, verification_model, verify_all, verify_backend
 

@@ -26,9 +26,9 @@ from pipeline.backends.base import AttentionBackend, PlannedLayers
 from pipeline.backends.capabilities import TORCH_NATIVE
 from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.build import build_attention_backends
-from pipeline.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
+from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
 from pipeline.model import truncate_spec
-from pipeline.model_spec import load_model_spec
+from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.verify import VERIFY_WINDOW, slots_needed, verification_model, verify_backend, verify_built
 
@@ -176,7 +176,7 @@ def test_flashinfer_verifies_with_windows_that_bite(config, mode, fake_fi, spy_b
     """FlashInfer (fake kernels) in every mode: rebuilt for window 7, every role passes; the originals would refuse.
 
     Fewer heads (the fake's Python loops are slow; same GQA ratio); head dims, window, softcap and sinks as bundled."""
-    from pipeline.errors import LayerMismatch
+    from pipeline.core.errors import LayerMismatch
 
     req, out = built(config, platform=FakePlatform(FAKE_GPU), installed=FI_INSTALLED, dtype="bfloat16",
                      flashinfer_workspace_size=64 << 20, head_div=HEAD_DIV[config], **FI_MODES[mode])

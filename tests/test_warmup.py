@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from conftest import CONFIGS, cuda_facts
-from pipeline.contracts import AttentionArgs, ResolvedAttentionBackendStr, SetupRequest
+from pipeline.core.contracts import AttentionArgs, ResolvedAttentionBackendStr, SetupRequest
 from pipeline.cli_warmup import variants_for_request
-from pipeline.model_spec import load_model_spec
+from pipeline.core.model_spec import load_model_spec
 
 
 def _names(config, pair, **args):

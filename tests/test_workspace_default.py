@@ -13,9 +13,9 @@ import json
 import pytest
 
 from conftest import CONFIGS
-from pipeline import settings
-from pipeline.contracts import AttentionArgs
-from pipeline.model_spec import load_model_spec
+from pipeline.core import settings
+from pipeline.core.contracts import AttentionArgs
+from pipeline.core.model_spec import load_model_spec
 
 MiB = 1 << 20
 BASE = json.loads((CONFIGS / "qwen3-8b.json").read_text())

@@ -9,8 +9,8 @@ from pipeline.backends.base import AttentionLayer
 from pipeline.backends.hybrid import HybridAttnBackend
 from pipeline.backends.tbo import TboAttnBackend, split_batch
 from pipeline.backends.torch_native import TorchNativeBackend
-from pipeline.contracts import ForwardMode, LayerKind
-from pipeline.errors import BackendClosed, BuildError
+from pipeline.core.contracts import ForwardMode, LayerKind
+from pipeline.core.errors import BackendClosed, BuildError
 from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
 from pipeline.reference import rel_err
 from pipeline.verify import verify_backend

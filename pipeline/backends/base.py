@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
-from pipeline.contracts import ForwardMode, LayerKind
-from pipeline.errors import LayerMismatch
+from pipeline.core.contracts import ForwardMode, LayerKind
+from pipeline.core.errors import LayerMismatch
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -98,7 +98,7 @@ def _same(call: Any, built: Any) -> bool:
 def check_layer(planned: "PlannedLayers", layer: Any) -> LayerKind:
     """Compare ``layer`` with the kind its ``layer_id`` was built for; returns that kind.
 
-    Raises :class:`~pipeline.errors.LayerMismatch` naming the backend, its role, the layer id, the
+    Raises :class:`~pipeline.core.errors.LayerMismatch` naming the backend, its role, the layer id, the
     field, the call's value and the built value — for the first field of :data:`LAYER_FIELDS`
     that differs, or for a layer id the backend was not built for. Host-only work (no device access).
     """
@@ -153,7 +153,7 @@ class PlannedLayers:
         self._seen: dict[int, Any] = {}
 
     def check(self, layer: Any) -> None:
-        """Raise :class:`~pipeline.errors.LayerMismatch` unless ``layer`` matches what was built for its id."""
+        """Raise :class:`~pipeline.core.errors.LayerMismatch` unless ``layer`` matches what was built for its id."""
         if self._seen.get(layer.layer_id) is not layer:
             check_layer(self, layer)
             self._seen[layer.layer_id] = layer
@@ -208,7 +208,7 @@ class AttentionBackend(abc.ABC):
     ``decode_attention_backend_str`` hold the resolved names (as sglang sets them).
 
     After :meth:`close` (any subclass's), every forward, metadata and CUDA-graph method raises
-    :class:`pipeline.errors.BackendClosed` instead of touching released buffers: ``close`` moves
+    :class:`pipeline.core.errors.BackendClosed` instead of touching released buffers: ``close`` moves
     the instance to a closed view of its class (:func:`mark_closed`), so no forward call pays for
     a check.
     """
@@ -287,7 +287,7 @@ _CLOSED_VIEWS: dict[type, type] = {}
 
 def _refuse(method: str) -> Callable[..., Any]:
     def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from pipeline.errors import BackendClosed
+        from pipeline.core.errors import BackendClosed
 
         name = getattr(self, "name", type(self).__name__)
         raise BackendClosed(f"{type(self).__name__}.{method}() was called after close() released this backend",
@@ -300,7 +300,7 @@ def _refuse(method: str) -> Callable[..., Any]:
 
 def mark_closed(backend: Any) -> None:
     """Move ``backend`` to the closed view of its class, whose :data:`GUARDED_METHODS` raise
-    :class:`pipeline.errors.BackendClosed` (idempotent; attributes and ``isinstance`` are kept)."""
+    :class:`pipeline.core.errors.BackendClosed` (idempotent; attributes and ``isinstance`` are kept)."""
     cls = type(backend)
     if getattr(cls, "_closed_view", False):
         return

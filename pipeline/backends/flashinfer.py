@@ -35,8 +35,8 @@ from pipeline.backends import flashinfer_sizing as sizing
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
 from pipeline.backends.flashinfer_graph import GraphState
 from pipeline.backends.kv_indices import gather_kv_indices, host_page_meta
-from pipeline.contracts import ForwardMode, LayerKind
-from pipeline.errors import BackendUnavailable, CapabilityMismatch, ConfigError
+from pipeline.core.contracts import ForwardMode, LayerKind
+from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError
 from pipeline.jit import Variant, ensure_compiled, variants_for
 
 PACKAGE = "flashinfer-python"

@@ -46,7 +46,7 @@ class GraphState:
     def wrappers(self, bs: int) -> list[tuple["KindWrappers", Any, bool]]:
         """(kind, wrapper, is_prefill_class) per layer kind for batch size ``bs`` (made on first use)."""
         if bs > self.max_bs:
-            from pipeline.errors import ConfigError
+            from pipeline.core.errors import ConfigError
 
             raise ConfigError(f"graph batch size {bs} exceeds the {self.max_bs} buffers were sized for",
                               flags=[("cuda_graph_max_bs", self.max_bs), ("bs", bs)],

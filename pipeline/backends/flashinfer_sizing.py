@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 MiB = 1 << 20
 DEFAULT_WORKSPACE_BYTES = 384 * MiB
@@ -172,7 +172,7 @@ def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: st
 
 
 def shapes_of(kinds: Iterable[Any]) -> list[HeadShape]:
-    """The :class:`HeadShape` of each :class:`~pipeline.contracts.LayerKind` (heads, kv heads, v dim, sinks)."""
+    """The :class:`HeadShape` of each :class:`~pipeline.core.contracts.LayerKind` (heads, kv heads, v dim, sinks)."""
     return [HeadShape(k.num_heads, k.num_kv_heads, k.head_dim_v, k.has_sinks) for k in kinds]
 
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 
-from pipeline.errors import BackendUnavailable, BackendUnknown
+from pipeline.core.errors import BackendUnavailable, BackendUnknown
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pipeline.contracts import AttentionArgs, DeviceFacts, LayerKind, ModelSpec
+    from pipeline.core.contracts import AttentionArgs, DeviceFacts, LayerKind, ModelSpec
     from pipeline.memory import KVPool, ReqToTokenPool
     from pipeline.workspace import Workspace
 

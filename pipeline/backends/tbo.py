@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
-from pipeline.errors import BuildError
+from pipeline.core.errors import BuildError
 
 __all__ = ["TboAttnBackend", "split_batch", "split_point"]
 

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
-from pipeline.contracts import LayerKind
-from pipeline.errors import BuildError
+from pipeline.core.contracts import LayerKind
+from pipeline.core.errors import BuildError
 
 __all__ = ["TorchNativeBackend", "create", "check_forward_inputs", "batch_layout"]
 

@@ -7,7 +7,7 @@ import torch; each platform imports it when it first touches the device.
 from __future__ import annotations
 
 from pipeline.platforms.base import Platform
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 __all__ = ["Platform", "platform_for", "parse_device"]
 
@@ -16,9 +16,9 @@ def parse_device(device: str) -> tuple[str, int]:
     """``"cuda:1"`` → ("cuda", 1); ``"cpu"`` → ("cpu", 0); ``"auto"`` → ("auto", 0).
 
     Raises ConfigError (``invalid_value``, flag ``device``) for a string that is not a device
-    (:func:`pipeline.validation.check_device`), e.g. ``cuda:²``.
+    (:func:`pipeline.core.validation.check_device`), e.g. ``cuda:²``.
     """
-    from pipeline.validation import check_device
+    from pipeline.core.validation import check_device
 
     check_device(device)
     head, _, idx = device.partition(":")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol, runtime_checkable
 
-from pipeline.contracts import DeviceFacts
+from pipeline.core.contracts import DeviceFacts
 
 
 @runtime_checkable

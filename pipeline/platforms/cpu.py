@@ -6,7 +6,7 @@ import os
 import platform as _pyplatform
 from typing import Any, Optional
 
-from pipeline.contracts import DeviceFacts
+from pipeline.core.contracts import DeviceFacts
 
 
 class CpuPlatform:
@@ -36,6 +36,6 @@ class CpuPlatform:
 
     def memory_available(self, index: int = 0) -> int:
         """Host bytes free now (``MemAvailable``), what CPU pools are checked against before allocation."""
-        from pipeline.pool_sizing import host_available_bytes
+        from pipeline.core.pool_sizing import host_available_bytes
 
         return host_available_bytes()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pipeline.contracts import DeviceFacts
-from pipeline.errors import ConfigError
+from pipeline.core.contracts import DeviceFacts
+from pipeline.core.errors import ConfigError
 
 
 class CudaPlatform:

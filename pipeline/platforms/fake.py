@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pipeline.contracts import DeviceFacts
+from pipeline.core.contracts import DeviceFacts
 
 
 class FakePlatform:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pipeline.errors import BuildError
+from pipeline.core.errors import BuildError
 from pipeline.platforms.vendor import VendorPlatform
 
 LAZY_MEM_ENTRY = "npu.init_zbal_lazy_mem"

@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Optional
 
-from pipeline.contracts import DeviceFacts
-from pipeline.errors import ConfigError
+from pipeline.core.contracts import DeviceFacts
+from pipeline.core.errors import ConfigError
 
 
 class VendorPlatform:

@@ -22,8 +22,8 @@ pytest.importorskip("flashinfer")
 from fi_reference import Scenario, dense_reference, make_kind, make_layer, rel_err  # noqa: E402
 from pipeline.backends import flashinfer as fib  # noqa: E402
 from pipeline.backends import flashinfer_sizing as sz  # noqa: E402
-from pipeline.contracts import ForwardMode  # noqa: E402
-from pipeline.errors import ConfigError  # noqa: E402
+from pipeline.core.contracts import ForwardMode  # noqa: E402
+from pipeline.core.errors import ConfigError  # noqa: E402
 
 
 def _err(sc, be, kind, mode, reqs, prefix, new, sinks=None):

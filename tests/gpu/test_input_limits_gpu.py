@@ -23,9 +23,9 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from pipeline import build_attention_backends  # noqa: E402
-from pipeline.contracts import AttentionArgs, PoolFacts, SetupRequest  # noqa: E402
-from pipeline.errors import BackendClosed, ConfigError  # noqa: E402
-from pipeline.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec  # noqa: E402
+from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest  # noqa: E402
+from pipeline.core.errors import BackendClosed, ConfigError  # noqa: E402
+from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec  # noqa: E402
 from pipeline.platforms.cuda import CudaPlatform  # noqa: E402
 
 NEEDS = {"flashinfer": "flashinfer", "fa3": "flashinfer", "triton": "triton"}

@@ -37,8 +37,8 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
 from fi_reference import Scenario  # noqa: E402
 from pipeline.backends import registry  # noqa: E402
 from pipeline.backends.base import AttentionLayer  # noqa: E402
-from pipeline.contracts import DeviceFacts, ForwardMode, LayerKind, ModelSpec  # noqa: E402
-from pipeline.errors import LayerMismatch  # noqa: E402
+from pipeline.core.contracts import DeviceFacts, ForwardMode, LayerKind, ModelSpec  # noqa: E402
+from pipeline.core.errors import LayerMismatch  # noqa: E402
 from pipeline.reference import reference_attention, rel_err  # noqa: E402
 from states.capability_check import model_reasons  # noqa: E402
 

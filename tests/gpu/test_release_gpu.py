@@ -2,7 +2,7 @@
 
 Baseline = ``torch.cuda.memory_allocated()`` after one warm run (cuBLAS handles and FlashInfer / Triton JIT
 modules persist by design). For flashinfer (normal and TBO) and triton, every fault point a successful run
-visits (``pipeline.faults.points_of_run``) is injected in turn: the run must fail with ``InjectedFault``,
+visits (``pipeline.core.faults.points_of_run``) is injected in turn: the run must fail with ``InjectedFault``,
 nothing it built may stay alive (weak references die), allocated bytes must return exactly to the
 baseline, and a new run must then succeed.
 """
@@ -17,9 +17,9 @@ torch = pytest.importorskip("torch")
 
 from pipeline.build import build_attention_backends  # noqa: E402
 from pipeline.cli_run import default_model_path  # noqa: E402
-from pipeline.contracts import AttentionArgs, PoolFacts, SetupRequest  # noqa: E402
-from pipeline.faults import Faults, InjectedFault, points_of_run  # noqa: E402
-from pipeline.model_spec import load_model_spec  # noqa: E402
+from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest  # noqa: E402
+from pipeline.core.faults import Faults, InjectedFault, points_of_run  # noqa: E402
+from pipeline.core.model_spec import load_model_spec  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 from pipeline.backends.base import AttentionLayer  # noqa: E402
-from pipeline.contracts import ForwardMode  # noqa: E402
+from pipeline.core.contracts import ForwardMode  # noqa: E402
 from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
 from pipeline.reference import reference_attention, rel_err  # noqa: E402
 

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 from pipeline.backends.base import AttentionLayer  # noqa: E402
-from pipeline.contracts import ForwardMode  # noqa: E402
+from pipeline.core.contracts import ForwardMode  # noqa: E402
 from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
 from pipeline.reference import reference_attention, rel_err  # noqa: E402
 
@@ -31,7 +31,7 @@ TOL = 1e-2
 DV, DR = 512, 64
 D = DV + DR
 # Softmax scales as the models define them: (qk_nope 128 + rope 64)^-0.5 * YaRN mscale(factor 40)^2,
-# mscale_all_dim 0.707 (V2-Lite) and 1.0 (V3) — pipeline.model_spec computes the same from config.json.
+# mscale_all_dim 0.707 (V2-Lite) and 1.0 (V3) — pipeline.core.model_spec computes the same from config.json.
 SCALE = {16: 192 ** -0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2, 128: 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2}
 
 

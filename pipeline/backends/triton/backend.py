@@ -26,8 +26,8 @@ import torch
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
 from pipeline.backends.triton import launch, launch_mla
-from pipeline.contracts import ForwardMode, LayerKind
-from pipeline.errors import BuildError, CapabilityMismatch
+from pipeline.core.contracts import ForwardMode, LayerKind
+from pipeline.core.errors import BuildError, CapabilityMismatch
 
 __all__ = ["TritonAttnBackend", "create"]
 

@@ -1,7 +1,7 @@
 """Input checks of the Triton launchers: typed errors naming the field, raised before any launch.
 
-:class:`~pipeline.errors.CapabilityMismatch` for what the kernels do not serve (q dtype other than
-bf16/fp16, KV dtype other than q's, head dim > 256); :class:`~pipeline.errors.BuildError`
+:class:`~pipeline.core.errors.CapabilityMismatch` for what the kernels do not serve (q dtype other than
+bf16/fp16, KV dtype other than q's, head dim > 256); :class:`~pipeline.core.errors.BuildError`
 (``bad_tensor``) for inconsistent shapes, dtypes, devices or strides. Shapes as in ``launch.py``.
 """
 
@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from pipeline.errors import BuildError, CapabilityMismatch
+from pipeline.core.errors import BuildError, CapabilityMismatch
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256

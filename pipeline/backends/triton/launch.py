@@ -8,8 +8,8 @@ Shapes (B requests, T new tokens, H q heads, Hkv kv heads, D qk dim, Dv v dim, S
   step, the new one already in the pool); ``out``: [B or T, H, Dv] in q's dtype.
 - Last dims must be contiguous (stride 1); other strides are free.
 
-Errors (checked in :mod:`.checks`): :class:`~pipeline.errors.CapabilityMismatch` for a dtype or head
-dim the kernels do not serve; :class:`~pipeline.errors.BuildError` (``bad_tensor``) for inconsistent
+Errors (checked in :mod:`.checks`): :class:`~pipeline.core.errors.CapabilityMismatch` for a dtype or head
+dim the kernels do not serve; :class:`~pipeline.core.errors.BuildError` (``bad_tensor``) for inconsistent
 shapes, dtypes, devices or strides.
 """
 

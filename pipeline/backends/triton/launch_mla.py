@@ -15,12 +15,12 @@ Shapes (B requests, T new tokens, H q heads, S cache slots; DeepSeek-V2/V3 and K
 - Last dims contiguous (stride 1); other strides are free (q may be a view).
 
 Softmax scale: pass the model's (``LayerKind.scaling`` / ``ModelSpec.scaling``:
-``(qk_nope + qk_rope) ** -0.5`` times YaRN's ``mscale ** 2``, see :mod:`pipeline.model_spec`) — the
+``(qk_nope + qk_rope) ** -0.5`` times YaRN's ``mscale ** 2``, see :mod:`pipeline.core.model_spec`) — the
 absorbed dims do not change it (FlashInfer's MLA docs: "use head dimension before matrix absorption").
 
-Errors, raised before any launch: :class:`~pipeline.errors.CapabilityMismatch` for what the kernels do
+Errors, raised before any launch: :class:`~pipeline.core.errors.CapabilityMismatch` for what the kernels do
 not serve (q dtype other than bf16/fp16, cache dtype other than q's, Dv > 512 or rope dims > 128);
-:class:`~pipeline.errors.BuildError` (``bad_tensor``) for inconsistent shapes, dtypes, devices, strides
+:class:`~pipeline.core.errors.BuildError` (``bad_tensor``) for inconsistent shapes, dtypes, devices, strides
 or arguments, naming the argument.
 
 Tile choices and their measurement: ``benchmarks/NOTES.md`` (MLA section); ``benchmarks/mla_decode.py

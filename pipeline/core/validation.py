@@ -1,6 +1,6 @@
 """Field-level checks run from the contracts' ``__post_init__`` (before anything is allocated).
 
-Each failure raises :class:`pipeline.errors.ConfigError` naming the field, its value, what is
+Each failure raises :class:`pipeline.core.errors.ConfigError` naming the field, its value, what is
 allowed and a remedy. Cross-field and capability checks live in :mod:`states.resolve` and
 :mod:`states.build_mode`.
 """
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import msgspec
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pipeline.contracts import AttentionArgs, PoolFacts, SetupRequest
+    from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp8_e4m3", "fp8_e5m2")
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
@@ -120,8 +120,8 @@ _TYPE_REMEDY = {
     "model": "pass model=pipeline.load_model_spec(path_or_dict), not the dict itself",
     "draft_model": "pass draft_model=pipeline.load_model_spec(path_or_dict), or None",
     "args": "pass args=pipeline.AttentionArgs(...)",
-    "pool": "pass pool=pipeline.contracts.PoolFacts(...)",
-    "mla": "pass mla=pipeline.contracts.MLADims(...), or let load_model_spec read the MLA dims",
+    "pool": "pass pool=pipeline.core.contracts.PoolFacts(...)",
+    "mla": "pass mla=pipeline.core.contracts.MLADims(...), or let load_model_spec read the MLA dims",
 }
 
 
@@ -263,7 +263,7 @@ def check_pool_facts(p: "PoolFacts") -> None:
 
     Each size is in ``[1, 2**31 - 1]``: ``req_to_token`` stores int32 token locations (sglang's
     ``ReqToTokenPool``), so a larger pool could not be addressed. Whether the pools fit the
-    device's memory is checked where they are allocated (:func:`pipeline.pool_sizing.check_fits`).
+    device's memory is checked where they are allocated (:func:`pipeline.core.pool_sizing.check_fits`).
     """
     _positive("pool.max_reqs", p.max_reqs, upper=MAX_POOL_DIM)
     _positive("pool.max_context_len", p.max_context_len, upper=MAX_POOL_DIM)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from transitions import Machine, MachineError
 
-from pipeline.errors import OrderingError
+from pipeline.core.errors import OrderingError
 
 
 class State(str, enum.Enum):

@@ -1,4 +1,4 @@
-"""Typed errors. Each carries one :class:`~pipeline.contracts.ErrorInfo` record.
+"""Typed errors. Each carries one :class:`~pipeline.core.contracts.ErrorInfo` record.
 
 Hierarchy::
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from pipeline.contracts import ErrorInfo, Flag
+from pipeline.core.contracts import ErrorInfo, Flag
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -25,7 +25,7 @@ import fnmatch
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
-from pipeline.errors import EXIT_FAILED, AttnSetupError
+from pipeline.core.errors import EXIT_FAILED, AttnSetupError
 
 __all__ = ["Faults", "InjectedFault", "STATE_POINTS", "points_of_run"]
 
@@ -81,7 +81,7 @@ class Faults:
             if self.make_error is not None:
                 raise self.make_error(point)
             raise InjectedFault(f"fault injected at {point}", flags=[("fault_point", point)],
-                                remedy="this is a test-only fault (pipeline.faults); run without faults=")
+                                remedy="this is a test-only fault (pipeline.core.faults); run without faults=")
 
     def alive(self) -> list[str]:
         """Points whose recorded objects are still alive (call ``gc.collect()`` first)."""

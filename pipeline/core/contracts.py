@@ -2,7 +2,7 @@
 
 All records are frozen, keyword-only msgspec Structs that reject unknown fields, so a typo in a
 recorded trace or a config file is an error rather than a silently ignored key. Invariants are
-checked in ``__post_init__`` and raise :class:`pipeline.errors.ConfigError` subclasses that carry
+checked in ``__post_init__`` and raise :class:`pipeline.core.errors.ConfigError` subclasses that carry
 an :class:`ErrorInfo`. New values are made with ``msgspec.structs.replace``.
 
 Nothing here imports torch, triton or flashinfer.
@@ -82,14 +82,14 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
 
     Sizes are in bytes. ``zbal_local_mem_size`` and ``flashinfer_workspace_size`` follow the
     precedence explicit field > env var (``SGLANG_ZBAL_LOCAL_MEM_SIZE``,
-    ``SGLANG_FLASHINFER_WORKSPACE_SIZE``) > default; see :mod:`pipeline.settings`.
+    ``SGLANG_FLASHINFER_WORKSPACE_SIZE``) > default; see :mod:`pipeline.core.settings`.
 
     ``strict`` (not an sglang argument): refuse instead of warn. Auto-selection landing on
     ``torch_native`` (the reference backend) on an accelerator is refused as ``reference_fallback``
     and any downgrade (CUDA graphs off, TBO dropped on a draft worker) as ``downgrade_refused``,
     both in resolve before anything is allocated, naming the fields that accept or avoid it.
 
-    Raises :class:`pipeline.errors.ConfigError` (``invalid_value``) from ``__post_init__`` for
+    Raises :class:`pipeline.core.errors.ConfigError` (``invalid_value``) from ``__post_init__`` for
     values outside their domain (``page_size < 1``, ``sm_group_num < 1``, negative sizes…) or
     of the wrong type (msgspec checks types only when decoding, so Python callers get it here).
 
@@ -136,7 +136,7 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
     strict: bool = False
 
     def __post_init__(self) -> None:
-        from pipeline.validation import check_attention_args
+        from pipeline.core.validation import check_attention_args
 
         check_attention_args(self)
 
@@ -151,7 +151,7 @@ class MLADims(msgspec.Struct, **_STRUCT):
     q_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
-        from pipeline.validation import check_types
+        from pipeline.core.validation import check_types
 
         check_types(self, "mla.")
 
@@ -215,7 +215,7 @@ class LayerGroup(msgspec.Struct, **_STRUCT):
 class ModelSpec(msgspec.Struct, **_STRUCT):
     """What attention setup needs to know about a model, read from a Hugging Face config.json.
 
-    Build one with :func:`pipeline.model_spec.load_model_spec` (path or dict); per-``model_type``
+    Build one with :func:`pipeline.core.model_spec.load_model_spec` (path or dict); per-``model_type``
     rules for implicit fields (Gemma-2's alternating windows, Qwen2's ``use_sliding_window`` /
     ``max_window_layers``, gpt-oss's ``layer_types`` and sinks …) live in that module only.
 
@@ -256,7 +256,7 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     attention_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
-        from pipeline.validation import check_types
+        from pipeline.core.validation import check_types
 
         check_types(self)  # a ModelSpec built by hand gets the types load_model_spec guarantees
 
@@ -266,7 +266,7 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
 
     def layer_kinds(self) -> list[LayerKind]:
         """The distinct attention layer kinds, in first-layer order (see :class:`LayerKind`)."""
-        from pipeline.model_spec import layer_kinds
+        from pipeline.core.model_spec import layer_kinds
 
         return layer_kinds(self)
 
@@ -323,7 +323,7 @@ class PoolFacts(msgspec.Struct, **_STRUCT):
     page_size: int = 1
 
     def __post_init__(self) -> None:
-        from pipeline.validation import check_pool_facts
+        from pipeline.core.validation import check_pool_facts
 
         check_pool_facts(self)
 
@@ -350,7 +350,7 @@ class SetupRequest(msgspec.Struct, **_STRUCT):
     secrets: dict[str, str] = {}
 
     def __post_init__(self) -> None:
-        from pipeline.validation import check_setup_request
+        from pipeline.core.validation import check_setup_request
 
         check_setup_request(self)
 
@@ -385,10 +385,10 @@ class ResolvedAttentionBackendStr(msgspec.Struct, **_STRUCT):
 
 
 class DtypeChoice(msgspec.Struct, **_STRUCT):
-    """The compute dtype and the rule that set it (:func:`pipeline.dtypes.resolve_dtype`).
+    """The compute dtype and the rule that set it (:func:`pipeline.core.dtypes.resolve_dtype`).
 
     ``source``: ``"field"`` (``--dtype`` given) or ``"auto:<rule>"`` (see
-    :data:`pipeline.dtypes.AUTO_RULES`).
+    :data:`pipeline.core.dtypes.AUTO_RULES`).
     """
 
     value: str

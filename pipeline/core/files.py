@@ -12,7 +12,7 @@ import os
 import stat
 from typing import IO
 
-from pipeline.errors import UsageError
+from pipeline.core.errors import UsageError
 
 
 def _refuse_irregular(mode: int, p: str, *, flag: str, what: str) -> None:

@@ -25,9 +25,9 @@ from typing import Any, Literal, Optional, Sequence
 
 import msgspec
 
-from pipeline.contracts import LayerKind, PoolFacts
-from pipeline.errors import ConfigError
-from pipeline.validation import MAX_POOL_DIM
+from pipeline.core.contracts import LayerKind, PoolFacts
+from pipeline.core.errors import ConfigError
+from pipeline.core.validation import MAX_POOL_DIM
 
 KV_ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
 REQ_TO_TOKEN_ELEM_BYTES = 4

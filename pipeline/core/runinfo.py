@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional
 
 import msgspec
 
-from pipeline.contracts import SetupRequest
+from pipeline.core.contracts import SetupRequest
 
 PACKAGES = ("torch", "triton", "flashinfer-python")
 _IMPORT_NAME = {"torch": "torch", "triton": "triton", "flashinfer-python": "flashinfer"}
@@ -88,7 +88,7 @@ def new_run_id() -> str:
         if not shared or shared == "none":
             continue
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", shared) or ".." in shared:
-            from pipeline.errors import UsageError
+            from pipeline.core.errors import UsageError
 
             raise UsageError(f"{var}={shared!r} is not a usable run id (it names log files)", code="usage",
                              flags=[(var, shared)], allowed=["1-128 of A-Z a-z 0-9 . _ -, not starting with . or -"],

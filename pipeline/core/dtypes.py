@@ -25,7 +25,7 @@ Where vLLM differs, and we do not follow it: for a float32 checkpoint vLLM's cur
 ``_resolve_auto_dtype`` takes the platform's first supported dtype (CUDA sm80+: bfloat16 for
 every model; sm60–sm75: float16, or float32 for the types above), so a non-Gemma float32
 checkpoint gets bfloat16 there and float16 here (sglang). A config without ``torch_dtype`` /
-``dtype`` is read by :mod:`pipeline.model_spec` as bfloat16 (sglang would read it as float32 and
+``dtype`` is read by :mod:`pipeline.core.model_spec` as bfloat16 (sglang would read it as float32 and
 pick float16; vLLM reads the weights' safetensors dtypes, which we do not have).
 """
 
@@ -33,11 +33,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.contracts import DtypeChoice
-from pipeline.errors import ConfigError
+from pipeline.core.contracts import DtypeChoice
+from pipeline.core.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pipeline.contracts import AttentionArgs, ModelSpec
+    from pipeline.core.contracts import AttentionArgs, ModelSpec
 
 __all__ = ["AUTO_RULES", "FLOAT16_REFUSED", "norm_dtype", "resolve_dtype"]
 
@@ -92,7 +92,7 @@ def resolve_dtype(args: "AttentionArgs", model: "ModelSpec") -> DtypeChoice:
 
     Returns
     -------
-    :class:`~pipeline.contracts.DtypeChoice` — ``value`` a canonical name (``bfloat16``,
+    :class:`~pipeline.core.contracts.DtypeChoice` — ``value`` a canonical name (``bfloat16``,
     ``float16``, ``float32``), ``source`` ``"field"`` or ``"auto:<rule>"`` (:data:`AUTO_RULES`).
 
     Raises

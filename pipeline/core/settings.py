@@ -6,7 +6,7 @@
   :data:`WORKSPACE_512_MIB_ARCHITECTURES`).
 
 The resolved value and the source that won are logged as a ``setting_resolved`` event. A value
-from the environment passes the same check as the field (:func:`pipeline.validation.check_size`),
+from the environment passes the same check as the field (:func:`pipeline.core.validation.check_size`),
 so ``SGLANG_FLASHINFER_WORKSPACE_SIZE=0`` is refused like ``--flashinfer-workspace-size 0``;
 :func:`check_env` runs both checks up front, before anything is allocated.
 """
@@ -17,9 +17,9 @@ import os
 import re
 from typing import Literal, Mapping, Optional
 
-from pipeline.contracts import AttentionArgs, ModelSpec
-from pipeline.errors import ConfigError
-from pipeline.validation import check_size
+from pipeline.core.contracts import AttentionArgs, ModelSpec
+from pipeline.core.errors import ConfigError
+from pipeline.core.validation import check_size
 
 MiB = 1 << 20
 FLASHINFER_WORKSPACE_DEFAULT = 384 * MiB

@@ -29,7 +29,7 @@ from typing import Annotated, Any, Callable, ClassVar, Literal, Optional, Union
 import msgspec
 import msgspec.inspect as mi
 
-from pipeline.contracts import (
+from pipeline.core.contracts import (
     SCHEMA_VERSION, DeviceFacts, ErrorInfo, InstancePlan, LayerGroup, Mode, Rejection, WorkspacePlan,
 )
 
@@ -40,7 +40,7 @@ Ns = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # wall-clock ns (time
 class Event(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="event"):
     """Fields every record carries. ``level`` (class attribute) is the log level it is emitted at.
 
-    ``launch_id`` identifies one process's :class:`~pipeline.eventlog.EventLog` (a launch): two
+    ``launch_id`` identifies one process's :class:`~pipeline.core.eventlog.EventLog` (a launch): two
     launches that share a ``run_id`` and a log file (``ATTN_SETUP_RUN_ID`` reused, a retried start)
     stay separate runs when read back. ``""`` in traces written before the field existed.
     The reader refuses ``schema_version < 1``, ``ts_ns`` outside ``[0, 2**63)`` and ``rank < 0``
@@ -85,7 +85,7 @@ class DeviceInitialized(Event, tag="device_initialized", kw_only=True):
 class SettingResolved(Event, tag="setting_resolved", kw_only=True):
     """Which source won for a setting: ``field`` > ``env`` > ``default`` for those sglang also reads
     from the environment; for ``dtype`` (state ``resolve``) ``field`` or ``auto:<rule>``, the rule of
-    :data:`pipeline.dtypes.AUTO_RULES` that chose it."""
+    :data:`pipeline.core.dtypes.AUTO_RULES` that chose it."""
 
     field: str
     value: Any = None
@@ -451,7 +451,7 @@ def to_wire(event: Event, redact: Optional[Callable[[str], str]] = None) -> dict
     ``"Infinity"`` / ``"-Infinity"``, lone surrogates escaped, and — with ``redact`` — every string
     *value* outside the envelope (:data:`ENVELOPE`) and outside Literal/Enum fields passed through
     ``redact`` after escaping (keys never are; ``redact`` gets text as written, so it must match
-    secrets in that form too — see :func:`pipeline.eventlog.redactor`)."""
+    secrets in that form too — see :func:`pipeline.core.eventlog.redactor`)."""
     cls = type(event)
     closed = _CLOSED.get(cls)
     if closed is None:
@@ -636,5 +636,5 @@ def catalogue_markdown() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m pipeline.events  → prints the README table
+if __name__ == "__main__":  # python -m pipeline.core.events  → prints the README table
     print(catalogue_markdown())

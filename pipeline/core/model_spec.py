@@ -1,4 +1,4 @@
-"""Read a Hugging Face ``config.json`` into a :class:`~pipeline.contracts.ModelSpec`.
+"""Read a Hugging Face ``config.json`` into a :class:`~pipeline.core.contracts.ModelSpec`.
 
 Fields are read as published (``num_key_value_heads`` defaults to the head count, ``head_dim``
 to ``hidden_size // num_attention_heads``); a multimodal config that wraps its language model in
@@ -14,9 +14,9 @@ DeltaNet) layers, Jamba's mamba layers — are read as ``"linear_attention"`` / 
 ``ModelSpec.layer_types``; they form no :class:`LayerKind` (no backend computes them, no KV cache
 is sized for them) and are listed by ``ModelSpec.not_attention()``.
 
-Bad input raises :class:`pipeline.errors.ModelConfigError` (exit code 3) with the JSON path of the
+Bad input raises :class:`pipeline.core.errors.ModelConfigError` (exit code 3) with the JSON path of the
 offending key; an unreadable file, one that is not a regular file (a FIFO, ``/dev/zero``) or one
-over :data:`MAX_CONFIG_BYTES` raises :class:`pipeline.errors.UsageError` (exit code 2) before
+over :data:`MAX_CONFIG_BYTES` raises :class:`pipeline.core.errors.UsageError` (exit code 2) before
 reading more than that.
 Nothing here imports torch.
 """
@@ -30,11 +30,11 @@ import pathlib
 from collections import ChainMap
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
-from pipeline.contracts import ATTENTION_LAYER_TYPES, LayerKind, MLADims, ModelSpec
-from pipeline.errors import ConfigError, ModelConfigError, UsageError
-from pipeline.validation import is_text
+from pipeline.core.contracts import ATTENTION_LAYER_TYPES, LayerKind, MLADims, ModelSpec
+from pipeline.core.errors import ConfigError, ModelConfigError, UsageError
+from pipeline.core.validation import is_text
 
-BUNDLED_CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "data" / "configs"
+BUNDLED_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "data" / "configs"
 DEFAULT_MODEL_CONFIG = BUNDLED_CONFIG_DIR / "llama-3.1-8b.json"
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
@@ -307,7 +307,7 @@ MAX_CONFIG_BYTES = 16 << 20  # published config.json files are a few KB; the lar
 
 
 def _read_json(path: pathlib.Path) -> Any:
-    from pipeline.files import read_capped
+    from pipeline.core.files import read_capped
 
     try:
         raw = read_capped(path, MAX_CONFIG_BYTES, flag="path", what="model config")

@@ -24,8 +24,8 @@ from typing import IO, Any, Callable, Iterator, Mapping, Optional
 import msgspec
 import structlog
 
-from pipeline import events as ev
-from pipeline.files import open_regular
+from pipeline.core import events as ev
+from pipeline.core.files import open_regular
 
 REDACTED = "<redacted>"
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
@@ -52,7 +52,7 @@ def redactor(secrets: tuple[str, ...]) -> Optional[Callable[[str], str]]:
 
     Longer secrets are tried first at each position, so a secret that contains another is
     redacted whole; the text between two markers never contains a secret. Text reaches it as
-    written (lone surrogates already escaped, :func:`pipeline.events.clean_str`), so secrets are
+    written (lone surrogates already escaped, :func:`pipeline.core.events.clean_str`), so secrets are
     matched in that form.
     """
     secrets = tuple(sorted({ev.clean_str(s) for s in secrets if s}, key=len, reverse=True))
@@ -71,13 +71,13 @@ class EventLog:
     path: JSON-lines trace file (parent folders are created; appended to); None = no file. It must
         be a regular file (or not exist yet): see :func:`open_regular`.
     secrets: values that must never appear in any output (redacted structurally: string values
-        only, before encoding — see :func:`pipeline.events.to_wire`).
+        only, before encoding — see :func:`pipeline.core.events.to_wire`).
     launch_id: this launch's id (default: a fresh :func:`new_launch_id`), written in every record.
     flag: the name errors about ``path`` give it (the CLI passes ``--log-file``).
     raise_write_errors: raise the first write failure from :meth:`emit` (the CLI: a start whose
         trace cannot be written stops there, exit 2) instead of only recording it.
 
-    Raises :class:`pipeline.errors.UsageError` (exit 2) when ``path`` cannot be opened for
+    Raises :class:`pipeline.core.errors.UsageError` (exit 2) when ``path`` cannot be opened for
     appending or is not a regular file. A write that fails later (disk full, I/O error) by default
     never raises from :meth:`emit` — logging must not break an engine's start — : the file output
     stops, the records stay in memory, the application's logger gets one ``trace_write_failed``
@@ -107,7 +107,7 @@ class EventLog:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                from pipeline.errors import UsageError
+                from pipeline.core.errors import UsageError
 
                 raise UsageError(f"cannot create the folder of {flag} {str(self.path)!r}: {e.strerror or e}",
                                  code="log_file_unwritable", flags=[(flag, str(self.path))],
@@ -125,7 +125,7 @@ class EventLog:
         try:
             self._file_log.msg(ev.event_name(type(record)), record=record)
         except (OSError, ValueError) as e:  # ValueError: a file closed under us
-            from pipeline.errors import UsageError
+            from pipeline.core.errors import UsageError
 
             fh, self._fh, self._file_log = self._fh, None, None
             try:
@@ -173,7 +173,7 @@ class EventLog:
     def heartbeat(self, what: str, every_s: float = 10.0) -> Iterator[None]:
         """Emit a ``heartbeat`` record ("still in <state>: <what> after N s") every ``every_s``
         seconds from a daemon thread while the body runs (JIT compiles, CUDA graph capture)."""
-        from pipeline.heartbeat import beating
+        from pipeline.core.heartbeat import beating
 
         state, start_ns = self.current_state, time.time_ns()
 
@@ -201,8 +201,8 @@ class EventLog:
         process. Returns False when not called from the main thread (Python only lets the main
         thread set signal handlers); the exception hook is set anyway.
         """
-        from pipeline.contracts import ErrorInfo
-        from pipeline.errors import INTERRUPTED_REMEDY, error_info_from
+        from pipeline.core.contracts import ErrorInfo
+        from pipeline.core.errors import INTERRUPTED_REMEDY, error_info_from
 
         prev_hook = self._prev_hook = sys.excepthook
 
