@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from fi_reference import Scenario, dense_reference, make_kind, make_layer, rel_err  # noqa: E402
 from pipeline.backends import flashinfer_sizing as sz  # noqa: E402
 from pipeline.core.contracts import ForwardMode  # noqa: E402
-from pipeline.jit import Variant, warmup_variants  # noqa: E402
+from pipeline.backends.flashinfer_jit import Variant, warmup_variants  # noqa: E402
 
 R: dict = {"cases": [], "errors": {}}
 READY: set = set()  # variant names compiled (or cached) by the warmup phase

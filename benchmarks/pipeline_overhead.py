@@ -26,10 +26,10 @@ from pipeline.backends.registry import BackendContext, get  # noqa: E402
 from pipeline.build import build_attention_backends  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.core.eventlog import EventLog  # noqa: E402
-from pipeline.memory import KVPool, ReqToTokenPool, torch_dtype  # noqa: E402
+from pipeline.backends.memory import KVPool, ReqToTokenPool, torch_dtype  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
 from pipeline.platforms.cpu import CpuPlatform  # noqa: E402
-from pipeline.workspace import WorkspacePool  # noqa: E402
+from pipeline.backends.workspace import WorkspacePool  # noqa: E402
 from states import annotate, build_mode, device_init, npu_lazy_mem, resolve  # noqa: E402
 from states.capability_check import kv_dtype, model_dtype  # noqa: E402
 

@@ -11,7 +11,7 @@ import torch
 
 from pipeline import AttentionArgs, SetupRequest, load_model_spec
 from pipeline.core.contracts import ForwardMode, PoolFacts
-from pipeline.memory import PageAllocator, make_forward_batch
+from pipeline.backends.memory import PageAllocator, make_forward_batch
 from pipeline.model import reference_forward
 from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG
 from pipeline.runner import Runner, RunnerConfig

@@ -150,7 +150,7 @@ class _Run:
         self._check_workspaces(plan)
         fault_point(self.faults, "build:pools")
         self._make_pools(model)
-        from pipeline.workspace import WorkspacePool
+        from pipeline.backends.workspace import WorkspacePool
 
         self.workspace_pool = WorkspacePool(self.torch_device)
         for ws_plan in plan.workspaces:
@@ -201,7 +201,7 @@ class _Run:
         if self.given_pools is not None:
             self._check_given_pools()
             return
-        from pipeline.memory import KVPool, ReqToTokenPool, torch_dtype
+        from pipeline.backends.memory import KVPool, ReqToTokenPool, torch_dtype
         from pipeline.core.pool_sizing import PoolSizing, available_bytes, check_fits, kv_bytes_per_token
 
         p, kvd = self.req.pool, kv_dtype(self.req.args, model)
@@ -228,7 +228,7 @@ class _Run:
         import torch
 
         from pipeline.core.errors import ConfigError
-        from pipeline.memory import torch_dtype
+        from pipeline.backends.memory import torch_dtype
         from states.capability_check import kv_dtype
 
         remedy = ("build the pools from the same sizes as the SetupRequest's PoolFacts (max_reqs, max_context_len, "

@@ -2,7 +2,7 @@
 
 ``attn-setup plan --model CONFIG_JSON --device-profile NAME|auto [--installed PKG,…] [run flags]
 [--draft-worker --draft-model CONFIG_JSON] [--json]`` runs the pure decisions of the pipeline
-(resolve, build-mode, npu-lazy-mem) against a named :mod:`pipeline.profiles` record (or this
+(resolve, build-mode, npu-lazy-mem) against a named :mod:`pipeline.platforms.profiles` record (or this
 machine, found through NVML / ``nvidia-smi``) and prints the same ``resolved``, ``plan`` and
 ``skips`` objects as ``attn-setup run --json``, plus ``rejected: {prefill: [{backend, reasons}],
 decode: […]}``, ``warnings`` (reference fallback and downgrades, as ``run`` reports them) and the
@@ -29,7 +29,7 @@ PACKAGES = ("torch", "triton", "flashinfer-python")
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     from pipeline.cli import add_setup_flags
-    from pipeline.profiles import names
+    from pipeline.platforms.profiles import names
 
     plan = sub.add_parser("plan", help="resolve and plan for a device profile without importing torch")
     add_setup_flags(plan, device=False)
@@ -114,7 +114,7 @@ def cmd(ns: argparse.Namespace) -> int:
     """Resolve and plan for ``--device-profile``; print JSON or tables; returns the exit code."""
     from pipeline import report as rp
     from pipeline.cli_run import request_from
-    from pipeline.profiles import get
+    from pipeline.platforms.profiles import get
 
     device = get(ns.device_profile)
     installed = installed_from(ns.installed)

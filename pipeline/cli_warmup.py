@@ -2,7 +2,7 @@
 
 Resolves exactly as ``run`` would on this machine (same flags, same device), lists the kernel
 variants of the resolved flashinfer/fa3 backends for every attention layer kind of the model
-(:func:`pipeline.jit.variants_for`), and compiles them in ``--jobs`` processes, each variant its
+(:func:`pipeline.backends.flashinfer_jit.variants_for`), and compiles them in ``--jobs`` processes, each variant its
 own module, so the first real start finds them cached instead of "hanging" in a silent JIT.
 Exit codes as README: 0 every variant cached or compiled (also when nothing needs compiling),
 1 a compile failed, 2 usage, 3 configuration refused.
@@ -25,7 +25,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def variants_for_request(request: Any, facts: Any, pair: Any) -> list[Any]:
     """Kernel variants of the resolved pair's FlashInfer backends for the served model."""
-    from pipeline.jit import variants_for
+    from pipeline.backends.flashinfer_jit import variants_for
     from states.capability_check import kv_dtype, model_dtype
 
     model = request.served_model
@@ -43,7 +43,7 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.build import installed_by_import
     from pipeline.cli_run import _on_gpu, request_from
     from pipeline.core.errors import UsageError
-    from pipeline.jit import warmup_variants
+    from pipeline.backends.flashinfer_jit import warmup_variants
     from pipeline.platforms import parse_device, platform_for
     from states import resolve
 

@@ -187,7 +187,7 @@ class Runner:
     def load_model(self) -> None:
         """Build the attention stack (first ``num_layers`` attention layers, seeded) and set EAGLE3 aux layers."""
         def work() -> None:
-            from pipeline.memory import torch_dtype
+            from pipeline.backends.memory import torch_dtype
             from pipeline.model import AttentionStack
             from states.capability_check import model_dtype
 
@@ -213,7 +213,7 @@ class Runner:
         self._step(RunnerState.INIT_MEMORY_POOL, self._init_memory_pool)
 
     def _init_memory_pool(self) -> None:
-        from pipeline.memory import KVPool, ReqToTokenPool, torch_dtype
+        from pipeline.backends.memory import KVPool, ReqToTokenPool, torch_dtype
         from pipeline.core.pool_sizing import available_bytes, budget_from_fraction, check_fits, size_pools
         from states.capability_check import kv_dtype
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pipeline.core.contracts import ForwardMode
-from pipeline.memory import PageAllocator, make_forward_batch
+from pipeline.backends.memory import PageAllocator, make_forward_batch
 from pipeline.model import reference_forward
 from pipeline.reference import rel_err
 

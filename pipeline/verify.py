@@ -10,7 +10,7 @@ distinct layer kind of the model it drives the backend through the engine's own 
 3. ``decode_steps`` decode steps,
 
 with random q/k/v (and random sinks for kinds with sinks), pages handed out scrambled by
-:class:`~pipeline.memory.PageAllocator`. It keeps its own un-paged copy of every K/V written (as
+:class:`~pipeline.backends.memory.PageAllocator`. It keeps its own un-paged copy of every K/V written (as
 rounded to the KV storage dtype) and compares every step's output per request with
 :func:`pipeline.reference.reference_attention` using ``max|out - ref| / max|ref|``.
 
@@ -35,7 +35,7 @@ import torch
 from pipeline.backends.base import AttentionBackend, AttentionLayer
 from pipeline.core.contracts import ForwardMode, LayerKind, ModelSpec, SetupRequest
 from pipeline.core.errors import BuildError
-from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch, torch_dtype
+from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch, torch_dtype
 from pipeline.reference import reference_attention, rel_err
 from states.capability_check import norm_dtype
 

@@ -16,8 +16,8 @@ import torch
 from pipeline.backends.base import AttentionLayer
 from pipeline.backends.registry import BackendContext
 from pipeline.core.contracts import DeviceFacts, ForwardMode, LayerKind, WorkspacePlan
-from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
-from pipeline.workspace import WorkspacePool
+from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
+from pipeline.backends.workspace import WorkspacePool
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, prefix: int, scale: float,

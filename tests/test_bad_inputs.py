@@ -199,7 +199,7 @@ def _call(case, llama, tmp_path):
     if call == "Runner":
         return Runner(RunnerConfig(request=SetupRequest(model=llama, device="cpu", pool=small)), **kw)
     assert call == "closed_backend"
-    from pipeline.memory import PageAllocator, make_forward_batch
+    from pipeline.backends.memory import PageAllocator, make_forward_batch
     from pipeline.core.contracts import ForwardMode
 
     args = AttentionArgs(enable_two_batch_overlap=kw.get("enable_two_batch_overlap", False))

@@ -18,14 +18,14 @@ import torch
 
 from pipeline.backends import registry
 from pipeline.backends.base import AttentionLayer
-from pipeline.backends.capabilities import TORCH_NATIVE
+from pipeline.backends.records import TORCH_NATIVE
 from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.build import build_attention_backends
 from pipeline.core.contracts import AttentionArgs, ForwardMode, ModelSpec, PoolFacts, SetupRequest
 from pipeline.core.errors import CapabilityMismatch
-from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
+from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
 from pipeline.core.model_spec import load_model_spec
-from pipeline.profiles import PROFILES
+from pipeline.platforms.profiles import PROFILES
 from pipeline.reference import reference_attention, rel_err
 from pipeline.verify import verify_backend
 from states import resolve

@@ -88,7 +88,7 @@ def test_version(capsys):
 @pytest.mark.parametrize("name", ["H200", " h200 ", "Rtx-Pro-6000", "AUTO"])
 def test_profile_names_are_case_insensitive(capsys, name, monkeypatch):
     """--device-profile H200 is h200 (and a refusal names what was typed)."""
-    from pipeline import profiles
+    from pipeline.platforms import profiles
 
     monkeypatch.setattr(profiles, "detect", lambda: profiles.PROFILES["cpu"])
     assert main(["plan", "--json", "--device-profile", name]) == 0

@@ -20,7 +20,7 @@ from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError
 from pipeline.core.eventlog import EventLog
 from pipeline.platforms.fake import FakePlatform
-from pipeline.profiles import PROFILES
+from pipeline.platforms.profiles import PROFILES
 
 FI = ["--installed", "torch,triton,flashinfer-python"]
 

@@ -32,7 +32,7 @@ from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
-from pipeline.profiles import PROFILES
+from pipeline.platforms.profiles import PROFILES
 from remedy_fixes import apply, fixes_of
 from states.resolve import StrictRefusal
 

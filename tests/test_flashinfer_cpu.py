@@ -14,11 +14,11 @@ import structlog
 import torch
 
 from pipeline.backends.registry import get  # noqa: I001  (registry first: it imports capabilities)
-from pipeline.backends import capabilities, flashinfer_sizing as sz
+from pipeline.backends import records as capabilities, flashinfer_sizing as sz
 
 from pipeline.core.contracts import ForwardMode
 from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError
-from pipeline.jit import Variant, ensure_compiled, heartbeat
+from pipeline.backends.flashinfer_jit import Variant, ensure_compiled, heartbeat
 import fake_flashinfer
 from fi_reference import Scenario, dense_reference, make_kind, make_layer, rel_err
 

@@ -17,7 +17,7 @@ from conftest import CONFIGS
 from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.core.contracts import ForwardMode
 from pipeline.core.errors import ConfigError
-from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
+from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
 from pipeline.model import AttentionStack, _rope_complex, reference_forward, rope_neox, truncate_spec
 from pipeline.core.model_spec import load_model_spec
 from pipeline.reference import rel_err

@@ -9,7 +9,7 @@ import torch
 from conftest import cuda_facts
 from pipeline.core import events as ev
 from pipeline.backends import registry
-from pipeline.backends.capabilities import TORCH_NATIVE
+from pipeline.backends.records import TORCH_NATIVE
 from pipeline.build import build_attention_backends
 from pipeline.core.contracts import AttentionArgs, SetupRequest
 from pipeline.core.errors import BackendUnknown, CapabilityMismatch, ConflictingOptions
@@ -266,7 +266,7 @@ def test_flashinfer_workspace_too_small_is_refused_in_build_mode_before_allocati
 def test_engine_pools_are_used_and_checked_against_the_request(llama, small_pool):
     """pools= must match request.pool and the model: a mismatch is pools_mismatch (exit 3) before allocation."""
     from pipeline.core.errors import ConfigError, UsageError
-    from pipeline.memory import KVPool, ReqToTokenPool
+    from pipeline.backends.memory import KVPool, ReqToTokenPool
 
     kinds, p, n = llama.layer_kinds(), small_pool, llama.num_hidden_layers
     bf = torch.bfloat16  # the model's KV dtype

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from pipeline import profiles
+from pipeline.platforms import profiles
 from pipeline.core.contracts import AttentionArgs
 from pipeline.core.errors import BackendUnavailable
 from pipeline.core.model_spec import load_model_spec

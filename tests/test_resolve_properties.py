@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pipeline.core.contracts import AttentionArgs, Resolution
 from pipeline.core.errors import ConfigError
 from pipeline.core.model_spec import load_model_spec
-from pipeline.profiles import PROFILES
+from pipeline.platforms.profiles import PROFILES
 from states import resolve
 
 CONFIGS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.json"))

@@ -1,6 +1,6 @@
 """Hand-written resolve table: profile × bundled config × flags → expected pair and rules, or the error.
 
-Every row was written by reading the capability records (pipeline/backends/capabilities.py), the
+Every row was written by reading the capability records (pipeline/backends/records.py), the
 precedence and auto-priority rules (states/resolve.py docstring, backend-rules.md, issue 3) and
 the configs (examples/configs/README.md) — never by running the resolver. Each row cites its rule.
 
@@ -33,7 +33,7 @@ from pipeline.cli_plan import plan_report
 from pipeline.core.contracts import AttentionArgs, ModelSpec, PoolFacts, SetupRequest
 from pipeline.core.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
 from pipeline.core.model_spec import load_model_spec
-from pipeline.profiles import PROFILES
+from pipeline.platforms.profiles import PROFILES
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 ALL, NOFI, TORCH, NONE = "torch,triton,flashinfer-python", "torch,triton", "torch", ""

@@ -37,7 +37,7 @@ from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.backends.triton import launch_mla as M  # noqa: E402
 from pipeline.core.contracts import ForwardMode, LayerKind  # noqa: E402
 from pipeline.core.errors import BuildError, CapabilityMismatch, LayerMismatch  # noqa: E402
-from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
+from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
 from pipeline.reference import reference_attention, rel_err  # noqa: E402
 
 TOL = 1e-2   # bf16/fp16 inputs and output (output rounding alone is up to 2^-9 relative)

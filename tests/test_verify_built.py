@@ -23,7 +23,7 @@ from conftest import CONFIGS
 from pipeline import build as build_mod
 from pipeline.backends import registry
 from pipeline.backends.base import AttentionBackend, PlannedLayers
-from pipeline.backends.capabilities import TORCH_NATIVE
+from pipeline.backends.records import TORCH_NATIVE
 from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.build import build_attention_backends
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest

@@ -11,7 +11,7 @@ from pipeline.backends.tbo import TboAttnBackend, split_batch
 from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.core.contracts import ForwardMode, LayerKind
 from pipeline.core.errors import BackendClosed, BuildError
-from pipeline.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
+from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
 from pipeline.reference import rel_err
 from pipeline.verify import verify_backend
 from spies import spy_hybrid, spy_tbo

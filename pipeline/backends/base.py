@@ -9,7 +9,7 @@ Shapes (T = tokens in the batch, H = q heads, Hkv = kv heads, D = qk head dim, D
 
 - ``q``: [T, H, D] or [T, H*D]; ``k``: [T, Hkv, D]; ``v``: [T, Hkv, Dv]; dtype = the model dtype.
 - output: [T, H*Dv], same dtype as ``q``.
-- KV memory: see :mod:`pipeline.memory` (``req_to_token`` [max_reqs, max_context_len] int32;
+- KV memory: see :mod:`pipeline.backends.memory` (``req_to_token`` [max_reqs, max_context_len] int32;
   per-layer K/V buffers [num_token_slots, Hkv, D] / [num_token_slots, Hkv, Dv]).
 """
 
@@ -28,7 +28,7 @@ from pipeline.core.errors import LayerMismatch
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from pipeline.memory import KVPool, ReqToTokenPool
+    from pipeline.backends.memory import KVPool, ReqToTokenPool
 
 
 @dataclass(frozen=True, eq=False)

@@ -37,7 +37,7 @@ from pipeline.backends.flashinfer_graph import GraphState
 from pipeline.backends.kv_indices import gather_kv_indices, host_page_meta
 from pipeline.core.contracts import ForwardMode, LayerKind
 from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError
-from pipeline.jit import Variant, ensure_compiled, variants_for
+from pipeline.backends.flashinfer_jit import Variant, ensure_compiled, variants_for
 
 PACKAGE = "flashinfer-python"
 

@@ -17,8 +17,8 @@ from pipeline.core.errors import BackendUnavailable, BackendUnknown
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipeline.core.contracts import AttentionArgs, DeviceFacts, LayerKind, ModelSpec
-    from pipeline.memory import KVPool, ReqToTokenPool
-    from pipeline.workspace import Workspace
+    from pipeline.backends.memory import KVPool, ReqToTokenPool
+    from pipeline.backends.workspace import Workspace
 
 from pipeline.backends.capability import FEATURES, Capability  # noqa: E402,F401 (re-exported)
 
@@ -143,7 +143,7 @@ _BUILTINS_LOADED = False
 def _register_builtins() -> None:
     """Register the built-in records (on first lookup, so either module may be imported first)."""
     global _BUILTINS_LOADED
-    from pipeline.backends import capabilities as caps
+    from pipeline.backends import records as caps
 
     _BUILTINS_LOADED = True
     for name, cap, factory in caps.BUILTINS:

@@ -14,7 +14,7 @@ workspace and does not support CUDA graphs (the base class raises; sglang turns 
 - ``scaled_dot_product_attention`` is used when neither softcap nor sinks are set; explicit math
   otherwise.
 
-The capability record is :data:`pipeline.backends.capabilities.TORCH_NATIVE` (kept torch-free).
+The capability record is :data:`pipeline.backends.records.TORCH_NATIVE` (kept torch-free).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
 from pipeline.core import events as ev  # noqa: E402
 from pipeline.cli_run import default_model_path  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, ForwardMode, PoolFacts, SetupRequest  # noqa: E402
-from pipeline.memory import PageAllocator, make_forward_batch  # noqa: E402
+from pipeline.backends.memory import PageAllocator, make_forward_batch  # noqa: E402
 from pipeline.model import reference_forward  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
 from pipeline.reference import rel_err  # noqa: E402

@@ -7,7 +7,7 @@ Shapes (B requests, T new tokens, H q heads, S cache slots; DeepSeek-V2/V3 and K
 - ``kv_buffer``: [S, 1, D] — one layer of the latent cache, same dtype as ``q``. Row ``slot`` is
   ``[c_kv (Dv), k_rope (D - Dv)]``; the values are its first ``Dv`` dims, read from the same row (as
   sglang's ``MLATokenToKVPool``, whose value buffer is a view of the first ``kv_lora_rank`` dims of the
-  one latent buffer). Our :class:`~pipeline.memory.KVPool` also keeps a V copy ([S, 1, Dv]) for the
+  one latent buffer). Our :class:`~pipeline.backends.memory.KVPool` also keeps a V copy ([S, 1, Dv]) for the
   backends that want one; these kernels never read it;
 - ``req_to_token``: [max_reqs, max_context_len] int32; ``req_pool_indices``: [B] int32/int64;
   ``seq_lens``: [B] int32/int64 (decode: tokens *after* this step, the new one already in the cache);
