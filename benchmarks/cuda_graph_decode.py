@@ -27,7 +27,7 @@ from pipeline.cli_run import default_model_path  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, ForwardMode, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.backends.memory import PageAllocator, make_forward_batch  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
-from pipeline.runner import Runner, RunnerConfig  # noqa: E402
+from pipeline.runtime.runner import Runner, RunnerConfig  # noqa: E402
 
 CTX, BS, PAGE = 4096, [1, 8, 64], 16
 

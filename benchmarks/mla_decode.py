@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.backends.triton import launch_mla  # noqa: E402
-from pipeline.reference import rel_err  # noqa: E402
+from pipeline.runtime.reference import rel_err  # noqa: E402
 
 H, DV, DR = 128, 512, 64
 D = DV + DR

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline.backends.registry import BackendContext, get  # noqa: E402
-from pipeline.build import build_attention_backends  # noqa: E402
+from pipeline.setup.build import build_attention_backends  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.core.eventlog import EventLog  # noqa: E402
 from pipeline.backends.memory import KVPool, ReqToTokenPool, torch_dtype  # noqa: E402

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     from pipeline.core import events as ev
-    from pipeline.build import build_attention_backends
+    from pipeline.setup.build import build_attention_backends
     from pipeline.cli import configure_logging
     from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
     from pipeline.core.model_spec import load_model_spec

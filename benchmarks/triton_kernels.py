@@ -113,7 +113,7 @@ def _ours_decode(pool: Pool, r2t: torch.Tensor, q: torch.Tensor, cfg) -> tuple[C
 
 def decode_rows(pool: Pool, ws: torch.Tensor, shapes, configs) -> list[dict]:
     """FlashInfer and our decode (each config) per shape, all as CUDA-graph replays."""
-    from pipeline.reference import rel_err
+    from pipeline.runtime.reference import rel_err
 
     rows = []
     for b, ctx in shapes:
@@ -185,7 +185,7 @@ def _ours_extend(x: dict, cfg) -> tuple[Callable, torch.Tensor]:
 
 def extend_rows(ws: torch.Tensor, configs, device: str) -> list[dict]:
     """fa3 prefill and our extend (each config) on the 64 x 512 on 3584 shape."""
-    from pipeline.reference import rel_err
+    from pipeline.runtime.reference import rel_err
 
     x = _extend_inputs(device)
     flops = EXT_B * H * 4 * D * (EXT_NEW * EXT_PREFIX + EXT_NEW * (EXT_NEW + 1) / 2)

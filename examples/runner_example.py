@@ -12,9 +12,9 @@ import torch
 from pipeline import AttentionArgs, SetupRequest, load_model_spec
 from pipeline.core.contracts import ForwardMode, PoolFacts
 from pipeline.backends.memory import PageAllocator, make_forward_batch
-from pipeline.model import reference_forward
+from pipeline.runtime.model import reference_forward
 from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG
-from pipeline.runner import Runner, RunnerConfig
+from pipeline.runtime.runner import Runner, RunnerConfig
 
 # the application decides what the library's events print: errors only here (the trace file keeps every event)
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))

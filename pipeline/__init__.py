@@ -11,8 +11,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "build_attention_backends": ("pipeline.build", "build_attention_backends"),
-    "AttentionBackends": ("pipeline.result", "AttentionBackends"),
+    "build_attention_backends": ("pipeline.setup.build", "build_attention_backends"),
+    "AttentionBackends": ("pipeline.setup.result", "AttentionBackends"),
     "AttentionArgs": ("pipeline.core.contracts", "AttentionArgs"),
     "SetupRequest": ("pipeline.core.contracts", "SetupRequest"),
     "ModelSpec": ("pipeline.core.contracts", "ModelSpec"),
@@ -22,8 +22,8 @@ _EXPORTS = {
     "ResolvedAttentionBackendStr": ("pipeline.core.contracts", "ResolvedAttentionBackendStr"),
     "load_model_spec": ("pipeline.core.model_spec", "load_model_spec"),
     "EventLog": ("pipeline.core.eventlog", "EventLog"),
-    "replay": ("pipeline.replay", "replay"),
-    "read_trace": ("pipeline.trace", "read_trace"),
+    "replay": ("pipeline.observe.replay", "replay"),
+    "read_trace": ("pipeline.observe.trace", "read_trace"),
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

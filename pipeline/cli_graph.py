@@ -1,7 +1,7 @@
 """``attn-setup graph [LOG …] -o FILE [--machine setup|runner]``: a state machine, a recorded run's path highlighted.
 
 ``--machine setup`` (default) draws the six-state setup machine (:mod:`pipeline.core.machine`),
-``--machine runner`` the runner's outer machine (:mod:`pipeline.runner_machine`: init-distributed …
+``--machine runner`` the runner's outer machine (:mod:`pipeline.runtime.runner_machine`: init-distributed …
 ready), both from their transition tables. The format follows FILE's extension: ``.mmd`` — mermaid
 ``stateDiagram-v2`` text produced by pytransitions' own diagram support
 (``GraphMachine(graph_engine="mermaid")``), always available; ``.dot`` — Graphviz source;
@@ -41,7 +41,7 @@ class MachineSpec(NamedTuple):
 def machine_spec(name: str) -> MachineSpec:
     """``setup`` (the six-state pipeline) or ``runner`` (the runner's outer machine)."""
     if name == "runner":
-        from pipeline import runner_machine as rm
+        from pipeline.runtime import runner_machine as rm
 
         return MachineSpec(rm.RunnerState, rm.TRANSITIONS, rm.STEPS, rm.TERMINAL, rm.RunnerModel,
                            "attn-setup runner machine")
@@ -67,7 +67,7 @@ def path_of(logs: Any, rank: Optional[int], machine: str = "setup") -> tuple[lis
     several (merged as ``inspect`` merges them); ([], None) without one."""
     if not logs:
         return [], None
-    from pipeline.trace import read_trace
+    from pipeline.observe.trace import read_trace
 
     spec = machine_spec(machine)
     trace = read_trace(logs).require_records()

@@ -7,7 +7,7 @@ merge by (run_id, rank, launch); where the ranks of one run_id decided different
 corrupt lines are counted and skipped. Exit codes: 0 every start succeeded · 1 a start failed or
 is incomplete · 2 nothing was readable (or a LOG is not a regular file).
 
-Logs are read streaming (:class:`pipeline.trace.TraceReader`): runs are reported one at a time
+Logs are read streaming (:class:`pipeline.observe.trace.TraceReader`): runs are reported one at a time
 and let go, so memory stays bounded on huge logs; only ``--perfetto`` keeps every run (the
 timeline file holds them all anyway). Every string read from a log is printed as plain text (never
 rich markup), control characters escaped.
@@ -23,7 +23,7 @@ import msgspec
 
 from pipeline.core.errors import EXIT_FAILED, EXIT_OK
 from pipeline.core.model_spec import format_layer_ids
-from pipeline.trace import RankDifferences, Run, Trace, TraceReader, nothing_readable, rank_differences
+from pipeline.observe.trace import RankDifferences, Run, Trace, TraceReader, nothing_readable, rank_differences
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -188,7 +188,7 @@ def cmd(ns: argparse.Namespace) -> int:
     if runs is None:
         raise nothing_readable(reader)
     if ns.perfetto:
-        from pipeline.perfetto import write_chrome_trace
+        from pipeline.observe.perfetto import write_chrome_trace
 
         kept = list(runs)  # the timeline holds every run anyway
         runs = iter(kept)

@@ -53,7 +53,7 @@ def installed_from(flag: str | None) -> dict[str, bool]:
     Raises :class:`UsageError` (exit 2) for any other name, listing both spellings.
     """
     if flag is None:
-        from pipeline.build import installed_by_metadata
+        from pipeline.setup.build import installed_by_metadata
 
         return installed_by_metadata(PACKAGES)
     given = [p.strip() for p in flag.split(",") if p.strip()]
@@ -94,13 +94,13 @@ def warnings_obj(warnings: Any) -> list[dict[str, Any]]:
 def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool]) -> dict[str, Any]:
     """The plan report for ``request`` on ``device`` (raises the typed error of a refusal).
 
-    Runs :func:`pipeline.build.decide_offline`: resolve (``strict`` included), build-mode's plan,
+    Runs :func:`pipeline.setup.build.decide_offline`: resolve (``strict`` included), build-mode's plan,
     the CUDA-graph sizes against ``max_reqs`` and the FlashInfer workspace bound, so ``plan``
     refuses what a run would refuse before allocating. ``warnings``: the reference fallback and
     every downgrade (:func:`states.resolve.warnings_for`), as a run logs them.
     """
     from pipeline import report as rp
-    from pipeline.build import decide_offline
+    from pipeline.setup.build import decide_offline
     from states import resolve
 
     res, plan = decide_offline(request, device, installed)

@@ -24,7 +24,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def cmd(ns: argparse.Namespace) -> int:
-    from pipeline.replay import replay
+    from pipeline.observe.replay import replay
 
     result = replay(ns.logs)
     if ns.json:

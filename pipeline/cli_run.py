@@ -1,6 +1,6 @@
 """``attn-setup run``: the runner flow, then verification on real batches.
 
-Every device goes through the same runner states (:mod:`pipeline.runner`): init-distributed,
+Every device goes through the same runner states (:mod:`pipeline.runtime.runner`): init-distributed,
 load-model (``--num-layers``, default 2 on every device), init-memory-pool (``--mem-fraction`` /
 ``--mem-bytes`` / ``--num-token-slots``), attention (the six-state pipeline), capture-cuda-graphs
 (skipped with its reason on CPU or for backends without CUDA graphs), ready. Then every built
@@ -116,13 +116,13 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
 
     Checks flag values, the env settings, that the device exists, ``--mem-bytes`` against its
     memory, the pool against what ``run`` verifies (:func:`check_pool_for_checks`), and every decision
-    up to allocation (:func:`pipeline.build.decide_offline`: the resolution with ``--strict``, the
+    up to allocation (:func:`pipeline.setup.build.decide_offline`: the resolution with ``--strict``, the
     CUDA-graph sizes against ``--max-reqs`` and the FlashInfer workspace bound) on every device. A
     refusal is run through the pipeline so the log records device-init → resolve (or build-mode) →
     failed with the ErrorInfo (it fails before the pools, so nothing is allocated there).
     """
     from pipeline.core import settings
-    from pipeline.build import build_attention_backends, decide_offline, installed_by_import
+    from pipeline.setup.build import build_attention_backends, decide_offline, installed_by_import
     from pipeline.platforms import parse_device, platform_for
 
     if ns.decode_steps < 0:
@@ -154,16 +154,16 @@ def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platfor
     """Refuse, before the model loads, a pool too small for what ``run`` verifies or too big for memory.
 
     The built instances are verified on a 5-request batch and the model steps on a 4-request one:
-    ``--max-context-len`` must hold their longest request (:func:`pipeline.verify.context_needed`,
-    :func:`pipeline.runner_verify.context_needed`; ConfigError ``invalid_value`` naming the minimum),
+    ``--max-context-len`` must hold their longest request (:func:`pipeline.runtime.verify.context_needed`,
+    :func:`pipeline.runtime.model_steps.context_needed`; ConfigError ``invalid_value`` naming the minimum),
     and :func:`pipeline.core.pool_sizing.size_pools` is asked for at least the slots they take
-    (:func:`pipeline.verify.slots_needed`, :func:`pipeline.runner_verify.slots_needed`, whole pages each)
+    (:func:`pipeline.runtime.verify.slots_needed`, :func:`pipeline.runtime.model_steps.slots_needed`, whole pages each)
     from ``--num-token-slots`` or a ``--mem-bytes`` budget (``--mem-fraction``'s floor is checked after
     the weights load, since they count against it); ConfigError ``pool_budget_too_small`` naming the flag.
     With ``platform``, the pools these flags give (the default slots, or ``--mem-fraction`` of the
     device's memory) must fit its free memory (:func:`pipeline.core.pool_sizing.check_fits`).
     """
-    from pipeline import runner_verify, verify
+    from pipeline.runtime import model_steps as runner_verify, verify
     from pipeline.core.model_spec import attention_layer_ids, attention_prefix, layers_covering_every_kind
     from pipeline.core.pool_sizing import available_bytes, budget_from_fraction, check_fits, size_pools
     from states.capability_check import kv_dtype
@@ -232,7 +232,7 @@ def runner_config(ns: argparse.Namespace, request: SetupRequest, on_gpu: bool) -
     """The RunnerConfig from the flags (default on every device: the first 2 attention layers, or as many as
     it takes to include one layer of every attention kind, e.g. 4 for Llama-4, 6 for Gemma-3)."""
     from pipeline.core.model_spec import layers_covering_every_kind
-    from pipeline.runner import RunnerConfig
+    from pipeline.runtime.runner import RunnerConfig
 
     default = layers_covering_every_kind(request.served_model, DEFAULT_LAYERS)
     layers = ns.num_layers if ns.num_layers is not None else max(default, 1)
@@ -255,7 +255,7 @@ def runner_states(records: Any) -> list[dict[str, Any]]:
 
 
 def _model_steps(runner: Any, log: Any, decode_steps: int) -> list[dict[str, Any]]:
-    from pipeline.runner_verify import verify_model_steps
+    from pipeline.runtime.model_steps import verify_model_steps
 
     out = []
     for c in verify_model_steps(runner, decode_steps=decode_steps):
@@ -269,7 +269,7 @@ def _model_steps(runner: Any, log: Any, decode_steps: int) -> list[dict[str, Any
 
 def _verify(backends: Any, request: SetupRequest, log: Any, decode_steps: int,
             pools: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
-    from pipeline.verify import verify_built
+    from pipeline.runtime.verify import verify_built
 
     out = []
     for r in verify_built(backends, request, pools=pools, decode_steps=decode_steps):
@@ -321,10 +321,10 @@ def cmd(ns: argparse.Namespace) -> int:
     """
     import time
 
-    from pipeline.build import new_run_id
-    from pipeline.runner import Runner
+    from pipeline.setup.build import new_run_id
+    from pipeline.runtime.runner import Runner
 
-    from pipeline.distributed import check_timeout, init_from_env
+    from pipeline.setup.distributed import check_timeout, init_from_env
 
     group = init_from_env(ns.device, timeout_s=check_timeout(ns.dist_timeout))  # None unless WORLD_SIZE > 1
     if group is not None:

@@ -19,8 +19,8 @@ from typing import Any, Mapping, Optional
 
 from pipeline.core.contracts import DeviceFacts, SetupRequest
 from pipeline.platforms.fake import FakePlatform
-from pipeline.replay import ReplayResult, replay
-from pipeline.trace import Trace, read_trace
+from pipeline.observe.replay import ReplayResult, replay
+from pipeline.observe.trace import Trace, read_trace
 
 __all__ = ["FakePlatform", "assert_replays", "record_trace", "cuda_facts", "cpu_facts", "truncate_trace",
            "read_trace", "replay"]
@@ -59,7 +59,7 @@ def record_trace(request: SetupRequest, path: str | os.PathLike, *, facts: Optio
     ``installed`` overrides package presence (e.g. ``{"torch": True, "triton": False,
     "flashinfer-python": False}`` to make a fake GPU resolve to ``torch_native``). Returns the trace read back.
     """
-    from pipeline.build import build_attention_backends
+    from pipeline.setup.build import build_attention_backends
     from pipeline.core.errors import AttnSetupError
 
     platform = FakePlatform(facts or cpu_facts())

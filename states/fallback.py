@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from pipeline.backends import registry
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, Resolution, SetupWarning, Skip
-from pipeline.cuda_graphs import decide_graphs
+from pipeline.runtime.cuda_graphs import decide_graphs
 from pipeline.core.errors import CapabilityMismatch
 from states.build_mode import decide_mode
 
@@ -59,7 +59,7 @@ class StrictRefusal(CapabilityMismatch):
 
 
 def graph_skips(args: AttentionArgs, decode: str, device: DeviceFacts) -> list[Skip]:
-    """CUDA graphs not captured, from the one rule (:func:`pipeline.cuda_graphs.decide_graphs`).
+    """CUDA graphs not captured, from the one rule (:func:`pipeline.runtime.cuda_graphs.decide_graphs`).
 
     No skip when graphs are captured or the user turned them off. On a non-CUDA device graphs do
     not apply (``downgrade=False``); on a CUDA device with a decode backend that cannot be captured

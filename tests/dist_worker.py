@@ -21,8 +21,8 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import distributed  # noqa: E402
-from pipeline.build import build_attention_backends  # noqa: E402
+from pipeline.setup import distributed  # noqa: E402
+from pipeline.setup.build import build_attention_backends  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.core.errors import AttnSetupError  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402

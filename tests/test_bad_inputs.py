@@ -75,9 +75,9 @@ def _setup(case: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         os.mkfifo(tmp_path / "fifo")
     point = case.get("interrupt")
     if point:  # a real SIGINT, delivered to this process at that point (as Ctrl-C would)
-        import pipeline.build
+        import pipeline.setup.build
         import pipeline.cli_run
-        import pipeline.model
+        import pipeline.runtime.model
 
         def interrupting(target: object, name: str) -> None:
             real = getattr(target, name)
@@ -88,8 +88,8 @@ def _setup(case: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
             monkeypatch.setattr(target, name, wrapper)
 
-        target = {"load-model": (pipeline.model, "AttentionStack"),
-                  "npu-lazy-mem": (pipeline.build._Run, "npu_lazy_mem"),
+        target = {"load-model": (pipeline.runtime.model, "AttentionStack"),
+                  "npu-lazy-mem": (pipeline.setup.build._Run, "npu_lazy_mem"),
                   "verification": (pipeline.cli_run, "_verify")}[point]
         interrupting(*target)
 
@@ -178,7 +178,7 @@ def _call(case, llama, tmp_path):
 
     from pipeline import AttentionArgs, SetupRequest, build_attention_backends, load_model_spec
     from pipeline.core.contracts import PoolFacts
-    from pipeline.runner import Runner, RunnerConfig
+    from pipeline.runtime.runner import Runner, RunnerConfig
 
     kw = _value(case["kwargs"])
     small = PoolFacts(max_reqs=4, max_context_len=64, num_token_slots=256)

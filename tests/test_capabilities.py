@@ -1,7 +1,7 @@
 """Capability honesty: every claim of a record runs a real case; every non-claim is refused by resolve.
 
-Real cases build through :func:`pipeline.build.build_attention_backends` (or drive a backend
-directly) and compare every request's output with :func:`pipeline.reference.reference_attention`
+Real cases build through :func:`pipeline.setup.build.build_attention_backends` (or drive a backend
+directly) and compare every request's output with :func:`pipeline.runtime.reference.reference_attention`
 (float64) by ``max|out - ref| / max|ref|``: fp32 <= 1e-4, bf16/fp16 <= 1e-2. ``torch_native``'s
 cases run on CPU; CUDA cases (every GPU record's claims, torch_native's pdmux/cuda) are marked
 ``gpu``; torch_native's other device claims run where torch has that device, else skip with why.
@@ -20,14 +20,14 @@ from pipeline.backends import registry
 from pipeline.backends.base import AttentionLayer
 from pipeline.backends.records import TORCH_NATIVE
 from pipeline.backends.torch_native import TorchNativeBackend
-from pipeline.build import build_attention_backends
+from pipeline.setup.build import build_attention_backends
 from pipeline.core.contracts import AttentionArgs, ForwardMode, ModelSpec, PoolFacts, SetupRequest
 from pipeline.core.errors import CapabilityMismatch
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.profiles import PROFILES
-from pipeline.reference import reference_attention, rel_err
-from pipeline.verify import verify_backend
+from pipeline.runtime.reference import reference_attention, rel_err
+from pipeline.runtime.verify import verify_backend
 from states import resolve
 from states.capability_check import model_dtype
 
@@ -237,7 +237,7 @@ def _gpu_cases() -> list:
 
 
 def _installed_by_import() -> dict:
-    from pipeline.build import installed_by_import
+    from pipeline.setup.build import installed_by_import
 
     return installed_by_import()
 

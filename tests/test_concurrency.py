@@ -16,7 +16,7 @@ import pytest
 
 from conftest import CONFIGS, cuda_facts
 from pipeline.core import events as ev
-from pipeline.build import build_attention_backends
+from pipeline.setup.build import build_attention_backends
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform

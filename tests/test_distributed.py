@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.core import events as ev
 from pipeline.core.contracts import DeviceFacts, ResolvedAttentionBackendStr, Resolution
-from pipeline.distributed import RankGroup, agree_on_resolution, check_rank_device, rank_device
+from pipeline.setup.distributed import RankGroup, agree_on_resolution, check_rank_device, rank_device
 from pipeline.core.errors import ConfigError
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"

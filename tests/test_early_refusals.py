@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from pipeline.core import events as ev
-from pipeline.build import build_attention_backends
+from pipeline.setup.build import build_attention_backends
 from pipeline.cli import main
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.core import events as ev
-from pipeline import trace as tr
+from pipeline.observe import trace as tr
 from pipeline.core.contracts import SCHEMA_VERSION
 from pipeline.core.eventlog import REDACTED, EventLog
 

@@ -20,7 +20,7 @@ import pytest
 
 from pipeline.core import events as ev
 from pipeline.cli import main
-from pipeline.trace import MAX_LINE_BYTES, TraceReader, read_trace
+from pipeline.observe.trace import MAX_LINE_BYTES, TraceReader, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["--num-layers", "1", "--decode-steps", "1"]

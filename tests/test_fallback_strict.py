@@ -25,7 +25,7 @@ import pytest
 from conftest import CONFIGS
 from pipeline.core import events as ev
 from pipeline import report as rp
-from pipeline.build import build_attention_backends
+from pipeline.setup.build import build_attention_backends
 from pipeline.cli import main
 from pipeline.cli_plan import plan_report
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
@@ -173,7 +173,7 @@ def _fake(profile: str) -> FakePlatform:
 def test_library_logs_reference_fallback_and_downgrade_as_plan_reports_them(tmp_path):
     """A B200 start (faked, tensors on CPU): reference_fallback + feature_downgraded warning events, the same
     warnings plan computes, and the trace replays the same (fallback halves included)."""
-    from pipeline.replay import replay
+    from pipeline.observe.replay import replay
 
     req = msgspec.structs.replace(_request("llama-3.1-8b", {}, False), device="cuda:0")
     log = tmp_path / "b200.jsonl"
@@ -201,7 +201,7 @@ def test_library_strict_refuses_in_resolve_before_anything_is_allocated():
 
 def test_cpu_cuda_graph_skip_is_a_step_skipped_not_a_warning(llama, small_pool):
     """On CPU, CUDA graphs do not apply: a step_skipped record (info), no feature_downgraded, resolve not 'skipped'."""
-    from pipeline.trace import Run
+    from pipeline.observe.trace import Run
 
     req = SetupRequest(args=AttentionArgs(strict=True), model=llama, pool=small_pool, device="cpu")
     with build_attention_backends(req, installed=ALL) as out:

@@ -12,7 +12,7 @@ import gc
 import pytest
 
 from pipeline.core import events as ev
-from pipeline.build import build_attention_backends
+from pipeline.setup.build import build_attention_backends
 from pipeline.core.contracts import AttentionArgs, SetupRequest
 from pipeline.core.eventlog import EventLog
 from pipeline.core.faults import Faults, InjectedFault, points_of_run

@@ -12,8 +12,8 @@ from pipeline.core import events as ev
 from pipeline.cli import main
 from pipeline.core.eventlog import EventLog
 from pipeline.core.machine import STEPS, State
-from pipeline.perfetto import chrome_trace
-from pipeline.trace import read_trace
+from pipeline.observe.perfetto import chrome_trace
+from pipeline.observe.trace import read_trace
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 MERMAID_LINE = re.compile(r"^(---|attn-setup state machine|stateDiagram-v2|direction LR|classDef s_\w+ [\w:,]+|"

@@ -151,7 +151,7 @@ def test_triton_unplanned_extend_is_planned_once_and_never_stale(request, monkey
     """After a planned extend batch, an unplanned one gets its own metadata (once, for all layers), not the old one."""
     from pipeline.backends.torch_native import TorchNativeBackend
     from pipeline.backends.triton.backend import TritonAttnBackend
-    from pipeline.reference import rel_err
+    from pipeline.runtime.reference import rel_err
 
     sc, (be,) = make("triton", request, ["primary"])
     metas = []

@@ -10,7 +10,7 @@ def test_light_imports_do_not_pull_torch():
     """import pipeline + contracts + states + resolution leaves torch, triton and flashinfer unimported."""
     code = (
         "import sys, pipeline, pipeline.core.contracts, pipeline.core.errors, pipeline.core.events, pipeline.core.machine, "
-        "pipeline.core.model_spec, pipeline.backends.registry, pipeline.build, states.resolve, states.build_mode;"
+        "pipeline.core.model_spec, pipeline.backends.registry, pipeline.setup.build, states.resolve, states.build_mode;"
         "from pipeline.core.model_spec import load_model_spec;"
         "from pipeline.core.contracts import DeviceFacts, AttentionArgs;"
         "m = load_model_spec('examples/configs/llama-3.1-8b.json');"
@@ -27,7 +27,7 @@ def test_light_imports_do_not_pull_torch():
 def test_library_does_not_configure_logging():
     """Importing and running decisions leaves structlog and logging unconfigured."""
     code = (
-        "import logging, structlog, pipeline, pipeline.build, pipeline.core.eventlog;"
+        "import logging, structlog, pipeline, pipeline.setup.build, pipeline.core.eventlog;"
         "import sys; sys.exit(0 if not structlog.is_configured() and not logging.getLogger().handlers else 1)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

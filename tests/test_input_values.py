@@ -236,7 +236,7 @@ def test_runner_refuses_a_pool_beyond_the_platforms_memory_before_allocating(lla
     """Runner.init_memory_pool checks the sized pools against the platform's free memory; nothing allocated."""
     from pipeline.core.contracts import DeviceFacts
     from pipeline.platforms.fake import FakePlatform
-    from pipeline.runner import Runner, RunnerConfig
+    from pipeline.runtime.runner import Runner, RunnerConfig
 
     small = DeviceFacts(type="cpu", name="tiny", total_memory_bytes=64 << 20)
     req = SetupRequest(model=llama, device="cpu", pool=PoolFacts(max_reqs=4, max_context_len=64, num_token_slots=512))

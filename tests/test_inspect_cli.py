@@ -115,7 +115,7 @@ def test_runner_failure_before_the_setup_machine(capsys, tmp_path, llama):
     outcomes (not one 'init-distributed failed' row), the setup machine is absent, Perfetto and graph agree."""
     from pipeline.core.contracts import DeviceFacts, PoolFacts, SetupRequest
     from pipeline.platforms.fake import FakePlatform
-    from pipeline.runner import Runner, RunnerConfig
+    from pipeline.runtime.runner import Runner, RunnerConfig
 
     log = tmp_path / "pool.jsonl"  # (attn-setup run refuses this budget in preflight; the Runner API meets it in the pool step)
     req = SetupRequest(model=llama, device="cpu", pool=PoolFacts(max_reqs=4, max_context_len=64, num_token_slots=256))

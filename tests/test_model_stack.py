@@ -1,4 +1,4 @@
-"""The attention stack (pipeline.model) against hand-derived values and its float64 dense reference.
+"""The attention stack (pipeline.runtime.model) against hand-derived values and its float64 dense reference.
 
 Independent yardsticks: a one-token step has a softmax over one key, so attention returns that
 token's V exactly (times exp(s)/(exp(s)+exp(sink)) with a sink) — no RoPE or scores involved;
@@ -18,9 +18,9 @@ from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.core.contracts import ForwardMode
 from pipeline.core.errors import ConfigError
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
-from pipeline.model import AttentionStack, _rope_complex, reference_forward, rope_neox, truncate_spec
+from pipeline.runtime.model import AttentionStack, _rope_complex, reference_forward, rope_neox, truncate_spec
 from pipeline.core.model_spec import load_model_spec
-from pipeline.reference import rel_err
+from pipeline.runtime.reference import rel_err
 
 
 def _spec(name, **over):

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import npu_facts
 from pipeline.core import events as ev
-from pipeline.build import build_attention_backends
+from pipeline.setup.build import build_attention_backends
 from pipeline.core.contracts import AttentionArgs, SetupRequest
 from pipeline.platforms.fake import FakePlatform
 from pipeline.core import settings

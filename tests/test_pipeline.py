@@ -10,7 +10,7 @@ from conftest import cuda_facts
 from pipeline.core import events as ev
 from pipeline.backends import registry
 from pipeline.backends.records import TORCH_NATIVE
-from pipeline.build import build_attention_backends
+from pipeline.setup.build import build_attention_backends
 from pipeline.core.contracts import AttentionArgs, SetupRequest
 from pipeline.core.errors import BackendUnknown, CapabilityMismatch, ConflictingOptions
 from pipeline.platforms.fake import FakePlatform
@@ -59,7 +59,7 @@ def test_tbo_builds_primary_and_two_children_of_one_factory(llama, small_pool):
 
 def test_tbo_children_serve_one_half_each_and_match_normal_mode(llama, small_pool):
     """Each TBO child serves exactly its half of the requests; the wrapper passes verification."""
-    from pipeline.verify import verify_backend
+    from pipeline.runtime.verify import verify_backend
 
     with _build(_req(llama, small_pool, enable_two_batch_overlap=True)) as out:
         top = out.attn_backend
@@ -96,7 +96,7 @@ def test_hybrid_routes_extend_and_decode_to_different_backends(llama, small_pool
     """prefill ≠ decode: both halves are plan instances and the wrapper routes by forward mode."""
     monkeypatch.setitem(registry._REGISTRY, "torch_native_b", registry.BackendEntry(
         "torch_native_b", TORCH_NATIVE, "pipeline.backends.torch_native:create"))
-    from pipeline.verify import verify_backend
+    from pipeline.runtime.verify import verify_backend
 
     req = _req(llama, small_pool, prefill_attention_backend="torch_native", decode_attention_backend="torch_native_b")
     with _build(req) as out:

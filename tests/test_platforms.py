@@ -155,7 +155,7 @@ def test_pipeline_on_npu_platform_calls_zbal_once(vendor, llama, draft, size, ca
     order = []
     mod.npu = types.SimpleNamespace(init_zbal_lazy_mem=lambda n, **kw: order.append(("zbal", n, kw["rank"],
                                                                                      kw["world_size"], kw["group"])))
-    from pipeline.build import build_attention_backends
+    from pipeline.setup.build import build_attention_backends
 
     group = object()
     req = SetupRequest(args=AttentionArgs(zbal_local_mem_size=size), model=llama, device="npu:1", rank=1,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pipeline.core import events as ev
 from pipeline.cli import main
-from pipeline.trace import read_trace
+from pipeline.observe.trace import read_trace
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 BASE = [json.loads(x) for name in ("ok_tbo", "failed_pdmux", "tp2_rank0")
@@ -149,8 +149,8 @@ def test_every_field_at_every_extreme(tmp_path, capsys):
 
     from pipeline import cli_graph, cli_inspect
     from pipeline.core.errors import UsageError
-    from pipeline.perfetto import chrome_trace
-    from pipeline.replay import replay
+    from pipeline.observe.perfetto import chrome_trace
+    from pipeline.observe.replay import replay
 
     console = io.StringIO()
     base = [json.loads(x) for x in (GOLDEN / "ok_tbo.jsonl").read_text().splitlines() if x.strip()]

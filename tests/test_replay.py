@@ -8,7 +8,7 @@ import pytest
 import pipeline
 from pipeline import testing
 from pipeline.core.errors import UsageError
-from pipeline.replay import Divergence, replay
+from pipeline.observe.replay import Divergence, replay
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 ALL = sorted(GOLDEN.glob("*.jsonl"))

@@ -8,13 +8,13 @@ import pytest
 from conftest import CONFIGS, npu_facts
 from pipeline.core import events as ev
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
-from pipeline.cuda_graphs import capture_batch_sizes, skip_reason
+from pipeline.runtime.cuda_graphs import capture_batch_sizes, skip_reason
 from pipeline.core.errors import ConfigError, OrderingError
 from pipeline.core.machine import GuardError
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.core.pool_sizing import kv_bytes_per_token, size_pools
-from pipeline.runner import Runner, RunnerConfig, RunnerState
+from pipeline.runtime.runner import Runner, RunnerConfig, RunnerState
 
 ORDER = ["init-distributed", "load-model", "init-memory-pool", "attention", "capture-cuda-graphs", "ready"]
 STEPS = ["init_distributed", "load_model", "init_memory_pool", "init_attention", "capture_cuda_graphs"]
@@ -46,7 +46,7 @@ def transitions(r):
 
 
 def test_initialize_reaches_ready_and_steps_verify(qwen):
-    from pipeline.runner_verify import verify_model_steps
+    from pipeline.runtime.model_steps import verify_model_steps
 
     with runner(qwen) as r:
         r.initialize()
@@ -123,7 +123,7 @@ def test_rank_agreement_from_callable_or_recorded_skip(qwen):
 
 def test_zbal_before_capture_never_for_draft_or_size_zero(qwen, monkeypatch):
     """With a fake NPU platform and a fake capture: zbal lazy memory is called before capture."""
-    import pipeline.cuda_graphs as cg
+    import pipeline.runtime.cuda_graphs as cg
 
     class FakeGraphs:
         def __init__(self, stack, backend, rp, kv, sizes):
@@ -166,7 +166,7 @@ def _fail_dist(monkeypatch):
 
 
 def _fail_model(monkeypatch):
-    import pipeline.model as m
+    import pipeline.runtime.model as m
 
     def boom(*a, **k):
         raise RuntimeError("weights exploded")
@@ -175,7 +175,7 @@ def _fail_model(monkeypatch):
 
 
 def _fail_capture(monkeypatch):
-    import pipeline.cuda_graphs as cg
+    import pipeline.runtime.cuda_graphs as cg
 
     monkeypatch.setattr(cg, "skip_reason", lambda *a: (_ for _ in ()).throw(RuntimeError("capture exploded")))
     return {}
@@ -189,7 +189,7 @@ def _fail_capture(monkeypatch):
     (_fail_capture, "capture-cuda-graphs", "internal_error", "capture exploded"),
 ])
 def test_failure_in_any_step_is_logged_with_step_and_cause(qwen, monkeypatch, tmp_path, setup, step, code, words):
-    from pipeline.trace import read_trace
+    from pipeline.observe.trace import read_trace
 
     kw = setup(monkeypatch)
     r = runner(qwen, **kw)
@@ -268,7 +268,7 @@ def test_skip_reason(args, dev, names, want):
 
 
 def test_compat_adapter_exposes_sglang_attributes(qwen):
-    from pipeline.compat import ModelRunnerAttention
+    from pipeline.setup.compat import ModelRunnerAttention
 
     req = SetupRequest(model=qwen, device="cpu", pool=POOL)
     m = ModelRunnerAttention(req, platform=FakePlatform(cpu_facts()))
@@ -282,8 +282,8 @@ def test_compat_adapter_exposes_sglang_attributes(qwen):
 
 
 def test_runner_trace_reads_and_replays(qwen, tmp_path):
-    from pipeline.replay import replay
-    from pipeline.trace import read_trace
+    from pipeline.observe.replay import replay
+    from pipeline.observe.trace import read_trace
 
     req = SetupRequest(model=qwen, device="cpu", pool=POOL)
     with Runner(RunnerConfig(request=req, num_layers=1), log_file=str(tmp_path / "r.jsonl")) as r:

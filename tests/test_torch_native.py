@@ -13,7 +13,7 @@ from pipeline.backends.torch_native import TorchNativeBackend, create
 from pipeline.core.contracts import ForwardMode
 from pipeline.core.errors import BuildError
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
-from pipeline.reference import reference_attention, rel_err
+from pipeline.runtime.reference import reference_attention, rel_err
 
 PREFIX = (0, 5, 19, 0)
 NEW = (7, 3, 2, 1)

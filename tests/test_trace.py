@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from pipeline.core import events as ev
-from pipeline import trace as tr
+from pipeline.observe import trace as tr
 from pipeline.core.contracts import DeviceFacts, ErrorInfo, InstancePlan, Mode, Rejection, WorkspacePlan
 from pipeline.core.eventlog import EventLog
 

@@ -32,7 +32,7 @@ from pipeline.backends.triton import launch as DEC  # noqa: E402
 from pipeline.core.contracts import ForwardMode  # noqa: E402
 from pipeline.core.errors import BuildError, CapabilityMismatch  # noqa: E402
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
-from pipeline.reference import reference_attention, rel_err  # noqa: E402
+from pipeline.runtime.reference import reference_attention, rel_err  # noqa: E402
 
 SMALL_DEC = dict(block_n=16, block_n_single=32, split_min=32, num_warps=4, num_stages=1)
 SMALL_EXT = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)

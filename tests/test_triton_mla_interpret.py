@@ -1,8 +1,8 @@
 """The absorbed-MLA Triton kernels on CPU under ``TRITON_INTERPRET=1``, against float64 attention.
 
-Yardsticks: :func:`pipeline.reference.reference_attention` in float64 over the cached latent rows
+Yardsticks: :func:`pipeline.runtime.reference.reference_attention` in float64 over the cached latent rows
 (keys = the whole row, values = its first ``Dv`` dims), per request; torch_native on the same paged
-batch; and the un-absorbed float64 model (:func:`pipeline.model.reference_forward`) for a DeepSeek-V2-Lite
+batch; and the un-absorbed float64 model (:func:`pipeline.runtime.model.reference_forward`) for a DeepSeek-V2-Lite
 layer run end to end through the backend. Shapes stay small (tens of keys, 16-row tiles) so the
 interpreter is quick; the real-size grid is ``tests/gpu/test_triton_mla_gpu.py``.
 
@@ -38,7 +38,7 @@ from pipeline.backends.triton import launch_mla as M  # noqa: E402
 from pipeline.core.contracts import ForwardMode, LayerKind  # noqa: E402
 from pipeline.core.errors import BuildError, CapabilityMismatch, LayerMismatch  # noqa: E402
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
-from pipeline.reference import reference_attention, rel_err  # noqa: E402
+from pipeline.runtime.reference import reference_attention, rel_err  # noqa: E402
 
 TOL = 1e-2   # bf16/fp16 inputs and output (output rounding alone is up to 2^-9 relative)
 SMALL_DEC = dict(block_n=16, split_min=16, num_warps=4, num_stages=1, merge_block_h=8)
@@ -200,7 +200,7 @@ def _mla_step(backend, mode, rows, new, alloc, kv, layer, g):
     q = torch.randn(t, 16, 576, generator=g).bfloat16()
     lat = torch.randn(t, 1, 576, generator=g).bfloat16()
     backend.init_forward_metadata(fb)
-    # The model passes k = [c, k_rope] (576) and v = c (512), as pipeline.model does for MLA.
+    # The model passes k = [c, k_rope] (576) and v = c (512), as pipeline.runtime.model does for MLA.
     return fb, q, lat, backend.forward(q.reshape(t, -1), lat, lat[..., :512].contiguous(), layer, fb)
 
 
@@ -241,7 +241,7 @@ def test_backend_mla_stack_matches_unabsorbed_float64_model():
     """One DeepSeek-V2-Lite layer end to end (absorbed q through W_UK, latent cache, W_UV after attention)
     through the triton backend equals the float64 *un-absorbed* model (per-head k_nope / v from the
     latent), over extend, chunked extend and decode: the absorption, the YaRN scale and the kernels agree."""
-    from pipeline.model import AttentionStack, reference_forward
+    from pipeline.runtime.model import AttentionStack, reference_forward
     from pipeline.core.model_spec import load_model_spec
 
     spec = load_model_spec(CONFIGS / "deepseek-v2-lite.json")

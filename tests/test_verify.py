@@ -12,7 +12,7 @@ from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.core.contracts import LayerKind, MLADims, ModelSpec
 from pipeline.core.errors import BuildError
 from pipeline.backends.memory import KVPool, ReqToTokenPool
-from pipeline.verify import VERIFY_CHUNK, VERIFY_WINDOW, VerifyResult, verification_model, verify_all, verify_backend
+from pipeline.runtime.verify import VERIFY_CHUNK, VERIFY_WINDOW, VerifyResult, verification_model, verify_all, verify_backend
 
 
 def spec(**kw) -> ModelSpec:

@@ -1,6 +1,6 @@
 """Verification tests what runs (issue 13, section 1): the instances it checks are built for its windows.
 
-:func:`pipeline.verify.verify_built` rebuilds the plan (same backends, roles, mode, wrappers) from the
+:func:`pipeline.runtime.verify.verify_built` rebuilds the plan (same backends, roles, mode, wrappers) from the
 verification spec whose sliding windows are capped at ``VERIFY_WINDOW``, so the windows bite within
 its short requests on every backend — FlashInfer included, whose wrappers bake the window in. Checked
 on CPU for the bundled windowed configs (Gemma-2: window + softcap, head dim 256; gpt-oss: window 128
@@ -20,17 +20,17 @@ import torch
 
 import fake_flashinfer
 from conftest import CONFIGS
-from pipeline import build as build_mod
+from pipeline.setup import build as build_mod
 from pipeline.backends import registry
 from pipeline.backends.base import AttentionBackend, PlannedLayers
 from pipeline.backends.records import TORCH_NATIVE
 from pipeline.backends.torch_native import TorchNativeBackend
-from pipeline.build import build_attention_backends
+from pipeline.setup.build import build_attention_backends
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
-from pipeline.model import truncate_spec
+from pipeline.runtime.model import truncate_spec
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
-from pipeline.verify import VERIFY_WINDOW, slots_needed, verification_model, verify_backend, verify_built
+from pipeline.runtime.verify import VERIFY_WINDOW, slots_needed, verification_model, verify_backend, verify_built
 
 WINDOWED = {"gemma-2-9b.json": 4096, "gpt-oss-20b.json": 128, "mistral-7b-v0.1.json": 4096}
 PAGE = 4
@@ -226,7 +226,7 @@ def test_runner_model_steps_use_layers_every_instance_was_built_for():
     """The runner's model steps call its TBO instances with the stack's layers: each matches every plan.
 
     (test_cli_run runs those steps for Gemma-2 in TBO mode through `attn-setup run`.)"""
-    from pipeline.runner import Runner, RunnerConfig
+    from pipeline.runtime.runner import Runner, RunnerConfig
 
     req = SetupRequest(args=AttentionArgs(page_size=PAGE, enable_two_batch_overlap=True), pool=POOL, device="cpu",
                        model=load_model_spec(CONFIGS / "gemma-2-9b.json"))

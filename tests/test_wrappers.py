@@ -12,8 +12,8 @@ from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.core.contracts import ForwardMode, LayerKind
 from pipeline.core.errors import BackendClosed, BuildError
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
-from pipeline.reference import rel_err
-from pipeline.verify import verify_backend
+from pipeline.runtime.reference import rel_err
+from pipeline.runtime.verify import verify_backend
 from spies import spy_hybrid, spy_tbo
 
 LAYER = AttentionLayer(layer_id=0, num_heads=8, num_kv_heads=2, head_dim=32, v_head_dim=32, scaling=32 ** -0.5,

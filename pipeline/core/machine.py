@@ -91,7 +91,7 @@ class SetupModel:
 class TableMachine:
     """A pytransitions ``Machine`` over a model, driven by a table of steps, with typed errors and timing.
 
-    Shared by the attention machine (:class:`SetupMachine`) and the runner's (``pipeline.runner_machine``).
+    Shared by the attention machine (:class:`SetupMachine`) and the runner's (``pipeline.runtime.runner_machine``).
     Subclasses set ``STATES`` (an Enum), ``STEPS`` — ``(trigger, source, dest, guard or guards, invariant)`` —,
     ``TERMINAL``, ``INVARIANTS`` (guard → the invariant it protects), ``LABEL`` (how messages name a trigger)
     and ``REMEDY``. ``on_transition(from_state, to_state, trigger, duration_ms)`` is called after every move.

@@ -22,13 +22,13 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from pipeline.backends.base import AttentionLayer  # noqa: E402
-from pipeline.build import build_attention_backends  # noqa: E402
+from pipeline.setup.build import build_attention_backends  # noqa: E402
 from pipeline.cli_run import default_model_path  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, ForwardMode, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.backends.memory import PageAllocator, make_forward_batch  # noqa: E402
-from pipeline.model import truncate_spec  # noqa: E402
+from pipeline.runtime.model import truncate_spec  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
-from pipeline.reference import reference_attention, rel_err  # noqa: E402
+from pipeline.runtime.reference import reference_attention, rel_err  # noqa: E402
 
 PAGE, DEV = 16, "cuda"
 MODES = {

@@ -10,7 +10,7 @@ Each backend is made by its registry factory for one layer kind and driven throu
 - backends: flashinfer, fa3, triton and torch_native on cuda, each where its capability record
   accepts the case (the others are asserted to be refused by the record, with reasons); pages 1 and 16;
 - outputs NaN-poisoned (the allocator's free block of the output's size filled with NaN) before
-  every call; every request against :func:`pipeline.reference.reference_attention` in float64 over
+  every call; every request against :func:`pipeline.runtime.reference.reference_attention` in float64 over
   an independent copy of its K/V (first and last 64 queries of long extends), bf16 tolerance 1e-2;
 - the new K/V land in the pool, and a layer with another window is refused (``LayerMismatch``).
 
@@ -39,7 +39,7 @@ from pipeline.backends import registry  # noqa: E402
 from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.core.contracts import DeviceFacts, ForwardMode, LayerKind, ModelSpec  # noqa: E402
 from pipeline.core.errors import LayerMismatch  # noqa: E402
-from pipeline.reference import reference_attention, rel_err  # noqa: E402
+from pipeline.runtime.reference import reference_attention, rel_err  # noqa: E402
 from states.capability_check import model_reasons  # noqa: E402
 
 DEV = "cuda"

@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipeline.build import build_attention_backends  # noqa: E402
+from pipeline.setup.build import build_attention_backends  # noqa: E402
 from pipeline.cli_run import default_model_path  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.core.faults import Faults, InjectedFault, points_of_run  # noqa: E402

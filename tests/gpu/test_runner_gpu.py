@@ -26,11 +26,11 @@ from pipeline.core import events as ev  # noqa: E402
 from pipeline.cli_run import default_model_path  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, ForwardMode, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.backends.memory import PageAllocator, make_forward_batch  # noqa: E402
-from pipeline.model import reference_forward  # noqa: E402
+from pipeline.runtime.model import reference_forward  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
-from pipeline.reference import rel_err  # noqa: E402
-from pipeline.runner import Runner, RunnerConfig, RunnerState  # noqa: E402
-from pipeline.runner_verify import verify_model_steps  # noqa: E402
+from pipeline.runtime.reference import rel_err  # noqa: E402
+from pipeline.runtime.runner import Runner, RunnerConfig, RunnerState  # noqa: E402
+from pipeline.runtime.model_steps import verify_model_steps  # noqa: E402
 
 NEEDS = {"flashinfer": "flashinfer", "fa3": "flashinfer", "triton": "triton"}
 BACKENDS = [b for b, mod in NEEDS.items() if importlib.util.find_spec(mod) is not None]

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.core.contracts import ForwardMode  # noqa: E402
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
-from pipeline.reference import reference_attention, rel_err  # noqa: E402
+from pipeline.runtime.reference import reference_attention, rel_err  # noqa: E402
 
 DEV = "cuda"
 TOL = 1e-2

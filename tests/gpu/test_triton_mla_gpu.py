@@ -3,7 +3,7 @@
 Latent 512 + rope 64 per cached token, ragged contexts up to 32k, pages 1 / 16 / 64, bf16 and fp16.
 Every call writes into an output poisoned with NaN first. Yardsticks: torch_native on the same paged
 batch for every request (fp32 math; its V buffer holds the latent's first 512 dims, as the model writes
-it), float64 attention (:func:`pipeline.reference.reference_attention`, head chunks so 128 heads x 32k
+it), float64 attention (:func:`pipeline.runtime.reference.reference_attention`, head chunks so 128 heads x 32k
 keys fit) for sampled requests; tolerance 1e-2 of ``max|ref|`` (bf16/fp16). The backend's routing of
 MLA layers must give the launcher's result bit for bit, and a decode CUDA graph replayed after the
 lengths change must equal an eager call bit for bit (split path and direct path). Skipped without CUDA.
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.gpu,
 from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.core.contracts import ForwardMode  # noqa: E402
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
-from pipeline.reference import reference_attention, rel_err  # noqa: E402
+from pipeline.runtime.reference import reference_attention, rel_err  # noqa: E402
 
 DEV = "cuda"
 TOL = 1e-2

@@ -24,7 +24,7 @@ from pipeline.core.errors import OrderingError
 class ModelRunnerAttention:
     """sglang ModelRunner's attention attributes, filled by :meth:`init_attention_backends`.
 
-    Parameters are those of :func:`pipeline.build.build_attention_backends` (``pools``: the engine's
+    Parameters are those of :func:`pipeline.setup.build.build_attention_backends` (``pools``: the engine's
     own ``req_to_token_pool`` and ``kv_pool``, built before the backends as sglang does).
     """
 
@@ -50,7 +50,7 @@ class ModelRunnerAttention:
             raise OrderingError("init_attention_backends() already ran for this runner", state="done",
                                 flags=[("attn_backend", type(self.attn_backend).__name__)],
                                 remedy="call it once per model runner; close() and build a new one to re-initialise")
-        from pipeline.build import build_attention_backends
+        from pipeline.setup.build import build_attention_backends
 
         out = build_attention_backends(self.request, **self._kw)
         self.result = out

@@ -12,12 +12,12 @@ distinct layer kind of the model it drives the backend through the engine's own 
 with random q/k/v (and random sinks for kinds with sinks), pages handed out scrambled by
 :class:`~pipeline.backends.memory.PageAllocator`. It keeps its own un-paged copy of every K/V written (as
 rounded to the KV storage dtype) and compares every step's output per request with
-:func:`pipeline.reference.reference_attention` using ``max|out - ref| / max|ref|``.
+:func:`pipeline.runtime.reference.reference_attention` using ``max|out - ref| / max|ref|``.
 
 Verification tests what runs: the layers it calls a backend with are exactly those the backend was
 built for (every backend refuses others with ``LayerMismatch``). So that sliding windows bite within
 these short requests (at most 26 tokens), :func:`verify_built` builds the same plan again
-(:func:`pipeline.build.build_like`: same backends, roles, mode and wrappers) from
+(:func:`pipeline.setup.build.build_like`: same backends, roles, mode and wrappers) from
 :func:`verification_model` — the served spec with windows capped at :data:`VERIFY_WINDOW` keys and
 attention chunks (Llama-4's chunked layers) at :data:`VERIFY_CHUNK` tokens — and
 verifies those instances; for softcapped kinds q is scaled so scaled scores are of the order of the
@@ -36,7 +36,7 @@ from pipeline.backends.base import AttentionBackend, AttentionLayer
 from pipeline.core.contracts import ForwardMode, LayerKind, ModelSpec, SetupRequest
 from pipeline.core.errors import BuildError
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch, torch_dtype
-from pipeline.reference import reference_attention, rel_err
+from pipeline.runtime.reference import reference_attention, rel_err
 from states.capability_check import norm_dtype
 
 __all__ = ["VerifyResult", "verify_backend", "verify_all", "verify_built", "verification_model", "tolerance",
@@ -254,16 +254,16 @@ def verify_built(backends: Any, request: SetupRequest, *, pools: Optional[dict[s
                  decode_steps: int = 3, seed: int = 0) -> list[VerifyResult]:
     """Verify a build the way it runs: every planned instance, then the top wrapper if it is not one.
 
-    ``backends``: the :class:`~pipeline.result.AttentionBackends` of ``request`` (its served model);
+    ``backends``: the :class:`~pipeline.setup.result.AttentionBackends` of ``request`` (its served model);
     ``pools``: the pools it was built over (default ``backends.pools``; a runner passes its own).
     When :func:`verification_model` changes the spec, the plan is built again from it
-    (:func:`pipeline.build.build_like`: same backends, roles, mode, wrappers, workspaces and pools),
+    (:func:`pipeline.setup.build.build_like`: same backends, roles, mode, wrappers, workspaces and pools),
     those instances are verified with the verification spec's layers and closed afterwards; else the
     built instances themselves are. q/k/v dtype: the request's model dtype. Roles as in the plan
     (``tbo.child0``, ``pdmux.decode1``, ``primary.prefill`` …) plus ``<mode>.wrapper``.
     Raises what :func:`verify_backend` or a factory raises.
     """
-    from pipeline.build import build_like
+    from pipeline.setup.build import build_like
     from states.capability_check import model_dtype
 
     served = request.served_model

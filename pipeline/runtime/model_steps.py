@@ -4,7 +4,7 @@
 new requests, an extend of more tokens on their cached prefixes (chunked prefill), then
 ``decode_steps`` decode steps — each decode replayed from a CUDA graph when the runner captured
 one, else eager. Inputs are random hidden states (seeded); pages are handed out scrambled.
-After every step each request's outputs are compared with :func:`pipeline.model.reference_forward`
+After every step each request's outputs are compared with :func:`pipeline.runtime.model.reference_forward`
 over its whole history. Metric: ``max|Δout − Δref| / max|Δref|`` per request, where ``Δ`` is the
 stack's update to the residual stream (output minus input), so the input's own magnitude cannot
 hide an attention error; the worst request is reported per step.
@@ -19,8 +19,8 @@ import torch
 
 from pipeline.core.contracts import ForwardMode
 from pipeline.backends.memory import PageAllocator, make_forward_batch
-from pipeline.model import reference_forward
-from pipeline.reference import rel_err
+from pipeline.runtime.model import reference_forward
+from pipeline.runtime.reference import rel_err
 
 __all__ = ["StepCheck", "verify_model_steps", "slots_needed", "EXTEND_LENS", "CHUNK_LENS"]
 

@@ -1,8 +1,8 @@
 """Runner orchestration: a model runner's ``initialize()`` as an outer state machine.
 
 ``init-distributed → load-model → init-memory-pool → attention → capture-cuda-graphs → ready``
-(+ ``failed``; the table lives in :mod:`pipeline.runner_machine`). ``attention`` is the six-state
-pipeline (:func:`pipeline.build.build_attention_backends`) run over the pools this runner sized,
+(+ ``failed``; the table lives in :mod:`pipeline.runtime.runner_machine`). ``attention`` is the six-state
+pipeline (:func:`pipeline.setup.build.build_attention_backends`) run over the pools this runner sized,
 writing to the same :class:`~pipeline.core.eventlog.EventLog`, so one trace holds both machines
 (``runner_transition`` records for this one, ``state_transition`` for the pipeline).
 
@@ -27,7 +27,7 @@ from pipeline.core import events as ev
 from pipeline.core.contracts import SetupRequest
 from pipeline.core.errors import error_info_from
 from pipeline.core.eventlog import EventLog
-from pipeline.runner_machine import CAPTURE_PRECONDITIONS, RunnerMachine, RunnerState
+from pipeline.runtime.runner_machine import CAPTURE_PRECONDITIONS, RunnerMachine, RunnerState
 
 __all__ = ["RunnerConfig", "Runner", "RunnerState"]
 
@@ -63,9 +63,9 @@ class Runner:
     ----------
     config : :class:`RunnerConfig`. platform : device platform (default from ``request.device``).
     log / log_file : an EventLog to emit to, or a trace path for a new one (checked up front:
-        :func:`pipeline.build.open_event_log` raises UsageError ``log_file_unwritable``).
+        :func:`pipeline.setup.build.open_event_log` raises UsageError ``log_file_unwritable``).
     cpu_group : the world's CPU process group (passed to NPU lazy memory).
-    rank_group : a :class:`pipeline.distributed.RankGroup` (``init_from_env()``): the pipeline's
+    rank_group : a :class:`pipeline.setup.distributed.RankGroup` (``init_from_env()``): the pipeline's
         resolve state then exchanges the resolution with every rank (``resolution_agreed``).
     agree : an alternative rank-agreement exchange run after the pipeline
         (``agree(resolution, request, cpu_group) -> detail``; raises when ranks disagree).
@@ -74,9 +74,9 @@ class Runner:
         pipeline records the exchange as skipped with its reason, which the guard accepts.
     installed : package presence override passed to the pipeline.
 
-    After ``ready``: ``stack`` (the :class:`~pipeline.model.AttentionStack`), ``pools``,
-    ``backends`` (:class:`~pipeline.result.AttentionBackends`), ``graphs``
-    (:class:`~pipeline.cuda_graphs.DecodeGraphRunner` or None) and :meth:`forward`. With PD-mux,
+    After ``ready``: ``stack`` (the :class:`~pipeline.runtime.model.AttentionStack`), ``pools``,
+    ``backends`` (:class:`~pipeline.setup.result.AttentionBackends`), ``graphs``
+    (:class:`~pipeline.runtime.cuda_graphs.DecodeGraphRunner` or None) and :meth:`forward`. With PD-mux,
     decode (eager and graphs) runs on ``decode_attn_backend``, the first decode backend of the
     group; the other group members are built and verified but not graph-captured here.
     """
@@ -84,7 +84,7 @@ class Runner:
     def __init__(self, config: RunnerConfig, *, platform: Any = None, log: Optional[EventLog] = None,
                  log_file: Optional[str] = None, cpu_group: Any = None, agree: Optional[AgreeFn] = None,
                  installed: Optional[dict[str, bool]] = None, rank_group: Any = None) -> None:
-        from pipeline.build import new_run_id, open_event_log
+        from pipeline.setup.build import new_run_id, open_event_log
         from pipeline.platforms import parse_device, platform_for
 
         if not isinstance(config, RunnerConfig) or not isinstance(config.request, SetupRequest):
@@ -188,7 +188,7 @@ class Runner:
         """Build the attention stack (first ``num_layers`` attention layers, seeded) and set EAGLE3 aux layers."""
         def work() -> None:
             from pipeline.backends.memory import torch_dtype
-            from pipeline.model import AttentionStack
+            from pipeline.runtime.model import AttentionStack
             from states.capability_check import model_dtype
 
             req, cfg = self.request, self.config
@@ -250,7 +250,7 @@ class Runner:
         self._step(RunnerState.ATTENTION, self._init_attention)
 
     def _init_attention(self) -> None:
-        from pipeline.build import build_attention_backends
+        from pipeline.setup.build import build_attention_backends
 
         m = self.machine.model
         out = build_attention_backends(self.request, platform=self.platform, log=self.log, pools=m.pools,
@@ -283,7 +283,7 @@ class Runner:
 
     def _capture(self) -> None:
         from pipeline.backends import registry
-        from pipeline.cuda_graphs import DecodeGraphRunner, capture_batch_sizes, skip_reason
+        from pipeline.runtime.cuda_graphs import DecodeGraphRunner, capture_batch_sizes, skip_reason
 
         self.machine.require(CAPTURE_PRECONDITIONS)
         m, req = self.machine.model, self.request

@@ -43,7 +43,7 @@ class AttentionBackends:
         """Release everything this run owns; returns what was released (idempotent)."""
         if self.closed:
             return []
-        from pipeline.build import release
+        from pipeline.setup.build import release
 
         released = release(self.instances, self.workspace_pool, self.pools)
         self.attn_backend = self.decode_attn_backend = None

@@ -37,7 +37,7 @@ from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatc
 from pipeline.core.contracts import LayerKind, ModelSpec
 from pipeline.core.errors import ConfigError
 from pipeline.core.model_spec import attention_prefix
-from pipeline.reference import reference_attention
+from pipeline.runtime.reference import reference_attention
 
 __all__ = ["AttentionStack", "truncate_spec", "reference_forward", "rope_neox"]
 EPS = 1e-6

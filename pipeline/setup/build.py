@@ -15,7 +15,7 @@ from pipeline.core.faults import Faults, check as fault_point
 from pipeline.core.machine import SetupMachine, State
 from pipeline.platforms import parse_device, platform_for
 from pipeline.platforms.base import Platform
-from pipeline.result import AttentionBackends
+from pipeline.setup.result import AttentionBackends
 from states import annotate, build_mode, device_init, npu_lazy_mem, resolve
 from states.capability_check import kv_dtype, model_dtype
 from pipeline.core.runinfo import (  # noqa: F401 (re-exported: part of this module's API)
@@ -58,7 +58,7 @@ class _Run:
         settings.check_env()  # the SGLANG_* size variables, checked like their fields before anything is built
         _, index = parse_device(self.req.device)
         if self.rank_group is not None:  # many ranks: each on its own device, never device 0 by accident
-            from pipeline.distributed import check_rank_device
+            from pipeline.setup.distributed import check_rank_device
 
             check_rank_device(self.req.device, self.platform.device_type, self.rank_group,
                               rank=self.req.rank, world_size=self.req.world_size)
@@ -113,7 +113,7 @@ class _Run:
                 self.log.emit(ev.StepSkipped, state=self.state, outcome="skipped", what="rank_agreement",
                               reason=f"world_size={self.req.world_size} but no rank_group was given")
             return
-        from pipeline.distributed import agree_on_resolution
+        from pipeline.setup.distributed import agree_on_resolution
 
         t = time.perf_counter()
         g = self.rank_group
@@ -363,7 +363,7 @@ def build_like(backends: AttentionBackends, request: SetupRequest, model: Any,
 
     ``model`` must have the layers of the served model (same ids and dims); what may differ is a
     per-kind parameter the backends bake in, e.g. the shrunk sliding windows of
-    :func:`pipeline.verify.verification_model`, so that a check runs on instances built for exactly
+    :func:`pipeline.runtime.verify.verification_model`, so that a check runs on instances built for exactly
     the layers it calls them with. Each instance gets the factory, role, device facts, workspace
     (the same buffer: the copies run only while the originals are idle) and pools
     (``pools`` or ``backends.pools``) of the original build; the build-mode refusals of the factories
@@ -465,7 +465,7 @@ def workspace_bytes_for(request: SetupRequest) -> Any:
 
 def graph_max_bs_of(args: Any, res: Any, max_reqs: int) -> int:
     """The largest decode batch a graph is captured for, 0 when graphs are off or skipped (``res.skips``)."""
-    from pipeline.cuda_graphs import graph_max_bs
+    from pipeline.runtime.cuda_graphs import graph_max_bs
 
     captured = not args.disable_cuda_graph and not any(s.what == "cuda_graph" for s in res.skips)
     return graph_max_bs(args, max_reqs, captured)
@@ -475,7 +475,7 @@ def check_before_allocation(args: Any, res: Any, plan: Any, kinds: Any, device: 
     """Build-mode's checks that need no device: CUDA-graph sizes within ``max_reqs`` (on every device) and each
     FlashInfer workspace against the largest batch its users plan (graph sizes actually captured).
     Raises ConfigError (``invalid_value`` / ``workspace_too_small``, state build-mode)."""
-    from pipeline.cuda_graphs import capture_batch_sizes
+    from pipeline.runtime.cuda_graphs import capture_batch_sizes
 
     capture_batch_sizes(args, max_reqs)
     build_mode.check_workspaces(plan, kinds, num_sms=device.sm_count, max_reqs=max_reqs,
@@ -487,7 +487,7 @@ def decide_offline(request: SetupRequest, device: Any, installed: Mapping[str, b
     """Every decision up to allocation, with no device touched: ``(Resolution, BuildPlan)``.
 
     resolve (``strict`` included), build-mode's plan, the CUDA-graph sizes against ``max_reqs``
-    (:func:`pipeline.cuda_graphs.capture_batch_sizes`) and each FlashInfer workspace against the
+    (:func:`pipeline.runtime.cuda_graphs.capture_batch_sizes`) and each FlashInfer workspace against the
     largest batch it will plan (:func:`states.build_mode.check_workspaces`) — the same rules
     :func:`build_attention_backends` applies. ``attn-setup plan`` and ``run``'s preflight call this so
     a configuration build-mode or graph capture would refuse is refused before the model loads.
@@ -519,7 +519,7 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
         them before the backends); default: built here from ``request.pool``.
     installed: package presence override (default: real imports of torch/triton/flashinfer).
     cpu_group: the world's CPU process group, passed to NPU lazy memory init.
-    rank_group: a :class:`pipeline.distributed.RankGroup` (from ``init_from_env()``) when
+    rank_group: a :class:`pipeline.setup.distributed.RankGroup` (from ``init_from_env()``) when
         ``request.world_size > 1``: device-init checks the rank's own device, resolve exchanges
         the resolution with every rank (``ranks_agreed``, or :class:`RankDivergence` on all ranks),
         its run id is used when ``request.run_id`` is None, its CPU group when ``cpu_group`` is None.

@@ -1,6 +1,6 @@
 """Replay: re-run a recorded start's decisions and report the first place they now differ.
 
-``pipeline.replay(trace)`` takes a trace (path, paths, :class:`~pipeline.trace.Trace`, a run or a
+``pipeline.replay(trace)`` takes a trace (path, paths, :class:`~pipeline.observe.trace.Trace`, a run or a
 list of records). For each run it rebuilds the :class:`SetupRequest` from ``run_started``, builds a
 :class:`~pipeline.platforms.fake.FakePlatform` from the recorded ``device_initialized`` facts and
 re-runs the pure decision functions of :mod:`states` in pipeline order — ``device_init.decide_blas``,
@@ -26,7 +26,7 @@ from pipeline.core import events as ev
 from pipeline.core import settings
 from pipeline.core.contracts import DeviceFacts, SetupRequest
 from pipeline.core.errors import AttnSetupError, UsageError
-from pipeline.trace import Run, Trace, as_trace
+from pipeline.observe.trace import Run, Trace, as_trace
 
 
 class Divergence(msgspec.Struct, frozen=True, kw_only=True):
@@ -295,8 +295,8 @@ def replay(trace: Any) -> ReplayResult:
 
     Parameters
     ----------
-    trace: a trace path (str/PathLike), a list of paths, a :class:`~pipeline.trace.Trace`, a
-        :class:`~pipeline.trace.Run` or a list of event records.
+    trace: a trace path (str/PathLike), a list of paths, a :class:`~pipeline.observe.trace.Trace`, a
+        :class:`~pipeline.observe.trace.Run` or a list of event records.
 
     Returns :class:`ReplayResult` (``.same``, ``.divergence`` = (state, field, recorded, now)). A
     run without ``run_started`` (a launch refused before the attention pipeline started, next to

@@ -1,0 +1,1 @@
+"""A model runner around the attention setup: model stack, pools, CUDA graphs, verification."""

@@ -1,0 +1,1 @@
+"""The attention setup machine: its step table, ``build_attention_backends`` and what it returns."""
