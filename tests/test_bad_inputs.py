@@ -76,7 +76,7 @@ def _setup(case: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     point = case.get("interrupt")
     if point:  # a real SIGINT, delivered to this process at that point (as Ctrl-C would)
         import pipeline.setup.build
-        import pipeline.cli_run
+        import pipeline.cli.run
         import pipeline.runtime.model
 
         def interrupting(target: object, name: str) -> None:
@@ -90,7 +90,7 @@ def _setup(case: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
         target = {"load-model": (pipeline.runtime.model, "AttentionStack"),
                   "npu-lazy-mem": (pipeline.setup.build._Run, "npu_lazy_mem"),
-                  "verification": (pipeline.cli_run, "_verify")}[point]
+                  "verification": (pipeline.cli.run, "_verify")}[point]
         interrupting(*target)
 
 

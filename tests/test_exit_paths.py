@@ -38,12 +38,12 @@ def _inspect(capsys, path: Path) -> tuple[int, dict]:
 def test_crash_after_the_pipeline_is_logged_and_inspect_says_failed(tmp_path, capsys, monkeypatch):
     """An exception in cmd after the runner is ready (the qk_rope_head_dim 63 kind): exit 1
     internal_error, and the log says so (run_failed, command_finished 1) — inspect exits 1."""
-    import pipeline.cli_run
+    import pipeline.cli.run
 
     def boom(*a, **k):
         raise RuntimeError("boom after the pipeline")
 
-    monkeypatch.setattr(pipeline.cli_run, "_model_steps", boom)
+    monkeypatch.setattr(pipeline.cli.run, "_model_steps", boom)
     log = tmp_path / "l.jsonl"
     code = main(["run", "--device", "cpu", "--json", "--log-file", str(log), *FAST])
     out = json.loads(capsys.readouterr().out)
@@ -60,9 +60,9 @@ def test_crash_after_the_pipeline_is_logged_and_inspect_says_failed(tmp_path, ca
 
 def test_failed_verification_is_a_run_failed(tmp_path, capsys, monkeypatch):
     """A verification that comes out NaN: written as text, a run_failed record, exit 1, inspect 1."""
-    import pipeline.cli_run
+    import pipeline.cli.run
 
-    real = pipeline.cli_run._model_steps
+    real = pipeline.cli.run._model_steps
 
     def nan_steps(runner, log, decode_steps):
         log.emit(ev.ModelStepVerified, state="ready", outcome="failed", step="extend", mode="extend", batch_size=4,
@@ -71,7 +71,7 @@ def test_failed_verification_is_a_run_failed(tmp_path, capsys, monkeypatch):
                                                     "graph": False, "max_rel_err": float("nan"), "tol": 2e-2,
                                                     "passed": False}]
 
-    monkeypatch.setattr(pipeline.cli_run, "_model_steps", nan_steps)
+    monkeypatch.setattr(pipeline.cli.run, "_model_steps", nan_steps)
     log = tmp_path / "l.jsonl"
     assert main(["run", "--device", "cpu", "--json", "--log-file", str(log), *FAST]) == 1
     capsys.readouterr()
@@ -138,12 +138,12 @@ def test_log_that_fills_up_is_exit_2_naming_the_flag(tmp_path, capsys, monkeypat
 
 
 def test_first_write_failing_stops_before_any_work(tmp_path, capsys, monkeypatch):
-    import pipeline.cli_run
+    import pipeline.cli.run
     import pipeline.core.eventlog
 
     real = pipeline.core.eventlog.open_regular
     monkeypatch.setattr(pipeline.core.eventlog, "open_regular", lambda *a, **k: _FillsUp(real(*a, **k), ok=0))
-    monkeypatch.setattr(pipeline.cli_run, "preflight", lambda *a: pytest.fail("work started after a failed write"))
+    monkeypatch.setattr(pipeline.cli.run, "preflight", lambda *a: pytest.fail("work started after a failed write"))
     assert main(["run", "--device", "cpu", "--json", "--log-file", str(tmp_path / "l.jsonl")]) == 2
     assert json.loads(capsys.readouterr().out)["error"]["code"] == "log_write_failed"
 

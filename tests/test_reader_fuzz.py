@@ -147,7 +147,7 @@ def test_every_field_at_every_extreme(tmp_path, capsys):
     exit codes. Calls the same functions the commands call, without the CLI's per-call setup."""
     import io
 
-    from pipeline import cli_graph, cli_inspect
+    from pipeline.cli import graph as cli_graph, inspect as cli_inspect
     from pipeline.core.errors import UsageError
     from pipeline.observe.perfetto import chrome_trace
     from pipeline.observe.replay import replay

@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 from conftest import CONFIGS
 from pipeline.backends import registry
 from pipeline.cli import build_parser, main
-from pipeline.cli_plan import installed_from, plan_report
-from pipeline.cli_run import request_from
+from pipeline.cli.plan import installed_from, plan_report
+from pipeline.cli.run import request_from
 from pipeline.core.contracts import AttentionArgs, ErrorInfo
 from pipeline.core.errors import ConfigError, UsageError
 from pipeline.platforms.profiles import PROFILES
-from pipeline.wording import cli_dests, to_cli
+from pipeline.cli.wording import cli_dests, to_cli
 from remedy_fixes import Fix, apply, backends_named, fixes_of
 from test_bad_inputs import CASES, DATA
 

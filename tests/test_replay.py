@@ -142,7 +142,7 @@ def test_not_attention_layers_are_recorded_and_replayed(tmp_path):
     run = testing.assert_replays(path).runs[0]
     assert "resolve.not_attention" in run.checked
     assert run_decisions(path)["resolved"]["not_attention"] == rec["not_attention"]
-    from pipeline.cli_inspect import _decision_lines
+    from pipeline.cli.inspect import _decision_lines
 
     assert "  not attention (no KV cache): linear_attention layers 0..2, 4..6, 8..10, 12..14, 16..18, 20..22, " \
            "24..26, 28..30, 32..34, 36..38, 40..42, 44..46 (36)" in _decision_lines(run_decisions(path))

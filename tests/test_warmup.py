@@ -6,7 +6,7 @@ import json
 
 from conftest import CONFIGS, cuda_facts
 from pipeline.core.contracts import AttentionArgs, ResolvedAttentionBackendStr, SetupRequest
-from pipeline.cli_warmup import variants_for_request
+from pipeline.cli.warmup import variants_for_request
 from pipeline.core.model_spec import load_model_spec
 
 

@@ -99,7 +99,7 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
     refuses what a run would refuse before allocating. ``warnings``: the reference fallback and
     every downgrade (:func:`states.resolve.warnings_for`), as a run logs them.
     """
-    from pipeline import report as rp
+    from pipeline.cli import report as rp
     from pipeline.setup.build import decide_offline
     from states import resolve
 
@@ -112,8 +112,8 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
 
 def cmd(ns: argparse.Namespace) -> int:
     """Resolve and plan for ``--device-profile``; print JSON or tables; returns the exit code."""
-    from pipeline import report as rp
-    from pipeline.cli_run import request_from
+    from pipeline.cli import report as rp
+    from pipeline.cli.run import request_from
     from pipeline.platforms.profiles import get
 
     device = get(ns.device_profile)

@@ -183,11 +183,11 @@ def add_setup_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
 # Subcommand modules: each defines ``add_parser(subparsers)`` and ``cmd(ns) -> int`` (exit code).
 # A new subcommand is one module and one line here.
 COMMANDS: list[str] = [
-    "pipeline.cli_run",
-    "pipeline.cli_plan",
-    "pipeline.cli_warmup",
-    "pipeline.cli_inspect", "pipeline.cli_replay", "pipeline.cli_graph",
-    "pipeline.cli_backends",
+    "pipeline.cli.run",
+    "pipeline.cli.plan",
+    "pipeline.cli.warmup",
+    "pipeline.cli.inspect", "pipeline.cli.replay", "pipeline.cli.graph",
+    "pipeline.cli.backends",
 ]
 
 
@@ -269,14 +269,14 @@ def configure_logging(verbose: bool) -> None:
 
 
 def print_error(err: AttnSetupError, as_json: bool) -> None:
-    """One ErrorInfo, its remedy in the command line's flags (:func:`pipeline.wording.cli_error`)."""
-    from pipeline.wording import cli_error
+    """One ErrorInfo, its remedy in the command line's flags (:func:`pipeline.cli.wording.cli_error`)."""
+    from pipeline.cli.wording import cli_error
 
     info = cli_error(err.info)
     if as_json:
         sys.stdout.write(msgspec.json.encode({"ok": False, "error": info}).decode() + "\n")
     else:
-        from pipeline.report import render_error
+        from pipeline.cli.report import render_error
 
         render_error(info)
 
@@ -336,7 +336,7 @@ def _print_info(info: Any, as_json: bool) -> None:
         if as_json:
             sys.stdout.write(msgspec.json.encode({"ok": False, "error": info}).decode() + "\n")
         else:
-            from pipeline.report import render_error
+            from pipeline.cli.report import render_error
 
             render_error(info)
     except (BrokenPipeError, OSError):

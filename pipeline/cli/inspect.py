@@ -68,7 +68,7 @@ def explain(run: Run) -> list[str]:
     if info.allowed:
         out.append("allowed: " + ", ".join(info.allowed))
     if info.remedy:
-        from pipeline.wording import to_cli
+        from pipeline.cli.wording import to_cli
 
         out.append("remedy: " + to_cli(info.remedy))  # the trace has the library's field names
     return out

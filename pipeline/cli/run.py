@@ -20,7 +20,7 @@ from typing import Any, Optional
 import msgspec
 
 from pipeline.core import events as ev
-from pipeline import report as rp
+from pipeline.cli import report as rp
 from pipeline.core.contracts import ErrorInfo, ModelSpec, PoolFacts, SetupRequest
 from pipeline.core.errors import (
     EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from,
@@ -32,7 +32,7 @@ DEFAULT_LAYERS = 2  # a verification run: at least 2 layers, more when a layer k
 
 def default_model_path() -> str:
     """The bundled Llama-3.1-8B config (package data; same file as examples/configs/)."""
-    return str(Path(__file__).parent / "data" / "configs" / BUNDLED_MODEL)
+    return str(Path(__file__).parent.parent / "data" / "configs" / BUNDLED_MODEL)
 
 
 def _load_spec(path: str, flag: str) -> ModelSpec:
@@ -384,7 +384,7 @@ def cmd(ns: argparse.Namespace) -> int:
         _render_runner(report, log.records, request)
         rp.render_tables({**report, "states": []})  # the setup states are in the runner timeline above
         if error is not None:
-            from pipeline.wording import cli_error
+            from pipeline.cli.wording import cli_error
 
             rp.render_error(cli_error(error))
     return code
@@ -393,7 +393,7 @@ def cmd(ns: argparse.Namespace) -> int:
 def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_file: str,
             error: Optional[ErrorInfo]) -> dict[str, Any]:
     """Run's JSON object; the error's remedy in this command line's flags."""
-    from pipeline.wording import cli_error
+    from pipeline.cli.wording import cli_error
 
     return {
         "ok": code == EXIT_OK, "run_id": run_id, "states": rp.states_from(log.records),

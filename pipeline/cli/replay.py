@@ -28,7 +28,7 @@ def cmd(ns: argparse.Namespace) -> int:
 
     result = replay(ns.logs)
     if ns.json:
-        from pipeline.report import emit_json
+        from pipeline.cli.report import emit_json
 
         emit_json({"same": result.same, "runs": [{**msgspec.to_builtins(r), "same": r.same} for r in result.runs],
                    "divergence": None if result.divergence is None else msgspec.to_builtins(result.divergence),

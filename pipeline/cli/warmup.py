@@ -39,9 +39,9 @@ def variants_for_request(request: Any, facts: Any, pair: Any) -> list[Any]:
 
 def cmd(ns: argparse.Namespace) -> int:
     """Resolve, list the variants, compile them; prints a table or one JSON object."""
-    from pipeline import report as rp
+    from pipeline.cli import report as rp
     from pipeline.setup.build import installed_by_import
-    from pipeline.cli_run import _on_gpu, request_from
+    from pipeline.cli.run import _on_gpu, request_from
     from pipeline.core.errors import UsageError
     from pipeline.backends.flashinfer_jit import warmup_variants
     from pipeline.platforms import parse_device, platform_for

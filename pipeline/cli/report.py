@@ -100,7 +100,7 @@ def warning_line(warnings: list[dict[str, Any]]) -> Optional[str]:
     the ``rejected``/``skipped`` lines and in ``--json``'s ``warnings``."""
     if not warnings:
         return None
-    from pipeline.wording import cli_flags
+    from pipeline.cli.wording import cli_flags
 
     parts, avoid = [], {}
     for w in warnings:

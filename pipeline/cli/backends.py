@@ -102,7 +102,7 @@ def cmd(ns: argparse.Namespace) -> int:
     """Print the backends as JSON, markdown or a table; returns 0."""
     import sys
 
-    from pipeline import report as rp
+    from pipeline.cli import report as rp
     from pipeline.core.runinfo import PACKAGES, installed_by_metadata
 
     if ns.markdown:
