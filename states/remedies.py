@@ -12,18 +12,15 @@ package it needs. Refusals carry their fixes as data (``err.fixes``; a :class:`S
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import msgspec
 
 from pipeline.backends import registry
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec
 from pipeline.core.errors import ConfigError
-from states.capability_check import INSTALL_HINT
+from states.capability_check import INSTALL_HINT, Reason, reasons_with_flags
 from states.fallback import StrictRefusal, assignments, one_of
-
-if TYPE_CHECKING:  # pragma: no cover
-    from states.resolve import _Survey
 
 # decide(args, model, device, *, is_draft_worker, installed) for a trial (raises the refusal, never tries remedies)
 ProbeDecide = Callable[..., Any]
@@ -62,16 +59,42 @@ def complete_fix(decide: ProbeDecide, args: AttentionArgs, model: ModelSpec, dev
     return fix, False
 
 
+class Survey:
+    """Every registered backend's reasons for one request: who works, who would if installed."""
+
+    def __init__(self, **ctx) -> None:
+        self.why: dict[str, list[Reason]] = {
+            n: reasons_with_flags(registry.get(n).capability, **ctx) for n in registry.names()}
+        self.working = [n for n, r in self.why.items() if not r]
+        self.installable = [n for n, r in self.why.items() if r and all(x.is_package for x in r)]
+
+    def missing_note(self) -> str:
+        """One sentence naming the backends that would work if their package were installed."""
+        pk = sorted({x.flags[0][1] for n in self.installable for x in self.why[n]})
+        return (f"no installed backend can serve this; only {', '.join(self.installable)} could, and it needs "
+                f"package(s) {', '.join(pk)}, which {'is' if len(pk) == 1 else 'are'} not installed")
+
+    def packages_of(self, name: str) -> list[str]:
+        """The packages whose absence is (part of) why ``name`` cannot serve."""
+        return sorted({x.flags[0][1] for x in self.why.get(name, []) if x.is_package})
+
+    def remedy_without_working(self) -> str:
+        if self.installable:
+            pk = sorted({x.flags[0][1] for n in self.installable for x in self.why[n]})
+            return f"install {' and '.join(pk)} (see the reasons), or change the model/dtype/flags"
+        return "no registered backend can serve this; change the model, dtype or flags named in the reasons"
+
+
 class Remedies:
     """The remedies of one resolve request, checked against it.
 
-    ``survey``: every backend's reasons for the request (resolve's ``_Survey``); ``decide``: resolve's
+    ``survey``: every backend's reasons for the request (:class:`Survey`); ``decide``: resolve's
     decision as a probe; ``probe``: this request is itself a trial, so its remedies are not tried
     (they name the survey's working backends as they are).
     """
 
     def __init__(self, decide: ProbeDecide, args: AttentionArgs, model: ModelSpec, device: DeviceFacts,
-                 installed: Mapping[str, bool], is_draft_worker: bool, survey: "_Survey", probe: bool) -> None:
+                 installed: Mapping[str, bool], is_draft_worker: bool, survey: "Survey", probe: bool) -> None:
         self.decide, self.args, self.model, self.device, self.installed = decide, args, model, device, installed
         self.is_draft_worker, self.survey, self.probe = is_draft_worker, survey, probe
 

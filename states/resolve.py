@@ -50,7 +50,7 @@ from states.capability_check import Reason, reasons_with_flags
 from states.fallback import (  # noqa: F401 (part of resolve's API: build, plan, replay and tests use them)
     REFERENCE_BACKEND, StrictRefusal, assignments, graph_skips, reference_fallback, refuse_strict, warnings_for,
 )
-from states.remedies import Remedies, complete_fix, suggest
+from states.remedies import Remedies, Survey, complete_fix, suggest
 
 # Arches whose SMs sglang's PD-multiplexing can partition into groups (green contexts need sm80+
 # and a per-arch SM table; sglang's table covers Ampere, Ada, Hopper and Blackwell datacenter).
@@ -118,32 +118,6 @@ def auto_candidates(device: DeviceFacts) -> list[str]:
     """The registered backends auto-selection considers on ``device``, in priority order."""
     known = set(registry.names())
     return [n for n in AUTO_PRIORITY.get(device.type, DEFAULT_PRIORITY) if n in known]
-
-
-class _Survey:
-    """Every registered backend's reasons for one request: who works, who would if installed."""
-
-    def __init__(self, **ctx) -> None:
-        self.why: dict[str, list[Reason]] = {
-            n: reasons_with_flags(registry.get(n).capability, **ctx) for n in registry.names()}
-        self.working = [n for n, r in self.why.items() if not r]
-        self.installable = [n for n, r in self.why.items() if r and all(x.is_package for x in r)]
-
-    def missing_note(self) -> str:
-        """One sentence naming the backends that would work if their package were installed."""
-        pk = sorted({x.flags[0][1] for n in self.installable for x in self.why[n]})
-        return (f"no installed backend can serve this; only {', '.join(self.installable)} could, and it needs "
-                f"package(s) {', '.join(pk)}, which {'is' if len(pk) == 1 else 'are'} not installed")
-
-    def packages_of(self, name: str) -> list[str]:
-        """The packages whose absence is (part of) why ``name`` cannot serve."""
-        return sorted({x.flags[0][1] for x in self.why.get(name, []) if x.is_package})
-
-    def remedy_without_working(self) -> str:
-        if self.installable:
-            pk = sorted({x.flags[0][1] for n in self.installable for x in self.why[n]})
-            return f"install {' and '.join(pk)} (see the reasons), or change the model/dtype/flags"
-        return "no registered backend can serve this; change the model, dtype or flags named in the reasons"
 
 
 def _flags_of(head: list[tuple[str, object]], bad: list[Reason], device: DeviceFacts) -> list[tuple[str, object]]:
@@ -265,7 +239,7 @@ def _decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dr
         raise
     dtype = resolve_dtype(args, model)
     check_has_attention(model)
-    survey = _Survey(args=args, model=model, device=device, installed=installed, is_draft_worker=is_draft_worker)
+    survey = Survey(args=args, model=model, device=device, installed=installed, is_draft_worker=is_draft_worker)
     ctx = Remedies(_probe, args, model, device, installed, is_draft_worker, survey, probe)
     picks, rules, rejected = {}, {}, {}
     for half in ("prefill", "decode"):

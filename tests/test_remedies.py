@@ -23,7 +23,7 @@ from conftest import CONFIGS
 from pipeline.backends import registry
 from pipeline.cli import build_parser, main
 from pipeline.cli.plan import installed_from, plan_report
-from pipeline.cli.run import request_from
+from pipeline.cli.request import request_from
 from pipeline.core.contracts import AttentionArgs, ErrorInfo
 from pipeline.core.errors import ConfigError, UsageError
 from pipeline.platforms.profiles import PROFILES

@@ -28,8 +28,6 @@ from pipeline.core.errors import LayerMismatch
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from pipeline.backends.memory import KVPool, ReqToTokenPool
-
 
 @dataclass(frozen=True, eq=False)
 class AttentionLayer:
@@ -178,8 +176,8 @@ class ForwardBatch:
     seq_lens: "torch.Tensor"
     out_cache_loc: "torch.Tensor"
     positions: "torch.Tensor"
-    req_to_token_pool: "ReqToTokenPool"
-    token_to_kv_pool: "KVPool"
+    req_to_token_pool: Any  # pipeline.backends.memory.ReqToTokenPool (which imports this module)
+    token_to_kv_pool: Any  # pipeline.backends.memory.KVPool
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_prefix_lens: Optional["torch.Tensor"] = None
     extend_seq_lens: Optional["torch.Tensor"] = None

@@ -10,12 +10,13 @@ prefix slices of them. Padded slots (the engine pads a batch up to the captured 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from pipeline.backends.flashinfer import FlashInferBackend, KindWrappers
+# flashinfer.py (which imports this module) defines the backend and its per-kind wrappers: named here for
+# the annotations only, so that this module does not import it back.
+FlashInferBackend = KindWrappers = Any
 
 
 class GraphState:

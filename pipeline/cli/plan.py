@@ -28,7 +28,7 @@ PACKAGES = ("torch", "triton", "flashinfer-python")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from pipeline.cli import add_setup_flags
+    from pipeline.cli.flags import add_setup_flags
     from pipeline.platforms.profiles import names
 
     plan = sub.add_parser("plan", help="resolve and plan for a device profile without importing torch")
@@ -113,7 +113,7 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
 def cmd(ns: argparse.Namespace) -> int:
     """Resolve and plan for ``--device-profile``; print JSON or tables; returns the exit code."""
     from pipeline.cli import report as rp
-    from pipeline.cli.run import request_from
+    from pipeline.cli.request import request_from
     from pipeline.platforms.profiles import get
 
     device = get(ns.device_profile)

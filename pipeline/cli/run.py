@@ -14,65 +14,19 @@ from __future__ import annotations
 import argparse
 import re
 import os
-from pathlib import Path
 from typing import Any, Optional
 
 import msgspec
 
 from pipeline.core import events as ev
 from pipeline.cli import report as rp
-from pipeline.core.contracts import ErrorInfo, ModelSpec, PoolFacts, SetupRequest
+from pipeline.core.contracts import ErrorInfo, ModelSpec, SetupRequest
+from pipeline.cli.request import is_gpu_device, request_from
 from pipeline.core.errors import (
     EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from,
 )
 
-BUNDLED_MODEL = "llama-3.1-8b.json"
 DEFAULT_LAYERS = 2  # a verification run: at least 2 layers, more when a layer kind first appears later (quick on CPU)
-
-
-def default_model_path() -> str:
-    """The bundled Llama-3.1-8B config (package data; same file as examples/configs/)."""
-    return str(Path(__file__).parent.parent / "data" / "configs" / BUNDLED_MODEL)
-
-
-def _load_spec(path: str, flag: str) -> ModelSpec:
-    """load_model_spec, with file errors (unreadable, not a regular file, too large) naming ``flag`` too."""
-    from pipeline.core.contracts import Flag
-    from pipeline.core.model_spec import load_model_spec
-
-    try:
-        return load_model_spec(path)
-    except UsageError as e:
-        e.info = msgspec.structs.replace(e.info, flags=[Flag(name=flag, value=path), *e.info.flags],
-                                         remedy=e.info.remedy.replace(" as path", f" as {flag}"))
-        raise
-
-
-def load_models(ns: argparse.Namespace) -> tuple[ModelSpec, Optional[ModelSpec]]:
-    model = _load_spec(ns.model, "--model") if ns.model else _load_spec(default_model_path(), "--model")
-    draft = _load_spec(ns.draft_model, "--draft-model") if ns.draft_model else None
-    if draft is not None and not ns.draft_worker:
-        raise UsageError("--draft-model is only meaningful with --draft-worker", code="usage",
-                         flags=[("--draft-model", ns.draft_model)], remedy="add --draft-worker, or drop --draft-model")
-    return model, draft
-
-
-def pool_facts(ns: argparse.Namespace, args: Any, on_gpu: bool) -> PoolFacts:
-    """Pool sizes from the flags (explicit values are checked, never replaced); defaults are CPU-friendly.
-
-    Raises ConfigError for a ``--num-token-slots`` that is not whole pages (only the default is
-    rounded up to whole pages) and, via PoolFacts, for values below 1.
-    """
-    ps = args.page_size
-    if ns.num_token_slots is not None and ns.num_token_slots > 0 and ns.num_token_slots % ps:
-        raise ConfigError(f"--num-token-slots {ns.num_token_slots} is not a whole number of pages of {ps} tokens",
-                          code="invalid_value", flags=[("num_token_slots", ns.num_token_slots), ("page_size", ps)],
-                          allowed=[f"a multiple of {ps}"],
-                          remedy=f"use --num-token-slots {-(-ns.num_token_slots // ps) * ps} (or another multiple)")
-    slots = ns.num_token_slots if ns.num_token_slots is not None else -(-(65536 if on_gpu else 1024) // ps) * ps
-    return PoolFacts(max_reqs=8 if ns.max_reqs is None else ns.max_reqs,
-                     max_context_len=1024 if ns.max_context_len is None else ns.max_context_len,
-                     num_token_slots=slots, page_size=ps)
 
 
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
@@ -205,29 +159,6 @@ def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platfor
                    allocated_bytes=allocated, mem_fraction=ns.mem_fraction)
 
 
-def request_from(ns: argparse.Namespace, *, on_gpu: bool) -> SetupRequest:
-    from pipeline.core import settings
-    from pipeline.cli import attention_args_from
-    from pipeline.core.eventlog import secrets_from_env
-
-    args = attention_args_from(ns)
-    settings.check_env()  # SGLANG_* size variables pass the same check as their flags
-    model, draft = load_models(ns)
-    return SetupRequest(args=args, model=model, draft_model=draft, is_draft_worker=ns.draft_worker,
-                        device=getattr(ns, "device", "cpu"), rank=ns.rank, world_size=ns.world_size,
-                        pool=pool_facts(ns, args, on_gpu), secrets=secrets_from_env())
-
-
-def _on_gpu(device: str) -> bool:
-    if device.startswith("cuda"):
-        return True
-    if device == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return False
-
-
 def runner_config(ns: argparse.Namespace, request: SetupRequest, on_gpu: bool) -> Any:
     """The RunnerConfig from the flags (default on every device: the first 2 attention layers, or as many as
     it takes to include one layer of every attention kind, e.g. 4 for Llama-4, 6 for Gemma-3)."""
@@ -281,7 +212,7 @@ def _verify(backends: Any, request: SetupRequest, log: Any, decode_steps: int,
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from pipeline.cli import add_setup_flags
+    from pipeline.cli.flags import add_setup_flags
 
     run = sub.add_parser("run", help="run the pipeline and verify every built backend on a real batch")
     add_setup_flags(run)
@@ -329,7 +260,7 @@ def cmd(ns: argparse.Namespace) -> int:
     group = init_from_env(ns.device, timeout_s=check_timeout(ns.dist_timeout))  # None unless WORLD_SIZE > 1
     if group is not None:
         ns.rank, ns.world_size, ns.device = group.rank, group.world_size, group.device
-    on_gpu = _on_gpu(ns.device)
+    on_gpu = is_gpu_device(ns.device)
     request = request_from(ns, on_gpu=on_gpu)
     run_id = group.run_id if group is not None else new_run_id()
     log_file = log_path(ns.log_file, run_id, request.rank)

@@ -15,7 +15,7 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from pipeline.cli import add_setup_flags
+    from pipeline.cli.flags import add_setup_flags
 
     p = sub.add_parser("warmup", help="compile the FlashInfer kernel variants a configuration needs")
     add_setup_flags(p)
@@ -41,7 +41,7 @@ def cmd(ns: argparse.Namespace) -> int:
     """Resolve, list the variants, compile them; prints a table or one JSON object."""
     from pipeline.cli import report as rp
     from pipeline.setup.build import installed_by_import
-    from pipeline.cli.run import _on_gpu, request_from
+    from pipeline.cli.request import is_gpu_device, request_from
     from pipeline.core.errors import UsageError
     from pipeline.backends.flashinfer_jit import warmup_variants
     from pipeline.platforms import parse_device, platform_for
@@ -49,7 +49,7 @@ def cmd(ns: argparse.Namespace) -> int:
 
     if ns.jobs < 1:
         raise UsageError(f"--jobs {ns.jobs} must be >= 1", flags=[("--jobs", ns.jobs)], remedy="pass --jobs 1 or more")
-    request = request_from(ns, on_gpu=_on_gpu(ns.device))
+    request = request_from(ns, on_gpu=is_gpu_device(ns.device))
     facts = platform_for(request.device).device_facts(parse_device(request.device)[1])
     res = resolve.decide(request.args, request.served_model, facts, is_draft_worker=request.is_draft_worker,
                          installed=installed_by_import())

@@ -36,7 +36,7 @@ def cli_dests() -> frozenset[str]:
     """Every destination of a ``--long-option`` of every ``attn-setup`` subcommand (whose flag is its kebab case)."""
     import argparse
 
-    from pipeline.cli import build_parser
+    from pipeline.cli.flags import build_parser
 
     out: set[str] = set()
 

@@ -15,40 +15,16 @@ from typing import Any, Literal
 
 import msgspec
 
+from pipeline.core.errors import ErrorInfo, Flag  # noqa: F401 (contracts: re-exported)
+from pipeline.core.spec import (  # noqa: F401 (contracts: re-exported)
+    ATTENTION_LAYER_TYPES, NOT_ATTENTION_LAYER_TYPES, AttentionLayerType, LayerGroup, LayerKind, LayerType, MLADims,
+    ModelSpec,
+)
+from pipeline.core.validation import check_attention_args, check_pool_facts, check_setup_request
+
 SCHEMA_VERSION = 1
 
 _STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
-
-
-class Flag(msgspec.Struct, **_STRUCT):
-    """One flag or field and the value it had, as shown in errors."""
-
-    name: str
-    value: Any = None
-
-
-class ErrorInfo(msgspec.Struct, **_STRUCT):
-    """The one error shape every command prints and every failure event carries.
-
-    Fields
-    ------
-    code: stable snake_case error code (e.g. ``backend_unknown``).
-    state: the pipeline state the error was raised in (``"resolve"``…), or ``"args"`` for input
-        validation before the machine starts.
-    flags: the flags/fields involved, with their values.
-    json_path: JSON path into the offending document (``$.num_attention_heads``), or None.
-    message: one sentence saying what is wrong.
-    allowed: the allowed values, or the backends that would work here.
-    remedy: one line saying what to change.
-    """
-
-    code: str
-    state: str
-    flags: list[Flag] = []
-    json_path: str | None = None
-    message: str
-    allowed: list[str] = []
-    remedy: str = ""
 
 
 class Mode(str, enum.Enum):
@@ -136,147 +112,7 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
     strict: bool = False
 
     def __post_init__(self) -> None:
-        from pipeline.core.validation import check_attention_args
-
         check_attention_args(self)
-
-
-class MLADims(msgspec.Struct, **_STRUCT):
-    """Multi-head latent attention dimensions (DeepSeek-V2/V3 style), from config.json."""
-
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    qk_nope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int | None = None
-
-    def __post_init__(self) -> None:
-        from pipeline.core.validation import check_types
-
-        check_types(self, "mla.")
-
-    @property
-    def absorbed_qk_dim(self) -> int:
-        """qk head dim of the absorbed form: ``kv_lora_rank + qk_rope_head_dim`` (e.g. 576)."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def absorbed_v_dim(self) -> int:
-        """v head dim of the absorbed form: ``kv_lora_rank`` (e.g. 512)."""
-        return self.kv_lora_rank
-
-
-# Attention layer kinds a backend computes (``LayerKind.kind``) and the per-layer entries of
-# ``ModelSpec.layer_types``: the attention kinds plus the layer types that are not softmax
-# attention over a KV cache (computed by the model's own linear-attention / state-space kernels).
-ATTENTION_LAYER_TYPES = ("full", "sliding", "chunked")
-NOT_ATTENTION_LAYER_TYPES = ("linear_attention", "mamba")
-AttentionLayerType = Literal["full", "sliding", "chunked"]
-LayerType = Literal["full", "sliding", "chunked", "linear_attention", "mamba"]
-
-
-class LayerKind(msgspec.Struct, **_STRUCT):
-    """One distinct kind of attention layer as a backend sees it.
-
-    ``head_dim_qk``/``head_dim_v`` are the dims the kernel sees (for MLA: the absorbed dims),
-    ``num_heads``/``num_kv_heads`` likewise (MLA absorbed: ``num_kv_heads == 1``).
-    ``sliding_window`` is the number of keys a query may see, itself included (HF convention:
-    key j is visible from query i when ``0 <= i - j < sliding_window``); None = no window.
-    ``attention_chunk_size`` (``kind == "chunked"``, Llama-4's local layers): chunked local
-    attention, a window that resets at chunk boundaries — key j is visible from query i iff
-    ``j <= i`` and ``j // C == i // C`` (HF ``Llama4TextConfig.attention_chunk_size``; sglang's
-    ``attention_chunk_size``); None = no chunking.
-    ``layer_ids`` lists the layers of this kind.
-    """
-
-    kind: AttentionLayerType
-    num_heads: int
-    num_kv_heads: int
-    head_dim_qk: int
-    head_dim_v: int
-    scaling: float
-    sliding_window: int | None = None
-    logit_softcap: float | None = None
-    has_sinks: bool = False
-    is_mla: bool = False
-    layer_ids: list[int] = []
-    attention_chunk_size: int | None = None
-
-
-class LayerGroup(msgspec.Struct, **_STRUCT):
-    """Layers of one type that no attention backend computes (``kind``: ``linear_attention`` or
-    ``mamba``), with their ids: they keep no KV cache, so the pools, the model stack and the
-    verification cover only the attention layers."""
-
-    kind: str
-    layer_ids: list[int]
-
-
-class ModelSpec(msgspec.Struct, **_STRUCT):
-    """What attention setup needs to know about a model, read from a Hugging Face config.json.
-
-    Build one with :func:`pipeline.core.model_spec.load_model_spec` (path or dict); per-``model_type``
-    rules for implicit fields (Gemma-2's alternating windows, Qwen2's ``use_sliding_window`` /
-    ``max_window_layers``, gpt-oss's ``layer_types`` and sinks …) live in that module only.
-
-    ``layer_types`` has one entry per hidden layer: an attention kind (``"full"``, ``"sliding"``,
-    ``"chunked"``) or a layer that is not softmax attention over a KV cache (``"linear_attention"``:
-    Qwen3-Next's Gated DeltaNet layers; ``"mamba"``: Jamba-style state-space layers) — those are
-    listed by :meth:`not_attention` and served by no attention backend.
-    ``attention_chunk_size``: the chunk of the ``"chunked"`` layers (Llama-4), None without them.
-    ``head_dim``/``v_head_dim`` are the per-head qk / v dims of the un-absorbed model;
-    for MLA the absorbed dims are in :attr:`mla`. ``global_head_dim``: qk and v head dim of the
-    full-attention layers when it differs from the sliding layers' ``head_dim`` (Gemma-style
-    256 local / 512 global); None = every layer uses ``head_dim``/``v_head_dim``.
-    ``scaling`` is the softmax scale (``query_pre_attn_scalar ** -0.5`` where set, else
-    ``head_dim ** -0.5``; for MLA ``(qk_nope + qk_rope) ** -0.5``).
-    """
-
-    model_type: str
-    architectures: list[str] = []
-    source: str = ""
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    v_head_dim: int
-    global_head_dim: int | None = None
-    scaling: float
-    layer_types: list[LayerType]
-    sliding_window: int | None = None
-    logit_softcap: float | None = None
-    has_attention_sinks: bool = False
-    mla: MLADims | None = None
-    is_encoder_decoder: bool = False
-    dtype: str = "bfloat16"
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    vocab_size: int = 32000
-    attention_chunk_size: int | None = None
-
-    def __post_init__(self) -> None:
-        from pipeline.core.validation import check_types
-
-        check_types(self)  # a ModelSpec built by hand gets the types load_model_spec guarantees
-
-    @property
-    def is_mla(self) -> bool:
-        return self.mla is not None
-
-    def layer_kinds(self) -> list[LayerKind]:
-        """The distinct attention layer kinds, in first-layer order (see :class:`LayerKind`)."""
-        from pipeline.core.model_spec import layer_kinds
-
-        return layer_kinds(self)
-
-    def not_attention(self) -> list[LayerGroup]:
-        """The layers no attention backend computes, grouped by type in first-layer order ([] for most models)."""
-        groups: dict[str, list[int]] = {}
-        for i, t in enumerate(self.layer_types):
-            if t in NOT_ATTENTION_LAYER_TYPES:
-                groups.setdefault(t, []).append(i)
-        return [LayerGroup(kind=k, layer_ids=ids) for k, ids in groups.items()]
 
 
 class DeviceFacts(msgspec.Struct, **_STRUCT):
@@ -323,8 +159,6 @@ class PoolFacts(msgspec.Struct, **_STRUCT):
     page_size: int = 1
 
     def __post_init__(self) -> None:
-        from pipeline.core.validation import check_pool_facts
-
         check_pool_facts(self)
 
 
@@ -350,8 +184,6 @@ class SetupRequest(msgspec.Struct, **_STRUCT):
     secrets: dict[str, str] = {}
 
     def __post_init__(self) -> None:
-        from pipeline.core.validation import check_setup_request
-
         check_setup_request(self)
 
     @property

@@ -1,4 +1,4 @@
-"""Typed errors. Each carries one :class:`~pipeline.core.contracts.ErrorInfo` record.
+"""Typed errors and :class:`ErrorInfo`, the one record each carries (re-exported by the contracts).
 
 Hierarchy::
 
@@ -26,7 +26,40 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from pipeline.core.contracts import ErrorInfo, Flag
+import msgspec
+
+_STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
+
+class Flag(msgspec.Struct, **_STRUCT):
+    """One flag or field and the value it had, as shown in errors."""
+
+    name: str
+    value: Any = None
+
+
+class ErrorInfo(msgspec.Struct, **_STRUCT):
+    """The one error shape every command prints and every failure event carries.
+
+    Fields
+    ------
+    code: stable snake_case error code (e.g. ``backend_unknown``).
+    state: the pipeline state the error was raised in (``"resolve"``…), or ``"args"`` for input
+        validation before the machine starts.
+    flags: the flags/fields involved, with their values.
+    json_path: JSON path into the offending document (``$.num_attention_heads``), or None.
+    message: one sentence saying what is wrong.
+    allowed: the allowed values, or the backends that would work here.
+    remedy: one line saying what to change.
+    """
+
+    code: str
+    state: str
+    flags: list[Flag] = []
+    json_path: str | None = None
+    message: str
+    allowed: list[str] = []
+    remedy: str = ""
+
 
 EXIT_OK = 0
 EXIT_FAILED = 1

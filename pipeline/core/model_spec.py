@@ -30,8 +30,11 @@ import pathlib
 from collections import ChainMap
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
-from pipeline.core.contracts import ATTENTION_LAYER_TYPES, LayerKind, MLADims, ModelSpec
-from pipeline.core.errors import ConfigError, ModelConfigError, UsageError
+from pipeline.core.errors import ModelConfigError, UsageError
+from pipeline.core.spec import (  # noqa: F401 (layer_kinds … re-exported: this module held them)
+    ATTENTION_LAYER_TYPES, CONFIG_REMEDY, MLADims, ModelSpec, attention_layer_ids, attention_prefix, format_layer_ids,
+    layer_kinds, layers_covering_every_kind,
+)
 from pipeline.core.validation import is_text
 
 BUNDLED_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "data" / "configs"
@@ -44,7 +47,6 @@ _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp
 _LAYER_TYPE_NAMES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
                      "attention": "full", "linear_attention": "linear_attention", "mamba": "mamba",
                      "full": "full", "sliding": "sliding", "chunked": "chunked"}
-_REMEDY = "fix this key in config.json (compare with the model's published config on the Hub)"
 
 
 # Upper bounds far above any published model, so a typo cannot make the pipeline size (or loop over)
@@ -110,7 +112,7 @@ class _Cfg:
 
     def bad(self, key: str, value: Any, allowed: str, why: str) -> ModelConfigError:
         return ModelConfigError(f"{self.at(key)} {why}", flags=[(key, value)], json_path=self.at(key),
-                                allowed=[allowed], remedy=_REMEDY)
+                                allowed=[allowed], remedy=CONFIG_REMEDY)
 
     def get(self, key: str) -> Any:
         """The value, or None when the key is absent or JSON null."""
@@ -395,7 +397,7 @@ def _heads(c: _Cfg) -> tuple[int, int, int, int]:
             f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}",
             flags=[("num_key_value_heads", kv), ("num_attention_heads", heads)],
             json_path=c.at("num_key_value_heads"),
-            allowed=[str(d) for d in range(1, heads + 1) if heads % d == 0], remedy=_REMEDY)
+            allowed=[str(d) for d in range(1, heads + 1) if heads % d == 0], remedy=CONFIG_REMEDY)
     return hidden, layers, heads, kv
 
 
@@ -473,7 +475,7 @@ def _choice(v: Any, names: Mapping[str, str], path: str, flag: str, allowed: str
     if isinstance(v, str) and v in names:
         return names[v]
     raise ModelConfigError(f"{path}={_show(v)} {why}", flags=[(flag, v)], json_path=path, allowed=[allowed],
-                           remedy=_REMEDY)
+                           remedy=CONFIG_REMEDY)
 
 
 def _show(v: Any) -> str:
@@ -582,104 +584,3 @@ def _build(top: _Cfg, source: str) -> ModelSpec:
         dtype=_dtype(c, top), rope_theta=_rope_theta(c),
         max_position_embeddings=c.integer("max_position_embeddings", 4096),
         vocab_size=c.integer("vocab_size", 32000), attention_chunk_size=chunk)
-
-
-def _kind_dim(spec: ModelSpec, kind: str, dim: int) -> int:
-    """Head dim of a layer kind: ``global_head_dim`` for full layers when set (Gemma-style), else ``dim``."""
-    return spec.global_head_dim if kind == "full" and spec.global_head_dim is not None else dim
-
-
-def layer_kinds(spec: ModelSpec) -> list[LayerKind]:
-    """The distinct attention layer kinds of ``spec``, in first-layer order.
-
-    Non-MLA layers are grouped into ``"full"``, ``"sliding"`` (window ``spec.sliding_window``
-    keys, the query itself included; FlashInfer's / sglang's ``window_left`` is ``window - 1``) and
-    ``"chunked"`` (chunked local attention, chunk ``spec.attention_chunk_size``: key j is visible
-    from query i iff ``j <= i`` and ``j // C == i // C``; Llama-4's RoPE layers).
-    MLA layers are reported in absorbed form, as sglang's MLA
-    backends see them: one latent KV head (``num_kv_heads == 1``), ``head_dim_qk =
-    kv_lora_rank + qk_rope_head_dim`` (576 for DeepSeek-V2), ``head_dim_v = kv_lora_rank``.
-    Layers that are not attention (``linear_attention``, ``mamba``) form no kind: see
-    ``ModelSpec.not_attention()``. A model made only of such layers has no kind ([]).
-
-    Raises ModelConfigError when ``layer_types`` does not have one entry per layer, a sliding
-    layer has no ``sliding_window`` or a chunked layer no ``attention_chunk_size``.
-    """
-    if len(spec.layer_types) != spec.num_hidden_layers:
-        raise ModelConfigError("layer_types must have one entry per hidden layer", json_path="$.layer_types",
-                               flags=[("layer_types", len(spec.layer_types)),
-                                      ("num_hidden_layers", spec.num_hidden_layers)],
-                               allowed=[f"{spec.num_hidden_layers} entries"], remedy=_REMEDY)
-    groups: dict[str, list[int]] = {}
-    for i, t in enumerate(spec.layer_types):
-        if t in ATTENTION_LAYER_TYPES:
-            groups.setdefault(t, []).append(i)
-    for kind, key in (("sliding", "sliding_window"), ("chunked", "attention_chunk_size")):
-        if kind in groups and getattr(spec, key) is None:
-            raise ModelConfigError(f"{kind} layers need {key}", json_path=f"$.{key}", flags=[(key, None)],
-                                   allowed=["an integer >= 1"], remedy=_REMEDY)
-    mla = spec.mla
-    return [LayerKind(
-        kind=t, num_heads=spec.num_attention_heads,
-        num_kv_heads=1 if mla else spec.num_key_value_heads,
-        head_dim_qk=mla.absorbed_qk_dim if mla else _kind_dim(spec, t, spec.head_dim),
-        head_dim_v=mla.absorbed_v_dim if mla else _kind_dim(spec, t, spec.v_head_dim), scaling=spec.scaling,
-        sliding_window=spec.sliding_window if t == "sliding" else None,
-        logit_softcap=spec.logit_softcap, has_sinks=spec.has_attention_sinks,
-        is_mla=mla is not None, layer_ids=ids,
-        attention_chunk_size=spec.attention_chunk_size if t == "chunked" else None) for t, ids in groups.items()]
-
-
-def format_layer_ids(ids: list[int]) -> str:
-    """Layer ids exactly and briefly: ``0..31 (32)``, ``3, 7, .., 47 (12, every 4th)``, ``0..2, 4..6 (6)``."""
-    if len(ids) <= 3:
-        return ", ".join(map(str, ids))
-    steps = {b - a for a, b in zip(ids, ids[1:])}
-    if steps == {1}:
-        return f"{ids[0]}..{ids[-1]} ({len(ids)})"
-    if len(steps) == 1:
-        k = steps.pop()
-        nth = f"{k}{'nd' if k % 10 == 2 and k % 100 != 12 else 'rd' if k % 10 == 3 and k % 100 != 13 else 'th'}"
-        return f"{ids[0]}, {ids[1]}, .., {ids[-1]} ({len(ids)}, every {nth})"
-    runs, start = [], ids[0]
-    for a, b in zip(ids, ids[1:] + [None]):
-        if b != a + 1:
-            runs.append(str(start) if start == a else f"{start}..{a}")
-            start = b
-    return f"{', '.join(runs)} ({len(ids)})"
-
-
-def attention_layer_ids(spec: ModelSpec) -> list[int]:
-    """Ids of the layers an attention backend computes (every layer but ``linear_attention`` / ``mamba``)."""
-    return [i for i, t in enumerate(spec.layer_types) if t in ATTENTION_LAYER_TYPES]
-
-
-def layers_covering_every_kind(spec: ModelSpec, minimum: int = 2) -> int:
-    """The fewest leading attention layers (at least ``minimum``, at most all) that include one layer of
-    every attention kind: 2 for Llama-3 or Gemma-2 (alternating), 4 for Llama-4 (a full layer every
-    4th), 6 for Gemma-3 (every 6th). ``attn-setup run``'s default ``--num-layers``."""
-    ids = attention_layer_ids(spec)
-    first = {}
-    for n, lid in enumerate(ids, start=1):
-        first.setdefault(spec.layer_types[lid], n)
-    return min(max([minimum] + list(first.values())), len(ids))
-
-
-def attention_prefix(spec: ModelSpec, num_attention_layers: int) -> int:
-    """How many leading hidden layers hold the first ``num_attention_layers`` attention layers.
-
-    ``attn-setup run --num-layers N`` builds the first N *attention* layers: for an all-attention model
-    that is layers ``0..N-1``; for a hybrid (Qwen3-Next: 3 linear-attention layers, then 1 full) the
-    prefix also spans the linear layers in between (N=2 → 8 layers: ids 3 and 7 are built).
-
-    Raises ConfigError (``invalid_value``) naming ``num_layers`` when N is outside 1..(attention layers).
-    """
-    ids = attention_layer_ids(spec)
-    if not 1 <= num_attention_layers <= len(ids):
-        hybrid = f" ({len(ids)} of its {spec.num_hidden_layers} layers are attention)" \
-            if len(ids) != spec.num_hidden_layers else ""
-        raise ConfigError(f"num_layers={num_attention_layers} is outside 1..{len(ids)}{hybrid}", code="invalid_value",
-                          flags=[("num_layers", num_attention_layers)], allowed=[f"1..{len(ids)}"],
-                          remedy=f"pass --num-layers between 1 and {len(ids)}" if ids else
-                          "this model has no attention layer to build")
-    return ids[num_attention_layers - 1] + 1

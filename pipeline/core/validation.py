@@ -11,14 +11,11 @@ import enum
 import re
 import types
 import typing
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import msgspec
 
 from pipeline.core.errors import ConfigError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp8_e4m3", "fp8_e5m2")
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
@@ -218,7 +215,7 @@ def _positive(field: str, value: int | None, *, allow_zero: bool = False, upper:
         _bad(field, value, [rng], f"set {field} to {rng}")
 
 
-def check_attention_args(a: "AttentionArgs") -> None:
+def check_attention_args(a: Any) -> None:
     """Type and domain checks of single fields of :class:`AttentionArgs` (raises ConfigError)."""
     # sizes first: their check names the range for any value, the same one the env vars get
     check_size("zbal_local_mem_size", a.zbal_local_mem_size, allow_zero=True)
@@ -258,7 +255,7 @@ def check_attention_args(a: "AttentionArgs") -> None:
             _bad(field, v, ["a backend name"], f"give {field} a backend name such as torch_native, or omit it")
 
 
-def check_pool_facts(p: "PoolFacts") -> None:
+def check_pool_facts(p: Any) -> None:
     """Type and domain checks of :class:`PoolFacts` (raises ConfigError).
 
     Each size is in ``[1, 2**31 - 1]``: ``req_to_token`` stores int32 token locations (sglang's
@@ -275,7 +272,7 @@ def check_pool_facts(p: "PoolFacts") -> None:
              "round num_token_slots to whole pages")
 
 
-def check_setup_request(r: "SetupRequest") -> None:
+def check_setup_request(r: Any) -> None:
     """Type and cross-field checks of :class:`SetupRequest` (raises ConfigError)."""
     check_types(r)
     if r.world_size < 1:

@@ -30,32 +30,16 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-import msgspec
 import torch
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
 from pipeline.core.contracts import LayerKind, ModelSpec
 from pipeline.core.errors import ConfigError
-from pipeline.core.model_spec import attention_prefix
+from pipeline.core.spec import truncate_spec
 from pipeline.runtime.reference import reference_attention
 
 __all__ = ["AttentionStack", "truncate_spec", "reference_forward", "rope_neox"]
 EPS = 1e-6
-
-
-def truncate_spec(spec: ModelSpec, num_layers: Optional[int]) -> ModelSpec:
-    """``spec`` cut after its ``num_layers``-th attention layer (None = all layers).
-
-    For an all-attention model that is its first ``num_layers`` layers; a hybrid keeps the
-    non-attention layers in between (:func:`pipeline.core.model_spec.attention_prefix`).
-    Raises ConfigError (``invalid_value``) when ``num_layers`` is not in ``1..<attention layers>``.
-    """
-    if num_layers is None:
-        return spec
-    n = attention_prefix(spec, num_layers)
-    if n == spec.num_hidden_layers:
-        return spec
-    return msgspec.structs.replace(spec, num_hidden_layers=n, layer_types=spec.layer_types[:n])
 
 
 def rope_neox(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

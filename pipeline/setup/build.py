@@ -15,7 +15,7 @@ from pipeline.core.faults import Faults, check as fault_point
 from pipeline.core.machine import SetupMachine, State
 from pipeline.platforms import parse_device, platform_for
 from pipeline.platforms.base import Platform
-from pipeline.setup.result import AttentionBackends
+from pipeline.setup.result import AttentionBackends, release
 from states import annotate, build_mode, device_init, npu_lazy_mem, resolve
 from states.capability_check import kv_dtype, model_dtype
 from pipeline.core.runinfo import (  # noqa: F401 (re-exported: part of this module's API)
@@ -432,23 +432,6 @@ def open_event_log(run_id: str, rank: int, log_file: Any, secrets: tuple[str, ..
         return EventLog(run_id, rank, log_file, secrets=secrets)
     except OSError as e:
         raise bad(f"cannot be opened for appending: {e.strerror or e}") from None
-
-
-def release(instances: dict[str, Any], workspace_pool: Any, pools: dict[str, Any]) -> list[str]:
-    """Close every backend, drop every workspace and pool; returns what was released."""
-    released = []
-    for role, b in list(instances.items()):
-        close = getattr(b, "close", None)
-        if close is not None:
-            close()
-        released.append(f"backend:{role}")
-    instances.clear()
-    if workspace_pool is not None:
-        released += [f"workspace:{w}" for w in workspace_pool.release_all()]
-    for name in list(pools):
-        released.append(f"pool:{name}")
-        pools.pop(name)
-    return released
 
 
 def workspace_bytes_for(request: SetupRequest) -> Any:

@@ -231,7 +231,7 @@ def _shared_run_id(cpu_group: Any, rank: int) -> str:
     """Rank 0's run id (launcher's id when set, else a fresh one), broadcast to every rank."""
     import torch.distributed as dist
 
-    from pipeline.setup.build import new_run_id
+    from pipeline.core.runinfo import new_run_id
 
     box = [new_run_id() if rank == 0 else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(cpu_group, 0), group=cpu_group)

@@ -43,8 +43,6 @@ class AttentionBackends:
         """Release everything this run owns; returns what was released (idempotent)."""
         if self.closed:
             return []
-        from pipeline.setup.build import release
-
         released = release(self.instances, self.workspace_pool, self.pools)
         self.attn_backend = self.decode_attn_backend = None
         self.decode_attn_backend_group = []
@@ -56,3 +54,20 @@ class AttentionBackends:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def release(instances: dict[str, Any], workspace_pool: Any, pools: dict[str, Any]) -> list[str]:
+    """Close every backend, drop every workspace and pool; returns what was released."""
+    released = []
+    for role, b in list(instances.items()):
+        close = getattr(b, "close", None)
+        if close is not None:
+            close()
+        released.append(f"backend:{role}")
+    instances.clear()
+    if workspace_pool is not None:
+        released += [f"workspace:{w}" for w in workspace_pool.release_all()]
+    for name in list(pools):
+        released.append(f"pool:{name}")
+        pools.pop(name)
+    return released

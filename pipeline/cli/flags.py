@@ -1,0 +1,208 @@
+"""The ``attn-setup`` parser: every subcommand's flags, the ``AttentionArgs`` flags generated from the Struct.
+
+:func:`build_parser` loads the subcommand modules of :data:`COMMANDS` by name; each adds its own flags
+(:func:`add_setup_flags` for the ones run, plan and warmup share) and its ``cmd``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from typing import Any, Optional, Sequence
+
+import msgspec
+
+from pipeline.core.contracts import AttentionArgs
+from pipeline.core.errors import UsageError
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows an option's default after its help unless the help already states it (or it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "default" in text.lower() or default in (None, argparse.SUPPRESS)
+                or isinstance(default, bool)):
+            return text
+        return text + " (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (exit 2, one ErrorInfo) instead of printing and exiting.
+
+    Abbreviated long options are off (``allow_abbrev=False``): ``--device`` must never be taken
+    for ``--device-profile``, nor ``--js`` for ``--json``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
+        flags, hints = [], []
+        if "unrecognized arguments:" in message:
+            import difflib
+
+            known = sorted(self._all_options(getattr(self, "argv", [])))
+            for tok in message.split("unrecognized arguments:", 1)[1].split():
+                if not tok.startswith("--"):
+                    continue
+                opt = tok.split("=", 1)[0]
+                prefix = [o for o in known if o.startswith(opt) and o != opt]
+                near = prefix or difflib.get_close_matches(opt, [o for o in known if o != opt], n=2, cutoff=0.75)
+                flags.append((opt, tok))
+                if near:
+                    hints.append(f"{opt}: did you mean {' or '.join(near[:2])}?"
+                                 + (" (abbreviations are not accepted)" if prefix else ""))
+        remedy = "; ".join(hints + [f"see '{self.prog} --help'"])
+        raise UsageError(f"{self.prog}: {message}", code="usage", flags=flags, remedy=remedy)
+
+    def _all_options(self, argv: Sequence[str] = ()) -> set[str]:
+        """Long options of this parser and of the subcommand named in ``argv`` (of all, if none is)."""
+        out: set[str] = set()
+        for action in self._actions:
+            out.update(o for o in action.option_strings if o.startswith("--"))
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = [action.choices[a] for a in argv if a in action.choices][:1] or action.choices.values()
+                for sub in chosen:
+                    out |= sub._all_options() if isinstance(sub, _Parser) else set()
+        return out
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: one-line doc}`` from the ``Fields`` section of a contract's docstring
+    (``name: text`` lines, as :class:`~pipeline.core.contracts.AttentionArgs` writes them)."""
+    lines = (cls.__doc__ or "").splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Fields") + 2
+    except StopIteration:
+        return {}
+    out: dict[str, str] = {}
+    for line in lines[start:]:
+        name, sep, text = line.strip().partition(": ")
+        if sep and name.isidentifier():
+            out[name] = text.strip()
+    return out
+
+
+def attention_choices(name: str) -> Optional[list[str]]:
+    """The values a field accepts, where it is a closed set (backend names, dtypes, algorithms)."""
+    from pipeline.core import validation
+
+    if name.endswith("attention_backend"):
+        from pipeline.backends import registry
+
+        return registry.names()
+    return {"kv_cache_dtype": list(validation.KV_CACHE_DTYPES), "dtype": list(validation.MODEL_DTYPES),
+            "speculative_algorithm": list(validation.SPECULATIVE_ALGORITHMS)}.get(name)
+
+
+def _default_text(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def attention_flag_help(name: str, docs: dict[str, str]) -> str:
+    """``--help`` text of one AttentionArgs flag: its field doc, default and choices."""
+    default = next(f.default for f in msgspec.structs.fields(AttentionArgs) if f.name == name)
+    text = f"{docs.get(name, name.replace('_', ' '))} (default: {_default_text(default)}"
+    choices = attention_choices(name)
+    if choices:
+        text += f"; choices: {', '.join(choices)}"
+    return (text + ")").replace("%", "%%")
+
+
+def _flag_type(tp: Any) -> tuple[str, Any]:
+    """('bool'|'list'|'scalar', element type) for an AttentionArgs annotation."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    base = args[0]
+    if base is bool:
+        return "bool", bool
+    if typing.get_origin(base) is list:
+        return "list", typing.get_args(base)[0]
+    return "scalar", base
+
+
+def add_attention_flags(p: argparse.ArgumentParser) -> None:
+    """One kebab-case flag per AttentionArgs field, generated from the Struct so none is forgotten."""
+    g = p.add_argument_group("attention arguments (sglang's names)")
+    hints = typing.get_type_hints(AttentionArgs)
+    docs = field_docs(AttentionArgs)
+    for name in AttentionArgs.__struct_fields__:
+        kind, elem = _flag_type(hints[name])
+        flag = "--" + name.replace("_", "-")
+        text = attention_flag_help(name, docs)
+        if kind == "bool":
+            g.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=text)
+        elif kind == "list":
+            g.add_argument(flag, dest=name, nargs="+", type=elem, default=argparse.SUPPRESS, metavar="N", help=text)
+        else:
+            g.add_argument(flag, dest=name, type=elem, default=argparse.SUPPRESS,
+                           metavar=name.split("_")[-1].upper(), help=text)
+
+
+def attention_args_from(ns: argparse.Namespace) -> AttentionArgs:
+    """Build AttentionArgs from only the flags the user gave (Struct defaults for the rest)."""
+    given = {f: getattr(ns, f) for f in AttentionArgs.__struct_fields__ if hasattr(ns, f)}
+    return msgspec.convert(given, AttentionArgs)
+
+
+def add_setup_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
+    """Flags shared by run/plan: model, draft worker, pool sizes, log file, --json."""
+    p.add_argument("--model", metavar="CONFIG_JSON", default=None,
+                   help="Hugging Face config.json (default: the bundled Llama-3.1-8B)")
+    p.add_argument("--draft-worker", action="store_true", help="initialize a speculative-decoding draft worker")
+    p.add_argument("--draft-model", metavar="CONFIG_JSON", default=None,
+                   help="the draft model's config.json (default: the draft worker serves --model)")
+    if device:
+        p.add_argument("--device", default="auto",
+                       help="auto (a GPU when torch sees one, else cpu) | cpu | cuda[:N] | musa|npu|xpu[:N] (default: auto)")
+    p.add_argument("--max-reqs", type=int, default=None, help="rows of req_to_token (default 8)")
+    p.add_argument("--max-context-len", type=int, default=None, help="columns of req_to_token (default 1024)")
+    p.add_argument("--num-token-slots", type=int, default=None,
+                   help="KV slots per layer (default 1024 on CPU, 65536 on GPU)")
+    p.add_argument("--rank", type=int, default=0, help="this process's rank (default 0; RANK under torchrun)")
+    p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables (errors too)")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="print each event as a short line on stderr (the log file keeps the JSON)")
+    add_attention_flags(p)
+
+
+# Subcommand modules: each defines ``add_parser(subparsers)`` and ``cmd(ns) -> int`` (exit code). A new
+# subcommand is one module and one line here. They are named, not imported here, as the backend registry names
+# its factories: each command imports this module for the shared flags, so the parser loads them by name.
+COMMANDS: list[str] = [
+    "pipeline.cli.run",
+    "pipeline.cli.plan",
+    "pipeline.cli.warmup",
+    "pipeline.cli.inspect", "pipeline.cli.replay", "pipeline.cli.graph",
+    "pipeline.cli.backends",
+]
+
+
+def _modules() -> list[Any]:
+    import importlib
+
+    return [importlib.import_module(m) for m in COMMANDS]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pipeline import __version__
+
+    p = _Parser(prog="attn-setup", description="Initialize an inference engine's attention backends as an observable "
+                "state machine: run, plan, warmup, inspect, replay, graph, backends.")
+    p.add_argument("--version", action="version", version=f"attn-setup {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print each event as a short line on stderr (the log file keeps the JSON)")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for mod in _modules():
+        mod.add_parser(sub).set_defaults(_cmd=mod.cmd)
+    return p

@@ -1,0 +1,78 @@
+"""The ``SetupRequest`` that run, plan and warmup build from their shared flags (model files, pool sizes, args)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+import msgspec
+
+from pipeline.cli.flags import attention_args_from
+from pipeline.core import settings
+from pipeline.core.contracts import Flag, ModelSpec, PoolFacts, SetupRequest
+from pipeline.core.errors import ConfigError, UsageError
+from pipeline.core.eventlog import secrets_from_env
+from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec
+
+
+def default_model_path() -> str:
+    """The bundled Llama-3.1-8B config (package data; same file as examples/configs/)."""
+    return str(DEFAULT_MODEL_CONFIG)
+
+
+def _load_spec(path: str, flag: str) -> ModelSpec:
+    """load_model_spec, with file errors (unreadable, not a regular file, too large) naming ``flag`` too."""
+    try:
+        return load_model_spec(path)
+    except UsageError as e:
+        e.info = msgspec.structs.replace(e.info, flags=[Flag(name=flag, value=path), *e.info.flags],
+                                         remedy=e.info.remedy.replace(" as path", f" as {flag}"))
+        raise
+
+
+def load_models(ns: argparse.Namespace) -> tuple[ModelSpec, Optional[ModelSpec]]:
+    model = _load_spec(ns.model, "--model") if ns.model else _load_spec(default_model_path(), "--model")
+    draft = _load_spec(ns.draft_model, "--draft-model") if ns.draft_model else None
+    if draft is not None and not ns.draft_worker:
+        raise UsageError("--draft-model is only meaningful with --draft-worker", code="usage",
+                         flags=[("--draft-model", ns.draft_model)], remedy="add --draft-worker, or drop --draft-model")
+    return model, draft
+
+
+def pool_facts(ns: argparse.Namespace, args: Any, on_gpu: bool) -> PoolFacts:
+    """Pool sizes from the flags (explicit values are checked, never replaced); defaults are CPU-friendly.
+
+    Raises ConfigError for a ``--num-token-slots`` that is not whole pages (only the default is
+    rounded up to whole pages) and, via PoolFacts, for values below 1.
+    """
+    ps = args.page_size
+    if ns.num_token_slots is not None and ns.num_token_slots > 0 and ns.num_token_slots % ps:
+        raise ConfigError(f"--num-token-slots {ns.num_token_slots} is not a whole number of pages of {ps} tokens",
+                          code="invalid_value", flags=[("num_token_slots", ns.num_token_slots), ("page_size", ps)],
+                          allowed=[f"a multiple of {ps}"],
+                          remedy=f"use --num-token-slots {-(-ns.num_token_slots // ps) * ps} (or another multiple)")
+    slots = ns.num_token_slots if ns.num_token_slots is not None else -(-(65536 if on_gpu else 1024) // ps) * ps
+    return PoolFacts(max_reqs=8 if ns.max_reqs is None else ns.max_reqs,
+                     max_context_len=1024 if ns.max_context_len is None else ns.max_context_len,
+                     num_token_slots=slots, page_size=ps)
+
+
+def request_from(ns: argparse.Namespace, *, on_gpu: bool) -> SetupRequest:
+    """The SetupRequest of run, plan and warmup from their shared flags (SGLANG_* size variables checked too)."""
+    args = attention_args_from(ns)
+    settings.check_env()  # SGLANG_* size variables pass the same check as their flags
+    model, draft = load_models(ns)
+    return SetupRequest(args=args, model=model, draft_model=draft, is_draft_worker=ns.draft_worker,
+                        device=getattr(ns, "device", "cpu"), rank=ns.rank, world_size=ns.world_size,
+                        pool=pool_facts(ns, args, on_gpu), secrets=secrets_from_env())
+
+
+def is_gpu_device(device: str) -> bool:
+    """Whether ``--device`` names a GPU (``auto``: torch sees one)."""
+    if device.startswith("cuda"):
+        return True
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return False

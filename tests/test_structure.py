@@ -1,0 +1,146 @@
+"""The package's architecture, checked from the source: no import cycles and imports that only point down.
+
+Every ``import`` statement of ``pipeline/`` and ``states/`` counts — at module level, inside functions and
+under ``TYPE_CHECKING`` — and importing a package counts as importing its ``__init__``, except a module's own
+packages (Python imports those before the module anyway; a package importing its modules is no cycle). Layers, bottom to
+top: ``pipeline.core`` → ``pipeline.platforms`` / ``pipeline.backends`` → ``states`` → ``pipeline.setup``
+(the setup machine's table and driver) → ``pipeline.runtime`` → ``pipeline.observe`` → ``pipeline.cli``;
+``pipeline`` itself and ``pipeline.testing`` sit on top.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+LAYERS = ["pipeline.core", "pipeline.platforms", "pipeline.backends", "states", "pipeline.setup",
+          "pipeline.runtime", "pipeline.observe", "pipeline.cli"]
+# What each layer may import besides itself and the layers listed before it (None: everything below it).
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "pipeline.core": (),
+    "pipeline.platforms": ("pipeline.core",),
+    "pipeline.backends": ("pipeline.core",),
+    "states": ("pipeline.core", "pipeline.backends.registry", "pipeline.backends.capability"),
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for top in ("pipeline", "states"):
+        for p in (ROOT / top).rglob("*.py"):
+            parts = list(p.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = p
+    return out
+
+
+def _targets(mod: str, path: Path, node: ast.AST, mods: dict[str, Path]) -> set[str]:
+    names: list[str] = []
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+            base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+        names = [base] + [f"{base}.{a.name}" for a in node.names]
+    out = set()
+    for name in names:
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):  # importing a.b.c runs a, a.b and a.b.c
+            head = ".".join(parts[:i])
+            if head in mods and head != mod and not mod.startswith(head + "."):
+                out.add(head)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``module → modules it imports`` over pipeline/ and states/ (every import statement)."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, p in mods.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            graph[m] |= _targets(m, p, node, mods)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def _layer(mod: str) -> str | None:
+    return next((layer for layer in LAYERS if mod == layer or mod.startswith(layer + ".")), None)
+
+
+def _within(mod: str, prefixes: tuple[str, ...]) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in prefixes)
+
+
+def test_no_import_cycles():
+    """No two modules import each other, directly or through others (function-level and TYPE_CHECKING imports
+    included)."""
+    assert cycles(import_graph()) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    """The check above can fail: a three-module ring and a self-contained pair are found, a chain is not."""
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"e"}, "e": set(), "f": {"g"}, "g": {"f"}}
+    assert sorted(cycles(g)) == [["a", "b", "c"], ["f", "g"]]
+
+
+def test_import_graph_reads_function_level_and_type_checking_imports(tmp_path, monkeypatch):
+    """An import inside a function and one under TYPE_CHECKING both make edges."""
+    pkg = tmp_path / "pipeline"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "__init__.py").write_text("")
+    (pkg / "core" / "a.py").write_text("def f():\n    from pipeline.core import b\n")
+    (pkg / "core" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+    (tmp_path / "states").mkdir()
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert cycles(import_graph()) == [["pipeline.core.a", "pipeline.core.b"]]
