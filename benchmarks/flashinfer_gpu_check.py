@@ -166,7 +166,7 @@ def phase_graphs():
 
 def phase_workspace():
     """Plan + capture at the computed size succeed; at half our check fires; FlashInfer then fails too."""
-    from pipeline.backends import flashinfer as fib
+    from pipeline.backends import flashinfer as fib, registry
     from pipeline.core.errors import ConfigError
 
     kind = make_kind(32, 8, 128)
@@ -176,12 +176,13 @@ def phase_workspace():
     for frac in (1.0, 0.5):
         sc = Scenario([kind], page_size=16, max_reqs=257, max_context_len=4096, num_slots=1 << 20, ws_bytes=int(need.bytes * frac),
                       sm_count=torch.cuda.get_device_properties(0).multi_processor_count, extra={"cuda_graph_max_bs": 256})
-        try:
-            be = fib.create(sc.ctx)
+        try:  # the check build-mode runs before allocating (the registry entry's)
+            registry.get("flashinfer").check_workspace(sc.ctx.workspace.nbytes, [kind], num_sms=sc.ctx.device.sm_count,
+                                                       max_reqs=sc.ctx.req_to_token_pool.max_reqs, graph_max_bs=256)
             out[f"our_check_{frac}"] = "passed"
         except ConfigError as e:
             out[f"our_check_{frac}"] = f"refused: {e}"
-            be = fib.FlashInferBackend(sc.ctx, "fa2")  # bypass our check to see what FlashInfer does
+        be = fib.create(sc.ctx)  # built either way, to see what FlashInfer itself does at that size
         reqs = list(range(1, 257))
         sc.fill_prefix(reqs, [4000] * 256)
         fb = sc.batch(ForwardMode.DECODE, reqs, [1] * 256)

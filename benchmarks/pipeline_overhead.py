@@ -31,7 +31,7 @@ from pipeline.core.model_spec import load_model_spec  # noqa: E402
 from pipeline.platforms.cpu import CpuPlatform  # noqa: E402
 from pipeline.backends.workspace import WorkspacePool  # noqa: E402
 from states import annotate, build_mode, device_init, npu_lazy_mem, resolve  # noqa: E402
-from states.capability_check import kv_dtype, model_dtype  # noqa: E402
+from pipeline.core.dtypes import kv_dtype, model_dtype  # noqa: E402
 
 INSTALLED = {"torch": True, "triton": False, "flashinfer-python": False}
 

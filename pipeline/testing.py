@@ -56,8 +56,8 @@ def record_trace(request: SetupRequest, path: str | os.PathLike, *, facts: Optio
     """Run the real pipeline on a :class:`FakePlatform` reporting ``facts`` (tensors on CPU) and
     write its trace to ``path``; a refused or failed start is recorded too (its error is swallowed).
 
-    ``installed`` overrides package presence (e.g. ``{"torch": True, "triton": False,
-    "flashinfer-python": False}`` to make a fake GPU resolve to ``torch_native``). Returns the trace read back.
+    ``installed`` overrides package presence (distribution name → present: with only ``torch`` present a fake
+    GPU resolves to the reference backend). Returns the trace read back.
     """
     from pipeline.setup.build import build_attention_backends
     from pipeline.core.errors import AttnSetupError

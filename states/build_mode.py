@@ -70,29 +70,6 @@ def decide(args: AttentionArgs, pair: ResolvedAttentionBackendStr, *, is_draft_w
     return BuildPlan(mode=mode, hybrid=hybrid, instances=instances, workspaces=workspaces, skips=skips)
 
 
-FLASHINFER_BACKENDS = ("flashinfer", "fa3")
-
-
-def check_workspaces(plan: BuildPlan, kinds: list[LayerKind], *, num_sms: int, max_reqs: int, graph_max_bs: int,
-                     graph_bs_given: bool = False) -> None:
-    """Refuse a planned FlashInfer workspace too small for the largest batch its users will plan.
-
-    For every workspace a ``flashinfer``/``fa3`` instance uses, the bytes FlashInfer's scheduler
-    can ask for (:func:`pipeline.backends.flashinfer_sizing.check_backend_workspace`: the layer
-    ``kinds``, ``num_sms`` of the device, ``max_reqs`` rows of ``req_to_token`` and the largest
-    captured decode batch ``graph_max_bs``, 0 without graphs). Pure arithmetic, no torch: build-mode,
-    ``attn-setup plan`` and ``run``'s preflight call it before anything is allocated.
-    Raises ConfigError ``workspace_too_small`` naming ``flashinfer_workspace_size`` and the bytes needed.
-    """
-    from pipeline.backends import flashinfer_sizing as sizing
-
-    for ws in plan.workspaces:
-        users = sorted({i.backend for i in plan.instances if i.workspace == ws.id} & set(FLASHINFER_BACKENDS))
-        for backend in users:
-            sizing.check_backend_workspace(ws.bytes, kinds, backend=backend, num_sms=num_sms, max_reqs=max_reqs,
-                                           graph_max_bs=graph_max_bs, graph_bs_given=graph_bs_given)
-
-
 @dataclass
 class Built:
     """What build-mode made: the top-level backend, the decode backend (group) and every instance."""

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple
 
+from pipeline.backends import registry
 from pipeline.backends.registry import Capability
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec
-from pipeline.core.dtypes import norm_dtype, resolve_dtype
+from pipeline.core.dtypes import kv_dtype, model_dtype
 from pipeline.core.model_spec import format_layer_ids
 
-PACKAGE_OF = {"flashinfer-python": "flashinfer-python", "triton": "triton", "torch": "torch"}
-# How each distribution is installed (the remedy of a "package missing" reason).
-INSTALL_HINT = {"torch": "pip install torch", "triton": "pip install 'attn-setup[cuda]'",
-                "flashinfer-python": "pip install 'attn-setup[cuda]'"}
 PACKAGE_REASON_PREFIX = "package "
 
 
@@ -39,17 +36,6 @@ class Reason(NamedTuple):
     def is_package(self) -> bool:
         """True for a "package X is not installed" reason (installing it would remove the reason)."""
         return self.text.startswith(PACKAGE_REASON_PREFIX)
-
-
-def model_dtype(args: AttentionArgs, model: ModelSpec) -> str:
-    """The compute dtype: ``args.dtype``, or for ``auto`` the engines' rule (:func:`pipeline.core.dtypes.resolve_dtype`:
-    a float32 checkpoint becomes bfloat16 for the Gemma family, float16 otherwise). Raises its ConfigError."""
-    return resolve_dtype(args, model).value
-
-
-def kv_dtype(args: AttentionArgs, model: ModelSpec) -> str:
-    """The KV-cache dtype: ``kv_cache_dtype`` unless ``auto``, then the compute dtype."""
-    return model_dtype(args, model) if args.kv_cache_dtype == "auto" else norm_dtype(args.kv_cache_dtype)
 
 
 def _list(values: Any) -> str:
@@ -112,7 +98,7 @@ def _device_reasons(cap: Capability, device: DeviceFacts, installed: Mapping[str
                           (("device.arch", device.arch),)))
     for pkg in cap.packages:
         if not installed.get(pkg, False):
-            out.append(Reason(f"{PACKAGE_REASON_PREFIX}{pkg!r} is not installed ({INSTALL_HINT.get(pkg, 'pip install ' + pkg)})",
+            out.append(Reason(f"{PACKAGE_REASON_PREFIX}{pkg!r} is not installed ({registry.install_hint(pkg)})",
                               (("missing_package", pkg),)))
     return out
 

@@ -1,7 +1,7 @@
 """Warnings and strict mode: the reference fallback, downgrades, and their refusal under ``strict``.
 
-A start on an accelerator should not land on ``torch_native`` — the slow reference backend — or lose
-a feature without saying so. :func:`reference_fallback` finds the halves auto-selection put on it
+A start on an accelerator should not land on the slow reference backend
+(:func:`pipeline.backends.registry.reference_name`) or lose a feature without saying so. :func:`reference_fallback` finds the halves auto-selection put on it
 (any device but a CPU; an explicit choice is the user's, not a fallback), :func:`graph_skips` the
 CUDA-graph rule's outcome (a downgrade on a CUDA device whose decode backend cannot be captured, not
 applicable elsewhere), and :func:`warnings_for` lists them with build-mode's downgrade (TBO on a
@@ -20,13 +20,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 from pipeline.backends import registry
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, Resolution, SetupWarning, Skip
-from pipeline.runtime.cuda_graphs import decide_graphs
 from pipeline.core.errors import CapabilityMismatch
 from states.build_mode import decide_mode
-
-# The reference backend: correct everywhere, slow, no CUDA graphs. Landing on it by auto-selection on
-# an accelerator is a warning (refused under strict); choosing it explicitly is not.
-REFERENCE_BACKEND = "torch_native"
+from states.graphs import decide_graphs
 
 
 def one_of(names: Sequence[str]) -> str:
@@ -59,13 +55,13 @@ class StrictRefusal(CapabilityMismatch):
 
 
 def graph_skips(args: AttentionArgs, decode: str, device: DeviceFacts) -> list[Skip]:
-    """CUDA graphs not captured, from the one rule (:func:`pipeline.runtime.cuda_graphs.decide_graphs`).
+    """CUDA graphs not captured, from the one rule (:func:`states.graphs.decide_graphs`).
 
     No skip when graphs are captured or the user turned them off. On a non-CUDA device graphs do
     not apply (``downgrade=False``); on a CUDA device with a decode backend that cannot be captured
     they are a downgrade, avoided by ``disable_cuda_graph=True``.
     """
-    d = decide_graphs(args, device.type, [decode], lambda n: registry.get(n).capability.has("cuda_graph"))
+    d = decide_graphs(args, device.type, [decode])
     if d.capture or args.disable_cuda_graph:
         return []
     return [Skip(what="cuda_graph", reason=d.reason, downgrade=d.downgrade,
@@ -77,16 +73,18 @@ def _device_name(device: DeviceFacts) -> str:
 
 
 def reference_fallback(res: Resolution, device: DeviceFacts) -> Optional[SetupWarning]:
-    """The ``reference_fallback`` warning when auto-selection put ``torch_native`` on an accelerator.
+    """The ``reference_fallback`` warning when auto-selection put the reference backend
+    (:func:`pipeline.backends.registry.reference_name`) on an accelerator.
 
-    Any device but ``cpu`` counts (torch_native is the slow reference everywhere else). Only halves
-    resolved by ``auto`` count: an explicit ``torch_native`` is the user's choice. ``avoid`` accepts
-    it explicitly (``attention_backend``, or the phase field of the one half that fell back).
+    Any device but ``cpu`` counts (the reference is slow everywhere else). Only halves resolved by
+    ``auto`` count: choosing the reference explicitly is the user's choice. ``avoid`` accepts it
+    explicitly (``attention_backend``, or the phase field of the one half that fell back).
     """
     if device.type == "cpu":
         return None
+    reference = registry.reference_name()
     halves = [h for h in ("prefill", "decode")
-              if res.rules.get(h) == "auto" and getattr(res.pair, h) == REFERENCE_BACKEND]
+              if res.rules.get(h) == "auto" and getattr(res.pair, h) == reference]
     if not halves:
         return None
     field = "attention_backend" if len(halves) == 2 else f"{halves[0]}_attention_backend"
@@ -94,9 +92,9 @@ def reference_fallback(res: Resolution, device: DeviceFacts) -> Optional[SetupWa
     names = list(dict.fromkeys(r.backend for h in halves for r in rejected[h]))
     why = f"{one_of(names)} cannot serve this request" if names else "no other backend is registered for it"
     return SetupWarning(code="reference_fallback", what="+".join(halves),
-                        message=f"{' and '.join(halves)} fell back to {REFERENCE_BACKEND}, the slow reference backend, "
+                        message=f"{' and '.join(halves)} fell back to {reference}, the slow reference backend, "
                                 f"on {_device_name(device)}: {why}",
-                        avoid={field: REFERENCE_BACKEND}, rejected=rejected)
+                        avoid={field: reference}, rejected=rejected)
 
 
 def warnings_for(res: Resolution, skips: Sequence[Skip], device: DeviceFacts) -> list[SetupWarning]:
@@ -114,7 +112,7 @@ def refuse_strict(res: Resolution, args: AttentionArgs, device: DeviceFacts, is_
     """Under ``strict``: raise :class:`StrictRefusal` (state resolve) for a reference fallback or any downgrade.
 
     Build-mode's downgrade (TBO on a draft worker) is decided here too (:func:`decide_mode`), so
-    one refusal names every field needed: accepting ``torch_native`` explicitly, ``disable_cuda_graph``,
+    one refusal names every field needed: accepting the reference backend explicitly, ``disable_cuda_graph``,
     dropping ``enable_two_batch_overlap``.
     """
     if not args.strict:

@@ -19,7 +19,7 @@ import msgspec
 from pipeline.backends import registry
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec
 from pipeline.core.errors import ConfigError
-from states.capability_check import INSTALL_HINT, Reason, reasons_with_flags
+from states.capability_check import Reason, reasons_with_flags
 from states.fallback import StrictRefusal, assignments, one_of
 
 # decide(args, model, device, *, is_draft_worker, installed) for a trial (raises the refusal, never tries remedies)
@@ -166,6 +166,6 @@ def suggest(name: str, ctx: Remedies) -> tuple[Optional[str], str]:
         return best, note
     pk = ctx.survey.packages_of(best)
     if pk and best in ctx.survey.installable:
-        hints = sorted({INSTALL_HINT.get(p, f"pip install {p}") for p in pk})
+        hints = sorted({registry.install_hint(p) for p in pk})
         return best, f"{note} It needs {one_of(pk)}, which is not installed ({'; '.join(hints)})"
     return best, f"{note} It cannot serve this request here: {'; '.join(r.text for r in why)}"

@@ -25,8 +25,9 @@ to pass strict are named with it); an unknown name gets the closest known one ("
 registered or sglang's, installed or not, with the package it needs. Library wording: field names
 (``attention_backend``), assignments as ``field='value'``; the CLI shows its flags instead.
 
-Warnings (:func:`warnings_for`): auto-selection landing on ``torch_native`` — the reference
-backend — on an accelerator (``reference_fallback``, with every rejected candidate's reasons), and
+Warnings (:func:`warnings_for`): auto-selection landing on the reference backend (the registry's
+:func:`~pipeline.backends.registry.reference_name`) on an accelerator (``reference_fallback``, with every
+rejected candidate's reasons), and
 every downgrade (:class:`~pipeline.core.contracts.Skip` with ``downgrade=True``: CUDA graphs off on a
 CUDA device, TBO dropped on a draft worker). With ``args.strict`` each of them is a refusal in
 resolve instead (``reference_fallback`` / ``downgrade_refused``, exit 3), naming the fields that
@@ -48,7 +49,7 @@ from pipeline.core.errors import BackendUnavailable, BackendUnknown, CapabilityM
 from pipeline.core.model_spec import format_layer_ids
 from states.capability_check import Reason, reasons_with_flags
 from states.fallback import (  # noqa: F401 (part of resolve's API: build, plan, replay and tests use them)
-    REFERENCE_BACKEND, StrictRefusal, assignments, graph_skips, reference_fallback, refuse_strict, warnings_for,
+    StrictRefusal, assignments, graph_skips, reference_fallback, refuse_strict, warnings_for,
 )
 from states.remedies import Remedies, Survey, complete_fix, suggest
 
@@ -56,14 +57,6 @@ from states.remedies import Remedies, Survey, complete_fix, suggest
 # and a per-arch SM table; sglang's table covers Ampere, Ada, Hopper and Blackwell datacenter).
 PDMUX_SM_PARTITION_ARCHS = ("sm80", "sm86", "sm89", "sm90", "sm100")
 
-# Auto-selection priority (backend-rules.md: sglang prefers fa3/flashinfer on NVIDIA, then triton;
-# vLLM SM 8-9: FLASH_ATTN > FLASHINFER > TRITON). The capability records prune the list per request:
-# on sm80-sm90 flashinfer when installed, else triton; fa3 (sm90 only) is considered after
-# flashinfer so an arch it lacks is recorded as its reason; sm100+/ROCm fall to what the records allow.
-AUTO_PRIORITY: dict[str, list[str]] = {
-    "cuda": ["flashinfer", "fa3", "triton", "torch_native"],
-}
-DEFAULT_PRIORITY = ["torch_native"]
 Explicit = tuple[Rule, str, str]  # (rule, backend name, flag that named it)
 
 
@@ -115,9 +108,10 @@ def explicit_choice(args: AttentionArgs, half: str, is_draft_worker: bool) -> Op
 
 
 def auto_candidates(device: DeviceFacts) -> list[str]:
-    """The registered backends auto-selection considers on ``device``, in priority order."""
-    known = set(registry.names())
-    return [n for n in AUTO_PRIORITY.get(device.type, DEFAULT_PRIORITY) if n in known]
+    """The registered backends auto-selection considers on ``device``, in priority order (the registry's
+    :func:`~pipeline.backends.registry.auto_candidates`: sglang's and vLLM's orders, pruned per request by the
+    capability records)."""
+    return registry.auto_candidates(device.type)
 
 
 def _flags_of(head: list[tuple[str, object]], bad: list[Reason], device: DeviceFacts) -> list[tuple[str, object]]:

@@ -29,7 +29,7 @@ from pipeline.platforms.profiles import PROFILES
 from pipeline.runtime.reference import reference_attention, rel_err
 from pipeline.runtime.verify import verify_backend
 from states import resolve
-from states.capability_check import model_dtype
+from pipeline.core.dtypes import model_dtype
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 ALL = {"torch": True, "triton": True, "flashinfer-python": True}
@@ -237,7 +237,7 @@ def _gpu_cases() -> list:
 
 
 def _installed_by_import() -> dict:
-    from pipeline.setup.build import installed_by_import
+    from pipeline.backends.packages import installed_by_import
 
     return installed_by_import()
 

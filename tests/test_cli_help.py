@@ -102,7 +102,7 @@ def test_profile_names_are_case_insensitive(capsys, name, monkeypatch):
 def test_backends_json_lists_every_backend_with_its_record(capsys):
     """`backends --json`: every registered backend, its full capability record, installed per package."""
     from pipeline.backends import registry
-    from pipeline.core.runinfo import installed_by_metadata
+    from pipeline.backends.packages import installed_by_metadata
 
     assert main(["backends", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

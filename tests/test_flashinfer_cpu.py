@@ -295,14 +295,19 @@ def test_glue_cuda_graph_buffers_and_replay(fib):
         be.graph.wrappers(9)
 
 
-def test_factory_refuses_small_workspace_before_building(fib):
-    """A workspace below the computed need is refused naming flashinfer_workspace_size."""
-    sc = Scenario([make_kind(32, 8, 128)], device="cpu", dtype=torch.float32, page_size=16, max_reqs=4,
-                  max_context_len=64, ws_bytes=1 << 20, sm_count=132, extra={"cuda_graph_max_bs": 256},
-                  facts_type="cuda")
+def test_entry_refuses_small_workspace_before_building():
+    """A workspace below the computed need is refused by the registry entry (build-mode asks it before
+    allocating), naming flashinfer_workspace_size; the computed need itself passes."""
+    from pipeline.backends import registry
+
+    kinds = [make_kind(32, 8, 128)]
+    need = sz.workspace_need(sz.shapes_of(kinds), num_sms=132, max_batch_size=4, cuda_graph_max_bs=4).bytes
+    entry = registry.get("flashinfer")
     with pytest.raises(ConfigError) as ei:
-        fib.create(sc.ctx)
-    assert ei.value.info.flags[0].name == "flashinfer_workspace_size"
+        entry.check_workspace(1 << 20, kinds, num_sms=132, max_reqs=4, graph_max_bs=4)
+    assert ei.value.info.flags[0].name == "flashinfer_workspace_size" and ei.value.info.code == "workspace_too_small"
+    entry.check_workspace(need, kinds, num_sms=132, max_reqs=4, graph_max_bs=4)
+    assert need > 1 << 20
 
 
 def test_sinks_with_softcap_refused(fib):

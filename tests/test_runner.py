@@ -8,7 +8,7 @@ import pytest
 from conftest import CONFIGS, npu_facts
 from pipeline.core import events as ev
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
-from pipeline.runtime.cuda_graphs import capture_batch_sizes, skip_reason
+from states.graphs import capture_batch_sizes, skip_reason
 from pipeline.core.errors import ConfigError, OrderingError
 from pipeline.core.machine import GuardError
 from pipeline.core.model_spec import load_model_spec
@@ -124,6 +124,7 @@ def test_rank_agreement_from_callable_or_recorded_skip(qwen):
 def test_zbal_before_capture_never_for_draft_or_size_zero(qwen, monkeypatch):
     """With a fake NPU platform and a fake capture: zbal lazy memory is called before capture."""
     import pipeline.runtime.cuda_graphs as cg
+    import states.graphs as graphs
 
     class FakeGraphs:
         def __init__(self, stack, backend, rp, kv, sizes):
@@ -138,7 +139,7 @@ def test_zbal_before_capture_never_for_draft_or_size_zero(qwen, monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(cg, "skip_reason", lambda *a: None)
+    monkeypatch.setattr(graphs, "skip_reason", lambda *a: None)
     monkeypatch.setattr(cg, "DecodeGraphRunner", FakeGraphs)
     for draft, size, zbal in [(False, 4096, True), (True, 4096, False), (False, 0, False)]:
         plat = FakePlatform(npu_facts())
@@ -175,9 +176,9 @@ def _fail_model(monkeypatch):
 
 
 def _fail_capture(monkeypatch):
-    import pipeline.runtime.cuda_graphs as cg
+    import states.graphs as graphs
 
-    monkeypatch.setattr(cg, "skip_reason", lambda *a: (_ for _ in ()).throw(RuntimeError("capture exploded")))
+    monkeypatch.setattr(graphs, "skip_reason", lambda *a: (_ for _ in ()).throw(RuntimeError("capture exploded")))
     return {}
 
 
@@ -261,9 +262,7 @@ def test_capture_batch_size_beyond_pool_is_refused():
     (AttentionArgs(), "cuda", ["flashinfer"], None),
 ])
 def test_skip_reason(args, dev, names, want):
-    from pipeline.backends import registry
-
-    got = skip_reason(args, dev, names, lambda n: "cuda_graph" in registry.get(n).capability.features)
+    got = skip_reason(args, dev, names)
     assert got == want if want is None else want in got
 
 

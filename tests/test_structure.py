@@ -144,3 +144,22 @@ def test_import_graph_reads_function_level_and_type_checking_imports(tmp_path, m
     (tmp_path / "states").mkdir()
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert cycles(import_graph()) == [["pipeline.core.a", "pipeline.core.b"]]
+
+
+def test_no_backend_name_outside_the_backends():
+    """No module outside pipeline/backends/ spells a registered backend's name (as a string, or quoted in text):
+    the rules live in each backend's registry entry, and everything else asks the entry."""
+    from pipeline.backends import registry
+
+    names = set(registry.names())
+    bad = []
+    for mod, path in _modules().items():
+        if mod.startswith("pipeline.backends"):
+            continue
+        src = path.read_text()
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.strip() in names:
+                bad.append(f"{mod}:{node.lineno}: {node.value!r}")
+        for n, line in enumerate(src.splitlines(), 1):
+            bad += [f"{mod}:{n}: {q}{name}{q}" for name in names for q in ('"', "'") if f"{q}{name}{q}" in line]
+    assert bad == []

@@ -1,8 +1,10 @@
-"""The capability record type (torch-free), shared by the registry and the records module."""
+"""The record types of a backend (torch-free): its capability record and its rules, shared by the registry
+and the records module."""
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import msgspec
 
@@ -42,3 +44,20 @@ class Capability(msgspec.Struct, **_STRUCT):
 
     def has(self, feature: str) -> bool:
         return feature in self.features
+
+
+@dataclass(frozen=True)
+class BackendRules:
+    """A backend's own decisions beyond its record, torch-free (its registry entry answers them; None = none).
+
+    ``workspace(args, model, env) -> Setting``: the workspace bytes one instance gets, as the setting that
+    is logged (without it: the record's ``workspace_bytes``, not logged).
+    ``check_workspace(nbytes, kinds, *, num_sms, max_reqs, graph_max_bs, graph_bs_given)``: refuse a workspace
+    too small for the largest planned batch (raises ConfigError ``workspace_too_small``).
+    ``jit_variants(kinds, q_dtype, kv_dtype, arch) -> list``: the kernel modules a build JIT-compiles
+    (what ``attn-setup warmup`` compiles ahead).
+    """
+
+    workspace: Optional[Callable[..., Any]] = None
+    check_workspace: Optional[Callable[..., None]] = None
+    jit_variants: Optional[Callable[..., list[Any]]] = None

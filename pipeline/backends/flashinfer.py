@@ -312,7 +312,11 @@ def _host_ints(host: Any, device: torch.Tensor) -> list[int]:
 
 
 def _check_ctx(ctx: Any, prefill_backend: str) -> None:
-    """Refuse, before allocating, what the backend cannot serve (device, arch, workspace, layout)."""
+    """Refuse, before allocating, what the backend cannot serve (device, arch, layout, a missing workspace).
+
+    The workspace's size is checked once, in build-mode, through the registry entry
+    (:mod:`pipeline.backends.flashinfer_rules`), before anything is allocated.
+    """
     if ctx.device.type != "cuda":
         raise CapabilityMismatch(f"{ctx.name} runs on CUDA devices only", flags=[("device", ctx.device.type)],
                                  allowed=["cuda"], remedy="use torch_native on this device")
@@ -336,9 +340,6 @@ def _check_ctx(ctx: Any, prefill_backend: str) -> None:
         raise ConfigError("num_token_slots must be a multiple of page_size for the paged view",
                           flags=[("pool.num_token_slots", ctx.kv_pool.size), ("page_size", ctx.kv_pool.page_size)],
                           remedy="round num_token_slots to whole pages")
-    sizing.check_backend_workspace(ctx.workspace.nbytes, ctx.layer_kinds, backend=prefill_backend,
-                                   num_sms=ctx.device.sm_count, max_reqs=ctx.req_to_token_pool.max_reqs,
-                                   graph_max_bs=int(ctx.extra.get("cuda_graph_max_bs", 0) or 0))
 
 
 def create(ctx: Any) -> FlashInferBackend:

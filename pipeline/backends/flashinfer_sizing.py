@@ -183,7 +183,7 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
     ``size_bytes``: the workspace the backend gets; ``kinds``: the layer kinds it serves;
     ``backend``: ``"flashinfer"`` (fa2 kernels) or ``"fa3"``; ``num_sms``: the device's SMs;
     ``max_reqs``: rows of ``req_to_token`` (the largest eager batch); ``graph_max_bs``: the
-    largest captured decode batch (:func:`pipeline.runtime.cuda_graphs.graph_max_bs`, 0 without graphs);
+    largest captured decode batch (:func:`states.graphs.graph_max_bs`, 0 without graphs);
     ``graph_bs_given``: the sizes came from ``cuda_graph_bs`` (so the remedy names that list).
     When only the graph term is too large and a smaller largest captured batch fits, the remedy
     names that size. Raises ConfigError ``workspace_too_small``.

@@ -1,4 +1,5 @@
-"""Capability records of the built-in backends, as data.
+"""Capability records of the built-in backends, as data, with each one's rules, the reference backend, the
+auto-selection order and the packages they need.
 
 They live in one torch-free module (instead of inside each backend module) so that resolve and
 ``attn-setup plan`` can read them without importing torch, triton or flashinfer; each record names
@@ -8,7 +9,8 @@ for every claim and checks resolve refuses everything unclaimed.
 
 from __future__ import annotations
 
-from pipeline.backends.capability import Capability
+from pipeline.backends.capability import BackendRules, Capability
+from pipeline.backends.flashinfer_rules import FA3_RULES, FLASHINFER_RULES
 
 MiB = 1 << 20
 
@@ -88,10 +90,30 @@ TRITON_CAP = Capability(
            "mask the extend kernel lacks. Only decode is graph-captured (as in sglang)",
 )
 
-# name, capability, "module:factory"
-BUILTINS: list[tuple[str, Capability, str]] = [
-    ("torch_native", TORCH_NATIVE, "pipeline.backends.torch_native:create"),
-    ("flashinfer", FLASHINFER, "pipeline.backends.flashinfer:create"),
-    ("fa3", FA3, "pipeline.backends.flashinfer:create_fa3"),
-    ("triton", TRITON_CAP, "pipeline.backends.triton.backend:create"),
+# name, capability, "module:factory", rules (what the entry decides beyond its record)
+BUILTINS: list[tuple[str, Capability, str, BackendRules]] = [
+    ("torch_native", TORCH_NATIVE, "pipeline.backends.torch_native:create", BackendRules()),
+    ("flashinfer", FLASHINFER, "pipeline.backends.flashinfer:create", FLASHINFER_RULES),
+    ("fa3", FA3, "pipeline.backends.flashinfer:create_fa3", FA3_RULES),
+    ("triton", TRITON_CAP, "pipeline.backends.triton.backend:create", BackendRules()),
 ]
+
+# The reference backend: correct everywhere, slow, no CUDA graphs. Landing on it by auto-selection on an
+# accelerator is a warning (refused under strict); choosing it explicitly is not.
+REFERENCE_BACKEND = "torch_native"
+
+# Auto-selection priority per device type (backend-rules.md: sglang prefers fa3/flashinfer on NVIDIA, then
+# triton; vLLM SM 8-9: FLASH_ATTN > FLASHINFER > TRITON). The capability records prune the list per request:
+# on sm80-sm90 flashinfer when installed, else triton; fa3 (sm90 only) is considered after flashinfer so an
+# arch it lacks is recorded as its reason; sm100+/ROCm fall to what the records allow.
+AUTO_PRIORITY: dict[str, list[str]] = {
+    "cuda": ["flashinfer", "fa3", "triton", "torch_native"],
+}
+DEFAULT_PRIORITY = ["torch_native"]
+
+# Every package a record lists: distribution → (import name, how to install it).
+PACKAGES: dict[str, tuple[str, str]] = {
+    "torch": ("torch", "pip install torch"),
+    "triton": ("triton", "pip install 'attn-setup[cuda]'"),
+    "flashinfer-python": ("flashinfer", "pip install 'attn-setup[cuda]'"),
+}

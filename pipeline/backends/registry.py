@@ -1,7 +1,14 @@
-"""Backend registry: names → capability record + lazily imported factory.
+"""Backend registry: names → entries, each with its capability record, its rules and a lazily imported factory.
 
-Each backend module declares a :class:`Capability` next to its factory; this registry only holds
-the import path of the factory, so ``import pipeline`` never imports torch, triton or flashinfer.
+An entry answers every backend-specific question the rest of the package asks, torch-free: may it serve
+this request (its :class:`Capability`, checked by :mod:`states.capability_check`), how large is its
+workspace and is it large enough (:meth:`BackendEntry.workspace`, :meth:`BackendEntry.check_workspace`), can
+its decode be captured in a CUDA graph (:attr:`BackendEntry.graphs`), which kernels does it JIT-compile
+(:meth:`BackendEntry.jit_variants`); the per-call layer check is each backend's own
+(:class:`pipeline.backends.base.PlannedLayers`). The registry also names the reference backend and the
+auto-selection order (:func:`reference_name`, :func:`auto_candidates`). Outside ``pipeline/backends/`` no
+code names a backend. The registry holds only the import path of each factory, so ``import pipeline``
+never imports torch, triton or flashinfer.
 
 Factories have the signature ``factory(ctx: BackendContext) -> AttentionBackend``.
 """
@@ -9,18 +16,19 @@ Factories have the signature ``factory(ctx: BackendContext) -> AttentionBackend`
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-
+from pipeline.backends.capability import FEATURES, BackendRules, Capability  # noqa: F401 (re-exported)
+from pipeline.backends.packages import install_hint  # noqa: F401 (the registry answers it for resolve)
 from pipeline.core.errors import BackendUnavailable, BackendUnknown
+from pipeline.core.settings import Setting
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipeline.core.contracts import AttentionArgs, DeviceFacts, LayerKind, ModelSpec
     from pipeline.backends.memory import KVPool, ReqToTokenPool
     from pipeline.backends.workspace import Workspace
-
-from pipeline.backends.capability import FEATURES, Capability  # noqa: E402,F401 (re-exported)
 
 
 @dataclass
@@ -47,11 +55,36 @@ class BackendContext:
 
 @dataclass(frozen=True)
 class BackendEntry:
-    """A registered backend: name, capability record and ``"module:function"`` factory path."""
+    """A registered backend: name, capability record, ``"module:function"`` factory path and its rules."""
 
     name: str
     capability: Capability
     factory: str
+    rules: BackendRules = field(default_factory=BackendRules)
+
+    @property
+    def graphs(self) -> bool:
+        """Whether its decode can be captured in a CUDA graph (the ``cuda_graph`` feature of its record)."""
+        return self.capability.has("cuda_graph")
+
+    def workspace(self, args: "AttentionArgs", model: "ModelSpec", env: Mapping[str, str] = os.environ) -> Setting:
+        """The workspace bytes one instance gets: its rule's :class:`Setting` (logged as ``setting_resolved``),
+        or the record's ``workspace_bytes`` (source ``default``, field ``""``: nothing to log)."""
+        if self.rules.workspace is not None:
+            return self.rules.workspace(args, model, env)
+        return Setting(field="", value=self.capability.workspace_bytes, source="default")
+
+    def check_workspace(self, nbytes: int, kinds: Sequence["LayerKind"], *, num_sms: int, max_reqs: int,
+                        graph_max_bs: int, graph_bs_given: bool = False) -> None:
+        """Refuse a workspace of ``nbytes`` too small for the largest batch this backend plans over ``kinds``
+        (ConfigError ``workspace_too_small``); a backend without such a rule needs no check."""
+        if self.rules.check_workspace is not None:
+            self.rules.check_workspace(nbytes, kinds, num_sms=num_sms, max_reqs=max_reqs, graph_max_bs=graph_max_bs,
+                                       graph_bs_given=graph_bs_given)
+
+    def jit_variants(self, kinds: Sequence["LayerKind"], q_dtype: str, kv_dtype: str, arch: str) -> list[Any]:
+        """The kernel modules a build of this backend JIT-compiles for ``kinds`` (none for most backends)."""
+        return [] if self.rules.jit_variants is None else self.rules.jit_variants(kinds, q_dtype, kv_dtype, arch)
 
     def load_factory(self) -> Callable[[BackendContext], Any]:
         """Import the factory (this is where torch/triton/flashinfer get imported)."""
@@ -96,9 +129,9 @@ def known_names() -> list[str]:
     return sorted(set(names()) | set(KNOWN_UNAVAILABLE))
 
 
-def register(name: str, capability: Capability, factory: str) -> None:
-    """Add or replace a backend entry (the built-in ones are registered on import of this module)."""
-    _REGISTRY[name] = BackendEntry(name=name, capability=capability, factory=factory)
+def register(name: str, capability: Capability, factory: str, rules: Optional[BackendRules] = None) -> None:
+    """Add or replace a backend entry (the built-in ones are registered on first lookup)."""
+    _REGISTRY[name] = BackendEntry(name=name, capability=capability, factory=factory, rules=rules or BackendRules())
 
 
 def _ensure_builtins() -> None:
@@ -146,5 +179,21 @@ def _register_builtins() -> None:
     from pipeline.backends import records as caps
 
     _BUILTINS_LOADED = True
-    for name, cap, factory in caps.BUILTINS:
-        _REGISTRY.setdefault(name, BackendEntry(name=name, capability=cap, factory=factory))
+    for name, cap, factory, rules in caps.BUILTINS:
+        _REGISTRY.setdefault(name, BackendEntry(name=name, capability=cap, factory=factory, rules=rules))
+
+
+def reference_name() -> str:
+    """The reference backend (correct everywhere, slow, no CUDA graphs): auto-selection landing on it on an
+    accelerator is a ``reference_fallback`` warning, refused under ``strict``."""
+    from pipeline.backends import records
+
+    return records.REFERENCE_BACKEND
+
+
+def auto_candidates(device_type: str) -> list[str]:
+    """The registered backends auto-selection considers on ``device_type``, in priority order."""
+    from pipeline.backends import records
+
+    known = set(names())
+    return [n for n in records.AUTO_PRIORITY.get(device_type, records.DEFAULT_PRIORITY) if n in known]

@@ -102,13 +102,14 @@ def cmd(ns: argparse.Namespace) -> int:
     """Print the backends as JSON, markdown or a table; returns 0."""
     import sys
 
+    from pipeline.backends import packages
     from pipeline.cli import report as rp
-    from pipeline.core.runinfo import PACKAGES, installed_by_metadata
 
     if ns.markdown:
         sys.stdout.write(markdown())
         return EXIT_OK
-    installed = installed_by_metadata(tuple(dict.fromkeys([*PACKAGES, *(p for r in records() for p in r["packages"])])))
+    installed = packages.installed_by_metadata(list(dict.fromkeys(
+        [*packages.names(), *(p for r in records() for p in r["packages"])])))
     rep = report(installed)
     if ns.json:
         rp.emit_json(rep)

@@ -24,10 +24,10 @@ import msgspec
 from pipeline.core.contracts import DeviceFacts, Resolution, SetupRequest
 from pipeline.core.errors import EXIT_OK, UsageError
 
-PACKAGES = ("torch", "triton", "flashinfer-python")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from pipeline.backends import packages
     from pipeline.cli.flags import add_setup_flags
     from pipeline.platforms.profiles import names
 
@@ -36,35 +36,34 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     plan.add_argument("--device-profile", default="auto", metavar="NAME",
                       help=f"a named profile ({', '.join(names())}); auto = this machine via NVML/nvidia-smi")
     plan.add_argument("--installed", default=None, metavar="PKG,…",
-                      help=f"packages to assume installed, comma-separated, from {', '.join(PACKAGES)} "
-                           "(or their import names, e.g. flashinfer; default: read from package metadata, no import)")
+                      help=f"packages to assume installed, comma-separated, from {', '.join(packages.names())} "
+                           "(or their import names; default: read from package metadata, no import)")
     return plan
-
-
-# Import names accepted by --installed for a distribution (``import flashinfer`` comes from flashinfer-python).
-IMPORT_ALIASES = {"flashinfer": "flashinfer-python", "flashinfer_python": "flashinfer-python"}
 
 
 def installed_from(flag: str | None) -> dict[str, bool]:
     """Package presence: the ``--installed`` list, or distribution metadata (no import).
 
-    Accepts distribution names (:data:`PACKAGES`) and their import names (:data:`IMPORT_ALIASES`,
-    e.g. ``flashinfer`` for ``flashinfer-python``), case-insensitively.
+    Accepts the distribution names the backends need (:func:`pipeline.backends.packages.names`) and their
+    import names, case-insensitively (:func:`pipeline.backends.packages.canonical`).
     Raises :class:`UsageError` (exit 2) for any other name, listing both spellings.
     """
-    if flag is None:
-        from pipeline.setup.build import installed_by_metadata
+    from pipeline.backends import packages
 
-        return installed_by_metadata(PACKAGES)
+    dists = packages.names()
+    if flag is None:
+        return packages.installed_by_metadata(dists)
     given = [p.strip() for p in flag.split(",") if p.strip()]
-    canon = [IMPORT_ALIASES.get(p.lower(), p.lower()) for p in given]
-    unknown = [p for p, c in zip(given, canon) if c not in PACKAGES]
+    canon = [packages.canonical(p) for p in given]
+    unknown = [p for p, c in zip(given, canon) if c is None]
     if unknown:
+        imports = list(dict.fromkeys(packages.import_name(d) for d in dists))
         raise UsageError(f"--installed names unknown package(s): {', '.join(unknown)}", code="usage",
-                         flags=[("--installed", flag)], allowed=list(PACKAGES) + ["flashinfer"],
-                         remedy=f"list distribution names ({', '.join(PACKAGES)}) or import names (torch, triton, "
-                                "flashinfer), comma-separated, or '' for none")
-    return {p: p in canon for p in PACKAGES}
+                         flags=[("--installed", flag)],
+                         allowed=list(dists) + [i for i in imports if i not in dists],
+                         remedy=f"list distribution names ({', '.join(dists)}) or import names ({', '.join(imports)}), "
+                                "comma-separated, or '' for none")
+    return {p: p in canon for p in dists}
 
 
 def _skips(res: Resolution, plan: Any, request: SetupRequest, device: DeviceFacts) -> list[dict[str, str]]:

@@ -100,13 +100,14 @@ def warning_line(warnings: list[dict[str, Any]]) -> Optional[str]:
     the ``rejected``/``skipped`` lines and in ``--json``'s ``warnings``."""
     if not warnings:
         return None
+    from pipeline.backends.registry import reference_name
     from pipeline.cli.wording import cli_flags
 
-    parts, avoid = [], {}
+    parts, avoid, reference = [], {}, reference_name()
     for w in warnings:
         avoid.update(w["avoid"])
         if w["code"] == "reference_fallback":
-            parts.append(f"{w['what'].replace('+', ' and ')} fell back to torch_native (the reference backend)")
+            parts.append(f"{w['what'].replace('+', ' and ')} fell back to {reference} (the reference backend)")
         else:
             parts.append(f"{w['what']} downgraded")
     return f"warning: {'; '.join(parts)} (--strict refuses this; to accept or avoid it: {cli_flags(avoid)})"

@@ -76,14 +76,13 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
     failed with the ErrorInfo (it fails before the pools, so nothing is allocated there).
     """
     from pipeline.core import settings
-    from pipeline.setup.build import build_attention_backends, decide_offline, installed_by_import
+    from pipeline.backends.packages import installed_by_import
+    from pipeline.setup.build import build_attention_backends, decide_offline
     from pipeline.platforms import parse_device, platform_for
 
     if ns.decode_steps < 0:
         raise UsageError(f"--decode-steps {ns.decode_steps} must be >= 0", code="usage",
                          flags=[("--decode-steps", ns.decode_steps)], allowed=[">= 0"], remedy="pass --decode-steps 3")
-    settings.zbal_local_mem_size(request.args)
-    settings.flashinfer_workspace_size(request.args, request.served_model)
     platform, index = platform_for(request.device), parse_device(request.device)[1]
     facts = platform.device_facts(index)
     if ns.mem_bytes is not None and facts.total_memory_bytes and ns.mem_bytes > facts.total_memory_bytes:
@@ -120,7 +119,7 @@ def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platfor
     from pipeline.runtime import model_steps as runner_verify, verify
     from pipeline.core.model_spec import attention_layer_ids, attention_prefix, layers_covering_every_kind
     from pipeline.core.pool_sizing import available_bytes, budget_from_fraction, check_fits, size_pools
-    from states.capability_check import kv_dtype
+    from pipeline.core.dtypes import kv_dtype
 
     p, ps, steps, model = request.pool, request.args.page_size, max(ns.decode_steps, 0), request.served_model
     ctx = max(verify.context_needed(p.max_reqs, steps), runner_verify.context_needed(p.max_reqs, steps))

@@ -1,8 +1,8 @@
 """``attn-setup warmup``: compile every FlashInfer kernel variant a configuration needs, in parallel.
 
 Resolves exactly as ``run`` would on this machine (same flags, same device), lists the kernel
-variants of the resolved flashinfer/fa3 backends for every attention layer kind of the model
-(:func:`pipeline.backends.flashinfer_jit.variants_for`), and compiles them in ``--jobs`` processes, each variant its
+variants the resolved backends JIT-compile for every attention layer kind of the model (each registry
+entry's :meth:`~pipeline.backends.registry.BackendEntry.jit_variants`), and compiles them in ``--jobs`` processes, each variant its
 own module, so the first real start finds them cached instead of "hanging" in a silent JIT.
 Exit codes as README: 0 every variant cached or compiled (also when nothing needs compiling),
 1 a compile failed, 2 usage, 3 configuration refused.
@@ -24,23 +24,22 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def variants_for_request(request: Any, facts: Any, pair: Any) -> list[Any]:
-    """Kernel variants of the resolved pair's FlashInfer backends for the served model."""
-    from pipeline.backends.flashinfer_jit import variants_for
-    from states.capability_check import kv_dtype, model_dtype
+    """Kernel variants the resolved pair's backends JIT-compile for the served model (each registry entry's)."""
+    from pipeline.backends import registry
+    from pipeline.core.dtypes import kv_dtype, model_dtype
 
     model = request.served_model
     q, kv = model_dtype(request.args, model), kv_dtype(request.args, model)
     out: list[Any] = []
     for name in dict.fromkeys((pair.prefill, pair.decode)):
-        if name in ("flashinfer", "fa3"):
-            out += variants_for(model.layer_kinds(), "fa3" if name == "fa3" else "fa2", q, kv, facts.arch or "")
+        out += registry.get(name).jit_variants(model.layer_kinds(), q, kv, facts.arch or "")
     return list(dict.fromkeys(out))
 
 
 def cmd(ns: argparse.Namespace) -> int:
     """Resolve, list the variants, compile them; prints a table or one JSON object."""
     from pipeline.cli import report as rp
-    from pipeline.setup.build import installed_by_import
+    from pipeline.backends.packages import installed_by_import
     from pipeline.cli.request import is_gpu_device, request_from
     from pipeline.core.errors import UsageError
     from pipeline.backends.flashinfer_jit import warmup_variants

@@ -1,10 +1,10 @@
 """One wording for remedies: field names in the library, the flags the user typed on the command line.
 
 The library (resolve, build-mode, the contracts' checks) writes remedies with field names and
-assignments — ``set attention_backend='torch_native' and disable_cuda_graph=True``, ``drop
+assignments — ``set attention_backend='<name>' and disable_cuda_graph=True``, ``drop
 enable_pdmux``, ``raise max_reqs to at least 113`` — because an engine calling it sets fields, not
 flags. The command line shows the same remedy with the flags it accepted: ``set --attention-backend
-torch_native and --disable-cuda-graph``, ``drop --enable-pdmux``, ``raise --max-reqs to at least
+<name> and --disable-cuda-graph``, ``drop --enable-pdmux``, ``raise --max-reqs to at least
 113``. :func:`to_cli` does that rewrite for the known flag destinations (:func:`cli_dests`) only, so
 prose is never touched: a snake_case name is rewritten wherever it stands alone, a one-word field
 (``device``, ``strict`` …) only as ``field=value`` (or ``strict`` on its own, which reads as a flag).

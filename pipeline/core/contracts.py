@@ -50,7 +50,7 @@ class ForwardMode(str, enum.Enum):
 class AttentionArgs(msgspec.Struct, **_STRUCT):
     """The attention-related server arguments, with sglang's names and meanings.
 
-    Backend names are strings (``"torch_native"``, ``"triton"``, ``"flashinfer"``, ``"fa3"`` …);
+    Backend names are the registry's (``attn-setup backends`` lists them, with what each serves);
     ``None`` means "not given". Resolution precedence per phase: draft override (draft worker
     only) > phase flag (``prefill_attention_backend`` / ``decode_attention_backend``) > global
     flag (``attention_backend``) > auto-selection — as sglang's ``_resolve_attention_backend_str``

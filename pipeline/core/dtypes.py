@@ -1,7 +1,7 @@
 """The compute dtype (``dtype`` / ``--dtype``): the explicit choice, or the engines' rule for ``auto``.
 
 The one place the rule lives: resolve, ``plan``, the runner, the backends and verification all
-ask :func:`resolve_dtype` (``states.capability_check.model_dtype`` is its value). Torch-free.
+ask :func:`resolve_dtype` (:func:`model_dtype` is its value, :func:`kv_dtype` the KV cache's). Torch-free.
 
 ``auto`` follows sglang (``python/sglang/srt/configs/model_config.py``, ``_get_and_verify_dtype``,
 checked in the current source), whose argument names this library uses:
@@ -39,7 +39,7 @@ from pipeline.core.errors import ConfigError
 if TYPE_CHECKING:  # pragma: no cover
     from pipeline.core.contracts import AttentionArgs, ModelSpec
 
-__all__ = ["AUTO_RULES", "FLOAT16_REFUSED", "norm_dtype", "resolve_dtype"]
+__all__ = ["AUTO_RULES", "FLOAT16_REFUSED", "norm_dtype", "resolve_dtype", "model_dtype", "kv_dtype"]
 
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}
 
@@ -111,3 +111,14 @@ def resolve_dtype(args: "AttentionArgs", model: "ModelSpec") -> DtypeChoice:
             flags=[("dtype", args.dtype), ("model_type", model.model_type)], allowed=["bfloat16", "float32", "auto"],
             remedy="set dtype='bfloat16' (or 'float32'), or leave dtype='auto', which picks bfloat16 for this model")
     return DtypeChoice(value=value, source="field")
+
+
+def model_dtype(args: "AttentionArgs", model: "ModelSpec") -> str:
+    """The compute dtype name: ``args.dtype``, or for ``auto`` the engines' rule (:func:`resolve_dtype`: a float32
+    checkpoint becomes bfloat16 for the Gemma family, float16 otherwise). Raises its ConfigError."""
+    return resolve_dtype(args, model).value
+
+
+def kv_dtype(args: "AttentionArgs", model: "ModelSpec") -> str:
+    """The KV-cache dtype name: ``kv_cache_dtype`` unless ``auto``, then the compute dtype."""
+    return model_dtype(args, model) if args.kv_cache_dtype == "auto" else norm_dtype(args.kv_cache_dtype)

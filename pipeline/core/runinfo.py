@@ -1,13 +1,13 @@
-"""What a run records about its environment: package presence, versions, the run id, the redacted request.
+"""What a run records about its environment: package versions, the run id, the redacted request.
 
-Torch-free unless a package's presence is checked by import (``installed_by_import``).
+Package presence is the backends' question (:mod:`pipeline.backends.packages`). Torch-free, except that
+:func:`versions` reads torch's CUDA version when torch is installed.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
-import importlib.util
 import time
 import uuid
 from typing import Any, Mapping, Optional
@@ -16,43 +16,10 @@ import msgspec
 
 from pipeline.core.contracts import SetupRequest
 
-PACKAGES = ("torch", "triton", "flashinfer-python")
-_IMPORT_NAME = {"torch": "torch", "triton": "triton", "flashinfer-python": "flashinfer"}
-
-
-def installed_by_metadata(packages: tuple[str, ...] = PACKAGES) -> dict[str, bool]:
-    """Package presence from distribution metadata (no import; what ``attn-setup plan`` uses)."""
-    out = {}
-    for p in packages:
-        try:
-            importlib.metadata.version(p)
-            out[p] = True
-        except importlib.metadata.PackageNotFoundError:
-            out[p] = False
-    return out
-
-
-def installed_by_import(packages: tuple[str, ...] = PACKAGES,
-                        errors: Optional[dict[str, str]] = None) -> dict[str, bool]:
-    """Package presence by a real import (what a run uses; a broken install counts as absent).
-
-    ``errors``, when given, receives the import error text of each package that failed.
-    """
-    out = {}
-    for p in packages:
-        try:
-            importlib.import_module(_IMPORT_NAME[p])
-            out[p] = True
-        except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
-            out[p] = False
-            if errors is not None and importlib.util.find_spec(_IMPORT_NAME[p]) is not None:
-                errors[p] = f"{type(e).__name__}: {e}"
-    return out
-
-
 def versions(installed: Mapping[str, bool]) -> dict[str, Optional[str]]:
-    """Versions recorded in the trace (attn-setup, Python, torch, CUDA, triton, flashinfer)."""
-    return dict(_versions(tuple(sorted(installed.items()))))
+    """Versions recorded in the trace: attn-setup, Python, each package of ``installed`` (distribution → present)
+    and CUDA (torch's, when torch is installed)."""
+    return dict(_versions(tuple(installed.items())))
 
 
 @functools.lru_cache(maxsize=8)
@@ -68,7 +35,7 @@ def _versions(installed_items: tuple[tuple[str, bool], ...]) -> tuple[tuple[str,
             return None
 
     out = {"attn-setup": ver("attn-setup"), "python": _p.python_version()}
-    out.update({p: ver(p) for p in PACKAGES})
+    out.update({p: ver(p) for p in installed})
     if installed.get("torch"):
         import torch
 

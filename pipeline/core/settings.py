@@ -1,11 +1,10 @@
 """Settings sglang also reads from the environment: explicit field > env var > default.
 
 - ``zbal_local_mem_size`` ↔ ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` (bytes; default 0 = off).
-- ``flashinfer_workspace_size`` ↔ ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` (bytes; default 384 MiB as
-  in sglang's FlashInfer backend, 512 MiB for the architectures sglang raises it for: see
-  :data:`WORKSPACE_512_MIB_ARCHITECTURES`).
+- ``flashinfer_workspace_size`` ↔ ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` (bytes; the default is the
+  FlashInfer backends' own rule: :func:`pipeline.backends.flashinfer_rules.flashinfer_workspace_size`).
 
-The resolved value and the source that won are logged as a ``setting_resolved`` event. A value
+The resolved value and the source that won (a :class:`Setting`) are logged as a ``setting_resolved`` event. A value
 from the environment passes the same check as the field (:func:`pipeline.core.validation.check_size`),
 so ``SGLANG_FLASHINFER_WORKSPACE_SIZE=0`` is refused like ``--flashinfer-workspace-size 0``;
 :func:`check_env` runs both checks up front, before anything is allocated.
@@ -17,23 +16,23 @@ import os
 import re
 from typing import Literal, Mapping, Optional
 
-from pipeline.core.contracts import AttentionArgs, ModelSpec
+import msgspec
+
+from pipeline.core.contracts import AttentionArgs
 from pipeline.core.errors import ConfigError
 from pipeline.core.validation import check_size
 
-MiB = 1 << 20
-FLASHINFER_WORKSPACE_DEFAULT = 384 * MiB
-FLASHINFER_WORKSPACE_QWEN = 512 * MiB
-# sglang's FlashInferAttnBackend.__init__ (python/sglang/srt/layers/attention/flashinfer_backend.py,
-# sgl-project/sglang at 0005834c, "Qwen2/Qwen3 models require higher flashinfer workspace size")
-# raises the workspace to 512 MiB when hf_config.architectures contains one of these names, and
-# keys on nothing else: not model_type, so Qwen2-MoE, Qwen3-MoE, Qwen2-VL and Qwen2.5-VL keep 384 MiB
-# while MiMo gets 512 MiB. sglang assigns the value inside the backend, so there it also beats an
-# env var; here explicit field > env var > this default, so an explicit value is never replaced.
-WORKSPACE_512_MIB_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMoForCausalLM",
-                                   "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
-
 Source = Literal["field", "env", "default"]
+
+
+class Setting(msgspec.Struct, frozen=True, kw_only=True):
+    """One resolved setting: ``field`` (the AttentionArgs name), ``value`` (bytes), the ``source`` that won
+    (``field`` > ``env`` > ``default``) and the environment variable behind it (logged as ``setting_resolved``)."""
+
+    field: str
+    value: int
+    source: Source
+    env_var: Optional[str] = None
 
 
 ENV_VARS = {"zbal_local_mem_size": "SGLANG_ZBAL_LOCAL_MEM_SIZE",
@@ -67,27 +66,21 @@ def check_env(env: Mapping[str, str] = os.environ) -> None:
         _from_env(env, field)
 
 
+def explicit_or_env(args: AttentionArgs, field: str,
+                    env: Mapping[str, str] = os.environ) -> Optional[tuple[int, Source]]:
+    """``(value, source)`` of ``field`` when the field is set or its environment variable is, else None (the
+    caller's default applies). Raises ConfigError for an env value that is not an allowed byte count."""
+    if getattr(args, field) is not None:
+        return getattr(args, field), "field"
+    v = _from_env(env, field)
+    return None if v is None else (v, "env")
+
+
+def setting(field: str, value: int, source: Source) -> Setting:
+    """The :class:`Setting` record of ``field`` (with its environment variable)."""
+    return Setting(field=field, value=value, source=source, env_var=ENV_VARS.get(field))
+
+
 def zbal_local_mem_size(args: AttentionArgs, env: Mapping[str, str] = os.environ) -> tuple[int, Source]:
     """Bytes of NPU zbal lazy memory and where the value came from."""
-    if args.zbal_local_mem_size is not None:
-        return args.zbal_local_mem_size, "field"
-    v = _from_env(env, "zbal_local_mem_size")
-    return (v, "env") if v is not None else (0, "default")
-
-
-def flashinfer_workspace_size(args: AttentionArgs, model: ModelSpec,
-                              env: Mapping[str, str] = os.environ) -> tuple[int, Source]:
-    """Bytes of the FlashInfer workspace buffer and where the value came from.
-
-    ``flashinfer_workspace_size`` when set, else ``SGLANG_FLASHINFER_WORKSPACE_SIZE``, else 512 MiB
-    when ``model.architectures`` names one of :data:`WORKSPACE_512_MIB_ARCHITECTURES` (sglang's
-    rule, matched on the architecture name exactly as sglang does) and 384 MiB otherwise.
-    Raises ConfigError for an env value that is not a byte count.
-    """
-    if args.flashinfer_workspace_size is not None:
-        return args.flashinfer_workspace_size, "field"
-    v = _from_env(env, "flashinfer_workspace_size")
-    if v is not None:
-        return v, "env"
-    big = any(a in WORKSPACE_512_MIB_ARCHITECTURES for a in model.architectures)
-    return (FLASHINFER_WORKSPACE_QWEN if big else FLASHINFER_WORKSPACE_DEFAULT), "default"
+    return explicit_or_env(args, "zbal_local_mem_size", env) or (0, "default")

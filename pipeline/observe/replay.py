@@ -216,13 +216,20 @@ class _Replayer:
         from states import build_mode
 
         model, pair = self.req.served_model, res.pair
-        fi_bytes = 0
-        if {pair.prefill, pair.decode} & {"flashinfer", "fa3"}:
-            fi_bytes, _ = self.setting("flashinfer_workspace_size", lambda env: settings.flashinfer_workspace_size(
-                self.req.args, model, env=env), "build-mode")
+        ws: dict[str, int] = {}  # backend → workspace bytes, each logged setting compared once
+        by_field: dict[str, int] = {}
+        for backend in dict.fromkeys((pair.prefill, pair.decode)):
+            entry = registry.get(backend)
+            field = entry.workspace(self.req.args, model, {}).field
+            if not field:  # nothing logged: the record's bytes
+                ws[backend] = entry.workspace(self.req.args, model, {}).value
+            elif field not in by_field:
+                by_field[field] = self.setting(field, lambda env, e=entry: (lambda s: (s.value, s.source))(
+                    e.workspace(self.req.args, model, env)), "build-mode")[0]
+            ws[backend] = ws.get(backend, by_field.get(field, 0))
 
         def ws_bytes(backend: str) -> int:
-            return fi_bytes if backend in ("flashinfer", "fa3") else registry.get(backend).capability.workspace_bytes
+            return ws[backend]
 
         plan = self.decide("build-mode", lambda: build_mode.decide(
             self.req.args, pair, is_draft_worker=self.req.is_draft_worker, workspace_bytes=ws_bytes))

@@ -8,96 +8,19 @@ memory pool) ``init_forward_metadata_capture_cuda_graph`` + a warm-up run on a s
 capture. A replay copies a real decode batch into the buffers, pads it to the next captured size
 (padded rows: request row 0, ``seq_len`` = the backend's fill value, KV slot 0 — page 0 is the
 reserved padding page), calls ``init_forward_metadata_replay_cuda_graph`` outside the graph and
-replays. Only decode is captured (sglang runs extend eagerly).
-
-:func:`decide_graphs` is the one rule for whether graphs are captured (disabled, not a CUDA
-device, a backend without the ``cuda_graph`` capability): resolve records it and the runner's
-capture step obeys it. :func:`capture_batch_sizes` is the one rule for the sizes. Both are
-torch-free, so ``attn-setup plan`` uses them too.
+replays. Only decode is captured (sglang runs extend eagerly). Whether graphs are captured, and for which
+batch sizes, is decided once, torch-free, by :mod:`states.graphs`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from pipeline.core.contracts import AttentionArgs, ForwardMode
+from pipeline.core.contracts import ForwardMode
 from pipeline.core.errors import ConfigError
 
-__all__ = ["capture_batch_sizes", "decide_graphs", "graph_max_bs", "skip_reason", "DecodeGraphRunner"]
-
-
-def capture_batch_sizes(args: AttentionArgs, max_reqs: int, *, state: str = "build-mode") -> list[int]:
-    """The decode batch sizes to capture, ascending (the one implementation of this rule).
-
-    ``cuda_graph_bs`` when given (each must be in ``1..max_reqs``: a captured batch holds one
-    ``req_to_token`` row per request), else sglang's series 1, 2, 4, 8, 16, 24, 32, … (step 8 from
-    16, ``get_batch_sizes_to_capture``) up to ``cuda_graph_max_bs`` (default: ``max_reqs``), never
-    above ``max_reqs``. ``plan``, ``run``'s preflight, build-mode's workspace bound and the capture
-    itself all call this, so a size the pool cannot hold is refused before anything is allocated.
-
-    Raises ConfigError (``invalid_value``, in ``state``) naming ``cuda_graph_bs`` and ``max_reqs`` with both numbers.
-    """
-    if args.cuda_graph_bs:
-        bad = sorted(b for b in args.cuda_graph_bs if not 1 <= b <= max_reqs)
-        if bad:
-            keep = sorted(b for b in args.cuda_graph_bs if 1 <= b <= max_reqs)
-            sizes = ", ".join(map(str, bad))
-            fix = f"drop {sizes} from cuda_graph_bs" + (f" (keeping {', '.join(map(str, keep))})" if keep else "")
-            raise ConfigError(
-                f"cuda_graph_bs has {sizes}, above max_reqs={max_reqs}: a captured decode batch of {max(bad)} "
-                f"requests needs {max(bad)} rows of req_to_token and the pool has {max_reqs}",
-                code="invalid_value", state=state,
-                flags=[("cuda_graph_bs", list(args.cuda_graph_bs)), ("max_reqs", max_reqs)],
-                allowed=[f"1..{max_reqs}"], remedy=f"{fix}, or raise max_reqs to at least {max(bad)}")
-        return sorted(set(args.cuda_graph_bs))
-    top = min(args.cuda_graph_max_bs or max_reqs, max_reqs)
-    series = [1, 2, 4, 8] + list(range(16, top + 1, 8))
-    return [b for b in series if b <= top]
-
-
-class GraphDecision(NamedTuple):
-    """Whether decode CUDA graphs are captured and, if not, why.
-
-    ``downgrade``: graphs exist on this device and are lost because of the decode backend (a
-    ``feature_downgraded`` warning, refused under ``strict``); False when they are switched off by
-    the user or do not apply (no CUDA device).
-    """
-
-    capture: bool
-    reason: str = ""
-    downgrade: bool = False
-
-
-def decide_graphs(args: AttentionArgs, device_type: str, decode_backends: Sequence[str],
-                  supports_graph: Callable[[str], bool]) -> GraphDecision:
-    """The one CUDA-graph rule (resolve records it, the runner's capture step obeys it).
-
-    Checked in order: ``disable_cuda_graph`` (off, no downgrade); a device other than cuda (does not
-    apply); any decode backend whose capability record lacks ``cuda_graph`` (a downgrade, as
-    sglang turns graphs off for torch_native).
-    """
-    if args.disable_cuda_graph:
-        return GraphDecision(False, "disable_cuda_graph is set")
-    if device_type != "cuda":
-        return GraphDecision(False, f"CUDA graphs need a CUDA device; this run is on {device_type}")
-    lacking = [n for n in decode_backends if not supports_graph(n)]
-    if lacking:
-        return GraphDecision(False, f"decode backend {lacking[0]!r} cannot be captured in a CUDA graph "
-                             "(as sglang turns graphs off for torch_native)", downgrade=True)
-    return GraphDecision(True)
-
-
-def skip_reason(args: AttentionArgs, device_type: str, backend_names: Sequence[str],
-                supports_graph: Callable[[str], bool]) -> Optional[str]:
-    """Why decode graphs are not captured, or None when they are (:func:`decide_graphs`)."""
-    d = decide_graphs(args, device_type, backend_names, supports_graph)
-    return None if d.capture else d.reason
-
-
-def graph_max_bs(args: AttentionArgs, max_reqs: int, captured: bool) -> int:
-    """The largest decode batch a graph is captured for: the last of :func:`capture_batch_sizes`, 0 without graphs."""
-    return capture_batch_sizes(args, max_reqs)[-1] if captured else 0
+__all__ = ["DecodeGraphRunner"]
 
 
 class DecodeGraphRunner:

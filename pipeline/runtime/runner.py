@@ -189,7 +189,7 @@ class Runner:
         def work() -> None:
             from pipeline.backends.memory import torch_dtype
             from pipeline.runtime.model import AttentionStack
-            from states.capability_check import model_dtype
+            from pipeline.core.dtypes import model_dtype
 
             req, cfg = self.request, self.config
             dtype = model_dtype(req.args, req.served_model)
@@ -215,7 +215,7 @@ class Runner:
     def _init_memory_pool(self) -> None:
         from pipeline.backends.memory import KVPool, ReqToTokenPool, torch_dtype
         from pipeline.core.pool_sizing import available_bytes, budget_from_fraction, check_fits, size_pools
-        from states.capability_check import kv_dtype
+        from pipeline.core.dtypes import kv_dtype
 
         req, cfg, stack = self.request, self.config, self.machine.model.stack
         model, p = req.served_model, req.pool
@@ -282,21 +282,20 @@ class Runner:
         self._step(RunnerState.CAPTURE, self._capture)
 
     def _capture(self) -> None:
-        from pipeline.backends import registry
-        from pipeline.runtime.cuda_graphs import DecodeGraphRunner, capture_batch_sizes, skip_reason
+        from pipeline.runtime.cuda_graphs import DecodeGraphRunner
+        from states import graphs
 
         self.machine.require(CAPTURE_PRECONDITIONS)
         m, req = self.machine.model, self.request
         out = m.backends
         names = sorted({out.decode_attention_backend_str})
-        reason = skip_reason(req.args, self.platform.device_type, names,
-                             lambda n: "cuda_graph" in registry.get(n).capability.features)
+        reason = graphs.skip_reason(req.args, self.platform.device_type, names)
         if reason is not None:
             self.log.emit(ev.StepSkipped, state=self.state.value, outcome="skipped", what="cuda_graph_capture",
                           reason=reason)
             m.graphs = reason
         else:
-            sizes = capture_batch_sizes(req.args, req.pool.max_reqs)
+            sizes = graphs.capture_batch_sizes(req.args, req.pool.max_reqs)
             g = DecodeGraphRunner(m.stack, self._backend_for(True), m.pools["req_to_token_pool"], m.pools["kv_pool"],
                                   sizes)
             m.graphs = g

@@ -37,7 +37,7 @@ from pipeline.core.contracts import ForwardMode, LayerKind, ModelSpec, SetupRequ
 from pipeline.core.errors import BuildError
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch, torch_dtype
 from pipeline.runtime.reference import reference_attention, rel_err
-from states.capability_check import norm_dtype
+from pipeline.core.dtypes import norm_dtype
 
 __all__ = ["VerifyResult", "verify_backend", "verify_all", "verify_built", "verification_model", "tolerance",
            "VERIFY_WINDOW", "VERIFY_CHUNK"]
@@ -264,7 +264,7 @@ def verify_built(backends: Any, request: SetupRequest, *, pools: Optional[dict[s
     Raises what :func:`verify_backend` or a factory raises.
     """
     from pipeline.setup.build import build_like
-    from states.capability_check import model_dtype
+    from pipeline.core.dtypes import model_dtype
 
     served = request.served_model
     pools = pools if pools is not None else backends.pools

@@ -17,10 +17,10 @@ from pipeline.platforms import parse_device, platform_for
 from pipeline.platforms.base import Platform
 from pipeline.setup.result import AttentionBackends, release
 from states import annotate, build_mode, device_init, npu_lazy_mem, resolve
-from states.capability_check import kv_dtype, model_dtype
-from pipeline.core.runinfo import (  # noqa: F401 (re-exported: part of this module's API)
-    PACKAGES, installed_by_import, installed_by_metadata, new_run_id, redacted_request, versions,
-)
+from pipeline.core.dtypes import kv_dtype, model_dtype
+from pipeline.backends import registry
+from pipeline.backends.packages import installed_by_import, installed_by_metadata
+from pipeline.core.runinfo import new_run_id, redacted_request, versions
 
 
 class _Run:
@@ -86,7 +86,7 @@ class _Run:
         fb = resolve.reference_fallback(r, facts)
         if fb is not None:
             self.log.emit(ev.ReferenceFallback, state=self.state, halves=fb.what.split("+"),
-                          backend=resolve.REFERENCE_BACKEND, device=facts.arch or facts.type, rejected=fb.rejected,
+                          backend=registry.reference_name(), device=facts.arch or facts.type, rejected=fb.rejected,
                           avoid=fb.avoid, message=fb.message)
         self._emit_skips(r.skips)
         self._agree_across_ranks(r, facts)
@@ -124,25 +124,17 @@ class _Run:
         self.log.emit(ev.ResolutionAgreed, state=self.state, world_size=self.req.world_size, table=table,
                       duration_ms=(time.perf_counter() - t) * 1e3)
 
-    def _workspace_bytes(self, backend: str) -> int:
-        from pipeline.backends import registry
-
-        if backend in ("flashinfer", "fa3"):
-            nbytes, source = self.fi_ws
-            return nbytes
-        return registry.get(backend).capability.workspace_bytes
-
     def build(self) -> None:
         fault_point(self.faults, "state:build-mode")
         res = self.machine.model.resolution
         model = self.req.served_model
         self.kinds = model.layer_kinds()
-        if {res.pair.prefill, res.pair.decode} & {"flashinfer", "fa3"}:
-            self.fi_ws = settings.flashinfer_workspace_size(self.req.args, model)
-            self.log.emit(ev.SettingResolved, state=self.state, field="flashinfer_workspace_size",
-                          value=self.fi_ws[0], source=self.fi_ws[1], env_var="SGLANG_FLASHINFER_WORKSPACE_SIZE")
+        self.ws_settings = workspace_settings(self.req, res.pair)
+        for s in dict((s.field, s) for s in self.ws_settings.values() if s.field).values():
+            self.log.emit(ev.SettingResolved, state=self.state, field=s.field, value=s.value, source=s.source,
+                          env_var=s.env_var)
         plan = build_mode.decide(self.req.args, res.pair, is_draft_worker=self.req.is_draft_worker,
-                                 workspace_bytes=self._workspace_bytes)
+                                 workspace_bytes=lambda backend: self.ws_settings[backend].value)
         self.built.plan = plan
         self.log.emit(ev.BuildPlanned, state=self.state, mode=plan.mode, hybrid=plan.hybrid,
                       instances=plan.instances, workspaces=plan.workspaces)
@@ -185,8 +177,8 @@ class _Run:
         if avail and total > avail * POOL_MEMORY_SHARE:
             from pipeline.core.errors import ConfigError
 
-            nbytes, source = getattr(self, "fi_ws", (None, "default"))
-            name = "SGLANG_FLASHINFER_WORKSPACE_SIZE" if source == "env" else "flashinfer_workspace_size"
+            s = max(self.ws_settings.values(), key=lambda s: s.value)  # a setting that sized a workspace
+            nbytes, name = s.value, (s.env_var if s.source == "env" and s.env_var else s.field or "workspace_bytes")
             per_ws = int(avail * POOL_MEMORY_SHARE) // max(len(plan.workspaces), 1)
             raise ConfigError(f"the planned workspaces need {total} bytes but {self.torch_device} has {avail} bytes "
                               f"free ({POOL_MEMORY_SHARE:.0%} of it may be used)", code="workspace_exceeds_memory",
@@ -229,7 +221,7 @@ class _Run:
 
         from pipeline.core.errors import ConfigError
         from pipeline.backends.memory import torch_dtype
-        from states.capability_check import kv_dtype
+        from pipeline.core.dtypes import kv_dtype
 
         remedy = ("build the pools from the same sizes as the SetupRequest's PoolFacts (max_reqs, max_context_len, "
                   "num_token_slots, page_size) and the model (KVPool.for_layer_kinds), or pass pools=None")
@@ -434,21 +426,24 @@ def open_event_log(run_id: str, rank: int, log_file: Any, secrets: tuple[str, ..
         raise bad(f"cannot be opened for appending: {e.strerror or e}") from None
 
 
-def workspace_bytes_for(request: SetupRequest) -> Any:
-    """``backend -> bytes`` of workspace for build-mode's plan (FlashInfer's from :mod:`pipeline.core.settings`)."""
+def workspace_settings(request: SetupRequest, pair: Any) -> dict[str, Any]:
+    """``backend → Setting`` of the workspace bytes each backend of ``pair`` gets (its registry entry's rule)."""
     from pipeline.backends import registry
 
-    def need(backend: str) -> int:
-        if backend in build_mode.FLASHINFER_BACKENDS:
-            return settings.flashinfer_workspace_size(request.args, request.served_model)[0]
-        return registry.get(backend).capability.workspace_bytes
+    return {b: registry.get(b).workspace(request.args, request.served_model)
+            for b in dict.fromkeys((pair.prefill, pair.decode))}
 
-    return need
+
+def workspace_bytes_for(request: SetupRequest) -> Any:
+    """``backend -> bytes`` of workspace for build-mode's plan (each backend's registry entry)."""
+    from pipeline.backends import registry
+
+    return lambda backend: registry.get(backend).workspace(request.args, request.served_model).value
 
 
 def graph_max_bs_of(args: Any, res: Any, max_reqs: int) -> int:
     """The largest decode batch a graph is captured for, 0 when graphs are off or skipped (``res.skips``)."""
-    from pipeline.runtime.cuda_graphs import graph_max_bs
+    from states.graphs import graph_max_bs
 
     captured = not args.disable_cuda_graph and not any(s.what == "cuda_graph" for s in res.skips)
     return graph_max_bs(args, max_reqs, captured)
@@ -456,22 +451,25 @@ def graph_max_bs_of(args: Any, res: Any, max_reqs: int) -> int:
 
 def check_before_allocation(args: Any, res: Any, plan: Any, kinds: Any, device: Any, max_reqs: int) -> None:
     """Build-mode's checks that need no device: CUDA-graph sizes within ``max_reqs`` (on every device) and each
-    FlashInfer workspace against the largest batch its users plan (graph sizes actually captured).
-    Raises ConfigError (``invalid_value`` / ``workspace_too_small``, state build-mode)."""
-    from pipeline.runtime.cuda_graphs import capture_batch_sizes
+    planned workspace against the largest batch its users plan (each user's registry entry; graph sizes actually
+    captured). Raises ConfigError (``invalid_value`` / ``workspace_too_small``, state build-mode)."""
+    from pipeline.backends import registry
+    from states.graphs import capture_batch_sizes
 
     capture_batch_sizes(args, max_reqs)
-    build_mode.check_workspaces(plan, kinds, num_sms=device.sm_count, max_reqs=max_reqs,
-                                graph_max_bs=graph_max_bs_of(args, res, max_reqs),
-                                graph_bs_given=bool(args.cuda_graph_bs))
+    graph_max_bs = graph_max_bs_of(args, res, max_reqs)
+    for ws in plan.workspaces:
+        for backend in sorted({i.backend for i in plan.instances if i.workspace == ws.id}):
+            registry.get(backend).check_workspace(ws.bytes, kinds, num_sms=device.sm_count, max_reqs=max_reqs,
+                                                  graph_max_bs=graph_max_bs, graph_bs_given=bool(args.cuda_graph_bs))
 
 
 def decide_offline(request: SetupRequest, device: Any, installed: Mapping[str, bool]) -> tuple[Any, Any]:
     """Every decision up to allocation, with no device touched: ``(Resolution, BuildPlan)``.
 
     resolve (``strict`` included), build-mode's plan, the CUDA-graph sizes against ``max_reqs``
-    (:func:`pipeline.runtime.cuda_graphs.capture_batch_sizes`) and each FlashInfer workspace against the
-    largest batch it will plan (:func:`states.build_mode.check_workspaces`) — the same rules
+    (:func:`states.graphs.capture_batch_sizes`) and each workspace against the largest batch it will
+    plan (each backend's registry entry: :func:`check_before_allocation`) — the same rules
     :func:`build_attention_backends` applies. ``attn-setup plan`` and ``run``'s preflight call this so
     a configuration build-mode or graph capture would refuse is refused before the model loads.
     Raises the typed ConfigError of the first refusal.

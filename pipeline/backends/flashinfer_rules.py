@@ -1,0 +1,77 @@
+"""The ``flashinfer`` and ``fa3`` backends' own rules, torch-free: what their registry entries answer.
+
+- **workspace**: ``flashinfer_workspace_size`` when set, else ``SGLANG_FLASHINFER_WORKSPACE_SIZE``,
+  else sglang's default (:func:`flashinfer_workspace_size`); logged as ``setting_resolved``.
+- **workspace check**: the bytes FlashInfer's scheduler can ask for at the largest planned batch
+  (:func:`pipeline.backends.flashinfer_sizing.check_backend_workspace`), checked in build-mode, ``plan``
+  and ``run``'s preflight before anything is allocated.
+- **JIT variants**: the kernel modules a build compiles (:func:`pipeline.backends.flashinfer_jit.variants_for`):
+  FA2 prefill plus CUDA-core decode for ``flashinfer``, FA3 prefill for ``fa3``.
+
+The records list them (:data:`pipeline.backends.records.BUILTINS`); resolve, build-mode, plan, warmup
+and replay ask the entries, never these names.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+from pipeline.backends import flashinfer_sizing as sizing
+from pipeline.backends.capability import BackendRules
+from pipeline.backends.flashinfer_jit import Variant, variants_for
+from pipeline.core.contracts import AttentionArgs, ModelSpec
+from pipeline.core.settings import Setting, Source, explicit_or_env, setting
+
+MiB = 1 << 20
+FLASHINFER_WORKSPACE_DEFAULT = 384 * MiB
+FLASHINFER_WORKSPACE_QWEN = 512 * MiB
+# sglang's FlashInferAttnBackend.__init__ (python/sglang/srt/layers/attention/flashinfer_backend.py,
+# sgl-project/sglang at 0005834c, "Qwen2/Qwen3 models require higher flashinfer workspace size")
+# raises the workspace to 512 MiB when hf_config.architectures contains one of these names, and
+# keys on nothing else: not model_type, so Qwen2-MoE, Qwen3-MoE, Qwen2-VL and Qwen2.5-VL keep 384 MiB
+# while MiMo gets 512 MiB. sglang assigns the value inside the backend, so there it also beats an
+# env var; here explicit field > env var > this default, so an explicit value is never replaced.
+WORKSPACE_512_MIB_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMoForCausalLM",
+                                   "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+FIELD = "flashinfer_workspace_size"
+
+
+def flashinfer_workspace_size(args: AttentionArgs, model: ModelSpec,
+                              env: Mapping[str, str] = os.environ) -> tuple[int, Source]:
+    """Bytes of the FlashInfer workspace buffer and where the value came from.
+
+    ``flashinfer_workspace_size`` when set, else ``SGLANG_FLASHINFER_WORKSPACE_SIZE``, else 512 MiB
+    when ``model.architectures`` names one of :data:`WORKSPACE_512_MIB_ARCHITECTURES` (sglang's
+    rule, matched on the architecture name exactly as sglang does) and 384 MiB otherwise.
+    Raises ConfigError for an env value that is not a byte count.
+    """
+    given = explicit_or_env(args, FIELD, env)
+    if given is not None:
+        return given
+    big = any(a in WORKSPACE_512_MIB_ARCHITECTURES for a in model.architectures)
+    return (FLASHINFER_WORKSPACE_QWEN if big else FLASHINFER_WORKSPACE_DEFAULT), "default"
+
+
+def workspace(args: AttentionArgs, model: ModelSpec, env: Mapping[str, str]) -> Setting:
+    """The workspace one ``flashinfer``/``fa3`` instance gets, as the :class:`Setting` that is logged."""
+    return setting(FIELD, *flashinfer_workspace_size(args, model, env))
+
+
+def _checker(kernel: str) -> Any:
+    def check(nbytes: int, kinds: Sequence[Any], *, num_sms: int, max_reqs: int, graph_max_bs: int,
+              graph_bs_given: bool = False) -> None:
+        sizing.check_backend_workspace(nbytes, kinds, backend=kernel, num_sms=num_sms, max_reqs=max_reqs,
+                                       graph_max_bs=graph_max_bs, graph_bs_given=graph_bs_given)
+    return check
+
+
+def _variants(prefill: str) -> Any:
+    def variants(kinds: Sequence[Any], q_dtype: str, kv_dtype: str, arch: str) -> list[Variant]:
+        return variants_for(kinds, prefill, q_dtype, kv_dtype, arch)
+    return variants
+
+
+FLASHINFER_RULES = BackendRules(workspace=workspace, check_workspace=_checker("flashinfer"),
+                                jit_variants=_variants("fa2"))
+FA3_RULES = BackendRules(workspace=workspace, check_workspace=_checker("fa3"), jit_variants=_variants("fa3"))
