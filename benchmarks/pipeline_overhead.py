@@ -30,7 +30,10 @@ from pipeline.backends.memory import KVPool, ReqToTokenPool, torch_dtype  # noqa
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
 from pipeline.platforms.cpu import CpuPlatform  # noqa: E402
 from pipeline.backends.workspace import WorkspacePool  # noqa: E402
-from states import annotate, build_mode, device_init, npu_lazy_mem, resolve  # noqa: E402
+from pipeline.setup.context import Built  # noqa: E402
+from pipeline.setup.instances import build_instances  # noqa: E402
+from pipeline.setup.table import set_names  # noqa: E402
+from states import build_mode, device_init, npu_lazy_mem, resolve  # noqa: E402
 from pipeline.core.dtypes import kv_dtype, model_dtype  # noqa: E402
 
 INSTALLED = {"torch": True, "triton": False, "flashinfer-python": False}
@@ -39,7 +42,9 @@ INSTALLED = {"torch": True, "triton": False, "flashinfer-python": False}
 def direct(req: SetupRequest) -> None:
     """The same state functions, called in order with no machine and no logging."""
     plat = CpuPlatform()
-    facts, _ = device_init.apply(plat, 0)
+    facts = plat.device_facts(0)
+    if device_init.decide_blas(facts.type):
+        plat.init_blas()
     res = resolve.decide(req.args, req.model, facts, is_draft_worker=False, installed=INSTALLED)
     plan = build_mode.decide(req.args, res.pair, is_draft_worker=False, workspace_bytes=lambda b: 0)
     p, m = req.pool, req.model
@@ -56,9 +61,10 @@ def direct(req: SetupRequest) -> None:
                              workspace=wsp.get(inst.workspace), dtype=model_dtype(req.args, m))
         return get(inst.backend).load_factory()(ctx)
 
-    built = build_mode.apply(plan, make, build_mode.Built(plan=plan))
-    npu_lazy_mem.apply(plat, npu_lazy_mem.decide("cpu", 0, "default", False), 0, 1, None)
-    annotate.apply(built.attn_backend, res.pair)
+    built = build_instances(plan, make, Built())
+    if npu_lazy_mem.decide("cpu", 0, "default", False).run:
+        plat.init_lazy_device_memory(0, 0, 1, None)
+    set_names(built.attn_backend, res.pair)
 
 
 def piped(req: SetupRequest, path: str) -> None:

@@ -1,4 +1,4 @@
-"""build-mode: which instances to build, on which workspace, and building them.
+"""build-mode: which instances to build and on which workspace (the plan; the setup table builds it).
 
 Modes, checked in sglang's order: PD-mux (``enable_pdmux``) → one prefill backend on a *private*
 workspace plus ``sm_group_num`` decode backends on the one *shared* workspace
@@ -11,11 +11,10 @@ it experimental), and both halves are instances of the plan (roles ``….prefill
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from pipeline.core.contracts import (
-    AttentionArgs, BuildPlan, InstancePlan, LayerKind, Mode, ResolvedAttentionBackendStr, Skip, WorkspacePlan,
+    AttentionArgs, BuildPlan, InstancePlan, Mode, ResolvedAttentionBackendStr, Skip, WorkspacePlan,
 )
 
 
@@ -68,49 +67,3 @@ def decide(args: AttentionArgs, pair: ResolvedAttentionBackendStr, *, is_draft_w
         instances += [InstancePlan(role=r, backend=b, workspace=ws_id) for r, b in halves]
     workspaces = privates + ([WorkspacePlan(**shared)] if shared else [])
     return BuildPlan(mode=mode, hybrid=hybrid, instances=instances, workspaces=workspaces, skips=skips)
-
-
-@dataclass
-class Built:
-    """What build-mode made: the top-level backend, the decode backend (group) and every instance."""
-
-    plan: BuildPlan
-    attn_backend: Any = None
-    decode_attn_backend: Any = None
-    decode_attn_backend_group: list[Any] = field(default_factory=list)
-    instances: dict[str, Any] = field(default_factory=dict)
-
-    def complete(self) -> bool:
-        return self.attn_backend is not None and all(i.role in self.instances for i in self.plan.instances)
-
-
-def _compose(plan: BuildPlan, instances: dict[str, Any], top: str) -> Any:
-    if plan.hybrid:
-        from pipeline.backends.hybrid import HybridAttnBackend
-
-        return HybridAttnBackend(instances[f"{top}.prefill"], instances[f"{top}.decode"])
-    return instances[top]
-
-
-def apply(plan: BuildPlan, make_instance: Callable[[InstancePlan], Any], built: Built) -> Built:
-    """Build every planned instance through ``make_instance`` and compose wrappers.
-
-    Instances are added to ``built.instances`` as they are made, so a failure half-way leaves
-    ``built`` listing exactly what must be released.
-    """
-    for inst in plan.instances:
-        built.instances[inst.role] = make_instance(inst)
-    if plan.mode is Mode.PDMUX:
-        tops = sorted({r.role.split(".")[1] for r in plan.instances if r.role.startswith("pdmux.decode")},
-                      key=lambda s: int(s[len("decode"):]))
-        built.attn_backend = _compose(plan, built.instances, "pdmux.prefill")
-        built.decode_attn_backend_group = [_compose(plan, built.instances, f"pdmux.{t}") for t in tops]
-        built.decode_attn_backend = built.decode_attn_backend_group[0]
-    elif plan.mode is Mode.TBO:
-        from pipeline.backends.tbo import TboAttnBackend
-
-        parts = [_compose(plan, built.instances, f"tbo.{t}") for t in ("primary", "child0", "child1")]
-        built.attn_backend = TboAttnBackend(parts[0], children=parts[1:])
-    else:
-        built.attn_backend = _compose(plan, built.instances, "primary")
-    return built

@@ -2,16 +2,13 @@
 
 Rule (sglang): run only when the device is ``npu``, the zbal size (field > env
 ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` > 0) is positive and this is not a draft worker; it is called with
-the world group's rank, world size and CPU process group. Otherwise skipped with the reason.
+the world group's rank, world size and CPU process group. Otherwise skipped with the reason. The
+decision only: the setup table's npu-lazy-mem step (:mod:`pipeline.setup.table`) applies it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import msgspec
-
-from pipeline.platforms.base import Platform
 
 
 class LazyMemDecision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -31,10 +28,3 @@ def decide(device_type: str, nbytes: int, source: str, is_draft_worker: bool) ->
     if nbytes <= 0:
         return LazyMemDecision(run=False, reason=f"zbal_local_mem_size is 0 (from {source})")
     return LazyMemDecision(run=True, nbytes=nbytes)
-
-
-def apply(platform: Platform, decision: LazyMemDecision, rank: int, world_size: int,
-          cpu_group: Optional[Any]) -> None:
-    """Initialise lazy device memory through the platform when the decision says so."""
-    if decision.run:
-        platform.init_lazy_device_memory(decision.nbytes, rank, world_size, cpu_group)

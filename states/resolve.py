@@ -47,7 +47,7 @@ from pipeline.core.contracts import (
 from pipeline.core.dtypes import resolve_dtype
 from pipeline.core.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
 from pipeline.core.model_spec import format_layer_ids
-from states.capability_check import Reason, reasons_with_flags
+from states.capability_check import Reason
 from states.fallback import (  # noqa: F401 (part of resolve's API: build, plan, replay and tests use them)
     StrictRefusal, assignments, graph_skips, reference_fallback, refuse_strict, warnings_for,
 )

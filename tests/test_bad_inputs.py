@@ -75,21 +75,23 @@ def _setup(case: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         os.mkfifo(tmp_path / "fifo")
     point = case.get("interrupt")
     if point:  # a real SIGINT, delivered to this process at that point (as Ctrl-C would)
-        import pipeline.setup.build
         import pipeline.cli.run
         import pipeline.runtime.model
+        import pipeline.setup.context
 
-        def interrupting(target: object, name: str) -> None:
+        def interrupting(target: object, name: str, when=lambda *a: True) -> None:
             real = getattr(target, name)
 
             def wrapper(*a, **k):
-                signal.raise_signal(signal.SIGINT)
+                if when(*a):
+                    signal.raise_signal(signal.SIGINT)
                 return real(*a, **k)
 
             monkeypatch.setattr(target, name, wrapper)
 
         target = {"load-model": (pipeline.runtime.model, "AttentionStack"),
-                  "npu-lazy-mem": (pipeline.setup.build._Run, "npu_lazy_mem"),
+                  # the setup machine's first record in npu-lazy-mem (the run's, not the preflight's decision)
+                  "npu-lazy-mem": (pipeline.setup.context.SetupContext, "emit", lambda ctx, *a: ctx.state == point),
                   "verification": (pipeline.cli.run, "_verify")}[point]
         interrupting(*target)
 

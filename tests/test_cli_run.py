@@ -165,3 +165,32 @@ def test_pool_must_hold_the_verification_batches_before_the_model_loads(tmp_path
                      "--json"]) == 3
         out = json.loads(capsys.readouterr().out)
         assert out["error"]["flags"][0]["name"] == "mem_fraction" and out["error"]["state"] == "args"
+
+
+@pytest.mark.parametrize("args,code", [([], 0), (["--attention-backend", "nosuch"], 3),
+                                       (["--cuda-graph-bs", "64"], 3)])
+def test_run_resolves_once(tmp_path, monkeypatch, args, code):
+    """One resolve per run: the preflight decides, the setup machine takes its decisions (and a refusal is raised
+    at its own state, logged there), nothing decides again; every state of the setup machine is still logged."""
+    import states.resolve as rs
+    from pipeline.cli import main
+
+    calls, real = [], rs.decide
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(rs, "decide", counting)
+    log = tmp_path / "l.jsonl"
+    assert main(["run", "--device", "cpu", "--json", "--num-layers", "1", "--decode-steps", "0", "--log-file",
+                 str(log), *args]) == code
+    assert len(calls) == 1
+    recs = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    moved = [(r.from_state, r.to) for r in recs if isinstance(r, ev.StateTransition)]
+    if code == 0:
+        assert [f for f, _ in moved] == ["device-init", "resolve", "build-mode", "npu-lazy-mem", "annotate"]
+    else:  # refused in preflight: logged by the setup machine where it happened, before anything was built
+        failed = next(r for r in recs if isinstance(r, ev.RunFailed))
+        assert moved[-1][1] == "failed" and moved[-1][0] == failed.error.state
+        assert not [r for r in recs if isinstance(r, (ev.BackendBuilt, ev.RunnerStarted))]

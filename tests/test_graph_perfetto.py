@@ -11,7 +11,7 @@ import pytest
 from pipeline.core import events as ev
 from pipeline.cli import main
 from pipeline.core.eventlog import EventLog
-from pipeline.core.machine import STEPS, State
+from pipeline.setup.table import SETUP, State
 from pipeline.observe.perfetto import chrome_trace
 from pipeline.observe.trace import read_trace
 
@@ -34,8 +34,9 @@ def test_mermaid_has_every_state_and_transition(tmp_path, capsys):
     text = _mermaid(tmp_path, capsys)
     for s in State:
         assert f'state "{s.value}" as {s.name}' in text
-    for trig, src, dst, _, _ in STEPS:
-        assert re.search(rf"{src.name} --> {dst.name}: {trig}\b", text)
+    for step in SETUP.steps:
+        src, dst = State(step.state), State(SETUP.next_state(step))
+        assert re.search(rf"{src.name} --> {dst.name}: {step.trigger}\b", text)
     assert "class DONE s_default" in text
 
 

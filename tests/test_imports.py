@@ -9,8 +9,9 @@ import sys
 def test_light_imports_do_not_pull_torch():
     """import pipeline + contracts + states + resolution leaves torch, triton and flashinfer unimported."""
     code = (
-        "import sys, pipeline, pipeline.core.contracts, pipeline.core.errors, pipeline.core.events, pipeline.core.machine, "
-        "pipeline.core.model_spec, pipeline.backends.registry, pipeline.setup.build, states.resolve, states.build_mode;"
+        "import sys, pipeline, pipeline.core.contracts, pipeline.core.errors, pipeline.core.events, pipeline.core.steps, "
+        "pipeline.core.model_spec, pipeline.backends.registry, pipeline.setup.build, pipeline.setup.table, "
+        "pipeline.runtime.table, pipeline.observe.replay, states.resolve, states.build_mode;"
         "from pipeline.core.model_spec import load_model_spec;"
         "from pipeline.core.contracts import DeviceFacts, AttentionArgs;"
         "m = load_model_spec('examples/configs/llama-3.1-8b.json');"

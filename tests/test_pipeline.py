@@ -178,9 +178,9 @@ def test_unknown_backend_lists_the_registered_ones(llama, small_pool):
     assert ei.value.info.flags[0].name == "attention_backend"
 
 
-STATE_FUNCS = [("device-init", "states.device_init", "apply"), ("resolve", "states.resolve", "decide"),
-               ("build-mode", "states.build_mode", "apply"), ("npu-lazy-mem", "states.npu_lazy_mem", "decide"),
-               ("annotate", "states.annotate", "apply")]
+STATE_FUNCS = [("device-init", "states.device_init", "decide_blas"), ("resolve", "states.resolve", "decide"),
+               ("build-mode", "pipeline.setup.instances", "build_instances"),
+               ("npu-lazy-mem", "states.npu_lazy_mem", "decide"), ("annotate", "pipeline.setup.table", "set_names")]
 
 
 @pytest.mark.parametrize("state,module,func", STATE_FUNCS)
@@ -196,7 +196,7 @@ def test_failure_in_each_state_is_logged_released_and_retryable(llama, small_poo
     real = getattr(mod, func)
 
     def boom(*a, **k):
-        if module == "states.build_mode":
+        if module == "pipeline.setup.instances":
             real(*a, **k)
             refs.extend(weakref.ref(b) for b in a[2].instances.values())
         raise RuntimeError(f"injected in {state}")
@@ -208,7 +208,7 @@ def test_failure_in_each_state_is_logged_released_and_retryable(llama, small_poo
     failed = [r for r in log.records if isinstance(r, ev.RunFailed)]
     assert len(failed) == 1 and failed[0].error.state == state and "injected" in failed[0].error.message
     assert [r.to for r in log.records if isinstance(r, ev.StateTransition)][-1] == "failed"
-    if module == "states.build_mode":
+    if module == "pipeline.setup.instances":
         assert "backend:primary" in failed[0].released and refs
         import gc
 

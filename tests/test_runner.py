@@ -10,7 +10,7 @@ from pipeline.core import events as ev
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
 from states.graphs import capture_batch_sizes, skip_reason
 from pipeline.core.errors import ConfigError, OrderingError
-from pipeline.core.machine import GuardError
+from pipeline.core.steps import GuardError
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.core.pool_sizing import kv_bytes_per_token, size_pools
@@ -139,7 +139,7 @@ def test_zbal_before_capture_never_for_draft_or_size_zero(qwen, monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(graphs, "skip_reason", lambda *a: None)
+    monkeypatch.setattr(graphs, "decide_graphs", lambda *a: graphs.GraphDecision(True))  # capture on the fake NPU
     monkeypatch.setattr(cg, "DecodeGraphRunner", FakeGraphs)
     for draft, size, zbal in [(False, 4096, True), (True, 4096, False), (False, 0, False)]:
         plat = FakePlatform(npu_facts())
@@ -176,9 +176,11 @@ def _fail_model(monkeypatch):
 
 
 def _fail_capture(monkeypatch):
+    import pipeline.runtime.cuda_graphs as cg
     import states.graphs as graphs
 
-    monkeypatch.setattr(graphs, "skip_reason", lambda *a: (_ for _ in ()).throw(RuntimeError("capture exploded")))
+    monkeypatch.setattr(graphs, "decide_graphs", lambda *a: graphs.GraphDecision(True))  # capture on CPU: it fails
+    monkeypatch.setattr(cg, "DecodeGraphRunner", lambda *a: (_ for _ in ()).throw(RuntimeError("capture exploded")))
     return {}
 
 

@@ -20,7 +20,7 @@ import torch
 
 import fake_flashinfer
 from conftest import CONFIGS
-from pipeline.setup import build as build_mod
+from pipeline.setup import instances as build_mod
 from pipeline.backends import registry
 from pipeline.backends.base import AttentionBackend, PlannedLayers
 from pipeline.backends.records import TORCH_NATIVE

@@ -1,8 +1,8 @@
 """``attn-setup graph [LOG …] -o FILE [--machine setup|runner]``: a state machine, a recorded run's path highlighted.
 
-``--machine setup`` (default) draws the six-state setup machine (:mod:`pipeline.core.machine`),
-``--machine runner`` the runner's outer machine (:mod:`pipeline.runtime.runner_machine`: init-distributed …
-ready), both from their transition tables. The format follows FILE's extension: ``.mmd`` — mermaid
+``--machine setup`` (default) draws the six-state setup machine (:data:`pipeline.setup.table.SETUP`),
+``--machine runner`` the runner's outer machine (:data:`pipeline.runtime.table.RUNNER`: init-distributed …
+ready), both from their step tables. The format follows FILE's extension: ``.mmd`` — mermaid
 ``stateDiagram-v2`` text produced by pytransitions' own diagram support
 (``GraphMachine(graph_engine="mermaid")``), always available; ``.dot`` — Graphviz source;
 ``.svg``/``.png`` — rendered by Graphviz's ``dot`` program. When ``dot`` is not on PATH the command
@@ -18,36 +18,26 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Optional
 
 from pipeline.core.errors import EXIT_OK, UsageError
-from pipeline.core.machine import State
 
 FORMATS = (".mmd", ".dot", ".svg", ".png")
 STYLE = {"taken": {"fill": "honeydew", "color": "darkgreen"}, "failed": {"fill": "mistyrose", "color": "red"}}
 
 
-class MachineSpec(NamedTuple):
-    """What drawing a machine needs: its states, table, model (for guard names) and title."""
-
-    states: Any        # the Enum of states (hyphenated values)
-    transitions: Any   # pytransitions' table
-    steps: Any         # (trigger, source, dest, guards, invariant) rows
-    terminal: Any
-    model: Callable[[], Any]
-    title: str
-
-
-def machine_spec(name: str) -> MachineSpec:
-    """``setup`` (the six-state pipeline) or ``runner`` (the runner's outer machine)."""
+def machine_spec(name: str) -> Any:
+    """The step table of ``setup`` (the six-state pipeline) or ``runner`` (the runner's outer machine)."""
     if name == "runner":
-        from pipeline.runtime import runner_machine as rm
+        from pipeline.runtime.table import RUNNER
 
-        return MachineSpec(rm.RunnerState, rm.TRANSITIONS, rm.STEPS, rm.TERMINAL, rm.RunnerModel,
-                           "attn-setup runner machine")
-    from pipeline.core import machine as sm
+        return RUNNER
+    from pipeline.setup.table import SETUP
 
-    return MachineSpec(sm.State, sm.TRANSITIONS, sm.STEPS, sm.TERMINAL, sm.SetupModel, "attn-setup state machine")
+    return SETUP
+
+
+TITLES = {"setup": "attn-setup state machine", "runner": "attn-setup runner machine"}
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -71,7 +61,7 @@ def path_of(logs: Any, rank: Optional[int], machine: str = "setup") -> tuple[lis
 
     spec = machine_spec(machine)
     trace = read_trace(logs).require_records()
-    known = {st.value for st in spec.states}  # the other machine's states are not drawn here
+    known = {st.value for st in spec.State}  # the other machine's states are not drawn here
 
     def rows_of(r: Any) -> list[dict[str, Any]]:
         return r.runner_states() if machine == "runner" else r.states()
@@ -80,16 +70,16 @@ def path_of(logs: Any, rank: Optional[int], machine: str = "setup") -> tuple[lis
     runs = [r for r in runs if any(s["state"] in known for s in rows_of(r))] or runs  # runs that entered it
     run = next((r for r in runs if r.status == "failed"), runs[0])
     rows = rows_of(run)
-    taken = [spec.states(s["state"]) for s in rows if s["state"] in known]
-    failed = next((spec.states(s["state"]) for s in rows
-                   if s["outcome"] == "failed" and s["state"] != "failed" and s["state"] in known), None)
+    taken = [spec.State(s["state"]) for s in rows if s["state"] in known]
+    failed = next((spec.State(s["state"]) for s in rows
+                   if s["outcome"] == "failed" and s["state"] != spec.failed and s["state"] in known), None)
     return taken, failed
 
 
 def styles(taken: list[Any], failed: Optional[Any], machine: str = "setup") -> dict[Any, str]:
     out = {s: "taken" for s in taken}
     if failed is not None:
-        out[failed] = out[machine_spec(machine).states("failed")] = "failed"
+        out[failed] = out[machine_spec(machine).State(machine_spec(machine).failed)] = "failed"
     return out
 
 
@@ -97,19 +87,20 @@ def mermaid(taken: list[Any], failed: Optional[Any], machine: str = "setup") -> 
     """Mermaid text from pytransitions' mermaid engine, with our node styles and state labels."""
     from transitions.extensions.diagrams import GraphMachine
 
-    spec = machine_spec(machine)
-    model = spec.model()
-    gm = GraphMachine(model=model, states=list(spec.states), transitions=spec.transitions, initial=spec.steps[0][1],
-                      auto_transitions=False, graph_engine="mermaid", show_conditions=True, title=spec.title)
+    spec, title = machine_spec(machine), TITLES[machine]
+    model = spec.diagram_model()
+    gm = GraphMachine(model=model, states=list(spec.State), transitions=spec.transitions(),
+                      initial=spec.State(spec.steps[0].state), auto_transitions=False, graph_engine="mermaid",
+                      show_conditions=True, title=title)
     gm.style_attributes["node"].update(STYLE)
     graph = gm.model_graphs[id(model)]
     graph.reset_styling()
     for s, style in styles(taken, failed, machine).items():
         graph.set_node_style(s, style)
-    text = graph.get_graph(title=spec.title).draw(None)
+    text = graph.get_graph(title=title).draw(None)
     text = "\n".join(("  class" + line[len("  Class"):]) if line.startswith("  Class ") else line
                      for line in text.splitlines())
-    for s in spec.states:  # readable labels: the state values sglang users know
+    for s in spec.State:  # readable labels: the state values sglang users know
         text = text.replace(f'state "{s.name}" as {s.name}', f'state "{s.value}" as {s.name}')
     return text + "\n"
 
@@ -118,15 +109,15 @@ def dot(taken: list[Any], failed: Optional[Any], machine: str = "setup") -> str:
     """Graphviz source of the machine (same styles as :func:`mermaid`)."""
     spec = machine_spec(machine)
     st = styles(taken, failed, machine)
-    fail_state = spec.states("failed")
+    fail_state = spec.State(spec.failed)
     lines = [f"digraph attn_setup{'_runner' if machine == 'runner' else ''} {{", "  rankdir=LR;",
              '  node [shape=box, style="rounded,filled", fillcolor=white];']
-    for s in spec.states:
+    for s in spec.State:
         attrs = STYLE.get(st.get(s, ""), {})
         extra = f', fillcolor="{attrs["fill"]}", color="{attrs["color"]}", penwidth=2' if attrs else ""
         lines.append(f'  {s.name} [label="{s.value}"{extra}];')
-    edges = [(src, dst, t) for t, src, dst, _, _ in spec.steps] + [(s, fail_state, "fail") for s in spec.states
-                                                                    if s not in spec.terminal]
+    edges = [(spec.State(s.state), spec.State(spec.next_state(s)), s.trigger) for s in spec.steps]
+    edges += [(spec.State(s.state), fail_state, "fail") for s in spec.steps]
     for src, dst, t in edges:
         on_path = src in taken and dst in taken and (dst is not fail_state or failed is src)
         lines.append(f'  {src.name} -> {dst.name} [label="{t}"{", penwidth=2.5" if on_path else ""}];')

@@ -66,17 +66,12 @@ def installed_from(flag: str | None) -> dict[str, bool]:
     return {p: p in canon for p in dists}
 
 
-def _skips(res: Resolution, plan: Any, request: SetupRequest, device: DeviceFacts) -> list[dict[str, str]]:
-    """Skips in run's order: resolve's downgrades, build-mode's, then the npu-lazy-mem step."""
-    from pipeline.core import settings
-    from states import npu_lazy_mem
+def skips_of(decided: Any) -> list[dict[str, str]]:
+    """``[{what, reason}]`` of every step's skips and downgrades, in the order a run logs them (table order)."""
+    from pipeline.setup.table import SETUP
 
-    size, source = settings.zbal_local_mem_size(request.args)
-    lazy = npu_lazy_mem.decide(device.type, size, source, request.is_draft_worker)
-    out = [{"what": s.what, "reason": s.reason} for s in list(res.skips) + list(plan.skips)]
-    if not lazy.run:
-        out.append({"what": "npu_lazy_mem", "reason": lazy.reason})
-    return out
+    return [{"what": s.what, "reason": s.reason} for step in SETUP.steps if step.skips is not None
+            for s in step.skips(None, decided[step.state])]
 
 
 def rejected_obj(res: Resolution) -> dict[str, list[dict[str, Any]]]:
@@ -93,19 +88,21 @@ def warnings_obj(warnings: Any) -> list[dict[str, Any]]:
 def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool]) -> dict[str, Any]:
     """The plan report for ``request`` on ``device`` (raises the typed error of a refusal).
 
-    Runs :func:`pipeline.setup.build.decide_offline`: resolve (``strict`` included), build-mode's plan,
-    the CUDA-graph sizes against ``max_reqs`` and the FlashInfer workspace bound, so ``plan``
-    refuses what a run would refuse before allocating. ``warnings``: the reference fallback and
-    every downgrade (:func:`states.resolve.warnings_for`), as a run logs them.
+    The setup table in decide mode (:func:`pipeline.setup.build.decide_setup`): the decisions a run makes
+    before allocating — resolve (``strict`` included), build-mode's plan, the CUDA-graph sizes against
+    ``max_reqs``, each workspace against the largest batch it plans, npu-lazy-mem — so ``plan`` refuses what
+    a run would refuse. ``warnings``: the reference fallback and every downgrade
+    (:func:`states.resolve.warnings_for`), as a run logs them.
     """
     from pipeline.cli import report as rp
-    from pipeline.setup.build import decide_offline
+    from pipeline.setup.build import decide_setup
     from states import resolve
 
-    res, plan = decide_offline(request, device, installed)
+    decided = decide_setup(request, facts=device, installed=installed).raise_refusal()
+    res, plan = decided["resolve"], decided["build-mode"].plan
     return {"ok": True, "device": msgspec.to_builtins(device), "installed": dict(installed),
             "resolved": rp.resolved_obj(res), "plan": rp.plan_obj(plan), "rejected": rejected_obj(res),
-            "skips": _skips(res, plan, request, device),
+            "skips": skips_of(decided),
             "warnings": warnings_obj(resolve.warnings_for(res, list(res.skips) + list(plan.skips), device))}
 
 

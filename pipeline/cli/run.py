@@ -65,109 +65,69 @@ def open_log(path: str, template: str, run_id: str, rank: int, secrets: tuple[st
                          flags=[("--log-file", template)], remedy="pick a writable path for --log-file") from None
 
 
-def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: Any) -> None:
-    """Refuse, before the runner loads the model or sizes the pools, what the pipeline would refuse.
+def preflight(ns: argparse.Namespace, runner: Any, log: Any, group: Any) -> None:
+    """Refuse, before the runner loads the model or sizes the pools, what the runner or the setup would refuse.
 
-    Checks flag values, the env settings, that the device exists, ``--mem-bytes`` against its
-    memory, the pool against what ``run`` verifies (:func:`check_pool_for_checks`), and every decision
-    up to allocation (:func:`pipeline.setup.build.decide_offline`: the resolution with ``--strict``, the
-    CUDA-graph sizes against ``--max-reqs`` and the FlashInfer workspace bound) on every device. A
-    refusal is run through the pipeline so the log records device-init → resolve (or build-mode) →
-    failed with the ErrorInfo (it fails before the pools, so nothing is allocated there).
+    The flags ``run`` alone has (``--decode-steps``, ``--max-context-len`` against what the checks need), then
+    the runner's table in decide mode (:meth:`pipeline.runtime.runner.Runner.preflight`: the env settings, the
+    dtype and ``--num-layers``, ``--mem-bytes``/``--mem-fraction``/``--num-token-slots`` against the device's
+    memory and the verification batches, every setup decision up to allocation — the resolution with
+    ``--strict``, the CUDA-graph sizes against ``--max-reqs``, the FlashInfer workspace bound). The run then
+    takes those decisions (one resolve per run). A refusal of the setup machine is passed to it, which raises it
+    at its own state without deciding again, so the log records device-init → resolve (or build-mode) → failed
+    with the ErrorInfo (before the pools: nothing is allocated there).
     """
-    from pipeline.core import settings
-    from pipeline.backends.packages import installed_by_import
-    from pipeline.setup.build import build_attention_backends, decide_offline
-    from pipeline.platforms import parse_device, platform_for
+    from pipeline.runtime.table import attention_request
+    from pipeline.setup.build import build_attention_backends
 
     if ns.decode_steps < 0:
         raise UsageError(f"--decode-steps {ns.decode_steps} must be >= 0", code="usage",
                          flags=[("--decode-steps", ns.decode_steps)], allowed=[">= 0"], remedy="pass --decode-steps 3")
-    platform, index = platform_for(request.device), parse_device(request.device)[1]
-    facts = platform.device_facts(index)
-    if ns.mem_bytes is not None and facts.total_memory_bytes and ns.mem_bytes > facts.total_memory_bytes:
-        raise ConfigError(f"--mem-bytes {ns.mem_bytes} exceeds the device's {facts.total_memory_bytes} bytes",
-                          code="invalid_value", flags=[("mem_bytes", ns.mem_bytes)],
-                          allowed=[f"<= {facts.total_memory_bytes}"], remedy="lower --mem-bytes or use --mem-fraction")
-    if ns.mem_fraction is not None:
-        from pipeline.core.pool_sizing import check_mem_fraction
-
-        check_mem_fraction(ns.mem_fraction)
-    check_pool_for_checks(ns, request, platform, index)
-    try:
-        decide_offline(request, facts, installed_by_import())
-    except ConfigError:
-        # fails again in resolve or build-mode, before the pools: logged, nothing allocated
-        build_attention_backends(request, log=log, rank_group=group)
-        raise
+    check_context(runner.request, ns.decode_steps)
+    pre = runner.preflight()
+    if pre.refused is None:
+        return
+    state, err = pre.refused
+    if state == "attention":  # logged where it happened in the setup machine
+        build_attention_backends(attention_request(runner), log=log, rank_group=group, decided=pre[state])
+    raise err
 
 
-def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platform: Any = None,
-                          index: int = 0) -> None:
-    """Refuse, before the model loads, a pool too small for what ``run`` verifies or too big for memory.
+def check_context(request: SetupRequest, decode_steps: int) -> None:
+    """Refuse a ``--max-context-len`` shorter than the longest request ``run``'s checks reach: the built instances
+    are verified on a 5-request batch and the model steps on a 4-request one
+    (:func:`pipeline.runtime.verify.context_needed`, :func:`pipeline.runtime.model_steps.context_needed`);
+    ConfigError ``invalid_value`` naming the minimum."""
+    from pipeline.core.validation import MAX_POOL_DIM
+    from pipeline.runtime import model_steps, verify
 
-    The built instances are verified on a 5-request batch and the model steps on a 4-request one:
-    ``--max-context-len`` must hold their longest request (:func:`pipeline.runtime.verify.context_needed`,
-    :func:`pipeline.runtime.model_steps.context_needed`; ConfigError ``invalid_value`` naming the minimum),
-    and :func:`pipeline.core.pool_sizing.size_pools` is asked for at least the slots they take
-    (:func:`pipeline.runtime.verify.slots_needed`, :func:`pipeline.runtime.model_steps.slots_needed`, whole pages each)
-    from ``--num-token-slots`` or a ``--mem-bytes`` budget (``--mem-fraction``'s floor is checked after
-    the weights load, since they count against it); ConfigError ``pool_budget_too_small`` naming the flag.
-    With ``platform``, the pools these flags give (the default slots, or ``--mem-fraction`` of the
-    device's memory) must fit its free memory (:func:`pipeline.core.pool_sizing.check_fits`).
-    """
-    from pipeline.runtime import model_steps as runner_verify, verify
-    from pipeline.core.model_spec import attention_layer_ids, attention_prefix, layers_covering_every_kind
-    from pipeline.core.pool_sizing import available_bytes, budget_from_fraction, check_fits, size_pools
-    from pipeline.core.dtypes import kv_dtype
-
-    p, ps, steps, model = request.pool, request.args.page_size, max(ns.decode_steps, 0), request.served_model
-    ctx = max(verify.context_needed(p.max_reqs, steps), runner_verify.context_needed(p.max_reqs, steps))
+    p = request.pool
+    ctx = max(verify.context_needed(p.max_reqs, decode_steps), model_steps.context_needed(p.max_reqs, decode_steps))
     if p.max_context_len < ctx:
-        from pipeline.core.validation import MAX_POOL_DIM
-
         raise ConfigError(f"--max-context-len {p.max_context_len} is shorter than the {ctx} tokens the longest "
-                          f"verification request reaches with --decode-steps {steps}", code="invalid_value",
-                          flags=[("max_context_len", p.max_context_len), ("decode_steps", steps)],
+                          f"verification request reaches with --decode-steps {decode_steps}", code="invalid_value",
+                          flags=[("max_context_len", p.max_context_len), ("decode_steps", decode_steps)],
                           allowed=[f">= {ctx}"],
                           remedy=f"pass --max-context-len {ctx} or more" if ctx <= MAX_POOL_DIM else
                           f"lower --decode-steps (--max-context-len is at most {MAX_POOL_DIM})")
-    n = len(attention_layer_ids(model))  # --num-layers counts attention layers (a hybrid's others hold no KV)
-    if n == 0:
-        return  # nothing to size: resolve refuses a model without attention layers
-    default = layers_covering_every_kind(model, DEFAULT_LAYERS)
-    attn = min(ns.num_layers if ns.num_layers is not None and ns.num_layers > 0 else default, n)
-    layers = attention_prefix(model, attn)
-    kinds, kvd = model.layer_kinds(), kv_dtype(request.args, model)
-    total, allocated = 0, 0
-    if ns.num_token_slots is not None or ns.mem_bytes is not None:
-        need = max(verify.slots_needed(p.max_reqs, ps, steps), runner_verify.slots_needed(p.max_reqs, ps, steps))
-        s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
-                       num_token_slots=ns.num_token_slots, budget_bytes=ns.mem_bytes, source="bytes", min_slots=need,
-                       min_slots_for=f"the verification batches with --decode-steps {steps}")
-    elif ns.mem_fraction is not None and platform is not None:
-        total, allocated = platform.device_facts(index).total_memory_bytes, platform.memory_allocated(index)
-        budget = budget_from_fraction(ns.mem_fraction, total, allocated)
-        s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
-                       budget_bytes=max(budget, 0), source="mem_fraction", mem_fraction=ns.mem_fraction)
-    else:
-        s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
-                       num_token_slots=p.num_token_slots)
-    if platform is not None:
-        check_fits(s, available_bytes(platform, index), device=platform.torch_device(index), total_bytes=total,
-                   allocated_bytes=allocated, mem_fraction=ns.mem_fraction)
 
 
-def runner_config(ns: argparse.Namespace, request: SetupRequest, on_gpu: bool) -> Any:
-    """The RunnerConfig from the flags (default on every device: the first 2 attention layers, or as many as
-    it takes to include one layer of every attention kind, e.g. 4 for Llama-4, 6 for Gemma-3)."""
+def runner_config(ns: argparse.Namespace, request: SetupRequest) -> Any:
+    """The RunnerConfig from the flags (default on every device: the first 2 attention layers, or as many as it
+    takes to include one layer of every attention kind, e.g. 4 for Llama-4, 6 for Gemma-3); a pool sized from
+    ``--num-token-slots`` or ``--mem-bytes`` must hold the verification batches (whole pages each:
+    :func:`pipeline.runtime.verify.slots_needed`, :func:`pipeline.runtime.model_steps.slots_needed`)."""
     from pipeline.core.model_spec import layers_covering_every_kind
+    from pipeline.runtime import model_steps, verify
     from pipeline.runtime.runner import RunnerConfig
 
     default = layers_covering_every_kind(request.served_model, DEFAULT_LAYERS)
     layers = ns.num_layers if ns.num_layers is not None else max(default, 1)
+    p, ps, steps = request.pool, request.args.page_size, max(ns.decode_steps, 0)
+    need = max(verify.slots_needed(p.max_reqs, ps, steps), model_steps.slots_needed(p.max_reqs, ps, steps))
     return RunnerConfig(request=request, num_layers=layers, num_token_slots=ns.num_token_slots,
-                        mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction)
+                        mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction, min_token_slots=need,
+                        min_token_slots_for=f"the verification batches with --decode-steps {steps}")
 
 
 def runner_states(records: Any) -> list[dict[str, Any]]:
@@ -270,8 +230,8 @@ def cmd(ns: argparse.Namespace) -> int:
     try:
         log.install_signal_handlers()
         log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
-        preflight(ns, request, log, group)
-        runner = Runner(runner_config(ns, request, on_gpu), log=log, rank_group=group)
+        runner = Runner(runner_config(ns, request), log=log, rank_group=group)
+        preflight(ns, runner, log, group)
         runner.initialize()
         verified = _verify(runner.backends, runner.request, log, ns.decode_steps, runner.pools)
         steps = _model_steps(runner, log, ns.decode_steps)

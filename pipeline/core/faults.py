@@ -5,10 +5,10 @@ caller passes one explicitly (``build_attention_backends(request, faults=Faults(
 No environment variable, import side effect or global switch turns it on, so an engine that
 does not pass ``faults=`` runs exactly the code it would run without this module.
 
-Fault points (``:func:`points_of_run``` lists those a successful run visits, in order)::
+Fault points (:func:`points_of_run` lists those a successful run visits, in order; a step table lists its
+own: :meth:`pipeline.core.steps.StepTable.fault_points`)::
 
-    state:<state>              entering a state (before its work): device-init, resolve, build-mode,
-                               npu-lazy-mem, annotate
+    state:<state>              entering a state (before its work): each step of the setup table
     state:<state>:done         the state's work done, just before its trigger fires
     build:pools                before the KV pools (req_to_token, per-layer K/V) are allocated
     build:workspace:<id>       before workspace <id> (``ws-shared``, ``ws-private-…``) is allocated
@@ -27,9 +27,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from pipeline.core.errors import EXIT_FAILED, AttnSetupError
 
-__all__ = ["Faults", "InjectedFault", "STATE_POINTS", "points_of_run"]
-
-STATE_POINTS = ("device-init", "resolve", "build-mode", "npu-lazy-mem", "annotate")
+__all__ = ["Faults", "InjectedFault", "points_of_run"]
 
 
 class InjectedFault(AttnSetupError):

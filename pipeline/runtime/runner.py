@@ -1,10 +1,12 @@
 """Runner orchestration: a model runner's ``initialize()`` as an outer state machine.
 
-``init-distributed → load-model → init-memory-pool → attention → capture-cuda-graphs → ready``
-(+ ``failed``; the table lives in :mod:`pipeline.runtime.runner_machine`). ``attention`` is the six-state
-pipeline (:func:`pipeline.setup.build.build_attention_backends`) run over the pools this runner sized,
-writing to the same :class:`~pipeline.core.eventlog.EventLog`, so one trace holds both machines
-(``runner_transition`` records for this one, ``state_transition`` for the pipeline).
+The table (:data:`pipeline.runtime.table.RUNNER`) orders the steps — ``init-distributed → load-model →
+init-memory-pool → attention → capture-cuda-graphs → ready`` (+ ``failed``) — and holds each step's decision
+and effect; the one driver (:mod:`pipeline.core.driver`) walks it. ``attention`` is the setup machine
+(:func:`pipeline.setup.build.build_attention_backends`) run over the pools this runner sized, writing to the same
+:class:`~pipeline.core.eventlog.EventLog`, so one trace holds both machines (``runner_transition`` records for
+this one, ``state_transition`` for the setup). :meth:`Runner.preflight` makes every decision before anything is
+allocated (the setup's included) and :meth:`Runner.initialize` then takes them, so a start resolves once.
 
 Ordering rules enforced (sglang keeps them in comments): the KV pool exists before any backend is
 built; decode CUDA-graph capture only after the pipeline reached ``done``, NPU zbal lazy memory was
@@ -21,19 +23,18 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import msgspec
-
+from pipeline.core import driver
 from pipeline.core import events as ev
 from pipeline.core.contracts import SetupRequest
 from pipeline.core.errors import error_info_from
 from pipeline.core.eventlog import EventLog
-from pipeline.runtime.runner_machine import CAPTURE_PRECONDITIONS, RunnerMachine, RunnerState
+from pipeline.core.steps import TableMachine
+from pipeline.runtime.table import RUNNER, RunnerModel, RunnerState
 
 __all__ = ["RunnerConfig", "Runner", "RunnerState"]
 
 # agree(resolution, request, cpu_group) -> detail str; raises a typed error when ranks disagree
 AgreeFn = Callable[[Any, SetupRequest, Any], str]
-SINGLE_RANK = "single rank: agrees trivially"
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class RunnerConfig:
     Pool size (first given wins): ``num_token_slots`` > ``mem_bytes`` (a byte budget) >
     ``mem_fraction`` (share of device memory, weights subtracted) > ``request.pool.num_token_slots``.
     ``aux_hidden_state_layers``: EAGLE3 layer ids whose input hidden states the model returns.
+    ``min_token_slots``: the fewest token slots a pool sized from ``num_token_slots`` or ``mem_bytes`` must
+    hold (``attn-setup run``: what its verification batches take); ``min_token_slots_for`` says what needs them.
     """
 
     request: SetupRequest
@@ -54,6 +57,8 @@ class RunnerConfig:
     mem_bytes: Optional[int] = None
     mem_fraction: Optional[float] = None
     aux_hidden_state_layers: Optional[tuple[int, ...]] = None
+    min_token_slots: int = 0
+    min_token_slots_for: str = ""
 
 
 class Runner:
@@ -84,8 +89,8 @@ class Runner:
     def __init__(self, config: RunnerConfig, *, platform: Any = None, log: Optional[EventLog] = None,
                  log_file: Optional[str] = None, cpu_group: Any = None, agree: Optional[AgreeFn] = None,
                  installed: Optional[dict[str, bool]] = None, rank_group: Any = None) -> None:
-        from pipeline.setup.build import new_run_id, open_event_log
         from pipeline.platforms import parse_device, platform_for
+        from pipeline.setup.build import new_run_id, open_event_log
 
         if not isinstance(config, RunnerConfig) or not isinstance(config.request, SetupRequest):
             from pipeline.core.errors import UsageError
@@ -96,18 +101,23 @@ class Runner:
                              allowed=["RunnerConfig(request=SetupRequest(...))"],
                              remedy="build RunnerConfig(request=SetupRequest(args=..., model=load_model_spec(path)))")
         req = config.request
-        self.config, self.agree, self.installed, self.cpu_group = config, agree, installed, cpu_group
-        self.rank_group = rank_group
-        if cpu_group is None and rank_group is not None:
-            self.cpu_group = rank_group.cpu_group
+        self.config, self.agree, self.installed, self.rank_group = config, agree, installed, rank_group
+        self.cpu_group = cpu_group if cpu_group is not None or rank_group is None else rank_group.cpu_group
         self.own_log = log is None
         self.log = log or open_event_log(req.run_id or new_run_id(), req.rank, log_file, tuple(req.secrets.values()))
         self.platform = platform or platform_for(req.device)
         self.index = parse_device(req.device)[1]
-        self.machine = RunnerMachine(on_transition=self._moved)
+        self.machine = TableMachine(RUNNER, RunnerModel(), on_transition=self._moved)
         self.request = req
         self.sizing: Any = None
+        self.setup_failed = False
+        self.preflighted: Optional[driver.Decided] = None
         self.t0 = time.perf_counter()
+        # each step's decision, kept by the driver under the step's ``result``
+        self.load: Any = None
+        self.pools_decided: Any = None
+        self.attention: Any = None
+        self.graphs_decided: Any = None
 
     # -- plumbing ------------------------------------------------------------------------------
     @property
@@ -132,191 +142,85 @@ class Runner:
         g = self.machine.model.graphs
         return None if isinstance(g, str) else g
 
+    def emit(self, cls: type, **fields: Any) -> None:
+        """Log a record in the runner's current state."""
+        self.log.emit(cls, state=self.state.value, **fields)
+
     def _moved(self, src: RunnerState, dst: RunnerState, trigger: str, ms: float) -> None:
-        self.log.emit(ev.RunnerTransition, state=dst.value, outcome="failed" if dst is RunnerState.FAILED else "ok",
+        self.log.emit(RUNNER.event, state=dst.value, outcome="failed" if dst.value == RUNNER.failed else "ok",
                       from_state=src.value, to=dst.value, trigger=trigger, duration_ms=ms)
 
-    def _step(self, step: RunnerState, work: Callable[[], Any]) -> Any:
-        self.machine.require_step(step)
+    def _run(self, state: str) -> None:
+        """One step of the table (ordering checked first); a failure moves the runner to ``failed``."""
+        self.machine.require_state(state)
+        given = None if self.preflighted is None else self.preflighted.only("attention")
         try:
-            return work()
+            driver.run_step(RUNNER, RUNNER.step(state), self, self.machine, given=given)
         except BaseException as exc:
-            self._fail(step, exc)
+            self._fail(state, exc)
             raise
+        if self.state.value == RUNNER.success:
+            self.emit(ev.RunnerReady, duration_ms=(time.perf_counter() - self.t0) * 1e3,
+                      graph_batch_sizes=sorted(self.graphs.capture_ms) if self.graphs is not None else [],
+                      rank_agreement=self.machine.model.agreement or "")
 
-    def _fail(self, step: RunnerState, exc: BaseException) -> None:
-        info = error_info_from(exc, step.value)
+    def _fail(self, state: str, exc: BaseException) -> None:
+        info = error_info_from(exc, state)
         released = self.release()
-        if self.state is not RunnerState.FAILED:
+        if self.state.value != RUNNER.failed:
             self.machine.fire("fail")
-        pipeline_logged = step is RunnerState.ATTENTION and any(
-            isinstance(r, ev.RunFailed) for r in self.log.records)
         if released:
-            self.log.emit(ev.ResourcesReleased, state=RunnerState.FAILED.value, released=released)
-        if not pipeline_logged:
-            self.log.emit(ev.RunFailed, state=RunnerState.FAILED.value, outcome="failed", error=info,
-                          released=released)
+            self.log.emit(ev.ResourcesReleased, state=RUNNER.failed, released=released)
+        if not self.setup_failed:  # a failure out of the setup machine was logged by it
+            self.log.emit(ev.RunFailed, state=RUNNER.failed, outcome="failed", error=info, released=released)
+
+    def agreement_of(self, out: Any) -> Optional[str]:
+        """How the ranks agreed: the setup machine's agreement, else ``agree``'s, else (no process group at all)
+        the recorded skip; None when a process group exists but nothing agreed (capture is then refused)."""
+        a = out.agreement
+        if a.agreed:
+            return a.detail
+        if self.agree is not None:
+            return self.agree(out.resolution, self.request, self.cpu_group)
+        return a.detail if self.cpu_group is None and self.rank_group is None else None
 
     # -- steps ---------------------------------------------------------------------------------
+    def preflight(self) -> driver.Decided:
+        """Every step's decision before anything is allocated (the table in decide mode): the env settings, the
+        dtype and the layers to build, the pool sizes against the device's memory, every setup decision, the graph
+        sizes. A typed refusal is kept in the result; :meth:`initialize` then takes the setup's decisions."""
+        self.preflighted = driver.decide(RUNNER, self)
+        return self.preflighted
+
     def init_distributed(self) -> None:
         """Record rank, world size and the CPU group (a gloo group when torch.distributed is up)."""
-        def work() -> None:
-            from pipeline.core import settings
-
-            settings.check_env()  # refused here, before the model and the pools are allocated
-            req, group, source = self.request, self.cpu_group, "arguments"
-            if req.world_size > 1 and group is None:
-                import torch.distributed as dist
-
-                if dist.is_available() and dist.is_initialized():
-                    from pipeline.core.errors import ConfigError
-
-                    if (dist.get_rank(), dist.get_world_size()) != (req.rank, req.world_size):
-                        raise ConfigError("torch.distributed disagrees with the request's rank/world_size",
-                                          code="invalid_value", flags=[("rank", req.rank), ("world_size", req.world_size)],
-                                          allowed=[f"rank={dist.get_rank()}, world_size={dist.get_world_size()}"],
-                                          remedy="pass the process group's rank and world size")
-                    group, source = dist.new_group(backend="gloo"), "torch.distributed"
-            self.cpu_group = group
-            self.log.emit(ev.DistributedInitialized, state=self.state.value, world_size=req.world_size,
-                          has_cpu_group=group is not None, source=source)
-            self.machine.model.world = (req.rank, req.world_size, group)
-            self.machine.fire("distributed_ready")
-        self._step(RunnerState.INIT_DISTRIBUTED, work)
+        self._run("init-distributed")
 
     def load_model(self) -> None:
         """Build the attention stack (first ``num_layers`` attention layers, seeded) and set EAGLE3 aux layers."""
-        def work() -> None:
-            from pipeline.backends.memory import torch_dtype
-            from pipeline.runtime.model import AttentionStack
-            from pipeline.core.dtypes import model_dtype
-
-            req, cfg = self.request, self.config
-            dtype = model_dtype(req.args, req.served_model)
-            stack = AttentionStack(req.served_model, dtype=torch_dtype(dtype), num_layers=cfg.num_layers,
-                                   device=self.platform.torch_device(self.index), seed=cfg.seed)
-            if cfg.aux_hidden_state_layers:
-                stack.set_aux_hidden_state_layers(cfg.aux_hidden_state_layers)
-            served = stack.spec
-            self.request = msgspec.structs.replace(req, **(
-                {"draft_model": served} if req.is_draft_worker and req.draft_model is not None else {"model": served}))
-            self.log.emit(ev.ModelLoaded, state=self.state.value, num_layers=stack.num_layers,
-                          num_hidden_layers=req.served_model.num_hidden_layers, param_bytes=stack.param_bytes(),
-                          dtype=dtype, seed=cfg.seed, aux_hidden_state_layers=stack.aux_hidden_state_layers)
-            m = self.machine.model
-            m.stack, m.aux_configured = stack, list(cfg.aux_hidden_state_layers or []) or None
-            self.machine.fire("model_loaded")
-        self._step(RunnerState.LOAD_MODEL, work)
+        self._run("load-model")
 
     def init_memory_pool(self) -> None:
         """Size and allocate ``req_to_token`` and the per-layer K/V buffers; logs tokens and bytes."""
-        self._step(RunnerState.INIT_MEMORY_POOL, self._init_memory_pool)
-
-    def _init_memory_pool(self) -> None:
-        from pipeline.backends.memory import KVPool, ReqToTokenPool, torch_dtype
-        from pipeline.core.pool_sizing import available_bytes, budget_from_fraction, check_fits, size_pools
-        from pipeline.core.dtypes import kv_dtype
-
-        req, cfg, stack = self.request, self.config, self.machine.model.stack
-        model, p = req.served_model, req.pool
-        budget, source = cfg.mem_bytes, "bytes"
-        total, allocated = 0, self.platform.memory_allocated(self.index)
-        if cfg.num_token_slots is None and budget is None and cfg.mem_fraction is not None:
-            total = self.platform.device_facts(self.index).total_memory_bytes
-            budget = budget_from_fraction(cfg.mem_fraction, total, allocated)
-            source = "mem_fraction"
-        slots = cfg.num_token_slots if cfg.num_token_slots is not None else (None if budget is not None
-                                                                             else p.num_token_slots)
-        kvd = kv_dtype(req.args, model)
-        s = size_pools(model.layer_kinds(), stack.num_layers, kvd, page_size=req.args.page_size, max_reqs=p.max_reqs,
-                       max_context_len=p.max_context_len, num_token_slots=slots, budget_bytes=budget, source=source,
-                       mem_fraction=cfg.mem_fraction)
-        check_fits(s, available_bytes(self.platform, self.index), device=self.platform.torch_device(self.index),
-                   total_bytes=total, allocated_bytes=allocated, mem_fraction=cfg.mem_fraction)
-        self.sizing, self.request = s, msgspec.structs.replace(req, pool=s.facts)
-        dev = self.platform.torch_device(self.index)
-        pools = {"req_to_token_pool": ReqToTokenPool(p.max_reqs, p.max_context_len, dev)}
-        pools["kv_pool"] = KVPool.for_layer_kinds(model.layer_kinds(), stack.num_layers, s.facts.num_token_slots,
-                                                  s.facts.page_size, torch_dtype(kvd), dev)
-        self.log.emit(ev.MemoryPoolSized, state=self.state.value, source=s.source, budget_bytes=s.budget_bytes,
-                      bytes_per_token=s.bytes_per_token, num_token_slots=s.facts.num_token_slots,
-                      max_reqs=p.max_reqs, max_context_len=p.max_context_len, page_size=s.facts.page_size,
-                      req_to_token_bytes=s.req_to_token_bytes, kv_bytes=s.kv_bytes)
-        self.machine.model.pools = pools
-        self.machine.fire("pool_ready")
+        self._run("init-memory-pool")
 
     def init_attention(self) -> None:
         """Run the six-state pipeline over this runner's pools, then check the ranks agree."""
-        self._step(RunnerState.ATTENTION, self._init_attention)
-
-    def _init_attention(self) -> None:
-        from pipeline.setup.build import build_attention_backends
-
-        m = self.machine.model
-        out = build_attention_backends(self.request, platform=self.platform, log=self.log, pools=m.pools,
-                                       installed=self.installed, cpu_group=self.cpu_group,
-                                       rank_group=self.rank_group)
-        m.backends = out
-        lazy = next((r for r in self.log.records if isinstance(r, ev.LazyMemInitialized)), None)
-        skip = next((r for r in self.log.records if isinstance(r, ev.StepSkipped) and r.what == "npu_lazy_mem"), None)
-        m.lazy_mem = "done" if lazy is not None else (skip.reason if skip is not None else None)
-        m.agreement = self._agree(out)
-        self.machine.fire("attention_ready")
-
-    def _agree(self, out: Any) -> Optional[str]:
-        """How the ranks agreed (from the pipeline's records or ``agree``), or None when they did not."""
-        req, recs = self.request, self.log.records
-        if req.world_size == 1:
-            return SINGLE_RANK
-        if any(isinstance(r, ev.ResolutionAgreed) for r in recs):
-            return f"resolution_agreed across {req.world_size} ranks"
-        if self.agree is not None:
-            return self.agree(out.resolution, req, self.cpu_group)
-        skip = next((r for r in recs if isinstance(r, ev.StepSkipped) and r.what == "rank_agreement"), None)
-        if skip is not None and self.cpu_group is None and self.rank_group is None:
-            return f"skipped: {skip.reason}"
-        return None  # a process group but no exchange recorded: capture is refused, naming the guard
+        self._run("attention")
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs for the configured batch sizes, or skip with the reason; then ``ready``."""
-        self._step(RunnerState.CAPTURE, self._capture)
-
-    def _capture(self) -> None:
-        from pipeline.runtime.cuda_graphs import DecodeGraphRunner
-        from states import graphs
-
-        self.machine.require(CAPTURE_PRECONDITIONS)
-        m, req = self.machine.model, self.request
-        out = m.backends
-        names = sorted({out.decode_attention_backend_str})
-        reason = graphs.skip_reason(req.args, self.platform.device_type, names)
-        if reason is not None:
-            self.log.emit(ev.StepSkipped, state=self.state.value, outcome="skipped", what="cuda_graph_capture",
-                          reason=reason)
-            m.graphs = reason
-        else:
-            sizes = graphs.capture_batch_sizes(req.args, req.pool.max_reqs)
-            g = DecodeGraphRunner(m.stack, self._backend_for(True), m.pools["req_to_token_pool"], m.pools["kv_pool"],
-                                  sizes)
-            m.graphs = g
-            with self.log.heartbeat(f"capturing decode CUDA graphs for bs {', '.join(map(str, sizes))}"):
-                g.capture(lambda bs, ms: self.log.emit(ev.CudaGraphCaptured, state=self.state.value, bs=bs,
-                                                       capture_ms=ms, backend=out.decode_attention_backend_str))
-        self.machine.fire("graphs_settled")
-        self.log.emit(ev.RunnerReady, state=self.state.value, duration_ms=(time.perf_counter() - self.t0) * 1e3,
-                      graph_batch_sizes=sorted(self.graphs.capture_ms) if self.graphs is not None else [],
-                      rank_agreement=m.agreement or "")
+        self._run("capture-cuda-graphs")
 
     def initialize(self) -> "Runner":
-        """Every step in order (sglang's ``ModelRunner.initialize``); returns self in ``ready``."""
+        """Every step in table order (sglang's ``ModelRunner.initialize``); returns self in ``ready``."""
         self.log.emit(ev.RunnerStarted, state=self.state.value, config={
             "num_layers": self.config.num_layers, "seed": self.config.seed,
             "num_token_slots": self.config.num_token_slots, "mem_bytes": self.config.mem_bytes,
             "mem_fraction": self.config.mem_fraction,
             "aux_hidden_state_layers": list(self.config.aux_hidden_state_layers or [])})
-        for step in (self.init_distributed, self.load_model, self.init_memory_pool, self.init_attention,
-                     self.capture_cuda_graphs):
-            step()
+        for step in RUNNER.steps:
+            self._run(step.state)
         return self
 
     # -- use -----------------------------------------------------------------------------------
@@ -329,12 +233,12 @@ class Runner:
         if g is not None and g.can_run(forward_batch):
             out, aux = g.replay(hidden, forward_batch)
             return out, aux, True
-        backend = self._backend_for(forward_batch.is_decode())
+        backend = self.backend_for(forward_batch.is_decode())
         backend.init_forward_metadata(forward_batch)
         out, aux = self.machine.model.stack.forward(hidden, forward_batch, backend)
         return out, aux, False
 
-    def _backend_for(self, decode: bool) -> Any:
+    def backend_for(self, decode: bool) -> Any:
         """PD-mux decodes on ``decode_attn_backend`` (the first of its group); everything else on ``attn_backend``."""
         out = self.machine.model.backends
         return out.decode_attn_backend if decode and out.decode_attn_backend is not None else out.attn_backend

@@ -17,7 +17,7 @@ rounded to the KV storage dtype) and compares every step's output per request wi
 Verification tests what runs: the layers it calls a backend with are exactly those the backend was
 built for (every backend refuses others with ``LayerMismatch``). So that sliding windows bite within
 these short requests (at most 26 tokens), :func:`verify_built` builds the same plan again
-(:func:`pipeline.setup.build.build_like`: same backends, roles, mode and wrappers) from
+(:func:`pipeline.setup.instances.build_like`: same backends, roles, mode and wrappers) from
 :func:`verification_model` — the served spec with windows capped at :data:`VERIFY_WINDOW` keys and
 attention chunks (Llama-4's chunked layers) at :data:`VERIFY_CHUNK` tokens — and
 verifies those instances; for softcapped kinds q is scaled so scaled scores are of the order of the
@@ -257,13 +257,13 @@ def verify_built(backends: Any, request: SetupRequest, *, pools: Optional[dict[s
     ``backends``: the :class:`~pipeline.setup.result.AttentionBackends` of ``request`` (its served model);
     ``pools``: the pools it was built over (default ``backends.pools``; a runner passes its own).
     When :func:`verification_model` changes the spec, the plan is built again from it
-    (:func:`pipeline.setup.build.build_like`: same backends, roles, mode, wrappers, workspaces and pools),
+    (:func:`pipeline.setup.instances.build_like`: same backends, roles, mode, wrappers, workspaces and pools),
     those instances are verified with the verification spec's layers and closed afterwards; else the
     built instances themselves are. q/k/v dtype: the request's model dtype. Roles as in the plan
     (``tbo.child0``, ``pdmux.decode1``, ``primary.prefill`` …) plus ``<mode>.wrapper``.
     Raises what :func:`verify_backend` or a factory raises.
     """
-    from pipeline.setup.build import build_like
+    from pipeline.setup.instances import build_like
     from pipeline.core.dtypes import model_dtype
 
     served = request.served_model

@@ -19,6 +19,11 @@ class AttentionBackends:
     ``instances`` maps plan role → concrete backend; ``pools`` holds the KV pools the pipeline built
     (empty when the engine passed its own with ``pools=``: the engine keeps owning those).
     ``device_facts``: what device-init found (the instances were built for it).
+    What the run decided, typed, for the caller to act on (a runner reads these, never the log):
+    ``resolution`` and ``plan``; ``graphs`` (:class:`states.graphs.GraphDecision`: decode CUDA graphs captured,
+    or why not); ``lazy_mem`` (:class:`states.npu_lazy_mem.LazyMemDecision`: NPU zbal memory initialised, or
+    why not); ``agreement`` (:class:`pipeline.setup.context.Agreement`: how the ranks agreed on the
+    resolution); ``settings`` (the :class:`~pipeline.core.settings.Setting` of each sized buffer).
     ``close()`` (or ``with``) releases every backend buffer, workspace and pool this run owns.
     """
 
@@ -37,6 +42,10 @@ class AttentionBackends:
     events: list[Any] = field(default_factory=list)
     torch_device: str = "cpu"
     device_facts: Optional[DeviceFacts] = None
+    graphs: Any = None
+    lazy_mem: Any = None
+    agreement: Any = None
+    settings: list[Any] = field(default_factory=list)
     closed: bool = False
 
     def close(self) -> list[str]:

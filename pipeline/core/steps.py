@@ -1,0 +1,257 @@
+"""Step tables: one record per step of a state machine, and everything derived from the table.
+
+A :class:`StepTable` lists a machine's steps in order. Each :class:`Step` names the state its work runs in,
+the trigger that moves on once that work is done (to the next step's state, after the last one to the
+table's success state), the guards that must hold then (each naming the invariant it protects), and the
+work itself, split into the phases the driver (:mod:`pipeline.core.driver`) calls per mode:
+
+- ``decide(ctx) -> decision`` — no effect (it may read facts through ``ctx``); every mode runs it and the
+  driver keeps the decision on ``ctx`` as attribute ``result``;
+- ``log(ctx, decision)`` — the events that record the decision (run mode);
+- ``check(ctx, decision)`` — refusals of the decision that need no device (every mode);
+- ``apply(ctx, decision)`` — the effect (run mode only);
+- ``compare(recorded, decision)`` — ``(field, recorded, now)`` rows, for replay;
+- ``skips(ctx, decision)`` — what the step skipped or downgraded, for ``plan``;
+- ``refused(ctx, error)`` — called in run mode when the decision is refused, before the error propagates
+  (e.g. the other ranks must hear of it).
+
+``pre`` are guards that must hold before ``apply`` starts (``what`` names the work in that refusal).
+
+``emits`` lists the event types a step writes, ``faults`` the fault points inside its ``apply`` (besides
+``state:<state>`` and ``state:<state>:done``, which the driver visits around every step), ``skip`` the
+``step_skipped`` ``what`` that means the whole state did no work (the timeline shows it ``skipped``).
+
+Derived from the table, nothing else spelling them: the state Enum (:attr:`StepTable.State`), the order,
+the terminal states, pytransitions' transitions (:meth:`StepTable.transitions`), the fault points
+(:meth:`StepTable.fault_points`), the guard invariants, the skip markers and the diagram's model
+(:meth:`StepTable.diagram_model`). :class:`TableMachine` runs the machine over a table with typed errors.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, NamedTuple, Optional
+
+from transitions import Machine, MachineError
+
+from pipeline.core.errors import OrderingError
+
+__all__ = ["Guard", "Step", "StepTable", "TableMachine", "GuardError"]
+
+
+class Guard(NamedTuple):
+    """A condition a trigger needs: ``name`` (a method of the machine's model returning bool), the invariant it
+    protects, and the step whose work establishes it (named in errors; default: the step it guards)."""
+
+    name: str
+    invariant: str
+    set_by: str = ""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a machine (see the module docstring for the phases and their modes)."""
+
+    state: str
+    trigger: str
+    guards: tuple[Guard, ...]
+    result: str = ""
+    decide: Optional[Callable[[Any], Any]] = None
+    log: Optional[Callable[[Any, Any], None]] = None
+    check: Optional[Callable[[Any, Any], None]] = None
+    apply: Optional[Callable[[Any, Any], None]] = None
+    compare: Optional[Callable[[Any, Any], Iterable[tuple[str, Any, Any]]]] = None
+    skips: Optional[Callable[[Any, Any], list[Any]]] = None
+    refused: Optional[Callable[[Any, BaseException], None]] = None
+    pre: tuple[Guard, ...] = ()
+    what: str = ""
+    emits: tuple[type, ...] = ()
+    faults: tuple[str, ...] = ()
+    skip: str = ""
+    name: str = ""
+
+    @property
+    def member(self) -> str:
+        """The state's Enum member name (``DEVICE_INIT`` for ``device-init``, unless ``name`` says otherwise)."""
+        return self.name or self.state.upper().replace("-", "_")
+
+
+@dataclass(frozen=True)
+class StepTable:
+    """A machine's steps in order, its success state and how its messages name things.
+
+    ``machine``: the machine's name (``setup``, ``runner``); ``success``: the terminal state reached after the
+    last step (``failed`` is reachable from every other state by the ``fail`` trigger); ``event``: the record
+    type each move is logged as (``state_transition``, ``runner_transition``); ``label``: how an error names a
+    trigger; ``remedy``: what an out-of-order error advises; ``enum_name``/``module``: the derived Enum's name
+    and module (so its members pickle and print like a hand-written one).
+    """
+
+    machine: str
+    steps: tuple[Step, ...]
+    success: str
+    event: type
+    enum_name: str
+    module: str
+    failed: str = "failed"
+    label: str = "trigger"
+    remedy: str = "run the steps in order"
+    State: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        members = [(s.member, s.state) for s in self.steps]
+        members += [(self.success.upper(), self.success), (self.failed.upper(), self.failed)]
+        object.__setattr__(self, "State", enum.Enum(self.enum_name, members, type=str, module=self.module))
+
+    @property
+    def order(self) -> list[str]:
+        """Every state the machine passes through on success, in order (the success state last)."""
+        return [s.state for s in self.steps] + [self.success]
+
+    @property
+    def terminal(self) -> tuple[str, str]:
+        """(success, failed)."""
+        return self.success, self.failed
+
+    def step(self, state: str) -> Step:
+        """The step whose work runs in ``state`` (KeyError for a terminal or unknown state)."""
+        for s in self.steps:
+            if s.state == state:
+                return s
+        raise KeyError(state)
+
+    def next_state(self, step: Step) -> str:
+        """The state ``step``'s trigger moves to."""
+        i = self.steps.index(step)
+        return self.steps[i + 1].state if i + 1 < len(self.steps) else self.success
+
+    def guards(self, step: Step) -> tuple[Guard, ...]:
+        """Every guard ``step``'s trigger checks: its preconditions (``pre``), then its own."""
+        return tuple(dict.fromkeys(step.pre + step.guards))
+
+    @property
+    def invariants(self) -> dict[str, str]:
+        """guard name → the invariant it protects."""
+        return {g.name: g.invariant for s in self.steps for g in self.guards(s)}
+
+    @property
+    def skip_markers(self) -> dict[str, str]:
+        """``step_skipped`` ``what`` → the state it marks as skipped as a whole."""
+        return {s.skip: s.state for s in self.steps if s.skip}
+
+    def fault_points(self, inner: Optional[Callable[[Step], Iterable[str]]] = None) -> list[str]:
+        """The fault points a successful run visits, in order: ``state:<s>``, the step's own (``inner(step)``
+        when given, else its ``faults`` patterns), ``state:<s>:done``."""
+        out: list[str] = []
+        for s in self.steps:
+            out += [f"state:{s.state}", *(inner(s) if inner else s.faults), f"state:{s.state}:done"]
+        return out
+
+    def transitions(self) -> list[dict[str, Any]]:
+        """pytransitions' transition dicts: each step's trigger with its guards, and ``fail`` from every
+        non-terminal state."""
+        st = self.State
+        out = [dict(trigger=s.trigger, source=st(s.state), dest=st(self.next_state(s)),
+                    conditions=[g.name for g in self.guards(s)]) for s in self.steps]
+        return out + [dict(trigger="fail", source=[st(s.state) for s in self.steps], dest=st(self.failed))]
+
+    def diagram_model(self) -> Any:
+        """A model object with every guard as a method (what a diagram shows as conditions; all False)."""
+        names = {g.name for s in self.steps for g in self.guards(s)}
+        return type(f"{self.enum_name}Model", (), {n: (lambda self: False) for n in names})()
+
+
+class GuardError(OrderingError):
+    """A trigger fired in the right state but its guard's invariant does not hold."""
+
+    code = "guard_blocked"
+
+
+class TableMachine:
+    """A pytransitions ``Machine`` over ``model`` for ``table``, with typed errors and timing.
+
+    ``on_transition(from_state, to_state, trigger, duration_ms)`` is called after every move; states are
+    members of ``table.State``. :meth:`fire` refuses out-of-order triggers (OrderingError) and blocked guards
+    (GuardError); :meth:`require_state` and :meth:`require` check before work starts.
+    """
+
+    def __init__(self, table: StepTable, model: Any,
+                 on_transition: Optional[Callable[[Any, Any, str, float], None]] = None) -> None:
+        self.table, self.model = table, model
+        self._on_transition = on_transition
+        self._entered = time.perf_counter()
+        self._source = {s.trigger: table.State(s.state) for s in table.steps}
+        Machine(model=model, states=list(table.State), transitions=table.transitions(),
+                initial=table.State(table.steps[0].state), auto_transitions=False, send_event=False)
+
+    @property
+    def state(self) -> Any:
+        return self.model.state
+
+    def may(self, trigger: str) -> bool:
+        """Whether ``trigger`` would move now (guards evaluated, nothing changes)."""
+        try:
+            return bool(getattr(self.model, f"may_{trigger}")())
+        except (AttributeError, MachineError):
+            return False
+
+    def fire(self, trigger: str) -> Any:
+        """Fire ``trigger``; raises OrderingError / GuardError instead of moving illegally."""
+        t, src = self.table, self.state
+        if trigger != "fail" and trigger not in self._source:
+            raise OrderingError(f"unknown {t.label} {trigger!r}", state=src.value, flags=[("trigger", trigger)],
+                                allowed=list(self._source) + ["fail"], remedy=t.remedy)
+        try:
+            moved = getattr(self.model, trigger)()
+        except MachineError as e:
+            expected = "any non-terminal state" if trigger == "fail" else self._source[trigger].value
+            raise OrderingError(
+                f"{t.label} {trigger!r} is not allowed in state {src.value!r}; it belongs to {expected!r}",
+                state=src.value, flags=[("trigger", trigger), ("current_state", src.value)],
+                allowed=[tr for tr, s in self._source.items() if s == src] or ["none (terminal)"],
+                remedy=t.remedy) from e
+        if not moved:
+            step = next(s for s in t.steps if s.trigger == trigger)
+            guards = t.guards(step)
+            bad = next((g for g in guards if not getattr(self.model, g.name)()), guards[0])
+            raise GuardError(f"guard {bad.name!r} blocked {trigger!r} in {src.value!r}: {bad.invariant}",
+                             state=src.value, flags=[("trigger", trigger), ("guard", bad.name)],
+                             remedy="complete the current state's work before firing its trigger")
+        now = time.perf_counter()
+        duration_ms, self._entered = (now - self._entered) * 1e3, now
+        if self._on_transition is not None:
+            self._on_transition(src, self.state, trigger, duration_ms)
+        return self.state
+
+    def require_state(self, state: str) -> None:
+        """Raise OrderingError unless the machine is in ``state`` (naming the steps still missing, or that it
+        already ran, or that the machine failed)."""
+        t, cur = self.table, self.state
+        if cur.value == state:
+            return
+        if cur.value == t.failed:
+            raise OrderingError(f"{state} refused: the {t.machine} failed; start a new {t.machine}", state=cur.value,
+                                flags=[("step", state), ("current_state", cur.value)],
+                                remedy=f"a failed {t.machine} cannot continue — fix the cause and start again")
+        order = t.order
+        i, j = order.index(cur.value), order.index(state)
+        if j > i:
+            missing = order[i:j]
+            raise OrderingError(f"{state} refused: step(s) {', '.join(missing)} must run first ({t.machine} is in "
+                                f"{cur.value!r})", state=cur.value, flags=[("step", state), ("missing", missing)],
+                                allowed=[cur.value], remedy=f"run {missing[0]} first")
+        raise OrderingError(f"{state} refused: it already ran ({t.machine} is in {cur.value!r})", state=cur.value,
+                            flags=[("step", state), ("current_state", cur.value)], allowed=[cur.value],
+                            remedy=f"each {t.machine} step runs once; start a new {t.machine}")
+
+    def require(self, guards: Iterable[Guard], what: str) -> None:
+        """Raise GuardError naming the first of ``guards`` that does not hold and the step that establishes it."""
+        for g in guards:
+            if not getattr(self.model, g.name)():
+                raise GuardError(f"{what} refused: {g.invariant} does not hold (guard {g.name!r}; missing step: "
+                                 f"{g.set_by})", state=self.state.value, flags=[("guard", g.name),
+                                                                                ("missing_step", g.set_by)],
+                                 remedy=f"complete {g.set_by} before {what}")

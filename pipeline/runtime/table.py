@@ -1,0 +1,273 @@
+"""The runner's machine as one table (a model runner's ``initialize()``), each step's decision and effect.
+
+::
+
+    init-distributed ─distributed_ready─► load-model ─model_loaded─► init-memory-pool ─pool_ready─►
+        attention ─attention_ready─► capture-cuda-graphs ─graphs_settled─► ready   (any non-terminal ─fail─► failed)
+
+``attention`` runs the setup machine (:data:`pipeline.setup.table.SETUP`) composed inside it. Each step's
+``decide`` makes its decision without an effect — a runner's preflight (:meth:`pipeline.runtime.runner.Runner.preflight`)
+walks them before anything is allocated: the env settings, the compute dtype and the layers to build, the pool
+sizes against the device's memory, every setup decision up to allocation, the graph sizes — and ``apply`` carries
+it out. Capture is refused unless every :data:`CAPTURE_PRECONDITIONS` guard holds. Nothing here imports torch at
+import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import msgspec
+
+from pipeline.core import events as ev
+from pipeline.core import settings
+from pipeline.core.dtypes import kv_dtype, model_dtype
+from pipeline.core.errors import ConfigError
+from pipeline.core.pool_sizing import available_bytes, budget_from_fraction, check_fits, check_mem_fraction, size_pools
+from pipeline.core.spec import attention_layer_ids, truncate_spec
+from pipeline.core.steps import Guard, Step, StepTable
+
+
+class LoadDecision(NamedTuple):
+    """load-model's decision: the compute dtype and the spec of the layers built (the first ``num_layers``)."""
+
+    dtype: str
+    spec: Any
+
+
+class CaptureDecision(NamedTuple):
+    """capture-cuda-graphs' decision: the setup's :class:`states.graphs.GraphDecision` and the batch sizes."""
+
+    graphs: Any
+    sizes: list[int]
+
+
+CAPTURE_PRECONDITIONS: tuple[Guard, ...] = (
+    Guard("attention_done", "the attention pipeline reached 'done'", "attention"),
+    Guard("lazy_mem_settled", "NPU zbal lazy memory was initialised, or skipped with a recorded reason",
+          "attention (npu-lazy-mem)"),
+    Guard("aux_hidden_set", "the configured aux hidden-state layers (EAGLE3) are set on the model", "load-model"),
+    Guard("kv_pool_exists", "req_to_token and the K/V buffers exist", "init-memory-pool"),
+    Guard("ranks_agreed", "every rank resolved the same attention backends (or one rank)", "attention (rank agreement)"),
+)
+
+
+class RunnerModel:
+    """What each runner step produced; the guards read only this."""
+
+    def __init__(self) -> None:
+        self.world: Any = None           # (rank, world_size, cpu_group)
+        self.stack: Any = None           # AttentionStack
+        self.aux_configured: Optional[list[int]] = None
+        self.pools: Optional[dict[str, Any]] = None
+        self.backends: Any = None        # AttentionBackends
+        self.lazy_mem: Optional[str] = None  # "done" or the recorded skip reason
+        self.agreement: Optional[str] = None  # detail of the rank agreement
+        self.graphs: Any = None          # DecodeGraphRunner, or the recorded skip reason (str)
+        self.state: Any = None
+
+    def has_world(self) -> bool:
+        return self.world is not None
+
+    def has_model(self) -> bool:
+        return self.stack is not None
+
+    def kv_pool_exists(self) -> bool:
+        return bool(self.pools) and self.pools.get("kv_pool") is not None and \
+            self.pools.get("req_to_token_pool") is not None
+
+    def attention_done(self) -> bool:
+        return self.backends is not None and not getattr(self.backends, "closed", False)
+
+    def lazy_mem_settled(self) -> bool:
+        return bool(self.lazy_mem)
+
+    def aux_hidden_set(self) -> bool:
+        if not self.aux_configured:
+            return True
+        return self.stack is not None and self.stack.aux_hidden_state_layers == list(self.aux_configured)
+
+    def ranks_agreed(self) -> bool:
+        return bool(self.agreement)
+
+    def graphs_outcome(self) -> bool:
+        return self.graphs is not None
+
+
+# -- init-distributed: rank, world size and the CPU group ------------------------------------------------------
+def init_distributed(r: Any, _: Any) -> None:
+    """Record rank, world size and the CPU group (a gloo group when torch.distributed is up)."""
+    req, group, source = r.request, r.cpu_group, "arguments"
+    if req.world_size > 1 and group is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            if (dist.get_rank(), dist.get_world_size()) != (req.rank, req.world_size):
+                raise ConfigError("torch.distributed disagrees with the request's rank/world_size",
+                                  code="invalid_value", flags=[("rank", req.rank), ("world_size", req.world_size)],
+                                  allowed=[f"rank={dist.get_rank()}, world_size={dist.get_world_size()}"],
+                                  remedy="pass the process group's rank and world size")
+            group, source = dist.new_group(backend="gloo"), "torch.distributed"
+    r.cpu_group = group
+    r.emit(ev.DistributedInitialized, world_size=req.world_size, has_cpu_group=group is not None, source=source)
+    r.machine.model.world = (req.rank, req.world_size, group)
+
+
+# -- load-model: the attention stack of the first num_layers attention layers --------------------------------
+def decide_model(r: Any) -> LoadDecision:
+    """The compute dtype (refused here for a model type that refuses it) and the layers to build (refused here
+    when ``num_layers`` is outside the model's attention layers)."""
+    served = r.config.request.served_model
+    dtype = model_dtype(r.config.request.args, served)
+    if not attention_layer_ids(served):  # nothing to cut: the setup machine refuses a model without attention
+        return LoadDecision(dtype=dtype, spec=served)
+    return LoadDecision(dtype=dtype, spec=truncate_spec(served, r.config.num_layers))
+
+
+def load_model(r: Any, d: LoadDecision) -> None:
+    """Build the attention stack (seeded weights) and set the EAGLE3 aux layers; the request then serves its spec."""
+    from pipeline.backends.memory import torch_dtype
+    from pipeline.runtime.model import AttentionStack
+
+    req, cfg = r.request, r.config
+    stack = AttentionStack(d.spec, dtype=torch_dtype(d.dtype), device=r.platform.torch_device(r.index), seed=cfg.seed)
+    if cfg.aux_hidden_state_layers:
+        stack.set_aux_hidden_state_layers(cfg.aux_hidden_state_layers)
+    r.request = msgspec.structs.replace(req, **served_field(req, stack.spec))
+    r.emit(ev.ModelLoaded, num_layers=stack.num_layers, num_hidden_layers=req.served_model.num_hidden_layers,
+           param_bytes=stack.param_bytes(), dtype=d.dtype, seed=cfg.seed, aux_hidden_state_layers=stack.aux_hidden_state_layers)
+    m = r.machine.model
+    m.stack, m.aux_configured = stack, list(cfg.aux_hidden_state_layers or []) or None
+
+
+def served_field(req: Any, spec: Any) -> dict[str, Any]:
+    """``{model or draft_model: spec}``: the field of ``req`` holding the model it serves."""
+    return {"draft_model": spec} if req.is_draft_worker and req.draft_model is not None else {"model": spec}
+
+
+# -- init-memory-pool: req_to_token and the per-layer K/V buffers, sized from the budget -----------------------
+def decide_pools(r: Any) -> Any:
+    """The pool sizes (slots > bytes > fraction of the device's memory, weights already there subtracted), refused
+    when above the device's memory or its free share, or below ``config.min_token_slots``."""
+    cfg, req, spec = r.config, r.config.request, r.load.spec
+    p, facts = req.pool, r.platform.device_facts(r.index)
+    if cfg.mem_bytes is not None and facts.total_memory_bytes and cfg.mem_bytes > facts.total_memory_bytes:
+        raise ConfigError(f"--mem-bytes {cfg.mem_bytes} exceeds the device's {facts.total_memory_bytes} bytes",
+                          code="invalid_value", flags=[("mem_bytes", cfg.mem_bytes)],
+                          allowed=[f"<= {facts.total_memory_bytes}"], remedy="lower --mem-bytes or use --mem-fraction")
+    if cfg.mem_fraction is not None:
+        check_mem_fraction(cfg.mem_fraction)
+    budget, source, total, allocated = cfg.mem_bytes, "bytes", 0, r.platform.memory_allocated(r.index)
+    if cfg.num_token_slots is None and budget is None and cfg.mem_fraction is not None:
+        total = facts.total_memory_bytes
+        budget, source = budget_from_fraction(cfg.mem_fraction, total, allocated), "mem_fraction"
+    slots = cfg.num_token_slots if cfg.num_token_slots is not None else (None if budget is not None else
+                                                                         p.num_token_slots)
+    floor = cfg.min_token_slots if cfg.num_token_slots is not None or cfg.mem_bytes is not None else 0
+    s = size_pools(spec.layer_kinds(), spec.num_hidden_layers, kv_dtype(req.args, spec), page_size=req.args.page_size,
+                   max_reqs=p.max_reqs, max_context_len=p.max_context_len, num_token_slots=slots, budget_bytes=budget,
+                   source=source, mem_fraction=cfg.mem_fraction, min_slots=floor, min_slots_for=cfg.min_token_slots_for)
+    check_fits(s, available_bytes(r.platform, r.index), device=r.platform.torch_device(r.index), total_bytes=total,
+               allocated_bytes=allocated, mem_fraction=cfg.mem_fraction)
+    return s
+
+
+def alloc_pools(r: Any, s: Any) -> None:
+    """Allocate ``req_to_token`` and the K/V buffers; log tokens and bytes; the request then carries the sizes."""
+    from pipeline.backends.memory import KVPool, ReqToTokenPool, torch_dtype
+
+    req, p, dev = r.request, s.facts, r.platform.torch_device(r.index)
+    model = req.served_model
+    pools = {"req_to_token_pool": ReqToTokenPool(p.max_reqs, p.max_context_len, dev)}
+    pools["kv_pool"] = KVPool.for_layer_kinds(model.layer_kinds(), model.num_hidden_layers, p.num_token_slots,
+                                              p.page_size, torch_dtype(kv_dtype(req.args, model)), dev)
+    r.sizing, r.request = s, msgspec.structs.replace(req, pool=p)
+    r.emit(ev.MemoryPoolSized, source=s.source, budget_bytes=s.budget_bytes, bytes_per_token=s.bytes_per_token,
+           num_token_slots=p.num_token_slots, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
+           page_size=p.page_size, req_to_token_bytes=s.req_to_token_bytes, kv_bytes=s.kv_bytes)
+    r.machine.model.pools = pools
+
+
+# -- attention: the setup machine over this runner's pools ------------------------------------------------------
+def attention_request(r: Any) -> Any:
+    """The request the setup machine gets: the spec load-model builds, the pool sizes init-memory-pool chose."""
+    req = r.config.request
+    return msgspec.structs.replace(req, pool=r.pools_decided.facts, **served_field(req, r.load.spec))
+
+
+def decide_attention(r: Any) -> Any:
+    """Every setup decision up to allocation, for the request this runner will build (a refusal is kept, not raised:
+    the setup machine raises it at its own state, so the log shows where)."""
+    from pipeline.setup.build import decide_setup
+
+    return decide_setup(attention_request(r), platform=r.platform, installed=r.installed, rank_group=r.rank_group)
+
+
+def build_attention(r: Any, decided: Any) -> None:
+    """Run the setup machine over this runner's pools (its decisions taken, not made again), then read how NPU lazy
+    memory and the ranks' agreement came out of it."""
+    from pipeline.setup.build import build_attention_backends
+
+    m = r.machine.model
+    try:
+        out = build_attention_backends(r.request, platform=r.platform, log=r.log, pools=m.pools, installed=r.installed,
+                                       cpu_group=r.cpu_group, rank_group=r.rank_group, decided=decided)
+    except BaseException:
+        r.setup_failed = True  # the setup machine logged its run_failed
+        raise
+    m.backends = out
+    m.lazy_mem = "done" if out.lazy_mem.run else out.lazy_mem.reason
+    m.agreement = r.agreement_of(out)
+
+
+# -- capture-cuda-graphs: decode graphs, or skipped with the setup's reason -----------------------------------
+def decide_capture(r: Any) -> CaptureDecision:
+    """Whether decode graphs are captured — as the setup machine decided (one rule: :mod:`states.graphs`) — and for
+    which batch sizes."""
+    from states.graphs import capture_batch_sizes
+
+    out = r.machine.model.backends
+    g = out.graphs if out is not None else r.attention["build-mode"].graphs
+    req = r.request if out is not None else attention_request(r)
+    return CaptureDecision(graphs=g, sizes=capture_batch_sizes(req.args, req.pool.max_reqs) if g.capture else [])
+
+
+def capture(r: Any, d: CaptureDecision) -> None:
+    """Capture decode graphs for the decided sizes, or record the skip with its reason."""
+    from pipeline.runtime import cuda_graphs
+
+    m = r.machine.model
+    if not d.graphs.capture:
+        r.emit(ev.StepSkipped, outcome="skipped", what="cuda_graph_capture", reason=d.graphs.reason)
+        m.graphs = d.graphs.reason
+        return
+    backend = m.backends.decode_attention_backend_str
+    g = cuda_graphs.DecodeGraphRunner(m.stack, r.backend_for(True), m.pools["req_to_token_pool"], m.pools["kv_pool"],
+                                      d.sizes)
+    m.graphs = g
+    with r.log.heartbeat(f"capturing decode CUDA graphs for bs {', '.join(map(str, d.sizes))}"):
+        g.capture(lambda bs, ms: r.emit(ev.CudaGraphCaptured, bs=bs, capture_ms=ms, backend=backend))
+
+
+RUNNER = StepTable(
+    machine="runner", success="ready", event=ev.RunnerTransition, enum_name="RunnerState", module=__name__,
+    label="runner trigger", remedy="run initialize()'s steps in order",
+    steps=(
+        Step("init-distributed", "distributed_ready", (Guard(
+            "has_world", "rank, world size (and the CPU group when there is a process group) are known"),),
+            decide=lambda r: settings.check_env(), apply=init_distributed, emits=(ev.DistributedInitialized,)),
+        Step("load-model", "model_loaded", (Guard(
+            "has_model", "the attention stack exists (its layers size the KV pool)"),),
+            result="load", decide=decide_model, apply=load_model, emits=(ev.ModelLoaded,)),
+        Step("init-memory-pool", "pool_ready", (Guard(
+            "kv_pool_exists", "req_to_token and the K/V buffers exist before any backend is built over them"),),
+            result="pools_decided", decide=decide_pools, apply=alloc_pools, emits=(ev.MemoryPoolSized,)),
+        Step("attention", "attention_ready", (Guard("attention_done", "the attention pipeline reached 'done'"),),
+             result="attention", decide=decide_attention, apply=build_attention),
+        Step("capture-cuda-graphs", "graphs_settled", (Guard(
+            "graphs_outcome", "decode graphs captured, or capture skipped with a recorded reason"),),
+            pre=CAPTURE_PRECONDITIONS, what="capture", name="CAPTURE", result="graphs_decided",
+            decide=decide_capture, apply=capture, skip="cuda_graph_capture",
+            emits=(ev.StepSkipped, ev.CudaGraphCaptured, ev.RunnerReady)),
+    ))
+RunnerState = RUNNER.State
