@@ -222,7 +222,8 @@ class _Run:
         kinds, so pools that differ would be read past their end or under-sized (sglang builds both
         from one ModelRunner config). Checked: both keys; ``req_to_token`` [max_reqs, max_context_len]
         int32; per model layer a K [num_token_slots, Hkv, D] and V [num_token_slots, Hkv, Dv] buffer
-        of the KV dtype, on the run's device; ``page_size``. Raises ConfigError ``pools_mismatch``
+        of the KV dtype, on the run's device (an MLA layer's V a view of its K buffer's first Dv dims);
+        ``page_size``. Raises ConfigError ``pools_mismatch``
         (naming the field, what it holds and what is needed) before any allocation.
         """
         import torch
@@ -268,6 +269,10 @@ class _Run:
             for lid in k.layer_ids:
                 tensor(f"kv_pool.k_buffer[{lid}]", kb[lid], (p.num_token_slots, k.num_kv_heads, k.head_dim_qk), kvd)
                 tensor(f"kv_pool.v_buffer[{lid}]", vb[lid], (p.num_token_slots, k.num_kv_heads, k.head_dim_v), kvd)
+                if k.is_mla and (vb[lid].data_ptr() != kb[lid].data_ptr() or vb[lid].stride() != kb[lid].stride()):
+                    raise bad(f"kv_pool.v_buffer[{lid}]", "a separate tensor",
+                              f"a view of the first {k.head_dim_v} dims of k_buffer[{lid}] (one latent buffer per "
+                              "MLA layer, as sglang's MLATokenToKVPool; KVPool.for_layer_kinds builds it)")
 
     def _make_instance(self, inst: InstancePlan) -> Any:
         from pipeline.backends.registry import get
