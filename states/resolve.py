@@ -114,10 +114,21 @@ def explicit_choice(args: AttentionArgs, half: str, is_draft_worker: bool) -> Op
     return None
 
 
-def auto_candidates(device: DeviceFacts) -> list[str]:
-    """The registered backends auto-selection considers on ``device``, in priority order."""
+def auto_candidates(device: DeviceFacts, model: Optional[ModelSpec] = None) -> list[str]:
+    """The registered backends auto-selection considers on ``device`` (for ``model``), in priority order.
+
+    For an MLA model on an arch with a measured MLA table
+    (:data:`pipeline.backends.capabilities.MLA_DECODE_US`), the measured backends come first, fastest
+    first, then the rest of :data:`AUTO_PRIORITY` in its order (sglang picks per arch by hand: fa3 on
+    Hopper, where our fa3 serves no MLA; vLLM walks a priority list; we let the measurement order it).
+    """
+    from pipeline.backends.capabilities import MLA_DECODE_US
+
     known = set(registry.names())
-    return [n for n in AUTO_PRIORITY.get(device.type, DEFAULT_PRIORITY) if n in known]
+    base = [n for n in AUTO_PRIORITY.get(device.type, DEFAULT_PRIORITY) if n in known]
+    timed = MLA_DECODE_US.get(device.arch or "", {}) if model is not None and model.is_mla else {}
+    fast = sorted((n for n in base if n in timed), key=lambda n: timed[n])
+    return fast + [n for n in base if n not in timed]
 
 
 class _Survey:
@@ -205,7 +216,7 @@ def _pick(half: str, explicit: Optional[Explicit], ctx: Remedies) -> tuple[str, 
             raise _refuse_explicit(half, rule, name, flag, bad, ctx)
         return name, rule, []
     rejected: list[Rejection] = []
-    for name in auto_candidates(device):
+    for name in auto_candidates(device, ctx.model):
         bad = survey.why[name]
         if not bad:
             return name, "auto", rejected
@@ -215,7 +226,7 @@ def _pick(half: str, explicit: Optional[Explicit], ctx: Remedies) -> tuple[str, 
     if survey.installable:
         msg = f"auto-selection found no backend for {half} on {device.arch or device.type}: " \
               f"{survey.missing_note()}. Reasons: {detail}"
-    bad_all = [r for n in auto_candidates(device) for r in survey.why[n]]
+    bad_all = [r for n in auto_candidates(device, ctx.model) for r in survey.why[n]]
     flags = _flags_of([(f"{half}_attention_backend", None)], [r for r in bad_all if not r.is_package], device)
     raise CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=survey.working,
                              remedy=ctx.without_working())

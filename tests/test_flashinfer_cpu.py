@@ -128,10 +128,17 @@ def test_glue_decode_groups_without_a_cuda_core_kernel(fib, heads, kv_heads):
 
 
 def test_tensor_core_rule_and_cta_tile():
-    """Tensor-core decode for group >= 8, or >= 4 at batch >= 8 (fp8 always); FA2 tile rows per qo length."""
+    """Tensor-core decode for group >= 8, or >= 4 at batch >= 8 (fp8: the FP8_DECODE_PATH table); FA2 tile rows."""
     assert not sz.use_tensor_core_decode(1, 256) and not sz.use_tensor_core_decode(4, 1)
     assert sz.use_tensor_core_decode(8, 1)
-    assert sz.use_tensor_core_decode(4, 8) and sz.use_tensor_core_decode(1, 1, "fp8_e4m3")
+    assert sz.use_tensor_core_decode(4, 8)
+    for kv in ("fp8_e4m3", "fp8_e5m2", "float8_e4m3fn", "float8_e5m2"):  # our names and torch's
+        for g in (1, 2, 3, 4, 7, 8):
+            for b in (1, 8, 256):
+                want = g not in sz.CUDA_CORE_DECODE_GROUPS or sz.FP8_DECODE_PATH[g] == "tensor_core"
+                assert sz.use_tensor_core_decode(g, b, kv) == want, (kv, g, b)
+                # the fp8 rule uses tensor cores only where bf16 does at every batch size (workspace bound)
+                assert not want or all(sz.use_tensor_core_decode(g, bb) for bb in (1, 8, 256))
     assert [sz.cta_tile_q(n, 128) for n in (1, 16, 17, 64, 65)] == [16, 16, 64, 64, 128]
     assert sz.cta_tile_q(65, 256) == 64
 
