@@ -245,11 +245,12 @@ def test_no_suggestion_for_a_name_close_to_nothing():
 
 
 @pytest.mark.parametrize("profile,model,name,want", [
-    ("h200", "deepseek-v2-lite", "flashmla", ["torch_native"]),
+    ("h200", "deepseek-v2-lite", "flashmla", ["flashinfer", "torch_native", "triton"]),
     ("mi300x", "llama-3.1-8b", "aiter", ["torch_native"]),
 ])
 def test_unavailable_sglang_names_advise_only_what_resolves(profile, model, name, want):
-    """The issue's two false remedies: flashmla on an H200 MLA model and aiter on an MI300X now offer only torch_native."""
+    """The issue's two false remedies: flashmla on an H200 MLA model offers exactly the backends serving MLA there
+    (flashinfer, torch_native, triton since issue 16), aiter on an MI300X only torch_native."""
     from pipeline.contracts import PoolFacts, SetupRequest
     from pipeline.model_spec import load_model_spec
 
@@ -258,7 +259,7 @@ def test_unavailable_sglang_names_advise_only_what_resolves(profile, model, name
     with pytest.raises(ConfigError) as ei:
         plan_report(req, PROFILES[profile], ALL)
     info = ei.value.info
-    assert info.allowed == want and "triton" not in info.remedy
+    assert info.allowed == want and ("triton" in info.remedy) == ("triton" in want)
     _check_remedy(req, PROFILES[profile], ALL, info)
 
 
@@ -332,9 +333,10 @@ def test_cli_json_and_text_errors_show_flags(capsys):
             str(CONFIGS / "deepseek-v2-lite.json"), "--attention-backend", "flashmla"]
     assert main([*argv, "--json"]) == 3
     err = json.loads(capsys.readouterr().out)["error"]
-    assert err["remedy"] == "set --attention-backend to one of: torch_native" and err["allowed"] == ["torch_native"]
+    assert err["remedy"] == "set --attention-backend to one of: flashinfer, torch_native, triton"
+    assert err["allowed"] == ["flashinfer", "torch_native", "triton"]
     assert main(argv) == 3
-    assert "remedy: set --attention-backend to one of: torch_native" in capsys.readouterr().err
+    assert "remedy: set --attention-backend to one of: flashinfer, torch_native, triton" in capsys.readouterr().err
 
 
 # --- random requests with several faults at once ------------------------------------------------------
