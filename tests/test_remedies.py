@@ -153,11 +153,29 @@ def _run_only(case: dict) -> bool:
     return False
 
 
+def _profile_plan(case: dict) -> bool:
+    """A ``plan`` case on a named GPU profile whose refusal is a backend's (resolve): its remedy names backends."""
+    return (case.get("command") == "plan" and not case.get("env") and not case.get("unset")
+            and case.get("code") == "capability_mismatch" and "--device-profile" in case["argv"])
+
+
 @pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
 def test_every_corpus_refusal_has_a_true_remedy(case, tmp_path, capsys, monkeypatch):
     """The corpus request as plan builds it: its refusal's allowed backends and remedy fixes resolve on cpu."""
     argv = [a.format(data=DATA, configs=CONFIGS, tmp=tmp_path) for a in case["argv"]]
     installed = installed_from(None)
+    if _profile_plan(case):  # a GPU profile's refusal: its remedy checked on that profile and --installed
+        from pipeline.profiles import get
+
+        ns = build_parser().parse_args(["plan", *argv])
+        device, inst = get(ns.device_profile), installed_from(ns.installed)
+        ns.device = device.device_str
+        req = request_from(ns, on_gpu=device.type != "cpu")
+        with pytest.raises(ConfigError) as ei:
+            plan_report(req, device, inst)
+        assert ei.value.info.code == case["code"] and ei.value.exit_code == case["exit"]
+        _check_remedy(req, device, inst, ei.value.info)
+        return
     if _run_only(case):
         for var in case.get("unset", []):
             monkeypatch.delenv(var, raising=False)
