@@ -57,11 +57,12 @@ def make_kind(h: int, hkv: int, d: int, *, window=None, softcap=None, sinks=Fals
                      has_sinks=sinks, layer_ids=list(layer_ids))
 
 
-def make_mla_kind(h: int, *, latent: int = 512, rope: int = 64, nope: int = 128, layer_ids=(0,)) -> LayerKind:
-    """An absorbed-MLA LayerKind (one latent head; qk ``latent + rope``, v ``latent``), DeepSeek's scale
+def make_mla_kind(h: int, *, latent: int = 512, rope: int = 64, nope: int = 128, layer_ids=(0,),
+                  scaling: Optional[float] = None) -> LayerKind:
+    """An absorbed-MLA LayerKind (one latent head; qk ``latent + rope``, v ``latent``); scale ``scaling`` or
     ``(nope + rope) ** -0.5`` (the head dim before absorption, as FlashInfer's MLA docs say)."""
     return LayerKind(kind="full", num_heads=h, num_kv_heads=1, head_dim_qk=latent + rope, head_dim_v=latent,
-                     scaling=(nope + rope) ** -0.5, is_mla=True, layer_ids=list(layer_ids))
+                     scaling=scaling or (nope + rope) ** -0.5, is_mla=True, layer_ids=list(layer_ids))
 
 
 def make_layer(kind: LayerKind, layer_id: int, sinks: Optional[torch.Tensor] = None) -> AttentionLayer:

@@ -337,8 +337,8 @@ class FlashInferBackend(AttentionBackend):
         self.planned.check(layer)
         kw = self.kinds[self.layer_kind[layer.layer_id]]
         kv = self.mla_kv(layer.layer_id) if kw.mla else self.paged_kv(layer.layer_id)
-        ks, vs = layer_kv_scales(self.kv_pool, layer.layer_id)
-        run_kw = {"k_scale": ks, "v_scale": vs} if self.fp8 and (ks, vs) != (1.0, 1.0) else {}
+        ks, vs = layer_kv_scales(self.kv_pool, layer.layer_id) if self.fp8 else (1.0, 1.0)
+        run_kw = {"k_scale": ks, "v_scale": vs} if (ks, vs) != (1.0, 1.0) else {}
         info = (layer, kw, kv, layer.num_heads, layer.head_dim, layer.num_heads * layer.v_head_dim, run_kw,
                 layer.v_head_dim)
         self._layer_info[layer.layer_id] = info
