@@ -23,7 +23,7 @@ if [ "$WHAT" != bench ]; then
   echo "pytest bundled runs rc=$? at $(el)" | tee -a $S; tail -n 12 "$OUT/pytest_p4fi_runs.log" >> $S
 fi
 if [ "$WHAT" != tests ]; then
-  show(){ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['ok'], d['resolved']['prefill'], d['resolved']['decode'], [(v['role'], round(v['max_rel_err'],5), v['passed']) for v in d.get('verified', [])], [(s['step'], s['graph'], round(s['max_rel_err'],4)) for s in d.get('model_steps', [])], d.get('error') and d['error']['message'][:300])" "$1" 2>&1; }
+  show(){ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['ok'], (d.get('resolved') or {}).get('prefill'), (d.get('resolved') or {}).get('decode'), [(v['role'], round(v['max_rel_err'],5), v['passed']) for v in d.get('verified', [])], [(s['step'], s['graph'], round(s['max_rel_err'],4)) for s in d.get('model_steps', [])], d.get('error') and d['error']['message'][:300])" "$1" 2>&1; }
   cmd(){ name=$1; shift; timeout 90 python3 -m pipeline.cli "$@" --json > "$OUT/$name.json" 2> "$OUT/$name.err"
     echo "$name rc=$? at $(el): $(show "$OUT/$name.json")" | tee -a $S; }
   cmd run_dsv2lite run --device cuda --model examples/configs/deepseek-v2-lite.json
