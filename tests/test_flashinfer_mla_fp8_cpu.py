@@ -261,3 +261,46 @@ def test_fp8_jit_variants_carry_the_kv_dtype(kv):
     assert names == [f"prefill-fa2/bf16-{short}/d128/swa0/cap0/sm90", f"decode-cuda_core/bf16-{short}/d128/swa0/cap0/sm90"]
     torch_name = str(FP8[kv]).replace("torch.", "")
     assert [v.name for v in variants_for([kind], "fa2", "bfloat16", torch_name, "sm90")] == names
+
+
+# ---------------------------------------------------------------- the runner flow on a fake GPU
+
+
+@pytest.mark.parametrize("config,flags", [("deepseek-v2-lite.json", {}), ("deepseek-v3.json", {}),
+                                          ("llama-3.1-8b.json", {"kv_cache_dtype": "fp8_e4m3"}),
+                                          ("qwen3-8b.json", {"kv_cache_dtype": "fp8_e5m2"})])
+def test_runner_flow_resolves_flashinfer_by_auto_on_a_fake_sm90(fib, config, flags, monkeypatch):
+    """`attn-setup run`'s flow (model stack, pool, pipeline, verification, model steps) on a fake sm90 device with
+    the fake FlashInfer: DeepSeek (MLA) and fp8 KV resolve flashinfer by auto, build over the one-latent-buffer /
+    fp8 pool, and every instance and model step passes against float64. (CUDA graphs cannot be captured on CPU:
+    disabled here; tests/gpu/test_bundled_run_gpu.py captures them on the H200.) DeepSeek-V3 with 16 of its 128
+    heads (the fake's loops are slow; same dims and scale)."""
+    import msgspec
+
+    from conftest import CONFIGS
+    from pipeline.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
+    from pipeline.model_spec import load_model_spec
+    from pipeline.platforms.fake import FakePlatform
+    from pipeline.runner import Runner, RunnerConfig
+    from pipeline.runner_verify import verify_model_steps
+    from pipeline.verify import slots_needed, verify_built
+
+    model = load_model_spec(CONFIGS / config)
+    if model.num_attention_heads > 32:
+        model = msgspec.structs.replace(model, num_attention_heads=16, num_key_value_heads=16)
+    gpu = DeviceFacts(type="cuda", index=0, name="fake sm90", vendor="nvidia", compute_capability=(9, 0), sm_count=4,
+                      total_memory_bytes=80 << 30, cuda_version="12.8", source="test")
+    pool = PoolFacts(max_reqs=8, max_context_len=64, num_token_slots=slots_needed(8, 4) + 32 * 4, page_size=4)
+    args = AttentionArgs(page_size=4, disable_cuda_graph=True, flashinfer_workspace_size=64 << 20, **flags)
+    req = SetupRequest(args=args, model=model, pool=pool, device="cuda")
+    installed = {"torch": True, "triton": True, "flashinfer-python": True}
+    with Runner(RunnerConfig(request=req, num_layers=1), platform=FakePlatform(gpu), installed=installed) as r:
+        r.initialize()
+        res = r.backends.resolution
+        assert (res.pair.prefill, res.pair.decode, res.rules["decode"]) == ("flashinfer", "flashinfer", "auto")
+        kv = r.pools["kv_pool"]
+        assert (kv.mla_layers == {0}) is model.is_mla and (str(kv.dtype).startswith("torch.float8") is bool(flags))
+        steps = verify_model_steps(r, decode_steps=1)
+        assert steps and all(s.passed and not s.graph for s in steps), steps
+        verified = verify_built(r.backends, r.request, pools=r.pools, decode_steps=1)
+        assert verified and all(v.passed for v in verified), verified
