@@ -137,8 +137,19 @@ def test_tensor_core_rule_and_cta_tile():
             for b in (1, 8, 256):
                 want = g not in sz.CUDA_CORE_DECODE_GROUPS or sz.FP8_DECODE_PATH[g] == "tensor_core"
                 assert sz.use_tensor_core_decode(g, b, kv) == want, (kv, g, b)
-                # the fp8 rule uses tensor cores only where bf16 does at every batch size (workspace bound)
-                assert not want or all(sz.use_tensor_core_decode(g, bb) for bb in (1, 8, 256))
+
+
+def test_workspace_bound_holds_for_either_fp8_decode_path(monkeypatch):
+    """Flipping FP8_DECODE_PATH (as the lead may after a GPU run) never leaves the graph term unsized: the bound
+    covers tensor-core graph plans wherever either the 16-bit or the fp8 rule takes them."""
+    s = sz.HeadShape(32, 8, 128)
+    for bs in (1, 4, 7):  # group 4 below 8 requests: bf16 decodes on CUDA cores
+        monkeypatch.setitem(sz.FP8_DECODE_PATH, 4, "cuda_core")
+        cc = sz.workspace_need([s], num_sms=132, max_batch_size=bs, cuda_graph_max_bs=bs)
+        monkeypatch.setitem(sz.FP8_DECODE_PATH, 4, "tensor_core")
+        tc = sz.workspace_need([s], num_sms=132, max_batch_size=bs, cuda_graph_max_bs=bs)
+        assert cc.parts["fa2_graph_decode"] == 0 and tc.parts["fa2_graph_decode"] == sz.fa2_graph_decode_bytes(s, 132, bs)
+        assert tc.bytes >= cc.bytes
     assert [sz.cta_tile_q(n, 128) for n in (1, 16, 17, 64, 65)] == [16, 16, 64, 64, 128]
     assert sz.cta_tile_q(65, 256) == 64
 

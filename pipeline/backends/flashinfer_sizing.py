@@ -125,8 +125,8 @@ def use_tensor_core_decode(group: int, batch_size: int, kv_dtype: str = "bfloat1
     page 16): group 8 tc is never slower (1.0-2.7x faster), group 4 loses <= 2 µs below 8 requests at
     short contexts and wins up to 1.6x from there, group 1 is a tie (CUDA cores kept).
 
-    The fp8 choice uses tensor cores only where bf16 does at every batch size (group 8, uncompiled
-    groups), so :func:`workspace_need`, which sizes with the bf16 rule, bounds fp8 too.
+    :func:`workspace_need` sizes the graph term for tensor cores wherever either rule (16-bit or fp8)
+    uses them, so the bound holds for every KV dtype however :data:`FP8_DECODE_PATH` is set.
     """
     if group not in CUDA_CORE_DECODE_GROUPS:
         return True
@@ -201,7 +201,8 @@ def workspace_need(shapes: Iterable[HeadShape], *, num_sms: int, max_batch_size:
         parts["cuda_core_decode"] = max(parts["cuda_core_decode"], cuda_core_decode_bytes(s, num_sms))
         parts["fa2_eager"] = max(parts["fa2_eager"], fa2_eager_bytes(s, num_sms))
         bs = min(cuda_graph_max_bs, max_batch_size) if max_batch_size > 0 else cuda_graph_max_bs
-        if bs > 0 and (s.sinks or use_tensor_core_decode(s.group, bs)):
+        tc = use_tensor_core_decode(s.group, bs) or use_tensor_core_decode(s.group, bs, "fp8")  # either KV dtype
+        if bs > 0 and (s.sinks or tc):
             parts["fa2_graph_decode"] = max(parts["fa2_graph_decode"], fa2_graph_decode_bytes(s, num_sms, bs))
     return WorkspaceNeed(bytes=max(parts.values()), parts=parts)
 
