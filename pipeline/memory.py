@@ -173,8 +173,9 @@ class KVPool:
                                   flags=[(f"layer_dims[{lid}]", (h, d, dv))], allowed=["(1, D, Dv) with Dv < D"],
                                   remedy="pass the layer's absorbed dims, e.g. (1, 576, 512) for DeepSeek-V2/V3")
             if self.k_scales[lid] != self.v_scales[lid]:
-                raise ConfigError(f"MLA layer {lid} has k_scale={self.k_scales[lid]} and v_scale={self.v_scales[lid]}; its "
-                                  "V is a view of the one latent buffer, stored with k_scale", code="invalid_value",
+                raise ConfigError(f"MLA layer {lid} has k_scale={self.k_scales[lid]} and v_scale="
+                                  f"{self.v_scales[lid]}; its V is a view of the one latent buffer, stored with "
+                                  "k_scale", code="invalid_value",
                                   flags=[(f"v_scales[{lid}]", self.v_scales[lid])], allowed=[str(self.k_scales[lid])],
                                   remedy="give an MLA layer one scale for its latent cache (v_scale = k_scale)")
         self.size = num_token_slots
@@ -191,7 +192,8 @@ class KVPool:
                         dtype: torch.dtype, device: str | torch.device, *,
                         k_scales: Optional[Sequence[float]] = None,
                         v_scales: Optional[Sequence[float]] = None) -> "KVPool":
-        """A pool with one buffer pair per layer id, dims taken from each layer's kind (MLA kinds: one latent buffer)."""
+        """A pool with one buffer pair per layer id, dims taken from each layer's kind (MLA kinds: one latent
+        buffer, V a view of it)."""
         dims: list[tuple[int, int, int]] = [(0, 0, 0)] * num_layers
         mla: list[int] = []
         for kind in kinds:

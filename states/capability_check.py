@@ -11,7 +11,8 @@ Checks, in order: device type, arch (compute capability), packages, the model's 
 local attention — each reason names the head dim or feature *and* the layer kind with its layers; MLA
 kinds against ``mla_head_dims`` when the record has them;
 a hybrid model's linear-attention / mamba layers are no attention kind and need nothing), q dtype, KV-cache
-dtype (an fp8 one only with the record's ``fp8_kv_features``; ``kv_dtype_matches_q`` exempts fp8), page size, speculative decoding (incl. EAGLE tree verification), TBO, PD-mux.
+dtype (an fp8 one only with the record's ``fp8_kv_features``; ``kv_dtype_matches_q`` exempts fp8), page size,
+speculative decoding (incl. EAGLE tree verification), TBO, PD-mux.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def model_reasons_with_flags(cap: Capability, model: ModelSpec) -> list[Reason]:
             if [k.head_dim_qk, k.head_dim_v] not in cap.mla_head_dims:
                 out.append(Reason(f"MLA head dims {k.head_dim_qk}/{k.head_dim_v} (qk/v, absorbed) of {where} are not "
                                   f"supported (supports {_list(f'{a}/{b}' for a, b in cap.mla_head_dims)})",
-                                  (mf, (f"{k.kind}.head_dim_qk", k.head_dim_qk), (f"{k.kind}.head_dim_v", k.head_dim_v))))
+                                  (mf, (f"{k.kind}.head_dim_qk", k.head_dim_qk),
+                                   (f"{k.kind}.head_dim_v", k.head_dim_v))))
         elif cap.head_dims_qk is not None and k.head_dim_qk not in cap.head_dims_qk:
             out.append(Reason(f"qk head dim {k.head_dim_qk} of {where} is not supported "
                               f"(supports {_list(cap.head_dims_qk)})", (mf, (f"{k.kind}.head_dim_qk", k.head_dim_qk))))

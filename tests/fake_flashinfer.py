@@ -185,7 +185,7 @@ class BatchMLAPagedAttentionWrapper:
 
 
 def module() -> types.ModuleType:
-    """A module object exposing the wrapper classes under FlashInfer's names (the MLA one also as ``flashinfer.mla``)."""
+    """A module exposing the wrapper classes under FlashInfer's names (the MLA one also as ``flashinfer.mla``)."""
     m = types.ModuleType("flashinfer")
     for c in (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
               BatchAttentionWithAttentionSinkWrapper, BatchPrefillWithRaggedKVCacheWrapper,

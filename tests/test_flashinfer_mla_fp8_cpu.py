@@ -258,7 +258,8 @@ def test_fp8_jit_variants_carry_the_kv_dtype(kv):
     kind = make_kind(32, 8, 128)
     short = "e4m3" if kv == "fp8_e4m3" else "e5m2"
     names = [v.name for v in variants_for([kind], "fa2", "bfloat16", kv, "sm90")]
-    assert names == [f"prefill-fa2/bf16-{short}/d128/swa0/cap0/sm90", f"decode-cuda_core/bf16-{short}/d128/swa0/cap0/sm90"]
+    assert names == [f"prefill-fa2/bf16-{short}/d128/swa0/cap0/sm90",
+                     f"decode-cuda_core/bf16-{short}/d128/swa0/cap0/sm90"]
     torch_name = str(FP8[kv]).replace("torch.", "")
     assert [v.name for v in variants_for([kind], "fa2", "bfloat16", torch_name, "sm90")] == names
 

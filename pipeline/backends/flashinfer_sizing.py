@@ -104,7 +104,8 @@ MLA_FA3_ARCHS = ("sm90",)
 
 
 def mla_backend(arch: str) -> str:
-    """FlashInfer's MLA wrapper backend for ``arch`` (``"sm90"`` …): ``"fa3"`` on :data:`MLA_FA3_ARCHS`, else ``"fa2"``."""
+    """FlashInfer's MLA wrapper backend for ``arch`` (``"sm90"`` …): ``"fa3"`` on :data:`MLA_FA3_ARCHS`,
+    else ``"fa2"``."""
     return "fa3" if arch in MLA_FA3_ARCHS else "fa2"
 
 
