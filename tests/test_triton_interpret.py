@@ -12,6 +12,7 @@ module re-runs in a fresh subprocess with the variable set (one test reports it)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -197,6 +198,92 @@ def test_extend_kernel_chunked_matches_reference(chunk, page, features):
         assert rel_err(out[sl], ref) <= 1e-2, (i, p, n)
 
 
+# ------------------------------------------------------------------------------------------- fp8 KV
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _quantise(real, fmt, scale):
+    """The pool's rule: stored = round_to_fp8(real / scale) (scale a float or a 0-d tensor)."""
+    return (real.float() / scale).to(FP8[fmt])
+
+
+def _deq(stored, scale):
+    """What the stored values mean: stored * scale, in float64 (the reference's input)."""
+    return stored.double() * float(scale)
+
+
+def _fp8_paged(lens, hkv, d, page, fmt, k_scale, v_scale, seed):
+    kb, vb, r2t, rows = _paged(lens, hkv, d, page, torch.float32, seed)
+    # magnitudes that use the fp8 range around the scales (incl. e4m3 subnormals near 2^-9 * scale)
+    return _quantise(kb * 3 * float(k_scale), fmt, k_scale), _quantise(vb * 2 * float(v_scale), fmt, v_scale), r2t, rows
+
+
+FP8_DECODE_CASES = [
+    # (fmt, q dtype, H, Hkv, D, page, k_scale, v_scale, scales as tensors, features, max_splits)
+    ("e4m3", torch.bfloat16, 8, 2, 64, 1, 0.37, 2.5, False, (), 4),
+    ("e5m2", torch.bfloat16, 4, 4, 64, 16, 1.75, 0.06, True, ("window", "sinks"), 3),
+    ("e4m3", torch.float16, 4, 1, 96, 4, 0.011, 0.5, True, ("softcap",), 8),
+    ("e5m2", torch.float16, 8, 2, 64, 4, 3.0, 1.0, False, ("window", "softcap", "sinks"), 1),
+]
+
+
+@pytest.mark.parametrize("fmt,qdt,h,hkv,d,page,ks,vs,as_tensor,features,max_splits", FP8_DECODE_CASES)
+def test_decode_kernel_fp8_matches_dequantised_reference(fmt, qdt, h, hkv, d, page, ks, vs, as_tensor, features,
+                                                         max_splits):
+    """fp8 K/V (both formats, non-unit scales given as floats or 0-d tensors, bf16/fp16 q) equal the float64
+    reference over the dequantised stored K/V; the scales bite (scale 1.0 gives a different result)."""
+    lens = [1, 37, 70, 16]
+    kb, vb, r2t, rows = _fp8_paged(lens, hkv, d, page, fmt, ks, vs, seed=h + d + page)
+    q = torch.randn(len(lens), h, d).to(qdt)
+    kw = _feature_kwargs(features, h, seed=d)
+    scales = dict(k_scale=torch.tensor(ks), v_scale=torch.tensor(vs)) if as_tensor else dict(k_scale=ks, v_scale=vs)
+    out = torch.full((len(lens), h, d), float("nan"), dtype=qdt)
+    DEC.decode_attention(q, kb, vb, r2t, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), out,
+                         sm_scale=d ** -0.5, max_splits=max_splits, config=DEC.DecodeConfig(**SMALL_DEC), **kw,
+                         **scales)
+    unscaled = torch.full_like(out, float("nan"))
+    DEC.decode_attention(q, kb, vb, r2t, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), unscaled,
+                         sm_scale=d ** -0.5, max_splits=max_splits, config=DEC.DecodeConfig(**SMALL_DEC), **kw)
+    for i, (r, n) in enumerate(zip(rows, lens)):
+        slots = r2t[r, :n].long()
+        ref = _ref(q[i:i + 1], _deq(kb[slots], ks), _deq(vb[slots], vs), torch.tensor([n - 1]), d ** -0.5, kw)
+        assert rel_err(out[i:i + 1], ref) <= 1e-2, (i, n)
+    assert rel_err(unscaled, out) > 0.05
+
+
+FP8_EXTEND_CASES = [
+    # (fmt, q dtype, H, Hkv, D, page, k_scale, v_scale, scales as tensors, features)
+    ("e4m3", torch.bfloat16, 4, 2, 64, 4, 0.37, 2.5, True, ()),
+    ("e5m2", torch.bfloat16, 8, 2, 64, 16, 1.75, 0.06, False, ("window", "sinks")),
+    ("e4m3", torch.float16, 4, 4, 96, 1, 0.011, 0.5, False, ("softcap",)),
+    ("e5m2", torch.float16, 4, 1, 64, 4, 3.0, 1.0, True, ("window", "softcap", "sinks")),
+]
+
+
+@pytest.mark.parametrize("fmt,qdt,h,hkv,d,page,ks,vs,as_tensor,features", FP8_EXTEND_CASES)
+def test_extend_kernel_fp8_matches_dequantised_reference(fmt, qdt, h, hkv, d, page, ks, vs, as_tensor, features):
+    """fp8 extend: paged fp8 prefix + the new tokens in the stored fp8 format, against float64 attention over
+    the dequantised stored K/V (ragged, blocks past the first)."""
+    prefix, new = [0, 5, 23], [19, 1, 7]
+    lens = [p + n for p, n in zip(prefix, new)]
+    kb, vb, r2t, rows = _fp8_paged(lens, hkv, d, page, fmt, ks, vs, seed=3 * h + d)
+    q = torch.randn(sum(new), h, d).to(qdt)
+    new_slots = torch.cat([r2t[r, p:p + n].long() for r, p, n in zip(rows, prefix, new)])
+    k, v = kb[new_slots].clone(), vb[new_slots].clone()
+    kw = _feature_kwargs(features, h, seed=d + 1)
+    scales = dict(k_scale=torch.tensor(ks), v_scale=torch.tensor(vs)) if as_tensor else dict(k_scale=ks, v_scale=vs)
+    qo = torch.tensor([0, 19, 20, 27], dtype=torch.int32)
+    out = torch.full((sum(new), h, d), float("nan"), dtype=qdt)
+    DEC.extend_attention(q, k, v, kb, vb, r2t, torch.tensor(rows), qo, torch.tensor(prefix, dtype=torch.int32), out,
+                         max_extend_len=max(new), sm_scale=d ** -0.5, config=DEC.ExtendConfig(**SMALL_EXT), **kw,
+                         **scales)
+    for i, (r, p, n) in enumerate(zip(rows, prefix, new)):
+        slots = r2t[r, :p + n].long()
+        sl = slice(int(qo[i]), int(qo[i + 1]))
+        ref = _ref(q[sl], _deq(kb[slots], ks), _deq(vb[slots], vs), torch.arange(p, p + n), d ** -0.5, kw)
+        assert rel_err(out[sl], ref) <= 1e-2, (i, p, n)
+
+
 # ------------------------------------------------------------------------------------------- backend
 def _backend(h, hkv, d, **kw):
     from pipeline.backends.triton.backend import TritonAttnBackend
@@ -342,13 +429,99 @@ def _dec_args(**over):
     (dict(sinks=torch.zeros(3)), BuildError, "sinks.shape"),
     (dict(sliding_window=0), BuildError, "sliding_window"),
     (dict(attention_chunk_size=0), BuildError, "attention_chunk_size"),
+    (dict(k_buffer=torch.zeros(32, 2, 64)), CapabilityMismatch, "k_buffer.dtype"),
+    (dict(k_buffer=torch.zeros(32, 2, 64, dtype=torch.float8_e4m3fn)), BuildError, "v_buffer.dtype"),
+    (dict(k_buffer=torch.zeros(32, 2, 64, dtype=torch.float8_e4m3fn),
+          v_buffer=torch.zeros(32, 2, 64, dtype=torch.float8_e5m2)), BuildError, "v_buffer.dtype"),
+    (dict(k_scale=0.0), BuildError, "k_scale"),
+    (dict(k_scale=float("nan")), BuildError, "k_scale"),
+    (dict(v_scale=-1.0), BuildError, "v_scale"),
+    (dict(v_scale=True), BuildError, "v_scale"),
+    (dict(k_scale="1.0"), BuildError, "k_scale"),
+    (dict(k_scale=torch.ones(2)), BuildError, "k_scale"),
+    (dict(v_scale=torch.ones((), dtype=torch.int32)), BuildError, "v_scale"),
 ])
 def test_decode_launcher_rejects_bad_input(over, err, field):
     """Bad inputs raise the typed error naming the field, before any launch."""
-    kw = {k: over.pop(k) for k in ("sinks", "sliding_window", "attention_chunk_size") if k in over}
+    kw = {k: over.pop(k) for k in ("sinks", "sliding_window", "attention_chunk_size", "k_scale", "v_scale")
+          if k in over}
     with pytest.raises(err) as ei:
         DEC.decode_attention(**_dec_args(**over), sm_scale=0.1, max_splits=2, **kw)
     assert ei.value.info.flags[0].name == field and ei.value.info.remedy
+
+
+def _ext_args(**over):
+    a = dict(q=torch.zeros(3, 4, 64, dtype=torch.bfloat16), k=torch.zeros(3, 2, 64, dtype=torch.float8_e4m3fn),
+             v=torch.zeros(3, 2, 64, dtype=torch.float8_e4m3fn),
+             k_buffer=torch.zeros(32, 2, 64, dtype=torch.float8_e4m3fn),
+             v_buffer=torch.zeros(32, 2, 64, dtype=torch.float8_e4m3fn), req_to_token=torch.zeros(3, 16, dtype=torch.int32),
+             req_pool_indices=torch.tensor([1, 2]), qo_indptr=torch.tensor([0, 1, 3], dtype=torch.int32),
+             prefix_lens=torch.tensor([2, 4], dtype=torch.int32), out=torch.zeros(3, 4, 64, dtype=torch.bfloat16))
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize("over,err,field", [
+    (dict(k=torch.zeros(3, 2, 64, dtype=torch.bfloat16)), BuildError, "k.dtype"),
+    (dict(v=torch.zeros(3, 2, 64, dtype=torch.float8_e5m2)), BuildError, "v.dtype"),
+    (dict(k_scale=float("inf")), BuildError, "k_scale"),
+    (dict(v_scale=torch.ones(1, 1, dtype=torch.float32).expand(2, 1)), BuildError, "v_scale"),
+])
+def test_extend_launcher_rejects_bad_fp8_input(over, err, field):
+    """Extend: the new K/V must be in the pool's stored format; scales as for decode; nothing launched."""
+    kw = {k: over.pop(k) for k in ("k_scale", "v_scale") if k in over}
+    args = _ext_args(**over)
+    args["out"].fill_(float("nan"))
+    with pytest.raises(err) as ei:
+        DEC.extend_attention(**args, max_extend_len=2, sm_scale=0.1, **kw)
+    assert ei.value.info.flags[0].name == field and ei.value.info.remedy
+    assert args["out"].isnan().all()   # nothing written
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledLayer(AttentionLayer):
+    """A layer carrying its KV dequantisation scales (as sglang's RadixAttention does)."""
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_backend_fp8_pool_extend_decode_and_graph_replay(fmt):
+    """An fp8 pool through the backend with the layer's non-unit scales: extend (new tokens read back in the
+    stored format), decode, and a graph-hook replay equal to eager; each against the float64 reference over
+    the dequantised stored K/V."""
+    rp = ReqToTokenPool(6, 128, "cpu")
+    kv = KVPool(512, 4, [(2, 64, 64)], FP8[fmt], "cpu")
+    alloc = PageAllocator(rp, 512, 4, seed=1)
+    layer = ScaledLayer(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, scaling=0.125,
+                        sliding_window=19, k_scale=0.5, v_scale=3.0)
+    be = _backend(4, 2, 64)
+
+    def check(fb, q, out):
+        start = 0
+        for row, s, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu, fb.extend_seq_lens_cpu):
+            slots = r2t[row, :s].long()
+            ref = reference_attention(q[start:start + n], _deq(kv.k_buffer[0][slots], 0.5),
+                                      _deq(kv.v_buffer[0][slots], 3.0), q_positions=torch.arange(s - n, s),
+                                      scale=layer.scaling, window=layer.sliding_window)
+            assert rel_err(out[start:start + n].view(n, 4, -1), ref) <= 1e-2
+            start += n
+
+    r2t = rp.req_to_token
+    fb, q, k, v, out = _step(be, ForwardMode.EXTEND, [1, 3], [21, 6], alloc, kv, layer, torch.bfloat16)
+    assert kv.k_buffer[0].dtype == FP8[fmt]
+    check(fb, q, out)
+    fb, q, k, v, out = _step(be, ForwardMode.DECODE, [3, 1], [1, 1], alloc, kv, layer, torch.bfloat16)
+    check(fb, q, out)
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    fb = make_forward_batch(ForwardMode.DECODE, [1, 3], [1, 1], alloc, kv)
+    be.init_forward_metadata_capture_cuda_graph(2, 2, fb.req_pool_indices, fb.seq_lens, None, ForwardMode.DECODE, None)
+    q, k, v = torch.randn(2, 4, 64).bfloat16(), torch.randn(2, 2, 64).bfloat16(), torch.randn(2, 2, 64).bfloat16()
+    graphed = be.forward(q, k, v, layer, fb)
+    be.init_forward_metadata(fb)
+    assert torch.equal(graphed, be.forward(q, k, v, layer, fb, save_kv_cache=False))
+    check(fb, q, graphed)
 
 
 def test_factory_refuses_mla_kind():

@@ -12,13 +12,15 @@ position ``qp`` when ``qp - kp < window``; phase 1 skips tiles wholly outside th
 chunked local attention (Llama-4) it is visible when ``kp // chunk == qp // chunk``; both phases
 start at the chunk of the block's first query.
 Sink logits add ``exp(sink)`` to the softmax denominator. Scores use ``exp2`` with the scale
-folded in; softcap as in :mod:`.decode`.
+folded in; softcap as in :mod:`.decode`. fp8 KV as in :mod:`.decode`: the pool's K/V and this step's
+new K/V are both given in the stored format (fp8, or q's dtype), upcast to q's dtype in registers,
+``k_scale`` folded into the score scale, ``v_scale`` applied to the normalised output.
 """
 
 import triton
 import triton.language as tl
 
-from pipeline.backends.triton.kernels.decode import _dot, _softcap
+from pipeline.backends.triton.kernels.decode import _dot, _scale, _softcap
 
 
 @triton.jit
@@ -33,14 +35,14 @@ def _scores(q, k, sm_scale, softcap, USE_SOFTCAP: tl.constexpr, UPCAST: tl.const
 
 @triton.jit
 def extend_kernel(
-    Q, KNew, VNew, KBuf, VBuf, ReqToToken, ReqIdx, QoIndptr, PrefixLens, Sinks, Out,
-    sm_scale, softcap, window, chunk, G,
+    Q, KNew, VNew, KBuf, VBuf, ReqToToken, ReqIdx, QoIndptr, PrefixLens, Sinks, Out, KScale, VScale,
+    sm_scale, k_scale, v_scale, softcap, window, chunk, G,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t, stride_ot, stride_oh,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    UPCAST: tl.constexpr, USE_CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr, USE_CHUNK: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
 ):
     """One (q head, block of new tokens, request): prefix phase, then causal phase."""
     h = tl.program_id(0)
@@ -63,6 +65,7 @@ def extend_kernel(
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & (offs_d[None, :] < D), other=0.0)
+    score_scale = sm_scale * _scale(KScale, k_scale, K_SCALE_PTR)   # real score = stored q.k * k_scale
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -81,8 +84,8 @@ def extend_kernel(
         n_mask = pos < prefix
         slot = tl.load(r2t + pos, mask=n_mask, other=0).to(tl.int64)
         k = tl.load(KBuf + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0)
-        qk = _scores(q, k, sm_scale, softcap, USE_SOFTCAP, UPCAST)
+                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0).to(q.dtype)
+        qk = _scores(q, k, score_scale, softcap, USE_SOFTCAP, UPCAST)
         vis = n_mask[None, :]
         if USE_WINDOW:
             vis = vis & ((q_pos[:, None] - pos[None, :]) < window)
@@ -94,7 +97,7 @@ def extend_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VBuf + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
-                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
 
@@ -111,8 +114,8 @@ def extend_kernel(
         n_mask = n_idx < ext_len
         krow = (q_start + n_idx).to(tl.int64)
         k = tl.load(KNew + krow[:, None] * stride_knt + kvh * stride_knh + offs_d[None, :],
-                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0)
-        qk = _scores(q, k, sm_scale, softcap, USE_SOFTCAP, UPCAST)
+                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0).to(q.dtype)
+        qk = _scores(q, k, score_scale, softcap, USE_SOFTCAP, UPCAST)
         vis = n_mask[None, :] & (n_idx[None, :] <= offs_m[:, None])
         if USE_WINDOW:
             vis = vis & ((offs_m[:, None] - n_idx[None, :]) < window)
@@ -124,13 +127,13 @@ def extend_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VNew + krow[:, None] * stride_vnt + kvh * stride_vnh + offs_dv[None, :],
-                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
 
     if HAS_SINKS:
         sink = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
         l_i += tl.exp2(sink - m_i)
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * _scale(VScale, v_scale, V_SCALE_PTR)
     tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :], out.to(Out.dtype.element_ty),
              mask=m_mask[:, None] & (offs_dv[None, :] < DV))
