@@ -198,6 +198,121 @@ def test_extend_kernel_chunked_matches_reference(chunk, page, features):
         assert rel_err(out[sl], ref) <= 1e-2, (i, p, n)
 
 
+# ------------------------------------------------------------------------------- what the kernels read
+class _ReadSpy:
+    """Records every element a kernel loads under the interpreter (its masked-load builder op, wrapped for the
+    duration of a ``with``): ``rows(buf)`` maps the loads that fell inside ``buf`` to (program id, row) pairs.
+    Test-only: the kernels carry no instrumentation."""
+
+    def __enter__(self):
+        from triton.runtime import interpreter as interp
+
+        self._b = interp.interpreter_builder
+        self._orig = self._b.create_masked_load
+        self.loads = []
+
+        def spy(ptrs, mask, other, *a):
+            self.loads.append((tuple(self._b.grid_idx), ptrs.data[mask.data].copy()))
+            return self._orig(ptrs, mask, other, *a)
+
+        self._b.create_masked_load = spy
+        return self
+
+    def __exit__(self, *exc):
+        self._b.create_masked_load = self._orig
+
+    def rows(self, buf: torch.Tensor) -> set:
+        lo, row_bytes = buf.data_ptr(), buf.stride(0) * buf.element_size()
+        hi = lo + buf.shape[0] * row_bytes
+        out = set()
+        for pid, addrs in self.loads:
+            a = addrs.astype("int64")
+            for r in set(((a[(a >= lo) & (a < hi)] - lo) // row_bytes).tolist()):
+                out.add((pid, r))
+        return out
+
+
+def _positions(r2t, rows, lens):
+    """slot -> (request index, position) over the requests' tokens."""
+    return {int(r2t[r, t]): (i, t) for i, (r, n) in enumerate(zip(rows, lens)) for t in range(n)}
+
+
+@pytest.mark.parametrize("window,chunk,max_splits", [(24, None, 4), (7, None, 8), (40, 32, 4), (None, 16, 2)])
+def test_decode_reads_only_the_visible_keys(window, chunk, max_splits):
+    """Sliding window / chunk: decode loads exactly the K and V rows of the visible keys [start, L) of each
+    request — pages before the window or chunk start are never read (the split ranges begin there), and
+    the result still equals the reference."""
+    h, hkv, d, page = 4, 2, 64, 4
+    lens = [200, 37, 130, 5, 64]
+    kb, vb, r2t, rows = _paged(lens, hkv, d, page, torch.bfloat16, seed=11)
+    q = torch.randn(len(lens), h, d).to(torch.bfloat16)
+    kw = {k: x for k, x in (("sliding_window", window), ("attention_chunk_size", chunk)) if x is not None}
+    out = torch.full((len(lens), h, d), float("nan"), dtype=torch.bfloat16)
+    with _ReadSpy() as spy:
+        DEC.decode_attention(q, kb, vb, r2t, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), out,
+                             sm_scale=d ** -0.5, max_splits=max_splits, config=DEC.DecodeConfig(**SMALL_DEC), **kw)
+    pos = _positions(r2t, rows, lens)
+    for buf in (kb, vb):
+        read = {}
+        for (b, _, _), slot in spy.rows(buf):
+            i, t = pos[slot]
+            assert i == b, "a program read another request's keys"
+            read.setdefault(i, set()).add(t)
+        for i, n in enumerate(lens):
+            start = max(n - window, 0) if window else 0
+            if chunk:
+                start = max(start, (n - 1) // chunk * chunk)
+            assert read[i] == set(range(start, n)), (i, n, sorted(read[i])[:3])
+    for i, (r, n) in enumerate(zip(rows, lens)):
+        slots = r2t[r, :n].long()
+        assert rel_err(out[i:i + 1], _ref(q[i:i + 1], kb[slots], vb[slots], torch.tensor([n - 1]), d ** -0.5,
+                                           kw)) <= 1e-2
+
+
+@pytest.mark.parametrize("window,chunk", [(16, None), (5, None), (None, 24)])
+def test_extend_skips_key_tiles_outside_every_window(window, chunk):
+    """Extend with a window (or chunk): a program (head, block of BLOCK_M new tokens) never loads a cached or
+    new key tile that lies wholly before the first key its first query sees, so the keys it reads are
+    bounded by window + BLOCK_M + 2 tiles, not by the prefix (result equal to the reference)."""
+    h, hkv, d, page = 2, 1, 64, 4
+    prefix, new = [150, 0, 40], [40, 33, 9]
+    lens = [p + n for p, n in zip(prefix, new)]
+    kb, vb, r2t, rows = _paged(lens, hkv, d, page, torch.bfloat16, seed=5)
+    q = torch.randn(sum(new), h, d).to(torch.bfloat16)
+    new_slots = torch.cat([r2t[r, p:p + n].long() for r, p, n in zip(rows, prefix, new)])
+    k, v = kb[new_slots].clone(), vb[new_slots].clone()
+    kw = {x: y for x, y in (("sliding_window", window), ("attention_chunk_size", chunk)) if y is not None}
+    qo = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32)
+    out = torch.full((sum(new), h, d), float("nan"), dtype=torch.bfloat16)
+    cfg = DEC.ExtendConfig(**SMALL_EXT)
+    bm, bn = cfg.block_m, cfg.block_n
+    with _ReadSpy() as spy:
+        DEC.extend_attention(q, k, v, kb, vb, r2t, torch.tensor(rows), qo, torch.tensor(prefix, dtype=torch.int32),
+                             out, max_extend_len=max(new), sm_scale=d ** -0.5, config=cfg, **kw)
+    pos = _positions(r2t, rows, lens)
+    per_prog = {}
+    for buf in (kb, k):
+        for (hh, mb, b), row in spy.rows(buf):
+            t = pos[row][1] if buf is kb else prefix[b] + row - int(qo[b])
+            if buf is kb:
+                assert pos[row][0] == b
+            per_prog.setdefault((hh, mb, b), set()).add(t)
+    assert per_prog, "the spy saw no key loads"
+    for (hh, mb, b), ts in per_prog.items():
+        first_q = prefix[b] + mb * bm
+        first_visible = max(first_q - window + 1, 0) if window else first_q // chunk * chunk
+        # the first tile read holds a visible key (tiles start on multiples of BLOCK_N: absolute positions in
+        # the prefix, new-token indices in the causal phase)
+        assert min(ts) > first_visible - bn, ((hh, mb, b), min(ts), first_visible)
+        span = (window - 1 if window else chunk) + bm + 2 * bn
+        assert len(ts) <= span, ((hh, mb, b), len(ts))
+    assert max(len(ts) for ts in per_prog.values()) < prefix[0]   # the long prefix was not walked
+    for i, (r, p, n) in enumerate(zip(rows, prefix, new)):
+        slots = r2t[r, :p + n].long()
+        sl = slice(int(qo[i]), int(qo[i + 1]))
+        assert rel_err(out[sl], _ref(q[sl], kb[slots], vb[slots], torch.arange(p, p + n), d ** -0.5, kw)) <= 1e-2
+
+
 # ------------------------------------------------------------------------------------------- fp8 KV
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
