@@ -123,9 +123,11 @@ EXTEND_CASES = [
 ]
 
 
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("h,hkv,d,page,dtype,features", EXTEND_CASES)
-def test_extend_kernel_matches_reference(h, hkv, d, page, dtype, features):
-    """Extend (paged prefix + causal new tokens, ragged) equals the float64 reference per request."""
+def test_extend_kernel_matches_reference(h, hkv, d, page, dtype, features, pack):
+    """Extend (paged prefix + causal new tokens, ragged) equals the float64 reference per request, with one
+    q head per program and with the GQA group's heads packed into the rows (blocks straddle tokens)."""
     prefix, new = [0, 5, 23], [19, 1, 7]
     lens = [p + n for p, n in zip(prefix, new)]
     kb, vb, r2t, rows = _paged(lens, hkv, d, page, dtype, seed=3 * h + d)
@@ -137,7 +139,8 @@ def test_extend_kernel_matches_reference(h, hkv, d, page, dtype, features):
     qo = torch.tensor([0, 19, 20, 27], dtype=torch.int32)
     out = torch.full((sum(new), h, d), float("nan"), dtype=dtype)
     DEC.extend_attention(q, k, v, kb, vb, r2t, torch.tensor(rows), qo, torch.tensor(prefix, dtype=torch.int32), out,
-                         max_extend_len=max(new), sm_scale=d ** -0.5, config=DEC.ExtendConfig(**SMALL_EXT), **kw)
+                         max_extend_len=max(new), sm_scale=d ** -0.5,
+                         config=DEC.ExtendConfig(**SMALL_EXT, pack_gqa=pack), **kw)
     for i, (r, p, n) in enumerate(zip(rows, prefix, new)):
         slots = r2t[r, :p + n].long()
         sl = slice(int(qo[i]), int(qo[i + 1]))
@@ -175,9 +178,10 @@ def test_decode_kernel_chunked_matches_reference(chunk, page, max_splits, featur
     assert rel_err(out[i:i + 1], full) > 5e-2
 
 
-@pytest.mark.parametrize("chunk,page,features", [(8, 4, ()), (16, 16, ("sinks",)), (20, 1, ("window",)),
-                                                 (1, 4, ()), (7, 3, ("softcap",))])
-def test_extend_kernel_chunked_matches_reference(chunk, page, features):
+@pytest.mark.parametrize("chunk,page,features,pack", [(8, 4, (), False), (16, 16, ("sinks",), True),
+                                                      (20, 1, ("window",), True), (1, 4, (), False),
+                                                      (7, 3, ("softcap",), True)])
+def test_extend_kernel_chunked_matches_reference(chunk, page, features, pack):
     """Chunked extend: prefix and new tokens both masked by chunk; blocks past the first (30 new tokens)."""
     h, hkv, d, dtype = 4, 2, 64, torch.bfloat16
     prefix, new = [0, 5, 23, 40], [19, 1, 7, 30]
@@ -190,7 +194,8 @@ def test_extend_kernel_chunked_matches_reference(chunk, page, features):
     qo = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32)
     out = torch.full((sum(new), h, d), float("nan"), dtype=dtype)
     DEC.extend_attention(q, k, v, kb, vb, r2t, torch.tensor(rows), qo, torch.tensor(prefix, dtype=torch.int32), out,
-                         max_extend_len=max(new), sm_scale=d ** -0.5, config=DEC.ExtendConfig(**SMALL_EXT), **kw)
+                         max_extend_len=max(new), sm_scale=d ** -0.5,
+                         config=DEC.ExtendConfig(**SMALL_EXT, pack_gqa=pack), **kw)
     for i, (r, p, n) in enumerate(zip(rows, prefix, new)):
         slots = r2t[r, :p + n].long()
         sl = slice(int(qo[i]), int(qo[i + 1]))
@@ -269,12 +274,14 @@ def test_decode_reads_only_the_visible_keys(window, chunk, max_splits):
                                            kw)) <= 1e-2
 
 
-@pytest.mark.parametrize("window,chunk", [(16, None), (5, None), (None, 24)])
-def test_extend_skips_key_tiles_outside_every_window(window, chunk):
+@pytest.mark.parametrize("window,chunk,pack", [(16, None, False), (5, None, False), (None, 24, False),
+                                               (16, None, True), (None, 24, True)])
+def test_extend_skips_key_tiles_outside_every_window(window, chunk, pack):
     """Extend with a window (or chunk): a program (head, block of BLOCK_M new tokens) never loads a cached or
     new key tile that lies wholly before the first key its first query sees, so the keys it reads are
     bounded by window + BLOCK_M + 2 tiles, not by the prefix (result equal to the reference)."""
-    h, hkv, d, page = 2, 1, 64, 4
+    h, hkv, d, page = (4, 2, 64, 4) if pack else (2, 1, 64, 4)
+    g = h // hkv
     prefix, new = [150, 0, 40], [40, 33, 9]
     lens = [p + n for p, n in zip(prefix, new)]
     kb, vb, r2t, rows = _paged(lens, hkv, d, page, torch.bfloat16, seed=5)
@@ -284,7 +291,7 @@ def test_extend_skips_key_tiles_outside_every_window(window, chunk):
     kw = {x: y for x, y in (("sliding_window", window), ("attention_chunk_size", chunk)) if y is not None}
     qo = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32)
     out = torch.full((sum(new), h, d), float("nan"), dtype=torch.bfloat16)
-    cfg = DEC.ExtendConfig(**SMALL_EXT)
+    cfg = DEC.ExtendConfig(**SMALL_EXT, pack_gqa=pack)
     bm, bn = cfg.block_m, cfg.block_n
     with _ReadSpy() as spy:
         DEC.extend_attention(q, k, v, kb, vb, r2t, torch.tensor(rows), qo, torch.tensor(prefix, dtype=torch.int32),
@@ -299,7 +306,7 @@ def test_extend_skips_key_tiles_outside_every_window(window, chunk):
             per_prog.setdefault((hh, mb, b), set()).add(t)
     assert per_prog, "the spy saw no key loads"
     for (hh, mb, b), ts in per_prog.items():
-        first_q = prefix[b] + mb * bm
+        first_q = prefix[b] + (mb * bm // g if pack else mb * bm)
         first_visible = max(first_q - window + 1, 0) if window else first_q // chunk * chunk
         # the first tile read holds a visible key (tiles start on multiples of BLOCK_N: absolute positions in
         # the prefix, new-token indices in the causal phase)
@@ -368,15 +375,16 @@ def test_decode_kernel_fp8_matches_dequantised_reference(fmt, qdt, h, hkv, d, pa
 
 FP8_EXTEND_CASES = [
     # (fmt, q dtype, H, Hkv, D, page, k_scale, v_scale, scales as tensors, features)
-    ("e4m3", torch.bfloat16, 4, 2, 64, 4, 0.37, 2.5, True, ()),
-    ("e5m2", torch.bfloat16, 8, 2, 64, 16, 1.75, 0.06, False, ("window", "sinks")),
-    ("e4m3", torch.float16, 4, 4, 96, 1, 0.011, 0.5, False, ("softcap",)),
-    ("e5m2", torch.float16, 4, 1, 64, 4, 3.0, 1.0, True, ("window", "softcap", "sinks")),
+    ("e4m3", torch.bfloat16, 4, 2, 64, 4, 0.37, 2.5, True, (), False),
+    ("e5m2", torch.bfloat16, 8, 2, 64, 16, 1.75, 0.06, False, ("window", "sinks"), True),
+    ("e4m3", torch.float16, 4, 4, 96, 1, 0.011, 0.5, False, ("softcap",), False),
+    ("e5m2", torch.float16, 4, 1, 64, 4, 3.0, 1.0, True, ("window", "softcap", "sinks"), True),
 ]
 
 
-@pytest.mark.parametrize("fmt,qdt,h,hkv,d,page,ks,vs,as_tensor,features", FP8_EXTEND_CASES)
-def test_extend_kernel_fp8_matches_dequantised_reference(fmt, qdt, h, hkv, d, page, ks, vs, as_tensor, features):
+@pytest.mark.parametrize("fmt,qdt,h,hkv,d,page,ks,vs,as_tensor,features,pack", FP8_EXTEND_CASES)
+def test_extend_kernel_fp8_matches_dequantised_reference(fmt, qdt, h, hkv, d, page, ks, vs, as_tensor, features,
+                                                         pack):
     """fp8 extend: paged fp8 prefix + the new tokens in the stored fp8 format, against float64 attention over
     the dequantised stored K/V (ragged, blocks past the first)."""
     prefix, new = [0, 5, 23], [19, 1, 7]
@@ -390,8 +398,8 @@ def test_extend_kernel_fp8_matches_dequantised_reference(fmt, qdt, h, hkv, d, pa
     qo = torch.tensor([0, 19, 20, 27], dtype=torch.int32)
     out = torch.full((sum(new), h, d), float("nan"), dtype=qdt)
     DEC.extend_attention(q, k, v, kb, vb, r2t, torch.tensor(rows), qo, torch.tensor(prefix, dtype=torch.int32), out,
-                         max_extend_len=max(new), sm_scale=d ** -0.5, config=DEC.ExtendConfig(**SMALL_EXT), **kw,
-                         **scales)
+                         max_extend_len=max(new), sm_scale=d ** -0.5,
+                         config=DEC.ExtendConfig(**SMALL_EXT, pack_gqa=pack), **kw, **scales)
     for i, (r, p, n) in enumerate(zip(rows, prefix, new)):
         slots = r2t[r, :p + n].long()
         sl = slice(int(qo[i]), int(qo[i + 1]))
@@ -651,3 +659,12 @@ def test_factory_refuses_mla_kind():
     ctx = SimpleNamespace(layer_kinds=[mla], torch_device="cpu", device=SimpleNamespace(sm_count=4), role="primary")
     with pytest.raises(CapabilityMismatch):
         create(ctx)
+
+
+def test_extend_pack_rule():
+    """GQA packing: forced by the config, else only for grouped heads whose longest extend is shorter than a tile."""
+    cfg = DEC.ExtendConfig(block_m=128)
+    assert DEC.extend_packs_gqa(cfg, 4, 64) and not DEC.extend_packs_gqa(cfg, 4, 128)
+    assert not DEC.extend_packs_gqa(cfg, 1, 1)
+    assert DEC.extend_packs_gqa(DEC.ExtendConfig(pack_gqa=True), 1, 4096)
+    assert not DEC.extend_packs_gqa(DEC.ExtendConfig(pack_gqa=False), 8, 1)

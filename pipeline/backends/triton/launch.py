@@ -32,6 +32,7 @@ from pipeline.backends.triton.kernels import decode as kdec
 from pipeline.backends.triton.kernels import extend as kext
 
 __all__ = ["DecodeConfig", "ExtendConfig", "decode_attention", "extend_attention", "decode_max_splits",
+           "extend_packs_gqa",
            "decode_scratch_numel", "default_decode_config", "default_extend_config", "MAX_HEAD_DIM", "Q_DTYPES",
            "FP8_KV_DTYPES"]
 
@@ -57,12 +58,20 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Tuning of the extend kernel: query rows and key tile per program, warps, pipeline depth."""
+    """Tuning of the extend kernel: query rows and key tile per program, warps, pipeline depth.
+
+    ``pack_gqa``: a program's ``block_m`` rows are (token, q head) pairs of one kv group (token-major; FlashInfer
+    packs GQA rows the same way) instead of ``block_m`` tokens of one q head. Same work and K/V traffic for
+    long extends, but a batch of short extends (chunked prefill: 64 new tokens under 128-row tiles) fills
+    its tiles instead of leaving half the MMA rows empty. None (default): packed when the group has more
+    than one head and ``max_extend_len < block_m`` (:func:`extend_packs_gqa`).
+    """
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    pack_gqa: Optional[bool] = None
 
 
 def _is_sm90(device: Optional[torch.device]) -> bool:
@@ -88,6 +97,14 @@ def default_extend_config(head_dim: int, device: Optional[torch.device] = None) 
     if _is_sm90(device):
         return ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+def extend_packs_gqa(cfg: ExtendConfig, group: int, max_extend_len: int) -> bool:
+    """Whether extend packs the GQA group's heads into a program's rows: ``cfg.pack_gqa`` when set, else
+    ``group > 1 and max_extend_len < cfg.block_m`` (unpacked tiles would be partly empty)."""
+    if cfg.pack_gqa is not None:
+        return bool(cfg.pack_gqa)
+    return group > 1 and max_extend_len < cfg.block_m
 
 
 def decode_max_splits(batch_size: int, num_kv_heads: int, num_sms: int, cfg: DecodeConfig) -> int:
@@ -204,7 +221,11 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
     if bsz == 0 or max_extend_len == 0 or t == 0:
         return out
     cfg = config or default_extend_config(d, q.device)
-    grid = (h, triton.cdiv(max_extend_len, cfg.block_m), bsz)
+    pack = extend_packs_gqa(cfg, h // hkv, max_extend_len)
+    if pack:
+        grid = (hkv, triton.cdiv(max_extend_len * (h // hkv), cfg.block_m), bsz)
+    else:
+        grid = (h, triton.cdiv(max_extend_len, cfg.block_m), bsz)
     kext.extend_kernel[grid](
         q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens,
         sinks if sinks is not None else q, out, k_scale if ks_ptr else out, v_scale if vs_ptr else out,
@@ -217,5 +238,5 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
         D=d, DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=logit_softcap is not None, HAS_SINKS=sinks is not None,
         UPCAST=_interpreting(), USE_CHUNK=attention_chunk_size is not None, K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PACK_GQA=pack, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
