@@ -668,3 +668,43 @@ def test_extend_pack_rule():
     assert not DEC.extend_packs_gqa(cfg, 1, 1)
     assert DEC.extend_packs_gqa(DEC.ExtendConfig(pack_gqa=True), 1, 4096)
     assert not DEC.extend_packs_gqa(DEC.ExtendConfig(pack_gqa=False), 8, 1)
+
+
+def test_benchmark_table_runs_on_cpu(monkeypatch):
+    """benchmarks/triton_kernels.py end to end on tiny shapes under the interpreter (one shot at the GPU table):
+    our rows compute, agree with float64 where FlashInfer is absent (err columns need FlashInfer), the targets
+    are derived per run, and a FlashInfer variant that was not warmed up is an error row, not a crash."""
+    import importlib
+    import sys as _sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(root))
+    tk = importlib.import_module("triton_kernels")
+    small = dict(DECODE_B=(1, 3), DECODE_CTX=(32,), EXTEND_SHAPES=((2, 16, 16), (1, 32, 0)), WINDOW=32,
+                 WINDOW_CTX=64, EXT_WINDOW=(1, 16, 48, 16), FP8_SHAPE=(3, 32),
+                 SINK=dict(h=8, hkv=2, d=32, b=2, ctx=64, window=16), WS_BYTES=64, COPY_BYTES=1 << 10,
+                 DEVICE="cpu", H=8, HKV=2, D=32)
+    for k, v in small.items():
+        monkeypatch.setattr(tk, k, v)
+    ticks = iter(range(1, 10 ** 6))
+    monkeypatch.setattr(tk, "_us", lambda fn: (fn(), float(next(ticks)))[1])
+    monkeypatch.setattr(tk, "_graph", lambda fn: fn)
+    monkeypatch.setattr(tk, "_sms", lambda dev: 2)    # few split programs: the interpreter runs each one
+    monkeypatch.setattr(tk, "_FI_OK", set())          # nothing warmed: every FlashInfer row must be an error row
+    monkeypatch.setitem(_sys.modules, "flashinfer", None)
+    rs = tk.rows("cpu", runs=2)
+    ours = [r for r in rs if r["impl"].startswith("triton")]
+    fis = [r for r in rs if r["impl"].startswith("flashinfer")]
+    assert ours and all("time_us" in r for r in ours), [r for r in ours if "error" in r][:2]
+    assert fis and all("not warmed up" in r["error"] for r in fis)
+    kinds = {r["kind"] for r in ours}
+    assert kinds == {"decode", "window", "fp8", "sinks", "extend", "extend-window"}
+    assert {r["run"] for r in ours} == {1, 2}
+    fp8 = [r for r in ours if r["kind"] == "fp8"]
+    assert {r["impl"] for r in fp8} == {"triton-e4m3", "triton-e5m2"} and all("vs_bf16" in r for r in fp8)
+    win = [r for r in ours if r["kind"] in ("window", "extend-window") and "window=" in r["shape"]]
+    assert win and all("vs_full" in r for r in win)
+    summ = dict(tk.summary(tk.targets(rs)))
+    assert summ and set(summ.values()) <= {"met", "NOT met", "no data"}
+    assert any(k.startswith("window ") and v in ("met", "NOT met") for k, v in summ.items())
