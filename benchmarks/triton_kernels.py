@@ -641,7 +641,7 @@ def _precompile_job(job: str) -> str:
     """Run one of our kernel variants on a tiny problem with the constexprs and specialisations of the real rows
     (same batch sizes, hence split caps; same features), so the timed process loads them from Triton's cache."""
     kind, arg = job.split(":", 1)
-    dev = "cuda"
+    dev = DEVICE
     try:
         from pipeline.backends.triton.launch import ExtendConfig, DecodeConfig, default_decode_config
         if kind == "decode":
@@ -662,17 +662,15 @@ def _precompile_job(job: str) -> str:
             x = _extend_inputs(dev, 2, min(new, cfg.block_m), 16 if prefix else 0)
             run, _ = ours_extend(x, cfg, int(window) or None)
         run()
-        torch.cuda.synchronize()
+        if torch.device(dev).type == "cuda":
+            torch.cuda.synchronize()
         return f"ok {job}"
     except Exception as e:  # noqa: BLE001 - the timed run reports it as a row
         return f"error {job}: {repr(e)[:200]}"
 
 
-def precompile(workers: int, sweep: bool) -> None:
-    """Compile the kernel variants of the table (and sweep) in ``workers`` processes sharing Triton's cache."""
-    import concurrent.futures
-    import multiprocessing
-
+def precompile_jobs(sweep: bool) -> list[str]:
+    """One job string per kernel variant the table (and sweep) launches (see :func:`_precompile_job`)."""
     from pipeline.backends.triton.launch import default_extend_config
 
     jobs = []
@@ -693,6 +691,15 @@ def precompile(workers: int, sweep: bool) -> None:
         for b, new, prefix in EXTEND_SHAPES:
             jobs.append(f"extend:{new}|{prefix}|0|{cs}")
     jobs.append(f"extend:{EXT_WINDOW[1]}|1|{WINDOW}|{json.dumps(dataclasses.asdict(ecfgs[0]))}")
+    return list(dict.fromkeys(jobs))
+
+
+def precompile(workers: int, sweep: bool) -> None:
+    """Compile the kernel variants of the table (and sweep) in ``workers`` processes sharing Triton's cache."""
+    import concurrent.futures
+    import multiprocessing
+
+    jobs = precompile_jobs(sweep)
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
         for msg in ex.map(_precompile_job, jobs):
             if not msg.startswith("ok"):

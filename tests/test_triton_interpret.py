@@ -708,3 +708,7 @@ def test_benchmark_table_runs_on_cpu(monkeypatch):
     summ = dict(tk.summary(tk.targets(rs)))
     assert summ and set(summ.values()) <= {"met", "NOT met", "no data"}
     assert any(k.startswith("window ") and v in ("met", "NOT met") for k, v in summ.items())
+    jobs = tk.precompile_jobs(sweep=True)   # the GPU run compiles these in parallel processes first
+    assert len(jobs) == len(set(jobs)) > 10
+    for job in jobs[:: max(1, len(jobs) // 6)] + [j for j in jobs if "|1|" in j or "e5m2" in j]:
+        assert tk._precompile_job(job).startswith("ok"), job
