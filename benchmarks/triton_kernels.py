@@ -530,15 +530,23 @@ def sweep_rows(device: str, ws: torch.Tensor) -> list[dict]:
     return out
 
 
-def rows(device: str = "cuda", sweep: bool = False, runs: int = 1) -> list[dict]:
-    """All benchmark rows as dicts (kind, shape, impl, time_us, gbps/tflops, ratio, vs_full, vs_bf16, run)."""
+def rows(device: str = "cuda", sweep: bool = False, runs: int = 1,
+         progress: Optional[Callable[[list[dict], list[dict]], None]] = None) -> list[dict]:
+    """All benchmark rows as dicts (kind, shape, impl, time_us, gbps/tflops, ratio, vs_full, vs_bf16, run).
+    ``progress(new_rows, all_rows)`` is called after the copy row, each run and the sweep."""
     torch.manual_seed(0)
     out = [copy_bandwidth(device)]
+    report = progress or (lambda new, every: None)
+    report(out, out)
     ws = torch.empty(WS_BYTES, dtype=torch.uint8, device=device)
     for i in range(runs):
-        out += one_run(device, ws, i + 1)
+        new = one_run(device, ws, i + 1)
+        out += new
+        report(new, out)
     if sweep:
-        out += sweep_rows(device, ws)
+        new = sweep_rows(device, ws)
+        out += new
+        report(new, out)
     return out
 
 
@@ -715,6 +723,7 @@ def main() -> None:
     ap.add_argument("--warm", help="one FlashInfer module to compile (or 'list')")
     ap.add_argument("--fi-ok", help="directory of NAME.ok files left by successful --warm NAME runs")
     ap.add_argument("--precompile", type=int, default=0, metavar="N")
+    ap.add_argument("--precompile-only", action="store_true", help="with --precompile: compile, then exit")
     ap.add_argument("--json")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -733,15 +742,26 @@ def main() -> None:
         print("flashinfer modules warmed:", " ".join(sorted(_FI_OK)) or "none")
     if a.precompile:
         precompile(a.precompile, a.sweep)
-    rs = rows("cuda", sweep=a.sweep, runs=a.runs)
+        if a.precompile_only:
+            return
+    try:
+        fi_version = __import__("flashinfer").__version__
+    except Exception:  # noqa: BLE001 - reported, not needed
+        fi_version = "not importable"
     print(f"device {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
-          f"triton {__import__('triton').__version__}; flashinfer {getattr(__import__('flashinfer'), '__version__', '?')}")
-    print_table(rs)
-    res = print_targets(rs)
+          f"triton {__import__('triton').__version__}; flashinfer {fi_version}", flush=True)
     path = a.json or (os.path.join(a.out, "triton_kernels.json") if a.out else None)
+
+    def progress(new: list[dict], every: list[dict]) -> None:   # a timeout still leaves the finished runs
+        print_table(new)
+        if path:
+            with open(path, "w") as f:
+                json.dump(dict(rows=every, targets=targets(every), summary=summary(targets(every))), f, indent=1)
+        sys.stdout.flush()
+
+    rs = rows("cuda", sweep=a.sweep, runs=a.runs, progress=progress)
+    print_targets(rs)
     if path:
-        with open(path, "w") as f:
-            json.dump(dict(rows=rs, targets=targets(rs), summary=res), f, indent=1)
         print("wrote", path)
 
 
