@@ -58,6 +58,7 @@ WINDOW, WINDOW_CTX = 4096, 32768
 EXT_WINDOW = (8, 512, 32256, 3584)                                     # B, new, prefix with window, prefix without
 FP8_SHAPE, FP8_SCALES = (64, 4096), (0.5, 0.25)
 SINK = dict(h=64, hkv=8, d=64, b=64, ctx=4096, window=128)
+SWEEP_DECODE_SHAPES = ((256, 32768), (256, 4096), (8, 32768), (1, 512))   # where the decode defaults are weakest
 WS_BYTES = 512 << 20
 COPY_BYTES = 1 << 31
 DEVICE = "cuda"   # the device whose arch picks the kernel configs (tests run the table on CPU under the interpreter)
@@ -326,16 +327,30 @@ def decode_rows(pool: Pool, ws: torch.Tensor, shapes, configs, kind: str = "deco
     return out
 
 
-def fp8_rows(device: str, ws: torch.Tensor, bf16_rows: list[dict]) -> list[dict]:
-    """fp8 e4m3 / e5m2 decode at FP8_SHAPE: ours vs FlashInfer tensor-core and CUDA-core, and vs our bf16."""
+def _fp8_sweep_configs() -> list:
+    """fp8 tiles are half the bytes of bf16 ones: candidates with twice the keys per tile."""
+    from pipeline.backends.triton.launch import DecodeConfig, default_decode_config
+
+    d0 = default_decode_config(D, torch.device(DEVICE))
+    var = [dict(block_n=128), dict(block_n=128, num_stages=4), dict(num_stages=4)]
+    return [("[" + " ".join(f"{k}={x}" for k, x in v.items()) + "]", DecodeConfig(**{**d0.__dict__, **v}))
+            for v in var]
+
+
+def fp8_rows(device: str, ws: torch.Tensor, bf16_rows: list[dict], configs: Optional[list] = None,
+             formats: Optional[tuple] = None, kind: str = "fp8") -> list[dict]:
+    """fp8 e4m3 / e5m2 decode at FP8_SHAPE: ours vs FlashInfer tensor-core and CUDA-core, and vs our bf16.
+    ``configs`` [(name, DecodeConfig)]: ours with each (default: the default config)."""
     b, ctx = FP8_SHAPE
     shape = f"B={b} ctx={ctx}"
     ours_bf16 = next((r for r in bf16_rows if r.get("shape") == shape and r["impl"] == "triton"
                       and "time_us" in r), None)
     out = []
     from pipeline.backends.triton.launch import default_decode_config
-    cfg = default_decode_config(D, torch.device(device))
+    configs = configs or [("", default_decode_config(D, torch.device(device)))]
     for fmt, dt in FP8.items():
+        if formats and fmt not in formats:
+            continue
         pool = Pool((b * ctx // PAGE + 1) * PAGE, device, dtype=dt, scales=FP8_SCALES)
         pg, r2t = pool.pages(b, ctx, seed=3)
         q = torch.randn(b, H, D, dtype=torch.bfloat16, device=device)
@@ -343,24 +358,25 @@ def fp8_rows(device: str, ws: torch.Tensor, bf16_rows: list[dict]) -> list[dict]
         fis, res = [], {}
         for tc in (True, False):
             impl = f"flashinfer-{'tc' if tc else 'cc'}-{fmt}"
-            r = _row("fp8", shape, impl, lambda: res.setdefault(impl, fi_decode(pool, pg, q, ws, tensor_cores=tc))[0],
+            r = _row(kind, shape, impl, lambda: res.setdefault(impl, fi_decode(pool, pg, q, ws, tensor_cores=tc))[0],
                      nbytes=nbytes)
             out.append(r)
             fis.append(r)
-        mine = {}
-        r = _row("fp8", shape, f"triton-{fmt}", lambda: mine.setdefault("r", ours_decode(pool, r2t, q, cfg))[0],
-                 nbytes=nbytes)
-        timed = [f for f in fis if "time_us" in f]
-        if timed:
-            best = min(timed, key=lambda f: f["time_us"])
-            _vs(r, best)
-            r["vs_impl"] = best["impl"]
-            key = best["impl"]
-            if "r" in mine and key in res:
-                r["err_vs_fi"] = _err(mine["r"][1], res[key][1])
-        if ours_bf16 is not None and "time_us" in r:
-            r["vs_bf16"] = r["time_us"] / ours_bf16["time_us"]
-        out.append(r)
+        for name, cfg in configs:
+            mine = {}
+            r = _row(kind, shape, f"triton-{fmt}{name}",
+                     lambda: mine.setdefault("r", ours_decode(pool, r2t, q, cfg))[0], nbytes=nbytes)
+            timed = [f for f in fis if "time_us" in f]
+            if timed:
+                best = min(timed, key=lambda f: f["time_us"])
+                _vs(r, best)
+                r["vs_impl"] = best["impl"]
+                key = best["impl"]
+                if "r" in mine and key in res and "time_us" in r:
+                    r["err_vs_fi"] = _err(mine["r"][1], res[key][1])
+            if ours_bf16 is not None and "time_us" in r:
+                r["vs_bf16"] = r["time_us"] / ours_bf16["time_us"]
+            out.append(r)
         del pool, pg, r2t, q
         torch.cuda.empty_cache()
     return out
@@ -521,12 +537,12 @@ def one_run(device: str, ws: torch.Tensor, run: int) -> list[dict]:
 
 def sweep_rows(device: str, ws: torch.Tensor) -> list[dict]:
     """Config candidates once: decode where the defaults are weakest, extend on every extend shape."""
-    pool = Pool((max(DECODE_B) * max(DECODE_CTX) // PAGE + 1) * PAGE, device)
-    out = [dict(r, kind="decode-sweep") for r in decode_rows(pool, ws, [(256, 32768), (256, 4096), (8, 32768),
-                                                                        (1, 512)], _decode_configs(True))]
+    pool = Pool((max(b * c for b, c in SWEEP_DECODE_SHAPES) // PAGE + 1) * PAGE, device)
+    out = [dict(r, kind="decode-sweep") for r in decode_rows(pool, ws, SWEEP_DECODE_SHAPES, _decode_configs(True))]
     del pool
     torch.cuda.empty_cache()
     out += [dict(r, kind="extend-sweep") for r in extend_rows(ws, _extend_configs(True), device)]
+    out += fp8_rows(device, ws, [], configs=_fp8_sweep_configs(), formats=("e4m3",), kind="fp8-sweep")
     return out
 
 
@@ -691,6 +707,9 @@ def precompile_jobs(sweep: bool) -> list[str]:
                 jobs.append(f"decode:{b}|bf16|{WINDOW}|0|{HKV}|{D}|{H}|")
     for fmt in FP8:
         jobs.append(f"decode:{FP8_SHAPE[0]}|{fmt}|0|0|{HKV}|{D}|{H}|")
+    if sweep:
+        for _, c in _fp8_sweep_configs():
+            jobs.append(f"decode:{FP8_SHAPE[0]}|e4m3|0|0|{HKV}|{D}|{H}|{json.dumps(dataclasses.asdict(c))}")
     jobs.append(f"decode:{SINK['b']}|bf16|{SINK['window']}|1|{SINK['hkv']}|{SINK['d']}|{SINK['h']}|")
     ecfgs = [default_extend_config(D, torch.device(DEVICE))] + ([c for _, c in _extend_configs(True)[1:]] if sweep
                                                                  else [])

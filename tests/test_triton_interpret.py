@@ -684,7 +684,7 @@ def test_benchmark_table_runs_on_cpu(monkeypatch):
     small = dict(DECODE_B=(1, 3), DECODE_CTX=(32,), EXTEND_SHAPES=((2, 16, 16), (1, 32, 0)), WINDOW=32,
                  WINDOW_CTX=64, EXT_WINDOW=(1, 16, 48, 16), FP8_SHAPE=(3, 32),
                  SINK=dict(h=8, hkv=2, d=32, b=2, ctx=64, window=16), WS_BYTES=64, COPY_BYTES=1 << 10,
-                 DEVICE="cpu", H=8, HKV=2, D=32)
+                 DEVICE="cpu", H=8, HKV=2, D=32, SWEEP_DECODE_SHAPES=((3, 64), (1, 32)))
     for k, v in small.items():
         monkeypatch.setattr(tk, k, v)
     ticks = iter(range(1, 10 ** 6))
@@ -693,14 +693,15 @@ def test_benchmark_table_runs_on_cpu(monkeypatch):
     monkeypatch.setattr(tk, "_sms", lambda dev: 2)    # few split programs: the interpreter runs each one
     monkeypatch.setattr(tk, "_FI_OK", set())          # nothing warmed: every FlashInfer row must be an error row
     monkeypatch.setitem(_sys.modules, "flashinfer", None)
-    rs = tk.rows("cpu", runs=2)
+    rs = tk.rows("cpu", runs=1, sweep=True)
     ours = [r for r in rs if r["impl"].startswith("triton")]
     fis = [r for r in rs if r["impl"].startswith("flashinfer")]
     assert ours and all("time_us" in r for r in ours), [r for r in ours if "error" in r][:2]
     assert fis and all("not warmed up" in r["error"] for r in fis)
     kinds = {r["kind"] for r in ours}
-    assert kinds == {"decode", "window", "fp8", "sinks", "extend", "extend-window"}
-    assert {r["run"] for r in ours} == {1, 2}
+    assert kinds == {"decode", "window", "fp8", "sinks", "extend", "extend-window", "decode-sweep", "extend-sweep",
+                     "fp8-sweep"}
+    assert {r.get("run") for r in ours} == {1, None}   # the sweep runs once, outside the runs
     fp8 = [r for r in ours if r["kind"] == "fp8"]
     assert {r["impl"] for r in fp8} == {"triton-e4m3", "triton-e5m2"} and all("vs_bf16" in r for r in fp8)
     win = [r for r in ours if r["kind"] in ("window", "extend-window") and "window=" in r["shape"]]
@@ -708,6 +709,12 @@ def test_benchmark_table_runs_on_cpu(monkeypatch):
     summ = dict(tk.summary(tk.targets(rs)))
     assert summ and set(summ.values()) <= {"met", "NOT met", "no data"}
     assert any(k.startswith("window ") and v in ("met", "NOT met") for k, v in summ.items())
+    # a target counts as met only if it is met in every run
+    two = [dict(kind="decode", shape="B=1 ctx=32", impl="triton", time_us=1.0, ratio=x, run=i)
+           for i, x in ((1, 0.99), (2, 0.95))] + [dict(kind="decode", shape="B=3 ctx=32", impl="triton", time_us=1.0,
+                                                       ratio=0.98, run=i) for i in (1, 2)]
+    assert dict(tk.summary(tk.targets(two))) == {"decode B=1 ctx=32 vs flashinfer-tc": "NOT met",
+                                                 "decode B=3 ctx=32 vs flashinfer-tc": "met"}
     jobs = tk.precompile_jobs(sweep=True)   # the GPU run compiles these in parallel processes first
     assert len(jobs) == len(set(jobs)) > 10
     for job in jobs[:: max(1, len(jobs) // 6)] + [j for j in jobs if "|1|" in j or "e5m2" in j]:
