@@ -609,16 +609,24 @@ class ScaledLayer(AttentionLayer):
     v_scale: float = 1.0
 
 
+def scaled_pool(slots, page, dims, dtype, device, ks, vs, **layer_kw):
+    """(pool, layer) whose KV scales are (ks, vs): the pool's own per-layer scales where KVPool takes them (the
+    contract of pipeline.memory: the backend reads ``pool.kv_scales``), else carried by the layer."""
+    try:
+        return KVPool(slots, page, dims, dtype, device, k_scales=[ks], v_scales=[vs]), AttentionLayer(**layer_kw)
+    except TypeError:
+        return KVPool(slots, page, dims, dtype, device), ScaledLayer(**layer_kw, k_scale=ks, v_scale=vs)
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_backend_fp8_pool_extend_decode_and_graph_replay(fmt):
     """An fp8 pool through the backend with the layer's non-unit scales: extend (new tokens read back in the
     stored format), decode, and a graph-hook replay equal to eager; each against the float64 reference over
     the dequantised stored K/V."""
     rp = ReqToTokenPool(6, 128, "cpu")
-    kv = KVPool(512, 4, [(2, 64, 64)], FP8[fmt], "cpu")
+    kv, layer = scaled_pool(512, 4, [(2, 64, 64)], FP8[fmt], "cpu", 0.5, 3.0, layer_id=0, num_heads=4,
+                            num_kv_heads=2, head_dim=64, v_head_dim=64, scaling=0.125, sliding_window=19)
     alloc = PageAllocator(rp, 512, 4, seed=1)
-    layer = ScaledLayer(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, scaling=0.125,
-                        sliding_window=19, k_scale=0.5, v_scale=3.0)
     be = _backend(4, 2, 64)
 
     def check(fb, q, out):

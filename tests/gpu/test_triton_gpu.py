@@ -284,13 +284,20 @@ def test_extend_grid_gqa_packed(prefix, new, page, h, hkv, d, dtype, features):
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
+def _fp8_pool(slots, page, hkv, d, fmt, ks, vs):
+    """An fp8 KVPool carrying the scales where it takes them (pipeline.memory's contract); (pool, has_scales)."""
+    try:
+        return KVPool(slots, page, [(hkv, d, d)], FP8[fmt], DEV, k_scales=[ks], v_scales=[vs]), True
+    except TypeError:
+        return KVPool(slots, page, [(hkv, d, d)], FP8[fmt], DEV), False
+
+
 def _fp8_setup(prefix, page, h, hkv, d, fmt, ks, vs, seed, extra):
-    """An fp8 pool (stored = round_to_fp8(real / scale), real ~ N(0, 1)) with the prefixes cached, and an fp32
-    pool of the same slots holding the dequantised values (stored * scale) for the yardsticks."""
+    """An fp8 pool (stored = round_to_fp8(real / scale), real ~ N(0, 1)) with the prefixes cached."""
     total = sum(prefix) + extra
     slots = (total // page + len(prefix) * 2 + 4) * page
     rp = ReqToTokenPool(len(prefix) + 1, max(prefix) + extra + 1, DEV)
-    kv = KVPool(slots, page, [(hkv, d, d)], FP8[fmt], DEV)
+    kv, _ = _fp8_pool(slots, page, hkv, d, fmt, ks, vs)
     g = torch.Generator(device=DEV).manual_seed(seed)
     kv.k_buffer[0].copy_((torch.randn(slots, hkv, d, device=DEV, generator=g) / ks).to(FP8[fmt]))
     kv.v_buffer[0].copy_((torch.randn(slots, hkv, d, device=DEV, generator=g) / vs).to(FP8[fmt]))
@@ -384,7 +391,9 @@ def test_fp8_cuda_graph_replay_equals_eager():
     h, hkv, d, page, bs, ks, vs = 32, 8, 128, 16, 8, 0.5, 2.0
     rp, kv, alloc, rows = _fp8_setup([100] * bs, page, h, hkv, d, "e4m3", ks, vs, seed=7, extra=6000)
     base = _layer(h, hkv, d, ("window",), seed=7)
-    layer = ScaledLayer(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, k_scale=ks, v_scale=vs)
+    pool_scales = hasattr(kv, "kv_scales")   # the pool's scales win where it has them (triton/backend.py)
+    layer = base if pool_scales else ScaledLayer(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                                                 k_scale=ks, v_scale=vs)
     tri, _ = _backends(h, hkv, d)
     tri.init_cuda_graph_state(max_bs=16, max_num_tokens=16)
     fb = make_forward_batch(ForwardMode.DECODE, rows, [1] * bs, alloc, kv)

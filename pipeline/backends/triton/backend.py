@@ -54,19 +54,26 @@ class _ExtendMeta:
 
 
 def kv_scales(layer: AttentionLayer, pool: Any) -> tuple[Any, Any]:
-    """``(k_scale, v_scale)`` of ``layer``'s KV cache: real = stored * scale (sglang's RadixAttention carries
-    them per layer). Each is a float or a one-element tensor; 1.0 where the layer carries none."""
+    """``(k_scale, v_scale)`` for ``layer``'s KV cache, real = stored * scale: the pool's per-layer scales
+    (``pool.kv_scales(layer_id)``, the KV contract of :mod:`pipeline.memory`: the scales it quantised with)
+    when the pool has them; else the layer's ``k_scale`` / ``v_scale`` attributes (sglang's RadixAttention
+    carries them per layer); else 1.0. Each is a float or a one-element tensor."""
+    get = getattr(pool, "kv_scales", None)
+    if callable(get):
+        return get(layer.layer_id)
     ks, vs = getattr(layer, "k_scale", None), getattr(layer, "v_scale", None)
     return (1.0 if ks is None else ks), (1.0 if vs is None else vs)
 
 
 def stored_kv(x: torch.Tensor, buf_dtype: torch.dtype, scale: Any) -> torch.Tensor:
-    """``x`` in a KV buffer's stored format: a plain cast for 16/32-bit buffers, ``round_to_fp8(x / scale)``
-    for fp8 ones (the KV pool's quantisation); ``x`` already in ``buf_dtype`` is returned as it is."""
+    """``x`` in a KV buffer's stored format, by the pool's write rule (:mod:`pipeline.memory`): a plain cast
+    for 16/32-bit buffers; ``round_to_fp8(clamp(x / scale, -max, max))`` for fp8 ones (saturating, as the pool
+    writes). ``x`` already in ``buf_dtype`` is returned as it is."""
     if x.dtype == buf_dtype:
         return x
     if buf_dtype in launch.FP8_KV_DTYPES:
-        return (x.float() / scale).to(buf_dtype)
+        fmax = torch.finfo(buf_dtype).max
+        return (x.float() / scale).clamp(-fmax, fmax).to(buf_dtype)
     return x.to(buf_dtype)
 
 
