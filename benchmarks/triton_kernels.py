@@ -40,7 +40,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -323,7 +322,6 @@ def decode_rows(pool: Pool, ws: torch.Tensor, shapes, configs, kind: str = "deco
             if "r" in fi and "r" in mine and "time_us" in r:
                 r["err_vs_fi"] = _err(mine["r"][1], fi["r"][1])
             out.append(r)
-        del pg, r2t, q
     return out
 
 
@@ -377,8 +375,6 @@ def fp8_rows(device: str, ws: torch.Tensor, bf16_rows: list[dict], configs: Opti
             if ours_bf16 is not None and "time_us" in r:
                 r["vs_bf16"] = r["time_us"] / ours_bf16["time_us"]
             out.append(r)
-        del pool, pg, r2t, q
-        torch.cuda.empty_cache()
     return out
 
 
@@ -407,7 +403,6 @@ def window_rows(pool: Pool, ws: torch.Tensor, full_rows: list[dict], cfg) -> lis
         if "ours" in res and "fi" in res:
             rows[2]["err_vs_fi"] = _err(res["ours"][1], res["fi"][1])
         out += rows
-        del pg, r2t, q
     return out
 
 
@@ -450,7 +445,6 @@ def extend_rows(ws: torch.Tensor, configs, device: str, shapes=None) -> list[dic
             if key in res and "fi" in res and "time_us" in r:
                 r["err_vs_fi"] = _err(res[key][1], res["fi"][1])
             out.append(r)
-        del x
         torch.cuda.empty_cache()
     return out
 
@@ -465,7 +459,6 @@ def extend_window_rows(ws: torch.Tensor, cfg, device: str) -> list[dict]:
                  lambda: res.setdefault("fi0", fi_extend(xs, ws))[0], flops=extend_flops(b, new, short)),
             _row("extend-window", f"B={b} new={new} prefix={short}", "triton",
                  lambda: res.setdefault("t0", ours_extend(xs, cfg))[0], flops=extend_flops(b, new, short))]
-    del xs
     xl = _extend_inputs(device, b, new, prefix, seed=3)
     shape = f"B={b} new={new} prefix={prefix} window={WINDOW}"
     fl = extend_flops(b, new, prefix, WINDOW)
@@ -480,7 +473,6 @@ def extend_window_rows(ws: torch.Tensor, cfg, device: str) -> list[dict]:
     if "t1" in res and "fi1" in res:
         win[1]["err_vs_fi"] = _err(res["t1"][1], res["fi1"][1])
     out += base + win
-    del xl
     torch.cuda.empty_cache()
     return out
 

@@ -577,7 +577,8 @@ def _ext_args(**over):
     a = dict(q=torch.zeros(3, 4, 64, dtype=torch.bfloat16), k=torch.zeros(3, 2, 64, dtype=torch.float8_e4m3fn),
              v=torch.zeros(3, 2, 64, dtype=torch.float8_e4m3fn),
              k_buffer=torch.zeros(32, 2, 64, dtype=torch.float8_e4m3fn),
-             v_buffer=torch.zeros(32, 2, 64, dtype=torch.float8_e4m3fn), req_to_token=torch.zeros(3, 16, dtype=torch.int32),
+             v_buffer=torch.zeros(32, 2, 64, dtype=torch.float8_e4m3fn),
+             req_to_token=torch.zeros(3, 16, dtype=torch.int32),
              req_pool_indices=torch.tensor([1, 2]), qo_indptr=torch.tensor([0, 1, 3], dtype=torch.int32),
              prefix_lens=torch.tensor([2, 4], dtype=torch.int32), out=torch.zeros(3, 4, 64, dtype=torch.bfloat16))
     a.update(over)

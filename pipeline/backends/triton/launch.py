@@ -4,9 +4,10 @@ Shapes (B requests, T new tokens, H q heads, Hkv kv heads, D qk dim, Dv v dim, S
 
 - ``q``: [B or T, H, D] bf16 or fp16; ``k_buffer``/``v_buffer``: [S, Hkv, D] / [S, Hkv, Dv] (one layer
   of the pool), both in ``q``'s dtype or both fp8 (``torch.float8_e4m3fn`` / ``float8_e5m2``: the stored
-  values, real = stored * ``k_scale`` / ``v_scale``, as the KV pool quantises them); ``req_to_token``: [max_reqs, max_context_len] int32;
-  ``req_pool_indices``: [B] int32/int64; ``seq_lens``: [B] int32/int64 (decode: tokens *after* this
-  step, the new one already in the pool); ``out``: [B or T, H, Dv] in q's dtype.
+  values, real = stored * ``k_scale`` / ``v_scale``, as the KV pool quantises them);
+  ``req_to_token``: [max_reqs, max_context_len] int32; ``req_pool_indices``: [B] int32/int64;
+  ``seq_lens``: [B] int32/int64 (decode: tokens *after* this step, the new one already in the pool);
+  ``out``: [B or T, H, Dv] in q's dtype.
 - ``k_scale`` / ``v_scale``: dequantisation scales, a Python float > 0 (default 1.0) or a one-element
   float tensor on q's device (read in-kernel: a captured CUDA graph follows a changed value). They apply
   to any KV dtype (1.0 for a bf16/fp16 cache leaves the result bit-identical to no scale).
