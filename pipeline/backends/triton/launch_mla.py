@@ -132,7 +132,6 @@ SWEEP_DECODE: list[tuple[str, MLADecodeConfig]] = [
     ("h64n64w8s3-pf", _sweep_cfg(prefetch=True)),                                          # 225 KB, 255, 16
     ("h64n64w8s2-pf", _sweep_cfg(num_stages=2, prefetch=True)),                            # 224 KB, 255, 24
     ("h64n32w8s3-pf", _sweep_cfg(block_n=32, prefetch=True)),                              # 148 KB, 240, 0
-    ("h64n64w8s3-lazy", _sweep_cfg(lazy_rescale=True)),                                     # 225 KB, 255, 40
     ("h64n64w8s3-pf-sm128", _sweep_cfg(prefetch=True, split_min=128)),
     ("h64n64w8s3-pf-bf16part", _sweep_cfg(prefetch=True, partial_bf16=True)),
     # the best of the first H200 sweep (0.33x at B=64 ctx 4096), for comparison within this run
