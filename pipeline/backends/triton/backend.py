@@ -13,8 +13,8 @@ Layers: bf16/fp16, head dims up to 256 (D == Dv), any GQA ratio, sliding window,
 attention (Llama-4), logit softcap, attention sinks. Output: [T, H*Dv] in q's dtype.
 
 KV cache: q's dtype, or fp8 (``float8_e4m3fn`` / ``float8_e5m2``) read as stored and upcast in the
-kernels, dequantised with the layer's ``k_scale`` / ``v_scale`` (:func:`kv_scales`; real = stored *
-scale, as the pool quantises). Extend reads the new tokens in the stored format too, so every output is
+kernels, dequantised with the pool's per-layer ``k_scale`` / ``v_scale`` (:func:`kv_scales`; real = stored
+* scale, as the pool quantises). Extend reads the new tokens in the stored format too, so every output is
 attention over what the pool holds (the float64 reference over the dequantised stored K/V).
 
 MLA layers (``layer.is_mla``: absorbed form, one latent KV head, D = kv_lora_rank + rope, Dv =
