@@ -40,8 +40,8 @@ from typing import Any, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from matrix_cells import (  # noqa: E402
-    PROFILES, Cell, Row, cells, cost, covering, evaluate, interpreter_rounding, profile_facts, run_cell, summary,
-    table,
+    PROFILES, Cell, Row, cells, cost, covering, evaluate, grouped_table, interpreter_rounding, profile_facts, run_cell,
+    summary, table,
 )
 from matrix_cells import DECODE_STEPS  # noqa: E402
 
@@ -125,7 +125,7 @@ def merge(paths: Sequence[str], *, show_refused: bool = False) -> int:
         cell = Cell(**{**c, "dims": tuple(c["dims"]), "heads": tuple(c["heads"])})
         rows.append(Row(**{**r, "cell": cell}))
     s = summary(rows)
-    print(table(rows, accepted_only=not show_refused))
+    print(table(rows, accepted_only=not show_refused) + "\n\n" + grouped_table(rows))
     print(f"\n{summary_line(s)} (merged from {len(paths)} files)")
     return 1 if s["failed"] or not s["passed"] else 0
 
@@ -197,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows = run_rows(rows, device=torch_device, platform=platform, progress=True)
     s = {**summary(rows), "profile": ns.profile, "device": torch_device, "subset": ns.subset, "shard": ns.shard,
          "seconds": round(time.perf_counter() - t0, 1), "installed": installed}
-    print(table(rows, accepted_only=not ns.show_refused))
+    print(table(rows, accepted_only=not ns.show_refused) + "\n\n" + grouped_table(rows))
     print(f"\n{summary_line(s)} ({s['seconds']} s, profile {ns.profile} on {torch_device})")
     if ns.out:
         Path(ns.out).write_text(json.dumps({"summary": s, "rows": [r.to_json() for r in rows]}, indent=1))

@@ -346,6 +346,22 @@ def table(rows: Sequence[Row], *, accepted_only: bool = True) -> str:
     return "\n".join(lines)
 
 
+def grouped_table(rows: Sequence[Row]) -> str:
+    """Markdown table per backend × mode × graph: accepted, passed, failed, not run, worst max_rel_err of the passed."""
+    groups: dict[tuple[str, str, str], list[Row]] = {}
+    for r in rows:
+        if r.accepted:
+            groups.setdefault((r.cell.backend, r.cell.mode, r.cell.graph), []).append(r)
+    lines = ["| backend | mode | graph | accepted | passed | failed | not run | worst max_rel_err |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (b, m, g), rs in groups.items():
+        ok = [r.max_rel_err for r in rs if r.status == "passed"]
+        bad = sum(r.status == "failed" for r in rs)
+        lines.append(f"| {b} | {m} | {g} | {len(rs)} | {len(ok)} | {bad} | {len(rs) - len(ok) - bad} | "
+                     f"{max(ok):.2e} |" if ok else f"| {b} | {m} | {g} | {len(rs)} | 0 | {bad} | {len(rs) - bad} | |")
+    return "\n".join(lines)
+
+
 @contextlib.contextmanager
 def interpreter_rounding() -> Any:
     """Round float32 → bfloat16 casts in Triton's CPU interpreter to nearest even, as compiled kernels do.
