@@ -186,6 +186,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(summary(rows)))
         return 0
     facts, platform, torch_device = profile_facts(ns.profile, device)
+    if torch_device == "cpu":
+        import torch
+
+        torch.set_num_threads(1)  # tiny tensors: a second intra-op thread only waits on a shared machine
     k, n = (int(x) for x in ns.shard.split("/"))
     graphs_run = torch_device.startswith("cuda")
     runnable = [r for r in rows if r.accepted and (graphs_run or r.cell.graph == "eager")]

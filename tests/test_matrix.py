@@ -81,14 +81,21 @@ def _check(group: str, cell: M.Cell, **kw) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _quiet_logs():
-    """Only errors from the library's structlog events (an unconfigured structlog prints every info event)."""
+def _quiet_and_single_threaded():
+    """Only errors from the library's structlog events (an unconfigured structlog prints every info event), and
+    one torch thread: these tensors are tiny, and on a shared 2-core machine a second intra-op thread that is not
+    scheduled made single cells take seconds instead of milliseconds."""
     import logging
 
     import structlog
 
+    saved = structlog.get_config()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
+    structlog.configure(**saved)
 
 
 @pytest.mark.parametrize("cell", _ids("cpu"))
