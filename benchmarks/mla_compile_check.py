@@ -70,7 +70,8 @@ def report(c) -> dict:
 
 def decode_const(cfg: launch_mla.MLADecodeConfig, direct: bool) -> dict:
     return dict(DL=DV, DR=DR, BLOCK_L=DV, BLOCK_R=DR, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-                SPLIT_MIN=cfg.split_min, DIRECT=direct, DETACH=cfg.detach, LAZY=cfg.lazy_rescale, UPCAST=False)
+                SPLIT_MIN=cfg.split_min, DIRECT=direct, DETACH=cfg.detach, LAZY=cfg.lazy_rescale, UPCAST=False,
+                **launch_mla.prefetch_constexprs(cfg, DV + DR, 2))
 
 
 def main() -> None:

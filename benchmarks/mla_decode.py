@@ -225,6 +225,24 @@ def median_table(runs: list[list[dict]]) -> list[dict]:
     return out
 
 
+def print_targets(runs: list[list[dict]]) -> dict:
+    """Issue 16 §4 per config: >= 0.90x FlashInfer at B=64 ctx 4096 and >= 0.75x on every shape, in every run."""
+    out = {}
+    impls = sorted({r["impl"] for run in runs for r in run if r["impl"].startswith("triton")})
+    for impl in impls:
+        rs = [r for run in runs for r in run if r["impl"] == impl and "speed_vs_fi" in r]
+        if not rs:
+            continue
+        key = [r["speed_vs_fi"] for r in rs if (r["b"], r["ctx"]) == (64, 4096)]
+        lo = min(r["speed_vs_fi"] for r in rs)
+        out[impl] = dict(b64_ctx4096=min(key) if key else None, min=lo,
+                         met_b64=bool(key) and min(key) >= 0.90, met_min=lo >= 0.75)
+        print(f"target {impl:34} B=64 ctx=4096 {out[impl]['b64_ctx4096'] or float('nan'):.3f} (>= 0.90: "
+              f"{'met' if out[impl]['met_b64'] else 'NOT met'}), lowest shape {lo:.3f} (>= 0.75: "
+              f"{'met' if out[impl]['met_min'] else 'NOT met'})")
+    return out
+
+
 def _precompile_worker(job: tuple[dict, list[int]]) -> str:
     """Launch one config once per split cap on a 1-request problem: Triton compiles the same kernel
     variants (constexprs and argument specialisations match the real shapes) into its on-disk cache."""
@@ -283,6 +301,7 @@ def main() -> None:
     ap.add_argument("--warm", action="store_true")
     ap.add_argument("--precompile", type=int, default=0, metavar="N",
                     help="compile every config in N parallel processes first (Triton disk cache)")
+    ap.add_argument("--precompile-only", action="store_true", help="with --precompile: compile, then exit")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.warm:
@@ -293,6 +312,8 @@ def main() -> None:
     if a.precompile:
         every = [("default", _default_cfg())] + (list(launch_mla.SWEEP_DECODE) if a.sweep else [])
         precompile(every, shapes + list(SWEEP_SHAPES if a.sweep else []), a.precompile)
+        if a.precompile_only:
+            return
     torch.manual_seed(0)
     ceiling = copy_bandwidth("cuda")
     print(f"device {torch.cuda.get_device_name(0)}; copy {ceiling:.0f} GB/s r+w (reference {COPY_CEILING_GBPS:.0f}); "
@@ -316,6 +337,7 @@ def main() -> None:
         print(f"--- run {i + 1}/{a.runs}")
         print_table(rs, ceiling)
     result["runs"] = runs
+    result["targets"] = print_targets(runs)
     if a.runs > 1:
         med = median_table(runs)
         result["median"] = med

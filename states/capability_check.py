@@ -8,9 +8,11 @@ Pure decisions: no torch, no import of any backend module.
 
 Checks, in order: device type, arch (compute capability), packages, the model's layer kinds
 (MHA/MLA, encoder-decoder, qk/v head dims, sliding window, logit softcap, attention sinks, chunked
-local attention — each reason names the head dim or feature *and* the layer kind with its layers;
+local attention — each reason names the head dim or feature *and* the layer kind with its layers; MLA
+kinds against ``mla_head_dims`` when the record has them;
 a hybrid model's linear-attention / mamba layers are no attention kind and need nothing), q dtype, KV-cache
-dtype, page size, speculative decoding (incl. EAGLE tree verification), TBO, PD-mux.
+dtype (an fp8 one only with the record's ``fp8_kv_features``; ``kv_dtype_matches_q`` exempts fp8), page size,
+speculative decoding (incl. EAGLE tree verification), TBO, PD-mux.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Mapping, NamedTuple
 
 from pipeline.backends import registry
+from pipeline.backends.capability import MODEL_FEATURES
 from pipeline.backends.registry import Capability
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec
 from pipeline.core.dtypes import kv_dtype, model_dtype
@@ -51,6 +54,18 @@ def _model_flag(model: ModelSpec) -> tuple[str, Any]:
     return ("model", model.source or model.model_type)
 
 
+def model_features(model: ModelSpec) -> list[str]:
+    """The model features (:data:`~pipeline.backends.capability.MODEL_FEATURES`) the model's attention layers use."""
+    kinds = model.layer_kinds()
+    used = {"mla" if model.is_mla else "mha"}
+    used |= {"sliding_window" for k in kinds if k.sliding_window is not None}
+    used |= {"logit_softcap" for k in kinds if k.logit_softcap is not None}
+    used |= {"attention_sinks" for k in kinds if k.has_sinks}
+    used |= {"chunked_local_attention" for k in kinds if k.attention_chunk_size is not None}
+    used |= {"encoder_decoder"} if model.is_encoder_decoder else set()
+    return [f for f in MODEL_FEATURES if f in used]
+
+
 def model_reasons_with_flags(cap: Capability, model: ModelSpec) -> list[Reason]:
     """Reasons from the model's attention layer kinds (head dims, MLA, window, softcap, sinks, enc-dec)."""
     out: list[Reason] = []
@@ -63,10 +78,17 @@ def model_reasons_with_flags(cap: Capability, model: ModelSpec) -> list[Reason]:
         out.append(Reason("encoder-decoder (cross attention) is not supported", (mf,)))
     for k in model.layer_kinds():
         where = f"{k.kind} layers ({_layers(k.layer_ids)})"
-        if cap.head_dims_qk is not None and k.head_dim_qk not in cap.head_dims_qk:
+        if k.is_mla and cap.mla_head_dims is not None:
+            if [k.head_dim_qk, k.head_dim_v] not in cap.mla_head_dims:
+                out.append(Reason(f"MLA head dims {k.head_dim_qk}/{k.head_dim_v} (qk/v, absorbed) of {where} are not "
+                                  f"supported (supports {_list(f'{a}/{b}' for a, b in cap.mla_head_dims)})",
+                                  (mf, (f"{k.kind}.head_dim_qk", k.head_dim_qk),
+                                   (f"{k.kind}.head_dim_v", k.head_dim_v))))
+        elif cap.head_dims_qk is not None and k.head_dim_qk not in cap.head_dims_qk:
             out.append(Reason(f"qk head dim {k.head_dim_qk} of {where} is not supported "
                               f"(supports {_list(cap.head_dims_qk)})", (mf, (f"{k.kind}.head_dim_qk", k.head_dim_qk))))
-        if cap.head_dims_v is not None and k.head_dim_v not in cap.head_dims_v:
+        if not (k.is_mla and cap.mla_head_dims is not None) and cap.head_dims_v is not None \
+                and k.head_dim_v not in cap.head_dims_v:
             out.append(Reason(f"v head dim {k.head_dim_v} of {where} is not supported "
                               f"(supports {_list(cap.head_dims_v)})", (mf, (f"{k.kind}.head_dim_v", k.head_dim_v))))
         if k.sliding_window is not None and not cap.has("sliding_window"):
@@ -111,7 +133,14 @@ def _flag_reasons(cap: Capability, args: AttentionArgs, model: ModelSpec, is_dra
     if kd not in cap.kv_dtypes:
         out.append(Reason(f"kv_cache_dtype {kd} is not supported (supports {_list(cap.kv_dtypes)})",
                           (("kv_cache_dtype", kd),)))
-    if cap.kv_dtype_matches_q and kd != qd and kd in cap.kv_dtypes and qd in cap.q_dtypes:
+    elif kd.startswith("fp8") and cap.fp8_kv_features is not None:
+        for f in model_features(model):
+            if f not in cap.fp8_kv_features and cap.has(f):
+                out.append(Reason(f"kv_cache_dtype {kd} is not supported with {f.replace('_', ' ')} layers (an fp8 KV "
+                                  f"cache is served with {_list(cap.fp8_kv_features)} layers only)",
+                                  (("kv_cache_dtype", kd), _model_flag(model))))
+    if cap.kv_dtype_matches_q and kd != qd and not kd.startswith("fp8") and kd in cap.kv_dtypes \
+            and qd in cap.q_dtypes:
         out.append(Reason(f"kv_cache_dtype {kd} differs from dtype {qd}; this backend needs them equal",
                           (("kv_cache_dtype", kd), ("dtype", qd))))
     if cap.page_sizes is not None and args.page_size not in cap.page_sizes:

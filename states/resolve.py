@@ -107,11 +107,12 @@ def explicit_choice(args: AttentionArgs, half: str, is_draft_worker: bool) -> Op
     return None
 
 
-def auto_candidates(device: DeviceFacts) -> list[str]:
-    """The registered backends auto-selection considers on ``device``, in priority order (the registry's
-    :func:`~pipeline.backends.registry.auto_candidates`: sglang's and vLLM's orders, pruned per request by the
-    capability records)."""
-    return registry.auto_candidates(device.type)
+def auto_candidates(device: DeviceFacts, model: Optional[ModelSpec] = None) -> list[str]:
+    """The registered backends auto-selection considers on ``device`` (for ``model``), in priority order (the
+    registry's :func:`~pipeline.backends.registry.auto_candidates`: sglang's and vLLM's orders, pruned per request
+    by the capability records; for an MLA model on an arch with measured MLA decode times, those backends first,
+    fastest first)."""
+    return registry.auto_candidates(device.type, arch=device.arch or "", mla=model is not None and model.is_mla)
 
 
 def _flags_of(head: list[tuple[str, object]], bad: list[Reason], device: DeviceFacts) -> list[tuple[str, object]]:
@@ -173,7 +174,7 @@ def _pick(half: str, explicit: Optional[Explicit], ctx: Remedies) -> tuple[str, 
             raise _refuse_explicit(half, rule, name, flag, bad, ctx)
         return name, rule, []
     rejected: list[Rejection] = []
-    for name in auto_candidates(device):
+    for name in auto_candidates(device, ctx.model):
         bad = survey.why[name]
         if not bad:
             return name, "auto", rejected
@@ -183,7 +184,7 @@ def _pick(half: str, explicit: Optional[Explicit], ctx: Remedies) -> tuple[str, 
     if survey.installable:
         msg = f"auto-selection found no backend for {half} on {device.arch or device.type}: " \
               f"{survey.missing_note()}. Reasons: {detail}"
-    bad_all = [r for n in auto_candidates(device) for r in survey.why[n]]
+    bad_all = [r for n in auto_candidates(device, ctx.model) for r in survey.why[n]]
     flags = _flags_of([(f"{half}_attention_backend", None)], [r for r in bad_all if not r.is_package], device)
     raise CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=survey.working,
                              remedy=ctx.without_working())

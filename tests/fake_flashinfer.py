@@ -2,9 +2,17 @@
 
 It implements the documented semantics of ``plan()``/``run()`` (indptr / indices /
 last_page_len page tables, NHD paged layout, bottom-right causal mask, ``window_left``,
-``logits_soft_cap``, sinks as extra positional run args) with plain fp32 loops. It is a test
-double for the *interface*: the real kernels are checked on the H200
-(tests/gpu/test_flashinfer_gpu.py). Install with ``monkeypatch.setitem(sys.modules, "flashinfer", fake)``.
+``logits_soft_cap``, sinks as extra positional run args; fp8 caches with ``k_scale`` multiplying the
+softmax scale and ``v_scale`` the output, as FlashInfer's ``run()`` does; and the MLA wrapper
+``flashinfer.mla.BatchMLAPagedAttentionWrapper``: ``plan(qo_indptr, kv_indptr, kv_indices,
+kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
+kv_data_type)``, ``run(q_nope, q_pe, ckv, kpe, out=...)`` with ``scores = q_nope·ckv + q_pe·kpe`` and
+``out = softmax · ckv``, CUDA-graph buffers read at run time) with plain fp32 loops. It checks what
+FlashInfer checks or would mis-compute silently: the cache dtype against the planned
+``kv_data_type``, q's dtype against ``q_data_type``, MLA page counts against ``kv_len_arr``. It is a
+test double for the *interface*: the real kernels are checked on the H200
+(tests/gpu/test_flashinfer_gpu.py, tests/gpu/test_flashinfer_mla_fp8_gpu.py). Install with
+``monkeypatch.setitem(sys.modules, "flashinfer", fake)``.
 """
 
 from __future__ import annotations
@@ -31,11 +39,21 @@ class _Base:
             buf = self.bufs.get("paged_kv_indices_buffer", self.bufs.get("paged_kv_indices_buf"))
             buf[: len(indices)].copy_(indices)
 
-    def _attend(self, q, k, v, kv_len, causal):
+    def _check_dtypes(self, q, cache):
+        kw = self.kw
+        if kw.get("q_data_type") is not None:
+            assert q.dtype == kw["q_data_type"], (q.dtype, kw["q_data_type"])
+        if kw.get("kv_data_type") is not None:
+            assert cache.dtype == kw["kv_data_type"], (cache.dtype, kw["kv_data_type"])
+        if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            assert q.dtype in (torch.bfloat16, torch.float16) and self.backend != "fa3", "fp8 KV: fa2 / CUDA core only"
+
+    def _attend(self, q, k, v, kv_len, causal, k_scale=None, v_scale=None):
         kw = self.kw
         g = q.shape[1] // k.shape[1]
         k, v = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
-        s = torch.einsum("nhd,mhd->hnm", q.float(), k) * kw["sm_scale"]
+        sm = kw["sm_scale"] * (k_scale if k_scale is not None else 1.0)  # FlashInfer: sm_scale *= k_scale
+        s = torch.einsum("nhd,mhd->hnm", q.float(), k) * sm
         if kw.get("logits_soft_cap"):
             c = kw["logits_soft_cap"]
             s = c * torch.tanh(s / c)
@@ -48,12 +66,15 @@ class _Base:
         s = s.masked_fill(~ok, -math.inf)
         if self.sinks is not None:
             s = torch.cat([s, self.sinks.float()[:, None, None].expand(s.shape[0], n, 1)], -1)
-            return torch.einsum("hnm,mhd->nhd", torch.softmax(s, -1)[..., :-1], v)
-        return torch.einsum("hnm,mhd->nhd", torch.softmax(s, -1), v)
+            o = torch.einsum("hnm,mhd->nhd", torch.softmax(s, -1)[..., :-1], v)
+        else:
+            o = torch.einsum("hnm,mhd->nhd", torch.softmax(s, -1), v)
+        return o * v_scale if v_scale is not None else o  # FlashInfer: out *= v_scale
 
-    def _paged(self, q, kv, causal, *args):
+    def _paged(self, q, kv, causal, *args, k_scale=None, v_scale=None):
         self.sinks = args[0] if args else None
         kc, vc = kv
+        self._check_dtypes(q, kc)
         ps = kc.shape[1]
         out = torch.empty(q.shape[0], q.shape[1], vc.shape[-1], dtype=q.dtype)
         for b in range(len(self.indptr) - 1):
@@ -62,7 +83,7 @@ class _Base:
             k = kc[pages].reshape(-1, *kc.shape[2:])[:kv_len]
             v = vc[pages].reshape(-1, *vc.shape[2:])[:kv_len]
             a, e = int(self.qo[b]), int(self.qo[b + 1])
-            out[a:e] = self._attend(q[a:e], k, v, kv_len, causal).to(q.dtype)
+            out[a:e] = self._attend(q[a:e], k, v, kv_len, causal, k_scale, v_scale).to(q.dtype)
         return out
 
 
@@ -72,9 +93,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
             raise RuntimeError(f"Unsupported group_size: {num_qo_heads // num_kv_heads}")
         self._store(torch.arange(len(last_page_len) + 1), indptr, indices, last_page_len, kw)
 
-    def run(self, q, kv, *args, enable_pdl=None):
+    def run(self, q, kv, *args, enable_pdl=None, k_scale=None, v_scale=None):
         assert enable_pdl is None or isinstance(enable_pdl, bool), enable_pdl
-        return self._paged(q, kv, False, *args)
+        return self._paged(q, kv, False, *args, k_scale=k_scale, v_scale=v_scale)
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Base):
@@ -83,8 +104,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
         self.causal = causal
         self._store(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kw)
 
-    def run(self, q, kv, *args):
-        return self._paged(q, kv, self.causal, *args)
+    def run(self, q, kv, *args, k_scale=None, v_scale=None):
+        return self._paged(q, kv, self.causal, *args, k_scale=k_scale, v_scale=v_scale)
 
 
 class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper):
@@ -100,6 +121,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Base):
         self.qo, self.kvp, self.causal, self.kw, self.sinks = qo_indptr.long(), kv_indptr.long(), causal, kw, None
 
     def run(self, q, k, v):
+        assert k.dtype == v.dtype == q.dtype, "the ragged wrapper takes k/v in q's dtype"
         out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
         for b in range(len(self.qo) - 1):
             a, e = int(self.qo[b]), int(self.qo[b + 1])
@@ -108,11 +130,68 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Base):
         return out
 
 
+class BatchMLAPagedAttentionWrapper:
+    """FlashInfer 0.6.13's MLA wrapper (absorbed form): one latent head, ``ckv`` / ``kpe`` paged caches."""
+
+    def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None,
+                 kv_len_arr=None, backend="auto"):
+        assert float_workspace_buffer.dtype in (torch.uint8, torch.int8)
+        assert backend in ("fa2", "fa3"), backend  # the backend always names it (auto would pick by arch)
+        self.backend, self.use_cuda_graph, self.plans = backend, use_cuda_graph, 0
+        self.bufs = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=kv_len_arr)
+        if use_cuda_graph:
+            assert all(isinstance(b, torch.Tensor) and b.dtype == torch.int32 for b in self.bufs.values()), self.bufs
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type, use_profiler=False):
+        self.plans += 1
+        self.qo, self.kvp, self.lens = qo_indptr.cpu().long(), kv_indptr.cpu().long(), kv_len_arr.cpu().long()
+        assert len(self.qo) == len(self.kvp) == len(self.lens) + 1
+        for b in range(len(self.lens)):  # pages per request must cover exactly kv_len tokens
+            pages = int(self.kvp[b + 1] - self.kvp[b])
+            assert pages == -(-int(self.lens[b]) // page_size), (b, pages, int(self.lens[b]), page_size)
+            assert int(self.qo[b + 1] - self.qo[b]) <= int(self.lens[b])
+        self.indices = kv_indices.long()
+        self.cfg = dict(num_heads=num_heads, ckv=head_dim_ckv, kpe=head_dim_kpe, page_size=page_size, causal=causal,
+                        sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type)
+        if self.use_cuda_graph:  # as FlashInfer: copied into the fixed buffers, which run() reads
+            self.bufs["qo_indptr"].copy_(qo_indptr)
+            self.bufs["kv_indptr"].copy_(kv_indptr)
+            self.bufs["kv_indices"][: len(kv_indices)].copy_(kv_indices)
+            self.bufs["kv_len_arr"].copy_(kv_len_arr)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False):
+        c = self.cfg
+        t, h = q_nope.shape[:2]
+        assert q_nope.shape == (t, c["num_heads"], c["ckv"]) and q_pe.shape == (t, c["num_heads"], c["kpe"])
+        assert q_nope.dtype == q_pe.dtype == c["q_data_type"], (q_nope.dtype, c["q_data_type"])
+        assert ckv_cache.dtype == kpe_cache.dtype == c["kv_data_type"], (ckv_cache.dtype, c["kv_data_type"])
+        assert ckv_cache.shape[1:] == (c["page_size"], c["ckv"]) and kpe_cache.shape[1:] == (c["page_size"], c["kpe"])
+        indices = (self.bufs["kv_indices"] if self.use_cuda_graph else self.indices).cpu().long()
+        out = torch.empty(t, h, c["ckv"], dtype=q_nope.dtype) if out is None else out
+        assert out.shape == (t, h, c["ckv"]) and out.dtype == q_nope.dtype
+        for b in range(len(self.lens)):
+            a, e, n = int(self.qo[b]), int(self.qo[b + 1]), int(self.lens[b])
+            pages = indices[int(self.kvp[b]):int(self.kvp[b + 1])]
+            ck = ckv_cache[pages].reshape(-1, c["ckv"])[:n].float()
+            kp = kpe_cache[pages].reshape(-1, c["kpe"])[:n].float()
+            s = (torch.einsum("qhc,mc->hqm", q_nope[a:e].float(), ck)
+                 + torch.einsum("qhr,mr->hqm", q_pe[a:e].float(), kp)) * c["sm_scale"]
+            if c["causal"]:  # bottom-right aligned: query i of e - a sits at position n - (e - a) + i
+                pos = n - (e - a) + torch.arange(e - a)
+                s = s.masked_fill(torch.arange(n)[None, None, :] > pos[None, :, None], -math.inf)
+            out[a:e] = torch.einsum("hqm,mc->qhc", torch.softmax(s, -1), ck).to(out.dtype)
+        return out
+
+
 def module() -> types.ModuleType:
-    """A module object exposing the four wrapper classes under FlashInfer's names."""
+    """A module exposing the wrapper classes under FlashInfer's names (the MLA one also as ``flashinfer.mla``)."""
     m = types.ModuleType("flashinfer")
     for c in (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
-              BatchAttentionWithAttentionSinkWrapper, BatchPrefillWithRaggedKVCacheWrapper):
+              BatchAttentionWithAttentionSinkWrapper, BatchPrefillWithRaggedKVCacheWrapper,
+              BatchMLAPagedAttentionWrapper):
         setattr(m, c.__name__, c)
+    m.mla = types.ModuleType("flashinfer.mla")
+    m.mla.BatchMLAPagedAttentionWrapper = BatchMLAPagedAttentionWrapper
     m.__version__ = "fake"
     return m

@@ -57,10 +57,19 @@ def make_kind(h: int, hkv: int, d: int, *, window=None, softcap=None, sinks=Fals
                      has_sinks=sinks, layer_ids=list(layer_ids))
 
 
+def make_mla_kind(h: int, *, latent: int = 512, rope: int = 64, nope: int = 128, layer_ids=(0,),
+                  scaling: Optional[float] = None) -> LayerKind:
+    """An absorbed-MLA LayerKind (one latent head; qk ``latent + rope``, v ``latent``); scale ``scaling`` or
+    ``(nope + rope) ** -0.5`` (the head dim before absorption, as FlashInfer's MLA docs say)."""
+    return LayerKind(kind="full", num_heads=h, num_kv_heads=1, head_dim_qk=latent + rope, head_dim_v=latent,
+                     scaling=scaling or (nope + rope) ** -0.5, is_mla=True, layer_ids=list(layer_ids))
+
+
 def make_layer(kind: LayerKind, layer_id: int, sinks: Optional[torch.Tensor] = None) -> AttentionLayer:
     return AttentionLayer(layer_id=layer_id, num_heads=kind.num_heads, num_kv_heads=kind.num_kv_heads,
                           head_dim=kind.head_dim_qk, v_head_dim=kind.head_dim_v, scaling=kind.scaling,
-                          sliding_window=kind.sliding_window, logit_softcap=kind.logit_softcap, sinks=sinks)
+                          sliding_window=kind.sliding_window, logit_softcap=kind.logit_softcap, sinks=sinks,
+                          is_mla=kind.is_mla)
 
 
 class Scenario:
@@ -68,16 +77,20 @@ class Scenario:
 
     ``kinds`` are the layer kinds (their ``layer_ids`` index the KV pool); ``ws_bytes`` the
     workspace size; ``extra`` goes to ``BackendContext.extra`` (e.g. ``cuda_graph_max_bs``).
+    ``dtype`` is q's (and the model's); ``kv_dtype`` the cache's (default ``dtype``; e.g.
+    ``torch.float8_e4m3fn``) with per-layer ``k_scales`` / ``v_scales`` (default 1.0).
     """
 
     def __init__(self, kinds, *, device="cuda", dtype=torch.bfloat16, page_size=16, max_reqs=16,
                  max_context_len=4096, num_slots=None, ws_bytes=64 << 20, name="flashinfer", sm_count=132,
-                 arch=(9, 0), extra=None, seed=0, facts_type=None) -> None:
+                 arch=(9, 0), extra=None, seed=0, facts_type=None, kv_dtype=None, k_scales=None,
+                 v_scales=None) -> None:
         self.kinds, self.device, self.dtype, self.page_size = list(kinds), device, dtype, page_size
         nl = 1 + max(l for k in kinds for l in k.layer_ids)
         num_slots = num_slots or page_size * (max_reqs * (-(-max_context_len // page_size)) + 2)
         self.req_pool = ReqToTokenPool(max_reqs, max_context_len, device)
-        self.kv = KVPool.for_layer_kinds(kinds, nl, num_slots, page_size, dtype, device)
+        self.kv = KVPool.for_layer_kinds(kinds, nl, num_slots, page_size, kv_dtype or dtype, device,
+                                         k_scales=k_scales, v_scales=v_scales)
         self.alloc = PageAllocator(self.req_pool, num_slots, page_size, seed=seed)
         self.ws_pool = WorkspacePool(device)
         ws = self.ws_pool.allocate(WorkspacePlan(id="ws-shared", owner="primary", bytes=ws_bytes, shared_by=["primary"]))
@@ -114,6 +127,8 @@ class Scenario:
         return make_forward_batch(mode, reqs, new_tokens, self.alloc, self.kv)
 
     def request_kv(self, layer_id: int, req: int, length: int):
-        """Contiguous K [length, Hkv, D] and V of one request (after the batch's KV was saved)."""
+        """Contiguous K [length, Hkv, D] and V of one request (after the batch's KV was saved), as the
+        cache means them: float64 ``stored * scale`` (the layer's k_scale / v_scale; 1 unless fp8)."""
         slots = self.req_pool.req_to_token[req, :length].long()
-        return self.kv.k_buffer[layer_id][slots], self.kv.v_buffer[layer_id][slots]
+        ks, vs = self.kv.kv_scales(layer_id)
+        return (self.kv.k_buffer[layer_id][slots].double() * ks, self.kv.v_buffer[layer_id][slots].double() * vs)

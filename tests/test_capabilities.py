@@ -46,8 +46,9 @@ def spec(**kw: Any) -> ModelSpec:
     return msgspec.convert(base, ModelSpec)
 
 
-MLA = dict(mla=dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32), head_dim=48,
-           v_head_dim=32, num_key_value_heads=4)
+# DeepSeek-V2/V3's MLA dims (absorbed 576/512, the pair the GPU records claim), 16 heads as in V2-Lite
+MLA = dict(mla=dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128), head_dim=192,
+           v_head_dim=128, num_attention_heads=16, num_key_value_heads=16, scaling=192 ** -0.5)
 FEATURE_MODELS = {
     "mha": spec(), "mla": spec(**MLA),
     "sliding_window": spec(layer_types=["sliding", "full", "sliding"], sliding_window=6),
@@ -224,9 +225,11 @@ def _gpu_cases() -> list:
         cap = registry.get(name).capability
         for d, dv in zip(cap.head_dims_qk or [], cap.head_dims_v or []):
             cases.append((name, dict(head_dim=d, v_head_dim=dv), {}))
+        for d, dv in cap.mla_head_dims or []:  # absorbed MLA dims: a DeepSeek-style model with that latent / rope
+            cases.append((name, dict(MLA, mla=dict(MLA["mla"], kv_lora_rank=dv, qk_rope_head_dim=d - dv)), {}))
         cases += [(name, dict(dtype=q), {}) for q in cap.q_dtypes]
-        cases += [(name, dict(dtype=k) if cap.kv_dtype_matches_q else {}, dict(kv_cache_dtype=k))
-                  for k in cap.kv_dtypes]
+        cases += [(name, dict(dtype=k) if cap.kv_dtype_matches_q and not k.startswith("fp8") else {},
+                   dict(kv_cache_dtype=k)) for k in cap.kv_dtypes]  # fp8 KV under the model's bf16 q
         cases += [(name, {}, {"page_size": p}) for p in (cap.page_sizes or [1, 16])]
         for f in cap.features:
             if f in FEATURE_MODELS:
@@ -293,7 +296,7 @@ def test_unclaimed_head_dims_and_dtypes_are_refused(name):
         assert bool(why) == (q not in cap.q_dtypes) and (not why or q in why[0])
     for kv in ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"):
         why = _refused(name, spec(), kv_cache_dtype=kv)  # spec() is bfloat16
-        unequal = cap.kv_dtype_matches_q and kv != "bfloat16"
+        unequal = cap.kv_dtype_matches_q and kv != "bfloat16" and not kv.startswith("fp8")  # fp8 is dequantized
         assert bool(why) == (kv not in cap.kv_dtypes or unequal) and (not why or kv in why[0])
 
 
@@ -318,3 +321,32 @@ def test_no_record_claims_tree_speculation():
     """EAGLE topk > 1 needs tree masks, which no backend implements: refused for every backend."""
     for name in registry.names():
         assert _refused(name, spec(), speculative_algorithm="EAGLE", speculative_eagle_topk=2)
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_mla_head_dims_are_claimed_as_pairs(name):
+    """A record with mla_head_dims serves MLA kinds with exactly those (qk, v) pairs: another latent / rope split is
+    refused naming both dims; a record without them (torch_native) checks its plain head-dim lists."""
+    cap = registry.get(name).capability
+    if not cap.has("mla"):
+        return
+    for latent, rope in ((512, 64), (256, 32), (512, 128)):
+        model = spec(**dict(MLA, mla=dict(MLA["mla"], kv_lora_rank=latent, qk_rope_head_dim=rope)))
+        why = _refused(name, model)
+        claimed = cap.mla_head_dims is None or [latent + rope, latent] in cap.mla_head_dims
+        assert bool(why) == (not claimed), (name, latent, rope, why)
+        if why:
+            assert f"MLA head dims {latent + rope}/{latent}" in why[0]
+
+
+@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_only_with_the_claimed_model_features(name, kv):
+    """An fp8 KV cache is accepted for a model feature iff the record claims the dtype, the feature and (when it
+    lists them) fp8_kv_features; every refusal names kv_cache_dtype or the feature."""
+    cap = registry.get(name).capability
+    for feature in ("mha", "mla", "sliding_window", "logit_softcap", "attention_sinks"):
+        why = _refused(name, FEATURE_MODELS[feature], kv_cache_dtype=kv)
+        ok = kv in cap.kv_dtypes and cap.has(feature) and (cap.fp8_kv_features is None
+                                                            or feature in cap.fp8_kv_features)
+        assert bool(why) == (not ok), (name, kv, feature, why)

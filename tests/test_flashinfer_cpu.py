@@ -128,10 +128,29 @@ def test_glue_decode_groups_without_a_cuda_core_kernel(fib, heads, kv_heads):
 
 
 def test_tensor_core_rule_and_cta_tile():
-    """Tensor-core decode for group >= 8, or >= 4 at batch >= 8 (fp8 always); FA2 tile rows per qo length."""
+    """Tensor-core decode for group >= 8, or >= 4 at batch >= 8 (fp8: the FP8_DECODE_PATH table); FA2 tile rows."""
     assert not sz.use_tensor_core_decode(1, 256) and not sz.use_tensor_core_decode(4, 1)
     assert sz.use_tensor_core_decode(8, 1)
-    assert sz.use_tensor_core_decode(4, 8) and sz.use_tensor_core_decode(1, 1, "fp8_e4m3")
+    assert sz.use_tensor_core_decode(4, 8)
+    for kv in ("fp8_e4m3", "fp8_e5m2", "float8_e4m3fn", "float8_e5m2"):  # our names and torch's
+        for g in (1, 2, 3, 4, 7, 8):
+            for b in (1, 8, 256):
+                want = g not in sz.CUDA_CORE_DECODE_GROUPS or sz.FP8_DECODE_PATH[g] == "tensor_core"
+                assert sz.use_tensor_core_decode(g, b, kv) == want, (kv, g, b)
+
+
+def test_workspace_bound_holds_for_either_fp8_decode_path(monkeypatch):
+    """Flipping FP8_DECODE_PATH (as the lead may after a GPU run) never leaves the graph term unsized: the bound
+    covers tensor-core graph plans wherever either the 16-bit or the fp8 rule takes them."""
+    s = sz.HeadShape(32, 8, 128)
+    for bs in (1, 4, 7):  # group 4 below 8 requests: bf16 decodes on CUDA cores
+        monkeypatch.setitem(sz.FP8_DECODE_PATH, 4, "cuda_core")
+        cc = sz.workspace_need([s], num_sms=132, max_batch_size=bs, cuda_graph_max_bs=bs)
+        monkeypatch.setitem(sz.FP8_DECODE_PATH, 4, "tensor_core")
+        tc = sz.workspace_need([s], num_sms=132, max_batch_size=bs, cuda_graph_max_bs=bs)
+        assert cc.parts["fa2_graph_decode"] == 0
+        assert tc.parts["fa2_graph_decode"] == sz.fa2_graph_decode_bytes(s, 132, bs)
+        assert tc.bytes >= cc.bytes
     assert [sz.cta_tile_q(n, 128) for n in (1, 16, 17, 64, 65)] == [16, 16, 64, 64, 128]
     assert sz.cta_tile_q(65, 256) == 64
 

@@ -53,6 +53,9 @@ EXPECTED = {
                       None, False, None, "bfloat16", 151936, 40960, 1e6),
     "deepseek-v2-lite.json": ("deepseek_v2", 27, 16, 16, 192, 128, _DSV2_MSCALE**2 / math.sqrt(192), [], None,
                               None, False, (512, 64, 128, 128, None), "bfloat16", 102400, 163840, 10000.0),
+    # V3: YaRN factor 40 with mscale_all_dim 1.0 -> m = 0.1 ln 40 + 1; (128 + 64) ** -0.5 * m * m
+    "deepseek-v3.json": ("deepseek_v3", 61, 128, 128, 192, 128, (0.1 * math.log(40) + 1) ** 2 / math.sqrt(192), [],
+                         None, None, False, (512, 64, 128, 128, 1536), "bfloat16", 129280, 163840, 10000.0),
     "gpt-oss-20b.json": ("gpt_oss", 24, 64, 8, 64, 64, 1 / 8, _EVEN(24), 128,
                          None, True, None, "bfloat16", 201088, 131072, 150000.0),
     # 48 layers: 3 Gated DeltaNet then 1 gated full attention, x12; 16 q / 2 kv heads of 256 (model card)
@@ -99,6 +102,7 @@ EXPECTED_KINDS = {
     "gemma-2-9b.json": [("sliding", 8, 256, 256, 4096, False, 21), ("full", 8, 256, 256, None, False, 21)],
     "qwen3-8b.json": [("full", 8, 128, 128, None, False, 36)],
     "deepseek-v2-lite.json": [("full", 1, 576, 512, None, True, 27)],
+    "deepseek-v3.json": [("full", 1, 576, 512, None, True, 61)],
     "gpt-oss-20b.json": [("sliding", 8, 64, 64, 128, False, 12), ("full", 8, 64, 64, None, False, 12)],
     "qwen3-next-80b-a3b-instruct.json": [("full", 2, 256, 256, None, False, 12)],
     "llama-4-scout-17b-16e-instruct.json": [("chunked", 8, 128, 128, None, False, 36),

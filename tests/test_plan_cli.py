@@ -56,7 +56,8 @@ H200_PINNED = {
     "mistral-7b-v0.1.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),
     "gemma-2-9b.json": ("flashinfer", ("bfloat16", "auto:float32_to_bfloat16"), []),  # float32 checkpoint
     "qwen3-8b.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),
-    "deepseek-v2-lite.json": ("torch_native", ("bfloat16", "auto:checkpoint"), []),   # MLA: only torch_native
+    "deepseek-v2-lite.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),     # MLA: measured fastest on sm90
+    "deepseek-v3.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),           # MLA 576/512, 128 heads
     "gpt-oss-20b.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),          # no torch_dtype: bf16
     "qwen3-next-80b-a3b-instruct.json": ("flashinfer", ("bfloat16", "auto:checkpoint"),
                                          [("linear_attention", [i for i in range(48) if (i + 1) % 4])]),
@@ -123,7 +124,7 @@ def test_refused_configuration_exits_3_with_one_error_info():
 
 def test_draft_worker_with_mla_draft_model_exits_3_naming_the_draft_flag():
     """A draft model the inherited backend cannot serve: remedy names --speculative-draft-attention-backend."""
-    rc, out = plan("--device-profile", "h200", "--installed", ALL, "--attention-backend", "triton",
+    rc, out = plan("--device-profile", "h200", "--installed", ALL, "--attention-backend", "fa3",
                    "--speculative-algorithm", "EAGLE", "--draft-worker", "--draft-model",
                    str(CFG / "deepseek-v2-lite.json"))
     assert rc == 3 and "--speculative-draft-attention-backend" in out["error"]["remedy"]

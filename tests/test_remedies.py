@@ -153,11 +153,29 @@ def _run_only(case: dict) -> bool:
     return False
 
 
+def _profile_plan(case: dict) -> bool:
+    """A ``plan`` case on a named GPU profile whose refusal is a backend's (resolve): its remedy names backends."""
+    return (case.get("command") == "plan" and not case.get("env") and not case.get("unset")
+            and case.get("code") == "capability_mismatch" and "--device-profile" in case["argv"])
+
+
 @pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
 def test_every_corpus_refusal_has_a_true_remedy(case, tmp_path, capsys, monkeypatch):
     """The corpus request as plan builds it: its refusal's allowed backends and remedy fixes resolve on cpu."""
     argv = [a.format(data=DATA, configs=CONFIGS, tmp=tmp_path) for a in case["argv"]]
     installed = installed_from(None)
+    if _profile_plan(case):  # a GPU profile's refusal: its remedy checked on that profile and --installed
+        from pipeline.platforms.profiles import get
+
+        ns = build_parser().parse_args(["plan", *argv])
+        device, inst = get(ns.device_profile), installed_from(ns.installed)
+        ns.device = device.device_str
+        req = request_from(ns, on_gpu=device.type != "cpu")
+        with pytest.raises(ConfigError) as ei:
+            plan_report(req, device, inst)
+        assert ei.value.info.code == case["code"] and ei.value.exit_code == case["exit"]
+        _check_remedy(req, device, inst, ei.value.info)
+        return
     if _run_only(case):
         for var in case.get("unset", []):
             monkeypatch.delenv(var, raising=False)
@@ -245,11 +263,12 @@ def test_no_suggestion_for_a_name_close_to_nothing():
 
 
 @pytest.mark.parametrize("profile,model,name,want", [
-    ("h200", "deepseek-v2-lite", "flashmla", ["torch_native"]),
+    ("h200", "deepseek-v2-lite", "flashmla", ["flashinfer", "torch_native", "triton"]),
     ("mi300x", "llama-3.1-8b", "aiter", ["torch_native"]),
 ])
 def test_unavailable_sglang_names_advise_only_what_resolves(profile, model, name, want):
-    """The issue's two false remedies: flashmla on an H200 MLA model and aiter on an MI300X now offer only torch_native."""
+    """The issue's two false remedies: flashmla on an H200 MLA model offers exactly the backends serving MLA there
+    (flashinfer, torch_native, triton since issue 16), aiter on an MI300X only torch_native."""
     from pipeline.core.contracts import PoolFacts, SetupRequest
     from pipeline.core.model_spec import load_model_spec
 
@@ -258,7 +277,7 @@ def test_unavailable_sglang_names_advise_only_what_resolves(profile, model, name
     with pytest.raises(ConfigError) as ei:
         plan_report(req, PROFILES[profile], ALL)
     info = ei.value.info
-    assert info.allowed == want and "triton" not in info.remedy
+    assert info.allowed == want and ("triton" in info.remedy) == ("triton" in want)
     _check_remedy(req, PROFILES[profile], ALL, info)
 
 
@@ -332,9 +351,10 @@ def test_cli_json_and_text_errors_show_flags(capsys):
             str(CONFIGS / "deepseek-v2-lite.json"), "--attention-backend", "flashmla"]
     assert main([*argv, "--json"]) == 3
     err = json.loads(capsys.readouterr().out)["error"]
-    assert err["remedy"] == "set --attention-backend to one of: torch_native" and err["allowed"] == ["torch_native"]
+    assert err["remedy"] == "set --attention-backend to one of: flashinfer, torch_native, triton"
+    assert err["allowed"] == ["flashinfer", "torch_native", "triton"]
     assert main(argv) == 3
-    assert "remedy: set --attention-backend to one of: torch_native" in capsys.readouterr().err
+    assert "remedy: set --attention-backend to one of: flashinfer, torch_native, triton" in capsys.readouterr().err
 
 
 # --- random requests with several faults at once ------------------------------------------------------

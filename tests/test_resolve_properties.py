@@ -71,7 +71,7 @@ def test_resolve_never_none_and_never_replaces_an_explicit_choice(req):
         exp = _expected_explicit(req["args"], half, req["is_draft_worker"])
         if exp is None:
             assert res.rules[half] == "auto"
-            cands = resolve.auto_candidates(req["device"])
+            cands = resolve.auto_candidates(req["device"], req["model"])
             tried = [r.backend for r in res.rejected.get(half, [])]
             assert tried == cands[: cands.index(picks[half])]
             assert all(r.reasons for r in res.rejected.get(half, []))

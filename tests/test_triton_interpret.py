@@ -12,6 +12,7 @@ module re-runs in a fresh subprocess with the variable set (one test reports it)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -122,9 +123,11 @@ EXTEND_CASES = [
 ]
 
 
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("h,hkv,d,page,dtype,features", EXTEND_CASES)
-def test_extend_kernel_matches_reference(h, hkv, d, page, dtype, features):
-    """Extend (paged prefix + causal new tokens, ragged) equals the float64 reference per request."""
+def test_extend_kernel_matches_reference(h, hkv, d, page, dtype, features, pack):
+    """Extend (paged prefix + causal new tokens, ragged) equals the float64 reference per request, with one
+    q head per program and with the GQA group's heads packed into the rows (blocks straddle tokens)."""
     prefix, new = [0, 5, 23], [19, 1, 7]
     lens = [p + n for p, n in zip(prefix, new)]
     kb, vb, r2t, rows = _paged(lens, hkv, d, page, dtype, seed=3 * h + d)
@@ -136,7 +139,8 @@ def test_extend_kernel_matches_reference(h, hkv, d, page, dtype, features):
     qo = torch.tensor([0, 19, 20, 27], dtype=torch.int32)
     out = torch.full((sum(new), h, d), float("nan"), dtype=dtype)
     DEC.extend_attention(q, k, v, kb, vb, r2t, torch.tensor(rows), qo, torch.tensor(prefix, dtype=torch.int32), out,
-                         max_extend_len=max(new), sm_scale=d ** -0.5, config=DEC.ExtendConfig(**SMALL_EXT), **kw)
+                         max_extend_len=max(new), sm_scale=d ** -0.5,
+                         config=DEC.ExtendConfig(**SMALL_EXT, pack_gqa=pack), **kw)
     for i, (r, p, n) in enumerate(zip(rows, prefix, new)):
         slots = r2t[r, :p + n].long()
         sl = slice(int(qo[i]), int(qo[i + 1]))
@@ -174,9 +178,10 @@ def test_decode_kernel_chunked_matches_reference(chunk, page, max_splits, featur
     assert rel_err(out[i:i + 1], full) > 5e-2
 
 
-@pytest.mark.parametrize("chunk,page,features", [(8, 4, ()), (16, 16, ("sinks",)), (20, 1, ("window",)),
-                                                 (1, 4, ()), (7, 3, ("softcap",))])
-def test_extend_kernel_chunked_matches_reference(chunk, page, features):
+@pytest.mark.parametrize("chunk,page,features,pack", [(8, 4, (), False), (16, 16, ("sinks",), True),
+                                                      (20, 1, ("window",), True), (1, 4, (), False),
+                                                      (7, 3, ("softcap",), True)])
+def test_extend_kernel_chunked_matches_reference(chunk, page, features, pack):
     """Chunked extend: prefix and new tokens both masked by chunk; blocks past the first (30 new tokens)."""
     h, hkv, d, dtype = 4, 2, 64, torch.bfloat16
     prefix, new = [0, 5, 23, 40], [19, 1, 7, 30]
@@ -189,11 +194,216 @@ def test_extend_kernel_chunked_matches_reference(chunk, page, features):
     qo = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32)
     out = torch.full((sum(new), h, d), float("nan"), dtype=dtype)
     DEC.extend_attention(q, k, v, kb, vb, r2t, torch.tensor(rows), qo, torch.tensor(prefix, dtype=torch.int32), out,
-                         max_extend_len=max(new), sm_scale=d ** -0.5, config=DEC.ExtendConfig(**SMALL_EXT), **kw)
+                         max_extend_len=max(new), sm_scale=d ** -0.5,
+                         config=DEC.ExtendConfig(**SMALL_EXT, pack_gqa=pack), **kw)
     for i, (r, p, n) in enumerate(zip(rows, prefix, new)):
         slots = r2t[r, :p + n].long()
         sl = slice(int(qo[i]), int(qo[i + 1]))
         ref = _ref(q[sl], kb[slots], vb[slots], torch.arange(p, p + n), d ** -0.5, kw)
+        assert rel_err(out[sl], ref) <= 1e-2, (i, p, n)
+
+
+# ------------------------------------------------------------------------------- what the kernels read
+class _ReadSpy:
+    """Records every element a kernel loads under the interpreter (its masked-load builder op, wrapped for the
+    duration of a ``with``): ``rows(buf)`` maps the loads that fell inside ``buf`` to (program id, row) pairs.
+    Test-only: the kernels carry no instrumentation."""
+
+    def __enter__(self):
+        from triton.runtime import interpreter as interp
+
+        self._b = interp.interpreter_builder
+        self._orig = self._b.create_masked_load
+        self.loads = []
+
+        def spy(ptrs, mask, other, *a):
+            self.loads.append((tuple(self._b.grid_idx), ptrs.data[mask.data].copy()))
+            return self._orig(ptrs, mask, other, *a)
+
+        self._b.create_masked_load = spy
+        return self
+
+    def __exit__(self, *exc):
+        self._b.create_masked_load = self._orig
+
+    def rows(self, buf: torch.Tensor) -> set:
+        lo, row_bytes = buf.data_ptr(), buf.stride(0) * buf.element_size()
+        hi = lo + buf.shape[0] * row_bytes
+        out = set()
+        for pid, addrs in self.loads:
+            a = addrs.astype("int64")
+            for r in set(((a[(a >= lo) & (a < hi)] - lo) // row_bytes).tolist()):
+                out.add((pid, r))
+        return out
+
+
+def _positions(r2t, rows, lens):
+    """slot -> (request index, position) over the requests' tokens."""
+    return {int(r2t[r, t]): (i, t) for i, (r, n) in enumerate(zip(rows, lens)) for t in range(n)}
+
+
+@pytest.mark.parametrize("window,chunk,max_splits", [(24, None, 4), (7, None, 8), (40, 32, 4), (None, 16, 2)])
+def test_decode_reads_only_the_visible_keys(window, chunk, max_splits):
+    """Sliding window / chunk: decode loads exactly the K and V rows of the visible keys [start, L) of each
+    request — pages before the window or chunk start are never read (the split ranges begin there), and
+    the result still equals the reference."""
+    h, hkv, d, page = 4, 2, 64, 4
+    lens = [200, 37, 130, 5, 64]
+    kb, vb, r2t, rows = _paged(lens, hkv, d, page, torch.bfloat16, seed=11)
+    q = torch.randn(len(lens), h, d).to(torch.bfloat16)
+    kw = {k: x for k, x in (("sliding_window", window), ("attention_chunk_size", chunk)) if x is not None}
+    out = torch.full((len(lens), h, d), float("nan"), dtype=torch.bfloat16)
+    with _ReadSpy() as spy:
+        DEC.decode_attention(q, kb, vb, r2t, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), out,
+                             sm_scale=d ** -0.5, max_splits=max_splits, config=DEC.DecodeConfig(**SMALL_DEC), **kw)
+    pos = _positions(r2t, rows, lens)
+    for buf in (kb, vb):
+        read = {}
+        for (b, _, _), slot in spy.rows(buf):
+            i, t = pos[slot]
+            assert i == b, "a program read another request's keys"
+            read.setdefault(i, set()).add(t)
+        for i, n in enumerate(lens):
+            start = max(n - window, 0) if window else 0
+            if chunk:
+                start = max(start, (n - 1) // chunk * chunk)
+            assert read[i] == set(range(start, n)), (i, n, sorted(read[i])[:3])
+    for i, (r, n) in enumerate(zip(rows, lens)):
+        slots = r2t[r, :n].long()
+        assert rel_err(out[i:i + 1], _ref(q[i:i + 1], kb[slots], vb[slots], torch.tensor([n - 1]), d ** -0.5,
+                                           kw)) <= 1e-2
+
+
+@pytest.mark.parametrize("window,chunk,pack", [(16, None, False), (5, None, False), (None, 24, False),
+                                               (16, None, True), (None, 24, True)])
+def test_extend_skips_key_tiles_outside_every_window(window, chunk, pack):
+    """Extend with a window (or chunk): a program (head, block of BLOCK_M new tokens) never loads a cached or
+    new key tile that lies wholly before the first key its first query sees, so the keys it reads are
+    bounded by window + BLOCK_M + 2 tiles, not by the prefix (result equal to the reference)."""
+    h, hkv, d, page = (4, 2, 64, 4) if pack else (2, 1, 64, 4)
+    g = h // hkv
+    prefix, new = [150, 0, 40], [40, 33, 9]
+    lens = [p + n for p, n in zip(prefix, new)]
+    kb, vb, r2t, rows = _paged(lens, hkv, d, page, torch.bfloat16, seed=5)
+    q = torch.randn(sum(new), h, d).to(torch.bfloat16)
+    new_slots = torch.cat([r2t[r, p:p + n].long() for r, p, n in zip(rows, prefix, new)])
+    k, v = kb[new_slots].clone(), vb[new_slots].clone()
+    kw = {x: y for x, y in (("sliding_window", window), ("attention_chunk_size", chunk)) if y is not None}
+    qo = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32)
+    out = torch.full((sum(new), h, d), float("nan"), dtype=torch.bfloat16)
+    cfg = DEC.ExtendConfig(**SMALL_EXT, pack_gqa=pack)
+    bm, bn = cfg.block_m, cfg.block_n
+    with _ReadSpy() as spy:
+        DEC.extend_attention(q, k, v, kb, vb, r2t, torch.tensor(rows), qo, torch.tensor(prefix, dtype=torch.int32),
+                             out, max_extend_len=max(new), sm_scale=d ** -0.5, config=cfg, **kw)
+    pos = _positions(r2t, rows, lens)
+    per_prog = {}
+    for buf in (kb, k):
+        for (hh, mb, b), row in spy.rows(buf):
+            t = pos[row][1] if buf is kb else prefix[b] + row - int(qo[b])
+            if buf is kb:
+                assert pos[row][0] == b
+            per_prog.setdefault((hh, mb, b), set()).add(t)
+    assert per_prog, "the spy saw no key loads"
+    for (hh, mb, b), ts in per_prog.items():
+        first_q = prefix[b] + (mb * bm // g if pack else mb * bm)
+        first_visible = max(first_q - window + 1, 0) if window else first_q // chunk * chunk
+        # the first tile read holds a visible key (tiles start on multiples of BLOCK_N: absolute positions in
+        # the prefix, new-token indices in the causal phase)
+        assert min(ts) > first_visible - bn, ((hh, mb, b), min(ts), first_visible)
+        span = (window - 1 if window else chunk) + bm + 2 * bn
+        assert len(ts) <= span, ((hh, mb, b), len(ts))
+    assert max(len(ts) for ts in per_prog.values()) < prefix[0]   # the long prefix was not walked
+    for i, (r, p, n) in enumerate(zip(rows, prefix, new)):
+        slots = r2t[r, :p + n].long()
+        sl = slice(int(qo[i]), int(qo[i + 1]))
+        assert rel_err(out[sl], _ref(q[sl], kb[slots], vb[slots], torch.arange(p, p + n), d ** -0.5, kw)) <= 1e-2
+
+
+# ------------------------------------------------------------------------------------------- fp8 KV
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _quantise(real, fmt, scale):
+    """The pool's rule: stored = round_to_fp8(real / scale) (scale a float or a 0-d tensor)."""
+    return (real.float() / scale).to(FP8[fmt])
+
+
+def _deq(stored, scale):
+    """What the stored values mean: stored * scale, in float64 (the reference's input)."""
+    return stored.double() * float(scale)
+
+
+def _fp8_paged(lens, hkv, d, page, fmt, k_scale, v_scale, seed):
+    kb, vb, r2t, rows = _paged(lens, hkv, d, page, torch.float32, seed)
+    # magnitudes that use the fp8 range around the scales (incl. e4m3 subnormals near 2^-9 * scale)
+    return _quantise(kb * 3 * float(k_scale), fmt, k_scale), _quantise(vb * 2 * float(v_scale), fmt, v_scale), r2t, rows
+
+
+FP8_DECODE_CASES = [
+    # (fmt, q dtype, H, Hkv, D, page, k_scale, v_scale, scales as tensors, features, max_splits)
+    ("e4m3", torch.bfloat16, 8, 2, 64, 1, 0.37, 2.5, False, (), 4),
+    ("e5m2", torch.bfloat16, 4, 4, 64, 16, 1.75, 0.06, True, ("window", "sinks"), 3),
+    ("e4m3", torch.float16, 4, 1, 96, 4, 0.011, 0.5, True, ("softcap",), 8),
+    ("e5m2", torch.float16, 8, 2, 64, 4, 3.0, 1.0, False, ("window", "softcap", "sinks"), 1),
+]
+
+
+@pytest.mark.parametrize("fmt,qdt,h,hkv,d,page,ks,vs,as_tensor,features,max_splits", FP8_DECODE_CASES)
+def test_decode_kernel_fp8_matches_dequantised_reference(fmt, qdt, h, hkv, d, page, ks, vs, as_tensor, features,
+                                                         max_splits):
+    """fp8 K/V (both formats, non-unit scales given as floats or 0-d tensors, bf16/fp16 q) equal the float64
+    reference over the dequantised stored K/V; the scales bite (scale 1.0 gives a different result)."""
+    lens = [1, 37, 70, 16]
+    kb, vb, r2t, rows = _fp8_paged(lens, hkv, d, page, fmt, ks, vs, seed=h + d + page)
+    q = torch.randn(len(lens), h, d).to(qdt)
+    kw = _feature_kwargs(features, h, seed=d)
+    scales = dict(k_scale=torch.tensor(ks), v_scale=torch.tensor(vs)) if as_tensor else dict(k_scale=ks, v_scale=vs)
+    out = torch.full((len(lens), h, d), float("nan"), dtype=qdt)
+    DEC.decode_attention(q, kb, vb, r2t, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), out,
+                         sm_scale=d ** -0.5, max_splits=max_splits, config=DEC.DecodeConfig(**SMALL_DEC), **kw,
+                         **scales)
+    unscaled = torch.full_like(out, float("nan"))
+    DEC.decode_attention(q, kb, vb, r2t, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), unscaled,
+                         sm_scale=d ** -0.5, max_splits=max_splits, config=DEC.DecodeConfig(**SMALL_DEC), **kw)
+    for i, (r, n) in enumerate(zip(rows, lens)):
+        slots = r2t[r, :n].long()
+        ref = _ref(q[i:i + 1], _deq(kb[slots], ks), _deq(vb[slots], vs), torch.tensor([n - 1]), d ** -0.5, kw)
+        assert rel_err(out[i:i + 1], ref) <= 1e-2, (i, n)
+    assert rel_err(unscaled, out) > 0.05
+
+
+FP8_EXTEND_CASES = [
+    # (fmt, q dtype, H, Hkv, D, page, k_scale, v_scale, scales as tensors, features)
+    ("e4m3", torch.bfloat16, 4, 2, 64, 4, 0.37, 2.5, True, (), False),
+    ("e5m2", torch.bfloat16, 8, 2, 64, 16, 1.75, 0.06, False, ("window", "sinks"), True),
+    ("e4m3", torch.float16, 4, 4, 96, 1, 0.011, 0.5, False, ("softcap",), False),
+    ("e5m2", torch.float16, 4, 1, 64, 4, 3.0, 1.0, True, ("window", "softcap", "sinks"), True),
+]
+
+
+@pytest.mark.parametrize("fmt,qdt,h,hkv,d,page,ks,vs,as_tensor,features,pack", FP8_EXTEND_CASES)
+def test_extend_kernel_fp8_matches_dequantised_reference(fmt, qdt, h, hkv, d, page, ks, vs, as_tensor, features,
+                                                         pack):
+    """fp8 extend: paged fp8 prefix + the new tokens in the stored fp8 format, against float64 attention over
+    the dequantised stored K/V (ragged, blocks past the first)."""
+    prefix, new = [0, 5, 23], [19, 1, 7]
+    lens = [p + n for p, n in zip(prefix, new)]
+    kb, vb, r2t, rows = _fp8_paged(lens, hkv, d, page, fmt, ks, vs, seed=3 * h + d)
+    q = torch.randn(sum(new), h, d).to(qdt)
+    new_slots = torch.cat([r2t[r, p:p + n].long() for r, p, n in zip(rows, prefix, new)])
+    k, v = kb[new_slots].clone(), vb[new_slots].clone()
+    kw = _feature_kwargs(features, h, seed=d + 1)
+    scales = dict(k_scale=torch.tensor(ks), v_scale=torch.tensor(vs)) if as_tensor else dict(k_scale=ks, v_scale=vs)
+    qo = torch.tensor([0, 19, 20, 27], dtype=torch.int32)
+    out = torch.full((sum(new), h, d), float("nan"), dtype=qdt)
+    DEC.extend_attention(q, k, v, kb, vb, r2t, torch.tensor(rows), qo, torch.tensor(prefix, dtype=torch.int32), out,
+                         max_extend_len=max(new), sm_scale=d ** -0.5,
+                         config=DEC.ExtendConfig(**SMALL_EXT, pack_gqa=pack), **kw, **scales)
+    for i, (r, p, n) in enumerate(zip(rows, prefix, new)):
+        slots = r2t[r, :p + n].long()
+        sl = slice(int(qo[i]), int(qo[i + 1]))
+        ref = _ref(q[sl], _deq(kb[slots], ks), _deq(vb[slots], vs), torch.arange(p, p + n), d ** -0.5, kw)
         assert rel_err(out[sl], ref) <= 1e-2, (i, p, n)
 
 
@@ -342,13 +552,108 @@ def _dec_args(**over):
     (dict(sinks=torch.zeros(3)), BuildError, "sinks.shape"),
     (dict(sliding_window=0), BuildError, "sliding_window"),
     (dict(attention_chunk_size=0), BuildError, "attention_chunk_size"),
+    (dict(k_buffer=torch.zeros(32, 2, 64)), CapabilityMismatch, "k_buffer.dtype"),
+    (dict(k_buffer=torch.zeros(32, 2, 64, dtype=torch.float8_e4m3fn)), BuildError, "v_buffer.dtype"),
+    (dict(k_buffer=torch.zeros(32, 2, 64, dtype=torch.float8_e4m3fn),
+          v_buffer=torch.zeros(32, 2, 64, dtype=torch.float8_e5m2)), BuildError, "v_buffer.dtype"),
+    (dict(k_scale=0.0), BuildError, "k_scale"),
+    (dict(k_scale=float("nan")), BuildError, "k_scale"),
+    (dict(v_scale=-1.0), BuildError, "v_scale"),
+    (dict(v_scale=True), BuildError, "v_scale"),
+    (dict(k_scale="1.0"), BuildError, "k_scale"),
+    (dict(k_scale=torch.ones(2)), BuildError, "k_scale"),
+    (dict(v_scale=torch.ones((), dtype=torch.int32)), BuildError, "v_scale"),
 ])
 def test_decode_launcher_rejects_bad_input(over, err, field):
     """Bad inputs raise the typed error naming the field, before any launch."""
-    kw = {k: over.pop(k) for k in ("sinks", "sliding_window", "attention_chunk_size") if k in over}
+    kw = {k: over.pop(k) for k in ("sinks", "sliding_window", "attention_chunk_size", "k_scale", "v_scale")
+          if k in over}
     with pytest.raises(err) as ei:
         DEC.decode_attention(**_dec_args(**over), sm_scale=0.1, max_splits=2, **kw)
     assert ei.value.info.flags[0].name == field and ei.value.info.remedy
+
+
+def _ext_args(**over):
+    a = dict(q=torch.zeros(3, 4, 64, dtype=torch.bfloat16), k=torch.zeros(3, 2, 64, dtype=torch.float8_e4m3fn),
+             v=torch.zeros(3, 2, 64, dtype=torch.float8_e4m3fn),
+             k_buffer=torch.zeros(32, 2, 64, dtype=torch.float8_e4m3fn),
+             v_buffer=torch.zeros(32, 2, 64, dtype=torch.float8_e4m3fn),
+             req_to_token=torch.zeros(3, 16, dtype=torch.int32),
+             req_pool_indices=torch.tensor([1, 2]), qo_indptr=torch.tensor([0, 1, 3], dtype=torch.int32),
+             prefix_lens=torch.tensor([2, 4], dtype=torch.int32), out=torch.zeros(3, 4, 64, dtype=torch.bfloat16))
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize("over,err,field", [
+    (dict(k=torch.zeros(3, 2, 64, dtype=torch.bfloat16)), BuildError, "k.dtype"),
+    (dict(v=torch.zeros(3, 2, 64, dtype=torch.float8_e5m2)), BuildError, "v.dtype"),
+    (dict(k_scale=float("inf")), BuildError, "k_scale"),
+    (dict(v_scale=torch.ones(1, 1, dtype=torch.float32).expand(2, 1)), BuildError, "v_scale"),
+])
+def test_extend_launcher_rejects_bad_fp8_input(over, err, field):
+    """Extend: the new K/V must be in the pool's stored format; scales as for decode; nothing launched."""
+    kw = {k: over.pop(k) for k in ("k_scale", "v_scale") if k in over}
+    args = _ext_args(**over)
+    args["out"].fill_(float("nan"))
+    with pytest.raises(err) as ei:
+        DEC.extend_attention(**args, max_extend_len=2, sm_scale=0.1, **kw)
+    assert ei.value.info.flags[0].name == field and ei.value.info.remedy
+    assert args["out"].isnan().all()   # nothing written
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledLayer(AttentionLayer):
+    """A layer carrying its KV dequantisation scales (as sglang's RadixAttention does)."""
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+def scaled_pool(slots, page, dims, dtype, device, ks, vs, **layer_kw):
+    """(pool, layer) whose KV scales are (ks, vs): the pool's own per-layer scales where KVPool takes them (the
+    contract of pipeline.backends.memory: the backend reads ``pool.kv_scales``), else carried by the layer."""
+    try:
+        return KVPool(slots, page, dims, dtype, device, k_scales=[ks], v_scales=[vs]), AttentionLayer(**layer_kw)
+    except TypeError:
+        return KVPool(slots, page, dims, dtype, device), ScaledLayer(**layer_kw, k_scale=ks, v_scale=vs)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_backend_fp8_pool_extend_decode_and_graph_replay(fmt):
+    """An fp8 pool through the backend with the layer's non-unit scales: extend (new tokens read back in the
+    stored format), decode, and a graph-hook replay equal to eager; each against the float64 reference over
+    the dequantised stored K/V."""
+    rp = ReqToTokenPool(6, 128, "cpu")
+    kv, layer = scaled_pool(512, 4, [(2, 64, 64)], FP8[fmt], "cpu", 0.5, 3.0, layer_id=0, num_heads=4,
+                            num_kv_heads=2, head_dim=64, v_head_dim=64, scaling=0.125, sliding_window=19)
+    alloc = PageAllocator(rp, 512, 4, seed=1)
+    be = _backend(4, 2, 64)
+
+    def check(fb, q, out):
+        start = 0
+        for row, s, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu, fb.extend_seq_lens_cpu):
+            slots = r2t[row, :s].long()
+            ref = reference_attention(q[start:start + n], _deq(kv.k_buffer[0][slots], 0.5),
+                                      _deq(kv.v_buffer[0][slots], 3.0), q_positions=torch.arange(s - n, s),
+                                      scale=layer.scaling, window=layer.sliding_window)
+            assert rel_err(out[start:start + n].view(n, 4, -1), ref) <= 1e-2
+            start += n
+
+    r2t = rp.req_to_token
+    fb, q, k, v, out = _step(be, ForwardMode.EXTEND, [1, 3], [21, 6], alloc, kv, layer, torch.bfloat16)
+    assert kv.k_buffer[0].dtype == FP8[fmt]
+    check(fb, q, out)
+    fb, q, k, v, out = _step(be, ForwardMode.DECODE, [3, 1], [1, 1], alloc, kv, layer, torch.bfloat16)
+    check(fb, q, out)
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    fb = make_forward_batch(ForwardMode.DECODE, [1, 3], [1, 1], alloc, kv)
+    be.init_forward_metadata_capture_cuda_graph(2, 2, fb.req_pool_indices, fb.seq_lens, None, ForwardMode.DECODE, None)
+    q, k, v = torch.randn(2, 4, 64).bfloat16(), torch.randn(2, 2, 64).bfloat16(), torch.randn(2, 2, 64).bfloat16()
+    graphed = be.forward(q, k, v, layer, fb)
+    be.init_forward_metadata(fb)
+    assert torch.equal(graphed, be.forward(q, k, v, layer, fb, save_kv_cache=False))
+    check(fb, q, graphed)
 
 
 def test_factory_refuses_mla_kind():
@@ -363,3 +668,63 @@ def test_factory_refuses_mla_kind():
     ctx = SimpleNamespace(layer_kinds=[mla], torch_device="cpu", device=SimpleNamespace(sm_count=4), role="primary")
     with pytest.raises(CapabilityMismatch):
         create(ctx)
+
+
+def test_extend_pack_rule():
+    """GQA packing: forced by the config, else only for grouped heads whose longest extend is shorter than a tile."""
+    cfg = DEC.ExtendConfig(block_m=128)
+    assert DEC.extend_packs_gqa(cfg, 4, 64) and not DEC.extend_packs_gqa(cfg, 4, 128)
+    assert not DEC.extend_packs_gqa(cfg, 1, 1)
+    assert DEC.extend_packs_gqa(DEC.ExtendConfig(pack_gqa=True), 1, 4096)
+    assert not DEC.extend_packs_gqa(DEC.ExtendConfig(pack_gqa=False), 8, 1)
+
+
+def test_benchmark_table_runs_on_cpu(monkeypatch):
+    """benchmarks/triton_kernels.py end to end on tiny shapes under the interpreter (one shot at the GPU table):
+    our rows compute, agree with float64 where FlashInfer is absent (err columns need FlashInfer), the targets
+    are derived per run, and a FlashInfer variant that was not warmed up is an error row, not a crash."""
+    import importlib
+    import sys as _sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(root))
+    tk = importlib.import_module("triton_kernels")
+    small = dict(DECODE_B=(1, 3), DECODE_CTX=(32,), EXTEND_SHAPES=((2, 16, 16), (1, 32, 0)), WINDOW=32,
+                 WINDOW_CTX=64, EXT_WINDOW=(1, 16, 48, 16), FP8_SHAPE=(3, 32),
+                 SINK=dict(h=8, hkv=2, d=32, b=2, ctx=64, window=16), WS_BYTES=64, COPY_BYTES=1 << 10,
+                 DEVICE="cpu", H=8, HKV=2, D=32, SWEEP_DECODE_SHAPES=((3, 64), (1, 32)))
+    for k, v in small.items():
+        monkeypatch.setattr(tk, k, v)
+    ticks = iter(range(1, 10 ** 6))
+    monkeypatch.setattr(tk, "_us", lambda fn: (fn(), float(next(ticks)))[1])
+    monkeypatch.setattr(tk, "_graph", lambda fn: fn)
+    monkeypatch.setattr(tk, "_sms", lambda dev: 2)    # few split programs: the interpreter runs each one
+    monkeypatch.setattr(tk, "_FI_OK", set())          # nothing warmed: every FlashInfer row must be an error row
+    monkeypatch.setitem(_sys.modules, "flashinfer", None)
+    rs = tk.rows("cpu", runs=1, sweep=True)
+    ours = [r for r in rs if r["impl"].startswith("triton")]
+    fis = [r for r in rs if r["impl"].startswith("flashinfer")]
+    assert ours and all("time_us" in r for r in ours), [r for r in ours if "error" in r][:2]
+    assert fis and all("not warmed up" in r["error"] for r in fis)
+    kinds = {r["kind"] for r in ours}
+    assert kinds == {"decode", "window", "fp8", "sinks", "extend", "extend-window", "decode-sweep", "extend-sweep",
+                     "fp8-sweep"}
+    assert {r.get("run") for r in ours} == {1, None}   # the sweep runs once, outside the runs
+    fp8 = [r for r in ours if r["kind"] == "fp8"]
+    assert {r["impl"] for r in fp8} == {"triton-e4m3", "triton-e5m2"} and all("vs_bf16" in r for r in fp8)
+    win = [r for r in ours if r["kind"] in ("window", "extend-window") and "window=" in r["shape"]]
+    assert win and all("vs_full" in r for r in win)
+    summ = dict(tk.summary(tk.targets(rs)))
+    assert summ and set(summ.values()) <= {"met", "NOT met", "no data"}
+    assert any(k.startswith("window ") and v in ("met", "NOT met") for k, v in summ.items())
+    # a target counts as met only if it is met in every run
+    two = [dict(kind="decode", shape="B=1 ctx=32", impl="triton", time_us=1.0, ratio=x, run=i)
+           for i, x in ((1, 0.99), (2, 0.95))] + [dict(kind="decode", shape="B=3 ctx=32", impl="triton", time_us=1.0,
+                                                       ratio=0.98, run=i) for i in (1, 2)]
+    assert dict(tk.summary(tk.targets(two))) == {"decode B=1 ctx=32 vs flashinfer-tc": "NOT met",
+                                                 "decode B=3 ctx=32 vs flashinfer-tc": "met"}
+    jobs = tk.precompile_jobs(sweep=True)   # the GPU run compiles these in parallel processes first
+    assert len(jobs) == len(set(jobs)) > 10
+    for job in jobs[:: max(1, len(jobs) // 6)] + [j for j in jobs if "|1|" in j or "e5m2" in j]:
+        assert tk._precompile_job(job).startswith("ok"), job

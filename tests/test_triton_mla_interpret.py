@@ -80,28 +80,30 @@ def _ref(q, kv_rows, dv, q_positions, scale):
 
 
 DECODE_CASES = [
-    # (H, Dv, rope, page, dtype, block_h, max_splits, lazy, bf16 partials) — Dv + rope = the cache row
-    (16, 512, 64, 1, torch.bfloat16, 16, 1, True, False),     # DeepSeek-V2-Lite dims, one split: direct output
-    (16, 512, 64, 16, torch.float16, 16, 5, False, False),    # V2-Lite dims, split-K + merge, eager rescale
-    (40, 64, 16, 16, torch.bfloat16, 16, 4, True, False),     # 3 head blocks, the last one partial; an empty split
-    (32, 64, 32, 1, torch.bfloat16, 32, 3, True, True),
-    (20, 96, 24, 4, torch.float16, 16, 2, True, True),        # dims that are not powers of two (masked tiles)
+    # (H, Dv, rope, page, dtype, block_h, max_splits, lazy, bf16 partials, L2 prefetch) — Dv + rope = the cache row
+    (16, 512, 64, 1, torch.bfloat16, 16, 1, True, False, False),   # DeepSeek-V2-Lite dims, one split: direct output
+    (16, 512, 64, 16, torch.float16, 16, 5, False, False, True),   # V2-Lite dims, split-K + merge, eager rescale
+    (40, 64, 16, 16, torch.bfloat16, 16, 4, True, False, True),    # 3 head blocks, the last partial; an empty split
+    (32, 64, 32, 1, torch.bfloat16, 32, 3, True, True, False),
+    (20, 96, 24, 4, torch.float16, 16, 2, True, True, True),       # dims that are not powers of two (masked tiles)
 ]
 
 
-@pytest.mark.parametrize("h,dv,dr,page,dtype,block_h,max_splits,lazy,bf16_part", DECODE_CASES)
-def test_mla_decode_kernel_matches_reference(h, dv, dr, page, dtype, block_h, max_splits, lazy, bf16_part):
+@pytest.mark.parametrize("h,dv,dr,page,dtype,block_h,max_splits,lazy,bf16_part,prefetch", DECODE_CASES)
+def test_mla_decode_kernel_matches_reference(h, dv, dr, page, dtype, block_h, max_splits, lazy, bf16_part, prefetch):
     """Decode over scrambled pages and ragged lengths equals float64 attention per request.
 
     Lengths 1..129 with 16-key splits: a request of 129 keys and 4 splits gets 48-key ranges, so its
-    last split is empty (its LSE is -inf and must weigh nothing in the merge).
+    last split is empty (its LSE is -inf and must weigh nothing in the merge). ``prefetch`` runs the
+    L2-prefetch variant's index path (the prefetch instruction itself is PTX: GPU tests).
     """
     lens = [1, 37, 70, 16, 129]
     kv, r2t, rows = _latent_cache(lens, dv + dr, page, dtype, seed=h + dv + page)
     q = torch.randn(len(lens), h, dv + dr).to(dtype)
     out = torch.full((len(lens), h, dv), float("nan"), dtype=dtype)
     scale = (dv + dr) ** -0.5 * 1.3
-    cfg = M.MLADecodeConfig(block_h=block_h, lazy_rescale=lazy, partial_bf16=bf16_part, **SMALL_DEC)
+    cfg = M.MLADecodeConfig(block_h=block_h, lazy_rescale=lazy, partial_bf16=bf16_part, prefetch=prefetch,
+                            **SMALL_DEC)
     M.mla_decode_attention(q, kv, r2t, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), out,
                            sm_scale=scale, max_splits=max_splits, config=cfg)
     for i, (r, n) in enumerate(zip(rows, lens)):

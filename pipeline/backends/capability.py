@@ -12,6 +12,9 @@ _STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 FEATURES = ("mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention",
             "encoder_decoder", "speculative", "cuda_graph", "tbo", "pdmux")
+# The features a model's layers use (the rest are flags or build modes); see ``fp8_kv_features``.
+MODEL_FEATURES = ("mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention",
+                  "encoder_decoder")
 
 
 class Capability(msgspec.Struct, **_STRUCT):
@@ -24,9 +27,17 @@ class Capability(msgspec.Struct, **_STRUCT):
     ``page_sizes``: allowed page sizes (None = any >= 1); ``packages``: distributions that must
     be installed (checked by metadata at plan time, by import at run time);
     ``workspace_bytes``: default workspace size in bytes (0 = needs none); ``kv_dtype_matches_q``:
-    the KV-cache dtype must equal the q dtype (the kernels take one element type for both, e.g.
-    FlashInfer's fa3 has no bf16×fp16 GMMA and its fa2 wrappers check ``k.dtype``); ``source``:
-    where the limits come from.
+    a 16/32-bit KV-cache dtype must equal the q dtype (the kernels take one element type for both,
+    e.g. FlashInfer's fa3 has no bf16×fp16 GMMA and its fa2 wrappers check ``k.dtype``); an fp8
+    KV-cache dtype listed in ``kv_dtypes`` is exempt — it is stored as fp8 and dequantized with the
+    layer's ``k_scale``/``v_scale`` into q's dtype (:mod:`pipeline.backends.memory`), as FlashInfer's fa2 and
+    CUDA-core kernels do with ``q_data_type`` bf16/fp16 and ``kv_data_type`` fp8;
+    ``mla_head_dims``: the absorbed ``[qk, v]`` head-dim pairs served for MLA layer kinds (e.g.
+    ``[[576, 512]]`` for DeepSeek-V2/V3 and Kimi-K2: ``kv_lora_rank + qk_rope_head_dim`` and
+    ``kv_lora_rank``); None = MLA kinds are checked against ``head_dims_qk``/``head_dims_v`` like
+    any other; ``fp8_kv_features``: the model features (of :data:`MODEL_FEATURES`) served with an fp8
+    KV cache — a model using any other is refused with fp8 (None = every claimed feature);
+    ``source``: where the limits come from.
     """
 
     devices: list[str]
@@ -40,6 +51,8 @@ class Capability(msgspec.Struct, **_STRUCT):
     packages: list[str] = []
     workspace_bytes: int = 0
     kv_dtype_matches_q: bool = False
+    mla_head_dims: Optional[list[list[int]]] = None
+    fp8_kv_features: Optional[list[str]] = None
     source: str = ""
 
     def has(self, feature: str) -> bool:

@@ -13,7 +13,24 @@ id was not planned raises ``LayerMismatch`` on its first call
   prefill (tensor-core) kernel per :func:`~pipeline.backends.flashinfer_sizing.use_tensor_core_decode`.
 - **sinks**: :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` (the only 0.6.13 fa2/fa3
   path that honours sinks: the plain wrappers accept ``sinks=`` but only trtllm-gen uses it).
-- ``fa3``: the same, with ``backend="fa3"`` (sm90 kernels) for extend *and* decode.
+- **MLA** (absorbed; one latent head of ``kv_lora_rank + rope`` = 576 dims, v = the first 512):
+  :class:`flashinfer.mla.BatchMLAPagedAttentionWrapper` for decode (``causal=False``, one query per
+  request) *and* for every extend (``causal=True``, bottom-right aligned, over prefix + new tokens),
+  with ``backend="fa3"`` on sm90 and ``"fa2"`` elsewhere (:func:`~pipeline.backends.flashinfer_sizing.mla_backend`).
+  An extend without a cached prefix also uses the paged MLA wrapper, not the ragged prefill path:
+  the backend receives the *absorbed* q and the latent K (sglang's contract for MLA backends), and
+  the new tokens' latents are already in the pool when the layer runs, so the paged wrapper sees
+  them; the ragged path would need the un-absorbed per-head K/V (192/128 dims), which this
+  interface never receives (sglang's flashinfer_mla backend builds those in its model code). ``c_kv``
+  and ``k_rope`` are passed as two strided slices of the one latent buffer, q as two slices of q.
+- **fp8 KV** (``float8_e4m3fn`` / ``float8_e5m2``, bf16/fp16 q, plain MHA/GQA kinds): the pool
+  stores ``fp8(x / scale)`` (:mod:`pipeline.backends.memory`); ``run()`` gets the layer's ``k_scale`` and
+  ``v_scale`` (FlashInfer multiplies the softmax scale by ``k_scale`` and the output by ``v_scale``).
+  Decode runs on CUDA cores or tensor cores per
+  :data:`~pipeline.backends.flashinfer_sizing.FP8_DECODE_PATH` (measured); every extend runs the
+  paged prefill wrapper, so that new tokens are read back as stored (fp8) like the prefix, never
+  at full precision from the ragged path.
+- ``fa3``: the same, with ``backend="fa3"`` (sm90 kernels) for extend *and* decode (no MLA, no fp8).
 
 ``plan()`` runs once per forward batch in :meth:`init_forward_metadata` (keyword arguments,
 CPU-side indptr / last-page-len, page ids gathered on the device by one kernel, see
@@ -38,8 +55,10 @@ from pipeline.backends.kv_indices import gather_kv_indices, host_page_meta
 from pipeline.core.contracts import ForwardMode, LayerKind
 from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError
 from pipeline.backends.flashinfer_jit import Variant, ensure_compiled, variants_for
+from pipeline.backends.memory import is_fp8, layer_kv_scales
 
 PACKAGE = "flashinfer-python"
+MLA_DIMS = (576, 512)  # the absorbed (qk, v) dims FlashInfer's MLA kernels are instantiated for (512 + 64 rope)
 
 
 def import_flashinfer(name: str = "flashinfer") -> Any:
@@ -55,8 +74,41 @@ def import_flashinfer(name: str = "flashinfer") -> Any:
     return flashinfer
 
 
+class MLAWrappers:
+    """The MLA wrapper of one absorbed-MLA layer kind (decode and extend; see the module docstring).
+
+    ``kind.head_dim_v`` is ``kv_lora_rank`` (``head_dim_ckv``); ``head_dim_qk - head_dim_v`` the
+    rope dims (``head_dim_kpe``). ``mla_backend``: FlashInfer's MLA backend, ``fa3`` or ``fa2``.
+    """
+
+    mla = True
+    sinks = False
+
+    def __init__(self, fi: Any, kind: LayerKind, backend: "FlashInferBackend") -> None:
+        self.kind = kind
+        self.mla_backend = sizing.mla_backend(backend.ctx.device.arch or "")
+        self.wrapper = backend.mla_wrapper(self.mla_backend)
+        self.active: Any = self.wrapper
+        self.mode = "mla"
+        self.plan_kw = dict(num_heads=kind.num_heads, head_dim_ckv=kind.head_dim_v,
+                            head_dim_kpe=kind.head_dim_qk - kind.head_dim_v, page_size=backend.page_size,
+                            sm_scale=kind.scaling, q_data_type=backend.q_dtype, kv_data_type=backend.kv_dtype)
+
+    def decode_wrapper(self, batch_size: int, kv_dtype: str) -> tuple[Any, str]:
+        """(wrapper, ``"mla"``): the one MLA wrapper serves decode at every batch size."""
+        return self.wrapper, "mla"
+
+    def plan(self, wrapper: Any, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+             kv_lens: torch.Tensor, causal: bool) -> None:
+        """``plan()`` an MLA wrapper: indptrs and kv lengths [B] int32 on the host, page ids on the device."""
+        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, causal=causal, **self.plan_kw)
+        self.active, self.mode = wrapper, "mla"
+
+
 class KindWrappers:
-    """The wrappers and compile-time switches of one layer kind."""
+    """The wrappers and compile-time switches of one (non-MLA) layer kind."""
+
+    mla = False
 
     def __init__(self, fi: Any, kind: LayerKind, backend: "FlashInferBackend") -> None:
         self.kind = kind
@@ -80,14 +132,15 @@ class KindWrappers:
                             kv_data_type=backend.kv_dtype)
         self.decode_kw = dict(head_dim=kind.head_dim_qk, page_size=backend.page_size, **self.plan_kw)
 
-    def decode_wrapper(self, batch_size: int, kv_dtype: str) -> tuple[Any, bool]:
-        """(wrapper, is_prefill_class) used for decode at ``batch_size`` requests."""
+    def decode_wrapper(self, batch_size: int, kv_dtype: str) -> tuple[Any, str]:
+        """(wrapper, class) used for decode at ``batch_size`` requests; class ``"prefill"`` (sink kinds:
+        the prefill-class sink wrapper) or ``"decode"`` (CUDA-core or tensor-core decode wrapper)."""
         if self.sinks:
-            return self.paged, True
+            return self.paged, "prefill"
         g = self.kind.num_heads // self.kind.num_kv_heads
         if self.decode_cc is None or sizing.use_tensor_core_decode(g, batch_size, kv_dtype):
-            return self.decode_tc, False
-        return self.decode_cc, False
+            return self.decode_tc, "decode"
+        return self.decode_cc, "decode"
 
 
 class FlashInferBackend(AttentionBackend):
@@ -110,10 +163,11 @@ class FlashInferBackend(AttentionBackend):
         self.q_dtype = getattr(torch, ctx.dtype)
         self.kv_dtype = self.kv_pool.dtype
         self.kv_dtype_name = str(self.kv_dtype).replace("torch.", "")
+        self.fp8 = is_fp8(self.kv_dtype)
         cc = ctx.device.compute_capability
         self.enable_pdl = bool(cc and cc[0] >= 9)  # flashinfer.utils.device_support_pdl
         self.jit_report = [ensure_compiled(v, heartbeat_s=heartbeat_s) for v in self.variants()]
-        self.kinds = [KindWrappers(self.fi, k, self) for k in ctx.layer_kinds]
+        self.kinds = [(MLAWrappers if k.is_mla else KindWrappers)(self.fi, k, self) for k in ctx.layer_kinds]
         self.layer_kind = {lid: i for i, k in enumerate(ctx.layer_kinds) for lid in k.layer_ids}
         self.planned = PlannedLayers(ctx.layer_kinds, backend=self.name, role=ctx.role)
         self._paged_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -129,6 +183,11 @@ class FlashInferBackend(AttentionBackend):
         """The kernel variants this backend uses (each checked/compiled before first use)."""
         return variants_for(self.ctx.layer_kinds, self.prefill_backend, str(self.q_dtype)[6:], self.kv_dtype_name,
                             self.ctx.device.arch or "")
+
+    def mla_wrapper(self, mla_backend: str, **graph_bufs: Any) -> Any:
+        """A :class:`flashinfer.mla.BatchMLAPagedAttentionWrapper` on the pool's workspace (``graph_bufs``:
+        ``use_cuda_graph=True`` and its qo_indptr / kv_indptr / kv_indices / kv_len_arr buffers)."""
+        return self.fi.mla.BatchMLAPagedAttentionWrapper(self.workspace, backend=mla_backend, **graph_bufs)
 
     def sink_wrapper(self, kind: LayerKind, window_left: int, **graph_bufs: Any) -> Any:
         """A :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` for ``kind``."""
@@ -156,20 +215,30 @@ class FlashInferBackend(AttentionBackend):
         indices = gather_kv_indices(r2t, rows, seq_lens_dev, total, self.page_size, out=out)
         return indptr, indices, last
 
-    def plan_decode(self, kinds_wrappers: list[tuple["KindWrappers", Any, bool]], req_pool_indices: torch.Tensor,
+    def plan_decode(self, kinds_wrappers: list[tuple[Any, Any, str]], req_pool_indices: torch.Tensor,
                     seq_lens: list[int], seq_lens_dev: Optional[torch.Tensor] = None,
                     indices_out: Optional[torch.Tensor] = None) -> None:
-        """Plan every kind's decode wrapper for one batch (outside any CUDA graph)."""
+        """Plan every kind's decode wrapper for one batch (outside any CUDA graph).
+
+        ``kinds_wrappers``: (kind wrappers, wrapper, class) with class ``"decode"``, ``"prefill"``
+        (sink kinds) or ``"mla"`` (see :meth:`KindWrappers.decode_wrapper`).
+        """
         indptr, indices, last = self.page_table(req_pool_indices, seq_lens, seq_lens_dev, indices_out)
-        for kw, w, is_prefill in kinds_wrappers:
+        qo = kv_lens = None
+        for kw, w, cls in kinds_wrappers:
             k = kw.kind
-            if is_prefill:
-                qo = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
-                w.plan(qo_indptr=qo, paged_kv_indptr=indptr, paged_kv_indices=indices, paged_kv_last_page_len=last,
-                       head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, page_size=self.page_size, causal=False,
-                       **kw.plan_kw)
-            else:
+            if cls == "decode":
                 w.plan(indptr=indptr, indices=indices, last_page_len=last, **kw.decode_kw)
+                kw.active, kw.mode = w, "decode"
+                continue
+            qo = torch.arange(len(seq_lens) + 1, dtype=torch.int32) if qo is None else qo
+            if cls == "mla":
+                kv_lens = torch.tensor(seq_lens, dtype=torch.int32) if kv_lens is None else kv_lens
+                kw.plan(w, qo, indptr, indices, kv_lens, causal=False)
+                continue
+            w.plan(qo_indptr=qo, paged_kv_indptr=indptr, paged_kv_indices=indices, paged_kv_last_page_len=last,
+                   head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, page_size=self.page_size, causal=False,
+                   **kw.plan_kw)
             kw.active, kw.mode = w, "decode"
 
     def plan_extend(self, fb: ForwardBatch) -> None:
@@ -178,19 +247,24 @@ class FlashInferBackend(AttentionBackend):
         pre = _host_ints(fb.extend_prefix_lens_cpu, fb.extend_prefix_lens)
         qo = torch.zeros(len(ext) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(ext, dtype=torch.int32), 0, out=qo[1:])
-        self.extend_ragged = not any(pre)
+        # an fp8 cache is read back as stored (paged) for the new tokens too, never from the ragged k/v
+        self.extend_ragged = not any(pre) and not self.fp8
         paged_args = None
+        seq = [p + e for p, e in zip(pre, ext)]
         for kw in self.kinds:
             k = kw.kind
-            dims = dict(head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, causal=True, **kw.plan_kw)
-            if self.extend_ragged and kw.ragged is not None:
-                kw.ragged.plan(qo_indptr=qo, kv_indptr=qo, **dims)
+            if not kw.mla and self.extend_ragged and kw.ragged is not None:
+                kw.ragged.plan(qo_indptr=qo, kv_indptr=qo, head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v,
+                               causal=True, **kw.plan_kw)
                 kw.active, kw.mode = kw.ragged, "ragged"
                 continue
             if paged_args is None:
-                seq = [p + e for p, e in zip(pre, ext)]
                 paged_args = self.page_table(fb.req_pool_indices, seq, fb.seq_lens)
             indptr, indices, last = paged_args
+            if kw.mla:
+                kw.plan(kw.wrapper, qo, indptr, indices, torch.tensor(seq, dtype=torch.int32), causal=True)
+                continue
+            dims = dict(head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, causal=True, **kw.plan_kw)
             kw.paged.plan(qo_indptr=qo, paged_kv_indptr=indptr, paged_kv_indices=indices,
                           paged_kv_last_page_len=last, page_size=self.page_size, **dims)
             kw.active, kw.mode = kw.paged, "paged"
@@ -244,14 +318,29 @@ class FlashInferBackend(AttentionBackend):
             self._paged_views[layer_id] = (kb.view(-1, ps, *kb.shape[1:]), vb.view(-1, ps, *vb.shape[1:]))
         return self._paged_views[layer_id]
 
+    def mla_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MLA layer's ``c_kv`` [num_pages, page_size, Dv] and ``k_rope`` [num_pages, page_size, D - Dv]:
+        two strided slices (no copy) of its one latent buffer [num_token_slots, 1, D]."""
+        if layer_id not in self._paged_views:
+            kb = self.kv_pool.get_key_buffer(layer_id)
+            lat = kb.view(-1, self.page_size, kb.shape[-1])
+            dv = self.kinds[self.layer_kind[layer_id]].kind.head_dim_v
+            self._paged_views[layer_id] = (lat[..., :dv], lat[..., dv:])
+        return self._paged_views[layer_id]
+
     def _layer(self, layer: AttentionLayer) -> tuple:
-        """(layer, kind wrappers, paged K/V, H, D, H*Dv) of ``layer``, made on the first call with this layer
-        object after checking it against the plan (:class:`PlannedLayers`: ``LayerMismatch`` for a window,
-        softcap, scale, sinks, heads or dims other than the planned wrappers', or an unplanned layer id)."""
+        """(layer, kind wrappers, paged K/V, H, D, H*Dv, run kwargs, Dv) of ``layer``, made on the first call
+        with this layer object after checking it against the plan (:class:`PlannedLayers`: ``LayerMismatch``
+        for a window, softcap, scale, sinks, heads or dims other than the planned wrappers', or an unplanned
+        layer id). The run kwargs carry the layer's ``k_scale``/``v_scale`` for an fp8 cache whose scales
+        are not 1 (read once from the pool: they are fixed for its life)."""
         self.planned.check(layer)
         kw = self.kinds[self.layer_kind[layer.layer_id]]
-        info = (layer, kw, self.paged_kv(layer.layer_id), layer.num_heads, layer.head_dim,
-                layer.num_heads * layer.v_head_dim)
+        kv = self.mla_kv(layer.layer_id) if kw.mla else self.paged_kv(layer.layer_id)
+        ks, vs = layer_kv_scales(self.kv_pool, layer.layer_id) if self.fp8 else (1.0, 1.0)
+        run_kw = {"k_scale": ks, "v_scale": vs} if (ks, vs) != (1.0, 1.0) else {}
+        info = (layer, kw, kv, layer.num_heads, layer.head_dim, layer.num_heads * layer.v_head_dim, run_kw,
+                layer.v_head_dim)
         self._layer_info[layer.layer_id] = info
         return info
 
@@ -259,17 +348,27 @@ class FlashInferBackend(AttentionBackend):
         info = self._layer_info.get(layer.layer_id)
         if info is None or info[0] is not layer:
             info = self._layer(layer)
-        _, kw, kv, h, d, hdv = info
+        _, kw, kv, h, d, hdv, run_kw, dv = info
         if save_kv_cache and k is not None:
             fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         q3 = q if q.dim() == 3 else q.reshape(-1, h, d)
+        if kw.mla:
+            return self._run_mla(kw, q3, kv, h, dv).view(-1, hdv)
         if kw.mode == "ragged":
             o = kw.active.run(q3, k.reshape(-1, layer.num_kv_heads, d), v.reshape(-1, layer.num_kv_heads, layer.v_head_dim))
         elif kw.sinks:
             o = kw.active.run(q3, kv, layer.sinks.float(), layer.scaling)
         else:
-            o = kw.active.run(q3, kv)
+            o = kw.active.run(q3, kv, **run_kw)
         return o.view(-1, hdv)
+
+    @staticmethod
+    def _run_mla(kw: MLAWrappers, q3: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], h: int,
+                 dv: int) -> torch.Tensor:
+        """One MLA layer: q [T, H, D] split into its latent (Dv) and rope parts (views) → out [T, H, Dv]."""
+        out = torch.empty((q3.shape[0], h, dv), dtype=q3.dtype, device=q3.device)
+        kw.active.run(q3[..., :dv], q3[..., dv:], kv[0], kv[1], out=out)
+        return out
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         """Extend: causal attention of the new tokens over prefix + new (planned wrapper)."""
@@ -278,8 +377,8 @@ class FlashInferBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         """Decode: one token per request over its whole (or windowed) cached context.
 
-        The common case (no sinks) is kept to one dict lookup (whose entry remembers the layer object
-        checked against the plan on its first call), the q/o views and FlashInfer's
+        The common case (no sinks, no MLA) is kept to one dict lookup (whose entry remembers the layer
+        object checked against the plan on its first call), the q/o views and FlashInfer's
         ``run``: an eager small-batch decode step is bound by host time. ``enable_pdl`` is passed
         as decided at build (FlashInfer's own default, ``device_support_pdl``: sm90 and newer)
         instead of being recomputed from ``q.device`` in every call.
@@ -287,12 +386,15 @@ class FlashInferBackend(AttentionBackend):
         info = self._layer_info.get(layer.layer_id)
         if info is None or info[0] is not layer:  # first call with this layer object: checked against the plan
             info = self._layer(layer)
-        _, kw, kv, h, d, hdv = info
+        _, kw, kv, h, d, hdv, run_kw, dv = info
         if save_kv_cache and k is not None:
             forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        if kw.mla:
+            return self._run_mla(kw, q if q.dim() == 3 else q.view(-1, h, d), kv, h, dv).view(-1, hdv)
         if kw.sinks:
             return self._run(q, None, None, layer, forward_batch, False)
-        return kw.active.run(q if q.dim() == 3 else q.view(-1, h, d), kv, enable_pdl=self.enable_pdl).view(-1, hdv)
+        return kw.active.run(q if q.dim() == 3 else q.view(-1, h, d), kv, enable_pdl=self.enable_pdl,
+                             **run_kw).view(-1, hdv)
 
     def owned_buffers(self) -> list[Any]:
         return self.graph.buffers() if self.graph is not None else []
@@ -323,7 +425,25 @@ def _check_ctx(ctx: Any, prefill_backend: str) -> None:
     if prefill_backend == "fa3" and ctx.device.arch != "sm90":
         raise CapabilityMismatch("fa3 kernels need an sm90 (Hopper) GPU", flags=[("compute_capability", ctx.device.arch)],
                                  allowed=["sm90"], remedy="set attention_backend='flashinfer' on this GPU")
+    fp8 = is_fp8(ctx.kv_pool.dtype)
+    if fp8 and prefill_backend == "fa3":  # its record lists no fp8 KV dtype
+        raise CapabilityMismatch("FlashInfer's fa3 kernels do not compile for a bf16/fp16 q with an fp8 KV cache",
+                                 flags=[("kv_cache_dtype", str(ctx.kv_pool.dtype))], allowed=["bfloat16", "float16"],
+                                 remedy="set attention_backend='flashinfer' (fa2 kernels serve fp8 KV)")
     for k in ctx.layer_kinds:
+        if k.is_mla and ((k.head_dim_qk, k.head_dim_v) != MLA_DIMS or k.num_kv_heads != 1):
+            raise CapabilityMismatch(
+                f"FlashInfer's MLA wrapper serves absorbed dims {MLA_DIMS[0]}/{MLA_DIMS[1]} with one latent head, "
+                f"not {k.head_dim_qk}/{k.head_dim_v} with {k.num_kv_heads}", flags=[("head_dim_qk", k.head_dim_qk),
+                                                                                ("head_dim_v", k.head_dim_v)],
+                allowed=[f"{MLA_DIMS[0]}/{MLA_DIMS[1]}"], remedy="set attention_backend='torch_native' for this model")
+        if fp8 and (k.is_mla or k.has_sinks or k.sliding_window is not None or k.logit_softcap is not None):
+            what = "MLA" if k.is_mla else "sinks" if k.has_sinks else "window" if k.sliding_window else "softcap"
+            raise CapabilityMismatch(
+                f"{ctx.name} serves an fp8 KV cache for plain MHA/GQA layers only, not {what} layers "
+                f"(layers {k.layer_ids})", flags=[("kv_cache_dtype", str(ctx.kv_pool.dtype)), ("layer_kind", k.kind)],
+                allowed=["bfloat16", "float16"],
+                remedy="set kv_cache_dtype='auto' (the model dtype), or attention_backend='torch_native'")
         if k.attention_chunk_size is not None:  # its record does not claim chunked_local_attention
             raise CapabilityMismatch(
                 f"{ctx.name} has no chunked local attention (chunk {k.attention_chunk_size}, layers {k.layer_ids})",

@@ -6,6 +6,9 @@ rewrites their contents. As in sglang, one set of buffers sized for ``max_bs`` r
 allocated once in ``init_cuda_graph_state`` and each captured batch size gets wrappers over
 prefix slices of them. Padded slots (the engine pads a batch up to the captured size with
 ``seq_len = 1`` on request row 0, whose page 0 is reserved) are planned like real requests.
+MLA kinds get a ``use_cuda_graph=True`` :class:`flashinfer.mla.BatchMLAPagedAttentionWrapper` per
+batch size over the same buffers plus ``kv_len`` (sglang's flashinfer_mla backend does the same);
+each such wrapper also allocates FlashInfer's own 8 MiB int workspace (and a pinned host copy).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ class GraphState:
 
     ``indptr`` [max_bs+1] int32, ``indices`` [max_bs * ceil(max_context_len / page_size)] int32,
     ``last_page_len`` [max_bs] int32, ``qo_indptr`` [max_bs+1] int32 (0..max_bs, for the prefill-
-    class wrappers used by sink layers); all on the KV pool's device.
+    class wrappers used by sink layers and the MLA wrappers), ``kv_len`` [max_bs] int32 (tokens per
+    request, for the MLA wrappers); all on the KV pool's device.
     """
 
     def __init__(self, backend: "FlashInferBackend", max_bs: int, max_num_tokens: int) -> None:
@@ -38,14 +42,16 @@ class GraphState:
         self.indices = torch.zeros(max_bs * pages, **i32)
         self.last_page_len = torch.ones(max_bs, **i32)
         self.qo_indptr = torch.arange(max_bs + 1, **i32)
-        self._by_bs: dict[int, list[tuple["KindWrappers", Any, bool]]] = {}
+        self.kv_len = torch.ones(max_bs, **i32)
+        self._by_bs: dict[int, list[tuple["KindWrappers", Any, str]]] = {}
 
     def buffers(self) -> list[torch.Tensor]:
         """The fixed-address tensors this state owns."""
-        return [self.indptr, self.indices, self.last_page_len, self.qo_indptr]
+        return [self.indptr, self.indices, self.last_page_len, self.qo_indptr, self.kv_len]
 
-    def wrappers(self, bs: int) -> list[tuple["KindWrappers", Any, bool]]:
-        """(kind, wrapper, is_prefill_class) per layer kind for batch size ``bs`` (made on first use)."""
+    def wrappers(self, bs: int) -> list[tuple["KindWrappers", Any, str]]:
+        """(kind, wrapper, class) per layer kind for batch size ``bs`` (made on first use); class as in
+        :meth:`~pipeline.backends.flashinfer.KindWrappers.decode_wrapper`."""
         if bs > self.max_bs:
             from pipeline.core.errors import ConfigError
 
@@ -56,18 +62,22 @@ class GraphState:
             self._by_bs[bs] = [self._make(kw, bs) for kw in self.backend.kinds]
         return self._by_bs[bs]
 
-    def _make(self, kw: "KindWrappers", bs: int) -> tuple["KindWrappers", Any, bool]:
+    def _make(self, kw: "KindWrappers", bs: int) -> tuple["KindWrappers", Any, str]:
         b, fi = self.backend, self.backend.fi
+        if kw.mla:
+            w = b.mla_wrapper(kw.mla_backend, use_cuda_graph=True, qo_indptr=self.qo_indptr[: bs + 1],
+                              kv_indptr=self.indptr[: bs + 1], kv_indices=self.indices, kv_len_arr=self.kv_len[:bs])
+            return kw, w, "mla"
         bufs = dict(paged_kv_indptr_buf=self.indptr[: bs + 1], paged_kv_indices_buf=self.indices,
                     paged_kv_last_page_len_buf=self.last_page_len[:bs])
         if kw.sinks:
             w = b.sink_wrapper(kw.kind, kw.window_left, use_cuda_graph=True, qo_indptr_buf=self.qo_indptr[: bs + 1], **bufs)
-            return kw, w, True
-        _, is_prefill = kw.decode_wrapper(bs, b.kv_dtype_name)
+            return kw, w, "prefill"
+        _, cls = kw.decode_wrapper(bs, b.kv_dtype_name)
         tc = kw.decode_cc is None or kw.decode_wrapper(bs, b.kv_dtype_name)[0] is kw.decode_tc
         w = fi.BatchDecodeWithPagedKVCacheWrapper(
             b.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
             backend=b.prefill_backend if tc else "auto",
             paged_kv_indptr_buffer=bufs["paged_kv_indptr_buf"], paged_kv_indices_buffer=self.indices,
             paged_kv_last_page_len_buffer=bufs["paged_kv_last_page_len_buf"])
-        return kw, w, is_prefill
+        return kw, w, cls

@@ -23,8 +23,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import structlog
 
-KINDS = ("decode", "prefill", "sink")
+KINDS = ("decode", "prefill", "sink", "mla")
 _SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+# our KV-cache dtype names (``--kv-cache-dtype``) -> torch's, which FlashInfer's module generators take
+_TORCH_NAME = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def _log():
@@ -36,8 +38,10 @@ class Variant:
     """One FlashInfer kernel module.
 
     ``kind``: ``decode`` (CUDA-core batch decode), ``prefill`` (batch prefill, also used for
-    tensor-core decode) or ``sink`` (prefill kernel with the attention-sink variant);
-    ``backend``: ``fa2``/``fa3`` for prefill and sink, ``"cuda_core"`` for decode;
+    tensor-core decode), ``sink`` (prefill kernel with the attention-sink variant) or ``mla``
+    (:class:`flashinfer.mla.BatchMLAPagedAttentionWrapper`'s module: ``head_dim_vo`` is
+    ``head_dim_ckv`` = kv_lora_rank, ``head_dim_qk - head_dim_vo`` is ``head_dim_kpe``);
+    ``backend``: ``fa2``/``fa3`` for prefill, sink and mla, ``"cuda_core"`` for decode;
     dtypes are torch dtype names; ``sliding_window``/``logit_softcap`` are the compile-time
     switches (FlashInfer compiles one module per combination); ``arch`` is e.g. ``"sm90"``.
     """
@@ -71,12 +75,21 @@ def variants_for(layer_kinds: Sequence[Any], prefill_backend: str, q_dtype: str,
 
     ``prefill_backend``: ``fa2`` (the ``flashinfer`` backend: prefill kernels for extend and
     tensor-core decode, plus the CUDA-core decode kernels) or ``fa3`` (prefill kernels for both).
-    Layer kinds with sinks use the attention-sink variant only. Dtypes are torch dtype names.
+    Layer kinds with sinks use the attention-sink variant only; MLA kinds the MLA module only, with
+    the MLA backend of ``arch`` (:func:`pipeline.backends.flashinfer_sizing.mla_backend`: fa3 on sm90).
+    Dtypes are torch dtype names (the KV dtype an fp8 one, e.g. ``float8_e4m3fn``, for an fp8 cache;
+    our ``fp8_e4m3`` / ``fp8_e5m2`` are accepted and written as torch's).
     """
+    from pipeline.backends.flashinfer_sizing import mla_backend
+
+    q_dtype, kv_dtype = _TORCH_NAME.get(q_dtype, q_dtype), _TORCH_NAME.get(kv_dtype, kv_dtype)
     out: list[Variant] = []
     for k in layer_kinds:
         swa, cap = bool(k.sliding_window), bool(k.logit_softcap)
         base = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, arch=arch)
+        if getattr(k, "is_mla", False):
+            out.append(Variant(kind="mla", backend=mla_backend(arch), **base))
+            continue
         if k.has_sinks:
             out.append(Variant(kind="sink", backend=prefill_backend, sliding_window=swa, **base))
             continue
@@ -105,10 +118,20 @@ def _module_args(v: Variant) -> tuple:
     return (q, kv, q, torch.int32, v.head_dim_qk, v.head_dim_vo, 0, v.sliding_window, v.logit_softcap)
 
 
+def _mla_args(v: Variant) -> tuple:
+    import torch
+
+    q = getattr(torch, v.q_dtype)
+    return (v.backend, q, getattr(torch, v.kv_dtype), q, torch.int32, v.head_dim_vo, v.head_dim_qk - v.head_dim_vo,
+            False)
+
+
 def spec_for(v: Variant) -> Any:
     """FlashInfer's ``JitSpec`` for ``v`` (writes generated sources, compiles nothing)."""
     from flashinfer.jit.attention import modules as m
 
+    if v.kind == "mla":
+        return m.gen_batch_mla_module(*_mla_args(v))
     if v.kind == "decode":
         return m.gen_batch_decode_module(*_module_args(v))
     if v.kind == "prefill":
@@ -125,6 +148,10 @@ def is_cached(v: Variant) -> bool:
 
 def load_variant(v: Variant) -> Any:
     """Compile (if needed) and load ``v`` through FlashInfer's own cached loaders."""
+    if v.kind == "mla":
+        from flashinfer.mla._core import get_batch_mla_module
+
+        return get_batch_mla_module(*_mla_args(v))
     if v.kind == "decode":
         from flashinfer.decode import get_batch_decode_module
 

@@ -18,6 +18,11 @@ The formulas mirror FlashInfer 0.6.13's scheduler (``include/flashinfer/attentio
   ``2 * num_sms // num_kv_heads`` work tiles of ``cta_tile_q`` rows; a CUDA-graph plan pads to
   ``max(that, ceil(bs * G / cta_tile_q) + bs - 1)`` tiles. Bytes: ``H * tiles * cta_tile_q * (Dv + 1) * 4``.
 - FA3 (``PrefillSM90Plan``) keeps no float scratch.
+- MLA (``MLAPlan``, shared by the fa2 and fa3 MLA wrappers): partial outputs in the output dtype
+  (2 bytes) and float32 partial LSEs for ``2 * num_clusters * cluster_tile_q`` rows, where
+  ``num_clusters * cluster_tile_q`` is ``num_sms * 64`` (one 64-row CTA per cluster) or
+  ``(num_sms // 2) * 128`` (two-CTA clusters) — at most ``64 * num_sms`` — whatever the batch:
+  ``2 * 64 * num_sms * (2 * Dv + 4)`` bytes (17.4 MB for 132 SMs and Dv 512).
 
 Every allocation is 16-byte aligned; we add 16 bytes per buffer.
 """
@@ -36,6 +41,8 @@ FLOAT_BYTES = 4
 ALIGN_BYTES = 16
 MAX_DECODE_BLOCKS_PER_SM = 16
 PREFILL_CTAS_PER_SM = 2
+MLA_CTA_TILE_Q = 64
+MLA_OUT_BYTES = 2  # FlashInfer's MLAPlan sizes partial outputs for a 16-bit output dtype
 
 # Tensor-core (prefill-kernel) decode pays once the GQA group and the batch are both large
 # enough; measured on the H200 (see benchmarks/RESULTS.md, "FlashInfer backends").
@@ -53,12 +60,14 @@ class HeadShape:
     """One layer kind's attention heads: q heads ``H``, kv heads ``Hkv``, v head dim ``Dv``.
 
     ``sinks``: the kind has attention sinks, so its decode also runs the prefill kernel.
+    ``mla``: an absorbed-MLA kind, served by FlashInfer's MLA wrapper for decode and extend.
     """
 
     num_qo_heads: int
     num_kv_heads: int
     head_dim_vo: int
     sinks: bool = False
+    mla: bool = False
 
     @property
     def group(self) -> int:
@@ -74,17 +83,57 @@ class WorkspaceNeed:
     parts: dict[str, int] = field(default_factory=dict)
 
 
+# Decode path for an fp8 KV cache (bf16/fp16 q), per GQA group: "cuda_core" or "tensor_core". The rule is
+# this table; groups it lacks decode on tensor cores. Measured on the H200 (FlashInfer 0.6.13, 32 q / 8 kv
+# heads, D 128, page 16, B=64, ctx 4096, CUDA-graph replay): the tensor-core (prefill-kernel) path reads
+# half the bytes but takes 264 µs against 258 µs for its bf16 step — fp8 gains nothing there — while
+# FlashInfer's CUDA-core decode kernel loads fp8 and upcasts in registers (sglang instead always uses
+# tensor cores for fp8). Groups 1-4 therefore decode fp8 on CUDA cores; group 8 keeps tensor cores as in
+# bf16 (CUDA cores were up to 2.7x slower there in bf16; fp8 group 8 not measured yet).
+# ``python benchmarks/p4_fp8_mla.py`` times both paths side by side (fp8 step vs bf16 step, target <= 0.60x):
+# update this table from its "fp8 decode" rows (benchmarks/RESULTS.md).
+FP8_DECODE_PATH: dict[int, str] = {1: "cuda_core", 2: "cuda_core", 3: "cuda_core", 4: "cuda_core",
+                                   8: "tensor_core"}
+
+
+# FlashInfer MLA backend per arch: the sm90 (Hopper) fa3 MLA kernels are 2.1x faster than fa2 at 128 heads
+# (H200, bf16, page 16, graph replay: B=64 ctx 4096 136.4 vs 289.0 µs; B=256 508 vs 1119; B=64 ctx 32768
+# 1063 vs 2373 — benchmarks/RESULTS.md "fp8 KV and MLA facts"); FlashInfer's own ``backend="auto"``
+# (``determine_mla_backend``) also picks fa3 where sm90a is supported. Other arches have only fa2.
+MLA_FA3_ARCHS = ("sm90",)
+
+
+def mla_backend(arch: str) -> str:
+    """FlashInfer's MLA wrapper backend for ``arch`` (``"sm90"`` …): ``"fa3"`` on :data:`MLA_FA3_ARCHS`,
+    else ``"fa2"``."""
+    return "fa3" if arch in MLA_FA3_ARCHS else "fa2"
+
+
+def is_fp8_name(kv_dtype: str) -> bool:
+    """True for an fp8 KV dtype name, ours (``fp8_e4m3``) or torch's (``float8_e4m3fn``)."""
+    return kv_dtype.startswith(("fp8", "float8"))
+
+
 def use_tensor_core_decode(group: int, batch_size: int, kv_dtype: str = "bfloat16") -> bool:
     """Whether decode should run FlashInfer's prefill (tensor-core) kernel instead of CUDA cores.
 
-    fp8 KV always uses tensor cores (as sglang does); so does a GQA group the CUDA-core kernel is not
-    compiled for (:data:`CUDA_CORE_DECODE_GROUPS`), and a group >= :data:`TENSOR_CORE_ALWAYS_GROUP`
-    always does; a group >= :data:`TENSOR_CORE_MIN_GROUP` does from :data:`TENSOR_CORE_MIN_BATCH`
-    requests on. Measured on the H200 (H=32, D=128, bf16, page 16): group 8 tc is never slower
-    (1.0-2.7x faster), group 4 loses <= 2 µs below 8 requests at short contexts and wins up to
-    1.6x from there, group 1 is a tie (CUDA cores kept).
+    ``group``: q heads per kv head; ``batch_size``: requests in the decode batch; ``kv_dtype``: the
+    KV-cache dtype name (ours or torch's). A GQA group the CUDA-core kernel is not compiled for
+    (:data:`CUDA_CORE_DECODE_GROUPS`) always uses tensor cores. fp8 KV follows
+    :data:`FP8_DECODE_PATH` (measured, see there). bf16/fp16: a group >=
+    :data:`TENSOR_CORE_ALWAYS_GROUP` always uses tensor cores; a group >= :data:`TENSOR_CORE_MIN_GROUP`
+    does from :data:`TENSOR_CORE_MIN_BATCH` requests on. Measured on the H200 (H=32, D=128, bf16,
+    page 16): group 8 tc is never slower (1.0-2.7x faster), group 4 loses <= 2 µs below 8 requests at
+    short contexts and wins up to 1.6x from there, group 1 is a tie (CUDA cores kept).
+
+    :func:`workspace_need` sizes the graph term for tensor cores wherever either rule (16-bit or fp8)
+    uses them, so the bound holds for every KV dtype however :data:`FP8_DECODE_PATH` is set.
     """
-    if kv_dtype.startswith("fp8") or group >= TENSOR_CORE_ALWAYS_GROUP or group not in CUDA_CORE_DECODE_GROUPS:
+    if group not in CUDA_CORE_DECODE_GROUPS:
+        return True
+    if is_fp8_name(kv_dtype):
+        return FP8_DECODE_PATH.get(group, "tensor_core") == "tensor_core"
+    if group >= TENSOR_CORE_ALWAYS_GROUP:
         return True
     return group >= TENSOR_CORE_MIN_GROUP and batch_size >= TENSOR_CORE_MIN_BATCH
 
@@ -121,6 +170,12 @@ def fa2_graph_decode_bytes(shape: HeadShape, num_sms: int, batch_size: int) -> i
     return _tmp_bytes(shape.num_qo_heads, max(split_tiles, q_tiles) * tile, shape.head_dim_vo)
 
 
+def mla_bytes(shape: HeadShape, num_sms: int) -> int:
+    """Float scratch of an MLA plan (fa2 or fa3 MLA wrapper, eager or graph, any batch): see the module docstring."""
+    rows = 2 * MLA_CTA_TILE_Q * num_sms
+    return rows * shape.head_dim_vo * MLA_OUT_BYTES + rows * FLOAT_BYTES + 2 * ALIGN_BYTES
+
+
 def workspace_need(shapes: Iterable[HeadShape], *, num_sms: int, max_batch_size: int,
                    cuda_graph_max_bs: int = 0, prefill_backend: str = "fa2") -> WorkspaceNeed:
     """Float-workspace bytes a FlashInfer backend needs for the largest batch it will plan.
@@ -137,14 +192,18 @@ def workspace_need(shapes: Iterable[HeadShape], *, num_sms: int, max_batch_size:
 
     Returns a :class:`WorkspaceNeed`; ``parts`` names the largest term per path.
     """
-    parts: dict[str, int] = {"cuda_core_decode": 0, "fa2_eager": 0, "fa2_graph_decode": 0}
+    parts: dict[str, int] = {"cuda_core_decode": 0, "fa2_eager": 0, "fa2_graph_decode": 0, "mla": 0}
     for s in shapes:
+        if s.mla:  # the MLA wrapper serves every step of an MLA kind
+            parts["mla"] = max(parts["mla"], mla_bytes(s, num_sms))
+            continue
         if prefill_backend == "fa3":
             continue
         parts["cuda_core_decode"] = max(parts["cuda_core_decode"], cuda_core_decode_bytes(s, num_sms))
         parts["fa2_eager"] = max(parts["fa2_eager"], fa2_eager_bytes(s, num_sms))
         bs = min(cuda_graph_max_bs, max_batch_size) if max_batch_size > 0 else cuda_graph_max_bs
-        if bs > 0 and (s.sinks or use_tensor_core_decode(s.group, bs)):
+        tc = use_tensor_core_decode(s.group, bs) or use_tensor_core_decode(s.group, bs, "fp8")  # either KV dtype
+        if bs > 0 and (s.sinks or tc):
             parts["fa2_graph_decode"] = max(parts["fa2_graph_decode"], fa2_graph_decode_bytes(s, num_sms, bs))
     return WorkspaceNeed(bytes=max(parts.values()), parts=parts)
 
@@ -172,8 +231,9 @@ def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: st
 
 
 def shapes_of(kinds: Iterable[Any]) -> list[HeadShape]:
-    """The :class:`HeadShape` of each :class:`~pipeline.core.contracts.LayerKind` (heads, kv heads, v dim, sinks)."""
-    return [HeadShape(k.num_heads, k.num_kv_heads, k.head_dim_v, k.has_sinks) for k in kinds]
+    """The :class:`HeadShape` of each :class:`~pipeline.core.contracts.LayerKind` (heads, kv heads, v dim, sinks, MLA)."""
+    return [HeadShape(k.num_heads, k.num_kv_heads, k.head_dim_v, k.has_sinks, bool(getattr(k, "is_mla", False)))
+            for k in kinds]
 
 
 def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: str, num_sms: int, max_reqs: int,

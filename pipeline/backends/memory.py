@@ -9,29 +9,118 @@ Layout (sglang's):
   ``req_to_token[r, t] == page(r, t // page_size) * page_size + t % page_size``.
   Slot 0's page is reserved (sglang keeps slot 0 as the padding slot for CUDA graphs).
 
+The KV-cache contract every backend (torch_native, triton, flashinfer) reads and writes by
+----------------------------------------------------------------------------------------------
+
+**Storage dtype.** ``KVPool.dtype`` is one torch dtype for every layer: ``bfloat16``, ``float16``,
+``float32``, or fp8 — ``torch.float8_e4m3fn`` (``--kv-cache-dtype fp8_e4m3``: 4 exponent bits, max
+448, finite only) or ``torch.float8_e5m2`` (``fp8_e5m2``: 5 exponent bits, max 57344).
+
+**Per-layer scales.** ``KVPool.k_scales[layer_id]`` and ``KVPool.v_scales[layer_id]`` are Python
+floats (finite, > 0; default 1.0), one pair per layer, fixed when the pool is built (as sglang's
+``RadixAttention.k_scale`` / ``v_scale`` are read per layer from an fp8 checkpoint before the CUDA
+graphs are captured; FlashInfer takes them as Python floats in ``run()``, so they are baked into a
+captured graph). :meth:`KVPool.kv_scales` returns the pair. Scales other than 1.0 are only allowed
+on fp8 pools (a 16/32-bit cache stores values as they are).
+
+**Write** (:meth:`KVPool.set_kv_buffer`, the one writer every backend calls)::
+
+    stored = round_to_fp8(clamp(float32(x) / scale, -fp8_max, +fp8_max))
+
+rounding to nearest even; the clamp makes an out-of-range value saturate to ±max (torch's own cast
+saturates e4m3 but overflows e5m2 to inf, and differs between devices), NaN stays NaN. Non-fp8
+pools store ``x`` cast to the pool dtype (scale 1).
+
+**Read** (every backend, in registers or through FlashInfer's ``k_scale``/``v_scale``)::
+
+    real = float(stored) * scale
+
+so attention over an fp8 cache is attention over ``K = k_stored * k_scale`` and
+``V = v_stored * v_scale``; FlashInfer folds ``k_scale`` into the softmax scale and multiplies the
+output by ``v_scale``, which is the same math. The float64 reference of every test is attention over
+exactly these dequantized stored values (:mod:`pipeline.runtime.verify`).
+
+**MLA layers** (absorbed form: one latent KV head, ``D = kv_lora_rank + qk_rope_head_dim``, e.g.
+576, ``Dv = kv_lora_rank``, e.g. 512) hold ONE buffer: ``k_buffer[layer]`` [num_token_slots, 1, D]
+with rows ``[c_kv (Dv), k_rope (D - Dv)]``, and ``v_buffer[layer]`` is a view of its first ``Dv``
+dims (``k_buffer[layer][..., :Dv]``, same storage, row stride D) — sglang's ``MLATokenToKVPool``.
+Writes store K only (the ``v`` argument of :meth:`set_kv_buffer` is ignored for MLA layers, as in
+sglang, since absorbed ``v`` is ``c_kv``), and the pool's bytes per token are ``D`` elements, not
+``D + Dv``. FlashInfer's MLA wrapper reads ``c_kv`` and ``k_rope`` as two strided slices of the
+same buffer; our Triton MLA kernels and torch_native read the same rows.
+
 This module imports torch; it is only imported by backends and by verification.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Any, Collection, Optional, Sequence
 
 import torch
 
 from pipeline.backends.base import ForwardBatch
 from pipeline.core.contracts import ForwardMode, LayerKind
-from pipeline.core.errors import BuildError
+from pipeline.core.errors import BuildError, ConfigError
 
 
 _TORCH_DTYPES = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
     "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
 }
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """torch dtype for a normalised dtype name (``bfloat16``, ``fp8_e4m3`` …)."""
     return _TORCH_DTYPES[name]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """True for the two fp8 KV storage dtypes (``float8_e4m3fn``, ``float8_e5m2``)."""
+    return dtype in FP8_DTYPES
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """What the pool stores for ``x``: ``round(clamp(x / scale))`` in fp8, else ``x`` cast to ``dtype``.
+
+    ``x``: any float tensor; ``dtype``: the pool's storage dtype; ``scale``: the layer's
+    ``k_scale`` or ``v_scale`` (only fp8 pools take one other than 1.0). Returns a tensor of
+    ``dtype`` with ``x``'s shape. See the module docstring (the write rule).
+    """
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    fmax = torch.finfo(dtype).max
+    y = x.to(torch.float32)
+    if scale != 1.0:
+        y = y / scale
+    return y.clamp(-fmax, fmax).to(dtype)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``float(stored) * scale`` in ``dtype`` (float32 by default): the value a stored K/V element means."""
+    out = stored.to(dtype)
+    return out * scale if scale != 1.0 else out
+
+
+def _check_scales(name: str, scales: Optional[Sequence[float]], num_layers: int, dtype: torch.dtype) -> list[float]:
+    if scales is None:
+        return [1.0] * num_layers
+    vals = list(scales)
+    if len(vals) != num_layers:
+        raise ConfigError(f"{name} has {len(vals)} entries for {num_layers} layers", code="invalid_value",
+                          flags=[(name, len(vals))], allowed=[f"{num_layers} floats, one per layer"],
+                          remedy=f"give one {name[:-1]} per layer (1.0 where the checkpoint has none)")
+    for lid, s in enumerate(vals):
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+            raise ConfigError(f"{name}[{lid}]={s!r} is not a finite positive number", code="invalid_value",
+                              flags=[(f"{name}[{lid}]", repr(s))], allowed=["a finite float > 0"],
+                              remedy=f"use the checkpoint's {name[:-1]} for layer {lid}, or 1.0")
+        if float(s) != 1.0 and not is_fp8(dtype):
+            raise ConfigError(f"{name}[{lid}]={s} on a {str(dtype).replace('torch.', '')} KV cache: scales apply to "
+                              "fp8 KV caches only", code="invalid_value", flags=[(f"{name}[{lid}]", float(s))],
+                              allowed=["1.0"], remedy="use kv_cache_dtype fp8_e4m3 or fp8_e5m2, or scales of 1.0")
+    return [float(s) for s in vals]
 
 
 class ReqToTokenPool:
@@ -44,48 +133,114 @@ class ReqToTokenPool:
 
 
 class KVPool:
-    """Per-layer K/V buffers, one pair per attention layer.
+    """Per-layer K/V buffers, one pair per layer, and the per-layer fp8 scales.
 
-    ``layer_dims[i] = (Hkv, D, Dv)`` for layer i. ``dtype`` is the storage dtype (bf16, fp16,
-    fp32; fp8 KV is stored as ``torch.float8_e4m3fn`` / ``float8_e5m2`` and de-quantised by the
-    backends with ``k_scale``/``v_scale`` = 1).
+    Parameters
+    ----------
+    num_token_slots : slots per layer (a multiple of ``page_size`` for FlashInfer's paged view).
+    page_size : tokens per page (>= 1).
+    layer_dims : ``layer_dims[i] = (Hkv, D, Dv)`` for layer i (``(0, 0, 0)`` for a layer that holds
+        no KV, e.g. a linear-attention layer of a hybrid).
+    dtype : the storage dtype of every layer (bf16, fp16, fp32, ``float8_e4m3fn``, ``float8_e5m2``).
+    device : where the buffers live.
+    mla_layers : ids of absorbed-MLA layers: they hold one latent buffer [S, 1, D] and ``v_buffer``
+        is a view of its first Dv dims (needs ``Hkv == 1``, ``Dv < D`` and ``k_scale == v_scale``:
+        the view's bytes were stored with the one latent scale).
+    k_scales, v_scales : one float per layer (default all 1.0); only fp8 pools take values other
+        than 1.0. Fixed for the pool's life (see the module docstring).
+
+    Attributes: ``k_buffer`` / ``v_buffer`` (lists of tensors, see the module docstring),
+    ``k_scales`` / ``v_scales`` (lists of floats), ``size``, ``page_size``, ``dtype``, ``device``,
+    ``mla_layers`` (frozenset of layer ids).
+
+    Raises :class:`~pipeline.core.errors.ConfigError` (``invalid_value``) for a scale list of the wrong
+    length, a scale that is not finite and positive, a non-unit scale on a non-fp8 pool, or an MLA
+    layer whose dims are not one latent head with ``Dv < D`` — before allocating.
     """
 
     def __init__(self, num_token_slots: int, page_size: int, layer_dims: Sequence[tuple[int, int, int]],
-                 dtype: torch.dtype, device: str | torch.device) -> None:
+                 dtype: torch.dtype, device: str | torch.device, *, mla_layers: Collection[int] = (),
+                 k_scales: Optional[Sequence[float]] = None, v_scales: Optional[Sequence[float]] = None) -> None:
+        n = len(layer_dims)
+        self.k_scales = _check_scales("k_scales", k_scales, n, dtype)
+        self.v_scales = _check_scales("v_scales", v_scales, n, dtype)
+        self.mla_layers = frozenset(mla_layers)
+        for lid in sorted(self.mla_layers):
+            h, d, dv = layer_dims[lid] if 0 <= lid < n else (None, None, None)
+            if h != 1 or d is None or not 0 < dv < d:
+                raise ConfigError(f"MLA layer {lid} has dims (Hkv, D, Dv)={(h, d, dv)}; an absorbed MLA layer is one "
+                                  "latent head with Dv < D", code="invalid_value",
+                                  flags=[(f"layer_dims[{lid}]", (h, d, dv))], allowed=["(1, D, Dv) with Dv < D"],
+                                  remedy="pass the layer's absorbed dims, e.g. (1, 576, 512) for DeepSeek-V2/V3")
+            if self.k_scales[lid] != self.v_scales[lid]:
+                raise ConfigError(f"MLA layer {lid} has k_scale={self.k_scales[lid]} and v_scale="
+                                  f"{self.v_scales[lid]}; its V is a view of the one latent buffer, stored with "
+                                  "k_scale", code="invalid_value",
+                                  flags=[(f"v_scales[{lid}]", self.v_scales[lid])], allowed=[str(self.k_scales[lid])],
+                                  remedy="give an MLA layer one scale for its latent cache (v_scale = k_scale)")
         self.size = num_token_slots
         self.page_size = page_size
         self.dtype = dtype
         self.device = torch.device(device)
         self.k_buffer = [torch.zeros((num_token_slots, h, d), dtype=dtype, device=device) for h, d, _ in layer_dims]
-        self.v_buffer = [torch.zeros((num_token_slots, h, dv), dtype=dtype, device=device) for h, _, dv in layer_dims]
+        self.v_buffer = [self.k_buffer[lid][:, :, :dv] if lid in self.mla_layers else
+                         torch.zeros((num_token_slots, h, dv), dtype=dtype, device=device)
+                         for lid, (h, _, dv) in enumerate(layer_dims)]
 
     @classmethod
     def for_layer_kinds(cls, kinds: Sequence[LayerKind], num_layers: int, num_token_slots: int, page_size: int,
-                        dtype: torch.dtype, device: str | torch.device) -> "KVPool":
-        """A pool with one buffer pair per layer id, dims taken from each layer's kind."""
+                        dtype: torch.dtype, device: str | torch.device, *,
+                        k_scales: Optional[Sequence[float]] = None,
+                        v_scales: Optional[Sequence[float]] = None) -> "KVPool":
+        """A pool with one buffer pair per layer id, dims taken from each layer's kind (MLA kinds: one latent
+        buffer, V a view of it)."""
         dims: list[tuple[int, int, int]] = [(0, 0, 0)] * num_layers
+        mla: list[int] = []
         for kind in kinds:
             for lid in kind.layer_ids:
                 if lid < num_layers:
                     dims[lid] = (kind.num_kv_heads, kind.head_dim_qk, kind.head_dim_v)
-        return cls(num_token_slots, page_size, dims, dtype, device)
+                    if kind.is_mla:
+                        mla.append(lid)
+        return cls(num_token_slots, page_size, dims, dtype, device, mla_layers=mla, k_scales=k_scales,
+                   v_scales=v_scales)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        """Layer ``layer_id``'s K buffer [num_token_slots, Hkv, D] in the storage dtype."""
         return self.k_buffer[layer_id]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        """Layer ``layer_id``'s V buffer [num_token_slots, Hkv, Dv] (an MLA layer: a view into its K buffer)."""
         return self.v_buffer[layer_id]
 
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write new K [T, Hkv, D] and V [T, Hkv, Dv] at slots ``loc`` [T] int64."""
+    def kv_scales(self, layer_id: int) -> tuple[float, float]:
+        """``(k_scale, v_scale)`` of layer ``layer_id``: ``real = float(stored) * scale``."""
+        return self.k_scales[layer_id], self.v_scales[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor]) -> None:
+        """Write new K [T, Hkv, D] and V [T, Hkv, Dv] at slots ``loc`` [T] int64 (quantized per the write rule).
+
+        For an MLA layer only K is written (``v`` may be None; V is the first Dv dims of K).
+        """
         kb, vb = self.k_buffer[layer_id], self.v_buffer[layer_id]
-        kb[loc] = k.reshape(-1, kb.shape[1], kb.shape[2]).to(kb.dtype)
-        vb[loc] = v.reshape(-1, vb.shape[1], vb.shape[2]).to(vb.dtype)
+        kb[loc] = quantize_kv(k.reshape(-1, kb.shape[1], kb.shape[2]), kb.dtype, self.k_scales[layer_id])
+        if layer_id not in self.mla_layers:
+            vb[loc] = quantize_kv(v.reshape(-1, vb.shape[1], vb.shape[2]), vb.dtype, self.v_scales[layer_id])
 
     def nbytes(self) -> int:
-        """Bytes held by all K/V buffers."""
-        return sum(t.numel() * t.element_size() for t in self.k_buffer + self.v_buffer)
+        """Bytes held by all K/V buffers (an MLA layer's V view is not counted twice)."""
+        bufs = self.k_buffer + [v for lid, v in enumerate(self.v_buffer) if lid not in self.mla_layers]
+        return sum(t.numel() * t.element_size() for t in bufs)
+
+
+def layer_kv_scales(pool: Any, layer_id: int) -> tuple[float, float]:
+    """``(k_scale, v_scale)`` of ``layer_id`` in ``pool``; (1.0, 1.0) for an engine's pool without scales.
+
+    An engine pool that does not carry ``k_scales``/``v_scales`` stores values unscaled, which is
+    scale 1.0 under the read rule. Host-only (Python floats).
+    """
+    ks, vs = getattr(pool, "k_scales", None), getattr(pool, "v_scales", None)
+    return (ks[layer_id] if ks is not None else 1.0, vs[layer_id] if vs is not None else 1.0)
 
 
 class PageAllocator:

@@ -38,16 +38,26 @@ FLASHINFER = Capability(
     head_dims_qk=[64, 128, 256],
     head_dims_v=[64, 128, 256],
     q_dtypes=["bfloat16", "float16"],
-    kv_dtypes=["bfloat16", "float16"],
-    features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "cuda_graph", "speculative", "tbo",
+    kv_dtypes=["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"],
+    features=["mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "cuda_graph", "speculative", "tbo",
               "pdmux"],
     page_sizes=None,
     packages=["torch", "flashinfer-python"],
     kv_dtype_matches_q=True,
+    mla_head_dims=[[576, 512]],
+    fp8_kv_features=["mha"],
     workspace_bytes=384 * MiB,
     source="sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default; FlashInfer 0.6.13 wrappers (fa2 prefill, "
            "CUDA-core/tensor-core decode, attention-sink wrapper), verified on an H200 (sm90) only: "
-           "see benchmarks/RESULTS.md",
+           "see benchmarks/RESULTS.md. fp8 KV (e4m3/e5m2, per-layer k_scale/v_scale passed to run()) with a "
+           "bf16/fp16 q: CUDA-core and tensor-core decode and fa2 paged prefill, all within 6.9e-3 of float64 "
+           "over the dequantized stored K/V on the H200 (RESULTS.md, 'fp8 KV and MLA facts'), for plain MHA/GQA "
+           "layers only: with windows or softcaps the fp8 variants were not compiled or verified, FlashInfer "
+           "0.6.13's attention-sink wrapper names its JIT module without the KV dtype, and the MLA wrapper's run() "
+           "takes no k_scale/v_scale, so those are refused with fp8 (fp8_kv_features). MLA (absorbed, "
+           "576/512 = DeepSeek-V2/V3, Kimi-K2): flashinfer.mla.BatchMLAPagedAttentionWrapper, backend fa3 on sm90 "
+           "and fa2 elsewhere, decode and causal extend, 16 and 128 heads, pages 1/16/64, within 5.4e-3 on the "
+           "H200",
 )
 
 FA3 = Capability(
@@ -64,7 +74,11 @@ FA3 = Capability(
     workspace_bytes=384 * MiB,
     source="sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default; FlashInfer 0.6.13 backend='fa3' (sm90) "
            "prefill kernels for extend and decode; only head dim 128 without window/softcap/sinks was "
-           "compiled and verified on the H200 (each fa3 variant is a ~110 s compile): see benchmarks/RESULTS.md",
+           "compiled and verified on the H200 (each fa3 variant is a ~110 s compile): see benchmarks/RESULTS.md. "
+           "No fp8 KV: backend='fa3' with a bf16 q and an fp8 (e4m3) KV cache fails to compile in FlashInfer "
+           "0.6.13 (ninja build failure on the H200, RESULTS.md 'fp8 KV and MLA facts'); e5m2 likewise (neither "
+           "compiled nor verified); use flashinfer (fa2 kernels) for fp8 KV. No MLA (the MLA wrapper is the flashinfer "
+           "backend's)",
 )
 
 TRITON_CAP = Capability(
@@ -74,21 +88,36 @@ TRITON_CAP = Capability(
     head_dims_v=[64, 96, 128, 256],
     q_dtypes=["bfloat16", "float16"],
     kv_dtypes=["bfloat16", "float16"],
-    features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention", "cuda_graph",
-              "speculative", "tbo", "pdmux"],
+    features=["mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention",
+              "cuda_graph", "speculative", "tbo", "pdmux"],
     page_sizes=None,
     packages=["torch", "triton"],
     kv_dtype_matches_q=True,
+    mla_head_dims=[[576, 512]],
     workspace_bytes=0,
     source="pipeline/backends/triton (our kernels): split-K paged decode + LSE merge, paged extend. Verified vs "
            "the float64 reference and torch_native on an H200 (sm90, triton 3.6: D 64/96/128/256, bf16/fp16, "
            "pages 1/16/64, GQA 1/4/8, B 1-256, ctx to 32k, window/softcap/sinks, CUDA-graph replay == eager) and "
            "under TRITON_INTERPRET=1 on CPU (CI). Chunked local attention (Llama-4): verified under the "
            "interpreter in CI; its H200 tests are tests/gpu/test_triton_gpu.py::test_chunked_local_attention*. "
-           "sm80/86/89: portable Triton ops and configs sized for 99 KB of shared memory, not run. No MLA (D != Dv), no fp8/fp32, no encoder-decoder. Speculative: draft "
+           "sm80/86/89: portable Triton ops and configs sized for 99 KB of shared memory, not run. MLA (absorbed, "
+           "576/512): launch_mla.py's paged decode (split-K, a block of heads per latent tile) and extend, verified "
+           "under the interpreter in CI (tests/test_triton_mla_interpret.py) and on the H200 "
+           "(tests/gpu/test_triton_mla_gpu.py; max rel err 4.0e-3 at 128 heads in benchmarks/mla_decode.py); bf16/fp16 "
+           "KV only. No fp8/fp32 KV, no encoder-decoder. Speculative: draft "
            "decode and chain (top-k 1) target verify as causal extend; tree verify (top-k > 1) would need a custom "
            "mask the extend kernel lacks. Only decode is graph-captured (as in sglang)",
 )
+
+# Measured MLA decode step per arch (µs, lower is faster): DeepSeek-V3 dims (128 q heads, one latent head of
+# 512 + 64, bf16), B=64 requests x 4096 tokens, page 16, CUDA-graph replay, median — on the H200 with
+# FlashInfer 0.6.13 (fa3 MLA wrapper 136.4 µs; fa2 289.0) and our Triton MLA kernels' best swept config
+# (h64n64w8s2, 415.6 µs): benchmarks/RESULTS.md, "fp8 KV and MLA facts" and "MLA decode". For an MLA model on
+# a listed arch, auto-selection tries these backends first, fastest first (registry.auto_candidates);
+# re-measure with ``python benchmarks/mla_decode.py`` (or benchmarks/p4_fp8_mla.py) and update the numbers.
+MLA_DECODE_US: dict[str, dict[str, float]] = {
+    "sm90": {"flashinfer": 136.4, "triton": 415.6},
+}
 
 # name, capability, "module:factory", rules (what the entry decides beyond its record)
 BUILTINS: list[tuple[str, Capability, str, BackendRules]] = [

@@ -191,9 +191,18 @@ def reference_name() -> str:
     return records.REFERENCE_BACKEND
 
 
-def auto_candidates(device_type: str) -> list[str]:
-    """The registered backends auto-selection considers on ``device_type``, in priority order."""
+def auto_candidates(device_type: str, arch: str = "", mla: bool = False) -> list[str]:
+    """The registered backends auto-selection considers on ``device_type``, in priority order.
+
+    For an MLA model (``mla``) on an ``arch`` with measured MLA decode times
+    (:data:`pipeline.backends.records.MLA_DECODE_US`) the measured backends come first, fastest first, then the
+    rest of :data:`~pipeline.backends.records.AUTO_PRIORITY` in its order (sglang picks per arch by hand: fa3 on
+    Hopper, where our fa3 serves no MLA; vLLM walks a priority list; we let the measurement order it).
+    """
     from pipeline.backends import records
 
     known = set(names())
-    return [n for n in records.AUTO_PRIORITY.get(device_type, records.DEFAULT_PRIORITY) if n in known]
+    base = [n for n in records.AUTO_PRIORITY.get(device_type, records.DEFAULT_PRIORITY) if n in known]
+    timed = records.MLA_DECODE_US.get(arch, {}) if mla else {}
+    fast = sorted((n for n in base if n in timed), key=lambda n: timed[n])
+    return fast + [n for n in base if n not in timed]

@@ -9,8 +9,10 @@ workspace and does not support CUDA graphs (the base class raises; sglang turns 
 - decode: one new token per request attends to every cached token and itself.
 - GQA (``H % Hkv == 0``), sliding window, chunked local attention (Llama-4: key j visible from
   query i iff ``j // C == i // C``), logit softcap, attention sinks, MLA absorbed form
-  (``Dv != D``, one latent KV head), any ``page_size >= 1``; KV storage fp32/bf16/fp16 or fp8
-  (``float8_e4m3fn`` / ``float8_e5m2``, upcast on read with scale 1).
+  (``Dv != D``, one latent KV head; V read from the first Dv dims of the one latent buffer), any
+  ``page_size >= 1``; KV storage fp32/bf16/fp16 or fp8 (``float8_e4m3fn`` / ``float8_e5m2``): written
+  through the pool (``stored = fp8(x / scale)``) and read as ``float32(stored) * scale`` with the
+  layer's ``k_scale`` / ``v_scale`` from the pool (the contract in :mod:`pipeline.backends.memory`).
 - ``scaled_dot_product_attention`` is used when neither softcap nor sinks are set; explicit math
   otherwise.
 
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
 from pipeline.core.contracts import LayerKind
 from pipeline.core.errors import BuildError
+from pipeline.backends.memory import dequantize_kv, layer_kv_scales
 
 __all__ = ["TorchNativeBackend", "create", "check_forward_inputs", "batch_layout"]
 
@@ -190,12 +193,13 @@ class TorchNativeBackend(AttentionBackend):
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         kb, vb = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        ks, vs = layer_kv_scales(pool, layer.layer_id)
         r2t = fb.req_to_token_pool.req_to_token
         out = torch.empty((q3.shape[0], layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
         start = 0
         for row, prefix, new in layout:
             slots = r2t[row, : prefix + new].to(torch.int64)
-            k_req, v_req = kb[slots].to(torch.float32), vb[slots].to(torch.float32)
+            k_req, v_req = dequantize_kv(kb[slots], ks), dequantize_kv(vb[slots], vs)
             q_req = q3[start : start + new].to(torch.float32)
             out[start : start + new] = _attend(q_req, k_req, v_req, prefix, layer).to(q.dtype)
             start += new

@@ -85,9 +85,15 @@ def markdown() -> str:
                   f"- compute capabilities: {_any(r['archs'], 'arch (no compute-capability limit)')}",
                   f"- features: {', '.join(r['features'])}; not served: "
                   f"{', '.join(f for f in FEATURES if f not in r['features']) or 'none'}",
-                  f"- head dims (qk / v): {_any(r['head_dims_qk'], 'dim')} / {_any(r['head_dims_v'], 'dim')}",
+                  f"- head dims (qk / v): {_any(r['head_dims_qk'], 'dim')} / {_any(r['head_dims_v'], 'dim')}"
+                  + (f"; MLA (absorbed qk / v): {', '.join(f'{a} / {b}' for a, b in r['mla_head_dims'])}"
+                     if r["mla_head_dims"] else ""),
                   f"- q dtypes: {', '.join(r['q_dtypes'])}; KV-cache dtypes: {', '.join(r['kv_dtypes'])}"
-                  + ("; the KV-cache dtype must equal the q dtype" if r["kv_dtype_matches_q"] else ""),
+                  + ("; a 16-bit KV-cache dtype must equal the q dtype" if r["kv_dtype_matches_q"] else "")
+                  + ("; fp8 is stored with and dequantized by the layer's k_scale / v_scale"
+                     if any(k.startswith("fp8") for k in r["kv_dtypes"]) else "")
+                  + (f"; fp8 KV only for layers using no more than: {', '.join(r['fp8_kv_features'])}"
+                     if r["fp8_kv_features"] is not None else ""),
                   f"- page sizes: {_any(r['page_sizes'], 'page size >= 1')}",
                   f"- default workspace: {ws} bytes" + (f" ({ws >> 20} MiB)" if ws else " (needs none)"),
                   f"- packages: {', '.join(r['packages'])}",

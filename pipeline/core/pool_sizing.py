@@ -6,7 +6,9 @@ cache — may use; the weights already allocated are subtracted) or an explicit 
 explicit slot count (``--num-token-slots``), in that order of precedence: slots > bytes > fraction.
 
 Bytes per token = Σ over the built layers of ``Hkv·(D_qk + D_v)·elem_size(kv_dtype)`` (sglang's
-``cell_size``); ``req_to_token`` costs ``max_reqs·max_context_len·4`` bytes (int32). The number of
+``cell_size``), and ``D_qk·elem_size`` for an absorbed-MLA layer, whose one latent buffer holds V as a
+view of its first ``D_v`` dims (sglang's ``MLATokenToKVPool``: ``kv_lora_rank + qk_rope_head_dim``
+elements per token and layer); ``req_to_token`` costs ``max_reqs·max_context_len·4`` bytes (int32). The number of
 token slots is the rest of the budget divided by bytes per token, rounded *down* to whole pages,
 with at least two pages (page 0 is the reserved padding page).
 
@@ -58,12 +60,14 @@ _FLAG = {"bytes": "mem_bytes", "mem_fraction": "mem_fraction"}
 POOL_MEMORY_SHARE = 0.9
 
 def kv_bytes_per_token(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str) -> int:
-    """KV-cache bytes one token slot costs over layers ``0..num_layers-1`` (K and V, every layer)."""
+    """KV-cache bytes one token slot costs over layers ``0..num_layers-1`` (K and V, every layer; an MLA
+    layer's one latent buffer of ``head_dim_qk`` elements)."""
     if kv_dtype not in KV_ELEM_BYTES:
         raise ConfigError(f"kv dtype {kv_dtype!r} has no known element size", code="invalid_value",
                           flags=[("kv_cache_dtype", kv_dtype)], allowed=sorted(KV_ELEM_BYTES),
                           remedy="pick one of the allowed KV cache dtypes")
-    per_layer = {lid: k.num_kv_heads * (k.head_dim_qk + k.head_dim_v) for k in kinds for lid in k.layer_ids}
+    per_layer = {lid: k.num_kv_heads * (k.head_dim_qk + (0 if k.is_mla else k.head_dim_v))
+                 for k in kinds for lid in k.layer_ids}
     return sum(per_layer.get(lid, 0) for lid in range(num_layers)) * KV_ELEM_BYTES[kv_dtype]
 
 

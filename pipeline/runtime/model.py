@@ -188,18 +188,25 @@ def _rope_complex(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Ten
     return torch.cat([z.real, z.imag], dim=-1)
 
 
-def reference_forward(stack: AttentionStack, hidden: torch.Tensor,
-                      kv_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def reference_forward(stack: AttentionStack, hidden: torch.Tensor, kv_dtype: Optional[torch.dtype] = None,
+                      store_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One request's whole sequence [L, hidden_size] through the stack in float64, dense and causal.
 
     Written apart from :meth:`AttentionStack.forward`: no backend, no KV cache, complex-number RoPE,
     MLA un-absorbed (per-head ``k_nope = c @ W_UK[h]^T``, ``v = c @ W_UV[h]^T``). ``kv_dtype``
     (e.g. ``torch.float8_e4m3fn``): round what the KV cache stores (K and V; for MLA the latent
-    ``c`` and ``k_rope``) through that dtype, as the cache does. Returns the float64 output
-    [L, hidden_size] (CPU) and the aux hidden states like ``forward``.
+    ``c`` and ``k_rope``) through that dtype, as the cache does. ``store_dtype`` (the stack's dtype,
+    e.g. ``torch.bfloat16``): round every tensor the stack hands on in that dtype — the normed layer
+    input, the projections, q/k after RoPE, the attention output and the output projection — so that
+    the comparison measures the attention path, not the stack's own bf16 storage (five roundings of
+    2^-9 each, worth ~1e-2 of ``max|Δ|`` on small models); the arithmetic stays float64. Returns the
+    float64 output [L, hidden_size] (CPU) and the aux hidden states like ``forward``.
     """
     def cached(t: torch.Tensor) -> torch.Tensor:
         return t if kv_dtype is None else t.to(kv_dtype).to(torch.float64)
+
+    def stored(t: torch.Tensor) -> torch.Tensor:
+        return t if store_dtype is None else t.to(store_dtype).to(torch.float64)
 
     f = lambda t: t.detach().to("cpu", torch.float64)  # noqa: E731
     if getattr(stack, "_f64_weights", None) is None:
@@ -210,26 +217,27 @@ def reference_forward(stack: AttentionStack, hidden: torch.Tensor,
         if stack.aux_hidden_state_layers and L.layer_id in stack.aux_hidden_state_layers:
             aux.append(h)
         w = stack._f64_weights[idx]
-        x = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+        x = stored(h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + EPS))
         if L.is_mla:
             m = stack.spec.mla
-            q = (x @ w["q"].T).reshape(n, L.num_heads, -1)
-            lat = x @ w["dkv"].T
+            q = stored(x @ w["q"].T).reshape(n, L.num_heads, -1)
+            lat = stored(x @ w["dkv"].T)
             c = lat[:, : m.kv_lora_rank]
-            c = cached(c / torch.sqrt(c.pow(2).mean(-1, keepdim=True) + EPS))
+            c = cached(stored(c / torch.sqrt(c.pow(2).mean(-1, keepdim=True) + EPS)))
             k_nope = torch.einsum("lc,hnc->lhn", c, w["uk"])
-            k_rope = cached(_rope_complex(lat[:, None, m.kv_lora_rank:], pos, theta)).expand(n, L.num_heads, -1)
-            qq = torch.cat([q[..., : m.qk_nope_head_dim], _rope_complex(q[..., m.qk_nope_head_dim:], pos, theta)], -1)
+            k_rope = cached(stored(_rope_complex(lat[:, None, m.kv_lora_rank:], pos, theta))).expand(n, L.num_heads, -1)
+            qq = torch.cat([q[..., : m.qk_nope_head_dim],
+                            stored(_rope_complex(q[..., m.qk_nope_head_dim:], pos, theta))], -1)
             kk = torch.cat([k_nope, k_rope], dim=-1)
             vv = torch.einsum("lc,hvc->lhv", c, w["uv"])
         else:
             d, hkv = L.head_dim, L.num_kv_heads
-            q, k, v = (x @ w["qkv"].T).split([L.num_heads * d, hkv * d, hkv * d], dim=-1)
-            qq = _rope_complex(q.reshape(n, L.num_heads, d), pos, theta)
-            kk = cached(_rope_complex(k.reshape(n, hkv, d), pos, theta))
+            q, k, v = stored(x @ w["qkv"].T).split([L.num_heads * d, hkv * d, hkv * d], dim=-1)
+            qq = stored(_rope_complex(q.reshape(n, L.num_heads, d), pos, theta))
+            kk = cached(stored(_rope_complex(k.reshape(n, hkv, d), pos, theta)))
             vv = cached(v.reshape(n, hkv, d))
-        o = reference_attention(qq, kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
-                                softcap=L.logit_softcap, sinks=None if L.sinks is None else f(L.sinks),
-                                chunk=L.attention_chunk_size)
-        h = h + o.reshape(n, -1) @ w["o"].T
+        o = stored(reference_attention(qq, kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
+                                       softcap=L.logit_softcap, sinks=None if L.sinks is None else f(L.sinks),
+                                       chunk=L.attention_chunk_size))
+        h = h + stored(o.reshape(n, -1) @ w["o"].T)
     return h, aux

@@ -10,6 +10,7 @@ import time
 import traceback
 from typing import Any, Mapping, Optional
 
+from pipeline.backends.packages import installed_by_import  # noqa: F401 (its historical home: pipeline.build)
 from pipeline.core import driver
 from pipeline.core import events as ev
 from pipeline.core.contracts import DeviceFacts, SetupRequest
@@ -49,6 +50,13 @@ def decide_setup(request: SetupRequest, *, platform: Optional[Platform] = None, 
         platform = platform_for(request.device)
     ctx = SetupContext(request, platform=platform, facts=facts, installed=installed, env=env, rank_group=rank_group)
     return driver.decide(SETUP, ctx, inputs=inputs_of(request, installed))
+
+
+def decide_offline(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool]) -> tuple[Any, Any]:
+    """``(Resolution, BuildPlan)`` for ``request`` on ``device`` with no device touched (:func:`decide_setup` on
+    the given facts; what ``attn-setup plan`` decides). Raises the typed ConfigError of the first refusal."""
+    decided = decide_setup(request, facts=device, installed=installed).raise_refusal()
+    return decided["resolve"], decided["build-mode"].plan
 
 
 def result(ctx: SetupContext) -> AttentionBackends:

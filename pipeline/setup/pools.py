@@ -76,8 +76,8 @@ def check_given_pools(ctx: SetupContext) -> None:
     The workspace bound and the backends' buffers are sized from ``request.pool`` and the layer kinds, so
     pools that differ would be read past their end or under-sized (sglang builds both from one ModelRunner
     config). Checked: both keys; ``req_to_token`` [max_reqs, max_context_len] int32; per model layer a K
-    [num_token_slots, Hkv, D] and V [num_token_slots, Hkv, Dv] buffer of the KV dtype, on the run's device;
-    ``page_size``. Raises ConfigError ``pools_mismatch`` (naming the field, what it holds and what is needed)
+    [num_token_slots, Hkv, D] and V [num_token_slots, Hkv, Dv] buffer of the KV dtype, on the run's device
+    (an MLA layer's V a view of its K buffer's first Dv dims); ``page_size``. Raises ConfigError ``pools_mismatch`` (naming the field, what it holds and what is needed)
     before any allocation.
     """
     import torch
@@ -106,3 +106,7 @@ def check_given_pools(ctx: SetupContext) -> None:
                           kvd, dev)
             _check_tensor(f"kv_pool.v_buffer[{lid}]", vb[lid], (p.num_token_slots, k.num_kv_heads, k.head_dim_v),
                           kvd, dev)
+            if k.is_mla and (vb[lid].data_ptr() != kb[lid].data_ptr() or vb[lid].stride() != kb[lid].stride()):
+                raise _bad(f"kv_pool.v_buffer[{lid}]", "a separate tensor",
+                           f"a view of the first {k.head_dim_v} dims of k_buffer[{lid}] (one latent buffer per "
+                           "MLA layer, as sglang's MLATokenToKVPool; KVPool.for_layer_kinds builds it)")

@@ -29,7 +29,14 @@ CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 RUNS = [(p.name, []) for p in sorted(CONFIGS.glob("*.json"))] + [
     ("gemma-2-9b.json", ["--attention-backend", "flashinfer", "--dtype", "bfloat16", "--page-size", "16"]),
     ("gpt-oss-20b.json", ["--page-size", "16"]),
+    # issue 16: MLA by auto on a GPU backend with decode graphs; fp8 KV by auto on flashinfer
+    ("deepseek-v3.json", ["--num-layers", "2"]),
+    ("deepseek-v2-lite.json", ["--page-size", "64"]),
+    ("llama-3.1-8b.json", ["--kv-cache-dtype", "fp8_e4m3", "--page-size", "16"]),
+    ("qwen3-8b.json", ["--kv-cache-dtype", "fp8_e5m2"]),
 ]
+# issue 16: these resolve a GPU backend by auto and replay their decode steps from captured graphs
+GPU_BY_AUTO = {"deepseek-v2-lite.json": "flashinfer", "deepseek-v3.json": "flashinfer"}
 WINDOWS = {"mistral-7b-v0.1.json": 4096, "gemma-2-9b.json": 4096, "gpt-oss-20b.json": 128}
 
 
@@ -53,3 +60,11 @@ def test_run_verifies_every_instance(config, flags, tmp_path):
         assert all(f"sliding window {WINDOWS[config]}->7" in v["detail"] for v in out["verified"])
     if flags[:2] == ["--attention-backend", "flashinfer"]:
         assert out["resolved"]["prefill"] == out["resolved"]["decode"] == "flashinfer"
+    fp8 = "--kv-cache-dtype" in flags
+    if config in GPU_BY_AUTO or fp8:
+        want = GPU_BY_AUTO.get(config, "flashinfer")
+        assert out["resolved"]["prefill"] == out["resolved"]["decode"] == want, out["resolved"]
+        assert any(s["graph"] for s in out["model_steps"] if s["mode"] == "decode"), out["model_steps"]
+    if fp8:
+        assert all(flags[flags.index("--kv-cache-dtype") + 1].replace("fp8_", "float8_") in v["detail"]
+                   for v in out["verified"])

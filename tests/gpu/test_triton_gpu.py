@@ -250,3 +250,187 @@ def test_chunked_local_attention():
         eager = tri.forward(q, k, v, layer, fb2)
         assert torch.equal(graphed, eager), step
         _check_against_refs(graphed, eager, fb2, layer, q, sample=range(bs))
+
+
+# ------------------------------------------------------------------------------------------ GQA-packed extend
+@pytest.mark.parametrize("prefix,new,page,h,hkv,d,dtype,features", [EXTEND_GRID[0], EXTEND_GRID[2], EXTEND_GRID[5]])
+def test_extend_grid_gqa_packed(prefix, new, page, h, hkv, d, dtype, features):
+    """Extend with the GQA group's heads packed into each program's rows (forced on, any extend length) equals
+    torch_native and the float64 reference, as the unpacked layout does."""
+    import dataclasses
+
+    from pipeline.backends.triton import launch
+    from pipeline.backends.triton.backend import TritonAttnBackend
+
+    torch.manual_seed(len(prefix) + d)
+    rp, kv, alloc, rows = _setup(prefix, page, h, hkv, d, dtype, len(prefix) + d, extra=sum(new))
+    fb = make_forward_batch(ForwardMode.EXTEND, rows, new, alloc, kv)
+    t = fb.num_tokens
+    q, k, v = (torch.randn(t, n, d, dtype=dtype, device=DEV) for n in (h, hkv, hkv))
+    layer = _layer(h, hkv, d, features, len(prefix) + d)
+    cfg = dataclasses.replace(launch.default_extend_config(d, torch.device(DEV)), pack_gqa=True)
+    tri = TritonAttnBackend(torch_device=DEV, layer_dims=[(h, hkv, d, d)], extend_config=cfg,
+                            num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    _, tn = _backends(h, hkv, d)
+    tri.init_forward_metadata(fb)
+    out = tri.forward(q, k, v, layer, fb)
+    tn.init_forward_metadata(fb)
+    tn_out = tn.forward(q, k, v, layer, fb, save_kv_cache=False)
+    torch.cuda.synchronize()
+    _check_against_refs(out, tn_out, fb, layer, q, sample=sorted({0, len(prefix) // 2, len(prefix) - 1}))
+
+
+# ------------------------------------------------------------------------------------------ fp8 KV
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _fp8_pool(slots, page, hkv, d, fmt, ks, vs):
+    """An fp8 KVPool carrying the scales where it takes them (pipeline.backends.memory's contract); (pool, has_scales)."""
+    try:
+        return KVPool(slots, page, [(hkv, d, d)], FP8[fmt], DEV, k_scales=[ks], v_scales=[vs]), True
+    except TypeError:
+        return KVPool(slots, page, [(hkv, d, d)], FP8[fmt], DEV), False
+
+
+def _fp8_setup(prefix, page, h, hkv, d, fmt, ks, vs, seed, extra):
+    """An fp8 pool (stored = round_to_fp8(real / scale), real ~ N(0, 1)) with the prefixes cached."""
+    total = sum(prefix) + extra
+    slots = (total // page + len(prefix) * 2 + 4) * page
+    rp = ReqToTokenPool(len(prefix) + 1, max(prefix) + extra + 1, DEV)
+    kv, _ = _fp8_pool(slots, page, hkv, d, fmt, ks, vs)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    kv.k_buffer[0].copy_((torch.randn(slots, hkv, d, device=DEV, generator=g) / ks).to(FP8[fmt]))
+    kv.v_buffer[0].copy_((torch.randn(slots, hkv, d, device=DEV, generator=g) / vs).to(FP8[fmt]))
+    alloc = PageAllocator(rp, slots, page, seed=seed)
+    rows = list(range(1, len(prefix) + 1))
+    for r, p in zip(rows, prefix):
+        if p:
+            alloc.extend(r, p)
+    return rp, kv, alloc, rows
+
+
+def _dequantised(kv, ks, vs):
+    deq = KVPool(kv.size, kv.page_size, [(kv.k_buffer[0].shape[1], kv.k_buffer[0].shape[2], kv.v_buffer[0].shape[2])],
+                 torch.float32, DEV)
+    deq.k_buffer[0].copy_(kv.k_buffer[0].float() * ks)
+    deq.v_buffer[0].copy_(kv.v_buffer[0].float() * vs)
+    return deq
+
+
+FP8_GRID = [
+    # (mode, prefix (decode: ctx), new, page, H, Hkv, D, fmt, k_scale, v_scale, scales as tensors, features)
+    ("decode", 4096, None, 16, 32, 8, 128, "e4m3", 0.5, 0.25, False, ()),
+    ("decode", 32768, None, 1, 32, 8, 128, "e5m2", 1.7, 0.3, True, ("window",)),
+    ("decode", 2000, None, 64, 16, 16, 128, "e4m3", 0.02, 3.0, True, ("softcap", "sinks")),   # MHA
+    ("decode", 3000, None, 16, 8, 8, 64, "e5m2", 2.0, 0.5, False, ()),                        # MHA, D 64
+    ("extend", [0, 100, 3000, 17], [512, 1, 77, 300], 16, 32, 8, 128, "e4m3", 0.5, 0.25, True, ()),
+    ("extend", [1000, 7, 0], [129, 64, 250], 64, 32, 8, 128, "e5m2", 1.3, 0.7, False, ("window", "sinks")),
+    ("extend", [5, 0, 64], [33, 200, 1], 1, 16, 16, 128, "e4m3", 0.05, 4.0, False, ("softcap",)),   # MHA
+]
+
+
+@pytest.mark.parametrize("mode,prefix,new,page,h,hkv,d,fmt,ks,vs,as_tensor,features", FP8_GRID)
+def test_fp8_kv_grid(mode, prefix, new, page, h, hkv, d, fmt, ks, vs, as_tensor, features):
+    """fp8 K/V (e4m3 / e5m2, non-unit scales as floats or device tensors, bf16 q), GQA 32/8 and MHA, ragged
+    contexts, pages 1/16/64: decode and extend equal torch_native over the dequantised stored K/V for every
+    request and float64 for sampled ones; outputs NaN-poisoned first."""
+    import dataclasses
+
+    from pipeline.backends.torch_native import TorchNativeBackend
+    from pipeline.backends.triton import launch
+
+    seed = h + d + page
+    torch.manual_seed(seed)
+    if mode == "decode":
+        b = {4096: 64, 32768: 7, 2000: 33, 3000: 5}[prefix]
+        prefix, new = _ragged(b, prefix - 1, seed=b), [1] * b
+    rp, kv, alloc, rows = _fp8_setup(prefix, page, h, hkv, d, fmt, ks, vs, seed, extra=sum(new))
+    fm = ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND
+    fb = make_forward_batch(fm, rows, new, alloc, kv)
+    t, loc = fb.num_tokens, fb.out_cache_loc
+    kv.k_buffer[0][loc] = (torch.randn(t, hkv, d, device=DEV) / ks).to(FP8[fmt])   # the step's new K/V, stored
+    kv.v_buffer[0][loc] = (torch.randn(t, hkv, d, device=DEV) / vs).to(FP8[fmt])
+    q = torch.randn(t, h, d, dtype=torch.bfloat16, device=DEV)
+    layer = _layer(h, hkv, d, features, seed)
+    scales = dict(k_scale=torch.tensor(ks, device=DEV), v_scale=torch.tensor(vs, device=DEV)) if as_tensor else \
+        dict(k_scale=ks, v_scale=vs)
+    feats = dict(sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap, sinks=layer.sinks)
+    out = torch.full((t, h, d), float("nan"), dtype=torch.bfloat16, device=DEV)
+    kb, vb, r2t = kv.k_buffer[0], kv.v_buffer[0], rp.req_to_token
+    if mode == "decode":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        launch.decode_attention(q, kb, vb, r2t, fb.req_pool_indices, fb.seq_lens, out, sm_scale=layer.scaling,
+                                max_splits=launch.decode_max_splits(t, hkv, sms, launch.DecodeConfig()), **feats,
+                                **scales)
+    else:
+        qo = torch.zeros(len(new) + 1, dtype=torch.int32, device=DEV)
+        qo[1:] = torch.cumsum(fb.extend_seq_lens, 0)
+        launch.extend_attention(q, kb[loc], vb[loc], kb, vb, r2t, fb.req_pool_indices, qo, fb.extend_prefix_lens,
+                                out, max_extend_len=max(new), sm_scale=layer.scaling, **feats, **scales)
+    torch.cuda.synchronize()
+    deq = _dequantised(kv, ks, vs)
+    fb_deq = dataclasses.replace(fb, token_to_kv_pool=deq)
+    tn = TorchNativeBackend(torch_device=DEV)
+    tn.init_forward_metadata(fb_deq)
+    tn_out = tn.forward(q, deq.k_buffer[0][loc], deq.v_buffer[0][loc], layer, fb_deq, save_kv_cache=False)
+    _check_against_refs(out.view(t, h * d), tn_out, fb_deq, layer, q, sample=sorted({0, len(rows) // 2,
+                                                                                     len(rows) - 1}))
+
+
+def test_fp8_cuda_graph_replay_equals_eager():
+    """An fp8 (e4m3) pool through the backend, the layer carrying non-unit k_scale / v_scale: a decode graph
+    captured once replays to the eager result bit for bit after rows and lengths change, and equals float64
+    over the dequantised stored K/V."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class ScaledLayer(AttentionLayer):
+        k_scale: float = 1.0
+        v_scale: float = 1.0
+
+    h, hkv, d, page, bs, ks, vs = 32, 8, 128, 16, 8, 0.5, 2.0
+    rp, kv, alloc, rows = _fp8_setup([100] * bs, page, h, hkv, d, "e4m3", ks, vs, seed=7, extra=6000)
+    base = _layer(h, hkv, d, ("window",), seed=7)
+    pool_scales = hasattr(kv, "kv_scales")   # the pool's scales win where it has them (triton/backend.py)
+    layer = base if pool_scales else ScaledLayer(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                                                 k_scale=ks, v_scale=vs)
+    tri, _ = _backends(h, hkv, d)
+    tri.init_cuda_graph_state(max_bs=16, max_num_tokens=16)
+    fb = make_forward_batch(ForwardMode.DECODE, rows, [1] * bs, alloc, kv)
+    q, k, v = (torch.randn(bs, n, d, dtype=torch.bfloat16, device=DEV) for n in (h, hkv, hkv))
+    loc = fb.out_cache_loc.clone()
+    fb.out_cache_loc = loc
+    tri.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices, fb.seq_lens, None, ForwardMode.DECODE,
+                                                 None)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        tri.forward(q, k, v, layer, fb)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = tri.forward(q, k, v, layer, fb)
+    for step, grow in enumerate([[1] * bs, [500, 1, 3000, 7, 1, 64, 2, 900]]):
+        for r, n in zip(rows, grow):
+            if n > 1:
+                alloc.extend(r, n - 1)
+        fb2 = make_forward_batch(ForwardMode.DECODE, rows[::-1], [1] * bs, alloc, kv)
+        for x in (q, k, v):
+            x.normal_()
+        loc.copy_(fb2.out_cache_loc)
+        tri.init_forward_metadata_replay_cuda_graph(bs, fb2.req_pool_indices, fb2.seq_lens, sum(fb2.seq_lens_cpu),
+                                                    None, ForwardMode.DECODE, None, None)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        graphed = out.clone()
+        tri.init_forward_metadata(fb2)
+        eager = tri.forward(q, k, v, layer, fb2, save_kv_cache=False)
+        assert torch.equal(graphed, eager), step
+        r2t, kb, vb = fb2.req_to_token_pool.req_to_token, kv.k_buffer[0], kv.v_buffer[0]
+        for i in range(bs):
+            slots = r2t[int(fb2.req_pool_indices[i]), :fb2.seq_lens_cpu[i]].long()
+            ref = reference_attention(q[i:i + 1], kb[slots].double() * ks, vb[slots].double() * vs,
+                                      q_positions=torch.tensor([fb2.seq_lens_cpu[i] - 1], device=DEV),
+                                      scale=layer.scaling, window=layer.sliding_window)
+            assert rel_err(graphed[i:i + 1].view(1, h, d), ref) <= TOL, (step, i)

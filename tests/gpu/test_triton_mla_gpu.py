@@ -221,3 +221,46 @@ def test_mla_cuda_graph_replay_equals_eager(h, bs):
         eager = be.forward(q, lat, lat[..., :DV].contiguous(), layer, fb2)
         assert torch.equal(graphed, eager), step
         _check(graphed.view(bs, h, DV), fb2, layer, q, sample=[0, bs - 1])
+
+
+@pytest.mark.parametrize("b", [8, 64])
+def test_mla_sweep_candidates_are_correct(b):
+    """Every config the benchmark sweep may pick (benchmarks/mla_decode.py --sweep) computes DeepSeek-V3 decode
+    right (128 heads, ragged contexts up to 6000, page 16; split path at B=8, direct at B=64): against float64
+    for sampled requests; the L2-prefetch variants equal the same config without prefetch bit for bit (the
+    prefetch moves data, never math)."""
+    import dataclasses
+
+    from pipeline.backends.triton import launch_mla
+
+    h, dtype = 128, torch.bfloat16
+    lens = _ragged(b, 6000, seed=b, min_len=1)
+    # req_to_token rows a multiple of 16 long: the kernels specialise as in the benchmark, whose variants
+    # benchmarks/gpu_p4k_check.sh compiles in parallel processes while this runs
+    rp, kv, alloc, rows = _setup(lens, 16, dtype, seed=b, extra=-(max(lens) + 1) % 16)
+    r2t = rp.req_to_token
+    q = torch.randn(b, h, D, dtype=dtype, device=DEV)
+    idx = torch.tensor(rows, dtype=torch.int64, device=DEV)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    refs = {i: _ref64(q[i:i + 1], kv.k_buffer[0][r2t[rows[i], :lens[i]].long()], SCALE[h],
+                      torch.tensor([lens[i] - 1], device=DEV)) for i in (0, b // 2, b - 1)}
+    cands = [("default", launch_mla.default_mla_decode_config(h, torch.device(DEV)))] + list(launch_mla.SWEEP_DECODE)
+    outs = {}
+    for name, cfg in cands:
+        splits = launch_mla.mla_decode_max_splits(b, h, _sms(), cfg)
+        out = torch.full((b, h, DV), float("nan"), dtype=dtype, device=DEV)
+        launch_mla.mla_decode_attention(q, kv.k_buffer[0], r2t, idx, seq, out, sm_scale=SCALE[h], max_splits=splits,
+                                        config=cfg)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any(), name
+        for i, ref in refs.items():
+            assert rel_err(out[i:i + 1], ref) <= TOL, (name, i)
+        outs[cfg] = out
+    for cfg, out in outs.items():
+        if cfg.prefetch:
+            plain = dataclasses.replace(cfg, prefetch=False)
+            ref_out = torch.full_like(out, float("nan"))
+            launch_mla.mla_decode_attention(q, kv.k_buffer[0], r2t, idx, seq, ref_out, sm_scale=SCALE[h],
+                                            max_splits=launch_mla.mla_decode_max_splits(b, h, _sms(), cfg),
+                                            config=plain)
+            assert torch.equal(out, ref_out), cfg

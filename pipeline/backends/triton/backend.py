@@ -12,6 +12,11 @@
 Layers: bf16/fp16, head dims up to 256 (D == Dv), any GQA ratio, sliding window, chunked local
 attention (Llama-4), logit softcap, attention sinks. Output: [T, H*Dv] in q's dtype.
 
+KV cache: q's dtype, or fp8 (``float8_e4m3fn`` / ``float8_e5m2``) read as stored and upcast in the
+kernels, dequantised with the pool's per-layer ``k_scale`` / ``v_scale`` (:func:`kv_scales`; real = stored
+* scale, as the pool quantises). Extend reads the new tokens in the stored format too, so every output is
+attention over what the pool holds (the float64 reference over the dequantised stored K/V).
+
 MLA layers (``layer.is_mla``: absorbed form, one latent KV head, D = kv_lora_rank + rope, Dv =
 kv_lora_rank) go to :mod:`.launch_mla` (decode and extend over the latent rows of the K buffer; the
 pool's V copy is not read); no window, chunk, softcap or sinks there.
@@ -46,6 +51,30 @@ class _ExtendMeta:
     qo_indptr: torch.Tensor
     prefix_lens: torch.Tensor
     max_extend_len: int
+
+
+def kv_scales(layer: AttentionLayer, pool: Any) -> tuple[Any, Any]:
+    """``(k_scale, v_scale)`` for ``layer``'s KV cache, real = stored * scale: the pool's per-layer scales
+    (``pool.kv_scales(layer_id)``, the KV contract of :mod:`pipeline.backends.memory`: the scales it quantised with)
+    when the pool has them; else the layer's ``k_scale`` / ``v_scale`` attributes (sglang's RadixAttention
+    carries them per layer); else 1.0. Each is a float or a one-element tensor."""
+    get = getattr(pool, "kv_scales", None)
+    if callable(get):
+        return get(layer.layer_id)
+    ks, vs = getattr(layer, "k_scale", None), getattr(layer, "v_scale", None)
+    return (1.0 if ks is None else ks), (1.0 if vs is None else vs)
+
+
+def stored_kv(x: torch.Tensor, buf_dtype: torch.dtype, scale: Any) -> torch.Tensor:
+    """``x`` in a KV buffer's stored format, by the pool's write rule (:mod:`pipeline.backends.memory`): a plain cast
+    for 16/32-bit buffers; ``round_to_fp8(clamp(x / scale, -max, max))`` for fp8 ones (saturating, as the pool
+    writes). ``x`` already in ``buf_dtype`` is returned as it is."""
+    if x.dtype == buf_dtype:
+        return x
+    if buf_dtype in launch.FP8_KV_DTYPES:
+        fmax = torch.finfo(buf_dtype).max
+        return (x.float() / scale).clamp(-fmax, fmax).to(buf_dtype)
+    return x.to(buf_dtype)
 
 
 def _bad(field: str, value: Any, allowed: str, remedy: str) -> BuildError:
@@ -211,6 +240,7 @@ class TritonAttnBackend(AttentionBackend):
             meta = _DecodeMeta(fb.req_pool_indices, fb.seq_lens, fb.batch_size)
         pool = fb.token_to_kv_pool
         out = torch.empty((meta.bs, layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
+        k_scale, v_scale = kv_scales(layer, pool)
         if layer.is_mla:
             cfg = self._mla_cfg(layer.num_heads)
             launch_mla.mla_decode_attention(
@@ -223,7 +253,8 @@ class TritonAttnBackend(AttentionBackend):
             fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens, out,
             sm_scale=layer.scaling, max_splits=self._max_splits(meta.bs, layer.num_kv_heads), scratch=meta.scratch,
             sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap, sinks=layer.sinks,
-            config=self.decode_config, attention_chunk_size=layer.attention_chunk_size)
+            config=self.decode_config, attention_chunk_size=layer.attention_chunk_size, k_scale=k_scale,
+            v_scale=v_scale)
         return out.view(meta.bs, layer.num_heads * layer.v_head_dim)
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch,
@@ -245,16 +276,18 @@ class TritonAttnBackend(AttentionBackend):
                 meta.prefix_lens, out, max_extend_len=meta.max_extend_len, sm_scale=layer.scaling,
                 config=self.mla_extend_config)
             return out.view(t, h * layer.v_head_dim)
-        if k is None or v is None:
-            k, v = kb[fb.out_cache_loc], vb[fb.out_cache_loc]
-        k = k.reshape(t, layer.num_kv_heads, layer.head_dim).to(kb.dtype)
-        v = v.reshape(t, layer.num_kv_heads, layer.v_head_dim).to(vb.dtype)
+        k_scale, v_scale = kv_scales(layer, pool)
+        if k is None or v is None or (save_kv_cache and kb.dtype in launch.FP8_KV_DTYPES):
+            k, v = kb[fb.out_cache_loc], vb[fb.out_cache_loc]   # exactly what the pool stored
+        k = stored_kv(k.reshape(t, layer.num_kv_heads, layer.head_dim), kb.dtype, k_scale)
+        v = stored_kv(v.reshape(t, layer.num_kv_heads, layer.v_head_dim), vb.dtype, v_scale)
         out = torch.empty((t, h, layer.v_head_dim), dtype=q.dtype, device=q.device)
         launch.extend_attention(
             q3, k, v, kb, vb, fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.qo_indptr,
             meta.prefix_lens, out, max_extend_len=meta.max_extend_len, sm_scale=layer.scaling,
             sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap, sinks=layer.sinks,
-            config=self.extend_config, attention_chunk_size=layer.attention_chunk_size)
+            config=self.extend_config, attention_chunk_size=layer.attention_chunk_size, k_scale=k_scale,
+            v_scale=v_scale)
         return out.view(t, h * layer.v_head_dim)
 
     # ----------------------------------------------------------------------------- ownership

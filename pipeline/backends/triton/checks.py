@@ -1,20 +1,25 @@
 """Input checks of the Triton launchers: typed errors naming the field, raised before any launch.
 
 :class:`~pipeline.core.errors.CapabilityMismatch` for what the kernels do not serve (q dtype other than
-bf16/fp16, KV dtype other than q's, head dim > 256); :class:`~pipeline.core.errors.BuildError`
-(``bad_tensor``) for inconsistent shapes, dtypes, devices or strides. Shapes as in ``launch.py``.
+bf16/fp16, KV dtype other than q's or fp8 e4m3/e5m2, head dim > 256); :class:`~pipeline.core.errors.BuildError`
+(``bad_tensor``) for inconsistent shapes, dtypes, devices, strides or scales. Shapes as in ``launch.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Optional, Union
 
 import torch
 
 from pipeline.core.errors import BuildError, CapabilityMismatch
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)   # stored K/V; real = stored * k_scale / v_scale
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
+
+Scale = Union[float, torch.Tensor]
 
 
 def bad(field: str, value: Any, allowed: str, remedy: str, *, cap: bool = False) -> Exception:
@@ -38,12 +43,34 @@ def _check_tensor(name: str, t: Any, ndim: int, dtypes: tuple, device: torch.dev
         raise bad(f"{name}.stride(-1)", t.stride(-1), "1", f"call {name}.contiguous()")
 
 
+def kv_dtypes(q_dtype: torch.dtype) -> tuple:
+    """The KV buffer dtypes the kernels read with a ``q_dtype`` query: q's own, fp8 e4m3 and e5m2."""
+    return (q_dtype,) + FP8_KV_DTYPES
+
+
+def check_scale(name: str, s: Any, device: torch.device) -> bool:
+    """A dequantisation scale (``k_scale`` / ``v_scale``): a finite float > 0, or a one-element float tensor
+    on ``device`` (read in-kernel, so CUDA graphs follow its value; its value is not checked: no host sync).
+    Returns True for a tensor."""
+    if isinstance(s, torch.Tensor):
+        if s.numel() != 1 or s.dtype not in SCALE_DTYPES:
+            raise bad(f"{name}", f"{s.dtype}[{tuple(s.shape)}]", "a float > 0 or a one-element float32 tensor",
+                      f"pass {name} as a Python float or a 0-d float32 tensor")
+        if s.device != device:
+            raise bad(f"{name}.device", str(s.device), str(device), f"move {name} to {device}")
+        return True
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+        raise bad(name, s, "a finite float > 0 (or a one-element float32 tensor)",
+                  f"pass the layer's {name} (1.0 when the checkpoint has none)")
+    return False
+
+
 def _check_heads(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
-    """Common head/dim/dtype checks of q against one layer of the KV pool."""
+    """Common head/dim/dtype checks of q against one layer of the KV pool (K/V in q's dtype or fp8)."""
     dev = q.device
     _check_tensor("q", q, 3, Q_DTYPES, dev)
-    _check_tensor("k_buffer", k_buffer, 3, (q.dtype,), dev)
-    _check_tensor("v_buffer", v_buffer, 3, (q.dtype,), dev)
+    _check_tensor("k_buffer", k_buffer, 3, kv_dtypes(q.dtype), dev)
+    _check_tensor("v_buffer", v_buffer, 3, (k_buffer.dtype,), dev)
     h, d = q.shape[1], q.shape[2]
     hkv = k_buffer.shape[1]
     if d != k_buffer.shape[2]:
@@ -82,8 +109,10 @@ def _check_index(name: str, t: torch.Tensor, n: int, device: torch.device) -> No
 
 
 def check_decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out,
-                 sliding_window, logit_softcap, sinks, max_splits, attention_chunk_size=None) -> None:
-    """All inputs of :func:`pipeline.backends.triton.launch.decode_attention`."""
+                 sliding_window, logit_softcap, sinks, max_splits, attention_chunk_size=None,
+                 k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> tuple[bool, bool]:
+    """All inputs of :func:`pipeline.backends.triton.launch.decode_attention`; returns whether each of
+    k_scale / v_scale is a tensor."""
     _check_heads(q, k_buffer, v_buffer)
     bsz, h = q.shape[:2]
     dv = v_buffer.shape[2]
@@ -97,17 +126,25 @@ def check_decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens
     _check_features(h, sliding_window, logit_softcap, sinks, dev, attention_chunk_size)
     if max_splits < 1:
         raise bad("max_splits", max_splits, ">= 1", "use decode_max_splits()")
+    return check_scale("k_scale", k_scale, dev), check_scale("v_scale", v_scale, dev)
 
 
 def check_extend(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens, out,
-                 sliding_window, logit_softcap, sinks, max_extend_len, attention_chunk_size=None) -> int:
-    """All inputs of :func:`pipeline.backends.triton.launch.extend_attention`; returns the batch size."""
+                 sliding_window, logit_softcap, sinks, max_extend_len, attention_chunk_size=None,
+                 k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> tuple[int, bool, bool]:
+    """All inputs of :func:`pipeline.backends.triton.launch.extend_attention`; returns the batch size and
+    whether each of k_scale / v_scale is a tensor. The new ``k``/``v`` are in the pool's stored format."""
     _check_heads(q, k_buffer, v_buffer)
     t, h, d = q.shape
     hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
     dev = q.device
-    _check_tensor("k", k, 3, (q.dtype,), dev)
-    _check_tensor("v", v, 3, (q.dtype,), dev)
+    stored = "quantise the new K/V as the pool stores them (or read them back from the pool)"
+    if isinstance(k, torch.Tensor) and k.dtype != k_buffer.dtype:
+        raise bad("k.dtype", str(k.dtype), f"{k_buffer.dtype} (the pool's stored format)", stored)
+    if isinstance(v, torch.Tensor) and v.dtype != k_buffer.dtype:
+        raise bad("v.dtype", str(v.dtype), f"{k_buffer.dtype} (the pool's stored format)", stored)
+    _check_tensor("k", k, 3, (k_buffer.dtype,), dev)
+    _check_tensor("v", v, 3, (k_buffer.dtype,), dev)
     if tuple(k.shape) != (t, hkv, d) or tuple(v.shape) != (t, hkv, dv):
         raise bad("k.shape/v.shape", (tuple(k.shape), tuple(v.shape)), f"[{t}, {hkv}, {d}] / [{t}, {hkv}, {dv}]",
                    "pass the step's new K/V, one row per new token")
@@ -122,4 +159,4 @@ def check_extend(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo
     _check_features(h, sliding_window, logit_softcap, sinks, dev, attention_chunk_size)
     if max_extend_len < 0:
         raise bad("max_extend_len", max_extend_len, ">= 0", "pass max(extend_seq_lens)")
-    return bsz
+    return bsz, check_scale("k_scale", k_scale, dev), check_scale("v_scale", v_scale, dev)

@@ -2,10 +2,15 @@
 
 Shapes (B requests, T new tokens, H q heads, Hkv kv heads, D qk dim, Dv v dim, S slots):
 
-- ``q``: [B or T, H, D]; ``k_buffer``/``v_buffer``: [S, Hkv, D] / [S, Hkv, Dv] (one layer of the
-  pool), same dtype as ``q`` (bf16 or fp16); ``req_to_token``: [max_reqs, max_context_len] int32;
-  ``req_pool_indices``: [B] int32/int64; ``seq_lens``: [B] int32/int64 (decode: tokens *after* this
-  step, the new one already in the pool); ``out``: [B or T, H, Dv] in q's dtype.
+- ``q``: [B or T, H, D] bf16 or fp16; ``k_buffer``/``v_buffer``: [S, Hkv, D] / [S, Hkv, Dv] (one layer
+  of the pool), both in ``q``'s dtype or both fp8 (``torch.float8_e4m3fn`` / ``float8_e5m2``: the stored
+  values, real = stored * ``k_scale`` / ``v_scale``, as the KV pool quantises them);
+  ``req_to_token``: [max_reqs, max_context_len] int32; ``req_pool_indices``: [B] int32/int64;
+  ``seq_lens``: [B] int32/int64 (decode: tokens *after* this step, the new one already in the pool);
+  ``out``: [B or T, H, Dv] in q's dtype.
+- ``k_scale`` / ``v_scale``: dequantisation scales, a Python float > 0 (default 1.0) or a one-element
+  float tensor on q's device (read in-kernel: a captured CUDA graph follows a changed value). They apply
+  to any KV dtype (1.0 for a bf16/fp16 cache leaves the result bit-identical to no scale).
 - Last dims must be contiguous (stride 1); other strides are free.
 
 Errors (checked in :mod:`.checks`): :class:`~pipeline.core.errors.CapabilityMismatch` for a dtype or head
@@ -22,12 +27,15 @@ from typing import Optional
 import torch
 import triton
 
-from pipeline.backends.triton.checks import MAX_HEAD_DIM, Q_DTYPES, bad, check_decode, check_extend
+from pipeline.backends.triton.checks import (FP8_KV_DTYPES, MAX_HEAD_DIM, Q_DTYPES, Scale, bad, check_decode,
+                                             check_extend)
 from pipeline.backends.triton.kernels import decode as kdec
 from pipeline.backends.triton.kernels import extend as kext
 
 __all__ = ["DecodeConfig", "ExtendConfig", "decode_attention", "extend_attention", "decode_max_splits",
-           "decode_scratch_numel", "default_decode_config", "default_extend_config", "MAX_HEAD_DIM", "Q_DTYPES"]
+           "extend_packs_gqa",
+           "decode_scratch_numel", "default_decode_config", "default_extend_config", "MAX_HEAD_DIM", "Q_DTYPES",
+           "FP8_KV_DTYPES"]
 
 
 @dataclass(frozen=True)
@@ -51,12 +59,20 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Tuning of the extend kernel: query rows and key tile per program, warps, pipeline depth."""
+    """Tuning of the extend kernel: query rows and key tile per program, warps, pipeline depth.
+
+    ``pack_gqa``: a program's ``block_m`` rows are (token, q head) pairs of one kv group (token-major; FlashInfer
+    packs GQA rows the same way) instead of ``block_m`` tokens of one q head. Same work and K/V traffic for
+    long extends, but a batch of short extends (chunked prefill: 64 new tokens under 128-row tiles) fills
+    its tiles instead of leaving half the MMA rows empty. None (default): packed when the group has more
+    than one head and ``max_extend_len < block_m`` (:func:`extend_packs_gqa`).
+    """
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    pack_gqa: Optional[bool] = None
 
 
 def _is_sm90(device: Optional[torch.device]) -> bool:
@@ -82,6 +98,14 @@ def default_extend_config(head_dim: int, device: Optional[torch.device] = None) 
     if _is_sm90(device):
         return ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+def extend_packs_gqa(cfg: ExtendConfig, group: int, max_extend_len: int) -> bool:
+    """Whether extend packs the GQA group's heads into a program's rows: ``cfg.pack_gqa`` when set, else
+    ``group > 1 and max_extend_len < cfg.block_m`` (unpacked tiles would be partly empty)."""
+    if cfg.pack_gqa is not None:
+        return bool(cfg.pack_gqa)
+    return group > 1 and max_extend_len < cfg.block_m
 
 
 def decode_max_splits(batch_size: int, num_kv_heads: int, num_sms: int, cfg: DecodeConfig) -> int:
@@ -114,7 +138,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      sm_scale: float, max_splits: int, scratch: Optional[torch.Tensor] = None,
                      sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
                      sinks: Optional[torch.Tensor] = None, config: Optional[DecodeConfig] = None,
-                     attention_chunk_size: Optional[int] = None) -> torch.Tensor:
+                     attention_chunk_size: Optional[int] = None, k_scale: Scale = 1.0,
+                     v_scale: Scale = 1.0) -> torch.Tensor:
     """Paged flash-decoding: one new query per request over its cached keys (itself included).
 
     ``q`` [B, H, D]; ``out`` [B, H, Dv] (written, returned). ``scratch``: fp32, at least
@@ -123,10 +148,15 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     Mirrors sglang's two-stage Triton decode (split-K + LSE merge) with FlashInfer's
     ``window_left``/``logits_soft_cap``/sinks semantics. ``attention_chunk_size`` (Llama-4 chunked
     local attention): the query sees only the keys of its own chunk, ``[(L-1)//C*C, L)``.
-    Raises the errors of the module docstring.
+    Only the visible keys are read: each request's split ranges start at its window / chunk start.
+    fp8 K/V (``k_scale``/``v_scale`` as in the module docstring) are read as stored (half the bytes of
+    bf16) and upcast in registers; the score scale is ``sm_scale * k_scale``, the output is multiplied
+    by ``v_scale`` (FlashInfer's ``run(k_scale=, v_scale=)`` semantics). Raises the errors of the
+    module docstring.
     """
-    check_decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out, sliding_window,
-                 logit_softcap, sinks, max_splits, attention_chunk_size)
+    ks_ptr, vs_ptr = check_decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out,
+                                  sliding_window, logit_softcap, sinks, max_splits, attention_chunk_size,
+                                  k_scale, v_scale)
     bsz, h, d = q.shape
     hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
     dev = q.device
@@ -147,12 +177,14 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                   USE_CHUNK=attention_chunk_size is not None)
     kdec.decode_split_kernel[(bsz, hkv, max_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, o_part, lse,
-        float(sm_scale), float(logit_softcap or 1.0), win, chunk, h // hkv, max_splits,
+        k_scale if ks_ptr else lse, v_scale if vs_ptr else lse,
+        float(sm_scale), 1.0 if ks_ptr else float(k_scale), 1.0 if vs_ptr else float(v_scale),
+        float(logit_softcap or 1.0), win, chunk, h // hkv, max_splits,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         D=d, DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), G_PAD=max(16, _pow2(h // hkv)),
-        USE_SOFTCAP=logit_softcap is not None, UPCAST=_interpreting(), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **common)
+        USE_SOFTCAP=logit_softcap is not None, UPCAST=_interpreting(), K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
     kdec.decode_merge_kernel[(bsz, h)](
         o_part, lse, seq_lens, sinks if sinks is not None else lse, out, win, chunk, max_splits,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
@@ -167,35 +199,45 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
                      max_extend_len: int, sm_scale: float, sliding_window: Optional[int] = None,
                      logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                      config: Optional[ExtendConfig] = None,
-                     attention_chunk_size: Optional[int] = None) -> torch.Tensor:
+                     attention_chunk_size: Optional[int] = None, k_scale: Scale = 1.0,
+                     v_scale: Scale = 1.0) -> torch.Tensor:
     """Extend attention over a paged prefix plus the step's own tokens (causal), ragged batch.
 
-    ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] / [T, Hkv, Dv]: the new tokens, request after request;
+    ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] / [T, Hkv, Dv]: the new tokens, request after request,
+    in the pool's stored format (its dtype; for fp8 the quantised values, which the same ``k_scale`` /
+    ``v_scale`` dequantise — so the result is attention over what the pool holds);
     ``qo_indptr`` [B+1] int32/int64 (request b owns rows ``qo_indptr[b]:qo_indptr[b+1]``);
     ``prefix_lens`` [B] cached tokens per request (read from the pool through ``req_to_token``);
     ``max_extend_len``: the largest new-token count (a host int: it sizes the grid).
     ``out`` [T, H, Dv] is written and returned. Mirrors sglang's Triton ``extend_attention_fwd``.
     ``attention_chunk_size``: chunked local attention (key at position p visible from the query at
-    position i iff ``p // C == i // C``), None = off.
+    position i iff ``p // C == i // C``), None = off. With a window or chunk, key tiles wholly before the
+    first visible key of a block of queries are never read.
     """
-    bsz = check_extend(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens, out,
-                       sliding_window, logit_softcap, sinks, max_extend_len, attention_chunk_size)
+    bsz, ks_ptr, vs_ptr = check_extend(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr,
+                                       prefix_lens, out, sliding_window, logit_softcap, sinks, max_extend_len,
+                                       attention_chunk_size, k_scale, v_scale)
     t, h, d = q.shape
     hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
     if bsz == 0 or max_extend_len == 0 or t == 0:
         return out
     cfg = config or default_extend_config(d, q.device)
-    grid = (h, triton.cdiv(max_extend_len, cfg.block_m), bsz)
+    pack = extend_packs_gqa(cfg, h // hkv, max_extend_len)
+    if pack:
+        grid = (hkv, triton.cdiv(max_extend_len * (h // hkv), cfg.block_m), bsz)
+    else:
+        grid = (h, triton.cdiv(max_extend_len, cfg.block_m), bsz)
     kext.extend_kernel[grid](
         q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens,
-        sinks if sinks is not None else q, out,
-        float(sm_scale), float(logit_softcap or 1.0), int(sliding_window or 0), int(attention_chunk_size or 1),
+        sinks if sinks is not None else q, out, k_scale if ks_ptr else out, v_scale if vs_ptr else out,
+        float(sm_scale), 1.0 if ks_ptr else float(k_scale), 1.0 if vs_ptr else float(v_scale),
+        float(logit_softcap or 1.0), int(sliding_window or 0), int(attention_chunk_size or 1),
         h // hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1),
         D=d, DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=logit_softcap is not None, HAS_SINKS=sinks is not None,
-        UPCAST=_interpreting(), USE_CHUNK=attention_chunk_size is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        UPCAST=_interpreting(), USE_CHUNK=attention_chunk_size is not None, K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
+        PACK_GQA=pack, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -79,6 +79,7 @@ class MLADecodeConfig:
     lazy_rescale: bool = True
     partial_bf16: bool = False
     merge_block_h: int = 1
+    prefetch: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,16 +96,19 @@ class MLAExtendConfig:
 
 # Default decode configs by head count (the smallest key >= H; the largest key above that), per arch
 # class. sm90: 227 KB of shared memory per block; "other" tiles fit 99 KB (sm86/89; sm80 has 163 KB).
-# Registers / shared memory / spills of each were read from an offline sm90 (and sm80/89) compile; the
-# speed is not measured yet. Rationale: benchmarks/NOTES.md, "MLA decode".
+# Registers / shared memory / spills of each were read from an offline sm90 (and sm80/89) compile.
+# Rationale and the H200 measurements: benchmarks/NOTES.md, "MLA decode".
 MLA_DECODE_CONFIGS: dict[str, dict[int, MLADecodeConfig]] = {
     "sm90": {
         # 16 heads (DeepSeek-V2-Lite, or V3 at TP 8): memory-bound; mma.sync tiles of 16 rows, 180
         # registers x 4 warps and 56 KB: two programs per SM.
         16: MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, split_min=128, programs_per_sm=2),
         # More heads: 64 heads per program on wgmma (two warp groups split the 512 output dims, 128 fp32
-        # accumulator registers each), 32-row latent tiles double-buffered: 148 KB, one program per SM.
-        128: MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128, programs_per_sm=1),
+        # accumulator registers each), 64-row latent tiles double-buffered with the req_to_token indices
+        # copied a stage ahead (3 stages: 225 KB, no spill), eager rescale (the lazy one's block-wide vote
+        # cost more than the multiplies on the H200: 0.280 vs 0.237x at 32-key tiles), 64-key splits.
+        128: MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, split_min=64, programs_per_sm=1,
+                             lazy_rescale=False),
     },
     "other": {
         16: MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, split_min=128, programs_per_sm=2),
@@ -116,22 +120,22 @@ MLA_EXTEND_CONFIGS: dict[str, MLAExtendConfig] = {
     "other": MLAExtendConfig(block_m=32, block_n=16, num_warps=8, num_stages=2),
 }
 
-# Candidates ``benchmarks/mla_decode.py --sweep`` times at 128 heads (name, config); one GPU run picks.
-# All compile for sm90 without register spills (offline check, benchmarks/NOTES.md) except where noted.
+
+def _sweep_cfg(**kw) -> MLADecodeConfig:
+    base = dict(block_h=64, block_n=64, num_warps=8, num_stages=3, split_min=64, lazy_rescale=False)
+    return MLADecodeConfig(**{**base, **kw})
+
+
+# Candidates ``benchmarks/mla_decode.py --sweep`` times at 128 heads (name, config); one GPU run picks. Offline
+# sm90 compile (Triton 3.9): shared memory / registers / spill bytes in the comments.
 SWEEP_DECODE: list[tuple[str, MLADecodeConfig]] = [
-    ("h64n32w8s3", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, split_min=128)),
-    ("h64n64w8s2", MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, split_min=128)),  # 224 KB
-    ("h64n16w8s4", MLADecodeConfig(block_h=64, block_n=16, num_warps=8, num_stages=4, split_min=128)),
-    ("h64n32w8s2-eager-rescale", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128,
-                                                 lazy_rescale=False)),
-    ("h64n32w8s2-chained", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128,
-                                           detach=False)),                                     # spills
-    ("h64n32w8s2-pps2", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128,
-                                        programs_per_sm=2)),
-    ("h64n32w8s2-sm64", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=64)),
-    ("h64n32w8s2-sm256", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=256)),
-    ("h64n32w8s2-bf16part", MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, split_min=128,
-                                            partial_bf16=True)),
+    ("h64n64w8s3-pf", _sweep_cfg(prefetch=True)),                                          # 225 KB, 255, 16
+    ("h64n64w8s2-pf", _sweep_cfg(num_stages=2, prefetch=True)),                            # 224 KB, 255, 24
+    ("h64n32w8s3-pf", _sweep_cfg(block_n=32, prefetch=True)),                              # 148 KB, 240, 0
+    ("h64n64w8s3-pf-sm128", _sweep_cfg(prefetch=True, split_min=128)),
+    ("h64n64w8s3-pf-bf16part", _sweep_cfg(prefetch=True, partial_bf16=True)),
+    # the best of the first H200 sweep (0.33x at B=64 ctx 4096), for comparison within this run
+    ("h64n64w8s2-run1", MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, split_min=128)),
 ]
 
 
@@ -192,6 +196,13 @@ def mla_decode_max_splits(batch_size: int, num_heads: int, num_sms: int, cfg: ML
 def mla_decode_scratch_numel(batch_size: int, num_heads: int, v_head_dim: int, max_splits: int) -> int:
     """fp32 elements of decode scratch: partials [B, H, S, Dv] then LSEs [B, H, S]; 0 when ``max_splits == 1``."""
     return 0 if max_splits == 1 else batch_size * num_heads * max_splits * (v_head_dim + 1)
+
+
+def prefetch_constexprs(cfg: MLADecodeConfig, row_elems: int, elem_bytes: int) -> dict:
+    """The decode kernel's L2-prefetch constexprs for a cache row of ``row_elems`` elements: PREFETCH, the
+    128-byte lines per row (ROW_LINES, padded to a power of two in LINES_PAD) and elements per line."""
+    lines = -(-row_elems * elem_bytes // 128)
+    return dict(PREFETCH=bool(cfg.prefetch), ROW_LINES=lines, LINES_PAD=_pow2(lines), LINE_ELEMS=128 // elem_bytes)
 
 
 def _interpreting() -> bool:
@@ -309,6 +320,7 @@ def mla_decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token:
         out.stride(0), out.stride(1),
         DL=dv, DR=dr, BLOCK_L=_pow2(dv), BLOCK_R=_pow2(dr), BLOCK_H=cfg.block_h, DIRECT=direct,
         DETACH=bool(cfg.detach), LAZY=bool(cfg.lazy_rescale), UPCAST=_interpreting(),
+        **prefetch_constexprs(cfg, kv_buffer.shape[2], kv_buffer.element_size()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
     if not direct:
         kmla.mla_decode_merge_kernel[(bsz, triton.cdiv(h, cfg.merge_block_h))](

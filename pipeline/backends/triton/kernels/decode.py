@@ -14,6 +14,15 @@ weights and the optional attention-sink term, and writes the output in the model
 one range per ``SPLIT_MIN`` keys at least), so the grid depends only on the batch size: a CUDA
 graph captured at batch size B replays correctly for any new lengths.
 
+fp8 KV (``float8_e4m3fn`` / ``float8_e5m2`` buffers, q bf16/fp16): tiles are loaded as stored (one byte per
+element: half the bytes of a 16-bit cache) and upcast to q's dtype in registers (exact: both fp8 formats
+embed in bf16 and fp16), the dots accumulate in fp32, ``k_scale`` is folded into the softmax scale and
+``v_scale`` multiplies the normalised output — the scale semantics of FlashInfer's ``run(k_scale=,
+v_scale=)`` (``sm_scale *= k_scale``, ``out *= v_scale``), with real = stored * scale as the KV pool
+writes. Scales come as fp32 values or, with ``K_SCALE_PTR`` / ``V_SCALE_PTR``, as one-element device
+tensors read in-kernel (vLLM's Triton kernels load theirs the same way), so a CUDA graph follows a
+changed scale without re-capture.
+
 Scores are kept in the log2 domain (``exp2``) with ``sm_scale * log2(e)`` folded in; the logit
 softcap (``cap * tanh(s / cap)``) is applied to the natural-unit score first, as FlashInfer and
 sglang do. Sliding window: key ``j`` is visible from query position ``i`` when ``i - j < window``.
@@ -52,6 +61,14 @@ def _softcap(s, cap):
 
 
 @triton.jit
+def _scale(ptr, value, FROM_PTR: tl.constexpr):
+    """A dequantisation scale: ``value`` (fp32 argument) or, with FROM_PTR, the fp32 at ``ptr``."""
+    if FROM_PTR:
+        return tl.load(ptr).to(tl.float32)
+    return value
+
+
+@triton.jit
 def _dot(a, b, UPCAST: tl.constexpr):
     """tl.dot; with UPCAST the operands go to fp32 first (Triton's CPU interpreter mis-multiplies bf16)."""
     if UPCAST:
@@ -61,15 +78,20 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, ReqToToken, ReqIdx, SeqLens, OPart, LsePart,
-    sm_scale, softcap, window, chunk, G, max_splits,
+    Q, K, V, ReqToToken, ReqIdx, SeqLens, OPart, LsePart, KScale, VScale,
+    sm_scale, k_scale, v_scale, softcap, window, chunk, G, max_splits,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, USE_CHUNK: tl.constexpr,
+    K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
 ):
-    """Stage 1: partial attention of one (request, kv head, key range) for its G query heads."""
+    """Stage 1: partial attention of one (request, kv head, key range) for its G query heads.
+
+    K/V tiles are read in the pool's dtype (q's, or fp8) and upcast to q's dtype before the dots;
+    the stored scores are scaled by ``sm_scale * k_scale`` and the partial output by ``v_scale``.
+    """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -90,7 +112,8 @@ def decode_split_kernel(
     heads = kvh * G + offs_g
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & (offs_d[None, :] < D), other=0.0)
-    qk_scale = sm_scale * 1.4426950408889634
+    score_scale = sm_scale * _scale(KScale, k_scale, K_SCALE_PTR)   # real score = stored q.k * k_scale
+    qk_scale = score_scale * 1.4426950408889634
 
     m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -101,10 +124,10 @@ def decode_split_kernel(
         n_mask = pos < hi
         slot = tl.load(r2t + pos, mask=n_mask, other=0).to(tl.int64)
         k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0)
+                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0).to(q.dtype)
         qk = _dot(q, tl.trans(k), UPCAST)
         if USE_SOFTCAP:
-            qk = _softcap(qk * sm_scale, softcap) * 1.4426950408889634
+            qk = _softcap(qk * score_scale, softcap) * 1.4426950408889634
         else:
             qk = qk * qk_scale
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
@@ -113,14 +136,14 @@ def decode_split_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
-                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0).to(q.dtype)
         # p = hi + lo in v's dtype: two MMAs keep P's 16-bit rounding out of the result (free when memory-bound).
         p_hi = p.to(v.dtype)
         p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
         acc = acc * alpha[:, None] + _dot(p_hi, v, UPCAST) + _dot(p_lo, v, UPCAST)
         m_i = m_new
 
-    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    out = acc / tl.maximum(l_i, 1e-30)[:, None] * _scale(VScale, v_scale, V_SCALE_PTR)
     lse = m_i + tl.log2(l_i)
     o_ptr = OPart + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_dv[None, :]
     tl.store(o_ptr, out, mask=g_mask[:, None] & (offs_dv[None, :] < DV))

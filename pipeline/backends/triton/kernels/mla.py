@@ -131,6 +131,20 @@ def _mla_tile(acc, m_i, l_i, q_lat, q_rope, KV, slot, n_mask, vis, stride_kt, qk
 
 
 @triton.jit
+def _prefetch_l2(KV, slot, valid, stride_kt, ROW_LINES: tl.constexpr, LINES_PAD: tl.constexpr,
+                 LINE_ELEMS: tl.constexpr, ENABLED: tl.constexpr):
+    """Ask L2 for the cache rows ``slot`` [BLOCK_N] (where ``valid``): one ``prefetch.global.L2`` per 128-byte
+    line of each row (``ROW_LINES`` lines, padded to ``LINES_PAD``). Fire and forget: nothing waits on it.
+    Off under the interpreter (ENABLED false), where PTX cannot run."""
+    if ENABLED:
+        lines = tl.arange(0, LINES_PAD)[None, :]
+        want = (valid[:, None] & (lines < ROW_LINES)).to(tl.int32)
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [(KV + slot[:, None] * stride_kt + lines * LINE_ELEMS).to(tl.int64), want],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def mla_decode_split_kernel(
     Q, KV, ReqToToken, ReqIdx, SeqLens, OPart, LsePart, Out,
     sm_scale, H, max_splits,
@@ -138,9 +152,17 @@ def mla_decode_split_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
     DL: tl.constexpr, DR: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr, DIRECT: tl.constexpr,
-    DETACH: tl.constexpr, LAZY: tl.constexpr, UPCAST: tl.constexpr,
+    DETACH: tl.constexpr, LAZY: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
+    ROW_LINES: tl.constexpr, LINES_PAD: tl.constexpr, LINE_ELEMS: tl.constexpr,
 ):
-    """Stage 1: one (head block, key range, request): partial attention of BLOCK_H heads."""
+    """Stage 1: one (head block, key range, request): partial attention of BLOCK_H heads.
+
+    With ``PREFETCH`` each iteration loads the slots of the tile two ahead first and, after the tile's math,
+    asks L2 for those rows (``prefetch.global.L2``): Triton's pipeline copies tile i+1 into shared memory
+    only after issuing tile i's P @ lat, so that copy waits on HBM latency plus the tile's share of
+    bandwidth unless the rows are already in L2 (72 KB per 64-key tile; the H200 run's 415 us for h64n64w8s2
+    at B=64 ctx 4096 is ~11 k cycles per tile, benchmarks/NOTES.md). Results are identical with or without it.
+    """
     hb = tl.program_id(0)
     s = tl.program_id(1)
     b = tl.program_id(2)
@@ -166,12 +188,22 @@ def mla_decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
     r2t = ReqToToken + req * stride_r2t
+    if PREFETCH:   # the rows of the second tile (the first is copied at once)
+        pf_n = tl.arange(0, BLOCK_N)
+        pf_pos = lo + BLOCK_N + pf_n
+        _prefetch_l2(KV, tl.load(r2t + pf_pos, mask=pf_pos < hi, other=0).to(tl.int64), pf_pos < hi, stride_kt,
+                     ROW_LINES, LINES_PAD, LINE_ELEMS, not UPCAST)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         n_mask = pos < hi
+        if PREFETCH:   # indices of the tile two ahead, loaded now, used for its L2 prefetch at the end
+            pf_pos = start + 2 * BLOCK_N + pf_n
+            pf_slot = tl.load(r2t + pf_pos, mask=pf_pos < hi, other=0).to(tl.int64)
         slot = tl.load(r2t + pos, mask=n_mask, other=0).to(tl.int64)
         acc, m_i, l_i = _mla_tile(acc, m_i, l_i, q_lat, q_rope, KV, slot, n_mask, n_mask[None, :], stride_kt,
                                   qk_scale, DL, DR, BLOCK_L, BLOCK_R, DETACH, LAZY, UPCAST)
+        if PREFETCH:
+            _prefetch_l2(KV, pf_slot, pf_pos < hi, stride_kt, ROW_LINES, LINES_PAD, LINE_ELEMS, not UPCAST)
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     o_mask = h_mask[:, None] & (offs_l[None, :] < DL)
