@@ -12,22 +12,6 @@ from pipeline.core.contracts import BuildPlan, DtypeChoice, ErrorInfo, Resolutio
 from pipeline.core.model_spec import format_layer_ids
 
 
-def states_from(records: Iterable[ev.Event]) -> list[dict[str, Any]]:
-    """``[{state, outcome, duration_ms}]`` in order, from the transition and skip records."""
-    out: list[dict[str, Any]] = []
-    skipped = {r.state for r in records if isinstance(r, ev.StepSkipped) and r.what == "npu_lazy_mem"}
-    last = None
-    for r in records:
-        if isinstance(r, ev.StateTransition):
-            failed = r.to == "failed"
-            outcome = "failed" if failed else ("skipped" if r.from_state in skipped else "ok")
-            out.append({"state": r.from_state, "outcome": outcome, "duration_ms": round(r.duration_ms, 3)})
-            last = r.to
-    if last in ("done", "failed"):
-        out.append({"state": last, "outcome": "ok" if last == "done" else "failed", "duration_ms": 0.0})
-    return out
-
-
 def _resolved(prefill: str, decode: str, is_draft_override: bool, rules: Any, dtype: Any,
               not_attention: Any) -> dict[str, Any]:
     return {"prefill": prefill, "decode": decode, "is_draft_override": is_draft_override, "rules": dict(rules),

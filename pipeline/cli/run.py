@@ -22,6 +22,7 @@ from pipeline.core import events as ev
 from pipeline.cli import report as rp
 from pipeline.core.contracts import ErrorInfo, ModelSpec, SetupRequest
 from pipeline.cli.request import is_gpu_device, request_from
+from pipeline.observe.runview import outcomes, verification_failure
 from pipeline.core.errors import (
     EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from,
 )
@@ -130,20 +131,6 @@ def runner_config(ns: argparse.Namespace, request: SetupRequest) -> Any:
                         min_token_slots_for=f"the verification batches with --decode-steps {steps}")
 
 
-def runner_states(records: Any) -> list[dict[str, Any]]:
-    """``[{state, outcome, duration_ms}]`` of the runner's outer machine, from its transition records."""
-    skipped = {r.state for r in records if isinstance(r, ev.StepSkipped) and r.what == "cuda_graph_capture"}
-    out, last = [], None
-    for r in records:
-        if isinstance(r, ev.RunnerTransition):
-            outcome = "failed" if r.to == "failed" else ("skipped" if r.from_state in skipped else "ok")
-            out.append({"state": r.from_state, "outcome": outcome, "duration_ms": round(r.duration_ms, 3)})
-            last = r.to
-    if last in ("ready", "failed"):
-        out.append({"state": last, "outcome": "ok" if last == "ready" else "failed", "duration_ms": 0.0})
-    return out
-
-
 def _model_steps(runner: Any, log: Any, decode_steps: int) -> list[dict[str, Any]]:
     from pipeline.runtime.model_steps import verify_model_steps
 
@@ -235,10 +222,8 @@ def cmd(ns: argparse.Namespace) -> int:
         runner.initialize()
         verified = _verify(runner.backends, runner.request, log, ns.decode_steps, runner.pools)
         steps = _model_steps(runner, log, ns.decode_steps)
-        bad = [v["role"] for v in verified if not v["passed"]] + [f"model:{s['step']}" for s in steps if not s["passed"]]
-        if bad:
-            error = ErrorInfo(code="verification_failed", state="done", message=f"failed verification: {', '.join(bad)}",
-                              remedy="the backend computes wrong attention for this model; report it with the log")
+        error = verification_failure(log.records)
+        if error is not None:
             code = EXIT_FAILED
             log.emit(ev.RunFailed, state=log.current_state, outcome="failed", error=error)
     except AttnSetupError as e:
@@ -286,12 +271,12 @@ def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_f
     from pipeline.cli.wording import cli_error
 
     return {
-        "ok": code == EXIT_OK, "run_id": run_id, "states": rp.states_from(log.records),
+        "ok": code == EXIT_OK, "run_id": run_id, "states": outcomes(log.records, "setup"),
         "resolved": rp.resolved_from(log.records), "plan": rp.plan_from(log.records),
         "skips": rp.skips_from(log.records), "warnings": rp.warnings_from(log.records), "verified": verified,
         "log_file": os.path.abspath(log_file),
         "error": None if error is None else msgspec.to_builtins(cli_error(error)),
-        "runner_states": runner_states(log.records), "model_steps": steps,
+        "runner_states": outcomes(log.records, "runner"), "model_steps": steps,
     }
 
 

@@ -38,44 +38,23 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import IO, Any, Callable, Iterator, Optional, Sequence, Union
 
 import msgspec
 
 from pipeline.core import events as ev
 from pipeline.core.contracts import SCHEMA_VERSION, ErrorInfo
 from pipeline.core.errors import UsageError
+from pipeline.observe.runview import timeline, verification_failure
 
 UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 _BY_TAG = {ev.event_name(c): c for c in ev.EVENT_TYPES}
-# step_skipped ``what`` values that mean a whole state did no work (npu-lazy-mem, capture-cuda-graphs)
-STEP_SKIPS = ("npu_lazy_mem", "cuda_graph_capture")
 _BY_CLASS = frozenset(c for c in ev.EVENT_TYPES if not c.__subclasses__())  # exact types: indexable
-TERMINAL = ("done", "failed")
 MAX_LINE_BYTES = 4 << 20   # a run_started line of a 4096-layer model with a draft model is ~0.2 MB
 MAX_DEPTH = ev.MAX_DEPTH   # our records nest 6 deep; the writer never writes deeper than this
 SKIP_DETAILS = 100         # skipped lines listed with file:line (all are counted)
-_NS_LIMIT = 1 << 62
-
-
-def ms_to_ns(ms: float) -> int:
-    """Milliseconds → integer ns, saturating: NaN → 0, ±inf and absurd values clamp to ±2**62 ns.
-
-    Recorded durations come from files that may hold anything (``1e308``, ``"NaN"``); a timeline
-    must still be drawable from them.
-    """
-    if ms != ms:
-        return 0
-    ns = ms * 1e6
-    return int(max(-_NS_LIMIT, min(_NS_LIMIT, ns))) if math.isfinite(ns) else (_NS_LIMIT if ns > 0 else -_NS_LIMIT)
-
-
-def s_to_ns(sec: float) -> int:
-    """Seconds → integer ns, saturating like :func:`ms_to_ns`."""
-    return ms_to_ns(sec * 1e3) if sec == sec else 0
 
 
 @dataclass
@@ -237,20 +216,9 @@ class Run:
         ends = [r for r in (self.first(ev.RunFailed), self.first(ev.RunInterrupted)) if r is not None]
         if ends:
             return min(ends, key=lambda r: (r.ts_ns, self.records.index(r))).error
-        bad = [r for r in self.all(ev.InstanceVerified) if not r.passed]
-        if bad:
-            return ErrorInfo(code="verification_failed", state="done",
-                             message="instances failed verification against the float64 reference: "
-                                     + ", ".join(f"{r.role} ({r.backend}: {r.max_rel_err:.2e} > {r.tol:.0e})"
-                                                 for r in bad),
-                             remedy="the backend computes wrong attention for this model; report it with the log")
-        steps = [r for r in self.all(ev.ModelStepVerified) if not r.passed]
-        if steps:
-            return ErrorInfo(code="verification_failed", state="ready",
-                             message="model steps failed verification against the float64 reference: "
-                                     + ", ".join(f"{r.step} ({'graph' if r.graph else 'eager'}: {r.max_rel_err:.2e} > "
-                                                 f"{r.tol:.0e})" for r in steps),
-                             remedy="the backend computes wrong attention for this model; report it with the log")
+        verification = verification_failure(self.records)
+        if verification is not None:
+            return verification
         fin = self.first(ev.CommandFinished)
         if fin is not None and fin.exit_code != 0:
             return ErrorInfo(code="command_failed", state=self.last_state,
@@ -330,7 +298,7 @@ class Run:
             return []
         first = self.started or next((r for r in self.records if not isinstance(r, ev.CommandStarted)),
                                      self.records[0])
-        return self._timeline(ev.StateTransition, first, TERMINAL)
+        return timeline(self.records, "setup", first, self.status == "failed")
 
     def runner_states(self) -> list[dict[str, Any]]:
         """The same rows for the runner's outer machine (``attn-setup run``; empty for a bare setup run).
@@ -340,31 +308,7 @@ class Run:
         first = self.first(ev.RunnerStarted)
         if first is None:
             return []
-        return self._timeline(ev.RunnerTransition, first, ("ready", "failed"))
-
-    def _timeline(self, cls: type, first: ev.Event, terminal: tuple[str, str]) -> list[dict[str, Any]]:
-        """Rows from the ``cls`` transitions after ``first``; ``terminal`` = (success state, failed state)."""
-        # a state whose own step was skipped (state names of the two machines do not overlap); other
-        # step_skipped records (cuda_graph in resolve, rank_agreement) are decisions inside a state that ran
-        skipped = {r.state for r in self.all(ev.StepSkipped) if r.what in STEP_SKIPS}
-        start, cur = first.ts_ns, first.state
-        rows: list[dict[str, Any]] = []
-        for t in self.all(cls):
-            outcome = "failed" if t.to == "failed" else ("skipped" if t.from_state in skipped else "ok")
-            # the state began duration_ms before it was left (its own clock, which also covers setup
-            # done before the first record was written)
-            begin = min(start, t.ts_ns - ms_to_ns(t.duration_ms))
-            rows.append({"state": t.from_state, "start_ns": begin, "duration_ms": t.duration_ms, "outcome": outcome})
-            start, cur = t.ts_ns, t.to
-        if cur in terminal:
-            rows.append({"state": cur, "start_ns": start, "duration_ms": 0.0,
-                         "outcome": "ok" if cur == terminal[0] else "failed"})
-        else:
-            end = self.records[-1].ts_ns
-            failed = self.status == "failed"
-            rows.append({"state": cur, "start_ns": start, "duration_ms": max(0, end - start) / 1e6,
-                         "outcome": "failed" if failed else "incomplete"})
-        return rows
+        return timeline(self.records, "runner", first, self.status == "failed")
 
 
 @dataclass
