@@ -236,7 +236,7 @@ def test_mla_sweep_candidates_are_correct(b):
     h, dtype = 128, torch.bfloat16
     lens = _ragged(b, 6000, seed=b, min_len=1)
     # req_to_token rows a multiple of 16 long: the kernels specialise as in the benchmark, whose variants
-    # benchmarks/gpu_p4k_check.sh compiles in parallel processes while this runs
+    # benchmarks/gpu_check.sh's triton part compiles in parallel processes while this runs
     rp, kv, alloc, rows = _setup(lens, 16, dtype, seed=b, extra=-(max(lens) + 1) % 16)
     r2t = rp.req_to_token
     q = torch.randn(b, h, D, dtype=dtype, device=DEV)

@@ -1,0 +1,104 @@
+#!/bin/bash
+# The one GPU check: named parts, each one device call inside the 10-minute limit (see benchmarks/README.md).
+# On the GPU machine, from the repository root, with .whl carried:
+#   source .whl/prelude.sh; bash benchmarks/gpu_check.sh PART "$OUT"
+# PART:
+#   tests      every GPU-marked test except the Triton kernel files (tests/gpu/, the capability records' GPU claims,
+#              kv_indices on CUDA)                                              -> $OUT/tests.log
+#   kernels    the Triton kernel GPU tests (tests/gpu/test_triton_gpu.py, test_triton_mla_gpu.py)  -> kernels.log
+#   runs       `attn-setup run --device cuda` per backend and mode (flashinfer with graphs, auto, fa3, triton, TBO,
+#              PD-mux, fa3+triton hybrid, Gemma-2, gpt-oss, DeepSeek-V2-Lite/V3 MLA, fp8 KV) -> one line each
+#              (ok, resolved pair, verification errors), traces in $OUT/traces/
+#   bundled    benchmarks/gpu_bundled_configs.py: every bundled config with the default choice -> $OUT/bundled/
+#   bench      CUDA-graph decode per backend, startup, wrapper overhead                -> bench_*.json / *.log
+#   triton     benchmarks/triton_kernels.py --sweep and benchmarks/mla_decode.py --sweep (FlashInfer modules warmed and
+#              our variants precompiled in parallel first)                              -> triton_kernels.*, mla_*
+#   mla-fp8    benchmarks/flashinfer_mla_fp8.py (FlashInfer MLA and fp8-KV decode tables) -> flashinfer_mla_fp8.*
+#   save-aot   pack the compiled FlashInfer JIT modules into $OUT/fi-aot.txz.part-* (carry them back into .whl/)
+# Every part first restores the carried FlashInfer AOT modules (.whl/fi-aot.tgz.part-* or .whl/fi-aot.txz.part-*)
+# so nothing is JIT-compiled that was compiled before; every step has a hard timeout. $OUT/summary.txt collects the
+# lines that say pass/fail and the tables.
+PART=${1:?usage: gpu_check.sh tests|kernels|runs|bundled|bench|triton|mla-fp8|save-aot OUTDIR}
+OUT=${2:?usage: gpu_check.sh PART OUTDIR}
+case $PART in tests|kernels|runs|bundled|bench|triton|mla-fp8|save-aot) ;;
+  *) echo "unknown part '$PART' (tests|kernels|runs|bundled|bench|triton|mla-fp8|save-aot)" >&2; exit 2 ;; esac
+mkdir -p "$OUT"; S=$OUT/summary.txt; T0=$(date +%s)
+el(){ echo "$(( $(date +%s) - T0 )) s"; }
+note(){ echo "$*" | tee -a "$S"; }
+AOT=/tmp/site/flashinfer/data/aot; mkdir -p $AOT
+if ls .whl/fi-aot.tgz.part-* >/dev/null 2>&1; then cat .whl/fi-aot.tgz.part-* | tar -xz -C $AOT; fi
+if ls .whl/fi-aot.txz.part-* >/dev/null 2>&1; then cat .whl/fi-aot.txz.part-* | xz -d -T0 | tar -x -C $AOT; fi
+note "part $PART; flashinfer AOT modules restored: $(ls $AOT | wc -l)"
+
+pytest_part(){ name=$1; shift
+  timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=10 "$@" > "$OUT/$name.log" 2>&1
+  note "pytest $name rc=$? at $(el)"; tail -n 30 "$OUT/$name.log" >> "$S"; }
+
+show(){ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d.get('resolved') or {}; print(d['ok'], \
+r.get('prefill'), r.get('decode'), [(v['role'], round(v['max_rel_err'], 5), v['passed']) for v in d.get('verified', [])], \
+[(s['step'], s['graph'], round(s['max_rel_err'], 4)) for s in d.get('model_steps', [])][:6], \
+d.get('error') and d['error']['message'][:300])" "$1" 2>&1; }
+run(){ name=$1; shift; mkdir -p "$OUT/traces"
+  timeout 75 python3 -m pipeline.cli run --device cuda --json --log-file "$OUT/traces/$name.jsonl" "$@" \
+    > "$OUT/$name.json" 2> "$OUT/$name.err"
+  note "run $name rc=$? at $(el): $(show "$OUT/$name.json")"; }
+
+C=examples/configs
+case $PART in
+  tests)
+    pytest_part tests tests/gpu tests/test_capabilities.py tests/test_kv_indices.py \
+      --ignore=tests/gpu/test_triton_gpu.py --ignore=tests/gpu/test_triton_mla_gpu.py ;;
+  kernels)
+    pytest_part kernels tests/gpu/test_triton_gpu.py tests/gpu/test_triton_mla_gpu.py ;;
+  runs)
+    run h200_flashinfer --attention-backend flashinfer --page-size 16 --num-layers 4 --cuda-graph-bs 1 2 4 8
+    run h200_auto --page-size 16
+    run h200_fa3 --attention-backend fa3 --page-size 16 --cuda-graph-bs 1 4
+    run h200_triton --attention-backend triton --page-size 16 --cuda-graph-bs 1 4
+    run h200_tbo --attention-backend flashinfer --enable-two-batch-overlap --page-size 16
+    run h200_pdmux4 --attention-backend flashinfer --enable-pdmux --sm-group-num 4 --page-size 16
+    run h200_hybrid --prefill-attention-backend fa3 --decode-attention-backend triton --page-size 16 --cuda-graph-bs 1 4
+    run h200_gemma2_fi --attention-backend flashinfer --model $C/gemma-2-9b.json --dtype bfloat16 --page-size 16
+    run h200_gptoss --model $C/gpt-oss-20b.json --page-size 16
+    run h200_dsv2lite --model $C/deepseek-v2-lite.json
+    run h200_dsv3 --model $C/deepseek-v3.json --num-layers 2
+    run h200_fp8_e4m3 --kv-cache-dtype fp8_e4m3 --page-size 16 ;;
+  bundled)
+    timeout 560 python3 benchmarks/gpu_bundled_configs.py --out "$OUT/bundled" --timeout 150 > "$OUT/bundled.log" 2>&1
+    note "gpu_bundled_configs rc=$? at $(el)"; grep -v '^done ' "$OUT/bundled.log" >> "$S" ;;
+  bench)
+    for b in flashinfer triton; do
+      timeout 100 python3 benchmarks/cuda_graph_decode.py --backend $b --json "$OUT/bench_graph_$b.json" \
+        > "$OUT/bench_graph_$b.log" 2>&1
+      note "cuda_graph_decode $b rc=$? at $(el)"; tail -n 8 "$OUT/bench_graph_$b.log" >> "$S"
+    done
+    timeout 120 python3 benchmarks/startup.py --backend flashinfer --runs 3 > "$OUT/startup.log" 2>&1
+    note "startup rc=$? at $(el)"; tail -n 8 "$OUT/startup.log" >> "$S"
+    timeout 200 python3 benchmarks/wrapper_overhead.py --out "$OUT/wrapper" > "$OUT/wrapper_overhead.log" 2>&1
+    note "wrapper_overhead rc=$? at $(el)"; tail -n 20 "$OUT/wrapper_overhead.log" >> "$S" ;;
+  triton)
+    mkdir -p "$OUT/fi_ok"
+    for w in $(python3 benchmarks/triton_kernels.py --warm list); do
+      timeout 140 python3 benchmarks/triton_kernels.py --warm "$w" --fi-ok "$OUT/fi_ok" > "$OUT/warm_$w.log" 2>&1 &
+    done
+    timeout 140 python3 benchmarks/mla_decode.py --warm > "$OUT/warm_mla.log" 2>&1 &
+    timeout 160 python3 benchmarks/triton_kernels.py --sweep --precompile 5 --precompile-only > "$OUT/precompile_tk.log" 2>&1 &
+    timeout 160 python3 benchmarks/mla_decode.py --sweep --precompile 5 --precompile-only > "$OUT/precompile_mla.log" 2>&1 &
+    wait; note "warm-ups and precompiles done at $(el); flashinfer modules ready: $(ls "$OUT/fi_ok" | tr '\n' ' ')"
+    timeout 200 python3 benchmarks/triton_kernels.py --runs 3 --sweep --fi-ok "$OUT/fi_ok" --out "$OUT" \
+      > "$OUT/triton_kernels.log" 2>&1
+    note "triton_kernels rc=$? at $(el)"; sed -n '/^targets/,$p' "$OUT/triton_kernels.log" | head -60 >> "$S"
+    timeout 150 python3 benchmarks/mla_decode.py --sweep --out "$OUT" > "$OUT/mla_bench.log" 2>&1
+    note "mla_decode rc=$? at $(el)"; grep -E "^sweep |^target|^device" "$OUT/mla_bench.log" >> "$S" ;;
+  mla-fp8)
+    timeout 400 python3 benchmarks/flashinfer_mla_fp8.py --out "$OUT" > "$OUT/flashinfer_mla_fp8.log" 2>&1
+    note "flashinfer_mla_fp8 rc=$? at $(el)"; tail -n 45 "$OUT/flashinfer_mla_fp8.log" >> "$S" ;;
+  save-aot)
+    st=/tmp/aotstage; rm -rf $st; mkdir -p $st; cp -r $AOT/. $st/ 2>/dev/null
+    for so in $(find "${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}/.cache" -path '*cached_ops*' -name '*.so' 2>/dev/null); do
+      n=$(basename "$(dirname "$so")"); mkdir -p $st/$n; cp "$so" $st/$n/; done
+    tar -c -C $st . | xz -9 -T0 > /tmp/fi-aot.txz && split -b 15M /tmp/fi-aot.txz "$OUT/fi-aot.txz.part-"
+    note "aot saved: $(ls $st | wc -l) modules" ;;
+esac
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$S" 2>&1
+note "total $(el)"
