@@ -15,13 +15,15 @@ and replay ask the entries, never these names.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from pipeline.backends import flashinfer_sizing as sizing
 from pipeline.backends.capability import BackendRules
-from pipeline.backends.flashinfer_jit import Variant, variants_for
 from pipeline.core.contracts import AttentionArgs, ModelSpec
 from pipeline.core.settings import Setting, Source, explicit_or_env, setting
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipeline.backends.flashinfer_jit import Variant
 
 MiB = 1 << 20
 FLASHINFER_WORKSPACE_DEFAULT = 384 * MiB
@@ -67,7 +69,9 @@ def _checker(kernel: str) -> Any:
 
 
 def _variants(prefill: str) -> Any:
-    def variants(kinds: Sequence[Any], q_dtype: str, kv_dtype: str, arch: str) -> list[Variant]:
+    def variants(kinds: Sequence[Any], q_dtype: str, kv_dtype: str, arch: str) -> list["Variant"]:
+        from pipeline.backends.flashinfer_jit import variants_for  # its module imports multiprocessing: not for plan
+
         return variants_for(kinds, prefill, q_dtype, kv_dtype, arch)
     return variants
 

@@ -22,7 +22,6 @@ from pipeline.core import events as ev
 from pipeline.cli import report as rp
 from pipeline.core.contracts import ErrorInfo, ModelSpec, SetupRequest
 from pipeline.cli.request import is_gpu_device, request_from
-from pipeline.observe.runview import outcomes, verification_failure
 from pipeline.core.errors import (
     EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from,
 )
@@ -222,6 +221,8 @@ def cmd(ns: argparse.Namespace) -> int:
         runner.initialize()
         verified = _verify(runner.backends, runner.request, log, ns.decode_steps, runner.pools)
         steps = _model_steps(runner, log, ns.decode_steps)
+        from pipeline.observe.runview import verification_failure
+
         error = verification_failure(log.records)
         if error is not None:
             code = EXIT_FAILED
@@ -269,6 +270,7 @@ def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_f
             error: Optional[ErrorInfo]) -> dict[str, Any]:
     """Run's JSON object; the error's remedy in this command line's flags."""
     from pipeline.cli.wording import cli_error
+    from pipeline.observe.runview import outcomes
 
     return {
         "ok": code == EXIT_OK, "run_id": run_id, "states": outcomes(log.records, "setup"),

@@ -11,22 +11,34 @@ from a list spelled here. Nothing here imports torch.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterable, Optional, Sequence
 
 from pipeline.core import events as ev
 from pipeline.core.contracts import ErrorInfo
 from pipeline.core.steps import StepTable
-from pipeline.runtime.table import RUNNER
-from pipeline.setup.table import SETUP
 
-__all__ = ["MACHINES", "STEP_SKIPS", "VERIFY_REMEDY", "ms_to_ns", "s_to_ns", "timeline", "outcomes",
+__all__ = ["machines", "step_skips", "VERIFY_REMEDY", "ms_to_ns", "s_to_ns", "timeline", "outcomes",
            "verification_failure"]
 
-MACHINES: dict[str, StepTable] = {SETUP.machine: SETUP, RUNNER.machine: RUNNER}
-# step_skipped ``what`` values that mean a whole state did no work (npu-lazy-mem, capture-cuda-graphs); other
-# step_skipped records (cuda_graph in resolve, rank_agreement) are decisions inside a state that ran
-STEP_SKIPS: tuple[str, ...] = tuple(s.skip for t in MACHINES.values() for s in t.steps if s.skip)
+
+@functools.lru_cache(maxsize=None)
+def machines() -> dict[str, StepTable]:
+    """``{"setup": SETUP, "runner": RUNNER}`` (imported on first use: reading a trace needs them, ``plan`` does not)."""
+    from pipeline.runtime.table import RUNNER
+    from pipeline.setup.table import SETUP
+
+    return {SETUP.machine: SETUP, RUNNER.machine: RUNNER}
+
+
+@functools.lru_cache(maxsize=None)
+def step_skips() -> frozenset[str]:
+    """``step_skipped`` ``what`` values that mean a whole state did no work (npu-lazy-mem, capture-cuda-graphs), from
+    the tables; other step_skipped records (cuda_graph in resolve, rank_agreement) are decisions inside a state
+    that ran."""
+    return frozenset(s.skip for t in machines().values() for s in t.steps if s.skip)
+
 _NS_LIMIT = 1 << 62
 VERIFY_REMEDY = "the backend computes wrong attention for this model; report it with the log"
 
@@ -53,16 +65,16 @@ def timeline(records: Sequence[ev.Event], machine: str, first: Optional[ev.Event
     """``[{state, start_ns, duration_ms, outcome}]``: one row per state of ``machine`` (``setup``/``runner``)
     entered, in order, from its transition records after ``first`` (default: the first record).
 
-    ``outcome``: ok · skipped (the state's own step was skipped: :data:`STEP_SKIPS`) · failed (left by ``fail``,
+    ``outcome``: ok · skipped (the state's own step was skipped: :func:`step_skips`) · failed (left by ``fail``,
     or the last state of a run that ``failed`` without reaching a terminal state) · incomplete (the state the run
     was last seen in, when it never ended). A state began ``duration_ms`` before it was left (its own clock, which
     also covers work done before the first record was written). Empty without records.
     """
     if not records:
         return []
-    table = MACHINES[machine]
+    table = machines()[machine]
     first = records[0] if first is None else first
-    skipped = {r.state for r in records if isinstance(r, ev.StepSkipped) and r.what in STEP_SKIPS}
+    skipped = {r.state for r in records if isinstance(r, ev.StepSkipped) and r.what in step_skips()}
     start, cur = first.ts_ns, first.state
     rows: list[dict[str, Any]] = []
     for t in records:
@@ -85,7 +97,7 @@ def outcomes(records: Sequence[ev.Event], machine: str) -> list[dict[str, Any]]:
     """``[{state, outcome, duration_ms}]`` of the states ``machine`` left or ended in (run's report: ``states``,
     ``runner_states``): :func:`timeline`'s rows without the start and without a state never left; durations
     rounded to µs."""
-    table = MACHINES[machine]
+    table = machines()[machine]
     if not any(type(r) is table.event for r in records):
         return []
     rows = timeline(records, machine)
