@@ -99,19 +99,43 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Base):
+    def __init__(self, ws, kv_layout="NHD", *, jit_args=None, jit_kwargs=None, **kw):
+        super().__init__(ws, kv_layout, **kw)
+        self.module = _jit_module(jit_args) if jit_args else None
+
     def plan(self, *, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, causal=False, **kw):
         self.causal = causal
         self._store(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kw)
 
     def run(self, q, kv, *args, k_scale=None, v_scale=None):
+        if self.module is not None:
+            kc, vc = kv
+            assert self.module == (q.shape[-1], vc.shape[-1], kc.dtype), (
+                f"JIT module built for {self.module}, run with head dims {q.shape[-1]}/{vc.shape[-1]} and "
+                f"KV {kc.dtype}: a module name that does not name every compile-time parameter")
         return self._paged(q, kv, self.causal, *args, k_scale=k_scale, v_scale=v_scale)
 
 
+# JIT modules by name, as FlashInfer's JIT cache keys them: the first build of a name wins, and a later wrapper
+# asking for the same name with other compile-time parameters gets that first module (FlashInfer 0.6.13's sink
+# wrapper names its module without head dims or KV dtype, so this is how a d128 sink layer got the d64 kernel).
+JIT_MODULES: dict = {}
+
+
+def _jit_module(jit_args) -> tuple:
+    """(head_dim_qk, head_dim_vo, kv dtype) the module named jit_args[0] was built for."""
+    uri, _q, kv, _o, _idx, dqk, dvo = jit_args[:7]
+    return JIT_MODULES.setdefault(uri, (dqk, dvo, kv))
+
+
 class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper):
-    def __init__(self, ws, kv_layout="NHD", *, window_left=-1, q_data_type=None, kv_data_type=None,
-                 head_dim_qk=None, head_dim_vo=None, **kw):
-        super().__init__(ws, kv_layout, **kw)
+    def __init__(self, ws, kv_layout="NHD", *, window_left=-1, q_data_type=torch.bfloat16,
+                 kv_data_type=torch.bfloat16, head_dim_qk=128, head_dim_vo=128, backend="fa2", **kw):
+        short = {torch.bfloat16: "bf16", torch.float16: "f16"}[q_data_type]
+        jit_args = [f"batch_prefill_attention_sink_{short}_swa_{window_left >= 0}_{backend}", q_data_type,
+                    kv_data_type, q_data_type, torch.int32, head_dim_qk, head_dim_vo]
+        super().__init__(ws, kv_layout, backend=backend, jit_args=jit_args, **kw)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_Base):
@@ -193,5 +217,7 @@ def module() -> types.ModuleType:
         setattr(m, c.__name__, c)
     m.mla = types.ModuleType("flashinfer.mla")
     m.mla.BatchMLAPagedAttentionWrapper = BatchMLAPagedAttentionWrapper
+    m.jit = types.SimpleNamespace(attention=types.SimpleNamespace(variants=types.SimpleNamespace(
+        attention_sink_decl={"fa2": "/* fake fa2 sink decl */", "fa3": "/* fake fa3 sink decl */"})))
     m.__version__ = "fake"
     return m

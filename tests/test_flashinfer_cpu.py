@@ -213,15 +213,16 @@ def test_heartbeat_thread_stops():
 def fib(monkeypatch):
     """The backend module with the fake FlashInfer installed and JIT checks stubbed out."""
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
+    monkeypatch.setattr(fake_flashinfer, "JIT_MODULES", {})  # a fresh JIT cache per test
     from pipeline.backends import flashinfer as mod
 
     monkeypatch.setattr(mod, "ensure_compiled", lambda v, **kw: {"variant": v.name, "status": "cached", "seconds": 0})
     return mod
 
 
-def _scenario(kinds, page_size, name="flashinfer", **kw):
+def _scenario(kinds, page_size, name="flashinfer", ws_bytes=1 << 20, **kw):
     return Scenario(kinds, device="cpu", dtype=torch.float32, page_size=page_size, max_reqs=8, max_context_len=256,
-                    ws_bytes=1 << 20, name=name, sm_count=4, facts_type="cuda", **kw)
+                    ws_bytes=ws_bytes, name=name, sm_count=4, facts_type="cuda", **kw)
 
 
 def _check_batch(sc, be, mode, reqs, prefix, new, sinks=None):
@@ -262,6 +263,23 @@ def test_glue_decode_extend_all_kinds(fib, page_size):
     assert _check_batch(sc, be, ForwardMode.EXTEND, [1, 2, 4], [0, 0, 0], [3, 9, 5], sinks) < 1e-5
     assert not be.extend_ragged and be.kinds[0].mode == "paged"
     assert _check_batch(sc, be, ForwardMode.DECODE, [1, 2, 3, 4], [0] * 4, [1] * 4, sinks) < 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_sink_kinds_of_different_head_dims_get_their_own_modules(fib, window):
+    """Sink layers of head dims 64 and 128 (and a float16 KV next to bf16 ones) in one process each run their own
+    kernel. FlashInfer 0.6.13's sink wrapper names its JIT module without head dims or KV dtype, so the second kind
+    loaded the first one's kernel (max rel err 1.4-2.0 on the H200); the fake's JIT cache is keyed by module name as
+    the real one is, and refuses a module built for other parameters."""
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    for d in (64, 128):  # two backends in one process share the JIT cache
+        sc = _scenario([make_kind(4, 2, d, window=window, sinks=True, layer_ids=(0,)),
+                        make_kind(4, 2, 2 * d, window=window, sinks=True, layer_ids=(1,))], 4, ws_bytes=4 << 20)
+        be = fib.create(sc.ctx)
+        assert _check_batch(sc, be, ForwardMode.EXTEND, [1, 2], [0, 0], [5, 9], sinks) < 1e-5
+        assert _check_batch(sc, be, ForwardMode.DECODE, [1, 2], [0, 0], [1, 1], sinks) < 1e-5
+    names = sorted(fake_flashinfer.JIT_MODULES)
+    assert len(names) == 3 and all("_d64x64_" in n or "_d128x128_" in n or "_d256x256_" in n for n in names), names
 
 
 def test_glue_decode_picks_tensor_cores_by_rule(fib):

@@ -190,11 +190,21 @@ class FlashInferBackend(AttentionBackend):
         return self.fi.mla.BatchMLAPagedAttentionWrapper(self.workspace, backend=mla_backend, **graph_bufs)
 
     def sink_wrapper(self, kind: LayerKind, window_left: int, **graph_bufs: Any) -> Any:
-        """A :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` for ``kind``."""
-        return self.fi.BatchAttentionWithAttentionSinkWrapper(
-            self.workspace, "NHD", backend=self.prefill_backend, q_data_type=self.q_dtype,
-            kv_data_type=self.kv_dtype, head_dim_qk=kind.head_dim_qk, head_dim_vo=kind.head_dim_v,
-            window_left=window_left, **graph_bufs)
+        """A paged prefill wrapper running FlashInfer's attention-sink variant for ``kind``.
+
+        Built as :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` builds it (the prefill wrapper with the
+        ``AttentionSink`` variant's ``jit_args``), but under a module name that includes the head dims and the KV
+        dtype (:func:`pipeline.backends.flashinfer_jit.sink_uri`): FlashInfer 0.6.13's own name omits them, so two sink kinds of
+        different head dims in one process or JIT cache share one kernel and all but the first compute garbage.
+        """
+        from pipeline.backends.flashinfer_jit import Variant, sink_jit_args, torch_dtype_name
+
+        v = Variant(kind="sink", backend=self.prefill_backend, q_dtype=torch_dtype_name(self.q_dtype),
+                    kv_dtype=torch_dtype_name(self.kv_dtype), head_dim_qk=kind.head_dim_qk,
+                    head_dim_vo=kind.head_dim_v, sliding_window=window_left >= 0)
+        args, kw = sink_jit_args(v, self.fi)
+        return self.fi.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=self.prefill_backend, jit_args=args, jit_kwargs=kw, **graph_bufs)
 
     # ------------------------------------------------------------------ planning
     def page_table(self, req_pool_indices: torch.Tensor, seq_lens: list[int],

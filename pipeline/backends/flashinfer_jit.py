@@ -99,15 +99,45 @@ def variants_for(layer_kinds: Sequence[Any], prefill_backend: str, q_dtype: str,
     return list(dict.fromkeys(out))
 
 
-def _sink_jit_args(v: Variant) -> tuple[list[Any], dict[str, Any]]:
-    import torch
-    from flashinfer.jit.attention.variants import attention_sink_decl
-    from flashinfer.jit.utils import filename_safe_dtype_map
+def torch_dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the dtype names :class:`Variant` holds)."""
+    return str(dtype).removeprefix("torch.")
 
-    q = getattr(torch, v.q_dtype)
-    uri = f"batch_prefill_attention_sink_{filename_safe_dtype_map[q]}_swa_{v.sliding_window}_{v.backend}"
-    args = [uri, q, getattr(torch, v.kv_dtype), q, torch.int32, v.head_dim_qk, v.head_dim_vo, ["sink"], ["float"],
-            ["sm_scale"], ["double"], "AttentionSink", attention_sink_decl[v.backend]]
+
+def sink_uri(v: Variant, q_name: str, kv_name: str) -> str:
+    """The JIT module name of an attention-sink variant: every compile-time parameter is in it.
+
+    FlashInfer 0.6.13's :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` names its module
+    ``batch_prefill_attention_sink_{q dtype}_swa_{bool}_{backend}`` — without the head dims or the KV dtype —
+    and its JIT cache is keyed by that name, so once a head_dim-64 sink module is built (gpt-oss) a later
+    head_dim-128 sink layer loads the head_dim-64 kernel and computes garbage (max rel err 1.4-2.0 on the H200 in
+    ``benchmarks/accepted_matrix.py --profile h200``; RESULTS.md "Accepted means runs on the H200"). We build the
+    same module under this complete name instead (``pipeline.backends.flashinfer`` and the warm-up both use it).
+    """
+    return (f"attn_setup_prefill_sink_q_{q_name}_kv_{kv_name}_d{v.head_dim_qk}x{v.head_dim_vo}"
+            f"_swa_{v.sliding_window}_{v.backend}")
+
+
+def sink_decl(backend: str, fi: Any = None) -> str:
+    """FlashInfer's ``AttentionSink`` variant declaration (CUDA source) for ``backend`` (``fa2``/``fa3``), from
+    ``flashinfer.jit.attention.variants.attention_sink_decl`` — of ``fi`` (the flashinfer module the backend
+    holds) when it exposes it, else imported."""
+    variants = getattr(getattr(getattr(fi, "jit", None), "attention", None), "variants", None)
+    if variants is None:
+        from flashinfer.jit.attention import variants
+    return variants.attention_sink_decl[backend]
+
+
+def sink_jit_args(v: Variant, fi: Any = None) -> tuple[list[Any], dict[str, Any]]:
+    """(jit_args, jit_kwargs) of FlashInfer's customized batch-prefill module with the attention-sink variant
+    (extra tensor ``sink`` float32 [num_qo_heads], extra scalar ``sm_scale``), as
+    :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` passes them, named by :func:`sink_uri`."""
+    import torch
+
+    q, kv = getattr(torch, v.q_dtype), getattr(torch, v.kv_dtype)
+    uri = sink_uri(v, _SHORT.get(v.q_dtype, v.q_dtype), _SHORT.get(v.kv_dtype, v.kv_dtype))
+    args = [uri, q, kv, q, torch.int32, v.head_dim_qk, v.head_dim_vo, ["sink"], ["float"],
+            ["sm_scale"], ["double"], "AttentionSink", sink_decl(v.backend, fi)]
     return args, {"use_sliding_window": v.sliding_window, "use_fp16_qk_reduction": False, "pos_encoding_mode": 0}
 
 
@@ -136,7 +166,7 @@ def spec_for(v: Variant) -> Any:
         return m.gen_batch_decode_module(*_module_args(v))
     if v.kind == "prefill":
         return m.gen_batch_prefill_module(v.backend, *_module_args(v), False)
-    args, kw = _sink_jit_args(v)
+    args, kw = sink_jit_args(v)
     return m.gen_customize_batch_prefill_module(v.backend, *args, **kw)
 
 
@@ -162,7 +192,7 @@ def load_variant(v: Variant) -> Any:
         return get_batch_prefill_module(v.backend, *_module_args(v), False)
     from flashinfer.prefill import get_customize_batch_prefill_module
 
-    args, kw = _sink_jit_args(v)
+    args, kw = sink_jit_args(v)
     return get_customize_batch_prefill_module(v.backend, *args, **kw)
 
 

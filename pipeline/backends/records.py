@@ -87,7 +87,8 @@ TRITON_CAP = Capability(
     head_dims_qk=[64, 96, 128, 256],
     head_dims_v=[64, 96, 128, 256],
     q_dtypes=["bfloat16", "float16"],
-    kv_dtypes=["bfloat16", "float16"],
+    kv_dtypes=["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"],
+    fp8_kv_features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention"],
     features=["mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention",
               "cuda_graph", "speculative", "tbo", "pdmux"],
     page_sizes=None,
@@ -104,7 +105,10 @@ TRITON_CAP = Capability(
            "576/512): launch_mla.py's paged decode (split-K, a block of heads per latent tile) and extend, verified "
            "under the interpreter in CI (tests/test_triton_mla_interpret.py) and on the H200 "
            "(tests/gpu/test_triton_mla_gpu.py; max rel err 4.0e-3 at 128 heads in benchmarks/mla_decode.py); bf16/fp16 "
-           "KV only. No fp8/fp32 KV, no encoder-decoder. Speculative: draft "
+           "KV for MLA. fp8 KV (e4m3/e5m2, per-layer k_scale/v_scale from the pool, upcast in registers) in the "
+           "decode and extend kernels for MHA/GQA with windows, softcaps, sinks and chunks: H200 grid in "
+           "tests/gpu/test_triton_gpu.py (fp8 vs torch_native over the dequantised pool and float64) and the "
+           "accepted-config matrix (benchmarks/accepted_matrix.py); no fp8 MLA kernel. No fp32 KV, no encoder-decoder. Speculative: draft "
            "decode and chain (top-k 1) target verify as causal extend; tree verify (top-k > 1) would need a custom "
            "mask the extend kernel lacks. Only decode is graph-captured (as in sglang)",
 )
