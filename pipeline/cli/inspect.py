@@ -23,7 +23,8 @@ import msgspec
 
 from pipeline.core.errors import EXIT_FAILED, EXIT_OK
 from pipeline.core.model_spec import format_layer_ids
-from pipeline.observe.trace import RankDifferences, Run, Trace, TraceReader, nothing_readable, rank_differences
+from pipeline.observe.ranks import RankDifferences, rank_differences
+from pipeline.observe.trace import Run, Trace, TraceReader, nothing_readable
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

@@ -219,27 +219,10 @@ def cmd(ns: argparse.Namespace) -> int:
         runner = Runner(runner_config(ns, request), log=log, rank_group=group)
         preflight(ns, runner, log, group)
         runner.initialize()
-        verified = _verify(runner.backends, runner.request, log, ns.decode_steps, runner.pools)
-        steps = _model_steps(runner, log, ns.decode_steps)
-        from pipeline.observe.runview import verification_failure
-
-        error = verification_failure(log.records)
-        if error is not None:
-            code = EXIT_FAILED
-            log.emit(ev.RunFailed, state=log.current_state, outcome="failed", error=error)
-    except AttnSetupError as e:
-        error, code = e.info, e.exit_code
-        if not _ended(log):  # refused in preflight
-            log.emit(ev.RunFailed, state=e.info.state, outcome="failed", error=e.info)
-    except KeyboardInterrupt as e:  # SIGINT: the handler wrote run_interrupted; the unwinding released
-        error, code = error_info_from(e, log.current_state), EXIT_INTERRUPTED
-        if not _ended(log):
-            log.emit(ev.RunInterrupted, state=log.current_state, outcome="failed", reason="signal", signal="SIGINT",
-                     error=error)
-    except Exception as e:  # noqa: BLE001 - any crash becomes exit 1 with its ErrorInfo, logged
-        error, code = error_info_from(e, log.current_state), EXIT_FAILED
-        if not _ended(log):
-            log.emit(ev.RunFailed, state=log.current_state, outcome="failed", error=error)
+        verified, steps, error = _verify_runner(runner, log, ns.decode_steps)
+        code = EXIT_OK if error is None else EXIT_FAILED
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - any crash becomes an exit code with its ErrorInfo
+        error, code = _ended_by(e, log)
     finally:
         try:
             if runner is not None:
@@ -253,17 +236,55 @@ def cmd(ns: argparse.Namespace) -> int:
                      duration_ms=(time.perf_counter() - t0) * 1e3)
             log.close()
             log.restore_signal_handlers()
-    report = _report(log, run_id, code, verified, steps, log_file, error)
+    _print(ns, _report(log, run_id, code, verified, steps, log_file, error), log.records, request, error)
+    return code
+
+
+def _verify_runner(runner: Any, log: Any, decode_steps: int) -> tuple[list, list, Optional[ErrorInfo]]:
+    """Verify every built instance and the stack's steps (each logged); a failure is logged as ``run_failed``
+    (:func:`pipeline.observe.runview.verification_failure`, the one builder ``inspect`` also uses)."""
+    from pipeline.observe.runview import verification_failure
+
+    verified = _verify(runner.backends, runner.request, log, decode_steps, runner.pools)
+    steps = _model_steps(runner, log, decode_steps)
+    error = verification_failure(log.records)
+    if error is not None:
+        log.emit(ev.RunFailed, state=log.current_state, outcome="failed", error=error)
+    return verified, steps, error
+
+
+def _ended_by(e: BaseException, log: Any) -> tuple[ErrorInfo, int]:
+    """The ErrorInfo and exit code of what stopped the run, logged as its terminal record unless one was written:
+    a typed refusal (its exit code; refused in preflight when nothing was logged yet), SIGINT (exit 130: the
+    handler wrote ``run_interrupted``, the unwinding released), any other crash (exit 1)."""
+    if isinstance(e, AttnSetupError):
+        error, code = e.info, e.exit_code
+    elif isinstance(e, KeyboardInterrupt):
+        error, code = error_info_from(e, log.current_state), EXIT_INTERRUPTED
+    else:
+        error, code = error_info_from(e, log.current_state), EXIT_FAILED
+    if not _ended(log):
+        if isinstance(e, KeyboardInterrupt):
+            log.emit(ev.RunInterrupted, state=log.current_state, outcome="failed", reason="signal", signal="SIGINT",
+                     error=error)
+        else:
+            log.emit(ev.RunFailed, state=error.state if isinstance(e, AttnSetupError) else log.current_state,
+                     outcome="failed", error=error)
+    return error, code
+
+
+def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request: SetupRequest,
+           error: Optional[ErrorInfo]) -> None:
+    """``--json``'s object, or the runner timeline, the tables and the error in the command line's flags."""
     if ns.json:
         rp.emit_json(report)
-    else:
-        _render_runner(report, log.records, request)
-        rp.render_tables({**report, "states": []})  # the setup states are in the runner timeline above
-        if error is not None:
-            from pipeline.cli.wording import cli_error
+        return
+    _render_runner(report, records, request)
+    rp.render_tables({**report, "states": []})  # the setup states are in the runner timeline above
+    if error is not None:
+        from pipeline.cli.wording import cli_error
 
-            rp.render_error(cli_error(error))
-    return code
+        rp.render_error(cli_error(error))
 
 
 def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_file: str,

@@ -73,9 +73,13 @@ def result(ctx: SetupContext) -> AttentionBackends:
         settings=list(ctx.build.settings) + [ctx.lazy.setting])
 
 
-def _fail(ctx: SetupContext, exc: BaseException) -> None:
-    """The machine to ``failed``, everything built released, ``run_failed`` logged with the ErrorInfo."""
+def _fail(ctx: Optional[SetupContext], log: EventLog, exc: BaseException) -> None:
+    """The machine to ``failed``, everything built released, ``run_failed`` logged with the ErrorInfo (only the
+    record when the context or its machine never came to be)."""
     failed = SETUP.failed
+    if ctx is None or ctx.machine is None:
+        log.emit(ev.RunFailed, state=failed, outcome="failed", error=error_info_from(exc, SETUP.steps[0].state))
+        return
     info = error_info_from(exc, ctx.state)
     released = release(ctx.built.instances, ctx.workspace_pool, {} if ctx.given_pools is not None else ctx.pools)
     # Drop every reference this run holds, so a caller keeping the exception (and with it these frames)
@@ -164,10 +168,7 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
         log.emit(ev.RunFinished, state=SETUP.success, duration_ms=(time.perf_counter() - t0) * 1e3)
         return out
     except BaseException as exc:
-        if ctx is None or ctx.machine is None:
-            log.emit(ev.RunFailed, state=SETUP.failed, outcome="failed", error=error_info_from(exc, SETUP.steps[0].state))
-        else:
-            _fail(ctx, exc)
+        _fail(ctx, log, exc)
         # The traceback's frames (factories, states) still reference pools, workspaces and backends;
         # clear their locals so a caller who keeps the exception keeps no device memory alive.
         traceback.clear_frames(exc.__traceback__)
