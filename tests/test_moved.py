@@ -42,3 +42,15 @@ def test_targets_exist_and_old_files_are_gone():
     for old, new in MOVED.items():
         assert (ROOT / (new.replace(".", "/") + ".py")).is_file(), new
         assert not (ROOT / (old.replace(".", "/") + ".py")).exists(), old
+
+
+def test_readme_says_what_moved():
+    """README's "What moved" table names every aliased old module and the folder it moved to."""
+    from conftest import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### What moved"):text.index("## Log events")]
+    for old, new in MOVED.items():
+        short = old.rsplit(".", 1)[1].removeprefix("cli_")
+        assert f"`{old}`" in section or f"`{short}`" in section, old
+        assert new.rsplit(".", 1)[0] in section, new
