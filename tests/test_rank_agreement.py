@@ -182,3 +182,65 @@ def test_bad_imbalance_is_refused_naming_it(value, env, name):
     with pytest.raises(UsageError) as ei:
         max_imbalance_from(value, env)
     assert ei.value.info.flags[0].name == name and ei.value.info.remedy
+
+
+# -- inspect over several ranks' logs ---------------------------------------------------------------
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+
+
+def _inspect(capsys, *paths, json_out=True):
+    from pipeline.cli import main
+
+    code = main(["inspect", *map(str, paths), *(["--json"] if json_out else [])])
+    out = capsys.readouterr().out
+    return code, (json.loads(out) if json_out else out)
+
+
+def _raw_durations(path: Path) -> dict[str, float]:
+    """Per state, ms spent in it, read straight from the raw state_transition lines (from → duration)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["event"] == "state_transition":
+            out[rec["from"]] = rec["duration_ms"]
+    return out
+
+
+@pytest.mark.parametrize("pair", [("tp2_rank0", "tp2_rank1"), ("tp2_mismatch_rank0", "tp2_mismatch_rank1")])
+def test_critical_path_is_the_slowest_rank_per_state(capsys, pair):
+    paths = [GOLDEN / f"{p}.jsonl" for p in pair]
+    code, out = _inspect(capsys, *paths[::-1])
+    raw = [_raw_durations(p) for p in paths]
+    (cp,) = out["critical_path"]
+    rows = {r["state"]: r for r in cp["states"]}
+    for state in set(raw[0]) | set(raw[1]):
+        got = [raw[r].get(state, -1.0) for r in (0, 1)]
+        want_rank = 0 if got[0] >= got[1] else 1
+        assert rows[state]["rank"] == want_rank and rows[state]["duration_ms"] == pytest.approx(max(got), abs=1e-3)
+    assert cp["total_ms"] == pytest.approx(sum(r["duration_ms"] for r in cp["states"]), abs=1e-2)
+    assert [r["rank"] for r in out["ranks"]] == [0, 1] and all(r["waited_for"] == [] for r in out["ranks"])
+    code, text = _inspect(capsys, *paths, json_out=False)
+    assert f"critical path of run {cp['run_id']}" in text and "total" in text
+
+
+def test_single_rank_log_has_no_critical_path(capsys):
+    _, out = _inspect(capsys, GOLDEN / "ok_tbo.jsonl")
+    assert out["critical_path"] == [] and out["ranks"] == []
+
+
+def test_inspect_names_the_stalled_rank_and_its_last_state(two, capsys):
+    rs = results(two, "stall", 2)
+    paths = [two / "stall" / f"{r['group_run_id']}.rank{r['rank']}.jsonl" for r in rs]
+    code, out = _inspect(capsys, *paths)
+    assert code == 1
+    r0, r1 = out["ranks"]
+    assert r0["waited_for"] == [1] and r0["last_state"] == "resolve" and r0["status"] == "failed"
+    (s,) = r0["stalled"]
+    assert s["stalled_rank"] == 1 and s["last_state"] == "resolve" and s["doing"] == "injected sleep at state:resolve"
+    assert r1["last_state"] == "resolve"
+    (cp,) = out["critical_path"]
+    resolve = next(x for x in cp["states"] if x["state"] == "resolve")
+    assert resolve["rank"] == 1 and resolve["duration_ms"] > (TIMEOUT_S + 1.5) * 1e3  # it slept in resolve
+    _, text = _inspect(capsys, *paths, json_out=False)
+    assert "rank 0: failed, last state resolve · waited for rank 1 (last state 'resolve'" in text
