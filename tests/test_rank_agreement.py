@@ -244,3 +244,44 @@ def test_inspect_names_the_stalled_rank_and_its_last_state(two, capsys):
     assert resolve["rank"] == 1 and resolve["duration_ms"] > (TIMEOUT_S + 1.5) * 1e3  # it slept in resolve
     _, text = _inspect(capsys, *paths, json_out=False)
     assert "rank 0: failed, last state resolve · waited for rank 1 (last state 'resolve'" in text
+
+
+# -- in-process: the watch over a shared store (no processes) ---------------------------------------
+
+
+def test_jit_compile_is_what_a_stalled_rank_reports_doing():
+    """Rank 1 compiles a FlashInfer variant (fake loader) and never arrives; rank 0 names it and what it compiles."""
+    import threading
+    import time as _time
+
+    import torch.distributed as dist
+
+    from pipeline.errors import RankStalled
+    from pipeline.jit import Variant, ensure_compiled
+    from pipeline.rank_watch import Watch, current_doing
+
+    store = dist.HashStore()
+    w0, w1 = Watch(store, 0, 2, 0.5, "t"), Watch(store, 1, 2, 0.5, "t")
+    seen, started = {}, threading.Event()
+    v = Variant(kind="decode", backend="cuda_core", q_dtype="bfloat16", kv_dtype="bfloat16", head_dim_qk=128,
+                head_dim_vo=128)
+
+    def compile_slowly(_v):
+        seen["doing"] = current_doing()
+        w1.beat("build-mode")
+        started.set()
+        _time.sleep(0.9)
+
+    t = threading.Thread(target=lambda: ensure_compiled(v, loader=compile_slowly, cached=lambda _: False))
+    t.start()
+    started.wait(5)
+    t0 = _time.monotonic()
+    with pytest.raises(RankStalled) as ei:
+        w0.wait_all("the pre-capture barrier", "capture-cuda-graphs")
+    waited = _time.monotonic() - t0
+    t.join()
+    flags = {f.name: f.value for f in ei.value.info.flags}
+    assert seen["doing"] == f"compiling FlashInfer JIT variant {v.name}" == flags["doing"]
+    assert flags["stalled_rank"] == 1 and flags["last_state"] == "build-mode" and flags["timeout_s"] == 0.5
+    assert 0.5 <= waited <= 0.5 + heartbeat_interval(0.5) + 0.2
+    assert current_doing() == ""  # the mark ends with the compile
