@@ -8,8 +8,8 @@ For every run id with more than one rank (each rank's latest launch), :class:`Ra
   last heartbeat and what it was doing);
 - ``critical_path``: per state the slowest rank and its time, and the total — the sum of those
   maxima, what the launch takes when ranks meet at every state boundary (our waits do meet at
-  device-init, resolve and before capture). States are the runner's (``attn-setup run`` traces)
-  when present, else the setup machine's.
+  device-init, resolve and before capture). States are the runner's when any rank's trace has them
+  (``attn-setup run``), else the setup machine's; a rank refused before its runner started adds none.
 
 Runs arrive one at a time (:class:`pipeline.trace.TraceReader` yields a run id's runs together), so
 only the runs of one run id are held at once.
@@ -24,8 +24,9 @@ from pipeline import events as ev
 __all__ = ["RankSummary", "critical_path", "rank_rows", "summary_lines"]
 
 
-def _states(run: Any) -> list[dict[str, Any]]:
-    return run.runner_states() or run.states()
+def _states(run: Any, runner: bool) -> list[dict[str, Any]]:
+    rows = run.runner_states() if runner else run.states()
+    return [r for r in rows if r["state"] != "failed"]  # the terminal pseudo-state takes no time
 
 
 def critical_path(run_id: str, runs: dict[int, Any]) -> dict[str, Any]:
@@ -35,8 +36,9 @@ def critical_path(run_id: str, runs: dict[int, Any]) -> dict[str, Any]:
     listed in the order the slowest-starting rank entered them. ``total_ms`` is the sum of the rows."""
     best: dict[str, tuple[float, int]] = {}
     order: list[str] = []
+    runner = any(r.runner_states() for r in runs.values())  # one kind of state for every rank
     for rank in sorted(runs):
-        for s in _states(runs[rank]):
+        for s in _states(runs[rank], runner):
             name, ms = s["state"], float(s["duration_ms"])
             if name not in best:
                 order.append(name)

@@ -197,21 +197,24 @@ def _inspect(capsys, *paths, json_out=True):
     return code, (json.loads(out) if json_out else out)
 
 
-def _raw_durations(path: Path) -> dict[str, float]:
-    """Per state, ms spent in it, read straight from the raw state_transition lines (from → duration)."""
+def _raw_durations(path: Path, event: str) -> dict[str, float]:
+    """Per state, ms spent in it, read straight from the raw transition lines (from → duration)."""
     out = {}
     for line in path.read_text().splitlines():
         rec = json.loads(line)
-        if rec["event"] == "state_transition":
+        if rec["event"] == event and rec["from"] != "failed":
             out[rec["from"]] = rec["duration_ms"]
     return out
 
 
-@pytest.mark.parametrize("pair", [("tp2_rank0", "tp2_rank1"), ("tp2_mismatch_rank0", "tp2_mismatch_rank1")])
-def test_critical_path_is_the_slowest_rank_per_state(capsys, pair):
+@pytest.mark.parametrize("pair,event", [(("tp2_rank0", "tp2_rank1"), "state_transition"),
+                                        (("tp2_mismatch_rank0", "tp2_mismatch_rank1"), "state_transition"),
+                                        (("tp2_torchrun_rank0", "tp2_torchrun_rank1"), "runner_transition")])
+def test_critical_path_is_the_slowest_rank_per_state(capsys, pair, event):
+    """Setup-machine traces use its states; a torchrun `attn-setup run` pair uses the runner's."""
     paths = [GOLDEN / f"{p}.jsonl" for p in pair]
     code, out = _inspect(capsys, *paths[::-1])
-    raw = [_raw_durations(p) for p in paths]
+    raw = [_raw_durations(p, event) for p in paths]
     (cp,) = out["critical_path"]
     rows = {r["state"]: r for r in cp["states"]}
     for state in set(raw[0]) | set(raw[1]):
