@@ -296,7 +296,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     run.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
                      help="under torchrun (WORLD_SIZE > 1): seconds to wait for the rendezvous (then "
                           "rank_exchange_failed) and for every rank at each of our waits (then rank_stalled, naming "
-                          "the rank, its last state and what it was doing) (default: $ATTN_SETUP_DIST_TIMEOUT, else 60)")
+                          "the rank, its last state and what it was doing) "
+                          "(default: $ATTN_SETUP_DIST_TIMEOUT, else 60)")
     run.add_argument("--max-memory-imbalance", type=float, default=None, metavar="FRACTION",
                      help="under torchrun: the allowed spread of free device memory between ranks at device-init, "
                           "a fraction of the largest; more fails every rank with memory_imbalance "

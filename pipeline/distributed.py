@@ -400,6 +400,6 @@ def _divergence(rank: int, rows: list[RankRow], reports: list[RankReport], bad: 
     flags += list(per_arg.items())
     remedy = ("fix the failing rank's error first (its own log has the remedy)" if failed else
               "launch every rank with the same flags, model, pool sizes and package versions, on devices that "
-              "resolve the same backends (one device per rank); pin prefill_attention_backend and decode_attention_backend if the hardware "
-              "differs")
+              "resolve the same backends (one device per rank); pin prefill_attention_backend and "
+              "decode_attention_backend if the hardware differs")
     return RankDivergence(msg, state="resolve", flags=flags, allowed=["every rank the same"], remedy=remedy)

@@ -38,6 +38,7 @@ def balance_memory(run: Any, index: int) -> None:
                          f"rank {r}" for r, x in enumerate(got) if x is None) + " (CPU ranks share the host)")
         return
     limit = getattr(g, "max_memory_imbalance", None)
-    check_memory_balance(list(got), 0.1 if limit is None else limit, rank=req.rank, device=req.device)
-    run.log.emit(ev.MemoryBalanced, state=run.state, free_bytes=list(got), max_imbalance=0.1 if limit is None else limit,
+    limit = 0.1 if limit is None else limit
+    check_memory_balance(list(got), limit, rank=req.rank, device=req.device)
+    run.log.emit(ev.MemoryBalanced, state=run.state, free_bytes=list(got), max_imbalance=limit,
                  duration_ms=(time.perf_counter() - t) * 1e3)

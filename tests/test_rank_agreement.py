@@ -169,8 +169,11 @@ def test_memory_balance_rule_matches_sglang():
     check_memory_balance([1, 100], 1.0, rank=0)
 
 
-@pytest.mark.parametrize("value,env,want", [(None, {}, 0.1), (0.25, {}, 0.25), (None, {"ATTN_SETUP_MAX_MEMORY_IMBALANCE": "0.3"}, 0.3),
-                                            (0.2, {"ATTN_SETUP_MAX_MEMORY_IMBALANCE": "0.3"}, 0.2)])
+ENV_SPREAD = "ATTN_SETUP_MAX_MEMORY_IMBALANCE"
+
+
+@pytest.mark.parametrize("value,env,want", [(None, {}, 0.1), (0.25, {}, 0.25), (None, {ENV_SPREAD: "0.3"}, 0.3),
+                                            (0.2, {ENV_SPREAD: "0.3"}, 0.2)])
 def test_imbalance_flag_then_env_then_default(value, env, want):
     assert max_imbalance_from(value, env) == want
 
