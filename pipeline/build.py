@@ -43,12 +43,18 @@ class _Run:
         self.workspace_pool: Any = None
         self.built = build_mode.Built(plan=None)  # type: ignore[arg-type]
         self.t0 = time.perf_counter()
+        from pipeline.rank_watch import watch_for  # heartbeats + named stalls (many ranks with a store)
+
+        self.watch = watch_for(rank_group) if request.world_size > 1 else None
+        self._beats: Any = None
 
     @property
     def state(self) -> str:
         return self.machine.state.value
 
     def _on_transition(self, src: State, dst: State, trigger: str, ms: float) -> None:
+        if self.watch is not None:
+            self.watch.beat(dst.value if dst is not State.FAILED else f"failed in {src.value}")
         self.log.emit(ev.StateTransition, state=dst.value, outcome="failed" if dst is State.FAILED else "ok",
                       from_state=src.value, to=dst.value, trigger=trigger, duration_ms=ms)
 
@@ -65,6 +71,10 @@ class _Run:
         facts, blas = device_init.apply(self.platform, index)
         self.torch_device = self.platform.torch_device(index)
         self.log.emit(ev.DeviceInitialized, state=self.state, facts=facts, blas_init=blas)
+        if self.rank_group is not None and self.req.world_size > 1:
+            from pipeline.rank_checks import balance_memory
+
+            balance_memory(self, index)
         self.machine.model.device_facts = facts
         fault_point(self.faults, "state:device-init:done")
         self.machine.fire("device_ready")
@@ -117,8 +127,11 @@ class _Run:
 
         t = time.perf_counter()
         g = self.rank_group
+        from pipeline.rank_digest import digest_fields
+
         table = agree_on_resolution(r, facts, group=g.cpu_group, rank=self.req.rank, world_size=self.req.world_size,
-                                    timeout_s=g.timeout_s, args=self.req.args, error=error)
+                                    timeout_s=g.timeout_s, args=self.req.args, error=error,
+                                    digest=digest_fields(self.req, self.installed), watch=self.watch)
         if error is not None:
             return
         self.log.emit(ev.ResolutionAgreed, state=self.state, world_size=self.req.world_size, table=table,
@@ -555,6 +568,9 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
     run = None
     try:
         run = _Run(request, platform, log, pools, installed, cpu_group, faults, rank_group)
+        if run.watch is not None:  # heartbeats for the whole run, so a peer waiting on us can say where we are
+            run._beats = run.watch.running(log)
+            run._beats.__enter__()
         log.emit(ev.RunStarted, state=run.state, request=redacted_request(request),
                  versions=versions(run.installed), packages=run.installed,
                  platform=type(run.platform).__name__)
@@ -576,5 +592,7 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
         traceback.clear_frames(exc.__traceback__)
         raise
     finally:
+        if run is not None and run._beats is not None:
+            run._beats.__exit__(None, None, None)
         if own_log:
             log.close()

@@ -23,6 +23,7 @@ import msgspec
 
 from pipeline.errors import EXIT_FAILED, EXIT_OK
 from pipeline.model_spec import format_layer_ids
+from pipeline.rank_summary import RankSummary, summary_lines
 from pipeline.trace import RankDifferences, Run, Trace, TraceReader, nothing_readable, rank_differences
 
 
@@ -43,15 +44,25 @@ def run_obj(run: Run) -> dict[str, Any]:
             "failure": None if run.failure is None else msgspec.to_builtins(run.failure)}
 
 
-def _tail_obj(src: Any, differences: list[dict[str, Any]]) -> dict[str, Any]:
+def _tail_obj(src: Any, differences: list[dict[str, Any]], ranks: Optional[RankSummary] = None) -> dict[str, Any]:
+    ranks = ranks or RankSummary()
     return {"skipped_lines": src.skipped_lines,
             "skipped": [{"path": s.path, "line": s.line, "reason": s.reason} for s in src.skipped],
-            "unreadable_files": src.unreadable_files, "rank_differences": differences}
+            "unreadable_files": src.unreadable_files, "rank_differences": differences,
+            "ranks": ranks.ranks, "critical_path": ranks.paths}
+
+
+def _summary(runs: list[Run]) -> RankSummary:
+    s = RankSummary()
+    for r in runs:
+        s.add(r)
+    return s.finish()
 
 
 def report_obj(trace: Trace) -> dict[str, Any]:
     """The whole ``--json`` object of a trace read into memory (``cmd`` streams the same shape)."""
-    return {"runs": [run_obj(r) for r in trace.runs], **_tail_obj(trace, rank_differences(trace))}
+    return {"runs": [run_obj(r) for r in trace.runs],
+            **_tail_obj(trace, rank_differences(trace), _summary(trace.runs))}
 
 
 def explain(run: Run) -> list[str]:
@@ -141,9 +152,9 @@ def render_run(out: Any, run: Run, colour: bool = False) -> None:
     out.write("\n".join(run_lines(run, colour)) + "\n")
 
 
-def render_tail(out: Any, src: Any, differences: list[dict[str, Any]]) -> None:
-    """Rank differences and the skipped-lines summary."""
-    lines = []
+def render_tail(out: Any, src: Any, differences: list[dict[str, Any]], ranks: Optional[RankSummary] = None) -> None:
+    """Per-rank last states, waits and the critical path (several ranks), rank differences, skipped lines."""
+    lines = [_safe(x) for x in summary_lines(ranks)] if ranks is not None else []
     for d in differences:
         vals = ", ".join(f"rank {k}: {v!r}" for k, v in d["values"].items())
         lines.append(_safe(f"ranks differ in run {d['run_id']}: {d['key']}: {vals}"))
@@ -166,7 +177,7 @@ def render(trace: Trace) -> None:
     """Every run of a trace read into memory, then the tail (``cmd`` streams the same output)."""
     for run in trace.runs:
         render_run(sys.stdout, run, _is_tty(sys.stdout))
-    render_tail(sys.stdout, trace, rank_differences(trace))
+    render_tail(sys.stdout, trace, rank_differences(trace), _summary(trace.runs))
 
 
 def _first_then_rest(runs: Iterator[Run]) -> Optional[Iterator[Run]]:
@@ -201,15 +212,16 @@ def cmd(ns: argparse.Namespace) -> int:
                              flags=[("--perfetto", ns.perfetto)], remedy="pick a writable file path") from None
         if not ns.json:
             print(f"perfetto: wrote {n} trace events to {ns.perfetto}", file=sys.stderr)
-    diffs, ok = RankDifferences(), True
+    diffs, ok, ranks = RankDifferences(), True, RankSummary()
     if ns.json:
         out = sys.stdout
         out.write('{"runs":[')
         for i, run in enumerate(runs):
             diffs.add(run)
+            ranks.add(run)
             ok &= run.ok
             out.write(("," if i else "") + msgspec.json.encode(run_obj(run)).decode())
-        tail = msgspec.json.encode(_tail_obj(reader, diffs.finish())).decode()
+        tail = msgspec.json.encode(_tail_obj(reader, diffs.finish(), ranks.finish())).decode()
         out.write("]," + tail[1:] + "\n")
         out.flush()
     else:
@@ -217,8 +229,9 @@ def cmd(ns: argparse.Namespace) -> int:
         colour = _is_tty(out)
         for run in runs:
             diffs.add(run)
+            ranks.add(run)
             ok &= run.ok
             render_run(out, run, colour)
-        render_tail(out, reader, diffs.finish())
+        render_tail(out, reader, diffs.finish(), ranks.finish())
         out.flush()
     return EXIT_OK if ok else EXIT_FAILED

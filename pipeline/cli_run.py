@@ -293,9 +293,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                      help=f"build only the first N attention layers (default {DEFAULT_LAYERS}, or as many as it takes "
                           "to include every attention layer kind; a hybrid model's linear-attention / mamba layers "
                           "are skipped, not counted)")
-    run.add_argument("--dist-timeout", type=float, default=60.0, metavar="SECONDS",
-                     help="under torchrun (WORLD_SIZE > 1): seconds to wait for the rendezvous and for every rank "
-                          "in each exchange before failing with rank_exchange_failed (default 60)")
+    run.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
+                     help="under torchrun (WORLD_SIZE > 1): seconds to wait for the rendezvous (then "
+                          "rank_exchange_failed) and for every rank at each of our waits (then rank_stalled, naming "
+                          "the rank, its last state and what it was doing) "
+                          "(default: $ATTN_SETUP_DIST_TIMEOUT, else 60)")
+    run.add_argument("--max-memory-imbalance", type=float, default=None, metavar="FRACTION",
+                     help="under torchrun: the allowed spread of free device memory between ranks at device-init, "
+                          "a fraction of the largest; more fails every rank with memory_imbalance "
+                          "(default: $ATTN_SETUP_MAX_MEMORY_IMBALANCE, else 0.1 as sglang; 1 = no check)")
     budget = run.add_mutually_exclusive_group()
     budget.add_argument("--mem-fraction", type=float, default=None,
                         help="size the KV pool from this share of device memory (sglang's mem_fraction_static; "
@@ -325,8 +331,13 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.runner import Runner
 
     from pipeline.distributed import check_timeout, init_from_env
+    from pipeline.rank_watch import timeout_from_env
 
-    group = init_from_env(ns.device, timeout_s=check_timeout(ns.dist_timeout))  # None unless WORLD_SIZE > 1
+    from pipeline.rank_digest import max_imbalance_from
+
+    timeout = timeout_from_env(60.0) if ns.dist_timeout is None else check_timeout(ns.dist_timeout)
+    spread = max_imbalance_from(ns.max_memory_imbalance)  # checked with one rank too
+    group = init_from_env(ns.device, timeout_s=timeout, max_memory_imbalance=spread)  # None unless WORLD_SIZE > 1
     if group is not None:
         ns.rank, ns.world_size, ns.device = group.rank, group.world_size, group.device
     on_gpu = _on_gpu(ns.device)

@@ -132,6 +132,33 @@ class ResolutionAgreed(Event, tag="resolution_agreed", kw_only=True):
     duration_ms: float = 0.0
 
 
+class RankStalled(Event, tag="rank_stalled", kw_only=True):
+    """This rank waited ``waited_s`` seconds at ``waiting_at`` and rank ``stalled_rank`` never arrived
+    (one record per missing rank, written by every waiting rank just before it fails).
+
+    ``last_state``: the stalled rank's last published state (``"never heard"`` when none);
+    ``seconds_since_heartbeat``: age of its last heartbeat (None when none); ``doing``: what it
+    reported being busy with (``""`` when unknown). See :mod:`pipeline.rank_watch`.
+    """
+
+    level: ClassVar[str] = "error"
+    stalled_rank: int
+    last_state: str
+    seconds_since_heartbeat: float | None = None
+    doing: str = ""
+    waiting_at: str = ""
+    waited_s: float = 0.0
+
+
+class MemoryBalanced(Event, tag="memory_balanced", kw_only=True):
+    """device-init's exchange of free device memory: bytes per rank (index = rank) and the allowed
+    spread (``max_imbalance``, a fraction of the largest); written when every rank is within it."""
+
+    free_bytes: list[int]
+    max_imbalance: float
+    duration_ms: float = 0.0
+
+
 class BuildPlanned(Event, tag="build_planned", kw_only=True):
     """build-mode's decision: mode, hybrid, instances ``[{role, backend, workspace}]`` and workspaces."""
 
@@ -354,6 +381,7 @@ class CommandFinished(Event, tag="command_finished", kw_only=True):
 
 AnyEvent = Union[
     RunStarted, StateTransition, DeviceInitialized, SettingResolved, BackendsResolved, ResolutionAgreed, BuildPlanned,
+    RankStalled, MemoryBalanced,
     BackendBuilt, StepSkipped, FeatureDowngraded, ReferenceFallback, LazyMemInitialized, BackendsAnnotated,
     InstanceVerified, ResourcesReleased,
     Heartbeat, RunFailed, RunFinished, RunInterrupted, RunnerStarted, RunnerTransition, DistributedInitialized,

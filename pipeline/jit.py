@@ -226,7 +226,9 @@ def ensure_compiled(v: Variant, *, heartbeat_s: float = 10.0, loader: Optional[C
     t0 = time.monotonic()
     try:
         if status == "compiling":
-            with heartbeat(v.name, heartbeat_s, log=log):
+            from pipeline.rank_watch import doing  # many ranks: peers waiting on this one see what it compiles
+
+            with heartbeat(v.name, heartbeat_s, log=log), doing(f"compiling FlashInfer JIT variant {v.name}"):
                 loader(v)
         else:
             loader(v)

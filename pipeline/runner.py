@@ -297,6 +297,7 @@ class Runner:
             m.graphs = reason
         else:
             sizes = capture_batch_sizes(req.args, req.pool.max_reqs)
+            self._barrier_before_capture()
             g = DecodeGraphRunner(m.stack, self._backend_for(True), m.pools["req_to_token_pool"], m.pools["kv_pool"],
                                   sizes)
             m.graphs = g
@@ -307,6 +308,16 @@ class Runner:
         self.log.emit(ev.RunnerReady, state=self.state.value, duration_ms=(time.perf_counter() - self.t0) * 1e3,
                       graph_batch_sizes=sorted(self.graphs.capture_ms) if self.graphs is not None else [],
                       rank_agreement=m.agreement or "")
+
+    def _barrier_before_capture(self) -> None:
+        """Many ranks: every rank arrives before any captures (a rank that never does is named
+        ``rank_stalled`` after the group's timeout instead of leaving the others in NCCL forever)."""
+        from pipeline.rank_watch import watch_for
+
+        watch = watch_for(self.rank_group) if self.request.world_size > 1 else None
+        if watch is not None:
+            watch.log = self.log
+            watch.wait_all("the pre-capture barrier", self.state.value)
 
     def initialize(self) -> "Runner":
         """Every step in order (sglang's ``ModelRunner.initialize``); returns self in ``ready``."""
