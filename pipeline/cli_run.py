@@ -187,8 +187,8 @@ def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platfor
     layers = attention_prefix(model, attn)
     kinds, kvd = model.layer_kinds(), kv_dtype(request.args, model)
     total, allocated = 0, 0
+    need = max(verify.slots_needed(p.max_reqs, ps, steps), runner_verify.slots_needed(p.max_reqs, ps, steps))
     if ns.num_token_slots is not None or ns.mem_bytes is not None:
-        need = max(verify.slots_needed(p.max_reqs, ps, steps), runner_verify.slots_needed(p.max_reqs, ps, steps))
         s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
                        num_token_slots=ns.num_token_slots, budget_bytes=ns.mem_bytes, source="bytes", min_slots=need,
                        min_slots_for=f"the verification batches with --decode-steps {steps}")
@@ -198,8 +198,11 @@ def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platfor
         s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
                        budget_bytes=max(budget, 0), source="mem_fraction", mem_fraction=ns.mem_fraction)
     else:
+        # the default slots too must hold the verification batches: a remedy naming only the two-page floor
+        # was not enough when followed (--page-size 4096 asked for 8192 slots, then for 24576)
         s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
-                       num_token_slots=p.num_token_slots)
+                       num_token_slots=p.num_token_slots, min_slots=need,
+                       min_slots_for=f"the verification batches with --decode-steps {steps}")
     if platform is not None:
         check_fits(s, available_bytes(platform, index), device=platform.torch_device(index), total_bytes=total,
                    allocated_bytes=allocated, mem_fraction=ns.mem_fraction)
