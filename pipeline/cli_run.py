@@ -359,7 +359,11 @@ def cmd(ns: argparse.Namespace) -> int:
         if not _ended(log):  # refused in preflight
             log.emit(ev.RunFailed, state=e.info.state, outcome="failed", error=e.info)
     except KeyboardInterrupt as e:  # SIGINT: the handler wrote run_interrupted; the unwinding released
-        error, code = error_info_from(e, log.current_state), EXIT_INTERRUPTED
+        # report the state the signal arrived in (the handler's record), not 'failed', where the unwinding ended
+        seen = next((r for r in reversed(log.records) if isinstance(r, ev.RunInterrupted)), None)
+        error = seen.error if seen is not None else error_info_from(e, next(
+            (r.state for r in reversed(log.records) if r.state != "failed"), log.current_state))
+        code = EXIT_INTERRUPTED
         if not _ended(log):
             log.emit(ev.RunInterrupted, state=log.current_state, outcome="failed", reason="signal", signal="SIGINT",
                      error=error)
