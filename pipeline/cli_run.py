@@ -12,6 +12,7 @@ the dense float64 stack reference.
 from __future__ import annotations
 
 import argparse
+import sys
 import re
 import os
 from pathlib import Path
@@ -308,6 +309,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return run
 
 
+def _print_notices(ns: argparse.Namespace, request: SetupRequest, on_gpu: bool, in_group: bool) -> None:
+    """Print :func:`pipeline.run_notices.run_notices` on stderr (never stdout: ``--json`` stays one object)."""
+    from pipeline.run_notices import run_notices
+
+    for line in run_notices(ns, request, runner_config(ns, request, on_gpu).num_layers, in_group):
+        print(f"notice: {line}", file=sys.stderr, flush=True)
+
+
 def _ended(log: Any) -> bool:
     return any(isinstance(r, (ev.RunFailed, ev.RunInterrupted)) for r in log.records)
 
@@ -334,6 +343,7 @@ def cmd(ns: argparse.Namespace) -> int:
         ns.rank, ns.world_size, ns.device = group.rank, group.world_size, group.device
     on_gpu = _on_gpu(ns.device)
     request = request_from(ns, on_gpu=on_gpu)
+    _print_notices(ns, request, on_gpu, group is not None)
     run_id = group.run_id if group is not None else new_run_id()
     log_file = log_path(ns.log_file, run_id, request.rank)
     log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))

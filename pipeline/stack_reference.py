@@ -62,7 +62,9 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor,
         return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + EPS)
 
     f = lambda t: t.detach().to("cpu", torch.float64)  # noqa: E731
-    weights = [{k: f(t) for k, t in w.items()} for w in stack.weights]   # exact: the weights are in `act`
+    if getattr(stack, "_f64_weights", None) is None:  # shared with reference_forward: exact copies of `act` weights
+        stack._f64_weights = [{k: f(t) for k, t in w.items()} for w in stack.weights]
+    weights = stack._f64_weights
     h, aux, n = f(hidden), [], hidden.shape[0]
     pos, theta = torch.arange(n), stack.spec.rope_theta
     for idx, L in enumerate(stack.layers):

@@ -52,3 +52,39 @@ def test_a_missing_log_among_several_is_refused_naming_it(command, order, tmp_pa
 @pytest.mark.parametrize("command", ["inspect", "replay", "graph"])
 def test_readable_logs_still_read(command, tmp_path, capsys):
     assert main(_reader(command, tmp_path, str(GOOD), str(GOOD))) == 0
+
+
+def _ns(**kw):
+    import argparse
+
+    base = dict(world_size=1, rank=0, decode_steps=3)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_notices_before_a_slow_or_memory_hungry_run_and_a_lone_rank():
+    """Item 8: `--num-layers 32` (13.6 GB peak measured) and `--decode-steps 100` are announced from the config;
+    item 7: `--world-size 2` outside torchrun says that one rank runs alone. Defaults stay quiet."""
+    from conftest import CONFIGS
+    from pipeline.contracts import AttentionArgs, SetupRequest
+    from pipeline.model import AttentionStack
+    from pipeline.model_spec import load_model_spec
+    from pipeline.run_notices import run_notices, weight_bytes
+
+    spec = load_model_spec(CONFIGS / "llama-3.1-8b.json")
+    req = SetupRequest(args=AttentionArgs(), model=spec, device="cpu")
+    assert run_notices(_ns(), req, 2, False) == []
+    (mem,) = run_notices(_ns(), req, 32, False)
+    assert "12.5 GiB" in mem and "--num-layers 2" in mem        # 2.5 GiB bf16 + 10.0 GiB float64
+    (steps,) = run_notices(_ns(decode_steps=100), req, 2, False)
+    assert "--decode-steps 100" in steps
+    (lone,) = run_notices(_ns(world_size=2, rank=1), req, 2, False)
+    assert "torchrun --nproc-per-node 2" in lone and "rank 1 alone" in lone
+    assert run_notices(_ns(world_size=2, rank=1), req, 2, True) == []
+    # the estimate is the stack's own size (independent count: the built tensors), MLA included
+    for cfg in ("llama-3.1-8b.json", "deepseek-v2-lite.json", "gpt-oss-20b.json"):
+        s = load_model_spec(CONFIGS / cfg)
+        import torch
+
+        st = AttentionStack(s, dtype=torch.bfloat16, device="cpu", num_layers=1)
+        no_sinks = st.param_bytes() - sum(L.sinks.numel() * L.sinks.element_size() for L in st.layers if L.sinks is not None)
+        assert weight_bytes(s, 1, "bfloat16") == (no_sinks, no_sinks * 4)
