@@ -140,7 +140,12 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
     if ns.mem_fraction is not None:
         from pipeline.pool_sizing import check_mem_fraction
 
-        check_mem_fraction(ns.mem_fraction)
+        try:
+            check_mem_fraction(ns.mem_fraction)
+        except ConfigError as e:  # "such as 0.8" is not true everywhere (0.8 of a CPU host's memory is refused)
+            raise ConfigError(f"--mem-fraction {ns.mem_fraction} is outside (0, 1]", code=e.info.code,
+                              flags=[("mem_fraction", ns.mem_fraction)], allowed=list(e.info.allowed),
+                              remedy=_fraction_remedy(ns, request, platform, index)) from None
     check_pool_for_checks(ns, request, platform, index)
     try:
         decide_offline(request, facts, installed_by_import())
@@ -148,6 +153,25 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
         # fails again in resolve or build-mode, before the pools: logged, nothing allocated
         build_attention_backends(request, log=log, rank_group=group)
         raise
+
+
+def _fraction_remedy(ns: argparse.Namespace, request: SetupRequest, platform: Any, index: int) -> str:
+    """A ``--mem-fraction`` remedy that is true on this device: the largest share (in hundredths, up to 0.9)
+    whose pools both hold the verification batches and fit its free memory (:func:`check_pool_for_checks`,
+    sizing only — nothing is allocated), or, when none does, the default sizing (drop the flag)."""
+    given = ns.mem_fraction
+    try:
+        for pct in range(90, 0, -1):
+            ns.mem_fraction = pct / 100
+            try:
+                check_pool_for_checks(ns, request, platform, index)
+            except ConfigError:
+                continue
+            return (f"pass --mem-fraction {pct / 100:g} or less (the largest share of this device's memory whose "
+                    "pools fit and hold the verification batches; sglang's mem_fraction_static), or drop it")
+    finally:
+        ns.mem_fraction = given
+    return "drop --mem-fraction (the pools are then sized from --num-token-slots)"
 
 
 def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platform: Any = None,

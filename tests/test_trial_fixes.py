@@ -88,3 +88,27 @@ def test_notices_before_a_slow_or_memory_hungry_run_and_a_lone_rank():
         st = AttentionStack(s, dtype=torch.bfloat16, device="cpu", num_layers=1)
         no_sinks = st.param_bytes() - sum(L.sinks.numel() * L.sinks.element_size() for L in st.layers if L.sinks is not None)
         assert weight_bytes(s, 1, "bfloat16") == (no_sinks, no_sinks * 4)
+
+
+def test_mem_fraction_remedy_names_a_share_that_fits_here(capsys, tmp_path):
+    """`--mem-fraction 1.5` suggested "such as 0.8", which a CPU host refuses (item 9): the remedy now names the
+    largest share in hundredths whose pools fit and hold the verification batches — checked by sizing (nothing is
+    allocated): that share passes, the next hundredth up does not (unless it is the 0.9 cap)."""
+    import argparse
+
+    from pipeline.cli import build_parser
+    from pipeline.cli_run import check_pool_for_checks, request_from
+    from pipeline.errors import ConfigError
+    from pipeline.platforms import platform_for
+
+    code, out = _run(capsys, tmp_path, "--mem-fraction", "1.5")
+    assert code == 3 and out["error"]["flags"][0]["name"] == "mem_fraction"
+    frac = float(re.search(r"--mem-fraction (0\.\d+)", out["error"]["remedy"]).group(1))
+    ns = build_parser().parse_args(["run", "--device", "cpu", "--mem-fraction", str(frac)])
+    assert isinstance(ns, argparse.Namespace)
+    req, platform = request_from(ns, on_gpu=False), platform_for("cpu")
+    check_pool_for_checks(ns, req, platform, 0)
+    if frac < 0.9:
+        ns.mem_fraction = round(frac + 0.02, 2)   # a margin: free host memory moves while the test runs
+        with pytest.raises(ConfigError):
+            check_pool_for_checks(ns, req, platform, 0)
