@@ -337,7 +337,11 @@ def _print_notices(ns: argparse.Namespace, request: SetupRequest, on_gpu: bool, 
     """Print :func:`pipeline.run_notices.run_notices` on stderr (never stdout: ``--json`` stays one object)."""
     from pipeline.run_notices import run_notices
 
-    for line in run_notices(ns, request, runner_config(ns, request, on_gpu).num_layers, in_group):
+    try:
+        lines = run_notices(ns, request, runner_config(ns, request, on_gpu).num_layers, in_group)
+    except AttnSetupError:
+        return  # a request the checks that follow refuse, with the error that names it: nothing to announce
+    for line in lines:
         print(f"notice: {line}", file=sys.stderr, flush=True)
 
 
