@@ -194,6 +194,9 @@ def _first_then_rest(runs: Iterator[Run]) -> Optional[Iterator[Run]]:
 
 
 def cmd(ns: argparse.Namespace) -> int:
+    from pipeline.log_paths import check_log_paths
+
+    check_log_paths(ns.logs)
     reader = TraceReader(ns.logs)
     runs = _first_then_rest(reader.runs())
     if runs is None:

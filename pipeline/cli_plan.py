@@ -21,8 +21,8 @@ from typing import Any, Mapping
 
 import msgspec
 
-from pipeline.contracts import DeviceFacts, Resolution, SetupRequest
-from pipeline.errors import EXIT_OK, UsageError
+from pipeline.contracts import DeviceFacts, Flag, Resolution, SetupRequest
+from pipeline.errors import EXIT_OK, AttnSetupError, UsageError
 
 PACKAGES = ("torch", "triton", "flashinfer-python")
 
@@ -36,8 +36,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     plan.add_argument("--device-profile", default="auto", metavar="NAME",
                       help=f"a named profile ({', '.join(names())}); auto = this machine via NVML/nvidia-smi")
     plan.add_argument("--installed", default=None, metavar="PKG,…",
-                      help=f"packages to assume installed, comma-separated, from {', '.join(PACKAGES)} "
-                           "(or their import names, e.g. flashinfer; default: read from package metadata, no import)")
+                      help=f"the complete set of packages to assume installed, comma-separated, from "
+                           f"{', '.join(PACKAGES)} (or their import names, e.g. flashinfer); it replaces what is "
+                           "installed here, it does not add to it: a GPU plan needs torch,triton,… too; '' = none "
+                           "(default: read from package metadata, no import)")
     return plan
 
 
@@ -65,6 +67,31 @@ def installed_from(flag: str | None) -> dict[str, bool]:
                          remedy=f"list distribution names ({', '.join(PACKAGES)}) or import names (torch, triton, "
                                 "flashinfer), comma-separated, or '' for none")
     return {p: p in canon for p in PACKAGES}
+
+
+def installed_hint(err: AttnSetupError, request: SetupRequest, device: DeviceFacts,
+                   installed: Mapping[str, bool]) -> None:
+    """When an explicit ``--installed`` set is why ``plan`` fails, point the remedy at the full set.
+
+    ``--installed`` replaces the assumed set (it does not add to what is installed here), so
+    ``--installed flashinfer`` alone lacks torch and triton. If the plan succeeds with every package
+    of :data:`PACKAGES` assumed (checked offline, no import), ``err``'s remedy becomes
+    ``pass --installed torch,triton,flashinfer`` naming what the given set lacks, and ``--installed``
+    joins its flags; otherwise packages are not the problem and ``err`` is left alone.
+    """
+    if all(installed.get(p) for p in PACKAGES):
+        return
+    try:
+        plan_report(request, device, {p: True for p in PACKAGES})
+    except AttnSetupError:
+        return
+    short = {"flashinfer-python": "flashinfer"}
+    given = ",".join(short.get(p, p) for p in PACKAGES if installed.get(p))
+    lacks = ", ".join(short.get(p, p) for p in PACKAGES if not installed.get(p))
+    remedy = (f"pass --installed {','.join(short.get(p, p) for p in PACKAGES)} (--installed replaces the assumed "
+              f"set, it does not add to it; {given or 'an empty set'} lacks {lacks})")
+    flags = [f for f in err.info.flags if f.name != "--installed"] + [Flag(name="--installed", value=given)]
+    err.info = msgspec.structs.replace(err.info, remedy=remedy, flags=flags)
 
 
 def _skips(res: Resolution, plan: Any, request: SetupRequest, device: DeviceFacts) -> list[dict[str, str]]:
@@ -120,7 +147,12 @@ def cmd(ns: argparse.Namespace) -> int:
     installed = installed_from(ns.installed)
     ns.device = device.device_str
     request = request_from(ns, on_gpu=device.type != "cpu")
-    report = plan_report(request, device, installed)
+    try:
+        report = plan_report(request, device, installed)
+    except AttnSetupError as e:
+        if ns.installed is not None:
+            installed_hint(e, request, device, installed)
+        raise
     if ns.json:
         rp.emit_json(report)
     else:

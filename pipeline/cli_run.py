@@ -12,6 +12,7 @@ the dense float64 stack reference.
 from __future__ import annotations
 
 import argparse
+import sys
 import re
 import os
 from pathlib import Path
@@ -139,7 +140,12 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
     if ns.mem_fraction is not None:
         from pipeline.pool_sizing import check_mem_fraction
 
-        check_mem_fraction(ns.mem_fraction)
+        try:
+            check_mem_fraction(ns.mem_fraction)
+        except ConfigError as e:  # "such as 0.8" is not true everywhere (0.8 of a CPU host's memory is refused)
+            raise ConfigError(f"--mem-fraction {ns.mem_fraction} is outside (0, 1]", code=e.info.code,
+                              flags=[("mem_fraction", ns.mem_fraction)], allowed=list(e.info.allowed),
+                              remedy=_fraction_remedy(ns, request, platform, index)) from None
     check_pool_for_checks(ns, request, platform, index)
     try:
         decide_offline(request, facts, installed_by_import())
@@ -147,6 +153,25 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
         # fails again in resolve or build-mode, before the pools: logged, nothing allocated
         build_attention_backends(request, log=log, rank_group=group)
         raise
+
+
+def _fraction_remedy(ns: argparse.Namespace, request: SetupRequest, platform: Any, index: int) -> str:
+    """A ``--mem-fraction`` remedy that is true on this device: the largest share (in hundredths, up to 0.9)
+    whose pools both hold the verification batches and fit its free memory (:func:`check_pool_for_checks`,
+    sizing only — nothing is allocated), or, when none does, the default sizing (drop the flag)."""
+    given = ns.mem_fraction
+    try:
+        for pct in range(90, 0, -1):
+            ns.mem_fraction = pct / 100
+            try:
+                check_pool_for_checks(ns, request, platform, index)
+            except ConfigError:
+                continue
+            return (f"pass --mem-fraction {pct / 100:g} or less (the largest share of this device's memory whose "
+                    "pools fit and hold the verification batches; sglang's mem_fraction_static), or drop it")
+    finally:
+        ns.mem_fraction = given
+    return "drop --mem-fraction (the pools are then sized from --num-token-slots)"
 
 
 def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platform: Any = None,
@@ -187,8 +212,8 @@ def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platfor
     layers = attention_prefix(model, attn)
     kinds, kvd = model.layer_kinds(), kv_dtype(request.args, model)
     total, allocated = 0, 0
+    need = max(verify.slots_needed(p.max_reqs, ps, steps), runner_verify.slots_needed(p.max_reqs, ps, steps))
     if ns.num_token_slots is not None or ns.mem_bytes is not None:
-        need = max(verify.slots_needed(p.max_reqs, ps, steps), runner_verify.slots_needed(p.max_reqs, ps, steps))
         s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
                        num_token_slots=ns.num_token_slots, budget_bytes=ns.mem_bytes, source="bytes", min_slots=need,
                        min_slots_for=f"the verification batches with --decode-steps {steps}")
@@ -198,8 +223,11 @@ def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platfor
         s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
                        budget_bytes=max(budget, 0), source="mem_fraction", mem_fraction=ns.mem_fraction)
     else:
+        # the default slots too must hold the verification batches: a remedy naming only the two-page floor
+        # was not enough when followed (--page-size 4096 asked for 8192 slots, then for 24576)
         s = size_pools(kinds, layers, kvd, page_size=ps, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
-                       num_token_slots=p.num_token_slots)
+                       num_token_slots=p.num_token_slots, min_slots=need,
+                       min_slots_for=f"the verification batches with --decode-steps {steps}")
     if platform is not None:
         check_fits(s, available_bytes(platform, index), device=platform.torch_device(index), total_bytes=total,
                    allocated_bytes=allocated, mem_fraction=ns.mem_fraction)
@@ -311,6 +339,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return run
 
 
+def _print_notices(ns: argparse.Namespace, request: SetupRequest, on_gpu: bool, in_group: bool) -> None:
+    """Print :func:`pipeline.run_notices.run_notices` on stderr (never stdout: ``--json`` stays one object)."""
+    from pipeline.run_notices import run_notices
+
+    try:
+        lines = run_notices(ns, request, runner_config(ns, request, on_gpu).num_layers, in_group)
+    except AttnSetupError:
+        return  # a request the checks that follow refuse, with the error that names it: nothing to announce
+    for line in lines:
+        print(f"notice: {line}", file=sys.stderr, flush=True)
+
+
 def _ended(log: Any) -> bool:
     return any(isinstance(r, (ev.RunFailed, ev.RunInterrupted)) for r in log.records)
 
@@ -342,6 +382,7 @@ def cmd(ns: argparse.Namespace) -> int:
         ns.rank, ns.world_size, ns.device = group.rank, group.world_size, group.device
     on_gpu = _on_gpu(ns.device)
     request = request_from(ns, on_gpu=on_gpu)
+    _print_notices(ns, request, on_gpu, group is not None)
     run_id = group.run_id if group is not None else new_run_id()
     log_file = log_path(ns.log_file, run_id, request.rank)
     log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
@@ -367,7 +408,11 @@ def cmd(ns: argparse.Namespace) -> int:
         if not _ended(log):  # refused in preflight
             log.emit(ev.RunFailed, state=e.info.state, outcome="failed", error=e.info)
     except KeyboardInterrupt as e:  # SIGINT: the handler wrote run_interrupted; the unwinding released
-        error, code = error_info_from(e, log.current_state), EXIT_INTERRUPTED
+        # report the state the signal arrived in (the handler's record), not 'failed', where the unwinding ended
+        seen = next((r for r in reversed(log.records) if isinstance(r, ev.RunInterrupted)), None)
+        error = seen.error if seen is not None else error_info_from(e, next(
+            (r.state for r in reversed(log.records) if r.state != "failed"), log.current_state))
+        code = EXIT_INTERRUPTED
         if not _ended(log):
             log.emit(ev.RunInterrupted, state=log.current_state, outcome="failed", reason="signal", signal="SIGINT",
                      error=error)

@@ -192,6 +192,9 @@ class Runner:
             from states.capability_check import model_dtype
 
             req, cfg = self.request, self.config
+            # the device must exist before weights go to it: a typed device_unavailable, as the CLI and
+            # build_attention_backends give, instead of torch's raw "Torch not compiled with CUDA enabled"
+            self.platform.device_facts(self.index)
             dtype = model_dtype(req.args, req.served_model)
             stack = AttentionStack(req.served_model, dtype=torch_dtype(dtype), num_layers=cfg.num_layers,
                                    device=self.platform.torch_device(self.index), seed=cfg.seed)
