@@ -21,7 +21,9 @@ from typing import Any, Iterator, Optional
 
 import msgspec
 
+from pipeline.cli_startup import summary_of, summary_rows
 from pipeline.errors import EXIT_FAILED, EXIT_OK
+from pipeline.events import StartupSummary
 from pipeline.model_spec import format_layer_ids
 from pipeline.trace import RankDifferences, Run, Trace, TraceReader, nothing_readable, rank_differences
 
@@ -40,7 +42,8 @@ def run_obj(run: Run) -> dict[str, Any]:
     return {"run_id": run.run_id, "rank": run.rank, "launch_id": run.launch_id, "ok": run.ok, "status": run.status,
             "last_state": run.last_state, "states": run.states(), "runner_states": run.runner_states(),
             "decisions": run.decisions(),
-            "failure": None if run.failure is None else msgspec.to_builtins(run.failure)}
+            "failure": None if run.failure is None else msgspec.to_builtins(run.failure),
+            "summary": summary_of(run.all(StartupSummary))}
 
 
 def _tail_obj(src: Any, differences: list[dict[str, Any]]) -> dict[str, Any]:
@@ -133,6 +136,12 @@ def run_lines(run: Run, colour: bool = False) -> list[str]:
     lines = [f"{head}: {status}", f"  {'state':<{w}}  {'start (ms)':>{sw}}  {'duration (ms)':>{dw}}  outcome"]
     lines += [f"  {a:<{w}}  {b:>{sw}}  {c:>{dw}}  {d}" for a, b, c, d in cells]
     lines += ["  " + _safe(line) for line in _decision_lines(run.decisions()) + explain(run)]
+    summary = summary_of(run.all(StartupSummary))
+    if summary is not None:
+        rows = summary_rows(summary)
+        pw = max(len(r[0]) for r in rows)
+        lines.append("  startup summary (seconds):")
+        lines += [_safe(f"    {a:<{pw}}  {b:>9}  {c}").rstrip() for a, b, c in rows]
     return lines
 
 
