@@ -34,6 +34,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--perfetto", metavar="OUT.json", default=None,
                    help="also write a Chrome trace-event JSON timeline (open in ui.perfetto.dev; default: none)")
+    p.add_argument("--diff", action="store_true",
+                   help="compare two starts: inspect --diff A.jsonl B.jsonl prints, per rank, each state's and "
+                        "phase's time delta (B - A) and every decision that changed; exit 0 when both read")
     return p
 
 
@@ -191,7 +194,30 @@ def _first_then_rest(runs: Iterator[Run]) -> Optional[Iterator[Run]]:
     return chain()
 
 
+def _diff(ns: argparse.Namespace) -> int:
+    """``--diff A B``: :mod:`pipeline.trace_diff`; UsageError (exit 2) unless exactly two readable logs."""
+    from pipeline.errors import UsageError
+    from pipeline.trace_diff import diff_lines, diff_logs
+
+    if len(ns.logs) != 2:
+        raise UsageError(f"--diff compares two logs, got {len(ns.logs)}", code="usage",
+                         flags=[("--diff", " ".join(ns.logs))], allowed=["exactly 2 LOG paths"],
+                         remedy="run: attn-setup inspect --diff A.jsonl B.jsonl")
+    for path in ns.logs:
+        reader = TraceReader([path])
+        if _first_then_rest(reader.runs()) is None:
+            raise nothing_readable(reader)
+    d = diff_logs(*ns.logs)
+    if ns.json:
+        sys.stdout.write(msgspec.json.encode({"diff": d}).decode() + "\n")
+    else:
+        sys.stdout.write("\n".join(diff_lines(d, _safe)) + "\n")
+    return EXIT_OK
+
+
 def cmd(ns: argparse.Namespace) -> int:
+    if getattr(ns, "diff", False):
+        return _diff(ns)
     reader = TraceReader(ns.logs)
     runs = _first_then_rest(reader.runs())
     if runs is None:
