@@ -364,6 +364,9 @@ def cmd(ns: argparse.Namespace) -> int:
     try:
         log.install_signal_handlers()
         log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
+        from pipeline.cli_startup import warn_env_lookalikes
+
+        warn_env_lookalikes(log)
         preflight(ns, request, log, group)
         runner = Runner(runner_config(ns, request, on_gpu), log=log, rank_group=group)
         runner.initialize()

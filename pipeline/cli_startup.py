@@ -43,6 +43,17 @@ def check_startup_flags(ns: argparse.Namespace) -> None:
                          remedy="give a file path in an existing directory, e.g. ./startup.prom")
 
 
+def warn_env_lookalikes(log: Any) -> None:
+    """An ``env_var_lookalike`` warning per set variable that looks like one attn-setup reads
+    (:func:`pipeline.settings.env_lookalikes`), also one ``warning:`` line each on stderr."""
+    from pipeline.settings import env_lookalikes
+
+    for name, known in env_lookalikes():
+        log.emit(ev.EnvVarLookalike, state="args", name=name, known=known)
+        print(f"warning: environment variable {name} is not one attn-setup reads; did you mean {known}?",
+              file=sys.stderr)
+
+
 def jit_reports(runner: Any) -> list[dict[str, Any]]:
     """The FlashInfer backends' ``jit_report`` entries (``{variant, status, seconds}``), each variant once."""
     backends = getattr(runner, "backends", None) if runner is not None else None

@@ -390,13 +390,22 @@ class SlowPhase(Event, tag="slow_phase", kw_only=True):
     threshold_s: float
 
 
+class EnvVarLookalike(Event, tag="env_var_lookalike", kw_only=True):
+    """A set environment variable attn-setup does not read looks like one it does (a typo that would
+    otherwise be ignored without a word): a warning naming the known variable."""
+
+    level: ClassVar[str] = "warning"
+    name: str
+    known: str
+
+
 AnyEvent = Union[
     RunStarted, StateTransition, DeviceInitialized, SettingResolved, BackendsResolved, ResolutionAgreed, BuildPlanned,
     BackendBuilt, StepSkipped, FeatureDowngraded, ReferenceFallback, LazyMemInitialized, BackendsAnnotated,
     InstanceVerified, ResourcesReleased,
     Heartbeat, RunFailed, RunFinished, RunInterrupted, RunnerStarted, RunnerTransition, DistributedInitialized,
     ModelLoaded, MemoryPoolSized, CudaGraphCaptured, ModelStepVerified, RunnerReady, CommandStarted, CommandFinished,
-    StartupSummary, SlowPhase,
+    StartupSummary, SlowPhase, EnvVarLookalike,
 ]
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
 
