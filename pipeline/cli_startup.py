@@ -77,7 +77,11 @@ def finish_startup(ns: argparse.Namespace, log: Any, runner: Any, start_ns: Opti
     except Exception:  # noqa: BLE001 - refused in preflight already; the summary still comes
         slow = None
     try:
-        summary = emit_summary(log, start_ns=start_ns, jit=jit_reports(runner), slow_s=slow)
+        jit = jit_reports(runner)
+        for j in jit:
+            log.emit(ev.JitVariantLoaded, state=log.current_state, variant=j["variant"], status=j["status"],
+                     seconds=j["seconds"], started_ns=j.get("started_ns", 0), fields=j.get("fields", {}))
+        summary = emit_summary(log, start_ns=start_ns, jit=jit, slow_s=slow)
     except Exception as e:  # noqa: BLE001 - a failed log write is already the run's error
         print(f"attn-setup: no startup summary: {type(e).__name__}: {e}", file=sys.stderr)
         return None

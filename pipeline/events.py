@@ -390,6 +390,18 @@ class SlowPhase(Event, tag="slow_phase", kw_only=True):
     threshold_s: float
 
 
+class JitVariantLoaded(Event, tag="jit_variant_loaded", kw_only=True):
+    """A FlashInfer JIT variant a backend of this run loaded: found ``cached`` or ``compiling`` (then
+    compiled), ``seconds`` from ``started_ns`` (wall clock); ``fields``: the variant's key fields (kind,
+    backend, dtypes, head dims, sliding window / softcap switches, arch). Written at the end of ``run``."""
+
+    variant: str
+    status: str
+    seconds: float
+    started_ns: Ns = 0
+    fields: dict[str, Any] = {}
+
+
 class EnvVarLookalike(Event, tag="env_var_lookalike", kw_only=True):
     """A set environment variable attn-setup does not read looks like one it does (a typo that would
     otherwise be ignored without a word): a warning naming the known variable."""
@@ -405,7 +417,7 @@ AnyEvent = Union[
     InstanceVerified, ResourcesReleased,
     Heartbeat, RunFailed, RunFinished, RunInterrupted, RunnerStarted, RunnerTransition, DistributedInitialized,
     ModelLoaded, MemoryPoolSized, CudaGraphCaptured, ModelStepVerified, RunnerReady, CommandStarted, CommandFinished,
-    StartupSummary, SlowPhase, EnvVarLookalike,
+    StartupSummary, SlowPhase, EnvVarLookalike, JitVariantLoaded,
 ]
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
 

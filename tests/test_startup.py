@@ -170,3 +170,29 @@ def test_metrics_file_unwritable_is_a_usage_error(tmp_path, bad):
     assert p.returncode == 2
     err = json.loads(p.stdout)["error"]
     assert err["flags"][0]["name"] == "--metrics-file" and "existing directory" in err["remedy"]
+
+
+def test_perfetto_slices_for_verification_model_steps_and_jit():
+    """Two ranks: each rank's track (tid = rank) has a verify slice per instance (its duration, ending at the
+    record), one model-steps slice (last verification to last step) and one slice per JIT variant from its start."""
+    from pipeline.perfetto import chrome_trace
+    from pipeline.trace import Run, Trace
+
+    runs = []
+    for rank in (0, 1):
+        recs = [r if r.rank == rank else type(r)(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "rank": rank})
+                for r in _synthetic()]
+        recs.insert(3, ev.JitVariantLoaded(ts_ns=int(101.26 * S), run_id="r", rank=rank, state="attention",
+                                           variant="prefill-fa2/bf16-bf16/d128/swa0/cap0/sm90", status="compiling",
+                                           seconds=0.02, started_ns=int(101.24 * S)))
+        runs.append(Run(run_id="r", rank=rank, records=recs))
+    evs = chrome_trace(Trace(runs=runs))["traceEvents"]
+    t0 = min(e["ts"] for e in evs if e.get("ph") == "X")
+    for rank in (0, 1):
+        mine = {e["name"]: e for e in evs if e.get("ph") == "X" and e["tid"] == rank}
+        v = mine["verify primary (torch_native)"]
+        assert v["dur"] == pytest.approx(990_000.0) and v["ts"] + v["dur"] == pytest.approx(mine["model steps"]["ts"])
+        assert mine["model steps"]["dur"] == pytest.approx(1.5e6)
+        j = mine["jit compiling prefill-fa2/bf16-bf16/d128/swa0/cap0/sm90"]
+        assert j["dur"] == pytest.approx(20_000.0) and j["ts"] - t0 == pytest.approx(
+            mine["verify primary (torch_native)"]["ts"] - t0 - (102.6 - 0.99 - 101.24) * 1e6, abs=1.0)
