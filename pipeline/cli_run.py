@@ -311,6 +311,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return run
 
 
+def _progress(ns: argparse.Namespace, log: Any, request: SetupRequest) -> Any:
+    """The terminal progress line (:mod:`pipeline.progress`), started; nothing on a non-TTY / --json / --no-progress."""
+    from pipeline.progress import progress_for
+
+    p = progress_for(ns, log, request)
+    p.__enter__()
+    return p
+
+
 def _process_start(ns: argparse.Namespace) -> Optional[int]:
     from pipeline.startup import process_start_ns
 
@@ -360,13 +369,14 @@ def cmd(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     t_start = _process_start(ns)
     error: Optional[ErrorInfo] = None
-    code, runner, verified, steps = EXIT_OK, None, [], []
+    code, runner, verified, steps, progress = EXIT_OK, None, [], [], None
     try:
         log.install_signal_handlers()
         log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
         from pipeline.cli_startup import warn_env_lookalikes
 
         warn_env_lookalikes(log)
+        progress = _progress(ns, log, request)
         preflight(ns, request, log, group)
         runner = Runner(runner_config(ns, request, on_gpu), log=log, rank_group=group)
         runner.initialize()
@@ -392,6 +402,8 @@ def cmd(ns: argparse.Namespace) -> int:
         if not _ended(log):
             log.emit(ev.RunFailed, state=log.current_state, outcome="failed", error=error)
     finally:
+        if progress is not None:
+            progress.__exit__(None, None, None)
         try:
             if runner is not None:
                 runner.close()
