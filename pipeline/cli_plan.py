@@ -38,6 +38,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     plan.add_argument("--installed", default=None, metavar="PKG,…",
                       help=f"packages to assume installed, comma-separated, from {', '.join(PACKAGES)} "
                            "(or their import names, e.g. flashinfer; default: read from package metadata, no import)")
+    from pipeline.cli_jit import add_flag
+
+    add_flag(plan)
     return plan
 
 
@@ -121,6 +124,13 @@ def cmd(ns: argparse.Namespace) -> int:
     ns.device = device.device_str
     request = request_from(ns, on_gpu=device.type != "cpu")
     report = plan_report(request, device, installed)
+    from types import SimpleNamespace
+
+    from pipeline.cli_jit import check_warm, cold_report, estimate_line
+
+    report["jit_cold"] = cold_report(request, device, SimpleNamespace(**{h: report["resolved"][h]
+                                                                         for h in ("prefill", "decode")}))
+    check_warm(ns, report["jit_cold"])
     if ns.json:
         rp.emit_json(report)
     else:
@@ -130,4 +140,7 @@ def cmd(ns: argparse.Namespace) -> int:
             f"device: {device.name or device.type} ({device.arch or device.type}) from {device.source}; "
             f"installed: {', '.join(p for p, ok in installed.items() if ok) or 'none'}")
         rp.render_tables(report, report["rejected"])
+        line = estimate_line(report["jit_cold"])
+        if line:
+            Console(highlight=False, width=120).print(line, markup=False, soft_wrap=True)
     return EXIT_OK

@@ -145,7 +145,11 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
         check_mem_fraction(ns.mem_fraction)
     check_pool_for_checks(ns, request, platform, index)
     try:
-        decide_offline(request, facts, installed_by_import())
+        res, _ = decide_offline(request, facts, installed_by_import())
+        from pipeline.cli_jit import check_warm, cold_report
+
+        if getattr(ns, "require_warm_cache", False):
+            check_warm(ns, cold_report(request, facts, res.pair))
     except ConfigError:
         # fails again in resolve or build-mode, before the pools: logged, nothing allocated
         build_attention_backends(request, log=log, rank_group=group)

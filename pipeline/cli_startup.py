@@ -24,6 +24,9 @@ def add_startup_flags(p: argparse.ArgumentParser) -> None:
                         "(default: env ATTN_SETUP_SLOW_PHASE_S, else off)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress display on a terminal (there is none on a non-TTY or with --json)")
+    from pipeline.cli_jit import add_flag
+
+    add_flag(p)
 
 
 def check_startup_flags(ns: argparse.Namespace) -> None:
