@@ -21,7 +21,9 @@ from typing import Any, Iterator, Optional
 
 import msgspec
 
+from pipeline.cli_startup import summary_of, summary_rows
 from pipeline.errors import EXIT_FAILED, EXIT_OK
+from pipeline.events import StartupSummary
 from pipeline.model_spec import format_layer_ids
 from pipeline.rank_summary import RankSummary, summary_lines
 from pipeline.trace import RankDifferences, Run, Trace, TraceReader, nothing_readable, rank_differences
@@ -33,6 +35,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--perfetto", metavar="OUT.json", default=None,
                    help="also write a Chrome trace-event JSON timeline (open in ui.perfetto.dev; default: none)")
+    p.add_argument("--diff", action="store_true",
+                   help="compare two starts: inspect --diff A.jsonl B.jsonl prints, per rank, each state's and "
+                        "phase's time delta (B - A) and every decision that changed; exit 0 when both read")
     return p
 
 
@@ -41,7 +46,8 @@ def run_obj(run: Run) -> dict[str, Any]:
     return {"run_id": run.run_id, "rank": run.rank, "launch_id": run.launch_id, "ok": run.ok, "status": run.status,
             "last_state": run.last_state, "states": run.states(), "runner_states": run.runner_states(),
             "decisions": run.decisions(),
-            "failure": None if run.failure is None else msgspec.to_builtins(run.failure)}
+            "failure": None if run.failure is None else msgspec.to_builtins(run.failure),
+            "summary": summary_of(run.all(StartupSummary))}
 
 
 def _tail_obj(src: Any, differences: list[dict[str, Any]], ranks: Optional[RankSummary] = None) -> dict[str, Any]:
@@ -144,6 +150,12 @@ def run_lines(run: Run, colour: bool = False) -> list[str]:
     lines = [f"{head}: {status}", f"  {'state':<{w}}  {'start (ms)':>{sw}}  {'duration (ms)':>{dw}}  outcome"]
     lines += [f"  {a:<{w}}  {b:>{sw}}  {c:>{dw}}  {d}" for a, b, c, d in cells]
     lines += ["  " + _safe(line) for line in _decision_lines(run.decisions()) + explain(run)]
+    summary = summary_of(run.all(StartupSummary))
+    if summary is not None:
+        rows = summary_rows(summary)
+        pw = max(len(r[0]) for r in rows)
+        lines.append("  startup summary (seconds):")
+        lines += [_safe(f"    {a:<{pw}}  {b:>9}  {c}").rstrip() for a, b, c in rows]
     return lines
 
 
@@ -193,7 +205,30 @@ def _first_then_rest(runs: Iterator[Run]) -> Optional[Iterator[Run]]:
     return chain()
 
 
+def _diff(ns: argparse.Namespace) -> int:
+    """``--diff A B``: :mod:`pipeline.trace_diff`; UsageError (exit 2) unless exactly two readable logs."""
+    from pipeline.errors import UsageError
+    from pipeline.trace_diff import diff_lines, diff_logs
+
+    if len(ns.logs) != 2:
+        raise UsageError(f"--diff compares two logs, got {len(ns.logs)}", code="usage",
+                         flags=[("--diff", " ".join(ns.logs))], allowed=["exactly 2 LOG paths"],
+                         remedy="run: attn-setup inspect --diff A.jsonl B.jsonl")
+    for path in ns.logs:
+        reader = TraceReader([path])
+        if _first_then_rest(reader.runs()) is None:
+            raise nothing_readable(reader)
+    d = diff_logs(*ns.logs)
+    if ns.json:
+        sys.stdout.write(msgspec.json.encode({"diff": d}).decode() + "\n")
+    else:
+        sys.stdout.write("\n".join(diff_lines(d, _safe)) + "\n")
+    return EXIT_OK
+
+
 def cmd(ns: argparse.Namespace) -> int:
+    if getattr(ns, "diff", False):
+        return _diff(ns)
     from pipeline.log_paths import check_log_paths
 
     check_log_paths(ns.logs)

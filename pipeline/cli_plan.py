@@ -40,6 +40,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                            f"{', '.join(PACKAGES)} (or their import names, e.g. flashinfer); it replaces what is "
                            "installed here, it does not add to it: a GPU plan needs torch,triton,… too; '' = none "
                            "(default: read from package metadata, no import)")
+    from pipeline.cli_jit import add_flag
+
+    add_flag(plan)
     return plan
 
 
@@ -153,6 +156,13 @@ def cmd(ns: argparse.Namespace) -> int:
         if ns.installed is not None:
             installed_hint(e, request, device, installed)
         raise
+    from types import SimpleNamespace
+
+    from pipeline.cli_jit import check_warm, cold_report, estimate_line
+
+    report["jit_cold"] = cold_report(request, device, SimpleNamespace(**{h: report["resolved"][h]
+                                                                         for h in ("prefill", "decode")}))
+    check_warm(ns, report["jit_cold"])
     if ns.json:
         rp.emit_json(report)
     else:
@@ -162,4 +172,7 @@ def cmd(ns: argparse.Namespace) -> int:
             f"device: {device.name or device.type} ({device.arch or device.type}) from {device.source}; "
             f"installed: {', '.join(p for p, ok in installed.items() if ok) or 'none'}")
         rp.render_tables(report, report["rejected"])
+        line = estimate_line(report["jit_cold"])
+        if line:
+            Console(highlight=False, width=120).print(line, markup=False, soft_wrap=True)
     return EXIT_OK

@@ -126,6 +126,9 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
     from pipeline.build import build_attention_backends, decide_offline, installed_by_import
     from pipeline.platforms import parse_device, platform_for
 
+    from pipeline.cli_startup import check_startup_flags
+
+    check_startup_flags(ns)
     if ns.decode_steps < 0:
         raise UsageError(f"--decode-steps {ns.decode_steps} must be >= 0", code="usage",
                          flags=[("--decode-steps", ns.decode_steps)], allowed=[">= 0"], remedy="pass --decode-steps 3")
@@ -148,7 +151,11 @@ def preflight(ns: argparse.Namespace, request: SetupRequest, log: Any, group: An
                               remedy=_fraction_remedy(ns, request, platform, index)) from None
     check_pool_for_checks(ns, request, platform, index)
     try:
-        decide_offline(request, facts, installed_by_import())
+        res, _ = decide_offline(request, facts, installed_by_import())
+        from pipeline.cli_jit import check_warm, cold_report
+
+        if getattr(ns, "require_warm_cache", False):
+            check_warm(ns, cold_report(request, facts, res.pair))
     except ConfigError:
         # fails again in resolve or build-mode, before the pools: logged, nothing allocated
         build_attention_backends(request, log=log, rank_group=group)
@@ -302,7 +309,7 @@ def _verify(backends: Any, request: SetupRequest, log: Any, decode_steps: int,
     out = []
     for r in verify_built(backends, request, pools=pools, decode_steps=decode_steps):
         log.emit(ev.InstanceVerified, state="done", outcome="ok" if r.passed else "failed", role=r.role,
-                 backend=r.backend, max_rel_err=r.max_rel_err, tol=r.tol, passed=r.passed)
+                 backend=r.backend, max_rel_err=r.max_rel_err, tol=r.tol, passed=r.passed, duration_ms=r.duration_ms)
         out.append({"role": r.role, "backend": r.backend, "max_rel_err": r.max_rel_err, "passed": r.passed,
                     "tol": r.tol, "detail": r.detail})
     return out
@@ -336,6 +343,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                              "default: unset, the pool has --num-token-slots slots)")
     budget.add_argument("--mem-bytes", type=int, default=None,
                         help="size the KV pool from this many bytes (default: unset, as --mem-fraction)")
+    from pipeline.cli_startup import add_startup_flags
+
+    add_startup_flags(run)
     return run
 
 
@@ -349,6 +359,32 @@ def _print_notices(ns: argparse.Namespace, request: SetupRequest, on_gpu: bool, 
         return  # a request the checks that follow refuse, with the error that names it: nothing to announce
     for line in lines:
         print(f"notice: {line}", file=sys.stderr, flush=True)
+
+
+def _progress(ns: argparse.Namespace, log: Any, request: SetupRequest) -> Any:
+    """The terminal progress line (:mod:`pipeline.progress`), started; nothing on a non-TTY / --json / --no-progress."""
+    from pipeline.progress import progress_for
+
+    p = progress_for(ns, log, request)
+    p.__enter__()
+    return p
+
+
+def _process_start(ns: argparse.Namespace) -> Optional[int]:
+    from pipeline.startup import process_start_ns
+
+    return process_start_ns()
+
+
+def _summary(ns: argparse.Namespace, log: Any, runner: Any, start_ns: Optional[int]) -> Any:
+    """``startup_summary`` (and ``slow_phase`` warnings, the ``--metrics-file``); never raises (an exit path)."""
+    from pipeline.cli_startup import finish_startup
+
+    return finish_startup(ns, log, runner, start_ns)
+
+
+def summary_obj(summary: Any) -> Any:
+    return None if summary is None else msgspec.to_builtins(summary)
 
 
 def _ended(log: Any) -> bool:
@@ -387,11 +423,16 @@ def cmd(ns: argparse.Namespace) -> int:
     log_file = log_path(ns.log_file, run_id, request.rank)
     log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
     t0 = time.perf_counter()
+    t_start = _process_start(ns)
     error: Optional[ErrorInfo] = None
-    code, runner, verified, steps = EXIT_OK, None, [], []
+    code, runner, verified, steps, progress = EXIT_OK, None, [], [], None
     try:
         log.install_signal_handlers()
         log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
+        from pipeline.cli_startup import warn_env_lookalikes
+
+        warn_env_lookalikes(log)
+        progress = _progress(ns, log, request)
         preflight(ns, request, log, group)
         runner = Runner(runner_config(ns, request, on_gpu), log=log, rank_group=group)
         runner.initialize()
@@ -421,6 +462,8 @@ def cmd(ns: argparse.Namespace) -> int:
         if not _ended(log):
             log.emit(ev.RunFailed, state=log.current_state, outcome="failed", error=error)
     finally:
+        if progress is not None:
+            progress.__exit__(None, None, None)
         try:
             if runner is not None:
                 runner.close()
@@ -429,16 +472,21 @@ def cmd(ns: argparse.Namespace) -> int:
         finally:
             if log.write_error is not None and code == EXIT_OK:
                 error, code = log.write_error.info, log.write_error.exit_code
+            summary = _summary(ns, log, runner, t_start)
             log.emit(ev.CommandFinished, state=log.current_state, command="run", exit_code=code,
                      duration_ms=(time.perf_counter() - t0) * 1e3)
             log.close()
             log.restore_signal_handlers()
     report = _report(log, run_id, code, verified, steps, log_file, error)
+    report["summary"] = summary_obj(summary)
     if ns.json:
         rp.emit_json(report)
     else:
         _render_runner(report, log.records, request)
         rp.render_tables({**report, "states": []})  # the setup states are in the runner timeline above
+        from pipeline.cli_startup import render_summary
+
+        render_summary(report["summary"])
         if error is not None:
             from pipeline.wording import cli_error
 

@@ -306,7 +306,8 @@ class Runner:
             m.graphs = g
             with self.log.heartbeat(f"capturing decode CUDA graphs for bs {', '.join(map(str, sizes))}"):
                 g.capture(lambda bs, ms: self.log.emit(ev.CudaGraphCaptured, state=self.state.value, bs=bs,
-                                                       capture_ms=ms, backend=out.decode_attention_backend_str))
+                                                       capture_ms=ms, backend=out.decode_attention_backend_str,
+                                                       graph_bytes=max(getattr(g, "graph_bytes", {}).get(bs, 0), 0)))
         self.machine.fire("graphs_settled")
         self.log.emit(ev.RunnerReady, state=self.state.value, duration_ms=(time.perf_counter() - self.t0) * 1e3,
                       graph_batch_sizes=sorted(self.graphs.capture_ms) if self.graphs is not None else [],

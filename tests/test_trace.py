@@ -57,6 +57,13 @@ SAMPLES = {
     ev.RunnerReady: dict(duration_ms=5.0, graph_batch_sizes=[1, 2], rank_agreement="single rank"),
     ev.CommandStarted: dict(command="run", argv=["--device", "cpu"]),
     ev.CommandFinished: dict(command="run", exit_code=0, duration_ms=12.0),
+    ev.StartupSummary: dict(wall_s=9.5, phases=[ev.PhaseTime(name="startup", seconds=0.7),
+                                                ev.PhaseTime(name="resolve", seconds=0.003, parent="attention")],
+                            unaccounted_s=0.01, coverage=0.99, process_start_ns=5),
+    ev.SlowPhase: dict(phase="load-model", seconds=31.0, threshold_s=30.0),
+    ev.EnvVarLookalike: dict(name="SGLANG_FLASHINFER_WORKSPACE_SIZ", known="SGLANG_FLASHINFER_WORKSPACE_SIZE"),
+    ev.JitVariantLoaded: dict(variant="decode-cuda_core/bf16-bf16/d128/swa0/cap0/sm90", status="compiling",
+                              seconds=18.5, started_ns=7, fields={"arch": "sm90", "head_dim_qk": 128}),
 }
 
 
