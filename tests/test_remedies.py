@@ -155,8 +155,11 @@ def _run_only(case: dict) -> bool:
 
 
 def _profile_plan(case: dict) -> bool:
-    """A ``plan`` case on a named GPU profile whose refusal is a backend's (resolve): its remedy names backends."""
+    """A ``plan`` case on a named GPU profile whose refusal is a backend's (resolve): its remedy names backends.
+    A refusal for what ``--installed`` leaves out is the CLI's (its remedy is the ``--installed`` set that plans,
+    followed through ``main`` below)."""
     return (case.get("command") == "plan" and not case.get("env") and not case.get("unset")
+            and case.get("flag") != "--installed"
             and case.get("code") == "capability_mismatch" and "--device-profile" in case["argv"])
 
 
