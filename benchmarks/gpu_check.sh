@@ -14,14 +14,17 @@
 #   triton     benchmarks/triton_kernels.py --sweep and benchmarks/mla_decode.py --sweep (FlashInfer modules warmed and
 #              our variants precompiled in parallel first)                              -> triton_kernels.*, mla_*
 #   mla-fp8    benchmarks/flashinfer_mla_fp8.py (FlashInfer MLA and fp8-KV decode tables) -> flashinfer_mla_fp8.*
+#   startup    startup accounting with a cold then a warm FlashInfer JIT cache (benchmarks/startup_coverage.py),
+#              plan --require-warm-cache before (exit 3) and after warmup (exit 0), tests/gpu/test_startup_gpu.py
+#                                                                                       -> startup.log
 #   save-aot   pack the compiled FlashInfer JIT modules into $OUT/fi-aot.txz.part-* (carry them back into .whl/)
 # Every part first restores the carried FlashInfer AOT modules (.whl/fi-aot.tgz.part-* or .whl/fi-aot.txz.part-*)
 # so nothing is JIT-compiled that was compiled before; every step has a hard timeout. $OUT/summary.txt collects the
 # lines that say pass/fail and the tables.
-PART=${1:?usage: gpu_check.sh tests|kernels|runs|bundled|bench|triton|mla-fp8|save-aot OUTDIR}
+PART=${1:?usage: gpu_check.sh tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|save-aot OUTDIR}
 OUT=${2:?usage: gpu_check.sh PART OUTDIR}
-case $PART in tests|kernels|runs|bundled|bench|triton|mla-fp8|save-aot) ;;
-  *) echo "unknown part '$PART' (tests|kernels|runs|bundled|bench|triton|mla-fp8|save-aot)" >&2; exit 2 ;; esac
+case $PART in tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|save-aot) ;;
+  *) echo "unknown part '$PART' (tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|save-aot)" >&2; exit 2 ;; esac
 mkdir -p "$OUT"; S=$OUT/summary.txt; T0=$(date +%s)
 el(){ echo "$(( $(date +%s) - T0 )) s"; }
 note(){ echo "$*" | tee -a "$S"; }
@@ -93,6 +96,23 @@ case $PART in
   mla-fp8)
     timeout 400 python3 benchmarks/flashinfer_mla_fp8.py --out "$OUT" > "$OUT/flashinfer_mla_fp8.log" 2>&1
     note "flashinfer_mla_fp8 rc=$? at $(el)"; tail -n 45 "$OUT/flashinfer_mla_fp8.log" >> "$S" ;;
+  startup)
+    ( export FLASHINFER_WORKSPACE_BASE=$(mktemp -d)   # an empty FlashInfer JIT cache: the first run compiles
+      F="--attention-backend flashinfer --cuda-graph-bs 1 2 4 8"
+      echo "== plan, cold cache (expect exit 3, cold_jit_cache)"
+      timeout 60 python3 -m pipeline.cli plan --device-profile auto $F --require-warm-cache --json | head -c 1500
+      echo " rc=${PIPESTATUS[0]}"
+      echo "== coverage, cold cache (compiles)"
+      timeout 200 python3 benchmarks/startup_coverage.py --device cuda --extra="$F" --configs llama-3.1-8b
+      echo "== coverage, warm cache (the same variants, now cached)"
+      timeout 120 python3 benchmarks/startup_coverage.py --device cuda --extra="$F" --configs llama-3.1-8b
+      echo "== warmup (records compile seconds), then plan --require-warm-cache (expect exit 0)"
+      timeout 120 python3 -m pipeline.cli warmup $F --json | head -c 1500; echo
+      timeout 60 python3 -m pipeline.cli plan --device-profile auto $F --require-warm-cache >/dev/null; echo "plan rc=$?"
+      echo "== GPU test"
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_startup_gpu.py -s 2>&1 | tail -5
+    ) > "$OUT/startup.log" 2>&1
+    note "startup at $(el)"; grep -E "rc=|coverage|unaccounted|passed|failed" "$OUT/startup.log" >> "$S" ;;
   save-aot)
     st=/tmp/aotstage; rm -rf $st; mkdir -p $st; cp -r $AOT/. $st/ 2>/dev/null
     for so in $(find "${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}/.cache" -path '*cached_ops*' -name '*.so' 2>/dev/null); do

@@ -63,6 +63,10 @@ def _check_error(err: dict, case: dict) -> None:
         assert err["json_path"] == case["json_path"], err
     if case.get("flag"):
         assert case["flag"] in [f["name"] for f in err["flags"]], err["flags"]
+    if case.get("state"):  # the state the error names, in ErrorInfo.state and in its message
+        assert err["state"] == case["state"] and "in state failed" not in err["message"], err
+    if case.get("remedy_has"):
+        assert case["remedy_has"] in err["remedy"], err["remedy"]
 
 
 def _setup(case: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

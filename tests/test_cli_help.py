@@ -177,7 +177,8 @@ def test_run_human_output_names_the_model_and_nests_the_setup_states(capsys, tmp
     assert re.search(r"model: llama \(LlamaForCausalLM\) from \S+llama-3\.1-8b\.json; draft worker serving the draft "
                      r"model: qwen3 \(Qwen3ForCausalLM\) from \S+qwen3-8b\.json, 1 of 36 layers built", out), out
     assert re.search(r"KV pool: 1024 token slots x [\d.]+ KiB = [\d.]+ MiB", out)
-    rows = re.findall(r"│ ((?:  └ )?[a-z-]+) +│ (\w+)", out)
+    rows = re.findall(r"│ ((?:  └ )?[a-z-]+) +│ (\w+)", out.split("startup summary")[0])  # the timeline table
+    assert "startup summary" in out
     order = [r[0] for r in rows if r[0].strip("└ ") in (
         "init-distributed", "load-model", "init-memory-pool", "attention", "device-init", "resolve", "build-mode",
         "npu-lazy-mem", "annotate", "done", "capture-cuda-graphs", "ready")]

@@ -58,8 +58,9 @@ def test_run_outcome_per_config(config, tmp_path):
     out = json.loads(proc.stdout)
     assert out["ok"] is (code == 0)
     assert set(out) == {"ok", "run_id", "states", "resolved", "plan", "skips", "warnings", "verified", "log_file",
-                        "error", "runner_states", "model_steps"}
+                        "error", "runner_states", "model_steps", "summary"}
     records = [ev.decode_line(l) for l in Path(out["log_file"]).read_bytes().splitlines()]
+    check_summary(records, out["summary"])
     assert all(r.run_id == out["run_id"] for r in records)
     transitions = [r for r in records if isinstance(r, ev.StateTransition)]
     if code == 0:
@@ -83,6 +84,38 @@ def test_run_outcome_per_config(config, tmp_path):
         assert transitions[-1].to == "failed"
         assert not any(isinstance(r, ev.BackendBuilt) for r in records)
         assert any(isinstance(r, ev.RunFailed) and r.error.code == out["error"]["code"] for r in records)
+
+
+def check_summary(records, summary):
+    """The startup_summary against the records it came from, recomputed here: it is the last record before
+    command_finished and equals --json's ``summary``; each runner state's phase is its transition's duration,
+    each setup state's its state_transition's, each instance's its instance_verified's; ``startup`` runs from
+    the process start to command_started; top-level phases + unaccounted = wall = process start to the summary."""
+    import msgspec
+
+    s = records[-2]
+    assert isinstance(s, ev.StartupSummary) and isinstance(records[-1], ev.CommandFinished)
+    assert msgspec.to_builtins(s) == summary
+    top = {p.name: p.seconds for p in s.phases if not p.parent}
+    runner = False  # setup states logged by a preflight refusal belong to preflight
+    for r in records:
+        runner = runner or isinstance(r, ev.RunnerStarted)
+        if isinstance(r, ev.RunnerTransition):
+            assert top[r.from_state] == pytest.approx(r.duration_ms / 1e3, abs=1e-6)
+        if isinstance(r, ev.StateTransition):
+            assert any(p.parent == ("attention" if runner else "preflight") and p.name == r.from_state
+                       and p.seconds == pytest.approx(r.duration_ms / 1e3, abs=1e-6) for p in s.phases)
+        if isinstance(r, ev.InstanceVerified):
+            assert any(p.parent == "verification" and p.name == r.role and r.duration_ms > 0
+                       and p.seconds == pytest.approx(r.duration_ms / 1e3, abs=1e-6) for p in s.phases)
+    cmd = next(r for r in records if isinstance(r, ev.CommandStarted))
+    assert s.process_start_ns > 0 and top["startup"] == pytest.approx((cmd.ts_ns - s.process_start_ns) / 1e9, abs=1e-5)
+    # wall_s ends when the summary is taken; the record is stamped when written, after the phases are summed
+    # (microseconds, or a few ms when the 2-core machine is busy)
+    assert 0 <= (s.ts_ns - s.process_start_ns) / 1e9 - s.wall_s < 0.1
+    assert sum(top.values()) + s.unaccounted_s == pytest.approx(s.wall_s, abs=1e-4)
+    assert all(p.seconds >= 0 for p in s.phases)
+    assert abs(s.unaccounted_s) < 0.25  # the gaps between named phases are small (in-process: no exit to cover)
 
 
 def test_log_file_placeholders(tmp_path):
@@ -143,7 +176,7 @@ def test_mem_bytes_too_small_is_refused_before_the_model_loads(tmp_path, capsys)
     assert out["error"]["code"] == "pool_budget_too_small" and out["error"]["flags"][0] == {"name": "mem_bytes", "value": 1000}
     events = [json.loads(x)["event"] for x in log.read_text().splitlines()]
     assert "model_loaded" not in events and "runner_started" not in events
-    assert events[-2:] == ["run_failed", "command_finished"]  # the refusal, then the launch's exit code
+    assert events[-3:] == ["run_failed", "startup_summary", "command_finished"]  # the refusal, the summary, the exit code
 
 
 def test_pool_must_hold_the_verification_batches_before_the_model_loads(tmp_path, capsys):

@@ -89,11 +89,12 @@ def test_one_rank_refused_fails_the_other_too(launched):
 
 
 def test_absent_rank_times_out_instead_of_hanging(launched):
-    """Rank 1 never joins: rank 0 raises rank_exchange_failed after the timeout, naming rank 1."""
+    """Rank 1 never joins: rank 0 raises rank_stalled (a rank_exchange_failed kind) after the timeout, naming rank 1."""
     r0, r1 = results(launched, "absent")
-    assert r1.get("skipped") and r0["type"] == "RankExchangeError" and r0["exit_code"] == 1
+    assert r1.get("skipped") and r0["type"] == "RankStalled" and r0["exit_code"] == 1
     assert EXCHANGE_TIMEOUT_S * 0.9 < r0["seconds"] < EXCHANGE_TIMEOUT_S + 10
-    assert "Ranks 1 failed to pass monitoredBarrier" in r0["error"]["message"]
+    flags = {f["name"]: f["value"] for f in r0["error"]["flags"]}
+    assert flags["stalled_rank"] == 1 and "for rank 1:" in r0["error"]["message"]
 
 
 def _facts(idx: int, kind: str = "cuda") -> DeviceFacts:

@@ -198,3 +198,21 @@ def test_run_ignores_a_disagreement_that_changes_nothing():
                                  metadata=meta, imported={**meta, "flashinfer-python": False})
     assert msgspec.to_builtins(res.pair) == {"prefill": "torch_native", "decode": "torch_native",
                                              "is_draft_override": False}
+
+
+def test_installed_remedy_is_true_when_followed(capsys):
+    """--installed replaces the assumed set: `--installed flashinfer` on h200 is refused with a remedy naming the
+    full set, and following that remedy plans (exit 0) on FlashInfer (trial #1, item 3)."""
+    import json
+
+    from pipeline.cli import main
+
+    for given in ("flashinfer", "", "triton"):
+        assert main(["plan", "--json", "--device-profile", "h200", "--installed", given]) == 3
+        err = json.loads(capsys.readouterr().out)["error"]
+        assert "replaces the assumed set" in err["remedy"]
+        fix = err["remedy"].split("pass --installed ", 1)[1].split(" ", 1)[0]
+        assert fix == "torch,triton,flashinfer"
+        assert main(["plan", "--json", "--device-profile", "h200", "--installed", fix]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["ok"] and out["installed"] == {"torch": True, "triton": True, "flashinfer-python": True}

@@ -136,7 +136,8 @@ def test_forced_names_on_every_profile_and_model():
 # variables, the machine's memory, flags only `run` has): checked through `run` with their environment, as
 # tests/test_bad_inputs.py runs them — their remedies must name no backend (none is the fix) and no list repr.
 RUN_ONLY = {"page_size_text", "unknown_flag", "device_bogus", "draft_model_without_draft_worker",
-            "model_missing_file", "model_is_directory", "num_layers_beyond_attention_layers", "max_context_len_one"}
+            "model_missing_file", "model_is_directory", "num_layers_beyond_attention_layers", "max_context_len_one",
+            "page_size_4096_default_slots"}  # its remedy is followed in test_trial_fixes.py
 RUN_ONLY_CODES = {"pool_exceeds_memory", "workspace_exceeds_memory"}
 
 
@@ -154,8 +155,11 @@ def _run_only(case: dict) -> bool:
 
 
 def _profile_plan(case: dict) -> bool:
-    """A ``plan`` case on a named GPU profile whose refusal is a backend's (resolve): its remedy names backends."""
+    """A ``plan`` case on a named GPU profile whose refusal is a backend's (resolve): its remedy names backends.
+    A refusal for what ``--installed`` leaves out is the CLI's (its remedy is the ``--installed`` set that plans,
+    followed through ``main`` below)."""
     return (case.get("command") == "plan" and not case.get("env") and not case.get("unset")
+            and case.get("flag") != "--installed"
             and case.get("code") == "capability_mismatch" and "--device-profile" in case["argv"])
 
 
@@ -186,6 +190,12 @@ def test_every_corpus_refusal_has_a_true_remedy(case, tmp_path, capsys, monkeypa
                 else [command, "--json"])
         code = main([*head, *argv])
         err = json.loads(capsys.readouterr().out)["error"]
+        if command == "plan" and err["remedy"].startswith("pass --installed "):  # follow it: it must plan
+            fix = err["remedy"].split()[2]
+            at = argv.index("--installed")
+            assert main([*head, *argv[:at], "--installed", fix, *argv[at + 2:]]) == 0
+            capsys.readouterr()
+            return
         assert code == case["exit"] and not backends_named(err["remedy"])
         assert not LIST_REPR.search(SHOWN_CONFIG_VALUE.sub("", err["message"]))
         return

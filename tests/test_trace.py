@@ -45,6 +45,10 @@ SAMPLES = {
                          aux_hidden_state_layers=[0, 1]),
     ev.MemoryPoolSized: dict(source="bytes", budget_bytes=1 << 20, bytes_per_token=8, num_token_slots=64, max_reqs=2,
                              max_context_len=16, page_size=1, req_to_token_bytes=128, kv_bytes=512),
+    ev.RankStalled: dict(stalled_rank=1, last_state="resolve", seconds_since_heartbeat=0.25,
+                         doing="compiling FlashInfer JIT variant decode-cuda_core/bf16-bf16/d128",
+                         waiting_at="the resolution exchange", waited_s=3.1),
+    ev.MemoryBalanced: dict(free_bytes=[80 << 30, 79 << 30], max_imbalance=0.1, duration_ms=1.5),
     ev.ResolutionAgreed: dict(world_size=2, table=[ev.RankRow(rank=r, host="h", device=f"cuda:{r}", prefill="fa3",
                                                            decode="fa3") for r in (0, 1)], duration_ms=1.5),
     ev.CudaGraphCaptured: dict(bs=8, capture_ms=12.5, backend="flashinfer"),
@@ -53,6 +57,13 @@ SAMPLES = {
     ev.RunnerReady: dict(duration_ms=5.0, graph_batch_sizes=[1, 2], rank_agreement="single rank"),
     ev.CommandStarted: dict(command="run", argv=["--device", "cpu"]),
     ev.CommandFinished: dict(command="run", exit_code=0, duration_ms=12.0),
+    ev.StartupSummary: dict(wall_s=9.5, phases=[ev.PhaseTime(name="startup", seconds=0.7),
+                                                ev.PhaseTime(name="resolve", seconds=0.003, parent="attention")],
+                            unaccounted_s=0.01, coverage=0.99, process_start_ns=5),
+    ev.SlowPhase: dict(phase="load-model", seconds=31.0, threshold_s=30.0),
+    ev.EnvVarLookalike: dict(name="SGLANG_FLASHINFER_WORKSPACE_SIZ", known="SGLANG_FLASHINFER_WORKSPACE_SIZE"),
+    ev.JitVariantLoaded: dict(variant="decode-cuda_core/bf16-bf16/d128/swa0/cap0/sm90", status="compiling",
+                              seconds=18.5, started_ns=7, fields={"arch": "sm90", "head_dim_qk": 128}),
 }
 
 

@@ -223,10 +223,12 @@ def ensure_compiled(v: Variant, *, heartbeat_s: float = 10.0, loader: Optional[C
     loader, cached = loader or load_variant, cached or is_cached
     status = "cached" if cached(v) else "compiling"
     log.info("jit_variant", status=status, **v.fields())
-    t0 = time.monotonic()
+    started_ns, t0 = time.time_ns(), time.monotonic()
     try:
         if status == "compiling":
-            with heartbeat(v.name, heartbeat_s, log=log):
+            from pipeline.core.heartbeat import doing  # many ranks: peers waiting on this one see what it compiles
+
+            with heartbeat(v.name, heartbeat_s, log=log), doing(f"compiling FlashInfer JIT variant {v.name}"):
                 loader(v)
         else:
             loader(v)
@@ -235,7 +237,7 @@ def ensure_compiled(v: Variant, *, heartbeat_s: float = 10.0, loader: Optional[C
         raise
     dt = round(time.monotonic() - t0, 3)
     log.info("jit_variant_ready", variant=v.name, status=status, seconds=dt)
-    return {"variant": v.name, "status": status, "seconds": dt}
+    return {"variant": v.name, "status": status, "seconds": dt, "started_ns": started_ns, "fields": v.fields()}
 
 
 def _compile_in_child(fields: dict[str, Any]) -> dict[str, Any]:

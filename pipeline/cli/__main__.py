@@ -1,7 +1,5 @@
-"""``python -m pipeline.cli``: the ``attn-setup`` command line."""
+"""``python -m pipeline.cli``: the ``attn-setup`` command line (:func:`pipeline.cli.entry`: main, then a fast exit)."""
 
-import sys
+from pipeline.cli import entry
 
-from pipeline.cli import main
-
-sys.exit(main())
+entry()

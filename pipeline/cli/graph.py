@@ -134,6 +134,9 @@ def cmd(ns: argparse.Namespace) -> int:
         raise UsageError(f"writing {ext} needs Graphviz's 'dot' program, which is not on PATH", code="graphviz_missing",
                          flags=[("-o", ns.output)], allowed=[".mmd", ".dot"],
                          remedy="install Graphviz (apt-get install graphviz / brew install graphviz), or use -o FILE.mmd")
+    from pipeline.cli.log_paths import check_log_paths
+
+    check_log_paths(ns.logs)
     taken, failed = path_of(ns.logs, ns.rank, ns.machine)
     if ns.logs and not taken:
         what = ("the runner machine (a pipeline run from code has no runner; the setup machine is drawn with "

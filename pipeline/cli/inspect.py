@@ -21,8 +21,11 @@ from typing import Any, Iterator, Optional
 
 import msgspec
 
+from pipeline.cli.startup import summary_of, summary_rows
 from pipeline.core.errors import EXIT_FAILED, EXIT_OK
+from pipeline.core.events import StartupSummary
 from pipeline.core.model_spec import format_layer_ids
+from pipeline.observe.rank_summary import RankSummary, summary_lines
 from pipeline.observe.ranks import RankDifferences, rank_differences
 from pipeline.observe.trace import Run, Trace, TraceReader, nothing_readable
 
@@ -33,6 +36,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--perfetto", metavar="OUT.json", default=None,
                    help="also write a Chrome trace-event JSON timeline (open in ui.perfetto.dev; default: none)")
+    p.add_argument("--diff", action="store_true",
+                   help="compare two starts: inspect --diff A.jsonl B.jsonl prints, per rank, each state's and "
+                        "phase's time delta (B - A) and every decision that changed; exit 0 when both read")
     return p
 
 
@@ -41,18 +47,29 @@ def run_obj(run: Run) -> dict[str, Any]:
     return {"run_id": run.run_id, "rank": run.rank, "launch_id": run.launch_id, "ok": run.ok, "status": run.status,
             "last_state": run.last_state, "states": run.states(), "runner_states": run.runner_states(),
             "decisions": run.decisions(),
-            "failure": None if run.failure is None else msgspec.to_builtins(run.failure)}
+            "failure": None if run.failure is None else msgspec.to_builtins(run.failure),
+            "summary": summary_of(run.all(StartupSummary))}
 
 
-def _tail_obj(src: Any, differences: list[dict[str, Any]]) -> dict[str, Any]:
+def _tail_obj(src: Any, differences: list[dict[str, Any]], ranks: Optional[RankSummary] = None) -> dict[str, Any]:
+    ranks = ranks or RankSummary()
     return {"skipped_lines": src.skipped_lines,
             "skipped": [{"path": s.path, "line": s.line, "reason": s.reason} for s in src.skipped],
-            "unreadable_files": src.unreadable_files, "rank_differences": differences}
+            "unreadable_files": src.unreadable_files, "rank_differences": differences,
+            "ranks": ranks.ranks, "critical_path": ranks.paths}
+
+
+def _summary(runs: list[Run]) -> RankSummary:
+    s = RankSummary()
+    for r in runs:
+        s.add(r)
+    return s.finish()
 
 
 def report_obj(trace: Trace) -> dict[str, Any]:
     """The whole ``--json`` object of a trace read into memory (``cmd`` streams the same shape)."""
-    return {"runs": [run_obj(r) for r in trace.runs], **_tail_obj(trace, rank_differences(trace))}
+    return {"runs": [run_obj(r) for r in trace.runs],
+            **_tail_obj(trace, rank_differences(trace), _summary(trace.runs))}
 
 
 def explain(run: Run) -> list[str]:
@@ -134,6 +151,12 @@ def run_lines(run: Run, colour: bool = False) -> list[str]:
     lines = [f"{head}: {status}", f"  {'state':<{w}}  {'start (ms)':>{sw}}  {'duration (ms)':>{dw}}  outcome"]
     lines += [f"  {a:<{w}}  {b:>{sw}}  {c:>{dw}}  {d}" for a, b, c, d in cells]
     lines += ["  " + _safe(line) for line in _decision_lines(run.decisions()) + explain(run)]
+    summary = summary_of(run.all(StartupSummary))
+    if summary is not None:
+        rows = summary_rows(summary)
+        pw = max(len(r[0]) for r in rows)
+        lines.append("  startup summary (seconds):")
+        lines += [_safe(f"    {a:<{pw}}  {b:>9}  {c}").rstrip() for a, b, c in rows]
     return lines
 
 
@@ -142,9 +165,9 @@ def render_run(out: Any, run: Run, colour: bool = False) -> None:
     out.write("\n".join(run_lines(run, colour)) + "\n")
 
 
-def render_tail(out: Any, src: Any, differences: list[dict[str, Any]]) -> None:
-    """Rank differences and the skipped-lines summary."""
-    lines = []
+def render_tail(out: Any, src: Any, differences: list[dict[str, Any]], ranks: Optional[RankSummary] = None) -> None:
+    """Per-rank last states, waits and the critical path (several ranks), rank differences, skipped lines."""
+    lines = [_safe(x) for x in summary_lines(ranks)] if ranks is not None else []
     for d in differences:
         vals = ", ".join(f"rank {k}: {v!r}" for k, v in d["values"].items())
         lines.append(_safe(f"ranks differ in run {d['run_id']}: {d['key']}: {vals}"))
@@ -167,7 +190,7 @@ def render(trace: Trace) -> None:
     """Every run of a trace read into memory, then the tail (``cmd`` streams the same output)."""
     for run in trace.runs:
         render_run(sys.stdout, run, _is_tty(sys.stdout))
-    render_tail(sys.stdout, trace, rank_differences(trace))
+    render_tail(sys.stdout, trace, rank_differences(trace), _summary(trace.runs))
 
 
 def _first_then_rest(runs: Iterator[Run]) -> Optional[Iterator[Run]]:
@@ -183,7 +206,33 @@ def _first_then_rest(runs: Iterator[Run]) -> Optional[Iterator[Run]]:
     return chain()
 
 
+def _diff(ns: argparse.Namespace) -> int:
+    """``--diff A B``: :mod:`pipeline.observe.trace_diff`; UsageError (exit 2) unless exactly two readable logs."""
+    from pipeline.core.errors import UsageError
+    from pipeline.observe.trace_diff import diff_lines, diff_logs
+
+    if len(ns.logs) != 2:
+        raise UsageError(f"--diff compares two logs, got {len(ns.logs)}", code="usage",
+                         flags=[("--diff", " ".join(ns.logs))], allowed=["exactly 2 LOG paths"],
+                         remedy="run: attn-setup inspect --diff A.jsonl B.jsonl")
+    for path in ns.logs:
+        reader = TraceReader([path])
+        if _first_then_rest(reader.runs()) is None:
+            raise nothing_readable(reader)
+    d = diff_logs(*ns.logs)
+    if ns.json:
+        sys.stdout.write(msgspec.json.encode({"diff": d}).decode() + "\n")
+    else:
+        sys.stdout.write("\n".join(diff_lines(d, _safe)) + "\n")
+    return EXIT_OK
+
+
 def cmd(ns: argparse.Namespace) -> int:
+    if getattr(ns, "diff", False):
+        return _diff(ns)
+    from pipeline.cli.log_paths import check_log_paths
+
+    check_log_paths(ns.logs)
     reader = TraceReader(ns.logs)
     runs = _first_then_rest(reader.runs())
     if runs is None:
@@ -202,15 +251,16 @@ def cmd(ns: argparse.Namespace) -> int:
                              flags=[("--perfetto", ns.perfetto)], remedy="pick a writable file path") from None
         if not ns.json:
             print(f"perfetto: wrote {n} trace events to {ns.perfetto}", file=sys.stderr)
-    diffs, ok = RankDifferences(), True
+    diffs, ok, ranks = RankDifferences(), True, RankSummary()
     if ns.json:
         out = sys.stdout
         out.write('{"runs":[')
         for i, run in enumerate(runs):
             diffs.add(run)
+            ranks.add(run)
             ok &= run.ok
             out.write(("," if i else "") + msgspec.json.encode(run_obj(run)).decode())
-        tail = msgspec.json.encode(_tail_obj(reader, diffs.finish())).decode()
+        tail = msgspec.json.encode(_tail_obj(reader, diffs.finish(), ranks.finish())).decode()
         out.write("]," + tail[1:] + "\n")
         out.flush()
     else:
@@ -218,8 +268,9 @@ def cmd(ns: argparse.Namespace) -> int:
         colour = _is_tty(out)
         for run in runs:
             diffs.add(run)
+            ranks.add(run)
             ok &= run.ok
             render_run(out, run, colour)
-        render_tail(out, reader, diffs.finish())
+        render_tail(out, reader, diffs.finish(), ranks.finish())
         out.flush()
     return EXIT_OK if ok else EXIT_FAILED

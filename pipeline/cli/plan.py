@@ -22,8 +22,7 @@ from typing import Any, Mapping
 import msgspec
 
 from pipeline.core.contracts import DeviceFacts, Resolution, SetupRequest
-from pipeline.core.errors import EXIT_OK, UsageError
-
+from pipeline.core.errors import EXIT_OK, AttnSetupError, Flag, UsageError
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -36,8 +35,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     plan.add_argument("--device-profile", default="auto", metavar="NAME",
                       help=f"a named profile ({', '.join(names())}); auto = this machine via NVML/nvidia-smi")
     plan.add_argument("--installed", default=None, metavar="PKG,…",
-                      help=f"packages to assume installed, comma-separated, from {', '.join(packages.names())} "
-                           "(or their import names; default: read from package metadata, no import)")
+                      help=f"the complete set of packages to assume installed, comma-separated, from "
+                           f"{', '.join(packages.names())} (or their import names); it replaces what is installed "
+                           "here, it does not add to it: a GPU plan needs torch,triton,… too; '' = none "
+                           "(default: read from package metadata, no import)")
+    from pipeline.cli.jit import add_flag
+
+    add_flag(plan)
     return plan
 
 
@@ -64,6 +68,34 @@ def installed_from(flag: str | None) -> dict[str, bool]:
                          remedy=f"list distribution names ({', '.join(dists)}) or import names ({', '.join(imports)}), "
                                 "comma-separated, or '' for none")
     return {p: p in canon for p in dists}
+
+
+def installed_hint(err: AttnSetupError, request: SetupRequest, device: DeviceFacts,
+                   installed: Mapping[str, bool]) -> None:
+    """When an explicit ``--installed`` set is why ``plan`` fails, point the remedy at the full set.
+
+    ``--installed`` replaces the assumed set (it does not add to what is installed here), so
+    ``--installed flashinfer`` alone lacks torch and triton. If the plan succeeds with every package
+    of :func:`pipeline.backends.packages.names` assumed (checked offline, no import), ``err``'s remedy becomes
+    ``pass --installed torch,triton,flashinfer`` (import names) naming what the given set lacks, and
+    ``--installed`` joins its flags; otherwise packages are not the problem and ``err`` is left alone.
+    """
+    from pipeline.backends import packages
+
+    dists = packages.names()
+    if all(installed.get(p) for p in dists):
+        return
+    try:
+        plan_report(request, device, {p: True for p in dists})
+    except AttnSetupError:
+        return
+    short = packages.import_name
+    given = ",".join(short(p) for p in dists if installed.get(p))
+    lacks = ", ".join(short(p) for p in dists if not installed.get(p))
+    remedy = (f"pass --installed {','.join(short(p) for p in dists)} (--installed replaces the assumed "
+              f"set, it does not add to it; {given or 'an empty set'} lacks {lacks})")
+    flags = [f for f in err.info.flags if f.name != "--installed"] + [Flag(name="--installed", value=given)]
+    err.info = msgspec.structs.replace(err.info, remedy=remedy, flags=flags)
 
 
 def skips_of(decided: Any) -> list[dict[str, str]]:
@@ -116,7 +148,19 @@ def cmd(ns: argparse.Namespace) -> int:
     installed = installed_from(ns.installed)
     ns.device = device.device_str
     request = request_from(ns, on_gpu=device.type != "cpu")
-    report = plan_report(request, device, installed)
+    try:
+        report = plan_report(request, device, installed)
+    except AttnSetupError as e:
+        if ns.installed is not None:
+            installed_hint(e, request, device, installed)
+        raise
+    from types import SimpleNamespace
+
+    from pipeline.cli.jit import check_warm, cold_report, estimate_line
+
+    report["jit_cold"] = cold_report(request, device, SimpleNamespace(**{h: report["resolved"][h]
+                                                                         for h in ("prefill", "decode")}))
+    check_warm(ns, report["jit_cold"])
     if ns.json:
         rp.emit_json(report)
     else:
@@ -126,4 +170,7 @@ def cmd(ns: argparse.Namespace) -> int:
             f"device: {device.name or device.type} ({device.arch or device.type}) from {device.source}; "
             f"installed: {', '.join(p for p, ok in installed.items() if ok) or 'none'}")
         rp.render_tables(report, report["rejected"])
+        line = estimate_line(report["jit_cold"])
+        if line:
+            Console(highlight=False, width=120).print(line, markup=False, soft_wrap=True)
     return EXIT_OK

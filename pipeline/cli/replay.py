@@ -26,6 +26,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def cmd(ns: argparse.Namespace) -> int:
     from pipeline.observe.replay import replay
 
+    from pipeline.cli.log_paths import check_log_paths
+
+    check_log_paths(ns.logs)
     result = replay(ns.logs)
     if ns.json:
         from pipeline.cli.report import emit_json

@@ -12,6 +12,7 @@ the dense float64 stack reference.
 from __future__ import annotations
 
 import argparse
+import sys
 import re
 import os
 from typing import Any, Optional
@@ -80,12 +81,16 @@ def preflight(ns: argparse.Namespace, runner: Any, log: Any, group: Any) -> None
     from pipeline.runtime.table import attention_request
     from pipeline.setup.build import build_attention_backends
 
+    from pipeline.cli.startup import check_startup_flags
+
+    check_startup_flags(ns)
     if ns.decode_steps < 0:
         raise UsageError(f"--decode-steps {ns.decode_steps} must be >= 0", code="usage",
                          flags=[("--decode-steps", ns.decode_steps)], allowed=[">= 0"], remedy="pass --decode-steps 3")
     check_context(runner.request, ns.decode_steps)
     pre = runner.preflight()
     if pre.refused is None:
+        check_warm_cache(ns, runner, pre)
         return
     state, err = pre.refused
     if state == "attention":  # logged where it happened in the setup machine
@@ -110,6 +115,32 @@ def check_context(request: SetupRequest, decode_steps: int) -> None:
                           allowed=[f">= {ctx}"],
                           remedy=f"pass --max-context-len {ctx} or more" if ctx <= MAX_POOL_DIM else
                           f"lower --decode-steps (--max-context-len is at most {MAX_POOL_DIM})")
+
+
+def check_warm_cache(ns: argparse.Namespace, runner: Any, pre: Any) -> None:
+    """``--require-warm-cache``: refuse (ConfigError ``cold_jit_cache``, exit 3) a run whose FlashInfer variants
+    would compile at startup, from the decisions the preflight made (the device facts and the resolved pair the
+    run then takes), before anything is allocated."""
+    if not getattr(ns, "require_warm_cache", False):
+        return
+    from pipeline.cli.jit import check_warm, cold_report
+    from pipeline.runtime.table import attention_request
+
+    setup = pre["attention"]
+    check_warm(ns, cold_report(attention_request(runner), setup["device-init"].facts, setup["resolve"].pair))
+
+
+def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platform: Any, index: int = 0) -> None:
+    """The pool ``run`` would size for these flags on ``platform``'s device ``index``, checked as its preflight checks
+    it (:func:`pipeline.runtime.table.size_for`: fits the device, holds the verification batches); nothing is
+    allocated. Raises the sizing's ConfigError."""
+    from pipeline.core.spec import attention_layer_ids, truncate_spec
+    from pipeline.runtime.table import size_for
+
+    cfg = runner_config(ns, request)
+    served = request.served_model
+    spec = truncate_spec(served, cfg.num_layers) if attention_layer_ids(served) else served
+    size_for(platform, index, cfg, spec)
 
 
 def runner_config(ns: argparse.Namespace, request: SetupRequest) -> Any:
@@ -150,7 +181,7 @@ def _verify(backends: Any, request: SetupRequest, log: Any, decode_steps: int,
     out = []
     for r in verify_built(backends, request, pools=pools, decode_steps=decode_steps):
         log.emit(ev.InstanceVerified, state="done", outcome="ok" if r.passed else "failed", role=r.role,
-                 backend=r.backend, max_rel_err=r.max_rel_err, tol=r.tol, passed=r.passed)
+                 backend=r.backend, max_rel_err=r.max_rel_err, tol=r.tol, passed=r.passed, duration_ms=r.duration_ms)
         out.append({"role": r.role, "backend": r.backend, "max_rel_err": r.max_rel_err, "passed": r.passed,
                     "tol": r.tol, "detail": r.detail})
     return out
@@ -169,20 +200,83 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                      help=f"build only the first N attention layers (default {DEFAULT_LAYERS}, or as many as it takes "
                           "to include every attention layer kind; a hybrid model's linear-attention / mamba layers "
                           "are skipped, not counted)")
-    run.add_argument("--dist-timeout", type=float, default=60.0, metavar="SECONDS",
-                     help="under torchrun (WORLD_SIZE > 1): seconds to wait for the rendezvous and for every rank "
-                          "in each exchange before failing with rank_exchange_failed (default 60)")
+    run.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
+                     help="under torchrun (WORLD_SIZE > 1): seconds to wait for the rendezvous (then "
+                          "rank_exchange_failed) and for every rank at each of our waits (then rank_stalled, naming "
+                          "the rank, its last state and what it was doing) "
+                          "(default: $ATTN_SETUP_DIST_TIMEOUT, else 60)")
+    run.add_argument("--max-memory-imbalance", type=float, default=None, metavar="FRACTION",
+                     help="under torchrun: the allowed spread of free device memory between ranks at device-init, "
+                          "a fraction of the largest; more fails every rank with memory_imbalance "
+                          "(default: $ATTN_SETUP_MAX_MEMORY_IMBALANCE, else 0.1 as sglang; 1 = no check)")
     budget = run.add_mutually_exclusive_group()
     budget.add_argument("--mem-fraction", type=float, default=None,
                         help="size the KV pool from this share of device memory (sglang's mem_fraction_static; "
                              "default: unset, the pool has --num-token-slots slots)")
     budget.add_argument("--mem-bytes", type=int, default=None,
                         help="size the KV pool from this many bytes (default: unset, as --mem-fraction)")
+    from pipeline.cli.startup import add_startup_flags
+
+    add_startup_flags(run)
     return run
+
+
+def _print_notices(ns: argparse.Namespace, request: SetupRequest, on_gpu: bool, in_group: bool) -> None:
+    """Print :func:`pipeline.cli.notices.run_notices` on stderr (never stdout: ``--json`` stays one object)."""
+    from pipeline.cli.notices import run_notices
+
+    try:
+        lines = run_notices(ns, request, runner_config(ns, request).num_layers, in_group)
+    except AttnSetupError:
+        return  # a request the checks that follow refuse, with the error that names it: nothing to announce
+    for line in lines:
+        print(f"notice: {line}", file=sys.stderr, flush=True)
+
+
+def _progress(ns: argparse.Namespace, log: Any, request: SetupRequest) -> Any:
+    """The terminal progress line (:mod:`pipeline.observe.progress`), started; nothing on a non-TTY / --json / --no-progress."""
+    from pipeline.observe.progress import progress_for
+
+    p = progress_for(ns, log, request)
+    p.__enter__()
+    return p
+
+
+def _process_start(ns: argparse.Namespace) -> Optional[int]:
+    from pipeline.observe.startup import process_start_ns
+
+    return process_start_ns()
+
+
+def _summary(ns: argparse.Namespace, log: Any, runner: Any, start_ns: Optional[int]) -> Any:
+    """``startup_summary`` (and ``slow_phase`` warnings, the ``--metrics-file``); never raises (an exit path)."""
+    from pipeline.cli.startup import finish_startup
+
+    return finish_startup(ns, log, runner, start_ns)
+
+
+def summary_obj(summary: Any) -> Any:
+    return None if summary is None else msgspec.to_builtins(summary)
 
 
 def _ended(log: Any) -> bool:
     return any(isinstance(r, (ev.RunFailed, ev.RunInterrupted)) for r in log.records)
+
+
+def _rank_group(ns: argparse.Namespace) -> Any:
+    """Under torchrun (WORLD_SIZE > 1) the launch's RankGroup, its rank, world size and device written back into
+    ``ns``; None otherwise. ``--dist-timeout`` (else ``ATTN_SETUP_DIST_TIMEOUT``, else 60 s) and
+    ``--max-memory-imbalance`` (else its variable, else 0.1) are checked with one rank too."""
+    from pipeline.setup.distributed import check_timeout, init_from_env
+    from pipeline.setup.rank_digest import max_imbalance_from
+    from pipeline.setup.rank_watch import timeout_from_env
+
+    timeout = timeout_from_env(60.0) if ns.dist_timeout is None else check_timeout(ns.dist_timeout)
+    spread = max_imbalance_from(ns.max_memory_imbalance)
+    group = init_from_env(ns.device, timeout_s=timeout, max_memory_imbalance=spread)
+    if group is not None:
+        ns.rank, ns.world_size, ns.device = group.rank, group.world_size, group.device
+    return group
 
 
 def cmd(ns: argparse.Namespace) -> int:
@@ -197,25 +291,27 @@ def cmd(ns: argparse.Namespace) -> int:
     """
     import time
 
-    from pipeline.setup.build import new_run_id
     from pipeline.runtime.runner import Runner
+    from pipeline.setup.build import new_run_id
 
-    from pipeline.setup.distributed import check_timeout, init_from_env
-
-    group = init_from_env(ns.device, timeout_s=check_timeout(ns.dist_timeout))  # None unless WORLD_SIZE > 1
-    if group is not None:
-        ns.rank, ns.world_size, ns.device = group.rank, group.world_size, group.device
+    group = _rank_group(ns)
     on_gpu = is_gpu_device(ns.device)
     request = request_from(ns, on_gpu=on_gpu)
+    _print_notices(ns, request, on_gpu, group is not None)
     run_id = group.run_id if group is not None else new_run_id()
     log_file = log_path(ns.log_file, run_id, request.rank)
     log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
     t0 = time.perf_counter()
+    t_start = _process_start(ns)
     error: Optional[ErrorInfo] = None
-    code, runner, verified, steps = EXIT_OK, None, [], []
+    code, runner, verified, steps, progress = EXIT_OK, None, [], [], None
     try:
         log.install_signal_handlers()
         log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
+        from pipeline.cli.startup import warn_env_lookalikes
+
+        warn_env_lookalikes(log)
+        progress = _progress(ns, log, request)
         runner = Runner(runner_config(ns, request), log=log, rank_group=group)
         preflight(ns, runner, log, group)
         runner.initialize()
@@ -224,6 +320,8 @@ def cmd(ns: argparse.Namespace) -> int:
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - any crash becomes an exit code with its ErrorInfo
         error, code = _ended_by(e, log)
     finally:
+        if progress is not None:
+            progress.__exit__(None, None, None)
         try:
             if runner is not None:
                 runner.close()
@@ -232,11 +330,14 @@ def cmd(ns: argparse.Namespace) -> int:
         finally:
             if log.write_error is not None and code == EXIT_OK:
                 error, code = log.write_error.info, log.write_error.exit_code
+            summary = _summary(ns, log, runner, t_start)
             log.emit(ev.CommandFinished, state=log.current_state, command="run", exit_code=code,
                      duration_ms=(time.perf_counter() - t0) * 1e3)
             log.close()
             log.restore_signal_handlers()
-    _print(ns, _report(log, run_id, code, verified, steps, log_file, error), log.records, request, error)
+    report = _report(log, run_id, code, verified, steps, log_file, error)
+    report["summary"] = summary_obj(summary)
+    _print(ns, report, log.records, request, error)
     return code
 
 
@@ -260,7 +361,11 @@ def _ended_by(e: BaseException, log: Any) -> tuple[ErrorInfo, int]:
     if isinstance(e, AttnSetupError):
         error, code = e.info, e.exit_code
     elif isinstance(e, KeyboardInterrupt):
-        error, code = error_info_from(e, log.current_state), EXIT_INTERRUPTED
+        # report the state the signal arrived in (the handler's record), not 'failed', where the unwinding ended
+        seen = next((r for r in reversed(log.records) if isinstance(r, ev.RunInterrupted)), None)
+        error = seen.error if seen is not None else error_info_from(e, next(
+            (r.state for r in reversed(log.records) if r.state != "failed"), log.current_state))
+        code = EXIT_INTERRUPTED
     else:
         error, code = error_info_from(e, log.current_state), EXIT_FAILED
     if not _ended(log):
@@ -281,6 +386,9 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
         return
     _render_runner(report, records, request)
     rp.render_tables({**report, "states": []})  # the setup states are in the runner timeline above
+    from pipeline.cli.startup import render_summary
+
+    render_summary(report["summary"])
     if error is not None:
         from pipeline.cli.wording import cli_error
 

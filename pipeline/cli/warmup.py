@@ -23,6 +23,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _record_times(variants: list[Any], results: list[dict[str, Any]], arch: str) -> None:
+    """Record each compiled variant's seconds beside FlashInfer's cache (``plan``'s compile-time estimate)."""
+    from pipeline.backends.jit_cache import flashinfer_version, module_name, record_seconds
+
+    version = flashinfer_version()
+    done = [(module_name(v), r["seconds"]) for v, r in zip(dict.fromkeys(variants), results) if r["status"] == "compiled"]
+    if version and done:
+        try:
+            record_seconds(version, arch, done)
+        except OSError:  # the estimate is a convenience: a read-only cache directory costs only it
+            pass
+
+
 def variants_for_request(request: Any, facts: Any, pair: Any) -> list[Any]:
     """Kernel variants the resolved pair's backends JIT-compile for the served model (each registry entry's)."""
     from pipeline.backends import registry
@@ -54,6 +67,7 @@ def cmd(ns: argparse.Namespace) -> int:
                          installed=installed_by_import())
     variants = variants_for_request(request, facts, res.pair)
     results = warmup_variants(variants, jobs=ns.jobs) if variants else []
+    _record_times(variants, results, facts.arch or "")
     ok = all(r["status"] != "failed" for r in results)
     report = {"ok": ok, "resolved": rp.resolved_obj(res), "variants": results,
               "note": None if variants else "the resolved backends use no FlashInfer JIT kernels"}

@@ -12,6 +12,8 @@ Hierarchy::
     │   └── RankDivergence      the ranks of one launch resolved differently (table rank → device → pair)
     ├── OrderingError          a trigger fired out of order (current and expected state)
     ├── RankExchangeError      exit code 1: a rank did not take part in the exchange within the timeout
+    │   └── RankStalled         a rank did not arrive at one of our waits (named, with its last heartbeat)
+    ├── MemoryImbalance        exit code 1: free device memory differs between ranks beyond the threshold
     ├── BuildError             exit code 1: building or verifying a backend failed
     │   └── LayerMismatch       a backend was called with a layer it was not built/planned for
     ├── BackendClosed          exit code 1: a backend was used after ``close()`` released it
@@ -158,6 +160,26 @@ class RankExchangeError(AttnSetupError):
     """A rank did not join the resolution exchange within ``timeout_s`` (crashed, hung, or not launched)."""
 
     code = "rank_exchange_failed"
+    exit_code = EXIT_FAILED
+
+
+class RankStalled(RankExchangeError):
+    """A rank did not arrive at one of our waits within the timeout (:mod:`pipeline.setup.rank_watch`).
+
+    ``info.flags``: ``stalled_rank``, ``last_state``, ``seconds_since_heartbeat`` (None when never
+    heard), ``doing`` (what it was busy with, when known), ``stalled`` (every missing rank),
+    ``waiting_at`` and ``timeout_s``. Raised on every rank that waited.
+    """
+
+    code = "rank_stalled"
+
+
+class MemoryImbalance(AttnSetupError):
+    """Free device memory at device-init differs between ranks by more than the allowed fraction
+    (sglang's tensor-parallel check; :mod:`pipeline.setup.rank_digest`). Raised on every rank, naming the
+    lowest rank and every rank's free bytes."""
+
+    code = "memory_imbalance"
     exit_code = EXIT_FAILED
 
 

@@ -132,6 +132,33 @@ class ResolutionAgreed(Event, tag="resolution_agreed", kw_only=True):
     duration_ms: float = 0.0
 
 
+class RankStalled(Event, tag="rank_stalled", kw_only=True):
+    """This rank waited ``waited_s`` seconds at ``waiting_at`` and rank ``stalled_rank`` never arrived
+    (one record per missing rank, written by every waiting rank just before it fails).
+
+    ``last_state``: the stalled rank's last published state (``"never heard"`` when none);
+    ``seconds_since_heartbeat``: age of its last heartbeat (None when none); ``doing``: what it
+    reported being busy with (``""`` when unknown). See :mod:`pipeline.setup.rank_watch`.
+    """
+
+    level: ClassVar[str] = "error"
+    stalled_rank: int
+    last_state: str
+    seconds_since_heartbeat: float | None = None
+    doing: str = ""
+    waiting_at: str = ""
+    waited_s: float = 0.0
+
+
+class MemoryBalanced(Event, tag="memory_balanced", kw_only=True):
+    """device-init's exchange of free device memory: bytes per rank (index = rank) and the allowed
+    spread (``max_imbalance``, a fraction of the largest); written when every rank is within it."""
+
+    free_bytes: list[int]
+    max_imbalance: float
+    duration_ms: float = 0.0
+
+
 class BuildPlanned(Event, tag="build_planned", kw_only=True):
     """build-mode's decision: mode, hybrid, instances ``[{role, backend, workspace}]`` and workspaces."""
 
@@ -208,6 +235,7 @@ class InstanceVerified(Event, tag="instance_verified", kw_only=True):
     max_rel_err: float
     tol: float
     passed: bool
+    duration_ms: float = 0.0  # wall time of this instance's check (0 in traces written before it was recorded)
 
 
 class ResourcesReleased(Event, tag="resources_released", kw_only=True):
@@ -304,11 +332,16 @@ class MemoryPoolSized(Event, tag="memory_pool_sized", kw_only=True):
 
 
 class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
-    """One decode CUDA graph captured: batch size and capture time (warm-up run included)."""
+    """One decode CUDA graph captured: batch size and capture time (warm-up run included).
+
+    ``graph_bytes``: device memory this batch size's capture took (reserved bytes after minus before,
+    the shared graph pool included; 0 in traces written before it was measured).
+    """
 
     bs: int
     capture_ms: float
     backend: str
+    graph_bytes: int = 0
 
 
 class ModelStepVerified(Event, tag="model_step_verified", kw_only=True):
@@ -352,12 +385,67 @@ class CommandFinished(Event, tag="command_finished", kw_only=True):
     duration_ms: float
 
 
+class PhaseTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One named phase of a start: ``seconds`` of wall time; ``parent`` is ``""`` for a top-level phase
+    (top-level phases are disjoint) or the phase it breaks down; ``detail`` e.g. a JIT variant's status."""
+
+    name: str
+    seconds: float
+    parent: str = ""
+    detail: str = ""
+
+
+class StartupSummary(Event, tag="startup_summary", kw_only=True):
+    """Where the wall time of a launch went (:mod:`pipeline.observe.startup`): the last record before
+    ``command_finished``, on every exit it controls. ``wall_s`` from the process start
+    (``process_start_ns``, 0 when unknown) to this record; ``coverage`` = top-level phases / ``wall_s``."""
+
+    wall_s: float
+    phases: list[PhaseTime]
+    unaccounted_s: float
+    coverage: float
+    process_start_ns: Ns = 0
+
+
+class SlowPhase(Event, tag="slow_phase", kw_only=True):
+    """A phase took longer than the threshold (``--slow-phase-s`` / ``ATTN_SETUP_SLOW_PHASE_S``): a warning."""
+
+    level: ClassVar[str] = "warning"
+    phase: str
+    parent: str = ""
+    seconds: float
+    threshold_s: float
+
+
+class JitVariantLoaded(Event, tag="jit_variant_loaded", kw_only=True):
+    """A FlashInfer JIT variant a backend of this run loaded: found ``cached`` or ``compiling`` (then
+    compiled), ``seconds`` from ``started_ns`` (wall clock); ``fields``: the variant's key fields (kind,
+    backend, dtypes, head dims, sliding window / softcap switches, arch). Written at the end of ``run``."""
+
+    variant: str
+    status: str
+    seconds: float
+    started_ns: Ns = 0
+    fields: dict[str, Any] = {}
+
+
+class EnvVarLookalike(Event, tag="env_var_lookalike", kw_only=True):
+    """A set environment variable attn-setup does not read looks like one it does (a typo that would
+    otherwise be ignored without a word): a warning naming the known variable."""
+
+    level: ClassVar[str] = "warning"
+    name: str
+    known: str
+
+
 AnyEvent = Union[
     RunStarted, StateTransition, DeviceInitialized, SettingResolved, BackendsResolved, ResolutionAgreed, BuildPlanned,
+    RankStalled, MemoryBalanced,
     BackendBuilt, StepSkipped, FeatureDowngraded, ReferenceFallback, LazyMemInitialized, BackendsAnnotated,
     InstanceVerified, ResourcesReleased,
     Heartbeat, RunFailed, RunFinished, RunInterrupted, RunnerStarted, RunnerTransition, DistributedInitialized,
     ModelLoaded, MemoryPoolSized, CudaGraphCaptured, ModelStepVerified, RunnerReady, CommandStarted, CommandFinished,
+    StartupSummary, SlowPhase, EnvVarLookalike, JitVariantLoaded,
 ]
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
 

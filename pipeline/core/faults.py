@@ -48,6 +48,8 @@ class Faults:
     at : fault-point patterns that raise when reached (fnmatch syntax); empty = only record.
     make_error : ``point -> BaseException`` to raise instead of :class:`InjectedFault`
         (e.g. ``lambda p: RuntimeError(p)`` to mimic an untyped crash, or ``MemoryError``).
+    sleep_s : when > 0, a matching point sleeps this many seconds and then continues instead of
+        raising (a stalled rank: heartbeats say ``doing: injected sleep at <point>``).
 
     Attributes
     ----------
@@ -58,9 +60,10 @@ class Faults:
     """
 
     def __init__(self, at: Iterable[str] = (), *,
-                 make_error: Optional[Callable[[str], BaseException]] = None) -> None:
+                 make_error: Optional[Callable[[str], BaseException]] = None, sleep_s: float = 0.0) -> None:
         self.at = tuple(at)
         self.make_error = make_error
+        self.sleep_s = sleep_s
         self.visited: list[str] = []
         self.fired: list[str] = []
         self.objects: list[tuple[str, weakref.ref]] = []
@@ -76,6 +79,14 @@ class Faults:
                 self.objects.append((point, weakref.ref(x)))
         if self.matches(point):
             self.fired.append(point)
+            if self.sleep_s > 0:
+                import time
+
+                from pipeline.core.heartbeat import doing
+
+                with doing(f"injected sleep at {point}"):
+                    time.sleep(self.sleep_s)
+                return
             if self.make_error is not None:
                 raise self.make_error(point)
             raise InjectedFault(f"fault injected at {point}", flags=[("fault_point", point)],

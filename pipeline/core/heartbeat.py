@@ -62,3 +62,30 @@ def beating(every_s: float, beat: Callable[[float], None], name: str = "") -> It
     finally:
         with _cond:
             _active.pop(key, None)
+
+
+# What this process is busy with, for the heartbeats many ranks publish (pipeline.setup.rank_watch).
+_doing_lock = threading.Lock()
+_doing: list[str] = []  # a stack: the innermost thing this process is busy with
+
+
+@contextmanager
+def doing(what: str) -> Iterator[None]:
+    """Mark this process as busy with ``what`` (e.g. ``"compiling flashinfer variant X"``) while the
+    body runs; heartbeats carry the innermost mark. Cheap (a lock and a list append); setup-time only."""
+    with _doing_lock:
+        _doing.append(what)
+    try:
+        yield
+    finally:
+        with _doing_lock:
+            if what in _doing:
+                _doing.reverse()
+                _doing.remove(what)
+                _doing.reverse()
+
+
+def current_doing() -> str:
+    """The innermost :func:`doing` mark of this process, ``""`` when none."""
+    with _doing_lock:
+        return _doing[-1] if _doing else ""

@@ -84,3 +84,42 @@ def setting(field: str, value: int, source: Source) -> Setting:
 def zbal_local_mem_size(args: AttentionArgs, env: Mapping[str, str] = os.environ) -> tuple[int, Source]:
     """Bytes of NPU zbal lazy memory and where the value came from."""
     return explicit_or_env(args, "zbal_local_mem_size", env) or (0, "default")
+
+
+# Every environment variable attn-setup reads by exact name (ATTN_SETUP_SECRET_<NAME> is a prefix, any name).
+KNOWN_ENV_VARS = (*ENV_VARS.values(), "ATTN_SETUP_RUN_ID", "ATTN_SETUP_SLOW_PHASE_S")
+SECRET_PREFIX = "ATTN_SETUP_SECRET_"
+LOOKALIKE_DISTANCE = 2  # edits (insert, delete, substitute, swap two neighbours) from a known name
+
+
+def _edit_distance(a: str, b: str, cap: int) -> int:
+    """Optimal-string-alignment distance of ``a`` and ``b`` (adjacent swaps cost 1), or ``cap + 1`` when above ``cap``."""
+    if abs(len(a) - len(b)) > cap:
+        return cap + 1
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return min(prev[-1], cap + 1)
+
+
+def env_lookalikes(env: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
+    """``(name, known)`` for every set variable that is not one attn-setup reads but looks like one: the
+    same letters in another case, or within :data:`LOOKALIKE_DISTANCE` edits of a known name (a typo such
+    as ``SGLANG_FLASHINFER_WORKSPACE_SIZ``, which would otherwise be ignored without a word). Sorted by name.
+    ``run`` logs each as an ``env_var_lookalike`` warning; nothing is refused (the variable may be another tool's).
+    """
+    out = []
+    for name in env:
+        if name in KNOWN_ENV_VARS or name.startswith(SECRET_PREFIX):
+            continue
+        up = name.upper()  # the length test in _edit_distance skips most names at once
+        best = min(KNOWN_ENV_VARS, key=lambda k: _edit_distance(up, k, LOOKALIKE_DISTANCE))
+        if _edit_distance(up, best, LOOKALIKE_DISTANCE) <= LOOKALIKE_DISTANCE:
+            out.append((name, best))
+    return sorted(out)

@@ -3,7 +3,9 @@
 Layout: one process per run_id, one thread (track) per rank. Each state is a complete slice
 (``ph: "X"``; an ``attn-setup run`` trace's runner states, category ``runner_state``, enclose the
 setup machine's, category ``state``, which nest inside ``attention``); sub-steps are slices nested inside it on the same track: every ``backend_built``
-(its ``duration_ms`` ends at the record), every long step reported by heartbeats (JIT compile,
+(its ``duration_ms`` ends at the record), every verified instance (``verify <role>``), the stack's
+model steps (one ``model steps`` slice, each step an instant), every FlashInfer JIT variant loaded
+(``jit_variant_loaded``: from its ``started_ns``), every long step reported by heartbeats (JIT compile,
 CUDA graph capture: from ``started_ns`` to the last heartbeat), and any future record with a
 ``duration_ms``. Decisions, skips and failures are instant events (``ph: "i"``) with their fields
 as ``args``. Times are microseconds since the earliest record of all runs.
@@ -44,10 +46,23 @@ def _substeps(run: Run, pid: int, tid: int, t0: int) -> list[dict[str, Any]]:
     out = []
     for r in run.records:
         dur = getattr(r, "duration_ms", None)
-        if dur is not None and not isinstance(r, _NOT_SUBSTEPS):
-            label = f"build {r.role} ({r.backend})" if isinstance(r, ev.BackendBuilt) else ev.event_name(type(r))
+        if dur is not None and not isinstance(r, _NOT_SUBSTEPS) and not (isinstance(r, ev.InstanceVerified) and not dur):
+            # (an instance_verified from before its duration was recorded has none to draw)
+            label = (f"build {r.role} ({r.backend})" if isinstance(r, ev.BackendBuilt) else
+                     f"verify {r.role} ({r.backend})" if isinstance(r, ev.InstanceVerified) else ev.event_name(type(r)))
             ns = ms_to_ns(dur)  # saturating: a recorded 1e308 or NaN still draws
             out.append(_slice(label, "substep", r.ts_ns - ns, ns, pid, tid, t0, _args(r)))
+    for j in run.all(ev.JitVariantLoaded):  # JIT compiles (and cache loads) as slices from their start
+        out.append(_slice(f"jit {j.status} {j.variant}", "jit", j.started_ns, s_to_ns(j.seconds), pid, tid, t0,
+                          _args(j)))
+    steps = run.all(ev.ModelStepVerified)
+    if steps:  # the stack's checks run after the last instance verification (or ready) to the last step
+        start = ([r.ts_ns for r in run.all(ev.InstanceVerified)] or [r.ts_ns for r in run.all(ev.RunnerReady)]
+                 or [steps[0].ts_ns])[-1]
+        out.append(_slice("model steps", "model_steps", start, steps[-1].ts_ns - start, pid, tid, t0,
+                          {"steps": [f"{s.step} bs={s.batch_size}" for s in steps]}))
+        out += [{"name": f"step {s.step}", "cat": "model_step", "ph": "i", "s": "t", "ts": (s.ts_ns - t0) / 1e3,
+                 "pid": pid, "tid": tid, "args": _args(s)} for s in steps]
     beats: dict[tuple[str, int], list[ev.Heartbeat]] = {}
     for h in run.all(ev.Heartbeat):
         beats.setdefault((h.what, h.started_ns or h.ts_ns - s_to_ns(h.elapsed_s)), []).append(h)

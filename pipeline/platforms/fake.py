@@ -10,12 +10,16 @@ from pipeline.core.contracts import DeviceFacts
 class FakePlatform:
     """Pretends to be ``facts.type`` while tensors live on ``torch_device_str`` (default CPU).
 
+    ``free_bytes``: when given, ``memory_available(index)`` reports it (free device memory, bytes).
+
     ``calls`` records ``(method, args)`` in call order, so tests can check e.g. that zbal lazy
     memory was initialised once, with the right rank and world size, before graph capture.
     """
 
-    def __init__(self, facts: DeviceFacts, torch_device_str: str = "cpu") -> None:
+    def __init__(self, facts: DeviceFacts, torch_device_str: str = "cpu", free_bytes: Optional[int] = None) -> None:
         self.facts = facts
+        if free_bytes is not None:  # only then a memory_available(index) probe (pools and ranks read it)
+            self.memory_available = lambda index=0: int(free_bytes)
         self.device_type = facts.type
         self._torch_device = torch_device_str
         self.calls: list[tuple[str, tuple[Any, ...]]] = []

@@ -47,6 +47,7 @@ class DecodeGraphRunner:
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, tuple[Any, list[Any]]] = {}
         self.capture_ms: dict[int, float] = {}
+        self.graph_bytes: dict[int, int] = {}  # device bytes reserved by each size's capture (CUDA caching allocator)
         self.pool: Any = None
 
     def _batch(self, bs: int) -> Any:
@@ -66,6 +67,7 @@ class DecodeGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.batch_sizes):
             t0 = time.perf_counter()
+            reserved = torch.cuda.memory_reserved()  # graph_bytes: what this size's capture took, pool included
             fb = self._batch(bs)
             b = self.buf
             self.backend.init_forward_metadata_capture_cuda_graph(
@@ -81,6 +83,7 @@ class DecodeGraphRunner:
             torch.cuda.synchronize()
             self.graphs[bs], self.outputs[bs] = g, out
             self.capture_ms[bs] = (time.perf_counter() - t0) * 1e3
+            self.graph_bytes[bs] = torch.cuda.memory_reserved() - reserved
             if on_captured is not None:
                 on_captured(bs, self.capture_ms[bs])
 

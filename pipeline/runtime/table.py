@@ -130,6 +130,9 @@ def load_model(r: Any, d: LoadDecision) -> None:
     from pipeline.runtime.model import AttentionStack
 
     req, cfg = r.request, r.config
+    # the device must exist before weights go to it: a typed device_unavailable, as the CLI and
+    # build_attention_backends give, instead of torch's raw "Torch not compiled with CUDA enabled"
+    r.platform.device_facts(r.index)
     stack = AttentionStack(d.spec, dtype=torch_dtype(d.dtype), device=r.platform.torch_device(r.index), seed=cfg.seed)
     if cfg.aux_hidden_state_layers:
         stack.set_aux_hidden_state_layers(cfg.aux_hidden_state_layers)
@@ -148,28 +151,60 @@ def served_field(req: Any, spec: Any) -> dict[str, Any]:
 # -- init-memory-pool: req_to_token and the per-layer K/V buffers, sized from the budget -----------------------
 def decide_pools(r: Any) -> Any:
     """The pool sizes (slots > bytes > fraction of the device's memory, weights already there subtracted), refused
-    when above the device's memory or its free share, or below ``config.min_token_slots``."""
-    cfg, req, spec = r.config, r.config.request, r.load.spec
-    p, facts = req.pool, r.platform.device_facts(r.index)
+    when above the device's memory or its free share, or below ``config.min_token_slots``; a ``mem_fraction``
+    outside (0, 1] is refused with a remedy naming the largest share that fits this device (:func:`fraction_remedy`)."""
+    cfg = r.config
+    if cfg.mem_fraction is not None:
+        try:
+            check_mem_fraction(cfg.mem_fraction)
+        except ConfigError as e:  # "such as 0.8" is not true everywhere (0.8 of a CPU host's memory is refused)
+            raise ConfigError(f"--mem-fraction {cfg.mem_fraction} is outside (0, 1]", code=e.info.code,
+                              flags=[("mem_fraction", cfg.mem_fraction)], allowed=list(e.info.allowed),
+                              remedy=fraction_remedy(r.platform, r.index, cfg, r.load.spec)) from None
+    return size_for(r.platform, r.index, cfg, r.load.spec)
+
+
+def size_for(platform: Any, index: int, cfg: Any, spec: Any) -> Any:
+    """:func:`decide_pools`' sizing for ``cfg`` (a RunnerConfig, its ``mem_fraction`` already checked) and the
+    built ``spec`` on ``platform``'s device ``index``; nothing is allocated. Raises the sizing's ConfigError.
+    ``config.min_token_slots`` binds every pool not sized from a share of memory (the default slots too, so a
+    ``--num-token-slots`` remedy is enough when followed)."""
+    req = cfg.request
+    p, facts = req.pool, platform.device_facts(index)
     if cfg.mem_bytes is not None and facts.total_memory_bytes and cfg.mem_bytes > facts.total_memory_bytes:
         raise ConfigError(f"--mem-bytes {cfg.mem_bytes} exceeds the device's {facts.total_memory_bytes} bytes",
                           code="invalid_value", flags=[("mem_bytes", cfg.mem_bytes)],
                           allowed=[f"<= {facts.total_memory_bytes}"], remedy="lower --mem-bytes or use --mem-fraction")
-    if cfg.mem_fraction is not None:
-        check_mem_fraction(cfg.mem_fraction)
-    budget, source, total, allocated = cfg.mem_bytes, "bytes", 0, r.platform.memory_allocated(r.index)
+    budget, source, total, allocated = cfg.mem_bytes, "bytes", 0, platform.memory_allocated(index)
     if cfg.num_token_slots is None and budget is None and cfg.mem_fraction is not None:
         total = facts.total_memory_bytes
         budget, source = budget_from_fraction(cfg.mem_fraction, total, allocated), "mem_fraction"
     slots = cfg.num_token_slots if cfg.num_token_slots is not None else (None if budget is not None else
                                                                          p.num_token_slots)
-    floor = cfg.min_token_slots if cfg.num_token_slots is not None or cfg.mem_bytes is not None else 0
+    floor = 0 if source == "mem_fraction" else cfg.min_token_slots
     s = size_pools(spec.layer_kinds(), spec.num_hidden_layers, kv_dtype(req.args, spec), page_size=req.args.page_size,
-                   max_reqs=p.max_reqs, max_context_len=p.max_context_len, num_token_slots=slots, budget_bytes=budget,
-                   source=source, mem_fraction=cfg.mem_fraction, min_slots=floor, min_slots_for=cfg.min_token_slots_for)
-    check_fits(s, available_bytes(r.platform, r.index), device=r.platform.torch_device(r.index), total_bytes=total,
+                   max_reqs=p.max_reqs, max_context_len=p.max_context_len, num_token_slots=slots,
+                   budget_bytes=budget, source=source,
+                   mem_fraction=cfg.mem_fraction, min_slots=floor, min_slots_for=cfg.min_token_slots_for)
+    check_fits(s, available_bytes(platform, index), device=platform.torch_device(index), total_bytes=total,
                allocated_bytes=allocated, mem_fraction=cfg.mem_fraction)
     return s
+
+
+def fraction_remedy(platform: Any, index: int, cfg: Any, spec: Any) -> str:
+    """A ``--mem-fraction`` remedy that is true on this device: the largest share (in hundredths, up to 0.9) whose
+    pools both hold ``cfg.min_token_slots`` and fit its free memory (:func:`size_for`, sizing only — nothing is
+    allocated), or, when none does, the default sizing (drop the flag)."""
+    import dataclasses
+
+    for pct in range(90, 0, -1):
+        try:
+            size_for(platform, index, dataclasses.replace(cfg, mem_fraction=pct / 100), spec)
+        except ConfigError:
+            continue
+        return (f"pass --mem-fraction {pct / 100:g} or less (the largest share of this device's memory whose "
+                "pools fit and hold the verification batches; sglang's mem_fraction_static), or drop it")
+    return "drop --mem-fraction (the pools are then sized from --num-token-slots)"
 
 
 def alloc_pools(r: Any, s: Any) -> None:
@@ -242,11 +277,24 @@ def capture(r: Any, d: CaptureDecision) -> None:
         m.graphs = d.graphs.reason
         return
     backend = m.backends.decode_attention_backend_str
+    _barrier_before_capture(r)
     g = cuda_graphs.DecodeGraphRunner(m.stack, r.backend_for(True), m.pools["req_to_token_pool"], m.pools["kv_pool"],
                                       d.sizes)
     m.graphs = g
     with r.log.heartbeat(f"capturing decode CUDA graphs for bs {', '.join(map(str, d.sizes))}"):
-        g.capture(lambda bs, ms: r.emit(ev.CudaGraphCaptured, bs=bs, capture_ms=ms, backend=backend))
+        g.capture(lambda bs, ms: r.emit(ev.CudaGraphCaptured, bs=bs, capture_ms=ms, backend=backend,
+                                        graph_bytes=max(getattr(g, "graph_bytes", {}).get(bs, 0), 0)))
+
+
+def _barrier_before_capture(r: Any) -> None:
+    """Many ranks: every rank arrives before any captures (a rank that never does is named
+    ``rank_stalled`` after the group's timeout instead of leaving the others in NCCL forever)."""
+    from pipeline.setup.rank_watch import watch_for
+
+    watch = watch_for(r.rank_group) if r.request.world_size > 1 else None
+    if watch is not None:
+        watch.log = r.log
+        watch.wait_all("the pre-capture barrier", r.state.value)
 
 
 RUNNER = StepTable(

@@ -30,6 +30,7 @@ cap (otherwise a cap of 50 would never bite). Both are stated in :attr:`VerifyRe
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Iterable, Optional, Sequence
 
 import msgspec
@@ -67,6 +68,7 @@ class VerifyResult(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     passed: bool
     tol: float
     detail: str
+    duration_ms: float = 0.0  # wall time of this instance's check (set by verify_built)
 
 
 def _torch_dtype(dtype: Any) -> torch.dtype:
@@ -301,10 +303,15 @@ def verify_built(backends: Any, request: SetupRequest, *, pools: Optional[dict[s
         if built.attn_backend is not built.instances.get(backends.plan.instances[0].role):
             targets.append((f"{backends.plan.mode.value}.wrapper", type(built.attn_backend).__name__,
                             built.attn_backend))
-        return [verify_backend(b, role=role, name=name, model=model, req_to_token_pool=pools["req_to_token_pool"],
+        out = []
+        for role, name, b in targets:
+            t0 = time.perf_counter()
+            r = verify_backend(b, role=role, name=name, model=model, req_to_token_pool=pools["req_to_token_pool"],
                                kv_pool=pools["kv_pool"], torch_device=backends.torch_device,
                                dtype=model_dtype(request.args, served), seed=seed, decode_steps=decode_steps,
-                               notes=notes) for role, name, b in targets]
+                               notes=notes)
+            out.append(msgspec.structs.replace(r, duration_ms=(time.perf_counter() - t0) * 1e3))
+        return out
     finally:
         if built is not backends:
             for b in built.instances.values():

@@ -110,11 +110,21 @@ def _context(request: SetupRequest, log: EventLog, **kw: Any) -> SetupContext:
     ctx = SetupContext(request, log=log, **kw)
 
     def moved(src: Any, dst: Any, trigger: str, ms: float) -> None:
+        if ctx.watch is not None:
+            ctx.watch.beat(dst.value if dst.value != SETUP.failed else f"failed in {src.value}")
         log.emit(SETUP.event, state=dst.value, outcome="failed" if dst.value == SETUP.failed else "ok",
                  from_state=src.value, to=dst.value, trigger=trigger, duration_ms=ms)
 
     ctx.machine = TableMachine(SETUP, ctx.model, on_transition=moved)
+    if ctx.watch is not None:  # heartbeats for the whole run, so a peer waiting on us can say where we are
+        ctx.beats = ctx.watch.running(log)
+        ctx.beats.__enter__()
     return ctx
+
+
+def _end_heartbeats(ctx: Optional[SetupContext]) -> None:
+    if ctx is not None and ctx.beats is not None:
+        ctx.beats.__exit__(None, None, None)
 
 
 def build_attention_backends(request: SetupRequest, *, platform: Optional[Platform] = None,
@@ -174,6 +184,7 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
         traceback.clear_frames(exc.__traceback__)
         raise
     finally:
+        _end_heartbeats(ctx)
         if own_log:
             log.close()
 

@@ -134,6 +134,13 @@ class SetupContext:
         self.agreement = Agreement(True, SINGLE_RANK)
         self.model = SetupModel()
         self.machine: Any = None
+        # many ranks with a store: heartbeats and named stalls (pipeline.setup.rank_watch)
+        self.watch: Any = None
+        self.beats: Any = None  # the watch's heartbeat thread while a run is in progress
+        if rank_group is not None and request.world_size > 1:
+            from pipeline.setup.rank_watch import watch_for
+
+            self.watch = watch_for(rank_group)
         # the decisions, kept by the driver under each step's ``result``
         self.device: Optional[DeviceDecision] = None
         self.resolution: Optional[Resolution] = None

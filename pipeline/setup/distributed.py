@@ -47,7 +47,9 @@ class RankGroup:
     ``cpu_group``: a gloo process group (created with ``timeout=timeout_s``) for the exchange and
     NPU zbal init; ``device``: the device this rank must initialise (``cuda:LOCAL_RANK``);
     ``run_id``: the same on every rank; ``owns_process_group``: :func:`init_from_env` initialised
-    the default group (so :meth:`close` destroys it).
+    the default group (so :meth:`close` destroys it); ``store``: the default group's key-value store,
+    where ranks publish heartbeats and arrivals so a stalled rank is named (None: torch's
+    ``monitored_barrier`` alone).
     """
 
     rank: int
@@ -59,6 +61,8 @@ class RankGroup:
     timeout_s: float = DEFAULT_TIMEOUT_S
     host: str = ""
     owns_process_group: bool = False
+    max_memory_imbalance: float = 0.1  # device-init's allowed free-memory spread (pipeline.setup.rank_digest)
+    store: Any = None  # the rendezvous key-value store: heartbeats and arrivals (pipeline.setup.rank_watch)
 
     def close(self) -> None:
         """Destroy the default process group if :func:`init_from_env` created it."""
@@ -183,12 +187,17 @@ def check_rank_device(device: str, device_type: str, group: RankGroup, *, rank: 
 
 
 def init_from_env(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  environ: Mapping[str, str] = os.environ) -> Optional[RankGroup]:
+                  environ: Mapping[str, str] = os.environ,
+                  max_memory_imbalance: Optional[float] = None) -> Optional[RankGroup]:
     """Join the launch described by torchrun's environment; None when ``WORLD_SIZE`` is 1 or unset.
 
     Initialises the default (world) process group — NCCL when the rank's device is CUDA, gloo
     otherwise (``env://``, ``timeout=timeout_s``) — unless the engine already did, then creates a gloo CPU group with the same timeout and broadcasts rank 0's
     run id over it. Every rank must call this (group creation is collective).
+    ``timeout_s`` also bounds every later wait of ours (memory exchange, agreement, pre-capture
+    barrier: a rank missing after it is named ``rank_stalled``). ``max_memory_imbalance``: the
+    allowed spread of free device memory at device-init (None: ``ATTN_SETUP_MAX_MEMORY_IMBALANCE``,
+    else sglang's 0.1; :func:`pipeline.setup.rank_digest.max_imbalance_from`).
 
     Raises :class:`UsageError` (exit 2) for a malformed or missing ``RANK``/``WORLD_SIZE``/
     ``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` (:func:`check_launch_env`) or timeout, and
@@ -200,6 +209,9 @@ def init_from_env(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
     if world <= 1:
         return None
     timeout_s = check_timeout(timeout_s, "timeout_s")
+    from pipeline.setup.rank_digest import max_imbalance_from
+
+    spread = max_imbalance_from(max_memory_imbalance, environ)
     import torch.distributed as dist
 
     td = timedelta(seconds=timeout_s)
@@ -224,7 +236,18 @@ def init_from_env(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
                    "host and a free port; raise --dist-timeout for slow starts") from None
     return RankGroup(rank=rank, world_size=world, local_rank=local, cpu_group=cpu_group, run_id=run_id,
                      device=dev, timeout_s=timeout_s, host=socket.gethostname(),
-                     owns_process_group=owns)
+                     owns_process_group=owns, store=_default_store(), max_memory_imbalance=spread)
+
+
+def _default_store() -> Any:
+    """The default process group's store (torch keeps it private: None when this torch has no accessor)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    getter = getattr(c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None else None
+    except (RuntimeError, ValueError):
+        return None
 
 
 def _shared_run_id(cpu_group: Any, rank: int) -> str:
@@ -247,6 +270,7 @@ class RankReport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     resolution: Optional[Resolution] = None
     error: Optional[ErrorInfo] = None
     args: Optional[AttentionArgs] = None
+    digest: dict[str, str] = {}  # pipeline.setup.rank_digest.digest_fields: everything else that must match
 
 
 def _row(r: RankReport) -> RankRow:
@@ -258,18 +282,27 @@ def _row(r: RankReport) -> RankRow:
                    is_draft_override=p.is_draft_override)
 
 
-def _gather(payload: bytes, group: Any, rank: int, world_size: int, timeout_s: float) -> list[bytes]:
-    """all_gather of each rank's bytes over the gloo group; every rank must arrive within timeout_s."""
+def gather(payload: Any, group: Any, rank: int, world_size: int, timeout_s: float, *, watch: Any = None,
+           what: str = "the resolution exchange", state: str = "resolve") -> list[Any]:
+    """all_gather of each rank's ``payload`` (a picklable object) over the gloo group.
+
+    With a :class:`~pipeline.setup.rank_watch.Watch` every rank first arrives through the store and a rank
+    missing after ``timeout_s`` is named (:class:`~pipeline.core.errors.RankStalled`, exit 1, after
+    ``rank_stalled`` records); without one torch's ``monitored_barrier`` bounds the wait
+    (:class:`RankExchangeError`)."""
     import torch.distributed as dist
 
     try:
-        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+        if watch is not None:
+            watch.wait_all(what, state)
+        else:
+            dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
         out: list[Any] = [None] * world_size
         dist.all_gather_object(out, payload, group=group)
     except RuntimeError as e:
         raise RankExchangeError(
-            f"rank {rank}: not every rank joined the resolution exchange within {timeout_s:g} s: {e}",
-            state="resolve", flags=[("rank", rank), ("world_size", world_size), ("timeout_s", timeout_s)],
+            f"rank {rank}: not every rank joined {what} within {timeout_s:g} s: {e}",
+            state=state, flags=[("rank", rank), ("world_size", world_size), ("timeout_s", timeout_s)],
             remedy="look at the other ranks' logs for the failure that kept them away; raise timeout_s for "
                    "slow starts") from e
     return out
@@ -287,6 +320,10 @@ def _diverging(reports: list[RankReport]) -> list[str]:
     for f in AttentionArgs.__struct_fields__:
         if len({msgspec.json.encode(getattr(a, f)) for a in given}) > 1:
             out.append(f"args.{f}")
+    digests = [r.digest for r in reports if r.digest]
+    for f in sorted({k for d in digests for k in d}):
+        if len({d.get(f, "missing") for d in digests}) > 1:
+            out.append(f)
     seen: dict[tuple[str, str], int] = {}
     for r in reports:
         if r.device.type == "cpu":
@@ -310,7 +347,8 @@ def table_text(rows: list[RankRow]) -> str:
 def agree_on_resolution(resolution: Optional[Resolution], device_facts: DeviceFacts, *, group: Any, rank: int,
                         world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S,
                         args: Optional[AttentionArgs] = None, error: Optional[ErrorInfo] = None,
-                        host: Optional[str] = None) -> list[RankRow]:
+                        host: Optional[str] = None, digest: Optional[dict[str, str]] = None,
+                        watch: Any = None) -> list[RankRow]:
     """Exchange this rank's resolution with every rank; return the table when all agree.
 
     Parameters
@@ -323,15 +361,20 @@ def agree_on_resolution(resolution: Optional[Resolution], device_facts: DeviceFa
     args : the attention args; every field must match across ranks (``page_size``, backends …).
     error : this rank's own resolve error; a rank that passes one gets the table back and should
         re-raise its own error, while every other rank raises :class:`RankDivergence` naming it.
+    digest : ``{field: text}`` of everything else that must match (model, draft model, pool facts,
+        dtypes, CUDA-graph batch list, versions, capability records:
+        :func:`pipeline.setup.rank_digest.digest_fields`); each differing field is named with every rank's value.
+    watch : a :class:`pipeline.setup.rank_watch.Watch`: the wait names a stalled rank (``rank_stalled``).
 
     Returns the rows (one :class:`RankRow` per rank, in rank order).
     Raises :class:`RankDivergence` on every rank (same table) when pairs, args or devices differ.
     """
     host = host if host is not None else socket.gethostname()
-    mine = RankReport(rank=rank, host=host, device=device_facts, resolution=resolution, error=error, args=args)
+    mine = RankReport(rank=rank, host=host, device=device_facts, resolution=resolution, error=error, args=args,
+                      digest=dict(digest or {}))
     if world_size <= 1:
         return [_row(mine)]
-    blobs = _gather(msgspec.msgpack.encode(mine), group, rank, world_size, timeout_s)
+    blobs = gather(msgspec.msgpack.encode(mine), group, rank, world_size, timeout_s, watch=watch)
     dec = msgspec.msgpack.Decoder(RankReport)
     reports = [dec.decode(b) for b in blobs]
     rows = [_row(r) for r in reports]
@@ -346,6 +389,8 @@ def _divergence(rank: int, rows: list[RankRow], reports: list[RankReport], bad: 
     why = "; ".join(f"rank {r.rank} refused: [{r.error.code}] {r.error.message}" for r in failed)
     per_arg = {b: {str(r.rank): getattr(r.args, b[len("args."):]) for r in reports if r.args is not None}
                for b in bad if b.startswith("args.")}
+    per_arg.update({b: {str(r.rank): r.digest.get(b, "missing") for r in reports if r.digest}
+                    for b in bad if b not in per_arg and b not in ("resolve_error", "pair", "device")})
     lines = [f"{f}: " + ", ".join(f"rank {k}={v!r}" for k, v in vals.items()) for f, vals in per_arg.items()]
     msg = (f"the {len(rows)} ranks disagree on {', '.join(bad)}" + (f" ({why})" if why else "")
            + f" — seen from rank {rank}:\n" + table_text(rows) + "".join("\n" + x for x in lines))
@@ -354,7 +399,7 @@ def _divergence(rank: int, rows: list[RankRow], reports: list[RankReport], bad: 
                                    **({"error": r.error} if r.error else {})}) for r in rows]
     flags += list(per_arg.items())
     remedy = ("fix the failing rank's error first (its own log has the remedy)" if failed else
-              "launch every rank with the same flags and model, on devices that resolve the same backends "
-              "(one device per rank); pin prefill_attention_backend and decode_attention_backend if the hardware "
-              "differs")
+              "launch every rank with the same flags, model, pool sizes and package versions, on devices that "
+              "resolve the same backends (one device per rank); pin prefill_attention_backend and "
+              "decode_attention_backend if the hardware differs")
     return RankDivergence(msg, state="resolve", flags=flags, allowed=["every rank the same"], remedy=remedy)

@@ -79,6 +79,10 @@ def apply_device(ctx: SetupContext, d: DeviceDecision) -> None:
     blas = ctx.platform.init_blas() if d.blas else False
     ctx.torch_device = ctx.platform.torch_device(index)
     ctx.emit(ev.DeviceInitialized, facts=d.facts, blas_init=blas)
+    if ctx.rank_group is not None and ctx.request.world_size > 1:
+        from pipeline.setup.rank_checks import balance_memory
+
+        balance_memory(ctx, index)
     ctx.model.device_facts = d.facts
 
 
@@ -123,10 +127,12 @@ def agree(ctx: SetupContext, res: Any, error: Any = None) -> Agreement:
             ctx.emit(ev.StepSkipped, outcome="skipped", what="rank_agreement", reason=reason)
         return Agreement(False, f"skipped: {reason}")
     from pipeline.setup.distributed import agree_on_resolution
+    from pipeline.setup.rank_digest import digest_fields
 
     t, g = time.perf_counter(), ctx.rank_group
     table = agree_on_resolution(res, ctx.device.facts, group=g.cpu_group, rank=req.rank, world_size=req.world_size,
-                                timeout_s=g.timeout_s, args=req.args, error=error)
+                                timeout_s=g.timeout_s, args=req.args, error=error,
+                                digest=digest_fields(req, ctx.installed), watch=ctx.watch)
     if error is None:
         ctx.emit(ev.ResolutionAgreed, world_size=req.world_size, table=table,
                  duration_ms=(time.perf_counter() - t) * 1e3)

@@ -1,0 +1,76 @@
+"""Notices ``attn-setup run`` prints on stderr before it starts: a run that will be slow or memory-hungry,
+and ``--world-size`` > 1 outside torchrun (one rank runs alone).
+
+Nothing is changed: the flags the user gave are run as given; the notice says what to expect and how
+to make it smaller. Estimates come from the config alone (no allocation, no torch import):
+
+* weights: per built attention layer ``(H·Dqk + 2·Hkv·Dqk)·hidden + hidden·H·Dv`` elements (MHA/GQA)
+  or the MLA projections (:class:`pipeline.runtime.model.AttentionStack`), at the model dtype's bytes, plus
+  the float64 copy the verification reference keeps (8 bytes per element) — for Llama-3.1-8B with
+  ``--num-layers 32`` that is 2.7 GB + 10.7 GB, matching the 13.6 GB peak a trial measured;
+* steps: ``--decode-steps`` beyond :data:`MANY_STEPS` (each step is checked against a reference over
+  the whole history; 100 steps took 55 s on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+__all__ = ["run_notices", "weight_bytes", "MEMORY_NOTICE_BYTES", "MANY_STEPS"]
+
+MEMORY_NOTICE_BYTES = 4 << 30   # weights + their float64 reference copy above this: say so
+MANY_STEPS = 30                 # more decode steps than this: say so
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def weight_bytes(model: Any, num_layers: int, dtype: str) -> tuple[int, int]:
+    """(model-dtype bytes, float64 reference bytes) of the first ``num_layers`` attention layers' weights."""
+    from pipeline.core.model_spec import attention_prefix
+
+    elems, n_hidden = 0, attention_prefix(model, num_layers)
+    for kind in model.layer_kinds():
+        layers = sum(1 for lid in kind.layer_ids if lid < n_hidden)
+        h, hkv, hid = kind.num_heads, kind.num_kv_heads, model.hidden_size
+        if kind.is_mla:
+            m = model.mla
+            per = (h * (m.qk_nope_head_dim + m.qk_rope_head_dim) * hid + (m.kv_lora_rank + m.qk_rope_head_dim) * hid
+                   + h * m.qk_nope_head_dim * m.kv_lora_rank + h * m.v_head_dim * m.kv_lora_rank + hid * h * m.v_head_dim)
+        else:
+            per = (h + 2 * hkv) * kind.head_dim_qk * hid + hid * h * kind.head_dim_v
+        elems += layers * per
+    return elems * _DTYPE_BYTES.get(dtype, 2), elems * 8
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+def run_notices(ns: argparse.Namespace, request: Any, num_layers: int, in_torchrun: bool) -> list[str]:
+    """The notices for this run (empty when none applies); see the module docstring."""
+    from states.capability_check import model_dtype
+
+    out = []
+    if ns.world_size > 1 and not in_torchrun:
+        out.append(f"--world-size {ns.world_size} outside torchrun: this process runs rank {ns.rank} alone (no "
+                   "rank group, the rank agreement is skipped); launch every rank with 'torchrun --nproc-per-node "
+                   f"{ns.world_size} -m pipeline.cli run …' (it sets RANK/WORLD_SIZE) for a real group")
+    model = request.served_model
+    own, ref = weight_bytes(model, num_layers, model_dtype(request.args, model))
+    if own + ref > MEMORY_NOTICE_BYTES:
+        out.append(f"{num_layers} attention layers need about {_gib(own + ref)} of host memory for the weights "
+                   f"({_gib(own)}) and the float64 verification reference ({_gib(ref)}), and minutes on a CPU; "
+                   "--num-layers 2 verifies the same layer kinds in seconds")
+    if ns.decode_steps > MANY_STEPS:
+        out.append(f"--decode-steps {ns.decode_steps}: every step is checked against a reference over the whole "
+                   f"history, so this takes longer (100 steps: about a minute on a 2-core CPU with 2 layers)")
+    return out
+
+
+def in_torchrun(environ: Any = os.environ) -> bool:
+    """True when torchrun's variables say this process is one of several ranks."""
+    try:
+        return int(environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False

@@ -1,0 +1,141 @@
+"""``run``'s startup accounting on the command line: flags, the summary table, the metrics file.
+
+Flags: ``--metrics-file PATH`` (the ``startup_summary`` in the OpenMetrics text format, written at the
+end of every run, :mod:`pipeline.observe.metrics`), ``--slow-phase-s SECONDS`` (``slow_phase`` warnings; env
+``ATTN_SETUP_SLOW_PHASE_S``), ``--no-progress`` (no progress display on a terminal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Optional
+
+from pipeline.core import events as ev
+
+
+def add_startup_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-file", metavar="PATH", default=None,
+                   help="write the startup summary in the Prometheus/OpenMetrics text format to PATH at the end "
+                        "of the run, success or failure (default: none)")
+    p.add_argument("--slow-phase-s", metavar="SECONDS", default=None,
+                   help="log a slow_phase warning for every startup phase longer than SECONDS "
+                        "(default: env ATTN_SETUP_SLOW_PHASE_S, else off)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress display on a terminal (there is none on a non-TTY or with --json)")
+    from pipeline.cli.jit import add_flag
+
+    add_flag(p)
+
+
+def check_startup_flags(ns: argparse.Namespace) -> None:
+    """Refuse a bad ``--slow-phase-s`` / ``ATTN_SETUP_SLOW_PHASE_S`` or a ``--metrics-file`` that cannot be
+    written (a directory, a missing parent directory): UsageError naming the flag (exit 2), before the model loads."""
+    from pipeline.core.errors import UsageError
+    from pipeline.observe.startup import slow_threshold
+
+    slow_threshold(getattr(ns, "slow_phase_s", None))
+    path = getattr(ns, "metrics_file", None)
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(parent):
+        why = "is a directory" if os.path.isdir(path) else f"is in a directory that does not exist ({parent})"
+        raise UsageError(f"--metrics-file {path!r} {why}", code="usage", flags=[("--metrics-file", path)],
+                         remedy="give a file path in an existing directory, e.g. ./startup.prom")
+
+
+def warn_env_lookalikes(log: Any) -> None:
+    """An ``env_var_lookalike`` warning per set variable that looks like one attn-setup reads
+    (:func:`pipeline.core.settings.env_lookalikes`), also one ``warning:`` line each on stderr."""
+    from pipeline.core.settings import env_lookalikes
+
+    for name, known in env_lookalikes():
+        log.emit(ev.EnvVarLookalike, state="args", name=name, known=known)
+        print(f"warning: environment variable {name} is not one attn-setup reads; did you mean {known}?",
+              file=sys.stderr)
+
+
+def jit_reports(runner: Any) -> list[dict[str, Any]]:
+    """The FlashInfer backends' ``jit_report`` entries (``{variant, status, seconds}``), each variant once."""
+    backends = getattr(runner, "backends", None) if runner is not None else None
+    seen: dict[str, dict[str, Any]] = {}
+    for b in getattr(backends, "instances", {}).values() if backends is not None else ():
+        for j in getattr(b, "jit_report", None) or ():
+            seen.setdefault(j["variant"], j)
+    return list(seen.values())
+
+
+def finish_startup(ns: argparse.Namespace, log: Any, runner: Any, start_ns: Optional[int]) -> Optional[Any]:
+    """Emit ``slow_phase`` warnings and ``startup_summary``, then write ``--metrics-file``.
+
+    Runs on ``run``'s exit path, so it does not raise: a summary that cannot be computed or a metrics
+    file that cannot be written is reported on stderr (the run's own outcome stands).
+    """
+    from pipeline.observe.startup import emit_summary, slow_threshold
+
+    try:
+        slow = slow_threshold(getattr(ns, "slow_phase_s", None))
+    except Exception:  # noqa: BLE001 - refused in preflight already; the summary still comes
+        slow = None
+    try:
+        jit = jit_reports(runner)
+        for j in jit:
+            log.emit(ev.JitVariantLoaded, state=log.current_state, variant=j["variant"], status=j["status"],
+                     seconds=j["seconds"], started_ns=j.get("started_ns", 0), fields=j.get("fields", {}))
+        summary = emit_summary(log, start_ns=start_ns, jit=jit, slow_s=slow)
+    except Exception as e:  # noqa: BLE001 - a failed log write is already the run's error
+        print(f"attn-setup: no startup summary: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    path = getattr(ns, "metrics_file", None)
+    if path:
+        from pipeline.observe.metrics import write_metrics
+
+        try:
+            write_metrics(path, summary, log.records)
+        except OSError as e:
+            print(f"attn-setup: cannot write --metrics-file {path!r}: {e.strerror or e}", file=sys.stderr)
+    return summary
+
+
+def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """``(phase, seconds, detail)`` rows: top-level phases with their children indented under them,
+    then ``unaccounted`` and ``wall (process start to summary)`` with the coverage."""
+    phases = summary.get("phases") or []
+    rows: list[tuple[str, str, str]] = []
+    for p in (p for p in phases if not p["parent"]):
+        rows.append((p["name"], f"{p['seconds']:.3f}", p.get("detail", "")))
+        rows += [(f"  └ {c['name']}", f"{c['seconds']:.3f}", c.get("detail", ""))
+                 for c in phases if c["parent"] == p["name"]]
+    rows.append(("unaccounted", f"{summary['unaccounted_s']:.3f}", ""))
+    rows.append(("wall (process start to summary)", f"{summary['wall_s']:.3f}",
+                 f"{summary['coverage'] * 100:.1f} % named"))
+    return rows
+
+
+def render_summary(summary: Optional[dict[str, Any]]) -> None:
+    """The ``startup summary`` table (plain text for every string: phase names can come from a log)."""
+    if not summary:
+        return
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title="startup summary (seconds; children indented under their phase)", title_justify="left")
+    for col in ("phase", "s", "detail"):
+        t.add_column(col)
+    for row in summary_rows(summary):
+        t.add_row(*(Text(x) for x in row))
+    Console(highlight=False, soft_wrap=False, width=120).print(t)
+
+
+def summary_of(records: Any) -> Optional[dict[str, Any]]:
+    """The last ``startup_summary`` of a run's records as plain data (None without one)."""
+    import msgspec
+
+    last = None
+    for r in records:
+        if isinstance(r, ev.StartupSummary):
+            last = r
+    return None if last is None else msgspec.to_builtins(last)

@@ -1,0 +1,80 @@
+"""A run's ``startup_summary`` in the OpenMetrics text format (``run --metrics-file PATH``).
+
+Format: OpenMetrics 1.0 text exposition (https://openmetrics.io; what Prometheus scrapes with
+``Accept: application/openmetrics-text``): ``# TYPE``/``# HELP`` lines, samples ``name{label="v"} value``,
+label values escaped (backslash, double quote, newline), ending with ``# EOF``. Families (all gauges
+describing one launch, labelled with ``run_id`` and ``rank``):
+
+- ``attn_setup_startup_phase_seconds{phase, parent}``: seconds per named phase (``parent=""`` top level);
+- ``attn_setup_startup_wall_seconds``, ``attn_setup_startup_unaccounted_seconds``;
+- ``attn_setup_cuda_graph_bytes{bs}``: device bytes each captured decode graph took;
+- ``attn_setup_jit_variants{status}``: FlashInfer JIT variants compiled (``compiling``) and found cached
+  (``cached``) during the run.
+
+Torch-free; the tests parse the file with ``prometheus_client``'s OpenMetrics parser.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Iterable
+
+from pipeline.core import events as ev
+
+
+def _label(v: Any) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _num(x: float) -> str:
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "+Inf" if x > 0 else "-Inf"
+    return repr(float(x))
+
+
+def _sample(name: str, labels: dict[str, Any], value: float) -> str:
+    inner = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+    return f"{name}{{{inner}}} {_num(value)}"
+
+
+def render(summary: ev.StartupSummary, records: Iterable[ev.Event] = ()) -> str:
+    """The OpenMetrics text of ``summary`` (and the graph captures in ``records``), ``# EOF``-terminated."""
+    base = {"run_id": summary.run_id, "rank": summary.rank}
+    lines: list[str] = []
+
+    def family(name: str, help_: str, unit: str = "") -> None:
+        lines.append(f"# TYPE {name} gauge")
+        if unit:
+            lines.append(f"# UNIT {name} {unit}")
+        lines.append(f"# HELP {name} {help_}")
+
+    family("attn_setup_startup_phase_seconds", "Wall time of one named startup phase.", "seconds")
+    for p in summary.phases:
+        lines.append(_sample("attn_setup_startup_phase_seconds", {**base, "phase": p.name, "parent": p.parent},
+                             p.seconds))
+    family("attn_setup_startup_wall_seconds", "Process start to the startup summary.", "seconds")
+    lines.append(_sample("attn_setup_startup_wall_seconds", base, summary.wall_s))
+    family("attn_setup_startup_unaccounted_seconds", "Wall time no named phase covers.", "seconds")
+    lines.append(_sample("attn_setup_startup_unaccounted_seconds", base, summary.unaccounted_s))
+    family("attn_setup_cuda_graph_bytes", "Device memory one captured decode CUDA graph took.", "bytes")
+    for r in records:
+        if isinstance(r, ev.CudaGraphCaptured):
+            lines.append(_sample("attn_setup_cuda_graph_bytes", {**base, "bs": r.bs}, r.graph_bytes))
+    family("attn_setup_jit_variants", "FlashInfer JIT variants by status (compiling = compiled in this run).")
+    jit = [p for p in summary.phases if p.name.startswith("jit:")]
+    for status in ("compiling", "cached"):
+        lines.append(_sample("attn_setup_jit_variants", {**base, "status": status},
+                             sum(p.detail == status for p in jit)))
+    return "\n".join(lines) + "\n# EOF\n"
+
+
+def write_metrics(path: str, summary: ev.StartupSummary, records: Iterable[ev.Event] = ()) -> None:
+    """Write :func:`render` to ``path`` atomically (a temporary file renamed over it). Raises OSError."""
+    text = render(summary, records)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -1,0 +1,156 @@
+"""Startup accounting: where every second of an ``attn-setup run`` went (``startup_summary``).
+
+:func:`summarize` turns one launch's records into named phases, each a measured duration:
+
+- ``startup``: process start (the kernel's start time of this process, :func:`process_start_ns`) to
+  ``command_started`` — the interpreter, the imports (torch's included), argument parsing and reading
+  the model config;
+- ``preflight``: ``command_started`` to ``runner_started`` (the refusals checked before allocating);
+- each runner state (``init-distributed``, ``load-model``, ``init-memory-pool`` — the pool allocation —,
+  ``attention``, ``capture-cuda-graphs``) from its ``runner_transition`` ``duration_ms``; children:
+  the setup machine's states (``state_transition``) and the FlashInfer JIT variants under ``attention``,
+  one ``bs=N`` per captured graph under ``capture-cuda-graphs`` (``cuda_graph_captured``);
+- ``verification``: ``runner_ready`` to the last ``instance_verified``, one child per instance
+  (its own ``duration_ms``);
+- ``model-steps``: the attention stack's extend/decode checks (to the last ``model_step_verified``);
+- ``release``: closing what was built, up to the summary.
+
+Top-level phases are disjoint; ``unaccounted_s`` is the wall time (process start to the summary) they
+do not cover. sglang's and TensorRT-LLM's startup logs name phases the same way (weights, memory pool,
+graph capture); vLLM's ``benchmarks`` measure process start to ready from outside — this module
+measures from inside, from the process's own start time, so the imports count.
+
+Nothing here runs on the hot path: it reads records after the run ended.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterable, Optional
+
+from pipeline.core import events as ev
+
+SLOW_PHASE_ENV = "ATTN_SETUP_SLOW_PHASE_S"
+SLOW_PHASE_FLAG = "--slow-phase-s"
+
+
+def process_start_ns() -> Optional[int]:
+    """Wall-clock ns at which this process started, from ``/proc/self/stat`` (Linux; None elsewhere).
+
+    Field 22 (``starttime``) counts clock ticks since boot on the boot-time clock; the offset between
+    ``CLOCK_BOOTTIME`` now and then, taken from ``time.time_ns()``, is the start on the wall clock
+    (resolution one tick, 10 ms at the usual 100 Hz).
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read().decode()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # fields after "comm": state is field 3
+        hz = os.sysconf("SC_CLK_TCK")
+        since_ns = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - ticks * 1_000_000_000 // hz
+        return time.time_ns() - since_ns
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _phase(name: str, seconds: float, parent: str = "", detail: str = "") -> ev.PhaseTime:
+    return ev.PhaseTime(name=name, seconds=round(max(seconds, 0.0), 6), parent=parent, detail=detail)
+
+
+def _span(a: Optional[ev.Event], b: Optional[ev.Event]) -> Optional[float]:
+    return None if a is None or b is None else (b.ts_ns - a.ts_ns) / 1e9
+
+
+def _runner_phases(records: list[ev.Event], jit: Iterable[dict[str, Any]]) -> list[ev.PhaseTime]:
+    out: list[ev.PhaseTime] = []
+    runner = False  # setup states before the runner started ran in preflight (a refusal logged through the pipeline)
+    for r in records:
+        runner = runner or isinstance(r, ev.RunnerStarted)
+        if isinstance(r, ev.RunnerTransition):
+            out.append(_phase(r.from_state, r.duration_ms / 1e3))
+        elif isinstance(r, ev.StateTransition):
+            out.append(_phase(r.from_state, r.duration_ms / 1e3, parent="attention" if runner else "preflight"))
+        elif isinstance(r, ev.CudaGraphCaptured):
+            out.append(_phase(f"bs={r.bs}", r.capture_ms / 1e3, parent="capture-cuda-graphs",
+                              detail=f"{r.graph_bytes} bytes" if r.graph_bytes else ""))
+    for j in jit:
+        out.append(_phase(f"jit:{j['variant']}", j["seconds"], parent="attention", detail=j["status"]))
+    return out
+
+
+def _checks(records: list[ev.Event], start: Optional[ev.Event]) -> list[ev.PhaseTime]:
+    inst = [r for r in records if isinstance(r, ev.InstanceVerified)]
+    steps = [r for r in records if isinstance(r, ev.ModelStepVerified)]
+    out: list[ev.PhaseTime] = []
+    if inst:
+        out.append(_phase("verification", _span(start, inst[-1]) or 0.0))
+        out += [_phase(r.role, r.duration_ms / 1e3, parent="verification", detail=r.backend) for r in inst]
+    if steps:
+        out.append(_phase("model-steps", _span(inst[-1] if inst else start, steps[-1]) or 0.0))
+    return out
+
+
+def summarize(records: Iterable[ev.Event], *, start_ns: Optional[int], end_ns: int,
+              jit: Iterable[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The ``startup_summary`` fields of one launch's ``records`` (in order).
+
+    ``start_ns``: the process start (wall clock, ns; None when unknown: ``startup`` then starts at the
+    first record); ``end_ns``: when the summary is taken; ``jit``: the FlashInfer backends'
+    ``jit_report`` entries (``{variant, status, seconds}``). Returns ``{wall_s, phases, unaccounted_s,
+    coverage, process_start_ns}``; ``coverage`` = top-level seconds / ``wall_s`` (1.0 for a zero wall).
+    """
+    records = list(records)
+    first = lambda cls: next((r for r in records if isinstance(r, cls)), None)  # noqa: E731
+    cmd, runner_started, ready = first(ev.CommandStarted), first(ev.RunnerStarted), first(ev.RunnerReady)
+    origin = start_ns if start_ns is not None else (records[0].ts_ns if records else end_ns)
+    phases: list[ev.PhaseTime] = []
+    if cmd is not None:
+        phases.append(_phase("startup", (cmd.ts_ns - origin) / 1e9, detail="interpreter, imports, arguments"))
+        stop = runner_started or first(ev.RunFailed) or first(ev.RunInterrupted)
+        phases.append(_phase("preflight", ((stop.ts_ns if stop else end_ns) - cmd.ts_ns) / 1e9))
+    phases += _runner_phases(records, jit)
+    checks = _checks(records, ready)
+    phases += checks
+    last = [r for r in records if isinstance(r, (ev.InstanceVerified, ev.ModelStepVerified))]
+    fail = next((r for r in reversed(records) if isinstance(r, (ev.RunFailed, ev.RunInterrupted, ev.RunnerReady))),
+                None)
+    mark = last[-1] if last else fail
+    if mark is not None and runner_started is not None:
+        phases.append(_phase("release", (end_ns - mark.ts_ns) / 1e9, detail="closing what was built"))
+    wall = max((end_ns - origin) / 1e9, 0.0)
+    named = sum(p.seconds for p in phases if not p.parent)
+    return {"wall_s": round(wall, 6), "phases": phases, "unaccounted_s": round(wall - named, 6),
+            "coverage": round(named / wall, 4) if wall > 0 else 1.0, "process_start_ns": start_ns or 0}
+
+
+def slow_threshold(flag_value: Optional[float]) -> Optional[float]:
+    """The ``slow_phase`` threshold in seconds: ``--slow-phase-s`` > ``ATTN_SETUP_SLOW_PHASE_S`` > off.
+
+    Raises UsageError (exit 2) naming the flag or the variable for a value that is not a number > 0.
+    """
+    from pipeline.core.errors import UsageError
+
+    name, raw = (SLOW_PHASE_FLAG, flag_value) if flag_value is not None else (SLOW_PHASE_ENV,
+                                                                             os.environ.get(SLOW_PHASE_ENV))
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise UsageError(f"{name} {raw!r} is not a number of seconds > 0", code="usage", flags=[(name, raw)],
+                         allowed=["a finite number > 0"], remedy=f"set {name} to e.g. 30, or leave it unset")
+    return value
+
+
+def emit_summary(log: Any, *, start_ns: Optional[int], jit: Iterable[dict[str, Any]] = (),
+                 slow_s: Optional[float] = None) -> ev.StartupSummary:
+    """Emit ``slow_phase`` warnings (phases over ``slow_s`` seconds) and the ``startup_summary``; returns it."""
+    s = summarize(log.records, start_ns=start_ns, end_ns=time.time_ns(), jit=jit)
+    if slow_s is not None:
+        for p in s["phases"]:
+            if p.seconds > slow_s:
+                log.emit(ev.SlowPhase, state=log.current_state, phase=p.name, parent=p.parent, seconds=p.seconds,
+                         threshold_s=slow_s)
+    return log.emit(ev.StartupSummary, state=log.current_state, **s)

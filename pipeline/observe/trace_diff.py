@@ -1,0 +1,117 @@
+"""``attn-setup inspect --diff A.jsonl B.jsonl``: what changed between two starts, per rank.
+
+For each rank found in both logs (the last launch of that rank in each file), the difference B − A of
+
+- every state's duration, the runner's (``init-distributed`` … ``capture-cuda-graphs``) and the setup
+  machine's (``device-init`` … ``annotate``), in ms;
+- every ``startup_summary`` phase (JIT variants, graph batch sizes, verified instances included), in s;
+- every decision that changed: the resolved backends and their rules, settings (workspace bytes among
+  them), the build plan (mode, instances, workspaces with their bytes), skips and downgrades, the
+  annotation, the captured graph batch sizes — as ``key: A → B``. Device facts that vary from start to
+  start on the same machine (free memory) are left out.
+
+Torch-free. The numbers are the recorded ones (``duration_ms`` of the transitions), so a state that
+slept 2 s more in B shows a delta of 2000 ms ± the timer's noise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import msgspec
+
+from pipeline.core import events as ev
+from pipeline.observe.ranks import _flatten
+from pipeline.observe.trace import Run, read_trace
+
+_VOLATILE = ("free", "memory_allocated")  # device facts that change between starts on one machine
+
+
+def _last_per_rank(path: str) -> dict[int, Run]:
+    out: dict[int, Run] = {}
+    for run in read_trace(path).runs:  # time order: the last launch of a rank wins
+        out[run.rank] = run
+    return out
+
+
+def _durations(run: Run) -> dict[tuple[str, str], float]:
+    d: dict[tuple[str, str], float] = {}
+    for machine, rows in (("runner", run.runner_states()), ("setup", run.states())):
+        for row in rows:
+            key = (machine, row["state"])
+            d[key] = d.get(key, 0.0) + float(row["duration_ms"])
+    return d
+
+
+def _phases(run: Run) -> dict[tuple[str, str], float]:
+    s = run.all(ev.StartupSummary)
+    return {} if not s else {(p.parent, p.name): p.seconds for p in s[-1].phases}
+
+
+def decisions(run: Run) -> dict[str, Any]:
+    """The run's decisions flattened to ``{"plan.mode": "tbo", …}`` plus ``graph_batch_sizes``."""
+    d = run.decisions()
+    ready = run.first(ev.RunnerReady)
+    d["graph_batch_sizes"] = list(ready.graph_batch_sizes) if ready is not None else None
+    d["args"] = run.started.request.get("args", {}) if run.started is not None else {}  # the flags asked for
+    flat = _flatten(d)
+    return {k: v for k, v in flat.items() if not (k.startswith("device.") and any(x in k for x in _VOLATILE))}
+
+
+def _enc(v: Any) -> bytes:
+    return msgspec.json.encode(v)
+
+
+def diff_runs(a: Run, b: Run) -> dict[str, Any]:
+    """One rank's differences (see the module docstring); deltas are B − A."""
+    da, db = _durations(a), _durations(b)
+    states = [{"machine": m, "state": s, "a_ms": da.get((m, s)), "b_ms": db.get((m, s)),
+               "delta_ms": None if (m, s) not in da or (m, s) not in db else round(db[(m, s)] - da[(m, s)], 3)}
+              for (m, s) in list(da) + [k for k in db if k not in da]]
+    pa, pb = _phases(a), _phases(b)
+    phases = [{"parent": p, "phase": n, "a_s": pa.get((p, n)), "b_s": pb.get((p, n)),
+               "delta_s": None if (p, n) not in pa or (p, n) not in pb else round(pb[(p, n)] - pa[(p, n)], 6)}
+              for (p, n) in list(pa) + [k for k in pb if k not in pa]]
+    fa, fb = decisions(a), decisions(b)
+    changed = [{"key": k, "a": fa.get(k), "b": fb.get(k)} for k in list(fa) + [k for k in fb if k not in fa]
+               if _enc(fa.get(k)) != _enc(fb.get(k))]
+    return {"rank": a.rank, "run_a": a.run_id, "run_b": b.run_id, "status_a": a.status, "status_b": b.status,
+            "states": states, "phases": phases, "decisions": changed}
+
+
+def diff_logs(path_a: str, path_b: str) -> dict[str, Any]:
+    """``{a, b, ranks: [diff_runs …], only_in_a, only_in_b}`` for two trace files (one start each, per rank)."""
+    ra, rb = _last_per_rank(path_a), _last_per_rank(path_b)
+    return {"a": path_a, "b": path_b, "ranks": [diff_runs(ra[k], rb[k]) for k in sorted(set(ra) & set(rb))],
+            "only_in_a": sorted(set(ra) - set(rb)), "only_in_b": sorted(set(rb) - set(ra))}
+
+
+def _num(x: Optional[float], fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def diff_lines(d: dict[str, Any], safe: Any = str) -> list[str]:
+    """Plain-text lines of :func:`diff_logs` (strings from the logs passed through ``safe``)."""
+    lines = [safe(f"diff A={d['a']} B={d['b']} (delta = B - A)")]
+    for r in d["ranks"]:
+        lines.append(safe(f"rank {r['rank']}: A run {r['run_a']} ({r['status_a']}), B run {r['run_b']} "
+                          f"({r['status_b']})"))
+        w = max([5] + [len(s["state"]) + 9 for s in r["states"]])
+        lines.append(f"  {'state':<{w}}  {'A ms':>10}  {'B ms':>10}  {'delta ms':>10}")
+        for s in r["states"]:
+            label = safe(f"{s['machine']}:{s['state']}")
+            lines.append(f"  {label:<{w}}  {_num(s['a_ms'], '.1f'):>10}  {_num(s['b_ms'], '.1f'):>10}  "
+                         f"{_num(s['delta_ms'], '+.1f'):>10}")
+        moved = [p for p in r["phases"] if p["delta_s"] is None or abs(p["delta_s"]) >= 0.001]
+        for p in moved:
+            name = f"{p['parent']}/{p['phase']}" if p["parent"] else p["phase"]
+            lines.append(safe(f"  phase {name}: {_num(p['a_s'], '.3f')} s -> {_num(p['b_s'], '.3f')} s "
+                              f"({_num(p['delta_s'], '+.3f')} s)"))
+        for c in r["decisions"]:
+            lines.append(safe(f"  changed {c['key']}: {c['a']!r} -> {c['b']!r}"))
+        if not r["decisions"]:
+            lines.append("  no decision changed")
+    for side, key in (("A", "only_in_a"), ("B", "only_in_b")):
+        if d[key]:
+            lines.append(f"only in {side}: rank(s) {', '.join(map(str, d[key]))}")
+    return lines

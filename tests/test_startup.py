@@ -1,0 +1,198 @@
+"""startup_summary, slow_phase and --metrics-file (issue 18 §1, §6)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_main
+from pipeline.core import events as ev
+from pipeline.core.errors import UsageError
+from pipeline.observe.startup import process_start_ns, slow_threshold, summarize
+
+S = 1_000_000_000
+
+
+def _rec(cls, t_s, **kw):
+    return cls(ts_ns=int(t_s * S), run_id="r", state="x", **kw)
+
+
+def _synthetic():
+    """A launch with known times (seconds from a process start at t=100)."""
+    return [
+        _rec(ev.CommandStarted, 100.5, command="run"),
+        _rec(ev.RunnerStarted, 101.0, config={}),
+        _rec(ev.RunnerTransition, 101.2, from_state="load-model", to="init-memory-pool", trigger="t", duration_ms=200.0),
+        _rec(ev.StateTransition, 101.25, from_state="resolve", to="build-mode", trigger="t", duration_ms=30.0),
+        _rec(ev.RunnerTransition, 101.3, from_state="attention", to="capture-cuda-graphs", trigger="t",
+             duration_ms=100.0),
+        _rec(ev.CudaGraphCaptured, 101.5, bs=8, capture_ms=150.0, backend="flashinfer", graph_bytes=4096),
+        _rec(ev.RunnerTransition, 101.6, from_state="capture-cuda-graphs", to="ready", trigger="t", duration_ms=300.0),
+        _rec(ev.RunnerReady, 101.6, duration_ms=600.0),
+        _rec(ev.InstanceVerified, 102.6, role="primary", backend="torch_native", max_rel_err=0.0, tol=1.0,
+             passed=True, duration_ms=990.0),
+        _rec(ev.ModelStepVerified, 104.1, step="extend", mode="extend", batch_size=4, graph=False, max_rel_err=0.0,
+             tol=1.0, passed=True),
+    ]
+
+
+def test_summarize_arithmetic():
+    """Every phase against hand arithmetic on the synthetic times; unaccounted = wall - top-level phases."""
+    jit = [{"variant": "decode-cuda_core/bf16-bf16/d128/swa0/cap0/sm90", "status": "compiling", "seconds": 12.5}]
+    s = summarize(_synthetic(), start_ns=100 * S, end_ns=int(104.3 * S), jit=jit)
+    top = {p.name: p.seconds for p in s["phases"] if not p.parent}
+    want = {"startup": 0.5, "preflight": 0.5, "load-model": 0.2, "attention": 0.1, "capture-cuda-graphs": 0.3,
+            "verification": 1.0, "model-steps": 1.5, "release": 0.2}
+    assert top == pytest.approx(want, abs=1e-6)
+    kids = {(p.parent, p.name): (p.seconds, p.detail) for p in s["phases"] if p.parent}
+    assert kids == {("attention", "resolve"): pytest.approx((0.03, "")),
+                    ("capture-cuda-graphs", "bs=8"): pytest.approx((0.15, "4096 bytes")),
+                    ("verification", "primary"): pytest.approx((0.99, "torch_native")),
+                    ("attention", "jit:" + jit[0]["variant"]): pytest.approx((12.5, "compiling"))}
+    assert s["wall_s"] == pytest.approx(4.3)
+    assert s["unaccounted_s"] == pytest.approx(4.3 - sum(want.values()), abs=1e-6)
+    assert s["coverage"] == pytest.approx(sum(want.values()) / 4.3, abs=1e-4)
+
+
+def test_summarize_refused_before_the_runner():
+    """A refusal in preflight: startup and preflight (to run_failed), nothing else, no release phase."""
+    from pipeline.core.contracts import ErrorInfo
+
+    recs = [_rec(ev.CommandStarted, 10.2, command="run"),
+            _rec(ev.RunFailed, 10.9, error=ErrorInfo(code="x", state="resolve", message="m"))]
+    s = summarize(recs, start_ns=10 * S, end_ns=11 * S)
+    assert [(p.name, p.seconds) for p in s["phases"]] == [("startup", pytest.approx(0.2)),
+                                                           ("preflight", pytest.approx(0.7))]
+    assert s["unaccounted_s"] == pytest.approx(0.1)
+
+
+def test_process_start_is_the_spawn_time():
+    """The child's own start time lies between the parent's clock before spawning and the child's first line."""
+    t0 = time.time_ns()
+    out = subprocess.run([sys.executable, "-c", "import time;t=time.time_ns();from pipeline.observe.startup import "
+                          "process_start_ns as p;print(p(), t)"], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent.parent)
+    start, first_line = map(int, out.stdout.split())
+    assert t0 - 20_000_000 <= start <= first_line  # one clock tick (10 ms) of resolution, twice
+    assert process_start_ns() < time.time_ns()
+
+
+@pytest.mark.parametrize("flag,env,ok", [(None, None, None), ("2.5", None, 2.5), (None, "7", 7.0),
+                                         ("1", "9", 1.0), ("0", None, False), ("-1", None, False),
+                                         ("abc", None, False), ("inf", None, False), (None, "nan", False),
+                                         (None, "", None)])
+def test_slow_threshold_flag_env_and_refusals(monkeypatch, flag, env, ok):
+    """flag > env > off; a value that is not a finite number > 0 is a UsageError naming the one it came from."""
+    if env is None:
+        monkeypatch.delenv("ATTN_SETUP_SLOW_PHASE_S", raising=False)
+    else:
+        monkeypatch.setenv("ATTN_SETUP_SLOW_PHASE_S", env)
+    if ok is False:
+        with pytest.raises(UsageError) as e:
+            slow_threshold(flag)
+        assert e.value.info.flags[0].name == ("--slow-phase-s" if flag is not None else "ATTN_SETUP_SLOW_PHASE_S")
+        assert e.value.info.remedy
+    else:
+        assert slow_threshold(flag) == ok
+
+
+def _parse_metrics(text):
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_metrics_render_parses_and_escapes():
+    """OpenMetrics text parsed back by prometheus_client: every phase, graph bytes, JIT counts; odd label text kept."""
+    from pipeline.observe.metrics import render
+
+    jit = [{"variant": 'a"b\\c', "status": "compiling", "seconds": 3.0},
+           {"variant": "v2", "status": "cached", "seconds": 0.1}, {"variant": "v3", "status": "cached", "seconds": 0.1}]
+    recs = _synthetic()
+    s = ev.StartupSummary(ts_ns=1, run_id="r\n1", state="done", **summarize(recs, start_ns=100 * S, end_ns=int(104.3 * S), jit=jit))
+    fam = _parse_metrics(render(s, recs))
+    phases = {(x.labels["phase"], x.labels["parent"]): x.value for x in fam["attn_setup_startup_phase_seconds"].samples}
+    assert phases == {(p.name, p.parent): pytest.approx(p.seconds) for p in s.phases}
+    assert ('jit:a"b\\c', "attention") in phases
+    assert {x.labels["run_id"] for x in fam["attn_setup_startup_phase_seconds"].samples} == {"r\n1"}
+    assert [(x.labels["bs"], x.value) for x in fam["attn_setup_cuda_graph_bytes"].samples] == [("8", 4096.0)]
+    assert {x.labels["status"]: x.value for x in fam["attn_setup_jit_variants"].samples} == {"compiling": 1.0,
+                                                                                              "cached": 2.0}
+    assert fam["attn_setup_startup_unaccounted_seconds"].samples[0].value == pytest.approx(s.unaccounted_s)
+
+
+def test_run_writes_summary_metrics_and_slow_phase(tmp_path):
+    """A CPU run: --metrics-file equals the logged summary; --slow-phase-s warns for exactly the phases above it;
+    inspect --json shows the same summary (key ``summary``)."""
+    log, prom = tmp_path / "a.jsonl", tmp_path / "m.prom"
+    p = run_main("run", "--device", "cpu", "--json", "--num-layers", "1", "--decode-steps", "1", "--log-file",
+                 str(log), "--metrics-file", str(prom), "--slow-phase-s", "0.05")
+    assert p.returncode == 0, p.stderr[-2000:]
+    records = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    s = next(r for r in records if isinstance(r, ev.StartupSummary))
+    slow = [r for r in records if isinstance(r, ev.SlowPhase)]
+    assert sorted((r.phase, r.parent) for r in slow) == sorted((x.name, x.parent) for x in s.phases if x.seconds > 0.05)
+    assert slow and all(r.seconds > r.threshold_s == 0.05 for r in slow)
+    fam = _parse_metrics(prom.read_text())
+    got = {(x.labels["phase"], x.labels["parent"]): x.value for x in fam["attn_setup_startup_phase_seconds"].samples}
+    assert got == {(x.name, x.parent): pytest.approx(x.seconds) for x in s.phases}
+    q = run_main("inspect", "--json", str(log))
+    import msgspec
+
+    assert json.loads(q.stdout)["runs"][0]["summary"] == json.loads(p.stdout)["summary"] == msgspec.to_builtins(s)
+    assert "startup summary" in run_main("inspect", str(log)).stdout
+
+
+def test_refused_run_still_ends_with_summary(tmp_path):
+    """Exit 3 (refused in preflight): the summary is still the last record before command_finished, and the
+    metrics file is written."""
+    log, prom = tmp_path / "a.jsonl", tmp_path / "m.prom"
+    p = run_main("run", "--device", "cpu", "--json", "--attention-backend", "flashmla", "--log-file", str(log),
+                 "--metrics-file", str(prom))
+    assert p.returncode == 3
+    records = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    assert isinstance(records[-2], ev.StartupSummary) and isinstance(records[-1], ev.CommandFinished)
+    assert [x.name for x in records[-2].phases if not x.parent] == ["startup", "preflight"]
+    assert {x.parent for x in records[-2].phases} == {"", "preflight"}  # the refusal's setup states ran there
+    assert "attn_setup_startup_phase_seconds" in _parse_metrics(prom.read_text())
+
+
+@pytest.mark.parametrize("bad", ["DIR", "missing/m.prom"])
+def test_metrics_file_unwritable_is_a_usage_error(tmp_path, bad):
+    path = tmp_path if bad == "DIR" else tmp_path / bad
+    p = run_main("run", "--device", "cpu", "--json", "--metrics-file", str(path), "--log-file",
+                 str(tmp_path / "a.jsonl"))
+    assert p.returncode == 2
+    err = json.loads(p.stdout)["error"]
+    assert err["flags"][0]["name"] == "--metrics-file" and "existing directory" in err["remedy"]
+
+
+def test_perfetto_slices_for_verification_model_steps_and_jit():
+    """Two ranks: each rank's track (tid = rank) has a verify slice per instance (its duration, ending at the
+    record), one model-steps slice (last verification to last step) and one slice per JIT variant from its start."""
+    from pipeline.observe.perfetto import chrome_trace
+    from pipeline.observe.trace import Run, Trace
+
+    runs = []
+    for rank in (0, 1):
+        recs = [r if r.rank == rank else type(r)(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "rank": rank})
+                for r in _synthetic()]
+        recs.insert(3, ev.JitVariantLoaded(ts_ns=int(101.26 * S), run_id="r", rank=rank, state="attention",
+                                           variant="prefill-fa2/bf16-bf16/d128/swa0/cap0/sm90", status="compiling",
+                                           seconds=0.02, started_ns=int(101.24 * S)))
+        runs.append(Run(run_id="r", rank=rank, records=recs))
+    evs = chrome_trace(Trace(runs=runs))["traceEvents"]
+    t0 = min(e["ts"] for e in evs if e.get("ph") == "X")
+    for rank in (0, 1):
+        mine = {e["name"]: e for e in evs if e.get("ph") == "X" and e["tid"] == rank}
+        v = mine["verify primary (torch_native)"]
+        assert v["dur"] == pytest.approx(990_000.0) and v["ts"] + v["dur"] == pytest.approx(mine["model steps"]["ts"])
+        assert mine["model steps"]["dur"] == pytest.approx(1.5e6)
+        j = mine["jit compiling prefill-fa2/bf16-bf16/d128/swa0/cap0/sm90"]
+        assert j["dur"] == pytest.approx(20_000.0) and j["ts"] - t0 == pytest.approx(
+            mine["verify primary (torch_native)"]["ts"] - t0 - (102.6 - 0.99 - 101.24) * 1e6, abs=1.0)
