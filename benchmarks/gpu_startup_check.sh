@@ -6,7 +6,7 @@ set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
 export FLASHINFER_WORKSPACE_BASE=$(mktemp -d)   # an empty FlashInfer cache: the first run compiles
-FLAGS="--attention-backend flashinfer --cuda-graph-bs 1,2,4,8"
+FLAGS="--attention-backend flashinfer --cuda-graph-bs 1 2 4 8"
 echo "== plan, cold cache (expect exit 3, cold_jit_cache)"
 python3 -m pipeline.cli plan --device-profile auto $FLAGS --require-warm-cache --json | head -c 1500; echo " rc=${PIPESTATUS[0]}"
 echo "== coverage, cold cache (compiles)"
