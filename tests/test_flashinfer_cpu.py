@@ -135,7 +135,7 @@ def test_tensor_core_rule_and_cta_tile():
     for kv in ("fp8_e4m3", "fp8_e5m2", "float8_e4m3fn", "float8_e5m2"):  # our names and torch's
         for g in (1, 2, 3, 4, 7, 8):
             for b in (1, 8, 256):
-                want = g not in sz.CUDA_CORE_DECODE_GROUPS or sz.FP8_DECODE_PATH[g] == "tensor_core"
+                want = g not in sz.CUDA_CORE_DECODE_GROUPS or sz.FP8_DECODE_PATH.get(g, "tensor_core") == "tensor_core"
                 assert sz.use_tensor_core_decode(g, b, kv) == want, (kv, g, b)
 
 

@@ -174,7 +174,7 @@ SCALES = [(0.37, 1.7), (1.0, 1.0), (4.0, 0.125)]
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 8), (16, 2)])
 def test_fp8_decode_and_extend_match_float64(fib, kv, ks, vs, heads, kv_heads):
     """fp8 KV (e4m3, e5m2) with per-layer scales, bf16 q: extends (always paged, so new tokens are read back as
-    stored) and decode (CUDA cores for groups 1 and 4, tensor cores for group 8, per FP8_DECODE_PATH) match float64
+    stored) and decode (CUDA cores for group 1, tensor cores for groups 4 and 8, per FP8_DECODE_PATH) match float64
     over the dequantized stored K/V; the layer's scales reach every run()."""
     kinds = [make_kind(heads, kv_heads, 16, layer_ids=(0,)), make_kind(heads, kv_heads, 16, layer_ids=(1,))]
     sc = _scenario(kinds, 4, dtype=torch.bfloat16, kv_dtype=FP8[kv], k_scales=[ks, 1.0], v_scales=[vs, 1.0])

@@ -84,16 +84,15 @@ class WorkspaceNeed:
 
 
 # Decode path for an fp8 KV cache (bf16/fp16 q), per GQA group: "cuda_core" or "tensor_core". The rule is
-# this table; groups it lacks decode on tensor cores. Measured on the H200 (FlashInfer 0.6.13, 32 q / 8 kv
-# heads, D 128, page 16, B=64, ctx 4096, CUDA-graph replay): the tensor-core (prefill-kernel) path reads
-# half the bytes but takes 264 µs against 258 µs for its bf16 step — fp8 gains nothing there — while
-# FlashInfer's CUDA-core decode kernel loads fp8 and upcasts in registers (sglang instead always uses
-# tensor cores for fp8). Groups 1-4 therefore decode fp8 on CUDA cores; group 8 keeps tensor cores as in
-# bf16 (CUDA cores were up to 2.7x slower there in bf16; fp8 group 8 not measured yet).
-# ``python benchmarks/p4_fp8_mla.py`` times both paths side by side (fp8 step vs bf16 step, target <= 0.60x):
-# update this table from its "fp8 decode" rows (benchmarks/RESULTS.md).
-FP8_DECODE_PATH: dict[int, str] = {1: "cuda_core", 2: "cuda_core", 3: "cuda_core", 4: "cuda_core",
-                                   8: "tensor_core"}
+# this table; groups it lacks decode on tensor cores (as sglang always does for fp8). Measured on the H200
+# (FlashInfer 0.6.13, D 128, page 16, CUDA-graph replay; ``python3 benchmarks/flashinfer_mla_fp8.py``, table
+# "fp8_decode" in benchmarks/RESULTS.md): 32/8 heads — tensor cores 2133 µs (1.01x its bf16 step), CUDA cores
+# 4880 µs (2.30x); 64/8 — tensor cores 1.03x, CUDA cores 4.55x; 32/32 (MHA, group 1) — CUDA cores 0.61x
+# (e4m3) / 0.60x (e5m2), tensor cores 1.04x. So only group 1 decodes fp8 on CUDA cores (FlashInfer's CUDA-core
+# kernel loads fp8 and upcasts in registers, which pays off when there is no head group to share a tile);
+# every GQA group uses the tensor-core (prefill-kernel) path. Groups 2 and 3 were not measured: they follow
+# group 4. On GQA fp8 halves the KV bytes but not the step time (47 % of the copy ceiling, see RESULTS.md).
+FP8_DECODE_PATH: dict[int, str] = {1: "cuda_core"}
 
 
 # FlashInfer MLA backend per arch: the sm90 (Hopper) fa3 MLA kernels are 2.1x faster than fa2 at 128 heads

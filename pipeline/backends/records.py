@@ -116,7 +116,7 @@ TRITON_CAP = Capability(
 # Measured MLA decode step per arch (µs, lower is faster): DeepSeek-V3 dims (128 q heads, one latent head of
 # 512 + 64, bf16), B=64 requests x 4096 tokens, page 16, CUDA-graph replay, median — on the H200 with
 # FlashInfer 0.6.13 (fa3 MLA wrapper 136.4 µs; fa2 289.0) and our Triton MLA kernels' best swept config
-# (h64n64w8s2, 415.6 µs): benchmarks/RESULTS.md, "fp8 KV and MLA facts" and "MLA decode". For an MLA model on
+# (h64n64w8s2, 415.6 µs; the L2-prefetch default h64n64w8s3 measured 267.5 µs in the final H200 run, 0.52x): benchmarks/RESULTS.md, "fp8 KV and MLA facts" and "MLA decode". For an MLA model on
 # a listed arch, auto-selection tries these backends first, fastest first (registry.auto_candidates);
 # re-measure with ``python benchmarks/mla_decode.py`` (or benchmarks/p4_fp8_mla.py) and update the numbers.
 MLA_DECODE_US: dict[str, dict[str, float]] = {

@@ -30,7 +30,7 @@ def test_flashinfer_graphs_accounted(tmp_path):
     log, prom = tmp_path / "a.jsonl", tmp_path / "m.prom"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["run", "--device", "cuda", "--attention-backend", "flashinfer", "--cuda-graph-bs", "1,2,4,8",
+        code = main(["run", "--device", "cuda", "--attention-backend", "flashinfer", "--cuda-graph-bs", "1", "2", "4", "8",
                      "--json", "--log-file", str(log), "--metrics-file", str(prom)])
     assert code == 0, out.getvalue()[-3000:]
     recs = [ev.decode_line(x) for x in log.read_bytes().splitlines()]

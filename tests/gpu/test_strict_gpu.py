@@ -51,8 +51,11 @@ def test_small_flashinfer_workspace_refused_before_the_model_loads(tmp_path, cap
     assert not {"model_loaded", "memory_pool_sized", "backend_built"} & set(events)
 
 
-@pytest.mark.parametrize("flags", [["--model", str(CONFIGS / "deepseek-v2-lite.json")],
-                                   ["--kv-cache-dtype", "fp8_e4m3"]], ids=["deepseek-mla", "kv-fp8"])
+# What still has no GPU backend on sm90: fp8 KV on MLA layers (flashinfer and triton claim MLA and fp8, not both
+# together) and a float32 model (the GPU records take bf16/fp16 q only). DeepSeek MLA and fp8 KV alone now resolve
+# flashinfer (issue 16), so they no longer exercise the fallback.
+@pytest.mark.parametrize("flags", [["--model", str(CONFIGS / "deepseek-v2-lite.json"), "--kv-cache-dtype", "fp8_e4m3"],
+                                   ["--dtype", "float32"]], ids=["deepseek-mla-fp8", "float32"])
 def test_reference_fallback_warns_strict_refuses_and_its_remedy_runs(tmp_path, capsys, flags):
     """Warned run passes with both warnings; --strict exits 3 (reference_fallback) before the model loads; the
     remedy's flags (--attention-backend torch_native --disable-cuda-graph) make the strict run pass, warning-free."""
