@@ -29,7 +29,8 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import distributed, rank_digest, runinfo  # noqa: E402
+from pipeline.core import runinfo  # noqa: E402
+from pipeline.setup import distributed, rank_digest  # noqa: E402
 from pipeline.setup.build import build_attention_backends  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.core.errors import AttnSetupError  # noqa: E402

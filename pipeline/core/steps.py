@@ -191,6 +191,11 @@ class TableMachine:
     def state(self) -> Any:
         return self.model.state
 
+    def start_clock(self) -> None:
+        """Start timing the current state now (a machine built early, e.g. before a preflight, times its first
+        state from when its work begins, not from construction)."""
+        self._entered = time.perf_counter()
+
     def may(self, trigger: str) -> bool:
         """Whether ``trigger`` would move now (guards evaluated, nothing changes)."""
         try:

@@ -214,6 +214,9 @@ class Runner:
 
     def initialize(self) -> "Runner":
         """Every step in table order (sglang's ``ModelRunner.initialize``); returns self in ``ready``."""
+        # the first state and runner_ready are timed from here: a preflight before this belongs to ``preflight``
+        self.t0 = time.perf_counter()
+        self.machine.start_clock()
         self.log.emit(ev.RunnerStarted, state=self.state.value, config={
             "num_layers": self.config.num_layers, "seed": self.config.seed,
             "num_token_slots": self.config.num_token_slots, "mem_bytes": self.config.mem_bytes,
