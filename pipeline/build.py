@@ -493,9 +493,9 @@ def check_before_allocation(args: Any, res: Any, plan: Any, kinds: Any, device: 
     """Build-mode's checks that need no device: CUDA-graph sizes within ``max_reqs`` (on every device) and each
     FlashInfer workspace against the largest batch its users plan (graph sizes actually captured).
     Raises ConfigError (``invalid_value`` / ``workspace_too_small``, state build-mode)."""
-    from pipeline.cuda_graphs import capture_batch_sizes
+    from pipeline.cuda_graphs import check_graph_bs
 
-    capture_batch_sizes(args, max_reqs)
+    check_graph_bs(args, max_reqs)
     build_mode.check_workspaces(plan, kinds, num_sms=device.sm_count, max_reqs=max_reqs,
                                 graph_max_bs=graph_max_bs_of(args, res, max_reqs),
                                 graph_bs_given=bool(args.cuda_graph_bs))
