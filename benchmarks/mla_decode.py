@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.backends.triton import launch_mla  # noqa: E402
 from pipeline.runtime.reference import rel_err  # noqa: E402
+from triton_kernels import _graph, _us  # noqa: E402  (same timing and capture as the GQA table)
 
 H, DV, DR = 128, 512, 64
 D = DV + DR
@@ -53,25 +54,6 @@ SWEEP_SHAPES = ((64, 4096), (8, 32768), (256, 4096), (1, 32768), (8, 512), (1, 5
 SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2
 COPY_CEILING_GBPS = 4265.0
 WS_BYTES = 512 << 20
-
-
-def _us(fn: Callable[[], None]) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
-
-
-def _graph(fn: Callable[[], None]) -> Callable[[], None]:
-    """Capture ``fn`` (after a warm-up on a side stream) and return the replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def copy_bandwidth(device: str) -> float:

@@ -48,6 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline.runtime.cuda_graphs import capture_graph  # noqa: E402
+
 H, HKV, D, PAGE = 32, 8, 128, 16
 DECODE_B = (1, 8, 64, 256)
 DECODE_CTX = (512, 4096, 32768)
@@ -74,16 +76,8 @@ def _us(fn: Callable[[], None]) -> float:
 
 
 def _graph(fn: Callable[[], None]) -> Callable[[], None]:
-    """Capture ``fn`` (after a warm-up on a side stream) and return the replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    """Capture ``fn`` (pipeline.cuda_graphs.capture_graph: warm-up on a side stream first) and return the replay."""
+    return capture_graph(fn)[0].replay
 
 
 def _sms(dev: torch.device) -> int:

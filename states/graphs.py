@@ -16,29 +16,38 @@ from pipeline.core.contracts import AttentionArgs
 from pipeline.core.errors import ConfigError
 
 
-def capture_batch_sizes(args: AttentionArgs, max_reqs: int, *, state: str = "build-mode") -> list[int]:
-    """The decode batch sizes to capture, ascending (the one implementation of this rule).
-
-    ``cuda_graph_bs`` when given (each must be in ``1..max_reqs``: a captured batch holds one
-    ``req_to_token`` row per request), else sglang's series 1, 2, 4, 8, 16, 24, 32, … (step 8 from
-    16, ``get_batch_sizes_to_capture``) up to ``cuda_graph_max_bs`` (default: ``max_reqs``), never
-    above ``max_reqs``. ``plan``, ``run``'s preflight, build-mode's workspace bound and the capture
-    itself all call this, so a size the pool cannot hold is refused before anything is allocated.
+def check_graph_bs(args: AttentionArgs, max_reqs: int, *, state: str = "build-mode") -> None:
+    """Refuse a ``cuda_graph_bs`` entry outside ``1..max_reqs`` (a captured batch holds one ``req_to_token`` row per
+    request). Costs O(len(cuda_graph_bs)), whatever ``max_reqs`` is, so it may run before any size is checked.
 
     Raises ConfigError (``invalid_value``, in ``state``) naming ``cuda_graph_bs`` and ``max_reqs`` with both numbers.
     """
+    bad = sorted(b for b in args.cuda_graph_bs or () if not 1 <= b <= max_reqs)
+    if bad:
+        keep = sorted(b for b in args.cuda_graph_bs if 1 <= b <= max_reqs)
+        sizes = ", ".join(map(str, bad))
+        fix = f"drop {sizes} from cuda_graph_bs" + (f" (keeping {', '.join(map(str, keep))})" if keep else "")
+        raise ConfigError(
+            f"cuda_graph_bs has {sizes}, above max_reqs={max_reqs}: a captured decode batch of {max(bad)} "
+            f"requests needs {max(bad)} rows of req_to_token and the pool has {max_reqs}",
+            code="invalid_value", state=state,
+            flags=[("cuda_graph_bs", list(args.cuda_graph_bs)), ("max_reqs", max_reqs)],
+            allowed=[f"1..{max_reqs}"], remedy=f"{fix}, or raise max_reqs to at least {max(bad)}")
+
+
+def capture_batch_sizes(args: AttentionArgs, max_reqs: int, *, state: str = "build-mode") -> list[int]:
+    """The decode batch sizes to capture, ascending (the one implementation of this rule).
+
+    ``cuda_graph_bs`` when given (checked by :func:`check_graph_bs`), else sglang's series 1, 2, 4, 8, 16, 24, 32,
+    … (step 8 from 16, ``get_batch_sizes_to_capture``) up to ``cuda_graph_max_bs`` (default: ``max_reqs``), never
+    above ``max_reqs``. ``plan``, ``run``'s preflight and the capture itself call this; checks made before the
+    pools are sized (whose ``max_reqs`` may still be absurd) use :func:`check_graph_bs` and :func:`graph_max_bs`,
+    which never build the series.
+
+    Raises ConfigError (``invalid_value``, in ``state``) naming ``cuda_graph_bs`` and ``max_reqs`` with both numbers.
+    """
+    check_graph_bs(args, max_reqs, state=state)
     if args.cuda_graph_bs:
-        bad = sorted(b for b in args.cuda_graph_bs if not 1 <= b <= max_reqs)
-        if bad:
-            keep = sorted(b for b in args.cuda_graph_bs if 1 <= b <= max_reqs)
-            sizes = ", ".join(map(str, bad))
-            fix = f"drop {sizes} from cuda_graph_bs" + (f" (keeping {', '.join(map(str, keep))})" if keep else "")
-            raise ConfigError(
-                f"cuda_graph_bs has {sizes}, above max_reqs={max_reqs}: a captured decode batch of {max(bad)} "
-                f"requests needs {max(bad)} rows of req_to_token and the pool has {max_reqs}",
-                code="invalid_value", state=state,
-                flags=[("cuda_graph_bs", list(args.cuda_graph_bs)), ("max_reqs", max_reqs)],
-                allowed=[f"1..{max_reqs}"], remedy=f"{fix}, or raise max_reqs to at least {max(bad)}")
         return sorted(set(args.cuda_graph_bs))
     top = min(args.cuda_graph_max_bs or max_reqs, max_reqs)
     series = [1, 2, 4, 8] + list(range(16, top + 1, 8))
@@ -83,5 +92,12 @@ def skip_reason(args: AttentionArgs, device_type: str, backend_names: Sequence[s
 
 
 def graph_max_bs(args: AttentionArgs, max_reqs: int, captured: bool) -> int:
-    """The largest decode batch a graph is captured for: the last of :func:`capture_batch_sizes`, 0 without graphs."""
-    return capture_batch_sizes(args, max_reqs)[-1] if captured else 0
+    """The largest decode batch a graph is captured for: the last of :func:`capture_batch_sizes`, 0 without graphs
+    (computed, not listed: O(1) in ``max_reqs``). Raises what :func:`check_graph_bs` raises."""
+    if not captured:
+        return 0
+    check_graph_bs(args, max_reqs)
+    if args.cuda_graph_bs:
+        return max(args.cuda_graph_bs)
+    top = min(args.cuda_graph_max_bs or max_reqs, max_reqs)
+    return top - (top - 16) % 8 if top >= 16 else max((b for b in (1, 2, 4, 8) if b <= top), default=0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 
 import pytest
 
@@ -109,3 +111,31 @@ def test_library_rejects_a_non_request():
     with pytest.raises(UsageError) as ei:
         build_attention_backends(None)
     assert ei.value.info.allowed == ["SetupRequest"]
+
+
+class _HeadOne(io.StringIO):
+    """A reader that leaves after the first line, as ``| head -1`` does: later writes meet a closed pipe."""
+
+    def write(self, text: str) -> int:
+        if "\n" in self.getvalue():
+            raise BrokenPipeError(32, "Broken pipe")
+        return super().write(text)
+
+    def flush(self) -> None:
+        if "\n" in self.getvalue():
+            raise BrokenPipeError(32, "Broken pipe")
+
+
+@pytest.mark.parametrize("argv,code", [
+    (["backends"], 0),
+    (["backends", "--json"], 0),
+    (["plan", "--device-profile", "h200", "--attention-backend", "flashinfr"], 3),
+    (["plan", "--device-profile", "h200"], 0),
+])
+def test_a_reader_leaving_early_keeps_the_exit_code(argv, code, monkeypatch):
+    """``attn-setup backends | head -1`` exited 1 (a closed pipe was a failure); the exit code is the command's,
+    whether or not the reader stayed for the whole report."""
+    out = _HeadOne()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(argv) == code
+    assert sys.stdout is out   # restored for the caller

@@ -302,3 +302,32 @@ def test_engine_pools_are_used_and_checked_against_the_request(llama, small_pool
     for wrong in (["a"], True, "pools"):
         with pytest.raises(UsageError, match="pools must be a dict"):
             build_attention_backends(_req(llama, p), installed=INSTALLED, pools=wrong)
+
+
+@pytest.mark.parametrize("graph_bs", [None, (1, 3, 64)])
+def test_graph_max_bs_is_the_series_top_without_listing_it(graph_bs):
+    """graph_max_bs equals the last of capture_batch_sizes (sglang's 1, 2, 4, 8, 16, 24, … series or the given
+    sizes) for every max_reqs / cuda_graph_max_bs up to 300, and stays O(1) for a max_reqs of 2**31 - 1 (it ran
+    the whole series before: build-mode hung on such a pool instead of refusing it)."""
+    from states.graphs import capture_batch_sizes, graph_max_bs
+
+    for max_reqs in range(64 if graph_bs else 1, 300):
+        for cap in (None, 1, 3, 8, 15, 16, 17, 24, 100, 1000):
+            a = AttentionArgs(cuda_graph_max_bs=cap, cuda_graph_bs=graph_bs)
+            assert graph_max_bs(a, max_reqs, True) == capture_batch_sizes(a, max_reqs)[-1], (max_reqs, cap)
+            assert graph_max_bs(a, max_reqs, False) == 0
+    assert graph_max_bs(AttentionArgs(cuda_graph_bs=graph_bs), 2 ** 31 - 1, True) == (64 if graph_bs else 2 ** 31 - 8)
+
+
+def test_absurd_max_reqs_is_refused_for_memory_not_hung():
+    """A library request whose pool cannot fit (max_reqs = 2**31 - 1) gets ``pool_exceeds_memory`` before anything
+    is allocated; the graph-size checks before it no longer build a 268M-entry batch-size list."""
+    from pipeline.core.contracts import PoolFacts
+    from pipeline.core.errors import ConfigError
+    from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec
+
+    req = SetupRequest(model=load_model_spec(DEFAULT_MODEL_CONFIG), device="cpu",
+                       pool=PoolFacts(max_reqs=2 ** 31 - 1, max_context_len=4096, num_token_slots=16384))
+    with pytest.raises(ConfigError) as e:
+        build_attention_backends(req)
+    assert e.value.info.code == "pool_exceeds_memory"

@@ -84,25 +84,67 @@ def print_error(err: AttnSetupError, as_json: bool) -> None:
         render_error(info)
 
 
-def _quiet_stdout() -> None:
+def _quiet_stdout(stream: Any = None) -> None:
     """After a closed pipe (``attn-setup inspect big.jsonl | head``): send what is left to /dev/null,
     so the interpreter's final flush does not print a second error."""
     import os
 
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, (stream or sys.stdout).fileno())
     except (OSError, ValueError, AttributeError):  # no real stdout (in-process callers)
         pass
+
+
+class _ReaderMayLeave:
+    """stdout for a reader that may leave early (``attn-setup backends | head -1``): the first write or flush that
+    meets a closed pipe sends the rest of the report to /dev/null, and the command carries on, so its exit code
+    says how the command ended, not whether anyone read all of its output (``yes | head`` style tools die of
+    SIGPIPE instead; our exit codes are a contract, README's table)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return self.stream.write(text)
+            except BrokenPipeError:
+                self._leave()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._leave()
+
+    def _leave(self) -> None:
+        self.gone = True
+        _quiet_stdout(self.stream)
+
+    def __getattr__(self, name: str) -> Any:   # isatty, fileno, encoding, … of the real stream
+        return getattr(self.stream, name)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one subcommand; returns its exit code (README's table).
 
     Every way out is an exit code with one ErrorInfo, never a traceback: typed errors keep their
-    code; SIGINT (Ctrl-C, KeyboardInterrupt) is 130 with ``interrupted``; a closed stdout pipe is
-    1; any other exception is 1 with ``internal_error`` naming it.
+    code; SIGINT (Ctrl-C, KeyboardInterrupt) is 130 with ``interrupted``; a closed stdout pipe
+    changes nothing (the rest of the output is dropped, :class:`_ReaderMayLeave`); any other
+    exception is 1 with ``internal_error`` naming it.
     """
+    real_stdout = sys.stdout
+    sys.stdout = _ReaderMayLeave(real_stdout)
+    try:
+        return _main(argv)
+    finally:
+        sys.stdout = real_stdout
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     from pipeline.core.errors import EXIT_FAILED, EXIT_INTERRUPTED, error_info_from
 
     argv = list(sys.argv[1:] if argv is None else argv)

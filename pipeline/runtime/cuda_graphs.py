@@ -20,7 +20,29 @@ from typing import Any, Callable, Optional, Sequence
 from pipeline.core.contracts import ForwardMode
 from pipeline.core.errors import ConfigError
 
-__all__ = ["DecodeGraphRunner"]
+__all__ = ["capture_graph", "DecodeGraphRunner"]
+
+
+def capture_graph(fn: Callable[[], Any], pool: Any = None) -> tuple[Any, Any]:
+    """Capture ``fn`` into a ``torch.cuda.CUDAGraph`` after one warm-up call on a side stream, and return
+    ``(graph, out)``: ``out`` is what ``fn`` returned inside the capture, the static tensor each replay rewrites.
+
+    The warm-up follows PyTorch's CUDA-graph rule (the first call may allocate or lazily initialise what capture
+    forbids, and must not run on the legacy default stream); ``pool`` is a ``torch.cuda.graph_pool_handle()`` shared
+    by several captures (sglang captures its batch sizes largest first into one pool). Raises what capture raises
+    (``RuntimeError`` on a host sync or an illegal call inside ``fn``).
+    """
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()
+    return g, out
 
 
 class DecodeGraphRunner:
@@ -72,14 +94,7 @@ class DecodeGraphRunner:
             b = self.buf
             self.backend.init_forward_metadata_capture_cuda_graph(
                 bs, bs, b["req_pool_indices"][:bs], b["seq_lens"][:bs], None, ForwardMode.DECODE, None)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.stack.forward(b["hidden"][:bs], fb, self.backend)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                out = self.stack.forward(b["hidden"][:bs], fb, self.backend)
+            g, out = capture_graph(lambda: self.stack.forward(b["hidden"][:bs], fb, self.backend), pool=self.pool)
             torch.cuda.synchronize()
             self.graphs[bs], self.outputs[bs] = g, out
             self.capture_ms[bs] = (time.perf_counter() - t0) * 1e3

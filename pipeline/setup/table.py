@@ -188,7 +188,7 @@ def check_build(ctx: SetupContext, d: BuildDecision) -> None:
     """Refusals that need no device: CUDA-graph sizes within ``max_reqs`` (on every device) and each workspace
     against the largest batch its users plan (each user's registry entry, graph sizes actually captured)."""
     req = ctx.request
-    graphs.capture_batch_sizes(req.args, req.pool.max_reqs)
+    graphs.check_graph_bs(req.args, req.pool.max_reqs)
     kinds, max_bs = req.served_model.layer_kinds(), d.graph_max_bs(req)
     for ws in d.plan.workspaces:
         for backend in sorted({i.backend for i in d.plan.instances if i.workspace == ws.id}):

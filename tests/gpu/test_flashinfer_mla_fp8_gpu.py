@@ -35,6 +35,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
 from fi_reference import Scenario, dense_reference, make_kind, make_layer, make_mla_kind, rel_err  # noqa: E402
 from pipeline.backends import flashinfer_sizing as sz  # noqa: E402
 from pipeline.core.contracts import ForwardMode  # noqa: E402
+from pipeline.runtime.cuda_graphs import capture_graph  # noqa: E402
 
 TOL = 1e-2
 # DeepSeek's softmax scales: (128 + 64)^-0.5 * YaRN mscale(40, mscale_all_dim)^2 — V2-Lite 0.707, V3 1.0
@@ -100,18 +101,6 @@ def _mla_errs(sc, out, q, reqs, prefix, new, scale):
     return errs
 
 
-def _capture(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
-
-
 MLA_CASES = [(b, h, p) for b in ("flashinfer", "triton") for h in (16, 128) for p in (1, 16, 64)] + \
             [("torch_native", h, 16) for h in (16, 128)]
 
@@ -154,7 +143,7 @@ def test_mla_extend_decode_and_graph_replay(backend, heads, page):
     rows = torch.tensor(reqs, device="cuda")
     be.init_forward_metadata_capture_cuda_graph(bs, bs, rows, fb.seq_lens, None, ForwardMode.DECODE, None)
     q_static = torch.zeros(bs, heads, 576, dtype=torch.bfloat16, device="cuda")
-    g, g_out = _capture(lambda: be.forward_decode(q_static, None, None, layer, fb, save_kv_cache=False))
+    g, g_out = capture_graph(lambda: be.forward_decode(q_static, None, None, layer, fb, save_kv_cache=False))
     pre = [p + 1 for p in pre]
     fb2 = sc.batch(ForwardMode.DECODE, reqs, [1] * bs)
     k = sc.randn(bs, 1, 576)
@@ -220,7 +209,7 @@ def test_fp8_kv_flashinfer(fmt, heads, page, path, monkeypatch):
     rows = torch.tensor(reqs, device="cuda")
     be.init_forward_metadata_capture_cuda_graph(4, 4, rows, fb.seq_lens, None, ForwardMode.DECODE, None)
     q_static = torch.zeros(4, h, 128, dtype=torch.bfloat16, device="cuda")
-    g, g_out = _capture(lambda: be.forward_decode(q_static, None, None, layer, fb, save_kv_cache=False))
+    g, g_out = capture_graph(lambda: be.forward_decode(q_static, None, None, layer, fb, save_kv_cache=False))
     fb2 = sc.batch(ForwardMode.DECODE, reqs, [1] * 4)
     sc.kv.set_kv_buffer(0, fb2.out_cache_loc, sc.randn(4, hkv, 128, scale=3.0), sc.randn(4, hkv, 128, scale=3.0))
     be.init_forward_metadata_replay_cuda_graph(4, rows, fb2.seq_lens, 0, None, ForwardMode.DECODE, None,

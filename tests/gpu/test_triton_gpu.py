@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.gpu,
 
 from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.core.contracts import ForwardMode  # noqa: E402
+from pipeline.runtime.cuda_graphs import capture_graph  # noqa: E402
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
 from pipeline.runtime.reference import reference_attention, rel_err  # noqa: E402
 
@@ -140,27 +141,21 @@ def test_extend_grid(prefix, new, page, h, hkv, d, dtype, features):
     _run(ForwardMode.EXTEND, prefix, new, page, h, hkv, d, dtype, features, seed=len(prefix) + d)
 
 
-def test_cuda_graph_replay_equals_eager_for_changed_lengths():
-    """A decode graph captured once replays to the eager result after lengths and rows change."""
-    h, hkv, d, page, bs = 32, 8, 128, 16, 8
-    rp, kv, alloc, rows = _setup([100] * bs, page, h, hkv, d, torch.bfloat16, seed=5, extra=6000)
-    layer = _layer(h, hkv, d, ("window", "sinks"), seed=5)
-    tri, _ = _backends(h, hkv, d)
-    tri.init_cuda_graph_state(max_bs=16, max_num_tokens=16)
+def _decode_graph_steps(tri, layer, rows, alloc, kv, heads, grows, *, max_bs=16):
+    """Capture one decode graph over ``rows`` (one new token each; ``heads`` = (H, Hkv, D)), then for each list in
+    ``grows`` lengthen request i by ``grows[i] - 1`` tokens, reverse the rows, draw new q/k/v, replay with the output
+    NaN-poisoned, and run the same batch eagerly. Asserts replay == eager bit for bit at every step and yields
+    ``(step, batch, q, graphed, eager)`` for the caller's reference checks."""
+    (h, hkv, d), bs = heads, len(rows)
+    tri.init_cuda_graph_state(max_bs=max_bs, max_num_tokens=max_bs)
     fb = make_forward_batch(ForwardMode.DECODE, rows, [1] * bs, alloc, kv)
     q, k, v = (torch.randn(bs, n, d, dtype=torch.bfloat16, device=DEV) for n in (h, hkv, hkv))
     loc = fb.out_cache_loc.clone()
     fb.out_cache_loc = loc
-    tri.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices, fb.seq_lens, None, ForwardMode.DECODE, None)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        tri.forward(q, k, v, layer, fb)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = tri.forward(q, k, v, layer, fb)
-    for step, grow in enumerate([[1] * bs, [500, 1, 3000, 7, 1, 64, 2, 900]]):
+    tri.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices, fb.seq_lens, None, ForwardMode.DECODE,
+                                                 None)
+    g, out = capture_graph(lambda: tri.forward(q, k, v, layer, fb))
+    for step, grow in enumerate(grows):
         for r, n in zip(rows, grow):   # lengthen each request by a different amount
             if n > 1:
                 alloc.extend(r, n - 1)
@@ -170,12 +165,24 @@ def test_cuda_graph_replay_equals_eager_for_changed_lengths():
         loc.copy_(fb2.out_cache_loc)
         tri.init_forward_metadata_replay_cuda_graph(bs, fb2.req_pool_indices, fb2.seq_lens, sum(fb2.seq_lens_cpu),
                                                     None, ForwardMode.DECODE, None, None)
+        out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
         graphed = out.clone()
         tri.init_forward_metadata(fb2)
-        eager = tri.forward(q, k, v, layer, fb2)
+        eager = tri.forward(q, k, v, layer, fb2, save_kv_cache=False)   # the replay already stored this step's K/V
         assert torch.equal(graphed, eager), step
+        yield step, fb2, q, graphed, eager
+
+
+def test_cuda_graph_replay_equals_eager_for_changed_lengths():
+    """A decode graph captured once replays to the eager result after lengths and rows change."""
+    h, hkv, d, page, bs = 32, 8, 128, 16, 8
+    rp, kv, alloc, rows = _setup([100] * bs, page, h, hkv, d, torch.bfloat16, seed=5, extra=6000)
+    layer = _layer(h, hkv, d, ("window", "sinks"), seed=5)
+    tri, _ = _backends(h, hkv, d)
+    for step, fb2, q, graphed, eager in _decode_graph_steps(tri, layer, rows, alloc, kv, (h, hkv, d),
+                                                            [[1] * bs, [500, 1, 3000, 7, 1, 64, 2, 900]]):
         _check_against_refs(graphed, eager, fb2, layer, q, sample=range(bs))
 
 
@@ -218,37 +225,8 @@ def test_chunked_local_attention():
     rp, kv, alloc, rows = _setup([500, 1023, 100, 2000], page, h, hkv, d, torch.bfloat16, seed=9, extra=4000)
     layer = _layer(h, hkv, d, (), seed=9, chunk=chunk)
     tri, _ = _backends(h, hkv, d)
-    tri.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
-    fb = make_forward_batch(ForwardMode.DECODE, rows, [1] * bs, alloc, kv)
-    q, k, v = (torch.randn(bs, n, d, dtype=torch.bfloat16, device=DEV) for n in (h, hkv, hkv))
-    loc = fb.out_cache_loc.clone()
-    fb.out_cache_loc = loc
-    tri.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices, fb.seq_lens, None,
-                                                 ForwardMode.DECODE, None)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        tri.forward(q, k, v, layer, fb)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = tri.forward(q, k, v, layer, fb)
-    for step, grow in enumerate([[12, 1, 412, 48], [700, 2, 3, 1]]):
-        for r, n in zip(rows, grow):
-            if n > 1:
-                alloc.extend(r, n - 1)
-        fb2 = make_forward_batch(ForwardMode.DECODE, rows[::-1], [1] * bs, alloc, kv)
-        for x in (q, k, v):
-            x.normal_()
-        loc.copy_(fb2.out_cache_loc)
-        tri.init_forward_metadata_replay_cuda_graph(bs, fb2.req_pool_indices, fb2.seq_lens, sum(fb2.seq_lens_cpu),
-                                                    None, ForwardMode.DECODE, None, None)
-        g.replay()
-        torch.cuda.synchronize()
-        graphed = out.clone()
-        tri.init_forward_metadata(fb2)
-        eager = tri.forward(q, k, v, layer, fb2)
-        assert torch.equal(graphed, eager), step
+    for step, fb2, q, graphed, eager in _decode_graph_steps(tri, layer, rows, alloc, kv, (h, hkv, d),
+                                                            [[12, 1, 412, 48], [700, 2, 3, 1]], max_bs=8):
         _check_against_refs(graphed, eager, fb2, layer, q, sample=range(bs))
 
 
@@ -395,38 +373,8 @@ def test_fp8_cuda_graph_replay_equals_eager():
     layer = base if pool_scales else ScaledLayer(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
                                                  k_scale=ks, v_scale=vs)
     tri, _ = _backends(h, hkv, d)
-    tri.init_cuda_graph_state(max_bs=16, max_num_tokens=16)
-    fb = make_forward_batch(ForwardMode.DECODE, rows, [1] * bs, alloc, kv)
-    q, k, v = (torch.randn(bs, n, d, dtype=torch.bfloat16, device=DEV) for n in (h, hkv, hkv))
-    loc = fb.out_cache_loc.clone()
-    fb.out_cache_loc = loc
-    tri.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices, fb.seq_lens, None, ForwardMode.DECODE,
-                                                 None)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        tri.forward(q, k, v, layer, fb)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = tri.forward(q, k, v, layer, fb)
-    for step, grow in enumerate([[1] * bs, [500, 1, 3000, 7, 1, 64, 2, 900]]):
-        for r, n in zip(rows, grow):
-            if n > 1:
-                alloc.extend(r, n - 1)
-        fb2 = make_forward_batch(ForwardMode.DECODE, rows[::-1], [1] * bs, alloc, kv)
-        for x in (q, k, v):
-            x.normal_()
-        loc.copy_(fb2.out_cache_loc)
-        tri.init_forward_metadata_replay_cuda_graph(bs, fb2.req_pool_indices, fb2.seq_lens, sum(fb2.seq_lens_cpu),
-                                                    None, ForwardMode.DECODE, None, None)
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        graphed = out.clone()
-        tri.init_forward_metadata(fb2)
-        eager = tri.forward(q, k, v, layer, fb2, save_kv_cache=False)
-        assert torch.equal(graphed, eager), step
+    for step, fb2, q, graphed, _ in _decode_graph_steps(tri, layer, rows, alloc, kv, (h, hkv, d),
+                                                        [[1] * bs, [500, 1, 3000, 7, 1, 64, 2, 900]]):
         r2t, kb, vb = fb2.req_to_token_pool.req_to_token, kv.k_buffer[0], kv.v_buffer[0]
         for i in range(bs):
             slots = r2t[int(fb2.req_pool_indices[i]), :fb2.seq_lens_cpu[i]].long()

@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.gpu,
 
 from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.core.contracts import ForwardMode  # noqa: E402
+from pipeline.runtime.cuda_graphs import capture_graph  # noqa: E402
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
 from pipeline.runtime.reference import reference_attention, rel_err  # noqa: E402
 
@@ -191,16 +192,12 @@ def test_mla_cuda_graph_replay_equals_eager(h, bs):
     fb.out_cache_loc = loc
     be.init_forward_metadata_capture_cuda_graph(bs, bs, fb.req_pool_indices, fb.seq_lens, None, ForwardMode.DECODE,
                                                 None)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+
+    def step():   # the latent's V view is copied inside the graph, as the model does before attention
         v.copy_(lat[..., :DV])
-        be.forward(q, lat, v, layer, fb)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        v.copy_(lat[..., :DV])
-        out = be.forward(q, lat, v, layer, fb)
+        return be.forward(q, lat, v, layer, fb)
+
+    g, out = capture_graph(step)
     gen = torch.Generator().manual_seed(9)
     for step in range(3):
         for r in rows:   # lengthen each request by a different amount (up to ~2900 tokens)
