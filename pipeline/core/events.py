@@ -334,14 +334,17 @@ class MemoryPoolSized(Event, tag="memory_pool_sized", kw_only=True):
 class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
     """One decode CUDA graph captured: batch size and capture time (warm-up run included).
 
-    ``graph_bytes``: device memory this batch size's capture took (reserved bytes after minus before,
-    the shared graph pool included; 0 in traces written before it was measured).
+    ``graph_bytes``: bytes this batch size's capture added to the graphs' private memory pool (the sizes share one
+    pool, captured largest first, so smaller sizes mostly reuse it); ``device_bytes``: device memory free before
+    the capture minus free after (``torch.cuda.mem_get_info``; can be 0 or below when the allocator released
+    cached blocks to make room). Both 0 in traces written before they were measured.
     """
 
     bs: int
     capture_ms: float
     backend: str
     graph_bytes: int = 0
+    device_bytes: int = 0
 
 
 class ModelStepVerified(Event, tag="model_step_verified", kw_only=True):

@@ -45,6 +45,25 @@ def capture_graph(fn: Callable[[], Any], pool: Any = None) -> tuple[Any, Any]:
     return g, out
 
 
+def _graph_pool_bytes(torch: Any, pool: Any) -> int:
+    """Device bytes (segment sizes, as the CUDA caching allocator reserved them) held by the private memory pool
+    ``pool`` (a ``torch.cuda.graph_pool_handle()``), from ``torch.cuda.memory_snapshot()``; falls back to all
+    reserved bytes (``torch.cuda.memory_reserved()``) on a torch whose snapshot does not name segment pools.
+
+    Why the pool and not reserved bytes before/after: once the KV pools take most of the device, the allocator frees
+    cached blocks of the default pool to make room for the graph's pool, so the reserved total can stay flat (the
+    H200 run showed 0 bytes for a bs=8 capture) while the graph holds megabytes. Called once per captured size,
+    never per layer or per replay.
+    """
+    segments = torch.cuda.memory_snapshot()
+    if segments and "segment_pool_id" not in segments[0]:
+        return int(torch.cuda.memory_reserved())
+    want = tuple(pool) if isinstance(pool, (tuple, list)) else pool
+    return sum(int(s["total_size"]) for s in segments
+               if (tuple(s["segment_pool_id"]) if isinstance(s["segment_pool_id"], (tuple, list))
+                   else s["segment_pool_id"]) == want)
+
+
 class DecodeGraphRunner:
     """Captured decode graphs of ``stack`` through ``backend`` for batch sizes ``batch_sizes``.
 
@@ -69,7 +88,8 @@ class DecodeGraphRunner:
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, tuple[Any, list[Any]]] = {}
         self.capture_ms: dict[int, float] = {}
-        self.graph_bytes: dict[int, int] = {}  # device bytes reserved by each size's capture (CUDA caching allocator)
+        self.graph_bytes: dict[int, int] = {}  # bytes each size's capture added to the graphs' private memory pool
+        self.device_bytes: dict[int, int] = {}  # device free bytes before minus after each size's capture
         self.pool: Any = None
 
     def _batch(self, bs: int) -> Any:
@@ -89,7 +109,7 @@ class DecodeGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.batch_sizes):
             t0 = time.perf_counter()
-            reserved = torch.cuda.memory_reserved()  # graph_bytes: what this size's capture took, pool included
+            before, free = _graph_pool_bytes(torch, self.pool), torch.cuda.mem_get_info()[0]
             fb = self._batch(bs)
             b = self.buf
             self.backend.init_forward_metadata_capture_cuda_graph(
@@ -98,7 +118,8 @@ class DecodeGraphRunner:
             torch.cuda.synchronize()
             self.graphs[bs], self.outputs[bs] = g, out
             self.capture_ms[bs] = (time.perf_counter() - t0) * 1e3
-            self.graph_bytes[bs] = torch.cuda.memory_reserved() - reserved
+            self.graph_bytes[bs] = max(_graph_pool_bytes(torch, self.pool) - before, 0)
+            self.device_bytes[bs] = int(free - torch.cuda.mem_get_info()[0])
             if on_captured is not None:
                 on_captured(bs, self.capture_ms[bs])
 

@@ -283,7 +283,8 @@ def capture(r: Any, d: CaptureDecision) -> None:
     m.graphs = g
     with r.log.heartbeat(f"capturing decode CUDA graphs for bs {', '.join(map(str, d.sizes))}"):
         g.capture(lambda bs, ms: r.emit(ev.CudaGraphCaptured, bs=bs, capture_ms=ms, backend=backend,
-                                        graph_bytes=max(getattr(g, "graph_bytes", {}).get(bs, 0), 0)))
+                                        graph_bytes=max(getattr(g, "graph_bytes", {}).get(bs, 0), 0),
+                                        device_bytes=getattr(g, "device_bytes", {}).get(bs, 0)))
 
 
 def _barrier_before_capture(r: Any) -> None:
