@@ -257,6 +257,9 @@ class Runner:
         for name in list(m.pools or {}):
             released.append(f"pool:{name}")
         m.pools = None if m.pools is None else {}
+        if m.stack is not None:  # its weights; the machine's callbacks close over the runner (a cycle), so drop them
+            m.stack = None      # here rather than wait for the cyclic garbage collector
+            released.append("stack")
         return released
 
     def close(self) -> list[str]:
