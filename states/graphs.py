@@ -54,6 +54,25 @@ def capture_batch_sizes(args: AttentionArgs, max_reqs: int, *, state: str = "bui
     return [b for b in series if b <= top]
 
 
+def count_batch_sizes(args: AttentionArgs, max_reqs: int) -> int:
+    """``len(capture_batch_sizes(args, max_reqs))`` computed, not listed (O(1) in ``max_reqs``; the progress line's
+    "bs k of n" before the pools are checked). Raises what :func:`check_graph_bs` raises."""
+    check_graph_bs(args, max_reqs)
+    if args.cuda_graph_bs:
+        return len(set(args.cuda_graph_bs))
+    top = min(args.cuda_graph_max_bs or max_reqs, max_reqs)
+    return sum(1 for b in (1, 2, 4, 8) if b <= top) + (max((top - 16) // 8 + 1, 0) if top >= 16 else 0)
+
+
+def batch_sizes_text(args: AttentionArgs, max_reqs: int, limit: int = 4096) -> str:
+    """The captured sizes as comma-separated text (what ranks compare in their configuration digest); a series
+    longer than ``limit`` as ``1,2,4,8,16..TOP step 8 (N sizes)`` so an absurd ``max_reqs`` costs nothing."""
+    n = count_batch_sizes(args, max_reqs)
+    if n <= limit:
+        return ",".join(map(str, capture_batch_sizes(args, max_reqs)))
+    return f"1,2,4,8,16..{graph_max_bs(args, max_reqs, True)} step 8 ({n} sizes)"
+
+
 class GraphDecision(NamedTuple):
     """Whether decode CUDA graphs are captured and, if not, why.
 

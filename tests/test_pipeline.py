@@ -367,3 +367,22 @@ def test_largest_fitting_graph_bs_is_a_binary_search_equal_to_the_scan():
                 assert len(calls) <= 2 + top.bit_length()
     calls = []
     assert sz._largest_fitting_bs(lambda bs: calls.append(bs) or bs <= 5, 2 ** 31 - 1) == 5 and len(calls) <= 33
+
+
+@pytest.mark.parametrize("graph_bs", [None, (3, 1, 64)])
+def test_batch_size_count_and_text_without_listing(graph_bs):
+    """count_batch_sizes equals len(capture_batch_sizes) and batch_sizes_text its comma join for every max_reqs /
+    cuda_graph_max_bs up to 300; at max_reqs 2**31 - 1 both answer at once (the progress line and the ranks'
+    digest listed 268M sizes)."""
+    from states.graphs import batch_sizes_text, capture_batch_sizes, count_batch_sizes
+
+    for max_reqs in range(64 if graph_bs else 1, 300):
+        for cap in (None, 1, 3, 8, 15, 16, 17, 24, 100):
+            a = AttentionArgs(cuda_graph_max_bs=cap, cuda_graph_bs=graph_bs)
+            sizes = capture_batch_sizes(a, max_reqs)
+            assert count_batch_sizes(a, max_reqs) == len(sizes), (max_reqs, cap)
+            assert batch_sizes_text(a, max_reqs) == ",".join(map(str, sizes))
+    a = AttentionArgs(cuda_graph_bs=graph_bs)
+    n = count_batch_sizes(a, 2 ** 31 - 1)
+    assert n == (3 if graph_bs else 4 + (2 ** 31 - 8 - 16) // 8 + 1)
+    assert batch_sizes_text(a, 2 ** 31 - 1) == ("1,3,64" if graph_bs else f"1,2,4,8,16..{2 ** 31 - 8} step 8 ({n} sizes)")

@@ -98,9 +98,9 @@ def progress_for(ns: Any, log: Any, request: Any) -> Any:
     from rich.console import Console
 
     try:
-        from states.graphs import capture_batch_sizes
+        from states.graphs import count_batch_sizes
 
-        sizes = len(capture_batch_sizes(request.args, request.pool.max_reqs))
+        sizes = count_batch_sizes(request.args, request.pool.max_reqs)
     except Exception:  # noqa: BLE001 - refused later by preflight with its own error
         sizes = 0
     return StartupProgress(log, Console(stderr=True), sizes)

@@ -77,7 +77,7 @@ def digest_fields(request: Any, installed: Mapping[str, bool]) -> dict[str, str]
     Values are short texts so the divergence table shows them; a value that cannot be computed
     (an invalid dtype, a graph list the pool cannot hold) reads ``error: <code>`` — that rank's
     own check reports it, and the other ranks see the difference."""
-    from states.graphs import capture_batch_sizes
+    from states.graphs import batch_sizes_text
     from pipeline.core.errors import AttnSetupError
     from pipeline.core.runinfo import versions
     from states.capability_check import kv_dtype, model_dtype
@@ -99,7 +99,7 @@ def digest_fields(request: Any, installed: Mapping[str, bool]) -> dict[str, str]
     out["dtype.model"] = safe(lambda: model_dtype(args, request.served_model))
     out["dtype.kv_cache"] = safe(lambda: kv_dtype(args, request.served_model))
     out["cuda_graph_bs"] = ("disabled" if args.disable_cuda_graph else
-                            safe(lambda: ",".join(map(str, capture_batch_sizes(args, pool.max_reqs)))))
+                            safe(lambda: batch_sizes_text(args, pool.max_reqs)))
     for k, v in sorted(versions(installed).items()):
         out[f"versions.{k}"] = str(v)
     out["capabilities"] = _capabilities_text()
