@@ -18,7 +18,7 @@ import os
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from pipeline.backends import flashinfer_sizing as sizing
-from pipeline.backends.capability import BackendRules
+from pipeline.backends.capability import BackendRules, decode_output_only
 from pipeline.core.contracts import AttentionArgs, ModelSpec
 from pipeline.core.settings import Setting, Source, explicit_or_env, setting
 
@@ -62,9 +62,9 @@ def workspace(args: AttentionArgs, model: ModelSpec, env: Mapping[str, str]) -> 
 
 def _checker(kernel: str) -> Any:
     def check(nbytes: int, kinds: Sequence[Any], *, num_sms: int, max_reqs: int, graph_max_bs: int,
-              graph_bs_given: bool = False) -> None:
+              graph_bs_given: bool = False, env_var: str = "") -> None:
         sizing.check_backend_workspace(nbytes, kinds, backend=kernel, num_sms=num_sms, max_reqs=max_reqs,
-                                       graph_max_bs=graph_max_bs, graph_bs_given=graph_bs_given)
+                                       graph_max_bs=graph_max_bs, graph_bs_given=graph_bs_given, env_var=env_var)
     return check
 
 
@@ -76,6 +76,9 @@ def _variants(prefill: str) -> Any:
     return variants
 
 
+# CUDA-graph memory: decode allocates only its output inside a capture (``run`` makes ``out`` [bs, H, Dv]; the MLA
+# path makes it before calling ``run``); the split scratch lives in the workspace, made before capture.
 FLASHINFER_RULES = BackendRules(workspace=workspace, check_workspace=_checker("flashinfer"),
-                                jit_variants=_variants("fa2"))
-FA3_RULES = BackendRules(workspace=workspace, check_workspace=_checker("fa3"), jit_variants=_variants("fa3"))
+                                jit_variants=_variants("fa2"), graph_decode_allocs=decode_output_only)
+FA3_RULES = BackendRules(workspace=workspace, check_workspace=_checker("fa3"), jit_variants=_variants("fa3"),
+                         graph_decode_allocs=decode_output_only)

@@ -9,7 +9,7 @@ for every claim and checks resolve refuses everything unclaimed.
 
 from __future__ import annotations
 
-from pipeline.backends.capability import BackendRules, Capability
+from pipeline.backends.capability import BackendRules, Capability, decode_output_only
 from pipeline.backends.flashinfer_rules import FA3_RULES, FLASHINFER_RULES
 
 MiB = 1 << 20
@@ -128,7 +128,9 @@ BUILTINS: list[tuple[str, Capability, str, BackendRules]] = [
     ("torch_native", TORCH_NATIVE, "pipeline.backends.torch_native:create", BackendRules()),
     ("flashinfer", FLASHINFER, "pipeline.backends.flashinfer:create", FLASHINFER_RULES),
     ("fa3", FA3, "pipeline.backends.flashinfer:create_fa3", FA3_RULES),
-    ("triton", TRITON_CAP, "pipeline.backends.triton.backend:create", BackendRules()),
+    # decode allocates its output [bs, H, Dv] only; the split scratch is init_cuda_graph_state's buffer
+    ("triton", TRITON_CAP, "pipeline.backends.triton.backend:create",
+     BackendRules(graph_decode_allocs=decode_output_only)),
 ]
 
 # The reference backend: correct everywhere, slow, no CUDA graphs. Landing on it by auto-selection on an
