@@ -446,8 +446,23 @@ def _pool_line(records: Any) -> Optional[str]:
     r = next((r for r in records if isinstance(r, ev.MemoryPoolSized)), None)
     if r is None:
         return None
-    return (f"KV pool: {r.num_token_slots} token slots x {rp.fmt_bytes(r.bytes_per_token)} = {rp.fmt_bytes(r.kv_bytes)} "
+    line = (f"KV pool: {r.num_token_slots} token slots x {rp.fmt_bytes(r.bytes_per_token)} = {rp.fmt_bytes(r.kv_bytes)} "
             f"(from {r.source}), req_to_token {r.max_reqs} x {r.max_context_len} = {rp.fmt_bytes(r.req_to_token_bytes)}")
+    if r.graph_bytes_estimate:
+        kept = ", kept out of the budget" if r.source == "mem_fraction" else ""
+        line += f"; decode CUDA graphs {rp.fmt_bytes(r.graph_bytes_estimate)} estimated{kept}"
+    return line
+
+
+def _graph_line(records: Any) -> Optional[str]:
+    """``CUDA graphs: 4 sizes captured, graph pool 34.0 MiB (estimated 34.0 MiB, +0.0 %), device 36.0 MiB``."""
+    caps = [r for r in records if isinstance(r, ev.CudaGraphCaptured)]
+    if not caps:
+        return None
+    got, est = sum(c.graph_bytes for c in caps), sum(c.graph_bytes_estimate for c in caps)
+    err = f", {100.0 * (est - got) / got:+.1f} %" if got and est else ""
+    return (f"CUDA graphs: {len(caps)} sizes captured, graph pool {rp.fmt_bytes(got)} (estimated {rp.fmt_bytes(est)}"
+            f"{err}), device {rp.fmt_bytes(sum(c.device_bytes for c in caps))}")
 
 
 def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[SetupRequest] = None) -> None:
@@ -458,9 +473,9 @@ def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[
     c = Console(highlight=False, soft_wrap=False, width=120)
     if request is not None:
         c.print(model_line(request, records), markup=False, soft_wrap=True)
-    pool = _pool_line(records)
-    if pool:
-        c.print(pool, markup=False, soft_wrap=True)
+    for line in (_pool_line(records), _graph_line(records)):
+        if line:
+            c.print(line, markup=False, soft_wrap=True)
     rows = timeline_rows(report)
     if rows:
         t = Table(title="timeline (setup states under attention)", title_justify="left")

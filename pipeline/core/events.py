@@ -318,7 +318,11 @@ class ModelLoaded(Event, tag="model_loaded", kw_only=True):
 
 
 class MemoryPoolSized(Event, tag="memory_pool_sized", kw_only=True):
-    """init-memory-pool: where the size came from, tokens and bytes of ``req_to_token`` and the K/V buffers."""
+    """init-memory-pool: where the size came from, tokens and bytes of ``req_to_token`` and the K/V buffers.
+
+    ``graph_bytes_estimate``: the decode CUDA graphs' estimated private pool (:mod:`states.graph_memory`), taken
+    out of a ``mem_fraction`` budget before the pools were sized (``budget_bytes`` is what was left for them) and
+    counted with them against free memory; 0 without graphs and in traces written before it was estimated."""
 
     source: str
     budget_bytes: int | None = None
@@ -329,6 +333,7 @@ class MemoryPoolSized(Event, tag="memory_pool_sized", kw_only=True):
     page_size: int
     req_to_token_bytes: int
     kv_bytes: int
+    graph_bytes_estimate: int = 0
 
 
 class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
@@ -337,7 +342,8 @@ class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
     ``graph_bytes``: bytes this batch size's capture added to the graphs' private memory pool (the sizes share one
     pool, captured largest first, so smaller sizes mostly reuse it); ``device_bytes``: device memory free before
     the capture minus free after (``torch.cuda.mem_get_info``; can be 0 or below when the allocator released
-    cached blocks to make room). Both 0 in traces written before they were measured.
+    cached blocks to make room). Both 0 in traces written before they were measured. ``graph_bytes_estimate``:
+    what :mod:`states.graph_memory` estimated this size's capture adds to the pool (0 in older traces).
     """
 
     bs: int
@@ -345,6 +351,7 @@ class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
     backend: str
     graph_bytes: int = 0
     device_bytes: int = 0
+    graph_bytes_estimate: int = 0
 
 
 class ModelStepVerified(Event, tag="model_step_verified", kw_only=True):
