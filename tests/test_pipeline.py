@@ -331,3 +331,39 @@ def test_absurd_max_reqs_is_refused_for_memory_not_hung():
     with pytest.raises(ConfigError) as e:
         build_attention_backends(req)
     assert e.value.info.code == "pool_exceeds_memory"
+
+
+def test_absurd_pool_on_a_gpu_is_refused_for_memory_before_the_workspace_check():
+    """On a CUDA device with FlashInfer the workspace check used to run first and search every captured size from
+    2**31 - 1 down (the H200 test hung): now the pools are refused first, in build-mode, with nothing allocated."""
+    from pipeline.core.contracts import PoolFacts
+    from pipeline.core.errors import ConfigError
+    from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec
+
+    req = SetupRequest(model=load_model_spec(DEFAULT_MODEL_CONFIG), device="cuda",
+                       args=AttentionArgs(attention_backend="flashinfer"),
+                       pool=PoolFacts(max_reqs=2 ** 31 - 1, max_context_len=4096, num_token_slots=16384))
+    plat = FakePlatform(cuda_facts(), free_bytes=80 << 30)
+    with pytest.raises(ConfigError) as e:
+        build_attention_backends(req, platform=plat, installed={**INSTALLED, "flashinfer-python": True})
+    assert e.value.info.code == "pool_exceeds_memory" and e.value.info.state == "build-mode"
+
+
+def test_largest_fitting_graph_bs_is_a_binary_search_equal_to_the_scan():
+    """The workspace remedy's 'largest captured size that fits' equals a linear scan for every size bound and
+    workspace size over several head shapes (the need is nondecreasing in the batch), in O(log n) calls."""
+    from pipeline.backends import flashinfer_sizing as sz
+
+    for h, kv, d, sinks in [(32, 8, 128, False), (32, 32, 128, False), (64, 8, 64, True), (16, 4, 256, False)]:
+        shapes = [sz.HeadShape(h, kv, d, sinks, False)]
+        needs = [sz.workspace_need(shapes, num_sms=132, max_batch_size=400, cuda_graph_max_bs=bs).bytes
+                 for bs in range(1, 400)]
+        assert needs == sorted(needs)
+        for size in sorted(set(needs))[::5] + [needs[0] - 1, needs[-1]]:
+            for top in (1, 7, 64, 399):
+                calls = []
+                got = sz._largest_fitting_bs(lambda bs: calls.append(bs) or needs[bs - 1] <= size, top)
+                assert got == next((bs for bs in range(top, 0, -1) if needs[bs - 1] <= size), None)
+                assert len(calls) <= 2 + top.bit_length()
+    calls = []
+    assert sz._largest_fitting_bs(lambda bs: calls.append(bs) or bs <= 5, 2 ** 31 - 1) == 5 and len(calls) <= 33

@@ -30,7 +30,7 @@ Every allocation is 16-byte aligned; we add 16 bytes per buffer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from pipeline.core.errors import ConfigError
 
@@ -252,10 +252,24 @@ def shapes_of(kinds: Iterable[Any]) -> list[HeadShape]:
             for k in kinds]
 
 
+def _largest_fitting_bs(fits: Any, top: int) -> Optional[int]:
+    """The largest ``bs`` in ``1..top`` with ``fits(bs)``, or None: a binary search, O(log top) calls, valid because
+    the need grows with the captured batch (:func:`fa2_graph_decode_bytes` is nondecreasing in ``batch_size``, and
+    :func:`use_tensor_core_decode` only turns on as the batch grows). A linear scan from ``top`` down hung on a
+    ``max_reqs`` of 2**31 - 1."""
+    if top < 1 or not fits(1):
+        return None
+    lo, hi = 1, top  # fits(lo) holds
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
 def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: str, num_sms: int, max_reqs: int,
                             graph_max_bs: int, graph_bs_given: bool = False, state: str = "build-mode",
                             env_var: str = "") -> None:
-    """The one workspace check (build-mode, ``plan``, ``run``'s preflight and the factories call it).
+    """The one workspace check (build-mode, ``plan`` and ``run``'s preflight call it, through the registry entry).
 
     ``size_bytes``: the workspace the backend gets; ``kinds``: the layer kinds it serves;
     ``backend``: ``"flashinfer"`` (fa2 kernels) or ``"fa3"``; ``num_sms``: the device's SMs;
@@ -271,8 +285,8 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
     need = workspace_need(shapes, cuda_graph_max_bs=graph_max_bs, **kw)
     if size_bytes >= need.bytes:
         return
-    fits = next((bs for bs in range(min(graph_max_bs, max_reqs) - 1, 0, -1)
-                 if workspace_need(shapes, cuda_graph_max_bs=bs, **kw).bytes <= size_bytes), None)
+    fits = _largest_fitting_bs(lambda bs: workspace_need(shapes, cuda_graph_max_bs=bs, **kw).bytes <= size_bytes,
+                               min(graph_max_bs, max_reqs) - 1)
     fix = ""
     if fits is not None:
         fix = (f"use only sizes up to {fits} in cuda_graph_bs" if graph_bs_given

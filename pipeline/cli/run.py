@@ -248,11 +248,21 @@ def _process_start(ns: argparse.Namespace) -> Optional[int]:
     return process_start_ns()
 
 
-def _summary(ns: argparse.Namespace, log: Any, runner: Any, start_ns: Optional[int]) -> Any:
+def _summary(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], start_ns: Optional[int]) -> Any:
     """``startup_summary`` (and ``slow_phase`` warnings, the ``--metrics-file``); never raises (an exit path)."""
     from pipeline.cli.startup import finish_startup
 
-    return finish_startup(ns, log, runner, start_ns)
+    return finish_startup(ns, log, jit, start_ns)
+
+
+def _jit(runner: Any) -> list[dict[str, Any]]:
+    """The FlashInfer JIT variants the runner's backends loaded, read before ``close()`` releases them."""
+    from pipeline.cli.startup import jit_reports
+
+    try:
+        return jit_reports(runner)
+    except Exception:  # noqa: BLE001 - an exit path: the summary goes on without them
+        return []
 
 
 def summary_obj(summary: Any) -> Any:
@@ -322,6 +332,7 @@ def cmd(ns: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             progress.__exit__(None, None, None)
+        jit = _jit(runner)  # before close(): closing releases the backends that know what they loaded
         try:
             if runner is not None:
                 runner.close()
@@ -330,7 +341,7 @@ def cmd(ns: argparse.Namespace) -> int:
         finally:
             if log.write_error is not None and code == EXIT_OK:
                 error, code = log.write_error.info, log.write_error.exit_code
-            summary = _summary(ns, log, runner, t_start)
+            summary = _summary(ns, log, jit, t_start)
             log.emit(ev.CommandFinished, state=log.current_state, command="run", exit_code=code,
                      duration_ms=(time.perf_counter() - t0) * 1e3)
             log.close()

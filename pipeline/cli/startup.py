@@ -67,8 +67,9 @@ def jit_reports(runner: Any) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def finish_startup(ns: argparse.Namespace, log: Any, runner: Any, start_ns: Optional[int]) -> Optional[Any]:
-    """Emit ``slow_phase`` warnings and ``startup_summary``, then write ``--metrics-file``.
+def finish_startup(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], start_ns: Optional[int]) -> Optional[Any]:
+    """Emit a ``jit_variant_loaded`` per entry of ``jit`` (:func:`jit_reports`, read before the runner closed its
+    backends), ``slow_phase`` warnings and ``startup_summary``, then write ``--metrics-file``.
 
     Runs on ``run``'s exit path, so it does not raise: a summary that cannot be computed or a metrics
     file that cannot be written is reported on stderr (the run's own outcome stands).
@@ -80,7 +81,6 @@ def finish_startup(ns: argparse.Namespace, log: Any, runner: Any, start_ns: Opti
     except Exception:  # noqa: BLE001 - refused in preflight already; the summary still comes
         slow = None
     try:
-        jit = jit_reports(runner)
         for j in jit:
             log.emit(ev.JitVariantLoaded, state=log.current_state, variant=j["variant"], status=j["status"],
                      seconds=j["seconds"], started_ns=j.get("started_ns", 0), fields=j.get("fields", {}))

@@ -34,6 +34,20 @@ def check_workspace_memory(ctx: SetupContext, d: Any) -> None:
                       allowed=[f"<= {per_ws} bytes per workspace"], remedy=f"set {name} to {per_ws} or less")
 
 
+def check_pools_fit(ctx: SetupContext) -> None:
+    """Refuse the KV pools ``request.pool`` asks for (``req_to_token`` + every layer's K/V) when they cannot fit the
+    free memory of the run's device: ConfigError ``pool_exceeds_memory`` naming the ``pool.*`` field that decides
+    it (:func:`pipeline.core.pool_sizing.check_fits`). Reads free memory, allocates nothing; build-mode calls it
+    before its workspace checks (a pool of 2**31 rows is the problem to name, not the workspace its graphs would
+    need), and :func:`make_pools` again just before allocating."""
+    req = ctx.request
+    p, model = req.pool, req.served_model
+    per_tok = kv_bytes_per_token(model.layer_kinds(), model.num_hidden_layers, kv_dtype(req.args, model))
+    s = PoolSizing(facts=p, source="slots", budget_bytes=None, bytes_per_token=per_tok,
+                   req_to_token_bytes=p.max_reqs * p.max_context_len * 4, kv_bytes=p.num_token_slots * per_tok)
+    check_fits(s, available_bytes(ctx.platform, parse_device(req.device)[1]), device=str(ctx.torch_device), cli=False)
+
+
 def make_pools(ctx: SetupContext) -> None:
     """The KV pools for ``request.pool`` and the served model, refused first when they cannot fit the device's free
     memory; or, when the engine passed its own, those checked (:func:`check_given_pools`)."""
@@ -45,10 +59,7 @@ def make_pools(ctx: SetupContext) -> None:
     req = ctx.request
     p, model = req.pool, req.served_model
     kinds, kvd = model.layer_kinds(), kv_dtype(req.args, model)
-    per_tok = kv_bytes_per_token(kinds, model.num_hidden_layers, kvd)
-    s = PoolSizing(facts=p, source="slots", budget_bytes=None, bytes_per_token=per_tok,
-                   req_to_token_bytes=p.max_reqs * p.max_context_len * 4, kv_bytes=p.num_token_slots * per_tok)
-    check_fits(s, available_bytes(ctx.platform, parse_device(req.device)[1]), device=str(ctx.torch_device), cli=False)
+    check_pools_fit(ctx)
     ctx.pools["req_to_token_pool"] = ReqToTokenPool(p.max_reqs, p.max_context_len, ctx.torch_device)
     ctx.pools["kv_pool"] = KVPool.for_layer_kinds(kinds, model.num_hidden_layers, p.num_token_slots, p.page_size,
                                                   torch_dtype(kvd), ctx.torch_device)

@@ -28,6 +28,7 @@ from pipeline.setup.context import (
     SINGLE_RANK, Agreement, BuildDecision, DeviceDecision, LazyDecision, SetupContext,
 )
 from pipeline.setup.instances import apply_build
+from pipeline.setup.pools import check_pools_fit
 from states import build_mode, device_init, graphs, npu_lazy_mem, resolve
 
 Rows = Iterable[tuple[str, Any, Any]]
@@ -189,6 +190,8 @@ def check_build(ctx: SetupContext, d: BuildDecision) -> None:
     against the largest batch its users plan (each user's registry entry, graph sizes actually captured)."""
     req = ctx.request
     graphs.check_graph_bs(req.args, req.pool.max_reqs)
+    if ctx.platform is not None and ctx.given_pools is None:  # pools we will allocate: the first thing to refuse
+        check_pools_fit(ctx)
     kinds, max_bs = req.served_model.layer_kinds(), d.graph_max_bs(req)
     # one check whichever source set the size: a value from the environment is named as that variable
     from_env = {s.value: s.env_var for s in d.settings if s.source == "env" and s.env_var}

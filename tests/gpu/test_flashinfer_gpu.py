@@ -71,11 +71,16 @@ def test_features_match_float64(feat):
 
 
 def test_workspace_half_refused_by_our_check():
-    """At half the computed bytes our check refuses, naming flashinfer_workspace_size."""
+    """At half the computed bytes the one workspace check (the registry entry's, run in build-mode, plan and
+    preflight; the factory itself no longer checks twice) refuses, naming flashinfer_workspace_size; at the computed
+    bytes it passes."""
+    from pipeline.backends import registry
+
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     need = sz.workspace_need([sz.HeadShape(32, 8, 128)], num_sms=n_sm, max_batch_size=64, cuda_graph_max_bs=64)
-    sc = Scenario([make_kind(32, 8, 128)], max_reqs=64, max_context_len=256, ws_bytes=need.bytes // 2, sm_count=n_sm,
-                  extra={"cuda_graph_max_bs": 64})
+    kinds = [make_kind(32, 8, 128)]
+    entry = registry.get("flashinfer")
+    entry.check_workspace(need.bytes, kinds, num_sms=n_sm, max_reqs=64, graph_max_bs=64)
     with pytest.raises(ConfigError) as ei:
-        fib.create(sc.ctx)
+        entry.check_workspace(need.bytes // 2, kinds, num_sms=n_sm, max_reqs=64, graph_max_bs=64)
     assert ei.value.info.flags[0].name == "flashinfer_workspace_size"
