@@ -3,13 +3,14 @@
 For each model (Llama-3.1-8B, Qwen3-8B, DeepSeek-V2-Lite MLA; the bundled configs) and each batch-size list
 (1,2,4,8 / sglang's default series up to 32 / up to 256), the runner is built as ``attn-setup run --device cuda
 --model CONFIG --max-reqs N`` builds it (the CLI's own parser, request and RunnerConfig, in this one process) and
-initialised: pools, the attention pipeline, decode-graph capture. Its log says, per captured size, what the estimate
-was (``cuda_graph_captured.graph_bytes_estimate``), what the capture added to the graphs' private pool
-(``graph_bytes``, from ``torch.cuda.memory_snapshot()``) and the device's free-memory drop (``device_bytes``); the
-table prints the totals and the error of the estimate against the pool. Between configurations the process is
-brought back to a fresh process's state for this measure: the runner is closed, PyTorch's cuBLAS workspaces are
-dropped (``torch._C._cuda_clearCublasWorkspaces``: a fresh process has none, and the first capture's matmul makes
-one for the capture stream in the graph pool, which the estimate counts) and the cache is emptied.
+initialised: pools, the attention pipeline, decode-graph capture. Its ``cuda_graph_memory`` event has the estimate by
+part (graph pool, replay state, warm-up stream) and what was measured: the graphs' private pool
+(``torch.cuda.memory_snapshot()``) and the whole capture step's free-device-memory drop (before the graph runner's
+first buffer, after its last capture). The table prints both, with the error of each estimate: the pool estimate
+against the pool, the total against the step's drop (the total assumes nothing cached to reuse, so it is an upper
+bound when the default pool had free blocks). Between configurations the runner is closed, PyTorch's cuBLAS
+workspaces are dropped (``torch._C._cuda_clearCublasWorkspaces``: each capture step's new side stream makes one, as
+in a fresh process) and the cache is emptied.
 
 Then a ``--mem-fraction`` sweep (0.90 … 0.98) of the default model with graphs up to bs 160: each start must end
 either ready (the KV pool sized from the fraction minus the graph estimate, graphs captured) or refused before
@@ -89,11 +90,17 @@ def measure(name: str, cfg: str, label: str, flags: list[str], max_reqs: int, ba
     try:
         caps = [r for r in runner.log.records if isinstance(r, ev.CudaGraphCaptured)]
         pool = next(r for r in runner.log.records if isinstance(r, ev.MemoryPoolSized))
-        est, got = sum(c.graph_bytes_estimate for c in caps), sum(c.graph_bytes for c in caps)
-        return {"model": name, "list": label, "backend": caps[0].backend if caps else None,
-                "sizes": [c.bs for c in caps], "estimate": est, "graph_pool": got,
-                "device": sum(c.device_bytes for c in caps), "pool_event_estimate": pool.graph_bytes_estimate,
-                "error_pct": 100.0 * (est - got) / got if got else None,
+        mem = next((r for r in runner.log.records if isinstance(r, ev.CudaGraphMemory)), None)
+        if mem is None:
+            return {"model": name, "list": label, "error": "no decode graphs captured"}
+        pct = lambda e, g: 100.0 * (e - g) / g if g else None  # noqa: E731
+        return {"model": name, "list": label, "backend": mem.backend, "sizes": mem.batch_sizes,
+                "pool_estimate": mem.pool_estimate, "graph_pool": mem.pool_bytes,
+                "pool_error_pct": pct(mem.pool_estimate, mem.pool_bytes),
+                "state_estimate": mem.state_estimate, "warmup_estimate": mem.warmup_estimate,
+                "total_estimate": mem.total_estimate, "step_device": mem.step_device_bytes,
+                "total_error_pct": pct(mem.total_estimate, mem.step_device_bytes),
+                "budget_estimate": pool.graph_bytes_estimate,
                 "per_bs": [{"bs": c.bs, "estimate": c.graph_bytes_estimate, "graph_bytes": c.graph_bytes,
                             "device_bytes": c.device_bytes} for c in caps],
                 "seconds": time.perf_counter() - t0}
@@ -121,10 +128,11 @@ def sweep(fraction: float, backend: str) -> dict[str, Any]:
         pool = next(r for r in runner.log.records if isinstance(r, ev.MemoryPoolSized))
         caps = [r for r in runner.log.records if isinstance(r, ev.CudaGraphCaptured)]
         free = torch.cuda.mem_get_info()[0]
+        mem = next((r for r in runner.log.records if isinstance(r, ev.CudaGraphMemory)), None)
+        step = mem.step_device_bytes if mem is not None else 0
         return {"fraction": fraction, "outcome": f"ready ({len(caps)} graphs)",
                 "detail": f"KV {pool.kv_bytes / 2**30:.2f} GiB, graph estimate {pool.graph_bytes_estimate / 2**20:.1f} "
-                          f"MiB, pool {sum(c.graph_bytes for c in caps) / 2**20:.1f} MiB, free after "
-                          f"{free / 2**30:.2f} GiB"}
+                          f"MiB, capture step took {step / 2**20:.1f} MiB, free after {free / 2**30:.2f} GiB"}
     finally:
         runner.close()
 
@@ -150,20 +158,24 @@ def main() -> int:
     models, lists, fractions = (MODELS[:1], LISTS[:2], [0.90, 0.98]) if ns.quick else (MODELS, LISTS, FRACTIONS)
     rows = [measure(n, c, label, flags, mr, ns.backend) for n, c in models for label, flags, mr in lists]
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
-    t = Table(title=f"decode CUDA-graph memory on {torch.cuda.get_device_name()} (MiB; error = estimate vs graph pool)",
-              title_justify="left")
-    for col in ("model", "batch sizes", "backend", "n", "estimate", "graph pool", "device", "error %"):
-        t.add_column(col, justify="right" if col not in ("model", "batch sizes", "backend") else "left")
+    t = Table(title=f"decode CUDA-graph memory on {torch.cuda.get_device_name()} (MiB)", title_justify="left")
+    cols = ("model", "batch sizes", "backend", "n", "pool est", "pool", "pool err %", "state est", "warm-up est",
+            "total est", "step drop", "total err %")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("model", "batch sizes", "backend") else "right")
+    pct = lambda x: "-" if x is None else f"{x:+.1f}"  # noqa: E731
     for r in rows:
         if "error" in r:
-            t.add_row(r["model"], r["list"], "-", "-", "-", "-", "-", r["error"][:40])
+            t.add_row(r["model"], r["list"], "-", "-", "-", "-", "-", "-", "-", "-", "-", r["error"][:40])
             continue
-        t.add_row(r["model"], r["list"], str(r["backend"]), str(len(r["sizes"])), mib(r["estimate"]),
-                  mib(r["graph_pool"]), mib(r["device"]), "-" if r["error_pct"] is None else f"{r['error_pct']:+.1f}")
-    c = Console(width=140)
+        t.add_row(r["model"], r["list"], str(r["backend"]), str(len(r["sizes"])), mib(r["pool_estimate"]),
+                  mib(r["graph_pool"]), pct(r["pool_error_pct"]), mib(r["state_estimate"]), mib(r["warmup_estimate"]),
+                  mib(r["total_estimate"]), mib(r["step_device"]), pct(r["total_error_pct"]))
+    c = Console(width=160)
     c.print(t)
-    worst = max((abs(r["error_pct"]) for r in rows if r.get("error_pct") is not None), default=None)
-    c.print(f"worst |error| {worst:.1f} %" if worst is not None else "no error figure (nothing captured)")
+    for key, what in (("pool_error_pct", "graph pool"), ("total_error_pct", "whole capture step")):
+        errs = [abs(r[key]) for r in rows if r.get(key) is not None]
+        c.print(f"worst |error| of the {what} estimate: {max(errs):.1f} %" if errs else f"no {what} figure")
     outcomes = [sweep(f, ns.backend) for f in fractions]
     s = Table(title="--mem-fraction sweep, llama-3.1-8b, graphs up to bs 160", title_justify="left")
     for col in ("fraction", "outcome", "detail"):

@@ -27,11 +27,26 @@ come from its registry entry (:meth:`pipeline.backends.registry.BackendEntry.gra
 ``run`` output, the Triton kernels' output; their split scratch lives in buffers made before capture). The outputs
 each graph returns (the residual stream and the EAGLE3 aux states) stay allocated after its capture.
 
-One more block is counted once, in the first capture: the cuBLAS workspace PyTorch allocates for each (handle,
-stream) pair the first time a matmul runs on a stream (``at::cuda::getCurrentCUDABlasHandle``); the capture runs on
-``torch.cuda.graph``'s own capture stream, so that workspace is taken from the graph pool.
-:func:`blas_workspace_bytes` sizes it as PyTorch does (``CUBLAS_WORKSPACE_CONFIG``, else 32 MiB on sm90 — NVIDIA's
-recommendation for Hopper in the ``cublasSetWorkspace`` documentation — and 4096 KiB x 2 + 16 KiB x 8 elsewhere).
+The capture step takes device memory outside that pool too, and the estimate counts it part by part
+(:class:`GraphMemoryEstimate`), each part replayed through its own model pool (the allocator keeps free blocks per
+stream, and the capture step's side stream is new):
+
+- ``state_bytes``: what stays allocated for replay — the runner's fixed input buffers (``hidden`` [max_bs, hidden] in
+  the model dtype, ``positions``/``req_pool_indices``/``out_cache_loc`` int64, ``seq_lens`` int32), the backend's
+  ``init_cuda_graph_state`` buffers and what it makes per captured size before capturing it (FlashInfer: one
+  ``use_cuda_graph`` wrapper per size and layer kind, each with its own 8 MiB int workspace), from its registry
+  entry (:meth:`~pipeline.backends.registry.BackendEntry.graph_state_allocs`);
+- ``warmup_bytes``: the warm-up forward before each capture on the capture step's one side stream (PyTorch's
+  capture rule) — its temporaries are freed but stay cached for that stream, and its first matmul makes the cuBLAS
+  workspace PyTorch keeps for each (handle, stream) pair and never frees (``at::cuda::getCurrentCUDABlasHandle``).
+  The capture itself runs on the same stream (sglang does the same), so it finds that workspace and the graph pool
+  holds none of it. :func:`blas_workspace_bytes` sizes it as PyTorch does (``CUBLAS_WORKSPACE_CONFIG``, else
+  32 MiB on sm90 — NVIDIA's recommendation for Hopper in the ``cublasSetWorkspace`` documentation — and
+  4096 KiB x 2 + 16 KiB x 8 elsewhere). The H200 probe showed why this matters: with a new stream per size each
+  size left 32 MiB behind (1.1 GiB for 35 sizes).
+
+``state_bytes`` and ``warmup_bytes`` assume nothing is cached for reuse beforehand (the warm-up's stream is new, so
+that holds for it); the total is what the capture step may take from the device.
 
 The runner's pool sizing takes the estimate out of the memory budget before sizing the KV pool, as vLLM's
 ``determine_available_memory`` now subtracts its CUDA-graph memory estimate; ``attn-setup plan`` shows it. Its
@@ -152,15 +167,20 @@ class PoolModel:
 
 
 class GraphMemoryEstimate(NamedTuple):
-    """The estimate: ``total_bytes`` the graph pool holds after every size is captured, ``per_bs`` the bytes each
-    capture adds (captured largest first, so the first holds most), ``blas_workspace_bytes`` the cuBLAS workspace
-    counted in the first capture, and the ``num_layers`` (hidden layers spanned) and ``batch_sizes`` it is for."""
+    """The estimate, in bytes: ``total_bytes`` = ``pool_bytes`` + ``state_bytes`` + ``warmup_bytes`` (what the capture
+    step may take from the device, module docstring); ``per_bs``: what each size's capture adds to the graph pool
+    (captured largest first, so the first holds most; they sum to ``pool_bytes``); ``blas_workspace_bytes``: the
+    cuBLAS workspace request inside ``warmup_bytes``; ``num_layers`` (hidden layers spanned) and ``batch_sizes``:
+    what it is for."""
 
     total_bytes: int
     per_bs: dict[int, int]
     blas_workspace_bytes: int
     num_layers: int
     batch_sizes: list[int]
+    pool_bytes: int = 0
+    state_bytes: int = 0
+    warmup_bytes: int = 0
 
 
 class _Trace:
@@ -299,14 +319,17 @@ def _built_kinds(spec: ModelSpec) -> dict[int, LayerKind]:
 
 def estimate_graph_memory(spec: ModelSpec, *, dtype: str, kv_dtype: str, decode_backend: str,
                           batch_sizes: Sequence[int], arch: str = "", aux_layers: Sequence[int] = (),
+                          max_context_len: int = 1024, page_size: int = 1, num_sms: int = 1,
                           env: Mapping[str, str] = os.environ) -> GraphMemoryEstimate:
-    """Bytes the decode graphs' private pool will hold once every size in ``batch_sizes`` is captured.
+    """Bytes decode-graph capture of every size in ``batch_sizes`` takes: the graphs' private pool, the state kept
+    for replay and the warm-up's stream (:class:`GraphMemoryEstimate`).
 
     ``spec``: the served model as the runner builds it (already cut to its ``num_layers``; every attention layer
     of it is in the stack); ``dtype``: the compute dtype name (``"bfloat16"`` …); ``kv_dtype``: the KV cache's
     (``"fp8_e4m3"`` …); ``decode_backend``: the registry name that decodes (its entry's
     ``graph_decode_allocs``); ``batch_sizes``: the captured sizes (any order; captured largest first);
-    ``arch``: the device arch (``"sm90"``), for the cuBLAS workspace; ``aux_layers``: EAGLE3 aux layer ids.
+    ``arch``: the device arch (``"sm90"``), for the cuBLAS workspace; ``aux_layers``: EAGLE3 aux layer ids;
+    ``max_context_len`` (tokens), ``page_size`` and ``num_sms``: what the backend's graph buffers are sized from.
     See the module docstring for the rules. An empty ``batch_sizes`` estimates 0 bytes. Raises BackendUnknown /
     BackendUnavailable for a ``decode_backend`` the registry does not have.
     """
@@ -316,16 +339,39 @@ def estimate_graph_memory(spec: ModelSpec, *, dtype: str, kv_dtype: str, decode_
     sizes = sorted(set(int(b) for b in batch_sizes), reverse=True)
     if not sizes or not kinds:
         return GraphMemoryEstimate(0, {}, 0, spec.num_hidden_layers, sorted(sizes))
-    pool, per_bs = PoolModel(), {}
+    pool, state, side, per_bs = PoolModel(), PoolModel(), PoolModel(), {}
     blas = blas_workspace_bytes(arch, env)
-    tr = _Trace(pool)
+    mb = sizes[0]
+    for nbytes in (mb * spec.hidden_size * elem, mb * 8, mb * 8, mb * 4, mb * 8):  # DecodeGraphRunner's buffers
+        state.malloc(nbytes)
+    backend_state = entry.graph_state_allocs(list(_kinds_of(kinds)), sizes, max_context_len=max_context_len,
+                                             page_size=page_size, num_sms=num_sms)
+    for b, nbytes in backend_state:
+        if b == 0:
+            state.malloc(nbytes)
+    tr, warm = _Trace(pool), _Trace(side)
     for i, bs in enumerate(sizes):
-        before = pool.reserved
+        for b, nbytes in backend_state:
+            if b == bs:
+                state.malloc(nbytes)
         if i == 0 and blas:
-            tr.a(blas)  # cuBLAS workspace for the capture stream: kept by the pool
+            warm.a(blas)  # the side stream's cuBLAS workspace, made by the first warm-up's matmul and kept
+        warm.f(*_decode_trace(warm, spec, kinds, bs, elem, kv_dtype, entry, list(aux_layers)))
+        before = pool.reserved
         _decode_trace(tr, spec, kinds, bs, elem, kv_dtype, entry, list(aux_layers))
         per_bs[bs] = pool.reserved - before
-    return GraphMemoryEstimate(pool.reserved, per_bs, blas, spec.num_hidden_layers, sorted(sizes))
+    total = pool.reserved + state.reserved + side.reserved
+    return GraphMemoryEstimate(total, per_bs, blas, spec.num_hidden_layers, sorted(sizes), pool.reserved,
+                               state.reserved, side.reserved)
+
+
+def _kinds_of(kinds: dict[int, LayerKind]) -> Iterator[LayerKind]:
+    """The distinct layer kinds among the built layers, in layer order (one graph wrapper per kind)."""
+    seen: list[LayerKind] = []
+    for lid in sorted(kinds):
+        if not any(k is kinds[lid] for k in seen):
+            seen.append(kinds[lid])
+    yield from seen
 
 
 def iter_sizes(estimate: GraphMemoryEstimate) -> Iterator[tuple[int, int]]:
@@ -349,8 +395,9 @@ def estimate_for_decided(request: "SetupRequest", decided: "Decided",
 
     if decided.refused is not None or not decided["build-mode"].graphs.capture:
         return None
-    spec, args = request.served_model, request.args
+    spec, args, facts = request.served_model, request.args, decided["device-init"].facts
     return estimate_graph_memory(spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
                                  decode_backend=decided["resolve"].pair.decode,
                                  batch_sizes=capture_batch_sizes(args, request.pool.max_reqs),
-                                 arch=decided["device-init"].facts.arch, aux_layers=aux_layers, env=env)
+                                 arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
+                                 page_size=args.page_size, num_sms=facts.sm_count, env=env)

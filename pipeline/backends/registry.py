@@ -96,6 +96,16 @@ class BackendEntry:
         rule = self.rules.graph_decode_allocs or decode_output_only
         return rule(kind, bs, q_elem_bytes)
 
+    def graph_state_allocs(self, kinds: Sequence["LayerKind"], batch_sizes: Sequence[int], *, max_context_len: int,
+                           page_size: int, num_sms: int) -> list[tuple[int, int]]:
+        """``[(bs, nbytes)]`` it allocates outside the graph pool for decode-graph capture and keeps (``bs`` 0:
+        ``init_cuda_graph_state``; else that size's capture-time metadata, sizes largest first); none without a
+        rule of its own."""
+        if self.rules.graph_state_allocs is None:
+            return []
+        return self.rules.graph_state_allocs(kinds, batch_sizes, max_context_len=max_context_len, page_size=page_size,
+                                             num_sms=num_sms)
+
     def load_factory(self) -> Callable[[BackendContext], Any]:
         """Import the factory (this is where torch/triton/flashinfer get imported)."""
         mod, _, fn = self.factory.partition(":")

@@ -9,7 +9,8 @@ decode: […]}``, ``warnings`` (reference fallback and downgrades, as ``run`` re
 ``device`` facts used. It refuses what a run would refuse before allocating (``--strict``, graph
 sizes above ``--max-reqs``, a FlashInfer workspace too small). Package presence comes from distribution metadata
 (``importlib.metadata``) unless ``--installed`` lists the packages to assume. ``cuda_graph_bytes_estimate`` (and
-``cuda_graph_estimate``: per batch size, the layers, the cuBLAS workspace) is the decode CUDA graphs' pool
+``cuda_graph_estimate``: the graph pool, the replay state and the warm-up stream, the pool per batch size, the
+layers, the cuBLAS workspace) is the decode CUDA graphs' memory
 :mod:`states.graph_memory` estimates for the stack ``attn-setup run`` builds with the same flags (``--num-layers``,
 default as ``run``'s) — what ``run`` takes out of a ``--mem-fraction`` budget before sizing the KV pool.
 
@@ -144,8 +145,9 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
         return {"cuda_graph_bytes_estimate": 0, "cuda_graph_estimate": None}
     return {"cuda_graph_bytes_estimate": est.total_bytes,
             "cuda_graph_estimate": {"num_layers": est.num_layers, "batch_sizes": est.batch_sizes,
-                                    "per_bs": {str(b): v for b, v in sorted(est.per_bs.items(), reverse=True)},
-                                    "blas_workspace_bytes": est.blas_workspace_bytes}}
+                                    "pool_bytes": est.pool_bytes, "state_bytes": est.state_bytes,
+                                    "warmup_bytes": est.warmup_bytes, "blas_workspace_bytes": est.blas_workspace_bytes,
+                                    "per_bs": {str(b): v for b, v in sorted(est.per_bs.items(), reverse=True)}}}
 
 
 def graph_estimate_line(report: dict[str, Any]) -> str:
@@ -158,8 +160,10 @@ def graph_estimate_line(report: dict[str, Any]) -> str:
     sizes = e["batch_sizes"]
     span = f"bs {sizes[0]}" if len(sizes) == 1 else f"bs {sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)"
     return (f"decode CUDA graphs: {fmt_bytes(report['cuda_graph_bytes_estimate'])} estimated for {span} over "
-            f"{e['num_layers']} layers (cuBLAS workspace {fmt_bytes(e['blas_workspace_bytes'])} of it); run takes it "
-            "out of a --mem-fraction budget before sizing the KV pool")
+            f"{e['num_layers']} layers: graph pool {fmt_bytes(e['pool_bytes'])}, replay state "
+            f"{fmt_bytes(e['state_bytes'])}, warm-up stream {fmt_bytes(e['warmup_bytes'])} (cuBLAS workspace "
+            f"{fmt_bytes(e['blas_workspace_bytes'])} of it); run takes it out of a --mem-fraction budget before "
+            "sizing the KV pool")
 
 
 def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool],

@@ -466,14 +466,14 @@ def _pool_line(records: Any) -> Optional[str]:
 
 
 def _graph_line(records: Any) -> Optional[str]:
-    """``CUDA graphs: 4 sizes captured, graph pool 34.0 MiB (estimated 34.0 MiB, +0.0 %), device 36.0 MiB``."""
-    caps = [r for r in records if isinstance(r, ev.CudaGraphCaptured)]
-    if not caps:
+    """``CUDA graphs: 4 sizes captured, graph pool 2.0 MiB (estimated 2.0 MiB), capture step took 60.0 MiB of the
+    device (estimated 78.0 MiB)`` from the ``cuda_graph_memory`` event (None without one)."""
+    m = next((r for r in records if isinstance(r, ev.CudaGraphMemory)), None)
+    if m is None:
         return None
-    got, est = sum(c.graph_bytes for c in caps), sum(c.graph_bytes_estimate for c in caps)
-    err = f", {100.0 * (est - got) / got:+.1f} %" if got and est else ""
-    return (f"CUDA graphs: {len(caps)} sizes captured, graph pool {rp.fmt_bytes(got)} (estimated {rp.fmt_bytes(est)}"
-            f"{err}), device {rp.fmt_bytes(sum(c.device_bytes for c in caps))}")
+    return (f"CUDA graphs: {len(m.batch_sizes)} sizes captured, graph pool {rp.fmt_bytes(m.pool_bytes)} (estimated "
+            f"{rp.fmt_bytes(m.pool_estimate)}), capture step took {rp.fmt_bytes(m.step_device_bytes)} of the device "
+            f"(estimated {rp.fmt_bytes(m.total_estimate)})")
 
 
 def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[SetupRequest] = None) -> None:

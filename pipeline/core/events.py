@@ -354,6 +354,29 @@ class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
     graph_bytes_estimate: int = 0
 
 
+class CudaGraphMemory(Event, tag="cuda_graph_memory", kw_only=True):
+    """Decode-graph capture done: what it took against what :mod:`states.graph_memory` estimated (bytes).
+
+    Estimated, by part: ``pool_estimate`` (the graphs' private pool), ``state_estimate`` (buffers kept for replay:
+    the runner's inputs, the backend's graph state and per-size wrappers), ``warmup_estimate`` (the warm-up stream's
+    cached temporaries and its cuBLAS workspace, ``blas_workspace_bytes`` of it), ``total_estimate`` (their sum,
+    what pool sizing set aside). Measured: ``pool_bytes`` (the private pool's segments,
+    ``torch.cuda.memory_snapshot()``) and ``step_device_bytes`` (free device memory before the capture step's first
+    buffer minus after its last capture).
+    """
+
+    backend: str
+    batch_sizes: list[int]
+    pool_estimate: int
+    state_estimate: int
+    warmup_estimate: int
+    blas_workspace_bytes: int
+    total_estimate: int
+    pool_bytes: int
+    step_device_bytes: int
+
+
+
 class ModelStepVerified(Event, tag="model_step_verified", kw_only=True):
     """One extend/decode step of the attention stack checked against the float64 dense reference."""
 
@@ -454,7 +477,8 @@ AnyEvent = Union[
     BackendBuilt, StepSkipped, FeatureDowngraded, ReferenceFallback, LazyMemInitialized, BackendsAnnotated,
     InstanceVerified, ResourcesReleased,
     Heartbeat, RunFailed, RunFinished, RunInterrupted, RunnerStarted, RunnerTransition, DistributedInitialized,
-    ModelLoaded, MemoryPoolSized, CudaGraphCaptured, ModelStepVerified, RunnerReady, CommandStarted, CommandFinished,
+    ModelLoaded, MemoryPoolSized, CudaGraphCaptured, CudaGraphMemory, ModelStepVerified, RunnerReady, CommandStarted,
+    CommandFinished,
     StartupSummary, SlowPhase, EnvVarLookalike, JitVariantLoaded,
 ]
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]

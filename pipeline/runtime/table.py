@@ -166,17 +166,28 @@ def decide_pools(r: Any) -> Any:
 
 
 def graph_estimate(r: Any, spec: Any) -> Any:
-    """The decode CUDA graphs' estimated pool (:class:`states.graph_memory.GraphMemoryEstimate`) for this run's
-    built ``spec``, from the setup decided torch-free for it (:func:`pipeline.setup.build.decide_setup`, the same
-    decisions the attention step takes: they depend on ``max_reqs``, not on the pool's size); None when no graphs
-    are captured (CPU, ``--disable-cuda-graph``, a decode backend without graphs) or the setup is refused."""
-    from pipeline.setup.build import decide_setup
-    from states.graph_memory import estimate_for_decided
+    """The decode CUDA graphs' estimated memory (:class:`states.graph_memory.GraphMemoryEstimate`) for this run's
+    built ``spec``, from the setup decided torch-free for it (:func:`pipeline.setup.build.decide_setup`: the decode
+    backend and whether it is captured depend on ``max_reqs``, not on the pool's size); None when no graphs are
+    captured (CPU, ``--disable-cuda-graph``, a decode backend without graphs) or the setup is refused. Computed once
+    per runner and spec (kept on ``r``); where graphs cannot apply at all (:func:`states.graphs.decide_graphs` before
+    any backend is known) nothing is resolved for it, so such a run still resolves once."""
+    from states.graphs import decide_graphs
 
     cfg = r.config
-    req = msgspec.structs.replace(cfg.request, **served_field(cfg.request, spec))
-    decided = decide_setup(req, platform=r.platform, installed=r.installed, rank_group=r.rank_group)
-    return estimate_for_decided(req, decided, aux_layers=cfg.aux_hidden_state_layers or ())
+    kept = getattr(r, "graph_estimate_for", None)
+    if kept is not None and kept[0] is spec:
+        return kept[1]
+    est = None
+    if decide_graphs(cfg.request.args, r.platform.device_facts(r.index).type, []).capture:
+        from pipeline.setup.build import decide_setup
+        from states.graph_memory import estimate_for_decided
+
+        req = msgspec.structs.replace(cfg.request, **served_field(cfg.request, spec))
+        decided = decide_setup(req, platform=r.platform, installed=r.installed, rank_group=r.rank_group)
+        est = estimate_for_decided(req, decided, aux_layers=cfg.aux_hidden_state_layers or ())
+    r.graph_estimate_for = (spec, est)
+    return est
 
 
 def graph_reserve_bytes(r: Any, spec: Any) -> int:
@@ -313,6 +324,12 @@ def capture(r: Any, d: CaptureDecision) -> None:
                                         graph_bytes=max(getattr(g, "graph_bytes", {}).get(bs, 0), 0),
                                         device_bytes=getattr(g, "device_bytes", {}).get(bs, 0),
                                         graph_bytes_estimate=per_bs.get(bs, 0)))
+    if est is not None:  # the whole step against the estimate, part by part
+        r.emit(ev.CudaGraphMemory, backend=backend, batch_sizes=list(d.sizes), pool_estimate=est.pool_bytes,
+               state_estimate=est.state_bytes, warmup_estimate=est.warmup_bytes,
+               blas_workspace_bytes=est.blas_workspace_bytes, total_estimate=est.total_bytes,
+               pool_bytes=sum(getattr(g, "graph_bytes", {}).values()),
+               step_device_bytes=int(getattr(g, "step_device_bytes", 0)))
 
 
 def _barrier_before_capture(r: Any) -> None:
@@ -345,6 +362,6 @@ RUNNER = StepTable(
             "graphs_outcome", "decode graphs captured, or capture skipped with a recorded reason"),),
             pre=CAPTURE_PRECONDITIONS, what="capture", name="CAPTURE", result="graphs_decided",
             decide=decide_capture, apply=capture, skip="cuda_graph_capture",
-            emits=(ev.StepSkipped, ev.CudaGraphCaptured, ev.RunnerReady)),
+            emits=(ev.StepSkipped, ev.CudaGraphCaptured, ev.CudaGraphMemory, ev.RunnerReady)),
     ))
 RunnerState = RUNNER.State
