@@ -37,8 +37,10 @@ stream, and the capture step's side stream is new):
   ``use_cuda_graph`` wrapper per size and layer kind, each with its own 8 MiB int workspace), from its registry
   entry (:meth:`~pipeline.backends.registry.BackendEntry.graph_state_allocs`);
 - ``warmup_bytes``: the warm-up forward before each capture on the capture step's one side stream (PyTorch's
-  capture rule) — its temporaries are freed but stay cached for that stream, and its first matmul makes the cuBLAS
-  workspace PyTorch keeps for each (handle, stream) pair and never frees (``at::cuda::getCurrentCUDABlasHandle``).
+  capture rule) — the segments its temporaries need at their peak (cached for that stream until the
+  ``torch.cuda.empty_cache()`` that ``torch.cuda.graph`` runs before capturing gives them back, so this part is
+  needed while it runs rather than kept), and the cuBLAS workspace its first matmul makes, which PyTorch keeps for
+  each (handle, stream) pair and never frees (``at::cuda::getCurrentCUDABlasHandle``).
   The capture itself runs on the same stream (sglang does the same), so it finds that workspace and the graph pool
   holds none of it. :func:`blas_workspace_bytes` sizes it as PyTorch does (``CUBLAS_WORKSPACE_CONFIG``, else
   32 MiB on sm90 — NVIDIA's recommendation for Hopper in the ``cublasSetWorkspace`` documentation — and
