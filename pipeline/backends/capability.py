@@ -65,12 +65,29 @@ class BackendRules:
 
     ``workspace(args, model, env) -> Setting``: the workspace bytes one instance gets, as the setting that
     is logged (without it: the record's ``workspace_bytes``, not logged).
-    ``check_workspace(nbytes, kinds, *, num_sms, max_reqs, graph_max_bs, graph_bs_given)``: refuse a workspace
+    ``check_workspace(nbytes, kinds, *, num_sms, max_reqs, graph_max_bs, graph_bs_given, env_var)``: refuse a workspace
     too small for the largest planned batch (raises ConfigError ``workspace_too_small``).
     ``jit_variants(kinds, q_dtype, kv_dtype, arch) -> list``: the kernel modules a build JIT-compiles
     (what ``attn-setup warmup`` compiles ahead).
+    ``graph_decode_allocs(kind, bs, q_elem_bytes) -> [(nbytes, is_output)]``: the device tensors its decode
+    forward allocates for one layer of ``kind`` at ``bs`` requests, in order (``is_output``: the tensor it returns;
+    the others are freed before it returns) — what a CUDA-graph capture takes from the graph pool
+    (:mod:`states.graph_memory`); None: the output alone (:func:`decode_output_only`).
+    ``graph_state_allocs(kinds, batch_sizes, *, max_context_len, page_size, num_sms) -> [(bs, nbytes)]``: the device
+    tensors it allocates outside the graph pool for capture and keeps, in order — ``bs`` 0 for
+    ``init_cuda_graph_state``, else in ``init_forward_metadata_capture_cuda_graph`` of that size (sizes captured
+    largest first); None: none.
     """
 
     workspace: Optional[Callable[..., Any]] = None
     check_workspace: Optional[Callable[..., None]] = None
     jit_variants: Optional[Callable[..., list[Any]]] = None
+    graph_decode_allocs: Optional[Callable[..., list[tuple[int, bool]]]] = None
+    graph_state_allocs: Optional[Callable[..., list[tuple[int, int]]]] = None
+
+
+def decode_output_only(kind: Any, bs: int, q_elem_bytes: int) -> list[tuple[int, bool]]:
+    """A decode forward that allocates only its output ``[bs, H, Dv]`` in q's dtype (``q_elem_bytes`` each) and
+    keeps its scratch in buffers made before capture: FlashInfer's ``run`` (``out`` left to it, or made by our MLA
+    path) and our Triton launchers (split scratch from ``init_cuda_graph_state``)."""
+    return [(bs * kind.num_heads * kind.head_dim_v * q_elem_bytes, True)]

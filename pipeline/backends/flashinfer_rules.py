@@ -18,7 +18,7 @@ import os
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from pipeline.backends import flashinfer_sizing as sizing
-from pipeline.backends.capability import BackendRules
+from pipeline.backends.capability import BackendRules, decode_output_only
 from pipeline.core.contracts import AttentionArgs, ModelSpec
 from pipeline.core.settings import Setting, Source, explicit_or_env, setting
 
@@ -62,9 +62,9 @@ def workspace(args: AttentionArgs, model: ModelSpec, env: Mapping[str, str]) -> 
 
 def _checker(kernel: str) -> Any:
     def check(nbytes: int, kinds: Sequence[Any], *, num_sms: int, max_reqs: int, graph_max_bs: int,
-              graph_bs_given: bool = False) -> None:
+              graph_bs_given: bool = False, env_var: str = "") -> None:
         sizing.check_backend_workspace(nbytes, kinds, backend=kernel, num_sms=num_sms, max_reqs=max_reqs,
-                                       graph_max_bs=graph_max_bs, graph_bs_given=graph_bs_given)
+                                       graph_max_bs=graph_max_bs, graph_bs_given=graph_bs_given, env_var=env_var)
     return check
 
 
@@ -76,6 +76,39 @@ def _variants(prefill: str) -> Any:
     return variants
 
 
+# Every FlashInfer wrapper allocates its own int workspace on the device in ``__init__`` (8 MiB:
+# ``_int_workspace_buffer`` of BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper and
+# BatchMLAPagedAttentionWrapper, FlashInfer 0.6.13); prefill-class wrappers also a ``_kv_lens_buffer`` of 32768 int32.
+FI_INT_WORKSPACE_BYTES = 8 * MiB
+FI_KV_LENS_BYTES = 32768 * 4
+
+
+def graph_state_allocs(kinds: Sequence[Any], batch_sizes: Sequence[int], *, max_context_len: int, page_size: int,
+                       num_sms: int) -> list[tuple[int, int]]:
+    """What decode-graph capture allocates outside the graph pool, in order (``[(bs, nbytes)]``, bs 0 first):
+    :class:`pipeline.backends.flashinfer_graph.GraphState`'s int32 buffers for the largest size (``indptr``,
+    ``indices`` of ``max_bs * ceil(max_context_len / page_size)`` pages, ``last_page_len``, ``qo_indptr``,
+    ``kv_len``), then per captured size and layer kind the ``use_cuda_graph`` wrapper made for it — its own 8 MiB
+    int workspace (:data:`FI_INT_WORKSPACE_BYTES`), a prefill-class (sink) wrapper's kv-lens buffer, a tensor-core
+    decode wrapper's ``qo_indptr`` [bs+1] int32. sglang's FlashInfer backend makes its capture wrappers per size
+    the same way."""
+    mb = max(batch_sizes)
+    pages = -(-max_context_len // max(page_size, 1))
+    out = [(0, (mb + 1) * 4), (0, mb * pages * 4), (0, mb * 4), (0, (mb + 1) * 4), (0, mb * 4)]
+    for bs in sorted(set(batch_sizes), reverse=True):
+        for k in kinds:
+            out.append((bs, FI_INT_WORKSPACE_BYTES))
+            if k.has_sinks and not k.is_mla:
+                out.append((bs, FI_KV_LENS_BYTES))
+            elif not k.is_mla and sizing.use_tensor_core_decode(k.num_heads // k.num_kv_heads, bs):
+                out.append((bs, (bs + 1) * 4))
+    return out
+
+
+# CUDA-graph memory: decode allocates only its output inside a capture (``run`` makes ``out`` [bs, H, Dv]; the MLA
+# path makes it before calling ``run``); the split scratch lives in the workspace, made before capture.
 FLASHINFER_RULES = BackendRules(workspace=workspace, check_workspace=_checker("flashinfer"),
-                                jit_variants=_variants("fa2"))
-FA3_RULES = BackendRules(workspace=workspace, check_workspace=_checker("fa3"), jit_variants=_variants("fa3"))
+                                jit_variants=_variants("fa2"), graph_decode_allocs=decode_output_only,
+                                graph_state_allocs=graph_state_allocs)
+FA3_RULES = BackendRules(workspace=workspace, check_workspace=_checker("fa3"), jit_variants=_variants("fa3"),
+                         graph_decode_allocs=decode_output_only, graph_state_allocs=graph_state_allocs)

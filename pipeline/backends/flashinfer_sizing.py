@@ -207,24 +207,41 @@ def workspace_need(shapes: Iterable[HeadShape], *, num_sms: int, max_batch_size:
     return WorkspaceNeed(bytes=max(parts.values()), parts=parts)
 
 
-def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: str = "flashinfer_workspace_size",
-                         state: str = "build-mode", graph_fix: str = "") -> None:
+WORKSPACE_FIELD = "flashinfer_workspace_size"
+WORKSPACE_ENV = "SGLANG_FLASHINFER_WORKSPACE_SIZE"
+
+
+def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: str = WORKSPACE_FIELD,
+                         state: str = "build-mode", graph_fix: str = "", env_var: str = "") -> None:
     """Raise :class:`ConfigError` (``workspace_too_small``) when ``size_bytes < need.bytes``.
 
-    The error names ``field_name`` and its value, the needed bytes (and the path that needs
-    them) and the remedy: set the field or ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` to at least that,
-    or ``graph_fix`` (a change to the captured batch sizes that fits ``size_bytes``) when given.
+    The one check of the workspace size, whichever source set it. The error names ``field_name`` and its
+    value — or, when the value came from the environment (``env_var``, e.g.
+    ``SGLANG_FLASHINFER_WORKSPACE_SIZE=1000``), that variable with its value first and the field after it
+    (value None), as :func:`pipeline.core.validation.check_size` names a variable — the minimum this backend can
+    use (``needed_bytes``: the bytes its largest planned batch needs, and the kernel path that needs them) and
+    the remedy: set the field or the variable to at least that, or ``graph_fix`` (a change to the captured batch
+    sizes that fits ``size_bytes``) when given.
     """
     if size_bytes >= need.bytes:
         return
     worst = max(need.parts, key=need.parts.get) if need.parts else "plan"
+    if env_var:
+        raise ConfigError(
+            f"environment variable {env_var}={size_bytes} sets a FlashInfer workspace smaller than the {need.bytes} "
+            f"bytes the largest planned batch needs ({worst}): the least this backend can use here",
+            code="workspace_too_small", state=state,
+            flags=[(env_var, size_bytes), (field_name, None), ("needed_bytes", need.bytes)],
+            allowed=[f">= {need.bytes}"],
+            remedy=f"set {env_var} to at least {need.bytes}" + (f", or {graph_fix}" if graph_fix else ""),
+        )
     raise ConfigError(
         f"the FlashInfer workspace of {size_bytes} bytes is smaller than the {need.bytes} bytes the "
         f"largest planned batch needs ({worst})",
         code="workspace_too_small", state=state,
         flags=[(field_name, size_bytes), ("needed_bytes", need.bytes)],
         allowed=[f">= {need.bytes}"],
-        remedy=f"set {field_name} (or SGLANG_FLASHINFER_WORKSPACE_SIZE) to at least {need.bytes}"
+        remedy=f"set {field_name} (or {WORKSPACE_ENV}) to at least {need.bytes}"
                + (f", or {graph_fix}" if graph_fix else ""),
     )
 
@@ -250,7 +267,8 @@ def _largest_fitting_bs(fits: Any, top: int) -> Optional[int]:
 
 
 def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: str, num_sms: int, max_reqs: int,
-                            graph_max_bs: int, graph_bs_given: bool = False, state: str = "build-mode") -> None:
+                            graph_max_bs: int, graph_bs_given: bool = False, state: str = "build-mode",
+                            env_var: str = "") -> None:
     """The one workspace check (build-mode, ``plan`` and ``run``'s preflight call it, through the registry entry).
 
     ``size_bytes``: the workspace the backend gets; ``kinds``: the layer kinds it serves;
@@ -259,7 +277,8 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
     largest captured decode batch (:func:`states.graphs.graph_max_bs`, 0 without graphs);
     ``graph_bs_given``: the sizes came from ``cuda_graph_bs`` (so the remedy names that list).
     When only the graph term is too large and a smaller largest captured batch fits, the remedy
-    names that size. Raises ConfigError ``workspace_too_small``.
+    names that size. ``env_var``: the environment variable the size came from ("" when the field or the
+    default set it), named by the error. Raises ConfigError ``workspace_too_small``.
     """
     shapes = shapes_of(kinds)
     kw = dict(num_sms=max(num_sms, 1), max_batch_size=max_reqs, prefill_backend="fa3" if backend == "fa3" else "fa2")
@@ -272,4 +291,4 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
     if fits is not None:
         fix = (f"use only sizes up to {fits} in cuda_graph_bs" if graph_bs_given
                else f"set cuda_graph_max_bs={fits}")
-    check_workspace_size(size_bytes, need, state=state, graph_fix=fix)
+    check_workspace_size(size_bytes, need, state=state, graph_fix=fix, env_var=env_var)

@@ -9,7 +9,9 @@ for every claim and checks resolve refuses everything unclaimed.
 
 from __future__ import annotations
 
-from pipeline.backends.capability import BackendRules, Capability
+from typing import Any
+
+from pipeline.backends.capability import BackendRules, Capability, decode_output_only
 from pipeline.backends.flashinfer_rules import FA3_RULES, FLASHINFER_RULES
 
 MiB = 1 << 20
@@ -124,11 +126,38 @@ MLA_DECODE_US: dict[str, dict[str, float]] = {
 }
 
 # name, capability, "module:factory", rules (what the entry decides beyond its record)
+# Stage-1 programs per SM our Triton decode kernels aim for (``launch.DecodeConfig.programs_per_sm``; kept here
+# torch-free for the CUDA-graph memory estimate, tests/test_graph_memory.py checks they agree).
+TRITON_PROGRAMS_PER_SM = 8
+_MLA_BLOCK_H = 64  # ``launch_mla.MLADecodeConfig.block_h``
+
+
+def triton_graph_state_allocs(kinds: Any, batch_sizes: Any, *, max_context_len: int, page_size: int,
+                              num_sms: int) -> list[tuple[int, int]]:
+    """What our Triton backend's ``init_cuda_graph_state`` allocates (``[(0, nbytes)]``): ``req_pool_indices``
+    [max_bs] int64, ``seq_lens`` [max_bs] int32 and the fp32 split scratch for every size up to ``max_bs`` and
+    every kind — ``B * S`` rows of ``H * (Dv + 1)`` floats, where ``B * S`` (batch times splits) is at most
+    ``max(max_bs, programs_per_sm * SMs / Hkv)`` for MHA/GQA (:func:`launch.decode_max_splits` without its cap: a
+    bound) and ``max(max_bs, 2 * programs_per_sm * SMs / ceil(H / block_h) + 1)`` for MLA (its split candidates,
+    bounded with the MHA programs per SM). Nothing per captured size."""
+    mb = max(batch_sizes)
+    rows = 0
+    for k in kinds:
+        if k.is_mla:
+            bs_s = max(mb, 2 * TRITON_PROGRAMS_PER_SM * num_sms // -(-k.num_heads // _MLA_BLOCK_H) + 1)
+        else:
+            bs_s = max(mb, TRITON_PROGRAMS_PER_SM * max(num_sms, 1) // k.num_kv_heads)
+        rows = max(rows, bs_s * k.num_heads * (k.head_dim_v + 1))
+    return [(0, mb * 8), (0, mb * 4), (0, rows * 4)]
+
+
 BUILTINS: list[tuple[str, Capability, str, BackendRules]] = [
     ("torch_native", TORCH_NATIVE, "pipeline.backends.torch_native:create", BackendRules()),
     ("flashinfer", FLASHINFER, "pipeline.backends.flashinfer:create", FLASHINFER_RULES),
     ("fa3", FA3, "pipeline.backends.flashinfer:create_fa3", FA3_RULES),
-    ("triton", TRITON_CAP, "pipeline.backends.triton.backend:create", BackendRules()),
+    # decode allocates its output [bs, H, Dv] only; the split scratch is init_cuda_graph_state's buffer
+    ("triton", TRITON_CAP, "pipeline.backends.triton.backend:create",
+     BackendRules(graph_decode_allocs=decode_output_only, graph_state_allocs=triton_graph_state_allocs)),
 ]
 
 # The reference backend: correct everywhere, slow, no CUDA graphs. Landing on it by auto-selection on an

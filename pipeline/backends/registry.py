@@ -75,16 +75,36 @@ class BackendEntry:
         return Setting(field="", value=self.capability.workspace_bytes, source="default")
 
     def check_workspace(self, nbytes: int, kinds: Sequence["LayerKind"], *, num_sms: int, max_reqs: int,
-                        graph_max_bs: int, graph_bs_given: bool = False) -> None:
+                        graph_max_bs: int, graph_bs_given: bool = False, env_var: str = "") -> None:
         """Refuse a workspace of ``nbytes`` too small for the largest batch this backend plans over ``kinds``
-        (ConfigError ``workspace_too_small``); a backend without such a rule needs no check."""
+        (ConfigError ``workspace_too_small``); a backend without such a rule needs no check. ``env_var``: the
+        environment variable the size came from, if it did (the error then names it and its value)."""
         if self.rules.check_workspace is not None:
             self.rules.check_workspace(nbytes, kinds, num_sms=num_sms, max_reqs=max_reqs, graph_max_bs=graph_max_bs,
-                                       graph_bs_given=graph_bs_given)
+                                       graph_bs_given=graph_bs_given, env_var=env_var)
 
     def jit_variants(self, kinds: Sequence["LayerKind"], q_dtype: str, kv_dtype: str, arch: str) -> list[Any]:
         """The kernel modules a build of this backend JIT-compiles for ``kinds`` (none for most backends)."""
         return [] if self.rules.jit_variants is None else self.rules.jit_variants(kinds, q_dtype, kv_dtype, arch)
+
+    def graph_decode_allocs(self, kind: "LayerKind", bs: int, q_elem_bytes: int) -> list[tuple[int, bool]]:
+        """``[(nbytes, is_output)]`` its decode forward allocates for one layer of ``kind`` at ``bs`` requests, in
+        order (the CUDA-graph memory estimate replays them: :mod:`states.graph_memory`); without a rule of its
+        own, the output ``[bs, H, Dv]`` in q's dtype alone."""
+        from pipeline.backends.capability import decode_output_only
+
+        rule = self.rules.graph_decode_allocs or decode_output_only
+        return rule(kind, bs, q_elem_bytes)
+
+    def graph_state_allocs(self, kinds: Sequence["LayerKind"], batch_sizes: Sequence[int], *, max_context_len: int,
+                           page_size: int, num_sms: int) -> list[tuple[int, int]]:
+        """``[(bs, nbytes)]`` it allocates outside the graph pool for decode-graph capture and keeps (``bs`` 0:
+        ``init_cuda_graph_state``; else that size's capture-time metadata, sizes largest first); none without a
+        rule of its own."""
+        if self.rules.graph_state_allocs is None:
+            return []
+        return self.rules.graph_state_allocs(kinds, batch_sizes, max_context_len=max_context_len, page_size=page_size,
+                                             num_sms=num_sms)
 
     def load_factory(self) -> Callable[[BackendContext], Any]:
         """Import the factory (this is where torch/triton/flashinfer get imported)."""

@@ -8,7 +8,11 @@ machine, found through NVML / ``nvidia-smi``) and prints the same ``resolved``, 
 decode: […]}``, ``warnings`` (reference fallback and downgrades, as ``run`` reports them) and the
 ``device`` facts used. It refuses what a run would refuse before allocating (``--strict``, graph
 sizes above ``--max-reqs``, a FlashInfer workspace too small). Package presence comes from distribution metadata
-(``importlib.metadata``) unless ``--installed`` lists the packages to assume.
+(``importlib.metadata``) unless ``--installed`` lists the packages to assume. ``cuda_graph_bytes_estimate`` (and
+``cuda_graph_estimate``: the graph pool, the replay state and the warm-up stream, the pool per batch size, the
+layers, the cuBLAS workspace) is the decode CUDA graphs' memory
+:mod:`states.graph_memory` estimates for the stack ``attn-setup run`` builds with the same flags (``--num-layers``,
+default as ``run``'s) — what ``run`` takes out of a ``--mem-fraction`` budget before sizing the KV pool.
 
 Exit codes: 0 planned · 2 usage (bad flags, unreadable file, unknown profile or package) ·
 3 configuration refused (one ErrorInfo printed). Nothing here imports torch, triton or flashinfer.
@@ -39,6 +43,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                            f"{', '.join(packages.names())} (or their import names); it replaces what is installed "
                            "here, it does not add to it: a GPU plan needs torch,triton,… too; '' = none "
                            "(default: read from package metadata, no import)")
+    plan.add_argument("--num-layers", type=int, default=None,
+                      help="the attention layers `attn-setup run` builds with these flags, for the CUDA-graph memory "
+                           "estimate (default as run's: 2, or as many as it takes to include every attention kind)")
     from pipeline.cli.jit import add_flag
 
     add_flag(plan)
@@ -117,14 +124,58 @@ def warnings_obj(warnings: Any) -> list[dict[str, Any]]:
     return [msgspec.to_builtins(w) for w in warnings]
 
 
-def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool]) -> dict[str, Any]:
+def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = None) -> dict[str, Any]:
+    """``{cuda_graph_bytes_estimate, cuda_graph_estimate}`` for the stack ``run`` builds with ``num_layers`` (None:
+    run's default) — :func:`states.graph_memory.estimate_for_decided`, as run's pool sizing calls it; 0 and None
+    when no decode graphs are captured. Raises ConfigError for ``num_layers`` outside the model's attention layers."""
+    from pipeline.core.model_spec import layers_covering_every_kind
+    from pipeline.core.spec import attention_layer_ids, truncate_spec
+    from states.graph_memory import estimate_for_decided
+
+    from pipeline.cli.run import DEFAULT_LAYERS
+
+    served = request.served_model
+    if not attention_layer_ids(served):
+        return {"cuda_graph_bytes_estimate": 0, "cuda_graph_estimate": None}
+    n = num_layers if num_layers is not None else max(layers_covering_every_kind(served, DEFAULT_LAYERS), 1)
+    spec = truncate_spec(served, n)
+    field = "draft_model" if request.is_draft_worker and request.draft_model is not None else "model"
+    est = estimate_for_decided(msgspec.structs.replace(request, **{field: spec}), decided)
+    if est is None:
+        return {"cuda_graph_bytes_estimate": 0, "cuda_graph_estimate": None}
+    return {"cuda_graph_bytes_estimate": est.total_bytes,
+            "cuda_graph_estimate": {"num_layers": est.num_layers, "batch_sizes": est.batch_sizes,
+                                    "pool_bytes": est.pool_bytes, "state_bytes": est.state_bytes,
+                                    "warmup_bytes": est.warmup_bytes, "blas_workspace_bytes": est.blas_workspace_bytes,
+                                    "per_bs": {str(b): v for b, v in sorted(est.per_bs.items(), reverse=True)}}}
+
+
+def graph_estimate_line(report: dict[str, Any]) -> str:
+    """The human line of the estimate (empty without graphs)."""
+    from pipeline.cli.report import fmt_bytes
+
+    e = report.get("cuda_graph_estimate")
+    if not e:
+        return ""
+    sizes = e["batch_sizes"]
+    span = f"bs {sizes[0]}" if len(sizes) == 1 else f"bs {sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)"
+    return (f"decode CUDA graphs: {fmt_bytes(report['cuda_graph_bytes_estimate'])} estimated for {span} over "
+            f"{e['num_layers']} layers: graph pool {fmt_bytes(e['pool_bytes'])}, replay state "
+            f"{fmt_bytes(e['state_bytes'])}, warm-up stream {fmt_bytes(e['warmup_bytes'])} (cuBLAS workspace "
+            f"{fmt_bytes(e['blas_workspace_bytes'])} of it); run takes it out of a --mem-fraction budget before "
+            "sizing the KV pool")
+
+
+def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool],
+                num_layers: Any = None) -> dict[str, Any]:
     """The plan report for ``request`` on ``device`` (raises the typed error of a refusal).
 
     The setup table in decide mode (:func:`pipeline.setup.build.decide_setup`): the decisions a run makes
     before allocating — resolve (``strict`` included), build-mode's plan, the CUDA-graph sizes against
     ``max_reqs``, each workspace against the largest batch it plans, npu-lazy-mem — so ``plan`` refuses what
     a run would refuse. ``warnings``: the reference fallback and every downgrade
-    (:func:`states.resolve.warnings_for`), as a run logs them.
+    (:func:`states.resolve.warnings_for`), as a run logs them. ``num_layers``: the layers ``run`` would build,
+    for the CUDA-graph memory estimate (:func:`graph_estimate_obj`).
     """
     from pipeline.cli import report as rp
     from pipeline.setup.build import decide_setup
@@ -135,7 +186,8 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
     return {"ok": True, "device": msgspec.to_builtins(device), "installed": dict(installed),
             "resolved": rp.resolved_obj(res), "plan": rp.plan_obj(plan), "rejected": rejected_obj(res),
             "skips": skips_of(decided),
-            "warnings": warnings_obj(resolve.warnings_for(res, list(res.skips) + list(plan.skips), device))}
+            "warnings": warnings_obj(resolve.warnings_for(res, list(res.skips) + list(plan.skips), device)),
+            **graph_estimate_obj(request, decided, num_layers)}
 
 
 def cmd(ns: argparse.Namespace) -> int:
@@ -149,7 +201,7 @@ def cmd(ns: argparse.Namespace) -> int:
     ns.device = device.device_str
     request = request_from(ns, on_gpu=device.type != "cpu")
     try:
-        report = plan_report(request, device, installed)
+        report = plan_report(request, device, installed, getattr(ns, "num_layers", None))
     except AttnSetupError as e:
         if ns.installed is not None:
             installed_hint(e, request, device, installed)
@@ -170,6 +222,8 @@ def cmd(ns: argparse.Namespace) -> int:
             f"device: {device.name or device.type} ({device.arch or device.type}) from {device.source}; "
             f"installed: {', '.join(p for p, ok in installed.items() if ok) or 'none'}")
         rp.render_tables(report, report["rejected"])
+        if report.get("cuda_graph_estimate"):
+            Console(highlight=False, width=120).print(graph_estimate_line(report), markup=False, soft_wrap=True)
         line = estimate_line(report["jit_cold"])
         if line:
             Console(highlight=False, width=120).print(line, markup=False, soft_wrap=True)

@@ -457,8 +457,23 @@ def _pool_line(records: Any) -> Optional[str]:
     r = next((r for r in records if isinstance(r, ev.MemoryPoolSized)), None)
     if r is None:
         return None
-    return (f"KV pool: {r.num_token_slots} token slots x {rp.fmt_bytes(r.bytes_per_token)} = {rp.fmt_bytes(r.kv_bytes)} "
+    line = (f"KV pool: {r.num_token_slots} token slots x {rp.fmt_bytes(r.bytes_per_token)} = {rp.fmt_bytes(r.kv_bytes)} "
             f"(from {r.source}), req_to_token {r.max_reqs} x {r.max_context_len} = {rp.fmt_bytes(r.req_to_token_bytes)}")
+    if r.graph_bytes_estimate:
+        kept = ", kept out of the budget" if r.source == "mem_fraction" else ""
+        line += f"; decode CUDA graphs {rp.fmt_bytes(r.graph_bytes_estimate)} estimated{kept}"
+    return line
+
+
+def _graph_line(records: Any) -> Optional[str]:
+    """``CUDA graphs: 4 sizes captured, graph pool 2.0 MiB (estimated 2.0 MiB), capture step took 60.0 MiB of the
+    device (estimated 78.0 MiB)`` from the ``cuda_graph_memory`` event (None without one)."""
+    m = next((r for r in records if isinstance(r, ev.CudaGraphMemory)), None)
+    if m is None:
+        return None
+    return (f"CUDA graphs: {len(m.batch_sizes)} sizes captured, graph pool {rp.fmt_bytes(m.pool_bytes)} (estimated "
+            f"{rp.fmt_bytes(m.pool_estimate)}), capture step took {rp.fmt_bytes(m.step_device_bytes)} of the device "
+            f"(estimated {rp.fmt_bytes(m.total_estimate)})")
 
 
 def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[SetupRequest] = None) -> None:
@@ -469,9 +484,9 @@ def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[
     c = Console(highlight=False, soft_wrap=False, width=120)
     if request is not None:
         c.print(model_line(request, records), markup=False, soft_wrap=True)
-    pool = _pool_line(records)
-    if pool:
-        c.print(pool, markup=False, soft_wrap=True)
+    for line in (_pool_line(records), _graph_line(records)):
+        if line:
+            c.print(line, markup=False, soft_wrap=True)
     rows = timeline_rows(report)
     if rows:
         t = Table(title="timeline (setup states under attention)", title_justify="left")

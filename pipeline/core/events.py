@@ -318,7 +318,11 @@ class ModelLoaded(Event, tag="model_loaded", kw_only=True):
 
 
 class MemoryPoolSized(Event, tag="memory_pool_sized", kw_only=True):
-    """init-memory-pool: where the size came from, tokens and bytes of ``req_to_token`` and the K/V buffers."""
+    """init-memory-pool: where the size came from, tokens and bytes of ``req_to_token`` and the K/V buffers.
+
+    ``graph_bytes_estimate``: the decode CUDA graphs' estimated private pool (:mod:`states.graph_memory`), taken
+    out of a ``mem_fraction`` budget before the pools were sized (``budget_bytes`` is what was left for them) and
+    counted with them against free memory; 0 without graphs and in traces written before it was estimated."""
 
     source: str
     budget_bytes: int | None = None
@@ -329,6 +333,7 @@ class MemoryPoolSized(Event, tag="memory_pool_sized", kw_only=True):
     page_size: int
     req_to_token_bytes: int
     kv_bytes: int
+    graph_bytes_estimate: int = 0
 
 
 class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
@@ -337,7 +342,8 @@ class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
     ``graph_bytes``: bytes this batch size's capture added to the graphs' private memory pool (the sizes share one
     pool, captured largest first, so smaller sizes mostly reuse it); ``device_bytes``: device memory free before
     the capture minus free after (``torch.cuda.mem_get_info``; can be 0 or below when the allocator released
-    cached blocks to make room). Both 0 in traces written before they were measured.
+    cached blocks to make room). Both 0 in traces written before they were measured. ``graph_bytes_estimate``:
+    what :mod:`states.graph_memory` estimated this size's capture adds to the pool (0 in older traces).
     """
 
     bs: int
@@ -345,6 +351,30 @@ class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
     backend: str
     graph_bytes: int = 0
     device_bytes: int = 0
+    graph_bytes_estimate: int = 0
+
+
+class CudaGraphMemory(Event, tag="cuda_graph_memory", kw_only=True):
+    """Decode-graph capture done: what it took against what :mod:`states.graph_memory` estimated (bytes).
+
+    Estimated, by part: ``pool_estimate`` (the graphs' private pool), ``state_estimate`` (buffers kept for replay:
+    the runner's inputs, the backend's graph state and per-size wrappers), ``warmup_estimate`` (the warm-up stream's
+    cached temporaries and its cuBLAS workspace, ``blas_workspace_bytes`` of it), ``total_estimate`` (their sum,
+    what pool sizing set aside). Measured: ``pool_bytes`` (the private pool's segments,
+    ``torch.cuda.memory_snapshot()``) and ``step_device_bytes`` (free device memory before the capture step's first
+    buffer minus after its last capture).
+    """
+
+    backend: str
+    batch_sizes: list[int]
+    pool_estimate: int
+    state_estimate: int
+    warmup_estimate: int
+    blas_workspace_bytes: int
+    total_estimate: int
+    pool_bytes: int
+    step_device_bytes: int
+
 
 
 class ModelStepVerified(Event, tag="model_step_verified", kw_only=True):
@@ -447,7 +477,8 @@ AnyEvent = Union[
     BackendBuilt, StepSkipped, FeatureDowngraded, ReferenceFallback, LazyMemInitialized, BackendsAnnotated,
     InstanceVerified, ResourcesReleased,
     Heartbeat, RunFailed, RunFinished, RunInterrupted, RunnerStarted, RunnerTransition, DistributedInitialized,
-    ModelLoaded, MemoryPoolSized, CudaGraphCaptured, ModelStepVerified, RunnerReady, CommandStarted, CommandFinished,
+    ModelLoaded, MemoryPoolSized, CudaGraphCaptured, CudaGraphMemory, ModelStepVerified, RunnerReady, CommandStarted,
+    CommandFinished,
     StartupSummary, SlowPhase, EnvVarLookalike, JitVariantLoaded,
 ]
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]

@@ -12,6 +12,12 @@ elements per token and layer); ``req_to_token`` costs ``max_reqs·max_context_le
 token slots is the rest of the budget divided by bytes per token, rounded *down* to whole pages,
 with at least two pages (page 0 is the reserved padding page).
 
+Decode CUDA graphs take their own memory after the pools are sized (their private pool,
+:mod:`states.graph_memory` estimates it). A budget from ``--mem-fraction`` is reduced by that estimate
+(``graph_reserve_bytes``) before the KV pool is sized from it, as vLLM's ``determine_available_memory`` takes its
+CUDA-graph estimate out of the memory the KV cache may use; an explicit ``--mem-bytes`` or ``--num-token-slots``
+is kept as given. Either way the check against free memory counts the pools and the graphs together.
+
 Before anything is allocated, :func:`check_fits` refuses pools larger than
 :data:`POOL_MEMORY_SHARE` of the memory the device (the host on CPU) has free now
 (:func:`available_bytes`), naming the input that set the size, the limit, and a value that fits —
@@ -42,7 +48,9 @@ class PoolSizing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     ``source``: which input decided (slots > bytes > mem_fraction); ``budget_bytes``: bytes the
     pools may use (None when slots were given); ``bytes_per_token``: KV bytes per token slot over
-    all built layers; ``req_to_token_bytes`` / ``kv_bytes``: bytes the pools will hold.
+    all built layers; ``req_to_token_bytes`` / ``kv_bytes``: bytes the pools will hold;
+    ``graph_reserve_bytes``: the decode CUDA graphs' estimated pool (0 without graphs), taken out of a
+    ``mem_fraction`` budget before the KV pool was sized from it.
     """
 
     facts: PoolFacts
@@ -51,6 +59,7 @@ class PoolSizing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     bytes_per_token: int
     req_to_token_bytes: int
     kv_bytes: int
+    graph_reserve_bytes: int = 0
 
 
 # The flag behind each budget source, for error messages.
@@ -91,7 +100,7 @@ def budget_from_fraction(mem_fraction: float, total_memory_bytes: int, already_a
 def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, page_size: int, max_reqs: int,
                max_context_len: int, num_token_slots: Optional[int] = None, budget_bytes: Optional[int] = None,
                source: Source = "bytes", mem_fraction: Optional[float] = None, min_slots: int = 0,
-               min_slots_for: str = "") -> PoolSizing:
+               min_slots_for: str = "", graph_reserve_bytes: int = 0) -> PoolSizing:
     """Size ``req_to_token`` and the K/V buffers; see the module docstring for the rules.
 
     Exactly one of ``num_token_slots`` (rounded up to whole pages) or ``budget_bytes`` must be
@@ -99,6 +108,9 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
     error). The pool must hold at least two pages and ``min_slots`` token slots (rounded up to
     pages; ``min_slots_for`` says what needs them, e.g. ``attn-setup run``'s verification batches).
     A budget is used up to ``MAX_POOL_DIM`` (2**31 - 1) slots, what int32 token locations address.
+    ``graph_reserve_bytes`` (bytes, >= 0: the decode graphs' estimated pool) is subtracted from a
+    ``source="mem_fraction"`` budget first (``budget_bytes`` then records what is left for the pools) and recorded
+    for :func:`check_fits` whatever the source.
     Raises ConfigError (``pool_budget_too_small``) naming the flag, what it must cover and a remedy
     otherwise; nothing is allocated.
     """
@@ -113,13 +125,15 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
                               flags=[("num_token_slots", num_token_slots), ("page_size", page_size)],
                               allowed=[f">= {floor}"], remedy=f"set num_token_slots={floor} or more")
     elif budget_bytes is not None:
-        budget = int(budget_bytes)
+        budget = int(budget_bytes) - (int(graph_reserve_bytes) if source == "mem_fraction" else 0)
         # a budget beyond what int32 token locations address is used up to that (MAX_POOL_DIM) only
         slots = min(max(0, (budget - r2t) // max(per_tok, 1)), MAX_POOL_DIM) // page_size * page_size
         need = r2t + floor * per_tok
         if slots < floor:
+            graphs = (f" (after the decode CUDA graphs' estimated {graph_reserve_bytes} bytes)"
+                      if graph_reserve_bytes and source == "mem_fraction" else "")
             raise ConfigError(
-                f"a pool budget of {budget} bytes cannot hold req_to_token ({r2t} bytes) and {what} "
+                f"a pool budget of {budget} bytes{graphs} cannot hold req_to_token ({r2t} bytes) and {what} "
                 f"at {per_tok} bytes per token ({need} bytes in all)",
                 code="pool_budget_too_small",
                 flags=([("mem_fraction", mem_fraction), ("budget_bytes", budget)] if source == "mem_fraction"
@@ -134,7 +148,8 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
                           remedy="pass num_token_slots or budget_bytes")
     facts = PoolFacts(max_reqs=max_reqs, max_context_len=max_context_len, num_token_slots=slots, page_size=page_size)
     return PoolSizing(facts=facts, source=source, budget_bytes=budget, bytes_per_token=per_tok,
-                      req_to_token_bytes=r2t, kv_bytes=slots * per_tok)
+                      req_to_token_bytes=r2t, kv_bytes=slots * per_tok,
+                      graph_reserve_bytes=max(int(graph_reserve_bytes), 0))
 
 
 def host_available_bytes() -> int:
@@ -172,7 +187,8 @@ def _gib(n: int) -> str:
 
 def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, total_bytes: int = 0,
                allocated_bytes: int = 0, mem_fraction: Optional[float] = None) -> None:
-    """Refuse pools (``req_to_token`` + every layer's K/V) above ``POOL_MEMORY_SHARE × available`` bytes.
+    """Refuse pools (``req_to_token`` + every layer's K/V) and the decode graphs' estimated pool
+    (``s.graph_reserve_bytes``) above ``POOL_MEMORY_SHARE × available`` bytes together.
 
     ``available``: bytes free on ``device`` now (:func:`available_bytes`; 0 = unknown, no check).
     The error (ConfigError ``pool_exceeds_memory``, exit 3) names the input that decided the size
@@ -185,23 +201,25 @@ def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, 
     if available <= 0:
         return
     limit = int(available * POOL_MEMORY_SHARE)
-    need = s.req_to_token_bytes + s.kv_bytes
+    graphs = s.graph_reserve_bytes
+    need = s.req_to_token_bytes + s.kv_bytes + graphs
     if need <= limit:
         return
     p, name = s.facts, (lambda f: "--" + f.replace("_", "-")) if cli else (lambda f: "pool." + f)
+    extra = f" + decode CUDA graphs {graphs} (estimated)" if graphs else ""
     head = (f"the KV pools need {need} bytes ({_gib(need)}: req_to_token {s.req_to_token_bytes} + K/V "
-            f"{s.kv_bytes}) but {device} has {available} bytes free ({_gib(available)}); the pools may use "
+            f"{s.kv_bytes}{extra}) but {device} has {available} bytes free ({_gib(available)}); the pools may use "
             f"{POOL_MEMORY_SHARE:.0%} of that, {limit} bytes")
     allowed = [f"<= {limit} bytes of pools"]
-    if s.req_to_token_bytes + 2 * p.page_size * s.bytes_per_token > limit:
-        rows = max(limit // 2 // max(p.max_context_len * REQ_TO_TOKEN_ELEM_BYTES, 1), 0)
+    if s.req_to_token_bytes + 2 * p.page_size * s.bytes_per_token + graphs > limit:
+        rows = max((limit - graphs) // 2 // max(p.max_context_len * REQ_TO_TOKEN_ELEM_BYTES, 1), 0)
         raise ConfigError(f"{head}; req_to_token alone ({p.max_reqs} x {p.max_context_len} int32) is too large",
                           code="pool_exceeds_memory",
                           flags=[("max_reqs", p.max_reqs), ("max_context_len", p.max_context_len),
                                  ("limit_bytes", limit)], allowed=allowed,
                           remedy=f"lower {name('max_reqs')} (at most {rows} rows at this context length) or "
                                  f"{name('max_context_len')}")
-    fit_slots = (limit - s.req_to_token_bytes) // max(s.bytes_per_token, 1) // p.page_size * p.page_size
+    fit_slots = (limit - s.req_to_token_bytes - graphs) // max(s.bytes_per_token, 1) // p.page_size * p.page_size
     if s.source == "slots" or not cli:
         raise ConfigError(head, code="pool_exceeds_memory",
                           flags=[("num_token_slots", p.num_token_slots), ("limit_bytes", limit)], allowed=allowed,
@@ -210,7 +228,7 @@ def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, 
     if s.source == "bytes":
         raise ConfigError(head, code="pool_exceeds_memory", flags=[("mem_bytes", s.budget_bytes),
                                                                     ("limit_bytes", limit)],
-                          allowed=allowed, remedy=f"pass --mem-bytes {limit} or less")
+                          allowed=allowed, remedy=f"pass --mem-bytes {limit - graphs} or less")
     frac = math.floor((limit + allocated_bytes) / total_bytes * 100) / 100 if total_bytes else 0.0
     raise ConfigError(head, code="pool_exceeds_memory", flags=[("mem_fraction", mem_fraction),
                                                                 ("limit_bytes", limit)], allowed=allowed,

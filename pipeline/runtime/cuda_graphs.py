@@ -71,6 +71,8 @@ class DecodeGraphRunner:
     """Captured decode graphs of ``stack`` through ``backend`` for batch sizes ``batch_sizes``.
 
     ``on_captured(bs, capture_ms)`` is called after each capture (the runner logs it).
+    :attr:`step_device_bytes`: device memory free when this runner was made (before its buffers) minus free after
+    the last capture — the whole capture step: buffers, the backend's graph state, the warm-up stream, the pool.
     :attr:`capture_ms` maps bs → milliseconds spent capturing (warm-up run included).
     """
 
@@ -79,6 +81,8 @@ class DecodeGraphRunner:
         import torch
 
         self.stack, self.backend, self.req_pool, self.kv_pool = stack, backend, req_to_token_pool, kv_pool
+        self.free_at_start = int(torch.cuda.mem_get_info()[0]) if kv_pool.device.type == "cuda" else 0
+        self.step_device_bytes = 0
         self.batch_sizes = sorted(batch_sizes)
         self.max_bs = self.batch_sizes[-1]
         dev, n = kv_pool.device, self.max_bs
@@ -128,6 +132,7 @@ class DecodeGraphRunner:
             self.device_bytes[bs] = int(free - torch.cuda.mem_get_info()[0])
             if on_captured is not None:
                 on_captured(bs, self.capture_ms[bs])
+        self.step_device_bytes = self.free_at_start - int(torch.cuda.mem_get_info()[0])
 
     def graph_bs(self, bs: int) -> int:
         """The smallest captured size >= ``bs``; ConfigError when ``bs`` exceeds every captured size."""

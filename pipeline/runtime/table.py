@@ -160,15 +160,49 @@ def decide_pools(r: Any) -> Any:
         except ConfigError as e:  # "such as 0.8" is not true everywhere (0.8 of a CPU host's memory is refused)
             raise ConfigError(f"--mem-fraction {cfg.mem_fraction} is outside (0, 1]", code=e.info.code,
                               flags=[("mem_fraction", cfg.mem_fraction)], allowed=list(e.info.allowed),
-                              remedy=fraction_remedy(r.platform, r.index, cfg, r.load.spec)) from None
-    return size_for(r.platform, r.index, cfg, r.load.spec)
+                              remedy=fraction_remedy(r.platform, r.index, cfg, r.load.spec,
+                                                     graph_reserve_bytes(r, r.load.spec))) from None
+    return size_for(r.platform, r.index, cfg, r.load.spec, graph_reserve=graph_reserve_bytes(r, r.load.spec))
 
 
-def size_for(platform: Any, index: int, cfg: Any, spec: Any) -> Any:
+def graph_estimate(r: Any, spec: Any) -> Any:
+    """The decode CUDA graphs' estimated memory (:class:`states.graph_memory.GraphMemoryEstimate`) for this run's
+    built ``spec``, from the setup decided torch-free for it (:func:`pipeline.setup.build.decide_setup`: the decode
+    backend and whether it is captured depend on ``max_reqs``, not on the pool's size); None when no graphs are
+    captured (CPU, ``--disable-cuda-graph``, a decode backend without graphs) or the setup is refused. Computed once
+    per runner and spec (kept on ``r``); where graphs cannot apply at all (:func:`states.graphs.decide_graphs` before
+    any backend is known) nothing is resolved for it, so such a run still resolves once."""
+    from states.graphs import decide_graphs
+
+    cfg = r.config
+    kept = getattr(r, "graph_estimate_for", None)
+    if kept is not None and kept[0] is spec:
+        return kept[1]
+    est = None
+    if decide_graphs(cfg.request.args, r.platform.device_facts(r.index).type, []).capture:
+        from pipeline.setup.build import decide_setup
+        from states.graph_memory import estimate_for_decided
+
+        req = msgspec.structs.replace(cfg.request, **served_field(cfg.request, spec))
+        decided = decide_setup(req, platform=r.platform, installed=r.installed, rank_group=r.rank_group)
+        est = estimate_for_decided(req, decided, aux_layers=cfg.aux_hidden_state_layers or ())
+    r.graph_estimate_for = (spec, est)
+    return est
+
+
+def graph_reserve_bytes(r: Any, spec: Any) -> int:
+    """Bytes :func:`graph_estimate` sets aside (0 without graphs)."""
+    est = graph_estimate(r, spec)
+    return 0 if est is None else est.total_bytes
+
+
+def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0) -> Any:
     """:func:`decide_pools`' sizing for ``cfg`` (a RunnerConfig, its ``mem_fraction`` already checked) and the
     built ``spec`` on ``platform``'s device ``index``; nothing is allocated. Raises the sizing's ConfigError.
     ``config.min_token_slots`` binds every pool not sized from a share of memory (the default slots too, so a
-    ``--num-token-slots`` remedy is enough when followed)."""
+    ``--num-token-slots`` remedy is enough when followed). ``graph_reserve``: the decode graphs' estimated bytes
+    (:func:`graph_reserve_bytes`), out of a ``mem_fraction`` budget and counted against free memory
+    (:func:`pipeline.core.pool_sizing.size_pools`)."""
     req = cfg.request
     p, facts = req.pool, platform.device_facts(index)
     if cfg.mem_bytes is not None and facts.total_memory_bytes and cfg.mem_bytes > facts.total_memory_bytes:
@@ -185,13 +219,14 @@ def size_for(platform: Any, index: int, cfg: Any, spec: Any) -> Any:
     s = size_pools(spec.layer_kinds(), spec.num_hidden_layers, kv_dtype(req.args, spec), page_size=req.args.page_size,
                    max_reqs=p.max_reqs, max_context_len=p.max_context_len, num_token_slots=slots,
                    budget_bytes=budget, source=source,
-                   mem_fraction=cfg.mem_fraction, min_slots=floor, min_slots_for=cfg.min_token_slots_for)
+                   mem_fraction=cfg.mem_fraction, min_slots=floor, min_slots_for=cfg.min_token_slots_for,
+                   graph_reserve_bytes=graph_reserve)
     check_fits(s, available_bytes(platform, index), device=platform.torch_device(index), total_bytes=total,
                allocated_bytes=allocated, mem_fraction=cfg.mem_fraction)
     return s
 
 
-def fraction_remedy(platform: Any, index: int, cfg: Any, spec: Any) -> str:
+def fraction_remedy(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0) -> str:
     """A ``--mem-fraction`` remedy that is true on this device: the largest share (in hundredths, up to 0.9) whose
     pools both hold ``cfg.min_token_slots`` and fit its free memory (:func:`size_for`, sizing only — nothing is
     allocated), or, when none does, the default sizing (drop the flag)."""
@@ -199,7 +234,7 @@ def fraction_remedy(platform: Any, index: int, cfg: Any, spec: Any) -> str:
 
     for pct in range(90, 0, -1):
         try:
-            size_for(platform, index, dataclasses.replace(cfg, mem_fraction=pct / 100), spec)
+            size_for(platform, index, dataclasses.replace(cfg, mem_fraction=pct / 100), spec, graph_reserve)
         except ConfigError:
             continue
         return (f"pass --mem-fraction {pct / 100:g} or less (the largest share of this device's memory whose "
@@ -219,7 +254,8 @@ def alloc_pools(r: Any, s: Any) -> None:
     r.sizing, r.request = s, msgspec.structs.replace(req, pool=p)
     r.emit(ev.MemoryPoolSized, source=s.source, budget_bytes=s.budget_bytes, bytes_per_token=s.bytes_per_token,
            num_token_slots=p.num_token_slots, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
-           page_size=p.page_size, req_to_token_bytes=s.req_to_token_bytes, kv_bytes=s.kv_bytes)
+           page_size=p.page_size, req_to_token_bytes=s.req_to_token_bytes, kv_bytes=s.kv_bytes,
+           graph_bytes_estimate=s.graph_reserve_bytes)
     r.machine.model.pools = pools
 
 
@@ -281,10 +317,19 @@ def capture(r: Any, d: CaptureDecision) -> None:
     g = cuda_graphs.DecodeGraphRunner(m.stack, r.backend_for(True), m.pools["req_to_token_pool"], m.pools["kv_pool"],
                                       d.sizes)
     m.graphs = g
+    est = graph_estimate(r, m.stack.spec)
+    per_bs = {} if est is None else est.per_bs
     with r.log.heartbeat(f"capturing decode CUDA graphs for bs {', '.join(map(str, d.sizes))}"):
         g.capture(lambda bs, ms: r.emit(ev.CudaGraphCaptured, bs=bs, capture_ms=ms, backend=backend,
                                         graph_bytes=max(getattr(g, "graph_bytes", {}).get(bs, 0), 0),
-                                        device_bytes=getattr(g, "device_bytes", {}).get(bs, 0)))
+                                        device_bytes=getattr(g, "device_bytes", {}).get(bs, 0),
+                                        graph_bytes_estimate=per_bs.get(bs, 0)))
+    if est is not None:  # the whole step against the estimate, part by part
+        r.emit(ev.CudaGraphMemory, backend=backend, batch_sizes=list(d.sizes), pool_estimate=est.pool_bytes,
+               state_estimate=est.state_bytes, warmup_estimate=est.warmup_bytes,
+               blas_workspace_bytes=est.blas_workspace_bytes, total_estimate=est.total_bytes,
+               pool_bytes=sum(getattr(g, "graph_bytes", {}).values()),
+               step_device_bytes=int(getattr(g, "step_device_bytes", 0)))
 
 
 def _barrier_before_capture(r: Any) -> None:
@@ -317,6 +362,6 @@ RUNNER = StepTable(
             "graphs_outcome", "decode graphs captured, or capture skipped with a recorded reason"),),
             pre=CAPTURE_PRECONDITIONS, what="capture", name="CAPTURE", result="graphs_decided",
             decide=decide_capture, apply=capture, skip="cuda_graph_capture",
-            emits=(ev.StepSkipped, ev.CudaGraphCaptured, ev.RunnerReady)),
+            emits=(ev.StepSkipped, ev.CudaGraphCaptured, ev.CudaGraphMemory, ev.RunnerReady)),
     ))
 RunnerState = RUNNER.State

@@ -193,11 +193,14 @@ def check_build(ctx: SetupContext, d: BuildDecision) -> None:
     if ctx.platform is not None and ctx.given_pools is None:  # pools we will allocate: the first thing to refuse
         check_pools_fit(ctx)
     kinds, max_bs = req.served_model.layer_kinds(), d.graph_max_bs(req)
+    # one check whichever source set the size: a value from the environment is named as that variable
+    from_env = {s.value: s.env_var for s in d.settings if s.source == "env" and s.env_var}
     for ws in d.plan.workspaces:
         for backend in sorted({i.backend for i in d.plan.instances if i.workspace == ws.id}):
             registry.get(backend).check_workspace(ws.bytes, kinds, num_sms=ctx.device.facts.sm_count,
                                                   max_reqs=req.pool.max_reqs, graph_max_bs=max_bs,
-                                                  graph_bs_given=bool(req.args.cuda_graph_bs))
+                                                  graph_bs_given=bool(req.args.cuda_graph_bs),
+                                                  env_var=from_env.get(ws.bytes, ""))
 
 
 def compare_build(ctx: SetupContext, recorded: Any, d: BuildDecision) -> Rows:

@@ -1,0 +1,405 @@
+"""Decode CUDA-graph memory, estimated before capture and torch-free: the bytes the graphs' private pool will hold.
+
+What is captured is :meth:`pipeline.runtime.model.AttentionStack.forward` for one decode token per request
+(``T = bs``), through the decode backend, for every batch size, largest first into one private memory pool
+(:class:`pipeline.runtime.cuda_graphs.DecodeGraphRunner`, as sglang's ``CudaGraphRunner``). Everything that
+forward allocates inside the capture comes from that pool and stays reserved by it for the graphs' life: the
+pool's size is what its *segments* add up to, not the bytes live at the end. So the estimate replays the
+forward's allocations and frees, tensor by tensor, through a model of PyTorch's CUDA caching allocator
+(``c10/cuda/CUDACachingAllocator.cpp``; the rules below are its documented constants and block policy):
+
+- every request is rounded up to a multiple of 512 bytes (``kMinBlockSize``);
+- requests of at most 1 MiB (``kSmallSize``) are *small*: they are carved out of 2 MiB segments
+  (``kSmallBuffer``) of the pool's small free list; a carved block is split whenever 512 bytes or more remain;
+- larger requests come from the large free list; a new segment is 20 MiB (``kLargeBuffer``) for a request
+  under 10 MiB (``kMinLargeAlloc``), else the request rounded up to 2 MiB (``kRoundLarge``); a large block is
+  split only when more than 1 MiB would remain;
+- a free block is the smallest one that fits (best fit); freed blocks merge with free neighbours of their
+  segment, and a block freed inside a capture is reused by later allocations of the same pool — within the
+  capture and by the smaller sizes captured after it (why sglang captures largest first);
+- segments of a graph pool are never returned while the graphs live.
+
+What the forward allocates (float32 residual stream, the normed input in the model dtype, the QKV projection,
+RoPE's float32 temporaries, the backend's output, the output projection and its float32 copy, the residual add;
+for absorbed MLA the absorbed query, the latent, its norm and the up-projection) is written out in
+:func:`_decode_trace` from ``AttentionStack.forward``; each backend's own allocations inside its decode forward
+come from its registry entry (:meth:`pipeline.backends.registry.BackendEntry.graph_decode_allocs`: FlashInfer's
+``run`` output, the Triton kernels' output; their split scratch lives in buffers made before capture). The outputs
+each graph returns (the residual stream and the EAGLE3 aux states) stay allocated after its capture.
+
+The capture step takes device memory outside that pool too, and the estimate counts it part by part
+(:class:`GraphMemoryEstimate`), each part replayed through its own model pool (the allocator keeps free blocks per
+stream, and the capture step's side stream is new):
+
+- ``state_bytes``: what stays allocated for replay — the runner's fixed input buffers (``hidden`` [max_bs, hidden] in
+  the model dtype, ``positions``/``req_pool_indices``/``out_cache_loc`` int64, ``seq_lens`` int32), the backend's
+  ``init_cuda_graph_state`` buffers and what it makes per captured size before capturing it (FlashInfer: one
+  ``use_cuda_graph`` wrapper per size and layer kind, each with its own 8 MiB int workspace), from its registry
+  entry (:meth:`~pipeline.backends.registry.BackendEntry.graph_state_allocs`);
+- ``warmup_bytes``: the warm-up forward before each capture on the capture step's one side stream (PyTorch's
+  capture rule) — the segments its temporaries need at their peak (cached for that stream until the
+  ``torch.cuda.empty_cache()`` that ``torch.cuda.graph`` runs before capturing gives them back, so this part is
+  needed while it runs rather than kept), and the cuBLAS workspace its first matmul makes, which PyTorch keeps for
+  each (handle, stream) pair and never frees (``at::cuda::getCurrentCUDABlasHandle``).
+  The capture itself runs on the same stream (sglang does the same), so it finds that workspace and the graph pool
+  holds none of it. :func:`blas_workspace_bytes` sizes it as PyTorch does (``CUBLAS_WORKSPACE_CONFIG``, else
+  32 MiB on sm90 — NVIDIA's recommendation for Hopper in the ``cublasSetWorkspace`` documentation — and
+  4096 KiB x 2 + 16 KiB x 8 elsewhere). The H200 probe showed why this matters: with a new stream per size each
+  size left 32 MiB behind (1.1 GiB for 35 sizes).
+
+``state_bytes`` and ``warmup_bytes`` assume nothing is cached for reuse beforehand (the warm-up's stream is new, so
+that holds for it); the total is what the capture step may take from the device.
+
+The runner's pool sizing takes the estimate out of the memory budget before sizing the KV pool, as vLLM's
+``determine_available_memory`` now subtracts its CUDA-graph memory estimate; ``attn-setup plan`` shows it. Its
+accuracy is measured on a GPU, against ``torch.cuda.memory_snapshot()`` of the real pool
+(``benchmarks/graph_memory.py``, ``benchmarks/RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import re
+from typing import TYPE_CHECKING, Iterator, Mapping, NamedTuple, Optional, Sequence
+
+from pipeline.backends import registry
+from pipeline.core.contracts import LayerKind, ModelSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipeline.core.contracts import SetupRequest
+    from pipeline.core.driver import Decided
+
+__all__ = ["GraphMemoryEstimate", "estimate_graph_memory", "estimate_for_decided", "blas_workspace_bytes", "PoolModel",
+           "MiB"]
+
+MiB = 1 << 20
+K_MIN_BLOCK = 512             # kMinBlockSize: every request rounded up to a multiple of this
+K_SMALL_SIZE = 1 * MiB        # kSmallSize: the largest "small" request
+K_SMALL_BUFFER = 2 * MiB      # kSmallBuffer: a small-pool segment
+K_LARGE_BUFFER = 20 * MiB     # kLargeBuffer: the segment a request between 1 and 10 MiB gets
+K_MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: from here on a segment is the request rounded to kRoundLarge
+K_ROUND_LARGE = 2 * MiB       # kRoundLarge
+
+ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+# PyTorch's default cuBLAS workspace (CublasHandlePool.cpp, parseChosenWorkspaceSize): ":4096:8" (32 MiB) on
+# Hopper, ":4096:2:16:8" (8 MiB + 128 KiB) elsewhere; CUBLAS_WORKSPACE_CONFIG overrides both.
+BLAS_WORKSPACE_32MIB_ARCHS = ("sm90",)
+
+
+def blas_workspace_bytes(arch: str, env: Mapping[str, str] = os.environ) -> int:
+    """Bytes of the cuBLAS workspace PyTorch allocates per (handle, stream) on ``arch`` (``"sm90"`` …).
+
+    ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KIB:COUNT`` pairs, summed, as PyTorch parses it) when set and readable,
+    else 32 MiB on :data:`BLAS_WORKSPACE_32MIB_ARCHS` and 4096 KiB x 2 + 16 KiB x 8 elsewhere.
+    """
+    text = env.get("CUBLAS_WORKSPACE_CONFIG", "")
+    pairs = re.findall(r":([0-9]+):([0-9]+)", text)
+    if pairs:
+        return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    return 4096 * 1024 * 8 if arch in BLAS_WORKSPACE_32MIB_ARCHS else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+class PoolModel:
+    """One private memory pool of PyTorch's CUDA caching allocator (one stream), as its rules are documented.
+
+    :meth:`malloc` returns a block handle, :meth:`free` returns it; :attr:`reserved` is the bytes of every segment
+    created (what ``torch.cuda.memory_snapshot()`` reports for the pool). Pure Python, no device.
+    """
+
+    def __init__(self) -> None:
+        self.reserved = 0
+        self._next_seg = 0
+        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # small? -> (size, seg, off)
+        self._blocks: dict[tuple[int, int], tuple[int, bool, bool]] = {}  # (seg, off) -> (size, small, free)
+
+    @staticmethod
+    def round_size(nbytes: int) -> int:
+        """The request rounded up to a multiple of 512 bytes (at least 512)."""
+        return max(K_MIN_BLOCK, -(-int(nbytes) // K_MIN_BLOCK) * K_MIN_BLOCK)
+
+    @staticmethod
+    def segment_size(rounded: int) -> int:
+        """The segment a request of ``rounded`` bytes gets when no free block fits."""
+        if rounded <= K_SMALL_SIZE:
+            return K_SMALL_BUFFER
+        if rounded < K_MIN_LARGE_ALLOC:
+            return K_LARGE_BUFFER
+        return -(-rounded // K_ROUND_LARGE) * K_ROUND_LARGE
+
+    def malloc(self, nbytes: int) -> tuple[int, int]:
+        """Take a block for ``nbytes`` (best fit, else a new segment), split it per the allocator's rule."""
+        size = self.round_size(nbytes)
+        small = size <= K_SMALL_SIZE
+        free = self._free[small]
+        i = bisect.bisect_left(free, (size, -1, -1))
+        if i < len(free):
+            bsize, seg, off = free.pop(i)
+        else:
+            bsize, seg, off = self.segment_size(size), self._next_seg, 0
+            self._next_seg += 1
+            self.reserved += bsize
+        rest = bsize - size
+        if (rest >= K_MIN_BLOCK) if small else (rest > K_SMALL_SIZE):
+            self._blocks[(seg, off + size)] = (rest, small, True)
+            bisect.insort(free, (rest, seg, off + size))
+            bsize = size
+        self._blocks[(seg, off)] = (bsize, small, False)
+        return seg, off
+
+    def free(self, block: tuple[int, int]) -> None:
+        """Return ``block``; it merges with a free block right after and right before it in its segment."""
+        seg, off = block
+        size, small, _ = self._blocks.pop(block)
+        nxt = self._blocks.get((seg, off + size))
+        if nxt is not None and nxt[2]:
+            self._take_free(seg, off + size)
+            size += nxt[0]
+        prev = next(((o, b) for (s, o), b in self._blocks.items() if s == seg and b[2] and o + b[0] == off), None)
+        if prev is not None:
+            self._take_free(seg, prev[0])
+            off, size = prev[0], size + prev[1][0]
+        self._blocks[(seg, off)] = (size, small, True)
+        bisect.insort(self._free[small], (size, seg, off))
+
+    def _take_free(self, seg: int, off: int) -> None:
+        size, small, _ = self._blocks.pop((seg, off))
+        self._free[small].remove((size, seg, off))
+
+
+class GraphMemoryEstimate(NamedTuple):
+    """The estimate, in bytes: ``total_bytes`` = ``pool_bytes`` + ``state_bytes`` + ``warmup_bytes`` (what the capture
+    step may take from the device, module docstring); ``per_bs``: what each size's capture adds to the graph pool
+    (captured largest first, so the first holds most; they sum to ``pool_bytes``); ``blas_workspace_bytes``: the
+    cuBLAS workspace request inside ``warmup_bytes``; ``num_layers`` (hidden layers spanned) and ``batch_sizes``:
+    what it is for."""
+
+    total_bytes: int
+    per_bs: dict[int, int]
+    blas_workspace_bytes: int
+    num_layers: int
+    batch_sizes: list[int]
+    pool_bytes: int = 0
+    state_bytes: int = 0
+    warmup_bytes: int = 0
+
+
+class _Trace:
+    """Allocations and frees of one forward, replayed into a :class:`PoolModel`."""
+
+    def __init__(self, pool: PoolModel) -> None:
+        self.pool = pool
+
+    def a(self, nbytes: int) -> Optional[tuple[int, int]]:
+        return self.pool.malloc(nbytes) if nbytes > 0 else None
+
+    def f(self, *blocks: Optional[tuple[int, int]]) -> None:
+        for b in blocks:
+            if b is not None:
+                self.pool.free(b)
+
+
+def _rope(tr: _Trace, t: int, heads: int, d: int, elem: int) -> Optional[tuple[int, int]]:
+    """``rope_neox`` of x [t, heads, d] in the model dtype (``elem`` bytes): its float32 temporaries, its output."""
+    half = d // 2
+    a = tr.a(half * 4)                           # arange
+    b = tr.a(half * 4); tr.f(a)                  # negated
+    c = tr.a(half * 4); tr.f(b)                  # / d
+    inv = tr.a(half * 4); tr.f(c)                # theta ** …
+    pf = tr.a(t * 4)                             # positions in float32
+    ang = tr.a(t * half * 4); tr.f(pf)
+    cos, sin = tr.a(t * half * 4), tr.a(t * half * 4)
+    n = t * heads * half * 4
+    x1, x2 = (tr.a(n), tr.a(n)) if elem != 4 else (None, None)  # .float() of a float32 tensor is itself
+    p, q = tr.a(n), tr.a(n); r1 = tr.a(n); tr.f(p, q)
+    p, q = tr.a(n), tr.a(n); r2 = tr.a(n); tr.f(p, q)
+    cat = tr.a(2 * n); tr.f(r1, r2)
+    out = cat
+    if elem != 4:
+        out = tr.a(t * heads * d * elem); tr.f(cat)
+    tr.f(inv, ang, cos, sin, x1, x2)
+    return out
+
+
+def _rms(tr: _Trace, t: int, width: int, in_elem: int, out_elem: int) -> Optional[tuple[int, int]]:
+    """``_rms(x).to(dtype)`` of x [t, width] (``in_elem`` bytes) → the normed tensor (``out_elem`` bytes)."""
+    xf = tr.a(t * width * 4) if in_elem != 4 else None
+    p = tr.a(t * width * 4)
+    m = tr.a(t * 4); tr.f(p)
+    s = tr.a(t * 4); tr.f(m)
+    r = tr.a(t * 4); tr.f(s)
+    y = tr.a(t * width * 4); tr.f(r)
+    if in_elem != 4:  # _rms casts back to the input's dtype
+        yy = tr.a(t * width * in_elem); tr.f(y); y = yy
+    tr.f(xf)
+    if out_elem != in_elem:
+        z = tr.a(t * width * out_elem); tr.f(y); y = z
+    return y
+
+
+def _kv_write(tr: _Trace, t: int, heads: int, d: int, elem: int, kv_elem: int, fp8: bool) -> None:
+    """The pool's ``set_kv_buffer`` of one of K/V [t, heads, d]: nothing for the same dtype, fp8 quantization's
+    float32 copies otherwise (``quantize_kv``; scales are 1.0 in the runner)."""
+    if fp8:
+        y = tr.a(t * heads * d * 4) if elem != 4 else None
+        c = tr.a(t * heads * d * 4); tr.f(y)
+        q = tr.a(t * heads * d * kv_elem); tr.f(c)
+        tr.f(q)
+    elif kv_elem != elem:
+        q = tr.a(t * heads * d * kv_elem); tr.f(q)
+
+
+def _decode_trace(tr: _Trace, spec: ModelSpec, kinds: dict[int, LayerKind], t: int, elem: int, kv_dtype: str,
+                  entry: registry.BackendEntry, aux: Sequence[int]) -> list[Optional[tuple[int, int]]]:
+    """``AttentionStack.forward`` for ``t`` decode tokens; returns the blocks the graph keeps (its outputs)."""
+    hd, kv_elem, fp8 = spec.hidden_size, ELEM_BYTES.get(kv_dtype, elem), kv_dtype.startswith("fp8")
+    h = tr.a(t * hd * 4) if elem != 4 else None  # hidden.float()
+    kept: list[Optional[tuple[int, int]]] = []
+    prev: list[Optional[tuple[int, int]]] = []  # last layer's q, k, qkv / o buffers, alive until reassigned
+    prev_o: list[Optional[tuple[int, int]]] = []
+    for lid in sorted(kinds):
+        k = kinds[lid]
+        if lid in aux:
+            kept.append(h)
+        x = _rms(tr, t, hd, 4, elem)
+        if k.is_mla:
+            m = spec.mla
+            qp = tr.a(t * k.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) * elem)
+            q_abs = tr.a(t * k.num_heads * m.kv_lora_rank * elem)
+            lat = tr.a(t * (m.kv_lora_rank + m.qk_rope_head_dim) * elem)
+            c = _rms(tr, t, m.kv_lora_rank, elem, elem)
+            k_rope = _rope(tr, t, 1, m.qk_rope_head_dim, elem)
+            q_r = _rope(tr, t, k.num_heads, m.qk_rope_head_dim, elem)
+            q = tr.a(t * k.num_heads * k.head_dim_qk * elem); tr.f(q_r)
+            kk = tr.a(t * k.head_dim_qk * elem)
+            tr.f(qp, q_abs, lat, k_rope)
+            new = [q, kk, c]
+        else:
+            qkv = tr.a(t * (k.num_heads + 2 * k.num_kv_heads) * k.head_dim_qk * elem)
+            q = _rope(tr, t, k.num_heads, k.head_dim_qk, elem)
+            kk = _rope(tr, t, k.num_kv_heads, k.head_dim_qk, elem)
+            new = [q, kk, qkv]
+        tr.f(x)
+        tr.f(*prev)
+        prev = new
+        _kv_write(tr, t, k.num_kv_heads, k.head_dim_qk, elem, kv_elem, fp8)
+        if not k.is_mla:
+            _kv_write(tr, t, k.num_kv_heads, k.head_dim_v, elem, kv_elem, fp8)
+        out, tmp = None, []
+        for nbytes, is_out in entry.graph_decode_allocs(k, t, elem):
+            b = tr.a(nbytes)
+            if is_out:
+                out = b
+            else:
+                tmp.append(b)
+        tr.f(*tmp)
+        tr.f(*prev_o)  # `o = backend.forward(...)` drops the last layer's o
+        prev_o = [out]
+        if k.is_mla:
+            up = tr.a(t * k.num_heads * spec.mla.v_head_dim * elem)  # einsum with W_UV, then o = it
+            tr.f(out)
+            prev_o = [up]
+            flat = tr.a(t * k.num_heads * spec.mla.v_head_dim * elem)  # reshape of the permuted einsum output
+        else:
+            flat = None  # o.reshape of the backend's contiguous output is a view
+        mm = tr.a(t * hd * elem); tr.f(flat)   # o_proj
+        mf = tr.a(t * hd * 4) if elem != 4 else None
+        if mf is not None:
+            tr.f(mm)
+        hn = tr.a(t * hd * 4); tr.f(mf if mf is not None else mm)  # h + o_proj.float()
+        if h is not None and h not in kept:
+            tr.f(h)
+        h = hn
+    tr.f(*prev, *prev_o)
+    return kept + [h]
+
+
+def _built_kinds(spec: ModelSpec) -> dict[int, LayerKind]:
+    return {lid: kind for kind in spec.layer_kinds() for lid in kind.layer_ids if lid < spec.num_hidden_layers}
+
+
+def estimate_graph_memory(spec: ModelSpec, *, dtype: str, kv_dtype: str, decode_backend: str,
+                          batch_sizes: Sequence[int], arch: str = "", aux_layers: Sequence[int] = (),
+                          max_context_len: int = 1024, page_size: int = 1, num_sms: int = 1,
+                          env: Mapping[str, str] = os.environ) -> GraphMemoryEstimate:
+    """Bytes decode-graph capture of every size in ``batch_sizes`` takes: the graphs' private pool, the state kept
+    for replay and the warm-up's stream (:class:`GraphMemoryEstimate`).
+
+    ``spec``: the served model as the runner builds it (already cut to its ``num_layers``; every attention layer
+    of it is in the stack); ``dtype``: the compute dtype name (``"bfloat16"`` …); ``kv_dtype``: the KV cache's
+    (``"fp8_e4m3"`` …); ``decode_backend``: the registry name that decodes (its entry's
+    ``graph_decode_allocs``); ``batch_sizes``: the captured sizes (any order; captured largest first);
+    ``arch``: the device arch (``"sm90"``), for the cuBLAS workspace; ``aux_layers``: EAGLE3 aux layer ids;
+    ``max_context_len`` (tokens), ``page_size`` and ``num_sms``: what the backend's graph buffers are sized from.
+    See the module docstring for the rules. An empty ``batch_sizes`` estimates 0 bytes. Raises BackendUnknown /
+    BackendUnavailable for a ``decode_backend`` the registry does not have.
+    """
+    entry = registry.get(decode_backend, flag="decode_attention_backend")
+    elem = ELEM_BYTES[dtype]
+    kinds = _built_kinds(spec)
+    sizes = sorted(set(int(b) for b in batch_sizes), reverse=True)
+    if not sizes or not kinds:
+        return GraphMemoryEstimate(0, {}, 0, spec.num_hidden_layers, sorted(sizes))
+    pool, state, side, per_bs = PoolModel(), PoolModel(), PoolModel(), {}
+    blas = blas_workspace_bytes(arch, env)
+    mb = sizes[0]
+    for nbytes in (mb * spec.hidden_size * elem, mb * 8, mb * 8, mb * 4, mb * 8):  # DecodeGraphRunner's buffers
+        state.malloc(nbytes)
+    backend_state = entry.graph_state_allocs(list(_kinds_of(kinds)), sizes, max_context_len=max_context_len,
+                                             page_size=page_size, num_sms=num_sms)
+    for b, nbytes in backend_state:
+        if b == 0:
+            state.malloc(nbytes)
+    tr, warm = _Trace(pool), _Trace(side)
+    for i, bs in enumerate(sizes):
+        for b, nbytes in backend_state:
+            if b == bs:
+                state.malloc(nbytes)
+        if i == 0 and blas:
+            warm.a(blas)  # the side stream's cuBLAS workspace, made by the first warm-up's matmul and kept
+        warm.f(*_decode_trace(warm, spec, kinds, bs, elem, kv_dtype, entry, list(aux_layers)))
+        before = pool.reserved
+        _decode_trace(tr, spec, kinds, bs, elem, kv_dtype, entry, list(aux_layers))
+        per_bs[bs] = pool.reserved - before
+    total = pool.reserved + state.reserved + side.reserved
+    return GraphMemoryEstimate(total, per_bs, blas, spec.num_hidden_layers, sorted(sizes), pool.reserved,
+                               state.reserved, side.reserved)
+
+
+def _kinds_of(kinds: dict[int, LayerKind]) -> Iterator[LayerKind]:
+    """The distinct layer kinds among the built layers, in layer order (one graph wrapper per kind)."""
+    seen: list[LayerKind] = []
+    for lid in sorted(kinds):
+        if not any(k is kinds[lid] for k in seen):
+            seen.append(kinds[lid])
+    yield from seen
+
+
+def iter_sizes(estimate: GraphMemoryEstimate) -> Iterator[tuple[int, int]]:
+    """``(bs, bytes)`` in capture order (largest first)."""
+    yield from sorted(estimate.per_bs.items(), reverse=True)
+
+
+def estimate_for_decided(request: "SetupRequest", decided: "Decided",
+                         aux_layers: Sequence[int] = (), env: Mapping[str, str] = os.environ
+                         ) -> Optional[GraphMemoryEstimate]:
+    """The estimate for a setup decided torch-free (:func:`pipeline.setup.build.decide_setup`), or None when it
+    captures no decode graphs or was refused (the refusal is raised where it happens, not here).
+
+    ``request``: the request as the runner builds it (``served_model`` cut to the layers built, as
+    ``attn-setup run``'s ``--num-layers``); the sizes are :func:`states.graphs.capture_batch_sizes` for its
+    ``max_reqs``, the decode backend the resolved one, the arch the decided device's. ``attn-setup plan`` and the
+    runner's pool sizing both call this, so they agree.
+    """
+    from pipeline.core.dtypes import kv_dtype, model_dtype
+    from states.graphs import capture_batch_sizes
+
+    if decided.refused is not None or not decided["build-mode"].graphs.capture:
+        return None
+    spec, args, facts = request.served_model, request.args, decided["device-init"].facts
+    return estimate_graph_memory(spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
+                                 decode_backend=decided["resolve"].pair.decode,
+                                 batch_sizes=capture_batch_sizes(args, request.pool.max_reqs),
+                                 arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
+                                 page_size=args.page_size, num_sms=facts.sm_count, env=env)
