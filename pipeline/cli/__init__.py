@@ -71,11 +71,12 @@ def configure_logging(verbose: bool) -> None:
     )
 
 
-def print_error(err: AttnSetupError, as_json: bool) -> None:
-    """One ErrorInfo, its remedy in the command line's flags (:func:`pipeline.cli.wording.cli_error`)."""
-    from pipeline.cli.wording import cli_error
+def print_error(err: AttnSetupError, as_json: bool, command: Optional[str] = None) -> None:
+    """One ErrorInfo in the command line's words: the flags of ``command`` (the subcommand) where a flag sets
+    the field, no Python ``None`` (:func:`pipeline.cli.wording.cli_error`)."""
+    from pipeline.cli.wording import cli_error, command_dests
 
-    info = cli_error(err.info)
+    info = cli_error(err.info, command_dests(command))
     if as_json:
         sys.stdout.write(msgspec.json.encode({"ok": False, "error": info}).decode() + "\n")
     else:
@@ -128,6 +129,19 @@ class _ReaderMayLeave:
         return getattr(self.stream, name)
 
 
+def subcommand_of(argv: Sequence[str]) -> Optional[str]:
+    """The subcommand named in ``argv`` (the first argument that is one), or None."""
+    from pipeline.cli.flags import command_names
+
+    names = command_names()
+    return next((a for a in argv if a in names), None)
+
+
+def help_command(command: Optional[str]) -> str:
+    """``attn-setup plan --help`` for a subcommand, ``attn-setup --help`` without one."""
+    return f"attn-setup {command} --help" if command else "attn-setup --help"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one subcommand; returns its exit code (README's table).
 
@@ -149,6 +163,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
+    command = subcommand_of(argv)
     try:
         parser = build_parser()
         parser.argv = argv  # type: ignore[attr-defined]  # for "did you mean" hints on unknown flags
@@ -159,11 +174,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         configure_logging(ns.verbose)
         return int(ns._cmd(ns))
     except AttnSetupError as e:
-        print_error(e, as_json)
+        print_error(e, as_json, command)
         return e.exit_code
     except msgspec.ValidationError as e:
-        err = UsageError(f"invalid flag value: {e}", code="usage", remedy="see 'attn-setup --help'")
-        print_error(err, as_json)
+        err = UsageError(f"invalid flag value: {e}", code="usage", remedy=f"see '{help_command(command)}'")
+        print_error(err, as_json, command)
         return EXIT_USAGE
     except KeyboardInterrupt as e:
         _print_info(error_info_from(e, "args"), as_json)
