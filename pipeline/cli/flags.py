@@ -69,6 +69,13 @@ class _Parser(argparse.ArgumentParser):
                 if near:
                     hints.append(f"{opt}: did you mean {' or '.join(near[:2])}?"
                                  + (" (abbreviations are not accepted)" if prefix else ""))
+        import re
+
+        arg = re.match(r"argument ((?:-[\w-]+/?)+):", message)  # "argument -o/--output: expected one argument"
+        if arg:
+            value = re.search(r"(?:value|choice): '(.*)'", message)
+            name = next((o for o in arg.group(1).split("/") if o.startswith("--")), arg.group(1).split("/")[0])
+            flags.append((name, value.group(1) if value else ""))
         remedy = "; ".join(hints + [f"see '{prog} --help'"])
         raise UsageError(f"{prog}: {message}", code="usage", flags=flags, remedy=remedy)
 

@@ -28,7 +28,7 @@ from pipeline.core.contracts import ErrorInfo
 
 # One-word fields rewritten when they stand alone (the others — device, model, rank — are words of prose too).
 BARE_ONE_WORD = ("strict",)
-_VALUE = r"""'[^']*'|"[^"]*"|True|False|-?\d+(?:\.\d+)?"""
+_VALUE = r"""'[^']*'|"[^"]*"|<[^<>]*>|True|False|-?\d+(?:\.\d+)?"""  # <…>: a value too long to print
 
 
 def flag_of(field: str) -> str:
@@ -123,6 +123,9 @@ def cli_flags(fix: Mapping[str, Any]) -> str:
     return " ".join(parts)
 
 
+# Entries of the library's flags list that no flag or field sets: the message already names them (``missing_package``:
+# "package 'flashinfer-python' is not installed"), and the command line lists only what the user can change.
+NOT_FLAGS = frozenset({"missing_package"})
 _PATH = re.compile(r"(?<![\w.$\-])(?:pool|args)\.([a-z_][a-z0-9_]*)\b")
 _NONE_ASSIGN = re.compile(r"(?<![\w.])([A-Za-z_][\w.]*)\s*(?:=|is|:)\s*None\b")
 _OPTIONAL = re.compile(r"\s*\|\s*None\b")
@@ -152,7 +155,7 @@ def cli_text(text: str, dests: Iterable[str] | None = None) -> str:
 def cli_error(info: ErrorInfo, dests: Iterable[str] | None = None) -> ErrorInfo:
     """The ErrorInfo as the command line shows it, in one vocabulary (see the module docstring).
 
-    Flag entries are renamed by :func:`flag_name` and deduplicated (the same name twice keeps its first
+    Flag entries are renamed by :func:`flag_name`, those in :data:`NOT_FLAGS` left out, and deduplicated (the same name twice keeps its first
     value: ``--model`` given and the loader's own ``path`` entry for the same file); the message, the
     allowed values and the remedy go through :func:`cli_text`. ``dests``: the flag destinations to use
     (default: every subcommand's, :func:`cli_dests`).
@@ -164,6 +167,8 @@ def cli_error(info: ErrorInfo, dests: Iterable[str] | None = None) -> ErrorInfo:
     seen: set[str] = set()
     for f in info.flags:
         name = flag_name(f.name, known)
+        if name in NOT_FLAGS:
+            continue
         if name not in seen:
             seen.add(name)
             flags.append(Flag(name=name, value=f.value))
