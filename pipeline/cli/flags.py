@@ -201,7 +201,8 @@ def add_setup_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
     p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables (errors too)")
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help="print each event as a short line on stderr (the log file keeps the JSON)")
+                   help="run: print each event as a short line on stderr (the log file keeps the JSON); "
+                        "plan and warmup log no event and refuse it (exit 2)")
     add_attention_flags(p)
 
 
@@ -235,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "state machine: run, plan, warmup, inspect, replay, graph, backends.")
     p.add_argument("--version", action="version", version=f"attn-setup {__version__}")
     p.add_argument("-v", "--verbose", action="store_true",
-                   help="print each event as a short line on stderr (the log file keeps the JSON)")
+                   help="run: print each event as a short line on stderr (the log file keeps the JSON); the other "
+                        "commands log no event and refuse it (exit 2)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for mod in _modules():
         mod.add_parser(sub).set_defaults(_cmd=mod.cmd)

@@ -79,21 +79,21 @@ def warnings_from(records: Iterable[ev.Event]) -> list[dict[str, Any]]:
 
 
 def warning_line(warnings: list[dict[str, Any]]) -> Optional[str]:
-    """The one short line run/plan print for their warnings (None without any): what fell back or was
-    downgraded, the flags that accept or avoid it, and that ``--strict`` refuses it. The reasons are in
-    the ``rejected``/``skipped`` lines and in ``--json``'s ``warnings``."""
+    """The one warning line run/plan print for their warnings (None without any): what fell back or was
+    downgraded and why — each warning's message, as ``--json``'s ``warnings`` give it, in the command line's
+    words —, the flags that accept or avoid it, and that ``--strict`` refuses it. The rejected candidates'
+    own reasons are in the ``rejected`` lines."""
     if not warnings:
         return None
-    from pipeline.backends.registry import reference_name
-    from pipeline.cli.wording import cli_flags
+    from pipeline.cli.wording import cli_flags, cli_text
 
-    parts, avoid, reference = [], {}, reference_name()
+    parts, avoid = [], {}
     for w in warnings:
         avoid.update(w["avoid"])
         if w["code"] == "reference_fallback":
-            parts.append(f"{w['what'].replace('+', ' and ')} fell back to {reference} (the reference backend)")
+            parts.append(cli_text(w["message"]))
         else:
-            parts.append(f"{w['what']} downgraded")
+            parts.append(f"{w['what']} downgraded: {cli_text(w['message'])}")
     return f"warning: {'; '.join(parts)} (--strict refuses this; to accept or avoid it: {cli_flags(avoid)})"
 
 
@@ -194,8 +194,10 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
     by_reason: dict[str, list[str]] = {}  # one line per reason (resolve's and capture's graph skip say the same)
     for s in report.get("skips") or []:
         by_reason.setdefault(s["reason"], []).append(s["what"])
+    from pipeline.cli.wording import cli_text
+
     for reason, whats in by_reason.items():
-        print_line(c, f"skipped: {', '.join(dict.fromkeys(whats))}: {reason}")
+        print_line(c, f"skipped: {', '.join(dict.fromkeys(whats))}: {cli_text(reason)}")
     line = warning_line(report.get("warnings") or [])
     if line:
         print_line(c, line, style="bold yellow")
