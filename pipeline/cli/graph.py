@@ -48,7 +48,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("logs", nargs="*", metavar="LOG",
                    help="trace(s) whose run's path to highlight (several: every rank's log; default: none)")
     p.add_argument("-o", "--output", default=None, metavar="FILE",
-                   help="output file; format from its extension (required unless --json)")
+                   help="output file; format from its extension (default: none; required unless --json)")
     p.add_argument("--json", action="store_true",
                    help="print the machine as one JSON object: states (each with its highlight), transitions, the "
                         "run's path; with -o the file is written too")
