@@ -19,10 +19,11 @@ from typing import Any, Optional, Sequence
 
 
 def console(stderr: bool = False) -> Any:
-    """A rich Console at the terminal's width (``COLUMNS`` honoured; 80 with no terminal), no highlighting."""
+    """A rich Console at the terminal's width (``COLUMNS`` honoured; 80 with no terminal), no highlighting, no emoji
+    codes (a ``:name:`` read from a log or a config stays as typed)."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, emoji=False)  # ":x:" in a log stays text
 
 
 def width(c: Optional[Any] = None) -> int:

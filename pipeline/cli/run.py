@@ -390,15 +390,15 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
 
     render_summary(report["summary"])
     if error is not None:
-        from pipeline.cli.wording import cli_error
+        from pipeline.cli.wording import cli_error, command_dests
 
-        rp.render_error(cli_error(error))
+        rp.render_error(cli_error(error, command_dests("run")))
 
 
 def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_file: str,
             error: Optional[ErrorInfo]) -> dict[str, Any]:
     """Run's JSON object; the error's remedy in this command line's flags."""
-    from pipeline.cli.wording import cli_error
+    from pipeline.cli.wording import cli_error, command_dests
     from pipeline.observe.runview import outcomes
 
     return {
@@ -406,7 +406,7 @@ def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_f
         "resolved": rp.resolved_from(log.records), "plan": rp.plan_from(log.records),
         "skips": rp.skips_from(log.records), "warnings": rp.warnings_from(log.records), "verified": verified,
         "log_file": os.path.abspath(log_file),
-        "error": None if error is None else msgspec.to_builtins(cli_error(error)),
+        "error": None if error is None else msgspec.to_builtins(cli_error(error, command_dests("run"))),
         "runner_states": outcomes(log.records, "runner"), "model_steps": steps,
     }
 
