@@ -4,7 +4,8 @@
 with their ``env`` and must exit with README's code (1 the start failed, 2 usage / unreadable or
 irregular file, 3 configuration refused, 130 interrupted), print one ErrorInfo with a message and a
 remedy, and name the JSON path (config files) or the flag; cases that must succeed (exit 0) say so,
-and where a case writes a log, what ``inspect`` must then say about it. ``read`` cases go through all
+and where a case writes a log, what ``inspect`` must then say about it. Every error, as ``--json`` prints it and
+as the human block shows it, speaks the command line's words (:func:`cli_words.check_cli_error`). ``read`` cases go through all
 four log readers (inspect text and ``--json``, ``--perfetto``, replay, graph) with each one's
 expected exit code and error code. ``library``: each a library call that must raise the typed error
 with the same fields. Run in-process through ``pipeline.cli.main`` for speed.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_words import check_cli_error, rendered
 from conftest import CONFIGS
 from pipeline.cli import main
 
@@ -116,6 +118,7 @@ def test_bad_input(case, tmp_path, capsys, monkeypatch):
     else:
         assert out["ok"] is False
         _check_error(err, case)
+        check_cli_error(err, command, rendered(err, capsys))  # the command line's words, JSON and human
     logs = [p for p in tmp_path.glob("*.jsonl") if p.stat().st_size]
     if case["exit"] in (2, 3):
         assert not any(b'"backend_built"' in p.read_bytes() for p in logs)
@@ -126,6 +129,13 @@ def test_bad_input(case, tmp_path, capsys, monkeypatch):
         report = json.loads(capsys.readouterr().out)
         assert got == want["inspect"] and report["skipped_lines"] == 0, report
         (run,) = report["runs"]
+        if run["failure"] is not None:  # inspect words it as run --json did
+            check_cli_error(run["failure"], command)
+            if run["failure"]["code"] == err["code"]:
+                assert run["failure"]["remedy"] == err["remedy"] and run["failure"]["flags"] == err["flags"]
+        main(["inspect", str(logs[0])])
+        text = capsys.readouterr().out
+        assert not re.search(r"\bNone\b", text), text
         assert run["status"] == want["status"]
         last = json.loads(logs[0].read_bytes().splitlines()[-1])
         assert last["event"] == "command_finished" and last["exit_code"] == case["exit"]
@@ -154,6 +164,8 @@ def test_bad_log(case, tmp_path, capsys, monkeypatch):
         assert "internal_error" not in cap.out + cap.err and "Traceback" not in cap.err
         if "--json" in argv:
             obj = json.loads(cap.out)
+            if obj.get("error"):
+                check_cli_error(obj["error"], argv[0])
             if code is not None:
                 assert obj["error"]["code"] == code, (name, obj["error"])
                 if case.get("flag"):

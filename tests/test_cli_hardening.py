@@ -48,16 +48,17 @@ def test_odd_run_ids_are_refused(capsys, tmp_path, monkeypatch, run_id):
 
 
 @pytest.mark.parametrize("flags,code,name", [
-    (["--max-reqs", "0"], 3, "pool.max_reqs"),
-    (["--max-context-len", "0"], 3, "pool.max_context_len"),
-    (["--page-size", "16", "--num-token-slots", "1000"], 3, "num_token_slots"),
+    (["--max-reqs", "0"], 3, "--max-reqs"),
+    (["--max-context-len", "0"], 3, "--max-context-len"),
+    (["--page-size", "16", "--num-token-slots", "1000"], 3, "--num-token-slots"),
     (["--decode-steps", "-1"], 2, "--decode-steps"),
-    (["--cuda-graph-bs", "4", "4", "8"], 3, "cuda_graph_bs"),
-    (["--speculative-eagle-topk", "4"], 3, "speculative_eagle_topk"),
-    (["--device", "cuda"], 3, "device"),
+    (["--cuda-graph-bs", "4", "4", "8"], 3, "--cuda-graph-bs"),
+    (["--speculative-eagle-topk", "4"], 3, "--speculative-eagle-topk"),
+    (["--device", "cuda"], 3, "--device"),
 ])
 def test_explicit_values_are_checked_not_replaced(capsys, tmp_path, flags, code, name):
-    """An explicit value is refused with its flag, never silently replaced by a default or rounded."""
+    """An explicit value is refused with its flag (as the command line spells it), never silently replaced by a
+    default or rounded."""
     got, out = _run(capsys, "run", "--device", "cpu", "--json", "--log-file", str(tmp_path / "l.jsonl"), *flags)
     assert got == code and name in [f["name"] for f in out["error"]["flags"]] and out["error"]["remedy"]
 
@@ -93,7 +94,7 @@ def test_more_sm_groups_than_sms_is_refused(capsys):
     """PD-mux with more SM groups than the GPU has SMs: refused at resolve naming both."""
     code, out = _run(capsys, "plan", "--device-profile", "h100", "--installed", "torch,triton,flashinfer-python",
                      "--enable-pdmux", "--sm-group-num", "100000", "--json")
-    assert code == 3 and {"sm_group_num", "device.sm_count"} <= {f["name"] for f in out["error"]["flags"]}
+    assert code == 3 and {"--sm-group-num", "device.sm_count"} <= {f["name"] for f in out["error"]["flags"]}
 
 
 def test_unwritable_outputs_are_usage_errors(capsys, tmp_path):

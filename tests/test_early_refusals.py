@@ -42,8 +42,8 @@ def test_graph_sizes_above_max_reqs_are_refused_by_plan_on_every_device(profile,
     code, out = _plan(capsys, "--device-profile", profile, *FI, "--cuda-graph-bs", "1", "2", "113", "--max-reqs", "4")
     err = out["error"]
     assert code == 3 and err["code"] == "invalid_value" and err["state"] == "build-mode"
-    assert {f["name"]: f["value"] for f in err["flags"]} == {"cuda_graph_bs": [1, 2, 113], "max_reqs": 4}
-    assert "113" in err["message"] and "max_reqs=4" in err["message"] and "[" not in err["message"]
+    assert {f["name"]: f["value"] for f in err["flags"]} == {"--cuda-graph-bs": [1, 2, 113], "--max-reqs": 4}
+    assert "113" in err["message"] and "--max-reqs 4" in err["message"] and "[" not in err["message"]
     assert err["remedy"] == "drop 113 from --cuda-graph-bs (keeping 1, 2), or raise --max-reqs to at least 113"
 
 
@@ -90,7 +90,7 @@ def test_plan_refuses_a_workspace_build_mode_would_refuse(capsys):
     code, out = _plan(capsys, *base, "--flashinfer-workspace-size", "1048576")
     err = out["error"]
     assert code == 3 and err["code"] == "workspace_too_small" and err["state"] == "build-mode"
-    assert {f["name"]: f["value"] for f in err["flags"]} == {"flashinfer_workspace_size": 1048576, "needed_bytes": need}
+    assert {f["name"]: f["value"] for f in err["flags"]} == {"--flashinfer-workspace-size": 1048576, "needed_bytes": need}
     assert err["remedy"] == f"set --flashinfer-workspace-size (or SGLANG_FLASHINFER_WORKSPACE_SIZE) to at least {need}"
     assert _plan(capsys, *base, "--flashinfer-workspace-size", str(need))[0] == 0
     assert _plan(capsys, *base, "--flashinfer-workspace-size", str(need - 1))[0] == 3

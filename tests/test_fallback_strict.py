@@ -218,6 +218,17 @@ def test_cpu_cuda_graph_skip_is_a_step_skipped_not_a_warning(llama, small_pool):
 
 # --- the command line ---------------------------------------------------------------------------------
 
+def _warnings(out: str) -> list[str]:
+    """The 'warning:' lines of a report, each with its wrapped continuation lines joined (width-independent)."""
+    found, lines = [], out.splitlines()
+    for i, ln in enumerate(lines):
+        if ln.startswith("warning:"):
+            rest = [x.strip() for x in lines[i + 1:]]
+            more = next((k for k, x in enumerate(lines[i + 1:]) if not x.startswith("  ")), len(rest))
+            found.append(" ".join([ln, *rest[:more]]))
+    return found
+
+
 def _cli(capsys, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     cap = capsys.readouterr()
@@ -228,13 +239,31 @@ def test_plan_prints_one_warning_line_and_json_warnings(capsys):
     """plan on b200: exactly one 'warning:' line naming the flags that accept it; --json has the warnings list."""
     base = ["plan", "--device-profile", "b200", "--installed", "torch,triton,flashinfer"]
     code, out, err = _cli(capsys, *base)
-    lines = [ln for ln in out.splitlines() if ln.startswith("warning:")]
+    lines = _warnings(out)
     assert code == 0 and len(lines) == 1 and "warning" not in err
     assert "--attention-backend torch_native --disable-cuda-graph" in lines[0] and "--strict" in lines[0]
     code, out, _ = _cli(capsys, *base, "--json")
+    fallback = [w for w in json.loads(out)["warnings"] if w["code"] == "reference_fallback"]
+    assert fallback and all(w["message"] in lines[0] for w in fallback)  # the reason too, as --json gives it
     assert [w["code"] for w in json.loads(out)["warnings"]] == ["reference_fallback", "feature_downgraded"]
     code, out, _ = _cli(capsys, "plan", "--device-profile", "h200", "--installed", "torch,triton,flashinfer")
     assert code == 0 and "warning:" not in out
+
+
+@pytest.mark.parametrize("profile", ["ascend-910b", "b200", "mi300x"])
+def test_human_warning_gives_the_reason_json_gives(capsys, profile):
+    """The human warning line carries each warning's message — the device and why nothing else serves it
+    (ascend-910b: "on npu: no other backend is registered for it") —, as --json's warnings do."""
+    base = ["plan", "--device-profile", profile, "--installed", "torch,triton,flashinfer"]
+    code, out, _ = _cli(capsys, *base, "--json")
+    warns = json.loads(out)["warnings"]
+    code, out, _ = _cli(capsys, *base)
+    (line,) = _warnings(out)
+    assert code == 0 and warns
+    for w in warns:
+        assert (w["message"] if w["code"] == "reference_fallback" else f"{w['what']} downgraded: ") in line, line
+    if profile == "ascend-910b":
+        assert "on npu: no other backend is registered for it" in line
 
 
 def test_plan_strict_exit_3_and_its_remedy_flags_work(capsys):
@@ -258,7 +287,7 @@ def test_run_cpu_warning_line_json_equals_plan_and_strict_refuses(tmp_path, caps
     flags = ["--draft-worker", "--enable-two-batch-overlap", "--speculative-algorithm", "EAGLE"]
     run = ["run", "--device", "cpu", "--log-file", str(tmp_path / "{run_id}.jsonl"), *SMALL]
     code, out, err = _cli(capsys, *run, *flags)
-    lines = [ln for ln in out.splitlines() if ln.startswith("warning:")]
+    lines = _warnings(out)
     assert code == 0 and len(lines) == 1 and "two_batch_overlap downgraded" in lines[0]
     assert "drop --enable-two-batch-overlap" in lines[0] and "feature_downgraded" not in err
     code, out, err = _cli(capsys, "-v", *run, "--json", *flags)

@@ -40,13 +40,16 @@ def test_failed_log_explains(capsys):
     code, out = _inspect(capsys, path)
     (run,) = out["runs"]
     rec = [r for r in _raw(path) if r["event"] == "run_failed"][0]["error"]
-    assert code == 1 and not run["ok"] and run["failure"] == rec and rec["code"] == "conflicting_options"
+    assert code == 1 and not run["ok"] and rec["code"] == "conflicting_options"
+    assert run["failure"] == {**rec, "flags": [{"name": "--enable-pdmux", "value": True},  # run --json's words
+                                               {"name": "--enable-two-batch-overlap", "value": True}],
+                              "remedy": "drop one of --enable-pdmux / --enable-two-batch-overlap"}, run["failure"]
     assert run["states"][-2:] == [{**run["states"][-2], "state": "resolve", "outcome": "failed"},
                                   {**run["states"][-1], "state": "failed", "outcome": "failed"}]
     assert main(["inspect", str(path)]) == 1
     text = capsys.readouterr().out
     assert "failed in state 'resolve': [conflicting_options]" in text
-    assert "flag to change: enable_pdmux=True, enable_two_batch_overlap=True" in text
+    assert "flag to change: --enable-pdmux = on, --enable-two-batch-overlap = on" in text
     assert "remedy: drop one of --enable-pdmux / --enable-two-batch-overlap" in text
 
 

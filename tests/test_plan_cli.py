@@ -118,7 +118,7 @@ def test_refused_configuration_exits_3_with_one_error_info():
     assert rc == 3 and out["ok"] is False
     err = out["error"]
     assert err["code"] == "capability_mismatch" and err["state"] == "resolve"
-    assert {"attention_backend", "device.arch"} <= {f["name"] for f in err["flags"]}
+    assert {"--attention-backend", "device.arch"} <= {f["name"] for f in err["flags"]}
     assert sorted(err["allowed"]) == ["flashinfer", "torch_native", "triton"] and "sm90" in err["message"]
 
 

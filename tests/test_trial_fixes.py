@@ -102,7 +102,7 @@ def test_mem_fraction_remedy_names_a_share_that_fits_here(capsys, tmp_path):
     from pipeline.platforms import platform_for
 
     code, out = _run(capsys, tmp_path, "--mem-fraction", "1.5")
-    assert code == 3 and out["error"]["flags"][0]["name"] == "mem_fraction"
+    assert code == 3 and out["error"]["flags"][0]["name"] == "--mem-fraction"
     frac = float(re.search(r"--mem-fraction (0\.\d+)", out["error"]["remedy"]).group(1))
     ns = build_parser().parse_args(["run", "--device", "cpu", "--mem-fraction", str(frac)])
     assert isinstance(ns, argparse.Namespace)

@@ -71,11 +71,12 @@ def configure_logging(verbose: bool) -> None:
     )
 
 
-def print_error(err: AttnSetupError, as_json: bool) -> None:
-    """One ErrorInfo, its remedy in the command line's flags (:func:`pipeline.cli.wording.cli_error`)."""
-    from pipeline.cli.wording import cli_error
+def print_error(err: AttnSetupError, as_json: bool, command: Optional[str] = None) -> None:
+    """One ErrorInfo in the command line's words: the flags of ``command`` (the subcommand) where a flag sets
+    the field, no Python ``None`` (:func:`pipeline.cli.wording.cli_error`)."""
+    from pipeline.cli.wording import cli_error, command_dests
 
-    info = cli_error(err.info)
+    info = cli_error(err.info, command_dests(command))
     if as_json:
         sys.stdout.write(msgspec.json.encode({"ok": False, "error": info}).decode() + "\n")
     else:
@@ -128,6 +129,45 @@ class _ReaderMayLeave:
         return getattr(self.stream, name)
 
 
+# ``-v`` prints a start's events as they happen (:func:`human_line`); only ``run`` starts anything. The others log no
+# event, so ``-v`` there would do nothing: it is refused, saying where their detail is (README, "Command line").
+VERBOSE_COMMANDS = ("run",)
+_NO_EVENTS = {
+    "plan": "it decides without starting anything and logs no event; its report already lists every decision "
+            "(resolved, rejected with reasons, plan, skips, warnings; --json has every field)",
+    "warmup": "it compiles kernels and logs no event; its report lists every variant with its status and seconds",
+    "backends": "it lists the capability records and starts nothing",
+    "inspect": "it reads traces and starts nothing; it already prints what each run's events say",
+    "replay": "it re-decides a trace and starts nothing; it prints each run's result and the first divergence",
+    "graph": "it draws a machine and starts nothing",
+}
+
+
+def check_verbose(ns: Any) -> None:
+    """Refuse ``-v`` (before or after the subcommand) where it has no effect: a UsageError (exit 2) naming ``-v``,
+    why the command has no events to print, and where its detail is."""
+    if not getattr(ns, "verbose", False) or ns.command in VERBOSE_COMMANDS:
+        return
+    why = _NO_EVENTS.get(ns.command, "it logs no event")
+    raise UsageError(f"-v prints the events of a start as they happen, and 'attn-setup {ns.command}' has none: {why}",
+                     code="usage", flags=[("-v", True)], allowed=[f"attn-setup {c} -v" for c in VERBOSE_COMMANDS],
+                     remedy=f"drop -v from 'attn-setup {ns.command}' ('attn-setup run -v' prints a start's events; "
+                            f"see '{help_command(ns.command)}')")
+
+
+def subcommand_of(argv: Sequence[str]) -> Optional[str]:
+    """The subcommand named in ``argv`` (the first argument that is one), or None."""
+    from pipeline.cli.flags import command_names
+
+    names = command_names()
+    return next((a for a in argv if a in names), None)
+
+
+def help_command(command: Optional[str]) -> str:
+    """``attn-setup plan --help`` for a subcommand, ``attn-setup --help`` without one."""
+    return f"attn-setup {command} --help" if command else "attn-setup --help"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one subcommand; returns its exit code (README's table).
 
@@ -149,6 +189,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
+    command = subcommand_of(argv)
     try:
         parser = build_parser()
         parser.argv = argv  # type: ignore[attr-defined]  # for "did you mean" hints on unknown flags
@@ -156,14 +197,15 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         if not ns.verbose and "torch" not in sys.modules:  # read when torch is first imported (not yet here)
             os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # torch's C++ logs (c10d frames) only with -v
         ns._argv = argv
+        check_verbose(ns)
         configure_logging(ns.verbose)
         return int(ns._cmd(ns))
     except AttnSetupError as e:
-        print_error(e, as_json)
+        print_error(e, as_json, command)
         return e.exit_code
     except msgspec.ValidationError as e:
-        err = UsageError(f"invalid flag value: {e}", code="usage", remedy="see 'attn-setup --help'")
-        print_error(err, as_json)
+        err = UsageError(f"invalid flag value: {e}", code="usage", remedy=f"see '{help_command(command)}'")
+        print_error(err, as_json, command)
         return EXIT_USAGE
     except KeyboardInterrupt as e:
         _print_info(error_info_from(e, "args"), as_json)

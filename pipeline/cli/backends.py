@@ -120,20 +120,18 @@ def cmd(ns: argparse.Namespace) -> int:
     if ns.json:
         rp.emit_json(rep)
         return EXIT_OK
-    from rich.console import Console
-    from rich.table import Table
+    from pipeline.cli.console import console, print_line, print_table
 
-    c = Console(highlight=False, soft_wrap=False, width=120)
-    t = Table(title="attention backends (capability records; installed = packages found by metadata)",
-              title_justify="left")
-    for col in ("backend", "installed", "devices", "arches", "features", "head dims", "kv dtypes"):
-        t.add_column(col)
+    c = console()
+    rows = []
     for r in rep["backends"]:
         missing = [p for p, ok in r["package_status"].items() if not ok]
-        t.add_row(r["name"], "yes" if r["installed"] else f"no ({', '.join(missing)})", ", ".join(r["devices"]),
-                  _any(r["archs"], ""), ", ".join(r["features"]), _any(r["head_dims_qk"], ""), ", ".join(r["kv_dtypes"]))
-    c.print(t)
-    c.print("known sglang backends not implemented here: "
-            + "; ".join(f"{n} → {u}" for n, u in sorted(rep["known_unavailable"].items())), markup=False)
-    c.print(f"details and sources: {DOCS_PAGE}, or --json")
+        rows.append([r["name"], "yes" if r["installed"] else f"no ({', '.join(missing)})", ", ".join(r["devices"]),
+                     _any(r["archs"], ""), ", ".join(r["features"]), _any(r["head_dims_qk"], ""),
+                     ", ".join(r["kv_dtypes"])])
+    print_table(c, "attention backends (capability records; installed = packages found by metadata)",
+                ["backend", "installed", "devices", "arches", "features", "head dims", "kv dtypes"], rows)
+    print_line(c, "known sglang backends not implemented here: "
+               + "; ".join(f"{n} → {u}" for n, u in sorted(rep["known_unavailable"].items())))
+    print_line(c, f"details and sources: {DOCS_PAGE}, or --json")
     return EXIT_OK

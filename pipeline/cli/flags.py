@@ -41,23 +41,52 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
+        """Raise the usage error: named for the subcommand the user typed (``attn-setup plan: …``), each unknown
+        flag with the value that followed it, a "did you mean" over this subcommand's flags, the other
+        subcommands that have the flag, and ``attn-setup <subcommand> --help``."""
+        argv = list(getattr(self, "argv", []))
+        command = next((a for a in argv if a in command_names()), None) if self.prog == "attn-setup" else None
+        prog = f"{self.prog} {command}" if command else self.prog
         flags, hints = [], []
         if "unrecognized arguments:" in message:
             import difflib
 
-            known = sorted(self._all_options(getattr(self, "argv", [])))
-            for tok in message.split("unrecognized arguments:", 1)[1].split():
+            known = sorted(self._all_options(argv))
+            toks = message.split("unrecognized arguments:", 1)[1].split()
+            for i, tok in enumerate(toks):
                 if not tok.startswith("--"):
                     continue
-                opt = tok.split("=", 1)[0]
+                opt, eq, val = tok.partition("=")
+                if not eq:
+                    val = toks[i + 1] if i + 1 < len(toks) and not toks[i + 1].startswith("-") else ""
                 prefix = [o for o in known if o.startswith(opt) and o != opt]
                 near = prefix or difflib.get_close_matches(opt, [o for o in known if o != opt], n=2, cutoff=0.75)
-                flags.append((opt, tok))
+                flags.append((opt, val))
+                owners = [c for c, opts in self._options_by_command().items() if opt in opts and c != command]
+                if owners:
+                    hints.append(f"{opt} is a flag of {' and '.join(f'attn-setup {c}' for c in owners)}"
+                                 + (f", not of {prog}" if command else ""))
                 if near:
                     hints.append(f"{opt}: did you mean {' or '.join(near[:2])}?"
                                  + (" (abbreviations are not accepted)" if prefix else ""))
-        remedy = "; ".join(hints + [f"see '{self.prog} --help'"])
-        raise UsageError(f"{self.prog}: {message}", code="usage", flags=flags, remedy=remedy)
+        import re
+
+        arg = re.match(r"argument ((?:-[\w-]+/?)+):", message)  # "argument -o/--output: expected one argument"
+        if arg:
+            value = re.search(r"(?:value|choice): '(.*)'", message)
+            name = next((o for o in arg.group(1).split("/") if o.startswith("--")), arg.group(1).split("/")[0])
+            flags.append((name, value.group(1) if value else ""))
+        remedy = "; ".join(hints + [f"see '{prog} --help'"])
+        raise UsageError(f"{prog}: {message}", code="usage", flags=flags, remedy=remedy)
+
+    def _options_by_command(self) -> dict[str, set[str]]:
+        """``{subcommand: its long options}`` (empty for a subcommand's own parser)."""
+        out: dict[str, set[str]] = {}
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    out[name] = {o for a in sub._actions for o in a.option_strings if o.startswith("--")}
+        return out
 
     def _all_options(self, argv: Sequence[str] = ()) -> set[str]:
         """Long options of this parser and of the subcommand named in ``argv`` (of all, if none is)."""
@@ -172,7 +201,8 @@ def add_setup_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
     p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables (errors too)")
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help="print each event as a short line on stderr (the log file keeps the JSON)")
+                   help="run: print each event as a short line on stderr (the log file keeps the JSON); "
+                        "plan and warmup log no event and refuse it (exit 2)")
     add_attention_flags(p)
 
 
@@ -188,6 +218,11 @@ COMMANDS: list[str] = [
 ]
 
 
+def command_names() -> list[str]:
+    """The subcommand names (``run``, ``plan`` …), from :data:`COMMANDS` without importing them."""
+    return [m.rsplit(".", 1)[1] for m in COMMANDS]
+
+
 def _modules() -> list[Any]:
     import importlib
 
@@ -201,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "state machine: run, plan, warmup, inspect, replay, graph, backends.")
     p.add_argument("--version", action="version", version=f"attn-setup {__version__}")
     p.add_argument("-v", "--verbose", action="store_true",
-                   help="print each event as a short line on stderr (the log file keeps the JSON)")
+                   help="run: print each event as a short line on stderr (the log file keeps the JSON); the other "
+                        "commands log no event and refuse it (exit 2)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for mod in _modules():
         mod.add_parser(sub).set_defaults(_cmd=mod.cmd)

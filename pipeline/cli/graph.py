@@ -1,4 +1,4 @@
-"""``attn-setup graph [LOG …] -o FILE [--machine setup|runner]``: a state machine, a recorded run's path highlighted.
+"""``attn-setup graph [LOG …] -o FILE|--json [--machine setup|runner]``: a state machine, a recorded run's path highlighted.
 
 ``--machine setup`` (default) draws the six-state setup machine (:data:`pipeline.setup.table.SETUP`),
 ``--machine runner`` the runner's outer machine (:data:`pipeline.runtime.table.RUNNER`: init-distributed …
@@ -8,7 +8,10 @@ ready), both from their step tables. The format follows FILE's extension: ``.mmd
 ``.svg``/``.png`` — rendered by Graphviz's ``dot`` program. When ``dot`` is not on PATH the command
 exits 2 (``graphviz_missing``, nothing written) and names it; ``.mmd`` still works. With LOGs (one
 or several, e.g. every rank's), the states the run went through are marked ``taken`` and the state
-it failed in ``failed`` (``--rank`` picks the run; default: the first failed run, else the first).
+it failed in ``failed`` (``--rank`` picks the run; default: the first failed run, else the first); a run that
+failed after the machine finished (verification after ``ready``/``done``) has that last state marked ``failed``.
+``--json`` prints the machine (states with their highlight, transitions) and the run's path as one object
+(:func:`machine_obj`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("graph", help="draw the setup or runner machine (.mmd/.dot/.svg/.png), a run's path highlighted")
     p.add_argument("logs", nargs="*", metavar="LOG",
                    help="trace(s) whose run's path to highlight (several: every rank's log; default: none)")
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="output file; format from its extension")
+    p.add_argument("-o", "--output", default=None, metavar="FILE",
+                   help="output file; format from its extension (default: none; required unless --json)")
+    p.add_argument("--json", action="store_true",
+                   help="print the machine as one JSON object: states (each with its highlight), transitions, the "
+                        "run's path; with -o the file is written too")
     p.add_argument("--rank", type=int, default=None,
                    help="which rank's run to highlight (default: the first failed run, else the first)")
     p.add_argument("--machine", choices=("setup", "runner"), default="setup",
@@ -54,9 +61,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def path_of(logs: Any, rank: Optional[int], machine: str = "setup") -> tuple[list[Any], Optional[Any]]:
     """(states the run entered, the state it failed in or None) of ``machine`` from one trace or
-    several (merged as ``inspect`` merges them); ([], None) without one."""
+    several (merged as ``inspect`` merges them); ([], None) without one. See :func:`trace_path`."""
+    taken, failed, _run = trace_path(logs, rank, machine)
+    return taken, failed
+
+
+def trace_path(logs: Any, rank: Optional[int], machine: str = "setup") -> tuple[list[Any], Optional[Any], Any]:
+    """(states entered, the state the run failed in or None, the run or None) of ``machine``.
+
+    The failed state is the one the machine failed in (its ``failed`` outcome) or, for a run that failed after
+    the machine finished without failing — ``attn-setup run`` verifies after the runner reached ``ready`` and
+    the setup machine ``done`` — its success state, when the failure names it or is ``verification_failed``:
+    the picture shows what the trace did, never a clean path for a failed run. The machine's own ``failed``
+    state is highlighted only when the machine entered it."""
     if not logs:
-        return [], None
+        return [], None, None
     from pipeline.observe.trace import read_trace
 
     spec = machine_spec(machine)
@@ -73,13 +92,20 @@ def path_of(logs: Any, rank: Optional[int], machine: str = "setup") -> tuple[lis
     taken = [spec.State(s["state"]) for s in rows if s["state"] in known]
     failed = next((spec.State(s["state"]) for s in rows
                    if s["outcome"] == "failed" and s["state"] != spec.failed and s["state"] in known), None)
-    return taken, failed
+    info = run.failure
+    if failed is None and info is not None and taken and taken[-1].value == spec.success and (
+            info.state == spec.success or info.code == "verification_failed"):
+        failed = taken[-1]  # failed after the machine finished: verification runs once ready / done
+    return taken, failed, run
 
 
 def styles(taken: list[Any], failed: Optional[Any], machine: str = "setup") -> dict[Any, str]:
     out = {s: "taken" for s in taken}
     if failed is not None:
-        out[failed] = out[machine_spec(machine).State(machine_spec(machine).failed)] = "failed"
+        out[failed] = "failed"
+        fail_state = machine_spec(machine).State(machine_spec(machine).failed)
+        if fail_state in taken:  # the machine itself moved to failed
+            out[fail_state] = "failed"
     return out
 
 
@@ -124,10 +150,40 @@ def dot(taken: list[Any], failed: Optional[Any], machine: str = "setup") -> str:
     return "\n".join(lines + ["}"]) + "\n"
 
 
+def machine_obj(taken: list[Any], failed: Optional[Any], run: Any, machine: str = "setup") -> dict[str, Any]:
+    """``--json``: the machine's states and transitions from its step table, and the run's path.
+
+    ``{machine, title, initial, success, failed_state, states: [{name, style}], transitions: [{trigger, source,
+    dest, conditions}], path}`` — ``style`` is ``taken``, ``failed`` or null (as the drawing colours them);
+    ``path`` is null without a LOG, else ``{run_id, rank, launch_id, status, taken: [state…], failed: state|null,
+    failure: {code, state, message}|null}``.
+    """
+    spec = machine_spec(machine)
+    st = styles(taken, failed, machine)
+    info = None if run is None else run.failure
+    return {
+        "machine": machine, "title": TITLES[machine], "initial": spec.steps[0].state, "success": spec.terminal[0],
+        "failed_state": spec.failed,
+        "states": [{"name": s.value, "style": st.get(s)} for s in spec.State],
+        "transitions": [{"trigger": t["trigger"], "source": spec.State(src).value,
+                         "dest": spec.State(t["dest"]).value, "conditions": list(t.get("conditions") or [])}
+                        for t in spec.transitions()
+                        for src in (t["source"] if isinstance(t["source"], (list, tuple)) else [t["source"]])],
+        "path": None if run is None else {
+            "run_id": run.run_id, "rank": run.rank, "launch_id": run.launch_id, "status": run.status,
+            "taken": [s.value for s in taken], "failed": None if failed is None else failed.value,
+            "failure": None if info is None else {"code": info.code, "state": info.state, "message": info.message}},
+    }
+
+
 def cmd(ns: argparse.Namespace) -> int:
-    out = Path(ns.output)
-    ext = out.suffix.lower()
-    if ext not in FORMATS:
+    if ns.output is None and not ns.json:
+        raise UsageError("attn-setup graph needs -o FILE (or --json)", code="usage", flags=[("-o", "")],
+                         allowed=[f"FILE{e}" for e in FORMATS] + ["--json"],
+                         remedy="add -o graph.mmd (mermaid, always works) or --json; see 'attn-setup graph --help'")
+    out = Path(ns.output) if ns.output is not None else None
+    ext = out.suffix.lower() if out is not None else ""
+    if out is not None and ext not in FORMATS:
         raise UsageError(f"cannot tell the format of {ns.output!r} from its extension", code="usage",
                          flags=[("-o", ns.output)], allowed=list(FORMATS), remedy="name the output FILE.mmd (always works)")
     if ext in (".svg", ".png") and shutil.which("dot") is None:
@@ -137,23 +193,36 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.cli.log_paths import check_log_paths
 
     check_log_paths(ns.logs)
-    taken, failed = path_of(ns.logs, ns.rank, ns.machine)
+    taken, failed, run = trace_path(ns.logs, ns.rank, ns.machine)
     if ns.logs and not taken:
         what = ("the runner machine (a pipeline run from code has no runner; the setup machine is drawn with "
                 "--machine setup)" if ns.machine == "runner" else
                 "the setup machine (the runner stopped, or the trace ends, before its attention step started it)")
         print(f"note: {' '.join(ns.logs)} never entered {what}; 'attn-setup inspect' shows where: nothing is "
               "highlighted", file=sys.stderr)
-    try:
-        if ext == ".mmd":
-            out.write_text(mermaid(taken, failed, ns.machine))
-        elif ext == ".dot":
-            out.write_text(dot(taken, failed, ns.machine))
-        else:
-            subprocess.run(["dot", f"-T{ext[1:]}", "-o", str(out)], input=dot(taken, failed, ns.machine).encode(),
-                           check=True)
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise UsageError(f"cannot write {str(out)!r}: {getattr(e, 'strerror', None) or e}", code="usage",
-                         flags=[("-o", ns.output)], remedy="pick a writable output path") from None
-    print(f"wrote {out}")
+    fail_state = machine_spec(ns.machine).failed
+    if failed is not None and fail_state not in [s.value for s in taken] and run is not None:
+        info = run.failure
+        print(f"note: run {run.run_id} rank {run.rank} failed after the {ns.machine} machine reached "
+              f"{failed.value} ({info.code if info else 'failed'}): {failed.value} is marked failed; the machine "
+              f"itself never moved to {fail_state}", file=sys.stderr)
+    if out is not None:
+        try:
+            if ext == ".mmd":
+                out.write_text(mermaid(taken, failed, ns.machine))
+            elif ext == ".dot":
+                out.write_text(dot(taken, failed, ns.machine))
+            else:
+                subprocess.run(["dot", f"-T{ext[1:]}", "-o", str(out)],
+                               input=dot(taken, failed, ns.machine).encode(), check=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise UsageError(f"cannot write {str(out)!r}: {getattr(e, 'strerror', None) or e}", code="usage",
+                             flags=[("-o", ns.output)], remedy="pick a writable output path") from None
+    if ns.json:
+        from pipeline.cli.report import emit_json
+
+        emit_json({"ok": True, **machine_obj(taken, failed, run, ns.machine),
+                   "output": None if out is None else str(out)})
+    else:
+        print(f"wrote {out}")
     return EXIT_OK

@@ -42,12 +42,27 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def failure_of(run: Run) -> Any:
+    """The run's failure ErrorInfo in the command line's words, as ``run --json`` prints it
+    (:func:`pipeline.cli.wording.cli_error`): the flags of the command that wrote the trace (its
+    ``command_started``; ``run``'s for a trace written by the library) wherever a flag sets the field."""
+    info = run.failure
+    if info is None:
+        return None
+    from pipeline.cli.wording import cli_error, command_dests
+    from pipeline.core.events import CommandStarted
+
+    started = run.first(CommandStarted)
+    return cli_error(info, command_dests(started.command if started is not None else "run"))
+
+
 def run_obj(run: Run) -> dict[str, Any]:
-    """The ``--json`` shape of one run."""
+    """The ``--json`` shape of one run (``failure`` worded as :func:`failure_of` says)."""
+    failure = failure_of(run)
     return {"run_id": run.run_id, "rank": run.rank, "launch_id": run.launch_id, "ok": run.ok, "status": run.status,
             "last_state": run.last_state, "states": run.states(), "runner_states": run.runner_states(),
             "decisions": run.decisions(),
-            "failure": None if run.failure is None else msgspec.to_builtins(run.failure),
+            "failure": None if failure is None else msgspec.to_builtins(failure),
             "summary": summary_of(run.all(StartupSummary))}
 
 
@@ -77,18 +92,18 @@ def explain(run: Run) -> list[str]:
     if run.status == "incomplete":
         return [f"incomplete: no done/failed record; last seen in state {run.last_state!r} "
                 "(the process was killed or is still running)"]
-    info = run.failure
+    info = failure_of(run)
     if info is None:
         return []
+    from pipeline.cli.report import flag_value_text
+
     out = [f"failed in state {info.state!r}: [{info.code}] {info.message}"]  # printed with markup off
     if info.flags:
-        out.append("flag to change: " + ", ".join(f"{f.name}={f.value!r}" for f in info.flags))
+        out.append("flag to change: " + ", ".join(f"{f.name} = {flag_value_text(f.value)}" for f in info.flags))
     if info.allowed:
         out.append("allowed: " + ", ".join(info.allowed))
     if info.remedy:
-        from pipeline.cli.wording import to_cli
-
-        out.append("remedy: " + to_cli(info.remedy))  # the trace has the library's field names
+        out.append("remedy: " + info.remedy)
     return out
 
 
@@ -96,8 +111,10 @@ def _decision_lines(d: dict[str, Any]) -> list[str]:
     out = []
     if "device" in d:
         dv = d["device"]
-        out.append(f"device: {dv['type']}:{dv['index']} {dv['name']} cc={dv['compute_capability']} "
-                   f"blas_init={dv['blas_init']}")
+        cc = dv.get("compute_capability")
+        out.append(f"device: {dv['type']}:{dv['index']} {dv['name']} "
+                   + (f"cc={'.'.join(map(str, cc)) if isinstance(cc, (list, tuple)) else cc} " if cc else "")
+                   + f"blas_init={dv['blas_init']}")
     if "resolved" in d:
         r = d["resolved"]
         rules = r["rules"]
@@ -160,12 +177,29 @@ def run_lines(run: Run, colour: bool = False) -> list[str]:
     return lines
 
 
-def render_run(out: Any, run: Run, colour: bool = False) -> None:
-    """Write :func:`run_lines` to ``out`` (a text stream)."""
-    out.write("\n".join(run_lines(run, colour)) + "\n")
+def _fit(lines: list[str], cols: Optional[int]) -> list[str]:
+    """Lines broken at spaces to ``cols`` columns (:func:`pipeline.cli.console.wrap`), unchanged when None."""
+    if not cols:
+        return lines
+    from pipeline.cli.console import wrap_lines
+
+    return wrap_lines(lines, cols, "  ")
 
 
-def render_tail(out: Any, src: Any, differences: list[dict[str, Any]], ranks: Optional[RankSummary] = None) -> None:
+def terminal_cols() -> int:
+    """The width human output follows (``COLUMNS``, else the terminal's, else 80: :mod:`pipeline.cli.console`)."""
+    from pipeline.cli.console import width
+
+    return width()
+
+
+def render_run(out: Any, run: Run, colour: bool = False, cols: Optional[int] = None) -> None:
+    """Write :func:`run_lines` to ``out`` (a text stream), wrapped at words to ``cols`` when given."""
+    out.write("\n".join(_fit(run_lines(run, colour), cols)) + "\n")
+
+
+def render_tail(out: Any, src: Any, differences: list[dict[str, Any]], ranks: Optional[RankSummary] = None,
+                cols: Optional[int] = None) -> None:
     """Per-rank last states, waits and the critical path (several ranks), rank differences, skipped lines."""
     lines = [_safe(x) for x in summary_lines(ranks)] if ranks is not None else []
     for d in differences:
@@ -176,7 +210,7 @@ def render_tail(out: Any, src: Any, differences: list[dict[str, Any]], ranks: Op
                            + "".join(f"; {s.path}:{s.line} {s.reason}" for s in src.skipped[:5])
                            + "".join(f"; {p}: unreadable file" for p in src.unreadable_files)))
     if lines:
-        out.write("\n".join(lines) + "\n")
+        out.write("\n".join(_fit(lines, cols)) + "\n")
 
 
 def _is_tty(out: Any) -> bool:
@@ -188,9 +222,10 @@ def _is_tty(out: Any) -> bool:
 
 def render(trace: Trace) -> None:
     """Every run of a trace read into memory, then the tail (``cmd`` streams the same output)."""
+    cols = terminal_cols()
     for run in trace.runs:
-        render_run(sys.stdout, run, _is_tty(sys.stdout))
-    render_tail(sys.stdout, trace, rank_differences(trace), _summary(trace.runs))
+        render_run(sys.stdout, run, _is_tty(sys.stdout), cols)
+    render_tail(sys.stdout, trace, rank_differences(trace), _summary(trace.runs), cols)
 
 
 def _first_then_rest(runs: Iterator[Run]) -> Optional[Iterator[Run]]:
@@ -223,7 +258,7 @@ def _diff(ns: argparse.Namespace) -> int:
     if ns.json:
         sys.stdout.write(msgspec.json.encode({"diff": d}).decode() + "\n")
     else:
-        sys.stdout.write("\n".join(diff_lines(d, _safe)) + "\n")
+        sys.stdout.write("\n".join(_fit(diff_lines(d, _safe), terminal_cols())) + "\n")
     return EXIT_OK
 
 
@@ -265,12 +300,12 @@ def cmd(ns: argparse.Namespace) -> int:
         out.flush()
     else:
         out = sys.stdout
-        colour = _is_tty(out)
+        colour, cols = _is_tty(out), terminal_cols()
         for run in runs:
             diffs.add(run)
             ranks.add(run)
             ok &= run.ok
-            render_run(out, run, colour)
-        render_tail(out, reader, diffs.finish(), ranks.finish())
+            render_run(out, run, colour, cols)
+        render_tail(out, reader, diffs.finish(), ranks.finish(), cols)
         out.flush()
     return EXIT_OK if ok else EXIT_FAILED

@@ -216,15 +216,14 @@ def cmd(ns: argparse.Namespace) -> int:
     if ns.json:
         rp.emit_json(report)
     else:
-        from rich.console import Console
+        from pipeline.cli.console import console, print_line
 
-        Console(highlight=False, width=120).print(
-            f"device: {device.name or device.type} ({device.arch or device.type}) from {device.source}; "
-            f"installed: {', '.join(p for p, ok in installed.items() if ok) or 'none'}")
+        print_line(console(), f"device: {device.name or device.type} ({device.arch or device.type}) from "
+                              f"{device.source}; installed: {', '.join(p for p, ok in installed.items() if ok) or 'none'}")
         rp.render_tables(report, report["rejected"])
         if report.get("cuda_graph_estimate"):
             Console(highlight=False, width=120).print(graph_estimate_line(report), markup=False, soft_wrap=True)
         line = estimate_line(report["jit_cold"])
         if line:
-            Console(highlight=False, width=120).print(line, markup=False, soft_wrap=True)
+            print_line(console(), line)
     return EXIT_OK

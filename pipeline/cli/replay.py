@@ -37,13 +37,18 @@ def cmd(ns: argparse.Namespace) -> int:
                    "divergence": None if result.divergence is None else msgspec.to_builtins(result.divergence),
                    "skipped_lines": result.skipped_lines})
     else:
+        from pipeline.cli.console import console, print_line
+
+        c = console()
         for r in result.runs:
             head = f"run {r.run_id} rank {r.rank}" + (f" launch {r.launch_id}" if r.launch_id else "") + ": "
             if r.divergence is None:
-                print(head + f"same ({len(r.checked)} decisions checked)" + (f"; stopped: {r.stopped}" if r.stopped else ""))
+                print_line(c, head + f"same ({len(r.checked)} decisions checked)"
+                           + (f"; stopped: {r.stopped}" if r.stopped else ""))
             else:
                 d = r.divergence
-                print(head + f"DIVERGED in state {d.state!r}, field {d.field!r}: recorded {d.recorded!r}, now {d.now!r}")
+                print_line(c, head + f"DIVERGED in state {d.state!r}, field {d.field!r}: recorded {d.recorded!r}, "
+                                     f"now {d.now!r}")
         if result.skipped_lines:
-            print(f"skipped {result.skipped_lines} unreadable line(s)")
+            print_line(c, f"skipped {result.skipped_lines} unreadable line(s)")
     return EXIT_OK if result.same else EXIT_FAILED

@@ -79,21 +79,21 @@ def warnings_from(records: Iterable[ev.Event]) -> list[dict[str, Any]]:
 
 
 def warning_line(warnings: list[dict[str, Any]]) -> Optional[str]:
-    """The one short line run/plan print for their warnings (None without any): what fell back or was
-    downgraded, the flags that accept or avoid it, and that ``--strict`` refuses it. The reasons are in
-    the ``rejected``/``skipped`` lines and in ``--json``'s ``warnings``."""
+    """The one warning line run/plan print for their warnings (None without any): what fell back or was
+    downgraded and why — each warning's message, as ``--json``'s ``warnings`` give it, in the command line's
+    words —, the flags that accept or avoid it, and that ``--strict`` refuses it. The rejected candidates'
+    own reasons are in the ``rejected`` lines."""
     if not warnings:
         return None
-    from pipeline.backends.registry import reference_name
-    from pipeline.cli.wording import cli_flags
+    from pipeline.cli.wording import cli_flags, cli_text
 
-    parts, avoid, reference = [], {}, reference_name()
+    parts, avoid = [], {}
     for w in warnings:
         avoid.update(w["avoid"])
         if w["code"] == "reference_fallback":
-            parts.append(f"{w['what'].replace('+', ' and ')} fell back to {reference} (the reference backend)")
+            parts.append(cli_text(w["message"]))
         else:
-            parts.append(f"{w['what']} downgraded")
+            parts.append(f"{w['what']} downgraded: {cli_text(w['message'])}")
     return f"warning: {'; '.join(parts)} (--strict refuses this; to accept or avoid it: {cli_flags(avoid)})"
 
 
@@ -111,87 +111,101 @@ def emit_json(obj: dict[str, Any]) -> None:
 
 
 def _console():
-    from rich.console import Console
+    from pipeline.cli.console import console
 
-    return Console(highlight=False, soft_wrap=False, width=120)
+    return console()
+
+
+def _flag_label(name: str) -> str:
+    """How the error block labels one ErrorInfo flag: a command-line flag, an environment variable, else
+    else a field (a config key, a trace's run id: something no flag sets)."""
+    if name.startswith("-"):
+        return "flag"
+    if name.isupper():
+        return "env"
+    return "field"
+
+
+def flag_value_text(value: Any) -> str:
+    """A flag's value for people: ``'x'`` quoted, numbers as typed, ``not set`` for a missing value (None),
+    ``(no value)`` for a flag typed without one."""
+    if value is None:
+        return "not set"
+    if value == "":
+        return "(no value)"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return repr(value) if isinstance(value, str) else str(value)
 
 
 def render_error(info: ErrorInfo) -> None:
-    """Print one ErrorInfo as a readable block on stderr."""
-    from rich.console import Console
-
-    c = Console(stderr=True, highlight=False, width=120)
+    """Print one ErrorInfo as a readable block on stderr, wrapped at words to the terminal's width."""
     from rich.markup import escape
 
-    c.print(f"[bold red]error[/] {escape(f'[{info.code}]')} in state {info.state}: {escape(info.message)}")
+    from pipeline.cli.console import console, print_line, width, wrap
+
+    c = console(stderr=True)
+    head = wrap(f"error [{info.code}] in state {info.state}: {info.message}", width(c))
+    c.print(f"[bold red]error[/]{escape(head[0][len('error'):])}", soft_wrap=True)
+    for part in head[1:]:
+        c.print(part, markup=False, soft_wrap=True)
     for f in info.flags:
-        c.print(f"  flag   {f.name} = {f.value!r}", markup=False)
+        print_line(c, f"  {_flag_label(f.name):<6} {f.name} = {flag_value_text(f.value)}", indent="    ")
     if info.json_path:
-        c.print(f"  at     {info.json_path}", markup=False)
+        print_line(c, f"  at     {info.json_path}", indent="    ")
     if info.allowed:
-        c.print(f"  allowed: {', '.join(info.allowed)}", markup=False)
+        print_line(c, f"  allowed: {', '.join(info.allowed)}", indent="    ")
     if info.remedy:
-        c.print(f"  remedy: {info.remedy}", markup=False)
+        print_line(c, f"  remedy: {info.remedy}", indent="    ")
 
 
-def states_table(title: str, states: list[dict[str, Any]]) -> Any:
-    """A rich table of ``[{state, outcome, duration_ms}]``."""
-    from rich.table import Table
-
-    t = Table(title=title, title_justify="left")
-    for col in ("state", "outcome", "duration ms"):
-        t.add_column(col)
-    for s in states:
-        t.add_row(s["state"], s["outcome"], f"{s['duration_ms']:.2f}")
-    return t
+def states_table(title: str, states: list[dict[str, Any]]) -> tuple[str, list[str], list[list[str]]]:
+    """``(title, columns, rows)`` of ``[{state, outcome, duration_ms}]``, for :func:`pipeline.cli.console.print_table`."""
+    return (title, ["state", "outcome", "duration ms"],
+            [[s["state"], s["outcome"], f"{s['duration_ms']:.2f}"] for s in states])
 
 
 def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = None) -> None:
-    """States, decisions, skips, the one warning line and verification as rich tables on stdout."""
-    from rich.markup import escape
-    from rich.table import Table
+    """States, decisions, skips, the one warning line and verification on stdout, at the terminal's width."""
+    from pipeline.cli.console import print_line, print_table
 
     c = _console()
     if report.get("states"):
-        c.print(states_table("states", report["states"]))
+        print_table(c, *states_table("states", report["states"]))
     res = report.get("resolved")
     if res:
-        c.print(f"resolved: prefill={res['prefill']} ({res['rules']['prefill']}), "
-                f"decode={res['decode']} ({res['rules']['decode']}), draft override={res['is_draft_override']}")
+        print_line(c, f"resolved: prefill={res['prefill']} ({res['rules']['prefill']}), "
+                      f"decode={res['decode']} ({res['rules']['decode']}), draft override={res['is_draft_override']}")
         if res.get("dtype"):
-            c.print(f"dtype: {res['dtype']['value']} ({res['dtype']['source']})", markup=False)
+            print_line(c, f"dtype: {res['dtype']['value']} ({res['dtype']['source']})")
         for g in res.get("not_attention") or []:
-            c.print(f"not attention (no KV cache, computed by the model's own kernels): {g['kind']} layers "
-                    f"{_layers_text(g['layer_ids'])}", markup=False)
+            print_line(c, f"not attention (no KV cache, computed by the model's own kernels): {g['kind']} layers "
+                          f"{_layers_text(g['layer_ids'])}")
     for half, rej in (rejected or {}).items():
         for r in rej:
-            c.print(f"  rejected for {half}: {r['backend']}: {'; '.join(r['reasons'])}", markup=False)
+            print_line(c, f"  rejected for {half}: {r['backend']}: {'; '.join(r['reasons'])}", indent="    ")
     plan = report.get("plan")
     if plan:
-        t = Table(title=f"plan: mode={plan['mode']} hybrid={plan['hybrid']}", title_justify="left")
-        for col in ("role", "backend", "workspace"):
-            t.add_column(col)
-        for i in plan["instances"]:
-            t.add_row(i["role"], i["backend"], str(i["workspace"]))
-        c.print(t)
+        print_table(c, f"plan: mode={plan['mode']} hybrid={plan['hybrid']}", ["role", "backend", "workspace"],
+                    [[i["role"], i["backend"], str(i["workspace"])] for i in plan["instances"]])
         for w in plan["workspaces"]:
-            c.print(f"  workspace {w['id']}: {fmt_bytes(w['bytes'])}, owner {w['owner']}, "
-                    f"shared by {', '.join(w['shared_by'])}", markup=False)
+            print_line(c, f"  workspace {w['id']}: {fmt_bytes(w['bytes'])}, owner {w['owner']}, "
+                          f"shared by {', '.join(w['shared_by'])}", indent="    ")
     by_reason: dict[str, list[str]] = {}  # one line per reason (resolve's and capture's graph skip say the same)
     for s in report.get("skips") or []:
         by_reason.setdefault(s["reason"], []).append(s["what"])
+    from pipeline.cli.wording import cli_text
+
     for reason, whats in by_reason.items():
-        c.print(f"skipped: {', '.join(dict.fromkeys(whats))}: {reason}", markup=False)
+        print_line(c, f"skipped: {', '.join(dict.fromkeys(whats))}: {cli_text(reason)}")
     line = warning_line(report.get("warnings") or [])
     if line:
-        c.print(f"[bold yellow]{escape(line)}[/]", soft_wrap=True)
+        print_line(c, line, style="bold yellow")
     if report.get("verified"):
-        t = Table(title="verification vs float64 reference (max|out-ref|/max|ref|)", title_justify="left")
-        for col in ("role", "backend", "max rel err", "tol", "passed"):
-            t.add_column(col)
-        for v in report["verified"]:
-            t.add_row(v["role"], v["backend"], f"{v['max_rel_err']:.2e}", f"{v['tol']:.0e}", "yes" if v["passed"] else "NO")
-        c.print(t)
+        print_table(c, "verification vs float64 reference (max|out-ref|/max|ref|)",
+                    ["role", "backend", "max rel err", "tol", "passed"],
+                    [[v["role"], v["backend"], f"{v['max_rel_err']:.2e}", f"{v['tol']:.0e}",
+                      "yes" if v["passed"] else "NO"] for v in report["verified"]])
     if report.get("log_file"):
-        c.print(f"log: {report['log_file']}")
+        print_line(c, f"log: {report['log_file']}")
     c.print("[bold green]ok[/]" if report.get("ok") else "[bold red]failed[/]")

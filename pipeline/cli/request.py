@@ -10,7 +10,7 @@ import msgspec
 from pipeline.cli.flags import attention_args_from
 from pipeline.core import settings
 from pipeline.core.contracts import Flag, ModelSpec, PoolFacts, SetupRequest
-from pipeline.core.errors import ConfigError, UsageError
+from pipeline.core.errors import ConfigError, ModelConfigError, UsageError
 from pipeline.core.eventlog import secrets_from_env
 from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec
 
@@ -21,11 +21,13 @@ def default_model_path() -> str:
 
 
 def _load_spec(path: str, flag: str) -> ModelSpec:
-    """load_model_spec, with file errors (unreadable, not a regular file, too large) naming ``flag`` too."""
+    """load_model_spec, with its errors (a file unreadable, not a regular file or too large; a config refused)
+    naming ``flag`` and the file first, in place of the loader's own ``path`` entry."""
     try:
         return load_model_spec(path)
-    except UsageError as e:
-        e.info = msgspec.structs.replace(e.info, flags=[Flag(name=flag, value=path), *e.info.flags],
+    except (UsageError, ModelConfigError) as e:
+        rest = [f for f in e.info.flags if not (f.name == "path" and f.value == str(path))]  # the same file, as a flag
+        e.info = msgspec.structs.replace(e.info, flags=[Flag(name=flag, value=path), *rest],
                                          remedy=e.info.remedy.replace(" as path", f" as {flag}"))
         raise
 

@@ -401,15 +401,15 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
 
     render_summary(report["summary"])
     if error is not None:
-        from pipeline.cli.wording import cli_error
+        from pipeline.cli.wording import cli_error, command_dests
 
-        rp.render_error(cli_error(error))
+        rp.render_error(cli_error(error, command_dests("run")))
 
 
 def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_file: str,
             error: Optional[ErrorInfo]) -> dict[str, Any]:
     """Run's JSON object; the error's remedy in this command line's flags."""
-    from pipeline.cli.wording import cli_error
+    from pipeline.cli.wording import cli_error, command_dests
     from pipeline.observe.runview import outcomes
 
     return {
@@ -417,7 +417,7 @@ def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_f
         "resolved": rp.resolved_from(log.records), "plan": rp.plan_from(log.records),
         "skips": rp.skips_from(log.records), "warnings": rp.warnings_from(log.records), "verified": verified,
         "log_file": os.path.abspath(log_file),
-        "error": None if error is None else msgspec.to_builtins(cli_error(error)),
+        "error": None if error is None else msgspec.to_builtins(cli_error(error, command_dests("run"))),
         "runner_states": outcomes(log.records, "runner"), "model_steps": steps,
     }
 
@@ -436,6 +436,18 @@ def model_line(request: SetupRequest, records: Any) -> str:
     if request.is_draft_worker:
         text += f"; draft worker serving {'the draft model: ' + one(draft, True) if draft else 'the model itself'}"
     return text
+
+
+def timeline_title(report: dict[str, Any]) -> str:
+    """The timeline's heading, true to its rows: the setup states are nested only when the runner reached its
+    attention step; a start refused before the runner started shows the setup states alone."""
+    runner = [s["state"] for s in report.get("runner_states") or []]
+    if "attention" in runner:
+        return "timeline (runner states, setup states under attention)"
+    if runner:
+        return "timeline (runner states; the setup machine did not start)" if not report.get("states") else \
+            "timeline (runner states, then the setup states)"
+    return "timeline (setup states; the runner did not start)"
 
 
 def timeline_rows(report: dict[str, Any]) -> list[tuple[str, str, float]]:
@@ -477,30 +489,22 @@ def _graph_line(records: Any) -> Optional[str]:
 
 
 def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[SetupRequest] = None) -> None:
-    """The model, the timeline (runner states with the setup states nested) and the stack's verified steps."""
-    from rich.console import Console
-    from rich.table import Table
+    """The model, the timeline (runner states with the setup states nested) and the stack's verified steps,
+    at the terminal's width (:mod:`pipeline.cli.console`)."""
+    from pipeline.cli.console import console, print_line, print_table
 
-    c = Console(highlight=False, soft_wrap=False, width=120)
+    c = console()
     if request is not None:
-        c.print(model_line(request, records), markup=False, soft_wrap=True)
+        print_line(c, model_line(request, records))
     for line in (_pool_line(records), _graph_line(records)):
         if line:
-            c.print(line, markup=False, soft_wrap=True)
+            print_line(c, line)
     rows = timeline_rows(report)
     if rows:
-        t = Table(title="timeline (setup states under attention)", title_justify="left")
-        for col in ("state", "outcome", "duration ms"):
-            t.add_column(col)
-        for label, outcome, ms in rows:
-            t.add_row(label, outcome, f"{ms:.1f}")
-        c.print(t)
+        print_table(c, timeline_title(report), ["state", "outcome", "duration ms"],
+                    [[label, outcome, f"{ms:.1f}"] for label, outcome, ms in rows])
     if report["model_steps"]:
-        t = Table(title="attention stack steps vs float64 dense reference (max|dout-dref|/max|dref|)",
-                  title_justify="left")
-        for col in ("step", "bs", "graph", "max rel err", "tol", "passed"):
-            t.add_column(col)
-        for s in report["model_steps"]:
-            t.add_row(s["step"], str(s["batch_size"]), "yes" if s["graph"] else "no", f"{s['max_rel_err']:.2e}",
-                      f"{s['tol']:.0e}", "yes" if s["passed"] else "NO")
-        c.print(t)
+        print_table(c, "attention stack steps vs float64 dense reference (max|dout-dref|/max|dref|)",
+                    ["step", "bs", "graph", "max rel err", "tol", "passed"],
+                    [[s["step"], str(s["batch_size"]), "yes" if s["graph"] else "no", f"{s['max_rel_err']:.2e}",
+                      f"{s['tol']:.0e}", "yes" if s["passed"] else "NO"] for s in report["model_steps"]])

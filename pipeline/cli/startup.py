@@ -118,16 +118,10 @@ def render_summary(summary: Optional[dict[str, Any]]) -> None:
     """The ``startup summary`` table (plain text for every string: phase names can come from a log)."""
     if not summary:
         return
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
+    from pipeline.cli.console import console, print_table
 
-    t = Table(title="startup summary (seconds; children indented under their phase)", title_justify="left")
-    for col in ("phase", "s", "detail"):
-        t.add_column(col)
-    for row in summary_rows(summary):
-        t.add_row(*(Text(x) for x in row))
-    Console(highlight=False, soft_wrap=False, width=120).print(t)
+    print_table(console(), "startup summary (seconds; children indented under their phase)", ["phase", "s", "detail"],
+                summary_rows(summary), justify=["left", "right", "left"])
 
 
 def summary_of(records: Any) -> Optional[dict[str, Any]]:

@@ -74,13 +74,14 @@ def cmd(ns: argparse.Namespace) -> int:
     if ns.json:
         rp.emit_json(report)
     else:
-        from rich.console import Console
+        from pipeline.cli.console import console, print_line
 
-        c = Console(highlight=False)
-        c.print(f"resolved: prefill={res.pair.prefill} decode={res.pair.decode}")
+        c = console()
+        print_line(c, f"resolved: prefill={res.pair.prefill} decode={res.pair.decode}")
         for r in results:
-            c.print(f"  {r['status']:9} {r['seconds']:7.1f} s  {r['variant']}  {r.get('error') or ''}", markup=False)
+            print_line(c, f"  {r['status']:9} {r['seconds']:7.1f} s  {r['variant']}  {r.get('error') or ''}".rstrip(),
+                       indent="    ")
         if not variants:
-            c.print(report["note"])
+            print_line(c, report["note"])
         c.print("[bold green]ok[/]" if ok else "[bold red]failed[/]")
     return 0 if ok else 1

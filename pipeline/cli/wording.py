@@ -8,6 +8,11 @@ flags. The command line shows the same remedy with the flags it accepted: ``set 
 113``. :func:`to_cli` does that rewrite for the known flag destinations (:func:`cli_dests`) only, so
 prose is never touched: a snake_case name is rewritten wherever it stands alone, a one-word field
 (``device``, ``strict`` …) only as ``field=value`` (or ``strict`` on its own, which reads as a flag).
+The whole error speaks the command line's vocabulary (:func:`cli_error`): the flag entries, the message and
+the remedy name flags (``pool.max_reqs`` → ``--max-reqs``, ``args.page_size`` → ``--page-size``,
+``attention_backend`` → ``--attention-backend``) wherever a flag sets that field, and no Python value leaks
+(``X=None`` → ``X not set``, ``str | None`` → ``str or not set``; a flag entry without a value is printed as
+``not set``). Names no flag sets (a config key, an environment variable, a trace's run id) stay as they are.
 Nothing here imports torch.
 """
 
@@ -23,7 +28,7 @@ from pipeline.core.contracts import ErrorInfo
 
 # One-word fields rewritten when they stand alone (the others — device, model, rank — are words of prose too).
 BARE_ONE_WORD = ("strict",)
-_VALUE = r"""'[^']*'|"[^"]*"|True|False|-?\d+(?:\.\d+)?"""
+_VALUE = r"""'[^']*'|"[^"]*"|<[^<>]*>|True|False|-?\d+(?:\.\d+)?"""  # <…>: a value too long to print
 
 
 def flag_of(field: str) -> str:
@@ -50,6 +55,23 @@ def cli_dests() -> frozenset[str]:
 
     walk(build_parser())
     return frozenset(out)
+
+
+@functools.lru_cache(maxsize=None)
+def command_dests(command: str | None) -> frozenset[str]:
+    """The flag destinations of one subcommand (``plan`` has no ``--device``), plus the main parser's;
+    every subcommand's (:func:`cli_dests`) when ``command`` is None or unknown."""
+    import argparse
+
+    from pipeline.cli.flags import build_parser
+
+    parser = build_parser()
+    out = {a.dest for a in parser._actions if any(o == flag_of(a.dest) for o in a.option_strings)}
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction) and command in a.choices:
+            sub = a.choices[command]
+            return frozenset(out | {b.dest for b in sub._actions if any(o == flag_of(b.dest) for o in b.option_strings)})
+    return cli_dests()
 
 
 def _value(raw: str) -> str:
@@ -101,6 +123,55 @@ def cli_flags(fix: Mapping[str, Any]) -> str:
     return " ".join(parts)
 
 
-def cli_error(info: ErrorInfo) -> ErrorInfo:
-    """The ErrorInfo as the command line shows it: its remedy in flags (:func:`to_cli`)."""
-    return msgspec.structs.replace(info, remedy=to_cli(info.remedy))
+# Entries of the library's flags list that no flag or field sets: the message already names them (``missing_package``:
+# "package 'flashinfer-python' is not installed"), and the command line lists only what the user can change.
+NOT_FLAGS = frozenset({"missing_package"})
+_PATH = re.compile(r"(?<![\w.$\-])(?:pool|args)\.([a-z_][a-z0-9_]*)\b")
+_NONE_ASSIGN = re.compile(r"(?<![\w.])([A-Za-z_][\w.]*)\s*(?:=|is|:)\s*None\b")
+_OPTIONAL = re.compile(r"\s*\|\s*None\b")
+
+
+def flag_name(name: str, dests: Iterable[str] | None = None) -> str:
+    """One ErrorInfo flag entry's name on the command line: ``pool.max_reqs`` / ``args.max_reqs`` / ``max_reqs``
+    → ``--max-reqs`` when a flag sets that field; any other name (``--model``, ``MASTER_ADDR``, a config key
+    such as ``num_attention_heads``, ``run_id``) is returned unchanged."""
+    known = cli_dests() if dests is None else frozenset(dests)
+    field = name.split(".", 1)[1] if name.startswith(("pool.", "args.")) else name
+    return flag_of(field) if field in known and "." not in field else name
+
+
+def cli_text(text: str, dests: Iterable[str] | None = None) -> str:
+    """A message or remedy in the command line's words: field paths and names that a flag sets become that
+    flag (:func:`to_cli`), ``X=None`` becomes ``X not set`` and ``T | None`` becomes ``T or not set``."""
+    if not text:
+        return text
+    known = cli_dests() if dests is None else frozenset(dests)
+    text = _PATH.sub(lambda m: m.group(1) if m.group(1) in known else m.group(0), text)
+    text = _NONE_ASSIGN.sub(lambda m: f"{m.group(1)} not set", text)
+    text = _OPTIONAL.sub(" or not set", text)
+    return to_cli(text, known)
+
+
+def cli_error(info: ErrorInfo, dests: Iterable[str] | None = None) -> ErrorInfo:
+    """The ErrorInfo as the command line shows it, in one vocabulary (see the module docstring).
+
+    Flag entries are renamed by :func:`flag_name`, those in :data:`NOT_FLAGS` left out, and deduplicated (the same name twice keeps its first
+    value: ``--model`` given and the loader's own ``path`` entry for the same file); the message, the
+    allowed values and the remedy go through :func:`cli_text`. ``dests``: the flag destinations to use
+    (default: every subcommand's, :func:`cli_dests`).
+    """
+    from pipeline.core.errors import Flag
+
+    known = cli_dests() if dests is None else frozenset(dests)
+    flags: list[Flag] = []
+    seen: set[str] = set()
+    for f in info.flags:
+        name = flag_name(f.name, known)
+        if name in NOT_FLAGS:
+            continue
+        if name not in seen:
+            seen.add(name)
+            flags.append(Flag(name=name, value=f.value))
+    return msgspec.structs.replace(info, flags=flags, message=cli_text(info.message, known),
+                                   allowed=[cli_text(a, known) for a in info.allowed],
+                                   remedy=cli_text(info.remedy, known))

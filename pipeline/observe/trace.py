@@ -332,9 +332,10 @@ class Trace:
         for r in self.runs:
             if (run_id is None or r.run_id == run_id) and (rank is None or r.rank == rank):
                 return r
-        raise UsageError(f"no run with run_id={run_id!r} rank={rank!r} in {', '.join(map(str, self.paths))}",
+        asked = " and ".join([f"run id {run_id!r}"] * (run_id is not None) + [f"rank {rank}"] * (rank is not None))
+        raise UsageError(f"no run with {asked or 'any run id'} in {', '.join(map(str, self.paths))}",
                          code="run_not_found",
-                         flags=[("run_id", run_id), ("rank", rank)],
+                         flags=[(k, v) for k, v in (("run_id", run_id), ("rank", rank)) if v is not None],
                          allowed=[f"{r.run_id}/rank{r.rank}" for r in self.runs],
                          remedy="pick a run_id/rank listed by 'attn-setup inspect'")
 
