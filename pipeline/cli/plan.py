@@ -222,7 +222,7 @@ def cmd(ns: argparse.Namespace) -> int:
                               f"{device.source}; installed: {', '.join(p for p, ok in installed.items() if ok) or 'none'}")
         rp.render_tables(report, report["rejected"])
         if report.get("cuda_graph_estimate"):
-            Console(highlight=False, width=120).print(graph_estimate_line(report), markup=False, soft_wrap=True)
+            print_line(console(), graph_estimate_line(report))
         line = estimate_line(report["jit_cold"])
         if line:
             print_line(console(), line)
