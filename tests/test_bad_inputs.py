@@ -67,6 +67,8 @@ def _check_error(err: dict, case: dict) -> None:
         assert err["state"] == case["state"] and "in state failed" not in err["message"], err
     if case.get("remedy_has"):
         assert case["remedy_has"] in err["remedy"], err["remedy"]
+    if case.get("remedy_is"):  # the whole remedy: each way said once
+        assert err["remedy"] == case["remedy_is"], err["remedy"]
 
 
 def _setup(case: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
