@@ -421,15 +421,29 @@ def _mla(c: _Cfg) -> MLADims | None:
                    v_head_dim=c.integer("v_head_dim", required=True), q_lora_rank=c.integer("q_lora_rank"))
 
 
+def _computed_head_dim(c: _Cfg, hidden: int, heads: int) -> ModelConfigError:
+    """A config without ``head_dim`` whose ``hidden_size / num_attention_heads`` is no even integer: the error names
+    the two keys it was computed from (the JSON path is ``hidden_size``'s), never the absent ``head_dim`` key."""
+    quotient = f"{hidden} / {heads} = {hidden / heads:g}"
+    why = ("not an integer" if hidden % heads else "odd (rotary embeddings rotate pairs of dims)" if hidden // heads % 2
+           else f"above the largest head_dim accepted ({UPPER['head_dim']})")
+    return ModelConfigError(
+        f"the config has no head_dim, so it is computed as {c.at('hidden_size')} / {c.at('num_attention_heads')} "
+        f"= {quotient}, which is {why}", flags=[("hidden_size", hidden), ("num_attention_heads", heads)],
+        json_path=c.at("hidden_size"), allowed=["hidden_size / num_attention_heads an even integer",
+                                                "an explicit even head_dim"],
+        remedy="add the model's head_dim to config.json, or fix hidden_size / num_attention_heads (compare with the "
+               "model's published config on the Hub)")
+
+
 def _head_dims(c: _Cfg, hidden: int, heads: int, mla: MLADims | None) -> tuple[int, int]:
     """(qk head dim, v head dim) of the un-absorbed model."""
     if mla is not None:
         return mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
     head_dim = c.integer("head_dim")
-    if head_dim is None:
-        if hidden % heads:
-            raise c.bad("head_dim", None, "an integer >= 1",
-                        f"is missing and hidden_size={hidden} is not divisible by num_attention_heads={heads}")
+    if head_dim is None:  # computed as HF's LlamaConfig does: hidden_size // num_attention_heads
+        if hidden % heads or (hidden // heads) % 2 or hidden // heads > UPPER["head_dim"]:
+            raise _computed_head_dim(c, hidden, heads)
         head_dim = hidden // heads
     if head_dim % 2:
         raise c.bad("head_dim", head_dim, "an even integer", "must be even (rotary embeddings rotate pairs of dims)")
