@@ -294,6 +294,7 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.runtime.runner import Runner
     from pipeline.setup.build import new_run_id
 
+    check_num_layers(ns)
     group = _rank_group(ns)
     on_gpu = is_gpu_device(ns.device)
     request = request_from(ns, on_gpu=on_gpu)
@@ -339,6 +340,25 @@ def cmd(ns: argparse.Namespace) -> int:
     report["summary"] = summary_obj(summary)
     _print(ns, report, log.records, request, error)
     return code
+
+
+def check_num_layers(ns: argparse.Namespace) -> None:
+    """Refuse ``--num-layers`` below 1 as the flags are read (UsageError, exit 2, before any rendezvous, log or
+    model load), naming the range the model allows (``1..`` its attention layers). A value above that range is the
+    preflight's refusal (``invalid_value``, exit 3: the flag is well-formed, the model has fewer layers)."""
+    if ns.num_layers is None or ns.num_layers >= 1:
+        return
+    from pipeline.cli.request import load_models
+    from pipeline.core.model_spec import layers_covering_every_kind
+    from pipeline.core.spec import attention_layer_ids
+
+    model, draft = load_models(ns)
+    served = draft if draft is not None and ns.draft_worker else model
+    top = len(attention_layer_ids(served))
+    raise UsageError(f"--num-layers {ns.num_layers} builds no layer: it counts the attention layers to build, "
+                     f"1..{top} for {served.model_type}", code="usage", flags=[("--num-layers", ns.num_layers)],
+                     allowed=[f"1..{top}"], remedy=f"pass --num-layers between 1 and {top}, or drop it (default "
+                     f"{max(layers_covering_every_kind(served, DEFAULT_LAYERS), 1)} for this model)")
 
 
 def _verify_runner(runner: Any, log: Any, decode_steps: int) -> tuple[list, list, Optional[ErrorInfo]]:
