@@ -131,3 +131,20 @@ def graph_max_bs(args: AttentionArgs, max_reqs: int, captured: bool) -> int:
         return max(args.cuda_graph_bs)
     top = min(args.cuda_graph_max_bs or max_reqs, max_reqs)
     return top - (top - 16) % 8 if top >= 16 else max((b for b in (1, 2, 4, 8) if b <= top), default=0)
+
+
+LISTED_SIZES = 1024  # a plan lists the capture sizes up to this many (the series of an absurd max_reqs is not built)
+
+
+def graph_sizes(args: AttentionArgs, max_reqs: int, captured: bool) -> tuple[int, int, Optional[list[int]]]:
+    """``(count, largest, sizes)`` of the decode batches captured (``(0, 0, [])`` without graphs); ``sizes`` is
+    :func:`capture_batch_sizes` when at most :data:`LISTED_SIZES`, else None — counted in O(1) like
+    :func:`graph_max_bs`, never built. Raises what :func:`check_graph_bs` raises."""
+    if not captured:
+        return 0, 0, []
+    largest = graph_max_bs(args, max_reqs, True)
+    if args.cuda_graph_bs:
+        sizes = sorted(set(args.cuda_graph_bs))
+        return len(sizes), largest, sizes
+    count = sum(b <= largest for b in (1, 2, 4, 8)) + (max(0, (largest - 16) // 8 + 1) if largest >= 16 else 0)
+    return count, largest, capture_batch_sizes(args, max_reqs) if count <= LISTED_SIZES else None
