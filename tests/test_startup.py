@@ -162,14 +162,39 @@ def test_refused_run_still_ends_with_summary(tmp_path):
     assert "attn_setup_startup_phase_seconds" in _parse_metrics(prom.read_text())
 
 
-@pytest.mark.parametrize("bad", ["DIR", "missing/m.prom"])
+@pytest.mark.parametrize("bad", ["DIR", "FILE/m.prom", "FIFO"])
 def test_metrics_file_unwritable_is_a_usage_error(tmp_path, bad):
+    """A directory, a path under a file (a folder that cannot be made) or a FIFO: exit 2 naming --metrics-file, and
+    the target is left as it was (the summary written at exit never renames over it)."""
+    import os
+    import stat
+
+    (tmp_path / "FILE").write_text("x")
+    if bad == "FIFO":
+        os.mkfifo(tmp_path / "FIFO")
     path = tmp_path if bad == "DIR" else tmp_path / bad
     p = run_main("run", "--device", "cpu", "--json", "--metrics-file", str(path), "--log-file",
                  str(tmp_path / "a.jsonl"))
     assert p.returncode == 2
     err = json.loads(p.stdout)["error"]
-    assert err["flags"][0]["name"] == "--metrics-file" and "existing directory" in err["remedy"]
+    assert err["flags"][0]["name"] == "--metrics-file" and err["remedy"]
+    assert (tmp_path / "FILE").read_text() == "x"
+    if bad == "FIFO":
+        assert stat.S_ISFIFO(os.stat(path).st_mode)
+
+
+def test_write_metrics_never_renames_over_a_file_that_is_not_regular(tmp_path):
+    """write_metrics on a FIFO (standing in for /dev/zero, which the atomic rename replaced when run as root) raises
+    OSError and leaves it."""
+    import os
+    import stat
+
+    from pipeline.observe.metrics import write_metrics
+
+    os.mkfifo(tmp_path / "f")
+    with pytest.raises(OSError):
+        write_metrics(str(tmp_path / "f"), None)
+    assert stat.S_ISFIFO(os.stat(tmp_path / "f").st_mode) and os.listdir(tmp_path) == ["f"]
 
 
 def test_perfetto_slices_for_verification_model_steps_and_jit():

@@ -144,6 +144,9 @@ def cmd(ns: argparse.Namespace) -> int:
                 "the setup machine (the runner stopped, or the trace ends, before its attention step started it)")
         print(f"note: {' '.join(ns.logs)} never entered {what}; 'attn-setup inspect' shows where: nothing is "
               "highlighted", file=sys.stderr)
+    from pipeline.core.files import check_output
+
+    check_output(out, flag="-o", what="the diagram file")  # a regular file; missing folders are created
     try:
         if ext == ".mmd":
             out.write_text(mermaid(taken, failed, ns.machine))
