@@ -113,6 +113,8 @@ def test_bad_input(case, tmp_path, capsys, monkeypatch):
     out = json.loads(capsys.readouterr().out)
     err = out.get("error")  # a plan that succeeds prints no error key
     assert code == case["exit"], err
+    if case.get("warning"):  # a warning the output must carry: its code and what it is about
+        assert any(w["code"] == case["warning"] for w in out["warnings"]), out["warnings"]
     if case["exit"] == 0:
         assert out["ok"] is True and err is None
     else:

@@ -507,3 +507,26 @@ def test_computed_head_dim_names_the_keys_it_came_from(hidden, heads, nested):
     head_dim = min(1024, 2 * max(1, q // 2))
     (fixed["text_config"] if nested else fixed)["head_dim"] = head_dim
     assert load_model_spec(fixed).head_dim == head_dim
+
+
+def test_a_default_layer_rule_is_said_with_how_to_override_it():
+    """A model_type without a layer rule and no layer list in its config gets a note naming the rule that read its
+    layers and the key that overrides it (issue 14: model_type "foobar" was taken as all-full silently); a known
+    model_type or an explicit list gets none; following the note (layer_types) reads exactly those types."""
+    from pipeline.core.model_spec import layer_rule_note
+
+    for path in CONFIGS.glob("*.json"):
+        assert layer_rule_note(path) is None, path
+    base = {**_cfg("llama-3.1-8b.json"), "model_type": "foobar", "num_hidden_layers": 4}
+    note = layer_rule_note(base)
+    assert "model_type \"foobar\"" in note and "every layer is full attention" in note and "layer_types" in note
+    assert load_model_spec(base).layer_types == ["full"] * 4
+    assert "every layer slides" in layer_rule_note({**base, "sliding_window": 128})
+    hybrid = {**base, "full_attention_interval": 2, "linear_num_value_heads": 8}
+    assert "Qwen3-Next layout" in layer_rule_note(hybrid)
+    listed = {**base, "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 64}
+    assert layer_rule_note(listed) is None
+    assert load_model_spec(listed).layer_types == ["sliding", "full"] * 2
+    nested = {"model_type": "llava", "text_config": base}
+    assert "foobar" in layer_rule_note(nested)
+    assert layer_rule_note({**base, "model_type": "llama"}) is None

@@ -135,7 +135,8 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
     return {"ok": True, "device": msgspec.to_builtins(device), "installed": dict(installed),
             "resolved": rp.resolved_obj(res), "plan": rp.plan_obj(plan), "rejected": rejected_obj(res),
             "skips": skips_of(decided),
-            "warnings": warnings_obj(resolve.warnings_for(res, list(res.skips) + list(plan.skips), device)),
+            "warnings": warnings_obj(resolve.warnings_for(res, list(res.skips) + list(plan.skips), device))
+            + rp.layer_rule_warnings(request),
             "cuda_graphs": cuda_graphs_obj(request, decided["build-mode"].graphs),
             "npu_lazy_mem": lazy_mem_obj(decided["npu-lazy-mem"])}
 

@@ -337,6 +337,7 @@ def cmd(ns: argparse.Namespace) -> int:
             log.close()
             log.restore_signal_handlers()
     report = _report(log, run_id, code, verified, steps, log_file, error)
+    report["warnings"] += rp.layer_rule_warnings(request)
     report["summary"] = summary_obj(summary)
     _print(ns, report, log.records, request, error)
     return code

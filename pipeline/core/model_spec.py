@@ -291,6 +291,31 @@ DEFAULT_RULE = LayerRule(_uniform, False, "HF convention for other decoders: sli
                                           "applies to every layer")
 
 
+def layer_rule_note(src: str | os.PathLike | Mapping[str, Any]) -> str | None:
+    """Which rule read the layers of a config whose ``model_type`` has no :data:`LAYER_RULES` entry and that lists
+    no layer types itself (``layer_types`` / ``layers_block_type`` / ``attn_type_list``) — one sentence naming the
+    rule applied and how to override it — else None (a known model type, or an explicit list: nothing was
+    guessed). ``src`` is a config :func:`load_model_spec` has read (this reads it again, as it did)."""
+    data = _read_json(pathlib.Path(src)) if isinstance(src, (str, os.PathLike)) else src
+    top = _Cfg(data, "$")
+    c = _text_cfg(top)
+    model_type = c.get("model_type") or top.get("model_type")
+    if model_type in LAYER_RULES or any(c.get(k) is not None
+                                        for k in ("layer_types", "layers_block_type", "attn_type_list")):
+        return None
+    if c.get("full_attention_interval") is not None and any(k.startswith("linear_") for k in c.data):
+        rule = "the Qwen3-Next layout (full attention every full_attention_interval-th layer, linear attention between)"
+    elif c.get("attn_layer_period") is not None and c.get("attn_layer_offset") is not None:
+        rule = "the Jamba layout (attention where i % attn_layer_period == attn_layer_offset, mamba elsewhere)"
+    elif c.get("sliding_window") is not None:
+        rule = f"the default rule ({DEFAULT_RULE.cite}): every layer slides over sliding_window"
+    else:
+        rule = f"the default rule ({DEFAULT_RULE.cite}): every layer is full attention"
+    return (f"model_type {_show(model_type)} has no layer rule in attn-setup (LAYER_RULES), so its layers were read "
+            f"by {rule}; if that is wrong, list every layer in config.json's layer_types (full_attention, "
+            "sliding_attention, chunked_attention, linear_attention or mamba, one per layer)")
+
+
 def yarn_mscale(factor: float, mscale: float) -> float:
     """YaRN attention-scale correction ``0.1 * mscale * ln(factor) + 1`` (1.0 when factor <= 1).
 
