@@ -339,7 +339,7 @@ def cmd(ns: argparse.Namespace) -> int:
     report = _report(log, run_id, code, verified, steps, log_file, error)
     report["warnings"] += rp.layer_rule_warnings(request)
     report["summary"] = summary_obj(summary)
-    _print(ns, report, log.records, request, error)
+    _print(ns, report, log.records, request, error, code)
     return code
 
 
@@ -400,8 +400,10 @@ def _ended_by(e: BaseException, log: Any) -> tuple[ErrorInfo, int]:
 
 
 def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request: SetupRequest,
-           error: Optional[ErrorInfo]) -> None:
-    """``--json``'s object, or the runner timeline, the tables and the error in the command line's flags."""
+           error: Optional[ErrorInfo], code: int = EXIT_OK) -> None:
+    """``--json``'s object (unchanged), or the runner timeline, the tables and — for a failed run, last, where the
+    eye lands when the prompt returns — the error in the command line's flags under a red rule that says the run
+    failed and its exit code (new-user trial #2: the error sat between the tables)."""
     if ns.json:
         rp.emit_json(report)
         return
@@ -411,8 +413,13 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
 
     render_summary(report["summary"])
     if error is not None:
+        from rich.console import Console
+
         from pipeline.cli.wording import cli_error
 
+        sys.stdout.flush()  # the tables are out before the error (one terminal, two streams)
+        Console(stderr=True, highlight=False, width=120).rule(
+            f"[bold red]attn-setup run failed (exit {code})[/]", style="red", align="left")
         rp.render_error(cli_error(error))
 
 
