@@ -221,3 +221,24 @@ def test_perfetto_slices_for_verification_model_steps_and_jit():
         j = mine["jit compiling prefill-fa2/bf16-bf16/d128/swa0/cap0/sm90"]
         assert j["dur"] == pytest.approx(20_000.0) and j["ts"] - t0 == pytest.approx(
             mine["verify primary (torch_native)"]["ts"] - t0 - (102.6 - 0.99 - 101.24) * 1e6, abs=1.0)
+
+
+def test_a_cold_start_is_named_in_the_summary_and_the_progress_line():
+    """``import torch`` measured inside ``startup`` is its child with why it took long (bytecode compiled on a first
+    run), ``startup``'s detail says it was a cold start, and the progress line leads with it; a warm import is a
+    child too, without the lead (new-user trial #2: ~11 s in startup, unexplained)."""
+    from pipeline.core import events as ev
+    from pipeline.observe.progress import cold_start_lead
+    from pipeline.observe.startup import summarize, timed_torch_import
+
+    cmd = ev.CommandStarted(run_id="r", rank=0, state="args", outcome="ok", ts_ns=int(12e9), command="run", argv=[])
+    why = "first import in this environment: Python compiled torch's bytecode (cached for later runs)"
+    s = summarize([cmd], start_ns=int(1e9), end_ns=int(13e9), startup_parts=[("import torch", 9.5, why)])
+    startup, child = s["phases"][0], s["phases"][1]
+    assert (startup.name, startup.seconds) == ("startup", pytest.approx(11.0)) and "cold start" in startup.detail
+    assert (child.name, child.parent, child.seconds, child.detail) == ("import torch", "startup", 9.5, why)
+    assert s["coverage"] == pytest.approx(1.0, abs=0.1)  # children are not counted twice
+    assert cold_start_lead({"seconds": 9.5, "cold": True, "detail": why}) == f"startup: import torch 9.5 s ({why})"
+    warm = summarize([cmd], start_ns=int(1e9), end_ns=int(13e9), startup_parts=[("import torch", 2.0, "cached")])
+    assert "cold" not in warm["phases"][0].detail and cold_start_lead({"seconds": 2.0, "cold": False}) == ""
+    assert timed_torch_import() == {"seconds": 0.0, "cold": False, "detail": "already imported"}  # torch is loaded

@@ -294,6 +294,9 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.runtime.runner import Runner
     from pipeline.setup.build import new_run_id
 
+    from pipeline.observe.startup import timed_torch_import
+
+    ns._torch_import = timed_torch_import()  # named in the startup summary and the progress line (cold start)
     check_num_layers(ns)
     group = _rank_group(ns)
     on_gpu = is_gpu_device(ns.device)

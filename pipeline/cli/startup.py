@@ -82,7 +82,9 @@ def finish_startup(ns: argparse.Namespace, log: Any, runner: Any, start_ns: Opti
         for j in jit:
             log.emit(ev.JitVariantLoaded, state=log.current_state, variant=j["variant"], status=j["status"],
                      seconds=j["seconds"], started_ns=j.get("started_ns", 0), fields=j.get("fields", {}))
-        summary = emit_summary(log, start_ns=start_ns, jit=jit, slow_s=slow)
+        t = getattr(ns, "_torch_import", None)
+        parts = [("import torch", t["seconds"], t["detail"])] if t and t["seconds"] else []
+        summary = emit_summary(log, start_ns=start_ns, jit=jit, slow_s=slow, startup_parts=parts)
     except Exception as e:  # noqa: BLE001 - a failed log write is already the run's error
         print(f"attn-setup: no startup summary: {type(e).__name__}: {e}", file=sys.stderr)
         return None
