@@ -30,10 +30,14 @@ PACKAGE_REASON_PREFIX = "package "
 
 
 class Reason(NamedTuple):
-    """One reason a backend cannot serve a request: the text and the request flags it concerns."""
+    """One reason a backend cannot serve a request: the text, the request flags it concerns and, where one field
+    change removes it, that change (``fix``: ``(field, value)`` pairs of ``AttentionArgs``, e.g.
+    ``(("speculative_eagle_topk", 1),)``). :class:`states.remedies.Remedies` offers a backend's fixes as the remedy
+    only after trying them on the whole request."""
 
     text: str
     flags: tuple[tuple[str, Any], ...] = ()
+    fix: tuple[tuple[str, Any], ...] = ()
 
     @property
     def is_package(self) -> bool:
@@ -125,6 +129,11 @@ def _device_reasons(cap: Capability, device: DeviceFacts, installed: Mapping[str
     return out
 
 
+def _kv_auto(args: AttentionArgs) -> tuple[tuple[str, Any], ...]:
+    """The fix of a KV-cache dtype reason: ``kv_cache_dtype='auto'`` (the model dtype), unless it already is."""
+    return () if args.kv_cache_dtype == "auto" else (("kv_cache_dtype", "auto"),)
+
+
 def _flag_reasons(cap: Capability, args: AttentionArgs, model: ModelSpec, is_draft_worker: bool) -> list[Reason]:
     out: list[Reason] = []
     qd, kd = model_dtype(args, model), kv_dtype(args, model)
@@ -132,17 +141,17 @@ def _flag_reasons(cap: Capability, args: AttentionArgs, model: ModelSpec, is_dra
         out.append(Reason(f"dtype {qd} is not supported (supports {_list(cap.q_dtypes)})", (("dtype", qd),)))
     if kd not in cap.kv_dtypes:
         out.append(Reason(f"kv_cache_dtype {kd} is not supported (supports {_list(cap.kv_dtypes)})",
-                          (("kv_cache_dtype", kd),)))
+                          (("kv_cache_dtype", kd),), _kv_auto(args)))
     elif kd.startswith("fp8") and cap.fp8_kv_features is not None:
         for f in model_features(model):
             if f not in cap.fp8_kv_features and cap.has(f):
                 out.append(Reason(f"kv_cache_dtype {kd} is not supported with {f.replace('_', ' ')} layers (an fp8 KV "
                                   f"cache is served with {_list(cap.fp8_kv_features)} layers only)",
-                                  (("kv_cache_dtype", kd), _model_flag(model))))
+                                  (("kv_cache_dtype", kd), _model_flag(model)), _kv_auto(args)))
     if cap.kv_dtype_matches_q and kd != qd and not kd.startswith("fp8") and kd in cap.kv_dtypes \
             and qd in cap.q_dtypes:
         out.append(Reason(f"kv_cache_dtype {kd} differs from dtype {qd}; this backend needs them equal",
-                          (("kv_cache_dtype", kd), ("dtype", qd))))
+                          (("kv_cache_dtype", kd), ("dtype", qd)), _kv_auto(args)))
     if cap.page_sizes is not None and args.page_size not in cap.page_sizes:
         out.append(Reason(f"page_size {args.page_size} is not supported (supports {_list(cap.page_sizes)})",
                           (("page_size", args.page_size),)))
@@ -155,11 +164,12 @@ def _flag_reasons(cap: Capability, args: AttentionArgs, model: ModelSpec, is_dra
     if (args.speculative_algorithm or is_draft_worker) and topk is not None and topk > 1 \
             and not cap.has("speculative_tree"):
         out.append(Reason(f"tree verification (speculative_eagle_topk={topk} > 1, a custom tree mask) is not "
-                          "supported", (("speculative_eagle_topk", topk),)))
+                          "supported", (("speculative_eagle_topk", topk),), (("speculative_eagle_topk", 1),)))
     if args.enable_two_batch_overlap and not is_draft_worker and not cap.has("tbo"):
-        out.append(Reason("two-batch overlap is not supported", (("enable_two_batch_overlap", True),)))
+        out.append(Reason("two-batch overlap is not supported", (("enable_two_batch_overlap", True),),
+                          (("enable_two_batch_overlap", False),)))
     if args.enable_pdmux and not cap.has("pdmux"):
-        out.append(Reason("PD-multiplexing is not supported", (("enable_pdmux", True),)))
+        out.append(Reason("PD-multiplexing is not supported", (("enable_pdmux", True),), (("enable_pdmux", False),)))
     return out
 
 

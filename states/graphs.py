@@ -17,22 +17,52 @@ from pipeline.core.errors import ConfigError
 
 
 def check_graph_bs(args: AttentionArgs, max_reqs: int, *, state: str = "build-mode") -> None:
-    """Refuse a ``cuda_graph_bs`` entry outside ``1..max_reqs`` (a captured batch holds one ``req_to_token`` row per
-    request). Costs O(len(cuda_graph_bs)), whatever ``max_reqs`` is, so it may run before any size is checked.
+    """The one rule for graph sizes the user gives: an unreachable or conflicting size is refused, never clamped or
+    ignored silently (sglang does both: ``get_batch_sizes_to_capture`` drops sizes above the request pool and adds
+    the pool's size; ``ServerArgs`` replaces ``cuda_graph_max_bs`` by ``max(cuda_graph_bs)``). In order:
 
-    Raises ConfigError (``invalid_value``, in ``state``) naming ``cuda_graph_bs`` and ``max_reqs`` with both numbers.
+    - a ``cuda_graph_bs`` entry outside ``1..max_reqs`` (a captured batch holds one ``req_to_token`` row per
+      request: a larger one is never run);
+    - ``cuda_graph_max_bs`` given with ``cuda_graph_bs`` and not equal to its largest size (``conflicting_options``:
+      the list decides what is captured);
+    - ``cuda_graph_max_bs`` above ``max_reqs`` (unreachable, as a list entry above it is).
+
+    Checked on every device (also where graphs are not captured), as ``plan`` and ``run``'s preflight check them.
+    Costs O(len(cuda_graph_bs)), whatever ``max_reqs`` is, so it may run before any size is checked.
+
+    Raises ConfigError (``invalid_value`` / ``conflicting_options``, in ``state``) naming both fields with their
+    numbers, the allowed values and a remedy that then passes.
     """
     bad = sorted(b for b in args.cuda_graph_bs or () if not 1 <= b <= max_reqs)
     if bad:
         keep = sorted(b for b in args.cuda_graph_bs if 1 <= b <= max_reqs)
         sizes = ", ".join(map(str, bad))
-        fix = f"drop {sizes} from cuda_graph_bs" + (f" (keeping {', '.join(map(str, keep))})" if keep else "")
+        fix = f"drop {sizes} from cuda_graph_bs" + (f" (keeping {', '.join(map(str, keep))})" if keep else "") + (
+            " and drop cuda_graph_max_bs" if args.cuda_graph_max_bs else "")
         raise ConfigError(
             f"cuda_graph_bs has {sizes}, above max_reqs={max_reqs}: a captured decode batch of {max(bad)} "
             f"requests needs {max(bad)} rows of req_to_token and the pool has {max_reqs}",
             code="invalid_value", state=state,
             flags=[("cuda_graph_bs", list(args.cuda_graph_bs)), ("max_reqs", max_reqs)],
             allowed=[f"1..{max_reqs}"], remedy=f"{fix}, or raise max_reqs to at least {max(bad)}")
+    top = args.cuda_graph_max_bs  # 0 / False (a remedy's "drop") is unset, as everywhere below
+    if top and args.cuda_graph_bs and top != max(args.cuda_graph_bs):
+        largest = max(args.cuda_graph_bs)
+        raise ConfigError(
+            f"cuda_graph_max_bs={top} conflicts with cuda_graph_bs, whose largest size is {largest}: the listed sizes "
+            f"are what is captured (sglang would replace cuda_graph_max_bs by {largest} without saying so)",
+            code="conflicting_options", state=state,
+            flags=[("cuda_graph_max_bs", top), ("cuda_graph_bs", list(args.cuda_graph_bs))], allowed=[str(largest)],
+            remedy=f"set cuda_graph_max_bs={largest}, or drop cuda_graph_max_bs (the list's largest size is the "
+                   "largest captured)")
+    if top and top > max_reqs:
+        raise ConfigError(
+            f"cuda_graph_max_bs={top} is above max_reqs={max_reqs}: no decode batch has more than the pool's "
+            f"{max_reqs} rows of req_to_token, so sizes above {max_reqs} are never captured (sglang would clamp them "
+            "to the pool without saying so)", code="invalid_value", state=state,
+            flags=[("cuda_graph_max_bs", top), ("max_reqs", max_reqs)], allowed=[f"1..{max_reqs}"],
+            remedy=f"set cuda_graph_max_bs={max_reqs}, or drop cuda_graph_max_bs (its default is max_reqs), or raise "
+                   f"max_reqs to at least {top}")
 
 
 def capture_batch_sizes(args: AttentionArgs, max_reqs: int, *, state: str = "build-mode") -> list[int]:
@@ -120,3 +150,20 @@ def graph_max_bs(args: AttentionArgs, max_reqs: int, captured: bool) -> int:
         return max(args.cuda_graph_bs)
     top = min(args.cuda_graph_max_bs or max_reqs, max_reqs)
     return top - (top - 16) % 8 if top >= 16 else max((b for b in (1, 2, 4, 8) if b <= top), default=0)
+
+
+LISTED_SIZES = 1024  # a plan lists the capture sizes up to this many (the series of an absurd max_reqs is not built)
+
+
+def graph_sizes(args: AttentionArgs, max_reqs: int, captured: bool) -> tuple[int, int, Optional[list[int]]]:
+    """``(count, largest, sizes)`` of the decode batches captured (``(0, 0, [])`` without graphs); ``sizes`` is
+    :func:`capture_batch_sizes` when at most :data:`LISTED_SIZES`, else None — counted in O(1) like
+    :func:`graph_max_bs`, never built. Raises what :func:`check_graph_bs` raises."""
+    if not captured:
+        return 0, 0, []
+    largest = graph_max_bs(args, max_reqs, True)
+    if args.cuda_graph_bs:
+        sizes = sorted(set(args.cuda_graph_bs))
+        return len(sizes), largest, sizes
+    count = sum(b <= largest for b in (1, 2, 4, 8)) + (max(0, (largest - 16) // 8 + 1) if largest >= 16 else 0)
+    return count, largest, capture_batch_sizes(args, max_reqs) if count <= LISTED_SIZES else None

@@ -59,6 +59,16 @@ def complete_fix(decide: ProbeDecide, args: AttentionArgs, model: ModelSpec, dev
     return fix, False
 
 
+def minimal(fixes: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fixes that contain no other fix of the list, each once and in order (a remedy says each way once:
+    PD-mux + TBO on a CPU resolves by dropping PD-mux alone, so "drop both" is not offered beside it)."""
+    out: list[dict[str, Any]] = []
+    for f in fixes:
+        if f not in out and not any(g != f and g.items() <= f.items() for g in fixes):
+            out.append(f)
+    return out
+
+
 class Survey:
     """Every registered backend's reasons for one request: who works, who would if installed."""
 
@@ -73,6 +83,11 @@ class Survey:
         pk = sorted({x.flags[0][1] for n in self.installable for x in self.why[n]})
         return (f"no installed backend can serve this; only {', '.join(self.installable)} could, and it needs "
                 f"package(s) {', '.join(pk)}, which {'is' if len(pk) == 1 else 'are'} not installed")
+
+    def field_fixes(self) -> list[dict[str, Any]]:
+        """Each backend's reason fixes together, for the backends whose every reason has one (not tried)."""
+        return minimal([{k: v for r in why for k, v in r.fix} for why in self.why.values()
+                        if why and all(r.fix for r in why)])
 
     def packages_of(self, name: str) -> list[str]:
         """The packages whose absence is (part of) why ``name`` cannot serve."""
@@ -134,16 +149,36 @@ class Remedies:
             parts.append(f"install {' and '.join(pk)} and {assignments(self.complete({flag: name}, pk))}")
         return ", or ".join(parts) if parts else self.without_working()
 
+    def flag_fixes(self) -> list[dict[str, Any]]:
+        """Field changes that make an installed backend serve the request: for each backend whose every reason
+        carries a fix (:attr:`states.capability_check.Reason.fix`, e.g. ``speculative_eagle_topk=1`` where tree
+        verification is not served), those fixes together, completed with what the rest of the request needs
+        (:func:`complete_fix`) and kept only when the request then resolves — in registry order, each once,
+        none that another contains. A probe returns none (its remedies are not tried)."""
+        if self.probe:
+            return []
+        out = []
+        for fix in self.survey.field_fixes():
+            fix, ok = complete_fix(self.decide, self.args, self.model, self.device, self.installed,
+                                   self.is_draft_worker, fix)
+            if ok:
+                out.append(fix)
+        return minimal(out)
+
     def without_working(self) -> str:
-        """The remedy when no installed backend resolves and no flag names one: install what would serve it
-        (with what else the request then needs), or change the request."""
-        survey = self.survey
-        if not survey.installable:
+        """The remedy when no installed backend resolves and no flag names one: the field changes that make one
+        serve it (:meth:`flag_fixes`), then installing what would serve it (with what else the request then
+        needs), or else changing the request."""
+        survey, parts = self.survey, [assignments(f) for f in self.flag_fixes()]
+        if survey.installable:
+            pk = sorted({p for n in survey.installable for p in survey.packages_of(n)})
+            fix = self.complete({}, pk)
+            then = f" and {assignments(fix)}" if fix else ""
+            parts.append(f"install {' and '.join(pk)}{then} (see the reasons)")
+        if not parts:
             return survey.remedy_without_working()
-        pk = sorted({p for n in survey.installable for p in survey.packages_of(n)})
-        fix = self.complete({}, pk)
-        then = f" and {assignments(fix)}" if fix else ""
-        return f"install {' and '.join(pk)}{then} (see the reasons), or change the model/dtype/flags"
+        return " or ".join(parts) + ("" if len(parts) > 1 or not survey.installable
+                                     else ", or change the model/dtype/flags")
 
 
 def suggest(name: str, ctx: Remedies) -> tuple[Optional[str], str]:

@@ -51,7 +51,7 @@ from states.capability_check import Reason
 from states.fallback import (  # noqa: F401 (part of resolve's API: build, plan, replay and tests use them)
     StrictRefusal, assignments, graph_skips, reference_fallback, refuse_strict, warnings_for,
 )
-from states.remedies import Remedies, Survey, complete_fix, suggest
+from states.remedies import Remedies, Survey, complete_fix, minimal, suggest
 
 # Arches whose SMs sglang's PD-multiplexing can partition into groups (green contexts need sm80+
 # and a per-arch SM table; sglang's table covers Ampere, Ada, Hopper and Blackwell datacenter).
@@ -140,7 +140,7 @@ def _lookup(name: str, flag: str, ctx: Remedies) -> registry.BackendEntry:
                 f", or {remedy}" if allowed else "")
         e.args = (msg,)
         e.info = msgspec.structs.replace(e.info, state="resolve", message=msg, allowed=allowed, remedy=remedy)
-        e.fixes = [{flag: n} for n in survey.working]  # type: ignore[attr-defined]
+        e.fixes = [{flag: n} for n in survey.working] + survey.field_fixes()  # type: ignore[attr-defined]
         raise
 
 
@@ -151,6 +151,10 @@ def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reas
     if rule != "draft_override" and ctx.is_draft_worker:
         target = "speculative_draft_attention_backend"
     allowed, remedy = ctx.set_remedy(target, survey.working)
+    own = {k: v for r in bad for k, v in r.fix} if all(r.fix for r in bad) else {}
+    if own and survey.working and not ctx.probe:  # keep the user's backend: the field changes it needs, first
+        own, ok = complete_fix(_probe, ctx.args, model, device, ctx.installed, ctx.is_draft_worker, own)
+        remedy = f"{assignments(own)}, or {remedy}" if ok else remedy
     if target != flag:
         remedy = f"the draft model cannot use the inherited {name!r}: {remedy}"
     msg = f"{flag}={name!r} cannot serve {half} here: " + "; ".join(r.text for r in bad)
@@ -160,7 +164,8 @@ def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reas
     if target != flag:  # the field the allowed values and the remedy are for
         flags.append((target, None))
     err = CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=allowed, remedy=remedy)
-    err.fixes = [{target: n} for n in survey.working]  # type: ignore[attr-defined]
+    err.fixes = [{target: n} for n in survey.working] + ([own] if own else []) \
+        + survey.field_fixes()  # type: ignore[attr-defined]
     return err
 
 
@@ -186,8 +191,10 @@ def _pick(half: str, explicit: Optional[Explicit], ctx: Remedies) -> tuple[str, 
               f"{survey.missing_note()}. Reasons: {detail}"
     bad_all = [r for n in auto_candidates(device, ctx.model) for r in survey.why[n]]
     flags = _flags_of([(f"{half}_attention_backend", None)], [r for r in bad_all if not r.is_package], device)
-    raise CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=survey.working,
+    err = CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=survey.working,
                              remedy=ctx.without_working())
+    err.fixes = survey.field_fixes()  # type: ignore[attr-defined]  # for a remedy trial to extend (complete_fix)
+    raise err
 
 
 def decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_draft_worker: bool,
@@ -228,7 +235,7 @@ def _decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dr
                 union, ok = complete_fix(_probe, args, model, device, installed, is_draft_worker,
                                          {k: v for f in fixes for k, v in f.items()})
                 done = [union] if ok else []
-            done = done or [f for f, _ in tried]
+            done = minimal(done) or [f for f, _ in tried]
             prose = [e.prose] if getattr(e, "prose", "") else []
             e.info = msgspec.structs.replace(e.info, remedy=" or ".join([assignments(f) for f in done] + prose))
         raise

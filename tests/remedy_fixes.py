@@ -20,6 +20,8 @@ from pipeline.backends import registry
 from pipeline.core.contracts import AttentionArgs, SetupRequest
 
 FIELDS = set(AttentionArgs.__struct_fields__)
+_DEFAULTS = dict(zip(AttentionArgs.__struct_fields__[-len(AttentionArgs.__struct_defaults__):],
+                     AttentionArgs.__struct_defaults__))
 
 
 @dataclass
@@ -42,8 +44,9 @@ def fixes_of(remedy: str) -> list[Fix]:
             continue
         fields = {k: ast.literal_eval(v) for k, v in re.findall(r"\b(\w+)=('[^']*'|True|False|-?\d+)", clause)
                   if k in FIELDS}
-        for group in re.findall(r"\bdrop (\w+(?: and \w+)*)", clause):  # "drop a and b"
-            fields.update({k: False for k in group.split(" and ") if k in FIELDS})
+        for group in re.findall(r"\bdrop (\w+(?: and \w+)*)", clause):  # "drop a and b": a flag off, a value unset
+            fields.update({k: False if isinstance(_DEFAULTS.get(k), bool) else None
+                           for k in group.split(" and ") if k in FIELDS})
         if fields or pkgs:
             out.append(Fix(list(pkgs), fields))
     return out

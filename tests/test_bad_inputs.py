@@ -69,6 +69,8 @@ def _check_error(err: dict, case: dict) -> None:
         assert err["state"] == case["state"] and "in state failed" not in err["message"], err
     if case.get("remedy_has"):
         assert case["remedy_has"] in err["remedy"], err["remedy"]
+    if case.get("remedy_is"):  # the whole remedy: each way said once
+        assert err["remedy"] == case["remedy_is"], err["remedy"]
 
 
 def _setup(case: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,8 +113,10 @@ def test_bad_input(case, tmp_path, capsys, monkeypatch):
             else [command, "--json"])
     code = main([*head, *argv])
     out = json.loads(capsys.readouterr().out)
-    err = out["error"]
+    err = out.get("error")  # a plan that succeeds prints no error key
     assert code == case["exit"], err
+    if case.get("warning"):  # a warning the output must carry: its code and what it is about
+        assert any(w["code"] == case["warning"] for w in out["warnings"]), out["warnings"]
     if case["exit"] == 0:
         assert out["ok"] is True and err is None
     else:

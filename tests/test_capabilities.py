@@ -123,7 +123,7 @@ TESTED_FEATURES = {"mha", "mla", "sliding_window", "logit_softcap", "attention_s
                    "speculative", "tbo", "pdmux"}
 TESTED_Q = {"bfloat16", "float16", "float32"}
 TESTED_KV = {"bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"}
-TESTED_DEVICES = {"cpu", "cuda", "musa", "npu", "xpu", "mps"}
+TESTED_DEVICES = {"cpu", "cuda", "musa", "npu", "xpu"}
 
 
 def test_every_torch_native_claim_has_a_case():
@@ -194,7 +194,7 @@ def test_torch_native_page_sizes_run(page_size):
     assert_passed(build_and_verify(spec(), "cpu", TN_CPU, page_size=page_size, attention_backend="torch_native"))
 
 
-@pytest.mark.parametrize("dev", ["musa", "npu", "xpu", "mps"])
+@pytest.mark.parametrize("dev", ["musa", "npu", "xpu"])
 def test_torch_native_other_devices_run(dev):
     """Devices without a pipeline platform here: the backend itself on that torch device, if present."""
     mod = getattr(torch, dev, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import sys
@@ -98,10 +99,36 @@ def test_more_sm_groups_than_sms_is_refused(capsys):
 
 
 def test_unwritable_outputs_are_usage_errors(capsys, tmp_path):
-    """inspect --perfetto into a directory and graph -o into a missing folder: exit 2."""
+    """inspect --perfetto into a directory, and graph -o / --perfetto under a file (a folder that cannot be made):
+    exit 2 naming the flag."""
     golden = str(CONFIGS.parent.parent / "tests" / "data" / "golden" / "ok_tbo.jsonl")
     assert main(["inspect", golden, "--json", "--perfetto", str(tmp_path)]) == 2
-    assert main(["graph", "-o", str(tmp_path / "missing" / "g.mmd")]) == 2
+    (tmp_path / "file").write_text("x")
+    assert main(["graph", "-o", str(tmp_path / "file" / "g.mmd")]) == 2
+    assert "-o" in capsys.readouterr().err
+    assert main(["inspect", golden, "--json", "--perfetto", str(tmp_path / "file" / "sub" / "p.json")]) == 2
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert err["flags"][0]["name"] == "--perfetto" and "is not a folder" in err["message"]
+
+
+def test_every_output_path_flag_creates_missing_folders(capsys, tmp_path):
+    """One rule for --log-file, --perfetto, --metrics-file and graph -o: missing folders are created (issue 14:
+    --log-file created them while --perfetto refused), and the file is written there."""
+    from pipeline.cli.startup import check_startup_flags
+
+    golden = str(CONFIGS.parent.parent / "tests" / "data" / "golden" / "ok_tbo.jsonl")
+    out = tmp_path / "a" / "b"
+    assert main(["inspect", golden, "--json", "--perfetto", str(out / "p.json")]) == 0
+    assert json.loads((out / "p.json").read_text())["traceEvents"]
+    assert main(["graph", golden, "-o", str(tmp_path / "c" / "g.mmd")]) == 0
+    assert "stateDiagram-v2" in (tmp_path / "c" / "g.mmd").read_text()
+    check_startup_flags(argparse.Namespace(slow_phase_s=None, metrics_file=str(tmp_path / "d" / "m.prom")))
+    assert (tmp_path / "d").is_dir()
+    from pipeline.core.eventlog import EventLog
+
+    log = EventLog("r", 0, str(tmp_path / "e" / "f" / "l.jsonl"))
+    log.close()
+    assert (tmp_path / "e" / "f" / "l.jsonl").exists()
 
 
 def test_library_rejects_a_non_request():

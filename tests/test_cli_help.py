@@ -137,7 +137,9 @@ def test_no_raw_log_line_before_the_formatted_error(capsys, tmp_path):
     log = tmp_path / "l.jsonl"
     code = main(["run", "--device", "cpu", "--log-file", str(log), "--attention-backend", "triton"])
     err = capsys.readouterr().err
-    assert code == 3 and err.lstrip().startswith("error [capability_mismatch]"), err
+    head, error = err.lstrip().split("\n", 1)  # the rule that says the run failed, then the error
+    assert code == 3 and head.startswith("attn-setup run failed (exit 3)"), err
+    assert error.startswith("error [capability_mismatch]"), err
     assert "run_failed" not in err and "feature_downgraded" not in err and "schema_version" not in err
     assert b'"run_failed"' in log.read_bytes()
 

@@ -249,3 +249,23 @@ def test_an_in_process_run_frees_its_memory_when_it_returns(tmp_path):
     finally:
         gc.enable()
     assert proc.returncode == 0 and left == []
+
+
+def test_failed_run_prints_its_error_last_under_a_rule(capsys, tmp_path):
+    """Text mode: a refused run's report goes to stdout, then on stderr a red rule naming the failure and its exit
+    code, then the error block and nothing after it (the error is where the eye lands when the prompt returns);
+    --json prints the same one object as before, without the rule."""
+    from pipeline.cli import main
+
+    argv = ["run", "--device", "cpu", "--enable-pdmux", "--enable-two-batch-overlap", "--log-file",
+            str(tmp_path / "l.jsonl")]
+    assert main(argv) == 3
+    out, err = capsys.readouterr()
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert lines[0].startswith("attn-setup run failed (exit 3) ─")
+    assert lines[1].startswith("error [conflicting_options] in state resolve")
+    assert lines[-1] == "  remedy: drop --enable-pdmux"
+    assert "startup summary" in out and "run failed" not in out
+    assert main([*argv, "--json"]) == 3
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"]["remedy"] == "drop --enable-pdmux" and "run failed" not in out + err

@@ -21,9 +21,10 @@ VLLM_NO_FP16 = {"gemma2", "gemma3", "gemma3_text", "plamo2", "glm4"}
 MODEL_TYPES = ["gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "plamo2", "glm4", "llama", "qwen3_next",
                "llama4_text", "gpt_oss", "deepseek_v2"]
 CHECKPOINTS = ["bfloat16", "float16", "float32"]
-# every --dtype spelling AttentionArgs accepts (vLLM's ModelDType: auto, half, float16, bfloat16, float, float32)
-FLAGS = {"auto": None, "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
-         "float": "float32"}
+# every --dtype spelling AttentionArgs accepts (vLLM's ModelDType: auto, half, float16, bfloat16, float, float32;
+# plus bf16, fp16, fp32, which --kv-cache-dtype takes as sglang's does: one alias set for both flags)
+FLAGS = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+         "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
 
 
 def _spec(model_type: str, dtype: str) -> ModelSpec:
@@ -50,8 +51,10 @@ CASES = list(itertools.product(MODEL_TYPES, CHECKPOINTS, FLAGS))
 
 
 def test_the_space_is_covered():
-    """Every model type x checkpoint x flag spelling (12 x 3 x 6)."""
-    assert len(CASES) == 216
+    """Every model type x checkpoint x flag spelling (12 x 3 x 9), and every spelling AttentionArgs accepts."""
+    from pipeline.core.validation import MODEL_DTYPES
+
+    assert len(CASES) == 324 and set(FLAGS) == set(MODEL_DTYPES)
 
 
 @pytest.mark.parametrize("model_type,ckpt,flag", CASES)
@@ -76,3 +79,29 @@ def test_dtype_rule(model_type, ckpt, flag):
         assert got.source[5:] in AUTO_RULES
         # auto never picks what an explicit flag would be refused for
         assert not (got.value == "float16" and model_type in VLLM_NO_FP16)
+
+
+def test_one_alias_set_for_dtype_and_kv_cache_dtype():
+    """``--dtype`` and ``--kv-cache-dtype`` take the same spellings of each float dtype (``--dtype bf16`` was refused
+    while ``--kv-cache-dtype bf16`` was accepted), and every spelling means its canonical dtype in both: the
+    compute dtype it resolves to, the KV dtype it stores, and gemma2's float16 refusal for each float16 spelling."""
+    from pipeline.core.dtypes import kv_dtype, model_dtype
+    from pipeline.core.validation import DTYPE_SPELLINGS, KV_CACHE_DTYPES, MODEL_DTYPES
+
+    llama, gemma = _spec("llama", "bfloat16"), _spec("gemma2", "bfloat16")
+    assert [v for v in MODEL_DTYPES if v != "auto"] == [v for v in KV_CACHE_DTYPES if not v.startswith(("fp8", "auto"))]
+    for name, spellings in DTYPE_SPELLINGS.items():
+        for s in spellings:
+            assert model_dtype(AttentionArgs(dtype=s), llama) == name
+            assert kv_dtype(AttentionArgs(kv_cache_dtype=s), llama) == name
+            if name == "float16":
+                with pytest.raises(ConfigError) as e:
+                    resolve_dtype(AttentionArgs(dtype=s), gemma)
+                assert e.value.info.code == "dtype_refused"
+            else:
+                assert resolve_dtype(AttentionArgs(dtype=s), gemma).value == name
+    for bad in ("bf32", "fp64", "int8", "BF16"):
+        for field in ("dtype", "kv_cache_dtype"):
+            with pytest.raises(ConfigError) as e:
+                AttentionArgs(**{field: bad})
+            assert e.value.info.flags[0].name == field and "bf16" in e.value.info.allowed

@@ -243,7 +243,7 @@ BAD_DICTS = [
     ("zero_layers", _with(num_hidden_layers=0), "$.num_hidden_layers", "num_hidden_layers", 0),
     ("negative_head_dim", _with(head_dim=-128), "$.head_dim", "head_dim", -128),
     ("heads_not_divisible", _with(num_key_value_heads=5), "$.num_key_value_heads", "num_key_value_heads", 5),
-    ("hidden_not_divisible", _with(hidden_size=4100), "$.head_dim", "head_dim", None),
+    ("hidden_not_divisible", _with(hidden_size=4100), "$.hidden_size", "hidden_size", 4100),
     ("negative_softcap", _with(attn_logit_softcapping=-50.0), "$.attn_logit_softcapping",
      "attn_logit_softcapping", -50.0),
     ("bad_dtype", _with(torch_dtype="int8"), "$.torch_dtype", "torch_dtype", "int8"),
@@ -479,3 +479,54 @@ def test_qwen3_next_interval_property(n, interval):
     assert [i for i, t in enumerate(s.layer_types) if t == "full"] == full
     assert [i for g in s.not_attention() for i in g.layer_ids] == [i for i in range(n) if i not in full]
     assert [i for k in s.layer_kinds() for i in k.layer_ids] == full
+
+
+@settings(max_examples=300, deadline=None)
+@given(hidden=st.integers(1, 1 << 14), heads=st.integers(1, 128), nested=st.booleans())
+def test_computed_head_dim_names_the_keys_it_came_from(hidden, heads, nested):
+    """Without ``head_dim``, the head dim is ``hidden_size / num_attention_heads``: an even integer is taken, anything
+    else is refused naming those two keys (JSON path ``hidden_size``'s, inside ``text_config`` when nested) and the
+    quotient — never the absent ``head_dim`` key (issue 14: 4000 / 32 said "$.head_dim must be even"); a quotient above
+    the largest head dim accepted (1024) is refused as an explicit one is."""
+    cfg = _cfg("llama-3.1-8b.json")
+    cfg.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=1)
+    if nested:
+        cfg = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "text_config": cfg}
+    q, r = divmod(hidden, heads)
+    if r == 0 and q % 2 == 0 and q <= 1024:
+        assert load_model_spec(cfg).head_dim == q
+        return
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec(cfg)
+    info = e.value.info
+    prefix = "$.text_config" if nested else "$"
+    assert info.json_path == f"{prefix}.hidden_size" and "head_dim" not in info.json_path
+    assert [(f.name, f.value) for f in info.flags] == [("hidden_size", hidden), ("num_attention_heads", heads)]
+    assert f"{hidden} / {heads} = {hidden / heads:g}" in info.message and "no head_dim" in info.message
+    fixed = copy.deepcopy(cfg)  # the remedy: add the model's head_dim
+    head_dim = min(1024, 2 * max(1, q // 2))
+    (fixed["text_config"] if nested else fixed)["head_dim"] = head_dim
+    assert load_model_spec(fixed).head_dim == head_dim
+
+
+def test_a_default_layer_rule_is_said_with_how_to_override_it():
+    """A model_type without a layer rule and no layer list in its config gets a note naming the rule that read its
+    layers and the key that overrides it (issue 14: model_type "foobar" was taken as all-full silently); a known
+    model_type or an explicit list gets none; following the note (layer_types) reads exactly those types."""
+    from pipeline.core.model_spec import layer_rule_note
+
+    for path in CONFIGS.glob("*.json"):
+        assert layer_rule_note(path) is None, path
+    base = {**_cfg("llama-3.1-8b.json"), "model_type": "foobar", "num_hidden_layers": 4}
+    note = layer_rule_note(base)
+    assert "model_type \"foobar\"" in note and "every layer is full attention" in note and "layer_types" in note
+    assert load_model_spec(base).layer_types == ["full"] * 4
+    assert "every layer slides" in layer_rule_note({**base, "sliding_window": 128})
+    hybrid = {**base, "full_attention_interval": 2, "linear_num_value_heads": 8}
+    assert "Qwen3-Next layout" in layer_rule_note(hybrid)
+    listed = {**base, "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 64}
+    assert layer_rule_note(listed) is None
+    assert load_model_spec(listed).layer_types == ["sliding", "full"] * 2
+    nested = {"model_type": "llava", "text_config": base}
+    assert "foobar" in layer_rule_note(nested)
+    assert layer_rule_note({**base, "model_type": "llama"}) is None

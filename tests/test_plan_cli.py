@@ -216,3 +216,66 @@ def test_installed_remedy_is_true_when_followed(capsys):
         assert main(["plan", "--json", "--device-profile", "h200", "--installed", fix]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["ok"] and out["installed"] == {"torch": True, "triton": True, "flashinfer-python": True}
+
+
+GOLDEN = ROOT / "tests" / "data" / "golden"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in GOLDEN.glob("*.jsonl")))
+def test_plan_shows_the_graph_sizes_and_lazy_memory_a_recorded_run_took(name, monkeypatch):
+    """``plan``'s ``cuda_graphs`` and ``npu_lazy_mem`` for each golden run's request and device facts equal what that
+    run recorded: the decode batch sizes it captured (``runner_ready.graph_batch_sizes``, or the ``cuda_graph`` skip
+    reason), and npu-lazy-mem's setting (bytes, source) and outcome (initialized, or the skip reason)."""
+    from pipeline.cli.plan import plan_report
+    from pipeline.core import events as ev
+    from pipeline.core.contracts import SetupRequest
+    from pipeline.core.errors import AttnSetupError
+    from pipeline.observe.trace import read_trace
+
+    for run in read_trace(GOLDEN / name).runs:
+        started, facts = run.started, run.first(ev.DeviceInitialized)
+        setting = next((s for s in run.all(ev.SettingResolved) if s.field == "zbal_local_mem_size"), None)
+        if started is None or facts is None or setting is None:
+            continue  # refused before npu-lazy-mem decided: nothing recorded to compare
+        monkeypatch.delenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", raising=False)
+        if setting.source == "env":
+            monkeypatch.setenv(setting.env_var, str(setting.value))
+        req = msgspec.convert(started.request, SetupRequest)
+        try:
+            out = plan_report(req, facts.facts, dict(started.packages))
+        except AttnSetupError:
+            continue  # a run refused at build-mode by a check this version adds
+        lazy, z = run.first(ev.LazyMemInitialized), out["npu_lazy_mem"]
+        skip = next((s for s in run.all(ev.StepSkipped) if s.what == "npu_lazy_mem"), None)
+        assert (z["bytes"], z["source"], z["run"]) == (setting.value, setting.source, lazy is not None)
+        assert z["reason"] == ("" if skip is None else skip.reason)
+        ready = run.first(ev.RunnerReady)
+        g = out["cuda_graphs"]
+        graph_skip = next((s for s in run.all(ev.StepSkipped) + run.all(ev.FeatureDowngraded)
+                           if s.what == "cuda_graph"), None)
+        if ready is not None:
+            assert g["batch_sizes"] == list(ready.graph_batch_sizes), (name, g)
+            assert g["count"] == len(ready.graph_batch_sizes) and g["capture"] == bool(ready.graph_batch_sizes)
+        if graph_skip is not None:
+            assert not g["capture"] and g["reason"] == graph_skip.reason and g["batch_sizes"] == []
+
+
+def test_plan_human_output_names_graph_sizes_and_lazy_memory(capsys, monkeypatch):
+    """The human plan says which decode batch sizes are captured and whether zbal lazy memory is set up (and why
+    not), with the size's source."""
+    from pipeline.cli import main
+
+    assert main(["plan", "--device-profile", "h200", "--installed", ALL, "--cuda-graph-bs", "1", "4"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # lines wrap at the console width
+    assert "cuda graphs: decode batch sizes 1, 4 (2 sizes, largest 4)" in text
+    assert "npu lazy memory: not initialized: device type is 'cuda', zbal lazy memory exists on npu only" in text
+    monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "1048576")
+    assert main(["plan", "--device-profile", "ascend-910b", "--installed", "torch"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # lines wrap at the console width
+    assert "npu lazy memory: 1.0 MiB of zbal lazy memory (from env SGLANG_ZBAL_LOCAL_MEM_SIZE)" in text
+    assert "cuda graphs: not captured: CUDA graphs need a CUDA device; this run is on npu" in text
+    assert main(["plan", "--device-profile", "ascend-910b", "--installed", "torch", "--draft-worker"]) == 0
+    assert "npu lazy memory: not initialized: draft worker" in " ".join(capsys.readouterr().out.split())
+    assert main(["plan", "--device-profile", "h200", "--installed", "torch,triton", "--attention-backend", "triton",
+                 "--max-reqs", "200"]) == 0
+    assert "decode batch sizes 1, 2, 4, 8, 16, 24, …, 200 (28 sizes, largest 200)" in " ".join(capsys.readouterr().out.split())

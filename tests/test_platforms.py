@@ -165,3 +165,61 @@ def test_pipeline_on_npu_platform_calls_zbal_once(vendor, llama, draft, size, ca
         assert out.attn_backend is not None
     assert order == ([("zbal", size, 1, 2, group)] if called else [])
     assert ("get_device_properties", 1) in dev.calls
+
+
+# --- device_unavailable: what this machine can use, and why not the rest (issue 14, item 12) ------------------
+@pytest.fixture
+def bare_host(monkeypatch):
+    """A host with no accelerator: no CUDA device, no vendor plugin, ``torch.xpu`` with no device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for plugin in ("torch_npu", "torch_musa"):
+        monkeypatch.setitem(sys.modules, plugin, None)  # import raises ImportError
+    monkeypatch.setattr(torch, "xpu", FakeDeviceModule(count=0), raising=False)
+
+
+@pytest.mark.parametrize("device", ["npu", "musa:0", "xpu", "cuda", "cuda:1", "mps"])
+def test_unavailable_device_lists_only_what_this_host_can_use(bare_host, device):
+    """``--device npu`` on a host without accelerators allows ``cpu`` only (never ``cuda[:N]``), and the message
+    says why every other device type is not usable here."""
+    from pipeline.platforms import parse_device
+
+    with pytest.raises(ConfigError) as e:
+        platform_for(device).device_facts(parse_device(device)[1])
+    info = e.value.info
+    assert info.code == "device_unavailable" and info.allowed == ["cpu"], info
+    assert info.remedy.startswith("pass device='cpu', or ")
+    kind = device.partition(":")[0]
+    others = {"cuda": "torch sees no CUDA device", "musa": "its torch plugin torch_musa is not installed",
+              "npu": "its torch plugin torch_npu is not installed", "xpu": "torch.xpu reports no device",
+              "mps": "Apple MPS has no attn-setup platform"}
+    for k, why in others.items():
+        if k != kind:
+            assert f"{k} ({why}" in info.message, (k, info.message)
+    assert info.flags[0].name == "device" and info.flags[0].value.partition(":")[0] == kind
+
+
+def test_unavailable_device_lists_the_devices_that_are_here(bare_host, monkeypatch, vendor):
+    """With two CUDA GPUs and a MUSA plugin with one device, ``--device npu`` allows exactly those, and the
+    remedy names the first accelerator."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    vendor("musa", "torch_musa", count=1)
+    with pytest.raises(ConfigError) as e:
+        platform_for("npu").device_facts(0)
+    assert e.value.info.allowed == ["cpu", "cuda:0", "cuda:1", "musa:0"]
+    assert e.value.info.remedy.startswith("pass device='cuda:0'")
+    assert "npu" not in e.value.info.message.split("Not usable here:")[1].split("(")[0]
+
+
+def test_backend_records_and_platforms_agree():
+    """Every device type a backend record claims has a platform (``backends`` never lists a device ``--device``
+    refuses for want of one), and every device type that parses is served by a platform or says why not."""
+    from pipeline.backends import registry
+    from pipeline.core.validation import DEVICE_TYPES
+    from pipeline.platforms import _VENDOR, NO_PLATFORM
+
+    served = {"cpu", "cuda", *_VENDOR}
+    claimed = {d for n in registry.names() for d in registry.get(n).capability.devices}
+    assert claimed <= served, claimed - served
+    assert not claimed & set(NO_PLATFORM)
+    assert set(DEVICE_TYPES) - {"auto"} == served | set(NO_PLATFORM)

@@ -374,15 +374,18 @@ MANY_NAMES = [None, None, "torch_native", "triton", "flashinfer", "fa3", "trtllm
 
 @st.composite
 def faulty_requests(draw):
-    """Any mix of backend flags (typos and sglang-only names too), modes, dtypes, strict, worker kind and device;
+    """Any mix of backend flags (typos and sglang-only names too), modes, EAGLE tree sizes, dtypes, strict, worker
+    kind and device;
     torch installed (a remedy cannot install a package for a second fault), triton/flashinfer either way."""
     from pipeline.core.contracts import PoolFacts, SetupRequest
     from pipeline.core.model_spec import load_model_spec
 
     names = st.sampled_from(MANY_NAMES)
+    algorithm = draw(st.sampled_from([None, "EAGLE"]))
     args = AttentionArgs(
         attention_backend=draw(names), prefill_attention_backend=draw(names), decode_attention_backend=draw(names),
-        speculative_draft_attention_backend=draw(names), speculative_algorithm=draw(st.sampled_from([None, "EAGLE"])),
+        speculative_draft_attention_backend=draw(names), speculative_algorithm=algorithm,
+        speculative_eagle_topk=draw(st.sampled_from([None, 1, 4])) if algorithm else None,
         enable_pdmux=draw(st.booleans()), enable_two_batch_overlap=draw(st.booleans()),
         kv_cache_dtype=draw(st.sampled_from(["auto", "fp8_e4m3", "float16"])),
         dtype=draw(st.sampled_from(["auto", "bfloat16", "float32"])), disable_cuda_graph=draw(st.booleans()),

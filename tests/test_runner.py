@@ -245,7 +245,7 @@ def test_num_layers_truncates_model_pool_and_request(qwen):
 
 @pytest.mark.parametrize("bs,max_bs,max_reqs,want", [
     (None, None, 40, [1, 2, 4, 8, 16, 24, 32, 40]), (None, 20, 64, [1, 2, 4, 8, 16]),
-    (None, 3, 64, [1, 2]), ([8, 1, 3], None, 8, [1, 3, 8]), (None, 300, 4, [1, 2, 4]),
+    (None, 3, 64, [1, 2]), ([8, 1, 3], None, 8, [1, 3, 8]), (None, 4, 4, [1, 2, 4]), ([8, 1], 8, 8, [1, 8]),
 ])
 def test_capture_batch_sizes(bs, max_bs, max_reqs, want):
     assert capture_batch_sizes(AttentionArgs(cuda_graph_bs=bs, cuda_graph_max_bs=max_bs), max_reqs) == want
@@ -255,6 +255,48 @@ def test_capture_batch_size_beyond_pool_is_refused():
     with pytest.raises(ConfigError) as e:
         capture_batch_sizes(AttentionArgs(cuda_graph_bs=[1, 9]), 8)
     assert e.value.info.flags[0].name == "cuda_graph_bs"
+
+
+def test_graph_sizes_one_rule_over_the_space():
+    """Every combination of cuda_graph_bs (unset or a list), cuda_graph_max_bs (unset or 1..40) and max_reqs 1..33:
+    accepted exactly when every given size is reachable (list entries and the max within max_reqs) and the two
+    fields agree (the max, when both are given, is the list's largest); an accepted request captures only sizes
+    within max_reqs and, with the max given, up to it; a refused one names the field at fault and its remedy's
+    first change is then accepted (issue 14: max 4 with bs 8, and max 100 with max_reqs 8, were accepted silently)."""
+    import re
+
+    lists = [None, [1], [8], [1, 2, 4], [3, 16], [24, 5], [40]]
+    for max_reqs in range(1, 34):
+        for bs in lists:
+            for top in [None, *range(1, 41)]:
+                args = AttentionArgs(cuda_graph_bs=bs, cuda_graph_max_bs=top)
+                ok = (all(b <= max_reqs for b in bs or ()) and not (top and bs and top != max(bs))
+                      and not (top and top > max_reqs))
+                try:
+                    sizes = capture_batch_sizes(args, max_reqs)
+                except ConfigError as e:
+                    assert not ok, (bs, top, max_reqs, e.info.message)
+                    info = e.info
+                    assert info.flags[0].name == ("cuda_graph_bs" if any(b > max_reqs for b in bs or ())
+                                                  else "cuda_graph_max_bs")
+                    first = info.remedy.split(", or ")[0]  # the first way: it must then be accepted
+                    m = re.fullmatch(r"set cuda_graph_max_bs=(\d+)", first)
+                    if m:
+                        fixed = AttentionArgs(cuda_graph_bs=bs, cuda_graph_max_bs=int(m.group(1)))
+                    else:
+                        m = re.match(r"drop ([\d, ]+) from cuda_graph_bs( \(keeping [\d, ]+\))?"
+                                     r"( and drop cuda_graph_max_bs)?$", first)
+                        assert m and bool(m.group(3)) == bool(top), first
+                        keep = [b for b in bs if str(b) not in m.group(1).split(", ")]
+                        if not keep:  # dropping every size leaves no list: the remedy's other way (max_reqs)
+                            continue
+                        fixed = AttentionArgs(cuda_graph_bs=keep, cuda_graph_max_bs=None)
+                    assert capture_batch_sizes(fixed, max_reqs)
+                    continue
+                assert ok, (bs, top, max_reqs, sizes)
+                assert sizes and max(sizes) <= max_reqs and (not top or max(sizes) <= top)
+                cap = top or max_reqs  # sglang's series (1, 2, 4, 8, then every 8th) up to the max, restated
+                assert sizes == (sorted(set(bs)) if bs else [b for b in [1, 2, 4, 8, *range(16, 41, 8)] if b <= cap])
 
 
 @pytest.mark.parametrize("args,dev,names,want", [
@@ -296,7 +338,7 @@ def test_runner_trace_reads_and_replays(qwen, tmp_path):
 
 
 @pytest.mark.parametrize("flags,code,flag", [
-    (["--num-layers", "0"], 3, "--num-layers"), (["--mem-fraction", "1.5"], 3, "--mem-fraction"),
+    (["--num-layers", "0"], 2, "--num-layers"), (["--mem-fraction", "1.5"], 3, "--mem-fraction"),
     (["--mem-bytes", "5000"], 3, "--mem-bytes"), (["--mem-fraction", "0.5", "--mem-bytes", "1"], 2, None),
 ])
 def test_cli_budget_and_layer_flags_refused(tmp_path, flags, code, flag):

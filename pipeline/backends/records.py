@@ -17,7 +17,7 @@ from pipeline.backends.flashinfer_rules import FA3_RULES, FLASHINFER_RULES
 MiB = 1 << 20
 
 TORCH_NATIVE = Capability(
-    devices=["cpu", "cuda", "musa", "npu", "xpu", "mps"],
+    devices=["cpu", "cuda", "musa", "npu", "xpu"],
     archs=None,
     head_dims_qk=None,
     head_dims_v=None,

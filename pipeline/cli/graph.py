@@ -207,6 +207,9 @@ def cmd(ns: argparse.Namespace) -> int:
               f"{failed.value} ({info.code if info else 'failed'}): {failed.value} is marked failed; the machine "
               f"itself never moved to {fail_state}", file=sys.stderr)
     if out is not None:
+        from pipeline.core.files import check_output
+
+        check_output(out, flag="-o", what="the diagram file")  # a regular file; missing folders are created
         try:
             if ext == ".mmd":
                 out.write_text(mermaid(taken, failed, ns.machine))

@@ -186,8 +186,51 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
     return {"ok": True, "device": msgspec.to_builtins(device), "installed": dict(installed),
             "resolved": rp.resolved_obj(res), "plan": rp.plan_obj(plan), "rejected": rejected_obj(res),
             "skips": skips_of(decided),
-            "warnings": warnings_obj(resolve.warnings_for(res, list(res.skips) + list(plan.skips), device)),
+            "warnings": warnings_obj(resolve.warnings_for(res, list(res.skips) + list(plan.skips), device))
+            + rp.layer_rule_warnings(request),
+            "cuda_graphs": cuda_graphs_obj(request, decided["build-mode"].graphs),
+            "npu_lazy_mem": lazy_mem_obj(decided["npu-lazy-mem"]),
             **graph_estimate_obj(request, decided, num_layers)}
+
+
+def cuda_graphs_obj(request: SetupRequest, graphs: Any) -> dict[str, Any]:
+    """``cuda_graphs`` of plan JSON: ``{capture, reason, batch_sizes, count, max_bs}`` — whether decode CUDA graphs
+    are captured (:func:`states.graphs.decide_graphs`; ``reason`` when not), the decode batch sizes a run captures
+    (:func:`states.graphs.capture_batch_sizes`: ``cuda_graph_bs``, else sglang's 1, 2, 4, 8, 16, 24, … up to
+    ``cuda_graph_max_bs`` or ``max_reqs``; null when more than :data:`states.graphs.LISTED_SIZES`), how many and the
+    largest (0 without graphs)."""
+    from states.graphs import graph_sizes
+
+    count, largest, sizes = graph_sizes(request.args, request.pool.max_reqs, graphs.capture)
+    return {"capture": graphs.capture, "reason": graphs.reason, "batch_sizes": sizes, "count": count,
+            "max_bs": largest}
+
+
+def lazy_mem_obj(lazy: Any) -> dict[str, Any]:
+    """``npu_lazy_mem`` of plan JSON: ``{run, bytes, source, env_var, reason}`` — npu-lazy-mem's decision
+    (:func:`states.npu_lazy_mem.decide`: zbal lazy memory on an NPU, not on a draft worker, with a size > 0), the
+    size in bytes and where it came from (``field`` > ``env`` ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` > ``default`` 0), and
+    why it is skipped."""
+    d, s = lazy.decision, lazy.setting
+    return {"run": d.run, "bytes": s.value, "source": s.source, "env_var": s.env_var, "reason": d.reason}
+
+
+def decision_lines(report: dict[str, Any]) -> list[str]:
+    """The human lines for ``cuda_graphs`` and ``npu_lazy_mem`` (sizes listed, shortened past 12)."""
+    from pipeline.cli.report import fmt_bytes
+
+    g, z = report["cuda_graphs"], report["npu_lazy_mem"]
+    if g["capture"]:
+        sizes = g["batch_sizes"]
+        shown = ", ".join(map(str, sizes)) if sizes is not None and len(sizes) <= 12 else \
+            ", ".join(map(str, (sizes or [1, 2, 4, 8])[:6])) + f", …, {g['max_bs']}"
+        graphs = f"cuda graphs: decode batch sizes {shown} ({g['count']} sizes, largest {g['max_bs']})"
+    else:
+        graphs = f"cuda graphs: not captured: {g['reason']}"
+    where = f"from {z['source']}" + (f" {z['env_var']}" if z["source"] == "env" and z["env_var"] else "")
+    lazy = (f"npu lazy memory: {fmt_bytes(z['bytes'])} of zbal lazy memory ({where})" if z["run"]
+            else f"npu lazy memory: not initialized: {z['reason']}")
+    return [graphs, lazy]
 
 
 def cmd(ns: argparse.Namespace) -> int:
@@ -221,6 +264,8 @@ def cmd(ns: argparse.Namespace) -> int:
         print_line(console(), f"device: {device.name or device.type} ({device.arch or device.type}) from "
                               f"{device.source}; installed: {', '.join(p for p, ok in installed.items() if ok) or 'none'}")
         rp.render_tables(report, report["rejected"])
+        for line in decision_lines(report):
+            print_line(console(), line)
         if report.get("cuda_graph_estimate"):
             print_line(console(), graph_estimate_line(report))
         line = estimate_line(report["jit_cold"])

@@ -32,12 +32,26 @@ def _load_spec(path: str, flag: str) -> ModelSpec:
         raise
 
 
+DRAFT_ONLY = ("draft_model", "speculative_draft_attention_backend")  # flags a target worker would ignore
+
+
+def check_draft_only(ns: argparse.Namespace) -> None:
+    """Refuse the draft worker's flags (``--draft-model``, ``--speculative-draft-attention-backend``) without
+    ``--draft-worker``: a target worker ignores both (sglang reads the draft backend only in its draft worker), so
+    accepting them would drop an explicit choice silently. Raises UsageError (exit 2) naming each flag given."""
+    given = [(f"--{d.replace('_', '-')}", getattr(ns, d, None)) for d in DRAFT_ONLY if getattr(ns, d, None)]
+    if given and not ns.draft_worker:
+        names = " and ".join(f for f, _ in given)
+        one = len(given) == 1
+        raise UsageError(f"{names} {'is' if one else 'are'} only meaningful with --draft-worker (a target worker "
+                         f"ignores {'it' if one else 'them'}, as sglang's does)", code="usage", flags=given,
+                         remedy=f"add --draft-worker, or drop {names}")
+
+
 def load_models(ns: argparse.Namespace) -> tuple[ModelSpec, Optional[ModelSpec]]:
+    check_draft_only(ns)
     model = _load_spec(ns.model, "--model") if ns.model else _load_spec(default_model_path(), "--model")
     draft = _load_spec(ns.draft_model, "--draft-model") if ns.draft_model else None
-    if draft is not None and not ns.draft_worker:
-        raise UsageError("--draft-model is only meaningful with --draft-worker", code="usage",
-                         flags=[("--draft-model", ns.draft_model)], remedy="add --draft-worker, or drop --draft-model")
     return model, draft
 
 

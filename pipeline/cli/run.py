@@ -304,6 +304,10 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.runtime.runner import Runner
     from pipeline.setup.build import new_run_id
 
+    from pipeline.observe.startup import timed_torch_import
+
+    ns._torch_import = timed_torch_import()  # named in the startup summary and the progress line (cold start)
+    check_num_layers(ns)
     group = _rank_group(ns)
     on_gpu = is_gpu_device(ns.device)
     request = request_from(ns, on_gpu=on_gpu)
@@ -347,9 +351,29 @@ def cmd(ns: argparse.Namespace) -> int:
             log.close()
             log.restore_signal_handlers()
     report = _report(log, run_id, code, verified, steps, log_file, error)
+    report["warnings"] += rp.layer_rule_warnings(request)
     report["summary"] = summary_obj(summary)
-    _print(ns, report, log.records, request, error)
+    _print(ns, report, log.records, request, error, code)
     return code
+
+
+def check_num_layers(ns: argparse.Namespace) -> None:
+    """Refuse ``--num-layers`` below 1 as the flags are read (UsageError, exit 2, before any rendezvous, log or
+    model load), naming the range the model allows (``1..`` its attention layers). A value above that range is the
+    preflight's refusal (``invalid_value``, exit 3: the flag is well-formed, the model has fewer layers)."""
+    if ns.num_layers is None or ns.num_layers >= 1:
+        return
+    from pipeline.cli.request import load_models
+    from pipeline.core.model_spec import layers_covering_every_kind
+    from pipeline.core.spec import attention_layer_ids
+
+    model, draft = load_models(ns)
+    served = draft if draft is not None and ns.draft_worker else model
+    top = len(attention_layer_ids(served))
+    raise UsageError(f"--num-layers {ns.num_layers} builds no layer: it counts the attention layers to build, "
+                     f"1..{top} for {served.model_type}", code="usage", flags=[("--num-layers", ns.num_layers)],
+                     allowed=[f"1..{top}"], remedy=f"pass --num-layers between 1 and {top}, or drop it (default "
+                     f"{max(layers_covering_every_kind(served, DEFAULT_LAYERS), 1)} for this model)")
 
 
 def _verify_runner(runner: Any, log: Any, decode_steps: int) -> tuple[list, list, Optional[ErrorInfo]]:
@@ -390,8 +414,10 @@ def _ended_by(e: BaseException, log: Any) -> tuple[ErrorInfo, int]:
 
 
 def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request: SetupRequest,
-           error: Optional[ErrorInfo]) -> None:
-    """``--json``'s object, or the runner timeline, the tables and the error in the command line's flags."""
+           error: Optional[ErrorInfo], code: int = EXIT_OK) -> None:
+    """``--json``'s object (unchanged), or the runner timeline, the tables and — for a failed run, last, where the
+    eye lands when the prompt returns — the error in the command line's flags under a red rule that says the run
+    failed and its exit code (new-user trial #2: the error sat between the tables)."""
     if ns.json:
         rp.emit_json(report)
         return
@@ -401,8 +427,11 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
 
     render_summary(report["summary"])
     if error is not None:
+        from pipeline.cli.console import console
         from pipeline.cli.wording import cli_error, command_dests
 
+        sys.stdout.flush()  # the tables are out before the error (one terminal, two streams)
+        console(stderr=True).rule(f"[bold red]attn-setup run failed (exit {code})[/]", style="red", align="left")
         rp.render_error(cli_error(error, command_dests("run")))
 
 

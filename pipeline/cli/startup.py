@@ -8,7 +8,6 @@ end of every run, :mod:`pipeline.observe.metrics`), ``--slow-phase-s SECONDS`` (
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any, Optional
 
@@ -31,19 +30,18 @@ def add_startup_flags(p: argparse.ArgumentParser) -> None:
 
 def check_startup_flags(ns: argparse.Namespace) -> None:
     """Refuse a bad ``--slow-phase-s`` / ``ATTN_SETUP_SLOW_PHASE_S`` or a ``--metrics-file`` that cannot be
-    written (a directory, a missing parent directory): UsageError naming the flag (exit 2), before the model loads."""
-    from pipeline.core.errors import UsageError
+    written (a directory, a device, a FIFO, folders that cannot be created; missing ones are created, as for every
+    output path: :func:`pipeline.core.files.check_output`): UsageError naming the flag (exit 2), before the model
+    loads."""
     from pipeline.observe.startup import slow_threshold
 
     slow_threshold(getattr(ns, "slow_phase_s", None))
     path = getattr(ns, "metrics_file", None)
     if path is None:
         return
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(parent):
-        why = "is a directory" if os.path.isdir(path) else f"is in a directory that does not exist ({parent})"
-        raise UsageError(f"--metrics-file {path!r} {why}", code="usage", flags=[("--metrics-file", path)],
-                         remedy="give a file path in an existing directory, e.g. ./startup.prom")
+    from pipeline.core.files import check_output
+
+    check_output(path, flag="--metrics-file", what="the metrics file")
 
 
 def warn_env_lookalikes(log: Any) -> None:
@@ -84,7 +82,9 @@ def finish_startup(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], 
         for j in jit:
             log.emit(ev.JitVariantLoaded, state=log.current_state, variant=j["variant"], status=j["status"],
                      seconds=j["seconds"], started_ns=j.get("started_ns", 0), fields=j.get("fields", {}))
-        summary = emit_summary(log, start_ns=start_ns, jit=jit, slow_s=slow)
+        t = getattr(ns, "_torch_import", None)
+        parts = [("import torch", t["seconds"], t["detail"])] if t and t["seconds"] else []
+        summary = emit_summary(log, start_ns=start_ns, jit=jit, slow_s=slow, startup_parts=parts)
     except Exception as e:  # noqa: BLE001 - a failed log write is already the run's error
         print(f"attn-setup: no startup summary: {type(e).__name__}: {e}", file=sys.stderr)
         return None

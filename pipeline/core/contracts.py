@@ -262,14 +262,16 @@ class SetupWarning(msgspec.Struct, **_STRUCT):
     """One thing a start did that a user should know: the ``warnings`` list of ``run``/``plan --json``.
 
     ``code``: ``reference_fallback`` (auto-selection landed on ``torch_native`` on an accelerator)
-    or ``feature_downgraded`` (a :class:`Skip` with ``downgrade=True``). ``what``: the halves that
-    fell back (``prefill``/``decode``/``prefill+decode``) or the feature lost (``cuda_graph`` …).
+    or ``feature_downgraded`` (a :class:`Skip` with ``downgrade=True``) or ``layer_rule_default`` (a config's layers
+    read by a default rule: its ``model_type`` has no layer rule and it lists no layer types; ``what`` is ``model`` or
+    ``draft_model``). ``what``: the halves that fell back (``prefill``/``decode``/``prefill+decode``) or the feature
+    lost (``cuda_graph`` …).
     ``message``: one short sentence. ``avoid``: field assignments that accept or avoid it (what
     ``strict`` asks for). ``rejected``: for a fallback, every auto candidate refused per half, with
     its reasons.
     """
 
-    code: Literal["reference_fallback", "feature_downgraded"]
+    code: Literal["reference_fallback", "feature_downgraded", "layer_rule_default"]
     what: str
     message: str
     avoid: dict[str, Any] = {}

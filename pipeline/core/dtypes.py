@@ -35,13 +35,14 @@ from typing import TYPE_CHECKING
 
 from pipeline.core.contracts import DtypeChoice
 from pipeline.core.errors import ConfigError
+from pipeline.core.validation import DTYPE_SPELLINGS
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipeline.core.contracts import AttentionArgs, ModelSpec
 
 __all__ = ["AUTO_RULES", "FLOAT16_REFUSED", "norm_dtype", "resolve_dtype", "model_dtype", "kv_dtype"]
 
-_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}
+_ALIASES = {a: name for name, spellings in DTYPE_SPELLINGS.items() for a in spellings}  # one set for both flags
 
 # model_type -> why float16 is refused (vLLM's _FLOAT16_NOT_SUPPORTED_MODELS, same reason text).
 FLOAT16_REFUSED: dict[str, str] = {

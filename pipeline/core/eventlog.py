@@ -104,14 +104,6 @@ class EventLog:
         self._prev_handlers: dict[int, Any] = {}
         self._prev_hook: Any = None
         if self.path is not None:
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                from pipeline.core.errors import UsageError
-
-                raise UsageError(f"cannot create the folder of {flag} {str(self.path)!r}: {e.strerror or e}",
-                                 code="log_file_unwritable", flags=[(flag, str(self.path))],
-                                 remedy=f"pick a writable path for {flag}") from None
             self._fh = open_regular(self.path, "ab", flag=flag, what="the log file")
             self._file_log = structlog.wrap_logger(
                 structlog.BytesLogger(self._fh), processors=[self._render], wrapper_class=structlog.BoundLogger,

@@ -27,9 +27,50 @@ def _refuse_irregular(mode: int, p: str, *, flag: str, what: str) -> None:
                             "are refused: they can block or never end)")
 
 
+def _ancestors(path: str) -> list[str]:
+    """``path`` and every folder above it, nearest first."""
+    out = [path]
+    while os.path.dirname(out[-1]) != out[-1]:
+        out.append(os.path.dirname(out[-1]))
+    return out
+
+
+def make_parent(path: str | os.PathLike, *, flag: str, code: str = "usage") -> None:
+    """Create the missing folders above an output file, as every output-path flag does (``--log-file``,
+    ``--perfetto``, ``--metrics-file``, ``graph -o``: one rule, the one the default ``./attn-setup-logs/`` needs).
+
+    Raises :class:`UsageError` (``code``, exit 2) naming ``flag`` when a folder cannot be created (a parent is a
+    file or a device, no permission)."""
+    p = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(p))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        above = next((a for a in _ancestors(parent) if os.path.exists(a)), parent)
+        why = f"{above!r} is not a folder" if not os.path.isdir(above) else e.strerror or str(e)
+        raise UsageError(f"cannot create the folder {parent!r} for {flag} {p!r}: {why}", code=code,
+                         flags=[(flag, p)], remedy=f"pass a path for {flag} whose folders exist or can be created "
+                         "(missing ones are created)") from None
+
+
+def check_output(path: str | os.PathLike, *, flag: str, what: str) -> None:
+    """An output path a command writes by name (``--metrics-file``, ``graph -o``) before it writes: an existing
+    target must be a regular file (a device such as ``/dev/full`` would be replaced by a rename, a FIFO would block a
+    write), and missing folders are created (:func:`make_parent`). Raises :class:`UsageError` naming ``flag``."""
+    p = os.fspath(path)
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:
+        mode = None  # missing: written new
+    if mode is not None:
+        _refuse_irregular(mode, p, flag=flag, what=what)
+    make_parent(p, flag=flag)
+
+
 def open_regular(path: str | os.PathLike, mode: str, *, flag: str, what: str) -> IO[bytes]:
     """Open ``path`` for binary reading (``"rb"``), appending (``"ab"``) or writing (``"wb"``; both
-    create a missing file), refusing anything that is not a regular file.
+    create a missing file and its missing folders, :func:`make_parent`), refusing anything that is not a regular
+    file.
 
     A FIFO would block the open (or every read) forever and a device (``/dev/zero``,
     ``/dev/urandom``, ``/dev/full``) never ends or fails every write, so the file is opened
@@ -47,6 +88,8 @@ def open_regular(path: str | os.PathLike, mode: str, *, flag: str, what: str) ->
     flags = {"rb": os.O_RDONLY, "ab": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
              "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}[mode] | getattr(os, "O_NONBLOCK", 0)
     code = "file_unreadable" if mode == "rb" else "log_file_unwritable"
+    if mode != "rb":
+        make_parent(p, flag=flag, code=code)
     try:
         fd = os.open(p, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError as e:

@@ -291,6 +291,31 @@ DEFAULT_RULE = LayerRule(_uniform, False, "HF convention for other decoders: sli
                                           "applies to every layer")
 
 
+def layer_rule_note(src: str | os.PathLike | Mapping[str, Any]) -> str | None:
+    """Which rule read the layers of a config whose ``model_type`` has no :data:`LAYER_RULES` entry and that lists
+    no layer types itself (``layer_types`` / ``layers_block_type`` / ``attn_type_list``) — one sentence naming the
+    rule applied and how to override it — else None (a known model type, or an explicit list: nothing was
+    guessed). ``src`` is a config :func:`load_model_spec` has read (this reads it again, as it did)."""
+    data = _read_json(pathlib.Path(src)) if isinstance(src, (str, os.PathLike)) else src
+    top = _Cfg(data, "$")
+    c = _text_cfg(top)
+    model_type = c.get("model_type") or top.get("model_type")
+    if model_type in LAYER_RULES or any(c.get(k) is not None
+                                        for k in ("layer_types", "layers_block_type", "attn_type_list")):
+        return None
+    if c.get("full_attention_interval") is not None and any(k.startswith("linear_") for k in c.data):
+        rule = "the Qwen3-Next layout (full attention every full_attention_interval-th layer, linear attention between)"
+    elif c.get("attn_layer_period") is not None and c.get("attn_layer_offset") is not None:
+        rule = "the Jamba layout (attention where i % attn_layer_period == attn_layer_offset, mamba elsewhere)"
+    elif c.get("sliding_window") is not None:
+        rule = f"the default rule ({DEFAULT_RULE.cite}): every layer slides over sliding_window"
+    else:
+        rule = f"the default rule ({DEFAULT_RULE.cite}): every layer is full attention"
+    return (f"model_type {_show(model_type)} has no layer rule in attn-setup (LAYER_RULES), so its layers were read "
+            f"by {rule}; if that is wrong, list every layer in config.json's layer_types (full_attention, "
+            "sliding_attention, chunked_attention, linear_attention or mamba, one per layer)")
+
+
 def yarn_mscale(factor: float, mscale: float) -> float:
     """YaRN attention-scale correction ``0.1 * mscale * ln(factor) + 1`` (1.0 when factor <= 1).
 
@@ -421,15 +446,29 @@ def _mla(c: _Cfg) -> MLADims | None:
                    v_head_dim=c.integer("v_head_dim", required=True), q_lora_rank=c.integer("q_lora_rank"))
 
 
+def _computed_head_dim(c: _Cfg, hidden: int, heads: int) -> ModelConfigError:
+    """A config without ``head_dim`` whose ``hidden_size / num_attention_heads`` is no even integer: the error names
+    the two keys it was computed from (the JSON path is ``hidden_size``'s), never the absent ``head_dim`` key."""
+    quotient = f"{hidden} / {heads} = {hidden / heads:g}"
+    why = ("not an integer" if hidden % heads else "odd (rotary embeddings rotate pairs of dims)" if hidden // heads % 2
+           else f"above the largest head_dim accepted ({UPPER['head_dim']})")
+    return ModelConfigError(
+        f"the config has no head_dim, so it is computed as {c.at('hidden_size')} / {c.at('num_attention_heads')} "
+        f"= {quotient}, which is {why}", flags=[("hidden_size", hidden), ("num_attention_heads", heads)],
+        json_path=c.at("hidden_size"), allowed=["hidden_size / num_attention_heads an even integer",
+                                                "an explicit even head_dim"],
+        remedy="add the model's head_dim to config.json, or fix hidden_size / num_attention_heads (compare with the "
+               "model's published config on the Hub)")
+
+
 def _head_dims(c: _Cfg, hidden: int, heads: int, mla: MLADims | None) -> tuple[int, int]:
     """(qk head dim, v head dim) of the un-absorbed model."""
     if mla is not None:
         return mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
     head_dim = c.integer("head_dim")
-    if head_dim is None:
-        if hidden % heads:
-            raise c.bad("head_dim", None, "an integer >= 1",
-                        f"is missing and hidden_size={hidden} is not divisible by num_attention_heads={heads}")
+    if head_dim is None:  # computed as HF's LlamaConfig does: hidden_size // num_attention_heads
+        if hidden % heads or (hidden // heads) % 2 or hidden // heads > UPPER["head_dim"]:
+            raise _computed_head_dim(c, hidden, heads)
         head_dim = hidden // heads
     if head_dim % 2:
         raise c.bad("head_dim", head_dim, "an even integer", "must be even (rotary embeddings rotate pairs of dims)")

@@ -17,8 +17,13 @@ import msgspec
 
 from pipeline.core.errors import ConfigError
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp8_e4m3", "fp8_e5m2")
-MODEL_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+# One alias set for --dtype and --kv-cache-dtype (sglang's dtype takes half/float, its kv_cache_dtype bf16: both take
+# every spelling here); canonical name -> its spellings. pipeline.core.dtypes.norm_dtype maps each to its name.
+DTYPE_SPELLINGS = {"bfloat16": ("bfloat16", "bf16"), "float16": ("float16", "fp16", "half"),
+                   "float32": ("float32", "fp32", "float")}
+_FLOATS = tuple(a for names in DTYPE_SPELLINGS.values() for a in names)
+KV_CACHE_DTYPES = ("auto", *_FLOATS, "fp8_e4m3", "fp8_e5m2")
+MODEL_DTYPES = ("auto", *_FLOATS)
 MAX_PAGE_SIZE = 4096
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 # Byte sizes (workspaces, lazy memory) above this are typos: far above any device's memory, and

@@ -72,7 +72,17 @@ def render(summary: ev.StartupSummary, records: Iterable[ev.Event] = ()) -> str:
 
 
 def write_metrics(path: str, summary: ev.StartupSummary, records: Iterable[ev.Event] = ()) -> None:
-    """Write :func:`render` to ``path`` atomically (a temporary file renamed over it). Raises OSError."""
+    """Write :func:`render` to ``path`` atomically (a temporary file renamed over it). Raises OSError — also for an
+    existing ``path`` that is not a regular file (the rename would replace a device such as ``/dev/zero``, as root,
+    or a directory's entry), which is never touched."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise OSError(f"{path!r} is not a regular file")
     text = render(summary, records)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:

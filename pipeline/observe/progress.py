@@ -61,14 +61,16 @@ def describe(records: list[Any], now_ns: int, graph_sizes: int = 0) -> str:
 class StartupProgress:
     """A rich status line fed by ``log.records`` from a daemon thread; ``with StartupProgress(...):``."""
 
-    def __init__(self, log: Any, console: Any, graph_sizes: int = 0, every_s: float = 0.2) -> None:
+    def __init__(self, log: Any, console: Any, graph_sizes: int = 0, every_s: float = 0.2, lead: str = "") -> None:
         self.log, self.console, self.graph_sizes, self.every_s = log, console, graph_sizes, every_s
+        self.lead = lead  # e.g. why startup was slow (a cold start), kept in front of every line
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._status: Any = None
 
     def line(self) -> str:
-        return describe(list(self.log.records), time.time_ns(), self.graph_sizes)
+        text = describe(list(self.log.records), time.time_ns(), self.graph_sizes)
+        return f"{self.lead} · {text}" if self.lead else text
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -103,4 +105,12 @@ def progress_for(ns: Any, log: Any, request: Any) -> Any:
         sizes = count_batch_sizes(request.args, request.pool.max_reqs)
     except Exception:  # noqa: BLE001 - refused later by preflight with its own error
         sizes = 0
-    return StartupProgress(log, Console(stderr=True), sizes)
+    return StartupProgress(log, Console(stderr=True), sizes, lead=cold_start_lead(getattr(ns, "_torch_import", None)))
+
+
+def cold_start_lead(torch_import: Optional[dict[str, Any]]) -> str:
+    """The progress line's lead after a cold start: ``startup: import torch 9.8 s (first import in this environment:
+    …)``; empty when torch's bytecode was cached (nothing unusual to explain)."""
+    if not torch_import or not torch_import.get("cold"):
+        return ""
+    return f"startup: import torch {torch_import['seconds']:.1f} s ({torch_import['detail']})"

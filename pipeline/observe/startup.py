@@ -90,13 +90,44 @@ def _checks(records: list[ev.Event], start: Optional[ev.Event]) -> list[ev.Phase
     return out
 
 
+def timed_torch_import() -> dict[str, Any]:
+    """Import torch, timed: ``{seconds, cold, detail}`` — ``cold`` when its bytecode was compiled by this import
+    (torch's ``__pycache__`` entry written after the import began, or none at all: a fresh venv, a read-only
+    site-packages, ``PYTHONDONTWRITEBYTECODE``), which is what makes a first ``run`` spend ~10 s in ``startup``.
+    ``seconds`` is 0 when torch was already imported. Called once, before the run's log opens (not the hot path)."""
+    import importlib.util
+    import sys
+
+    if "torch" in sys.modules:
+        return {"seconds": 0.0, "cold": False, "detail": "already imported"}
+    wall0, t0 = time.time(), time.perf_counter()
+    import torch
+
+    seconds = time.perf_counter() - t0
+    try:
+        pyc = importlib.util.cache_from_source(torch.__file__)
+        mtime = os.stat(pyc).st_mtime
+    except (OSError, NotImplementedError, ValueError, TypeError):
+        mtime = None
+    if mtime is None:
+        return {"seconds": seconds, "cold": True,
+                "detail": "no cached bytecode found for torch: Python compiled it on this import (a fresh environment, "
+                          "PYTHONDONTWRITEBYTECODE or a read-only install)"}
+    if mtime >= wall0 - 1.0:
+        return {"seconds": seconds, "cold": True,
+                "detail": "first import in this environment: Python compiled torch's bytecode (cached for later runs)"}
+    return {"seconds": seconds, "cold": False, "detail": "cached bytecode"}
+
+
 def summarize(records: Iterable[ev.Event], *, start_ns: Optional[int], end_ns: int,
-              jit: Iterable[dict[str, Any]] = ()) -> dict[str, Any]:
+              jit: Iterable[dict[str, Any]] = (), startup_parts: Iterable[tuple[str, float, str]] = ()
+              ) -> dict[str, Any]:
     """The ``startup_summary`` fields of one launch's ``records`` (in order).
 
     ``start_ns``: the process start (wall clock, ns; None when unknown: ``startup`` then starts at the
     first record); ``end_ns``: when the summary is taken; ``jit``: the FlashInfer backends'
-    ``jit_report`` entries (``{variant, status, seconds}``). Returns ``{wall_s, phases, unaccounted_s,
+    ``jit_report`` entries (``{variant, status, seconds}``); ``startup_parts``: ``(name, seconds, detail)`` measured
+    inside ``startup`` (``import torch``, :func:`timed_torch_import`), shown as its children. Returns ``{wall_s, phases, unaccounted_s,
     coverage, process_start_ns}``; ``coverage`` = top-level seconds / ``wall_s`` (1.0 for a zero wall).
     """
     records = list(records)
@@ -105,7 +136,11 @@ def summarize(records: Iterable[ev.Event], *, start_ns: Optional[int], end_ns: i
     origin = start_ns if start_ns is not None else (records[0].ts_ns if records else end_ns)
     phases: list[ev.PhaseTime] = []
     if cmd is not None:
-        phases.append(_phase("startup", (cmd.ts_ns - origin) / 1e9, detail="interpreter, imports, arguments"))
+        parts = list(startup_parts)
+        cold = any("compiled" in d for _, _, d in parts)
+        phases.append(_phase("startup", (cmd.ts_ns - origin) / 1e9, detail="interpreter, imports, arguments"
+                             + ("; cold start: bytecode compiled (see import torch)" if cold else "")))
+        phases += [_phase(name, sec, parent="startup", detail=d) for name, sec, d in parts]
         stop = runner_started or first(ev.RunFailed) or first(ev.RunInterrupted)
         phases.append(_phase("preflight", ((stop.ts_ns if stop else end_ns) - cmd.ts_ns) / 1e9))
     phases += _runner_phases(records, jit)
@@ -145,9 +180,10 @@ def slow_threshold(flag_value: Optional[float]) -> Optional[float]:
 
 
 def emit_summary(log: Any, *, start_ns: Optional[int], jit: Iterable[dict[str, Any]] = (),
-                 slow_s: Optional[float] = None) -> ev.StartupSummary:
+                 slow_s: Optional[float] = None, startup_parts: Iterable[tuple[str, float, str]] = ()
+                 ) -> ev.StartupSummary:
     """Emit ``slow_phase`` warnings (phases over ``slow_s`` seconds) and the ``startup_summary``; returns it."""
-    s = summarize(log.records, start_ns=start_ns, end_ns=time.time_ns(), jit=jit)
+    s = summarize(log.records, start_ns=start_ns, end_ns=time.time_ns(), jit=jit, startup_parts=startup_parts)
     if slow_s is not None:
         for p in s["phases"]:
             if p.seconds > slow_s:

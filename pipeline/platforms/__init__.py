@@ -9,7 +9,10 @@ from __future__ import annotations
 from pipeline.platforms.base import Platform
 from pipeline.core.errors import ConfigError
 
-__all__ = ["Platform", "platform_for", "parse_device"]
+__all__ = ["Platform", "platform_for", "parse_device", "device_survey", "device_unavailable"]
+
+# Device types that parse (pipeline.core.validation.DEVICE_TYPES) but that no platform here serves, and why.
+NO_PLATFORM = {"mps": "Apple MPS has no attn-setup platform and no backend record lists it"}
 
 
 def parse_device(device: str) -> tuple[str, int]:
@@ -53,9 +56,67 @@ def platform_for(device: str) -> Platform:
 
         mod, cls = _VENDOR[kind]
         return getattr(importlib.import_module(mod), cls)()
-    raise ConfigError(
-        f"device type {kind!r} has no platform on this machine",
-        code="device_unavailable", flags=[("device", device)],
-        allowed=["auto", "cpu", "cuda[:N]", "musa[:N]", "npu[:N]", "xpu[:N]"],
-        remedy="pass device='cpu', or run on a machine with that accelerator and its torch plugin",
-    )
+    raise device_unavailable(device, NO_PLATFORM.get(kind, f"device type {kind!r} has no attn-setup platform"))
+
+
+def _why_not(kind: str) -> tuple[int, str]:
+    """(devices of ``kind`` torch sees here, why none when 0) — imports torch and, if installed, the vendor plugin."""
+    import importlib
+
+    import torch
+
+    if kind == "cuda":
+        if torch.cuda.is_available():
+            return torch.cuda.device_count(), ""
+        cpu_build = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+        return 0, "torch sees no CUDA device" + (f": torch {torch.__version__} is a CPU-only build" if cpu_build
+                                                 else "")
+    mod_name, cls = _VENDOR[kind]
+    plugin = getattr(importlib.import_module(mod_name), cls).plugin
+    if plugin is not None:
+        try:
+            importlib.import_module(plugin)
+        except ImportError:
+            return 0, f"its torch plugin {plugin} is not installed"
+        except Exception as e:  # noqa: BLE001 - a broken plugin is a reason, not a crash
+            return 0, f"its torch plugin {plugin} does not import ({type(e).__name__}: {e})"
+    mod = getattr(torch, kind, None)
+    try:
+        count = int(mod.device_count()) if mod is not None and mod.is_available() else 0
+    except Exception as e:  # noqa: BLE001
+        return 0, f"torch.{kind} fails ({type(e).__name__}: {e})"
+    return (count, "") if count else (0, f"torch.{kind} reports no device")
+
+
+def device_survey() -> tuple[list[str], dict[str, str]]:
+    """What ``device`` may be on this machine: ``(usable, not_here)``.
+
+    ``usable``: ``cpu`` and one ``<type>:<index>`` per device torch sees (cuda, musa, npu, xpu);
+    ``not_here``: each other device type with why it is not usable (no GPU, a CPU-only torch build, the
+    vendor plugin not installed, no platform at all). Imports torch (and an installed vendor plugin): call it
+    on an error path, never on a start that works.
+    """
+    usable, not_here = ["cpu"], {}
+    for kind in ("cuda", *_VENDOR):
+        count, why = _why_not(kind)
+        usable += [f"{kind}:{i}" for i in range(count)]
+        if why:
+            not_here[kind] = why
+    return usable, {**not_here, **NO_PLATFORM}
+
+
+def device_unavailable(device: str, why: str, install: str = "") -> ConfigError:
+    """The ``device_unavailable`` ConfigError for ``device`` (as the user wrote it): ``why`` it cannot be used,
+    ``allowed`` the devices usable on this machine and, in the message, why each other device type is not
+    (:func:`device_survey`) — so ``--device npu`` on a CPU-only host never lists ``cuda`` as allowed. The remedy
+    picks a usable device; ``install`` names the plugin that would make ``device`` usable."""
+    usable, not_here = device_survey()
+    kind = device.partition(":")[0]
+    others = ", ".join(f"{k} ({w})" for k, w in not_here.items() if k != kind)
+    where = f"install torch with its {install} plugin on a machine with that accelerator" if install else \
+        "run on a machine with that accelerator and its torch plugin"
+    return ConfigError(
+        f"{device} cannot be used: {why}. Usable on this machine: {', '.join(usable)}"
+        + (f". Not usable here: {others}" if others else ""),
+        code="device_unavailable", flags=[("device", device)], allowed=usable,
+        remedy=f"pass device='{usable[1] if len(usable) > 1 else 'cpu'}', or {where}")

@@ -13,13 +13,13 @@ class CudaPlatform:
 
     device_type = "cuda"
 
-    def _torch(self):
+    def _torch(self, device: str = "cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError("CUDA was asked for but torch sees no CUDA device", code="device_unavailable",
-                              flags=[("device", "cuda")], allowed=["cpu"],
-                              remedy="pass device='cpu', or install a CUDA build of torch on a GPU machine")
+            from pipeline.platforms import _why_not, device_unavailable
+
+            raise device_unavailable(device, _why_not("cuda")[1])
         return torch
 
     def init_blas(self) -> bool:
@@ -30,7 +30,7 @@ class CudaPlatform:
         return True
 
     def device_facts(self, index: int = 0) -> DeviceFacts:
-        torch = self._torch()
+        torch = self._torch(f"cuda:{index}")
         if index >= torch.cuda.device_count():
             raise ConfigError(f"cuda:{index} does not exist (this machine has {torch.cuda.device_count()} GPUs)",
                               code="device_unavailable", flags=[("device", f"cuda:{index}")],

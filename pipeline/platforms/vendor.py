@@ -34,29 +34,31 @@ class VendorPlatform:
     def __init__(self) -> None:
         self._plugin_mod: Any = None
 
-    def _unavailable(self, why: str) -> ConfigError:
-        return ConfigError(f"{self.device_type} was asked for but {why}", code="device_unavailable",
-                           flags=[("device", self.device_type)], allowed=["cpu", "cuda[:N]"],
-                           remedy=f"install torch with its {self.plugin or self.device_type} plugin on a machine "
-                                  f"with that accelerator, or pass device='cpu'")
+    def _unavailable(self, why: str, device: str = "") -> ConfigError:
+        """``device_unavailable`` naming ``why`` and what this machine can use instead
+        (:func:`pipeline.platforms.device_unavailable`)."""
+        from pipeline.platforms import device_unavailable
 
-    def vendor_module(self) -> Any:
+        return device_unavailable(device or self.device_type, why, install=self.plugin or self.device_type)
+
+    def vendor_module(self, device: str = "") -> Any:
         """The imported plugin module (imported once; raises ConfigError when it is not installed)."""
         if self._plugin_mod is None and self.plugin is not None:
             try:
                 self._plugin_mod = importlib.import_module(self.plugin)
             except ImportError as e:
-                raise self._unavailable(f"{self.plugin} cannot be imported ({e})") from e
+                raise self._unavailable(f"{self.plugin} cannot be imported ({e})", device) from e
         return self._plugin_mod
 
-    def device_module(self) -> Any:
-        """``torch.<device_type>`` after the plugin registered it; ConfigError when absent or no device."""
-        self.vendor_module()
+    def device_module(self, device: str = "") -> Any:
+        """``torch.<device_type>`` after the plugin registered it; ConfigError (naming ``device``, default the
+        bare type) when absent or no device."""
+        self.vendor_module(device)
         import torch
 
         mod = getattr(torch, self.device_type, None)
         if mod is None or not mod.is_available():
-            raise self._unavailable(f"torch.{self.device_type} reports no device")
+            raise self._unavailable(f"torch.{self.device_type} reports no device", device)
         return mod
 
     def init_blas(self) -> bool:
@@ -65,7 +67,7 @@ class VendorPlatform:
 
     def device_facts(self, index: int = 0) -> DeviceFacts:
         """Facts of device ``index`` from the device module's ``get_device_properties``."""
-        mod = self.device_module()
+        mod = self.device_module(f"{self.device_type}:{index}")
         count = int(mod.device_count())
         if not 0 <= index < count:
             raise ConfigError(f"{self.device_type}:{index} does not exist (this machine has {count})",
