@@ -40,6 +40,14 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
 
+    last_argv: list[str] = []  # the command line the top-level parse_args got (subparsers report its errors)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        import sys
+
+        _Parser.last_argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
+
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
         flags, hints = [], []
         if "unrecognized arguments:" in message:
@@ -56,8 +64,52 @@ class _Parser(argparse.ArgumentParser):
                 if near:
                     hints.append(f"{opt}: did you mean {' or '.join(near[:2])}?"
                                  + (" (abbreviations are not accepted)" if prefix else ""))
+        allowed: list[str] = []
+        if not flags:
+            flags, allowed, hint = self._argument_error(message, list(getattr(self, "argv", None) or _Parser.last_argv))
+            hints += [hint] if hint else []
         remedy = "; ".join(hints + [f"see '{self.prog} --help'"])
-        raise UsageError(f"{self.prog}: {message}", code="usage", flags=flags, remedy=remedy)
+        raise UsageError(f"{self.prog}: {message}", code="usage", flags=flags, allowed=allowed, remedy=remedy)
+
+    @staticmethod
+    def _argument_error(message: str, argv: list[str]) -> tuple[list[tuple[str, Any]], list[str], str]:
+        """The flag, its value, what it allows and a hint, from argparse's own ``argument X: …`` and
+        ``the following arguments are required: …`` messages (argparse words them; the ErrorInfo must
+        name the flag in ``flags`` too, not only in the text)."""
+        import re
+
+        m = re.match(r"argument (\S+): (.*)", message, re.S)
+        if m is None:
+            req = re.match(r"the following arguments are required: (.*)", message)
+            names = [n.strip() for n in req.group(1).split(",")] if req else []
+            return ([(n.split("/")[-1], None) for n in names],
+                    [f"{n.split('/')[-1]} given" for n in names], "")
+        flag, why = m.group(1).split("/")[-1], m.group(2)
+        spelled = [o for o in m.group(1).split("/")]
+        value: Any = None
+        for i, tok in enumerate(argv):
+            name, eq, rest = tok.partition("=")
+            if name in spelled:
+                value = rest if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+        got = re.search(r"invalid (\w+) value: '(.*)'$", why, re.S)
+        allowed, hint = [], ""
+        if got is not None:
+            value = got.group(2)
+            allowed = [{"int": "an integer (decimal digits, e.g. 8)", "float": "a number (e.g. 0.5)"}.get(
+                got.group(1), f"a {got.group(1)} value")]
+            hint = f"pass {flag} {allowed[0].split(' (')[0].replace('an integer', 'a whole number')}"
+        elif why.startswith("invalid choice"):
+            allowed = re.findall(r"'([^']*)'", why.split("choose from", 1)[-1])
+            hint = f"pass {flag} with one of: {', '.join(allowed)}"
+        elif why.startswith("expected"):
+            allowed = ["a value after the flag"]
+            hint = (f"a value that starts with '-' must be attached: {flag}=VALUE" if value is not None
+                    and str(value).startswith("-") else f"give {flag} its value")
+        elif "not allowed with argument" in why:
+            other = why.split("not allowed with argument", 1)[1].strip().split("/")[-1]
+            allowed = [f"{flag} or {other}, not both"]
+            hint = f"drop {flag} or {other}"
+        return [(flag, value)], allowed, hint
 
     def _all_options(self, argv: Sequence[str] = ()) -> set[str]:
         """Long options of this parser and of the subcommand named in ``argv`` (of all, if none is)."""
