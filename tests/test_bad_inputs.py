@@ -220,6 +220,8 @@ def _call(case, llama, tmp_path):
         return build_attention_backends(SetupRequest(model=llama, device="cpu", pool=pool), **kw)
     if call == "Runner":
         return Runner(RunnerConfig(request=SetupRequest(model=llama, device="cpu", pool=small)), **kw)
+    if call == "RunnerConfig":
+        return RunnerConfig(request=SetupRequest(model=llama, device="cpu", pool=small), **kw)
     assert call == "closed_backend"
     from pipeline.backends.memory import PageAllocator, make_forward_batch
     from pipeline.core.contracts import ForwardMode

@@ -40,6 +40,14 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
 
+    last_argv: list[str] = []  # the command line the top-level parse_args got (subparsers report its errors)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        import sys
+
+        _Parser.last_argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
+
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
         """Raise the usage error: named for the subcommand the user typed (``attn-setup plan: …``), each unknown
         flag with the value that followed it, a "did you mean" over this subcommand's flags, the other
@@ -69,15 +77,51 @@ class _Parser(argparse.ArgumentParser):
                 if near:
                     hints.append(f"{opt}: did you mean {' or '.join(near[:2])}?"
                                  + (" (abbreviations are not accepted)" if prefix else ""))
+        allowed: list[str] = []
+        if not flags:
+            flags, allowed, hint = self._argument_error(message, argv or list(getattr(_Parser, "last_argv", [])))
+            hints += [hint] if hint else []
+        remedy = "; ".join(hints + [f"see '{prog} --help'"])
+        raise UsageError(f"{prog}: {message}", code="usage", flags=flags, allowed=allowed, remedy=remedy)
+
+    @staticmethod
+    def _argument_error(message: str, argv: list[str]) -> tuple[list[tuple[str, Any]], list[str], str]:
+        """The flag, its value, what it allows and a hint, from argparse's own ``argument X: …`` and
+        ``the following arguments are required: …`` messages (argparse words them; the ErrorInfo must
+        name the flag in ``flags`` too, not only in the text)."""
         import re
 
-        arg = re.match(r"argument ((?:-[\w-]+/?)+):", message)  # "argument -o/--output: expected one argument"
-        if arg:
-            value = re.search(r"(?:value|choice): '(.*)'", message)
-            name = next((o for o in arg.group(1).split("/") if o.startswith("--")), arg.group(1).split("/")[0])
-            flags.append((name, value.group(1) if value else ""))
-        remedy = "; ".join(hints + [f"see '{prog} --help'"])
-        raise UsageError(f"{prog}: {message}", code="usage", flags=flags, remedy=remedy)
+        m = re.match(r"argument (\S+): (.*)", message, re.S)
+        if m is None:
+            req = re.match(r"the following arguments are required: (.*)", message)
+            names = [n.strip() for n in req.group(1).split(",")] if req else []
+            return ([(n.split("/")[-1], "") for n in names],
+                    [f"{n.split('/')[-1]} given" for n in names], "")
+        flag, why = m.group(1).split("/")[-1], m.group(2)
+        spelled = [o for o in m.group(1).split("/")]
+        value: Any = ""
+        for i, tok in enumerate(argv):
+            name, eq, rest = tok.partition("=")
+            if name in spelled:
+                value = rest if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+        got = re.search(r"invalid (\w+) value: '(.*)'$", why, re.S)
+        allowed, hint = [], ""
+        if got is not None:
+            value = got.group(2)
+            allowed = [{"int": "an integer (decimal digits, e.g. 8)", "float": "a number (e.g. 0.5)"}.get(
+                got.group(1), f"a {got.group(1)} value")]
+            hint = f"pass {flag} {allowed[0].split(' (')[0].replace('an integer', 'a whole number')}"
+        elif why.startswith("invalid choice"):
+            allowed = re.findall(r"'([^']*)'", why.split("choose from", 1)[-1])
+            hint = f"pass {flag} with one of: {', '.join(allowed)}"
+        elif why.startswith("expected"):
+            allowed = ["a value after the flag"]
+            hint = (f"a value that starts with '-' must be attached: {flag}=VALUE" if str(value).startswith("-") else f"give {flag} its value")
+        elif "not allowed with argument" in why:
+            other = why.split("not allowed with argument", 1)[1].strip().split("/")[-1]
+            allowed = [f"{flag} or {other}, not both"]
+            hint = f"drop {flag} or {other}"
+        return [(flag, value)], allowed, hint
 
     def _options_by_command(self) -> dict[str, set[str]]:
         """``{subcommand: its long options}`` (empty for a subcommand's own parser)."""

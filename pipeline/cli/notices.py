@@ -18,29 +18,12 @@ import argparse
 import os
 from typing import Any
 
+from pipeline.core.weight_sizing import weight_bytes  # the estimate (moved to the core: the runner refuses with it)
+
 __all__ = ["run_notices", "weight_bytes", "MEMORY_NOTICE_BYTES", "MANY_STEPS"]
 
 MEMORY_NOTICE_BYTES = 4 << 30   # weights + their float64 reference copy above this: say so
 MANY_STEPS = 30                 # more decode steps than this: say so
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def weight_bytes(model: Any, num_layers: int, dtype: str) -> tuple[int, int]:
-    """(model-dtype bytes, float64 reference bytes) of the first ``num_layers`` attention layers' weights."""
-    from pipeline.core.model_spec import attention_prefix
-
-    elems, n_hidden = 0, attention_prefix(model, num_layers)
-    for kind in model.layer_kinds():
-        layers = sum(1 for lid in kind.layer_ids if lid < n_hidden)
-        h, hkv, hid = kind.num_heads, kind.num_kv_heads, model.hidden_size
-        if kind.is_mla:
-            m = model.mla
-            per = (h * (m.qk_nope_head_dim + m.qk_rope_head_dim) * hid + (m.kv_lora_rank + m.qk_rope_head_dim) * hid
-                   + h * m.qk_nope_head_dim * m.kv_lora_rank + h * m.v_head_dim * m.kv_lora_rank + hid * h * m.v_head_dim)
-        else:
-            per = (h + 2 * hkv) * kind.head_dim_qk * hid + hid * h * kind.head_dim_v
-        elems += layers * per
-    return elems * _DTYPE_BYTES.get(dtype, 2), elems * 8
 
 
 def _gib(n: int) -> str:

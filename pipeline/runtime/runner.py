@@ -60,6 +60,27 @@ class RunnerConfig:
     min_token_slots: int = 0
     min_token_slots_for: str = ""
 
+    def __post_init__(self) -> None:
+        """Every field but ``request`` (which :class:`Runner` checks) against its annotation, as the msgspec
+        contracts check theirs (:func:`pipeline.core.validation.matches`): a wrong type is ConfigError
+        ``invalid_value`` naming the field, its value and the type, before anything is built — not a TypeError
+        from deep inside load-model (``num_layers="2"`` compared an int with a str there)."""
+        import dataclasses
+        import typing
+
+        from pipeline.core import validation
+        from pipeline.core.errors import ConfigError
+
+        hints = typing.get_type_hints(RunnerConfig)
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "request" or validation.matches(v, hints[f.name]):
+                continue
+            want = validation._type_name(hints[f.name]).replace("Ellipsis", "...")
+            raise ConfigError(f"RunnerConfig.{f.name} must be {want}, got {validation._describe(v)}",
+                              code="invalid_value", flags=[(f.name, v if isinstance(v, (int, float, str)) else repr(v))],
+                              allowed=[want], remedy=f"pass a value of type {want} for {f.name}")
+
 
 class Runner:
     """Drives the outer machine. Call :meth:`initialize`, or the steps one by one in order.

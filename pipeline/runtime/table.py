@@ -121,7 +121,22 @@ def decide_model(r: Any) -> LoadDecision:
     dtype = model_dtype(r.config.request.args, served)
     if not attention_layer_ids(served):  # nothing to cut: the setup machine refuses a model without attention
         return LoadDecision(dtype=dtype, spec=served)
-    return LoadDecision(dtype=dtype, spec=truncate_spec(served, r.config.num_layers))
+    spec = truncate_spec(served, r.config.num_layers)
+    _check_weights(r, served, dtype)
+    return LoadDecision(dtype=dtype, spec=spec)
+
+
+def _check_weights(r: Any, served: Any, dtype: str) -> None:
+    """The stack's weights and their float64 reference against the memory free now (weights_exceed_memory);
+    :mod:`pipeline.core.weight_sizing`."""
+    from pipeline.core.pool_sizing import host_available_bytes
+    from pipeline.core.weight_sizing import check_weights_fit
+
+    n = r.config.num_layers if r.config.num_layers is not None else len(attention_layer_ids(served))
+    on_host = r.platform.torch_device(r.index) == "cpu"
+    host = host_available_bytes()
+    check_weights_fit(served, n, dtype, device_free=host if on_host else available_bytes(r.platform, r.index),
+                      host_free=host, on_host=on_host, device=r.platform.torch_device(r.index))
 
 
 def load_model(r: Any, d: LoadDecision) -> None:
