@@ -24,7 +24,8 @@ every record type with hypothesis).
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Callable, ClassVar, Literal, Optional, Union
+import threading
+from typing import Annotated, Any, Callable, ClassVar, Iterator, Literal, Mapping, Optional, Union
 
 import msgspec
 import msgspec.inspect as mi
@@ -451,6 +452,7 @@ AnyEvent = Union[
     StartupSummary, SlowPhase, EnvVarLookalike, JitVariantLoaded,
 ]
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
+_BY_TAG: dict[str, type[Event]] = {c.__struct_config__.tag: c for c in EVENT_TYPES}  # type: ignore[misc]
 
 _decoder = msgspec.json.Decoder(AnyEvent)
 _encoder = msgspec.json.Encoder()
@@ -675,8 +677,37 @@ def _restore(x: Any, spec: Any) -> Any:
     return x
 
 
-_MEMO: dict[type, Any] = {}
-FLOAT_FIELDS: dict[str, Any] = {}  # event tag → where its float fields are (for "NaN"/"Infinity" text)
+class _FloatFields(Mapping[str, Any]):
+    """Event tag → where its float fields are (see :func:`_float_spec`; for ``"NaN"``/``"Infinity"`` text).
+
+    Computed per tag on first lookup, not at import: ``msgspec.inspect.type_info`` over every record type
+    took ~70 % of this module's import time, paid by every process (``plan`` included) whether or not it
+    ever reads a record with a non-finite float.
+    """
+
+    def __init__(self) -> None:
+        self._memo: dict[type, Any] = {}
+        self._specs: dict[str, Any] = {}
+        self._lock = threading.Lock()  # the memo holds a placeholder while a Struct is being walked
+
+    def __getitem__(self, tag: str) -> Any:
+        try:
+            return self._specs[tag]
+        except KeyError:
+            cls = _BY_TAG[tag]  # KeyError for an unknown tag, as a dict
+            with self._lock:
+                if tag not in self._specs:
+                    self._specs[tag] = _float_spec(mi.type_info(cls), self._memo)
+            return self._specs[tag]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_BY_TAG)
+
+    def __len__(self) -> int:
+        return len(_BY_TAG)
+
+
+FLOAT_FIELDS: Mapping[str, Any] = _FloatFields()
 
 
 def restore_floats(obj: dict[str, Any]) -> dict[str, Any]:
@@ -698,10 +729,6 @@ def decode_line(line: bytes | str) -> Event:
         if not isinstance(obj, dict):
             raise
         return msgspec.convert(restore_floats(obj), AnyEvent)
-
-
-for _cls in EVENT_TYPES:
-    FLOAT_FIELDS[_cls.__struct_config__.tag] = _float_spec(mi.type_info(_cls), _MEMO)
 
 
 def event_name(cls: type[Event]) -> str:
