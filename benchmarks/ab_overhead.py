@@ -10,12 +10,14 @@ sides alike:
 * **plan**: ``python -m pipeline.cli plan --device-profile h200 --json`` as a fresh process per run, with the working
   directory and ``PYTHONPATH`` at each tree, A and B alternated ``--plan-runs`` times.
 
-Printed per measure: median, 10th and 90th percentile (ms) for A and B, the ratio of medians B/A, and the median of
-paired ratios (per round, per A/B pair of processes) with their 10th–90th percentile spread, which is what cancels the machine's load. The old
-tree needs its own ``benchmarks/pipeline_overhead.py`` with ``piped``/``direct`` (any commit since issue 2).
+Several new trees (``--new B C``) are measured in the same loop, each round in a rotated order. Printed per
+measure and tree: median, 10th and 90th percentile (ms) of A and of the tree, the ratio of medians, and the median
+of paired ratios (per round of batches, per round of fresh processes) with their 10th–90th percentile spread, which
+is what cancels the machine's load. The old tree needs its own ``benchmarks/pipeline_overhead.py`` with
+``piped``/``direct`` (any commit since issue 2).
 
     git worktree add --detach /tmp/old a91a56e
-    python benchmarks/ab_overhead.py --old /tmp/old [--rounds 40 --batch 25 --plan-runs 40]
+    python benchmarks/ab_overhead.py --old /tmp/old [--new TREE …] [--rounds 40 --batch 25 --plan-runs 40]
 """
 
 from __future__ import annotations
@@ -116,49 +118,59 @@ def _plan_modes(pycache: str) -> dict[str, dict[str, str]]:
             "no pyc": {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": pycache + "-unused"}}
 
 
+def _rotated(items: list, i: int) -> list:
+    """``items`` rotated by ``i`` (each tree goes first in turn, so none always runs right after another)."""
+    k = i % len(items)
+    return items[k:] + items[:k]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", type=Path, required=True, help="checkout of the old commit (A)")
-    ap.add_argument("--new", type=Path, default=ROOT, help="checkout of the new commit (B); default this tree")
+    ap.add_argument("--new", type=Path, nargs="+", default=[ROOT],
+                    help="checkouts compared with A in the same loop (B, C, …); default this tree")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--batch", type=int, default=25)
     ap.add_argument("--plan-runs", type=int, default=40)
     ns = ap.parse_args()
-    a_root, b_root = ns.old.resolve(), ns.new.resolve()
+    roots = [ns.old.resolve()] + [p.resolve() for p in ns.new]
     keys = {"build wall": "piped", "build CPU": "piped_cpu", "direct wall": "direct", "direct CPU": "direct_cpu"}
-    res: dict[str, tuple[list, list, list]] = {k: ([], [], []) for k in keys}
+    # measure → tree → (every time, per-round medians)
+    res: dict[str, dict[Path, tuple[list, list]]] = {}
     if ns.rounds:
-        wa, wb = Worker(a_root), Worker(b_root)
+        workers = {r: Worker(r) for r in roots}
         try:
             for i in range(ns.rounds):
-                first, second = (wa, wb) if i % 2 == 0 else (wb, wa)
-                r1, r2 = first.batch(ns.batch), second.batch(ns.batch)
-                ra, rb = (r1, r2) if first is wa else (r2, r1)
+                got = {r: workers[r].batch(ns.batch) for r in _rotated(roots, i)}
                 for key, src in keys.items():
-                    res[key][0].extend(ra[src])
-                    res[key][1].extend(rb[src])
-                    res[key][2].append(statistics.median(rb[src]) / statistics.median(ra[src]))
+                    for r, out in got.items():
+                        times, meds = res.setdefault(key, {}).setdefault(r, ([], []))
+                        times.extend(out[src])
+                        meds.append(statistics.median(out[src]))
         finally:
-            wa.close(), wb.close()
+            for w in workers.values():
+                w.close()
     with tempfile.TemporaryDirectory() as pycache:
         for mode, env in _plan_modes(pycache).items():
-            for wall_or_cpu in ("wall", "CPU"):
-                res[f"cold plan, {mode}, {wall_or_cpu}"] = ([], [], [])
-            plan_ms(a_root, env), plan_ms(b_root, env)  # warm the file cache (and write the bytecode)
+            for r in roots:
+                plan_ms(r, env)  # warm the file cache (and write the bytecode)
             for i in range(ns.plan_runs):
-                order = (a_root, b_root) if i % 2 == 0 else (b_root, a_root)
-                t = {r: plan_ms(r, env) for r in order}
+                t = {r: plan_ms(r, env) for r in _rotated(roots, i)}
                 for j, wall_or_cpu in enumerate(("wall", "CPU")):
-                    a, b, r = res[f"cold plan, {mode}, {wall_or_cpu}"]
-                    a.append(t[a_root][j]), b.append(t[b_root][j]), r.append(t[b_root][j] / t[a_root][j])
-    print(f"A = {a_root}  B = {b_root}")
-    print(f"build: {ns.rounds} rounds x {ns.batch} runs per side (paired ratio per round); "
-          f"cold plan: {ns.plan_runs} fresh processes per side and mode (paired ratio per A/B pair)")
-    print("| measure | A median ms (p10–p90) | B median ms (p10–p90) | B/A medians | paired B/A median (p10–p90) |")
-    print("|---|---|---|---|---|")
-    for key, (a, b, r) in res.items():
-        if len(a) > 1:
-            print(row(key, a, b, r))
+                    for r in roots:
+                        times, meds = res.setdefault(f"cold plan, {mode}, {wall_or_cpu}", {}).setdefault(r, ([], []))
+                        times.append(t[r][j]), meds.append(t[r][j])
+    print(f"A = {roots[0]}")
+    print(f"build: {ns.rounds} rounds x {ns.batch} runs per tree (paired ratio per round); "
+          f"cold plan: {ns.plan_runs} fresh processes per tree and mode (paired ratio per round of processes)")
+    print("| measure | tree | A median ms (p10–p90) | tree median ms (p10–p90) | tree/A medians | "
+          "paired tree/A median (p10–p90) |")
+    print("|---|---|---|---|---|---|")
+    for key, by in res.items():
+        a_times, a_meds = by[roots[0]]
+        for r in roots[1:]:
+            times, meds = by[r]
+            print(row(f"{key} | {r}", a_times, times, [m / am for m, am in zip(meds, a_meds)]))
     return 0
 
 
