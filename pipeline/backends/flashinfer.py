@@ -55,7 +55,8 @@ from pipeline.backends.flashinfer_wrappers import (  # noqa: F401 (re-exported: 
     MLA_DIMS, PACKAGE, KindWrappers, MLAWrappers, _check_ctx, import_flashinfer,
 )
 from pipeline.core.contracts import ForwardMode, LayerKind
-from pipeline.core.errors import CapabilityMismatch, ConfigError
+from pipeline.backends.kv_indices import gather_kv_indices, host_page_meta  # noqa: F401 (as before the split)
+from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError  # noqa: F401
 from pipeline.backends.flashinfer_jit import Variant, ensure_compiled, variants_for
 from pipeline.backends.memory import is_fp8, layer_kv_scales
 

@@ -15,7 +15,7 @@ from pipeline.backends.memory import is_fp8
 from pipeline.core.contracts import LayerKind
 from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError
 
-FlashInferBackend = Any  # the backend (pipeline.backends.flashinfer) that builds these; not imported: it imports us
+_Backend = Any  # the FlashInferBackend (pipeline.backends.flashinfer) that builds these; not imported: it imports us
 
 
 PACKAGE = "flashinfer-python"
@@ -45,7 +45,7 @@ class MLAWrappers:
     mla = True
     sinks = False
 
-    def __init__(self, fi: Any, kind: LayerKind, backend: "FlashInferBackend") -> None:
+    def __init__(self, fi: Any, kind: LayerKind, backend: "_Backend") -> None:
         self.kind = kind
         self.mla_backend = sizing.mla_backend(backend.ctx.device.arch or "")
         self.wrapper = backend.mla_wrapper(self.mla_backend)
@@ -71,7 +71,7 @@ class KindWrappers:
 
     mla = False
 
-    def __init__(self, fi: Any, kind: LayerKind, backend: "FlashInferBackend") -> None:
+    def __init__(self, fi: Any, kind: LayerKind, backend: "_Backend") -> None:
         self.kind = kind
         self.window_left = kind.sliding_window - 1 if kind.sliding_window else -1
         self.softcap = kind.logit_softcap or None

@@ -25,6 +25,9 @@ from __future__ import annotations
 
 # The records live in three modules by who emits them, the codec in one; this module gathers them, so
 # ``from pipeline.core import events as ev; ev.RunStarted``, ``ev.encode`` and ``ev.decode_line`` keep working.
+from pipeline.core.contracts import (  # noqa: F401 (reachable here before the split)
+    SCHEMA_VERSION, DeviceFacts, ErrorInfo, InstancePlan, LayerGroup, Mode, Rejection, WorkspacePlan,
+)
 from pipeline.core.event_base import Event, Ns, Outcome  # noqa: F401
 from pipeline.core.event_wire import (  # noqa: F401
     _BY_TAG, ENVELOPE, EVENT_TYPES, FLOAT_FIELDS, MAX_DEPTH, NONFINITE, TOO_DEEP, AnyEvent, _clean_str, _closed_spec,

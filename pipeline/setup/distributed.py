@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping, Optional
 
-from pipeline.core.errors import ConfigError, RankExchangeError, UsageError
+from pipeline.core.contracts import AttentionArgs, DeviceFacts, ErrorInfo, Resolution  # noqa: F401 (as before)
+from pipeline.core.errors import ConfigError, RankDivergence, RankExchangeError, UsageError  # noqa: F401
+from pipeline.core.events import RankRow  # noqa: F401 (reachable here before the split)
 from pipeline.setup.rank_exchange import (  # noqa: F401 (the exchange, re-exported: this module held it)
     DEFAULT_TIMEOUT_S, RankReport, _diverging, _divergence, _row, agree_on_resolution, gather, table_text,
 )
