@@ -48,102 +48,20 @@ from typing import Any, Optional
 
 import torch
 
-from pipeline.backends import flashinfer_sizing as sizing
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
 from pipeline.backends.flashinfer_graph import GraphState
-from pipeline.backends.kv_indices import gather_kv_indices, host_page_meta
+from pipeline.backends.flashinfer_plan import FlashInferPlanning, _host_ints
+from pipeline.backends.flashinfer_wrappers import (  # noqa: F401 (re-exported: this module held them)
+    MLA_DIMS, PACKAGE, KindWrappers, MLAWrappers, _check_ctx, import_flashinfer,
+)
 from pipeline.core.contracts import ForwardMode, LayerKind
-from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError
+from pipeline.backends.kv_indices import gather_kv_indices, host_page_meta  # noqa: F401 (as before the split)
+from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError  # noqa: F401
 from pipeline.backends.flashinfer_jit import Variant, ensure_compiled, variants_for
 from pipeline.backends.memory import is_fp8, layer_kv_scales
 
-PACKAGE = "flashinfer-python"
-MLA_DIMS = (576, 512)  # the absorbed (qk, v) dims FlashInfer's MLA kernels are instantiated for (512 + 64 rope)
 
-
-def import_flashinfer(name: str = "flashinfer") -> Any:
-    """Import FlashInfer or raise :class:`BackendUnavailable` naming the package and the extra."""
-    try:
-        import flashinfer
-    except ImportError as e:
-        raise BackendUnavailable(
-            f"backend {name!r} needs the {PACKAGE} package, which is not installed ({e})",
-            flags=[("attention_backend", name)], allowed=["torch_native", "triton"],
-            remedy="pip install 'attn-setup[cuda]' (flashinfer-python>=0.6.13,<0.7), or choose another backend",
-        ) from e
-    return flashinfer
-
-
-class MLAWrappers:
-    """The MLA wrapper of one absorbed-MLA layer kind (decode and extend; see the module docstring).
-
-    ``kind.head_dim_v`` is ``kv_lora_rank`` (``head_dim_ckv``); ``head_dim_qk - head_dim_v`` the
-    rope dims (``head_dim_kpe``). ``mla_backend``: FlashInfer's MLA backend, ``fa3`` or ``fa2``.
-    """
-
-    mla = True
-    sinks = False
-
-    def __init__(self, fi: Any, kind: LayerKind, backend: "FlashInferBackend") -> None:
-        self.kind = kind
-        self.mla_backend = sizing.mla_backend(backend.ctx.device.arch or "")
-        self.wrapper = backend.mla_wrapper(self.mla_backend)
-        self.active: Any = self.wrapper
-        self.mode = "mla"
-        self.plan_kw = dict(num_heads=kind.num_heads, head_dim_ckv=kind.head_dim_v,
-                            head_dim_kpe=kind.head_dim_qk - kind.head_dim_v, page_size=backend.page_size,
-                            sm_scale=kind.scaling, q_data_type=backend.q_dtype, kv_data_type=backend.kv_dtype)
-
-    def decode_wrapper(self, batch_size: int, kv_dtype: str) -> tuple[Any, str]:
-        """(wrapper, ``"mla"``): the one MLA wrapper serves decode at every batch size."""
-        return self.wrapper, "mla"
-
-    def plan(self, wrapper: Any, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-             kv_lens: torch.Tensor, causal: bool) -> None:
-        """``plan()`` an MLA wrapper: indptrs and kv lengths [B] int32 on the host, page ids on the device."""
-        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, causal=causal, **self.plan_kw)
-        self.active, self.mode = wrapper, "mla"
-
-
-class KindWrappers:
-    """The wrappers and compile-time switches of one (non-MLA) layer kind."""
-
-    mla = False
-
-    def __init__(self, fi: Any, kind: LayerKind, backend: "FlashInferBackend") -> None:
-        self.kind = kind
-        self.window_left = kind.sliding_window - 1 if kind.sliding_window else -1
-        self.softcap = kind.logit_softcap or None
-        self.sinks = kind.has_sinks
-        ws, pb = backend.workspace, backend.prefill_backend
-        if self.sinks:
-            self.paged = backend.sink_wrapper(kind, self.window_left)
-            self.ragged = None
-        else:
-            self.paged = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=pb)
-            self.ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=pb)
-        self.decode_cc = None if self.sinks or pb == "fa3" else fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-        self.decode_tc = None if self.sinks else fi.BatchDecodeWithPagedKVCacheWrapper(
-            ws, "NHD", use_tensor_cores=True, backend=pb)
-        self.active: Any = None
-        self.mode = "decode"
-        self.plan_kw = dict(num_qo_heads=kind.num_heads, num_kv_heads=kind.num_kv_heads, window_left=self.window_left,
-                            logits_soft_cap=self.softcap, sm_scale=kind.scaling, q_data_type=backend.q_dtype,
-                            kv_data_type=backend.kv_dtype)
-        self.decode_kw = dict(head_dim=kind.head_dim_qk, page_size=backend.page_size, **self.plan_kw)
-
-    def decode_wrapper(self, batch_size: int, kv_dtype: str) -> tuple[Any, str]:
-        """(wrapper, class) used for decode at ``batch_size`` requests; class ``"prefill"`` (sink kinds:
-        the prefill-class sink wrapper) or ``"decode"`` (CUDA-core or tensor-core decode wrapper)."""
-        if self.sinks:
-            return self.paged, "prefill"
-        g = self.kind.num_heads // self.kind.num_kv_heads
-        if self.decode_cc is None or sizing.use_tensor_core_decode(g, batch_size, kv_dtype):
-            return self.decode_tc, "decode"
-        return self.decode_cc, "decode"
-
-
-class FlashInferBackend(AttentionBackend):
+class FlashInferBackend(FlashInferPlanning, AttentionBackend):
     """FlashInfer attention over the pool's paged KV cache (see the module docstring).
 
     Parameters: ``ctx`` (:class:`~pipeline.backends.registry.BackendContext`; its workspace
@@ -206,79 +124,7 @@ class FlashInferBackend(AttentionBackend):
         return self.fi.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=self.prefill_backend, jit_args=args, jit_kwargs=kw, **graph_bufs)
 
-    # ------------------------------------------------------------------ planning
-    def page_table(self, req_pool_indices: torch.Tensor, seq_lens: list[int],
-                   seq_lens_dev: Optional[torch.Tensor] = None,
-                   out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
-        """(kv_indptr [B+1] int32 CPU, kv_indices [P] int32 device, last_page_len [B] int32 CPU).
-
-        ``seq_lens`` (host ints) give the host metadata (:func:`kv_indices.host_page_meta`);
-        ``seq_lens_dev`` (the same lengths on the pool's device, e.g. ``ForwardBatch.seq_lens``;
-        copied from ``seq_lens`` when absent) feeds the one-launch device gather
-        (:func:`kv_indices.gather_kv_indices`), written into ``out`` when given (a CUDA-graph buffer).
-        """
-        r2t = self.req_pool.req_to_token
-        indptr, last, total = host_page_meta(seq_lens, self.page_size)
-        if not isinstance(seq_lens_dev, torch.Tensor) or seq_lens_dev.device != r2t.device:
-            seq_lens_dev = torch.tensor(seq_lens, dtype=torch.int32).to(r2t.device, non_blocking=True)
-        rows = req_pool_indices if req_pool_indices.device == r2t.device else req_pool_indices.to(r2t.device)
-        indices = gather_kv_indices(r2t, rows, seq_lens_dev, total, self.page_size, out=out)
-        return indptr, indices, last
-
-    def plan_decode(self, kinds_wrappers: list[tuple[Any, Any, str]], req_pool_indices: torch.Tensor,
-                    seq_lens: list[int], seq_lens_dev: Optional[torch.Tensor] = None,
-                    indices_out: Optional[torch.Tensor] = None) -> None:
-        """Plan every kind's decode wrapper for one batch (outside any CUDA graph).
-
-        ``kinds_wrappers``: (kind wrappers, wrapper, class) with class ``"decode"``, ``"prefill"``
-        (sink kinds) or ``"mla"`` (see :meth:`KindWrappers.decode_wrapper`).
-        """
-        indptr, indices, last = self.page_table(req_pool_indices, seq_lens, seq_lens_dev, indices_out)
-        qo = kv_lens = None
-        for kw, w, cls in kinds_wrappers:
-            k = kw.kind
-            if cls == "decode":
-                w.plan(indptr=indptr, indices=indices, last_page_len=last, **kw.decode_kw)
-                kw.active, kw.mode = w, "decode"
-                continue
-            qo = torch.arange(len(seq_lens) + 1, dtype=torch.int32) if qo is None else qo
-            if cls == "mla":
-                kv_lens = torch.tensor(seq_lens, dtype=torch.int32) if kv_lens is None else kv_lens
-                kw.plan(w, qo, indptr, indices, kv_lens, causal=False)
-                continue
-            w.plan(qo_indptr=qo, paged_kv_indptr=indptr, paged_kv_indices=indices, paged_kv_last_page_len=last,
-                   head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, page_size=self.page_size, causal=False,
-                   **kw.plan_kw)
-            kw.active, kw.mode = w, "decode"
-
-    def plan_extend(self, fb: ForwardBatch) -> None:
-        """Plan every kind for an extend batch (ragged if no request has a cached prefix)."""
-        ext = _host_ints(fb.extend_seq_lens_cpu, fb.extend_seq_lens)
-        pre = _host_ints(fb.extend_prefix_lens_cpu, fb.extend_prefix_lens)
-        qo = torch.zeros(len(ext) + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(ext, dtype=torch.int32), 0, out=qo[1:])
-        # an fp8 cache is read back as stored (paged) for the new tokens too, never from the ragged k/v
-        self.extend_ragged = not any(pre) and not self.fp8
-        paged_args = None
-        seq = [p + e for p, e in zip(pre, ext)]
-        for kw in self.kinds:
-            k = kw.kind
-            if not kw.mla and self.extend_ragged and kw.ragged is not None:
-                kw.ragged.plan(qo_indptr=qo, kv_indptr=qo, head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v,
-                               causal=True, **kw.plan_kw)
-                kw.active, kw.mode = kw.ragged, "ragged"
-                continue
-            if paged_args is None:
-                paged_args = self.page_table(fb.req_pool_indices, seq, fb.seq_lens)
-            indptr, indices, last = paged_args
-            if kw.mla:
-                kw.plan(kw.wrapper, qo, indptr, indices, torch.tensor(seq, dtype=torch.int32), causal=True)
-                continue
-            dims = dict(head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, causal=True, **kw.plan_kw)
-            kw.paged.plan(qo_indptr=qo, paged_kv_indptr=indptr, paged_kv_indices=indices,
-                          paged_kv_last_page_len=last, page_size=self.page_size, **dims)
-            kw.active, kw.mode = kw.paged, "paged"
-
+    # ------------------------------------------------------------------ planning (the rest: FlashInferPlanning)
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Plan the batch once (host metadata + page ids); the layers then only ``run()``."""
         fb = forward_batch
@@ -413,63 +259,6 @@ class FlashInferBackend(AttentionBackend):
         """Drop wrappers, graph state and every reference to the pool and workspace tensors (idempotent)."""
         self.kinds, self.graph, self._paged_views, self._layer_info, self._decode_sel = [], None, {}, {}, {}
         self.workspace = self.kv_pool = self.req_pool = self.ctx = None
-
-
-def _host_ints(host: Any, device: torch.Tensor) -> list[int]:
-    """Host lengths as a list: ours are lists, sglang's ``seq_lens_cpu`` is a CPU tensor; read the
-    device tensor (a sync) only when the engine gave none."""
-    if host is None or len(host) == 0:
-        return device.tolist()
-    return host.tolist() if isinstance(host, torch.Tensor) else list(host)
-
-
-def _check_ctx(ctx: Any, prefill_backend: str) -> None:
-    """Refuse, before allocating, what the backend cannot serve (device, arch, layout, a missing workspace).
-
-    The workspace's size is checked once, in build-mode, through the registry entry
-    (:mod:`pipeline.backends.flashinfer_rules`), before anything is allocated.
-    """
-    if ctx.device.type != "cuda":
-        raise CapabilityMismatch(f"{ctx.name} runs on CUDA devices only", flags=[("device", ctx.device.type)],
-                                 allowed=["cuda"], remedy="use torch_native on this device")
-    if prefill_backend == "fa3" and ctx.device.arch != "sm90":
-        raise CapabilityMismatch("fa3 kernels need an sm90 (Hopper) GPU", flags=[("compute_capability", ctx.device.arch)],
-                                 allowed=["sm90"], remedy="set attention_backend='flashinfer' on this GPU")
-    fp8 = is_fp8(ctx.kv_pool.dtype)
-    if fp8 and prefill_backend == "fa3":  # its record lists no fp8 KV dtype
-        raise CapabilityMismatch("FlashInfer's fa3 kernels do not compile for a bf16/fp16 q with an fp8 KV cache",
-                                 flags=[("kv_cache_dtype", str(ctx.kv_pool.dtype))], allowed=["bfloat16", "float16"],
-                                 remedy="set attention_backend='flashinfer' (fa2 kernels serve fp8 KV)")
-    for k in ctx.layer_kinds:
-        if k.is_mla and ((k.head_dim_qk, k.head_dim_v) != MLA_DIMS or k.num_kv_heads != 1):
-            raise CapabilityMismatch(
-                f"FlashInfer's MLA wrapper serves absorbed dims {MLA_DIMS[0]}/{MLA_DIMS[1]} with one latent head, "
-                f"not {k.head_dim_qk}/{k.head_dim_v} with {k.num_kv_heads}", flags=[("head_dim_qk", k.head_dim_qk),
-                                                                                ("head_dim_v", k.head_dim_v)],
-                allowed=[f"{MLA_DIMS[0]}/{MLA_DIMS[1]}"], remedy="set attention_backend='torch_native' for this model")
-        if fp8 and (k.is_mla or k.has_sinks or k.sliding_window is not None or k.logit_softcap is not None):
-            what = "MLA" if k.is_mla else "sinks" if k.has_sinks else "window" if k.sliding_window else "softcap"
-            raise CapabilityMismatch(
-                f"{ctx.name} serves an fp8 KV cache for plain MHA/GQA layers only, not {what} layers "
-                f"(layers {k.layer_ids})", flags=[("kv_cache_dtype", str(ctx.kv_pool.dtype)), ("layer_kind", k.kind)],
-                allowed=["bfloat16", "float16"],
-                remedy="set kv_cache_dtype='auto' (the model dtype), or attention_backend='torch_native'")
-        if k.attention_chunk_size is not None:  # its record does not claim chunked_local_attention
-            raise CapabilityMismatch(
-                f"{ctx.name} has no chunked local attention (chunk {k.attention_chunk_size}, layers {k.layer_ids})",
-                flags=[("attention_chunk_size", k.attention_chunk_size)], allowed=["triton", "torch_native"],
-                remedy="use --attention-backend triton (or torch_native) for this model")
-        if k.has_sinks and k.logit_softcap:
-            raise CapabilityMismatch("FlashInfer's attention-sink kernel has no logit softcap",
-                                     flags=[("logit_softcap", k.logit_softcap), ("has_sinks", True)],
-                                     allowed=["sinks or softcap"], remedy="use torch_native for this model")
-    if ctx.workspace is None or ctx.workspace.buffer is None:
-        raise ConfigError(f"{ctx.name} needs a workspace from the pool", code="workspace_missing",
-                          flags=[("flashinfer_workspace_size", None)], remedy="plan a shared or private workspace")
-    if ctx.kv_pool.size % ctx.kv_pool.page_size:
-        raise ConfigError("num_token_slots must be a multiple of page_size for the paged view",
-                          flags=[("pool.num_token_slots", ctx.kv_pool.size), ("page_size", ctx.kv_pool.page_size)],
-                          remedy="round num_token_slots to whole pages")
 
 
 def create(ctx: Any) -> FlashInferBackend:

@@ -155,8 +155,17 @@ def _kind_dim(spec: ModelSpec, kind: str, dim: int) -> int:
     return spec.global_head_dim if kind == "full" and spec.global_head_dim is not None else dim
 
 
+_KINDS_CACHE: dict[int, tuple[ModelSpec, tuple[str, ...], tuple[LayerKind, ...]]] = {}
+_KINDS_CACHE_MAX = 16
+
+
 def layer_kinds(spec: ModelSpec) -> list[LayerKind]:
-    """The distinct attention layer kinds of ``spec``, in first-layer order.
+    """The distinct attention layer kinds of ``spec``, in first-layer order (a new list each call).
+
+    A setup asks for them about ten times (resolve, capability checks, pool sizing, build); the result is kept for
+    the last :data:`_KINDS_CACHE_MAX` specs, by identity (the spec is held, so its id is not reused) and by the
+    contents of ``layer_types`` (the one field a frozen spec can still change in place). The kinds are frozen
+    Structs; their ``layer_ids`` lists are shared between calls and must not be changed.
 
     Non-MLA layers are grouped into ``"full"``, ``"sliding"`` (window ``spec.sliding_window``
     keys, the query itself included; FlashInfer's / sglang's ``window_left`` is ``window - 1``) and
@@ -171,6 +180,18 @@ def layer_kinds(spec: ModelSpec) -> list[LayerKind]:
     Raises ModelConfigError when ``layer_types`` does not have one entry per layer, a sliding
     layer has no ``sliding_window`` or a chunked layer no ``attention_chunk_size``.
     """
+    types = tuple(spec.layer_types)
+    hit = _KINDS_CACHE.get(id(spec))
+    if hit is not None and hit[0] is spec and hit[1] == types:
+        return list(hit[2])
+    kinds = _layer_kinds(spec)
+    if len(_KINDS_CACHE) >= _KINDS_CACHE_MAX:
+        _KINDS_CACHE.pop(next(iter(_KINDS_CACHE)), None)
+    _KINDS_CACHE[id(spec)] = (spec, types, tuple(kinds))
+    return kinds
+
+
+def _layer_kinds(spec: ModelSpec) -> list[LayerKind]:
     if len(spec.layer_types) != spec.num_hidden_layers:
         raise ModelConfigError("layer_types must have one entry per hidden layer", json_path="$.layer_types",
                                flags=[("layer_types", len(spec.layer_types)),

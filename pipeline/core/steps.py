@@ -100,11 +100,17 @@ class StepTable:
     label: str = "trigger"
     remedy: str = "run the steps in order"
     State: Any = field(init=False, repr=False, compare=False)
+    _transitions: tuple = field(init=False, repr=False, compare=False)  # what transitions() copies
 
     def __post_init__(self) -> None:
         members = [(s.member, s.state) for s in self.steps]
         members += [(self.success.upper(), self.success), (self.failed.upper(), self.failed)]
         object.__setattr__(self, "State", enum.Enum(self.enum_name, members, type=str, module=self.module))
+        st = self.State  # built once: every run builds a Machine from them
+        rows = [(s.trigger, st(s.state), st(self.next_state(s)), tuple(g.name for g in self.guards(s)))
+                for s in self.steps]
+        rows.append(("fail", tuple(st(s.state) for s in self.steps), st(self.failed), None))
+        object.__setattr__(self, "_transitions", tuple(rows))
 
     @property
     def order(self) -> list[str]:
@@ -153,10 +159,8 @@ class StepTable:
     def transitions(self) -> list[dict[str, Any]]:
         """pytransitions' transition dicts: each step's trigger with its guards, and ``fail`` from every
         non-terminal state."""
-        st = self.State
-        out = [dict(trigger=s.trigger, source=st(s.state), dest=st(self.next_state(s)),
-                    conditions=[g.name for g in self.guards(s)]) for s in self.steps]
-        return out + [dict(trigger="fail", source=[st(s.state) for s in self.steps], dest=st(self.failed))]
+        return [dict(trigger=trig, source=src, dest=dst, conditions=list(conds)) if conds is not None else
+                dict(trigger=trig, source=list(src), dest=dst) for trig, src, dst, conds in self._transitions]
 
     def diagram_model(self) -> Any:
         """A model object with every guard as a method (what a diagram shows as conditions; all False)."""
