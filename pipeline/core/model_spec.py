@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 from pipeline.core.config_reader import (  # noqa: F401 (MAX_CONFIG_BYTES … re-exported: this module held them)
     DEFAULT_UPPER, MAX_CONFIG_BYTES, MAX_INT_DIGITS, MSCALE_RANGE, PRE_ATTN_SCALAR_RANGE, SOFTCAP_RANGE, UPPER,
-    YARN_FACTOR_RANGE, _Cfg, _choice, _in_range, _read_json,
+    YARN_FACTOR_RANGE, _Cfg, _choice, _in_range, _read_json, _show,
 )
 from pipeline.core.errors import ModelConfigError, UsageError
 from pipeline.core.layer_rules import DEFAULT_RULE, LAYER_RULES, LayerRule, _layer_types  # noqa: F401

@@ -47,8 +47,8 @@ def test_plan_graph_sizes_are_what_the_run_captures(tmp_path, flags):
 
 
 @pytest.mark.parametrize("flags,code,field", [
-    (["--cuda-graph-max-bs", "100", "--max-reqs", "8"], "invalid_value", "cuda_graph_max_bs"),
-    (["--cuda-graph-max-bs", "4", "--cuda-graph-bs", "8"], "conflicting_options", "cuda_graph_max_bs"),
+    (["--cuda-graph-max-bs", "100", "--max-reqs", "8"], "invalid_value", "--cuda-graph-max-bs"),
+    (["--cuda-graph-max-bs", "4", "--cuda-graph-bs", "8"], "conflicting_options", "--cuda-graph-max-bs"),
 ])
 def test_graph_size_refusals_hold_on_cuda(tmp_path, flags, code, field):
     """Refused before anything is allocated on the GPU too (exit 3, no backend built)."""
