@@ -35,7 +35,7 @@ def test_factory_without_flashinfer_names_package_and_extra(monkeypatch):
         with pytest.raises(BackendUnavailable) as ei:
             factory(sc.ctx)
         assert "flashinfer-python" in ei.value.info.message
-        assert "attn-setup[cuda]" in ei.value.info.remedy
+        assert "pip install 'flashinfer-python>=0.6.13,<0.7'" in ei.value.info.remedy
         assert ei.value.info.flags[0].value == name
 
 

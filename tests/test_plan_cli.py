@@ -279,3 +279,15 @@ def test_plan_human_output_names_graph_sizes_and_lazy_memory(capsys, monkeypatch
     assert main(["plan", "--device-profile", "h200", "--installed", "torch,triton", "--attention-backend", "triton",
                  "--max-reqs", "200"]) == 0
     assert "decode batch sizes 1, 2, 4, 8, 16, 24, …, 200 (28 sizes, largest 200)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_plan_warns_about_lookalike_environment_variables(capsys, monkeypatch):
+    """A set variable one edit away from one attn-setup reads gets the same stderr warning from plan as from run
+    (new-user trial #3: plan said nothing)."""
+    from pipeline.cli import main
+
+    monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZ", "5")
+    assert main(["plan", "--device-profile", "cpu", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: environment variable SGLANG_FLASHINFER_WORKSPACE_SIZ is not one attn-setup reads; did you mean "
+            "SGLANG_FLASHINFER_WORKSPACE_SIZE?") in err

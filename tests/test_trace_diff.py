@@ -87,3 +87,18 @@ def test_diff_of_an_unreadable_log_is_exit_2(tiny, tmp_path):
     _start(tiny, a)
     b.write_text("not json\n")
     assert run_main("inspect", "--diff", str(a), str(b)).returncode == 2
+
+
+def test_a_log_with_appended_starts_says_which_one_it_compares(tiny, tmp_path):
+    """A log that several starts appended to: the diff compares each rank's last start and says so (how many starts
+    the log holds, which run it took), in --json (starts_a/starts_b) and in the text."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _start(tiny, a)
+    _start(tiny, a, enable_two_batch_overlap=True)
+    _start(tiny, b)
+    (rank,) = json.loads(run_main("inspect", "--diff", "--json", str(a), str(b)).stdout)["diff"]["ranks"]
+    assert (rank["starts_a"], rank["starts_b"]) == (2, 1)
+    assert {"key": "plan.mode", "a": "tbo", "b": "normal"} in rank["decisions"]  # the last start of A: the TBO one
+    text = " ".join(run_main("inspect", "--diff", str(a), str(b)).stdout.split())
+    assert f"A holds 2 starts of rank 0 (appended runs): comparing the last, run {rank['run_a']}" in text
+    assert "B holds" not in text

@@ -30,7 +30,7 @@ def import_flashinfer(name: str = "flashinfer") -> Any:
         raise BackendUnavailable(
             f"backend {name!r} needs the {PACKAGE} package, which is not installed ({e})",
             flags=[("attention_backend", name)], allowed=["torch_native", "triton"],
-            remedy="pip install 'attn-setup[cuda]' (flashinfer-python>=0.6.13,<0.7), or choose another backend",
+            remedy="pip install 'flashinfer-python>=0.6.13,<0.7' (attn-setup's cuda extra), or choose another backend",
         ) from e
     return flashinfer
 

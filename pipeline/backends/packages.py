@@ -28,7 +28,8 @@ def import_name(dist: str) -> str:
 
 
 def install_hint(dist: str) -> str:
-    """How to install a distribution, for a "package missing" reason (``pip install 'attn-setup[cuda]'``)."""
+    """How to install a distribution, for a "package missing" reason (``pip install 'flashinfer-python>=0.6.13,<0.7'``: the
+    pins of attn-setup's ``cuda`` extra, a command that works whether attn-setup came from PyPI or a clone)."""
     return _PACKAGES[dist][1] if dist in _PACKAGES else f"pip install {dist}"
 
 

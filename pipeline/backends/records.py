@@ -176,6 +176,6 @@ DEFAULT_PRIORITY = ["torch_native"]
 # Every package a record lists: distribution → (import name, how to install it).
 PACKAGES: dict[str, tuple[str, str]] = {
     "torch": ("torch", "pip install torch"),
-    "triton": ("triton", "pip install 'attn-setup[cuda]'"),
-    "flashinfer-python": ("flashinfer", "pip install 'attn-setup[cuda]'"),
+    "triton": ("triton", "pip install 'triton>=3.4'"),
+    "flashinfer-python": ("flashinfer", "pip install 'flashinfer-python>=0.6.13,<0.7'"),
 }

@@ -116,7 +116,8 @@ class BackendEntry:
             raise BackendUnavailable(
                 f"backend {self.name!r} could not be imported: {e}",
                 flags=[("backend", self.name)],
-                remedy=f"install {pk} (pip install 'attn-setup[cuda]'), or choose another backend",
+                remedy=f"install {pk} ({install_hint(pk)}: the pins of attn-setup's cuda extra), "
+                       "or choose another backend",
             ) from e
         return getattr(module, fn)
 

@@ -64,12 +64,15 @@ def check_warm(ns: argparse.Namespace, cold: list[dict[str, Any]], state: str = 
             if c["nearest"] else "; nothing of this FlashInfer version and arch is cached")
     version = c["flashinfer_version"] or "not installed"
     cmd = warmup_command(list(getattr(ns, "_argv", [])))
+    profile = getattr(ns, "device_profile", None)
+    where = ("on this machine" if profile in (None, "auto") else
+             f"on the {profile} machine the plan is for (warmup compiles for the GPU it runs on)")
     raise ConfigError(
         f"{len(cold)} FlashInfer kernel variant(s) would compile at startup, first {c['variant']} "
         f"(module {c['module']}, FlashInfer {version}){near}", code="cold_jit_cache", state=state,
         flags=[("--require-warm-cache", True), ("variant", c["variant"])],
         allowed=["every needed variant cached (attn-setup warmup)"],
-        remedy=f"run {cmd} on this machine first, or drop --require-warm-cache")
+        remedy=f"run {cmd} {where} first, or drop --require-warm-cache")
 
 
 def estimate_line(cold: list[dict[str, Any]]) -> Optional[str]:

@@ -239,6 +239,9 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.cli.request import request_from
     from pipeline.platforms.profiles import get
 
+    from pipeline.cli.startup import print_env_lookalikes
+
+    print_env_lookalikes()
     device = get(ns.device_profile)
     installed = installed_from(ns.installed)
     ns.device = device.device_str

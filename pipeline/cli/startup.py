@@ -47,12 +47,20 @@ def check_startup_flags(ns: argparse.Namespace) -> None:
 def warn_env_lookalikes(log: Any) -> None:
     """An ``env_var_lookalike`` warning per set variable that looks like one attn-setup reads
     (:func:`pipeline.core.settings.env_lookalikes`), also one ``warning:`` line each on stderr."""
+    for name, known in print_env_lookalikes():
+        log.emit(ev.EnvVarLookalike, state="args", name=name, known=known)
+
+
+def print_env_lookalikes() -> list[tuple[str, str]]:
+    """One ``warning:`` line on stderr per set variable that looks like one attn-setup reads
+    (:func:`pipeline.core.settings.env_lookalikes`); ``run`` also logs them, ``plan`` prints them. Returns them."""
     from pipeline.core.settings import env_lookalikes
 
-    for name, known in env_lookalikes():
-        log.emit(ev.EnvVarLookalike, state="args", name=name, known=known)
+    found = list(env_lookalikes())
+    for name, known in found:
         print(f"warning: environment variable {name} is not one attn-setup reads; did you mean {known}?",
               file=sys.stderr)
+    return found
 
 
 def jit_reports(runner: Any) -> list[dict[str, Any]]:

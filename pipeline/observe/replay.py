@@ -84,7 +84,9 @@ def _b(x: Any) -> Any:
 
 def _no_start_reason(run: Run) -> str:
     return (f"it failed in {run.failure.state!r} before the attention pipeline started, so it made no "
-            "decision to replay" if run.failure is not None else "its first records are missing (truncated?)")
+            "decision to replay" if run.failure is not None else
+            "the record is missing or unreadable (a cut or corrupt line: 'attn-setup inspect' counts the lines it "
+            "skipped)")
 
 
 def _no_start(run: Run) -> UsageError:

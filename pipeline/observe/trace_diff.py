@@ -27,11 +27,15 @@ from pipeline.observe.trace import Run, read_trace
 _VOLATILE = ("free", "memory_allocated")  # device facts that change between starts on one machine
 
 
-def _last_per_rank(path: str) -> dict[int, Run]:
+def _last_per_rank(path: str) -> tuple[dict[int, Run], dict[int, int]]:
+    """Each rank's last start in ``path`` (time order: the last launch wins) and how many starts the rank has there
+    (a log appended to by several runs holds several)."""
     out: dict[int, Run] = {}
-    for run in read_trace(path).runs:  # time order: the last launch of a rank wins
+    count: dict[int, int] = {}
+    for run in read_trace(path).runs:
         out[run.rank] = run
-    return out
+        count[run.rank] = count.get(run.rank, 0) + 1
+    return out, count
 
 
 def _durations(run: Run) -> dict[tuple[str, str], float]:
@@ -81,8 +85,9 @@ def diff_runs(a: Run, b: Run) -> dict[str, Any]:
 
 def diff_logs(path_a: str, path_b: str) -> dict[str, Any]:
     """``{a, b, ranks: [diff_runs …], only_in_a, only_in_b}`` for two trace files (one start each, per rank)."""
-    ra, rb = _last_per_rank(path_a), _last_per_rank(path_b)
-    return {"a": path_a, "b": path_b, "ranks": [diff_runs(ra[k], rb[k]) for k in sorted(set(ra) & set(rb))],
+    (ra, na), (rb, nb) = _last_per_rank(path_a), _last_per_rank(path_b)
+    ranks = [{**diff_runs(ra[k], rb[k]), "starts_a": na[k], "starts_b": nb[k]} for k in sorted(set(ra) & set(rb))]
+    return {"a": path_a, "b": path_b, "ranks": ranks,
             "only_in_a": sorted(set(ra) - set(rb)), "only_in_b": sorted(set(rb) - set(ra))}
 
 
@@ -96,6 +101,11 @@ def diff_lines(d: dict[str, Any], safe: Any = str) -> list[str]:
     for r in d["ranks"]:
         lines.append(safe(f"rank {r['rank']}: A run {r['run_a']} ({r['status_a']}), B run {r['run_b']} "
                           f"({r['status_b']})"))
+        for side in ("a", "b"):
+            n = r.get(f"starts_{side}", 1)
+            if n > 1:
+                lines.append(safe(f"  {side.upper()} holds {n} starts of rank {r['rank']} (appended runs): comparing "
+                                  f"the last, run {r['run_' + side]}; split the log to compare another"))
         w = max([5] + [len(s["state"]) + 9 for s in r["states"]])
         lines.append(f"  {'state':<{w}}  {'A ms':>10}  {'B ms':>10}  {'delta ms':>10}")
         for s in r["states"]:
@@ -105,8 +115,11 @@ def diff_lines(d: dict[str, Any], safe: Any = str) -> list[str]:
         moved = [p for p in r["phases"] if p["delta_s"] is None or abs(p["delta_s"]) >= 0.001]
         for p in moved:
             name = f"{p['parent']}/{p['phase']}" if p["parent"] else p["phase"]
-            lines.append(safe(f"  phase {name}: {_num(p['a_s'], '.3f')} s -> {_num(p['b_s'], '.3f')} s "
-                              f"({_num(p['delta_s'], '+.3f')} s)"))
+            if p["a_s"] is None or p["b_s"] is None:
+                lines.append(safe(f"  phase {name}: only in {'B' if p['a_s'] is None else 'A'} "
+                                  f"({_num(p['b_s'] if p['a_s'] is None else p['a_s'], '.3f')} s)"))
+            else:
+                lines.append(safe(f"  phase {name}: {p['a_s']:.3f} s -> {p['b_s']:.3f} s ({p['delta_s']:+.3f} s)"))
         for c in r["decisions"]:
             lines.append(safe(f"  changed {c['key']}: {c['a']!r} -> {c['b']!r}"))
         if not r["decisions"]:
