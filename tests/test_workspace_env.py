@@ -16,7 +16,7 @@ from pipeline.platforms.profiles import get
 H200 = ["plan", "--json", "--device-profile", "h200", "--installed", "torch,triton,flashinfer-python"]
 CASES = [([], "flashinfer"), (["--model", "examples/configs/deepseek-v2-lite.json", "--attention-backend",
                                "flashinfer"], "flashinfer"),
-         (["--model", "examples/configs/qwen3-8b.json", "--cuda-graph-max-bs", "160"], "flashinfer")]
+         (["--model", "examples/configs/qwen3-8b.json", "--max-reqs", "160", "--cuda-graph-max-bs", "160"], "flashinfer")]
 
 
 def _plan(capsys, argv):
@@ -31,15 +31,16 @@ def test_env_value_below_the_minimum_is_refused_naming_the_variable(argv, backen
     err = out["error"]
     assert code == 3 and err["code"] == "workspace_too_small" and err["state"] == "build-mode"
     flags = {f["name"]: f["value"] for f in err["flags"]}
-    assert flags["SGLANG_FLASHINFER_WORKSPACE_SIZE"] == 1000 and "flashinfer_workspace_size" in flags
+    assert flags["SGLANG_FLASHINFER_WORKSPACE_SIZE"] == 1000 and "--flashinfer-workspace-size" in flags
     need = flags["needed_bytes"]
     assert err["allowed"] == [f">= {need}"] and "SGLANG_FLASHINFER_WORKSPACE_SIZE=1000" in err["message"]
     # the minimum is the backend's own bound, computed independently here from its sizing rule
     model = load_model_spec(argv[argv.index("--model") + 1]) if "--model" in argv else \
         load_model_spec("examples/configs/llama-3.1-8b.json")
     shapes = sizing.shapes_of(model.layer_kinds())
-    assert need == sizing.workspace_need(shapes, num_sms=get("h200").sm_count, max_batch_size=8,
-                                         cuda_graph_max_bs=8).bytes
+    reqs = int(argv[argv.index("--max-reqs") + 1]) if "--max-reqs" in argv else 8  # run's default
+    assert need == sizing.workspace_need(shapes, num_sms=get("h200").sm_count, max_batch_size=reqs,
+                                         cuda_graph_max_bs=reqs).bytes
     assert err["remedy"] == f"set SGLANG_FLASHINFER_WORKSPACE_SIZE to at least {need}"
     # the remedy is true: that value plans, one byte less does not
     monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", str(need))
@@ -52,7 +53,7 @@ def test_the_flag_wins_over_the_variable_and_is_named_as_the_flag(capsys, monkey
     monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", str(1 << 30))
     code, out = _plan(capsys, ["--flashinfer-workspace-size", "1000"])
     names = [f["name"] for f in out["error"]["flags"]]
-    assert code == 3 and names[0] == "flashinfer_workspace_size" and "SGLANG_FLASHINFER_WORKSPACE_SIZE" not in names
+    assert code == 3 and names[0] == "--flashinfer-workspace-size" and "SGLANG_FLASHINFER_WORKSPACE_SIZE" not in names
     monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", "1000")  # the flag's valid value wins over a bad env one
     assert _plan(capsys, ["--flashinfer-workspace-size", str(1 << 30)])[0] == 0
 
