@@ -54,6 +54,11 @@ OLD_NAMES = {
         'mla_decode_max_splits', 'mla_decode_scratch_numel', 'mla_extend_attention', 'mla_split_candidates',
         'prefetch_constexprs',
     ],
+    "states.graph_memory": [
+        'BLAS_WORKSPACE_32MIB_ARCHS', 'ELEM_BYTES', 'GraphMemoryEstimate', 'K_LARGE_BUFFER', 'K_MIN_BLOCK',
+        'K_MIN_LARGE_ALLOC', 'K_ROUND_LARGE', 'K_SMALL_BUFFER', 'K_SMALL_SIZE', 'LayerKind', 'MiB', 'ModelSpec',
+        'PoolModel', 'blas_workspace_bytes', 'estimate_for_decided', 'estimate_graph_memory', 'iter_sizes',
+    ],
 }
 
 NEW_HOMES = {
@@ -63,6 +68,7 @@ NEW_HOMES = {
     "pipeline.setup.distributed": ["pipeline.setup.rank_exchange"],
     "pipeline.backends.flashinfer": ["pipeline.backends.flashinfer_wrappers", "pipeline.backends.flashinfer_plan"],
     "pipeline.backends.triton.launch_mla": ["pipeline.backends.triton.mla_configs"],
+    "states.graph_memory": ["states.cuda_allocator"],
 }
 
 
@@ -81,7 +87,8 @@ def test_every_old_name_still_there(module):
 
 
 @pytest.mark.parametrize("module", ["pipeline.core.events", "pipeline.core.model_spec", "pipeline.core.event_wire",
-                                    "pipeline.core.config_reader", "pipeline.core.layer_rules"])
+                                    "pipeline.core.config_reader", "pipeline.core.layer_rules",
+                                    "states.graph_memory", "states.cuda_allocator"])
 def test_split_core_modules_stay_torch_free(module):
     code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
