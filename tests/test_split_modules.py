@@ -59,6 +59,14 @@ OLD_NAMES = {
         'K_MIN_LARGE_ALLOC', 'K_ROUND_LARGE', 'K_SMALL_BUFFER', 'K_SMALL_SIZE', 'LayerKind', 'MiB', 'ModelSpec',
         'PoolModel', 'blas_workspace_bytes', 'estimate_for_decided', 'estimate_graph_memory', 'iter_sizes',
     ],
+    "pipeline.runtime.table": [
+        'CAPTURE_PRECONDITIONS', 'CaptureDecision', 'ConfigError', 'Guard', 'LoadDecision', 'RUNNER', 'RunnerModel',
+        'RunnerState', 'Step', 'StepTable', 'alloc_pools', 'attention_layer_ids', 'attention_request',
+        'available_bytes', 'budget_from_fraction', 'build_attention', 'capture', 'check_fits', 'check_mem_fraction',
+        'decide_attention', 'decide_capture', 'decide_model', 'decide_pools', 'fraction_remedy', 'graph_estimate',
+        'graph_reserve_bytes', 'init_distributed', 'kv_dtype', 'load_model', 'model_dtype', 'served_field',
+        'size_for', 'size_pools', 'truncate_spec',
+    ],
 }
 
 NEW_HOMES = {
@@ -69,6 +77,7 @@ NEW_HOMES = {
     "pipeline.backends.flashinfer": ["pipeline.backends.flashinfer_wrappers", "pipeline.backends.flashinfer_plan"],
     "pipeline.backends.triton.launch_mla": ["pipeline.backends.triton.mla_configs"],
     "states.graph_memory": ["states.cuda_allocator"],
+    "pipeline.runtime.table": ["pipeline.runtime.pool_steps"],
 }
 
 
@@ -88,7 +97,8 @@ def test_every_old_name_still_there(module):
 
 @pytest.mark.parametrize("module", ["pipeline.core.events", "pipeline.core.model_spec", "pipeline.core.event_wire",
                                     "pipeline.core.config_reader", "pipeline.core.layer_rules",
-                                    "states.graph_memory", "states.cuda_allocator"])
+                                    "states.graph_memory", "states.cuda_allocator", "pipeline.runtime.table",
+                                    "pipeline.runtime.pool_steps"])
 def test_split_core_modules_stay_torch_free(module):
     code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
