@@ -67,6 +67,11 @@ OLD_NAMES = {
         'graph_reserve_bytes', 'init_distributed', 'kv_dtype', 'load_model', 'model_dtype', 'served_field',
         'size_for', 'size_pools', 'truncate_spec',
     ],
+    "pipeline.observe.trace": [
+        'ErrorInfo', 'MAX_DEPTH', 'MAX_LINE_BYTES', 'Run', 'SCHEMA_VERSION', 'SKIP_DETAILS', 'SkippedLine', 'Trace',
+        'TraceReader', 'UPGRADERS', 'UsageError', 'as_trace', 'dataclass', 'decode_record', 'field',
+        'nothing_readable', 'read_trace', 'timeline', 'verification_failure',
+    ],
 }
 
 NEW_HOMES = {
@@ -78,6 +83,7 @@ NEW_HOMES = {
     "pipeline.backends.triton.launch_mla": ["pipeline.backends.triton.mla_configs"],
     "states.graph_memory": ["states.cuda_allocator"],
     "pipeline.runtime.table": ["pipeline.runtime.pool_steps"],
+    "pipeline.observe.trace": ["pipeline.observe.trace_decode", "pipeline.observe.trace_view"],
 }
 
 
@@ -98,7 +104,8 @@ def test_every_old_name_still_there(module):
 @pytest.mark.parametrize("module", ["pipeline.core.events", "pipeline.core.model_spec", "pipeline.core.event_wire",
                                     "pipeline.core.config_reader", "pipeline.core.layer_rules",
                                     "states.graph_memory", "states.cuda_allocator", "pipeline.runtime.table",
-                                    "pipeline.runtime.pool_steps"])
+                                    "pipeline.runtime.pool_steps", "pipeline.observe.trace",
+                                    "pipeline.observe.trace_decode", "pipeline.observe.trace_view"])
 def test_split_core_modules_stay_torch_free(module):
     code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
