@@ -72,6 +72,14 @@ OLD_NAMES = {
         'TraceReader', 'UPGRADERS', 'UsageError', 'as_trace', 'dataclass', 'decode_record', 'field',
         'nothing_readable', 'read_trace', 'timeline', 'verification_failure',
     ],
+    "pipeline.cli.run": [
+        'AttnSetupError', 'ConfigError', 'DEFAULT_LAYERS', 'EXIT_FAILED', 'EXIT_INTERRUPTED', 'EXIT_OK', 'ErrorInfo',
+        'ModelSpec', 'SetupRequest', 'UsageError', '_PLACEHOLDER', '_graph_line', '_pool_line', '_print',
+        '_render_runner', '_report', 'add_parser', 'check_context', 'check_num_layers', 'check_pool_for_checks',
+        'check_warm_cache', 'cmd', 'error_info_from', 'is_gpu_device', 'log_path', 'model_line', 'open_log',
+        'preflight', 'request_from', 'runner_config', 'summary_obj', 'timeline_rows', 'timeline_title',
+        '_model_steps', '_verify', '_verify_runner', '_ended_by', '_rank_group',
+    ],
 }
 
 NEW_HOMES = {
@@ -84,6 +92,7 @@ NEW_HOMES = {
     "states.graph_memory": ["states.cuda_allocator"],
     "pipeline.runtime.table": ["pipeline.runtime.pool_steps"],
     "pipeline.observe.trace": ["pipeline.observe.trace_decode", "pipeline.observe.trace_view"],
+    "pipeline.cli.run": ["pipeline.cli.run_checks", "pipeline.cli.run_report"],
 }
 
 
