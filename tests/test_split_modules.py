@@ -54,6 +54,32 @@ OLD_NAMES = {
         'mla_decode_max_splits', 'mla_decode_scratch_numel', 'mla_extend_attention', 'mla_split_candidates',
         'prefetch_constexprs',
     ],
+    "states.graph_memory": [
+        'BLAS_WORKSPACE_32MIB_ARCHS', 'ELEM_BYTES', 'GraphMemoryEstimate', 'K_LARGE_BUFFER', 'K_MIN_BLOCK',
+        'K_MIN_LARGE_ALLOC', 'K_ROUND_LARGE', 'K_SMALL_BUFFER', 'K_SMALL_SIZE', 'LayerKind', 'MiB', 'ModelSpec',
+        'PoolModel', 'blas_workspace_bytes', 'estimate_for_decided', 'estimate_graph_memory', 'iter_sizes',
+    ],
+    "pipeline.runtime.table": [
+        'CAPTURE_PRECONDITIONS', 'CaptureDecision', 'ConfigError', 'Guard', 'LoadDecision', 'RUNNER', 'RunnerModel',
+        'RunnerState', 'Step', 'StepTable', 'alloc_pools', 'attention_layer_ids', 'attention_request',
+        'available_bytes', 'budget_from_fraction', 'build_attention', 'capture', 'check_fits', 'check_mem_fraction',
+        'decide_attention', 'decide_capture', 'decide_model', 'decide_pools', 'fraction_remedy', 'graph_estimate',
+        'graph_reserve_bytes', 'init_distributed', 'kv_dtype', 'load_model', 'model_dtype', 'served_field',
+        'size_for', 'size_pools', 'truncate_spec',
+    ],
+    "pipeline.observe.trace": [
+        'ErrorInfo', 'MAX_DEPTH', 'MAX_LINE_BYTES', 'Run', 'SCHEMA_VERSION', 'SKIP_DETAILS', 'SkippedLine', 'Trace',
+        'TraceReader', 'UPGRADERS', 'UsageError', 'as_trace', 'dataclass', 'decode_record', 'field',
+        'nothing_readable', 'read_trace', 'timeline', 'verification_failure',
+    ],
+    "pipeline.cli.run": [
+        'AttnSetupError', 'ConfigError', 'DEFAULT_LAYERS', 'EXIT_FAILED', 'EXIT_INTERRUPTED', 'EXIT_OK', 'ErrorInfo',
+        'ModelSpec', 'SetupRequest', 'UsageError', '_PLACEHOLDER', '_graph_line', '_pool_line', '_print',
+        '_render_runner', '_report', 'add_parser', 'check_context', 'check_num_layers', 'check_pool_for_checks',
+        'check_warm_cache', 'cmd', 'error_info_from', 'is_gpu_device', 'log_path', 'model_line', 'open_log',
+        'preflight', 'request_from', 'runner_config', 'summary_obj', 'timeline_rows', 'timeline_title',
+        '_model_steps', '_verify', '_verify_runner', '_ended_by', '_rank_group',
+    ],
 }
 
 NEW_HOMES = {
@@ -63,6 +89,10 @@ NEW_HOMES = {
     "pipeline.setup.distributed": ["pipeline.setup.rank_exchange"],
     "pipeline.backends.flashinfer": ["pipeline.backends.flashinfer_wrappers", "pipeline.backends.flashinfer_plan"],
     "pipeline.backends.triton.launch_mla": ["pipeline.backends.triton.mla_configs"],
+    "states.graph_memory": ["states.cuda_allocator"],
+    "pipeline.runtime.table": ["pipeline.runtime.pool_steps"],
+    "pipeline.observe.trace": ["pipeline.observe.trace_decode", "pipeline.observe.trace_view"],
+    "pipeline.cli.run": ["pipeline.cli.run_checks", "pipeline.cli.run_report"],
 }
 
 
@@ -81,7 +111,10 @@ def test_every_old_name_still_there(module):
 
 
 @pytest.mark.parametrize("module", ["pipeline.core.events", "pipeline.core.model_spec", "pipeline.core.event_wire",
-                                    "pipeline.core.config_reader", "pipeline.core.layer_rules"])
+                                    "pipeline.core.config_reader", "pipeline.core.layer_rules",
+                                    "states.graph_memory", "states.cuda_allocator", "pipeline.runtime.table",
+                                    "pipeline.runtime.pool_steps", "pipeline.observe.trace",
+                                    "pipeline.observe.trace_decode", "pipeline.observe.trace_view"])
 def test_split_core_modules_stay_torch_free(module):
     code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)

@@ -100,8 +100,10 @@ def test_schema_policy_and_tolerance(tmp_path, monkeypatch):
     assert [s.line for s in t.skipped] == [2, 3, 4, 6, 7]
     assert t.dropped_fields == 1 and [r.ts_ns for r in t.runs[0].records] == [1, 2]
     # an old version passes through its upgrader (simulated: this reader at version 2, the line at 1)
-    monkeypatch.setattr(tr, "SCHEMA_VERSION", 2)
-    monkeypatch.setattr(tr, "UPGRADERS", {1: lambda o: {**{k: v for k, v in o.items() if k != "ms"}, "duration_ms": o["ms"]}})
+    from pipeline.observe import trace_decode  # the decoder's home since the split (trace re-exports its names)
+
+    monkeypatch.setattr(trace_decode, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(trace_decode, "UPGRADERS", {1: lambda o: {**{k: v for k, v in o.items() if k != "ms"}, "duration_ms": o["ms"]}})
     old = tmp_path / "old.jsonl"
     old.write_bytes(_line(schema_version=1, ms=4.0, duration_ms=None).replace(b'"duration_ms": null, ', b""))
     rec = tr.read_trace(old).runs[0].records[0]

@@ -13,57 +13,24 @@ from __future__ import annotations
 
 import argparse
 import sys
-import re
-import os
 from typing import Any, Optional
 
 import msgspec
 
 from pipeline.core import events as ev
 from pipeline.cli import report as rp
-from pipeline.core.contracts import ErrorInfo, ModelSpec, SetupRequest
+from pipeline.core.contracts import ErrorInfo, ModelSpec, SetupRequest  # noqa: F401
 from pipeline.cli.request import is_gpu_device, request_from
 from pipeline.core.errors import (
-    EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from,
+    EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from,  # noqa: F401
 )
-
-DEFAULT_LAYERS = 2  # a verification run: at least 2 layers, more when a layer kind first appears later (quick on CPU)
-
-
-_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
-
-
-def log_path(template: str, run_id: str, rank: int) -> str:
-    """Fill ``{run_id}`` and ``{rank}`` into ``--log-file`` (no other placeholder, no format spec).
-
-    Raises UsageError naming ``--log-file`` for other placeholders, unbalanced braces, or a path
-    that is a directory or cannot be created.
-    """
-    for name in _PLACEHOLDER.findall(template):
-        if name not in ("run_id", "rank"):
-            raise UsageError(f"--log-file has an unknown placeholder {{{name}}}", code="usage",
-                             flags=[("--log-file", template)], allowed=["{run_id}", "{rank}"],
-                             remedy="use only {run_id} and {rank} in --log-file")
-    path = template.replace("{run_id}", run_id).replace("{rank}", str(rank))
-    if "{" in path or "}" in path:
-        raise UsageError("--log-file has an unbalanced brace", code="usage", flags=[("--log-file", template)],
-                         allowed=["{run_id}", "{rank}"], remedy="balance the braces or remove them")
-    if os.path.isdir(path):
-        raise UsageError(f"--log-file {path!r} is a directory", code="usage", flags=[("--log-file", template)],
-                         remedy="give a file path, e.g. DIR/{run_id}.rank{rank}.jsonl")
-    return path
-
-
-def open_log(path: str, template: str, run_id: str, rank: int, secrets: tuple[str, ...]) -> Any:
-    """The run's EventLog; an unwritable path or one that is not a regular file (a FIFO, ``/dev/full``)
-    is a UsageError naming ``--log-file`` (exit 2, nothing started)."""
-    from pipeline.core.eventlog import EventLog
-
-    try:
-        return EventLog(run_id, rank, path, secrets=secrets, flag="--log-file", raise_write_errors=True)
-    except OSError as e:
-        raise UsageError(f"cannot write the log file {path!r}: {e.strerror or e}", code="usage",
-                         flags=[("--log-file", template)], remedy="pick a writable path for --log-file") from None
+from pipeline.cli.run_checks import (  # noqa: F401 - run's flag checks moved; importable from here
+    _PLACEHOLDER, DEFAULT_LAYERS, check_context, check_num_layers, check_pool_for_checks, check_warm_cache, log_path,
+    open_log, runner_config,
+)
+from pipeline.cli.run_report import (  # noqa: F401 - the report moved; its names stay importable from here
+    _graph_line, _pool_line, _print, _render_runner, _report, model_line, timeline_rows, timeline_title,
+)
 
 
 def preflight(ns: argparse.Namespace, runner: Any, log: Any, group: Any) -> None:
@@ -96,69 +63,6 @@ def preflight(ns: argparse.Namespace, runner: Any, log: Any, group: Any) -> None
     if state == "attention":  # logged where it happened in the setup machine
         build_attention_backends(attention_request(runner), log=log, rank_group=group, decided=pre[state])
     raise err
-
-
-def check_context(request: SetupRequest, decode_steps: int) -> None:
-    """Refuse a ``--max-context-len`` shorter than the longest request ``run``'s checks reach: the built instances
-    are verified on a 5-request batch and the model steps on a 4-request one
-    (:func:`pipeline.runtime.verify.context_needed`, :func:`pipeline.runtime.model_steps.context_needed`);
-    ConfigError ``invalid_value`` naming the minimum."""
-    from pipeline.core.validation import MAX_POOL_DIM
-    from pipeline.runtime import model_steps, verify
-
-    p = request.pool
-    ctx = max(verify.context_needed(p.max_reqs, decode_steps), model_steps.context_needed(p.max_reqs, decode_steps))
-    if p.max_context_len < ctx:
-        raise ConfigError(f"--max-context-len {p.max_context_len} is shorter than the {ctx} tokens the longest "
-                          f"verification request reaches with --decode-steps {decode_steps}", code="invalid_value",
-                          flags=[("max_context_len", p.max_context_len), ("decode_steps", decode_steps)],
-                          allowed=[f">= {ctx}"],
-                          remedy=f"pass --max-context-len {ctx} or more" if ctx <= MAX_POOL_DIM else
-                          f"lower --decode-steps (--max-context-len is at most {MAX_POOL_DIM})")
-
-
-def check_warm_cache(ns: argparse.Namespace, runner: Any, pre: Any) -> None:
-    """``--require-warm-cache``: refuse (ConfigError ``cold_jit_cache``, exit 3) a run whose FlashInfer variants
-    would compile at startup, from the decisions the preflight made (the device facts and the resolved pair the
-    run then takes), before anything is allocated."""
-    if not getattr(ns, "require_warm_cache", False):
-        return
-    from pipeline.cli.jit import check_warm, cold_report
-    from pipeline.runtime.table import attention_request
-
-    setup = pre["attention"]
-    check_warm(ns, cold_report(attention_request(runner), setup["device-init"].facts, setup["resolve"].pair))
-
-
-def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platform: Any, index: int = 0) -> None:
-    """The pool ``run`` would size for these flags on ``platform``'s device ``index``, checked as its preflight checks
-    it (:func:`pipeline.runtime.table.size_for`: fits the device, holds the verification batches); nothing is
-    allocated. Raises the sizing's ConfigError."""
-    from pipeline.core.spec import attention_layer_ids, truncate_spec
-    from pipeline.runtime.table import size_for
-
-    cfg = runner_config(ns, request)
-    served = request.served_model
-    spec = truncate_spec(served, cfg.num_layers) if attention_layer_ids(served) else served
-    size_for(platform, index, cfg, spec)
-
-
-def runner_config(ns: argparse.Namespace, request: SetupRequest) -> Any:
-    """The RunnerConfig from the flags (default on every device: the first 2 attention layers, or as many as it
-    takes to include one layer of every attention kind, e.g. 4 for Llama-4, 6 for Gemma-3); a pool sized from
-    ``--num-token-slots`` or ``--mem-bytes`` must hold the verification batches (whole pages each:
-    :func:`pipeline.runtime.verify.slots_needed`, :func:`pipeline.runtime.model_steps.slots_needed`)."""
-    from pipeline.core.model_spec import layers_covering_every_kind
-    from pipeline.runtime import model_steps, verify
-    from pipeline.runtime.runner import RunnerConfig
-
-    default = layers_covering_every_kind(request.served_model, DEFAULT_LAYERS)
-    layers = ns.num_layers if ns.num_layers is not None else max(default, 1)
-    p, ps, steps = request.pool, request.args.page_size, max(ns.decode_steps, 0)
-    need = max(verify.slots_needed(p.max_reqs, ps, steps), model_steps.slots_needed(p.max_reqs, ps, steps))
-    return RunnerConfig(request=request, num_layers=layers, num_token_slots=ns.num_token_slots,
-                        mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction, min_token_slots=need,
-                        min_token_slots_for=f"the verification batches with --decode-steps {steps}")
 
 
 def _model_steps(runner: Any, log: Any, decode_steps: int) -> list[dict[str, Any]]:
@@ -334,22 +238,7 @@ def cmd(ns: argparse.Namespace) -> int:
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - any crash becomes an exit code with its ErrorInfo
         error, code = _ended_by(e, log)
     finally:
-        if progress is not None:
-            progress.__exit__(None, None, None)
-        jit = _jit(runner)  # before close(): closing releases the backends that know what they loaded
-        try:
-            if runner is not None:
-                runner.close()
-            if group is not None:
-                group.close()
-        finally:
-            if log.write_error is not None and code == EXIT_OK:
-                error, code = log.write_error.info, log.write_error.exit_code
-            summary = _summary(ns, log, jit, t_start)
-            log.emit(ev.CommandFinished, state=log.current_state, command="run", exit_code=code,
-                     duration_ms=(time.perf_counter() - t0) * 1e3)
-            log.close()
-            log.restore_signal_handlers()
+        error, code, summary = _close_run(ns, log, runner, group, progress, error, code, t0, t_start)
     report = _report(log, run_id, code, verified, steps, log_file, error)
     report["warnings"] += rp.layer_rule_warnings(request)
     report["summary"] = summary_obj(summary)
@@ -357,23 +246,33 @@ def cmd(ns: argparse.Namespace) -> int:
     return code
 
 
-def check_num_layers(ns: argparse.Namespace) -> None:
-    """Refuse ``--num-layers`` below 1 as the flags are read (UsageError, exit 2, before any rendezvous, log or
-    model load), naming the range the model allows (``1..`` its attention layers). A value above that range is the
-    preflight's refusal (``invalid_value``, exit 3: the flag is well-formed, the model has fewer layers)."""
-    if ns.num_layers is None or ns.num_layers >= 1:
-        return
-    from pipeline.cli.request import load_models
-    from pipeline.core.model_spec import layers_covering_every_kind
-    from pipeline.core.spec import attention_layer_ids
+def _close_run(ns: argparse.Namespace, log: Any, runner: Any, group: Any, progress: Any, error: Optional[ErrorInfo],
+               code: int, t0: float, t_start: Optional[int]) -> tuple[Optional[ErrorInfo], int, Any]:
+    """:func:`cmd`'s ending, on every exit it controls: the progress line stopped, the JIT variants read (before
+    ``close()`` releases the backends that know them), the runner and the rank group closed, then — even when a
+    close raised — a failed trace write turned into the exit (``log_write_failed``, exit 2) of a run that was
+    otherwise ok, the startup summary, ``command_finished`` with the exit code and ``duration_ms`` (ms since
+    ``t0``, ``time.perf_counter()`` seconds), the log closed and the signal handlers restored.
+    Returns ``(error, exit code, startup summary)``."""
+    import time
 
-    model, draft = load_models(ns)
-    served = draft if draft is not None and ns.draft_worker else model
-    top = len(attention_layer_ids(served))
-    raise UsageError(f"--num-layers {ns.num_layers} builds no layer: it counts the attention layers to build, "
-                     f"1..{top} for {served.model_type}", code="usage", flags=[("--num-layers", ns.num_layers)],
-                     allowed=[f"1..{top}"], remedy=f"pass --num-layers between 1 and {top}, or drop it (default "
-                     f"{max(layers_covering_every_kind(served, DEFAULT_LAYERS), 1)} for this model)")
+    if progress is not None:
+        progress.__exit__(None, None, None)
+    jit = _jit(runner)  # before close(): closing releases the backends that know what they loaded
+    try:
+        if runner is not None:
+            runner.close()
+        if group is not None:
+            group.close()
+    finally:
+        if log.write_error is not None and code == EXIT_OK:
+            error, code = log.write_error.info, log.write_error.exit_code
+        summary = _summary(ns, log, jit, t_start)
+        log.emit(ev.CommandFinished, state=log.current_state, command="run", exit_code=code,
+                 duration_ms=(time.perf_counter() - t0) * 1e3)
+        log.close()
+        log.restore_signal_handlers()
+    return error, code, summary
 
 
 def _verify_runner(runner: Any, log: Any, decode_steps: int) -> tuple[list, list, Optional[ErrorInfo]]:
@@ -411,129 +310,3 @@ def _ended_by(e: BaseException, log: Any) -> tuple[ErrorInfo, int]:
             log.emit(ev.RunFailed, state=error.state if isinstance(e, AttnSetupError) else log.current_state,
                      outcome="failed", error=error)
     return error, code
-
-
-def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request: SetupRequest,
-           error: Optional[ErrorInfo], code: int = EXIT_OK) -> None:
-    """``--json``'s object (unchanged), or the runner timeline, the tables and — for a failed run, last, where the
-    eye lands when the prompt returns — the error in the command line's flags under a red rule that says the run
-    failed and its exit code (new-user trial #2: the error sat between the tables)."""
-    if ns.json:
-        rp.emit_json(report)
-        return
-    _render_runner(report, records, request)
-    rp.render_tables({**report, "states": []})  # the setup states are in the runner timeline above
-    from pipeline.cli.startup import render_summary
-
-    render_summary(report["summary"])
-    if error is not None:
-        from pipeline.cli.console import console
-        from pipeline.cli.wording import cli_error, command_dests
-
-        sys.stdout.flush()  # the tables are out before the error (one terminal, two streams)
-        console(stderr=True).rule(f"[bold red]attn-setup run failed (exit {code})[/]", style="red", align="left")
-        rp.render_error(cli_error(error, command_dests("run")))
-
-
-def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_file: str,
-            error: Optional[ErrorInfo]) -> dict[str, Any]:
-    """Run's JSON object; the error's remedy in this command line's flags."""
-    from pipeline.cli.wording import cli_error, command_dests
-    from pipeline.observe.runview import outcomes
-
-    return {
-        "ok": code == EXIT_OK, "run_id": run_id, "states": outcomes(log.records, "setup"),
-        "resolved": rp.resolved_from(log.records), "plan": rp.plan_from(log.records),
-        "skips": rp.skips_from(log.records), "warnings": rp.warnings_from(log.records), "verified": verified,
-        "log_file": os.path.abspath(log_file),
-        "error": None if error is None else msgspec.to_builtins(cli_error(error, command_dests("run"))),
-        "runner_states": outcomes(log.records, "runner"), "model_steps": steps,
-    }
-
-
-def model_line(request: SetupRequest, records: Any) -> str:
-    """``model: llama (LlamaForCausalLM) from PATH, 2 of 32 layers built`` (+ the draft model on a draft worker)."""
-    built = next((r.num_layers for r in records if isinstance(r, ev.ModelLoaded)), None)
-
-    def one(m: ModelSpec, serves: bool) -> str:
-        arch = f" ({', '.join(m.architectures)})" if m.architectures else ""
-        layers = f", {built} of {m.num_hidden_layers} layers built" if serves and built is not None else ""
-        return f"{m.model_type}{arch} from {m.source or 'a dict'}{layers}"
-
-    draft = request.draft_model
-    text = f"model: {one(request.model, draft is None or not request.is_draft_worker)}"
-    if request.is_draft_worker:
-        text += f"; draft worker serving {'the draft model: ' + one(draft, True) if draft else 'the model itself'}"
-    return text
-
-
-def timeline_title(report: dict[str, Any]) -> str:
-    """The timeline's heading, true to its rows: the setup states are nested only when the runner reached its
-    attention step; a start refused before the runner started shows the setup states alone."""
-    runner = [s["state"] for s in report.get("runner_states") or []]
-    if "attention" in runner:
-        return "timeline (runner states, setup states under attention)"
-    if runner:
-        return "timeline (runner states; the setup machine did not start)" if not report.get("states") else \
-            "timeline (runner states, then the setup states)"
-    return "timeline (setup states; the runner did not start)"
-
-
-def timeline_rows(report: dict[str, Any]) -> list[tuple[str, str, float]]:
-    """``(label, outcome, ms)`` in the order the states ran: the runner's states, with the setup
-    machine's states nested (indented) under ``attention``; the setup states alone without a runner."""
-    runner = report.get("runner_states") or []
-    setup = [(f"  └ {s['state']}" if runner else s["state"], s["outcome"], s["duration_ms"])
-             for s in report.get("states") or []]
-    rows: list[tuple[str, str, float]] = []
-    for s in runner:
-        rows.append((s["state"], s["outcome"], s["duration_ms"]))
-        if s["state"] == "attention":
-            rows += setup
-            setup = []
-    return rows + setup
-
-
-def _pool_line(records: Any) -> Optional[str]:
-    r = next((r for r in records if isinstance(r, ev.MemoryPoolSized)), None)
-    if r is None:
-        return None
-    line = (f"KV pool: {r.num_token_slots} token slots x {rp.fmt_bytes(r.bytes_per_token)} = {rp.fmt_bytes(r.kv_bytes)} "
-            f"(from {r.source}), req_to_token {r.max_reqs} x {r.max_context_len} = {rp.fmt_bytes(r.req_to_token_bytes)}")
-    if r.graph_bytes_estimate:
-        kept = ", kept out of the budget" if r.source == "mem_fraction" else ""
-        line += f"; decode CUDA graphs {rp.fmt_bytes(r.graph_bytes_estimate)} estimated{kept}"
-    return line
-
-
-def _graph_line(records: Any) -> Optional[str]:
-    """``CUDA graphs: 4 sizes captured, graph pool 2.0 MiB (estimated 2.0 MiB), capture step took 60.0 MiB of the
-    device (estimated 78.0 MiB)`` from the ``cuda_graph_memory`` event (None without one)."""
-    m = next((r for r in records if isinstance(r, ev.CudaGraphMemory)), None)
-    if m is None:
-        return None
-    return (f"CUDA graphs: {len(m.batch_sizes)} sizes captured, graph pool {rp.fmt_bytes(m.pool_bytes)} (estimated "
-            f"{rp.fmt_bytes(m.pool_estimate)}), capture step took {rp.fmt_bytes(m.step_device_bytes)} of the device "
-            f"(estimated {rp.fmt_bytes(m.total_estimate)})")
-
-
-def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[SetupRequest] = None) -> None:
-    """The model, the timeline (runner states with the setup states nested) and the stack's verified steps,
-    at the terminal's width (:mod:`pipeline.cli.console`)."""
-    from pipeline.cli.console import console, print_line, print_table
-
-    c = console()
-    if request is not None:
-        print_line(c, model_line(request, records))
-    for line in (_pool_line(records), _graph_line(records)):
-        if line:
-            print_line(c, line)
-    rows = timeline_rows(report)
-    if rows:
-        print_table(c, timeline_title(report), ["state", "outcome", "duration ms"],
-                    [[label, outcome, f"{ms:.1f}"] for label, outcome, ms in rows])
-    if report["model_steps"]:
-        print_table(c, "attention stack steps vs float64 dense reference (max|dout-dref|/max|dref|)",
-                    ["step", "bs", "graph", "max rel err", "tol", "passed"],
-                    [[s["step"], str(s["batch_size"]), "yes" if s["graph"] else "no", f"{s['max_rel_err']:.2e}",
-                      f"{s['tol']:.0e}", "yes" if s["passed"] else "NO"] for s in report["model_steps"]])

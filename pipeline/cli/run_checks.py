@@ -1,0 +1,135 @@
+"""``attn-setup run``'s own checks of its flags, before anything is built: ``--log-file`` (its placeholders filled,
+the log opened), ``--max-context-len`` against the verification batches, ``--require-warm-cache``, ``--num-layers``
+as the flags are read, the pool the checks need (:func:`check_pool_for_checks`) and the
+:class:`~pipeline.runtime.runner.RunnerConfig` built from the flags.
+Split out of :mod:`pipeline.cli.run` (the command flow), which re-exports every name here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Any
+
+from pipeline.core.contracts import SetupRequest
+from pipeline.core.errors import ConfigError, UsageError
+
+DEFAULT_LAYERS = 2  # a verification run: at least 2 layers, more when a layer kind first appears later (quick on CPU)
+
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+
+
+def log_path(template: str, run_id: str, rank: int) -> str:
+    """Fill ``{run_id}`` and ``{rank}`` into ``--log-file`` (no other placeholder, no format spec).
+
+    Raises UsageError naming ``--log-file`` for other placeholders, unbalanced braces, or a path
+    that is a directory or cannot be created.
+    """
+    for name in _PLACEHOLDER.findall(template):
+        if name not in ("run_id", "rank"):
+            raise UsageError(f"--log-file has an unknown placeholder {{{name}}}", code="usage",
+                             flags=[("--log-file", template)], allowed=["{run_id}", "{rank}"],
+                             remedy="use only {run_id} and {rank} in --log-file")
+    path = template.replace("{run_id}", run_id).replace("{rank}", str(rank))
+    if "{" in path or "}" in path:
+        raise UsageError("--log-file has an unbalanced brace", code="usage", flags=[("--log-file", template)],
+                         allowed=["{run_id}", "{rank}"], remedy="balance the braces or remove them")
+    if os.path.isdir(path):
+        raise UsageError(f"--log-file {path!r} is a directory", code="usage", flags=[("--log-file", template)],
+                         remedy="give a file path, e.g. DIR/{run_id}.rank{rank}.jsonl")
+    return path
+
+
+def open_log(path: str, template: str, run_id: str, rank: int, secrets: tuple[str, ...]) -> Any:
+    """The run's EventLog; an unwritable path or one that is not a regular file (a FIFO, ``/dev/full``)
+    is a UsageError naming ``--log-file`` (exit 2, nothing started)."""
+    from pipeline.core.eventlog import EventLog
+
+    try:
+        return EventLog(run_id, rank, path, secrets=secrets, flag="--log-file", raise_write_errors=True)
+    except OSError as e:
+        raise UsageError(f"cannot write the log file {path!r}: {e.strerror or e}", code="usage",
+                         flags=[("--log-file", template)], remedy="pick a writable path for --log-file") from None
+
+
+def check_context(request: SetupRequest, decode_steps: int) -> None:
+    """Refuse a ``--max-context-len`` shorter than the longest request ``run``'s checks reach: the built instances
+    are verified on a 5-request batch and the model steps on a 4-request one
+    (:func:`pipeline.runtime.verify.context_needed`, :func:`pipeline.runtime.model_steps.context_needed`);
+    ConfigError ``invalid_value`` naming the minimum."""
+    from pipeline.core.validation import MAX_POOL_DIM
+    from pipeline.runtime import model_steps, verify
+
+    p = request.pool
+    ctx = max(verify.context_needed(p.max_reqs, decode_steps), model_steps.context_needed(p.max_reqs, decode_steps))
+    if p.max_context_len < ctx:
+        raise ConfigError(f"--max-context-len {p.max_context_len} is shorter than the {ctx} tokens the longest "
+                          f"verification request reaches with --decode-steps {decode_steps}", code="invalid_value",
+                          flags=[("max_context_len", p.max_context_len), ("decode_steps", decode_steps)],
+                          allowed=[f">= {ctx}"],
+                          remedy=f"pass --max-context-len {ctx} or more" if ctx <= MAX_POOL_DIM else
+                          f"lower --decode-steps (--max-context-len is at most {MAX_POOL_DIM})")
+
+
+def check_warm_cache(ns: argparse.Namespace, runner: Any, pre: Any) -> None:
+    """``--require-warm-cache``: refuse (ConfigError ``cold_jit_cache``, exit 3) a run whose FlashInfer variants
+    would compile at startup, from the decisions the preflight made (the device facts and the resolved pair the
+    run then takes), before anything is allocated."""
+    if not getattr(ns, "require_warm_cache", False):
+        return
+    from pipeline.cli.jit import check_warm, cold_report
+    from pipeline.runtime.table import attention_request
+
+    setup = pre["attention"]
+    check_warm(ns, cold_report(attention_request(runner), setup["device-init"].facts, setup["resolve"].pair))
+
+
+def check_pool_for_checks(ns: argparse.Namespace, request: SetupRequest, platform: Any, index: int = 0) -> None:
+    """The pool ``run`` would size for these flags on ``platform``'s device ``index``, checked as its preflight checks
+    it (:func:`pipeline.runtime.table.size_for`: fits the device, holds the verification batches); nothing is
+    allocated. Raises the sizing's ConfigError."""
+    from pipeline.core.spec import attention_layer_ids, truncate_spec
+    from pipeline.runtime.table import size_for
+
+    cfg = runner_config(ns, request)
+    served = request.served_model
+    spec = truncate_spec(served, cfg.num_layers) if attention_layer_ids(served) else served
+    size_for(platform, index, cfg, spec)
+
+
+def runner_config(ns: argparse.Namespace, request: SetupRequest) -> Any:
+    """The RunnerConfig from the flags (default on every device: the first 2 attention layers, or as many as it
+    takes to include one layer of every attention kind, e.g. 4 for Llama-4, 6 for Gemma-3); a pool sized from
+    ``--num-token-slots`` or ``--mem-bytes`` must hold the verification batches (whole pages each:
+    :func:`pipeline.runtime.verify.slots_needed`, :func:`pipeline.runtime.model_steps.slots_needed`)."""
+    from pipeline.core.model_spec import layers_covering_every_kind
+    from pipeline.runtime import model_steps, verify
+    from pipeline.runtime.runner import RunnerConfig
+
+    default = layers_covering_every_kind(request.served_model, DEFAULT_LAYERS)
+    layers = ns.num_layers if ns.num_layers is not None else max(default, 1)
+    p, ps, steps = request.pool, request.args.page_size, max(ns.decode_steps, 0)
+    need = max(verify.slots_needed(p.max_reqs, ps, steps), model_steps.slots_needed(p.max_reqs, ps, steps))
+    return RunnerConfig(request=request, num_layers=layers, num_token_slots=ns.num_token_slots,
+                        mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction, min_token_slots=need,
+                        min_token_slots_for=f"the verification batches with --decode-steps {steps}")
+
+
+def check_num_layers(ns: argparse.Namespace) -> None:
+    """Refuse ``--num-layers`` below 1 as the flags are read (UsageError, exit 2, before any rendezvous, log or
+    model load), naming the range the model allows (``1..`` its attention layers). A value above that range is the
+    preflight's refusal (``invalid_value``, exit 3: the flag is well-formed, the model has fewer layers)."""
+    if ns.num_layers is None or ns.num_layers >= 1:
+        return
+    from pipeline.cli.request import load_models
+    from pipeline.core.model_spec import layers_covering_every_kind
+    from pipeline.core.spec import attention_layer_ids
+
+    model, draft = load_models(ns)
+    served = draft if draft is not None and ns.draft_worker else model
+    top = len(attention_layer_ids(served))
+    raise UsageError(f"--num-layers {ns.num_layers} builds no layer: it counts the attention layers to build, "
+                     f"1..{top} for {served.model_type}", code="usage", flags=[("--num-layers", ns.num_layers)],
+                     allowed=[f"1..{top}"], remedy=f"pass --num-layers between 1 and {top}, or drop it (default "
+                     f"{max(layers_covering_every_kind(served, DEFAULT_LAYERS), 1)} for this model)")

@@ -1,0 +1,146 @@
+"""``attn-setup run``'s report: the JSON object (``--json``) and what the terminal shows — the model line, the KV
+pool and CUDA-graph lines, the runner timeline with the setup states nested, the stack's verified steps and, for a
+failed run, the error last. Split out of :mod:`pipeline.cli.run` (the command flow), which re-exports every name
+here; the records' outcomes come from :mod:`pipeline.observe.runview`, the shared tables from
+:mod:`pipeline.cli.report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Optional
+
+import msgspec
+
+from pipeline.cli import report as rp
+from pipeline.core import events as ev
+from pipeline.core.contracts import ErrorInfo, ModelSpec, SetupRequest
+from pipeline.core.errors import EXIT_OK
+
+
+def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request: SetupRequest,
+           error: Optional[ErrorInfo], code: int = EXIT_OK) -> None:
+    """``--json``'s object (unchanged), or the runner timeline, the tables and — for a failed run, last, where the
+    eye lands when the prompt returns — the error in the command line's flags under a red rule that says the run
+    failed and its exit code (new-user trial #2: the error sat between the tables)."""
+    if ns.json:
+        rp.emit_json(report)
+        return
+    _render_runner(report, records, request)
+    rp.render_tables({**report, "states": []})  # the setup states are in the runner timeline above
+    from pipeline.cli.startup import render_summary
+
+    render_summary(report["summary"])
+    if error is not None:
+        from pipeline.cli.console import console
+        from pipeline.cli.wording import cli_error, command_dests
+
+        sys.stdout.flush()  # the tables are out before the error (one terminal, two streams)
+        console(stderr=True).rule(f"[bold red]attn-setup run failed (exit {code})[/]", style="red", align="left")
+        rp.render_error(cli_error(error, command_dests("run")))
+
+
+def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_file: str,
+            error: Optional[ErrorInfo]) -> dict[str, Any]:
+    """Run's JSON object; the error's remedy in this command line's flags."""
+    from pipeline.cli.wording import cli_error, command_dests
+    from pipeline.observe.runview import outcomes
+
+    return {
+        "ok": code == EXIT_OK, "run_id": run_id, "states": outcomes(log.records, "setup"),
+        "resolved": rp.resolved_from(log.records), "plan": rp.plan_from(log.records),
+        "skips": rp.skips_from(log.records), "warnings": rp.warnings_from(log.records), "verified": verified,
+        "log_file": os.path.abspath(log_file),
+        "error": None if error is None else msgspec.to_builtins(cli_error(error, command_dests("run"))),
+        "runner_states": outcomes(log.records, "runner"), "model_steps": steps,
+    }
+
+
+def model_line(request: SetupRequest, records: Any) -> str:
+    """``model: llama (LlamaForCausalLM) from PATH, 2 of 32 layers built`` (+ the draft model on a draft worker)."""
+    built = next((r.num_layers for r in records if isinstance(r, ev.ModelLoaded)), None)
+
+    def one(m: ModelSpec, serves: bool) -> str:
+        arch = f" ({', '.join(m.architectures)})" if m.architectures else ""
+        layers = f", {built} of {m.num_hidden_layers} layers built" if serves and built is not None else ""
+        return f"{m.model_type}{arch} from {m.source or 'a dict'}{layers}"
+
+    draft = request.draft_model
+    text = f"model: {one(request.model, draft is None or not request.is_draft_worker)}"
+    if request.is_draft_worker:
+        text += f"; draft worker serving {'the draft model: ' + one(draft, True) if draft else 'the model itself'}"
+    return text
+
+
+def timeline_title(report: dict[str, Any]) -> str:
+    """The timeline's heading, true to its rows: the setup states are nested only when the runner reached its
+    attention step; a start refused before the runner started shows the setup states alone."""
+    runner = [s["state"] for s in report.get("runner_states") or []]
+    if "attention" in runner:
+        return "timeline (runner states, setup states under attention)"
+    if runner:
+        return "timeline (runner states; the setup machine did not start)" if not report.get("states") else \
+            "timeline (runner states, then the setup states)"
+    return "timeline (setup states; the runner did not start)"
+
+
+def timeline_rows(report: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """``(label, outcome, ms)`` in the order the states ran: the runner's states, with the setup
+    machine's states nested (indented) under ``attention``; the setup states alone without a runner."""
+    runner = report.get("runner_states") or []
+    setup = [(f"  └ {s['state']}" if runner else s["state"], s["outcome"], s["duration_ms"])
+             for s in report.get("states") or []]
+    rows: list[tuple[str, str, float]] = []
+    for s in runner:
+        rows.append((s["state"], s["outcome"], s["duration_ms"]))
+        if s["state"] == "attention":
+            rows += setup
+            setup = []
+    return rows + setup
+
+
+def _pool_line(records: Any) -> Optional[str]:
+    r = next((r for r in records if isinstance(r, ev.MemoryPoolSized)), None)
+    if r is None:
+        return None
+    line = (f"KV pool: {r.num_token_slots} token slots x {rp.fmt_bytes(r.bytes_per_token)} = {rp.fmt_bytes(r.kv_bytes)} "
+            f"(from {r.source}), req_to_token {r.max_reqs} x {r.max_context_len} = {rp.fmt_bytes(r.req_to_token_bytes)}")
+    if r.graph_bytes_estimate:
+        kept = ", kept out of the budget" if r.source == "mem_fraction" else ""
+        line += f"; decode CUDA graphs {rp.fmt_bytes(r.graph_bytes_estimate)} estimated{kept}"
+    return line
+
+
+def _graph_line(records: Any) -> Optional[str]:
+    """``CUDA graphs: 4 sizes captured, graph pool 2.0 MiB (estimated 2.0 MiB), capture step took 60.0 MiB of the
+    device (estimated 78.0 MiB)`` from the ``cuda_graph_memory`` event (None without one)."""
+    m = next((r for r in records if isinstance(r, ev.CudaGraphMemory)), None)
+    if m is None:
+        return None
+    return (f"CUDA graphs: {len(m.batch_sizes)} sizes captured, graph pool {rp.fmt_bytes(m.pool_bytes)} (estimated "
+            f"{rp.fmt_bytes(m.pool_estimate)}), capture step took {rp.fmt_bytes(m.step_device_bytes)} of the device "
+            f"(estimated {rp.fmt_bytes(m.total_estimate)})")
+
+
+def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[SetupRequest] = None) -> None:
+    """The model, the timeline (runner states with the setup states nested) and the stack's verified steps,
+    at the terminal's width (:mod:`pipeline.cli.console`)."""
+    from pipeline.cli.console import console, print_line, print_table
+
+    c = console()
+    if request is not None:
+        print_line(c, model_line(request, records))
+    for line in (_pool_line(records), _graph_line(records)):
+        if line:
+            print_line(c, line)
+    rows = timeline_rows(report)
+    if rows:
+        print_table(c, timeline_title(report), ["state", "outcome", "duration ms"],
+                    [[label, outcome, f"{ms:.1f}"] for label, outcome, ms in rows])
+    if report["model_steps"]:
+        print_table(c, "attention stack steps vs float64 dense reference (max|dout-dref|/max|dref|)",
+                    ["step", "bs", "graph", "max rel err", "tol", "passed"],
+                    [[s["step"], str(s["batch_size"]), "yes" if s["graph"] else "no", f"{s['max_rel_err']:.2e}",
+                      f"{s['tol']:.0e}", "yes" if s["passed"] else "NO"] for s in report["model_steps"]])

@@ -1,0 +1,134 @@
+"""The runner's ``init-memory-pool`` step (:data:`pipeline.runtime.table.RUNNER`): pool sizing and allocation.
+
+``decide_pools`` sizes ``req_to_token`` and the per-layer K/V buffers (slots > bytes > a fraction of the device's
+memory, the decode graphs' estimated bytes set aside: :func:`graph_estimate`) without allocating; ``alloc_pools``
+allocates them. Split out of :mod:`pipeline.runtime.table`, which re-exports every name. Nothing here imports torch
+at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pipeline.core import events as ev
+from pipeline.core.dtypes import kv_dtype
+from pipeline.core.errors import ConfigError
+from pipeline.core.pool_sizing import available_bytes, budget_from_fraction, check_fits, check_mem_fraction, size_pools
+
+
+def served_field(req: Any, spec: Any) -> dict[str, Any]:
+    """``{model or draft_model: spec}``: the field of ``req`` holding the model it serves."""
+    return {"draft_model": spec} if req.is_draft_worker and req.draft_model is not None else {"model": spec}
+
+
+# -- init-memory-pool: req_to_token and the per-layer K/V buffers, sized from the budget -----------------------
+def decide_pools(r: Any) -> Any:
+    """The pool sizes (slots > bytes > fraction of the device's memory, weights already there subtracted), refused
+    when above the device's memory or its free share, or below ``config.min_token_slots``; a ``mem_fraction``
+    outside (0, 1] is refused with a remedy naming the largest share that fits this device (:func:`fraction_remedy`)."""
+    cfg = r.config
+    if cfg.mem_fraction is not None:
+        try:
+            check_mem_fraction(cfg.mem_fraction)
+        except ConfigError as e:  # "such as 0.8" is not true everywhere (0.8 of a CPU host's memory is refused)
+            raise ConfigError(f"--mem-fraction {cfg.mem_fraction} is outside (0, 1]", code=e.info.code,
+                              flags=[("mem_fraction", cfg.mem_fraction)], allowed=list(e.info.allowed),
+                              remedy=fraction_remedy(r.platform, r.index, cfg, r.load.spec,
+                                                     graph_reserve_bytes(r, r.load.spec))) from None
+    return size_for(r.platform, r.index, cfg, r.load.spec, graph_reserve=graph_reserve_bytes(r, r.load.spec))
+
+
+def graph_estimate(r: Any, spec: Any) -> Any:
+    """The decode CUDA graphs' estimated memory (:class:`states.graph_memory.GraphMemoryEstimate`) for this run's
+    built ``spec``, from the setup decided torch-free for it (:func:`pipeline.setup.build.decide_setup`: the decode
+    backend and whether it is captured depend on ``max_reqs``, not on the pool's size); None when no graphs are
+    captured (CPU, ``--disable-cuda-graph``, a decode backend without graphs) or the setup is refused. Computed once
+    per runner and spec (kept on ``r``); where graphs cannot apply at all (:func:`states.graphs.decide_graphs` before
+    any backend is known) nothing is resolved for it, so such a run still resolves once."""
+    from states.graphs import decide_graphs
+
+    cfg = r.config
+    kept = getattr(r, "graph_estimate_for", None)
+    if kept is not None and kept[0] is spec:
+        return kept[1]
+    est = None
+    if decide_graphs(cfg.request.args, r.platform.device_facts(r.index).type, []).capture:
+        from pipeline.setup.build import decide_setup
+        from states.graph_memory import estimate_for_decided
+
+        req = msgspec.structs.replace(cfg.request, **served_field(cfg.request, spec))
+        decided = decide_setup(req, platform=r.platform, installed=r.installed, rank_group=r.rank_group)
+        est = estimate_for_decided(req, decided, aux_layers=cfg.aux_hidden_state_layers or ())
+    r.graph_estimate_for = (spec, est)
+    return est
+
+
+def graph_reserve_bytes(r: Any, spec: Any) -> int:
+    """Bytes :func:`graph_estimate` sets aside (0 without graphs)."""
+    est = graph_estimate(r, spec)
+    return 0 if est is None else est.total_bytes
+
+
+def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0) -> Any:
+    """:func:`decide_pools`' sizing for ``cfg`` (a RunnerConfig, its ``mem_fraction`` already checked) and the
+    built ``spec`` on ``platform``'s device ``index``; nothing is allocated. Raises the sizing's ConfigError.
+    ``config.min_token_slots`` binds every pool not sized from a share of memory (the default slots too, so a
+    ``--num-token-slots`` remedy is enough when followed). ``graph_reserve``: the decode graphs' estimated bytes
+    (:func:`graph_reserve_bytes`), out of a ``mem_fraction`` budget and counted against free memory
+    (:func:`pipeline.core.pool_sizing.size_pools`)."""
+    req = cfg.request
+    p, facts = req.pool, platform.device_facts(index)
+    if cfg.mem_bytes is not None and facts.total_memory_bytes and cfg.mem_bytes > facts.total_memory_bytes:
+        raise ConfigError(f"--mem-bytes {cfg.mem_bytes} exceeds the device's {facts.total_memory_bytes} bytes",
+                          code="invalid_value", flags=[("mem_bytes", cfg.mem_bytes)],
+                          allowed=[f"<= {facts.total_memory_bytes}"], remedy="lower --mem-bytes or use --mem-fraction")
+    budget, source, total, allocated = cfg.mem_bytes, "bytes", 0, platform.memory_allocated(index)
+    if cfg.num_token_slots is None and budget is None and cfg.mem_fraction is not None:
+        total = facts.total_memory_bytes
+        budget, source = budget_from_fraction(cfg.mem_fraction, total, allocated), "mem_fraction"
+    slots = cfg.num_token_slots if cfg.num_token_slots is not None else (None if budget is not None else
+                                                                         p.num_token_slots)
+    floor = 0 if source == "mem_fraction" else cfg.min_token_slots
+    s = size_pools(spec.layer_kinds(), spec.num_hidden_layers, kv_dtype(req.args, spec), page_size=req.args.page_size,
+                   max_reqs=p.max_reqs, max_context_len=p.max_context_len, num_token_slots=slots,
+                   budget_bytes=budget, source=source,
+                   mem_fraction=cfg.mem_fraction, min_slots=floor, min_slots_for=cfg.min_token_slots_for,
+                   graph_reserve_bytes=graph_reserve)
+    check_fits(s, available_bytes(platform, index), device=platform.torch_device(index), total_bytes=total,
+               allocated_bytes=allocated, mem_fraction=cfg.mem_fraction)
+    return s
+
+
+def fraction_remedy(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0) -> str:
+    """A ``--mem-fraction`` remedy that is true on this device: the largest share (in hundredths, up to 0.9) whose
+    pools both hold ``cfg.min_token_slots`` and fit its free memory (:func:`size_for`, sizing only — nothing is
+    allocated), or, when none does, the default sizing (drop the flag)."""
+    import dataclasses
+
+    for pct in range(90, 0, -1):
+        try:
+            size_for(platform, index, dataclasses.replace(cfg, mem_fraction=pct / 100), spec, graph_reserve)
+        except ConfigError:
+            continue
+        return (f"pass --mem-fraction {pct / 100:g} or less (the largest share of this device's memory whose "
+                "pools fit and hold the verification batches; sglang's mem_fraction_static), or drop it")
+    return "drop --mem-fraction (the pools are then sized from --num-token-slots)"
+
+
+def alloc_pools(r: Any, s: Any) -> None:
+    """Allocate ``req_to_token`` and the K/V buffers; log tokens and bytes; the request then carries the sizes."""
+    from pipeline.backends.memory import KVPool, ReqToTokenPool, torch_dtype
+
+    req, p, dev = r.request, s.facts, r.platform.torch_device(r.index)
+    model = req.served_model
+    pools = {"req_to_token_pool": ReqToTokenPool(p.max_reqs, p.max_context_len, dev)}
+    pools["kv_pool"] = KVPool.for_layer_kinds(model.layer_kinds(), model.num_hidden_layers, p.num_token_slots,
+                                              p.page_size, torch_dtype(kv_dtype(req.args, model)), dev)
+    r.sizing, r.request = s, msgspec.structs.replace(req, pool=p)
+    r.emit(ev.MemoryPoolSized, source=s.source, budget_bytes=s.budget_bytes, bytes_per_token=s.bytes_per_token,
+           num_token_slots=p.num_token_slots, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
+           page_size=p.page_size, req_to_token_bytes=s.req_to_token_bytes, kv_bytes=s.kv_bytes,
+           graph_bytes_estimate=s.graph_reserve_bytes)
+    r.machine.model.pools = pools
