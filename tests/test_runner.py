@@ -129,6 +129,8 @@ def test_zbal_before_capture_never_for_draft_or_size_zero(qwen, monkeypatch):
     class FakeGraphs:
         def __init__(self, stack, backend, rp, kv, sizes):
             self.sizes, self.capture_ms = sizes, {}
+            self.graph_bytes, self.device_bytes = dict.fromkeys(sizes, 0), dict.fromkeys(sizes, 0)
+            self.step_device_bytes = 0
 
         def capture(self, on_captured):
             for bs in self.sizes:

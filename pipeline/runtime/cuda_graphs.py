@@ -61,10 +61,13 @@ def _graph_pool_bytes(torch: Any, pool: Any) -> int:
     segments = torch.cuda.memory_snapshot()
     if segments and "segment_pool_id" not in segments[0]:
         return int(torch.cuda.memory_reserved())
-    want = tuple(pool) if isinstance(pool, (tuple, list)) else pool
-    return sum(int(s["total_size"]) for s in segments
-               if (tuple(s["segment_pool_id"]) if isinstance(s["segment_pool_id"], (tuple, list))
-                   else s["segment_pool_id"]) == want)
+    want = _as_id(pool)
+    return sum(int(s["total_size"]) for s in segments if _as_id(s["segment_pool_id"]) == want)
+
+
+def _as_id(pool_id: Any) -> Any:
+    """A memory-pool id comparable whether it came as a tuple (graph_pool_handle) or a list (a snapshot)."""
+    return tuple(pool_id) if isinstance(pool_id, (tuple, list)) else pool_id
 
 
 class DecodeGraphRunner:

@@ -222,15 +222,13 @@ def capture(r: Any, d: CaptureDecision) -> None:
     per_bs = {} if est is None else est.per_bs
     with r.log.heartbeat(f"capturing decode CUDA graphs for bs {', '.join(map(str, d.sizes))}"):
         g.capture(lambda bs, ms: r.emit(ev.CudaGraphCaptured, bs=bs, capture_ms=ms, backend=backend,
-                                        graph_bytes=max(getattr(g, "graph_bytes", {}).get(bs, 0), 0),
-                                        device_bytes=getattr(g, "device_bytes", {}).get(bs, 0),
+                                        graph_bytes=g.graph_bytes[bs], device_bytes=g.device_bytes[bs],
                                         graph_bytes_estimate=per_bs.get(bs, 0)))
     if est is not None:  # the whole step against the estimate, part by part
         r.emit(ev.CudaGraphMemory, backend=backend, batch_sizes=list(d.sizes), pool_estimate=est.pool_bytes,
                state_estimate=est.state_bytes, warmup_estimate=est.warmup_bytes,
                blas_workspace_bytes=est.blas_workspace_bytes, total_estimate=est.total_bytes,
-               pool_bytes=sum(getattr(g, "graph_bytes", {}).values()),
-               step_device_bytes=int(getattr(g, "step_device_bytes", 0)))
+               pool_bytes=sum(g.graph_bytes.values()), step_device_bytes=g.step_device_bytes)
 
 
 def _barrier_before_capture(r: Any) -> None:
