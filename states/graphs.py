@@ -161,9 +161,6 @@ def graph_sizes(args: AttentionArgs, max_reqs: int, captured: bool) -> tuple[int
     :func:`graph_max_bs`, never built. Raises what :func:`check_graph_bs` raises."""
     if not captured:
         return 0, 0, []
-    largest = graph_max_bs(args, max_reqs, True)
-    if args.cuda_graph_bs:
-        sizes = sorted(set(args.cuda_graph_bs))
-        return len(sizes), largest, sizes
-    count = sum(b <= largest for b in (1, 2, 4, 8)) + (max(0, (largest - 16) // 8 + 1) if largest >= 16 else 0)
-    return count, largest, capture_batch_sizes(args, max_reqs) if count <= LISTED_SIZES else None
+    count = count_batch_sizes(args, max_reqs)
+    sizes = capture_batch_sizes(args, max_reqs) if count <= LISTED_SIZES else None
+    return count, graph_max_bs(args, max_reqs, True), sizes
