@@ -78,7 +78,13 @@ def _hand_over(ctx: SetupContext) -> None:
     context drops its references and its machine (whose callbacks close over the context, a reference cycle), so
     ``close()`` on the result returns the memory at once, not at the next cyclic garbage collection (an in-process
     ``run`` held a 130 GB KV pool alive after it returned, until gc ran)."""
-    ctx.pools, ctx.workspace_pool, ctx.machine = {}, None, None
+    _drop_built(ctx)
+    ctx.machine = None
+
+
+def _drop_built(ctx: SetupContext) -> None:
+    """The context forgets the backends, workspaces and pools it built (their owner now is the result, or nobody)."""
+    ctx.pools, ctx.workspace_pool = {}, None
     ctx.built.instances.clear()
     ctx.built.attn_backend = ctx.built.decode_attn_backend = None
     ctx.built.decode_attn_backend_group = []
@@ -95,9 +101,7 @@ def _fail(ctx: Optional[SetupContext], log: EventLog, exc: BaseException) -> Non
     released = release(ctx.built.instances, ctx.workspace_pool, {} if ctx.given_pools is not None else ctx.pools)
     # Drop every reference this run holds, so a caller keeping the exception (and with it these frames)
     # keeps no device memory alive either.
-    ctx.built.attn_backend = ctx.built.decode_attn_backend = None
-    ctx.built.decode_attn_backend_group = []
-    ctx.workspace_pool, ctx.pools = None, {}
+    _drop_built(ctx)
     if ctx.state not in SETUP.terminal:
         ctx.machine.fire("fail")
     if released:
