@@ -214,17 +214,24 @@ class _ReadSpy:
 
         self._b = interp.interpreter_builder
         self._orig = self._b.create_masked_load
+        self._orig_plain = self._b.create_load   # the kernels load unmasked where a tile is known whole
         self.loads = []
 
         def spy(ptrs, mask, other, *a):
             self.loads.append((tuple(self._b.grid_idx), ptrs.data[mask.data].copy()))
             return self._orig(ptrs, mask, other, *a)
 
+        def spy_plain(ptrs, *a):
+            self.loads.append((tuple(self._b.grid_idx), ptrs.data.reshape(-1).copy()))
+            return self._orig_plain(ptrs, *a)
+
         self._b.create_masked_load = spy
+        self._b.create_load = spy_plain
         return self
 
     def __exit__(self, *exc):
         self._b.create_masked_load = self._orig
+        self._b.create_load = self._orig_plain
 
     def rows(self, buf: torch.Tensor) -> set:
         lo, row_bytes = buf.data_ptr(), buf.stride(0) * buf.element_size()
@@ -298,8 +305,10 @@ def test_extend_skips_key_tiles_outside_every_window(window, chunk, pack):
                              out, max_extend_len=max(new), sm_scale=d ** -0.5, config=cfg, **kw)
     pos = _positions(r2t, rows, lens)
     per_prog = {}
+    n_blocks = -(-max(new) * (g if pack else 1) // bm)
     for buf in (kb, k):
-        for (hh, mb, b), row in spy.rows(buf):
+        for (hh, b, z), row in spy.rows(buf):   # grid (head, request, block taken last-first)
+            mb = n_blocks - 1 - z
             t = pos[row][1] if buf is kb else prefix[b] + row - int(qo[b])
             if buf is kb:
                 assert pos[row][0] == b

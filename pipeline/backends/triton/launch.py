@@ -224,9 +224,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
     cfg = config or default_extend_config(d, q.device)
     pack = extend_packs_gqa(cfg, h // hkv, max_extend_len)
     if pack:
-        grid = (hkv, triton.cdiv(max_extend_len * (h // hkv), cfg.block_m), bsz)
+        grid = (hkv, bsz, triton.cdiv(max_extend_len * (h // hkv), cfg.block_m))
     else:
-        grid = (h, triton.cdiv(max_extend_len, cfg.block_m), bsz)
+        grid = (h, bsz, triton.cdiv(max_extend_len, cfg.block_m))
     kext.extend_kernel[grid](
         q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens,
         sinks if sinks is not None else q, out, k_scale if ks_ptr else out, v_scale if vs_ptr else out,

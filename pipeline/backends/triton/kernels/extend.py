@@ -1,15 +1,18 @@
 """Extend (prefill with a cached prefix) over sglang's paged KV cache.
 
-Grid ``(H, cdiv(max_extend_len, BLOCK_M), B)``: program ``(h, mb, b)`` owns ``BLOCK_M`` new tokens
-of request ``b`` and query head ``h``. Head index varies fastest, so the ``G`` query heads of one kv
-group run side by side and read the same K/V tiles from L2. With ``PACK_GQA`` the grid is ``(Hkv,
-cdiv(max_extend_len * G, BLOCK_M), B)`` and a program's rows are (token, head) pairs of one kv group
-(token-major), so a K/V tile is loaded into shared memory once for all ``G`` heads.
+Grid ``(H, B, cdiv(max_extend_len, BLOCK_M))``: program ``(h, b, ·)`` owns ``BLOCK_M`` new tokens
+of request ``b`` and query head ``h``, the blocks taken last-first (the longest causal rows start first, the
+short ones fill the tail). Head index varies fastest, so the ``G`` query heads of one kv group run side by side
+and read the same K/V tiles from L2. With ``PACK_GQA`` the grid is ``(Hkv, B, cdiv(max_extend_len * G,
+BLOCK_M))`` and a program's rows are (token, head) pairs of one kv group (token-major), so a K/V tile is loaded
+into shared memory once for all ``G`` heads.
 
 Phase 1 attends to the cached prefix ``[0, prefix_len)``, gathered through ``req_to_token`` from
 the pool (any page size). Phase 2 attends to the new tokens themselves, read contiguously from the
 ``k``/``v`` tensors of this step (rows ``qo_indptr[b] …``), causally: new token ``i`` sees new
-token ``j`` when ``j <= i``. With a sliding window, key position ``kp`` is visible from query
+token ``j`` when ``j <= i``. Each phase is cut into tiles that need a mask (the prefix's ragged end, the
+causal diagonal, a window's edge, every tile under chunked attention) and tiles that every row of the block
+sees whole, which skip building one (:func:`_attend`'s ``MASK``), as FlashAttention-2 masks only its diagonal. With a sliding window, key position ``kp`` is visible from query
 position ``qp`` when ``qp - kp < window``; phase 1 skips tiles wholly outside the window. With
 chunked local attention (Llama-4) it is visible when ``kp // chunk == qp // chunk``; both phases
 start at the chunk of the block's first query.
@@ -26,13 +29,78 @@ from pipeline.backends.triton.kernels.decode import _dot, _scale, _softcap
 
 
 @triton.jit
-def _scores(q, k, sm_scale, softcap, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
-    qk = _dot(q, tl.trans(k), UPCAST)
-    if USE_SOFTCAP:
-        qk = _softcap(qk * sm_scale, softcap) * 1.4426950408889634
-    else:
-        qk = qk * (sm_scale * 1.4426950408889634)
-    return qk
+def _load_rows(base, rows, stride, offs, n_mask, WIDTH: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr):
+    """[BLOCK_N, BLOCK] rows of ``base`` (row ``rows[i]``, stride ``stride``); masked only where it must be."""
+    ptrs = base + rows[:, None] * stride + offs[None, :]
+    if MASK:
+        if WIDTH == BLOCK:
+            return tl.load(ptrs, mask=n_mask[:, None], other=0.0)
+        return tl.load(ptrs, mask=n_mask[:, None] & (offs[None, :] < WIDTH), other=0.0)
+    if WIDTH == BLOCK:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=offs[None, :] < WIDTH, other=0.0)
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, hi, n_keys, pos0,
+            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv,
+            D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+            BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr, USE_WINDOW: tl.constexpr,
+            USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax over key tiles ``[lo, hi)`` (step ``BLOCK_N``) of one phase's keys ``0 … n_keys-1``.
+
+    Key ``i`` of the phase sits at position ``pos0 + i``; its row is ``R2T[i]`` (``PAGED``, the cached prefix)
+    or ``i`` (this step's new tokens, ``Kb``/``Vb`` already at the request's first row). Without ``MASK`` every
+    key of every tile is visible to every row (the caller proved it), so no mask is built: only tiles on the
+    causal diagonal, at the prefix's ragged end or on a window's edge pay for one.
+    """
+    for start in range(lo, hi, BLOCK_N):
+        idx = start + offs_n
+        n_mask = idx < n_keys
+        if PAGED:
+            if MASK:
+                rows = tl.load(R2T + idx, mask=n_mask, other=0).to(tl.int64)
+            else:
+                rows = tl.load(R2T + idx).to(tl.int64)
+        else:
+            rows = idx.to(tl.int64)
+        k = _load_rows(Kb, rows, stride_k, offs_d, n_mask, D, BLOCK_D, MASK).to(q.dtype)
+        qk = _dot(q, tl.trans(k), UPCAST)
+        if USE_SOFTCAP:
+            qk = _softcap(qk * score_scale, softcap) * 1.4426950408889634
+        else:
+            qk = qk * (score_scale * 1.4426950408889634)
+        if MASK:
+            kp = pos0 + idx
+            vis = n_mask[None, :] & (kp[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                vis = vis & ((q_pos[:, None] - kp[None, :]) < window)
+            if USE_CHUNK:
+                vis = vis & ((q_pos[:, None] // chunk) == (kp[None, :] // chunk))
+            qk = tl.where(vis, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(Vb, rows, stride_v, offs_dv, n_mask, DV, BLOCK_DV, MASK).to(q.dtype)
+        acc = acc * alpha[:, None]
+        if UPCAST:
+            acc += _dot(p.to(v.dtype), v, UPCAST)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _split(lo, full_lo, full_hi, end, BLOCK_N: tl.constexpr):
+    """Cut the tiles ``[lo, end)`` (``lo`` a multiple of ``BLOCK_N``) into masked ``[lo, b)``, unmasked ``[b, c)``,
+    masked ``[c, end)``: ``[full_lo, full_hi)`` (both multiples of ``BLOCK_N``) holds the tiles whose every key
+    every row of the block sees. ``lo >= end`` (a window or chunk that starts past the prefix) leaves all three
+    empty; ``lo <= b <= c <= end`` always."""
+    b = tl.maximum(lo, tl.minimum(full_lo, end))
+    c = tl.maximum(b, tl.minimum(full_hi, end))
+    return b, c
 
 
 @triton.jit
@@ -49,14 +117,16 @@ def extend_kernel(
 ):
     """One block of query rows of one request: prefix phase, then causal phase.
 
-    Rows: without ``PACK_GQA`` program ``(h, mb, b)`` owns new tokens ``mb * BLOCK_M …`` of q head ``h``;
-    with it, program ``(kvh, mb, b)`` owns ``BLOCK_M`` (token, head) rows of kv head ``kvh``'s ``G`` q heads,
+    Grid ``(H or Hkv, B, num_blocks)``; block ``mb`` is ``num_blocks - 1 - program_id(2)``, so the blocks with
+    the most keys (the last new tokens see the longest causal history) start first and the short ones fill the
+    tail. Rows: without ``PACK_GQA`` program ``(h, b, ·)`` owns new tokens ``mb * BLOCK_M …`` of q head ``h``;
+    with it, program ``(kvh, b, ·)`` owns ``BLOCK_M`` (token, head) rows of kv head ``kvh``'s ``G`` q heads,
     packed token-major (row ``r`` = token ``r // G``, head ``kvh * G + r % G``, as FlashInfer packs
     ``qo_len * group_size`` rows for GQA), so each K/V tile is read once per group instead of ``G`` times.
     """
     pid0 = tl.program_id(0)
-    mb = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(1)
+    mb = tl.num_programs(2) - 1 - tl.program_id(2)
     q_start = tl.load(QoIndptr + b).to(tl.int32)
     ext_len = tl.load(QoIndptr + b + 1).to(tl.int32) - q_start
     offs_r = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -93,6 +163,14 @@ def extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
+    # Tiles every row sees: with a window, keys after (last query - window); with chunks, none are proven.
+    last_pos = prefix + tok_end - 1
+    full_from = prefix * 0     # phase 1 (absolute positions)
+    full_from2 = prefix * 0    # phase 2 (new-token index)
+    if USE_WINDOW:
+        full_from = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+        full_from2 = tl.cdiv(tl.maximum(tok_end - window, 0), BLOCK_N) * BLOCK_N
+
     # Phase 1: cached prefix, gathered through req_to_token; from the first key the block's first token sees.
     lo = prefix * 0
     if USE_WINDOW:
@@ -100,57 +178,45 @@ def extend_kernel(
     if USE_CHUNK:
         lo = tl.maximum(lo, ((prefix + tok_first) // chunk) * chunk)
     lo = (lo // BLOCK_N) * BLOCK_N
+    full_end = (prefix // BLOCK_N) * BLOCK_N
+    if USE_CHUNK:
+        full_end = lo
+    b1, c1 = _split(lo, full_from, full_end, prefix, BLOCK_N)
     r2t = ReqToToken + req * stride_r2t
-    for start in range(lo, prefix, BLOCK_N):
-        pos = start + offs_n
-        n_mask = pos < prefix
-        slot = tl.load(r2t + pos, mask=n_mask, other=0).to(tl.int64)
-        k = tl.load(KBuf + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0).to(q.dtype)
-        qk = _scores(q, k, score_scale, softcap, USE_SOFTCAP, UPCAST)
-        vis = n_mask[None, :]
-        if USE_WINDOW:
-            vis = vis & ((q_pos[:, None] - pos[None, :]) < window)
-        if USE_CHUNK:
-            vis = vis & ((q_pos[:, None] // chunk) == (pos[None, :] // chunk))
-        qk = tl.where(vis, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VBuf + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
-                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
+    kb, vb = KBuf + kvh * stride_kh, VBuf + kvh * stride_vh
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, kb, vb, r2t, stride_kt, stride_vt, lo, b1, prefix, 0, score_scale, softcap, window,
+                            chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, True,
+                            USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, kb, vb, r2t, stride_kt, stride_vt, b1, c1, prefix, 0, score_scale, softcap, window,
+                            chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, False,
+                            USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, kb, vb, r2t, stride_kt, stride_vt, c1, prefix, prefix, 0, score_scale, softcap,
+                            window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, True,
+                            USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
 
-    # Phase 2: the new tokens themselves, causally, read from this step's k/v.
+    # Phase 2: the new tokens themselves, causally, read from this step's k/v. Tiles wholly at or before
+    # the block's first token are seen by every row (causal); the diagonal tiles are masked.
     lo2 = prefix * 0
     if USE_WINDOW:
         lo2 = tl.maximum(tok_first - window + 1, 0)
     if USE_CHUNK:
         lo2 = tl.maximum(lo2, ((prefix + tok_first) // chunk) * chunk - prefix)
     lo2 = (lo2 // BLOCK_N) * BLOCK_N
-    for start in range(lo2, tok_end, BLOCK_N):
-        n_idx = start + offs_n
-        n_mask = n_idx < ext_len
-        krow = (q_start + n_idx).to(tl.int64)
-        k = tl.load(KNew + krow[:, None] * stride_knt + kvh * stride_knh + offs_d[None, :],
-                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0).to(q.dtype)
-        qk = _scores(q, k, score_scale, softcap, USE_SOFTCAP, UPCAST)
-        vis = n_mask[None, :] & (n_idx[None, :] <= tok[:, None])
-        if USE_WINDOW:
-            vis = vis & ((tok[:, None] - n_idx[None, :]) < window)
-        if USE_CHUNK:
-            vis = vis & ((q_pos[:, None] // chunk) == ((prefix + n_idx)[None, :] // chunk))
-        qk = tl.where(vis, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VNew + krow[:, None] * stride_vnt + kvh * stride_vnh + offs_dv[None, :],
-                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
+    full_end2 = ((tok_first + 1) // BLOCK_N) * BLOCK_N
+    if USE_CHUNK:
+        full_end2 = lo2
+    b2, c2 = _split(lo2, full_from2, full_end2, tok_end, BLOCK_N)
+    kn = KNew + q_start.to(tl.int64) * stride_knt + kvh * stride_knh
+    vn = VNew + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, kn, vn, r2t, stride_knt, stride_vnt, lo2, b2, ext_len, prefix, score_scale, softcap,
+                            window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, True,
+                            USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, kn, vn, r2t, stride_knt, stride_vnt, b2, c2, ext_len, prefix, score_scale, softcap,
+                            window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, False,
+                            USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, kn, vn, r2t, stride_knt, stride_vnt, c2, tok_end, ext_len, prefix, score_scale, softcap,
+                            window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, True,
+                            USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
 
     if HAS_SINKS:
         sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
