@@ -25,10 +25,11 @@ from pipeline.cli.inspect_text import (  # noqa: F401 (the text view's names, im
     _COLOUR, _decision_lines, _fit, _is_tty, _safe, explain, failure_of, render_run, render_tail, run_lines,
     terminal_cols,
 )
-from pipeline.cli.startup import summary_of
+from pipeline.cli.startup import summary_of, summary_rows  # noqa: F401
 from pipeline.core.errors import EXIT_FAILED, EXIT_OK
 from pipeline.core.events import StartupSummary
-from pipeline.observe.rank_summary import RankSummary
+from pipeline.core.model_spec import format_layer_ids  # noqa: F401 (importable from here before the split)
+from pipeline.observe.rank_summary import RankSummary, summary_lines  # noqa: F401
 from pipeline.observe.ranks import RankDifferences, rank_differences
 from pipeline.observe.trace import Run, Trace, TraceReader, nothing_readable
 
