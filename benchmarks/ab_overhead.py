@@ -6,7 +6,12 @@ sides alike:
 * **build**: one long-lived worker process per tree imports that tree's ``benchmarks/pipeline_overhead.py`` and
   times its ``piped`` (``build_attention_backends`` through the machine with JSON-lines logging to a file, bundled
   Llama-3.1-8B, tiny CPU pools) and ``direct`` (the same state functions without machine or log); the driver asks
-  worker A then worker B for a batch of ``--batch`` runs, ``--rounds`` times, alternating which goes first.
+  worker A then worker B for a batch of ``--batch`` runs, ``--rounds`` times, alternating which goes first. The rounds
+  are served by ``--workers`` fresh worker pairs in turn (default 5): the bundled model's pools are 64 tensors of
+  128 KiB, glibc's mmap threshold, and a process whose heap happens to hand them back to the kernel after each build
+  faults 8 MiB in again on the next (~2,000 minor faults and ~4 ms per build, both sides alike), so one long-lived
+  worker can sit in that mode for a whole run; the minor faults per build are printed per tree, and ``--pin-heap``
+  fixes glibc's thresholds for every worker alike so that no build is in that mode.
 * **plan**: ``python -m pipeline.cli plan --device-profile h200 --json`` as a fresh process per run, with the working
   directory and ``PYTHONPATH`` at each tree, A and B alternated ``--plan-runs`` times.
 
@@ -32,11 +37,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 
 _WORKER = r"""
-import importlib.util, json, sys, tempfile, time
+import importlib.util, json, resource, sys, tempfile, time
 root = sys.argv[1]
 sys.path.insert(0, root)
 spec = importlib.util.spec_from_file_location("po", root + "/benchmarks/pipeline_overhead.py")
@@ -55,6 +61,7 @@ print("ready", flush=True)
 for line in sys.stdin:
     n = int(line)
     out = {"direct": [], "piped": [], "direct_cpu": [], "piped_cpu": []}
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(n):
         for key, fn in (("direct", po.direct), ("piped", lambda r: po.piped(r, path))):
             t, c = time.perf_counter(), time.process_time()
@@ -62,6 +69,7 @@ for line in sys.stdin:
             out[key + "_cpu"].append((time.process_time() - c) * 1e3)
             out[key].append((time.perf_counter() - t) * 1e3)
         open(path, "w").close()  # keep the log file small: appending would grow it over the run
+    out["minflt"] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / n  # per direct + piped pair
     print(json.dumps(out), flush=True)
 """
 
@@ -69,13 +77,13 @@ for line in sys.stdin:
 class Worker:
     """One tree's benchmark process, answering batches of timed runs over a pipe."""
 
-    def __init__(self, root: Path):
-        env = dict(os.environ, PYTHONPATH=str(root))
+    def __init__(self, root: Path, env_extra: Optional[dict[str, str]] = None):
+        env = dict(os.environ, PYTHONPATH=str(root), **(env_extra or {}))
         self.proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(root)], cwd=root, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self.proc.stdout.readline().strip() == "ready", f"worker for {root} did not start"
 
-    def batch(self, n: int) -> dict[str, list[float]]:
+    def batch(self, n: int) -> dict[str, Any]:
         self.proc.stdin.write(f"{n}\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
@@ -132,18 +140,28 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--batch", type=int, default=25)
     ap.add_argument("--plan-runs", type=int, default=40)
+    ap.add_argument("--workers", type=int, default=5,
+                    help="fresh worker processes per tree over the build rounds (each serves rounds/workers rounds)")
+    ap.add_argument("--pin-heap", action="store_true",
+                    help="every worker (both trees alike) with glibc's mmap and trim thresholds fixed at 1 GiB "
+                         "(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_): the pools stay on the heap and no "
+                         "build faults them in again; default: the allocator as it comes")
     ns = ap.parse_args()
     roots = [ns.old.resolve()] + [p.resolve() for p in ns.new]
     keys = {"build wall": "piped", "build CPU": "piped_cpu", "direct wall": "direct", "direct CPU": "direct_cpu"}
     # measure → tree → (every time, per-round medians)
     res: dict[str, dict[Path, tuple[list, list]]] = {}
-    if ns.rounds:
-        workers = {r: Worker(r) for r in roots}
+    faults: dict[Path, list[float]] = {r: [] for r in roots}
+    per_worker = -(-ns.rounds // max(ns.workers, 1)) if ns.rounds else 0
+    for first in range(0, ns.rounds, per_worker or 1):
+        pin = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)} if ns.pin_heap else None
+        workers = {r: Worker(r, pin) for r in roots}
         try:
-            for i in range(ns.rounds):
+            for i in range(first, min(first + per_worker, ns.rounds)):
                 got = {r: workers[r].batch(ns.batch) for r in _rotated(roots, i)}
-                for key, src in keys.items():
-                    for r, out in got.items():
+                for r, out in got.items():
+                    faults[r].append(out["minflt"])
+                    for key, src in keys.items():
                         times, meds = res.setdefault(key, {}).setdefault(r, ([], []))
                         times.extend(out[src])
                         meds.append(statistics.median(out[src]))
@@ -161,7 +179,8 @@ def main() -> int:
                         times, meds = res.setdefault(f"cold plan, {mode}, {wall_or_cpu}", {}).setdefault(r, ([], []))
                         times.append(t[r][j]), meds.append(t[r][j])
     print(f"A = {roots[0]}")
-    print(f"build: {ns.rounds} rounds x {ns.batch} runs per tree (paired ratio per round); "
+    print(f"build: {ns.rounds} rounds x {ns.batch} runs per tree (paired ratio per round), "
+          f"{-(-ns.rounds // per_worker) if per_worker else 0} worker process(es) per tree in turn; "
           f"cold plan: {ns.plan_runs} fresh processes per tree and mode (paired ratio per round of processes)")
     print("| measure | tree | A median ms (p10–p90) | tree median ms (p10–p90) | tree/A medians | "
           "paired tree/A median (p10–p90) |")
@@ -171,6 +190,10 @@ def main() -> int:
         for r in roots[1:]:
             times, meds = by[r]
             print(row(f"{key} | {r}", a_times, times, [m / am for m, am in zip(meds, a_meds)]))
+    for r in roots:
+        if faults[r]:
+            print(f"minor page faults per direct + piped pair, {r}: median {statistics.median(faults[r]):.0f}, "
+                  f"max of a round {max(faults[r]):.0f}")
     return 0
 
 

@@ -33,6 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from pipeline.backends.triton import launch_mla  # noqa: E402
 from pipeline.backends.triton.kernels import mla as kmla  # noqa: E402
+from pipeline.backends.triton.kernels import mla_extend as kmla_ext  # noqa: E402
 
 DV, DR = 512, 64
 _TYPES = {"Q": "*bf16", "KV": "*bf16", "KVNew": "*bf16", "ReqToToken": "*i32", "ReqIdx": "*i64", "SeqLens": "*i32",
@@ -99,7 +100,7 @@ def main() -> None:
     ecfg = launch_mla.MLA_EXTEND_CONFIGS[arch_class]
     const = dict(DL=DV, DR=DR, BLOCK_L=DV, BLOCK_R=DR, BLOCK_M=ecfg.block_m, BLOCK_N=ecfg.block_n,
                  DETACH=ecfg.detach, LAZY=ecfg.lazy_rescale, UPCAST=False)
-    r = report(compile_kernel(kmla.mla_extend_kernel, const, ecfg.num_warps, ecfg.num_stages, a.arch))
+    r = report(compile_kernel(kmla_ext.mla_extend_kernel, const, ecfg.num_warps, ecfg.num_stages, a.arch))
     print(f"extend default {ecfg}: {r}")
     mconst = dict(DL=DV, BLOCK_L=DV, MERGE_H=1, S_PAD=64, BLOCK_N=32, SPLIT_MIN=128, UPCAST=False)
     print(f"merge (1 head, 64 splits): {report(compile_kernel(kmla.mla_decode_merge_kernel, mconst, 4, 3, a.arch))}")

@@ -102,3 +102,64 @@ def test_nonfinite_float_reads_back_in_a_fresh_process(tmp_path):
 def test_catalogue_unchanged_by_laziness():
     assert json.loads(json.dumps(ev.catalogue()))  # every record type still listed
     assert len(ev.catalogue()) == len(ev.EVENT_TYPES)
+
+
+@pytest.mark.parametrize("table", [SETUP, RUNNER], ids=lambda t: t.machine)
+def test_shared_machine_rules_keep_no_model_and_machines_move_alone(table):
+    """Every TableMachine of a table registers its model with the table's one pytransitions Machine and removes
+    it at once: two machines move independently, and a dropped one is collected."""
+    import gc
+    import weakref
+
+    from pipeline.core.errors import OrderingError
+    from pipeline.core.steps import TableMachine
+    from pipeline.runtime.table import RunnerModel
+    from pipeline.setup.context import SetupModel
+
+    model = SetupModel if table is SETUP else RunnerModel
+    st, first = table.State, table.State(table.steps[0].state)
+    a, b = TableMachine(table, model()), TableMachine(table, model())
+    assert table.machine_rules.models == [] and a.state == b.state == first
+    for g in table.guards(table.steps[0]):  # a's first guard holds, b's does not
+        setattr(a.model, g.name, lambda: True)
+    assert a.fire(table.steps[0].trigger) == st(table.next_state(table.steps[0]))
+    assert b.state == first and not b.may(table.steps[0].trigger)
+    with pytest.raises(OrderingError):
+        b.fire(table.steps[1].trigger)
+    assert b.fire("fail") == st(table.failed) and a.state == st(table.next_state(table.steps[0]))
+    ref = weakref.ref(a.model)
+    del a
+    gc.collect()
+    assert ref() is None and table.machine_rules.models == []
+
+
+def test_a_setup_reads_free_memory_once_and_still_refuses_a_pool_that_cannot_fit():
+    """build-mode's check reads the device's free memory for the pools and its apply allocates without a second
+    read (on CPU each read is a /proc/meminfo, ~50 µs); a pool larger than that reading is refused in build-mode
+    with no pool allocated."""
+    from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
+    from pipeline.core.errors import ConfigError
+    from pipeline.core.pool_sizing import host_available_bytes
+    from pipeline.platforms.cpu import CpuPlatform
+    from pipeline.setup.build import build_attention_backends
+
+    class Counting(CpuPlatform):
+        def __init__(self, free: int) -> None:
+            super().__init__()
+            self.free, self.reads = free, 0
+
+        def memory_available(self, index: int = 0) -> int:
+            self.reads += 1
+            return self.free
+
+    installed = {"torch": True, "triton": False, "flashinfer-python": False}
+    req = SetupRequest(args=AttentionArgs(), model=load_model_spec(CONFIGS[0]), device="cpu",
+                       pool=PoolFacts(max_reqs=4, max_context_len=64, num_token_slots=64))
+    plat = Counting(host_available_bytes())
+    with build_attention_backends(req, platform=plat, installed=installed) as out:
+        assert out.pools["kv_pool"] is not None
+    assert plat.reads == 1
+    small = Counting(1 << 20)  # 1 MiB free: the 64-slot pools of a 32-layer model need more
+    with pytest.raises(ConfigError) as e:
+        build_attention_backends(req, platform=small, installed=installed)
+    assert (e.value.info.code, e.value.info.state, small.reads) == ("pool_exceeds_memory", "build-mode", 1)

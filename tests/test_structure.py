@@ -163,3 +163,29 @@ def test_no_backend_name_outside_the_backends():
         for n, line in enumerate(src.splitlines(), 1):
             bad += [f"{mod}:{n}: {q}{name}{q}" for name in names for q in ('"', "'") if f"{q}{name}{q}" in line]
     assert bad == []
+
+
+MAX_MODULE_LINES = 300  # issue 15: modules ≲ 300 lines, functions ≲ 60 (Triton kernels, @triton.jit, excepted)
+MAX_FUNCTION_LINES = 60
+
+
+def _sizes() -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """(lines, module) and (lines, module:function) over pipeline/ and states/, counted as the project's structure
+    tool counts them (a module: its newlines + 1; a function: first to last line, decorators excluded)."""
+    modules, functions = [], []
+    for mod, path in _modules().items():
+        src = path.read_text()
+        modules.append((src.count("\n") + 1, mod))
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                functions.append((node.end_lineno - node.lineno + 1, f"{mod}:{node.name}"))
+    return modules, functions
+
+
+def test_modules_and_functions_stay_small():
+    """No module over 300 lines and no function over 60: a larger one is split along a concern it holds."""
+    modules, functions = _sizes()
+    assert [m for m in modules if m[0] > MAX_MODULE_LINES] == []
+    assert [f for f in functions if f[0] > MAX_FUNCTION_LINES] == []
+    assert max(modules)[0] > 250 and max(functions)[0] > 50  # the count reads real files (not an empty walk)

@@ -1,22 +1,23 @@
 """The event records' wire form: the tagged union of every record, one JSON line per record and back.
 
-JSON has no NaN or infinity, and msgspec would write them as ``null`` — a value the reader then refuses for a
-``float`` field, dropping the whole record. So a non-finite float is written as the string ``"NaN"``,
-``"Infinity"`` or ``"-Infinity"`` (the spelling protobuf's JSON mapping uses for them) and a ``float`` field
-holding one of those strings reads back as the float; see :mod:`pipeline.core.events` for the whole policy.
-Import from :mod:`pipeline.core.events`.
+A non-finite float is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` and a ``float`` field
+holding one of those strings reads back as the float (:mod:`pipeline.core.event_floats` knows where the floats
+are); strings UTF-8 cannot hold are escaped, secrets redacted, and a value nested deeper than readers keep is cut.
+See :mod:`pipeline.core.events` for the whole policy; import from there.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import msgspec
 import msgspec.inspect as mi
 
 from pipeline.core.event_base import Event
+from pipeline.core.event_floats import (  # noqa: F401 (their home before the split)
+    NONFINITE, FloatFields, _float_spec, _float_text, _restore,
+)
 from pipeline.core.events_observe import EnvVarLookalike, Heartbeat, JitVariantLoaded, SlowPhase, StartupSummary
 from pipeline.core.events_runner import (
     CommandFinished, CommandStarted, CudaGraphCaptured, CudaGraphMemory, DistributedInitialized, InstanceVerified,
@@ -48,11 +49,6 @@ _encoder = msgspec.json.Encoder()
 # Envelope fields: identifiers the library writes itself, never redacted (a secret equal to a state
 # name or a run id must not rewrite the record's identity).
 ENVELOPE = ("event", "schema_version", "ts_ns", "run_id", "rank", "launch_id", "state", "outcome")
-NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def _float_text(x: float) -> str:
-    return "NaN" if x != x else ("Infinity" if x > 0 else "-Infinity")
 
 
 def clean_str(s: str) -> str:
@@ -145,19 +141,32 @@ def _finite(x: Any) -> bool:
     return x is None or type(x) is not float or math.isfinite(x)
 
 
+_LEAVES = (str, int, bool, type(None), bytes)  # values that never need the wire form (nor nest)
+
+
 def _needs_wire(x: Any, depth: int = 0) -> bool:
-    """Whether a free-form value holds a non-finite float or nests too deep for the fast path."""
+    """Whether a free-form value holds a non-finite float or nests too deep for the fast path.
+
+    Loops rather than ``any(...)`` and skips the plain leaves without a call: the request a ``run_started``
+    record carries has ~100 of them, walked on every setup."""
     t = type(x)
     if t is float:
         return not math.isfinite(x)
-    if t is dict or t is list or t is tuple or isinstance(x, msgspec.Struct):
-        if depth >= _VALUE_DEPTH - 2:  # a Struct's builtins may add a level or two
+    if t is dict:
+        items: Any = x.values()
+    elif t is list or t is tuple:
+        items = x
+    elif isinstance(x, msgspec.Struct):
+        items = [getattr(x, f) for f in x.__struct_fields__]
+    else:
+        return False
+    if depth >= _VALUE_DEPTH - 2:  # a Struct's builtins may add a level or two
+        return True
+    for v in items:
+        if type(v) in _LEAVES:
+            continue
+        if _needs_wire(v, depth + 1):
             return True
-        if t is dict:
-            return any(_needs_wire(v, depth + 1) for v in x.values())
-        if t is list or t is tuple:
-            return any(_needs_wire(v, depth + 1) for v in x)
-        return any(_needs_wire(getattr(x, f), depth + 1) for f in x.__struct_fields__)
     return False
 
 
@@ -217,85 +226,7 @@ def _fast_plan(cls: type) -> tuple[Optional[tuple[str, ...]], tuple[str, ...]]:
     return plan
 
 
-def _float_spec(t: Any, memo: dict[type, Any]) -> Any:
-    """Where a msgspec type holds floats: "f" (a float), "f?" (a float or None), a dict field → spec (a
-    Struct), ("seq", spec) / ("map", spec) for containers, or None (no float inside)."""
-    if isinstance(t, mi.FloatType):
-        return "f"
-    if isinstance(t, mi.UnionType):
-        specs = [s for s in (_float_spec(u, memo) for u in t.types) if s is not None]
-        if not specs:
-            return None
-        return "f?" if specs[0] == "f" and t.includes_none else specs[0]
-    if isinstance(t, (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)):
-        s = _float_spec(t.item_type, memo)
-        return None if s is None else ("seq", s)
-    if isinstance(t, mi.TupleType):
-        specs = [s for s in (_float_spec(u, memo) for u in t.item_types) if s is not None]
-        return ("seq", specs[0]) if specs else None
-    if isinstance(t, mi.DictType):
-        s = _float_spec(t.value_type, memo)
-        return None if s is None else ("map", s)
-    if isinstance(t, mi.StructType):
-        if t.cls in memo:
-            return memo[t.cls]
-        memo[t.cls] = None
-        fields = {f.encode_name: s for f in t.fields if (s := _float_spec(f.type, memo)) is not None}
-        memo[t.cls] = fields or None
-        return memo[t.cls]
-    return None
-
-
-def _restore(x: Any, spec: Any) -> Any:
-    if spec == "f" or spec == "f?":
-        if type(x) is str:
-            return NONFINITE.get(x, x)
-        # null in a float field that cannot be None: what msgspec wrote for NaN/inf before the text
-        # form existed (a trace from an older attn-setup) — read it as NaN rather than drop the record
-        return math.nan if x is None and spec == "f" else x
-    if isinstance(spec, dict):
-        if type(x) is not dict:
-            return x
-        return {k: (_restore(v, spec[k]) if k in spec else v) for k, v in x.items()}
-    kind, inner = spec
-    if kind == "seq" and type(x) is list:
-        return [_restore(v, inner) for v in x]
-    if kind == "map" and type(x) is dict:
-        return {k: _restore(v, inner) for k, v in x.items()}
-    return x
-
-
-class _FloatFields(Mapping[str, Any]):
-    """Event tag → where its float fields are (see :func:`_float_spec`; for ``"NaN"``/``"Infinity"`` text).
-
-    Computed per tag on first lookup, not at import: ``msgspec.inspect.type_info`` over every record type
-    took ~70 % of this module's import time, paid by every process (``plan`` included) whether or not it
-    ever reads a record with a non-finite float.
-    """
-
-    def __init__(self) -> None:
-        self._memo: dict[type, Any] = {}
-        self._specs: dict[str, Any] = {}
-        self._lock = threading.Lock()  # the memo holds a placeholder while a Struct is being walked
-
-    def __getitem__(self, tag: str) -> Any:
-        try:
-            return self._specs[tag]
-        except KeyError:
-            cls = _BY_TAG[tag]  # KeyError for an unknown tag, as a dict
-            with self._lock:
-                if tag not in self._specs:
-                    self._specs[tag] = _float_spec(mi.type_info(cls), self._memo)
-            return self._specs[tag]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(_BY_TAG)
-
-    def __len__(self) -> int:
-        return len(_BY_TAG)
-
-
-FLOAT_FIELDS: Mapping[str, Any] = _FloatFields()
+FLOAT_FIELDS: Mapping[str, Any] = FloatFields(_BY_TAG)
 
 
 def restore_floats(obj: dict[str, Any]) -> dict[str, Any]:

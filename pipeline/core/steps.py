@@ -33,6 +33,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 from transitions import Machine, MachineError
@@ -162,6 +163,14 @@ class StepTable:
         return [dict(trigger=trig, source=src, dest=dst, conditions=list(conds)) if conds is not None else
                 dict(trigger=trig, source=list(src), dest=dst) for trig, src, dst, conds in self._transitions]
 
+    @cached_property
+    def machine_rules(self) -> Machine:
+        """One pytransitions ``Machine`` with this table's states and transitions and no model, built on first use
+        and shared: :class:`TableMachine` registers each run's model with it and removes it again at once (the
+        model keeps its trigger methods; the shared machine keeps no reference to any run)."""
+        return Machine(model=[], states=list(self.State), transitions=self.transitions(),
+                       initial=self.State(self.steps[0].state), auto_transitions=False, send_event=False)
+
     def diagram_model(self) -> Any:
         """A model object with every guard as a method (what a diagram shows as conditions; all False)."""
         names = {g.name for s in self.steps for g in self.guards(s)}
@@ -188,8 +197,11 @@ class TableMachine:
         self._on_transition = on_transition
         self._entered = time.perf_counter()
         self._source = {s.trigger: table.State(s.state) for s in table.steps}
-        Machine(model=model, states=list(table.State), transitions=table.transitions(),
-                initial=table.State(table.steps[0].state), auto_transitions=False, send_event=False)
+        # the table's states and transitions are built once (:attr:`StepTable.machine_rules`); adding the model
+        # gives it the trigger methods and its initial state, and removing it leaves those and drops the reference
+        shared = table.machine_rules
+        shared.add_model(model)
+        shared.remove_model(model)
 
     @property
     def state(self) -> Any:

@@ -50,12 +50,11 @@ from pipeline.core.errors import UsageError
 from pipeline.observe.runview import timeline, verification_failure  # noqa: F401
 from pipeline.observe.trace_decode import (MAX_DEPTH, MAX_LINE_BYTES, UPGRADERS, _BY_TAG, _depth,  # noqa: F401
                                            _may_be_deep, _upgrade, decode_record)
+from pipeline.observe.trace_lines import capped_lines, piece_lines
 from pipeline.observe.trace_view import _BY_CLASS, Run, SkippedLine, Trace, nothing_readable  # noqa: F401
 
 SKIP_DETAILS = 100         # skipped lines listed with file:line (all are counted)
 
-
-_BLOCK = 1 << 20
 
 
 def _ts(r: ev.Event) -> int:
@@ -128,27 +127,6 @@ class TraceReader:
                 return None
         return self._files[fi]
 
-    def _lines(self, fh: IO[bytes], start: int, end: Optional[int]) -> Iterator[tuple[int, bytes]]:
-        """(offset, line) from ``start`` up to ``end``; lines over :data:`MAX_LINE_BYTES` come back as
-        ``b""`` after the rest of them was read past (never held whole)."""
-        fh.seek(start)
-        offset = start
-        while end is None or offset < end:
-            raw = fh.readline(MAX_LINE_BYTES + 1)
-            if not raw:
-                return
-            at = offset
-            offset += len(raw)
-            if len(raw) > MAX_LINE_BYTES:
-                while not raw.endswith(b"\n"):
-                    raw = fh.readline(1 << 20)
-                    if not raw:
-                        break
-                    offset += len(raw)
-                yield at, b""
-                continue
-            yield at, raw
-
     def scan(self) -> "TraceReader":
         """Pass 1 (once): the index of runs. Returns self."""
         if self._index is not None:
@@ -160,7 +138,7 @@ class TraceReader:
                 continue
             n = 0
             try:
-                for at, raw in self._lines(fh, 0, None):
+                for at, raw in capped_lines(fh, 0, None):
                     n += 1
                     if not raw:
                         self._skip(fi, n, "line_too_long")
@@ -202,27 +180,6 @@ class TraceReader:
         return sorted(self._index.items(), key=lambda kv: (first[kv[0][0]], kv[0][0], kv[0][1], kv[1].first_ts,
                                                             kv[0][2]))
 
-    def _piece_lines(self, fh: IO[bytes], start: int, end: int) -> Iterator[bytes]:
-        """The lines of one piece, read in blocks (a piece holds only lines pass 1 kept: each at most
-        :data:`MAX_LINE_BYTES`, newline-terminated except possibly the file's last)."""
-        fh.seek(start)
-        left = end - start
-        while left > 0:
-            block = fh.read(min(left, _BLOCK))
-            if not block:
-                return  # the file shrank since pass 1
-            left -= len(block)
-            if left > 0:
-                cut = block.rfind(b"\n") + 1
-                if 0 < cut < len(block):  # keep the partial last line for the next block
-                    fh.seek(cut - len(block), os.SEEK_CUR)
-                    left += len(block) - cut
-                    block = block[:cut]
-            lines = block.split(b"\n")  # \n only, as pass 1 counted them
-            if lines and not lines[-1]:
-                lines.pop()
-            yield from lines
-
     def _read_run(self, key: tuple[str, int, str], e: _Entry) -> Optional[Run]:
         run = Run(key[0], key[1], launch_id=key[2])
         records = run.records
@@ -234,7 +191,7 @@ class TraceReader:
             if fh is None:
                 continue
             try:
-                for k, raw in enumerate(self._piece_lines(fh, start, end)):
+                for k, raw in enumerate(piece_lines(fh, start, end)):
                     line = raw.strip()
                     if not line:
                         continue

@@ -137,6 +137,15 @@ def _context(request: SetupRequest, log: EventLog, **kw: Any) -> SetupContext:
     return ctx
 
 
+def _run_log(request: SetupRequest, log: Optional[EventLog], log_file: Any, rank_group: Any) -> tuple[EventLog, bool]:
+    """``(the run's EventLog, whether this call opened it)``: the caller's ``log``, or one opened for ``log_file``
+    (:func:`open_event_log`) under the run id — the request's, else the rank group's, else a new one."""
+    if log is not None:
+        return log, False
+    run_id = request.run_id or getattr(rank_group, "run_id", None) or new_run_id()
+    return open_event_log(run_id, request.rank, log_file, tuple(request.secrets.values())), True
+
+
 def _end_heartbeats(ctx: Optional[SetupContext]) -> None:
     if ctx is not None and ctx.beats is not None:
         ctx.beats.__exit__(None, None, None)
@@ -177,9 +186,7 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
     that are not a dict, or a ``log_file`` that cannot be a trace file.
     """
     _check_call(request, pools)
-    run_id = request.run_id or (log.run_id if log else None) or getattr(rank_group, "run_id", None) or new_run_id()
-    own_log = log is None
-    log = log or open_event_log(run_id, request.rank, log_file, tuple(request.secrets.values()))
+    log, own_log = _run_log(request, log, log_file, rank_group)
     if decided is not None and decided.inputs != inputs_of(request, installed):
         decided = None
     ctx, t0 = None, time.perf_counter()

@@ -30,9 +30,11 @@ from typing import Any, Optional, Sequence
 import torch
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
+from pipeline.backends.kv_quant import quantize_kv
 from pipeline.backends.triton import launch, launch_mla
+from pipeline.backends.triton.backend_checks import call_error, check_call, kernel_dims
 from pipeline.core.contracts import ForwardMode, LayerKind
-from pipeline.core.errors import BuildError, CapabilityMismatch
+from pipeline.core.errors import BuildError, CapabilityMismatch  # noqa: F401 (BuildError: importable here before)
 
 __all__ = ["TritonAttnBackend", "create"]
 
@@ -66,20 +68,10 @@ def kv_scales(layer: AttentionLayer, pool: Any) -> tuple[Any, Any]:
 
 
 def stored_kv(x: torch.Tensor, buf_dtype: torch.dtype, scale: Any) -> torch.Tensor:
-    """``x`` in a KV buffer's stored format, by the pool's write rule (:mod:`pipeline.backends.memory`): a plain cast
-    for 16/32-bit buffers; ``round_to_fp8(clamp(x / scale, -max, max))`` for fp8 ones (saturating, as the pool
-    writes). ``x`` already in ``buf_dtype`` is returned as it is."""
-    if x.dtype == buf_dtype:
-        return x
-    if buf_dtype in launch.FP8_KV_DTYPES:
-        fmax = torch.finfo(buf_dtype).max
-        return (x.float() / scale).clamp(-fmax, fmax).to(buf_dtype)
-    return x.to(buf_dtype)
-
-
-def _bad(field: str, value: Any, allowed: str, remedy: str) -> BuildError:
-    return BuildError(f"triton backend: {field}={value!r} does not match the layer/batch", code="forward_input_invalid",
-                      state="forward", flags=[(field, value)], allowed=[allowed], remedy=remedy)
+    """``x`` in a KV buffer's stored format, by the pool's write rule (:func:`pipeline.backends.kv_quant.quantize_kv`:
+    a plain cast for 16/32-bit buffers, ``round_to_fp8(clamp(x / scale, -max, max))`` for fp8 ones). ``x`` already in
+    ``buf_dtype`` is returned as it is (already stored)."""
+    return x if x.dtype == buf_dtype else quantize_kv(x, buf_dtype, scale)
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -130,7 +122,7 @@ class TritonAttnBackend(AttentionBackend):
 
     def _extend_meta(self, fb: ForwardBatch) -> _ExtendMeta:
         if fb.extend_seq_lens is None or fb.extend_prefix_lens is None:
-            raise _bad("forward_batch.extend_seq_lens", None, "[B] int32 tensors", "fill extend_(prefix|seq)_lens")
+            raise call_error("forward_batch.extend_seq_lens", None, "[B] int32 tensors", "fill extend_(prefix|seq)_lens")
         ext = fb.extend_seq_lens
         qo = torch.zeros(fb.batch_size + 1, dtype=torch.int32, device=ext.device)
         qo[1:] = torch.cumsum(ext, 0)
@@ -160,7 +152,7 @@ class TritonAttnBackend(AttentionBackend):
         every batch size ``<= max_bs`` and every layer kind.
         """
         if max_bs < 1:
-            raise _bad("max_bs", max_bs, ">= 1", "capture at least one batch size")
+            raise call_error("max_bs", max_bs, ">= 1", "capture at least one batch size")
         need = max(self._scratch_numel(bs, h, hkv, d, dv)
                    for bs in range(1, max_bs + 1) for h, hkv, d, dv in self.layer_dims)
         dev = self.torch_device
@@ -173,14 +165,14 @@ class TritonAttnBackend(AttentionBackend):
     def _graph_meta(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                     forward_mode: ForwardMode) -> _DecodeMeta:
         if not self._graph:
-            raise _bad("cuda_graph_state", None, "init_cuda_graph_state() called", "call init_cuda_graph_state first")
+            raise call_error("cuda_graph_state", None, "init_cuda_graph_state() called", "call init_cuda_graph_state first")
         if forward_mode is not ForwardMode.DECODE:
             raise CapabilityMismatch("the triton backend captures decode batches only",
                                      flags=[("forward_mode", str(forward_mode.value))], allowed=["decode"],
                                      remedy="run extend batches eagerly (as sglang does)")
         g_req, g_seq = self._graph["req_pool_indices"], self._graph["seq_lens"]
         if not 1 <= bs <= g_req.shape[0]:
-            raise _bad("bs", bs, f"1..{g_req.shape[0]}", "raise max_bs in init_cuda_graph_state")
+            raise call_error("bs", bs, f"1..{g_req.shape[0]}", "raise max_bs in init_cuda_graph_state")
         g_req[:bs].copy_(req_pool_indices[:bs])
         g_seq[:bs].copy_(seq_lens[:bs])
         return _DecodeMeta(g_req[:bs], g_seq[:bs], bs, self._graph["scratch"])
@@ -202,32 +194,16 @@ class TritonAttnBackend(AttentionBackend):
     # ----------------------------------------------------------------------------- forward
     def _prepare(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
                  fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
-        """Check the layer against its plan and KV buffers, write the new K/V when asked; returns q as [T, H, D]."""
+        """Check the layer against its plan, the kernels and the KV buffers (:func:`.backend_checks.check_call`), write
+        the new K/V when asked; returns q as [T, H, D]."""
         if self.planned is not None:
             self.planned.check(layer)
-        if not layer.is_mla and layer.head_dim != layer.v_head_dim:
-            raise CapabilityMismatch("the triton backend serves D == Dv, or MLA layers",
-                                     flags=[("layer.head_dim", layer.head_dim), ("layer.v_head_dim", layer.v_head_dim)],
-                                     allowed=["D == Dv", "is_mla"], remedy="use torch_native for this layer")
-        if layer.is_mla:
-            for name in ("sliding_window", "logit_softcap", "sinks"):
-                if getattr(layer, name) is not None:
-                    raise CapabilityMismatch(f"the triton MLA kernels have no {name}", flags=[(f"layer.{name}", "set")],
-                                             allowed=["None"], remedy="use torch_native for this layer")
-        pool = fb.token_to_kv_pool
-        if not 0 <= layer.layer_id < len(pool.k_buffer):
-            raise _bad("layer.layer_id", layer.layer_id, f"0..{len(pool.k_buffer) - 1}", "size the KV pool per layer")
-        kb = pool.get_key_buffer(layer.layer_id)
-        want = (layer.num_kv_heads, layer.head_dim)
-        if tuple(kb.shape[1:]) != want:
-            raise _bad("kv_pool.buffer_shape", tuple(kb.shape[1:]), str(want), "build the pool from the layer kinds")
+        check_call(q, layer, fb)
         t, h, d = fb.num_tokens, layer.num_heads, layer.head_dim
-        if q.numel() != t * h * d or q.shape[0] != t:
-            raise _bad("q.shape", tuple(q.shape), f"[{t}, {h}, {d}] or [{t}, {h * d}]", "pass q for the new tokens")
         if save_kv_cache:
             if k is None or v is None:
-                raise _bad("k/v", None, "tensors when save_kv_cache", "pass the new K/V or save_kv_cache=False")
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+                raise call_error("k/v", None, "tensors when save_kv_cache", "pass the new K/V or save_kv_cache=False")
+            fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         return q.reshape(t, h, d)
 
     def forward_decode(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch,
@@ -309,24 +285,7 @@ def create(ctx: Any) -> TritonAttnBackend:
     Raises CapabilityMismatch for a layer kind the kernels cannot serve (D != Dv or D > 256 without MLA;
     MLA with more than one KV head, kv_lora_rank > 512 or rope dims > 128).
     """
-    dims = []
-    for kind in ctx.layer_kinds:
-        if kind.is_mla:
-            dv, dr = kind.head_dim_v, kind.head_dim_qk - kind.head_dim_v
-            if kind.num_kv_heads != 1 or not 1 <= dv <= launch_mla.MLA_MAX_LATENT_DIM or \
-                    not 1 <= dr <= launch_mla.MLA_MAX_ROPE_DIM:
-                raise CapabilityMismatch(
-                    f"triton MLA kernels cannot serve kv_lora_rank={dv}, rope dims={dr}, kv heads={kind.num_kv_heads}",
-                    flags=[("model.kv_lora_rank", dv), ("model.qk_rope_head_dim", dr)],
-                    allowed=[f"1 latent head, kv_lora_rank <= {launch_mla.MLA_MAX_LATENT_DIM}, "
-                             f"rope dims 1..{launch_mla.MLA_MAX_ROPE_DIM}"],
-                    remedy="use flashinfer or torch_native for this model")
-        elif kind.head_dim_qk != kind.head_dim_v or kind.head_dim_qk > launch.MAX_HEAD_DIM:
-            raise CapabilityMismatch(
-                f"triton cannot serve a layer kind with D={kind.head_dim_qk}, Dv={kind.head_dim_v}, mla={kind.is_mla}",
-                flags=[("model.head_dim", kind.head_dim_qk), ("model.v_head_dim", kind.head_dim_v)],
-                allowed=["D == Dv <= 256, no MLA"], remedy="use flashinfer or torch_native for this model")
-        dims.append((kind.num_heads, kind.num_kv_heads, kind.head_dim_qk, kind.head_dim_v))
+    dims = kernel_dims(ctx.layer_kinds)
     sms = getattr(ctx.device, "sm_count", 0) or 132
     return TritonAttnBackend(torch_device=ctx.torch_device, layer_dims=dims, num_sms=sms, role=ctx.role,
                              layer_kinds=ctx.layer_kinds)

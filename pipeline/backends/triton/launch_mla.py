@@ -38,6 +38,7 @@ import triton
 
 from pipeline.backends.triton.checks import Q_DTYPES, _check_index, _check_tensor, bad
 from pipeline.backends.triton.kernels import mla as kmla
+from pipeline.backends.triton.kernels import mla_extend as kmla_ext
 from pipeline.backends.triton.mla_configs import (  # noqa: F401 (re-exported: this module held them)
     MLA_DECODE_CONFIGS, MLA_EXTEND_CONFIGS, MLA_MAX_LATENT_DIM, MLA_MAX_ROPE_DIM, SPLIT_GAIN, SWEEP_DECODE,
     MLADecodeConfig, MLAExtendConfig, _arch, _pow2, default_mla_decode_config, default_mla_extend_config,
@@ -212,7 +213,7 @@ def mla_extend_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_buffer: torch
     if bsz == 0 or max_extend_len == 0 or t == 0:
         return out
     grid = (triton.cdiv(max_extend_len * h, cfg.block_m), bsz)
-    kmla.mla_extend_kernel[grid](
+    kmla_ext.mla_extend_kernel[grid](
         q, kv_new, kv_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens, out,
         float(sm_scale), h,
         q.stride(0), q.stride(1), kv_new.stride(0), kv_buffer.stride(0), req_to_token.stride(0),
