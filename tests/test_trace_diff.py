@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -72,10 +73,14 @@ def test_a_two_second_sleep_is_reported_in_its_state(tiny, tmp_path, state):
     duration in both runs, not a fixed 2000 / 0 ms, so a loaded machine slowing the states' real work moves the
     reported and the expected delta alike."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    clock_a = Clocked()  # each clock starts just before its own call (the first state's outer bound)
-    _start(tiny, a, clock_a)
-    clock_b = Clocked([f"state:{state}"], 2.0)
-    _start(tiny, b, clock_b)
+    gc.disable()  # a collection (~0.6 s with torch loaded) between a :done point and the trigger's clock read
+    try:          # would move a state's recorded time away from what the test's clock saw
+        clock_a = Clocked()  # each clock starts just before its own call (the first state's outer bound)
+        _start(tiny, a, clock_a)
+        clock_b = Clocked([f"state:{state}"], 2.0)
+        _start(tiny, b, clock_b)
+    finally:
+        gc.enable()
     p = run_main("inspect", "--diff", "--json", str(a), str(b))
     assert p.returncode == 0, p.stderr
     (rank,) = json.loads(p.stdout)["diff"]["ranks"]
