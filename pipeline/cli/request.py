@@ -16,7 +16,7 @@ from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec
 
 
 def default_model_path() -> str:
-    """The bundled Llama-3.1-8B config (package data; same file as examples/configs/)."""
+    """The bundled Llama-3.1-8B config: package data, a byte-identical copy of examples/configs/llama-3.1-8b.json."""
     return str(DEFAULT_MODEL_CONFIG)
 
 
