@@ -93,14 +93,26 @@ def _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, hi, n_
 
 
 @triton.jit
-def _split(lo, full_lo, full_hi, end, BLOCK_N: tl.constexpr):
-    """Cut the tiles ``[lo, end)`` (``lo`` a multiple of ``BLOCK_N``) into masked ``[lo, b)``, unmasked ``[b, c)``,
-    masked ``[c, end)``: ``[full_lo, full_hi)`` (both multiples of ``BLOCK_N``) holds the tiles whose every key
-    every row of the block sees. ``lo >= end`` (a window or chunk that starts past the prefix) leaves all three
-    empty; ``lo <= b <= c <= end`` always."""
+def _phase(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, full_lo, full_hi, end, n_keys, pos0,
+           score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv,
+           D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+           BLOCK_N: tl.constexpr, PAGED: tl.constexpr, USE_WINDOW: tl.constexpr,
+           USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr):
+    """One phase's tiles ``[lo, end)`` (``lo`` a multiple of ``BLOCK_N``) through :func:`_attend`, cut into masked
+    ``[lo, b)``, unmasked ``[b, c)`` and masked ``[c, end)``: ``[full_lo, full_hi)`` (both multiples of ``BLOCK_N``)
+    holds the tiles whose every key every row of the block sees. ``lo >= end`` (a window or chunk that starts past
+    the prefix) leaves all three empty; ``lo <= b <= c <= end`` always."""
     b = tl.maximum(lo, tl.minimum(full_lo, end))
     c = tl.maximum(b, tl.minimum(full_hi, end))
-    return b, c
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, b, n_keys, pos0,
+                            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV,
+                            BLOCK_N, PAGED, True, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, b, c, n_keys, pos0,
+                            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV,
+                            BLOCK_N, PAGED, False, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+    return _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, c, end, n_keys, pos0,
+                   score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV,
+                   BLOCK_N, PAGED, True, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
 
 
 @triton.jit
@@ -181,18 +193,11 @@ def extend_kernel(
     full_end = (prefix // BLOCK_N) * BLOCK_N
     if USE_CHUNK:
         full_end = lo
-    b1, c1 = _split(lo, full_from, full_end, prefix, BLOCK_N)
     r2t = ReqToToken + req * stride_r2t
-    kb, vb = KBuf + kvh * stride_kh, VBuf + kvh * stride_vh
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, kb, vb, r2t, stride_kt, stride_vt, lo, b1, prefix, 0, score_scale, softcap, window,
-                            chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, True,
-                            USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, kb, vb, r2t, stride_kt, stride_vt, b1, c1, prefix, 0, score_scale, softcap, window,
-                            chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, False,
-                            USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, kb, vb, r2t, stride_kt, stride_vt, c1, prefix, prefix, 0, score_scale, softcap,
-                            window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, True,
-                            USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+    acc, l_i, m_i = _phase(acc, l_i, m_i, q, q_pos, KBuf + kvh * stride_kh, VBuf + kvh * stride_vh, r2t, stride_kt,
+                           stride_vt, lo, full_from, full_end, prefix, prefix, 0, score_scale, softcap, window, chunk,
+                           offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, USE_WINDOW, USE_SOFTCAP,
+                           USE_CHUNK, UPCAST)
 
     # Phase 2: the new tokens themselves, causally, read from this step's k/v. Tiles wholly at or before
     # the block's first token are seen by every row (causal); the diagonal tiles are masked.
@@ -205,18 +210,11 @@ def extend_kernel(
     full_end2 = ((tok_first + 1) // BLOCK_N) * BLOCK_N
     if USE_CHUNK:
         full_end2 = lo2
-    b2, c2 = _split(lo2, full_from2, full_end2, tok_end, BLOCK_N)
     kn = KNew + q_start.to(tl.int64) * stride_knt + kvh * stride_knh
     vn = VNew + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, kn, vn, r2t, stride_knt, stride_vnt, lo2, b2, ext_len, prefix, score_scale, softcap,
-                            window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, True,
-                            USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, kn, vn, r2t, stride_knt, stride_vnt, b2, c2, ext_len, prefix, score_scale, softcap,
-                            window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, False,
-                            USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, kn, vn, r2t, stride_knt, stride_vnt, c2, tok_end, ext_len, prefix, score_scale, softcap,
-                            window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, True,
-                            USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+    acc, l_i, m_i = _phase(acc, l_i, m_i, q, q_pos, kn, vn, r2t, stride_knt, stride_vnt, lo2, full_from2, full_end2,
+                           tok_end, ext_len, prefix, score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv,
+                           D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
 
     if HAS_SINKS:
         sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
