@@ -187,6 +187,41 @@ def test_runner_takes_exactly_the_estimate_out_of_the_budget_and_plan_agrees(nam
     assert report["cuda_graph_estimate"]["per_bs"] == {str(b): v for b, v in sorted(want.per_bs.items(), reverse=True)}
 
 
+@pytest.mark.parametrize("disable", [False, True])
+def test_capture_costs_are_paid_before_the_budget_is_read_and_only_when_graphs_are_captured(disable):
+    """init-memory-pool primes the process's one-time capture costs (stream pool, graph machinery: ~160 MiB outside
+    the allocator on the H200) before its first free-memory read, so the budget excludes them; never without graphs."""
+    req = SetupRequest(args=AttentionArgs(page_size=16, disable_cuda_graph=disable), model=_spec("llama-3.1-8b"),
+                       device="cuda:0", pool=PoolFacts(max_reqs=32, max_context_len=256, page_size=16))
+    plat = FakePlatform(cuda_facts(), free_bytes=64 << 30)
+    r = Runner(RunnerConfig(request=req, num_layers=1, mem_fraction=0.001), platform=plat, installed=ALL)
+    r.init_distributed(), r.load_model()
+    plat.calls.clear()
+    r.init_memory_pool()
+    calls = [name for name, _ in plat.calls if name in ("prime_graph_capture", "memory_available")]
+    r.close()
+    # the last read is the budget's (size_for's check against free memory); the estimate's setup decision reads
+    # memory before it, which is why the prime sits between them
+    assert calls[-1] == "memory_available" and calls.count("prime_graph_capture") == (0 if disable else 1), calls
+    assert disable or calls.index("prime_graph_capture") == len(calls) - 2, calls
+
+
+def test_the_prime_paid_in_preflight_is_the_one_the_capture_event_reports():
+    """``run`` preflights (every step's decision, init-memory-pool's included) before initialize(): the bytes paid
+    there reach ``cuda_graph_memory.prime_device_bytes``, not the 0 of the second, already-paid call."""
+    from pipeline.runtime.table import decide_pools
+
+    req = SetupRequest(args=AttentionArgs(page_size=16), model=_spec("llama-3.1-8b"), device="cuda:0",
+                       pool=PoolFacts(max_reqs=32, max_context_len=256, page_size=16))
+    plat = FakePlatform(cuda_facts(), free_bytes=64 << 30, prime_bytes=70 * MiB)
+    r = Runner(RunnerConfig(request=req, num_layers=1, mem_fraction=0.001), platform=plat, installed=ALL)
+    r.init_distributed(), r.load_model()
+    decide_pools(r), decide_pools(r)
+    r.close()
+    assert plat.called("prime_graph_capture") == [(0,), (0,)]
+    assert r.capture_prime_bytes == 70 * MiB
+
+
 def test_plan_json_and_text_show_the_estimate(capsys):
     base = ["plan", "--device-profile", "h200", "--installed", "torch,triton,flashinfer-python", "--max-reqs", "32"]
     assert main([*base, "--json"]) == 0
@@ -286,8 +321,13 @@ def test_run_prints_the_capture_step_against_the_estimate():
                              warmup_estimate=34 * MiB, blas_workspace_bytes=32 * MiB, total_estimate=78 * MiB,
                              pool_bytes=2 * MiB, step_device_bytes=60 * MiB)
     assert ev.decode_line(ev.encode(mem)) == mem   # the wire form round-trips
+    # kept = 78 - (34 - 32): the warm-up's temporaries are given back before each capture, its cuBLAS workspace not
+    assert mem.kept_estimate == 76 * MiB
     assert _graph_line([mem]) == ("CUDA graphs: 4 sizes captured, graph pool 2.0 MiB (estimated 2.0 MiB), capture "
-                                  "step took 60.0 MiB of the device (estimated 78.0 MiB)")
+                                  "step took 60.0 MiB of the device (estimated 76.0 MiB kept, 78.0 MiB at its peak)")
+    primed = msgspec.structs.replace(mem, prime_device_bytes=96 * MiB)
+    assert ev.decode_line(ev.encode(primed)) == primed
+    assert _graph_line([primed]).endswith(", after 96.0 MiB of one-time capture setup before the pools were sized")
     assert _graph_line([]) is None
     sized = ev.MemoryPoolSized(ts_ns=1, run_id="r", rank=0, state="init-memory-pool", source="mem_fraction", budget_bytes=1,
                                bytes_per_token=1, num_token_slots=1, max_reqs=1, max_context_len=1, page_size=1,

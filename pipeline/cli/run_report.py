@@ -114,14 +114,16 @@ def _pool_line(records: Any) -> Optional[str]:
 
 
 def _graph_line(records: Any) -> Optional[str]:
-    """``CUDA graphs: 4 sizes captured, graph pool 2.0 MiB (estimated 2.0 MiB), capture step took 60.0 MiB of the
-    device (estimated 78.0 MiB)`` from the ``cuda_graph_memory`` event (None without one)."""
+    """``CUDA graphs: 4 sizes captured, graph pool 2.0 MiB (estimated 2.0 MiB), capture step took 76.0 MiB of the
+    device (estimated 76.0 MiB kept, 78.0 MiB at its peak)`` from the ``cuda_graph_memory`` event (None without one)."""
     m = next((r for r in records if isinstance(r, ev.CudaGraphMemory)), None)
     if m is None:
         return None
     return (f"CUDA graphs: {len(m.batch_sizes)} sizes captured, graph pool {rp.fmt_bytes(m.pool_bytes)} (estimated "
             f"{rp.fmt_bytes(m.pool_estimate)}), capture step took {rp.fmt_bytes(m.step_device_bytes)} of the device "
-            f"(estimated {rp.fmt_bytes(m.total_estimate)})")
+            f"(estimated {rp.fmt_bytes(m.kept_estimate)} kept, {rp.fmt_bytes(m.total_estimate)} at its peak)"
+            + (f", after {rp.fmt_bytes(m.prime_device_bytes)} of one-time capture setup before the pools were sized"
+               if m.prime_device_bytes else ""))
 
 
 def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[SetupRequest] = None) -> None:

@@ -101,7 +101,10 @@ class CudaGraphMemory(Event, tag="cuda_graph_memory", kw_only=True):
     cached temporaries and its cuBLAS workspace, ``blas_workspace_bytes`` of it), ``total_estimate`` (their sum,
     what pool sizing set aside). Measured: ``pool_bytes`` (the private pool's segments,
     ``torch.cuda.memory_snapshot()``) and ``step_device_bytes`` (free device memory before the capture step's first
-    buffer minus after its last capture).
+    buffer minus after its last capture). ``prime_device_bytes``: free device memory the process's one-time capture
+    costs took before the pool budget was read (:func:`pipeline.runtime.cuda_graphs.prime_capture`: PyTorch's
+    stream pool, lazily loaded graph machinery), outside the step and its estimate; 0 when the process had paid them
+    before, and in older traces.
     """
 
     backend: str
@@ -113,6 +116,15 @@ class CudaGraphMemory(Event, tag="cuda_graph_memory", kw_only=True):
     total_estimate: int
     pool_bytes: int
     step_device_bytes: int
+    prime_device_bytes: int = 0
+
+    @property
+    def kept_estimate(self) -> int:
+        """Bytes the estimate says the capture step keeps once it is done: ``total_estimate`` less the warm-up's
+        temporaries (``warmup_estimate`` minus its cuBLAS workspace), which ``torch.cuda.graph`` gives back with the
+        ``empty_cache()`` before each capture. Compare it with ``step_device_bytes`` (measured after the last
+        capture); ``total_estimate`` is the step's peak, what pool sizing sets aside."""
+        return self.total_estimate - self.warmup_estimate + self.blas_workspace_bytes
 
 
 class ModelStepVerified(Event, tag="model_step_verified", kw_only=True):

@@ -56,3 +56,11 @@ class CudaPlatform:
     def memory_available(self, index: int = 0) -> int:
         """Device bytes free now (``torch.cuda.mem_get_info``: other processes' use counted too)."""
         return int(self._torch().cuda.mem_get_info(index)[0])
+
+    def prime_graph_capture(self, index: int = 0) -> int:
+        """Pay the process's one-time CUDA-graph costs on ``cuda:index`` now; the device bytes they took (0 when paid
+        already). :func:`pipeline.runtime.cuda_graphs.prime_capture`; called before the KV pool's budget is read."""
+        from pipeline.runtime.cuda_graphs import prime_capture
+
+        self._torch()
+        return prime_capture(index)

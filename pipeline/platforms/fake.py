@@ -11,15 +11,18 @@ class FakePlatform:
     """Pretends to be ``facts.type`` while tensors live on ``torch_device_str`` (default CPU).
 
     ``free_bytes``: when given, ``memory_available(index)`` reports it (free device memory, bytes).
+    ``prime_bytes``: what the first ``prime_graph_capture`` reports paying (bytes).
 
     ``calls`` records ``(method, args)`` in call order, so tests can check e.g. that zbal lazy
     memory was initialised once, with the right rank and world size, before graph capture.
     """
 
-    def __init__(self, facts: DeviceFacts, torch_device_str: str = "cpu", free_bytes: Optional[int] = None) -> None:
+    def __init__(self, facts: DeviceFacts, torch_device_str: str = "cpu", free_bytes: Optional[int] = None,
+                 prime_bytes: int = 0) -> None:
         self.facts = facts
+        self.prime_bytes = prime_bytes
         if free_bytes is not None:  # only then a memory_available(index) probe (pools and ranks read it)
-            self.memory_available = lambda index=0: int(free_bytes)
+            self.memory_available = lambda index=0: self._record("memory_available", (index,), int(free_bytes))
         self.device_type = facts.type
         self._torch_device = torch_device_str
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
@@ -42,6 +45,15 @@ class FakePlatform:
 
     def memory_allocated(self, index: int = 0) -> int:
         return 0
+
+    def prime_graph_capture(self, index: int = 0) -> int:
+        """Recorded; ``prime_bytes`` on the first call, 0 after (as the CUDA platform: a process pays once)."""
+        paid = 0 if self.called("prime_graph_capture") else self.prime_bytes
+        return self._record("prime_graph_capture", (index,), paid)
+
+    def _record(self, method: str, args: tuple[Any, ...], value: Any) -> Any:
+        self.calls.append((method, args))
+        return value
 
     def called(self, method: str) -> list[tuple[Any, ...]]:
         """Arguments of every call to ``method``, in order."""

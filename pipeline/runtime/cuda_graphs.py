@@ -20,7 +20,52 @@ from typing import Any, Callable, Optional, Sequence
 from pipeline.core.contracts import ForwardMode
 from pipeline.core.errors import ConfigError
 
-__all__ = ["capture_graph", "DecodeGraphRunner"]
+__all__ = ["capture_graph", "capture_stream", "prime_capture", "DecodeGraphRunner"]
+
+_STREAMS: dict[int, Any] = {}  # device index -> this process's capture stream
+_PRIMED: dict[int, int] = {}  # device index -> device bytes the priming took (measured once)
+
+
+def capture_stream(device: Any = None) -> Any:
+    """This process's capture stream on ``device`` (a ``torch.device``, an index, or None for the current device):
+    created once, then given to every capture (:func:`capture_graph`, :class:`DecodeGraphRunner`), as sglang keeps
+    one graph-capture stream per process. Why one: the first ``torch.cuda.Stream()`` of a process creates PyTorch's
+    whole stream pool (~70 MiB outside the caching allocator on the H200), and cuBLAS keeps a workspace per (handle,
+    stream) that is never freed (32 MiB on sm90) — a stream per capture or per runner paid it again each time."""
+    import torch
+
+    idx = device if isinstance(device, int) else None if device is None else torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    s = _STREAMS.get(idx)
+    if s is None:
+        s = _STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return s
+
+
+def prime_capture(device: Any = None) -> int:
+    """Pay a process's one-time CUDA-graph costs on ``device`` now, before the KV pool's budget is read from free
+    memory, and return the device bytes they took (free memory before minus after, ``torch.cuda.mem_get_info``);
+    0 when this process had primed ``device`` already.
+
+    The costs (H200, ``benchmarks/first_capture_probe.py``, RESULTS.md): PyTorch's stream pool, created with the
+    first side stream (~70 MiB), and the CUDA graph machinery the driver loads lazily at the first capture (~90 MiB
+    under the default ``CUDA_MODULE_LOADING=LAZY``, 0 under EAGER). Both sit outside PyTorch's allocator, so
+    :mod:`states.graph_memory` cannot model them per capture; paid here, the capture step's own drop stays within
+    that estimate. What is captured is one in-place add on a 1-element tensor (no graph-pool memory)."""
+    import torch
+
+    s = capture_stream(device)
+    idx = s.device.index
+    if idx in _PRIMED:
+        return 0
+    with torch.cuda.device(idx):
+        torch.cuda.synchronize()
+        free = int(torch.cuda.mem_get_info()[0])
+        x = torch.zeros(1, device=s.device)
+        capture_graph(lambda: x.add_(1), stream=s)
+        torch.cuda.synchronize()
+        _PRIMED[idx] = max(free - int(torch.cuda.mem_get_info()[0]), 0)
+    return _PRIMED[idx]
 
 
 def capture_graph(fn: Callable[[], Any], pool: Any = None, stream: Any = None) -> tuple[Any, Any]:
@@ -32,12 +77,13 @@ def capture_graph(fn: Callable[[], Any], pool: Any = None, stream: Any = None) -
     by several captures (sglang captures its batch sizes largest first into one pool). ``stream``: the side stream
     for the warm-up and the capture; give the same one to every capture of a series, as sglang does: cuBLAS keeps a
     workspace per (handle, stream) that is never freed (32 MiB on sm90), so a fresh stream per captured size cost
-    32 MiB per size on the H200 (1.1 GiB for sglang's 35 sizes up to 256). None: a new stream (one-off captures).
+    32 MiB per size on the H200 (1.1 GiB for sglang's 35 sizes up to 256). None: this process's capture stream
+    on the current device (:func:`capture_stream`).
     Raises what capture raises (``RuntimeError`` on a host sync or an illegal call inside ``fn``).
     """
     import torch
 
-    side = stream if stream is not None else torch.cuda.Stream()
+    side = stream if stream is not None else capture_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
@@ -118,7 +164,7 @@ class DecodeGraphRunner:
 
         self.backend.init_cuda_graph_state(self.max_bs, self.max_bs)
         self.pool = torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream()  # one capture stream for every size (see capture_graph)
+        self.stream = capture_stream(self.kv_pool.device)  # the process's one capture stream (see capture_graph)
         for bs in reversed(self.batch_sizes):
             t0 = time.perf_counter()
             before, free = _graph_pool_bytes(torch, self.pool), torch.cuda.mem_get_info()[0]

@@ -27,7 +27,13 @@ def served_field(req: Any, spec: Any) -> dict[str, Any]:
 def decide_pools(r: Any) -> Any:
     """The pool sizes (slots > bytes > fraction of the device's memory, weights already there subtracted), refused
     when above the device's memory or its free share, or below ``config.min_token_slots``; a ``mem_fraction``
-    outside (0, 1] is refused with a remedy naming the largest share that fits this device (:func:`fraction_remedy`)."""
+    outside (0, 1] is refused with a remedy naming the largest share that fits this device (:func:`fraction_remedy`).
+
+    When decode graphs will be captured, the process's one-time capture costs are paid first (the platform's
+    ``prime_graph_capture``; on CUDA :func:`pipeline.runtime.cuda_graphs.prime_capture`: PyTorch's stream pool and
+    lazily loaded graph machinery, ~160 MiB outside the allocator on the H200), so the free memory the budget is
+    read from no longer holds them; ``r.capture_prime_bytes`` keeps what they took (the ``cuda_graph_memory``
+    event's ``prime_device_bytes``)."""
     cfg = r.config
     if cfg.mem_fraction is not None:
         try:
@@ -37,7 +43,12 @@ def decide_pools(r: Any) -> Any:
                               flags=[("mem_fraction", cfg.mem_fraction)], allowed=list(e.info.allowed),
                               remedy=fraction_remedy(r.platform, r.index, cfg, r.load.spec,
                                                      graph_reserve_bytes(r, r.load.spec))) from None
-    return size_for(r.platform, r.index, cfg, r.load.spec, graph_reserve=graph_reserve_bytes(r, r.load.spec))
+    reserve = graph_reserve_bytes(r, r.load.spec)
+    prime = getattr(r.platform, "prime_graph_capture", None)
+    if reserve and prime is not None:  # graphs will be captured: pay their one-time process costs, then read memory
+        # summed: preflight decides this step too, and only the first call pays (later calls return 0)
+        r.capture_prime_bytes = getattr(r, "capture_prime_bytes", 0) + prime(r.index)
+    return size_for(r.platform, r.index, cfg, r.load.spec, graph_reserve=reserve)
 
 
 def graph_estimate(r: Any, spec: Any) -> Any:

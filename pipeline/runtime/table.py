@@ -228,7 +228,8 @@ def capture(r: Any, d: CaptureDecision) -> None:
         r.emit(ev.CudaGraphMemory, backend=backend, batch_sizes=list(d.sizes), pool_estimate=est.pool_bytes,
                state_estimate=est.state_bytes, warmup_estimate=est.warmup_bytes,
                blas_workspace_bytes=est.blas_workspace_bytes, total_estimate=est.total_bytes,
-               pool_bytes=sum(g.graph_bytes.values()), step_device_bytes=g.step_device_bytes)
+               pool_bytes=sum(g.graph_bytes.values()), step_device_bytes=g.step_device_bytes,
+               prime_device_bytes=getattr(r, "capture_prime_bytes", 0))
 
 
 def _barrier_before_capture(r: Any) -> None:

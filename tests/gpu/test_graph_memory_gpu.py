@@ -34,19 +34,18 @@ CASES = [("examples/configs/llama-3.1-8b.json", 32), ("examples/configs/llama-3.
 @pytest.mark.parametrize("model,max_reqs", CASES)
 def test_capture_memory_matches_the_estimate(model, max_reqs, tmp_path):
     """The pool equals the estimate byte for byte (each size too); the capture step's free-memory drop stays under
-    the estimated total once the process has captured a graph before. The first capture in a fresh process took
-    ~66 MiB more than the estimate on the H200 (192 vs 126 MiB, llama bs up to 32, 2026-12-01): a one-time cost the
-    estimate does not model yet (RESULTS.md, "CUDA-graph memory"); a tiny capture first keeps it out of this check."""
-    from pipeline.runtime.cuda_graphs import capture_graph
+    the estimated total, the first capture of the process included: init-memory-pool pays the process's one-time
+    capture costs (stream pool, lazily loaded graph machinery) before reading the budget, and logs them as
+    ``prime_device_bytes`` (before that, the first capture took ~66 MiB more than estimated: 192 vs 126 MiB, llama bs
+    up to 32, H200, 2026-12-01)."""
+    from pipeline.runtime import cuda_graphs
 
-    x = torch.ones(16, 16, device="cuda")
-    capture_graph(lambda: x @ x)
-    torch.cuda.synchronize()
     gc.collect()
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
     torch.cuda.empty_cache()
+    first = torch.cuda.current_device() not in cuda_graphs._PRIMED
     ns = build_parser().parse_args(["run", "--device", "cuda", "--model", model, "--max-reqs", str(max_reqs),
                                     "--attention-backend", BACKEND])
     runner = Runner(runner_config(ns, request_from(ns, on_gpu=True)), log_file=str(tmp_path / "t.jsonl"))
@@ -62,6 +61,12 @@ def test_capture_memory_matches_the_estimate(model, max_reqs, tmp_path):
         # step_device_bytes is the device's free-memory drop, so this holds only with the GPU to this process
         # (gpu_check.sh runs this file alone; beside other GPU tests their allocations land in the drop).
         assert mem.step_device_bytes <= mem.total_estimate, (mem.step_device_bytes, mem.total_estimate)
+        # issue 18 §3: what the step keeps, estimated within ±10 % (the total also holds the warm-up's temporaries,
+        # given back before each capture)
+        assert abs(mem.kept_estimate - mem.step_device_bytes) <= 0.10 * mem.step_device_bytes, \
+            (mem.kept_estimate, mem.step_device_bytes)
         assert sized.graph_bytes_estimate == mem.total_estimate
+        # the first case of a process pays the one-time costs (tens of MiB outside the allocator); later ones nothing
+        assert (mem.prime_device_bytes > 16 << 20) if first else mem.prime_device_bytes == 0, mem.prime_device_bytes
     finally:
         runner.close()
