@@ -59,7 +59,7 @@ WINDOW, WINDOW_CTX = 4096, 32768
 EXT_WINDOW = (8, 512, 32256, 3584)                                     # B, new, prefix with window, prefix without
 FP8_SHAPE, FP8_SCALES = (64, 4096), (0.5, 0.25)
 SINK = dict(h=64, hkv=8, d=64, b=64, ctx=4096, window=128)
-SWEEP_DECODE_SHAPES = ((256, 32768), (256, 4096), (8, 32768), (1, 512))   # where the decode defaults are weakest
+SWEEP_DECODE_SHAPES = ((256, 32768), (256, 4096), (256, 512), (8, 32768), (1, 512))   # where the decode defaults are weakest
 WS_BYTES = 512 << 20
 COPY_BYTES = 1 << 31
 DEVICE = "cuda"   # the device whose arch picks the kernel configs (tests run the table on CPU under the interpreter)
@@ -478,9 +478,9 @@ def _decode_configs(sweep: bool) -> list:
     base = [("", d0)]
     if not sweep:
         return base
-    # B=256 runs one split per (request, kv head): 128-key tiles x 3 stages hold ~192 KB (1 program/SM);
-    # 64-key tiles x 3 stages (~96 KB) let 2 programs share an SM; 4 stages keeps more gathers in flight.
-    var = [dict(block_n_single=64), dict(block_n_single=64, num_stages=4), dict(num_stages=4),
+    # B=256 runs one split per (request, kv head): 64-key tiles x 3 stages (~96 KB) let 2 programs share an SM,
+    # 128-key tiles x 3 stages hold ~192 KB (1 program/SM); 4 stages keeps more gathers in flight.
+    var = [dict(block_n_single=128), dict(num_stages=4), dict(block_n_single=128, num_stages=4),
            dict(programs_per_sm=4)]
     return base + [("[" + " ".join(f"{k}={x}" for k, x in v.items()) + "]", DecodeConfig(**{**d0.__dict__, **v}))
                    for v in var]

@@ -148,6 +148,41 @@ def test_extend_kernel_matches_reference(h, hkv, d, page, dtype, features, pack)
         assert rel_err(out[sl], ref) <= 1e-2, (i, p, n)
 
 
+
+@pytest.mark.parametrize("window,pack", [(None, False), (13, False), (40, False), (13, True)])
+def test_kernels_never_read_rows_outside_the_requests(window, pack):
+    """Every pool row that holds none of the batch's tokens (the padding slot 0, free and stale slots) is NaN:
+    extend (ragged prefixes, every tile kind, with and without a window) and decode stay finite and equal the
+    float64 reference — no such row enters a score or the ``P V`` dot, not even with probability 0."""
+    h, hkv, d, page = 4, 2, 64, 4
+    prefix, new = [0, 5, 23, 37], [19, 1, 7, 30]
+    lens = [a + n for a, n in zip(prefix, new)]
+    kb, vb, r2t, rows = _paged(lens, hkv, d, page, torch.bfloat16, seed=17)
+    used = torch.cat([r2t[r, :n].long() for r, n in zip(rows, lens)])
+    unused = torch.ones(kb.shape[0], dtype=torch.bool)
+    unused[used] = False
+    assert unused[0] and unused.sum() > 0
+    kb[unused], vb[unused] = float("nan"), float("nan")
+    kw = {"sliding_window": window} if window else {}
+    q = torch.randn(sum(new), h, d).to(torch.bfloat16)
+    new_slots = torch.cat([r2t[r, a:a + n].long() for r, a, n in zip(rows, prefix, new)])
+    qo = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
+    out = torch.full((sum(new), h, d), float("nan"), dtype=torch.bfloat16)
+    DEC.extend_attention(q, kb[new_slots].clone(), vb[new_slots].clone(), kb, vb, r2t, torch.tensor(rows), qo,
+                         torch.tensor(prefix, dtype=torch.int32), out, max_extend_len=max(new), sm_scale=d ** -0.5,
+                         config=DEC.ExtendConfig(**SMALL_EXT, pack_gqa=pack), **kw)
+    qd = torch.randn(len(lens), h, d).to(torch.bfloat16)
+    outd = torch.full((len(lens), h, d), float("nan"), dtype=torch.bfloat16)
+    DEC.decode_attention(qd, kb, vb, r2t, torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), outd,
+                         sm_scale=d ** -0.5, max_splits=4, config=DEC.DecodeConfig(**SMALL_DEC), **kw)
+    assert torch.isfinite(out).all() and torch.isfinite(outd).all()
+    for i, (r, a, n) in enumerate(zip(rows, prefix, new)):
+        slots = r2t[r, :a + n].long()
+        sl = slice(int(qo[i]), int(qo[i + 1]))
+        assert rel_err(out[sl], _ref(q[sl], kb[slots], vb[slots], torch.arange(a, a + n), d ** -0.5, kw)) <= 1e-2
+        assert rel_err(outd[i:i + 1], _ref(qd[i:i + 1], kb[slots], vb[slots], torch.tensor([a + n - 1]),
+                                           d ** -0.5, kw)) <= 1e-2
+
 # Chunked local attention (Llama-4): chunk sizes below, at and above the 16-key tile, 1 (each query
 # sees only itself) and a chunk that is not a multiple of the page size; lengths put chunk boundaries
 # right before / after the last query and inside the split ranges.
@@ -266,9 +301,9 @@ def test_decode_reads_only_the_visible_keys(window, chunk, max_splits):
     pos = _positions(r2t, rows, lens)
     for buf in (kb, vb):
         read = {}
-        for (b, _, _), slot in spy.rows(buf):
+        for (pid, _, _), slot in spy.rows(buf):   # stage-1 grid (B * Hkv, splits): pid = b * Hkv + kv head
             i, t = pos[slot]
-            assert i == b, "a program read another request's keys"
+            assert i == pid // hkv, "a program read another request's keys"
             read.setdefault(i, set()).add(t)
         for i, n in enumerate(lens):
             start = max(n - window, 0) if window else 0

@@ -49,7 +49,7 @@ class DecodeConfig:
     """
 
     block_n: int = 64
-    block_n_single: int = 128
+    block_n_single: int = 64
     num_warps: int = 4
     num_stages: int = 3
     split_min: int = 128
@@ -80,13 +80,13 @@ def _is_sm90(device: Optional[torch.device]) -> bool:
 
 
 def default_decode_config(head_dim: int, device: Optional[torch.device] = None) -> DecodeConfig:
-    """Decode config by head dim and arch (H200-tuned, see benchmarks/NOTES.md): 3 stages and 128-key
-    tiles for unsplit batches on sm90 (about 192 KB of shared memory); 2 stages, 64-key tiles elsewhere;
-    32-key tiles for D > 128."""
+    """Decode config by head dim and arch (H200-tuned, see benchmarks/NOTES.md): 64-key tiles, 3 stages on sm90
+    (about 96 KB of shared memory at D 128: two programs per SM; 128-key tiles for unsplit batches took one SM
+    each and were 1-2 % slower at B=256), 2 stages elsewhere; 32-key tiles for D > 128."""
     if head_dim > 128:
         return DecodeConfig(block_n=32, block_n_single=32, num_stages=2)
     if device is not None and not _is_sm90(device):
-        return DecodeConfig(block_n_single=64, num_stages=2)
+        return DecodeConfig(num_stages=2)
     return DecodeConfig()
 
 
@@ -144,7 +144,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 
     ``q`` [B, H, D]; ``out`` [B, H, Dv] (written, returned). ``scratch``: fp32, at least
     :func:`decode_scratch_numel` elements (allocated when None — pass a fixed buffer for CUDA graphs).
-    ``max_splits``: split cap (see :func:`decode_max_splits`); the grid is ``(B, Hkv, max_splits)``.
+    ``max_splits``: split cap (see :func:`decode_max_splits`); the stage-1 grid is ``(B * Hkv, max_splits)``.
     Mirrors sglang's two-stage Triton decode (split-K + LSE merge) with FlashInfer's
     ``window_left``/``logits_soft_cap``/sinks semantics. ``attention_chunk_size`` (Llama-4 chunked
     local attention): the query sees only the keys of its own chunk, ``[(L-1)//C*C, L)``.
@@ -175,11 +175,11 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     win, chunk = int(sliding_window or 0), int(attention_chunk_size or 1)
     common = dict(SPLIT_MIN=cfg.split_min, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
                   USE_CHUNK=attention_chunk_size is not None)
-    kdec.decode_split_kernel[(bsz, hkv, max_splits)](
+    kdec.decode_split_kernel[(bsz * hkv, max_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, o_part, lse,
         k_scale if ks_ptr else lse, v_scale if vs_ptr else lse,
         float(sm_scale), 1.0 if ks_ptr else float(k_scale), 1.0 if vs_ptr else float(v_scale),
-        float(logit_softcap or 1.0), win, chunk, h // hkv, max_splits,
+        float(logit_softcap or 1.0), win, chunk, h // hkv, hkv, max_splits,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         D=d, DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), G_PAD=max(16, _pow2(h // hkv)),

@@ -1,9 +1,12 @@
 """Flash-decoding over sglang's paged KV cache, in two kernels.
 
-Stage 1 (:func:`decode_split_kernel`), grid ``(B, Hkv, max_splits)``: program ``(b, g, s)`` takes
+Stage 1 (:func:`decode_split_kernel`), grid ``(B * Hkv, max_splits)``: program ``(b * Hkv + g, s)`` takes
 request ``b``'s visible keys, splits them into ``n_splits(b)`` contiguous ranges (a whole number of
 ``BLOCK_N`` tiles each) and reduces range ``s`` for all ``G = H / Hkv`` query heads of kv head ``g``
-at once, so every K/V tile is read from memory once per kv group (GQA-aware). Keys are gathered
+at once, so every K/V tile is read from memory once per kv group (GQA-aware). A request's kv heads are
+adjacent programs, so the programs resident together read each key's whole ``[Hkv, D]`` row of the pool (2 KB
+at 8 x 128 bf16) at about the same time rather than one head's 256 B of it per request (H200, B=256: 0.967 ->
+0.986x FlashInfer at ctx 4096, 0.963-0.969 -> 0.980 at ctx 32768; benchmarks/NOTES.md). Keys are gathered
 through ``req_to_token`` (slot = ``req_to_token[req, pos]``), so any page size works. It writes the
 range's normalised partial output and its log2-sum-exp.
 
@@ -79,7 +82,7 @@ def _dot(a, b, UPCAST: tl.constexpr):
 @triton.jit
 def decode_split_kernel(
     Q, K, V, ReqToToken, ReqIdx, SeqLens, OPart, LsePart, KScale, VScale,
-    sm_scale, k_scale, v_scale, softcap, window, chunk, G, max_splits,
+    sm_scale, k_scale, v_scale, softcap, window, chunk, G, HKV, max_splits,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -92,9 +95,10 @@ def decode_split_kernel(
     K/V tiles are read in the pool's dtype (q's, or fp8) and upcast to q's dtype before the dots;
     the stored scores are scaled by ``sm_scale * k_scale`` and the partial output by ``v_scale``.
     """
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    s = tl.program_id(2)
+    pid = tl.program_id(0)   # b * HKV + kvh: a request's kv heads run side by side (module docstring)
+    b = pid // HKV
+    kvh = pid % HKV
+    s = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     kv_start, n_splits, split_len = _split_bounds(seq_len, window, chunk, max_splits, SPLIT_MIN, BLOCK_N,
                                                   USE_WINDOW, USE_CHUNK)

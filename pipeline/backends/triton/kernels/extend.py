@@ -12,8 +12,8 @@ the pool (any page size). Phase 2 attends to the new tokens themselves, read con
 ``k``/``v`` tensors of this step (rows ``qo_indptr[b] …``), causally: new token ``i`` sees new
 token ``j`` when ``j <= i``. Each phase is cut into tiles that need a mask (the prefix's ragged end, the
 causal diagonal, a window's edge, every tile under chunked attention) and tiles that every row of the block
-sees whole, which skip building one (:func:`_attend`'s ``MASK``), as FlashAttention-2 masks only its diagonal. With a sliding window, key position ``kp`` is visible from query
-position ``qp`` when ``qp - kp < window``; phase 1 skips tiles wholly outside the window. With
+sees whole, which skip building one (:mod:`.extend_tiles`). With a sliding window, key position ``kp`` is
+visible from query position ``qp`` when ``qp - kp < window``; phase 1 skips tiles wholly outside the window. With
 chunked local attention (Llama-4) it is visible when ``kp // chunk == qp // chunk``; both phases
 start at the chunk of the block's first query.
 Sink logits add ``exp(sink)`` to the softmax denominator. Scores use ``exp2`` with the scale
@@ -25,116 +25,8 @@ new K/V are both given in the stored format (fp8, or q's dtype), upcast to q's d
 import triton
 import triton.language as tl
 
-from pipeline.backends.triton.kernels.decode import _dot, _scale, _softcap
-
-
-@triton.jit
-def _load_rows(base, rows, stride, offs, n_mask, WIDTH: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr):
-    """[BLOCK_N, BLOCK] rows of ``base`` (row ``rows[i]``, stride ``stride``); masked only where it must be."""
-    ptrs = base + rows[:, None] * stride + offs[None, :]
-    if MASK:
-        if WIDTH == BLOCK:
-            return tl.load(ptrs, mask=n_mask[:, None], other=0.0)
-        return tl.load(ptrs, mask=n_mask[:, None] & (offs[None, :] < WIDTH), other=0.0)
-    if WIDTH == BLOCK:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=offs[None, :] < WIDTH, other=0.0)
-
-
-@triton.jit
-def _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, hi, n_keys, pos0,
-            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv,
-            D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-            BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr, USE_WINDOW: tl.constexpr,
-            USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr):
-    """Online softmax over key tiles ``[lo, hi)`` (step ``BLOCK_N``) of one phase's keys ``0 … n_keys-1``.
-
-    Key ``i`` of the phase sits at position ``pos0 + i``; its row is ``R2T[i]`` (``PAGED``, the cached prefix)
-    or ``i`` (this step's new tokens, ``Kb``/``Vb`` already at the request's first row). Without ``MASK`` every
-    key of every tile is visible to every row (the caller proved it), so no mask is built: only tiles on the
-    causal diagonal, at the prefix's ragged end or on a window's edge pay for one.
-
-    ``PAGED``: each tile's ``req_to_token`` rows are loaded one iteration ahead (loop-carried), so the K/V
-    gathers of a tile never wait on an index load issued in the same iteration: the software pipeline then
-    prefetches K/V as it does for contiguous keys (H200, 64 x 512 new on a 3584 prefix: 344 -> 386 TFLOP/s; the
-    same kernel on contiguous slots without any index load reaches 394, benchmarks/NOTES.md). Keys at or past
-    ``hi`` get row 0 (only the last range of a phase ends off a tile boundary, at ``n_keys``, where they are
-    masked out anyway).
-
-    The score scale (with ``log2 e``) is not applied to the whole ``qk`` tile first: it goes into the row max and
-    into ``qk * c - m`` of the exponent, one fused multiply-add per score instead of a multiply and a subtract
-    (H200: +1-2 % on every extend row; softmax arithmetic, not the MMAs, bounds a 128 x 128 tile at D 128).
-    """
-    nxt = (offs_n * 0).to(tl.int64)
-    if PAGED:
-        nxt = tl.load(R2T + lo + offs_n, mask=(lo + offs_n) < hi, other=0).to(tl.int64)
-    for start in range(lo, hi, BLOCK_N):
-        idx = start + offs_n
-        n_mask = idx < n_keys
-        if PAGED:
-            rows = nxt
-            nxt = tl.load(R2T + idx + BLOCK_N, mask=(idx + BLOCK_N) < hi, other=0).to(tl.int64)
-        else:
-            rows = idx.to(tl.int64)
-        k = _load_rows(Kb, rows, stride_k, offs_d, n_mask, D, BLOCK_D, MASK).to(q.dtype)
-        qk = _dot(q, tl.trans(k), UPCAST)
-        c = score_scale * 1.4426950408889634   # scores in log2 units = qk * c, applied inside the exp2's FMA
-        if USE_SOFTCAP:
-            qk = _softcap(qk * score_scale, softcap)
-            c = score_scale * 0.0 + 1.4426950408889634
-        if MASK:
-            kp = pos0 + idx
-            vis = n_mask[None, :] & (kp[None, :] <= q_pos[:, None])
-            if USE_WINDOW:
-                vis = vis & ((q_pos[:, None] - kp[None, :]) < window)
-            if USE_CHUNK:
-                vis = vis & ((q_pos[:, None] // chunk) == (kp[None, :] // chunk))
-            qk = tl.where(vis, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * c)   # c > 0: the row max of qk * c
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk * c - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(Vb, rows, stride_v, offs_dv, n_mask, DV, BLOCK_DV, MASK).to(q.dtype)
-        acc = acc * alpha[:, None]
-        if UPCAST:
-            acc += _dot(p.to(v.dtype), v, UPCAST)
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _phase(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, full_lo, full_hi, end, n_keys, pos0,
-           score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv,
-           D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-           BLOCK_N: tl.constexpr, PAGED: tl.constexpr, USE_WINDOW: tl.constexpr,
-           USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr):
-    """One phase's tiles ``[lo, end)`` (``lo`` a multiple of ``BLOCK_N``) through :func:`_attend`, cut into masked
-    ``[lo, b)``, unmasked ``[b, c)`` and masked ``[c, end)``: ``[full_lo, full_hi)`` (both multiples of ``BLOCK_N``)
-    holds the tiles whose every key every row of the block sees. ``lo >= end`` (a window or chunk that starts past
-    the prefix) leaves all three empty; ``lo <= b <= c <= end`` otherwise. With a window the cuts ``b`` and ``c``
-    are taken at whole tiles (the unmasked range stops at ``end``'s last whole tile) and marked ``tl.multiple_of``
-    ``BLOCK_N``: from the window's data-dependent bounds the compiler could not prove it (H200, windowed extend on a
-    32256 prefix: 924 -> 887 us). Without a window the hints made the same tiles slower (687 -> 751 us on a 3584
-    prefix), so that path keeps the plain cuts (benchmarks/NOTES.md)."""
-    if USE_WINDOW:   # data-dependent bounds: cut at whole tiles and say so (see the docstring)
-        lo = tl.multiple_of(lo, BLOCK_N)
-        whole = (end // BLOCK_N) * BLOCK_N   # the unmasked tiles end at a whole tile; [c, end) keeps the ragged one
-        b = tl.multiple_of(tl.maximum(lo, tl.minimum(full_lo, whole)), BLOCK_N)
-        c = tl.multiple_of(tl.maximum(b, tl.minimum(full_hi, whole)), BLOCK_N)
-    else:
-        b = tl.maximum(lo, tl.minimum(full_lo, end))
-        c = tl.maximum(b, tl.minimum(full_hi, end))
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, b, n_keys, pos0,
-                            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV,
-                            BLOCK_N, PAGED, True, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, b, c, n_keys, pos0,
-                            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV,
-                            BLOCK_N, PAGED, False, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
-    return _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, c, end, n_keys, pos0,
-                   score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV,
-                   BLOCK_N, PAGED, True, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+from pipeline.backends.triton.kernels.decode import _scale
+from pipeline.backends.triton.kernels.extend_tiles import _phase
 
 
 @triton.jit
