@@ -26,7 +26,7 @@ from pipeline.core.errors import (
     EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from,  # noqa: F401
 )
 from pipeline.cli.run_checks import (  # noqa: F401 - run's flag checks moved; importable from here
-    _PLACEHOLDER, DEFAULT_LAYERS, check_context, check_num_layers, check_pool_for_checks, check_warm_cache, log_path,
+    _PLACEHOLDER, DEFAULT_LAYERS, check_context, check_pool_for_checks, check_warm_cache, log_path,
     open_log, runner_config,
 )
 from pipeline.cli.run_exit import _close_run, _ended_by
@@ -52,10 +52,7 @@ def preflight(ns: argparse.Namespace, runner: Any, log: Any, group: Any) -> None
 
     from pipeline.cli.startup import check_startup_flags
 
-    check_startup_flags(ns)
-    if ns.decode_steps < 0:
-        raise UsageError(f"--decode-steps {ns.decode_steps} must be >= 0", code="usage",
-                         flags=[("--decode-steps", ns.decode_steps)], allowed=[">= 0"], remedy="pass --decode-steps 3")
+    check_startup_flags(ns)  # the flags' domains were checked as they were read (pipeline.cli.domains)
     check_context(runner.request, ns.decode_steps)
     pre = runner.preflight()
     if pre.refused is None:
@@ -192,7 +189,6 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.observe.startup import timed_torch_import
 
     ns._torch_import = timed_torch_import()  # named in the startup summary and the progress line (cold start)
-    check_num_layers(ns)
     group = _rank_group(ns)
     on_gpu = is_gpu_device(ns.device)
     request = request_from(ns, on_gpu=on_gpu)
