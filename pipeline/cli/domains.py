@@ -39,6 +39,7 @@ class FlagDomain:
     domain: Domain
     default: str = ""
     distinct: bool = False  # a list flag whose values must differ
+    hint: str = ""  # said instead of an example where no one value is right everywhere (memory shares)
 
 
 def _int(lo: int, hi: int, example: int, unit: str = "") -> Domain:
@@ -49,10 +50,11 @@ def _text(example: str) -> Domain:
     return Domain("text", example)
 
 
-_BACKENDS = Domain("choice", "torch_native", choices=tuple(registry.names()),  # sglang's other names: exit 3, named
+_BACKENDS = Domain("choice", registry.reference_name(), choices=tuple(registry.names()),  # sglang's other names: exit 3, named
                    hidden=tuple(n for n in registry.known_names() if n not in registry.names()))
 _PACKAGES = tuple(dict.fromkeys(n for d in packages.names()
                                 for n in (d, packages.import_name(d), d.replace("-", "_"))))
+_TOO_BIG = "a budget this device cannot hold is then refused naming the largest that fits"
 _BYTES = f"bytes, at most 2**{MAX_BYTES.bit_length() - 1}"
 
 FLAG_DOMAINS: tuple[FlagDomain, ...] = (
@@ -98,9 +100,9 @@ FLAG_DOMAINS: tuple[FlagDomain, ...] = (
     FlagDomain("--max-memory-imbalance", "max_memory_imbalance", ("run",), Domain("float", 0.1, lo=0, hi=1),
                "$ATTN_SETUP_MAX_MEMORY_IMBALANCE, else 0.1"),
     FlagDomain("--mem-fraction", "mem_fraction", ("run",), Domain("float", 0.5, lo=0, hi=1, lo_open=True),
-               "unset: the pool has --num-token-slots slots"),
+               "unset: the pool has --num-token-slots slots", hint=_TOO_BIG),
     FlagDomain("--mem-bytes", "mem_bytes", ("run",), _int(1, MAX_BYTES, 1 << 30, _BYTES),
-               "unset: the pool has --num-token-slots slots"),
+               "unset: the pool has --num-token-slots slots", hint=_TOO_BIG),
     FlagDomain("--metrics-file", "metrics_file", ("run",), _text("attn-setup-metrics.txt"), "none"),
     FlagDomain("--slow-phase-s", "slow_phase_s", ("run",), Domain("float", 30, lo=0, lo_open=True, unit="seconds"),
                "$ATTN_SETUP_SLOW_PHASE_S, else off"),
@@ -131,7 +133,8 @@ def remedy(fd: FlagDomain) -> str:
     take = f"{fd.flag} {example}" if fd.flag != "LOG" else f"a trace path such as {example}"
     if not fd.default:
         return f"pass {take} ({fd.domain.allowed()})"
-    return f"drop {fd.flag} (default: {fd.default}), or pass {fd.domain.allowed()}, e.g. {take}"
+    return (f"drop {fd.flag} (default: {fd.default}), or pass {fd.domain.allowed()}"
+            + (f"; {fd.hint}" if fd.hint else f", e.g. {take}"))
 
 
 def refusal(fd: FlagDomain, value: Any, why: str = "", fix: str = "", allowed: str = "") -> InvalidValue:
