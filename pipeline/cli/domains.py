@@ -39,7 +39,8 @@ class FlagDomain:
     domain: Domain
     default: str = ""
     distinct: bool = False  # a list flag whose values must differ
-    hint: str = ""  # said instead of an example where no one value is right everywhere (memory shares)
+    hint: str = ""  # what to pass, where no one example is right everywhere (memory shares, backends)
+    fix: Optional[Callable[[Any], str]] = None  # the remedy for a given value, where one follows from it
 
 
 def _int(lo: int, hi: int, example: int, unit: str = "") -> Domain:
@@ -55,6 +56,14 @@ _BACKENDS = Domain("choice", registry.reference_name(), choices=tuple(registry.n
 _PACKAGES = tuple(dict.fromkeys(n for d in packages.names()
                                 for n in (d, packages.import_name(d), d.replace("-", "_"))))
 _TOO_BIG = "a budget this device cannot hold is then refused naming the largest that fits"
+_SERVES = "pass a backend that serves this device and model ('attn-setup backends' lists each one's devices)"
+
+
+def _known_packages(value: Any) -> str:
+    """``--installed``'s remedy: the list without the names nobody knows (``''`` when none is left)."""
+    known = [p.strip() for p in str(value).split(",") if p.strip().lower() in _PACKAGES]
+    return f"pass --installed {','.join(known) or repr('')} (the names of the list that are packages: " + \
+        f"{', '.join(_PACKAGES)})"
 _BYTES = f"bytes, at most 2**{MAX_BYTES.bit_length() - 1}"
 
 FLAG_DOMAINS: tuple[FlagDomain, ...] = (
@@ -69,7 +78,7 @@ FLAG_DOMAINS: tuple[FlagDomain, ...] = (
     FlagDomain("--rank", "rank", SETUP, _int(0, MAX_POOL_DIM, 0), "0"),
     FlagDomain("--world-size", "world_size", SETUP, _int(1, MAX_POOL_DIM, 1), "1"),
     *(FlagDomain(f"--{d.replace('_', '-')}", d, SETUP, _BACKENDS, "auto-select" if d == "attention_backend" else
-                 "--attention-backend's") for d in ("attention_backend", "prefill_attention_backend",
+                 "--attention-backend's", hint=_SERVES) for d in ("attention_backend", "prefill_attention_backend",
                                                     "decode_attention_backend", "speculative_draft_attention_backend")),
     FlagDomain("--speculative-algorithm", "speculative_algorithm", SETUP,
                Domain("choice", "EAGLE", choices=SPECULATIVE_ALGORITHMS, any_case=True), "none"),
@@ -91,7 +100,7 @@ FLAG_DOMAINS: tuple[FlagDomain, ...] = (
     FlagDomain("--device-profile", "device_profile", ("plan",),
                Domain("choice", "cpu", choices=tuple(profile_names()), any_case=True), "auto"),
     FlagDomain("--installed", "installed", ("plan",), Domain("packages", "torch", choices=_PACKAGES),
-               "read from package metadata"),
+               "read from package metadata", fix=_known_packages),
     FlagDomain("--log-file", "log_file", ("run",), _text("./attn-setup-logs/{run_id}.rank{rank}.jsonl"),
                "./attn-setup-logs/{run_id}.rank{rank}.jsonl"),
     FlagDomain("--decode-steps", "decode_steps", ("run",), _int(0, MAX_POOL_DIM, 3), "3"),
@@ -100,9 +109,11 @@ FLAG_DOMAINS: tuple[FlagDomain, ...] = (
     FlagDomain("--max-memory-imbalance", "max_memory_imbalance", ("run",), Domain("float", 0.1, lo=0, hi=1),
                "$ATTN_SETUP_MAX_MEMORY_IMBALANCE, else 0.1"),
     FlagDomain("--mem-fraction", "mem_fraction", ("run",), Domain("float", 0.5, lo=0, hi=1, lo_open=True),
-               "unset: the pool has --num-token-slots slots", hint=_TOO_BIG),
+               "unset: the pool has --num-token-slots slots",
+               hint=f"pass a finite number in (0, 1]: {_TOO_BIG}"),
     FlagDomain("--mem-bytes", "mem_bytes", ("run",), _int(1, MAX_BYTES, 1 << 30, _BYTES),
-               "unset: the pool has --num-token-slots slots", hint=_TOO_BIG),
+               "unset: the pool has --num-token-slots slots",
+               hint=f"pass an integer in [1, {MAX_BYTES}]: {_TOO_BIG}"),
     FlagDomain("--metrics-file", "metrics_file", ("run",), _text("attn-setup-metrics.txt"), "none"),
     FlagDomain("--slow-phase-s", "slow_phase_s", ("run",), Domain("float", 30, lo=0, lo_open=True, unit="seconds"),
                "$ATTN_SETUP_SLOW_PHASE_S, else off"),
@@ -127,14 +138,16 @@ def shown(value: Any) -> Any:
     return value
 
 
-def remedy(fd: FlagDomain) -> str:
-    """A change that passes :func:`check_flags`: drop the flag (its default) or pass the domain's example."""
+def remedy(fd: FlagDomain, value: Any = None) -> str:
+    """A change that passes :func:`check_flags`: drop the flag (its default) or pass the domain's example (or what
+    ``fd.hint`` says; ``fd.fix`` words the whole remedy from the value given)."""
+    if fd.fix is not None:
+        return fd.fix(value)
     example = fd.domain.example
     take = f"{fd.flag} {example}" if fd.flag != "LOG" else f"a trace path such as {example}"
     if not fd.default:
         return f"pass {take} ({fd.domain.allowed()})"
-    return (f"drop {fd.flag} (default: {fd.default}), or pass {fd.domain.allowed()}"
-            + (f"; {fd.hint}" if fd.hint else f", e.g. {take}"))
+    return f"drop {fd.flag} (default: {fd.default}), or " + (fd.hint or f"pass {fd.domain.allowed()}, e.g. {take}")
 
 
 def refusal(fd: FlagDomain, value: Any, why: str = "", fix: str = "", allowed: str = "") -> InvalidValue:
@@ -142,7 +155,7 @@ def refusal(fd: FlagDomain, value: Any, why: str = "", fix: str = "", allowed: s
     allowed = allowed or fd.domain.allowed()
     text = repr(value) if isinstance(value, str) else str(shown(value))
     return InvalidValue(f"{fd.flag} {text} is not allowed: {why or fd.flag + ' takes ' + allowed}",
-                        flags=[(fd.flag, shown(value))], allowed=[allowed], remedy=fix or remedy(fd))
+                        flags=[(fd.flag, shown(value))], allowed=[allowed], remedy=fix or remedy(fd, value))
 
 
 def _rank_in_world(ns: argparse.Namespace, fd: FlagDomain) -> Optional[InvalidValue]:
@@ -170,11 +183,11 @@ CROSS_CHECKS: tuple[Callable[[argparse.Namespace, FlagDomain], Optional[InvalidV
 
 
 def check_flags(ns: argparse.Namespace) -> None:
-    """Raise the first :class:`InvalidValue` among ``ns``'s flags (a flag not given is not checked)."""
-    for fd in domains_of(ns.command):
-        value = getattr(ns, fd.dest, None)
-        if value is None:
-            continue
+    """Raise the first :class:`InvalidValue` among ``ns``'s flags (a flag not given is not checked): each flag's own
+    domain first, then the checks across flags (:data:`CROSS_CHECKS`)."""
+    given = [fd for fd in domains_of(ns.command) if getattr(ns, fd.dest, None) is not None]
+    for fd in given:
+        value = getattr(ns, fd.dest)
         values = value if isinstance(value, list) else [value]
         for v in values:
             if not fd.domain.admits(v):
@@ -182,6 +195,7 @@ def check_flags(ns: argparse.Namespace) -> None:
         if fd.distinct and len(set(values)) != len(values):
             raise refusal(fd, value, f"{fd.flag} lists a value twice", allowed="distinct values",
                           fix=f"list each value once: {fd.flag} {' '.join(map(str, dict.fromkeys(values)))}")
+    for fd in given:
         for check in CROSS_CHECKS:
             err = check(ns, fd)
             if err is not None:

@@ -295,3 +295,10 @@ def check_setup_request(r: Any) -> None:
         _bad("draft_model", r.draft_model.source or "<spec>", ["only with is_draft_worker=True"],
              "set is_draft_worker=True to initialize the draft worker, or drop draft_model")
     check_device(r.device)
+    if r.device_spelled_as is not None:
+        from pipeline.core.type_checks import device_spelling
+
+        spelled = device_spelling(r.device_spelled_as)
+        if spelled is None or spelled.canonical != r.device:
+            _bad("device_spelled_as", r.device_spelled_as, [f"a spelling of {r.device!r} (CUDA:0 for cuda:0)"],
+                 "pass device_spelled_as=None, or the text the user wrote for this device")
