@@ -62,8 +62,8 @@ _SERVES = "pass a backend that serves this device and model ('attn-setup backend
 def _known_packages(value: Any) -> str:
     """``--installed``'s remedy: the list without the names nobody knows (``''`` when none is left)."""
     known = [p.strip() for p in str(value).split(",") if p.strip().lower() in _PACKAGES]
-    return f"pass --installed {','.join(known) or repr('')} (the names of the list that are packages: " + \
-        f"{', '.join(_PACKAGES)})"
+    return (f"pass --installed {','.join(known) or repr('')} (the names of the list that are packages: "
+            f"{', '.join(_PACKAGES)}), or drop --installed (default: read from package metadata)")
 _BYTES = f"bytes, at most 2**{MAX_BYTES.bit_length() - 1}"
 
 FLAG_DOMAINS: tuple[FlagDomain, ...] = (
@@ -75,7 +75,7 @@ FLAG_DOMAINS: tuple[FlagDomain, ...] = (
     FlagDomain("--max-context-len", "max_context_len", SETUP, _int(1, MAX_POOL_DIM, 1024), "1024"),
     FlagDomain("--num-token-slots", "num_token_slots", SETUP, _int(1, MAX_POOL_DIM, 1024),
                "1024 on CPU, 65536 on GPU, in whole pages"),
-    FlagDomain("--rank", "rank", SETUP, _int(0, MAX_POOL_DIM, 0), "0"),
+    FlagDomain("--rank", "rank", SETUP, _int(0, MAX_POOL_DIM - 1, 0), "0"),  # below the largest --world-size
     FlagDomain("--world-size", "world_size", SETUP, _int(1, MAX_POOL_DIM, 1), "1"),
     *(FlagDomain(f"--{d.replace('_', '-')}", d, SETUP, _BACKENDS, "auto-select" if d == "attention_backend" else
                  "--attention-backend's", hint=_SERVES) for d in ("attention_backend", "prefill_attention_backend",
@@ -165,8 +165,9 @@ def _rank_in_world(ns: argparse.Namespace, fd: FlagDomain) -> Optional[InvalidVa
     rank, world = ns.rank, ns.world_size
     if rank < world:
         return None
+    ranks = "--rank 0" if world == 1 else f"--rank between 0 and {world - 1}"
     return refusal(fd, rank, f"--rank counts from 0 below --world-size {world}", allowed=f"0..{world - 1}",
-                   fix=f"pass --rank between 0 and {world - 1}, or --world-size {rank + 1} or more")
+                   fix=f"pass {ranks}, or --world-size {rank + 1} or more")
 
 
 def _graph_rank_needs_log(ns: argparse.Namespace, fd: FlagDomain) -> Optional[InvalidValue]:
