@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pipeline.core.errors import ConfigError
+
 # Accepted device spellings: any case, ``gpu`` for ``cuda``; an optional ASCII index (0-9 digits, at most 6).
 _DEVICE_ANY_CASE = re.compile(r"(auto|cpu)|(cuda|gpu|musa|npu|xpu|mps)(?::([0-9]{1,6}))?", re.ASCII | re.IGNORECASE)
 DEVICE_ALIASES = {"gpu": "cuda"}
@@ -43,6 +45,19 @@ def device_spelling(text: Any) -> Optional[DeviceSpelling]:
         kind = m.group(2).lower()
         canonical = DEVICE_ALIASES.get(kind, kind) + (f":{m.group(3)}" if m.group(3) is not None else "")
     return DeviceSpelling(canonical, None if canonical == text else text)
+
+
+def check_spelling(device: str, spelled_as: Optional[str]) -> None:
+    """Raise ConfigError (``invalid_value``, field ``device_spelled_as``) unless ``spelled_as`` is None or an
+    accepted spelling of ``device`` (a request never records another device's spelling)."""
+    if spelled_as is None:
+        return
+    spelled = device_spelling(spelled_as)
+    if spelled is None or spelled.canonical != device:
+        raise ConfigError(f"device_spelled_as={spelled_as!r} does not spell device={device!r}", code="invalid_value",
+                          flags=[("device_spelled_as", spelled_as), ("device", device)],
+                          allowed=[f"None, or a spelling of {device!r} (CUDA:0 for cuda:0)"],
+                          remedy="pass device_spelled_as=None, or the text the user wrote for this device")
 
 
 def _num(v: float) -> str:
