@@ -16,7 +16,8 @@ from pipeline.core.type_checks import device_spelling
 
 
 @pytest.mark.parametrize("text,canonical,spelled", [
-    ("cpu", "cpu", None), ("CPU", "cpu", "CPU"), ("Cpu", "cpu", "Cpu"), ("auto", "auto", None), ("AUTO", "auto", "AUTO"),
+    ("cpu", "cpu", None), ("CPU", "cpu", "CPU"), ("Cpu", "cpu", "Cpu"), ("auto", "auto", None),
+    ("AUTO", "auto", "AUTO"),
     ("cuda", "cuda", None), ("CUDA:0", "cuda:0", "CUDA:0"), ("gpu", "cuda", "gpu"), ("GPU:1", "cuda:1", "GPU:1"),
     ("Npu:3", "npu:3", "Npu:3"), ("xpu:0", "xpu:0", None), ("MUSA", "musa", "MUSA"),
 ])
@@ -26,8 +27,8 @@ def test_accepted_spellings_read_as_their_device(text, canonical, spelled):
     assert got is not None and (got.canonical, got.spelled_as) == (canonical, spelled)
 
 
-@pytest.mark.parametrize("text", ["", "tpu", "cuda:", "cuda:x", "cuda:\u00b2", " cpu", "cpu ", "cuda: 0", "cuda:1234567",
-                                  "gpu0", None, 0])
+@pytest.mark.parametrize("text", ["", "tpu", "cuda:", "cuda:x", "cuda:\u00b2", " cpu", "cpu ", "cuda: 0",
+                                  "cuda:1234567", "gpu0", None, 0])
 def test_other_text_is_no_device(text):
     """Blanks, unknown types, indexes that are not ASCII digits (or longer than 6): no device."""
     assert device_spelling(text) is None

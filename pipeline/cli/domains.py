@@ -51,7 +51,8 @@ def _text(example: str) -> Domain:
     return Domain("text", example)
 
 
-_BACKENDS = Domain("choice", registry.reference_name(), choices=tuple(registry.names()),  # sglang's other names: exit 3, named
+# sglang's names attn-setup does not implement pass here: resolve refuses each by name (backend_unavailable, exit 3)
+_BACKENDS = Domain("choice", registry.reference_name(), choices=tuple(registry.names()),
                    hidden=tuple(n for n in registry.known_names() if n not in registry.names()))
 _PACKAGES = tuple(dict.fromkeys(n for d in packages.names()
                                 for n in (d, packages.import_name(d), d.replace("-", "_"))))

@@ -69,8 +69,9 @@ class Domain:
     """The values one setting takes.
 
     ``kind``: ``int`` (``lo``..``hi``, inclusive), ``float`` (finite; ``lo``/``hi`` inclusive unless
-    ``lo_open``/``hi_open``), ``choice`` (``choices``; ``any_case`` ignores letter case and blanks around), ``text`` (non-empty),
-    ``device`` (:func:`device_spelling`), ``packages`` (a comma-separated subset of ``choices``, ``''`` = none).
+    ``lo_open``/``hi_open``), ``choice`` (``choices``; ``any_case`` ignores letter case and blanks around),
+    ``text`` (non-empty), ``device`` (:func:`device_spelling`), ``packages`` (a comma-separated subset of
+    ``choices``, ``''`` = none).
     ``hidden`` choices are admitted but not listed (known names refused later with a more specific error).
     ``example`` is a value inside the domain, offered by remedies.
     """
@@ -95,7 +96,9 @@ class Domain:
                 return False
             return self._above_lo(v) and self._below_hi(v)
         if self.kind == "choice":
-            return isinstance(v, str) and ((v.strip().lower() if self.any_case else v) in self._choices() or v in self.hidden)
+            if not isinstance(v, str):
+                return False
+            return (v.strip().lower() if self.any_case else v) in self._choices() or v in self.hidden
         if self.kind == "text":
             return isinstance(v, str) and v.strip() != ""
         if self.kind == "device":
