@@ -28,7 +28,7 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
     the model and device, the runner timeline, the tables and — for a failed run, last, where the eye lands when
     the prompt returns — the error in full in the command line's flags under a red rule that says the run failed
     and its exit code (new-user trial #2: the error sat between the tables)."""
-    from pipeline.cli.console import console
+    from pipeline.cli.console import console, width, wrap
 
     if ns.json:
         for line in notices:
@@ -39,7 +39,8 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
         from pipeline.cli.wording import cli_error, command_dests
 
         c = console(stderr=True)
-        c.print(f"[bold red]{escape(headline(cli_error(error, command_dests('run')), code))}[/]", soft_wrap=True)
+        for line in wrap(headline(cli_error(error, command_dests("run")), code), width(c)):  # at the terminal's width
+            c.print(f"[bold red]{escape(line)}[/]", soft_wrap=True)
     for line in notices:
         print(line, file=sys.stderr, flush=True)
     _render_runner(report, records, request)
