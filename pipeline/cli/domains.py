@@ -65,6 +65,8 @@ def _known_packages(value: Any) -> str:
     known = [p.strip() for p in str(value).split(",") if p.strip().lower() in _PACKAGES]
     return (f"pass --installed {','.join(known) or repr('')} (the names of the list that are packages: "
             f"{', '.join(_PACKAGES)}), or drop --installed (default: read from package metadata)")
+
+
 _BYTES = f"bytes, at most 2**{MAX_BYTES.bit_length() - 1}"
 
 FLAG_DOMAINS: tuple[FlagDomain, ...] = (
