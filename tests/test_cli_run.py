@@ -58,7 +58,7 @@ def test_run_outcome_per_config(config, tmp_path):
     out = json.loads(proc.stdout)
     assert out["ok"] is (code == 0)
     assert set(out) == {"ok", "run_id", "states", "resolved", "plan", "skips", "warnings", "verified", "log_file",
-                        "error", "runner_states", "model_steps", "summary"}
+                        "error", "runner_states", "model_steps", "summary", "device"}
     records = [ev.decode_line(l) for l in Path(out["log_file"]).read_bytes().splitlines()]
     check_summary(records, out["summary"])
     assert all(r.run_id == out["run_id"] for r in records)
@@ -127,13 +127,13 @@ def test_log_file_placeholders(tmp_path):
 
 
 @pytest.mark.parametrize("args,code,field", [
-    (["--page-size", "0"], 3, "--page-size"),
-    (["--attention-backend", "nope"], 3, "--attention-backend"),
+    (["--page-size", "0"], 2, "--page-size"),
+    (["--attention-backend", "nope"], 2, "--attention-backend"),
     (["--attention-backend", "flashmla"], 3, "--attention-backend"),
     (["--page-size", "abc"], 2, None),
     (["--model", "/nonexistent/config.json"], 2, "--model"),
     (["--no-such-flag"], 2, None),
-    (["--sm-group-num", "0"], 3, "--sm-group-num"),
+    (["--sm-group-num", "0"], 2, "--sm-group-num"),
     (["--enable-pdmux", "--enable-two-batch-overlap"], 3, "--enable-pdmux"),
 ])
 def test_bad_input_exit_codes(args, code, field, tmp_path):
@@ -196,14 +196,14 @@ def test_pool_must_hold_the_verification_batches_before_the_model_loads(tmp_path
     assert main(["run", "--device", "cpu", "--num-token-slots", str(need), "--page-size", "16",
                  "--log-file", str(tmp_path / "ok.jsonl"), "--json"]) == 0
     capsys.readouterr()
-    for frac in ("0", "nan", "1.5"):
+    for frac in ("0", "nan", "1.5"):  # outside (0, 1]: refused as the flags are read
         assert main(["run", "--device", "cpu", "--mem-fraction", frac, "--log-file", str(tmp_path / "f.jsonl"),
-                     "--json"]) == 3
+                     "--json"]) == 2
         out = json.loads(capsys.readouterr().out)
         assert out["error"]["flags"][0]["name"] == "--mem-fraction" and out["error"]["state"] == "args"
 
 
-@pytest.mark.parametrize("args,code", [([], 0), (["--attention-backend", "nosuch"], 3),
+@pytest.mark.parametrize("args,code", [([], 0), (["--attention-backend", "triton"], 3),
                                        (["--cuda-graph-bs", "64"], 3)])
 def test_run_resolves_once(tmp_path, monkeypatch, args, code):
     """One resolve per run: the preflight decides, the setup machine takes its decisions (and a refusal is raised
@@ -255,9 +255,10 @@ def test_an_in_process_run_frees_its_memory_when_it_returns(tmp_path):
 
 
 def test_failed_run_prints_its_error_last_under_a_rule(capsys, tmp_path):
-    """Text mode: a refused run's report goes to stdout, then on stderr a red rule naming the failure and its exit
-    code, then the error block and nothing after it (the error is where the eye lands when the prompt returns);
-    --json prints the same one object as before, without the rule."""
+    """Text mode: a refused run's headline first on stderr (tests/test_failed_run_output.py), its report on stdout,
+    then on stderr a red rule naming the failure and its exit code, then the error block and nothing after it (the
+    error is where the eye lands when the prompt returns); --json prints the same one object as before, without
+    the headline or the rule."""
     from pipeline.cli import main
 
     argv = ["run", "--device", "cpu", "--enable-pdmux", "--enable-two-batch-overlap", "--log-file",
@@ -265,8 +266,9 @@ def test_failed_run_prints_its_error_last_under_a_rule(capsys, tmp_path):
     assert main(argv) == 3
     out, err = capsys.readouterr()
     lines = [x for x in err.splitlines() if x.strip()]
-    assert lines[0].startswith("attn-setup run failed (exit 3) ─")
-    assert lines[1].startswith("error [conflicting_options] in state resolve")
+    assert lines[0].startswith("attn-setup run failed (exit 3) in state resolve: conflicting_options:")
+    rule = next(i for i, x in enumerate(lines) if x.startswith("attn-setup run failed (exit 3) ─"))
+    assert lines[rule + 1].startswith("error [conflicting_options] in state resolve")
     assert lines[-1] == "  remedy: drop --enable-pdmux"
     assert "startup summary" in out and "run failed" not in out
     assert main([*argv, "--json"]) == 3

@@ -340,7 +340,7 @@ def test_runner_trace_reads_and_replays(qwen, tmp_path):
 
 
 @pytest.mark.parametrize("flags,code,flag", [
-    (["--num-layers", "0"], 2, "--num-layers"), (["--mem-fraction", "1.5"], 3, "--mem-fraction"),
+    (["--num-layers", "0"], 2, "--num-layers"), (["--mem-fraction", "1.5"], 2, "--mem-fraction"),
     (["--mem-bytes", "5000"], 3, "--mem-bytes"), (["--mem-fraction", "0.5", "--mem-bytes", "1"], 2, None),
 ])
 def test_cli_budget_and_layer_flags_refused(tmp_path, flags, code, flag):

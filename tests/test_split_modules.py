@@ -76,7 +76,7 @@ OLD_NAMES = {
     "pipeline.cli.run": [
         'AttnSetupError', 'ConfigError', 'DEFAULT_LAYERS', 'EXIT_FAILED', 'EXIT_INTERRUPTED', 'EXIT_OK', 'ErrorInfo',
         'ModelSpec', 'SetupRequest', 'UsageError', '_PLACEHOLDER', '_graph_line', '_pool_line', '_print',
-        '_render_runner', '_report', 'add_parser', 'check_context', 'check_num_layers', 'check_pool_for_checks',
+        '_render_runner', '_report', 'add_parser', 'check_context', 'check_pool_for_checks',
         'check_warm_cache', 'cmd', 'error_info_from', 'is_gpu_device', 'log_path', 'model_line', 'open_log',
         'preflight', 'request_from', 'runner_config', 'summary_obj', 'timeline_rows', 'timeline_title',
         '_model_steps', '_verify', '_verify_runner', '_ended_by', '_rank_group',

@@ -91,9 +91,10 @@ def test_notices_before_a_slow_or_memory_hungry_run_and_a_lone_rank():
 
 
 def test_mem_fraction_remedy_names_a_share_that_fits_here(capsys, tmp_path):
-    """`--mem-fraction 1.5` suggested "such as 0.8", which a CPU host refuses (item 9): the remedy now names the
-    largest share in hundredths whose pools fit and hold the verification batches — checked by sizing (nothing is
-    allocated): that share passes, the next hundredth up does not (unless it is the 0.9 cap)."""
+    """`--mem-fraction 1.5` suggested "such as 0.8", which a CPU host refuses (item 9): a share too large for this
+    host (1.0, inside the flag's domain; 1.5 is outside it, exit 2) is refused with a remedy naming the largest share
+    in hundredths whose pools fit and hold the verification batches — checked by sizing (nothing is allocated):
+    that share passes, the next hundredth up does not (unless it is the 0.9 cap)."""
     import argparse
 
     from pipeline.cli import build_parser
@@ -101,7 +102,7 @@ def test_mem_fraction_remedy_names_a_share_that_fits_here(capsys, tmp_path):
     from pipeline.core.errors import ConfigError
     from pipeline.platforms import platform_for
 
-    code, out = _run(capsys, tmp_path, "--mem-fraction", "1.5")
+    code, out = _run(capsys, tmp_path, "--mem-fraction", "1.0")
     assert code == 3 and out["error"]["flags"][0]["name"] == "--mem-fraction"
     frac = float(re.search(r"--mem-fraction (0\.\d+)", out["error"]["remedy"]).group(1))
     ns = build_parser().parse_args(["run", "--device", "cpu", "--mem-fraction", str(frac)])

@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 
 import msgspec
 
+from pipeline.cli.domains import check_flags
 from pipeline.cli.flags import (  # noqa: F401 (the parser's helpers, re-exported: this module held them)
     add_setup_flags, attention_args_from, build_parser, field_docs,
 )
@@ -198,6 +199,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # torch's C++ logs (c10d frames) only with -v
         ns._argv = argv
         check_verbose(ns)
+        check_flags(ns)  # every flag's domain (pipeline.cli.domains), before a command starts anything
         configure_logging(ns.verbose)
         return int(ns._cmd(ns))
     except AttnSetupError as e:

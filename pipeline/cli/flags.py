@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 import argparse
+import re
 import typing
 from typing import Any, Optional, Sequence
 
 import msgspec
 
+from pipeline.cli.domains import parser_refusal
 from pipeline.core.contracts import AttentionArgs
 from pipeline.core.errors import UsageError
 
@@ -82,6 +84,10 @@ class _Parser(argparse.ArgumentParser):
             flags, allowed, hint = self._argument_error(message, argv or list(getattr(_Parser, "last_argv", [])))
             hints += [hint] if hint else []
         remedy = "; ".join(hints + [f"see '{prog} --help'"])
+        refused = parser_refusal(command or self.prog.split()[-1], flags[0][0], flags[0][1], message) \
+            if re.match(r"argument \S+: invalid (\w+ value|choice)", message) else None
+        if refused is not None:  # a value of the wrong type or an unknown choice: the flag's domain (exit 2)
+            raise refused
         raise UsageError(f"{prog}: {message}", code="usage", flags=flags, allowed=allowed, remedy=remedy)
 
     @staticmethod

@@ -59,7 +59,8 @@ def _decision_lines(d: dict[str, Any]) -> list[str]:
         cc = dv.get("compute_capability")
         out.append(f"device: {dv['type']}:{dv['index']} {dv['name']} "
                    + (f"cc={'.'.join(map(str, cc)) if isinstance(cc, (list, tuple)) else cc} " if cc else "")
-                   + f"blas_init={dv['blas_init']}")
+                   + f"blas_init={dv['blas_init']}"
+                   + (f" (written as {dv['spelled_as']})" if dv.get("spelled_as") else ""))
     if "resolved" in d:
         r = d["resolved"]
         rules = r["rules"]

@@ -27,6 +27,7 @@ import msgspec
 
 from pipeline.core.contracts import DeviceFacts, Resolution, SetupRequest
 from pipeline.core.errors import EXIT_OK, AttnSetupError, Flag, UsageError
+from pipeline.observe.runview import device_view
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -183,7 +184,7 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
 
     decided = decide_setup(request, facts=device, installed=installed).raise_refusal()
     res, plan = decided["resolve"], decided["build-mode"].plan
-    return {"ok": True, "device": msgspec.to_builtins(device), "installed": dict(installed),
+    return {"ok": True, "device": device_view(device), "installed": dict(installed),
             "resolved": rp.resolved_obj(res), "plan": rp.plan_obj(plan), "rejected": rejected_obj(res),
             "skips": skips_of(decided),
             "warnings": warnings_obj(resolve.warnings_for(res, list(res.skips) + list(plan.skips), device))

@@ -13,6 +13,7 @@ from pipeline.core.contracts import Flag, ModelSpec, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError, ModelConfigError, UsageError
 from pipeline.core.eventlog import secrets_from_env
 from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec
+from pipeline.core.type_checks import DeviceSpelling, device_spelling
 
 
 def default_model_path() -> str:
@@ -78,13 +79,24 @@ def request_from(ns: argparse.Namespace, *, on_gpu: bool) -> SetupRequest:
     args = attention_args_from(ns)
     settings.check_env()  # SGLANG_* size variables pass the same check as their flags
     model, draft = load_models(ns)
+    device = device_of(ns)
     return SetupRequest(args=args, model=model, draft_model=draft, is_draft_worker=ns.draft_worker,
-                        device=getattr(ns, "device", "cpu"), rank=ns.rank, world_size=ns.world_size,
+                        device=device.canonical, device_spelled_as=device.spelled_as, rank=ns.rank,
+                        world_size=ns.world_size,
                         pool=pool_facts(ns, args, on_gpu), secrets=secrets_from_env())
 
 
+def device_of(ns: argparse.Namespace) -> DeviceSpelling:
+    """``--device`` as meant and as written (``CUDA:0`` is ``cuda:0``, spelled ``CUDA:0``); ``cpu`` for a command
+    without the flag (``plan`` sets its profile's device). A value that is no device was refused as the flags were
+    read (:mod:`pipeline.cli.domains`); one set otherwise is passed on for the request's own check."""
+    given = getattr(ns, "device", "cpu")
+    return device_spelling(given) or DeviceSpelling(given)
+
+
 def is_gpu_device(device: str) -> bool:
-    """Whether ``--device`` names a GPU (``auto``: torch sees one)."""
+    """Whether ``--device`` names a GPU, in any accepted spelling (``auto``: torch sees one)."""
+    device = (device_spelling(device) or DeviceSpelling(device)).canonical
     if device.startswith("cuda"):
         return True
     if device == "auto":

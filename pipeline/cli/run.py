@@ -21,12 +21,12 @@ import msgspec
 from pipeline.core import events as ev
 from pipeline.cli import report as rp
 from pipeline.core.contracts import ErrorInfo, ModelSpec, SetupRequest  # noqa: F401
-from pipeline.cli.request import is_gpu_device, request_from
+from pipeline.cli.request import device_of, is_gpu_device, request_from
 from pipeline.core.errors import (
     EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from,  # noqa: F401
 )
 from pipeline.cli.run_checks import (  # noqa: F401 - run's flag checks moved; importable from here
-    _PLACEHOLDER, DEFAULT_LAYERS, check_context, check_num_layers, check_pool_for_checks, check_warm_cache, log_path,
+    _PLACEHOLDER, DEFAULT_LAYERS, check_context, check_pool_for_checks, check_warm_cache, log_path,
     open_log, runner_config,
 )
 from pipeline.cli.run_exit import _close_run, _ended_by
@@ -52,10 +52,7 @@ def preflight(ns: argparse.Namespace, runner: Any, log: Any, group: Any) -> None
 
     from pipeline.cli.startup import check_startup_flags
 
-    check_startup_flags(ns)
-    if ns.decode_steps < 0:
-        raise UsageError(f"--decode-steps {ns.decode_steps} must be >= 0", code="usage",
-                         flags=[("--decode-steps", ns.decode_steps)], allowed=[">= 0"], remedy="pass --decode-steps 3")
+    check_startup_flags(ns)  # the flags' domains were checked as they were read (pipeline.cli.domains)
     check_context(runner.request, ns.decode_steps)
     pre = runner.preflight()
     if pre.refused is None:
@@ -127,16 +124,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return run
 
 
-def _print_notices(ns: argparse.Namespace, request: SetupRequest, on_gpu: bool, in_group: bool) -> None:
-    """Print :func:`pipeline.cli.notices.run_notices` on stderr (never stdout: ``--json`` stays one object)."""
+def _notices(ns: argparse.Namespace, request: SetupRequest, in_group: bool) -> list[str]:
+    """:func:`pipeline.cli.notices.run_notices` as ``notice:`` lines, printed on stderr with the report (never
+    stdout: ``--json`` stays one object), after a failed run's headline (:func:`pipeline.cli.run_report._print`)."""
     from pipeline.cli.notices import run_notices
 
     try:
         lines = run_notices(ns, request, runner_config(ns, request).num_layers, in_group)
     except AttnSetupError:
-        return  # a request the checks that follow refuse, with the error that names it: nothing to announce
-    for line in lines:
-        print(f"notice: {line}", file=sys.stderr, flush=True)
+        return []  # a request the checks that follow refuse, with the error that names it: nothing to announce
+    return [f"notice: {line}" for line in lines]
 
 
 def _progress(ns: argparse.Namespace, log: Any, request: SetupRequest) -> Any:
@@ -168,7 +165,7 @@ def _rank_group(ns: argparse.Namespace) -> Any:
 
     timeout = timeout_from_env(60.0) if ns.dist_timeout is None else check_timeout(ns.dist_timeout)
     spread = max_imbalance_from(ns.max_memory_imbalance)
-    group = init_from_env(ns.device, timeout_s=timeout, max_memory_imbalance=spread)
+    group = init_from_env(device_of(ns).canonical, timeout_s=timeout, max_memory_imbalance=spread)
     if group is not None:
         ns.rank, ns.world_size, ns.device = group.rank, group.world_size, group.device
     return group
@@ -192,11 +189,10 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.observe.startup import timed_torch_import
 
     ns._torch_import = timed_torch_import()  # named in the startup summary and the progress line (cold start)
-    check_num_layers(ns)
     group = _rank_group(ns)
     on_gpu = is_gpu_device(ns.device)
     request = request_from(ns, on_gpu=on_gpu)
-    _print_notices(ns, request, on_gpu, group is not None)
+    notices = _notices(ns, request, group is not None)
     run_id = group.run_id if group is not None else new_run_id()
     log_file = log_path(ns.log_file, run_id, request.rank)
     log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
@@ -209,7 +205,7 @@ def cmd(ns: argparse.Namespace) -> int:
         log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
         from pipeline.cli.startup import warn_env_lookalikes
 
-        warn_env_lookalikes(log)
+        notices += warn_env_lookalikes(log)
         progress = _progress(ns, log, request)
         runner = Runner(runner_config(ns, request), log=log, rank_group=group)
         preflight(ns, runner, log, group)
@@ -223,7 +219,7 @@ def cmd(ns: argparse.Namespace) -> int:
     report = _report(log, run_id, code, verified, steps, log_file, error)
     report["warnings"] += rp.layer_rule_warnings(request)
     report["summary"] = summary_obj(summary)
-    _print(ns, report, log.records, request, error, code)
+    _print(ns, report, log.records, request, error, code, notices=notices)
     return code
 
 

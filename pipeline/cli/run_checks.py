@@ -1,7 +1,7 @@
 """``attn-setup run``'s own checks of its flags, before anything is built: ``--log-file`` (its placeholders filled,
-the log opened), ``--max-context-len`` against the verification batches, ``--require-warm-cache``, ``--num-layers``
-as the flags are read, the pool the checks need (:func:`check_pool_for_checks`) and the
-:class:`~pipeline.runtime.runner.RunnerConfig` built from the flags.
+the log opened), ``--max-context-len`` against the verification batches, ``--require-warm-cache``, the pool the
+checks need (:func:`check_pool_for_checks`) and the :class:`~pipeline.runtime.runner.RunnerConfig` built from the flags.
+Each flag's own domain is checked before, as the flags are read (:mod:`pipeline.cli.domains`).
 Split out of :mod:`pipeline.cli.run` (the command flow), which re-exports every name here.
 """
 
@@ -114,22 +114,3 @@ def runner_config(ns: argparse.Namespace, request: SetupRequest) -> Any:
     return RunnerConfig(request=request, num_layers=layers, num_token_slots=ns.num_token_slots,
                         mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction, min_token_slots=need,
                         min_token_slots_for=f"the verification batches with --decode-steps {steps}")
-
-
-def check_num_layers(ns: argparse.Namespace) -> None:
-    """Refuse ``--num-layers`` below 1 as the flags are read (UsageError, exit 2, before any rendezvous, log or
-    model load), naming the range the model allows (``1..`` its attention layers). A value above that range is the
-    preflight's refusal (``invalid_value``, exit 3: the flag is well-formed, the model has fewer layers)."""
-    if ns.num_layers is None or ns.num_layers >= 1:
-        return
-    from pipeline.cli.request import load_models
-    from pipeline.core.model_spec import layers_covering_every_kind
-    from pipeline.core.spec import attention_layer_ids
-
-    model, draft = load_models(ns)
-    served = draft if draft is not None and ns.draft_worker else model
-    top = len(attention_layer_ids(served))
-    raise UsageError(f"--num-layers {ns.num_layers} builds no layer: it counts the attention layers to build, "
-                     f"1..{top} for {served.model_type}", code="usage", flags=[("--num-layers", ns.num_layers)],
-                     allowed=[f"1..{top}"], remedy=f"pass --num-layers between 1 and {top}, or drop it (default "
-                     f"{max(layers_covering_every_kind(served, DEFAULT_LAYERS), 1)} for this model)")

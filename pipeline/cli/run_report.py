@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import msgspec
+from rich.markup import escape
 
 from pipeline.cli import report as rp
 from pipeline.core import events as ev
@@ -21,20 +22,33 @@ from pipeline.core.errors import EXIT_OK
 
 
 def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request: SetupRequest,
-           error: Optional[ErrorInfo], code: int = EXIT_OK) -> None:
-    """``--json``'s object (unchanged), or the runner timeline, the tables and — for a failed run, last, where the
-    eye lands when the prompt returns — the error in the command line's flags under a red rule that says the run
-    failed and its exit code (new-user trial #2: the error sat between the tables)."""
+           error: Optional[ErrorInfo], code: int = EXIT_OK, notices: Sequence[str] = ()) -> None:
+    """``--json``'s object (the notices on stderr), or: for a failed run first its headline (:func:`headline`: the
+    state, the error, its message and remedy — new-user trial #5: the cause was below the tables), the notices,
+    the model and device, the runner timeline, the tables and — for a failed run, last, where the eye lands when
+    the prompt returns — the error in full in the command line's flags under a red rule that says the run failed
+    and its exit code (new-user trial #2: the error sat between the tables)."""
+    from pipeline.cli.console import console, width, wrap
+
     if ns.json:
+        for line in notices:
+            print(line, file=sys.stderr, flush=True)
         rp.emit_json(report)
         return
+    if error is not None:
+        from pipeline.cli.wording import cli_error, command_dests
+
+        c = console(stderr=True)
+        for line in wrap(headline(cli_error(error, command_dests("run")), code), width(c)):  # at the terminal's width
+            c.print(f"[bold red]{escape(line)}[/]", soft_wrap=True)
+    for line in notices:
+        print(line, file=sys.stderr, flush=True)
     _render_runner(report, records, request)
     rp.render_tables({**report, "states": []})  # the setup states are in the runner timeline above
     from pipeline.cli.startup import render_summary
 
     render_summary(report["summary"])
     if error is not None:
-        from pipeline.cli.console import console
         from pipeline.cli.wording import cli_error, command_dests
 
         sys.stdout.flush()  # the tables are out before the error (one terminal, two streams)
@@ -42,11 +56,33 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
         rp.render_error(cli_error(error, command_dests("run")))
 
 
+def headline(info: ErrorInfo, code: int) -> str:
+    """A failed run's first line: ``attn-setup run failed (exit 3) in state resolve: backend_unavailable: <message>;
+    remedy: <remedy>``."""
+    return (f"attn-setup run failed (exit {code}) in state {info.state}: {info.code}: {info.message}"
+            + (f"; remedy: {info.remedy}" if info.remedy else ""))
+
+
+def device_line(report: dict[str, Any], request: Optional[SetupRequest]) -> Optional[str]:
+    """``device: cuda:0 NVIDIA H200 (sm90), written as CUDA:0`` from the report's ``device``; the requested device
+    when the run stopped before device-init read its facts."""
+    d = report.get("device")
+    spelled = d["spelled_as"] if d else (request.device_spelled_as if request is not None else None)
+    if d is not None:
+        where = d["type"] if d["type"] == "cpu" else f"{d['type']}:{d['index']}"
+        text = f"device: {where} {d['name']}".rstrip() + (f" ({d['arch']})" if d["arch"] else "")
+    elif request is not None:
+        text = f"device: {request.device} requested (the run stopped before device-init read its facts)"
+    else:
+        return None
+    return text + (f", written as {spelled}" if spelled else "")
+
+
 def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_file: str,
             error: Optional[ErrorInfo]) -> dict[str, Any]:
     """Run's JSON object; the error's remedy in this command line's flags."""
     from pipeline.cli.wording import cli_error, command_dests
-    from pipeline.observe.runview import outcomes
+    from pipeline.observe.runview import device_from, outcomes
 
     return {
         "ok": code == EXIT_OK, "run_id": run_id, "states": outcomes(log.records, "setup"),
@@ -54,7 +90,7 @@ def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_f
         "skips": rp.skips_from(log.records), "warnings": rp.warnings_from(log.records), "verified": verified,
         "log_file": os.path.abspath(log_file),
         "error": None if error is None else msgspec.to_builtins(cli_error(error, command_dests("run"))),
-        "runner_states": outcomes(log.records, "runner"), "model_steps": steps,
+        "runner_states": outcomes(log.records, "runner"), "model_steps": steps, "device": device_from(log.records),
     }
 
 
@@ -134,7 +170,7 @@ def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[
     c = console()
     if request is not None:
         print_line(c, model_line(request, records))
-    for line in (_pool_line(records), _graph_line(records)):
+    for line in (device_line(report, request), _pool_line(records), _graph_line(records)):
         if line:
             print_line(c, line)
     rows = timeline_rows(report)

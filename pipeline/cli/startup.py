@@ -18,7 +18,7 @@ def add_startup_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-file", metavar="PATH", default=None,
                    help="write the startup summary in the Prometheus/OpenMetrics text format to PATH at the end "
                         "of the run, success or failure (default: none)")
-    p.add_argument("--slow-phase-s", metavar="SECONDS", default=None,
+    p.add_argument("--slow-phase-s", metavar="SECONDS", type=float, default=None,
                    help="log a slow_phase warning for every startup phase longer than SECONDS "
                         "(default: env ATTN_SETUP_SLOW_PHASE_S, else off)")
     p.add_argument("--no-progress", action="store_true",
@@ -44,22 +44,33 @@ def check_startup_flags(ns: argparse.Namespace) -> None:
     check_output(path, flag="--metrics-file", what="the metrics file")
 
 
-def warn_env_lookalikes(log: Any) -> None:
-    """An ``env_var_lookalike`` warning per set variable that looks like one attn-setup reads
-    (:func:`pipeline.core.settings.env_lookalikes`), also one ``warning:`` line each on stderr."""
-    for name, known in print_env_lookalikes():
+def warn_env_lookalikes(log: Any) -> list[str]:
+    """An ``env_var_lookalike`` warning logged per set variable that looks like one attn-setup reads
+    (:func:`pipeline.core.settings.env_lookalikes`); returns one ``warning:`` line each, which ``run`` prints on
+    stderr with its report."""
+    from pipeline.core.settings import env_lookalikes
+
+    lines = []
+    for name, known in env_lookalikes():
         log.emit(ev.EnvVarLookalike, state="args", name=name, known=known)
+        lines.append(lookalike_line(name, known))
+    return lines
+
+
+def lookalike_line(name: str, known: str) -> str:
+    """The ``warning:`` line of one look-alike environment variable."""
+    return f"warning: environment variable {name} is not one attn-setup reads; did you mean {known}?"
 
 
 def print_env_lookalikes() -> list[tuple[str, str]]:
     """One ``warning:`` line on stderr per set variable that looks like one attn-setup reads
-    (:func:`pipeline.core.settings.env_lookalikes`); ``run`` also logs them, ``plan`` prints them. Returns them."""
+    (:func:`pipeline.core.settings.env_lookalikes`), for ``plan`` (``run`` logs them and prints them with its report:
+    :func:`warn_env_lookalikes`). Returns them."""
     from pipeline.core.settings import env_lookalikes
 
     found = list(env_lookalikes())
     for name, known in found:
-        print(f"warning: environment variable {name} is not one attn-setup reads; did you mean {known}?",
-              file=sys.stderr)
+        print(lookalike_line(name, known), file=sys.stderr)
     return found
 
 

@@ -54,13 +54,10 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.cli import report as rp
     from pipeline.backends.packages import installed_by_import
     from pipeline.cli.request import is_gpu_device, request_from
-    from pipeline.core.errors import UsageError
     from pipeline.backends.flashinfer_jit import warmup_variants
     from pipeline.platforms import parse_device, platform_for
     from states import resolve
 
-    if ns.jobs < 1:
-        raise UsageError(f"--jobs {ns.jobs} must be >= 1", flags=[("--jobs", ns.jobs)], remedy="pass --jobs 1 or more")
     request = request_from(ns, on_gpu=is_gpu_device(ns.device))
     facts = platform_for(request.device).device_facts(parse_device(request.device)[1])
     res = resolve.decide(request.args, request.served_model, facts, is_draft_worker=request.is_draft_worker,

@@ -163,7 +163,9 @@ class PoolFacts(msgspec.Struct, **_STRUCT):
 class SetupRequest(msgspec.Struct, **_STRUCT):
     """Everything the pipeline needs, in one immutable record (the input of a run).
 
-    ``device`` is ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (likewise musa/npu/xpu).
+    ``device`` is ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (likewise musa/npu/xpu);
+    ``device_spelled_as`` is how the user wrote it when that differs (``CUDA:0``, ``gpu``; None otherwise:
+    :func:`pipeline.core.type_checks.device_spelling`), recorded in ``device_initialized`` and shown by ``run``.
     ``draft_model`` is the draft model's spec for a speculative-decoding draft worker
     (``is_draft_worker=True``); when None the draft worker uses ``model``.
     ``secrets`` names extra engine arguments that are secret (tokens, API keys); they are carried
@@ -175,6 +177,7 @@ class SetupRequest(msgspec.Struct, **_STRUCT):
     draft_model: ModelSpec | None = None
     is_draft_worker: bool = False
     device: str = "auto"
+    device_spelled_as: str | None = None
     rank: int = 0
     world_size: int = 1
     pool: PoolFacts = msgspec.field(default_factory=PoolFacts)

@@ -18,6 +18,7 @@ Hierarchy::
     │   └── LayerMismatch       a backend was called with a layer it was not built/planned for
     ├── BackendClosed          exit code 1: a backend was used after ``close()`` released it
     └── UsageError             exit code 2: bad command-line usage / unreadable file
+        └── InvalidValue        a flag's value outside its domain (range, choices, finite, non-empty)
 
 None of these derive from ValueError/TypeError on purpose: msgspec would otherwise fold them into
 its own ``ValidationError`` when they are raised from ``__post_init__`` and the ErrorInfo would
@@ -209,6 +210,17 @@ class LayerMismatch(BuildError):
 class UsageError(AttnSetupError):
     code = "usage"
     exit_code = EXIT_USAGE
+
+
+class InvalidValue(UsageError):
+    """A command-line flag's value outside the flag's own domain (:data:`pipeline.cli.domains.FLAG_DOMAINS`):
+    a number out of range, NaN or infinity, an unknown choice, an empty string, a value of the wrong type.
+
+    Exit code 2, raised as the flags are read — before anything is allocated or a log file opened. ``info.flags``
+    holds the flag and the value given, ``info.allowed`` the domain, ``info.remedy`` a value that passes.
+    """
+
+    code = "invalid_value"
 
 
 class BackendClosed(AttnSetupError):

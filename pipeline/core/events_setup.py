@@ -31,10 +31,12 @@ class StateTransition(Event, tag="state_transition", kw_only=True):
 
 
 class DeviceInitialized(Event, tag="device_initialized", kw_only=True):
-    """device-init's result: the device facts and whether BLAS was initialised (cuda/musa only)."""
+    """device-init's result: the device facts and whether BLAS was initialised (cuda/musa only); ``spelled_as``:
+    the device as the user wrote it when that differs from its canonical form (``CUDA:0``; None otherwise)."""
 
     facts: DeviceFacts
     blas_init: bool
+    spelled_as: str | None = None
 
 
 class SettingResolved(Event, tag="setting_resolved", kw_only=True):

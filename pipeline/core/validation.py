@@ -16,6 +16,7 @@ from typing import Any, Optional
 import msgspec
 
 from pipeline.core.errors import ConfigError
+from pipeline.core.type_checks import check_spelling
 
 # One alias set for --dtype and --kv-cache-dtype (sglang's dtype takes half/float, its kv_cache_dtype bf16: both take
 # every spelling here); canonical name -> its spellings. pipeline.core.dtypes.norm_dtype maps each to its name.
@@ -295,3 +296,4 @@ def check_setup_request(r: Any) -> None:
         _bad("draft_model", r.draft_model.source or "<spec>", ["only with is_draft_worker=True"],
              "set is_draft_worker=True to initialize the draft worker, or drop draft_model")
     check_device(r.device)
+    check_spelling(r.device, r.device_spelled_as)

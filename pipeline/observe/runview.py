@@ -15,12 +15,14 @@ import functools
 import math
 from typing import Any, Iterable, Optional, Sequence
 
+import msgspec
+
 from pipeline.core import events as ev
-from pipeline.core.contracts import ErrorInfo
+from pipeline.core.contracts import DeviceFacts, ErrorInfo
 from pipeline.core.steps import StepTable
 
 __all__ = ["machines", "step_skips", "VERIFY_REMEDY", "ms_to_ns", "s_to_ns", "timeline", "outcomes",
-           "verification_failure"]
+           "verification_failure", "device_view", "device_from"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,3 +125,17 @@ def verification_failure(records: Iterable[ev.Event]) -> Optional[ErrorInfo]:
         + ([f"model steps failed verification against the float64 reference: {', '.join(steps)}"] if steps else [])
     return ErrorInfo(code="verification_failed", state="done" if inst else "ready", message="; ".join(parts),
                      remedy=VERIFY_REMEDY)
+
+
+def device_view(facts: DeviceFacts, spelled_as: Optional[str] = None, **extra: Any) -> dict[str, Any]:
+    """The device as every command's JSON shows it (``run``, ``plan``, ``inspect``): the
+    :class:`~pipeline.core.contracts.DeviceFacts` fields (``type``, ``index``, ``name`` …), ``arch`` (``sm90``,
+    None without a compute capability), ``spelled_as`` (the device as the user wrote it, when that differs) and
+    ``extra`` (``blas_init`` where device-init ran)."""
+    return {**msgspec.to_builtins(facts), "arch": facts.arch, "spelled_as": spelled_as, **extra}
+
+
+def device_from(records: Iterable[ev.Event]) -> Optional[dict[str, Any]]:
+    """:func:`device_view` of a run's ``device_initialized`` record (None when device-init did not run)."""
+    d = next((r for r in records if isinstance(r, ev.DeviceInitialized)), None)
+    return None if d is None else device_view(d.facts, d.spelled_as, blas_init=d.blas_init)

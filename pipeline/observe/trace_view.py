@@ -14,7 +14,7 @@ import msgspec
 from pipeline.core import events as ev
 from pipeline.core.contracts import ErrorInfo
 from pipeline.core.errors import UsageError
-from pipeline.observe.runview import timeline, verification_failure
+from pipeline.observe.runview import device_from, timeline, verification_failure
 
 _BY_CLASS = frozenset(c for c in ev.EVENT_TYPES if not c.__subclasses__())  # exact types: indexable
 
@@ -144,9 +144,9 @@ class Run:
         """What each state decided, as builtins: device, resolved, settings, plan, lazy_mem, skips, annotated."""
         b = msgspec.to_builtins
         out: dict[str, Any] = {}
-        d = self.first(ev.DeviceInitialized)
-        if d is not None:
-            out["device"] = {**b(d.facts), "blas_init": d.blas_init}
+        device = device_from(self.records)
+        if device is not None:
+            out["device"] = device
         r = self.first(ev.BackendsResolved)
         if r is not None:
             out["resolved"] = {"prefill": r.prefill, "decode": r.decode, "is_draft_override": r.is_draft_override,

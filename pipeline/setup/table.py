@@ -79,7 +79,7 @@ def apply_device(ctx: SetupContext, d: DeviceDecision) -> None:
     index = parse_device(ctx.request.device)[1]
     blas = ctx.platform.init_blas() if d.blas else False
     ctx.torch_device = ctx.platform.torch_device(index)
-    ctx.emit(ev.DeviceInitialized, facts=d.facts, blas_init=blas)
+    ctx.emit(ev.DeviceInitialized, facts=d.facts, blas_init=blas, spelled_as=ctx.request.device_spelled_as)
     if ctx.rank_group is not None and ctx.request.world_size > 1:
         from pipeline.setup.rank_checks import balance_memory
 

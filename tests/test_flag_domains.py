@@ -1,0 +1,169 @@
+"""Every flag of the domain table (pipeline/cli/domains.py), generated: values below, above and at its bounds,
+values of the wrong type, NaN / infinities, empty text and unknown choices. Each out-of-domain value is exit 2
+``invalid_value`` naming the flag, the value and the domain, raised before a log is opened; each value at a bound
+and each remedy's suggestion passes. In-process through ``pipeline.cli.main``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+
+import pytest
+
+from pipeline.cli import build_parser, main
+from pipeline.cli.domains import FLAG_DOMAINS, FlagDomain, check_flags, domains_of
+
+BASE = {"run": ["run", "--device", "cpu"], "plan": ["plan", "--device-profile", "cpu"],
+        "warmup": ["warmup", "--device", "cpu"], "inspect": ["inspect"], "replay": ["replay"], "graph": ["graph"]}
+ROWS = [(cmd, fd) for fd in FLAG_DOMAINS for cmd in fd.commands]
+
+
+def _num(v: float, kind: str) -> str:
+    return str(int(v)) if kind == "int" else repr(float(v))
+
+
+def bad_values(fd: FlagDomain) -> list[str]:
+    """Text values outside ``fd``'s domain, as a user would type them."""
+    d = fd.domain
+    if d.kind in ("int", "float"):
+        out = ["abc", ""] + (["1.5", "nan"] if d.kind == "int" else ["nan", "inf", "-inf"])
+        if d.lo is not None:
+            out.append(_num(d.lo if d.lo_open else d.lo - 1, d.kind))
+        if d.hi is not None:
+            out.append(_num(d.hi if d.hi_open else d.hi + 1, d.kind))
+        return out
+    if d.kind == "choice":
+        return ["", "no-such-choice"]
+    if d.kind == "text":
+        return ["", "   "]
+    if d.kind == "device":
+        return ["", "tpu", "cuda:x", "cuda:\u00b2", " cpu", "cuda:1234567"]
+    return ["nope", "torch,nope"]  # packages
+
+
+def good_values(fd: FlagDomain) -> list[str]:
+    """Values inside the domain: its bounds (closed ones exactly, open ones just inside), its choices, the
+    remedy's example."""
+    d = fd.domain
+    out = [str(d.example)]
+    if d.kind in ("int", "float"):
+        if d.lo is not None:
+            out.append(_num(d.lo, d.kind) if not d.lo_open else repr(d.lo + 1e-9))
+        if d.hi is not None:
+            out.append(_num(d.hi, d.kind) if not d.hi_open else repr(d.hi - 1e-9))
+    elif d.kind == "choice":
+        out += list(d.choices) + ([d.choices[0].upper()] if d.any_case else [])
+    elif d.kind == "device":
+        out += ["auto", "cpu", "CPU", "cuda", "CUDA:0", "gpu", "Gpu:1", "npu:3", "XPU"]
+    elif d.kind == "packages":
+        out += ["", "torch", "TORCH, Triton", "flashinfer"]
+    return out
+
+
+def argv_for(cmd: str, fd: FlagDomain, value: str, tmp) -> list[str]:
+    """``cmd``'s command line with ``fd`` set to ``value`` (attached with ``=``: a value may start with '-')."""
+    head = list(BASE[cmd])
+    if cmd == "run":
+        head += ["--log-file", str(tmp / "logs" / "{run_id}.jsonl")]
+    if fd.flag == "LOG":
+        return head + [value]
+    if cmd in ("inspect", "replay") or (cmd == "graph" and fd.dest == "rank"):
+        head.append(str(tmp / "x.jsonl"))
+    if fd.dest == "rank" and cmd != "graph":
+        head.append(f"--world-size={fd.domain.hi + 1:.0f}")  # the largest rank needs the largest world
+    if fd.dest == "speculative_eagle_topk":
+        head += ["--speculative-algorithm", "EAGLE"]
+    return head + [f"{fd.flag}={value}"]
+
+
+def _ids(rows):
+    return [f"{cmd}{fd.flag}" for cmd, fd in rows]
+
+
+@pytest.mark.parametrize("cmd,fd", ROWS, ids=_ids(ROWS))
+def test_every_value_outside_the_domain_is_exit_2_naming_the_flag(cmd, fd, tmp_path, capsys):
+    """Below, above, wrong type, NaN/inf, empty: exit 2 ``invalid_value`` naming the flag and its domain; no log."""
+    for value in bad_values(fd):
+        code = main(argv_for(cmd, fd, value, tmp_path) + ["--json"])
+        out = json.loads(capsys.readouterr().out)
+        err = out["error"]
+        assert code == 2 and err["code"] == "invalid_value", (value, err)
+        assert [f["name"] for f in err["flags"]][:1] == [fd.flag], (value, err)
+        assert fd.flag in err["message"] and err["allowed"] and err["remedy"], err
+        assert not (tmp_path / "logs").exists(), "refused before the log is opened"
+
+
+@pytest.mark.parametrize("cmd,fd", ROWS, ids=_ids(ROWS))
+def test_values_at_the_bounds_and_the_remedy_example_pass(cmd, fd, tmp_path):
+    """Closed bounds exactly, open bounds just inside, every choice and the remedy's example pass the check."""
+    parser = build_parser()
+    for value in good_values(fd):
+        ns = parser.parse_args(argv_for(cmd, fd, value, tmp_path))
+        check_flags(ns)
+        assert fd.domain.admits(getattr(ns, fd.dest)[0] if isinstance(getattr(ns, fd.dest), list)
+                                else getattr(ns, fd.dest)), value
+
+
+@pytest.mark.parametrize("cmd,fd", ROWS, ids=_ids(ROWS))
+def test_the_remedy_is_true(cmd, fd, tmp_path, capsys):
+    """The remedy drops the flag (when it has a default: leaving it out always passes) and/or names a value for
+    it; the value named, put in place of the refused one, passes."""
+    assert main(argv_for(cmd, fd, bad_values(fd)[-1], tmp_path) + ["--json"]) == 2
+    remedy = json.loads(capsys.readouterr().out)["error"]["remedy"]
+    assert ("drop " + fd.flag in remedy) == bool(fd.default), remedy
+    named = re.search(rf"(?:e\.g\.|pass) {re.escape(fd.flag)} (\S+)", remedy)
+    assert named is not None or fd.hint or fd.flag == "LOG", remedy
+    if named is not None:
+        value = named.group(1).rstrip(",;").strip("'")
+        check_flags(build_parser().parse_args(argv_for(cmd, fd, value, tmp_path)))
+
+
+def _value_flags(parser: argparse.ArgumentParser) -> set[str]:
+    """The flags of a subcommand's parser that take a value (not --help, not the on/off switches)."""
+    out = set()
+    for a in parser._actions:
+        if a.nargs == 0 or isinstance(a, argparse._HelpAction):
+            continue
+        out.add(next((o for o in a.option_strings if o.startswith("--")), "LOG" if a.dest == "logs" else a.dest))
+    return out
+
+
+def test_the_table_holds_every_flag_that_takes_a_value():
+    """A new flag with a value cannot be added without its domain: every subcommand's are in the table."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for cmd, parser in sub.items():
+        assert _value_flags(parser) == {fd.flag for fd in domains_of(cmd)}, cmd
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["graph", "--rank", "3", "--json"], "no LOG was given"),
+    (["graph", "--rank=-1", "--json"], "an integer in [0, "),
+    (["graph", "--rank=-1", "x.jsonl", "--json"], "an integer in [0, "),
+    (["plan", "--rank", "2", "--world-size", "2", "--json"], "below --world-size 2"),
+])
+def test_graph_and_setup_rank_refusals(argv, says, capsys):
+    """``graph --rank N`` without a LOG, a negative rank, a rank not below --world-size: exit 2 saying why."""
+    assert main(argv) == 2
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert err["code"] == "invalid_value" and says in err["message"] + " ".join(err["allowed"]), err
+    assert err["flags"][0]["name"] == "--rank"
+
+
+@pytest.mark.parametrize("value", ["2", "0", "-0.5", "nan", "inf", "1e999"])
+def test_mem_fraction_outside_0_1_is_refused_before_the_log_opens(value, tmp_path, capsys):
+    """``--mem-fraction`` outside (0, 1] (NaN and infinities too) is exit 2 before the log file is opened."""
+    log = tmp_path / "run.jsonl"
+    code = main(["run", "--device", "cpu", "--json", "--log-file", str(log), f"--mem-fraction={value}"])
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert code == 2 and err["flags"] == [{"name": "--mem-fraction", "value": str(float(value))
+                                           if not math.isfinite(float(value)) else float(value)}]
+    assert "(0, 1]" in err["allowed"][0] and not log.exists()
+
+
+def test_human_error_names_flag_value_and_domain(capsys):
+    """Without --json the refusal is one block on stderr: the flag, the value given, what is allowed, a remedy."""
+    assert main(["plan", "--page-size", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--page-size 0 is not allowed" in err and "an integer in [1, 4096]" in err and "remedy:" in err
