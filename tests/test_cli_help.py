@@ -181,7 +181,7 @@ def test_run_human_output_names_the_model_and_nests_the_setup_states(capsys, tmp
     flat = " ".join(out.split())  # lines are wrapped at words to the console's width
     assert flat.count("CUDA graphs need a CUDA device; this run is on cpu") == 1
     assert re.search(r"model: llama \(LlamaForCausalLM\) from \S+llama-3\.1-8b\.json; draft worker serving the draft "
-                     r"model: qwen3 \(Qwen3ForCausalLM\) from \S+qwen3-8b\.json, 1 of 36 layers built", flat), out
+                     r"model: qwen3 \(Qwen3ForCausalLM\) from \S+qwen3-8b\.json, 1 attention layer built \(layer 0\) of 36", flat), out
     assert re.search(r"KV pool: 1024 token slots x [\d.]+ KiB = [\d.]+ MiB", flat)
     rows = re.findall(r"│ ((?:  └ )?[a-z-]+) +│ (\w+)", out.split("startup summary")[0])  # the timeline table
     assert "startup summary" in out

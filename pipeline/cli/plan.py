@@ -129,6 +129,7 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
     """``{cuda_graph_bytes_estimate, cuda_graph_estimate}`` for the stack ``run`` builds with ``num_layers`` (None:
     run's default) — :func:`states.graph_memory.estimate_for_decided`, as run's pool sizing calls it; 0 and None
     when no decode graphs are captured. Raises ConfigError for ``num_layers`` outside the model's attention layers."""
+    from pipeline.core.layer_span import span_fields, span_of
     from pipeline.core.model_spec import layers_covering_every_kind
     from pipeline.core.spec import attention_layer_ids, truncate_spec
     from states.graph_memory import estimate_for_decided
@@ -145,10 +146,22 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
     if est is None:
         return {"cuda_graph_bytes_estimate": 0, "cuda_graph_estimate": None}
     return {"cuda_graph_bytes_estimate": est.total_bytes,
-            "cuda_graph_estimate": {"num_layers": est.num_layers, "batch_sizes": est.batch_sizes,
+            "cuda_graph_estimate": {"num_layers": est.num_layers, **span_fields(span_of(spec, served)),
+                                    "num_hidden_layers": served.num_hidden_layers, "batch_sizes": est.batch_sizes,
                                     "pool_bytes": est.pool_bytes, "state_bytes": est.state_bytes,
                                     "warmup_bytes": est.warmup_bytes, "blas_workspace_bytes": est.blas_workspace_bytes,
                                     "per_bs": {str(b): v for b, v in sorted(est.per_bs.items(), reverse=True)}}}
+
+
+def _layers_built(e: dict[str, Any]) -> str:
+    """``2 attention layers (layers 0-7: 6 linear-attention skipped)`` for a ``cuda_graph_estimate``."""
+    from pipeline.core.layer_span import LayerSpan, span_detail
+    from pipeline.core.spec import LayerGroup
+
+    n = e.get("attention_layers", e["num_layers"])
+    skipped = [LayerGroup(kind=g["kind"], layer_ids=g["layer_ids"]) for g in e.get("skipped_layers") or []]
+    s = LayerSpan(n, e["num_layers"], e.get("num_hidden_layers", e["num_layers"]), skipped)
+    return f"{n} attention layer{'' if n == 1 else 's'} ({span_detail(s)})"
 
 
 def graph_estimate_line(report: dict[str, Any]) -> str:
@@ -161,7 +174,7 @@ def graph_estimate_line(report: dict[str, Any]) -> str:
     sizes = e["batch_sizes"]
     span = f"bs {sizes[0]}" if len(sizes) == 1 else f"bs {sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)"
     return (f"decode CUDA graphs: {fmt_bytes(report['cuda_graph_bytes_estimate'])} estimated for {span} over "
-            f"{e['num_layers']} layers: graph pool {fmt_bytes(e['pool_bytes'])}, replay state "
+            f"{_layers_built(e)}: graph pool {fmt_bytes(e['pool_bytes'])}, replay state "
             f"{fmt_bytes(e['state_bytes'])}, warm-up stream {fmt_bytes(e['warmup_bytes'])} (cuBLAS workspace "
             f"{fmt_bytes(e['blas_workspace_bytes'])} of it); run takes it out of a --mem-fraction budget before "
             "sizing the KV pool")

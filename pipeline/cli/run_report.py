@@ -95,12 +95,18 @@ def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_f
 
 
 def model_line(request: SetupRequest, records: Any) -> str:
-    """``model: llama (LlamaForCausalLM) from PATH, 2 of 32 layers built`` (+ the draft model on a draft worker)."""
+    """``model: llama (LlamaForCausalLM) from PATH, 2 attention layers built (layers 0-1) of 32`` (+ the draft
+    model on a draft worker); a hybrid names the layers of the span it skipped: ``2 attention layers built
+    (layers 0-7: 6 linear-attention skipped) of 48`` (:func:`pipeline.core.layer_span.span_text`)."""
+    from pipeline.core.layer_span import layer_span, span_text
+
     built = next((r.num_layers for r in records if isinstance(r, ev.ModelLoaded)), None)
 
     def one(m: ModelSpec, serves: bool) -> str:
         arch = f" ({', '.join(m.architectures)})" if m.architectures else ""
-        layers = f", {built} of {m.num_hidden_layers} layers built" if serves and built is not None else ""
+        layers = ""
+        if serves and built is not None:
+            layers = ", " + span_text(layer_span(list(m.layer_types), built, m.num_hidden_layers))
         return f"{m.model_type}{arch} from {m.source or 'a dict'}{layers}"
 
     draft = request.draft_model

@@ -46,7 +46,11 @@ class DistributedInitialized(Event, tag="distributed_initialized", kw_only=True)
 
 
 class ModelLoaded(Event, tag="model_loaded", kw_only=True):
-    """load-model: the attention stack built (random weights, fixed seed) and its size in bytes."""
+    """load-model: the attention stack built (random weights, fixed seed) and its size in bytes.
+
+    ``num_layers``: the hidden layers the stack spans (ids ``0..num_layers-1``); ``attention_layers``: how many of
+    them are attention layers, built; ``skipped_layers``: the others (``[{kind, layer_ids}]``: a hybrid's
+    linear-attention / mamba layers, not built). Both None in traces written before they were logged."""
 
     num_layers: int
     num_hidden_layers: int
@@ -54,6 +58,8 @@ class ModelLoaded(Event, tag="model_loaded", kw_only=True):
     dtype: str
     seed: int
     aux_hidden_state_layers: list[int] | None = None
+    attention_layers: int | None = None
+    skipped_layers: list[dict[str, Any]] | None = None
 
 
 class MemoryPoolSized(Event, tag="memory_pool_sized", kw_only=True):

@@ -24,6 +24,7 @@ from pipeline.core import settings
 from pipeline.core.dtypes import kv_dtype, model_dtype  # noqa: F401
 from pipeline.core.errors import ConfigError
 from pipeline.core.pool_sizing import available_bytes, budget_from_fraction, check_fits, check_mem_fraction, size_pools  # noqa: F401
+from pipeline.core.layer_span import span_fields, span_of
 from pipeline.core.spec import attention_layer_ids, truncate_spec
 from pipeline.core.steps import Guard, Step, StepTable
 from pipeline.runtime.pool_steps import (alloc_pools, decide_pools, fraction_remedy, graph_estimate,  # noqa: F401
@@ -154,8 +155,10 @@ def load_model(r: Any, d: LoadDecision) -> None:
     if cfg.aux_hidden_state_layers:
         stack.set_aux_hidden_state_layers(cfg.aux_hidden_state_layers)
     r.request = msgspec.structs.replace(req, **served_field(req, stack.spec))
+    span = span_fields(span_of(stack.spec, req.served_model))
     r.emit(ev.ModelLoaded, num_layers=stack.num_layers, num_hidden_layers=req.served_model.num_hidden_layers,
-           param_bytes=stack.param_bytes(), dtype=d.dtype, seed=cfg.seed, aux_hidden_state_layers=stack.aux_hidden_state_layers)
+           param_bytes=stack.param_bytes(), dtype=d.dtype, seed=cfg.seed, aux_hidden_state_layers=stack.aux_hidden_state_layers,
+           **span)
     m = r.machine.model
     m.stack, m.aux_configured = stack, list(cfg.aux_hidden_state_layers or []) or None
 
