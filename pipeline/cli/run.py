@@ -151,6 +151,24 @@ def _process_start(ns: argparse.Namespace) -> Optional[int]:
     return process_start_ns()
 
 
+def _watch_slow_phases(ns: argparse.Namespace, log: Any, start_ns: Optional[int]) -> Any:
+    """With ``--slow-phase-s`` (or its variable) a :class:`pipeline.observe.slow_phase.SlowPhaseWatch` on ``log``,
+    so that each ``slow_phase`` warning comes as its phase ends; None without (or with a bad value: preflight
+    refuses it)."""
+    from pipeline.observe.slow_phase import SlowPhaseWatch
+    from pipeline.observe.startup import slow_threshold
+
+    try:
+        slow = slow_threshold(getattr(ns, "slow_phase_s", None))
+    except Exception:  # noqa: BLE001 - refused in preflight, with the flag named
+        return None
+    if slow is None:
+        return None
+    t = getattr(ns, "_torch_import", None)
+    parts = [("import torch", t["seconds"], t["detail"])] if t and t["seconds"] else []
+    return SlowPhaseWatch(log, slow, start_ns=start_ns, startup_parts=parts).install()
+
+
 def summary_obj(summary: Any) -> Any:
     return None if summary is None else msgspec.to_builtins(summary)
 
@@ -198,6 +216,7 @@ def cmd(ns: argparse.Namespace) -> int:
     log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
     t0 = time.perf_counter()
     t_start = _process_start(ns)
+    ns._slow_watch = _watch_slow_phases(ns, log, t_start)
     error: Optional[ErrorInfo] = None
     code, runner, verified, steps, progress = EXIT_OK, None, [], [], None
     try:

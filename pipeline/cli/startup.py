@@ -103,7 +103,9 @@ def finish_startup(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], 
                      seconds=j["seconds"], started_ns=j.get("started_ns", 0), fields=j.get("fields", {}))
         t = getattr(ns, "_torch_import", None)
         parts = [("import torch", t["seconds"], t["detail"])] if t and t["seconds"] else []
-        summary = emit_summary(log, start_ns=start_ns, jit=jit, slow_s=slow, startup_parts=parts)
+        watch = getattr(ns, "_slow_watch", None)  # judged the phases that ended during the run
+        summary = emit_summary(log, start_ns=start_ns, jit=jit, slow_s=slow, startup_parts=parts,
+                               judged=watch.seen if watch is not None else ())
     except Exception as e:  # noqa: BLE001 - a failed log write is already the run's error
         print(f"attn-setup: no startup summary: {type(e).__name__}: {e}", file=sys.stderr)
         return None

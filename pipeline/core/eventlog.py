@@ -94,6 +94,8 @@ class EventLog:
         self.path = Path(path) if path is not None else None
         self.flag = flag
         self.records: list[ev.Event] = []
+        # called with each record after it was stored and written (``slow_phase`` as phases end); never per layer
+        self.observers: list[Callable[[ev.Event], None]] = []
         self.write_error: Any = None
         self._raise_write_errors = raise_write_errors
         self._redact = redactor(tuple(secrets))
@@ -149,6 +151,8 @@ class EventLog:
             for k in ("run_id", "rank", "launch_id"):
                 payload.pop(k, None)
             getattr(self._app, cls.level)(name, **payload)
+        for observe in self.observers:
+            observe(record)
         return record
 
     def _app_enabled(self, level: str) -> bool:
@@ -158,8 +162,12 @@ class EventLog:
 
     @property
     def current_state(self) -> str:
-        """The state of the last record emitted (``device-init`` before any)."""
-        return self.records[-1].state if self.records else "device-init"
+        """The state of the last record emitted (``device-init`` before any), not counting records about a phase
+        that already ended (``slow_phase``: tagged with that phase, not with the state the run is in)."""
+        for r in reversed(self.records):
+            if not getattr(r, "retrospective", False):
+                return r.state
+        return "device-init"
 
     @contextmanager
     def heartbeat(self, what: str, every_s: float = 10.0) -> Iterator[None]:

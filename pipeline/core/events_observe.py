@@ -47,9 +47,12 @@ class StartupSummary(Event, tag="startup_summary", kw_only=True):
 
 
 class SlowPhase(Event, tag="slow_phase", kw_only=True):
-    """A phase took longer than the threshold (``--slow-phase-s`` / ``ATTN_SETUP_SLOW_PHASE_S``): a warning."""
+    """A phase took longer than the threshold (``--slow-phase-s`` / ``ATTN_SETUP_SLOW_PHASE_S``): a warning,
+    logged when the phase ends (:mod:`pipeline.observe.slow_phase`), ``state`` = the phase (a child that is not a
+    state: its parent)."""
 
     level: ClassVar[str] = "warning"
+    retrospective: ClassVar[bool] = True  # about a phase that ended: not the state the run is in
     phase: str
     parent: str = ""
     seconds: float

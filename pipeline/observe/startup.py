@@ -180,13 +180,21 @@ def slow_threshold(flag_value: Optional[float]) -> Optional[float]:
 
 
 def emit_summary(log: Any, *, start_ns: Optional[int], jit: Iterable[dict[str, Any]] = (),
-                 slow_s: Optional[float] = None, startup_parts: Iterable[tuple[str, float, str]] = ()
-                 ) -> ev.StartupSummary:
-    """Emit ``slow_phase`` warnings (phases over ``slow_s`` seconds) and the ``startup_summary``; returns it."""
+                 slow_s: Optional[float] = None, startup_parts: Iterable[tuple[str, float, str]] = (),
+                 judged: Iterable[tuple[str, str]] = ()) -> ev.StartupSummary:
+    """Emit ``slow_phase`` warnings (phases over ``slow_s`` seconds) and the ``startup_summary``; returns it.
+
+    ``judged``: ``(name, parent)`` of the phases already judged as they ended
+    (:class:`pipeline.observe.slow_phase.SlowPhaseWatch`); only the others are judged here — those known only
+    now (``verification``, ``model-steps``, ``release``, the JIT variants) —, each tagged with its phase
+    (:func:`pipeline.observe.slow_phase.phase_state`), not with the state the run ended in."""
+    from pipeline.observe.slow_phase import phase_state
+
     s = summarize(log.records, start_ns=start_ns, end_ns=time.time_ns(), jit=jit, startup_parts=startup_parts)
+    done = set(judged)
     if slow_s is not None:
         for p in s["phases"]:
-            if p.seconds > slow_s:
-                log.emit(ev.SlowPhase, state=log.current_state, phase=p.name, parent=p.parent, seconds=p.seconds,
-                         threshold_s=slow_s)
+            if p.seconds > slow_s and (p.name, p.parent) not in done:
+                log.emit(ev.SlowPhase, state=phase_state(p.name, p.parent), phase=p.name, parent=p.parent,
+                         seconds=p.seconds, threshold_s=slow_s)
     return log.emit(ev.StartupSummary, state=log.current_state, **s)
