@@ -9,7 +9,7 @@ from conftest import CONFIGS, npu_facts
 from pipeline.core import events as ev
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
 from states.graphs import capture_batch_sizes, skip_reason
-from pipeline.core.errors import ConfigError, OrderingError
+from pipeline.core.errors import BackendClosed, ConfigError, OrderingError
 from pipeline.core.steps import GuardError
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
@@ -323,7 +323,9 @@ def test_compat_adapter_exposes_sglang_attributes(qwen):
     assert m.attn_backend.decode_attention_backend_str == m.decode_attention_backend_str == "torch_native"
     with pytest.raises(OrderingError, match="already ran"):
         m.init_attention_backends()
-    assert m.close() and m.attn_backend is None
+    assert m.close()
+    with pytest.raises(BackendClosed, match=r"ModelRunnerAttention\.attn_backend was read after close\(\)"):
+        m.attn_backend
 
 
 def test_runner_trace_reads_and_replays(qwen, tmp_path):

@@ -61,7 +61,24 @@ class ModelRunnerAttention:
         self.decode_attention_backend_str = out.decode_attention_backend_str
 
     def close(self) -> list[str]:
-        """Release what the pipeline built (not the engine's pools); returns what was released."""
-        released = self.result.close() if self.result is not None else []
-        self.attn_backend, self.decode_attn_backend, self.decode_attn_backend_group = None, None, []
+        """Release what the pipeline built (not the engine's pools); returns what was released. After it, reading
+        the three backend attributes raises :class:`~pipeline.core.errors.BackendClosed` (as
+        :class:`~pipeline.setup.result.AttentionBackends` does); before ``init_attention_backends()`` there was
+        nothing to release and they stay None / None / []."""
+        from pipeline.setup.result import BACKEND_ACCESSORS
+
+        if self.result is None:
+            return []
+        released = self.result.close()
+        for name in BACKEND_ACCESSORS:
+            self.__dict__.pop(name, None)
         return released
+
+    def __getattr__(self, name: str) -> Any:
+        """Only called for an attribute that is not there: a backend attribute after :meth:`close`."""
+        from pipeline.setup.result import BACKEND_ACCESSORS, closed_error
+
+        result = self.__dict__.get("result")
+        if name in BACKEND_ACCESSORS and result is not None and result.closed:
+            raise closed_error(type(self).__name__, name, result.run_id)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

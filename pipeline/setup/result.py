@@ -24,7 +24,10 @@ class AttentionBackends:
     or why not); ``lazy_mem`` (:class:`states.npu_lazy_mem.LazyMemDecision`: NPU zbal memory initialised, or
     why not); ``agreement`` (:class:`pipeline.setup.context.Agreement`: how the ranks agreed on the
     resolution); ``settings`` (the :class:`~pipeline.core.settings.Setting` of each sized buffer).
-    ``close()`` (or ``with``) releases every backend buffer, workspace and pool this run owns.
+    ``close()`` (or ``with``) releases every backend buffer, workspace and pool this run owns; after it, reading
+    ``attn_backend``, ``decode_attn_backend`` or ``decode_attn_backend_group`` raises
+    :class:`pipeline.core.errors.BackendClosed` naming ``close()`` (a reference kept from before raises it when
+    called). The open path pays nothing: the check runs only for an attribute that is no longer there.
     """
 
     attn_backend: Any
@@ -53,16 +56,40 @@ class AttentionBackends:
         if self.closed:
             return []
         released = release(self.instances, self.workspace_pool, self.pools)
-        self.attn_backend = self.decode_attn_backend = None
-        self.decode_attn_backend_group = []
+        for name in BACKEND_ACCESSORS:  # reading one now goes to __getattr__, which raises BackendClosed
+            self.__dict__.pop(name, None)
         self.closed = True
         return released
+
+    def __getattr__(self, name: str) -> Any:
+        """Only called for an attribute that is not there: a backend accessor after :meth:`close`."""
+        if name in BACKEND_ACCESSORS and self.__dict__.get("closed"):
+            raise closed_error(type(self).__name__, name, self.__dict__.get("run_id", ""))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"attn_backend={type(self.attn_backend).__name__}"
+        return (f"AttentionBackends(run_id={self.run_id!r}, prefill={self.prefill_attention_backend_str!r}, "
+                f"decode={self.decode_attention_backend_str!r}, {state})")
 
     def __enter__(self) -> "AttentionBackends":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+BACKEND_ACCESSORS = ("attn_backend", "decode_attn_backend", "decode_attn_backend_group")
+
+
+def closed_error(owner: str, name: str, run_id: str = "") -> Exception:
+    """The :class:`pipeline.core.errors.BackendClosed` for reading ``owner.name`` after ``close()``."""
+    from pipeline.core.errors import BackendClosed
+
+    return BackendClosed(f"{owner}.{name} was read after close() released the backends of this run",
+                         code="backend_closed", state="closed", flags=[("attribute", name), ("run_id", run_id)],
+                         remedy="build new backends with build_attention_backends() and read them from its result; "
+                                "close() only when done with them")
 
 
 def release(instances: dict[str, Any], workspace_pool: Any, pools: dict[str, Any]) -> list[str]:
