@@ -74,3 +74,13 @@ def test_every_dotted_pipeline_name_the_readme_names_resolves():
                 bad.append(ref)
             break
     assert bad == [], bad
+
+
+def test_readme_gives_the_cpu_install_command_with_ci_s_torch_pin():
+    """The CPU-only install is spelled out (new-user trial #2, item 5): torch from PyTorch's CPU index, pinned to the
+    version the two commands above (and CI) install, followed by the package install."""
+    pin = re.search(r"pip install (torch==[\d.]+) &&", README).group(1)
+    cmd = re.search(r"`(python3 -m pip install torch[^`]*--index-url https://download\.pytorch\.org/whl/cpu[^`]*)`",
+                    README)
+    assert cmd, "no CPU install command"
+    assert f"install {pin} --index-url" in cmd.group(1) and cmd.group(1).endswith("python3 -m pip install -e '.[test]'")
