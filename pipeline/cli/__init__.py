@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 import msgspec
 
 from pipeline.cli.domains import check_flags
+from pipeline.cli.paths import check_paths
 from pipeline.cli.flags import (  # noqa: F401 (the parser's helpers, re-exported: this module held them)
     add_setup_flags, attention_args_from, build_parser, field_docs,
 )
@@ -200,6 +201,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         ns._argv = argv
         check_verbose(ns)
         check_flags(ns)  # every flag's domain (pipeline.cli.domains), before a command starts anything
+        check_paths(ns)  # the path flags together: UTF-8, no output over an input (pipeline.cli.paths)
         configure_logging(ns.verbose)
         return int(ns._cmd(ns))
     except AttnSetupError as e:
