@@ -98,10 +98,12 @@ def model_line(request: SetupRequest, records: Any) -> str:
     """``model: llama (LlamaForCausalLM) from PATH, 2 of 32 layers built`` (+ the draft model on a draft worker)."""
     built = next((r.num_layers for r in records if isinstance(r, ev.ModelLoaded)), None)
 
+    from pipeline.cli.inspect_text import _safe  # text from the config: terminal escapes shown escaped, as plan does
+
     def one(m: ModelSpec, serves: bool) -> str:
-        arch = f" ({', '.join(m.architectures)})" if m.architectures else ""
+        arch = f" ({', '.join(map(_safe, m.architectures))})" if m.architectures else ""
         layers = f", {built} of {m.num_hidden_layers} layers built" if serves and built is not None else ""
-        return f"{m.model_type}{arch} from {m.source or 'a dict'}{layers}"
+        return f"{_safe(m.model_type)}{arch} from {_safe(m.source or 'a dict')}{layers}"
 
     draft = request.draft_model
     text = f"model: {one(request.model, draft is None or not request.is_draft_worker)}"
