@@ -149,8 +149,9 @@ def test_library_refuses_draft_backend_without_draft_worker(llama):
         SetupRequest(model=llama, args=AttentionArgs(speculative_draft_attention_backend="torch_native"))
     names = [f.name for f in e.value.info.flags]
     assert names == ["speculative_draft_attention_backend", "is_draft_worker"] and e.value.exit_code == 3
-    SetupRequest(model=llama, is_draft_worker=True,
-                 args=AttentionArgs(speculative_draft_attention_backend="torch_native"))
+    for kw in ({"is_draft_worker": True}, {}):  # a draft worker; a speculative server's target worker (shared args)
+        algo = {} if kw else {"speculative_algorithm": "EAGLE"}
+        SetupRequest(model=llama, **kw, args=AttentionArgs(speculative_draft_attention_backend="torch_native", **algo))
 
 
 def test_library_rank_remedy_names_the_range(llama):
