@@ -50,7 +50,8 @@ FLIPS: dict[str, tuple[dict, dict]] = {
     "args.attention_backend": ({"attention_backend": "triton"}, {}),
     "args.prefill_attention_backend": ({"prefill_attention_backend": "torch_native"}, {}),
     "args.decode_attention_backend": ({"decode_attention_backend": "torch_native"}, {}),
-    "args.speculative_draft_attention_backend": ({"speculative_draft_attention_backend": "torch_native"}, {}),
+    "args.speculative_draft_attention_backend": ({"speculative_draft_attention_backend": "torch_native"},
+                                                 {"is_draft_worker": True}),  # refused on a target worker
     "args.speculative_algorithm": ({"speculative_algorithm": "EAGLE"}, {}),
     "args.speculative_eagle_topk": ({"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 2}, {}),
     "args.enable_pdmux": ({"enable_pdmux": True}, {}),

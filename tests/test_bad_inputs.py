@@ -206,8 +206,9 @@ def _call(case, llama, tmp_path):
     small = PoolFacts(max_reqs=4, max_context_len=64, num_token_slots=256)
     structlog.configure(processors=[structlog.testing.LogCapture()])  # keep the test output quiet
     call = case["call"]
-    if call == "SetupRequest":
-        return SetupRequest(**{"model": llama, **kw})
+    if call == "SetupRequest":  # "args" given as a dict: the AttentionArgs it spells
+        args = {"args": AttentionArgs(**kw.pop("args"))} if isinstance(kw.get("args"), dict) else {}
+        return SetupRequest(**{"model": llama, **kw, **args})
     if call == "AttentionArgs":
         return AttentionArgs(**kw)
     if call == "PoolFacts":

@@ -382,16 +382,18 @@ def faulty_requests(draw):
 
     names = st.sampled_from(MANY_NAMES)
     algorithm = draw(st.sampled_from([None, "EAGLE"]))
+    draft_worker = draw(st.booleans())  # the draft backend only where the library takes it (draft worker or EAGLE)
     args = AttentionArgs(
         attention_backend=draw(names), prefill_attention_backend=draw(names), decode_attention_backend=draw(names),
-        speculative_draft_attention_backend=draw(names), speculative_algorithm=algorithm,
+        speculative_draft_attention_backend=draw(names) if draft_worker or algorithm else None,
+        speculative_algorithm=algorithm,
         speculative_eagle_topk=draw(st.sampled_from([None, 1, 4])) if algorithm else None,
         enable_pdmux=draw(st.booleans()), enable_two_batch_overlap=draw(st.booleans()),
         kv_cache_dtype=draw(st.sampled_from(["auto", "fp8_e4m3", "float16"])),
         dtype=draw(st.sampled_from(["auto", "bfloat16", "float32"])), disable_cuda_graph=draw(st.booleans()),
         strict=draw(st.booleans()))
     model = load_model_spec(CONFIGS / f"{draw(st.sampled_from(FORCED_MODELS))}.json")
-    req = SetupRequest(args=args, model=model, is_draft_worker=draw(st.booleans()), device="cpu", pool=PoolFacts())
+    req = SetupRequest(args=args, model=model, is_draft_worker=draft_worker, device="cpu", pool=PoolFacts())
     installed = {"torch": True, "triton": draw(st.booleans()), "flashinfer-python": draw(st.booleans())}
     return req, PROFILES[draw(st.sampled_from(sorted(PROFILES)))], installed
 

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 import msgspec
 
 from pipeline.cli.domains import check_flags
+from pipeline.cli.paths import check_paths
 from pipeline.cli.flags import (  # noqa: F401 (the parser's helpers, re-exported: this module held them)
     add_setup_flags, attention_args_from, build_parser, field_docs,
 )
@@ -174,15 +175,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     Every way out is an exit code with one ErrorInfo, never a traceback: typed errors keep their
     code; SIGINT (Ctrl-C, KeyboardInterrupt) is 130 with ``interrupted``; a closed stdout pipe
-    changes nothing (the rest of the output is dropped, :class:`_ReaderMayLeave`); any other
+    changes nothing (the rest of the output is dropped, :class:`_ReaderMayLeave`), nor does a stream that
+    cannot encode the output (:class:`pipeline.cli.streams.SafeText`: ASCII stand-ins); any other
     exception is 1 with ``internal_error`` naming it.
     """
-    real_stdout = sys.stdout
-    sys.stdout = _ReaderMayLeave(real_stdout)
+    from pipeline.cli.streams import safe
+
+    real_stdout, real_stderr = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _ReaderMayLeave(safe(real_stdout)), safe(real_stderr)  # any encoding: same exit code
     try:
         return _main(argv)
     finally:
-        sys.stdout = real_stdout
+        sys.stdout, sys.stderr = real_stdout, real_stderr
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
@@ -200,6 +204,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         ns._argv = argv
         check_verbose(ns)
         check_flags(ns)  # every flag's domain (pipeline.cli.domains), before a command starts anything
+        check_paths(ns)  # the path flags together: UTF-8, no output over an input (pipeline.cli.paths)
         configure_logging(ns.verbose)
         return int(ns._cmd(ns))
     except AttnSetupError as e:

@@ -1,7 +1,8 @@
 """Human output that follows the terminal's width: one console, tables that never cut a cell, lines wrapped at words.
 
 Every human table and line of ``run``, ``plan``, ``warmup``, ``inspect``, ``replay``, ``backends`` and the
-error block goes through here. The width is rich's console width: ``COLUMNS`` when set, else the
+error block goes through here. The width is rich's console width: ``COLUMNS`` when set (a ``COLUMNS`` that is not
+a positive integer counts as unset), else the
 terminal's, else (no terminal at all: a pipe in CI) rich's default of 80 columns.
 
 Nothing a user needs is cut: :func:`print_table` gives every column at least its longest word (rich's own
@@ -23,7 +24,10 @@ def console(stderr: bool = False) -> Any:
     codes (a ``:name:`` read from a log or a config stays as typed)."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False, emoji=False)  # ":x:" in a log stays text
+    from pipeline.observe.progress import fixed_width
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, emoji=False,  # ":x:" in a log stays text
+                   width=fixed_width())
 
 
 def width(c: Optional[Any] = None) -> int:

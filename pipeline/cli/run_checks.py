@@ -49,7 +49,7 @@ def open_log(path: str, template: str, run_id: str, rank: int, secrets: tuple[st
     try:
         return EventLog(run_id, rank, path, secrets=secrets, flag="--log-file", raise_write_errors=True)
     except OSError as e:
-        raise UsageError(f"cannot write the log file {path!r}: {e.strerror or e}", code="usage",
+        raise UsageError(f"cannot write the log file {path!r}: {e.strerror or e}", code="log_file_unwritable",
                          flags=[("--log-file", template)], remedy="pick a writable path for --log-file") from None
 
 

@@ -59,6 +59,7 @@ def _close_run(ns: argparse.Namespace, log: Any, runner: Any, group: Any, progre
     finally:
         if log.write_error is not None and code == EXIT_OK:
             error, code = log.write_error.info, log.write_error.exit_code
+        error, code = _interrupted_ends(log, error, code)
         summary = _summary(ns, log, jit, t_start)
         log.emit(ev.CommandFinished, state=log.current_state, command="run", exit_code=code,
                  duration_ms=(time.perf_counter() - t0) * 1e3)
@@ -89,3 +90,13 @@ def _ended_by(e: BaseException, log: Any) -> tuple[ErrorInfo, int]:
             log.emit(ev.RunFailed, state=error.state if isinstance(e, AttnSetupError) else log.current_state,
                      outcome="failed", error=error)
     return error, code
+
+
+def _interrupted_ends(log: Any, error: Optional[ErrorInfo], code: int) -> tuple[Optional[ErrorInfo], int]:
+    """Once ``run_interrupted`` is logged for a signal, the run ends with 130 and that record's error, whatever
+    else happened after it (a handler that returned, an exception swallowed on the way out): never a run that
+    logs an interruption and then says it succeeded."""
+    seen = next((r for r in log.records if isinstance(r, ev.RunInterrupted) and r.reason == "signal"), None)
+    if seen is None or code == EXIT_INTERRUPTED:
+        return error, code
+    return seen.error, EXIT_INTERRUPTED

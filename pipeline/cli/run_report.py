@@ -102,12 +102,14 @@ def model_line(request: SetupRequest, records: Any) -> str:
 
     built = next((r.num_layers for r in records if isinstance(r, ev.ModelLoaded)), None)
 
+    from pipeline.cli.inspect_text import _safe  # text from the config: terminal escapes shown escaped, as plan does
+
     def one(m: ModelSpec, serves: bool) -> str:
-        arch = f" ({', '.join(m.architectures)})" if m.architectures else ""
+        arch = f" ({', '.join(map(_safe, m.architectures))})" if m.architectures else ""
         layers = ""
         if serves and built is not None:
             layers = ", " + span_text(layer_span(list(m.layer_types), built, m.num_hidden_layers))
-        return f"{m.model_type}{arch} from {m.source or 'a dict'}{layers}"
+        return f"{_safe(m.model_type)}{arch} from {_safe(m.source or 'a dict')}{layers}"
 
     draft = request.draft_model
     text = f"model: {one(request.model, draft is None or not request.is_draft_worker)}"

@@ -198,7 +198,10 @@ class EventLog:
         Afterwards the previous handler runs: Python's SIGINT handler raises KeyboardInterrupt,
         which unwinds the start (its failure paths release what was built and log it) and which
         the CLI turns into exit 130; a default SIGTERM closes the file and terminates the
-        process. Returns False when not called from the main thread (Python only lets the main
+        process. A signal ignored when this is called (``SIG_IGN``: a shell's background job inherits SIGINT
+        ignored) stays ignored and logs nothing; once ``run_interrupted`` is logged for a signal the run never goes
+        on (a previous handler that returns is followed by KeyboardInterrupt). Returns False when not called from
+        the main thread (Python only lets the main
         thread set signal handlers); the exception hook is set anyway.
         """
         from pipeline.core.contracts import ErrorInfo
@@ -221,15 +224,17 @@ class EventLog:
             prev = self._prev_handlers.get(signum, signal.SIG_DFL)
             if callable(prev):  # e.g. Python's SIGINT handler: raises KeyboardInterrupt, the process goes on
                 prev(signum, frame)
-            elif prev != signal.SIG_IGN:  # the default action ends the process: close the file first
-                self.close()
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
+                raise KeyboardInterrupt(name)  # a handler that returned: run_interrupted is logged, never go on
+            self.close()  # the default action ends the process: close the file first
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
         sys.excepthook = hook
         self._prev_handlers = {}
         try:
             for s in signals:
+                if signal.getsignal(s) == signal.SIG_IGN:
+                    continue  # ignored when the process started (a background job): stays ignored, as Python does
                 self._prev_handlers[s] = signal.signal(s, on_signal)
         except ValueError:  # not the main thread
             return False

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import msgspec
 
 from pipeline.core.errors import ConfigError
+from pipeline.core.draft_checks import check_draft_fields
 from pipeline.core.type_checks import check_spelling
 
 # One alias set for --dtype and --kv-cache-dtype (sglang's dtype takes half/float, its kv_cache_dtype bf16: both take
@@ -284,7 +285,8 @@ def check_setup_request(r: Any) -> None:
     if r.world_size < 1:
         _bad("world_size", r.world_size, ["an integer >= 1"], "set world_size to the number of ranks")
     if not 0 <= r.rank < r.world_size:
-        _bad("rank", r.rank, [f"0..{r.world_size - 1}"], "rank must be below world_size")
+        _bad("rank", r.rank, [f"0..{r.world_size - 1}"],
+             f"rank must be in [0, world_size): set rank to one of 0..{r.world_size - 1}")
     if r.pool.page_size != r.args.page_size:
         raise ConfigError(
             f"pool.page_size={r.pool.page_size} differs from page_size={r.args.page_size}",
@@ -292,8 +294,6 @@ def check_setup_request(r: Any) -> None:
             flags=[("page_size", r.args.page_size), ("pool.page_size", r.pool.page_size)],
             remedy="size the KV pool with the same page_size the backends are asked to use",
         )
-    if r.draft_model is not None and not r.is_draft_worker:
-        _bad("draft_model", r.draft_model.source or "<spec>", ["only with is_draft_worker=True"],
-             "set is_draft_worker=True to initialize the draft worker, or drop draft_model")
+    check_draft_fields(r)
     check_device(r.device)
     check_spelling(r.device, r.device_spelled_as)

@@ -90,6 +90,18 @@ class StartupProgress:
         self._status.__exit__(*exc)
 
 
+def fixed_width() -> Optional[int]:
+    """None when ``COLUMNS`` is unset or a positive integer (rich reads it); for an unusable ``COLUMNS`` (``0``, negative,
+    not a number) the width it would have had unset: the terminal's, else 80 (rich would take ``0`` and print nothing)."""
+    import os
+    import shutil
+
+    cols = os.environ.get("COLUMNS")
+    if cols is None or (cols.strip().isdigit() and int(cols) > 0):
+        return None
+    return shutil.get_terminal_size((80, 24)).columns  # it skips a COLUMNS that is not above 0
+
+
 def progress_for(ns: Any, log: Any, request: Any) -> Any:
     """A :class:`StartupProgress` on stderr when :func:`wanted`, else a context manager that does nothing."""
     import contextlib
@@ -105,7 +117,7 @@ def progress_for(ns: Any, log: Any, request: Any) -> Any:
         sizes = count_batch_sizes(request.args, request.pool.max_reqs)
     except Exception:  # noqa: BLE001 - refused later by preflight with its own error
         sizes = 0
-    return StartupProgress(log, Console(stderr=True), sizes, lead=cold_start_lead(getattr(ns, "_torch_import", None)))
+    return StartupProgress(log, Console(stderr=True, width=fixed_width()), sizes, lead=cold_start_lead(getattr(ns, "_torch_import", None)))
 
 
 def cold_start_lead(torch_import: Optional[dict[str, Any]]) -> str:
