@@ -1,6 +1,6 @@
 """Every flag of the domain table (pipeline/cli/domains.py), generated: values below, above and at its bounds,
 values of the wrong type, NaN / infinities, empty text and unknown choices. Each out-of-domain value is exit 2
-``invalid_value`` naming the flag, the value and the domain, raised before a log is opened; each value at a bound
+``out_of_domain`` naming the flag, the value and the domain, raised before a log is opened; each value at a bound
 and each remedy's suggestion passes. In-process through ``pipeline.cli.main``."""
 
 from __future__ import annotations
@@ -85,12 +85,12 @@ def _ids(rows):
 
 @pytest.mark.parametrize("cmd,fd", ROWS, ids=_ids(ROWS))
 def test_every_value_outside_the_domain_is_exit_2_naming_the_flag(cmd, fd, tmp_path, capsys):
-    """Below, above, wrong type, NaN/inf, empty: exit 2 ``invalid_value`` naming the flag and its domain; no log."""
+    """Below, above, wrong type, NaN/inf, empty: exit 2 ``out_of_domain`` naming the flag and its domain; no log."""
     for value in bad_values(fd):
         code = main(argv_for(cmd, fd, value, tmp_path) + ["--json"])
         out = json.loads(capsys.readouterr().out)
         err = out["error"]
-        assert code == 2 and err["code"] == "invalid_value", (value, err)
+        assert code == 2 and err["code"] == "out_of_domain", (value, err)
         assert [f["name"] for f in err["flags"]][:1] == [fd.flag], (value, err)
         assert fd.flag in err["message"] and err["allowed"] and err["remedy"], err
         assert not (tmp_path / "logs").exists(), "refused before the log is opened"
@@ -148,7 +148,7 @@ def test_graph_and_setup_rank_refusals(argv, says, capsys):
     """``graph --rank N`` without a LOG, a negative rank, a rank not below --world-size: exit 2 saying why."""
     assert main(argv) == 2
     err = json.loads(capsys.readouterr().out)["error"]
-    assert err["code"] == "invalid_value" and says in err["message"] + " ".join(err["allowed"]), err
+    assert err["code"] == "out_of_domain" and says in err["message"] + " ".join(err["allowed"]), err
     assert err["flags"][0]["name"] == "--rank"
 
 
