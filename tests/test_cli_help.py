@@ -71,7 +71,7 @@ def test_usage_errors_are_json_with_json(capsys, argv):
     code = main(argv)
     cap = capsys.readouterr()
     out = json.loads(cap.out)
-    want = "invalid_value" if "x" in argv else "usage"  # a value of the wrong type is the flag's domain's error
+    want = "out_of_domain" if "x" in argv else "usage"  # a value of the wrong type is the flag's domain's error
     assert code == 2 and out["ok"] is False and out["error"]["code"] == want and cap.err == ""
 
 

@@ -57,4 +57,4 @@ def test_a_failure_before_device_init_names_the_requested_device(monkeypatch, tm
 def test_a_value_refused_as_the_flags_are_read_is_the_first_line(monkeypatch, tmp_path, flags):
     """An out-of-domain value is refused before the run starts: the error is the output, from its first line."""
     code, lines = _run_one_stream(monkeypatch, tmp_path, *flags)
-    assert code == 2 and lines[0].startswith(f"error [invalid_value] in state args: {flags[0]} ")
+    assert code == 2 and lines[0].startswith(f"error [out_of_domain] in state args: {flags[0]} ")

@@ -1,6 +1,6 @@
 """Every flag of the domain table (pipeline/cli/domains.py), generated: values below, above and at its bounds,
 values of the wrong type, NaN / infinities, empty text and unknown choices. Each out-of-domain value is exit 2
-``invalid_value`` naming the flag, the value and the domain, raised before a log is opened; each value at a bound
+``out_of_domain`` naming the flag, the value and the domain, raised before a log is opened; each value at a bound
 and each remedy's suggestion passes. In-process through ``pipeline.cli.main``."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 
 from pipeline.cli import build_parser, main
 from pipeline.cli.domains import FLAG_DOMAINS, FlagDomain, check_flags, domains_of
+from pipeline.core.errors import InvalidValue
 
 BASE = {"run": ["run", "--device", "cpu"], "plan": ["plan", "--device-profile", "cpu"],
         "warmup": ["warmup", "--device", "cpu"], "inspect": ["inspect"], "replay": ["replay"], "graph": ["graph"]}
@@ -84,12 +85,12 @@ def _ids(rows):
 
 @pytest.mark.parametrize("cmd,fd", ROWS, ids=_ids(ROWS))
 def test_every_value_outside_the_domain_is_exit_2_naming_the_flag(cmd, fd, tmp_path, capsys):
-    """Below, above, wrong type, NaN/inf, empty: exit 2 ``invalid_value`` naming the flag and its domain; no log."""
+    """Below, above, wrong type, NaN/inf, empty: exit 2 ``out_of_domain`` naming the flag and its domain; no log."""
     for value in bad_values(fd):
         code = main(argv_for(cmd, fd, value, tmp_path) + ["--json"])
         out = json.loads(capsys.readouterr().out)
         err = out["error"]
-        assert code == 2 and err["code"] == "invalid_value", (value, err)
+        assert code == 2 and err["code"] == "out_of_domain", (value, err)
         assert [f["name"] for f in err["flags"]][:1] == [fd.flag], (value, err)
         assert fd.flag in err["message"] and err["allowed"] and err["remedy"], err
         assert not (tmp_path / "logs").exists(), "refused before the log is opened"
@@ -147,7 +148,7 @@ def test_graph_and_setup_rank_refusals(argv, says, capsys):
     """``graph --rank N`` without a LOG, a negative rank, a rank not below --world-size: exit 2 saying why."""
     assert main(argv) == 2
     err = json.loads(capsys.readouterr().out)["error"]
-    assert err["code"] == "invalid_value" and says in err["message"] + " ".join(err["allowed"]), err
+    assert err["code"] == "out_of_domain" and says in err["message"] + " ".join(err["allowed"]), err
     assert err["flags"][0]["name"] == "--rank"
 
 
@@ -167,3 +168,45 @@ def test_human_error_names_flag_value_and_domain(capsys):
     assert main(["plan", "--page-size", "0"]) == 2
     err = capsys.readouterr().err
     assert "--page-size 0 is not allowed" in err and "an integer in [1, 4096]" in err and "remedy:" in err
+
+
+def _typos(choice: str) -> list[str]:
+    """``choice`` with one letter dropped, one doubled and two neighbours swapped (as a user mistypes)."""
+    out = [choice[:i] + choice[i + 1:] for i in range(len(choice))] + [choice[:i] + choice[i] + choice[i:]
+                                                                       for i in range(len(choice))]
+    return out + [choice[:i] + choice[i + 1] + choice[i] + choice[i + 2:] for i in range(len(choice) - 1)]
+
+
+CHOICE_ROWS = [(cmd, fd) for cmd, fd in ROWS if fd.domain.kind in ("choice", "packages")]
+
+
+@pytest.mark.parametrize("cmd,fd", CHOICE_ROWS, ids=_ids(CHOICE_ROWS))
+def test_a_mistyped_choice_gets_did_you_mean_the_nearest(cmd, fd, tmp_path):
+    """Every choice flag: each one-letter typo of each choice that the domain refuses says "did you mean X?" with X
+    a choice at least as near to the typo as the one mistyped (usually that one)."""
+    import difflib
+
+    parser = build_parser()
+    for choice in fd.domain.choices:
+        for typo in {t for t in _typos(choice) if t.strip() and not fd.domain.admits(t)}:
+            with pytest.raises(InvalidValue) as e:
+                check_flags(parser.parse_args(argv_for(cmd, fd, typo, tmp_path)))
+            said = re.search(r"did you mean '([^']+)'\?", e.value.info.message)
+            assert said is not None and said.group(1) in fd.domain.choices, (typo, e.value.info.message)
+
+            def ratio(c: str) -> float:
+                return difflib.SequenceMatcher(None, typo.lower(), c.lower()).ratio()
+
+            assert ratio(said.group(1)) >= ratio(choice), (typo, said.group(1), choice)
+
+
+def test_the_trial_backend_typo_names_flashinfer(capsys):
+    """``run --attention-backend flashinfr`` (the trial's case): exit 2 naming 'flashinfer'."""
+    assert main(["run", "--attention-backend", "flashinfr", "--json"]) == 2
+    assert "did you mean 'flashinfer'?" in json.loads(capsys.readouterr().out)["error"]["message"]
+
+
+def test_a_value_near_no_choice_gets_no_suggestion(capsys):
+    """A value far from every choice lists the choices without guessing."""
+    assert main(["run", "--attention-backend", "zzzzzz", "--json"]) == 2
+    assert "did you mean" not in json.loads(capsys.readouterr().out)["error"]["message"]

@@ -10,6 +10,7 @@ import pytest
 from conftest import CONFIGS
 from pipeline import load_model_spec
 from pipeline.core.errors import ConfigError
+from pipeline.core.pool_sizing import remedy_available, remedy_margin
 from pipeline.core.spec import attention_layer_ids
 from pipeline.core.weight_sizing import check_weights_fit, weight_bytes
 
@@ -35,8 +36,8 @@ def test_weight_bytes_match_the_built_stack(path):
 @pytest.mark.parametrize("free_gib", [0.5, 3, 20, 150])
 @pytest.mark.parametrize("on_host", [True, False])
 def test_refusal_remedy_fits(free_gib, on_host):
-    """Every refusal names num_layers and a count that passes the same check (or says none fits); every count
-    at or under it passes, the one above it is refused."""
+    """Every refusal names num_layers and a count that passes the same check, also with free memory less the remedy
+    margin (or says none fits); the one above it is refused with that margin."""
     spec = load_model_spec(CONFIGS / "deepseek-v3.json")
     free = int(free_gib * (1 << 30))
     kw = dict(device_free=free, host_free=free, on_host=on_host, device="cuda:0" if not on_host else "cpu")
@@ -49,12 +50,15 @@ def test_refusal_remedy_fits(free_gib, on_host):
     assert info.code == "weights_exceed_memory" and ("num_layers", total) in [(f.name, f.value) for f in info.flags]
     if "or fewer" in info.remedy:
         n = int(info.remedy.split("--num-layers ")[1].split()[0])
-        check_weights_fit(spec, n, "bfloat16", **kw)  # the remedy, followed, passes
+        for drop in (0, remedy_margin(free)):  # the remedy, followed, passes, also after free memory dropped a little
+            check_weights_fit(spec, n, "bfloat16", **dict(kw, device_free=free - drop, host_free=free - drop))
+        with pytest.raises(ConfigError):  # and it is the largest that fits the free memory less the margin
+            spare = remedy_available(free)
+            check_weights_fit(spec, n + 1, "bfloat16", **dict(kw, device_free=spare, host_free=spare))
+    else:  # not one layer fits the free memory less the margin
         with pytest.raises(ConfigError):
-            check_weights_fit(spec, n + 1, "bfloat16", **kw)
-    else:
-        with pytest.raises(ConfigError):
-            check_weights_fit(spec, 1, "bfloat16", **kw)
+            spare = remedy_available(free)
+            check_weights_fit(spec, 1, "bfloat16", **dict(kw, device_free=spare, host_free=spare))
 
 
 def test_unknown_memory_is_not_checked():

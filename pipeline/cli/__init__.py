@@ -189,6 +189,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stdout, sys.stderr = real_stdout, real_stderr
 
 
+def _flag_after(argv: Sequence[str], flag: str) -> Optional[str]:
+    """The last value ``flag`` was given in ``argv`` (``--flag V`` or ``--flag=V``), None when absent."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a[len(flag) + 1:]
+    return value
+
+
 def _main(argv: Optional[Sequence[str]]) -> int:
     from pipeline.core.errors import EXIT_FAILED, EXIT_INTERRUPTED, error_info_from
 
@@ -208,7 +219,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         configure_logging(ns.verbose)
         return int(ns._cmd(ns))
     except AttnSetupError as e:
-        print_error(e, as_json, command)
+        from pipeline.cli.request import device_as_written
+
+        print_error(device_as_written(e, _flag_after(argv, "--device")), as_json, command)
         return e.exit_code
     except msgspec.ValidationError as e:
         err = UsageError(f"invalid flag value: {e}", code="usage", remedy=f"see '{help_command(command)}'")

@@ -154,10 +154,13 @@ def remedy(fd: FlagDomain, value: Any = None) -> str:
 
 
 def refusal(fd: FlagDomain, value: Any, why: str = "", fix: str = "", allowed: str = "") -> InvalidValue:
-    """The InvalidValue of ``fd`` given ``value``: the flag, the value, the domain and the remedy."""
+    """The InvalidValue of ``fd`` given ``value``: the flag, the value, the domain and the remedy; an unknown choice
+    also gets "did you mean" naming the nearest one (:meth:`Domain.nearest`)."""
     allowed = allowed or fd.domain.allowed()
+    near = fd.domain.nearest(value)
+    why = (why or f"{fd.flag} takes {allowed}") + (f"; did you mean {near!r}?" if near else "")
     text = repr(value) if isinstance(value, str) else str(shown(value))
-    return InvalidValue(f"{fd.flag} {text} is not allowed: {why or fd.flag + ' takes ' + allowed}",
+    return InvalidValue(f"{fd.flag} {text} is not allowed: {why}",
                         flags=[(fd.flag, shown(value))], allowed=[allowed], remedy=fix or remedy(fd, value))
 
 

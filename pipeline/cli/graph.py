@@ -156,11 +156,14 @@ def machine_obj(taken: list[Any], failed: Optional[Any], run: Any, machine: str 
     ``{machine, title, initial, success, failed_state, states: [{name, style}], transitions: [{trigger, source,
     dest, conditions}], path}`` — ``style`` is ``taken``, ``failed`` or null (as the drawing colours them);
     ``path`` is null without a LOG, else ``{run_id, rank, launch_id, status, taken: [state…], failed: state|null,
-    failure: {code, state, message}|null}``.
+    failure: {code, state, message}|null}`` (the failure worded with the flags, as ``inspect`` words it).
+    :func:`cmd` adds ``ok`` and ``output``.
     """
     spec = machine_spec(machine)
     st = styles(taken, failed, machine)
-    info = None if run is None else run.failure
+    from pipeline.cli.inspect_text import failure_of
+
+    info = None if run is None else failure_of(run)  # in the command line's words (--attention-backend fa3)
     return {
         "machine": machine, "title": TITLES[machine], "initial": spec.steps[0].state, "success": spec.terminal[0],
         "failed_state": spec.failed,

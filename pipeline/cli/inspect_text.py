@@ -33,18 +33,21 @@ def failure_of(run: Run) -> Any:
 
 
 def explain(run: Run) -> list[str]:
-    """Lines explaining a failed or incomplete start: where, why, and which flag to change."""
+    """Lines explaining a failed or incomplete start: where, why, which flag to change (command-line flags only),
+    the other facts of the error (an ``env`` variable, a ``field`` such as ``limit_bytes``, an ``arg``) one a line."""
     if run.status == "incomplete":
         return [f"incomplete: no done/failed record; last seen in state {run.last_state!r} "
                 "(the process was killed or is still running)"]
     info = failure_of(run)
     if info is None:
         return []
-    from pipeline.cli.report import flag_value_text
+    from pipeline.cli.report import flag_label, flag_value_text
 
     out = [f"failed in state {info.state!r}: [{info.code}] {info.message}"]  # printed with markup off
-    if info.flags:
-        out.append("flag to change: " + ", ".join(f"{f.name} = {flag_value_text(f.value)}" for f in info.flags))
+    flags = [f for f in info.flags if flag_label(f.name) == "flag"]  # only flags are flags to change
+    if flags:
+        out.append("flag to change: " + ", ".join(f"{f.name} = {flag_value_text(f.value)}" for f in flags))
+    out += [f"{flag_label(f.name)} {f.name} = {flag_value_text(f.value)}" for f in info.flags if f not in flags]
     if info.allowed:
         out.append("allowed: " + ", ".join(info.allowed))
     if info.remedy:

@@ -136,11 +136,15 @@ def _console():
     return console()
 
 
-def _flag_label(name: str) -> str:
-    """How the error block labels one ErrorInfo flag: a command-line flag, an environment variable, else
-    else a field (a config key, a trace's run id: something no flag sets)."""
+def flag_label(name: str) -> str:
+    """How the error block labels one ErrorInfo flag: a command-line flag, a positional argument (``LOG``), an
+    environment variable, else a field (a config key, a trace's run id: something no flag sets)."""
+    from pipeline.cli.domains import FLAG_DOMAINS
+
     if name.startswith("-"):
         return "flag"
+    if any(fd.flag == name for fd in FLAG_DOMAINS):  # the table's rows not spelled --x are the positional arguments
+        return "arg"
     if name.isupper():
         return "env"
     return "field"
@@ -170,7 +174,7 @@ def render_error(info: ErrorInfo) -> None:
     for part in head[1:]:
         c.print(part, markup=False, soft_wrap=True)
     for f in info.flags:
-        print_line(c, f"  {_flag_label(f.name):<6} {f.name} = {flag_value_text(f.value)}", indent="    ")
+        print_line(c, f"  {flag_label(f.name):<6} {f.name} = {flag_value_text(f.value)}", indent="    ")
     if info.json_path:
         print_line(c, f"  at     {info.json_path}", indent="    ")
     if info.allowed:

@@ -94,6 +94,22 @@ def device_of(ns: argparse.Namespace) -> DeviceSpelling:
     return device_spelling(given) or DeviceSpelling(given)
 
 
+def device_as_written(e: BaseException, written: Any) -> BaseException:
+    """``e`` with its ``device`` flag's value as the user wrote ``--device`` (``gpu:1``, not the platform's
+    ``cuda``) when both name the same device type; ``e`` itself, changed in place (an error, not a contract).
+    Raises nothing."""
+    info = getattr(e, "info", None)
+    spelled = device_spelling(written) if isinstance(written, str) else None
+    if info is None or spelled is None:
+        return e
+    kind = spelled.canonical.partition(":")[0]
+    flags = [msgspec.structs.replace(f, value=written) if f.name in ("device", "--device") and isinstance(f.value, str)
+             and f.value.partition(":")[0].lower() in (kind, written.partition(":")[0].lower()) else f
+             for f in info.flags]
+    e.info = msgspec.structs.replace(info, flags=flags)  # type: ignore[attr-defined]
+    return e
+
+
 def is_gpu_device(device: str) -> bool:
     """Whether ``--device`` names a GPU, in any accepted spelling (``auto``: torch sees one)."""
     device = (device_spelling(device) or DeviceSpelling(device)).canonical

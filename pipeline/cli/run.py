@@ -21,7 +21,7 @@ import msgspec
 from pipeline.core import events as ev
 from pipeline.cli import report as rp
 from pipeline.core.contracts import ErrorInfo, ModelSpec, SetupRequest  # noqa: F401
-from pipeline.cli.request import device_of, is_gpu_device, request_from
+from pipeline.cli.request import device_as_written, device_of, is_gpu_device, request_from
 from pipeline.core.errors import (
     EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from,  # noqa: F401
 )
@@ -232,7 +232,7 @@ def cmd(ns: argparse.Namespace) -> int:
         verified, steps, error = _verify_runner(runner, log, ns.decode_steps)
         code = EXIT_OK if error is None else EXIT_FAILED
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - any crash becomes an exit code with its ErrorInfo
-        error, code = _ended_by(e, log)
+        error, code = _ended_by(device_as_written(e, ns.device), log)  # --device as the user wrote it
     finally:
         error, code, summary = _close_run(ns, log, runner, group, progress, error, code, t0, t_start)
     report = _report(log, run_id, code, verified, steps, log_file, error)

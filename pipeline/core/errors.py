@@ -220,7 +220,7 @@ class InvalidValue(UsageError):
     holds the flag and the value given, ``info.allowed`` the domain, ``info.remedy`` a value that passes.
     """
 
-    code = "invalid_value"
+    code = "out_of_domain"
 
 
 class BackendClosed(AttnSetupError):

@@ -67,6 +67,24 @@ _FLAG = {"bytes": "mem_bytes", "mem_fraction": "mem_fraction"}
 # The pools may take at most this share of the memory free when they are sized: the rest is left for
 # activations, the verification batches and whatever else runs (sglang leaves 1 - mem_fraction_static).
 POOL_MEMORY_SHARE = 0.9
+# A "largest that fits" remedy is computed against the free memory less this margin (a share of it, at least
+# REMEDY_MARGIN_MIN_BYTES but never more than a quarter of it), so that following it still fits after free
+# memory moved a little between runs (host page cache, another process).
+REMEDY_MARGIN_SHARE = 0.05
+REMEDY_MARGIN_MIN_BYTES = 512 << 20
+
+
+def remedy_margin(available: int) -> int:
+    """Bytes of ``available`` free memory a remedy leaves unused: 5 % of it, at least 512 MiB (at most a quarter
+    of it on a device that small). Raises nothing."""
+    available = max(int(available), 0)
+    return max(math.ceil(available * REMEDY_MARGIN_SHARE), min(REMEDY_MARGIN_MIN_BYTES, available // 4))
+
+
+def remedy_available(available: int) -> int:
+    """The free memory a remedy is sized against: ``available`` less :func:`remedy_margin`. Raises nothing."""
+    return max(int(available) - remedy_margin(available), min(int(available), 1))
+
 
 def kv_bytes_per_token(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str) -> int:
     """KV-cache bytes one token slot costs over layers ``0..num_layers-1`` (K and V, every layer; an MLA
@@ -196,7 +214,8 @@ def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, 
     ``max_context_len`` when ``req_to_token`` alone is too big), the limit in bytes, and a value of
     that input that fits; ``cli`` words the remedy with flags (``--num-token-slots``) rather than
     the library's ``PoolFacts`` fields. ``total_bytes``/``allocated_bytes``/``mem_fraction`` let a
-    ``mem_fraction`` remedy compute the largest fraction that fits.
+    ``mem_fraction`` remedy compute the largest fraction that fits. Each remedy's value is sized against the free
+    memory less :func:`remedy_margin` and rounded down, so it still fits when free memory drops by that much.
     """
     if available <= 0:
         return
@@ -205,21 +224,29 @@ def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, 
     need = s.req_to_token_bytes + s.kv_bytes + graphs
     if need <= limit:
         return
-    p, name = s.facts, (lambda f: "--" + f.replace("_", "-")) if cli else (lambda f: "pool." + f)
+    name = (lambda f: "--" + f.replace("_", "-")) if cli else (lambda f: "pool." + f)
     extra = f" + decode CUDA graphs {graphs} (estimated)" if graphs else ""
     head = (f"the KV pools need {need} bytes ({_gib(need)}: req_to_token {s.req_to_token_bytes} + K/V "
             f"{s.kv_bytes}{extra}) but {device} has {available} bytes free ({_gib(available)}); the pools may use "
             f"{POOL_MEMORY_SHARE:.0%} of that, {limit} bytes")
-    allowed = [f"<= {limit} bytes of pools"]
+    _refuse(s, head, limit, int(remedy_available(available) * POOL_MEMORY_SHARE), name, cli=cli,
+            total_bytes=total_bytes, allocated_bytes=allocated_bytes, mem_fraction=mem_fraction)
+
+
+def _refuse(s: PoolSizing, head: str, limit: int, fit: int, name: Any, *, cli: bool, total_bytes: int,
+            allocated_bytes: int, mem_fraction: Optional[float]) -> None:
+    """:func:`check_fits`' ConfigError: ``limit`` the bytes the pools may use now, ``fit`` the bytes a remedy's
+    value is sized to (the limit less :func:`remedy_margin`), rounded down to the flag's printed precision."""
+    p, graphs, allowed = s.facts, s.graph_reserve_bytes, [f"<= {limit} bytes of pools"]
     if s.req_to_token_bytes + 2 * p.page_size * s.bytes_per_token + graphs > limit:
-        rows = max((limit - graphs) // 2 // max(p.max_context_len * REQ_TO_TOKEN_ELEM_BYTES, 1), 0)
+        rows = max((fit - graphs) // 2 // max(p.max_context_len * REQ_TO_TOKEN_ELEM_BYTES, 1), 0)
         raise ConfigError(f"{head}; req_to_token alone ({p.max_reqs} x {p.max_context_len} int32) is too large",
                           code="pool_exceeds_memory",
                           flags=[("max_reqs", p.max_reqs), ("max_context_len", p.max_context_len),
                                  ("limit_bytes", limit)], allowed=allowed,
                           remedy=f"lower {name('max_reqs')} (at most {rows} rows at this context length) or "
                                  f"{name('max_context_len')}")
-    fit_slots = (limit - s.req_to_token_bytes - graphs) // max(s.bytes_per_token, 1) // p.page_size * p.page_size
+    fit_slots = (fit - s.req_to_token_bytes - graphs) // max(s.bytes_per_token, 1) // p.page_size * p.page_size
     if s.source == "slots" or not cli:
         raise ConfigError(head, code="pool_exceeds_memory",
                           flags=[("num_token_slots", p.num_token_slots), ("limit_bytes", limit)], allowed=allowed,
@@ -228,8 +255,8 @@ def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, 
     if s.source == "bytes":
         raise ConfigError(head, code="pool_exceeds_memory", flags=[("mem_bytes", s.budget_bytes),
                                                                     ("limit_bytes", limit)],
-                          allowed=allowed, remedy=f"pass --mem-bytes {limit - graphs} or less")
-    frac = math.floor((limit + allocated_bytes) / total_bytes * 100) / 100 if total_bytes else 0.0
+                          allowed=allowed, remedy=f"pass --mem-bytes {max(fit - graphs, 1)} or less")
+    frac = math.floor((fit + allocated_bytes) / total_bytes * 100) / 100 if total_bytes else 0.0
     raise ConfigError(head, code="pool_exceeds_memory", flags=[("mem_fraction", mem_fraction),
                                                                 ("limit_bytes", limit)], allowed=allowed,
                       remedy=(f"pass --mem-fraction {frac:.2f} or less" if frac > 0 else

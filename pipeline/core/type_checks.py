@@ -8,6 +8,7 @@ line's table of flag domains is :data:`pipeline.cli.domains.FLAG_DOMAINS`; nothi
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -107,6 +108,21 @@ class Domain:
             names = [p.strip().lower() for p in v.split(",") if p.strip()] if isinstance(v, str) else [None]
             return all(n in self._choices() for n in names)
         raise ValueError(f"unknown domain kind {self.kind!r}")
+
+    def nearest(self, v: Any) -> Optional[str]:
+        """The listed choice nearest ``v`` (difflib, ignoring letter case), for "did you mean"; for ``packages`` the
+        one nearest the first name of ``v`` that is not a choice. None when ``v`` is admitted, nothing is near
+        enough, or the domain holds no names. Raises nothing."""
+        if self.kind not in ("choice", "packages") or not isinstance(v, str) or self.admits(v):
+            return None
+        names = [p.strip() for p in v.split(",") if p.strip()] if self.kind == "packages" else [v.strip()]
+        lowered = [c.lower() for c in self.choices]
+        for name in names:
+            if name.lower() in lowered:
+                continue
+            near = difflib.get_close_matches(name.lower(), lowered, n=1, cutoff=0.6)
+            return self.choices[lowered.index(near[0])] if near else None
+        return None
 
     def _choices(self) -> tuple[str, ...]:
         return tuple(c.lower() for c in self.choices) if self.any_case or self.kind == "packages" else self.choices

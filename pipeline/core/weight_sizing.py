@@ -64,13 +64,15 @@ def check_weights_fit(model: Any, num_layers: int, dtype: str, *, device_free: i
     ``device_free`` / ``host_free``: bytes free now on the device and the host (0 = unknown: that side is not
     checked); ``on_host``: the device is the host (CPU), so weights and reference share ``host_free``. The
     error names ``num_layers`` (its value), the bytes needed and the limit, and as remedy the largest
-    ``--num-layers`` that fits (or, when not even one layer does, a smaller model or more free memory).
+    ``--num-layers`` that fits the free memory less :func:`~pipeline.core.pool_sizing.remedy_margin` (or, when
+    not even one layer does, a smaller model or more free memory).
     """
-    from pipeline.core.pool_sizing import POOL_MEMORY_SHARE
+    from pipeline.core.pool_sizing import POOL_MEMORY_SHARE, remedy_available
     from pipeline.core.spec import attention_layer_ids
 
-    def fits(n: int) -> tuple[bool, str]:
+    def fits(n: int, spare: bool = False) -> tuple[bool, str]:
         own, ref = weight_bytes(model, n, dtype)
+        device_free, host_free = (remedy_available(d_free), remedy_available(h_free)) if spare else (d_free, h_free)
         if on_host:
             limit = int(host_free * POOL_MEMORY_SHARE)
             return (not host_free or own + ref <= limit,
@@ -85,19 +87,21 @@ def check_weights_fit(model: Any, num_layers: int, dtype: str, *, device_free: i
                            f"bytes free; {POOL_MEMORY_SHARE:.0%} of that is {hlim} bytes")
         return True, ""
 
+    d_free, h_free = device_free, host_free
     ok, why = fits(num_layers)
     if ok:
         return
     lo, hi = 0, min(num_layers, len(attention_layer_ids(model)))  # largest n in [1, hi) that fits: binary search
     while lo + 1 < hi:
         mid = (lo + hi) // 2
-        if fits(mid)[0]:
+        if fits(mid, spare=True)[0]:
             lo = mid
         else:
             hi = mid
     remedy = (f"pass --num-layers {lo} or fewer (the most attention layers whose weights fit; sizes scale with "
               "the layer count)" if lo >= 1 else
-              "free memory on the device and the host, or use a smaller model: not even one attention layer fits")
+              "free memory on the device and the host, or use a smaller model: not even one attention layer fits "
+              "with a margin for free memory that moves between runs")
     raise ConfigError(f"{num_layers} attention layers need {why}", code="weights_exceed_memory",
                       state="load-model", flags=[("num_layers", num_layers)],
                       allowed=[f"num_layers <= {lo}" if lo >= 1 else "a model whose one layer fits"], remedy=remedy)

@@ -30,6 +30,7 @@ def parse_device(device: str) -> tuple[str, int]:
 
 _VENDOR = {"musa": ("pipeline.platforms.musa", "MusaPlatform"), "npu": ("pipeline.platforms.npu", "NpuPlatform"),
            "xpu": ("pipeline.platforms.xpu", "XpuPlatform")}
+PLATFORM_TYPES = ("cpu", "cuda", *_VENDOR)  # the device types with an attn-setup platform
 
 
 def platform_for(device: str) -> Platform:
@@ -109,12 +110,15 @@ def device_unavailable(device: str, why: str, install: str = "") -> ConfigError:
     """The ``device_unavailable`` ConfigError for ``device`` (as the user wrote it): ``why`` it cannot be used,
     ``allowed`` the devices usable on this machine and, in the message, why each other device type is not
     (:func:`device_survey`) — so ``--device npu`` on a CPU-only host never lists ``cuda`` as allowed. The remedy
-    picks a usable device; ``install`` names the plugin that would make ``device`` usable."""
+    picks a usable device; ``install`` names the plugin that would make ``device`` usable; for a device type with no
+    platform (``mps``) it names the types that have one (:data:`PLATFORM_TYPES`). Raises nothing (returns it)."""
     usable, not_here = device_survey()
     kind = device.partition(":")[0]
     others = ", ".join(f"{k} ({w})" for k, w in not_here.items() if k != kind)
     where = f"install torch with its {install} plugin on a machine with that accelerator" if install else \
         "run on a machine with that accelerator and its torch plugin"
+    if kind not in PLATFORM_TYPES:  # no platform at all: no machine or plugin would make it usable
+        where = f"use a device type attn-setup supports ({', '.join(PLATFORM_TYPES)}) on a machine that has it"
     return ConfigError(
         f"{device} cannot be used: {why}. Usable on this machine: {', '.join(usable)}"
         + (f". Not usable here: {others}" if others else ""),

@@ -15,7 +15,8 @@ import msgspec
 from pipeline.core import events as ev
 from pipeline.core.dtypes import kv_dtype
 from pipeline.core.errors import ConfigError
-from pipeline.core.pool_sizing import available_bytes, budget_from_fraction, check_fits, check_mem_fraction, size_pools
+from pipeline.core.pool_sizing import (POOL_MEMORY_SHARE, available_bytes, budget_from_fraction, check_fits,
+                                        check_mem_fraction, remedy_available, size_pools)
 
 
 def served_field(req: Any, spec: Any) -> dict[str, Any]:
@@ -82,19 +83,26 @@ def graph_reserve_bytes(r: Any, spec: Any) -> int:
     return 0 if est is None else est.total_bytes
 
 
-def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0) -> Any:
+def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0, spare: bool = False) -> Any:
     """:func:`decide_pools`' sizing for ``cfg`` (a RunnerConfig, its ``mem_fraction`` already checked) and the
     built ``spec`` on ``platform``'s device ``index``; nothing is allocated. Raises the sizing's ConfigError.
     ``config.min_token_slots`` binds every pool not sized from a share of memory (the default slots too, so a
     ``--num-token-slots`` remedy is enough when followed). ``graph_reserve``: the decode graphs' estimated bytes
     (:func:`graph_reserve_bytes`), out of a ``mem_fraction`` budget and counted against free memory
-    (:func:`pipeline.core.pool_sizing.size_pools`)."""
+    (:func:`pipeline.core.pool_sizing.size_pools`). ``spare``: check against the free memory less
+    :func:`~pipeline.core.pool_sizing.remedy_margin` (what a remedy is sized for). A ``--mem-bytes`` above the
+    device's total is a ConfigError (``invalid_value``) naming a value that fits."""
     req = cfg.request
     p, facts = req.pool, platform.device_facts(index)
     if cfg.mem_bytes is not None and facts.total_memory_bytes and cfg.mem_bytes > facts.total_memory_bytes:
+        fit = min(int(remedy_available(available_bytes(platform, index)) * POOL_MEMORY_SHARE) - graph_reserve,
+                  facts.total_memory_bytes)
         raise ConfigError(f"--mem-bytes {cfg.mem_bytes} exceeds the device's {facts.total_memory_bytes} bytes",
                           code="invalid_value", flags=[("mem_bytes", cfg.mem_bytes)],
-                          allowed=[f"<= {facts.total_memory_bytes}"], remedy="lower --mem-bytes or use --mem-fraction")
+                          allowed=[f"<= {facts.total_memory_bytes}"],
+                          remedy=(f"pass --mem-bytes {fit} or less (what fits the memory free now, with a margin), "
+                                  "or use --mem-fraction" if fit > 0 else
+                                  "free memory on the device, or drop --mem-bytes"))
     budget, source, total, allocated = cfg.mem_bytes, "bytes", 0, platform.memory_allocated(index)
     if cfg.num_token_slots is None and budget is None and cfg.mem_fraction is not None:
         total = facts.total_memory_bytes
@@ -107,20 +115,21 @@ def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int 
                    budget_bytes=budget, source=source,
                    mem_fraction=cfg.mem_fraction, min_slots=floor, min_slots_for=cfg.min_token_slots_for,
                    graph_reserve_bytes=graph_reserve)
-    check_fits(s, available_bytes(platform, index), device=platform.torch_device(index), total_bytes=total,
+    avail = available_bytes(platform, index)
+    check_fits(s, remedy_available(avail) if spare else avail, device=platform.torch_device(index), total_bytes=total,
                allocated_bytes=allocated, mem_fraction=cfg.mem_fraction)
     return s
 
 
 def fraction_remedy(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0) -> str:
     """A ``--mem-fraction`` remedy that is true on this device: the largest share (in hundredths, up to 0.9) whose
-    pools both hold ``cfg.min_token_slots`` and fit its free memory (:func:`size_for`, sizing only — nothing is
-    allocated), or, when none does, the default sizing (drop the flag)."""
+    pools both hold ``cfg.min_token_slots`` and fit its free memory less a margin (:func:`size_for` with ``spare``,
+    sizing only — nothing is allocated), or, when none does, the default sizing (drop the flag)."""
     import dataclasses
 
     for pct in range(90, 0, -1):
         try:
-            size_for(platform, index, dataclasses.replace(cfg, mem_fraction=pct / 100), spec, graph_reserve)
+            size_for(platform, index, dataclasses.replace(cfg, mem_fraction=pct / 100), spec, graph_reserve, spare=True)
         except ConfigError:
             continue
         return (f"pass --mem-fraction {pct / 100:g} or less (the largest share of this device's memory whose "

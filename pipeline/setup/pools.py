@@ -8,7 +8,8 @@ from typing import Any
 
 from pipeline.core.dtypes import kv_dtype
 from pipeline.core.errors import ConfigError
-from pipeline.core.pool_sizing import POOL_MEMORY_SHARE, PoolSizing, available_bytes, check_fits, kv_bytes_per_token
+from pipeline.core.pool_sizing import POOL_MEMORY_SHARE, PoolSizing, available_bytes, check_fits, kv_bytes_per_token, \
+    remedy_available
 from pipeline.platforms import parse_device
 from pipeline.setup.context import SetupContext
 
@@ -18,7 +19,8 @@ GIVEN_POOLS_REMEDY = ("build the pools from the same sizes as the SetupRequest's
 
 def check_workspace_memory(ctx: SetupContext, d: Any) -> None:
     """Refuse planned workspaces larger than :data:`POOL_MEMORY_SHARE` of the device's free memory (ConfigError
-    ``workspace_exceeds_memory`` naming the setting that sized them and a size that fits)."""
+    ``workspace_exceeds_memory`` naming the setting that sized them and a size that fits the free memory less
+    :func:`~pipeline.core.pool_sizing.remedy_margin`)."""
     plan = d.plan
     total = sum(ws.bytes for ws in plan.workspaces)
     avail = available_bytes(ctx.platform, parse_device(ctx.request.device)[1]) if total else 0
@@ -27,11 +29,12 @@ def check_workspace_memory(ctx: SetupContext, d: Any) -> None:
     s = max(d.settings, key=lambda s: s.value) if d.settings else None  # the setting that sized the workspaces
     name = "workspace_bytes" if s is None else (s.env_var if s.source == "env" and s.env_var else s.field)
     per_ws = int(avail * POOL_MEMORY_SHARE) // max(len(plan.workspaces), 1)
+    fit = int(remedy_available(avail) * POOL_MEMORY_SHARE) // max(len(plan.workspaces), 1)  # with a margin
     raise ConfigError(f"the planned workspaces need {total} bytes but {ctx.torch_device} has {avail} bytes free "
                       f"({POOL_MEMORY_SHARE:.0%} of it may be used)", code="workspace_exceeds_memory",
                       flags=[(name, None if s is None else s.value), ("workspaces", len(plan.workspaces)),
                              ("available_bytes", avail)],
-                      allowed=[f"<= {per_ws} bytes per workspace"], remedy=f"set {name} to {per_ws} or less")
+                      allowed=[f"<= {per_ws} bytes per workspace"], remedy=f"set {name} to {fit} or less")
 
 
 def check_pools_fit(ctx: SetupContext) -> None:

@@ -1,7 +1,7 @@
 """Re-creates the generated ``p2adv_*`` flag cases of cases.json (issue 14, second pass): every integer / number
 flag of ``plan`` and ``run`` (run's own ones; the shared ones through plan) with values argparse cannot convert,
 with a value that starts with '-' (must be attached: ``--flag=VALUE``) and with no value. Each must be exit 2
-naming the flag in the ErrorInfo's ``flags``: ``invalid_value`` for a value the flag's domain refuses
+naming the flag in the ErrorInfo's ``flags``: ``out_of_domain`` for a value the flag's domain refuses
 (:mod:`pipeline.cli.domains`), ``usage`` for a value missing or detached. Run from the repository root: ``python3
 tests/data/bad_inputs/gen_flag_cases.py`` (rewrites cases.json in place, keeping every other case)."""
 
@@ -29,7 +29,7 @@ def generated() -> list[dict]:
                 if a.type is float and vn in ("decimal", "exp", "nan"):  # numbers to a float flag
                     continue
                 out.append({"name": f"{stem}_{vn}", "command": cmd, "argv": [flag, v], "exit": 2,
-                            "code": "invalid_value", "flag": flag})
+                            "code": "out_of_domain", "flag": flag})
             out.append({"name": f"{stem}_dash_value", "command": cmd, "argv": [flag, "-x"], "exit": 2,
                         "code": "usage", "flag": flag, "remedy_has": flag + "=VALUE"})
             out.append({"name": f"{stem}_missing_value", "command": cmd, "argv": [flag], "exit": 2, "code": "usage",
