@@ -28,7 +28,7 @@ un-absorbed so that it still checks the absorption.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -38,12 +38,21 @@ from pipeline.runtime.reference import reference_attention
 __all__ = ["reference_forward_rounded"]
 
 
-def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor,
-                              kv_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dtype: Optional[torch.dtype] = None,
+                              stored_kv: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None,
+                              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One request's whole sequence [L, hidden_size] through ``stack`` in float64, rounded like the stack.
 
     ``hidden``: [L, hidden_size], any float dtype (the tokens' inputs in order, positions ``0..L-1``).
     ``kv_dtype``: a cache dtype narrower than the stack's (fp8): K/V are rounded through it too.
+    ``stored_kv``: per layer of the stack, the K [L, Hkv, D] and V [L, Hkv, Dv] the KV pool holds for this
+    request, dequantized (MLA: the latent K ``[c_kv, k_rope]``; its V is ignored). When given, each layer
+    attends over those values instead of its own recomputation of K/V: the attention under test is judged
+    over exactly what it read. A recomputed K lands on a neighbouring step of the cache dtype wherever
+    float64 and the stack's GEMM round differently (about one element in a thousand in bf16), and a query
+    whose softmax is concentrated on such a key amplifies that one step (0.85 of a head's weight on one key
+    gave 2.1e-2 at decode#129, :mod:`pipeline.runtime.model_steps`); the number of such keys grows with the
+    context, so without this the error of a right backend grew with the decode length.
     Returns the float64 output [L, hidden_size] on CPU and the aux hidden states (float64, one
     [L, hidden_size] per configured aux layer), like :func:`pipeline.runtime.model.reference_forward`.
     For a float32 stack the roundings are to float32 (a no-op at the tolerance used, 1e-4).
@@ -77,7 +86,10 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor,
             q = r(x @ w["q"].T).reshape(n, L.num_heads, -1)
             lat = r(x @ w["dkv"].T)
             c = cached(rms(lat[:, : m.kv_lora_rank]))
-            k_rope = cached(_rope_complex(lat[:, None, m.kv_lora_rank:], pos, theta)).expand(n, L.num_heads, -1)
+            k_rope = cached(_rope_complex(lat[:, None, m.kv_lora_rank:], pos, theta))
+            if stored_kv is not None:
+                c, k_rope = stored_kv[idx][0][:, 0, : m.kv_lora_rank], stored_kv[idx][0][:, :, m.kv_lora_rank:]
+            k_rope = k_rope.expand(n, L.num_heads, -1)
             q_rope = r(_rope_complex(q[..., m.qk_nope_head_dim:], pos, theta))
             qq = torch.cat([q[..., : m.qk_nope_head_dim], q_rope], -1)
             kk = torch.cat([torch.einsum("lc,hnc->lhn", c, w["uk"]), k_rope], dim=-1)
@@ -88,6 +100,8 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor,
             qq = r(_rope_complex(q.reshape(n, L.num_heads, d), pos, theta))
             kk = cached(_rope_complex(k.reshape(n, hkv, d), pos, theta))
             vv = cached(v.reshape(n, hkv, d))
+            if stored_kv is not None:
+                kk, vv = stored_kv[idx]
         o = reference_attention(qq, kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
                                 softcap=L.logit_softcap, sinks=None if L.sinks is None else f(L.sinks),
                                 chunk=L.attention_chunk_size)
