@@ -222,9 +222,8 @@ def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: st
     (value None), as :func:`pipeline.core.validation.check_size` names a variable — the minimum this backend can
     use (``needed_bytes``: the bytes its largest planned batch needs, and the kernel path that needs them) and
     the remedy: set the field or the variable to at least that, or ``graph_fix`` (a change to the captured batch
-    sizes that fits ``size_bytes``) when given. When the need exceeds the largest size either takes
-    (:data:`pipeline.core.validation.MAX_BYTES`, 2**48), a larger size is never suggested — following it would
-    only be refused as out of range — and the remedy is ``graph_fix`` alone.
+    sizes that fits ``size_bytes``) when given — only ``graph_fix`` when the need exceeds the largest size
+    either takes (:data:`~pipeline.core.validation.MAX_BYTES`, 2**48): a larger size would be refused.
     """
     if size_bytes >= need.bytes:
         return
@@ -279,8 +278,8 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
     largest captured decode batch (:func:`states.graphs.graph_max_bs`, 0 without graphs);
     ``graph_bs_given``: the sizes came from ``cuda_graph_bs`` (so the remedy names that list).
     When only the graph term is too large and a smaller largest captured batch fits, the remedy
-    names that size. ``env_var``: the environment variable the size came from ("" when the field or the
-    default set it), named by the error. Raises ConfigError ``workspace_too_small``.
+    names that size (and the size it needs when none the field takes fits). ``env_var``: the environment
+    variable the size came from ("" when the field or the default set it). Raises ``workspace_too_small``.
     """
     shapes = shapes_of(kinds)
     kw = dict(num_sms=max(num_sms, 1), max_batch_size=max_reqs, prefill_backend="fa3" if backend == "fa3" else "fa2")
@@ -289,13 +288,12 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
         return
     fits = _largest_fitting_bs(lambda bs: workspace_need(shapes, cuda_graph_max_bs=bs, **kw).bytes <= size_bytes,
                                min(graph_max_bs, max_reqs) - 1)
-    fix = ""
-    if fits is not None:
-        fix = (f"use only sizes up to {fits} in cuda_graph_bs" if graph_bs_given
-               else f"set cuda_graph_max_bs={fits}")
-    elif need.bytes > MAX_BYTES:  # no size the flag takes fits: a smaller largest captured batch with a size that does
-        fits = _largest_fitting_bs(lambda bs: workspace_need(shapes, cuda_graph_max_bs=bs, **kw).bytes <= MAX_BYTES,
-                                   min(graph_max_bs, max_reqs) - 1)
-        if fits is not None and not graph_bs_given:
-            fix = f"set cuda_graph_max_bs={fits} and {WORKSPACE_FIELD}={workspace_need(shapes, cuda_graph_max_bs=fits, **kw).bytes}"
+    fix = "" if fits is None else (f"use only sizes up to {fits} in cuda_graph_bs" if graph_bs_given
+                                   else f"set cuda_graph_max_bs={fits}")
+    if not fix and need.bytes > MAX_BYTES and (fits := _largest_fitting_bs(  # none fits: a smaller graph batch
+            lambda bs: workspace_need(shapes, cuda_graph_max_bs=bs, **kw).bytes <= MAX_BYTES,
+            min(graph_max_bs, max_reqs) - 1)) is not None:
+        at = f"{WORKSPACE_FIELD}={workspace_need(shapes, cuda_graph_max_bs=fits, **kw).bytes}"
+        fix = (f"use only sizes up to {fits} in cuda_graph_bs and set {at}" if graph_bs_given
+               else f"set cuda_graph_max_bs={fits} and {at}")
     check_workspace_size(size_bytes, need, state=state, graph_fix=fix, env_var=env_var)

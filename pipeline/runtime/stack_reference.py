@@ -33,14 +33,21 @@ from typing import Optional, Sequence
 import torch
 
 from pipeline.runtime.model import EPS, AttentionStack, _rope_complex
-from pipeline.runtime.reference import reference_attention
+from pipeline.runtime.reference import reference_attention, rel_err
 
 __all__ = ["reference_forward_rounded"]
 
 
+def _note(errs: Optional[list[float]], k: torch.Tensor, k_ref: torch.Tensor, v: Optional[torch.Tensor],
+          v_ref: Optional[torch.Tensor]) -> None:
+    """Append the worse of ``rel_err(k, k_ref)`` and ``rel_err(v, v_ref)`` to ``errs`` (when given)."""
+    if errs is not None:
+        errs.append(max(rel_err(k, k_ref), 0.0 if v is None else rel_err(v, v_ref)))
+
+
 def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dtype: Optional[torch.dtype] = None,
                               stored_kv: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None,
-                              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                              kv_errs: Optional[list[float]] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One request's whole sequence [L, hidden_size] through ``stack`` in float64, rounded like the stack.
 
     ``hidden``: [L, hidden_size], any float dtype (the tokens' inputs in order, positions ``0..L-1``).
@@ -52,7 +59,9 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dt
     float64 and the stack's GEMM round differently (about one element in a thousand in bf16), and a query
     whose softmax is concentrated on such a key amplifies that one step (0.85 of a head's weight on one key
     gave 2.1e-2 at decode#129, :mod:`pipeline.runtime.model_steps`); the number of such keys grows with the
-    context, so without this the error of a right backend grew with the decode length.
+    context, so without this the error of a right backend grew with the decode length. ``kv_errs``: a list that
+    receives, per layer, ``max|stored - recomputed| / max|recomputed|`` over K and V — the check that the pool
+    holds what the stack computed (a write to the wrong slot is O(1); a right one is within a step of the dtype).
     Returns the float64 output [L, hidden_size] on CPU and the aux hidden states (float64, one
     [L, hidden_size] per configured aux layer), like :func:`pipeline.runtime.model.reference_forward`.
     For a float32 stack the roundings are to float32 (a no-op at the tolerance used, 1e-4).
@@ -88,6 +97,7 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dt
             c = cached(rms(lat[:, : m.kv_lora_rank]))
             k_rope = cached(_rope_complex(lat[:, None, m.kv_lora_rank:], pos, theta))
             if stored_kv is not None:
+                _note(kv_errs, stored_kv[idx][0], torch.cat([c[:, None], k_rope], -1), None, None)
                 c, k_rope = stored_kv[idx][0][:, 0, : m.kv_lora_rank], stored_kv[idx][0][:, :, m.kv_lora_rank:]
             k_rope = k_rope.expand(n, L.num_heads, -1)
             q_rope = r(_rope_complex(q[..., m.qk_nope_head_dim:], pos, theta))
@@ -101,6 +111,7 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dt
             kk = cached(_rope_complex(k.reshape(n, hkv, d), pos, theta))
             vv = cached(v.reshape(n, hkv, d))
             if stored_kv is not None:
+                _note(kv_errs, stored_kv[idx][0], kk, stored_kv[idx][1], vv)
                 kk, vv = stored_kv[idx]
         o = reference_attention(qq, kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
                                 softcap=L.logit_softcap, sinks=None if L.sinks is None else f(L.sinks),
