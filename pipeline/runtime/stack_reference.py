@@ -24,6 +24,12 @@ MHA/GQA: ``r(rms(h))``, ``r(x @ Wqkv)``, ``r(rope(q))``, ``r(rope(k))``, the KV 
 ``r(rms(c_kv))``, ``r(rope(k_rope))``, ``r(rope(q_rope))``, ``r(o · W_UV)``, ``r(o @ Wo)`` —
 the absorbed query ``q_nope · W_UK`` and the latent output are not rounded: the reference stays
 un-absorbed so that it still checks the absorption.
+
+Stored K/V (``stored_kv``): a recomputed K lands on a neighbouring step of the cache dtype wherever float64
+and the stack's GEMM round differently (about one element in a thousand in bf16), and a query whose softmax
+sits on such a key amplifies that one step (0.85 of a head's weight on one key gave 2.1e-2 at decode#129);
+the number of such keys grows with the context. Attending over what the pool holds removes that, while
+``kv_errs`` still checks that the pool holds what the stack computed.
 """
 
 from __future__ import annotations
@@ -48,25 +54,12 @@ def _note(errs: Optional[list[float]], k: torch.Tensor, k_ref: torch.Tensor, v: 
 def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dtype: Optional[torch.dtype] = None,
                               stored_kv: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None,
                               kv_errs: Optional[list[float]] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One request's whole sequence [L, hidden_size] through ``stack`` in float64, rounded like the stack.
+    """One request's sequence ``hidden`` [L, hidden_size] (positions ``0..L-1``) through ``stack`` in float64,
+    rounded like the stack; returns the output [L, hidden_size] and the aux states (float64, CPU).
 
-    ``hidden``: [L, hidden_size], any float dtype (the tokens' inputs in order, positions ``0..L-1``).
-    ``kv_dtype``: a cache dtype narrower than the stack's (fp8): K/V are rounded through it too.
-    ``stored_kv``: per layer of the stack, the K [L, Hkv, D] and V [L, Hkv, Dv] the KV pool holds for this
-    request, dequantized (MLA: the latent K ``[c_kv, k_rope]``; its V is ignored). When given, each layer
-    attends over those values instead of its own recomputation of K/V: the attention under test is judged
-    over exactly what it read. A recomputed K lands on a neighbouring step of the cache dtype wherever
-    float64 and the stack's GEMM round differently (about one element in a thousand in bf16), and a query
-    whose softmax is concentrated on such a key amplifies that one step (0.85 of a head's weight on one key
-    gave 2.1e-2 at decode#129, :mod:`pipeline.runtime.model_steps`); the number of such keys grows with the
-    context, so without this the error of a right backend grew with the decode length. ``kv_errs``: a list that
-    receives, per layer, ``max|stored - recomputed| / max|recomputed|`` over K and V — the check that the pool
-    holds what the stack computed (a write to the wrong slot is O(1); a right one is within a step of the dtype).
-    Returns the float64 output [L, hidden_size] on CPU and the aux hidden states (float64, one
-    [L, hidden_size] per configured aux layer), like :func:`pipeline.runtime.model.reference_forward`.
-    For a float32 stack the roundings are to float32 (a no-op at the tolerance used, 1e-4).
-    Raises nothing of its own (shape errors come from :func:`pipeline.runtime.reference.reference_attention`).
-    """
+    ``kv_dtype``: a narrower cache dtype to round K/V through; ``stored_kv``: per layer, the dequantized K/V the
+    pool holds (MLA: the latent K), attended over instead; ``kv_errs``: gets ``max|stored - recomputed| /
+    max|recomputed|`` per layer (module docstring). Raises only reference_attention's shape errors."""
     act = stack.dtype
 
     def r(t: torch.Tensor) -> torch.Tensor:
