@@ -24,31 +24,42 @@ MHA/GQA: ``r(rms(h))``, ``r(x @ Wqkv)``, ``r(rope(q))``, ``r(rope(k))``, the KV 
 ``r(rms(c_kv))``, ``r(rope(k_rope))``, ``r(rope(q_rope))``, ``r(o · W_UV)``, ``r(o @ Wo)`` —
 the absorbed query ``q_nope · W_UK`` and the latent output are not rounded: the reference stays
 un-absorbed so that it still checks the absorption.
+
+Stored K/V (``stored_kv``): a recomputed K lands on a neighbouring step of the cache dtype wherever float64
+and the stack's GEMM round differently (about one element in a thousand in bf16), and a query whose softmax
+sits on such a key amplifies that one step (0.85 of a head's weight on one key gave 2.1e-2 at decode#129);
+the number of such keys grows with the context. Attending over what the pool holds removes that, while
+``kv_errs`` still checks that the pool holds what the stack computed.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from pipeline.runtime.model import EPS, AttentionStack, _rope_complex
-from pipeline.runtime.reference import reference_attention
+from pipeline.runtime.reference import reference_attention, rel_err
 
 __all__ = ["reference_forward_rounded"]
 
 
-def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor,
-                              kv_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One request's whole sequence [L, hidden_size] through ``stack`` in float64, rounded like the stack.
+def _note(errs: Optional[list[float]], k: torch.Tensor, k_ref: torch.Tensor, v: Optional[torch.Tensor],
+          v_ref: Optional[torch.Tensor]) -> None:
+    """Append the worse of ``rel_err(k, k_ref)`` and ``rel_err(v, v_ref)`` to ``errs`` (when given)."""
+    if errs is not None:
+        errs.append(max(rel_err(k, k_ref), 0.0 if v is None else rel_err(v, v_ref)))
 
-    ``hidden``: [L, hidden_size], any float dtype (the tokens' inputs in order, positions ``0..L-1``).
-    ``kv_dtype``: a cache dtype narrower than the stack's (fp8): K/V are rounded through it too.
-    Returns the float64 output [L, hidden_size] on CPU and the aux hidden states (float64, one
-    [L, hidden_size] per configured aux layer), like :func:`pipeline.runtime.model.reference_forward`.
-    For a float32 stack the roundings are to float32 (a no-op at the tolerance used, 1e-4).
-    Raises nothing of its own (shape errors come from :func:`pipeline.runtime.reference.reference_attention`).
-    """
+
+def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dtype: Optional[torch.dtype] = None,
+                              stored_kv: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None,
+                              kv_errs: Optional[list[float]] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One request's sequence ``hidden`` [L, hidden_size] (positions ``0..L-1``) through ``stack`` in float64,
+    rounded like the stack; returns the output [L, hidden_size] and the aux states (float64, CPU).
+
+    ``kv_dtype``: a narrower cache dtype to round K/V through; ``stored_kv``: per layer, the dequantized K/V the
+    pool holds (MLA: the latent K), attended over instead; ``kv_errs``: gets ``max|stored - recomputed| /
+    max|recomputed|`` per layer (module docstring). Raises only reference_attention's shape errors."""
     act = stack.dtype
 
     def r(t: torch.Tensor) -> torch.Tensor:
@@ -77,7 +88,11 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor,
             q = r(x @ w["q"].T).reshape(n, L.num_heads, -1)
             lat = r(x @ w["dkv"].T)
             c = cached(rms(lat[:, : m.kv_lora_rank]))
-            k_rope = cached(_rope_complex(lat[:, None, m.kv_lora_rank:], pos, theta)).expand(n, L.num_heads, -1)
+            k_rope = cached(_rope_complex(lat[:, None, m.kv_lora_rank:], pos, theta))
+            if stored_kv is not None:
+                _note(kv_errs, stored_kv[idx][0], torch.cat([c[:, None], k_rope], -1), None, None)
+                c, k_rope = stored_kv[idx][0][:, 0, : m.kv_lora_rank], stored_kv[idx][0][:, :, m.kv_lora_rank:]
+            k_rope = k_rope.expand(n, L.num_heads, -1)
             q_rope = r(_rope_complex(q[..., m.qk_nope_head_dim:], pos, theta))
             qq = torch.cat([q[..., : m.qk_nope_head_dim], q_rope], -1)
             kk = torch.cat([torch.einsum("lc,hnc->lhn", c, w["uk"]), k_rope], dim=-1)
@@ -88,6 +103,9 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor,
             qq = r(_rope_complex(q.reshape(n, L.num_heads, d), pos, theta))
             kk = cached(_rope_complex(k.reshape(n, hkv, d), pos, theta))
             vv = cached(v.reshape(n, hkv, d))
+            if stored_kv is not None:
+                _note(kv_errs, stored_kv[idx][0], kk, stored_kv[idx][1], vv)
+                kk, vv = stored_kv[idx]
         o = reference_attention(qq, kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
                                 softcap=L.logit_softcap, sinks=None if L.sinks is None else f(L.sinks),
                                 chunk=L.attention_chunk_size)
