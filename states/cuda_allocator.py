@@ -54,6 +54,7 @@ class PoolModel:
         self._next_seg = 0
         self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # small? -> (size, seg, off)
         self._blocks: dict[tuple[int, int], tuple[int, bool, bool]] = {}  # (seg, off) -> (size, small, free)
+        self._free_ends: dict[tuple[int, int], int] = {}  # (seg, end) -> off of the free block ending there
 
     @staticmethod
     def round_size(nbytes: int) -> int:
@@ -77,6 +78,7 @@ class PoolModel:
         i = bisect.bisect_left(free, (size, -1, -1))
         if i < len(free):
             bsize, seg, off = free.pop(i)
+            del self._free_ends[(seg, off + bsize)]
         else:
             bsize, seg, off = self.segment_size(size), self._next_seg, 0
             self._next_seg += 1
@@ -84,6 +86,7 @@ class PoolModel:
         rest = bsize - size
         if (rest >= K_MIN_BLOCK) if small else (rest > K_SMALL_SIZE):
             self._blocks[(seg, off + size)] = (rest, small, True)
+            self._free_ends[(seg, off + bsize)] = off + size
             bisect.insort(free, (rest, seg, off + size))
             bsize = size
         self._blocks[(seg, off)] = (bsize, small, False)
@@ -97,15 +100,18 @@ class PoolModel:
         if nxt is not None and nxt[2]:
             self._take_free(seg, off + size)
             size += nxt[0]
-        prev = next(((o, b) for (s, o), b in self._blocks.items() if s == seg and b[2] and o + b[0] == off), None)
+        prev = self._free_ends.get((seg, off))   # a free block ending where this one starts
         if prev is not None:
-            self._take_free(seg, prev[0])
-            off, size = prev[0], size + prev[1][0]
+            psize = self._blocks[(seg, prev)][0]
+            self._take_free(seg, prev)
+            off, size = prev, size + psize
         self._blocks[(seg, off)] = (size, small, True)
+        self._free_ends[(seg, off + size)] = off
         bisect.insort(self._free[small], (size, seg, off))
 
     def _take_free(self, seg: int, off: int) -> None:
         size, small, _ = self._blocks.pop((seg, off))
+        del self._free_ends[(seg, off + size)]
         self._free[small].remove((size, seg, off))
 
 

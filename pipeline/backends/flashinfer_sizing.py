@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from pipeline.core.errors import ConfigError
-from pipeline.core.validation import MAX_BYTES
 
 MiB = 1 << 20
 DEFAULT_WORKSPACE_BYTES = 384 * MiB
@@ -222,29 +221,29 @@ def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: st
     (value None), as :func:`pipeline.core.validation.check_size` names a variable — the minimum this backend can
     use (``needed_bytes``: the bytes its largest planned batch needs, and the kernel path that needs them) and
     the remedy: set the field or the variable to at least that, or ``graph_fix`` (a change to the captured batch
-    sizes that fits ``size_bytes``) when given — only ``graph_fix`` when the need exceeds the largest size
-    either takes (:data:`~pipeline.core.validation.MAX_BYTES`, 2**48): a larger size would be refused.
+    sizes that fits ``size_bytes``) when given.
     """
     if size_bytes >= need.bytes:
         return
     worst = max(need.parts, key=need.parts.get) if need.parts else "plan"
-    flags = [(env_var, size_bytes), (field_name, None)] if env_var else [(field_name, size_bytes)]
-    if need.bytes > MAX_BYTES:  # no size the field or the variable takes fits: never suggest one
-        msg, allowed = (f"the largest planned batch needs a FlashInfer workspace of {need.bytes} bytes ({worst}), more "
-                        f"than the largest size {field_name} or {WORKSPACE_ENV} takes ({MAX_BYTES})",
-                        f"a plan that needs at most {MAX_BYTES} bytes")
-        remedy = graph_fix or "lower max_reqs or cuda_graph_max_bs until the largest planned batch fits"
-    else:
-        msg = (f"environment variable {env_var}={size_bytes} sets a FlashInfer workspace smaller than the "
-               f"{need.bytes} bytes the largest planned batch needs ({worst}): the least this backend can use here"
-               if env_var else f"the FlashInfer workspace of {size_bytes} bytes is smaller than the {need.bytes} "
-               f"bytes the largest planned batch needs ({worst})")
-        allowed = f">= {need.bytes}"
-        remedy = (f"set {env_var} to at least {need.bytes}" if env_var
-                  else f"set {field_name} (or {WORKSPACE_ENV}) to at least {need.bytes}")
-        remedy += f", or {graph_fix}" if graph_fix else ""
-    raise ConfigError(msg, code="workspace_too_small", state=state, flags=flags + [("needed_bytes", need.bytes)],
-                      allowed=[allowed], remedy=remedy)
+    if env_var:
+        raise ConfigError(
+            f"environment variable {env_var}={size_bytes} sets a FlashInfer workspace smaller than the {need.bytes} "
+            f"bytes the largest planned batch needs ({worst}): the least this backend can use here",
+            code="workspace_too_small", state=state,
+            flags=[(env_var, size_bytes), (field_name, None), ("needed_bytes", need.bytes)],
+            allowed=[f">= {need.bytes}"],
+            remedy=f"set {env_var} to at least {need.bytes}" + (f", or {graph_fix}" if graph_fix else ""),
+        )
+    raise ConfigError(
+        f"the FlashInfer workspace of {size_bytes} bytes is smaller than the {need.bytes} bytes the "
+        f"largest planned batch needs ({worst})",
+        code="workspace_too_small", state=state,
+        flags=[(field_name, size_bytes), ("needed_bytes", need.bytes)],
+        allowed=[f">= {need.bytes}"],
+        remedy=f"set {field_name} (or {WORKSPACE_ENV}) to at least {need.bytes}"
+               + (f", or {graph_fix}" if graph_fix else ""),
+    )
 
 
 def shapes_of(kinds: Iterable[Any]) -> list[HeadShape]:
@@ -278,8 +277,8 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
     largest captured decode batch (:func:`states.graphs.graph_max_bs`, 0 without graphs);
     ``graph_bs_given``: the sizes came from ``cuda_graph_bs`` (so the remedy names that list).
     When only the graph term is too large and a smaller largest captured batch fits, the remedy
-    names that size (and the size it needs when none the field takes fits). ``env_var``: the environment
-    variable the size came from ("" when the field or the default set it). Raises ``workspace_too_small``.
+    names that size. ``env_var``: the environment variable the size came from ("" when the field or the
+    default set it), named by the error. Raises ConfigError ``workspace_too_small``.
     """
     shapes = shapes_of(kinds)
     kw = dict(num_sms=max(num_sms, 1), max_batch_size=max_reqs, prefill_backend="fa3" if backend == "fa3" else "fa2")
@@ -288,12 +287,8 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
         return
     fits = _largest_fitting_bs(lambda bs: workspace_need(shapes, cuda_graph_max_bs=bs, **kw).bytes <= size_bytes,
                                min(graph_max_bs, max_reqs) - 1)
-    fix = "" if fits is None else (f"use only sizes up to {fits} in cuda_graph_bs" if graph_bs_given
-                                   else f"set cuda_graph_max_bs={fits}")
-    if not fix and need.bytes > MAX_BYTES and (fits := _largest_fitting_bs(  # none fits: a smaller graph batch
-            lambda bs: workspace_need(shapes, cuda_graph_max_bs=bs, **kw).bytes <= MAX_BYTES,
-            min(graph_max_bs, max_reqs) - 1)) is not None:
-        at = f"{WORKSPACE_FIELD}={workspace_need(shapes, cuda_graph_max_bs=fits, **kw).bytes}"
-        fix = (f"use only sizes up to {fits} in cuda_graph_bs and set {at}" if graph_bs_given
-               else f"set cuda_graph_max_bs={fits} and {at}")
+    fix = ""
+    if fits is not None:
+        fix = (f"use only sizes up to {fits} in cuda_graph_bs" if graph_bs_given
+               else f"set cuda_graph_max_bs={fits}")
     check_workspace_size(size_bytes, need, state=state, graph_fix=fix, env_var=env_var)
