@@ -11,7 +11,6 @@ package it needs. Refusals carry their fixes as data (``err.fixes``; a :class:`S
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import msgspec
@@ -19,6 +18,7 @@ import msgspec
 from pipeline.backends import registry
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec
 from pipeline.core.errors import ConfigError
+from pipeline.core.type_checks import nearest_name
 from states.capability_check import Reason, reasons_with_flags
 from states.fallback import StrictRefusal, assignments, one_of
 
@@ -187,12 +187,9 @@ def suggest(name: str, ctx: Remedies) -> tuple[Optional[str], str]:
     Matched over every name attn-setup knows — registered (installed or not) and sglang's that it
     does not implement — case-insensitively, with difflib's ratio (cutoff 0.6).
     """
-    known = registry.known_names()
-    lower = {k.lower(): k for k in known}
-    hit = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.6)
-    if not hit:
+    best = nearest_name(name, registry.known_names())
+    if best is None:
         return None, ""
-    best = lower[hit[0]]
     note = f"did you mean {best!r}?"
     if best in registry.KNOWN_UNAVAILABLE:
         return best, f"{note} (sglang's {registry.KNOWN_UNAVAILABLE[best]}, which attn-setup does not implement)"

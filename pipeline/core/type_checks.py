@@ -23,6 +23,14 @@ DEVICE_ALLOWED = ("auto", "cpu", "cuda[:N]", "musa[:N]", "npu[:N]", "xpu[:N]",
                   "any letter case (CUDA:0 = cuda:0)", "gpu[:N] = cuda[:N]")
 
 
+def nearest_name(name: str, known: Any) -> Optional[str]:
+    """The name in ``known`` nearest ``name`` for a "did you mean": difflib's ratio over lower-cased names (cutoff
+    0.6), returned as spelled in ``known``; None when nothing is near enough. Raises nothing."""
+    lower = {k.lower(): k for k in known}
+    hit = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.6)
+    return lower[hit[0]] if hit else None
+
+
 @dataclass(frozen=True)
 class DeviceSpelling:
     """A device as written and as meant: ``canonical`` (``cuda:0``) and ``spelled_as`` (``CUDA:0``, None when
@@ -118,10 +126,8 @@ class Domain:
         names = [p.strip() for p in v.split(",") if p.strip()] if self.kind == "packages" else [v.strip()]
         lowered = [c.lower() for c in self.choices]
         for name in names:
-            if name.lower() in lowered:
-                continue
-            near = difflib.get_close_matches(name.lower(), lowered, n=1, cutoff=0.6)
-            return self.choices[lowered.index(near[0])] if near else None
+            if name.lower() not in lowered:
+                return nearest_name(name, self.choices)
         return None
 
     def _choices(self) -> tuple[str, ...]:
