@@ -8,6 +8,7 @@ float64 verification copy on the host: the run is refused (exit 3) before any de
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import re
@@ -31,6 +32,7 @@ def _run(*args: str) -> tuple[int, dict]:
 
 
 def test_deepseek_v3_all_layers_refused_before_allocation_and_remedy_runs(tmp_path):
+    gc.collect()  # earlier tests' unreachable tensors, which run's own collection would free mid-measurement
     before = torch.cuda.memory_allocated(0)
     model = str(CONFIGS / "deepseek-v3.json")
     code, out = _run("--model", model, "--num-layers", "61", "--log-file", str(tmp_path / "a.jsonl"))
