@@ -45,12 +45,14 @@ class DecodeConfig:
     ``block_n``: keys per tile; ``block_n_single``: keys per tile when the batch alone fills the GPU
     (split cap 1: long sequential loops); ``split_min``: fewest keys per split (a request gets
     ``ceil(len / split_min)`` splits, capped); ``programs_per_sm``: target stage-1 programs per SM,
-    which sets the split cap for a batch size.
+    which sets the split cap for a batch size; ``num_warps_single``: warps per stage-1 program when the batch
+    alone fills the GPU (None: ``num_warps``).
     """
 
     block_n: int = 64
     block_n_single: int = 64
     num_warps: int = 4
+    num_warps_single: Optional[int] = None
     num_stages: int = 3
     split_min: int = 128
     programs_per_sm: int = 8
@@ -82,12 +84,14 @@ def _is_sm90(device: Optional[torch.device]) -> bool:
 def default_decode_config(head_dim: int, device: Optional[torch.device] = None) -> DecodeConfig:
     """Decode config by head dim and arch (H200-tuned, see benchmarks/NOTES.md): 64-key tiles, 3 stages on sm90
     (about 96 KB of shared memory at D 128: two programs per SM; 128-key tiles for unsplit batches took one SM
-    each and were 1-2 % slower at B=256), 2 stages elsewhere; 32-key tiles for D > 128."""
+    each and were 1-2 % slower at B=256), 2 warps per unsplit program on sm90 (B=256: 0.976-0.993 -> 0.999-1.000x
+    FlashInfer at ctx 32768, 1.005 -> 1.010 at ctx 4096, same process, alternated), 2 stages elsewhere; 32-key
+    tiles for D > 128."""
     if head_dim > 128:
         return DecodeConfig(block_n=32, block_n_single=32, num_stages=2)
     if device is not None and not _is_sm90(device):
         return DecodeConfig(num_stages=2)
-    return DecodeConfig()
+    return DecodeConfig(num_warps_single=2)
 
 
 def default_extend_config(head_dim: int, device: Optional[torch.device] = None) -> ExtendConfig:
@@ -170,6 +174,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         return out
     cfg = config or default_decode_config(d, dev)
     block_n = cfg.block_n_single if max_splits == 1 else cfg.block_n
+    warps = cfg.num_warps_single if max_splits == 1 and cfg.num_warps_single else cfg.num_warps
     o_part = scratch[: bsz * h * max_splits * dv].view(bsz, h, max_splits, dv)
     lse = scratch[bsz * h * max_splits * dv: need].view(bsz, h, max_splits)
     win, chunk = int(sliding_window or 0), int(attention_chunk_size or 1)
@@ -184,7 +189,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         req_to_token.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         D=d, DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), G_PAD=max(16, _pow2(h // hkv)),
         USE_SOFTCAP=logit_softcap is not None, UPCAST=_interpreting(), K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+        num_warps=warps, num_stages=cfg.num_stages, **common)
     kdec.decode_merge_kernel[(bsz, h)](
         o_part, lse, seq_lens, sinks if sinks is not None else lse, out, win, chunk, max_splits,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
