@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import CONFIGS
+from conftest import CONFIGS, ROOT
 from pipeline.cli import main
 
 
@@ -167,3 +167,30 @@ def test_a_reader_leaving_early_keeps_the_exit_code(argv, code, monkeypatch):
     monkeypatch.setattr(sys, "stdout", out)
     assert main(argv) == code
     assert sys.stdout is out   # restored for the caller
+
+
+GOLDEN = str(ROOT / "tests" / "data" / "golden")
+
+
+@pytest.mark.parametrize("argv,code", [
+    (["backends"], 0),
+    (["plan", "--device-profile", "h200"], 0),
+    (["plan", "--device-profile", "cpu", "--attention-backend", "flashinfer"], 3),
+    (["plan", "--device-profile", "cpu", "--max-reqs", "0"], 2),
+    (["inspect", GOLDEN + "/h200_flashinfer.jsonl"], 0),
+    (["inspect", GOLDEN + "/failed_unknown_backend.jsonl"], 1),
+    (["inspect", "/nonexistent.jsonl"], 2),
+    (["replay", GOLDEN + "/h200_flashinfer.jsonl"], 0),
+    (["replay", "/nonexistent.jsonl"], 2),
+    (["graph", GOLDEN + "/failed_unknown_backend.jsonl", "--json"], 0),
+    (["graph", "/nonexistent.jsonl", "--json"], 2),
+])
+def test_a_reader_leaving_both_streams_keeps_the_exit_code(argv, code, monkeypatch):
+    """``attn-setup … 2>&1 | head -1``: stdout and stderr are one pipe, closed after the first line. A refusal's error
+    block (stderr) met the closed pipe and the command exited 1, whatever its own code; now every subcommand ends with
+    its own code, a failure's included, and both streams are restored for the caller."""
+    pipe = _HeadOne()
+    monkeypatch.setattr(sys, "stdout", pipe)
+    monkeypatch.setattr(sys, "stderr", pipe)
+    assert main(argv) == code
+    assert sys.stdout is pipe and sys.stderr is pipe

@@ -291,3 +291,38 @@ def test_plan_warns_about_lookalike_environment_variables(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert ("warning: environment variable SGLANG_FLASHINFER_WORKSPACE_SIZ is not one attn-setup reads; did you mean "
             "SGLANG_FLASHINFER_WORKSPACE_SIZE?") in err
+
+
+def test_plan_prints_its_verdict_last(capsys):
+    """The human plan ends with ``ok``, after the CUDA-graph, NPU, graph-memory and JIT lines (new user: ``ok`` sat in
+    the middle, with those lines after it)."""
+    from pipeline.cli import main
+
+    assert main(["plan", "--device-profile", "h200", "--installed", ALL, "--max-reqs", "16"]) == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert lines[-1] == "ok" and lines.count("ok") == 1
+    before = [i for i, line in enumerate(lines) if line.startswith(("cuda graphs:", "npu lazy memory:",
+                                                                   "decode CUDA graphs:"))]
+    assert len(before) == 3 and max(before) < len(lines) - 1
+
+
+def test_a_refused_plan_leads_with_its_refusal(capsys, monkeypatch):
+    """A refused plan's first line names the refusal: the error block alone (its first line is the headline), or,
+    with look-alike variable warnings to show, a headline naming the exit code first, the warnings, then the error
+    block, as a failed run prints it. ``--json`` keeps its object."""
+    from pipeline.cli import main
+
+    argv = ["plan", "--device-profile", "cpu", "--attention-backend", "flashinfer"]
+    assert main(argv) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error [capability_mismatch] in state resolve:")
+    monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZ", "5")
+    assert main(argv) == 3
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("attn-setup plan refused (exit 3) in state resolve: capability_mismatch:")
+    warning = next(i for i, line in enumerate(lines) if line.startswith("warning: environment variable"))
+    block = next(i for i, line in enumerate(lines) if line.startswith("error [capability_mismatch]"))
+    assert 0 < warning < block and lines[-1].strip().startswith("remedy: set --attention-backend")
+    assert main([*argv, "--json"]) == 3
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"]["code"] == "capability_mismatch" and err.startswith("warning: environment")

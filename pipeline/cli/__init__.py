@@ -88,27 +88,35 @@ def print_error(err: AttnSetupError, as_json: bool, command: Optional[str] = Non
 
 
 def _quiet_stdout(stream: Any = None) -> None:
-    """After a closed pipe (``attn-setup inspect big.jsonl | head``): send what is left to /dev/null,
-    so the interpreter's final flush does not print a second error."""
-    import os
-
+    """After a closed pipe (``attn-setup inspect big.jsonl | head``): point the stream's file descriptor (stdout's
+    unless ``stream`` is given) at /dev/null, so that what is left — our later writes, a C library's, the interpreter's
+    final flush — goes nowhere instead of raising or printing a second error."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
         os.dup2(devnull, (stream or sys.stdout).fileno())
-    except (OSError, ValueError, AttributeError):  # no real stdout (in-process callers)
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (in-process callers)
         pass
+    finally:
+        os.close(devnull)
 
 
 class _ReaderMayLeave:
-    """stdout for a reader that may leave early (``attn-setup backends | head -1``): the first write or flush that
-    meets a closed pipe sends the rest of the report to /dev/null, and the command carries on, so its exit code
-    says how the command ended, not whether anyone read all of its output (``yes | head`` style tools die of
-    SIGPIPE instead; our exit codes are a contract, README's table)."""
+    """stdout or stderr for a reader that may leave early (``attn-setup backends | head -1``, and
+    ``attn-setup run 2>&1 | head -1``, where both streams go to that reader): the first write or flush that meets a
+    closed pipe sends the rest of that stream's output to /dev/null, and the command carries on, so its exit code says
+    how the command ended, not whether anyone read all of its output (``yes | head`` style tools die of SIGPIPE
+    instead; our exit codes are a contract, README's table). Each stream leaves on its own: with ``2>&1`` both meet the
+    closed pipe, stdout and stderr in whichever order the command writes them. The log file (``--log-file``) is not a
+    stream of the terminal and is written in full either way."""
 
     def __init__(self, stream: Any) -> None:
         self.stream, self.gone = stream, False
 
     def write(self, text: str) -> int:
+        """Write ``text`` to the stream; after the reader left, drop it (its length is returned either way)."""
         if not self.gone:
             try:
                 return self.stream.write(text)
@@ -117,6 +125,7 @@ class _ReaderMayLeave:
         return len(text)
 
     def flush(self) -> None:
+        """Flush the stream; a closed pipe met here makes the stream leave (nothing raised)."""
         if not self.gone:
             try:
                 self.stream.flush()
@@ -174,18 +183,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one subcommand; returns its exit code (README's table).
 
     Every way out is an exit code with one ErrorInfo, never a traceback: typed errors keep their
-    code; SIGINT (Ctrl-C, KeyboardInterrupt) is 130 with ``interrupted``; a closed stdout pipe
-    changes nothing (the rest of the output is dropped, :class:`_ReaderMayLeave`), nor does a stream that
-    cannot encode the output (:class:`pipeline.cli.streams.SafeText`: ASCII stand-ins); any other
-    exception is 1 with ``internal_error`` naming it.
+    code; SIGINT (Ctrl-C, KeyboardInterrupt) is 130 with ``interrupted``; a closed pipe on stdout, on
+    stderr or on both (``2>&1 | head -1``) changes nothing (the rest of that output is dropped,
+    :class:`_ReaderMayLeave`; a failed command keeps its own code), nor does a stream that cannot encode the
+    output (:class:`pipeline.cli.streams.SafeText`: ASCII stand-ins); any other exception is 1 with
+    ``internal_error`` naming it.
     """
     from pipeline.cli.streams import safe
 
     real_stdout, real_stderr = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _ReaderMayLeave(safe(real_stdout)), safe(real_stderr)  # any encoding: same exit code
+    out, err = _ReaderMayLeave(safe(real_stdout)), _ReaderMayLeave(safe(real_stderr))  # same exit code, any reader
+    sys.stdout, sys.stderr = out, err
     try:
         return _main(argv)
     finally:
+        for stream in (out, err):  # buffered text meets a closed pipe here, not in the caller's (or exit's) flush
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):  # a stream closed by the caller, or none (pythonw)
+                pass
         sys.stdout, sys.stderr = real_stdout, real_stderr
 
 
@@ -230,7 +246,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     except KeyboardInterrupt as e:
         _print_info(error_info_from(e, "args"), as_json)
         return EXIT_INTERRUPTED
-    except BrokenPipeError:
+    except BrokenPipeError:  # a pipe other than stdout/stderr (both wrapped in main) stopped the command unfinished
         _quiet_stdout()
         return EXIT_FAILED
     except Exception as e:  # noqa: BLE001 - a bug still ends in one ErrorInfo, not a traceback

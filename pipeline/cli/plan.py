@@ -247,15 +247,44 @@ def decision_lines(report: dict[str, Any]) -> list[str]:
     return [graphs, lazy]
 
 
-def cmd(ns: argparse.Namespace) -> int:
-    """Resolve and plan for ``--device-profile``; print JSON or tables; returns the exit code."""
-    from pipeline.cli import report as rp
+def headline(err: AttnSetupError) -> str:
+    """A refused plan's first line when lines follow before its error block: ``attn-setup plan refused (exit 3) in
+    state resolve: capability_mismatch: <message>; remedy: <remedy>`` (in the command line's flags), as a failed
+    ``run`` leads with :func:`pipeline.cli.run_report.headline`."""
+    from pipeline.cli.wording import cli_error, command_dests
+
+    info = cli_error(err.info, command_dests("plan"))
+    return (f"attn-setup plan refused (exit {err.exit_code}) in state {info.state}: {info.code}: {info.message}"
+            + (f"; remedy: {info.remedy}" if info.remedy else ""))
+
+
+def _print_refusal(ns: argparse.Namespace, err: AttnSetupError, warnings: list[str]) -> None:
+    """A refused plan: with ``--json`` the ``{ok: false, error}`` object on stdout (the warnings on stderr); else, on
+    stderr, the refusal first — the error block, whose first line names the state, the code and the message; with
+    warning lines to show, a :func:`headline` first, the warnings, then the error block closing the output, as a
+    failed ``run`` prints it."""
+    from rich.markup import escape
+
+    from pipeline.cli import print_error
+    from pipeline.cli.console import console, width, wrap
+
+    if warnings and not ns.json:
+        c = console(stderr=True)
+        for line in wrap(headline(err), width(c)):  # at the terminal's width
+            c.print(f"[bold red]{escape(line)}[/]", soft_wrap=True)
+    _print_stderr(warnings)
+    print_error(err, ns.json, "plan")
+
+
+def _decide(ns: argparse.Namespace) -> tuple[dict[str, Any], DeviceFacts, dict[str, bool]]:
+    """The plan report for ``ns`` (the JIT variants that would compile included), the device profile and the packages
+    assumed. Raises the typed error of a refusal (``--require-warm-cache`` with a cold variant among them)."""
+    from types import SimpleNamespace
+
+    from pipeline.cli.jit import check_warm, cold_report
     from pipeline.cli.request import request_from
     from pipeline.platforms.profiles import get
 
-    from pipeline.cli.startup import print_env_lookalikes
-
-    print_env_lookalikes()
     device = get(ns.device_profile)
     installed = installed_from(ns.installed)
     ns.device = device.device_str
@@ -266,26 +295,57 @@ def cmd(ns: argparse.Namespace) -> int:
         if ns.installed is not None:
             installed_hint(e, request, device, installed)
         raise
-    from types import SimpleNamespace
-
-    from pipeline.cli.jit import check_warm, cold_report, estimate_line
-
     report["jit_cold"] = cold_report(request, device, SimpleNamespace(**{h: report["resolved"][h]
                                                                          for h in ("prefill", "decode")}))
     check_warm(ns, report["jit_cold"])
-    if ns.json:
-        rp.emit_json(report)
-    else:
-        from pipeline.cli.console import console, print_line
+    return report, device, installed
 
-        print_line(console(), f"device: {device.name or device.type} ({device.arch or device.type}) from "
-                              f"{device.source}; installed: {', '.join(p for p, ok in installed.items() if ok) or 'none'}")
-        rp.render_tables(report, report["rejected"])
-        for line in decision_lines(report):
-            print_line(console(), line)
-        if report.get("cuda_graph_estimate"):
-            print_line(console(), graph_estimate_line(report))
-        line = estimate_line(report["jit_cold"])
-        if line:
-            print_line(console(), line)
+
+def cmd(ns: argparse.Namespace) -> int:
+    """Resolve and plan for ``--device-profile``; print JSON or the report; returns the exit code (0, or a refusal's).
+
+    Human output, in order: the look-alike environment variables' ``warning:`` lines (stderr), the device and the
+    packages assumed, the resolution and plan tables, skips and warnings, the CUDA-graph and NPU lazy-memory lines, the
+    CUDA-graph memory estimate, the JIT line, and the verdict ``ok`` last. A refusal is printed by
+    :func:`_print_refusal` (its error first) and returns the error's exit code (2 usage, 3 refused).
+    """
+    from pipeline.cli import report as rp
+    from pipeline.cli.startup import env_lookalike_lines
+
+    warnings = env_lookalike_lines()
+    try:
+        report, device, installed = _decide(ns)
+    except AttnSetupError as e:
+        _print_refusal(ns, e, warnings)
+        return e.exit_code
+    except BaseException:  # a flag value msgspec refuses (main reports it), Ctrl-C or a bug: the warnings still shown
+        _print_stderr(warnings)
+        raise
+    if ns.json:
+        _print_stderr(warnings)
+        rp.emit_json(report)
+        return EXIT_OK
+    from pipeline.cli.console import console, print_line
+    from pipeline.cli.jit import estimate_line
+
+    _print_stderr(warnings)
+    print_line(console(), f"device: {device.name or device.type} ({device.arch or device.type}) from "
+                          f"{device.source}; installed: {', '.join(p for p, ok in installed.items() if ok) or 'none'}")
+    rp.render_tables(report, report["rejected"], verdict=False)
+    for line in decision_lines(report):
+        print_line(console(), line)
+    if report.get("cuda_graph_estimate"):
+        print_line(console(), graph_estimate_line(report))
+    line = estimate_line(report["jit_cold"])
+    if line:
+        print_line(console(), line)
+    rp.render_verdict(report)  # last, where the eye lands when the prompt returns (new user: 'ok' sat mid-report)
     return EXIT_OK
+
+
+def _print_stderr(lines: list[str]) -> None:
+    """``lines`` on stderr, flushed (before the report on stdout: one terminal, two streams)."""
+    import sys
+
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)

@@ -189,8 +189,10 @@ def states_table(title: str, states: list[dict[str, Any]]) -> tuple[str, list[st
             [[s["state"], s["outcome"], f"{s['duration_ms']:.2f}"] for s in states])
 
 
-def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = None) -> None:
-    """States, decisions, skips, the one warning line and verification on stdout, at the terminal's width."""
+def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = None, verdict: bool = True) -> None:
+    """States, decisions, skips, the one warning line and verification on stdout, at the terminal's width, then the
+    verdict (``ok`` / ``failed``, :func:`render_verdict`) unless ``verdict`` is False: a caller with more lines to
+    print (``plan``) prints the verdict itself, last."""
     from pipeline.cli.console import print_line, print_table
 
     c = _console()
@@ -235,4 +237,10 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
                       "yes" if v["passed"] else "NO"] for v in report["verified"]])
     if report.get("log_file"):
         print_line(c, f"log: {report['log_file']}")
-    c.print("[bold green]ok[/]" if report.get("ok") else "[bold red]failed[/]")
+    if verdict:
+        render_verdict(report, c)
+
+
+def render_verdict(report: dict[str, Any], c: Optional[Any] = None) -> None:
+    """The verdict line on stdout: ``ok`` (green) when ``report["ok"]``, else ``failed`` (red)."""
+    (c or _console()).print("[bold green]ok[/]" if report.get("ok") else "[bold red]failed[/]")

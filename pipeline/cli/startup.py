@@ -62,16 +62,13 @@ def lookalike_line(name: str, known: str) -> str:
     return f"warning: environment variable {name} is not one attn-setup reads; did you mean {known}?"
 
 
-def print_env_lookalikes() -> list[tuple[str, str]]:
-    """One ``warning:`` line on stderr per set variable that looks like one attn-setup reads
-    (:func:`pipeline.core.settings.env_lookalikes`), for ``plan`` (``run`` logs them and prints them with its report:
-    :func:`warn_env_lookalikes`). Returns them."""
+def env_lookalike_lines() -> list[str]:
+    """One ``warning:`` line per set variable that looks like one attn-setup reads
+    (:func:`pipeline.core.settings.env_lookalikes`), for ``plan`` to print on stderr where its report puts them (``run``
+    logs them and prints them with its report: :func:`warn_env_lookalikes`)."""
     from pipeline.core.settings import env_lookalikes
 
-    found = list(env_lookalikes())
-    for name, known in found:
-        print(lookalike_line(name, known), file=sys.stderr)
-    return found
+    return [lookalike_line(name, known) for name, known in env_lookalikes()]
 
 
 def jit_reports(runner: Any) -> list[dict[str, Any]]:
