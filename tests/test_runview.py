@@ -80,6 +80,22 @@ def test_one_verification_failure_builder():
     assert Run(run_id="r", rank=0, records=_verified(False, False)).failure == e
 
 
+def test_an_mla_step_failure_names_its_reference_and_derived_tolerance():
+    """An MLA stack's checks say which reference failed them, and a derived tolerance keeps its digits
+    (``1e-02`` would hide what the step was held to); a trace written before ``reference`` reads as before."""
+    def step(ref, err, tol):
+        return ev.ModelStepVerified(ts_ns=2, run_id="r", state="ready", step="decode#143", mode="decode",
+                                    batch_size=4, graph=False, max_rel_err=err, tol=tol, passed=err <= tol,
+                                    reference=ref)
+    e = verification_failure([step("mla-absorbed", 0.004, 1e-2), step("mla-unabsorbed", 0.0311, 0.0212)])
+    assert e.message == ("model steps failed verification against the float64 reference: "
+                         "decode#143 (eager, mla-unabsorbed: 3.11e-02 > 2.12e-02)")
+    old = ev.decode_line(b'{"event":"model_step_verified","schema_version":1,"ts_ns":2,"run_id":"r","rank":0,'
+                         b'"state":"ready","outcome":"failed","step":"decode#1","mode":"decode","batch_size":4,'
+                         b'"graph":false,"max_rel_err":0.02,"tol":0.01,"passed":false}')
+    assert old.reference == "" and verification_failure([old]).message.endswith("decode#1 (eager: 2.00e-02 > 1e-02)")
+
+
 def test_run_report_and_inspect_agree(tmp_path):
     log = tmp_path / "run.jsonl"
     p = run_main("run", "--device", "cpu", "--log-file", str(log), "--json", "--decode-steps", "1")

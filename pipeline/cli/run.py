@@ -71,9 +71,9 @@ def _model_steps(runner: Any, log: Any, decode_steps: int) -> list[dict[str, Any
     for c in verify_model_steps(runner, decode_steps=decode_steps):
         log.emit(ev.ModelStepVerified, state="ready", outcome="ok" if c.passed else "failed", step=c.step,
                  mode=c.mode, batch_size=c.batch_size, graph=c.graph, max_rel_err=c.max_rel_err, tol=c.tol,
-                 passed=c.passed)
+                 passed=c.passed, reference=c.reference)
         out.append({"step": c.step, "mode": c.mode, "batch_size": c.batch_size, "graph": c.graph,
-                    "max_rel_err": c.max_rel_err, "tol": c.tol, "passed": c.passed})
+                    "max_rel_err": c.max_rel_err, "tol": c.tol, "passed": c.passed, "reference": c.reference})
     return out
 
 

@@ -134,7 +134,11 @@ class CudaGraphMemory(Event, tag="cuda_graph_memory", kw_only=True):
 
 
 class ModelStepVerified(Event, tag="model_step_verified", kw_only=True):
-    """One extend/decode step of the attention stack checked against the float64 dense reference."""
+    """One extend/decode step of the attention stack checked against the float64 dense reference.
+
+    ``reference``: which one (:attr:`pipeline.runtime.model_steps.StepCheck.reference`): ``rounded``, or for an MLA
+    stack ``mla-absorbed`` (the kernel check) and ``mla-unabsorbed`` (the absorption check, two records per step);
+    ``""`` in traces written before it was recorded."""
 
     step: str
     mode: str
@@ -143,6 +147,7 @@ class ModelStepVerified(Event, tag="model_step_verified", kw_only=True):
     max_rel_err: float
     tol: float
     passed: bool
+    reference: str = ""
 
 
 class RunnerReady(Event, tag="runner_ready", kw_only=True):

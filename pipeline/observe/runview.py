@@ -108,17 +108,26 @@ def outcomes(records: Sequence[ev.Event], machine: str) -> list[dict[str, Any]]:
     return [{"state": r["state"], "outcome": r["outcome"], "duration_ms": round(r["duration_ms"], 3)} for r in rows]
 
 
+def tol_text(tol: float) -> str:
+    """A tolerance as the reports print it: one digit when that is exact (``1e-02``), else three
+    (``1.43e-02``: the MLA absorption check's tolerance is derived per step, :mod:`pipeline.runtime.model_steps`)."""
+    short = f"{tol:.0e}"
+    return short if float(short) == tol else f"{tol:.2e}"
+
+
 def verification_failure(records: Iterable[ev.Event]) -> Optional[ErrorInfo]:
     """The ``verification_failed`` ErrorInfo of the failed ``instance_verified`` and ``model_step_verified``
     records (None when none failed): each instance as ``role (backend: max_rel_err > tol)``, each model step as
-    ``step (graph|eager: max_rel_err > tol)``. ``state``: ``done`` when an instance failed (setup's last
-    state), else ``ready`` (the runner's)."""
+    ``step (graph|eager: max_rel_err > tol)`` — ``step (eager, mla-unabsorbed: …)`` when an MLA reference judged it
+    (the ``rounded`` reference and traces without one are not named). ``state``: ``done`` when an instance failed
+    (setup's last state), else ``ready`` (the runner's)."""
     inst, steps = [], []
     for r in records:
         if isinstance(r, ev.InstanceVerified) and not r.passed:
-            inst.append(f"{r.role} ({r.backend}: {r.max_rel_err:.2e} > {r.tol:.0e})")
+            inst.append(f"{r.role} ({r.backend}: {r.max_rel_err:.2e} > {tol_text(r.tol)})")
         elif isinstance(r, ev.ModelStepVerified) and not r.passed:
-            steps.append(f"{r.step} ({'graph' if r.graph else 'eager'}: {r.max_rel_err:.2e} > {r.tol:.0e})")
+            how = ("graph" if r.graph else "eager") + (f", {r.reference}" if r.reference.startswith("mla-") else "")
+            steps.append(f"{r.step} ({how}: {r.max_rel_err:.2e} > {tol_text(r.tol)})")
     if not inst and not steps:
         return None
     parts = ([f"instances failed verification against the float64 reference: {', '.join(inst)}"] if inst else []) \

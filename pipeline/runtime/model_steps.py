@@ -11,6 +11,21 @@ compounds through layers and decode steps — is not blamed on the backend, and 
 at any step count. Metric: ``max|Δout − Δref| / max|Δref|`` per request, where ``Δ`` is the
 stack's update to the residual stream (output minus input), so the input's own magnitude cannot
 hide an attention error; the worst request is reported per step.
+
+Which reference judged a check is :attr:`StepCheck.reference`:
+
+- :data:`REF_ROUNDED` (``"rounded"``): a stack without MLA layers — one check per step, the rounded reference,
+  tolerance :func:`_tol` (fp32 1e-4, bf16/fp16 1e-2).
+- An absorbed-MLA stack (DeepSeek-V2/V3, Kimi-K2) gets two checks per step, because the stack rounds two tensors
+  that only its absorbed form has (``q_abs = q_nope · W_UK`` and the latent attention output, both in the stack
+  dtype), and a reference that mirrors them no longer checks the absorption by itself:
+
+  * :data:`REF_MLA_ABSORBED` (``"mla-absorbed"``), the *kernel check*: the reference follows the absorbed path with
+    those two roundings too (``mla_path="absorbed"``), so the backend sees exactly the reference's inputs; held to
+    :func:`_tol`, as any layer.
+  * :data:`REF_MLA_UNABSORBED` (``"mla-unabsorbed"``), the *absorption check*: the un-absorbed reference (per-head
+    K/V expanded from the latent cache, the absorption identity never used), held to
+    :func:`absorption_tolerance`, derived per request from this batch (its docstring gives the derivation).
 """
 
 from __future__ import annotations
@@ -22,18 +37,31 @@ import torch
 
 from pipeline.core.contracts import ForwardMode
 from pipeline.backends.memory import PageAllocator, dequantize_kv, layer_kv_scales, make_forward_batch
-from pipeline.runtime.stack_reference import reference_forward_rounded
+from pipeline.runtime.stack_reference import MLA_ABSORBED, MLA_UNABSORBED, reference_forward_rounded
 from pipeline.runtime.reference import rel_err
 
-__all__ = ["StepCheck", "verify_model_steps", "slots_needed", "EXTEND_LENS", "CHUNK_LENS"]
+__all__ = ["StepCheck", "verify_model_steps", "slots_needed", "absorption_tolerance", "EXTEND_LENS", "CHUNK_LENS",
+           "REF_ROUNDED", "REF_MLA_ABSORBED", "REF_MLA_UNABSORBED", "F64_SLACK"]
 
 EXTEND_LENS = (5, 9, 2, 7)
 CHUNK_LENS = (3, 1, 4, 2)
+REF_ROUNDED = "rounded"
+REF_MLA_ABSORBED = "mla-absorbed"
+REF_MLA_UNABSORBED = "mla-unabsorbed"
+# What two float64 evaluations of the same attention in different association orders (absorbed vs un-absorbed)
+# may differ by, relative to max|Δ|: float64 rounding is ~1e-16 per operation over sums of a few hundred terms
+# (~1e-13), and the stack-dtype roundings after it mostly erase even that (measured 0 on 160 tokens of the bundled
+# DeepSeek-V2-Lite, 2 layers); a wrong absorption moves Δ by 5e-2 and more (tests/test_verify_mla_steps.py).
+F64_SLACK = 1e-9
 
 
 @dataclass(frozen=True)
 class StepCheck:
-    """One step's outcome: label, mode, batch size, whether replayed from a graph, worst error, tolerance."""
+    """One step's outcome: label, mode, batch size, whether replayed from a graph, worst error, tolerance, and
+    the reference it was judged against (``reference``: :data:`REF_ROUNDED`, :data:`REF_MLA_ABSORBED` or
+    :data:`REF_MLA_UNABSORBED`; module docstring). With a per-request tolerance (the absorption check) the
+    step reports the request nearest to or furthest over its tolerance (largest ``err / tol``): its error and
+    its tolerance."""
 
     step: str
     mode: str
@@ -41,6 +69,7 @@ class StepCheck:
     graph: bool
     max_rel_err: float
     tol: float
+    reference: str = REF_ROUNDED
 
     @property
     def passed(self) -> bool:
@@ -51,6 +80,38 @@ def _tol(dtype: torch.dtype) -> float:
     """The compute dtype's tolerance (as :data:`pipeline.runtime.verify.TOLERANCE`): the reference reads the K/V the
     pool holds, so the KV-cache dtype (bf16, fp16, fp8) is part of the input, not an error, and loosens nothing."""
     return 1e-4 if dtype is torch.float32 else 1e-2
+
+
+def absorption_tolerance(tol: float, d_rounded: torch.Tensor, d_exact: torch.Tensor,
+                         d_unabsorbed: torch.Tensor) -> float:
+    """The absorption check's tolerance for one request's outputs in one step.
+
+    Arguments are the stack's update to the residual stream ``Δ`` [T, hidden_size] (float64) per float64 reference:
+    ``d_rounded`` absorbed with the stack's two absorbed-only roundings (``r(q_abs)``, ``r(o_lat)``), ``d_exact``
+    absorbed without them, ``d_unabsorbed`` un-absorbed; ``tol`` the kernel check's tolerance (:func:`_tol`).
+    Returns ``tol · max|d_rounded| / M + max|d_rounded − d_exact| / M + F64_SLACK``, ``M =
+    max|d_unabsorbed|`` (1 when that is 0, as :func:`rel_err`).
+
+    Derivation (triangle inequality, every norm the max-abs norm):
+    ``|out − un| ≤ |out − ar| + |ar − ax| + |ax − un|``. The first term is what the kernel check bounds
+    (``≤ tol · max|ar|`` when it passes); the second is the float64-computed effect of the two roundings on this
+    very batch — through softmax, every later layer and every later step that reads this token — with the math
+    otherwise identical, so it measures rounding and nothing else; the third is zero in exact arithmetic (the
+    absorption identity), so only :data:`F64_SLACK` is allowed for it. A wrong absorption (a transposed or
+    perturbed ``W_UK``/``W_UV``, a wrong head slot) in the stack *and* in the absorbed reference passes the kernel
+    check but leaves ``|ax − un|`` large, and ``ar − ax`` does not grow with it (both share the wrong math),
+    so this check fails. Why not ``|ar − un|`` as the allowance (the obvious "effect of the roundings"): it
+    contains ``|ax − un|``, so by the same inequality it would pass whenever the kernel check passes — a check
+    that cannot fail. An analytic bound from the unit roundoff (2^-8 · |q_abs| · |c| per score, 2^-8 · |o_lat|
+    per output, pushed through softmax, W_UV, W_o and every later layer and step) was not chosen: it multiplies
+    worst-case factors (norms, softmax sensitivity) that no one batch reaches, so it would allow more than the
+    roundings do here, while the batch's own float64 effect is exact for what is checked. A float64 difference
+    can in principle flip a later stack-dtype rounding (a value within ~1e-16 relative of a rounding boundary:
+    about 1e-16 / 2^-9 per rounded value); that would show as a failure of about one bf16 step, never as a pass.
+    """
+    m = float(d_unabsorbed.abs().max()) if d_unabsorbed.numel() else 0.0
+    m = m if m > 0 else 1.0  # rel_err's convention: an all-zero reference gives the absolute error
+    return (tol * float(d_rounded.abs().max()) + float((d_rounded - d_exact).abs().max())) / m + F64_SLACK
 
 
 def slots_needed(max_reqs: int, page_size: int, decode_steps: int = 3) -> int:
@@ -75,8 +136,9 @@ def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0) -> 
     every layer of the reference attends over the K/V the pool holds (dequantized; any KV dtype), so the
     tolerance does not depend on the KV dtype or the context length; a ``kv-cache-write`` check is appended
     when the pool's K/V differ from the reference's recomputation by more than a step of the coarser dtype.
-    The stack is causal, so each request's reference is computed once, over its whole history,
-    after the last step. Raises BuildError when the pools are too small.
+    A stack with MLA layers gets two checks per step, ``mla-absorbed`` (this tolerance) then ``mla-unabsorbed``
+    (:func:`absorption_tolerance`); see the module docstring. The stack is causal, so each request's reference
+    is computed once, over its whole history, after the last step. Raises BuildError when the pools are too small.
     """
     stack, pools = runner.stack, runner.pools
     req_pool, kv = pools["req_to_token_pool"], pools["kv_pool"]
@@ -121,23 +183,44 @@ def _stored_kv(stack: Any, kv: Any, req_pool: Any, row: int, length: int) -> lis
 
 def _compare(stack: Any, kv_dtype: torch.dtype, rows: list[int], hist: dict[int, list[torch.Tensor]],
              stored: dict[int, Any], outs: list[Any], b: int) -> list[StepCheck]:
-    """One reference per request over its whole history and stored K/V; worst per-request error per step."""
+    """One reference per request over its whole history and stored K/V; worst per-request error per step.
+
+    A stack with MLA layers gets the two checks of the module docstring per step (absorbed first), from three
+    references per request: absorbed with and without the absorbed-only roundings, and un-absorbed."""
     kv_errs: list[float] = []
-    refs = {r: reference_forward_rounded(stack, torch.cat(hist[r]), stored_kv=stored[r], kv_errs=kv_errs)[0]
-            for r in rows}
+    tol = _tol(stack.dtype)
+    mla = any(L.is_mla for L in stack.layers)
+    first = MLA_ABSORBED if mla else MLA_UNABSORBED
+    refs = {r: reference_forward_rounded(stack, torch.cat(hist[r]), stored_kv=stored[r], kv_errs=kv_errs,
+                                         mla_path=first)[0] for r in rows}
+    if mla:
+        exact = {r: reference_forward_rounded(stack, torch.cat(hist[r]), stored_kv=stored[r], mla_path=MLA_ABSORBED,
+                                              absorbed_rounding=False)[0] for r in rows}
+        unabs = {r: reference_forward_rounded(stack, torch.cat(hist[r]), stored_kv=stored[r],
+                                              mla_path=MLA_UNABSORBED)[0] for r in rows}
     checks, done = [], {r: 0 for r in rows}
     for label, mode, new, graphed, per_req in outs:
-        worst = 0.0
+        worst, absorb = 0.0, None  # absorb: (err, tol) of the request with the largest err / tol
         for r, n, (xin, o) in zip(rows, new, per_req):
-            ref = refs[r][done[r]:done[r] + n]
+            at = slice(done[r], done[r] + n)
             done[r] += n
-            err = rel_err(o - xin, ref - xin)
+            err = rel_err(o - xin, refs[r][at] - xin)
             worst = max(worst, err) if err == err else float("inf")
+            if mla:
+                e_b = rel_err(o - xin, unabs[r][at] - xin)
+                e_b = e_b if e_b == e_b else float("inf")
+                t_b = absorption_tolerance(tol, refs[r][at] - xin, exact[r][at] - xin, unabs[r][at] - xin)
+                if absorb is None or e_b / t_b > absorb[0] / absorb[1]:
+                    absorb = (e_b, t_b)
         checks.append(StepCheck(step=label, mode=mode.value, batch_size=b, graph=graphed, max_rel_err=worst,
-                                tol=_tol(stack.dtype)))
+                                tol=tol, reference=REF_MLA_ABSORBED if mla else REF_ROUNDED))
+        if absorb is not None:
+            checks.append(StepCheck(step=label, mode=mode.value, batch_size=b, graph=graphed, max_rel_err=absorb[0],
+                                    tol=absorb[1], reference=REF_MLA_UNABSORBED))
     # the pool must hold what the stack computed, within one step of the coarser dtype (else: a wrong write)
-    bound = max(torch.finfo(kv_dtype).eps, torch.finfo(stack.dtype).eps, _tol(stack.dtype))
+    bound = max(torch.finfo(kv_dtype).eps, torch.finfo(stack.dtype).eps, tol)
     if kv_errs and max(kv_errs) > bound:
         checks.append(StepCheck(step="kv-cache-write", mode="write", batch_size=b, graph=False,
-                                max_rel_err=max(kv_errs), tol=bound))
+                                max_rel_err=max(kv_errs), tol=bound,
+                                reference=REF_MLA_ABSORBED if mla else REF_ROUNDED))
     return checks

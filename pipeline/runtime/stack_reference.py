@@ -20,10 +20,25 @@ reference fed the kernel's *own* bf16 q/k/v, not against an end-to-end float64 m
 
 Rounding points mirrored (``r`` = round to the stack dtype):
 MHA/GQA: ``r(rms(h))``, ``r(x @ Wqkv)``, ``r(rope(q))``, ``r(rope(k))``, the KV cache dtype,
-``r(attention)``, ``r(o @ Wo)``. MLA: ``r(rms(h))``, ``r(x @ Wq)``, ``r(x @ Wdkv)``,
-``r(rms(c_kv))``, ``r(rope(k_rope))``, ``r(rope(q_rope))``, ``r(o · W_UV)``, ``r(o @ Wo)`` —
-the absorbed query ``q_nope · W_UK`` and the latent output are not rounded: the reference stays
-un-absorbed so that it still checks the absorption.
+``r(attention)``, ``r(o @ Wo)``. MLA, both paths: ``r(rms(h))``, ``r(x @ Wq)``, ``r(x @ Wdkv)``,
+``r(rms(c_kv))``, ``r(rope(k_rope))``, ``r(rope(q_rope))``, ``r(o · W_UV)``, ``r(o @ Wo)``.
+
+MLA has two paths (``mla_path``), because one reference cannot both round where the stack rounds and check the
+absorption (:meth:`AttentionStack._qkv` / :meth:`AttentionStack.forward` are the stack's side):
+
+- ``"absorbed"`` (:data:`MLA_ABSORBED`) follows the stack's absorbed form: ``q_abs = q_nope · W_UK`` per head
+  ([T, H, kv_lora_rank]), attention of ``[q_abs, q_rope]`` over the one latent head ``[c_kv, k_rope]`` the pool
+  holds, the latent output ``o_lat`` [T, H, kv_lora_rank] times ``W_UV`` per head. With
+  ``absorbed_rounding=True`` it also rounds the two tensors the stack materialises in its dtype on that path and the
+  un-absorbed form never has: ``r(q_abs)`` (the stack's bf16 einsum) and ``r(o_lat)`` (the backend's output dtype).
+  This is the *kernel check*'s reference: the same inputs as the backend at every layer and step.
+- ``"unabsorbed"`` (:data:`MLA_UNABSORBED`) expands per-head ``k_nope = W_UK c`` and ``v = W_UV c`` from the latent
+  cache and attends with the plain query: the absorption identity ``(q_nope W_UK) · c = q_nope · (W_UK c)`` is not
+  used, so comparing the stack with it checks the absorption (the *absorption check*,
+  :mod:`pipeline.runtime.model_steps` derives its tolerance).
+
+The float64 absorption math of the reference is in :func:`absorb_query` and :func:`expand_latent_output`, written
+apart from the stack's.
 
 Stored K/V (``stored_kv``): a recomputed K lands on a neighbouring step of the cache dtype wherever float64
 and the stack's GEMM round differently (about one element in a thousand in bf16), and a query whose softmax
@@ -38,10 +53,32 @@ from typing import Optional, Sequence
 
 import torch
 
+from pipeline.core.errors import BuildError
 from pipeline.runtime.model import EPS, AttentionStack, _rope_complex
 from pipeline.runtime.reference import reference_attention, rel_err
 
-__all__ = ["reference_forward_rounded"]
+__all__ = ["reference_forward_rounded", "absorb_query", "expand_latent_output", "MLA_ABSORBED", "MLA_UNABSORBED"]
+
+MLA_ABSORBED = "absorbed"
+MLA_UNABSORBED = "unabsorbed"
+_MLA_PATHS = (MLA_UNABSORBED, MLA_ABSORBED)
+
+
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """The absorbed query ``q_abs[t, h] = q_nope[t, h] @ W_UK[h]``: q_nope [T, H, qk_nope_head_dim] and W_UK
+    [H, qk_nope_head_dim, kv_lora_rank] (the stack's ``uk``), both float64; returns [T, H, kv_lora_rank] float64.
+
+    So ``q_abs[t, h] · c[j] == q_nope[t, h] · (W_UK[h] c[j])``, the un-absorbed score's no-rope part (DeepSeek-V2
+    paper, section 2.1.2; sglang's ``forward_absorb``)."""
+    return torch.einsum("thn,hnc->thc", q_nope, w_uk)
+
+
+def expand_latent_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """The per-head output ``o[t, h] = W_UV[h] @ o_lat[t, h]``: o_lat [T, H, kv_lora_rank] (attention over the latent
+    values ``c``) and W_UV [H, v_head_dim, kv_lora_rank] (the stack's ``uv``), both float64; returns
+    [T, H, v_head_dim] float64 — equal to attention over the expanded values ``W_UV[h] c[j]`` because the softmax
+    weights sum linearly."""
+    return torch.einsum("thc,hvc->thv", o_lat, w_uv)
 
 
 def _note(errs: Optional[list[float]], k: torch.Tensor, k_ref: torch.Tensor, v: Optional[torch.Tensor],
@@ -53,13 +90,23 @@ def _note(errs: Optional[list[float]], k: torch.Tensor, k_ref: torch.Tensor, v: 
 
 def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dtype: Optional[torch.dtype] = None,
                               stored_kv: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None,
-                              kv_errs: Optional[list[float]] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                              kv_errs: Optional[list[float]] = None, *, mla_path: str = MLA_UNABSORBED,
+                              absorbed_rounding: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One request's sequence ``hidden`` [L, hidden_size] (positions ``0..L-1``) through ``stack`` in float64,
     rounded like the stack; returns the output [L, hidden_size] and the aux states (float64, CPU).
 
     ``kv_dtype``: a narrower cache dtype to round K/V through; ``stored_kv``: per layer, the dequantized K/V the
-    pool holds (MLA: the latent K), attended over instead; ``kv_errs``: gets ``max|stored - recomputed| /
-    max|recomputed|`` per layer (module docstring). Raises only reference_attention's shape errors."""
+    pool holds (MLA: the latent K [L, 1, kv_lora_rank + qk_rope_head_dim]), attended over instead; ``kv_errs``: gets
+    ``max|stored - recomputed| / max|recomputed|`` per layer (module docstring). ``mla_path`` (MLA layers only):
+    :data:`MLA_UNABSORBED` (default, as before) or :data:`MLA_ABSORBED`; ``absorbed_rounding``: on the absorbed
+    path, round ``q_abs`` and the latent output to the stack dtype as the stack does (False: keep them float64,
+    which :mod:`pipeline.runtime.model_steps` uses to measure what those two roundings change). Non-MLA layers
+    ignore both. Raises BuildError (``reference_input_invalid``) for an unknown ``mla_path``, else only
+    reference_attention's shape errors."""
+    if mla_path not in _MLA_PATHS:
+        raise BuildError(f"reference_forward_rounded: mla_path={mla_path!r} is not allowed",
+                         code="reference_input_invalid", flags=[("mla_path", mla_path)], allowed=list(_MLA_PATHS),
+                         remedy=f"pass mla_path={MLA_ABSORBED!r} or {MLA_UNABSORBED!r}")
     act = stack.dtype
 
     def r(t: torch.Tensor) -> torch.Tensor:
@@ -92,11 +139,16 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dt
             if stored_kv is not None:
                 _note(kv_errs, stored_kv[idx][0], torch.cat([c[:, None], k_rope], -1), None, None)
                 c, k_rope = stored_kv[idx][0][:, 0, : m.kv_lora_rank], stored_kv[idx][0][:, :, m.kv_lora_rank:]
-            k_rope = k_rope.expand(n, L.num_heads, -1)
             q_rope = r(_rope_complex(q[..., m.qk_nope_head_dim:], pos, theta))
-            qq = torch.cat([q[..., : m.qk_nope_head_dim], q_rope], -1)
-            kk = torch.cat([torch.einsum("lc,hnc->lhn", c, w["uk"]), k_rope], dim=-1)
-            vv = torch.einsum("lc,hvc->lhv", c, w["uv"])
+            if mla_path == MLA_ABSORBED:  # one latent head: k = [c, k_rope], v = c
+                q_abs = absorb_query(q[..., : m.qk_nope_head_dim], w["uk"])
+                qq = torch.cat([r(q_abs) if absorbed_rounding else q_abs, q_rope], -1)
+                kk, vv = torch.cat([c[:, None], k_rope], dim=-1), c[:, None]
+            else:
+                k_rope = k_rope.expand(n, L.num_heads, -1)
+                qq = torch.cat([q[..., : m.qk_nope_head_dim], q_rope], -1)
+                kk = torch.cat([torch.einsum("lc,hnc->lhn", c, w["uk"]), k_rope], dim=-1)
+                vv = torch.einsum("lc,hvc->lhv", c, w["uv"])
         else:
             d, hkv = L.head_dim, L.num_kv_heads
             q, k, v = r(x @ w["qkv"].T).split([L.num_heads * d, hkv * d, hkv * d], dim=-1)
@@ -109,5 +161,7 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dt
         o = reference_attention(qq, kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
                                 softcap=L.logit_softcap, sinks=None if L.sinks is None else f(L.sinks),
                                 chunk=L.attention_chunk_size)
+        if L.is_mla and mla_path == MLA_ABSORBED:
+            o = expand_latent_output(r(o) if absorbed_rounding else o, w["uv"])
         h = h + r(r(o).reshape(n, -1) @ w["o"].T)
     return h, aux
