@@ -177,6 +177,7 @@ def estimate_for_decided(request: "SetupRequest", decided: "Decided",
     spec, args, facts = request.served_model, request.args, decided["device-init"].facts
     return estimate_graph_memory(spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
                                  decode_backend=decided["resolve"].pair.decode,
-                                 batch_sizes=capture_batch_sizes(args, request.pool.max_reqs),
+                                 batch_sizes=capture_batch_sizes(args, request.pool.max_reqs, device=facts,
+                                                                 world_size=request.world_size),
                                  arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
                                  page_size=args.page_size, num_sms=facts.sm_count, env=env)

@@ -133,7 +133,7 @@ def agree(ctx: SetupContext, res: Any, error: Any = None) -> Agreement:
     t, g = time.perf_counter(), ctx.rank_group
     table = agree_on_resolution(res, ctx.device.facts, group=g.cpu_group, rank=req.rank, world_size=req.world_size,
                                 timeout_s=g.timeout_s, args=req.args, error=error,
-                                digest=digest_fields(req, ctx.installed), watch=ctx.watch)
+                                digest=digest_fields(req, ctx.installed, ctx.device.facts), watch=ctx.watch)
     if error is None:
         ctx.emit(ev.ResolutionAgreed, world_size=req.world_size, table=table,
                  duration_ms=(time.perf_counter() - t) * 1e3)
@@ -192,7 +192,7 @@ def check_build(ctx: SetupContext, d: BuildDecision) -> None:
     graphs.check_graph_bs(req.args, req.pool.max_reqs)
     if ctx.platform is not None and ctx.given_pools is None:  # pools we will allocate: the first thing to refuse
         check_pools_fit(ctx)
-    kinds, max_bs = req.served_model.layer_kinds(), d.graph_max_bs(req)
+    kinds, max_bs = req.served_model.layer_kinds(), d.graph_max_bs(req, ctx.device.facts)
     # one check whichever source set the size: a value from the environment is named as that variable
     from_env = {s.value: s.env_var for s in d.settings if s.source == "env" and s.env_var}
     for ws in d.plan.workspaces:
