@@ -112,7 +112,8 @@ class PoolModel:
     def _take_free(self, seg: int, off: int) -> None:
         size, small, _ = self._blocks.pop((seg, off))
         del self._free_ends[(seg, off + size)]
-        self._free[small].remove((size, seg, off))
+        free, key = self._free[small], (size, seg, off)
+        del free[bisect.bisect_left(free, key)]  # the list is sorted: a search, not list.remove's scan
 
 
 class _Trace:

@@ -125,14 +125,15 @@ def estimate_graph_memory(spec: ModelSpec, *, dtype: str, kv_dtype: str, decode_
         state.malloc(nbytes)
     backend_state = entry.graph_state_allocs(list(_kinds_of(kinds)), sizes, max_context_len=max_context_len,
                                              page_size=page_size, num_sms=num_sms)
+    by_bs: dict[int, list[int]] = {}  # the backend's state per captured size (0: made once), in its order
     for b, nbytes in backend_state:
-        if b == 0:
-            state.malloc(nbytes)
+        by_bs.setdefault(b, []).append(nbytes)
+    for nbytes in by_bs.get(0, ()):
+        state.malloc(nbytes)
     tr, warm = _Trace(pool), _Trace(side)
     for i, bs in enumerate(sizes):
-        for b, nbytes in backend_state:
-            if b == bs:
-                state.malloc(nbytes)
+        for nbytes in by_bs.get(bs, ()):  # a lookup: scanning backend_state per size was O(sizes**2)
+            state.malloc(nbytes)
         if i == 0 and blas:
             warm.a(blas)  # the side stream's cuBLAS workspace, made by the first warm-up's matmul and kept
         warm.f(*_decode_trace(warm, spec, kinds, bs, elem, kv_dtype, entry, list(aux_layers)))
@@ -177,6 +178,7 @@ def estimate_for_decided(request: "SetupRequest", decided: "Decided",
     spec, args, facts = request.served_model, request.args, decided["device-init"].facts
     return estimate_graph_memory(spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
                                  decode_backend=decided["resolve"].pair.decode,
-                                 batch_sizes=capture_batch_sizes(args, request.pool.max_reqs),
+                                 batch_sizes=capture_batch_sizes(args, request.pool.max_reqs, device=facts,
+                                                                 world_size=request.world_size),
                                  arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
                                  page_size=args.page_size, num_sms=facts.sm_count, env=env)

@@ -2,9 +2,10 @@
 
 :func:`decide_graphs` is the one rule for whether graphs are captured (disabled, not a CUDA device, a
 decode backend whose registry entry cannot be captured): resolve records it and the runner's capture step
-obeys it. :func:`capture_batch_sizes` is the one rule for the sizes (sglang's ``get_batch_sizes_to_capture``).
-``attn-setup plan``, ``run``'s preflight and build-mode's workspace bound use them too; the capture itself is
-:class:`pipeline.runtime.cuda_graphs.DecodeGraphRunner`.
+obeys it. :func:`capture_batch_sizes` is the one rule for the sizes (sglang's ``get_batch_sizes_to_capture``),
+:func:`graph_top` the one rule for the largest of them (sglang's memory-derived ``cuda_graph_max_bs`` default,
+capped by ``max_reqs``). ``attn-setup plan``, ``run``'s preflight and build-mode's workspace bound use them too; the
+capture itself is :class:`pipeline.runtime.cuda_graphs.DecodeGraphRunner`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Sequence
 
 from pipeline.backends import registry
-from pipeline.core.contracts import AttentionArgs
+from pipeline.core.contracts import AttentionArgs, DeviceFacts
 from pipeline.core.errors import ConfigError
 
 
@@ -61,46 +62,125 @@ def check_graph_bs(args: AttentionArgs, max_reqs: int, *, state: str = "build-mo
             f"{max_reqs} rows of req_to_token, so sizes above {max_reqs} are never captured (sglang would clamp them "
             "to the pool without saying so)", code="invalid_value", state=state,
             flags=[("cuda_graph_max_bs", top), ("max_reqs", max_reqs)], allowed=[f"1..{max_reqs}"],
-            remedy=f"set cuda_graph_max_bs={max_reqs}, or drop cuda_graph_max_bs (its default is max_reqs), or raise "
-                   f"max_reqs to at least {top}")
+            remedy=f"set cuda_graph_max_bs={max_reqs}, or drop cuda_graph_max_bs (its default, sglang's top for the "
+                   f"device's memory, is capped at max_reqs), or raise max_reqs to at least {top}")
 
 
-def capture_batch_sizes(args: AttentionArgs, max_reqs: int, *, state: str = "build-mode") -> list[int]:
+# sglang's default ``cuda_graph_max_bs`` by the device's total memory (``ServerArgs._handle_gpu_memory_settings`` in
+# python/sglang/srt/server_args.py; gpu_mem in MiB): (below this many MiB, tp_size < 4, tp_size >= 4). The last row
+# (B200, MI300: 160 GiB and more) has no bound. sglang then keeps only sizes <= the request pool
+# (``get_batch_sizes_to_capture``: ``bs <= req_to_token_pool.size and bs <= cuda_graph_max_bs``).
+SGLANG_MAX_BS_BY_MEMORY: tuple[tuple[Optional[int], int, int], ...] = (
+    (20 * 1024, 8, 8),       # T4, 4080
+    (35 * 1024, 24, 80),     # A10, 4090, 5090
+    (60 * 1024, 32, 160),    # A100 40 GB, L40(S)
+    (90 * 1024, 256, 512),   # H100, A100 80 GB
+    (160 * 1024, 256, 512),  # H20, H200
+    (None, 512, 512),        # B200, MI300
+)
+# sglang's fallback when the device memory is unknown (gpu_mem None); ours also for CPU, where graphs are never
+# captured and the value only enters the ranks' digest and plan's (not captured) report.
+SGLANG_MAX_BS_NO_MEMORY = 160
+
+
+class GraphTop(NamedTuple):
+    """The top of the capture series and where it came from.
+
+    ``bs``: the bound the series is cut at (the largest size captured is the last series entry <= ``bs``);
+    ``source``: ``cuda_graph_bs`` (the list's largest), ``cuda_graph_max_bs`` (the user's value, kept as given),
+    ``default`` (sglang's memory-derived default) or ``max_reqs`` (the default capped by the pool's rows);
+    ``text``: that, in words, for plan's and run's output.
+    """
+
+    bs: int
+    source: str
+    text: str
+
+
+def default_max_bs(device: Optional[DeviceFacts], world_size: int = 1) -> tuple[int, str]:
+    """sglang's default ``cuda_graph_max_bs`` for ``device`` and ``world_size`` (sglang's ``tp_size``) and the words
+    saying so: :data:`SGLANG_MAX_BS_BY_MEMORY` by the device's total memory (sglang's
+    ``ServerArgs._handle_gpu_memory_settings``: e.g. 256 below 160 GiB and 512 above it, with tp < 4), or
+    :data:`SGLANG_MAX_BS_NO_MEMORY` (160, sglang's fallback without a memory reading) for a CPU, no device or a
+    device whose total memory is unknown (0). O(1)."""
+    mem = device.total_memory_bytes if device is not None and device.type != "cpu" else 0
+    if mem <= 0:
+        why = "a CPU" if device is not None and device.type == "cpu" else "no known device memory"
+        return SGLANG_MAX_BS_NO_MEMORY, f"default for {why}: {SGLANG_MAX_BS_NO_MEMORY} (sglang's fallback)"
+    mib = mem / (1 << 20)
+    for below, small, large in SGLANG_MAX_BS_BY_MEMORY:
+        if below is None or mib < below:
+            bs = small if world_size < 4 else large
+            break
+    tp = f", tp {world_size}" if world_size > 1 else ""
+    return bs, f"default for {mem / (1 << 30):.0f} GiB{tp}: {bs} (sglang's rule)"
+
+
+def graph_top(args: AttentionArgs, max_reqs: int, *, device: Optional[DeviceFacts] = None,
+              world_size: int = 1) -> GraphTop:
+    """The top of the decode capture series (the one rule; :func:`capture_batch_sizes`, :func:`count_batch_sizes`,
+    :func:`graph_max_bs` and :func:`batch_sizes_text` all cut the series here): the largest of ``cuda_graph_bs``
+    when given; else ``cuda_graph_max_bs`` when given (kept as given: :func:`check_graph_bs` has refused one above
+    ``max_reqs``, never clamped); else ``min(max_reqs, default)``, ``default`` being sglang's memory-derived
+    ``cuda_graph_max_bs`` (:func:`default_max_bs`: 256 on an H200 at tp < 4; sglang likewise caps its captured
+    sizes by the request pool). ``device``: the decided device's facts (None: no memory known, sglang's fallback
+    160); ``world_size``: the ranks (sglang's tp_size). Raises what :func:`check_graph_bs` raises."""
+    check_graph_bs(args, max_reqs)
+    if args.cuda_graph_bs:
+        return GraphTop(max(args.cuda_graph_bs), "cuda_graph_bs", "the largest of cuda_graph_bs")
+    if args.cuda_graph_max_bs:
+        return GraphTop(args.cuda_graph_max_bs, "cuda_graph_max_bs", f"cuda_graph_max_bs={args.cuda_graph_max_bs}")
+    bs, why = default_max_bs(device, world_size)
+    if max_reqs < bs:
+        return GraphTop(max_reqs, "max_reqs", f"max_reqs={max_reqs}, below the {why}")
+    return GraphTop(bs, "default", why)
+
+
+def _series_top(top: int) -> int:
+    """The last entry <= ``top`` of sglang's series 1, 2, 4, 8, 16, 24, … (0 when ``top`` < 1)."""
+    return top - (top - 16) % 8 if top >= 16 else max((b for b in (1, 2, 4, 8) if b <= top), default=0)
+
+
+def capture_batch_sizes(args: AttentionArgs, max_reqs: int, *, device: Optional[DeviceFacts] = None,
+                        world_size: int = 1, state: str = "build-mode") -> list[int]:
     """The decode batch sizes to capture, ascending (the one implementation of this rule).
 
     ``cuda_graph_bs`` when given (checked by :func:`check_graph_bs`), else sglang's series 1, 2, 4, 8, 16, 24, 32,
-    … (step 8 from 16, ``get_batch_sizes_to_capture``) up to ``cuda_graph_max_bs`` (default: ``max_reqs``), never
-    above ``max_reqs``. ``plan``, ``run``'s preflight and the capture itself call this; checks made before the
-    pools are sized (whose ``max_reqs`` may still be absurd) use :func:`check_graph_bs` and :func:`graph_max_bs`,
-    which never build the series.
+    … (step 8 from 16, ``get_batch_sizes_to_capture``) up to :func:`graph_top`: ``cuda_graph_max_bs`` when given,
+    else sglang's default for the device's memory (``ServerArgs._handle_gpu_memory_settings``; ``device`` and
+    ``world_size`` as :func:`graph_top`) capped by ``max_reqs``. ``plan``, ``run``'s preflight and the capture
+    itself call this; checks made before the pools are sized (whose ``max_reqs`` may still be absurd) use
+    :func:`check_graph_bs` and :func:`graph_max_bs`, which never build the series.
 
     Raises ConfigError (``invalid_value``, in ``state``) naming ``cuda_graph_bs`` and ``max_reqs`` with both numbers.
     """
     check_graph_bs(args, max_reqs, state=state)
     if args.cuda_graph_bs:
         return sorted(set(args.cuda_graph_bs))
-    top = min(args.cuda_graph_max_bs or max_reqs, max_reqs)
-    series = [1, 2, 4, 8] + list(range(16, top + 1, 8))
-    return [b for b in series if b <= top]
+    top = graph_top(args, max_reqs, device=device, world_size=world_size).bs
+    return [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 8))
 
 
-def count_batch_sizes(args: AttentionArgs, max_reqs: int) -> int:
-    """``len(capture_batch_sizes(args, max_reqs))`` computed, not listed (O(1) in ``max_reqs``; the progress line's
+def count_batch_sizes(args: AttentionArgs, max_reqs: int, *, device: Optional[DeviceFacts] = None,
+                      world_size: int = 1) -> int:
+    """``len(capture_batch_sizes(args, max_reqs, …))`` computed, not listed (O(1) in ``max_reqs``; the progress line's
     "bs k of n" before the pools are checked). Raises what :func:`check_graph_bs` raises."""
     check_graph_bs(args, max_reqs)
     if args.cuda_graph_bs:
         return len(set(args.cuda_graph_bs))
-    top = min(args.cuda_graph_max_bs or max_reqs, max_reqs)
+    top = graph_top(args, max_reqs, device=device, world_size=world_size).bs
     return sum(1 for b in (1, 2, 4, 8) if b <= top) + (max((top - 16) // 8 + 1, 0) if top >= 16 else 0)
 
 
-def batch_sizes_text(args: AttentionArgs, max_reqs: int, limit: int = 4096) -> str:
+def batch_sizes_text(args: AttentionArgs, max_reqs: int, limit: int = 4096, *,
+                     device: Optional[DeviceFacts] = None, world_size: int = 1) -> str:
     """The captured sizes as comma-separated text (what ranks compare in their configuration digest); a series
-    longer than ``limit`` as ``1,2,4,8,16..TOP step 8 (N sizes)`` so an absurd ``max_reqs`` costs nothing."""
-    n = count_batch_sizes(args, max_reqs)
+    longer than ``limit`` as ``1,2,4,8,16..TOP step 8 (N sizes)`` so a huge ``cuda_graph_max_bs`` costs nothing."""
+    kw = dict(device=device, world_size=world_size)
+    n = count_batch_sizes(args, max_reqs, **kw)
     if n <= limit:
-        return ",".join(map(str, capture_batch_sizes(args, max_reqs)))
-    return f"1,2,4,8,16..{graph_max_bs(args, max_reqs, True)} step 8 ({n} sizes)"
+        return ",".join(map(str, capture_batch_sizes(args, max_reqs, **kw)))
+    return f"1,2,4,8,16..{graph_max_bs(args, max_reqs, True, **kw)} step 8 ({n} sizes)"
 
 
 class GraphDecision(NamedTuple):
@@ -140,7 +220,8 @@ def skip_reason(args: AttentionArgs, device_type: str, backend_names: Sequence[s
     return None if d.capture else d.reason
 
 
-def graph_max_bs(args: AttentionArgs, max_reqs: int, captured: bool) -> int:
+def graph_max_bs(args: AttentionArgs, max_reqs: int, captured: bool, *, device: Optional[DeviceFacts] = None,
+                 world_size: int = 1) -> int:
     """The largest decode batch a graph is captured for: the last of :func:`capture_batch_sizes`, 0 without graphs
     (computed, not listed: O(1) in ``max_reqs``). Raises what :func:`check_graph_bs` raises."""
     if not captured:
@@ -148,19 +229,20 @@ def graph_max_bs(args: AttentionArgs, max_reqs: int, captured: bool) -> int:
     check_graph_bs(args, max_reqs)
     if args.cuda_graph_bs:
         return max(args.cuda_graph_bs)
-    top = min(args.cuda_graph_max_bs or max_reqs, max_reqs)
-    return top - (top - 16) % 8 if top >= 16 else max((b for b in (1, 2, 4, 8) if b <= top), default=0)
+    return _series_top(graph_top(args, max_reqs, device=device, world_size=world_size).bs)
 
 
 LISTED_SIZES = 1024  # a plan lists the capture sizes up to this many (the series of an absurd max_reqs is not built)
 
 
-def graph_sizes(args: AttentionArgs, max_reqs: int, captured: bool) -> tuple[int, int, Optional[list[int]]]:
+def graph_sizes(args: AttentionArgs, max_reqs: int, captured: bool, *, device: Optional[DeviceFacts] = None,
+                world_size: int = 1) -> tuple[int, int, Optional[list[int]]]:
     """``(count, largest, sizes)`` of the decode batches captured (``(0, 0, [])`` without graphs); ``sizes`` is
     :func:`capture_batch_sizes` when at most :data:`LISTED_SIZES`, else None — counted in O(1) like
     :func:`graph_max_bs`, never built. Raises what :func:`check_graph_bs` raises."""
     if not captured:
         return 0, 0, []
-    count = count_batch_sizes(args, max_reqs)
-    sizes = capture_batch_sizes(args, max_reqs) if count <= LISTED_SIZES else None
-    return count, graph_max_bs(args, max_reqs, True), sizes
+    kw = dict(device=device, world_size=world_size)
+    count = count_batch_sizes(args, max_reqs, **kw)
+    sizes = capture_batch_sizes(args, max_reqs, **kw) if count <= LISTED_SIZES else None
+    return count, graph_max_bs(args, max_reqs, True, **kw), sizes

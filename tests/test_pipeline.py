@@ -307,8 +307,9 @@ def test_engine_pools_are_used_and_checked_against_the_request(llama, small_pool
 @pytest.mark.parametrize("graph_bs", [None, (1, 3, 64)])
 def test_graph_max_bs_is_the_series_top_without_listing_it(graph_bs):
     """graph_max_bs equals the last of capture_batch_sizes (sglang's 1, 2, 4, 8, 16, 24, … series or the given
-    sizes) for every max_reqs / cuda_graph_max_bs up to 300, and stays O(1) for a max_reqs of 2**31 - 1 (it ran
-    the whole series before: build-mode hung on such a pool instead of refusing it)."""
+    sizes) for every max_reqs / cuda_graph_max_bs up to 300, and stays O(1) for a cuda_graph_max_bs of 2**31 - 1 (it
+    ran the whole series before: build-mode hung on such a pool instead of refusing it); without one the top is the
+    default (160 without a known device memory), whatever max_reqs is."""
     from states.graphs import capture_batch_sizes, graph_max_bs
 
     for max_reqs in range(64 if graph_bs else 1, 300):
@@ -318,7 +319,10 @@ def test_graph_max_bs_is_the_series_top_without_listing_it(graph_bs):
             a = AttentionArgs(cuda_graph_max_bs=cap, cuda_graph_bs=graph_bs)
             assert graph_max_bs(a, max_reqs, True) == capture_batch_sizes(a, max_reqs)[-1], (max_reqs, cap)
             assert graph_max_bs(a, max_reqs, False) == 0
-    assert graph_max_bs(AttentionArgs(cuda_graph_bs=graph_bs), 2 ** 31 - 1, True) == (64 if graph_bs else 2 ** 31 - 8)
+    assert graph_max_bs(AttentionArgs(cuda_graph_bs=graph_bs), 2 ** 31 - 1, True) == (64 if graph_bs else 160)
+    top = None if graph_bs else 2 ** 31 - 1
+    assert graph_max_bs(AttentionArgs(cuda_graph_bs=graph_bs, cuda_graph_max_bs=top), 2 ** 31 - 1, True) == (
+        64 if graph_bs else 2 ** 31 - 8)
 
 
 def test_absurd_max_reqs_is_refused_for_memory_not_hung():
@@ -386,7 +390,7 @@ def test_batch_size_count_and_text_without_listing(graph_bs):
             sizes = capture_batch_sizes(a, max_reqs)
             assert count_batch_sizes(a, max_reqs) == len(sizes), (max_reqs, cap)
             assert batch_sizes_text(a, max_reqs) == ",".join(map(str, sizes))
-    a = AttentionArgs(cuda_graph_bs=graph_bs)
+    a = AttentionArgs(cuda_graph_bs=graph_bs, cuda_graph_max_bs=None if graph_bs else 2 ** 31 - 1)
     n = count_batch_sizes(a, 2 ** 31 - 1)
     assert n == (3 if graph_bs else 4 + (2 ** 31 - 8 - 16) // 8 + 1)
     assert batch_sizes_text(a, 2 ** 31 - 1) == ("1,3,64" if graph_bs else f"1,2,4,8,16..{2 ** 31 - 8} step 8 ({n} sizes)")

@@ -92,7 +92,7 @@ FLAG_DOMAINS: tuple[FlagDomain, ...] = (
     FlagDomain("--cuda-graph-bs", "cuda_graph_bs", SETUP, _int(1, MAX_POOL_DIM, 1),
                "1, 2, 4, 8, 16, 24, … up to --cuda-graph-max-bs", distinct=True),
     FlagDomain("--cuda-graph-max-bs", "cuda_graph_max_bs", SETUP, _int(1, MAX_POOL_DIM, 8),
-               "max(--cuda-graph-bs), else --max-reqs"),
+               "max(--cuda-graph-bs), else min(--max-reqs, sglang's default for the device's memory: 256 on an H200)"),
     FlagDomain("--zbal-local-mem-size", "zbal_local_mem_size", SETUP, _int(0, MAX_BYTES, 0, _BYTES),
                "SGLANG_ZBAL_LOCAL_MEM_SIZE, else 0"),
     FlagDomain("--flashinfer-workspace-size", "flashinfer_workspace_size", SETUP,

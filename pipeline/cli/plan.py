@@ -21,7 +21,7 @@ Exit codes: 0 planned · 2 usage (bad flags, unreadable file, unknown profile or
 from __future__ import annotations
 
 import argparse
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import msgspec
 
@@ -202,22 +202,27 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
             "skips": skips_of(decided),
             "warnings": warnings_obj(resolve.warnings_for(res, list(res.skips) + list(plan.skips), device))
             + rp.layer_rule_warnings(request),
-            "cuda_graphs": cuda_graphs_obj(request, decided["build-mode"].graphs),
+            "cuda_graphs": cuda_graphs_obj(request, decided["build-mode"].graphs, device),
             "npu_lazy_mem": lazy_mem_obj(decided["npu-lazy-mem"]),
             **graph_estimate_obj(request, decided, num_layers)}
 
 
-def cuda_graphs_obj(request: SetupRequest, graphs: Any) -> dict[str, Any]:
-    """``cuda_graphs`` of plan JSON: ``{capture, reason, batch_sizes, count, max_bs}`` — whether decode CUDA graphs
-    are captured (:func:`states.graphs.decide_graphs`; ``reason`` when not), the decode batch sizes a run captures
-    (:func:`states.graphs.capture_batch_sizes`: ``cuda_graph_bs``, else sglang's 1, 2, 4, 8, 16, 24, … up to
-    ``cuda_graph_max_bs`` or ``max_reqs``; null when more than :data:`states.graphs.LISTED_SIZES`), how many and the
-    largest (0 without graphs)."""
-    from states.graphs import graph_sizes
+def cuda_graphs_obj(request: SetupRequest, graphs: Any, device: Optional[DeviceFacts] = None) -> dict[str, Any]:
+    """``cuda_graphs`` of plan JSON: ``{capture, reason, batch_sizes, count, max_bs, max_bs_source, max_bs_from}`` —
+    whether decode CUDA graphs are captured (:func:`states.graphs.decide_graphs`; ``reason`` when not), the decode
+    batch sizes a run captures on ``device`` (:func:`states.graphs.capture_batch_sizes`: ``cuda_graph_bs``, else
+    sglang's 1, 2, 4, 8, 16, 24, … up to ``cuda_graph_max_bs``, else up to sglang's default for the device's memory
+    capped by ``max_reqs``; null when more than :data:`states.graphs.LISTED_SIZES`), how many and the largest (0
+    without graphs), and where the top came from (:func:`states.graphs.graph_top`: ``max_bs_source`` one of
+    ``cuda_graph_bs``, ``cuda_graph_max_bs``, ``default``, ``max_reqs``; ``max_bs_from`` in words, e.g.
+    ``default for 131 GiB: 256 (sglang's rule)``; null without graphs)."""
+    from states.graphs import graph_sizes, graph_top
 
-    count, largest, sizes = graph_sizes(request.args, request.pool.max_reqs, graphs.capture)
+    kw = dict(device=device, world_size=request.world_size)
+    count, largest, sizes = graph_sizes(request.args, request.pool.max_reqs, graphs.capture, **kw)
+    top = graph_top(request.args, request.pool.max_reqs, **kw) if graphs.capture else None
     return {"capture": graphs.capture, "reason": graphs.reason, "batch_sizes": sizes, "count": count,
-            "max_bs": largest}
+            "max_bs": largest, "max_bs_source": top and top.source, "max_bs_from": top and top.text}
 
 
 def lazy_mem_obj(lazy: Any) -> dict[str, Any]:
@@ -239,6 +244,8 @@ def decision_lines(report: dict[str, Any]) -> list[str]:
         shown = ", ".join(map(str, sizes)) if sizes is not None and len(sizes) <= 12 else \
             ", ".join(map(str, (sizes or [1, 2, 4, 8])[:6])) + f", …, {g['max_bs']}"
         graphs = f"cuda graphs: decode batch sizes {shown} ({g['count']} sizes, largest {g['max_bs']})"
+        if g.get("max_bs_from"):
+            graphs += f"; top: {g['max_bs_from']}"
     else:
         graphs = f"cuda graphs: not captured: {g['reason']}"
     where = f"from {z['source']}" + (f" {z['env_var']}" if z["source"] == "env" and z["env_var"] else "")

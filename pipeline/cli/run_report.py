@@ -18,7 +18,7 @@ from rich.markup import escape
 from pipeline.cli import report as rp
 from pipeline.core import events as ev
 from pipeline.core.contracts import ErrorInfo, ModelSpec, SetupRequest
-from pipeline.core.errors import EXIT_OK
+from pipeline.core.errors import EXIT_OK, AttnSetupError
 
 
 def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request: SetupRequest,
@@ -157,13 +157,30 @@ def _pool_line(records: Any) -> Optional[str]:
     return line
 
 
-def _graph_line(records: Any) -> Optional[str]:
-    """``CUDA graphs: 4 sizes captured, graph pool 2.0 MiB (estimated 2.0 MiB), capture step took 76.0 MiB of the
-    device (estimated 76.0 MiB kept, 78.0 MiB at its peak)`` from the ``cuda_graph_memory`` event (None without one)."""
+def _top_text(records: Any, request: Optional[SetupRequest]) -> str:
+    """`` (top: default for 131 GiB: 256 (sglang's rule))``: where the largest captured size came from
+    (:func:`states.graphs.graph_top` on the initialized device); empty when that cannot be said."""
+    from states.graphs import graph_top
+
+    init = next((r for r in records if isinstance(r, ev.DeviceInitialized)), None)
+    if request is None or init is None:
+        return ""
+    try:
+        top = graph_top(request.args, request.pool.max_reqs, device=init.facts, world_size=request.world_size)
+    except AttnSetupError:
+        return ""
+    return f" (top: {top.text})"
+
+
+def _graph_line(records: Any, request: Optional[SetupRequest] = None) -> Optional[str]:
+    """``CUDA graphs: 4 sizes captured (top: default for 131 GiB: 256 (sglang's rule)), graph pool 2.0 MiB (estimated
+    2.0 MiB), capture step took 76.0 MiB of the device (estimated 76.0 MiB kept, 78.0 MiB at its peak)`` from the
+    ``cuda_graph_memory`` event (None without one)."""
     m = next((r for r in records if isinstance(r, ev.CudaGraphMemory)), None)
     if m is None:
         return None
-    return (f"CUDA graphs: {len(m.batch_sizes)} sizes captured, graph pool {rp.fmt_bytes(m.pool_bytes)} (estimated "
+    return (f"CUDA graphs: {len(m.batch_sizes)} sizes captured{_top_text(records, request)}, graph pool "
+            f"{rp.fmt_bytes(m.pool_bytes)} (estimated "
             f"{rp.fmt_bytes(m.pool_estimate)}), capture step took {rp.fmt_bytes(m.step_device_bytes)} of the device "
             f"(estimated {rp.fmt_bytes(m.kept_estimate)} kept, {rp.fmt_bytes(m.total_estimate)} at its peak)"
             + (f", after {rp.fmt_bytes(m.prime_device_bytes)} of one-time capture setup before the pools were sized"
@@ -178,7 +195,7 @@ def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[
     c = console()
     if request is not None:
         print_line(c, model_line(request, records))
-    for line in (device_line(report, request), _pool_line(records), _graph_line(records)):
+    for line in (device_line(report, request), _pool_line(records), _graph_line(records, request)):
         if line:
             print_line(c, line)
     rows = timeline_rows(report)

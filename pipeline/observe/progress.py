@@ -61,15 +61,27 @@ def describe(records: list[Any], now_ns: int, graph_sizes: int = 0) -> str:
 class StartupProgress:
     """A rich status line fed by ``log.records`` from a daemon thread; ``with StartupProgress(...):``."""
 
-    def __init__(self, log: Any, console: Any, graph_sizes: int = 0, every_s: float = 0.2, lead: str = "") -> None:
+    def __init__(self, log: Any, console: Any, graph_sizes: Any = 0, every_s: float = 0.2, lead: str = "") -> None:
+        # graph_sizes: the count, or a function of the device facts (the default sizes follow the device's memory),
+        # called once device-init has logged them
         self.log, self.console, self.graph_sizes, self.every_s = log, console, graph_sizes, every_s
         self.lead = lead  # e.g. why startup was slow (a cold start), kept in front of every line
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._status: Any = None
 
+    def _sizes(self, records: list[Any]) -> int:
+        if not callable(self.graph_sizes):
+            return self.graph_sizes
+        init = next((r for r in records if isinstance(r, ev.DeviceInitialized)), None)
+        if init is None:
+            return 0
+        self.graph_sizes = self.graph_sizes(init.facts)  # once: the facts do not change
+        return self.graph_sizes
+
     def line(self) -> str:
-        text = describe(list(self.log.records), time.time_ns(), self.graph_sizes)
+        records = list(self.log.records)
+        text = describe(records, time.time_ns(), self._sizes(records))
         return f"{self.lead} · {text}" if self.lead else text
 
     def _loop(self) -> None:
@@ -111,12 +123,16 @@ def progress_for(ns: Any, log: Any, request: Any) -> Any:
         return contextlib.nullcontext()
     from rich.console import Console
 
-    try:
-        from states.graphs import count_batch_sizes
+    def sizes(facts: Any) -> int:
+        """The sizes a run captures on the initialized device (its memory sets the default top)."""
+        try:
+            from states.graphs import count_batch_sizes
 
-        sizes = count_batch_sizes(request.args, request.pool.max_reqs)
-    except Exception:  # noqa: BLE001 - refused later by preflight with its own error
-        sizes = 0
+            return count_batch_sizes(request.args, request.pool.max_reqs, device=facts,
+                                     world_size=request.world_size)
+        except Exception:  # noqa: BLE001 - refused later by preflight with its own error
+            return 0
+
     return StartupProgress(log, Console(stderr=True, width=fixed_width()), sizes, lead=cold_start_lead(getattr(ns, "_torch_import", None)))
 
 

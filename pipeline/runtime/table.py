@@ -204,7 +204,9 @@ def decide_capture(r: Any) -> CaptureDecision:
     out = r.machine.model.backends
     g = out.graphs if out is not None else r.attention["build-mode"].graphs
     req = r.request if out is not None else attention_request(r)
-    return CaptureDecision(graphs=g, sizes=capture_batch_sizes(req.args, req.pool.max_reqs) if g.capture else [])
+    facts = out.device_facts if out is not None else r.attention["device-init"].facts
+    return CaptureDecision(graphs=g, sizes=capture_batch_sizes(req.args, req.pool.max_reqs, device=facts,
+                                                               world_size=req.world_size) if g.capture else [])
 
 
 def capture(r: Any, d: CaptureDecision) -> None:

@@ -38,11 +38,12 @@ class BuildDecision(NamedTuple):
     plan: BuildPlan
     graphs: Any
 
-    def graph_max_bs(self, request: SetupRequest) -> int:
-        """The largest decode batch captured as a graph (0 without graphs): the last capture size."""
+    def graph_max_bs(self, request: SetupRequest, device: DeviceFacts) -> int:
+        """The largest decode batch captured as a graph on ``device`` (0 without graphs): the last capture size."""
         from states.graphs import graph_max_bs
 
-        return graph_max_bs(request.args, request.pool.max_reqs, self.graphs.capture)
+        return graph_max_bs(request.args, request.pool.max_reqs, self.graphs.capture, device=device,
+                            world_size=request.world_size)
 
 
 class LazyDecision(NamedTuple):

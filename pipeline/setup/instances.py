@@ -81,7 +81,7 @@ def apply_build(ctx: SetupContext, d: Any) -> None:
     for ws_plan in plan.workspaces:
         fault_point(faults, f"build:workspace:{ws_plan.id}", *ctx.pools.values())
         ctx.workspace_pool.allocate(ws_plan)
-    max_bs, kinds = d.graph_max_bs(ctx.request), ctx.request.served_model.layer_kinds()
+    max_bs, kinds = d.graph_max_bs(ctx.request, ctx.device.facts), ctx.request.served_model.layer_kinds()
 
     def make(inst: InstancePlan) -> Any:
         ws = ctx.workspace_pool.get(inst.workspace) if inst.workspace else None
@@ -128,7 +128,8 @@ def build_like(backends: Any, request: SetupRequest, model: Any, pools: Optional
 
     pools = pools if pools is not None else backends.pools
     kinds, ws_pool = model.layer_kinds(), backends.workspace_pool
-    max_bs = graph_max_bs(request.args, request.pool.max_reqs, backends.graphs.capture)
+    max_bs = graph_max_bs(request.args, request.pool.max_reqs, backends.graphs.capture, device=backends.device_facts,
+                          world_size=request.world_size)
 
     def make(inst: InstancePlan) -> Any:
         ws = ws_pool.get(inst.workspace) if inst.workspace else None

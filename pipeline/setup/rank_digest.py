@@ -70,9 +70,10 @@ def _capabilities_text() -> str:
     return "sha256:" + _sha({n: msgspec.to_builtins(registry.get(n).capability) for n in registry.names()})
 
 
-def digest_fields(request: Any, installed: Mapping[str, bool]) -> dict[str, str]:
+def digest_fields(request: Any, installed: Mapping[str, bool], device: Any = None) -> dict[str, str]:
     """``{field: text}`` of what must be equal on every rank (module docstring), for ``request``
-    (a :class:`~pipeline.core.contracts.SetupRequest`) and the package presence ``installed``.
+    (a :class:`~pipeline.core.contracts.SetupRequest`), the package presence ``installed`` and the rank's
+    ``device`` facts (the default capture sizes follow its memory: :func:`states.graphs.graph_top`).
 
     Values are short texts so the divergence table shows them; a value that cannot be computed
     (an invalid dtype, a graph list the pool cannot hold) reads ``error: <code>`` — that rank's
@@ -99,7 +100,8 @@ def digest_fields(request: Any, installed: Mapping[str, bool]) -> dict[str, str]
     out["dtype.model"] = safe(lambda: model_dtype(args, request.served_model))
     out["dtype.kv_cache"] = safe(lambda: kv_dtype(args, request.served_model))
     out["cuda_graph_bs"] = ("disabled" if args.disable_cuda_graph else
-                            safe(lambda: batch_sizes_text(args, pool.max_reqs)))
+                            safe(lambda: batch_sizes_text(args, pool.max_reqs, device=device,
+                                                         world_size=request.world_size)))
     for k, v in sorted(versions(installed).items()):
         out[f"versions.{k}"] = str(v)
     out["capabilities"] = _capabilities_text()

@@ -22,6 +22,7 @@ from pipeline.core import settings
 from pipeline.core.contracts import Skip
 from pipeline.core.driver import Stop
 from pipeline.core.errors import error_info_from
+from pipeline.core.pool_sizing import POOL_MEMORY_SHARE, remedy_available
 from pipeline.core.steps import Guard, Step, StepTable
 from pipeline.platforms import parse_device
 from pipeline.setup.context import (
@@ -133,7 +134,7 @@ def agree(ctx: SetupContext, res: Any, error: Any = None) -> Agreement:
     t, g = time.perf_counter(), ctx.rank_group
     table = agree_on_resolution(res, ctx.device.facts, group=g.cpu_group, rank=req.rank, world_size=req.world_size,
                                 timeout_s=g.timeout_s, args=req.args, error=error,
-                                digest=digest_fields(req, ctx.installed), watch=ctx.watch)
+                                digest=digest_fields(req, ctx.installed, ctx.device.facts), watch=ctx.watch)
     if error is None:
         ctx.emit(ev.ResolutionAgreed, world_size=req.world_size, table=table,
                  duration_ms=(time.perf_counter() - t) * 1e3)
@@ -192,15 +193,19 @@ def check_build(ctx: SetupContext, d: BuildDecision) -> None:
     graphs.check_graph_bs(req.args, req.pool.max_reqs)
     if ctx.platform is not None and ctx.given_pools is None:  # pools we will allocate: the first thing to refuse
         check_pools_fit(ctx)
-    kinds, max_bs = req.served_model.layer_kinds(), d.graph_max_bs(req)
+    kinds, max_bs = req.served_model.layer_kinds(), d.graph_max_bs(req, ctx.device.facts)
     # one check whichever source set the size: a value from the environment is named as that variable
     from_env = {s.value: s.env_var for s in d.settings if s.source == "env" and s.env_var}
+    # the largest workspace a remedy may name: each workspace's share of what the device's memory lets pools and
+    # workspaces use (as check_workspace_memory sizes its remedy), 0 when the device's memory is unknown
+    total = ctx.device.facts.total_memory_bytes
+    max_ws = int(remedy_available(total) * POOL_MEMORY_SHARE) // max(len(d.plan.workspaces), 1) if total > 0 else 0
     for ws in d.plan.workspaces:
         for backend in sorted({i.backend for i in d.plan.instances if i.workspace == ws.id}):
             registry.get(backend).check_workspace(ws.bytes, kinds, num_sms=ctx.device.facts.sm_count,
                                                   max_reqs=req.pool.max_reqs, graph_max_bs=max_bs,
                                                   graph_bs_given=bool(req.args.cuda_graph_bs),
-                                                  env_var=from_env.get(ws.bytes, ""))
+                                                  env_var=from_env.get(ws.bytes, ""), max_bytes=max_ws)
 
 
 def compare_build(ctx: SetupContext, recorded: Any, d: BuildDecision) -> Rows:

@@ -1,0 +1,117 @@
+"""The FlashInfer workspace remedy is true: for a grid of (max_reqs, workspace size, cuda_graph_max_bs) that
+``attn-setup plan`` refuses with ``workspace_too_small``, every alternative the remedy names — with the flag values
+it names — then plans ok, each value inside its flag's domain (in-process, through the CLI's main)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import pytest
+
+from pipeline.cli.domains import FLAG_DOMAINS
+from pipeline.core.validation import MAX_BYTES
+
+BASE = ("--device-profile", "h200", "--installed", "torch,triton,flashinfer")
+MAX = 2 ** 31 - 1
+
+
+def _plan(argv: list[str], monkeypatch, env: dict[str, str]) -> tuple[int, dict]:
+    from conftest import run_main
+
+    with monkeypatch.context() as m:
+        for k, v in env.items():
+            m.setenv(k, v)
+        proc = run_main("plan", *BASE, *argv, "--json")
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _set(argv: list[str], flag: str, value: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = True
+            continue
+        out.append(a)
+    return out + [flag, value]
+
+
+def _alternatives(remedy: str) -> list[tuple[dict[str, str], dict[str, str]]]:
+    """Each ``, or ``-separated way of the CLI remedy as (flags, environment variables) to set."""
+    ways = []
+    for clause in remedy.split(", or "):
+        flags = dict(re.findall(r"(--[\w-]+)(?: \(or \w+\))?(?: to at least| to)? (\d+)", clause))
+        env = dict(re.findall(r"\b([A-Z][A-Z_]+)(?: to at least |=)(\d+)", clause))
+        assert flags or env, clause
+        ways.append((flags, env))
+    return ways
+
+
+def _in_domain(flag: str, value: str) -> bool:
+    d = next(d for d in FLAG_DOMAINS if d.flag == flag)
+    return d.domain.lo <= int(value) <= d.domain.hi
+
+
+GRID = [(mr, ws, top) for mr, ws, top in itertools.product(
+    (300, 4096, MAX), (1000, 64 << 20, None, MAX_BYTES), (None, 200, "max_reqs")) if not (top == 200 and mr < 200)]
+
+
+@pytest.mark.parametrize("max_reqs,ws,top", GRID)
+def test_workspace_remedy_then_plans_ok(max_reqs, ws, top, monkeypatch):
+    argv = ["--max-reqs", str(max_reqs)]
+    if ws is not None:
+        argv += ["--flashinfer-workspace-size", str(ws)]
+    if top is not None:
+        argv += ["--cuda-graph-max-bs", str(max_reqs if top == "max_reqs" else top)]
+    rc, out = _plan(argv, monkeypatch, {})
+    if rc == 0:
+        return
+    err = out["error"]
+    assert rc == 3 and err["code"] == "workspace_too_small", err
+    ways = _alternatives(err["remedy"])
+    for flags, env in ways:
+        fixed = argv
+        for flag, value in flags.items():
+            assert _in_domain(flag, value), (flag, value)
+            fixed = _set(fixed, flag, value)
+        for value in env.values():
+            assert 1 <= int(value) <= MAX_BYTES
+        rc2, out2 = _plan(fixed, monkeypatch, env)
+        assert rc2 == 0, (argv, err["remedy"], fixed, out2.get("error"))
+        given = max_reqs if top == "max_reqs" else top or 0
+        assert out2["cuda_graphs"]["max_bs"] <= max(8192, given)  # never above what was asked, or practical
+
+
+def test_the_backed_out_case_names_a_workspace_the_device_holds(monkeypatch):
+    """t6verify's remedy for this suggested --cuda-graph-max-bs 852334595 with a 2**48 workspace; with sglang's
+    default top (256 on an H200) the need is 84 MB, and raising the workspace to it is the remedy."""
+    rc, out = _plan(["--max-reqs", str(MAX), "--flashinfer-workspace-size", str(64 << 20)], monkeypatch, {})
+    assert rc == 3 and out["error"]["code"] == "workspace_too_small"
+    need = next(f["value"] for f in out["error"]["flags"] if f["name"] == "needed_bytes")
+    assert 64 << 20 < need < 141 * 10 ** 9 * 0.9
+    assert out["error"]["remedy"].startswith(f"set --flashinfer-workspace-size (or SGLANG_FLASHINFER_WORKSPACE_SIZE) "
+                                             f"to at least {need}")
+
+
+def test_a_workspace_the_device_cannot_hold_is_never_suggested(monkeypatch):
+    """An explicit top of 2**31 - 1 needs far more than the H200 holds: the remedy lowers the top (to at most
+    8192), it never names that workspace; from the environment the remedy names the variable, both ways true."""
+    for ws, env in ((MAX_BYTES, {}), (1000, {}), (None, {"SGLANG_FLASHINFER_WORKSPACE_SIZE": "1000"})):
+        argv = ["--max-reqs", str(MAX), "--cuda-graph-max-bs", str(MAX)]
+        if ws is not None:
+            argv += ["--flashinfer-workspace-size", str(ws)]
+        rc, out = _plan(argv, monkeypatch, env)
+        assert rc == 3 and out["error"]["code"] == "workspace_too_small"
+        need = next(f["value"] for f in out["error"]["flags"] if f["name"] == "needed_bytes")
+        assert need > MAX_BYTES or need > 141 * 10 ** 9
+        assert str(need) not in out["error"]["remedy"] and "--cuda-graph-max-bs" in out["error"]["remedy"]
+        for flags, extra in _alternatives(out["error"]["remedy"]):
+            fixed = argv
+            for flag, value in flags.items():
+                fixed = _set(fixed, flag, value)
+            rc2, out2 = _plan(fixed, monkeypatch, {**env, **extra})
+            assert rc2 == 0, (out["error"]["remedy"], out2.get("error"))
