@@ -14,7 +14,7 @@ import structlog
 import torch
 
 from pipeline.backends.registry import get  # noqa: I001  (registry first: it imports capabilities)
-from pipeline.backends import records as capabilities, flashinfer_sizing as sz
+from pipeline.backends import records as capabilities, flashinfer_sizing as sz, flashinfer_workspace_check as wscheck
 
 from pipeline.core.contracts import ForwardMode
 from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError
@@ -97,9 +97,9 @@ def test_mqa_needs_more_than_sglang_default():
 def test_check_workspace_size_error_names_field_and_bytes():
     """Too small a workspace raises ConfigError naming flashinfer_workspace_size and the needed bytes."""
     need = sz.workspace_need([sz.HeadShape(32, 8, 128)], num_sms=132, max_batch_size=256, cuda_graph_max_bs=256)
-    sz.check_workspace_size(need.bytes, need)
+    wscheck.check_workspace_size(need.bytes, need)
     with pytest.raises(ConfigError) as ei:
-        sz.check_workspace_size(need.bytes // 2, need)
+        wscheck.check_workspace_size(need.bytes // 2, need)
     info = ei.value.info
     assert info.code == "workspace_too_small" and info.state == "build-mode"
     assert info.flags[0].name == "flashinfer_workspace_size" and info.flags[0].value == need.bytes // 2
@@ -338,7 +338,7 @@ def test_entry_refuses_small_workspace_before_building():
     from pipeline.backends import registry
 
     kinds = [make_kind(32, 8, 128)]
-    need = sz.workspace_need(sz.shapes_of(kinds), num_sms=132, max_batch_size=4, cuda_graph_max_bs=4).bytes
+    need = sz.workspace_need(wscheck.shapes_of(kinds), num_sms=132, max_batch_size=4, cuda_graph_max_bs=4).bytes
     entry = registry.get("flashinfer")
     with pytest.raises(ConfigError) as ei:
         entry.check_workspace(1 << 20, kinds, num_sms=132, max_reqs=4, graph_max_bs=4)

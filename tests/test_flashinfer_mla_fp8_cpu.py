@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from pipeline.backends import flashinfer_sizing as sz
+from pipeline.backends import flashinfer_sizing as sz, flashinfer_workspace_check as wscheck
 from pipeline.core.contracts import ForwardMode
 from pipeline.core.errors import CapabilityMismatch
 from pipeline.backends.flashinfer_jit import variants_for
@@ -148,8 +148,8 @@ def test_mla_workspace_hand_computed():
         assert need.bytes == need.parts["mla"] == sz.mla_bytes(s, 132)
     mixed = sz.workspace_need([s, sz.HeadShape(32, 8, 128)], num_sms=132, max_batch_size=8)
     assert mixed.bytes == max(sz.mla_bytes(s, 132), sz.fa2_eager_bytes(sz.HeadShape(32, 8, 128), 132))
-    assert sz.shapes_of([make_mla_kind(128)]) == [s]
-    sz.check_backend_workspace(sz.DEFAULT_WORKSPACE_BYTES, [make_mla_kind(128)], backend="flashinfer", num_sms=132,
+    assert wscheck.shapes_of([make_mla_kind(128)]) == [s]
+    wscheck.check_backend_workspace(sz.DEFAULT_WORKSPACE_BYTES, [make_mla_kind(128)], backend="flashinfer", num_sms=132,
                                max_reqs=256, graph_max_bs=256)
 
 

@@ -358,7 +358,7 @@ def test_absurd_pool_on_a_gpu_is_refused_for_memory_before_the_workspace_check()
 def test_largest_fitting_graph_bs_is_a_binary_search_equal_to_the_scan():
     """The workspace remedy's 'largest captured size that fits' equals a linear scan for every size bound and
     workspace size over several head shapes (the need is nondecreasing in the batch), in O(log n) calls."""
-    from pipeline.backends import flashinfer_sizing as sz
+    from pipeline.backends import flashinfer_sizing as sz, flashinfer_workspace_check as wscheck
 
     for h, kv, d, sinks in [(32, 8, 128, False), (32, 32, 128, False), (64, 8, 64, True), (16, 4, 256, False)]:
         shapes = [sz.HeadShape(h, kv, d, sinks, False)]
@@ -368,11 +368,11 @@ def test_largest_fitting_graph_bs_is_a_binary_search_equal_to_the_scan():
         for size in sorted(set(needs))[::5] + [needs[0] - 1, needs[-1]]:
             for top in (1, 7, 64, 399):
                 calls = []
-                got = sz._largest_fitting_bs(lambda bs: calls.append(bs) or needs[bs - 1] <= size, top)
+                got = wscheck._largest_fitting_bs(lambda bs: calls.append(bs) or needs[bs - 1] <= size, top)
                 assert got == next((bs for bs in range(top, 0, -1) if needs[bs - 1] <= size), None)
                 assert len(calls) <= 2 + top.bit_length()
     calls = []
-    assert sz._largest_fitting_bs(lambda bs: calls.append(bs) or bs <= 5, 2 ** 31 - 1) == 5 and len(calls) <= 33
+    assert wscheck._largest_fitting_bs(lambda bs: calls.append(bs) or bs <= 5, 2 ** 31 - 1) == 5 and len(calls) <= 33
 
 
 @pytest.mark.parametrize("graph_bs", [None, (3, 1, 64)])

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from conftest import CONFIGS
 from pipeline.backends import registry
 from pipeline.cli import build_parser, main
-from pipeline.cli.plan import installed_from, plan_report
+from pipeline.cli.plan import installed_from
+from pipeline.cli.plan_report import plan_report
 from pipeline.cli.request import request_from
 from pipeline.core.contracts import AttentionArgs, ErrorInfo
 from pipeline.core.errors import ConfigError, UsageError

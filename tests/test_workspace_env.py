@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pipeline.backends import flashinfer_sizing as sizing
+from pipeline.backends import flashinfer_sizing as sizing, flashinfer_workspace_check as wscheck
 from pipeline.cli import main
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.profiles import get
@@ -37,7 +37,7 @@ def test_env_value_below_the_minimum_is_refused_naming_the_variable(argv, backen
     # the minimum is the backend's own bound, computed independently here from its sizing rule
     model = load_model_spec(argv[argv.index("--model") + 1]) if "--model" in argv else \
         load_model_spec("examples/configs/llama-3.1-8b.json")
-    shapes = sizing.shapes_of(model.layer_kinds())
+    shapes = wscheck.shapes_of(model.layer_kinds())
     reqs = int(argv[argv.index("--max-reqs") + 1]) if "--max-reqs" in argv else 8  # run's default
     assert need == sizing.workspace_need(shapes, num_sms=get("h200").sm_count, max_batch_size=reqs,
                                          cuda_graph_max_bs=reqs).bytes

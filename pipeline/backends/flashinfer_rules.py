@@ -3,7 +3,7 @@
 - **workspace**: ``flashinfer_workspace_size`` when set, else ``SGLANG_FLASHINFER_WORKSPACE_SIZE``,
   else sglang's default (:func:`flashinfer_workspace_size`); logged as ``setting_resolved``.
 - **workspace check**: the bytes FlashInfer's scheduler can ask for at the largest planned batch
-  (:func:`pipeline.backends.flashinfer_sizing.check_backend_workspace`), checked in build-mode, ``plan``
+  (:func:`pipeline.backends.flashinfer_workspace_check.check_backend_workspace`), checked in build-mode, ``plan``
   and ``run``'s preflight before anything is allocated.
 - **JIT variants**: the kernel modules a build compiles (:func:`pipeline.backends.flashinfer_jit.variants_for`):
   FA2 prefill plus CUDA-core decode for ``flashinfer``, FA3 prefill for ``fa3``.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from pipeline.backends import flashinfer_sizing as sizing
+from pipeline.backends import flashinfer_sizing as sizing, flashinfer_workspace_check as wscheck
 from pipeline.backends.capability import BackendRules, decode_output_only
 from pipeline.core.contracts import AttentionArgs, ModelSpec
 from pipeline.core.settings import Setting, Source, explicit_or_env, setting
@@ -63,7 +63,7 @@ def workspace(args: AttentionArgs, model: ModelSpec, env: Mapping[str, str]) -> 
 def _checker(kernel: str) -> Any:
     def check(nbytes: int, kinds: Sequence[Any], *, num_sms: int, max_reqs: int, graph_max_bs: int,
               graph_bs_given: bool = False, env_var: str = "", max_bytes: int = 0) -> None:
-        sizing.check_backend_workspace(nbytes, kinds, backend=kernel, num_sms=num_sms, max_reqs=max_reqs,
+        wscheck.check_backend_workspace(nbytes, kinds, backend=kernel, num_sms=num_sms, max_reqs=max_reqs,
                                        graph_max_bs=graph_max_bs, graph_bs_given=graph_bs_given, env_var=env_var,
                                        max_bytes=max_bytes)
     return check

@@ -49,7 +49,7 @@ the number of such keys grows with the context. Attending over what the pool hol
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -116,48 +116,22 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dt
         t = r(t)
         return t if kv_dtype is None else t.to(kv_dtype).to(torch.float64)
 
-    def rms(t: torch.Tensor) -> torch.Tensor:
-        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + EPS)
-
     f = lambda t: t.detach().to("cpu", torch.float64)  # noqa: E731
     if getattr(stack, "_f64_weights", None) is None:  # shared with reference_forward: exact copies of `act` weights
         stack._f64_weights = [{k: f(t) for k, t in w.items()} for w in stack.weights]
     weights = stack._f64_weights
     h, aux, n = f(hidden), [], hidden.shape[0]
-    pos, theta = torch.arange(n), stack.spec.rope_theta
+    pos = torch.arange(n)
     for idx, L in enumerate(stack.layers):
         if stack.aux_hidden_state_layers and L.layer_id in stack.aux_hidden_state_layers:
             aux.append(h)
         w = weights[idx]
-        x = r(rms(h))
+        x = r(_rms(h))
+        stored = None if stored_kv is None else stored_kv[idx]
         if L.is_mla:
-            m = stack.spec.mla
-            q = r(x @ w["q"].T).reshape(n, L.num_heads, -1)
-            lat = r(x @ w["dkv"].T)
-            c = cached(rms(lat[:, : m.kv_lora_rank]))
-            k_rope = cached(_rope_complex(lat[:, None, m.kv_lora_rank:], pos, theta))
-            if stored_kv is not None:
-                _note(kv_errs, stored_kv[idx][0], torch.cat([c[:, None], k_rope], -1), None, None)
-                c, k_rope = stored_kv[idx][0][:, 0, : m.kv_lora_rank], stored_kv[idx][0][:, :, m.kv_lora_rank:]
-            q_rope = r(_rope_complex(q[..., m.qk_nope_head_dim:], pos, theta))
-            if mla_path == MLA_ABSORBED:  # one latent head: k = [c, k_rope], v = c
-                q_abs = absorb_query(q[..., : m.qk_nope_head_dim], w["uk"])
-                qq = torch.cat([r(q_abs) if absorbed_rounding else q_abs, q_rope], -1)
-                kk, vv = torch.cat([c[:, None], k_rope], dim=-1), c[:, None]
-            else:
-                k_rope = k_rope.expand(n, L.num_heads, -1)
-                qq = torch.cat([q[..., : m.qk_nope_head_dim], q_rope], -1)
-                kk = torch.cat([torch.einsum("lc,hnc->lhn", c, w["uk"]), k_rope], dim=-1)
-                vv = torch.einsum("lc,hvc->lhv", c, w["uv"])
+            qq, kk, vv = _mla_qkv(stack, L, w, x, pos, r, cached, stored, kv_errs, mla_path, absorbed_rounding)
         else:
-            d, hkv = L.head_dim, L.num_kv_heads
-            q, k, v = r(x @ w["qkv"].T).split([L.num_heads * d, hkv * d, hkv * d], dim=-1)
-            qq = r(_rope_complex(q.reshape(n, L.num_heads, d), pos, theta))
-            kk = cached(_rope_complex(k.reshape(n, hkv, d), pos, theta))
-            vv = cached(v.reshape(n, hkv, d))
-            if stored_kv is not None:
-                _note(kv_errs, stored_kv[idx][0], kk, stored_kv[idx][1], vv)
-                kk, vv = stored_kv[idx]
+            qq, kk, vv = _mha_qkv(stack, L, w, x, pos, r, cached, stored, kv_errs)
         o = reference_attention(qq, kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
                                 softcap=L.logit_softcap, sinks=None if L.sinks is None else f(L.sinks),
                                 chunk=L.attention_chunk_size)
@@ -165,3 +139,46 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dt
             o = expand_latent_output(r(o) if absorbed_rounding else o, w["uv"])
         h = h + r(r(o).reshape(n, -1) @ w["o"].T)
     return h, aux
+
+
+def _rms(t: torch.Tensor) -> torch.Tensor:
+    """RMS norm without weights (the stack's): ``t / sqrt(mean(t^2) + EPS)`` over the last dim."""
+    return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def _mla_qkv(stack: AttentionStack, L: Any, w: dict, x: torch.Tensor, pos: torch.Tensor, r: Any, cached: Any,
+             stored: Any, kv_errs: Optional[list[float]], mla_path: str, absorbed_rounding: bool) -> tuple:
+    """q, k, v (float64) of one MLA layer of :func:`reference_forward_rounded` on the normed input ``x`` [n, hidden]:
+    absorbed (one latent head: k = [c, k_rope], v = c, q = [q_nope W_UK, q_rope]) or un-absorbed (K/V expanded per
+    head through W_UK / W_UV); ``stored``: the pool's latent K of this layer, attended over instead."""
+    m, n, theta = stack.spec.mla, x.shape[0], stack.spec.rope_theta
+    q = r(x @ w["q"].T).reshape(n, L.num_heads, -1)
+    lat = r(x @ w["dkv"].T)
+    c = cached(_rms(lat[:, : m.kv_lora_rank]))
+    k_rope = cached(_rope_complex(lat[:, None, m.kv_lora_rank:], pos, theta))
+    if stored is not None:
+        _note(kv_errs, stored[0], torch.cat([c[:, None], k_rope], -1), None, None)
+        c, k_rope = stored[0][:, 0, : m.kv_lora_rank], stored[0][:, :, m.kv_lora_rank:]
+    q_rope = r(_rope_complex(q[..., m.qk_nope_head_dim:], pos, theta))
+    if mla_path == MLA_ABSORBED:
+        q_abs = absorb_query(q[..., : m.qk_nope_head_dim], w["uk"])
+        qq = torch.cat([r(q_abs) if absorbed_rounding else q_abs, q_rope], -1)
+        return qq, torch.cat([c[:, None], k_rope], dim=-1), c[:, None]
+    k_rope = k_rope.expand(n, L.num_heads, -1)
+    qq = torch.cat([q[..., : m.qk_nope_head_dim], q_rope], -1)
+    kk = torch.cat([torch.einsum("lc,hnc->lhn", c, w["uk"]), k_rope], dim=-1)
+    return qq, kk, torch.einsum("lc,hvc->lhv", c, w["uv"])
+
+
+def _mha_qkv(stack: AttentionStack, L: Any, w: dict, x: torch.Tensor, pos: torch.Tensor, r: Any, cached: Any,
+             stored: Any, kv_errs: Optional[list[float]]) -> tuple:
+    """q, k, v (float64) of one MHA/GQA layer of :func:`reference_forward_rounded`; ``stored``: the pool's (K, V)."""
+    n, d, hkv, theta = x.shape[0], L.head_dim, L.num_kv_heads, stack.spec.rope_theta
+    q, k, v = r(x @ w["qkv"].T).split([L.num_heads * d, hkv * d, hkv * d], dim=-1)
+    qq = r(_rope_complex(q.reshape(n, L.num_heads, d), pos, theta))
+    kk = cached(_rope_complex(k.reshape(n, hkv, d), pos, theta))
+    vv = cached(v.reshape(n, hkv, d))
+    if stored is not None:
+        _note(kv_errs, stored[0], kk, stored[1], vv)
+        kk, vv = stored
+    return qq, kk, vv

@@ -1,0 +1,127 @@
+"""The FlashInfer workspace checks: the need (:mod:`pipeline.backends.flashinfer_sizing`) against the size a backend
+gets, with a remedy whose every alternative then passes (build-mode, ``plan`` and ``run``'s preflight call
+:func:`check_backend_workspace` through the registry entry; sglang fails instead with FlashInfer's "Out of workspace
+memory" during graph capture)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+from pipeline.backends.flashinfer_sizing import HeadShape, WorkspaceNeed, workspace_need
+from pipeline.core.errors import ConfigError
+
+WORKSPACE_FIELD = "flashinfer_workspace_size"
+WORKSPACE_ENV = "SGLANG_FLASHINFER_WORKSPACE_SIZE"
+
+
+def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: str = WORKSPACE_FIELD,
+                         state: str = "build-mode", graph_fix: str = "", env_var: str = "",
+                         raise_fits: bool = True) -> None:
+    """Raise :class:`ConfigError` (``workspace_too_small``) when ``size_bytes < need.bytes``.
+
+    The one check of the workspace size, whichever source set it. The error names ``field_name`` and its
+    value — or, when the value came from the environment (``env_var``, e.g.
+    ``SGLANG_FLASHINFER_WORKSPACE_SIZE=1000``), that variable with its value first and the field after it
+    (value None), as :func:`pipeline.core.validation.check_size` names a variable — the minimum this backend can
+    use (``needed_bytes``: the bytes its largest planned batch needs, and the kernel path that needs them) and
+    the remedy: set the field or the variable to at least that — only when ``raise_fits`` (that size is a value the
+    flag takes and the device can hold) —, or ``graph_fix`` (a change to the captured batch sizes that then
+    passes) when given.
+    """
+    if size_bytes >= need.bytes:
+        return
+    worst = max(need.parts, key=need.parts.get) if need.parts else "plan"
+    if env_var:
+        raise ConfigError(
+            f"environment variable {env_var}={size_bytes} sets a FlashInfer workspace smaller than the {need.bytes} "
+            f"bytes the largest planned batch needs ({worst}): the least this backend can use here",
+            code="workspace_too_small", state=state,
+            flags=[(env_var, size_bytes), (field_name, None), ("needed_bytes", need.bytes)],
+            allowed=[f">= {need.bytes}"],
+            remedy=", or ".join(([f"set {env_var} to at least {need.bytes}"] if raise_fits else [])
+                               + ([graph_fix] if graph_fix else [])),
+        )
+    raise ConfigError(
+        f"the FlashInfer workspace of {size_bytes} bytes is smaller than the {need.bytes} bytes the "
+        f"largest planned batch needs ({worst})",
+        code="workspace_too_small", state=state,
+        flags=[(field_name, size_bytes), ("needed_bytes", need.bytes)],
+        allowed=[f">= {need.bytes}"],
+        remedy=", or ".join(([f"set {field_name} (or {WORKSPACE_ENV}) to at least {need.bytes}"] if raise_fits else [])
+                            + ([graph_fix] if graph_fix else [])),
+    )
+
+
+def shapes_of(kinds: Iterable[Any]) -> list[HeadShape]:
+    """The :class:`HeadShape` of each :class:`~pipeline.core.contracts.LayerKind` (heads, kv heads, v dim, sinks, MLA)."""
+    return [HeadShape(k.num_heads, k.num_kv_heads, k.head_dim_v, k.has_sinks, bool(getattr(k, "is_mla", False)))
+            for k in kinds]
+
+
+def _largest_fitting_bs(fits: Any, top: int) -> Optional[int]:
+    """The largest ``bs`` in ``1..top`` with ``fits(bs)``, or None: a binary search, O(log top) calls, valid because
+    the need grows with the captured batch (:func:`fa2_graph_decode_bytes` is nondecreasing in ``batch_size``, and
+    :func:`use_tensor_core_decode` only turns on as the batch grows). A linear scan from ``top`` down hung on a
+    ``max_reqs`` of 2**31 - 1."""
+    if top < 1 or not fits(1):
+        return None
+    lo, hi = 1, top  # fits(lo) holds
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+# A remedy never names a largest captured batch above this: its series (1, 2, 4, 8, 16, 24, … 8192: 1027 sizes) plans
+# in seconds, while a workspace fitting 2**48 bytes (the flag's limit) would fit ~850M captured requests, a series no
+# plan or capture gets through (t6verify's remedy named --cuda-graph-max-bs 852334595, and that plan ran out of memory).
+REMEDY_MAX_BS = 8192
+
+
+def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: str, num_sms: int, max_reqs: int,
+                            graph_max_bs: int, graph_bs_given: bool = False, state: str = "build-mode",
+                            env_var: str = "", max_bytes: int = 0) -> None:
+    """The one workspace check (build-mode, ``plan`` and ``run``'s preflight call it, through the registry entry).
+
+    ``size_bytes``: the workspace the backend gets; ``kinds``: the layer kinds it serves;
+    ``backend``: ``"flashinfer"`` (fa2 kernels) or ``"fa3"``; ``num_sms``: the device's SMs;
+    ``max_reqs``: rows of ``req_to_token`` (the largest eager batch); ``graph_max_bs``: the
+    largest captured decode batch (:func:`states.graphs.graph_max_bs`, 0 without graphs);
+    ``graph_bs_given``: the sizes came from ``cuda_graph_bs`` (so the remedy names that list);
+    ``env_var``: the environment variable the size came from ("" when the field or the default set it), named by
+    the error; ``max_bytes``: the largest workspace this device can hold (0: unknown), see below.
+    Raises ConfigError ``workspace_too_small``.
+
+    Every alternative of the remedy then passes this check with a value the flags take:
+
+    - a larger workspace, only when the need is at most ``min(max_bytes, MAX_BYTES)`` (``MAX_BYTES`` = 2**48, the
+      ``--flashinfer-workspace-size`` domain);
+    - a smaller largest captured batch that fits the workspace as it is (``cuda_graph_max_bs=N``, or the list's
+      sizes up to N), N at most :data:`REMEDY_MAX_BS`;
+    - when neither alone can work (the workspace cannot be raised enough and fits not even one captured request),
+      both: a workspace of the need at such an N and that N;
+    - when no captured batch fits at all, ``disable_cuda_graph=True`` if the eager need fits the workspace.
+    """
+    from pipeline.core.validation import MAX_BYTES
+
+    shapes = shapes_of(kinds)
+    kw = dict(num_sms=max(num_sms, 1), max_batch_size=max_reqs, prefill_backend="fa3" if backend == "fa3" else "fa2")
+    need = workspace_need(shapes, cuda_graph_max_bs=graph_max_bs, **kw)
+    if size_bytes >= need.bytes:
+        return
+    cap = min(max_bytes, MAX_BYTES) if max_bytes > 0 else MAX_BYTES
+    need_at = lambda bs: workspace_need(shapes, cuda_graph_max_bs=bs, **kw).bytes  # noqa: E731
+    top = min(graph_max_bs, max_reqs, REMEDY_MAX_BS + 1) - 1  # a smaller captured batch than now, and practical
+    fits = _largest_fitting_bs(lambda bs: need_at(bs) <= size_bytes, top)
+    fix = ""
+    if fits is not None:
+        fix = (f"use only sizes up to {fits} in cuda_graph_bs" if graph_bs_given
+               else f"set cuda_graph_max_bs={fits}")
+    elif need.bytes > cap:
+        both = _largest_fitting_bs(lambda bs: need_at(bs) <= cap, top)
+        if both is not None:
+            sizes = f"use only sizes up to {both} in cuda_graph_bs" if graph_bs_given else f"cuda_graph_max_bs={both}"
+            fix = f"set {env_var or WORKSPACE_FIELD}={need_at(both)} and {sizes}"
+        elif graph_max_bs and need_at(0) <= size_bytes:
+            fix = "set disable_cuda_graph=True"
+    check_workspace_size(size_bytes, need, state=state, graph_fix=fix, env_var=env_var, raise_fits=need.bytes <= cap)

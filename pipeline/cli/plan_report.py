@@ -1,0 +1,161 @@
+"""The ``attn-setup plan`` report: the JSON objects (``resolved``, ``plan``, ``rejected``, ``skips``, ``warnings``,
+``cuda_graphs``, ``npu_lazy_mem``, the CUDA-graph memory estimate) and their human lines, built from the setup
+table's decide mode (:func:`pipeline.setup.build.decide_setup`); :mod:`pipeline.cli.plan` parses the flags and
+prints. Nothing here imports torch."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import msgspec
+
+from pipeline.core.contracts import DeviceFacts, Resolution, SetupRequest
+from pipeline.observe.runview import device_view
+
+
+def skips_of(decided: Any) -> list[dict[str, str]]:
+    """``[{what, reason}]`` of every step's skips and downgrades, in the order a run logs them (table order)."""
+    from pipeline.setup.table import SETUP
+
+    return [{"what": s.what, "reason": s.reason} for step in SETUP.steps if step.skips is not None
+            for s in step.skips(None, decided[step.state])]
+
+
+def rejected_obj(res: Resolution) -> dict[str, list[dict[str, Any]]]:
+    """``{prefill: [{backend, reasons}], decode: […]}`` (both halves always present)."""
+    return {h: [{"backend": r.backend, "reasons": list(r.reasons)} for r in res.rejected.get(h, [])]
+            for h in ("prefill", "decode")}
+
+
+def warnings_obj(warnings: Any) -> list[dict[str, Any]]:
+    """The ``warnings`` list of plan/run JSON: ``[{code, what, message, avoid, rejected}]``."""
+    return [msgspec.to_builtins(w) for w in warnings]
+
+
+def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = None) -> dict[str, Any]:
+    """``{cuda_graph_bytes_estimate, cuda_graph_estimate}`` for the stack ``run`` builds with ``num_layers`` (None:
+    run's default) — :func:`states.graph_memory.estimate_for_decided`, as run's pool sizing calls it; 0 and None
+    when no decode graphs are captured. Raises ConfigError for ``num_layers`` outside the model's attention layers."""
+    from pipeline.core.layer_span import span_fields, span_of
+    from pipeline.core.model_spec import layers_covering_every_kind
+    from pipeline.core.spec import attention_layer_ids, truncate_spec
+    from states.graph_memory import estimate_for_decided
+
+    from pipeline.cli.run import DEFAULT_LAYERS
+
+    served = request.served_model
+    if not attention_layer_ids(served):
+        return {"cuda_graph_bytes_estimate": 0, "cuda_graph_estimate": None}
+    n = num_layers if num_layers is not None else max(layers_covering_every_kind(served, DEFAULT_LAYERS), 1)
+    spec = truncate_spec(served, n)
+    field = "draft_model" if request.is_draft_worker and request.draft_model is not None else "model"
+    est = estimate_for_decided(msgspec.structs.replace(request, **{field: spec}), decided)
+    if est is None:
+        return {"cuda_graph_bytes_estimate": 0, "cuda_graph_estimate": None}
+    return {"cuda_graph_bytes_estimate": est.total_bytes,
+            "cuda_graph_estimate": {"num_layers": est.num_layers, **span_fields(span_of(spec, served)),
+                                    "num_hidden_layers": served.num_hidden_layers, "batch_sizes": est.batch_sizes,
+                                    "pool_bytes": est.pool_bytes, "state_bytes": est.state_bytes,
+                                    "warmup_bytes": est.warmup_bytes, "blas_workspace_bytes": est.blas_workspace_bytes,
+                                    "per_bs": {str(b): v for b, v in sorted(est.per_bs.items(), reverse=True)}}}
+
+
+def _layers_built(e: dict[str, Any]) -> str:
+    """``2 attention layers (layers 0-7: 6 linear-attention skipped)`` for a ``cuda_graph_estimate``."""
+    from pipeline.core.layer_span import LayerSpan, span_detail
+    from pipeline.core.spec import LayerGroup
+
+    n = e.get("attention_layers", e["num_layers"])
+    skipped = [LayerGroup(kind=g["kind"], layer_ids=g["layer_ids"]) for g in e.get("skipped_layers") or []]
+    s = LayerSpan(n, e["num_layers"], e.get("num_hidden_layers", e["num_layers"]), skipped)
+    return f"{n} attention layer{'' if n == 1 else 's'} ({span_detail(s)})"
+
+
+def graph_estimate_line(report: dict[str, Any]) -> str:
+    """The human line of the estimate (empty without graphs)."""
+    from pipeline.cli.report import fmt_bytes
+
+    e = report.get("cuda_graph_estimate")
+    if not e:
+        return ""
+    sizes = e["batch_sizes"]
+    span = f"bs {sizes[0]}" if len(sizes) == 1 else f"bs {sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)"
+    return (f"decode CUDA graphs: {fmt_bytes(report['cuda_graph_bytes_estimate'])} estimated for {span} over "
+            f"{_layers_built(e)}: graph pool {fmt_bytes(e['pool_bytes'])}, replay state "
+            f"{fmt_bytes(e['state_bytes'])}, warm-up stream {fmt_bytes(e['warmup_bytes'])} (cuBLAS workspace "
+            f"{fmt_bytes(e['blas_workspace_bytes'])} of it); run takes it out of a --mem-fraction budget before "
+            "sizing the KV pool")
+
+
+def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool],
+                num_layers: Any = None) -> dict[str, Any]:
+    """The plan report for ``request`` on ``device`` (raises the typed error of a refusal).
+
+    The setup table in decide mode (:func:`pipeline.setup.build.decide_setup`): the decisions a run makes
+    before allocating — resolve (``strict`` included), build-mode's plan, the CUDA-graph sizes against
+    ``max_reqs``, each workspace against the largest batch it plans, npu-lazy-mem — so ``plan`` refuses what
+    a run would refuse. ``warnings``: the reference fallback and every downgrade
+    (:func:`states.resolve.warnings_for`), as a run logs them. ``num_layers``: the layers ``run`` would build,
+    for the CUDA-graph memory estimate (:func:`graph_estimate_obj`).
+    """
+    from pipeline.cli import report as rp
+    from pipeline.setup.build import decide_setup
+    from states import resolve
+
+    decided = decide_setup(request, facts=device, installed=installed).raise_refusal()
+    res, plan = decided["resolve"], decided["build-mode"].plan
+    return {"ok": True, "device": device_view(device), "installed": dict(installed),
+            "resolved": rp.resolved_obj(res), "plan": rp.plan_obj(plan), "rejected": rejected_obj(res),
+            "skips": skips_of(decided),
+            "warnings": warnings_obj(resolve.warnings_for(res, list(res.skips) + list(plan.skips), device))
+            + rp.layer_rule_warnings(request),
+            "cuda_graphs": cuda_graphs_obj(request, decided["build-mode"].graphs, device),
+            "npu_lazy_mem": lazy_mem_obj(decided["npu-lazy-mem"]),
+            **graph_estimate_obj(request, decided, num_layers)}
+
+
+def cuda_graphs_obj(request: SetupRequest, graphs: Any, device: Optional[DeviceFacts] = None) -> dict[str, Any]:
+    """``cuda_graphs`` of plan JSON: ``{capture, reason, batch_sizes, count, max_bs, max_bs_source, max_bs_from}`` —
+    whether decode CUDA graphs are captured (:func:`states.graphs.decide_graphs`; ``reason`` when not), the decode
+    batch sizes a run captures on ``device`` (:func:`states.graphs.capture_batch_sizes`: ``cuda_graph_bs``, else
+    sglang's 1, 2, 4, 8, 16, 24, … up to ``cuda_graph_max_bs``, else up to sglang's default for the device's memory
+    capped by ``max_reqs``; null when more than :data:`states.graphs.LISTED_SIZES`), how many and the largest (0
+    without graphs), and where the top came from (:func:`states.graphs.graph_top`: ``max_bs_source`` one of
+    ``cuda_graph_bs``, ``cuda_graph_max_bs``, ``default``, ``max_reqs``; ``max_bs_from`` in words, e.g.
+    ``default for 131 GiB: 256 (sglang's rule)``; null without graphs)."""
+    from states.graphs import graph_sizes, graph_top
+
+    kw = dict(device=device, world_size=request.world_size)
+    count, largest, sizes = graph_sizes(request.args, request.pool.max_reqs, graphs.capture, **kw)
+    top = graph_top(request.args, request.pool.max_reqs, **kw) if graphs.capture else None
+    return {"capture": graphs.capture, "reason": graphs.reason, "batch_sizes": sizes, "count": count,
+            "max_bs": largest, "max_bs_source": top and top.source, "max_bs_from": top and top.text}
+
+
+def lazy_mem_obj(lazy: Any) -> dict[str, Any]:
+    """``npu_lazy_mem`` of plan JSON: ``{run, bytes, source, env_var, reason}`` — npu-lazy-mem's decision
+    (:func:`states.npu_lazy_mem.decide`: zbal lazy memory on an NPU, not on a draft worker, with a size > 0), the
+    size in bytes and where it came from (``field`` > ``env`` ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` > ``default`` 0), and
+    why it is skipped."""
+    d, s = lazy.decision, lazy.setting
+    return {"run": d.run, "bytes": s.value, "source": s.source, "env_var": s.env_var, "reason": d.reason}
+
+
+def decision_lines(report: dict[str, Any]) -> list[str]:
+    """The human lines for ``cuda_graphs`` and ``npu_lazy_mem`` (sizes listed, shortened past 12)."""
+    from pipeline.cli.report import fmt_bytes
+
+    g, z = report["cuda_graphs"], report["npu_lazy_mem"]
+    if g["capture"]:
+        sizes = g["batch_sizes"]
+        shown = ", ".join(map(str, sizes)) if sizes is not None and len(sizes) <= 12 else \
+            ", ".join(map(str, (sizes or [1, 2, 4, 8])[:6])) + f", …, {g['max_bs']}"
+        graphs = f"cuda graphs: decode batch sizes {shown} ({g['count']} sizes, largest {g['max_bs']})"
+        if g.get("max_bs_from"):
+            graphs += f"; top: {g['max_bs_from']}"
+    else:
+        graphs = f"cuda graphs: not captured: {g['reason']}"
+    where = f"from {z['source']}" + (f" {z['env_var']}" if z["source"] == "env" and z["env_var"] else "")
+    lazy = (f"npu lazy memory: {fmt_bytes(z['bytes'])} of zbal lazy memory ({where})" if z["run"]
+            else f"npu lazy memory: not initialized: {z['reason']}")
+    return [graphs, lazy]
