@@ -11,6 +11,7 @@ after each round (SM and memory clock in MHz, power in W, temperature in C, acti
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -32,9 +33,9 @@ def smi() -> str:
 
 
 def probe(b: int, ctx: int, ws: torch.Tensor) -> None:
-    """Capture FlashInfer and our decode (default, 128-key unsplit tiles, 4 stages) and time them ROUNDS times."""
+    """Capture FlashInfer and our decode (default; 4 warps per unsplit program, the default before 2026-12-02;
+    128-key unsplit tiles; 4 stages) and time them ROUNDS times."""
     from pipeline.backends.triton import launch
-    from pipeline.backends.triton.launch import DecodeConfig
 
     pool = tk.Pool((b * ctx // tk.PAGE + 1) * tk.PAGE, "cuda")
     pg, r2t = pool.pages(b, ctx, seed=b * 7 + ctx)
@@ -44,8 +45,10 @@ def probe(b: int, ctx: int, ws: torch.Tensor) -> None:
     run, _ = tk.fi_decode(pool, pg, q, ws)
     keep.append(run)
     graphs["fi"] = tk._graph(run)
-    for name, cfg in (("ours", launch.default_decode_config(tk.D, torch.device("cuda"))),
-                      ("n128", DecodeConfig(block_n_single=128)), ("s4", DecodeConfig(num_stages=4))):
+    d0 = launch.default_decode_config(tk.D, torch.device("cuda"))
+    for name, cfg in (("ours", d0), ("w4", dataclasses.replace(d0, num_warps_single=4)),
+                      ("n128", dataclasses.replace(d0, block_n_single=128)),
+                      ("s4", dataclasses.replace(d0, num_stages=4))):
         run, _ = tk.ours_decode(pool, r2t, q, cfg)
         keep.append(run)
         graphs[name] = tk._graph(run)
