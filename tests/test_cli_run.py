@@ -153,6 +153,10 @@ def test_human_output_has_tables(tmp_path):
     assert proc.returncode == 0
     for word in ("device-init", "npu-lazy-mem", "verification", "torch_native", "dtype: bfloat16 (auto:checkpoint)"):
         assert word in proc.stdout
+    # the verdict is the last line, after the startup summary, as plan's (it sat above the summary table)
+    lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    summary = next(i for i, line in enumerate(lines) if line.startswith("startup summary"))
+    assert lines[-1] == "ok" and lines.count("ok") == 1 and summary < len(lines) - 1
 
 
 def test_human_output_of_a_hybrid_names_dtype_rule_and_not_attention_layers(tmp_path, capsys):
@@ -271,6 +275,8 @@ def test_failed_run_prints_its_error_last_under_a_rule(capsys, tmp_path):
     assert lines[rule + 1].startswith("error [conflicting_options] in state resolve")
     assert lines[-1] == "  remedy: drop --enable-pdmux"
     assert "startup summary" in out and "run failed" not in out
+    out_lines = [x.strip() for x in out.splitlines() if x.strip()]
+    assert out_lines[-1] == "failed" and out_lines.count("failed") == 1   # stdout's verdict last, after the summary
     assert main([*argv, "--json"]) == 3
     out, err = capsys.readouterr()
     assert json.loads(out)["error"]["remedy"] == "drop --enable-pdmux" and "run failed" not in out + err

@@ -1,8 +1,9 @@
 """The ``attn-setup`` command line: ``run`` (the main job), ``plan``, ``inspect``, ``replay``, ``graph``.
 
 Every subcommand uses one exit-code table: 0 success · 1 the start failed (runtime error, failed
-verification, incomplete) · 2 usage error (bad flags, unreadable file) · 3 configuration refused
-(typed error, nothing allocated). Errors print one :class:`ErrorInfo` (as JSON with ``--json``).
+verification, incomplete) · 2 usage error (bad flags, unreadable file; an output that cannot be written:
+``log_write_failed``, ``output_write_failed``) · 3 configuration refused (typed error, nothing allocated).
+Errors print one :class:`ErrorInfo` (as JSON with ``--json``).
 This module configures logging for the application; the library never does.
 """
 
@@ -15,6 +16,7 @@ from typing import Any, Optional, Sequence
 import msgspec
 
 from pipeline.cli.domains import check_flags
+from pipeline.cli.outstreams import ReaderMayLeave, quiet
 from pipeline.cli.paths import check_paths
 from pipeline.cli.flags import (  # noqa: F401 (the parser's helpers, re-exported: this module held them)
     add_setup_flags, attention_args_from, build_parser, field_docs,
@@ -87,57 +89,8 @@ def print_error(err: AttnSetupError, as_json: bool, command: Optional[str] = Non
         render_error(info)
 
 
-def _quiet_stdout(stream: Any = None) -> None:
-    """After a closed pipe (``attn-setup inspect big.jsonl | head``): point the stream's file descriptor (stdout's
-    unless ``stream`` is given) at /dev/null, so that what is left — our later writes, a C library's, the interpreter's
-    final flush — goes nowhere instead of raising or printing a second error."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return
-    try:
-        os.dup2(devnull, (stream or sys.stdout).fileno())
-    except (OSError, ValueError, AttributeError):  # no real file descriptor (in-process callers)
-        pass
-    finally:
-        os.close(devnull)
-
-
-class _ReaderMayLeave:
-    """stdout or stderr for a reader that may leave early (``attn-setup backends | head -1``, and
-    ``attn-setup run 2>&1 | head -1``, where both streams go to that reader): the first write or flush that meets a
-    closed pipe sends the rest of that stream's output to /dev/null, and the command carries on, so its exit code says
-    how the command ended, not whether anyone read all of its output (``yes | head`` style tools die of SIGPIPE
-    instead; our exit codes are a contract, README's table). Each stream leaves on its own: with ``2>&1`` both meet the
-    closed pipe, stdout and stderr in whichever order the command writes them. The log file (``--log-file``) is not a
-    stream of the terminal and is written in full either way."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream, self.gone = stream, False
-
-    def write(self, text: str) -> int:
-        """Write ``text`` to the stream; after the reader left, drop it (its length is returned either way)."""
-        if not self.gone:
-            try:
-                return self.stream.write(text)
-            except BrokenPipeError:
-                self._leave()
-        return len(text)
-
-    def flush(self) -> None:
-        """Flush the stream; a closed pipe met here makes the stream leave (nothing raised)."""
-        if not self.gone:
-            try:
-                self.stream.flush()
-            except BrokenPipeError:
-                self._leave()
-
-    def _leave(self) -> None:
-        self.gone = True
-        _quiet_stdout(self.stream)
-
-    def __getattr__(self, name: str) -> Any:   # isatty, fileno, encoding, … of the real stream
-        return getattr(self.stream, name)
+# a closed pipe drops the rest of that stream; any other write error fails the command (pipeline.cli.outstreams)
+_quiet_stdout, _ReaderMayLeave = quiet, ReaderMayLeave  # the names this module held
 
 
 # ``-v`` prints a start's events as they happen (:func:`human_line`); only ``run`` starts anything. The others log no
@@ -185,24 +138,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Every way out is an exit code with one ErrorInfo, never a traceback: typed errors keep their
     code; SIGINT (Ctrl-C, KeyboardInterrupt) is 130 with ``interrupted``; a closed pipe on stdout, on
     stderr or on both (``2>&1 | head -1``) changes nothing (the rest of that output is dropped,
-    :class:`_ReaderMayLeave`; a failed command keeps its own code), nor does a stream that cannot encode the
-    output (:class:`pipeline.cli.streams.SafeText`: ASCII stand-ins); any other exception is 1 with
+    :class:`ReaderMayLeave`; a failed command keeps its own code), nor does a stream that cannot encode the
+    output (:class:`pipeline.cli.streams.SafeText`: ASCII stand-ins); any other write error on stdout or stderr
+    (``> /dev/full``) is exit 2 ``output_write_failed``, named on stderr when stderr works, unless the command
+    failed anyway (its code wins; :mod:`pipeline.cli.outstreams`); any other exception is 1 with
     ``internal_error`` naming it.
     """
+    from pipeline.cli.outstreams import report
     from pipeline.cli.streams import safe
+    from pipeline.core.errors import EXIT_FAILED
 
     real_stdout, real_stderr = sys.stdout, sys.stderr
-    out, err = _ReaderMayLeave(safe(real_stdout)), _ReaderMayLeave(safe(real_stderr))  # same exit code, any reader
-    sys.stdout, sys.stderr = out, err
+    out, err = ReaderMayLeave(safe(real_stdout), "stdout"), ReaderMayLeave(safe(real_stderr), "stderr")
+    sys.stdout, sys.stderr = out, err  # same exit code, any reader; a lost report is a failure
+    code = EXIT_FAILED
     try:
-        return _main(argv)
+        code = _main(argv)
     finally:
-        for stream in (out, err):  # buffered text meets a closed pipe here, not in the caller's (or exit's) flush
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):  # a stream closed by the caller, or none (pythonw)
-                pass
-        sys.stdout, sys.stderr = real_stdout, real_stderr
+        try:  # buffered text meets a closed pipe or a full disk here, not in the caller's (or exit's) flush
+            code = report(code, out, err)
+        finally:
+            sys.stdout, sys.stderr = real_stdout, real_stderr
+    return code
 
 
 def _flag_after(argv: Sequence[str], flag: str) -> Optional[str]:

@@ -29,7 +29,8 @@ from pipeline.cli.run_checks import (  # noqa: F401 - run's flag checks moved; i
     _PLACEHOLDER, DEFAULT_LAYERS, check_context, check_pool_for_checks, check_warm_cache, log_path,
     open_log, runner_config,
 )
-from pipeline.cli.run_exit import _close_run, _ended_by
+from pipeline.cli.outstreams import settle
+from pipeline.cli.run_exit import _close_run, _ended_by, finish_log
 from pipeline.cli.run_report import (  # noqa: F401 - the report moved; its names stay importable from here
     _graph_line, _pool_line, _print, _render_runner, _report, model_line, timeline_rows, timeline_title,
 )
@@ -197,7 +198,9 @@ def cmd(ns: argparse.Namespace) -> int:
     exit it controls ``command_finished`` with the exit code — ``inspect`` calls the launch ok
     only when that says 0. SIGINT ends with exit 130 (as SIGTERM ends with its signal), after
     the unwinding released what was built. A trace-file write that fails stops the run there: exit 2
-    naming ``--log-file`` (``log_write_failed``), what was built released.
+    naming ``--log-file`` (``log_write_failed``), what was built released. A report that cannot be written (stdout
+    or stderr, other than a closed pipe) makes an ok run exit 2 (``output_write_failed``,
+    :func:`pipeline.cli.outstreams.settle`); ``command_finished`` comes after the report, with that code.
     """
     import time
 
@@ -235,10 +238,17 @@ def cmd(ns: argparse.Namespace) -> int:
         error, code = _ended_by(device_as_written(e, ns.device), log)  # --device as the user wrote it
     finally:
         error, code, summary = _close_run(ns, log, runner, group, progress, error, code, t0, t_start)
-    report = _report(log, run_id, code, verified, steps, log_file, error)
-    report["warnings"] += rp.layer_rule_warnings(request)
-    report["summary"] = summary_obj(summary)
-    _print(ns, report, log.records, request, error, code, notices=notices)
+    try:
+        report = _report(log, run_id, code, verified, steps, log_file, error)
+        report["warnings"] += rp.layer_rule_warnings(request)
+        report["summary"] = summary_obj(summary)
+        _print(ns, report, log.records, request, error, code, notices=notices)
+        code = settle(code)  # a report lost to a write error (not a closed pipe) fails an ok run: exit 2
+    except BaseException as e:  # the code main() will return for it, in the trace too
+        code = EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else getattr(e, "exit_code", EXIT_FAILED)
+        raise
+    finally:
+        finish_log(log, code, t0)  # command_finished with the process's exit code, last
     return code
 
 

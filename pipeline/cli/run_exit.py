@@ -43,11 +43,10 @@ def _close_run(ns: argparse.Namespace, log: Any, runner: Any, group: Any, progre
     """:func:`cmd`'s ending, on every exit it controls: the progress line stopped, the JIT variants read (before
     ``close()`` releases the backends that know them), the runner and the rank group closed, then — even when a
     close raised — a failed trace write turned into the exit (``log_write_failed``, exit 2) of a run that was
-    otherwise ok, the startup summary, ``command_finished`` with the exit code and ``duration_ms`` (ms since
-    ``t0``, ``time.perf_counter()`` seconds), the log closed and the signal handlers restored.
+    otherwise ok, the startup summary and the signal handlers restored. The log stays open for
+    :func:`finish_log` (after the report is printed, so that ``command_finished`` carries the exit code the output's
+    fate decided); when a close raised, :func:`finish_log` is done here before the exception goes on.
     Returns ``(error, exit code, startup summary)``."""
-    import time
-
     if progress is not None:
         progress.__exit__(None, None, None)
     jit = _jit(runner)  # before close(): closing releases the backends that know what they loaded
@@ -56,16 +55,31 @@ def _close_run(ns: argparse.Namespace, log: Any, runner: Any, group: Any, progre
             runner.close()
         if group is not None:
             group.close()
-    finally:
-        if log.write_error is not None and code == EXIT_OK:
-            error, code = log.write_error.info, log.write_error.exit_code
-        error, code = _interrupted_ends(log, error, code)
-        summary = _summary(ns, log, jit, t_start)
-        log.emit(ev.CommandFinished, state=log.current_state, command="run", exit_code=code,
-                 duration_ms=(time.perf_counter() - t0) * 1e3)
-        log.close()
-        log.restore_signal_handlers()
+    except BaseException:
+        error, code, _ = _wrap_up(ns, log, jit, error, code, t_start)
+        finish_log(log, code, t0)
+        raise
+    return _wrap_up(ns, log, jit, error, code, t_start)
+
+
+def _wrap_up(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], error: Optional[ErrorInfo], code: int,
+             t_start: Optional[int]) -> tuple[Optional[ErrorInfo], int, Any]:
+    if log.write_error is not None and code == EXIT_OK:
+        error, code = log.write_error.info, log.write_error.exit_code
+    error, code = _interrupted_ends(log, error, code)
+    summary = _summary(ns, log, jit, t_start)
+    log.restore_signal_handlers()
     return error, code, summary
+
+
+def finish_log(log: Any, code: int, t0: float) -> None:
+    """``command_finished`` with the exit code and ``duration_ms`` (ms since ``t0``, ``time.perf_counter()``
+    seconds), then the log closed: the trace's last record, on every exit :func:`cmd` controls."""
+    import time
+
+    log.emit(ev.CommandFinished, state=log.current_state, command="run", exit_code=code,
+             duration_ms=(time.perf_counter() - t0) * 1e3)
+    log.close()
 
 
 def _ended_by(e: BaseException, log: Any) -> tuple[ErrorInfo, int]:

@@ -25,9 +25,10 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
            error: Optional[ErrorInfo], code: int = EXIT_OK, notices: Sequence[str] = ()) -> None:
     """``--json``'s object (the notices on stderr), or: for a failed run first its headline (:func:`headline`: the
     state, the error, its message and remedy — new-user trial #5: the cause was below the tables), the notices,
-    the model and device, the runner timeline, the tables and — for a failed run, last, where the eye lands when
-    the prompt returns — the error in full in the command line's flags under a red rule that says the run failed
-    and its exit code (new-user trial #2: the error sat between the tables)."""
+    the model and device, the runner timeline, the tables, the startup summary, the verdict (``ok`` / ``failed``:
+    stdout's last line, as ``plan``'s) and — for a failed run, last, where the eye lands when the prompt returns —
+    the error in full in the command line's flags under a red rule that says the run failed and its exit code
+    (new-user trial #2: the error sat between the tables)."""
     from pipeline.cli.console import console, width, wrap
 
     if ns.json:
@@ -44,10 +45,11 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
     for line in notices:
         print(line, file=sys.stderr, flush=True)
     _render_runner(report, records, request)
-    rp.render_tables({**report, "states": []})  # the setup states are in the runner timeline above
+    rp.render_tables({**report, "states": []}, verdict=False)  # the setup states are in the runner timeline above
     from pipeline.cli.startup import render_summary
 
     render_summary(report["summary"])
+    rp.render_verdict(report)  # stdout's last line, after the startup summary, as plan's (it sat above the summary)
     if error is not None:
         from pipeline.cli.wording import cli_error, command_dests
 

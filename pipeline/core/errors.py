@@ -223,6 +223,15 @@ class InvalidValue(UsageError):
     code = "out_of_domain"
 
 
+class OutputWriteFailed(UsageError):
+    """stdout or stderr could not be written, other than by a reader that left (a closed pipe changes nothing): a full
+    disk, ``> /dev/full``, an I/O error. Exit code 2, as a ``--log-file`` that stops taking writes
+    (``log_write_failed``): where the output goes is the invocation's to fix. A command that failed anyway keeps its
+    own code (:mod:`pipeline.cli.outstreams`). ``info.flags``: each lost stream and where it pointed."""
+
+    code = "output_write_failed"
+
+
 class BackendClosed(AttnSetupError):
     """A backend (or its wrapper) was called after ``close()`` released its buffers.
 
