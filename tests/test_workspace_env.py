@@ -63,3 +63,32 @@ def test_a_backend_without_a_workspace_does_not_read_the_variable(capsys, monkey
     monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", "1000")
     code, out = _plan(capsys, ["--attention-backend", "triton"])
     assert code == 0 and out["plan"]["workspaces"][0]["bytes"] == 0
+
+
+@pytest.mark.parametrize("argv", [["--flashinfer-workspace-size", "1000"],
+                                  ["--flashinfer-workspace-size", "1000", "--max-reqs", "100000",
+                                   "--cuda-graph-max-bs", "100000"]])
+def test_a_flag_sized_workspace_remedy_names_only_the_flag(argv, capsys, monkeypatch):
+    """The remedy said "set --flashinfer-workspace-size (or SGLANG_FLASHINFER_WORKSPACE_SIZE) to at least N" for a size
+    the flag set, yet the flag wins over the variable: setting the variable to N planned the same refusal (s8adv).
+    Every alternative the remedy names now plans."""
+    monkeypatch.delenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", raising=False)
+    code, out = _plan(capsys, argv)
+    remedy, need = out["error"]["remedy"], {f["name"]: f["value"] for f in out["error"]["flags"]}["needed_bytes"]
+    assert code == 3 and "SGLANG_FLASHINFER_WORKSPACE_SIZE" not in remedy
+    assert remedy.startswith(f"set --flashinfer-workspace-size to at least {need}")
+    monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", str(need))  # what the old remedy offered: still refused
+    assert _plan(capsys, argv)[0] == 3
+    fixed = list(argv)
+    fixed[fixed.index("--flashinfer-workspace-size") + 1] = str(need)
+    assert _plan(capsys, fixed)[0] == 0
+
+
+def test_a_default_sized_workspace_remedy_still_names_both(capsys, monkeypatch):
+    monkeypatch.delenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", raising=False)
+    argv = ["--max-reqs", "100000", "--cuda-graph-max-bs", "100000"]
+    code, out = _plan(capsys, argv)
+    need = {f["name"]: f["value"] for f in out["error"]["flags"]}["needed_bytes"]
+    assert code == 3 and f"(or SGLANG_FLASHINFER_WORKSPACE_SIZE) to at least {need}" in out["error"]["remedy"]
+    monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", str(need))
+    assert _plan(capsys, argv)[0] == 0

@@ -65,8 +65,8 @@ class BackendRules:
 
     ``workspace(args, model, env) -> Setting``: the workspace bytes one instance gets, as the setting that
     is logged (without it: the record's ``workspace_bytes``, not logged).
-    ``check_workspace(nbytes, kinds, *, num_sms, max_reqs, graph_max_bs, graph_bs_given, env_var)``: refuse a workspace
-    too small for the largest planned batch (raises ConfigError ``workspace_too_small``).
+    ``check_workspace(nbytes, kinds, *, num_sms, max_reqs, graph_max_bs, graph_bs_given, env_var, max_bytes,
+    field_given)``: refuse a workspace too small for the largest planned batch (ConfigError ``workspace_too_small``).
     ``jit_variants(kinds, q_dtype, kv_dtype, arch) -> list``: the kernel modules a build JIT-compiles
     (what ``attn-setup warmup`` compiles ahead).
     ``graph_decode_allocs(kind, bs, q_elem_bytes) -> [(nbytes, is_output)]``: the device tensors its decode

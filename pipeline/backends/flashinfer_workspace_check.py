@@ -16,7 +16,7 @@ WORKSPACE_ENV = "SGLANG_FLASHINFER_WORKSPACE_SIZE"
 
 def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: str = WORKSPACE_FIELD,
                          state: str = "build-mode", graph_fix: str = "", env_var: str = "",
-                         raise_fits: bool = True) -> None:
+                         raise_fits: bool = True, field_given: bool = False) -> None:
     """Raise :class:`ConfigError` (``workspace_too_small``) when ``size_bytes < need.bytes``.
 
     The one check of the workspace size, whichever source set it. The error names ``field_name`` and its
@@ -24,9 +24,9 @@ def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: st
     ``SGLANG_FLASHINFER_WORKSPACE_SIZE=1000``), that variable with its value first and the field after it
     (value None), as :func:`pipeline.core.validation.check_size` names a variable — the minimum this backend can
     use (``needed_bytes``: the bytes its largest planned batch needs, and the kernel path that needs them) and
-    the remedy: set the field or the variable to at least that — only when ``raise_fits`` (that size is a value the
-    flag takes and the device can hold) —, or ``graph_fix`` (a change to the captured batch sizes that then
-    passes) when given.
+    the remedy: set the field (or, unless ``field_given`` — the field set the size, and it wins over the variable —,
+    the variable) to at least that — only when ``raise_fits`` (that size is a value the flag takes and the device
+    can hold) —, or ``graph_fix`` (a change to the captured batch sizes that then passes) when given.
     """
     if size_bytes >= need.bytes:
         return
@@ -47,7 +47,8 @@ def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: st
         code="workspace_too_small", state=state,
         flags=[(field_name, size_bytes), ("needed_bytes", need.bytes)],
         allowed=[f">= {need.bytes}"],
-        remedy=", or ".join(([f"set {field_name} (or {WORKSPACE_ENV}) to at least {need.bytes}"] if raise_fits else [])
+        remedy=", or ".join(([f"set {field_name}{'' if field_given else f' (or {WORKSPACE_ENV})'} to at least "
+                              f"{need.bytes}"] if raise_fits else [])
                             + ([graph_fix] if graph_fix else [])),
     )
 
@@ -80,7 +81,7 @@ REMEDY_MAX_BS = 8192
 
 def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: str, num_sms: int, max_reqs: int,
                             graph_max_bs: int, graph_bs_given: bool = False, state: str = "build-mode",
-                            env_var: str = "", max_bytes: int = 0) -> None:
+                            env_var: str = "", max_bytes: int = 0, field_given: bool = False) -> None:
     """The one workspace check (build-mode, ``plan`` and ``run``'s preflight call it, through the registry entry).
 
     ``size_bytes``: the workspace the backend gets; ``kinds``: the layer kinds it serves;
@@ -89,7 +90,8 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
     largest captured decode batch (:func:`states.graphs.graph_max_bs`, 0 without graphs);
     ``graph_bs_given``: the sizes came from ``cuda_graph_bs`` (so the remedy names that list);
     ``env_var``: the environment variable the size came from ("" when the field or the default set it), named by
-    the error; ``max_bytes``: the largest workspace this device can hold (0: unknown), see below.
+    the error; ``max_bytes``: the largest workspace this device can hold (0: unknown), see below; ``field_given``:
+    ``flashinfer_workspace_size`` set the size (the remedy then names only it: the field wins over the variable).
     Raises ConfigError ``workspace_too_small``.
 
     Every alternative of the remedy then passes this check with a value the flags take:
@@ -124,4 +126,5 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
             fix = f"set {env_var or WORKSPACE_FIELD}={need_at(both)} and {sizes}"
         elif graph_max_bs and need_at(0) <= size_bytes:
             fix = "set disable_cuda_graph=True"
-    check_workspace_size(size_bytes, need, state=state, graph_fix=fix, env_var=env_var, raise_fits=need.bytes <= cap)
+    check_workspace_size(size_bytes, need, state=state, graph_fix=fix, env_var=env_var, raise_fits=need.bytes <= cap,
+                         field_given=field_given)

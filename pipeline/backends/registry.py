@@ -76,14 +76,16 @@ class BackendEntry:
 
     def check_workspace(self, nbytes: int, kinds: Sequence["LayerKind"], *, num_sms: int, max_reqs: int,
                         graph_max_bs: int, graph_bs_given: bool = False, env_var: str = "",
-                        max_bytes: int = 0) -> None:
+                        max_bytes: int = 0, field_given: bool = False) -> None:
         """Refuse a workspace of ``nbytes`` too small for the largest batch this backend plans over ``kinds``
         (ConfigError ``workspace_too_small``); a backend without such a rule needs no check. ``env_var``: the
         environment variable the size came from, if it did (the error then names it and its value);
-        ``max_bytes``: the largest workspace the device holds (0: unknown), which the remedy never exceeds."""
+        ``max_bytes``: the largest workspace the device holds (0: unknown), which the remedy never exceeds;
+        ``field_given``: the size came from its field (which wins over the variable: the remedy names only it)."""
         if self.rules.check_workspace is not None:
             self.rules.check_workspace(nbytes, kinds, num_sms=num_sms, max_reqs=max_reqs, graph_max_bs=graph_max_bs,
-                                       graph_bs_given=graph_bs_given, env_var=env_var, max_bytes=max_bytes)
+                                       graph_bs_given=graph_bs_given, env_var=env_var, max_bytes=max_bytes,
+                                       field_given=field_given)
 
     def jit_variants(self, kinds: Sequence["LayerKind"], q_dtype: str, kv_dtype: str, arch: str) -> list[Any]:
         """The kernel modules a build of this backend JIT-compiles for ``kinds`` (none for most backends)."""

@@ -194,18 +194,19 @@ def check_build(ctx: SetupContext, d: BuildDecision) -> None:
     if ctx.platform is not None and ctx.given_pools is None:  # pools we will allocate: the first thing to refuse
         check_pools_fit(ctx)
     kinds, max_bs = req.served_model.layer_kinds(), d.graph_max_bs(req, ctx.device.facts)
-    # one check whichever source set the size: a value from the environment is named as that variable
+    # one check whatever set the size; the error names the variable or the field that did (the field wins)
     from_env = {s.value: s.env_var for s in d.settings if s.source == "env" and s.env_var}
+    from_field = {s.value for s in d.settings if s.source == "field"}
     # the largest workspace a remedy may name: each workspace's share of what the device's memory lets pools and
     # workspaces use (as check_workspace_memory sizes its remedy), 0 when the device's memory is unknown
     total = ctx.device.facts.total_memory_bytes
     max_ws = int(remedy_available(total) * POOL_MEMORY_SHARE) // max(len(d.plan.workspaces), 1) if total > 0 else 0
     for ws in d.plan.workspaces:
         for backend in sorted({i.backend for i in d.plan.instances if i.workspace == ws.id}):
-            registry.get(backend).check_workspace(ws.bytes, kinds, num_sms=ctx.device.facts.sm_count,
-                                                  max_reqs=req.pool.max_reqs, graph_max_bs=max_bs,
-                                                  graph_bs_given=bool(req.args.cuda_graph_bs),
-                                                  env_var=from_env.get(ws.bytes, ""), max_bytes=max_ws)
+            registry.get(backend).check_workspace(
+                ws.bytes, kinds, num_sms=ctx.device.facts.sm_count, max_reqs=req.pool.max_reqs, graph_max_bs=max_bs,
+                graph_bs_given=bool(req.args.cuda_graph_bs), env_var=from_env.get(ws.bytes, ""), max_bytes=max_ws,
+                field_given=ws.bytes in from_field)
 
 
 def compare_build(ctx: SetupContext, recorded: Any, d: BuildDecision) -> Rows:
