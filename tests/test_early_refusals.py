@@ -91,7 +91,7 @@ def test_plan_refuses_a_workspace_build_mode_would_refuse(capsys):
     err = out["error"]
     assert code == 3 and err["code"] == "workspace_too_small" and err["state"] == "build-mode"
     assert {f["name"]: f["value"] for f in err["flags"]} == {"--flashinfer-workspace-size": 1048576, "needed_bytes": need}
-    assert err["remedy"] == f"set --flashinfer-workspace-size (or SGLANG_FLASHINFER_WORKSPACE_SIZE) to at least {need}"
+    assert err["remedy"] == f"set --flashinfer-workspace-size to at least {need}"  # the flag wins: not the variable
     assert _plan(capsys, *base, "--flashinfer-workspace-size", str(need))[0] == 0
     assert _plan(capsys, *base, "--flashinfer-workspace-size", str(need - 1))[0] == 3
 
