@@ -197,8 +197,7 @@ def check_build(ctx: SetupContext, d: BuildDecision) -> None:
     # one check whatever set the size; the error names the variable or the field that did (the field wins)
     from_env = {s.value: s.env_var for s in d.settings if s.source == "env" and s.env_var}
     from_field = {s.value for s in d.settings if s.source == "field"}
-    # the largest workspace a remedy may name: each workspace's share of what the device's memory lets pools and
-    # workspaces use (as check_workspace_memory sizes its remedy), 0 when the device's memory is unknown
+    # the largest workspace a remedy may name: each one's share of the device's memory, as check_workspace_memory's
     total = ctx.device.facts.total_memory_bytes
     max_ws = int(remedy_available(total) * POOL_MEMORY_SHARE) // max(len(d.plan.workspaces), 1) if total > 0 else 0
     for ws in d.plan.workspaces:
