@@ -109,3 +109,27 @@ def test_workspace_remedy_fits_after_free_memory_moved(free, n, drop):
     size = int(re.match(r"set workspace_bytes to (\d+) or less", e.value.info.remedy).group(1))
     for now in (free, free - int(drop * remedy_margin(free)), free - remedy_margin(free)):
         check(now, size)
+
+
+@pytest.mark.parametrize("graphs", [dict(cuda_graph_max_bs=2 ** 31 - 1), dict(cuda_graph_bs=[1, 2 ** 31 - 1]), {}])
+def test_a_max_reqs_remedy_lowers_the_graph_sizes_above_it(llama, graphs):
+    """``run --max-reqs 2147483647 --cuda-graph-max-bs 2147483647``: the remedy said only "lower --max-reqs (at most
+    N rows …)", and that N with the graph top left as given was refused next (cuda_graph_max_bs above max_reqs).
+    The remedy now lowers the graph sizes with it, and following it passes both checks (s8adv)."""
+    from pipeline.core.contracts import AttentionArgs
+    from states.graphs import check_graph_bs
+
+    big = 2 ** 31 - 1
+    req = SetupRequest(model=llama, device="cpu", args=AttentionArgs(**graphs),
+                       pool=PoolFacts(max_reqs=big, max_context_len=64, num_token_slots=64))
+    platform = FakePlatform(DeviceFacts(type="cpu", name="host", total_memory_bytes=4 * GiB), free_bytes=2 * GiB)
+    with pytest.raises(ConfigError) as e:
+        size_for(platform, 0, RunnerConfig(request=req, num_layers=2), truncate_spec(llama, 2))
+    remedy = e.value.info.remedy
+    rows = int(re.match(r"lower --max-reqs \(at most (\d+) rows", remedy).group(1))
+    assert ("--cuda-graph-max-bs / --cuda-graph-bs to at most that" in remedy) == bool(graphs)
+    fixed = {k: (rows if k == "cuda_graph_max_bs" else [1, rows]) for k in graphs}
+    req = SetupRequest(model=llama, device="cpu", args=AttentionArgs(**fixed),
+                       pool=PoolFacts(max_reqs=rows, max_context_len=64, num_token_slots=64))
+    size_for(platform, 0, RunnerConfig(request=req, num_layers=2), truncate_spec(llama, 2))
+    check_graph_bs(req.args, rows)

@@ -204,7 +204,7 @@ def _gib(n: int) -> str:
 
 
 def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, total_bytes: int = 0,
-               allocated_bytes: int = 0, mem_fraction: Optional[float] = None) -> None:
+               allocated_bytes: int = 0, mem_fraction: Optional[float] = None, graph_top: int = 0) -> None:
     """Refuse pools (``req_to_token`` + every layer's K/V) and the decode graphs' estimated pool
     (``s.graph_reserve_bytes``) above ``POOL_MEMORY_SHARE × available`` bytes together.
 
@@ -216,6 +216,8 @@ def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, 
     the library's ``PoolFacts`` fields. ``total_bytes``/``allocated_bytes``/``mem_fraction`` let a
     ``mem_fraction`` remedy compute the largest fraction that fits. Each remedy's value is sized against the free
     memory less :func:`remedy_margin` and rounded down, so it still fits when free memory drops by that much.
+    ``graph_top``: the largest decode graph size given (``cuda_graph_max_bs`` or the largest of ``cuda_graph_bs``, 0:
+    none), which a remedy lowering ``max_reqs`` below it lowers too (a size above ``max_reqs`` is refused).
     """
     if available <= 0:
         return
@@ -230,21 +232,23 @@ def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, 
             f"{s.kv_bytes}{extra}) but {device} has {available} bytes free ({_gib(available)}); the pools may use "
             f"{POOL_MEMORY_SHARE:.0%} of that, {limit} bytes")
     _refuse(s, head, limit, int(remedy_available(available) * POOL_MEMORY_SHARE), name, cli=cli,
-            total_bytes=total_bytes, allocated_bytes=allocated_bytes, mem_fraction=mem_fraction)
+            total_bytes=total_bytes, allocated_bytes=allocated_bytes, mem_fraction=mem_fraction, graph_top=graph_top)
 
 
 def _refuse(s: PoolSizing, head: str, limit: int, fit: int, name: Any, *, cli: bool, total_bytes: int,
-            allocated_bytes: int, mem_fraction: Optional[float]) -> None:
+            allocated_bytes: int, mem_fraction: Optional[float], graph_top: int = 0) -> None:
     """:func:`check_fits`' ConfigError: ``limit`` the bytes the pools may use now, ``fit`` the bytes a remedy's
     value is sized to (the limit less :func:`remedy_margin`), rounded down to the flag's printed precision."""
     p, graphs, allowed = s.facts, s.graph_reserve_bytes, [f"<= {limit} bytes of pools"]
     if s.req_to_token_bytes + 2 * p.page_size * s.bytes_per_token + graphs > limit:
         rows = max((fit - graphs) // 2 // max(p.max_context_len * REQ_TO_TOKEN_ELEM_BYTES, 1), 0)
+        sizes = "--cuda-graph-max-bs / --cuda-graph-bs" if cli else "cuda_graph_max_bs / cuda_graph_bs"
+        also = f" and {sizes} to at most that" if graph_top > rows else ""  # a graph size above max_reqs is refused
         raise ConfigError(f"{head}; req_to_token alone ({p.max_reqs} x {p.max_context_len} int32) is too large",
                           code="pool_exceeds_memory",
                           flags=[("max_reqs", p.max_reqs), ("max_context_len", p.max_context_len),
                                  ("limit_bytes", limit)], allowed=allowed,
-                          remedy=f"lower {name('max_reqs')} (at most {rows} rows at this context length) or "
+                          remedy=f"lower {name('max_reqs')} (at most {rows} rows at this context length){also} or "
                                  f"{name('max_context_len')}")
     fit_slots = (fit - s.req_to_token_bytes - graphs) // max(s.bytes_per_token, 1) // p.page_size * p.page_size
     if s.source == "slots" or not cli:

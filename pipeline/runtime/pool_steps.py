@@ -117,7 +117,8 @@ def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int 
                    graph_reserve_bytes=graph_reserve)
     avail = available_bytes(platform, index)
     check_fits(s, remedy_available(avail) if spare else avail, device=platform.torch_device(index), total_bytes=total,
-               allocated_bytes=allocated, mem_fraction=cfg.mem_fraction)
+               allocated_bytes=allocated, mem_fraction=cfg.mem_fraction,
+               graph_top=req.args.cuda_graph_max_bs or max(req.args.cuda_graph_bs or [0]))
     return s
 
 

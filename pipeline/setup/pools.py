@@ -50,7 +50,8 @@ def check_pools_fit(ctx: SetupContext) -> None:
     per_tok = kv_bytes_per_token(model.layer_kinds(), model.num_hidden_layers, kv_dtype(req.args, model))
     s = PoolSizing(facts=p, source="slots", budget_bytes=None, bytes_per_token=per_tok,
                    req_to_token_bytes=p.max_reqs * p.max_context_len * 4, kv_bytes=p.num_token_slots * per_tok)
-    check_fits(s, available_bytes(ctx.platform, parse_device(req.device)[1]), device=str(ctx.torch_device), cli=False)
+    check_fits(s, available_bytes(ctx.platform, parse_device(req.device)[1]), device=str(ctx.torch_device), cli=False,
+               graph_top=req.args.cuda_graph_max_bs or max(req.args.cuda_graph_bs or [0]))
 
 
 def make_pools(ctx: SetupContext) -> None:
