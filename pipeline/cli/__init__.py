@@ -144,12 +144,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     failed anyway (its code wins; :mod:`pipeline.cli.outstreams`); any other exception is 1 with
     ``internal_error`` naming it.
     """
-    from pipeline.cli.outstreams import report
+    from pipeline.cli.outstreams import open_std_fds, report, std_stream
     from pipeline.cli.streams import safe
     from pipeline.core.errors import EXIT_FAILED
 
+    closed = open_std_fds() if argv is None else frozenset()  # a process's own descriptors, not an in-process call's
     real_stdout, real_stderr = sys.stdout, sys.stderr
-    out, err = ReaderMayLeave(safe(real_stdout), "stdout"), ReaderMayLeave(safe(real_stderr), "stderr")
+    out = ReaderMayLeave(safe(std_stream(real_stdout, 1, closed)), "stdout")
+    err = ReaderMayLeave(safe(std_stream(real_stderr, 2, closed)), "stderr")
     sys.stdout, sys.stderr = out, err  # same exit code, any reader; a lost report is a failure
     code = EXIT_FAILED
     try:

@@ -10,17 +10,75 @@
   :class:`pipeline.core.errors.OutputWriteFailed`) — a failed command keeps its own code — and :func:`report` names
   the stream and the error on stderr when stderr still works.
 
+A descriptor closed before the process started (``attn-setup plan >&-``, ``2>&-``: Python then has no
+``sys.stdout``) is a stream every write to fails (EBADF, :class:`ClosedStream`), answered as any other write error;
+:func:`open_std_fds` first points it at /dev/null, so that the next file opened (``run``'s log) cannot take its
+number and receive what a C library or a child process writes there.
+
 ``run`` calls :func:`settle` after printing its report and before ``command_finished``, so that the trace's exit
 code is the process's.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from typing import Any, Iterable, Optional
 
 from pipeline.core.errors import EXIT_OK, OutputWriteFailed
+
+
+def open_std_fds() -> frozenset[int]:
+    """Point each of the descriptors 0, 1 and 2 that is closed at /dev/null; returns the ones that were closed."""
+    closed = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            closed.append(fd)
+    if closed:
+        try:
+            null = os.open(os.devnull, os.O_RDWR)
+        except OSError:
+            return frozenset(closed)
+        for fd in closed:
+            if fd != null:
+                os.dup2(null, fd)
+        if null not in closed:
+            os.close(null)
+    return frozenset(closed)
+
+
+class ClosedStream:
+    """stdout or stderr whose descriptor ``fd`` was closed when the process started: every write and flush raises
+    EBADF, as a write to the closed descriptor would (what it is written on is /dev/null, :func:`open_std_fds`)."""
+
+    encoding = "utf-8"
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, text: str) -> int:
+        """Raise OSError(EBADF): the caller opened no stream here."""
+        raise OSError(errno.EBADF, f"{os.strerror(errno.EBADF)} (descriptor {self.fd} was closed at start)")
+
+    def flush(self) -> None:
+        """Nothing buffered; a flush after a write that failed raises nothing new."""
+
+    def fileno(self) -> int:
+        """The descriptor (now /dev/null)."""
+        return self.fd
+
+    def isatty(self) -> bool:
+        """Never a terminal."""
+        return False
+
+
+def std_stream(stream: Any, fd: int, closed: frozenset[int]) -> Any:
+    """``stream`` (``sys.stdout`` or ``sys.stderr``), or a :class:`ClosedStream` when descriptor ``fd`` was closed at
+    start (Python then gives None, or a stream on the /dev/null :func:`open_std_fds` put there)."""
+    return ClosedStream(fd) if stream is None or fd in closed else stream
 
 
 def quiet(stream: Any = None) -> None:
@@ -40,6 +98,11 @@ def quiet(stream: Any = None) -> None:
 
 def _target(stream: Any) -> Optional[str]:
     """Where the stream's file descriptor points (``/dev/full``, a file on a full disk), when the system says."""
+    inner = stream
+    while not isinstance(inner, ClosedStream) and "stream" in getattr(inner, "__dict__", {}):  # SafeText's wrapped
+        inner = inner.stream
+    if isinstance(inner, ClosedStream):
+        return f"closed (descriptor {inner.fd})"
     try:
         return os.readlink(f"/proc/self/fd/{stream.fileno()}")
     except (OSError, ValueError, AttributeError):
