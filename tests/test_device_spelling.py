@@ -66,7 +66,7 @@ def test_run_keeps_and_shows_the_spelling(capsys, tmp_path):
     assert main(["inspect", str(log), "--json"]) == 0
     (run,) = json.loads(capsys.readouterr().out)["runs"]
     assert run["decisions"]["device"]["spelled_as"] == "CPU" and run["decisions"]["device"]["type"] == "cpu"
-    assert main(["inspect", str(log)]) == 0 and "(written as CPU)" in capsys.readouterr().out
+    assert main(["inspect", str(log)]) == 0 and "device: cpu" in (out := capsys.readouterr().out) and ", written as CPU" in out
     code, cap, _ = _run(capsys, tmp_path, "--device", "Cpu")
     assert code == 0 and "device: cpu" in cap.out and "written as Cpu" in cap.out
 

@@ -232,7 +232,8 @@ def test_a_cold_start_is_named_in_the_summary_and_the_progress_line():
     from pipeline.observe.startup import summarize, timed_torch_import
 
     cmd = ev.CommandStarted(run_id="r", rank=0, state="args", outcome="ok", ts_ns=int(12e9), command="run", argv=[])
-    why = "first import in this environment: Python compiled torch's bytecode (cached for later runs)"
+    why = ("no cached bytecode for torch (installed with --no-compile, or its __pycache__ removed): "
+           "Python compiled it on this import (cached for later runs)")
     s = summarize([cmd], start_ns=int(1e9), end_ns=int(13e9), startup_parts=[("import torch", 9.5, why)])
     startup, child = s["phases"][0], s["phases"][1]
     assert (startup.name, startup.seconds) == ("startup", pytest.approx(11.0)) and "cold start" in startup.detail

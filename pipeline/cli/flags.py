@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 import msgspec
 
 from pipeline.cli.domains import parser_refusal
+from pipeline.cli.unknown_flags import unknown_flags
 from pipeline.core.contracts import AttentionArgs
 from pipeline.core.errors import UsageError
 
@@ -57,28 +58,8 @@ class _Parser(argparse.ArgumentParser):
         argv = list(getattr(self, "argv", []))
         command = next((a for a in argv if a in command_names()), None) if self.prog == "attn-setup" else None
         prog = f"{self.prog} {command}" if command else self.prog
-        flags, hints = [], []
-        if "unrecognized arguments:" in message:
-            import difflib
-
-            known = sorted(self._all_options(argv))
-            toks = message.split("unrecognized arguments:", 1)[1].split()
-            for i, tok in enumerate(toks):
-                if not tok.startswith("--"):
-                    continue
-                opt, eq, val = tok.partition("=")
-                if not eq:
-                    val = toks[i + 1] if i + 1 < len(toks) and not toks[i + 1].startswith("-") else ""
-                prefix = [o for o in known if o.startswith(opt) and o != opt]
-                near = prefix or difflib.get_close_matches(opt, [o for o in known if o != opt], n=2, cutoff=0.75)
-                flags.append((opt, val))
-                owners = [c for c, opts in self._options_by_command().items() if opt in opts and c != command]
-                if owners:
-                    hints.append(f"{opt} is a flag of {' and '.join(f'attn-setup {c}' for c in owners)}"
-                                 + (f", not of {prog}" if command else ""))
-                if near:
-                    hints.append(f"{opt}: did you mean {' or '.join(near[:2])}?"
-                                 + (" (abbreviations are not accepted)" if prefix else ""))
+        message, flags, hints = unknown_flags(message, argv, set(self._all_options(argv)),
+                                              self._options_by_command(), command, prog)
         allowed: list[str] = []
         if not flags:
             flags, allowed, hint = self._argument_error(message, argv or list(getattr(_Parser, "last_argv", [])))
@@ -250,9 +231,6 @@ def add_setup_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
     p.add_argument("--rank", type=int, default=0, help="this process's rank (default 0; RANK under torchrun)")
     p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables (errors too)")
-    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help="run: print each event as a short line on stderr (the log file keeps the JSON); "
-                        "plan and warmup log no event and refuse it (exit 2)")
     add_attention_flags(p)
 
 
@@ -285,10 +263,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="attn-setup", description="Initialize an inference engine's attention backends as an observable "
                 "state machine: run, plan, warmup, inspect, replay, graph, backends.")
     p.add_argument("--version", action="version", version=f"attn-setup {__version__}")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="run: print each event as a short line on stderr (the log file keeps the JSON); the other "
-                        "commands log no event and refuse it (exit 2)")
+    p.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for mod in _modules():
-        mod.add_parser(sub).set_defaults(_cmd=mod.cmd)
+        cmd = mod.add_parser(sub)
+        # every subcommand takes -v (after its name too), so that pipeline.cli.check_verbose refuses it in one
+        # place, with its reason, for each command that logs no event — never argparse's "unrecognized arguments"
+        cmd.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
+        cmd.set_defaults(_cmd=mod.cmd)
     return p
+
+
+_VERBOSE_HELP = ("run: print each event as a short line on stderr (the log file keeps the JSON); the other commands "
+                 "log no event and refuse it (exit 2), before or after the subcommand")

@@ -15,6 +15,7 @@ from pipeline.cli.startup import summary_of, summary_rows
 from pipeline.core.events import StartupSummary
 from pipeline.core.model_spec import format_layer_ids
 from pipeline.observe.rank_summary import RankSummary, summary_lines
+from pipeline.observe.runview import device_text
 from pipeline.observe.trace import Run
 
 
@@ -58,12 +59,7 @@ def explain(run: Run) -> list[str]:
 def _decision_lines(d: dict[str, Any]) -> list[str]:
     out = []
     if "device" in d:
-        dv = d["device"]
-        cc = dv.get("compute_capability")
-        out.append(f"device: {dv['type']}:{dv['index']} {dv['name']} "
-                   + (f"cc={'.'.join(map(str, cc)) if isinstance(cc, (list, tuple)) else cc} " if cc else "")
-                   + f"blas_init={dv['blas_init']}"
-                   + (f" (written as {dv['spelled_as']})" if dv.get("spelled_as") else ""))
+        out.append(f"device: {device_text(d['device'])}")  # as run's report prints it
     if "resolved" in d:
         r = d["resolved"]
         rules = r["rules"]

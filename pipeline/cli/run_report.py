@@ -68,16 +68,16 @@ def headline(info: ErrorInfo, code: int) -> str:
 def device_line(report: dict[str, Any], request: Optional[SetupRequest]) -> Optional[str]:
     """``device: cuda:0 NVIDIA H200 (sm90), written as CUDA:0`` from the report's ``device``; the requested device
     when the run stopped before device-init read its facts."""
+    from pipeline.observe.runview import device_text
+
     d = report.get("device")
-    spelled = d["spelled_as"] if d else (request.device_spelled_as if request is not None else None)
     if d is not None:
-        where = d["type"] if d["type"] == "cpu" else f"{d['type']}:{d['index']}"
-        text = f"device: {where} {d['name']}".rstrip() + (f" ({d['arch']})" if d["arch"] else "")
-    elif request is not None:
-        text = f"device: {request.device} requested (the run stopped before device-init read its facts)"
-    else:
+        return f"device: {device_text(d)}"  # inspect prints the same line from the log
+    if request is None:
         return None
-    return text + (f", written as {spelled}" if spelled else "")
+    spelled = request.device_spelled_as
+    return (f"device: {request.device} requested (the run stopped before device-init read its facts)"
+            + (f", written as {spelled}" if spelled else ""))
 
 
 def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_file: str,

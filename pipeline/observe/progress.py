@@ -137,7 +137,7 @@ def progress_for(ns: Any, log: Any, request: Any) -> Any:
 
 
 def cold_start_lead(torch_import: Optional[dict[str, Any]]) -> str:
-    """The progress line's lead after a cold start: ``startup: import torch 9.8 s (first import in this environment:
+    """The progress line's lead after a cold start: ``startup: import torch 9.8 s (no cached bytecode for torch
     …)``; empty when torch's bytecode was cached (nothing unusual to explain)."""
     if not torch_import or not torch_import.get("cold"):
         return ""

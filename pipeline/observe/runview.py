@@ -148,3 +148,11 @@ def device_from(records: Iterable[ev.Event]) -> Optional[dict[str, Any]]:
     """:func:`device_view` of a run's ``device_initialized`` record (None when device-init did not run)."""
     d = next((r for r in records if isinstance(r, ev.DeviceInitialized)), None)
     return None if d is None else device_view(d.facts, d.spelled_as, blas_init=d.blas_init)
+
+
+def device_text(d: dict[str, Any]) -> str:
+    """A :func:`device_view` in one line, as ``run`` and ``inspect`` both print it after ``device:``:
+    ``cuda:0 NVIDIA H200 (sm90), written as CUDA:0`` (``cpu x86_64`` on a CPU: one device, no index)."""
+    where = d["type"] if d["type"] == "cpu" else f"{d['type']}:{d['index']}"
+    text = f"{where} {d.get('name') or ''}".rstrip() + (f" ({d['arch']})" if d.get("arch") else "")
+    return text + (f", written as {d['spelled_as']}" if d.get("spelled_as") else "")

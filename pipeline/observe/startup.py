@@ -91,10 +91,13 @@ def _checks(records: list[ev.Event], start: Optional[ev.Event]) -> list[ev.Phase
 
 
 def timed_torch_import() -> dict[str, Any]:
-    """Import torch, timed: ``{seconds, cold, detail}`` — ``cold`` when its bytecode was compiled by this import
-    (torch's ``__pycache__`` entry written after the import began, or none at all: a fresh venv, a read-only
-    site-packages, ``PYTHONDONTWRITEBYTECODE``), which is what makes a first ``run`` spend ~10 s in ``startup``.
-    ``seconds`` is 0 when torch was already imported. Called once, before the run's log opens (not the hot path)."""
+    """Import torch, timed: ``{seconds, cold, detail}`` — ``cold`` when its bytecode was compiled by this import,
+    judged by torch's package bytecode (``importlib.util.cache_from_source(torch.__file__)``, which follows
+    ``PYTHONPYCACHEPREFIX``): written after the import began (none was cached: an install with ``pip install
+    --no-compile``, a removed ``__pycache__``; Python cached it for later runs), or still missing after it (Python
+    could not write it either: ``PYTHONDONTWRITEBYTECODE``, a read-only install; every import compiles it). A normal
+    ``pip install`` compiles bytecode at install time, so its first run is not cold. ``seconds`` is 0 when torch was
+    already imported. Called once, before the run's log opens (not the hot path)."""
     import importlib.util
     import sys
 
@@ -111,11 +114,12 @@ def timed_torch_import() -> dict[str, Any]:
         mtime = None
     if mtime is None:
         return {"seconds": seconds, "cold": True,
-                "detail": "no cached bytecode found for torch: Python compiled it on this import (a fresh environment, "
-                          "PYTHONDONTWRITEBYTECODE or a read-only install)"}
+                "detail": "no cached bytecode for torch and none written: Python compiled it on this import and "
+                          "will on every one (PYTHONDONTWRITEBYTECODE, or a read-only install)"}
     if mtime >= wall0 - 1.0:
         return {"seconds": seconds, "cold": True,
-                "detail": "first import in this environment: Python compiled torch's bytecode (cached for later runs)"}
+                "detail": "no cached bytecode for torch (installed with --no-compile, or its __pycache__ removed): "
+                          "Python compiled it on this import (cached for later runs)"}
     return {"seconds": seconds, "cold": False, "detail": "cached bytecode"}
 
 
