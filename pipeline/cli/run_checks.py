@@ -111,6 +111,8 @@ def runner_config(ns: argparse.Namespace, request: SetupRequest) -> Any:
     layers = ns.num_layers if ns.num_layers is not None else max(default, 1)
     p, ps, steps = request.pool, request.args.page_size, max(ns.decode_steps, 0)
     need = max(verify.slots_needed(p.max_reqs, ps, steps), model_steps.slots_needed(p.max_reqs, ps, steps))
+    ctx = max(verify.context_needed(p.max_reqs, steps), model_steps.context_needed(p.max_reqs, steps))
     return RunnerConfig(request=request, num_layers=layers, num_token_slots=ns.num_token_slots,
                         mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction, min_token_slots=need,
-                        min_token_slots_for=f"the verification batches with --decode-steps {steps}")
+                        min_token_slots_for=f"the verification batches with --decode-steps {steps}",
+                        min_context_len=ctx)

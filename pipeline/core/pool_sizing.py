@@ -35,10 +35,10 @@ import msgspec
 
 from pipeline.core.contracts import LayerKind, PoolFacts
 from pipeline.core.errors import ConfigError
+from pipeline.core.pool_remedy import REQ_TO_TOKEN_ELEM_BYTES, GraphTrial, refuse_pools
 from pipeline.core.validation import MAX_POOL_DIM
 
 KV_ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
-REQ_TO_TOKEN_ELEM_BYTES = 4
 
 Source = Literal["slots", "bytes", "mem_fraction"]
 
@@ -204,7 +204,8 @@ def _gib(n: int) -> str:
 
 
 def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, total_bytes: int = 0,
-               allocated_bytes: int = 0, mem_fraction: Optional[float] = None, graph_top: int = 0) -> None:
+               allocated_bytes: int = 0, mem_fraction: Optional[float] = None, graph_top: int = 0,
+               graphs: Optional[GraphTrial] = None, min_slots: int = 0, min_context_len: int = 1) -> None:
     """Refuse pools (``req_to_token`` + every layer's K/V) and the decode graphs' estimated pool
     (``s.graph_reserve_bytes``) above ``POOL_MEMORY_SHARE × available`` bytes together.
 
@@ -218,50 +219,23 @@ def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, 
     memory less :func:`remedy_margin` and rounded down, so it still fits when free memory drops by that much.
     ``graph_top``: the largest decode graph size given (``cuda_graph_max_bs`` or the largest of ``cuda_graph_bs``, 0:
     none), which a remedy lowering ``max_reqs`` below it lowers too (a size above ``max_reqs`` is refused).
+    ``graphs``: the captured graphs and their estimate at a lower top (:class:`~pipeline.core.pool_remedy.GraphTrial`),
+    for the alternatives that lower or drop them; ``min_slots`` / ``min_context_len``: the least token slots and
+    context a remedy may name (what ``run``'s verification batches need). The remedy is
+    :func:`pipeline.core.pool_remedy.refuse_pools`'.
     """
     if available <= 0:
         return
     limit = int(available * POOL_MEMORY_SHARE)
-    graphs = s.graph_reserve_bytes
-    need = s.req_to_token_bytes + s.kv_bytes + graphs
+    graphs_bytes = s.graph_reserve_bytes
+    need = s.req_to_token_bytes + s.kv_bytes + graphs_bytes
     if need <= limit:
         return
     name = (lambda f: "--" + f.replace("_", "-")) if cli else (lambda f: "pool." + f)
-    extra = f" + decode CUDA graphs {graphs} (estimated)" if graphs else ""
+    extra = f" + decode CUDA graphs {graphs_bytes} (estimated)" if graphs_bytes else ""
     head = (f"the KV pools need {need} bytes ({_gib(need)}: req_to_token {s.req_to_token_bytes} + K/V "
             f"{s.kv_bytes}{extra}) but {device} has {available} bytes free ({_gib(available)}); the pools may use "
             f"{POOL_MEMORY_SHARE:.0%} of that, {limit} bytes")
-    _refuse(s, head, limit, int(remedy_available(available) * POOL_MEMORY_SHARE), name, cli=cli,
-            total_bytes=total_bytes, allocated_bytes=allocated_bytes, mem_fraction=mem_fraction, graph_top=graph_top)
-
-
-def _refuse(s: PoolSizing, head: str, limit: int, fit: int, name: Any, *, cli: bool, total_bytes: int,
-            allocated_bytes: int, mem_fraction: Optional[float], graph_top: int = 0) -> None:
-    """:func:`check_fits`' ConfigError: ``limit`` the bytes the pools may use now, ``fit`` the bytes a remedy's
-    value is sized to (the limit less :func:`remedy_margin`), rounded down to the flag's printed precision."""
-    p, graphs, allowed = s.facts, s.graph_reserve_bytes, [f"<= {limit} bytes of pools"]
-    if s.req_to_token_bytes + 2 * p.page_size * s.bytes_per_token + graphs > limit:
-        rows = max((fit - graphs) // 2 // max(p.max_context_len * REQ_TO_TOKEN_ELEM_BYTES, 1), 0)
-        sizes = "--cuda-graph-max-bs / --cuda-graph-bs" if cli else "cuda_graph_max_bs / cuda_graph_bs"
-        also = f" and {sizes} to at most that" if graph_top > rows else ""  # a graph size above max_reqs is refused
-        raise ConfigError(f"{head}; req_to_token alone ({p.max_reqs} x {p.max_context_len} int32) is too large",
-                          code="pool_exceeds_memory",
-                          flags=[("max_reqs", p.max_reqs), ("max_context_len", p.max_context_len),
-                                 ("limit_bytes", limit)], allowed=allowed,
-                          remedy=f"lower {name('max_reqs')} (at most {rows} rows at this context length){also} or "
-                                 f"{name('max_context_len')}")
-    fit_slots = (fit - s.req_to_token_bytes - graphs) // max(s.bytes_per_token, 1) // p.page_size * p.page_size
-    if s.source == "slots" or not cli:
-        raise ConfigError(head, code="pool_exceeds_memory",
-                          flags=[("num_token_slots", p.num_token_slots), ("limit_bytes", limit)], allowed=allowed,
-                          remedy=f"pass {name('num_token_slots')} {fit_slots} or fewer "
-                                 f"({s.bytes_per_token} bytes per token slot)")
-    if s.source == "bytes":
-        raise ConfigError(head, code="pool_exceeds_memory", flags=[("mem_bytes", s.budget_bytes),
-                                                                    ("limit_bytes", limit)],
-                          allowed=allowed, remedy=f"pass --mem-bytes {max(fit - graphs, 1)} or less")
-    frac = math.floor((fit + allocated_bytes) / total_bytes * 100) / 100 if total_bytes else 0.0
-    raise ConfigError(head, code="pool_exceeds_memory", flags=[("mem_fraction", mem_fraction),
-                                                                ("limit_bytes", limit)], allowed=allowed,
-                      remedy=(f"pass --mem-fraction {frac:.2f} or less" if frac > 0 else
-                              f"pass --num-token-slots {fit_slots} or fewer") + " (or free memory on the device)")
+    refuse_pools(s, head, limit, int(remedy_available(available) * POOL_MEMORY_SHARE), name, cli=cli,
+                 total_bytes=total_bytes, allocated_bytes=allocated_bytes, mem_fraction=mem_fraction,
+                 graph_top=graph_top, graphs=graphs, min_slots=min_slots, min_context_len=min_context_len)

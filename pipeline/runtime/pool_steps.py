@@ -49,7 +49,7 @@ def decide_pools(r: Any) -> Any:
     if reserve and prime is not None:  # graphs will be captured: pay their one-time process costs, then read memory
         # summed: preflight decides this step too, and only the first call pays (later calls return 0)
         r.capture_prime_bytes = getattr(r, "capture_prime_bytes", 0) + prime(r.index)
-    return size_for(r.platform, r.index, cfg, r.load.spec, graph_reserve=reserve)
+    return size_for(r.platform, r.index, cfg, r.load.spec, graph_reserve=reserve, graphs=graph_trial_of(r, r.load.spec))
 
 
 def graph_estimate(r: Any, spec: Any) -> Any:
@@ -68,13 +68,22 @@ def graph_estimate(r: Any, spec: Any) -> Any:
     est = None
     if decide_graphs(cfg.request.args, r.platform.device_facts(r.index).type, []).capture:
         from pipeline.setup.build import decide_setup
-        from states.graph_memory import estimate_for_decided
+        from states.graph_memory import estimate_for_decided, graph_trial
 
         req = msgspec.structs.replace(cfg.request, **served_field(cfg.request, spec))
         decided = decide_setup(req, platform=r.platform, installed=r.installed, rank_group=r.rank_group)
         est = estimate_for_decided(req, decided, aux_layers=cfg.aux_hidden_state_layers or ())
+        r.graph_trial_for = (spec, graph_trial(req, decided, est, aux_layers=cfg.aux_hidden_state_layers or ()))
     r.graph_estimate_for = (spec, est)
     return est
+
+
+def graph_trial_of(r: Any, spec: Any) -> Any:
+    """The graphs :func:`graph_estimate` estimated for ``spec``, as a :class:`pipeline.core.pool_remedy.GraphTrial`
+    (their estimate at a lower top, for a pool remedy that lowers it); None without graphs."""
+    graph_estimate(r, spec)
+    kept = getattr(r, "graph_trial_for", None)
+    return kept[1] if kept is not None and kept[0] is spec else None
 
 
 def graph_reserve_bytes(r: Any, spec: Any) -> int:
@@ -83,7 +92,8 @@ def graph_reserve_bytes(r: Any, spec: Any) -> int:
     return 0 if est is None else est.total_bytes
 
 
-def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0, spare: bool = False) -> Any:
+def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0, spare: bool = False,
+             graphs: Any = None) -> Any:
     """:func:`decide_pools`' sizing for ``cfg`` (a RunnerConfig, its ``mem_fraction`` already checked) and the
     built ``spec`` on ``platform``'s device ``index``; nothing is allocated. Raises the sizing's ConfigError.
     ``config.min_token_slots`` binds every pool not sized from a share of memory (the default slots too, so a
@@ -91,7 +101,9 @@ def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int 
     (:func:`graph_reserve_bytes`), out of a ``mem_fraction`` budget and counted against free memory
     (:func:`pipeline.core.pool_sizing.size_pools`). ``spare``: check against the free memory less
     :func:`~pipeline.core.pool_sizing.remedy_margin` (what a remedy is sized for). A ``--mem-bytes`` above the
-    device's total is a ConfigError (``invalid_value``) naming a value that fits."""
+    device's total is a ConfigError (``invalid_value``) naming a value that fits. ``graphs``: the graphs behind
+    ``graph_reserve`` (:func:`graph_trial_of`), for a remedy that lowers or drops them; every remedy names values
+    inside their flags' domains, at least ``cfg.min_token_slots`` slots and ``cfg.min_context_len`` tokens."""
     req = cfg.request
     p, facts = req.pool, platform.device_facts(index)
     if cfg.mem_bytes is not None and facts.total_memory_bytes and cfg.mem_bytes > facts.total_memory_bytes:
@@ -118,7 +130,8 @@ def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int 
     avail = available_bytes(platform, index)
     check_fits(s, remedy_available(avail) if spare else avail, device=platform.torch_device(index), total_bytes=total,
                allocated_bytes=allocated, mem_fraction=cfg.mem_fraction,
-               graph_top=req.args.cuda_graph_max_bs or max(req.args.cuda_graph_bs or [0]))
+               graph_top=req.args.cuda_graph_max_bs or max(req.args.cuda_graph_bs or [0]), graphs=graphs,
+               min_slots=cfg.min_token_slots, min_context_len=cfg.min_context_len)
     return s
 
 

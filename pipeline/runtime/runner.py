@@ -41,14 +41,13 @@ AgreeFn = Callable[[Any, SetupRequest, Any], str]
 class RunnerConfig:
     """What ``initialize()`` needs beyond the :class:`SetupRequest`.
 
-    ``num_layers``: build only the first N attention layers (None = all; a hybrid model's
-    linear-attention / mamba layers are skipped, not counted). ``seed``: weight seed.
-    Pool size (first given wins): ``num_token_slots`` > ``mem_bytes`` (a byte budget) >
-    ``mem_fraction`` (share of device memory, weights subtracted) > ``request.pool.num_token_slots``.
-    ``aux_hidden_state_layers``: EAGLE3 layer ids whose input hidden states the model returns.
+    ``num_layers``: build only the first N attention layers (None = all; a hybrid model's linear-attention /
+    mamba layers are skipped, not counted). ``seed``: weight seed. Pool size (first given wins): ``num_token_slots``
+    > ``mem_bytes`` (a byte budget) > ``mem_fraction`` (share of device memory, weights subtracted) >
+    ``request.pool.num_token_slots``. ``aux_hidden_state_layers``: EAGLE3 ids of the layers whose inputs it returns.
     ``min_token_slots``: the fewest token slots a pool sized from ``num_token_slots`` or ``mem_bytes`` must
-    hold (``attn-setup run``: what its verification batches take); ``min_token_slots_for`` says what needs them.
-    """
+    hold (``attn-setup run``: what its verification batches take); ``min_token_slots_for`` says what needs them;
+    ``min_context_len``: the least ``max_context_len`` (tokens) a pool remedy may name (what ``run``'s checks reach)."""
 
     request: SetupRequest
     num_layers: Optional[int] = None
@@ -59,6 +58,7 @@ class RunnerConfig:
     aux_hidden_state_layers: Optional[tuple[int, ...]] = None
     min_token_slots: int = 0
     min_token_slots_for: str = ""
+    min_context_len: int = 1
 
     def __post_init__(self) -> None:
         """Every field but ``request`` (which :class:`Runner` checks) against its annotation, as the msgspec

@@ -1,0 +1,214 @@
+"""Memory refusals that involve the decode CUDA graphs are made, and their remedies are true (s9mem).
+
+1. ``plan`` refuses graphs the device profile cannot hold (``pool_exceeds_memory``, as ``run`` would: it said ``ok``
+   beside a ~9.7 TB estimate for a 141 GB H200), and every alternative of its remedy then plans ok.
+2. The pool remedy (``pool_exceeds_memory`` of ``run``'s pool sizing) names a value inside its flag's domain for each
+   alternative — never "at most 0 rows", never ``--max-context-len`` without a value — and each, followed, passes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import msgspec
+import pytest
+
+from pipeline.cli.domains import FLAG_DOMAINS
+from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
+from pipeline.core.errors import ConfigError
+from pipeline.core.pool_remedy import REMEDY_MAX_BS, GraphTrial, largest_fitting
+from pipeline.core.spec import truncate_spec
+from pipeline.platforms.fake import FakePlatform
+from pipeline.runtime.pool_steps import size_for
+from pipeline.runtime.runner import RunnerConfig
+
+BASE = ("plan", "--device-profile", "h200", "--installed", "torch,triton,flashinfer")
+GiB = 1 << 30
+
+
+def _plan(*argv: str) -> tuple[int, dict]:
+    from conftest import run_main
+
+    proc = run_main(*BASE, *argv, "--json")
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _in_domain(flag: str, value: int) -> bool:
+    d = next(d for d in FLAG_DOMAINS if d.flag == flag)
+    return d.domain.lo <= value <= d.domain.hi
+
+
+def _replace(argv: list[str], flag: str, value: str | None) -> list[str]:
+    """``argv`` with ``flag``'s value set to ``value`` (a switch when None)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == flag:
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out + ([flag] if value is None else [flag, value])
+
+
+def _follow_plan_remedy(argv: list[str], remedy: str) -> int:
+    """Follow every alternative of a plan remedy; returns how many there were."""
+    ways = remedy.split(", or ")
+    for way in ways:
+        m = re.fullmatch(r"set --cuda-graph-max-bs (\d+)", way)
+        if m:
+            n = int(m.group(1))
+            assert _in_domain("--cuda-graph-max-bs", n) and n <= REMEDY_MAX_BS
+            fixed = _replace(argv, "--cuda-graph-max-bs", str(n))
+        else:
+            assert way == "set --disable-cuda-graph", way
+            fixed = _replace(argv, "--disable-cuda-graph", None)
+        rc, out = _plan(*fixed)
+        assert rc == 0, (argv, way, out.get("error"))
+    return len(ways)
+
+
+def test_plan_refuses_the_adversarial_graphs_and_each_alternative_plans_ok():
+    """The finding's command: ~9.7 TB of graphs for a 141 GB device is refused as run refuses it, saying that plan
+    checks against the total; the largest top that fits and no graphs both then plan ok."""
+    argv = ["--max-reqs", "100000", "--cuda-graph-max-bs", "100000", "--flashinfer-workspace-size", "33023735840"]
+    rc, out = _plan(*argv)
+    err = out["error"]
+    assert rc == 3 and err["code"] == "pool_exceeds_memory" and err["state"] == "init-memory-pool", err
+    assert "141000000000 bytes in all" in err["message"] and "checks against the total" in err["message"]
+    assert _follow_plan_remedy(argv, err["remedy"]) == 2
+
+
+def test_graphs_beside_a_large_workspace_are_refused_and_the_remedy_plans_ok():
+    """Graphs that fit 90 % of the device alone but not beside the planned workspace (76 GiB + 110 GB > 141 GB)."""
+    argv = ["--max-reqs", "8192", "--cuda-graph-max-bs", "8192", "--flashinfer-workspace-size", "110000000000"]
+    rc, out = _plan(*argv)
+    assert rc == 3 and out["error"]["code"] == "pool_exceeds_memory"
+    assert "with the planned workspaces (110000000000 bytes)" in out["error"]["message"]
+    assert _follow_plan_remedy(argv, out["error"]["remedy"]) == 2
+
+
+def test_the_common_plan_is_unchanged():
+    rc, out = _plan()
+    assert rc == 0 and 0 < out["cuda_graph_bytes_estimate"] < 141 * 10 ** 9 * 0.9
+
+
+def test_largest_fitting_is_the_scan():
+    for n in range(0, 40):
+        cands = list(range(1, n + 1))
+        for bound in range(-1, n + 2):
+            want = max([c for c in cands if c <= bound], default=None)
+            assert largest_fitting(cands, lambda c: c <= bound) == want
+
+
+# --- 2. the pool remedy -------------------------------------------------------------------------------------------
+
+def _cfg(llama, *, max_reqs=8, ctx=1024, args=None, slots=1024, **kw) -> RunnerConfig:
+    req = SetupRequest(model=llama, device="cpu", args=args or AttentionArgs(),
+                       pool=PoolFacts(max_reqs=max_reqs, max_context_len=ctx, num_token_slots=slots))
+    return RunnerConfig(request=req, num_layers=2, min_token_slots=64, min_context_len=40, **kw)
+
+
+def _with_pool(cfg: RunnerConfig, **pool) -> RunnerConfig:
+    import dataclasses
+
+    req = cfg.request
+    return dataclasses.replace(cfg, request=msgspec.structs.replace(req, pool=msgspec.structs.replace(req.pool,
+                                                                                                       **pool)))
+
+
+def _ways(remedy: str) -> list[str]:
+    return remedy.split(", or ")
+
+
+def _follow_pool(platform, cfg, spec, remedy, reserve=0, graphs=None):
+    """Follow each alternative of a run pool remedy through :func:`size_for` (run's preflight sizing); every value
+    inside its flag's domain."""
+    followed = 0
+    for way in _ways(remedy.replace(" (or free memory on the device)", "")):
+        g = reserve
+        if m := re.match(r"lower --max-reqs \(at most (\d+) rows", way):
+            n = int(m.group(1))
+            assert _in_domain("--max-reqs", n)
+            fixed = _with_pool(cfg, max_reqs=n)
+        elif m := re.match(r"lower --max-context-len \(at most (\d+) tokens", way):
+            n = int(m.group(1))
+            assert _in_domain("--max-context-len", n) and n >= cfg.min_context_len
+            fixed = _with_pool(cfg, max_context_len=n)
+        elif m := re.match(r"pass --num-token-slots (\d+) or fewer", way):
+            import dataclasses
+
+            n = int(m.group(1))
+            assert _in_domain("--num-token-slots", n) and n >= cfg.min_token_slots
+            fixed = dataclasses.replace(cfg, num_token_slots=n)
+        elif m := re.fullmatch(r"set cuda_graph_max_bs=(\d+)", way):
+            n = int(m.group(1))
+            assert _in_domain("--cuda-graph-max-bs", n)
+            fixed, g = cfg, graphs.bytes_at(n)
+        else:
+            assert way == "set disable_cuda_graph=True", way
+            fixed, g = cfg, 0
+        if "and set num_token_slots=" in way:
+            import dataclasses
+
+            fixed = dataclasses.replace(fixed, num_token_slots=int(way.rsplit("=", 1)[1]))
+        size_for(platform, 0, fixed, spec, graph_reserve=g)
+        followed += 1
+    return followed
+
+
+def test_a_context_too_long_for_one_row_offers_a_valued_context_not_zero_rows(llama):
+    """``--max-context-len 2**31 - 1``: one row of req_to_token is 8 GiB, more than the 2 GiB free, so no
+    ``--max-reqs`` can work and none is offered; ``--max-context-len`` is offered with a value that then fits."""
+    platform = FakePlatform(DeviceFacts(type="cpu", name="host", total_memory_bytes=4 * GiB), free_bytes=2 * GiB)
+    cfg, spec = _cfg(llama, ctx=2 ** 31 - 1), truncate_spec(llama, 2)
+    with pytest.raises(ConfigError) as e:
+        size_for(platform, 0, cfg, spec)
+    remedy = e.value.info.remedy
+    assert "--max-reqs" not in remedy and "at most 0" not in remedy and "--max-context-len (at most" in remedy
+    assert _follow_pool(platform, cfg, spec, remedy) == 1
+
+
+@pytest.mark.parametrize("source", ["slots", "mem_bytes", "mem_fraction"])
+def test_each_rows_or_context_alternative_then_fits(llama, source):
+    platform = FakePlatform(DeviceFacts(type="cpu", name="host", total_memory_bytes=4 * GiB), free_bytes=2 * GiB)
+    extra = {"slots": {}, "mem_bytes": {"mem_bytes": GiB}, "mem_fraction": {"mem_fraction": 0.3}}[source]
+    cfg, spec = _cfg(llama, max_reqs=2 ** 20, ctx=1024, **extra), truncate_spec(llama, 2)
+    with pytest.raises(ConfigError) as e:
+        size_for(platform, 0, cfg, spec)
+    assert e.value.info.code in ("pool_exceeds_memory", "pool_budget_too_small")
+    if e.value.info.code == "pool_exceeds_memory":
+        assert _follow_pool(platform, cfg, spec, e.value.info.remedy) >= 1
+
+
+def test_graphs_too_large_offer_a_lower_top_or_none_never_zero_rows(llama):
+    """The graphs' reserve alone above the limit (a huge --cuda-graph-max-bs): the remedy used to say "lower
+    --max-reqs (at most 0 rows …)"; it now names a top whose estimate fits, and dropping the graphs, both then fit."""
+    platform = FakePlatform(DeviceFacts(type="cpu", name="host", total_memory_bytes=8 * GiB), free_bytes=4 * GiB)
+    sizes = [1, 2, 4, 8] + list(range(16, 100001, 8))
+    trial = GraphTrial(sizes, False, True, lambda n: 64 * n * n + (1 << 20))  # nondecreasing, as an estimate
+    args = AttentionArgs(cuda_graph_max_bs=100000)
+    cfg, spec = _cfg(llama, max_reqs=100000, ctx=64, args=args), truncate_spec(llama, 2)
+    reserve = trial.bytes_at(100000)
+    with pytest.raises(ConfigError) as e:
+        size_for(platform, 0, cfg, spec, graph_reserve=reserve, graphs=trial)
+    remedy = e.value.info.remedy
+    assert "at most 0" not in remedy and "--max-reqs" not in remedy, remedy
+    assert "set cuda_graph_max_bs=" in remedy and "set disable_cuda_graph=True" in remedy
+    assert _follow_pool(platform, cfg, spec, remedy, reserve, trial) == 2
+
+
+def test_run_on_the_cli_words_a_valued_context_remedy(monkeypatch):
+    """Through ``run``'s main on CPU (refused in its preflight, before the model loads): no zero rows, the context
+    alternative carries a value inside the flag's domain."""
+    from conftest import run_main
+
+    from pipeline.platforms import cpu
+
+    monkeypatch.setattr(cpu.CpuPlatform, "memory_available", lambda self, index=0: 2 * GiB)
+    proc = run_main("run", "--device", "cpu", "--max-context-len", str(2 ** 31 - 1), "--json")
+    err = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
+    assert proc.returncode == 3 and err["code"] == "pool_exceeds_memory", err
+    assert "at most 0" not in err["remedy"] and "--max-reqs" not in err["remedy"]
+    n = int(re.search(r"--max-context-len \(at most (\d+) tokens", err["remedy"]).group(1))
+    assert _in_domain("--max-context-len", n)
