@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import re
@@ -56,6 +57,7 @@ def test_memory_available_is_mem_get_info():
 
 def test_mem_fraction_whole_device_refused_and_the_remedy_starts(tmp_path):
     """--mem-fraction 1.0: exit 3 before allocation; the remedy's fraction then runs to ok (exit 0)."""
+    gc.collect()  # earlier tests' unreachable tensors, which a collection during the run would free
     before = torch.cuda.memory_allocated(0)
     proc = run_main("run", "--device", "cuda:0", "--json", "--mem-fraction", "1.0", "--num-layers", "1",
                     "--decode-steps", "1", "--log-file", str(tmp_path / "a.jsonl"))
@@ -79,6 +81,7 @@ def test_library_pools_beyond_the_device_are_refused_before_allocation():
     (a @ a).sum().item()
     del a
     torch.cuda.synchronize()
+    gc.collect()  # earlier tests' unreachable tensors, which a collection during the run would free
     before = torch.cuda.memory_allocated(0)
     req = SetupRequest(model=load_model_spec(DEFAULT_MODEL_CONFIG), device="cuda:0",
                        pool=PoolFacts(max_reqs=2 ** 31 - 1, max_context_len=4096, num_token_slots=16384))
@@ -89,6 +92,7 @@ def test_library_pools_beyond_the_device_are_refused_before_allocation():
 
 @pytest.mark.skipif("flashinfer" not in BACKENDS, reason="needs flashinfer-python")
 def test_workspace_beyond_free_memory_is_refused_before_allocation():
+    gc.collect()  # earlier tests' unreachable tensors, which a collection during the run would free
     before = torch.cuda.memory_allocated(0)
     free, _ = torch.cuda.mem_get_info(0)
     req = SetupRequest(args=AttentionArgs(attention_backend="flashinfer", flashinfer_workspace_size=int(free * 1.5)),
