@@ -67,6 +67,8 @@ class BackendRules:
     is logged (without it: the record's ``workspace_bytes``, not logged).
     ``check_workspace(nbytes, kinds, *, num_sms, max_reqs, graph_max_bs, graph_bs_given, env_var, max_bytes,
     field_given)``: refuse a workspace too small for the largest planned batch (ConfigError ``workspace_too_small``).
+    ``workspace_need(kinds, *, num_sms, max_reqs, graph_max_bs) -> int``: the bytes of workspace that check needs
+    (the least it accepts); None: none.
     ``jit_variants(kinds, q_dtype, kv_dtype, arch) -> list``: the kernel modules a build JIT-compiles
     (what ``attn-setup warmup`` compiles ahead).
     ``graph_decode_allocs(kind, bs, q_elem_bytes) -> [(nbytes, is_output)]``: the device tensors its decode
@@ -81,6 +83,7 @@ class BackendRules:
 
     workspace: Optional[Callable[..., Any]] = None
     check_workspace: Optional[Callable[..., None]] = None
+    workspace_need: Optional[Callable[..., int]] = None
     jit_variants: Optional[Callable[..., list[Any]]] = None
     graph_decode_allocs: Optional[Callable[..., list[tuple[int, bool]]]] = None
     graph_state_allocs: Optional[Callable[..., list[tuple[int, int]]]] = None

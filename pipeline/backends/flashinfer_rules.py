@@ -69,6 +69,13 @@ def _checker(kernel: str) -> Any:
     return check
 
 
+def _need(kernel: str) -> Any:
+    def need(kinds: Sequence[Any], *, num_sms: int, max_reqs: int, graph_max_bs: int) -> int:
+        return wscheck.backend_need(kinds, backend=kernel, num_sms=num_sms, max_reqs=max_reqs,
+                                    graph_max_bs=graph_max_bs)
+    return need
+
+
 def _variants(prefill: str) -> Any:
     def variants(kinds: Sequence[Any], q_dtype: str, kv_dtype: str, arch: str) -> list["Variant"]:
         from pipeline.backends.flashinfer_jit import variants_for  # its module imports multiprocessing: not for plan
@@ -109,7 +116,9 @@ def graph_state_allocs(kinds: Sequence[Any], batch_sizes: Sequence[int], *, max_
 # CUDA-graph memory: decode allocates only its output inside a capture (``run`` makes ``out`` [bs, H, Dv]; the MLA
 # path makes it before calling ``run``); the split scratch lives in the workspace, made before capture.
 FLASHINFER_RULES = BackendRules(workspace=workspace, check_workspace=_checker("flashinfer"),
+                                workspace_need=_need("flashinfer"),
                                 jit_variants=_variants("fa2"), graph_decode_allocs=decode_output_only,
                                 graph_state_allocs=graph_state_allocs)
-FA3_RULES = BackendRules(workspace=workspace, check_workspace=_checker("fa3"), jit_variants=_variants("fa3"),
+FA3_RULES = BackendRules(workspace=workspace, check_workspace=_checker("fa3"), workspace_need=_need("fa3"),
+                         jit_variants=_variants("fa3"),
                          graph_decode_allocs=decode_output_only, graph_state_allocs=graph_state_allocs)

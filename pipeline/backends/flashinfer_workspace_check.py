@@ -59,7 +59,15 @@ def shapes_of(kinds: Iterable[Any]) -> list[HeadShape]:
             for k in kinds]
 
 
-def _largest_fitting_bs(fits: Any, top: int) -> Optional[int]:
+def backend_need(kinds: Iterable[Any], *, backend: str, num_sms: int, max_reqs: int, graph_max_bs: int) -> int:
+    """Bytes of workspace :func:`check_backend_workspace` needs (its ``need``: the least it accepts) for ``kinds``
+    served by ``backend`` (``"flashinfer"`` or ``"fa3"``) with ``max_reqs`` rows and graphs up to ``graph_max_bs``
+    (0: none) on ``num_sms`` SMs."""
+    return workspace_need(shapes_of(kinds), cuda_graph_max_bs=graph_max_bs, num_sms=max(num_sms, 1),
+                          max_batch_size=max_reqs, prefill_backend="fa3" if backend == "fa3" else "fa2").bytes
+
+
+def largest_fitting_bs(fits: Any, top: int) -> Optional[int]:
     """The largest ``bs`` in ``1..top`` with ``fits(bs)``, or None: a binary search, O(log top) calls, valid because
     the need grows with the captured batch (:func:`fa2_graph_decode_bytes` is nondecreasing in ``batch_size``, and
     :func:`use_tensor_core_decode` only turns on as the batch grows). A linear scan from ``top`` down hung on a
@@ -72,6 +80,8 @@ def _largest_fitting_bs(fits: Any, top: int) -> Optional[int]:
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
 
+
+_largest_fitting_bs = largest_fitting_bs  # its name before s10mem (tests/test_pipeline.py)
 
 # A remedy never names a largest captured batch above this: its series (1, 2, 4, 8, 16, 24, … 8192: 1027 sizes) plans
 # in seconds, while a workspace fitting 2**48 bytes (the flag's limit) would fit ~850M captured requests, a series no
@@ -114,13 +124,13 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
     cap = min(max_bytes, MAX_BYTES) if max_bytes > 0 else MAX_BYTES
     need_at = lambda bs: workspace_need(shapes, cuda_graph_max_bs=bs, **kw).bytes  # noqa: E731
     top = min(graph_max_bs, max_reqs, REMEDY_MAX_BS + 1) - 1  # a smaller captured batch than now, and practical
-    fits = _largest_fitting_bs(lambda bs: need_at(bs) <= size_bytes, top)
+    fits = largest_fitting_bs(lambda bs: need_at(bs) <= size_bytes, top)
     fix = ""
     if fits is not None:
         fix = (f"use only sizes up to {fits} in cuda_graph_bs" if graph_bs_given
                else f"set cuda_graph_max_bs={fits}")
     elif need.bytes > cap:
-        both = _largest_fitting_bs(lambda bs: need_at(bs) <= cap, top)
+        both = largest_fitting_bs(lambda bs: need_at(bs) <= cap, top)
         if both is not None:
             sizes = f"use only sizes up to {both} in cuda_graph_bs" if graph_bs_given else f"cuda_graph_max_bs={both}"
             fix = f"set {env_var or WORKSPACE_FIELD}={need_at(both)} and {sizes}"

@@ -87,6 +87,13 @@ class BackendEntry:
                                        graph_bs_given=graph_bs_given, env_var=env_var, max_bytes=max_bytes,
                                        field_given=field_given)
 
+    def workspace_need(self, kinds: Sequence["LayerKind"], *, num_sms: int, max_reqs: int, graph_max_bs: int) -> int:
+        """Bytes of workspace :meth:`check_workspace` needs for ``kinds`` with ``max_reqs`` rows and graphs up to
+        ``graph_max_bs`` (0: none) — the least it accepts; 0 for a backend without such a rule."""
+        if self.rules.workspace_need is None:
+            return 0
+        return self.rules.workspace_need(kinds, num_sms=num_sms, max_reqs=max_reqs, graph_max_bs=graph_max_bs)
+
     def jit_variants(self, kinds: Sequence["LayerKind"], q_dtype: str, kv_dtype: str, arch: str) -> list[Any]:
         """The kernel modules a build of this backend JIT-compiles for ``kinds`` (none for most backends)."""
         return [] if self.rules.jit_variants is None else self.rules.jit_variants(kinds, q_dtype, kv_dtype, arch)

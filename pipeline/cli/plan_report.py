@@ -36,13 +36,13 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
     """``{cuda_graph_bytes_estimate, cuda_graph_estimate}`` for the stack ``run`` builds with ``num_layers`` (None:
     run's default) — :func:`states.graph_memory.estimate_for_decided`, as run's pool sizing calls it; 0 and None
     when no decode graphs are captured. Raises ConfigError for ``num_layers`` outside the model's attention layers,
-    and ``pool_exceeds_memory`` for graphs the device profile cannot hold
-    (:func:`states.graph_memory_check.check_graphs_fit_device`: run refuses them too)."""
+    and ``workspace_exceeds_memory`` / ``pool_exceeds_memory`` for workspaces, graphs or pools the device profile
+    cannot hold (:func:`states.graph_memory_check.check_plan_memory`: run refuses them too)."""
     from pipeline.core.layer_span import span_fields, span_of
     from pipeline.core.model_spec import layers_covering_every_kind
     from pipeline.core.spec import attention_layer_ids, truncate_spec
     from states.graph_memory import estimate_for_decided
-    from states.graph_memory_check import check_graphs_fit_device
+    from states.graph_memory_check import check_plan_memory
 
     from pipeline.cli.run import DEFAULT_LAYERS
 
@@ -54,7 +54,7 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
     field = "draft_model" if request.is_draft_worker and request.draft_model is not None else "model"
     cut = msgspec.structs.replace(request, **{field: spec})
     est = estimate_for_decided(cut, decided)
-    check_graphs_fit_device(cut, decided, est, decided["device-init"].facts.total_memory_bytes)
+    check_plan_memory(cut, decided, est, decided["device-init"].facts.total_memory_bytes)
     if est is None:
         return {"cuda_graph_bytes_estimate": 0, "cuda_graph_estimate": None}
     return {"cuda_graph_bytes_estimate": est.total_bytes,

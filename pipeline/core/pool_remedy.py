@@ -88,13 +88,15 @@ def refuse_pools(s: Any, head: str, limit: int, fit: int, name: Callable[[str], 
     fraction); ``num_token_slots`` of at least ``min_slots`` and two pages; ``--mem-bytes`` / ``--mem-fraction``
     that still cover ``req_to_token`` and that floor; and, where the graphs are what is too large (``graphs``:
     :func:`graph_fixes`), a lower top or no graphs — not for a ``--mem-fraction`` budget, which the KV pool fills
-    whatever the graphs take. ``graph_top``: the largest graph size given (0: none), lowered with ``max_reqs``."""
+    whatever the graphs take. ``graph_top``: the largest graph size given (0: none), lowered with ``max_reqs``.
+    Every value fits beside the planned workspaces (``s.workspace_bytes``), kept as they are."""
     from pipeline.core.errors import ConfigError
 
-    p, g, allowed = s.facts, s.graph_reserve_bytes, [f"<= {limit} bytes of pools"]
+    p, allowed, gr, w = s.facts, [f"<= {limit} bytes of pools"], s.graph_reserve_bytes, s.workspace_bytes
+    g = gr + w  # what the pools must fit beside: the graphs (a remedy may lower them) and the workspaces
     per_tok, page, r2t, kv = max(s.bytes_per_token, 1), p.page_size, s.req_to_token_bytes, s.kv_bytes
     floor = max(2 * page, -(-min_slots // page) * page)  # the fewest token slots a pool may hold
-    gfix = graph_fixes(graphs, fit - r2t - kv, eager_fits=r2t + kv <= fit) if s.source != "mem_fraction" else []
+    gfix = [] if s.source == "mem_fraction" else graph_fixes(graphs, fit - r2t - kv - w, eager_fits=r2t + kv + w <= fit)
     fit_slots = (fit - r2t - g) // per_tok // page * page
     slots_fix = [f"pass {name('num_token_slots')} {fit_slots} or fewer ({s.bytes_per_token} bytes per token slot)"] \
         if floor <= fit_slots else []
@@ -106,13 +108,14 @@ def refuse_pools(s: Any, head: str, limit: int, fit: int, name: Callable[[str], 
         ctx = max(room // max(p.max_reqs * REQ_TO_TOKEN_ELEM_BYTES, 1), 0)
         sizes = "--cuda-graph-max-bs / --cuda-graph-bs" if cli else "cuda_graph_max_bs / cuda_graph_bs"
         also = f" and {sizes} to at most that" if graph_top > rows else ""  # a graph size above max_reqs is refused
-        ways = ([f"lower {name('max_reqs')} (at most {rows} rows at this context length){also}{more}"]
-                if rows >= 1 else [])
+        ways = [f"lower {name('max_reqs')} (at most {rows} rows at this context length){also}{more}"] * (rows >= 1)
         ways += ([f"lower {name('max_context_len')} (at most {ctx} tokens at this row count){more}"]
                  if ctx >= max(min_context_len, 1) else [])
-        what = (f"the decode CUDA graphs alone ({g} bytes estimated) are too large" if g >= limit else
+        others = " and ".join([f"the decode CUDA graphs ({gr} bytes estimated)"] * bool(gr) + [f"the planned workspaces ({w} bytes)"] * bool(w))
+        what = ((f"{others} alone" if w else f"the decode CUDA graphs alone ({gr} bytes estimated)") + " are too large"
+                if g >= limit else
                 f"req_to_token {'alone ' if not g else ''}({p.max_reqs} x {p.max_context_len} int32) is too large"
-                + (" beside the decode CUDA graphs" if g else ""))
+                + (f" beside {others}" if g else ""))
         raise ConfigError(f"{head}; {what}", code="pool_exceeds_memory",
                           flags=[("max_reqs", p.max_reqs), ("max_context_len", p.max_context_len),
                                  ("limit_bytes", limit)], allowed=allowed,
@@ -127,8 +130,8 @@ def refuse_pools(s: Any, head: str, limit: int, fit: int, name: Callable[[str], 
                                                                     ("limit_bytes", limit)], allowed=allowed,
                           remedy=_either(([f"pass --mem-bytes {mem} or less"] if mem >= r2t + floor * per_tok
                                           else []) + gfix))
-    frac = math.floor((fit + allocated_bytes) / total_bytes * 100) / 100 if total_bytes else 0.0
-    frac_ok = frac > 0 and int(frac * total_bytes) - allocated_bytes - g >= r2t + floor * per_tok
+    frac = math.floor((fit - w + allocated_bytes) / total_bytes * 100) / 100 if total_bytes else 0.0  # w: outside it
+    frac_ok = frac > 0 and int(frac * total_bytes) - allocated_bytes - gr >= r2t + floor * per_tok
     raise ConfigError(head, code="pool_exceeds_memory", flags=[("mem_fraction", mem_fraction),
                                                                 ("limit_bytes", limit)], allowed=allowed,
                       remedy=_either([f"pass --mem-fraction {frac:.2f} or less"] if frac_ok else slots_fix,

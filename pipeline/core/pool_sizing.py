@@ -50,7 +50,9 @@ class PoolSizing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     pools may use (None when slots were given); ``bytes_per_token``: KV bytes per token slot over
     all built layers; ``req_to_token_bytes`` / ``kv_bytes``: bytes the pools will hold;
     ``graph_reserve_bytes``: the decode CUDA graphs' estimated pool (0 without graphs), taken out of a
-    ``mem_fraction`` budget before the KV pool was sized from it.
+    ``mem_fraction`` budget before the KV pool was sized from it; ``workspace_bytes``: the planned FlashInfer
+    workspaces (0 without), counted with the pools against free memory (s10mem) but not taken out of a budget
+    (sglang allocates them outside ``mem_fraction_static``).
     """
 
     facts: PoolFacts
@@ -60,6 +62,7 @@ class PoolSizing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     req_to_token_bytes: int
     kv_bytes: int
     graph_reserve_bytes: int = 0
+    workspace_bytes: int = 0
 
 
 # The flag behind each budget source, for error messages.
@@ -118,7 +121,7 @@ def budget_from_fraction(mem_fraction: float, total_memory_bytes: int, already_a
 def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, page_size: int, max_reqs: int,
                max_context_len: int, num_token_slots: Optional[int] = None, budget_bytes: Optional[int] = None,
                source: Source = "bytes", mem_fraction: Optional[float] = None, min_slots: int = 0,
-               min_slots_for: str = "", graph_reserve_bytes: int = 0) -> PoolSizing:
+               min_slots_for: str = "", graph_reserve_bytes: int = 0, workspace_bytes: int = 0) -> PoolSizing:
     """Size ``req_to_token`` and the K/V buffers; see the module docstring for the rules.
 
     Exactly one of ``num_token_slots`` (rounded up to whole pages) or ``budget_bytes`` must be
@@ -128,7 +131,8 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
     A budget is used up to ``MAX_POOL_DIM`` (2**31 - 1) slots, what int32 token locations address.
     ``graph_reserve_bytes`` (bytes, >= 0: the decode graphs' estimated pool) is subtracted from a
     ``source="mem_fraction"`` budget first (``budget_bytes`` then records what is left for the pools) and recorded
-    for :func:`check_fits` whatever the source.
+    for :func:`check_fits` whatever the source; so is ``workspace_bytes`` (bytes, >= 0: the planned workspaces),
+    never taken out of a budget.
     Raises ConfigError (``pool_budget_too_small``) naming the flag, what it must cover and a remedy
     otherwise; nothing is allocated.
     """
@@ -167,7 +171,7 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
     facts = PoolFacts(max_reqs=max_reqs, max_context_len=max_context_len, num_token_slots=slots, page_size=page_size)
     return PoolSizing(facts=facts, source=source, budget_bytes=budget, bytes_per_token=per_tok,
                       req_to_token_bytes=r2t, kv_bytes=slots * per_tok,
-                      graph_reserve_bytes=max(int(graph_reserve_bytes), 0))
+                      graph_reserve_bytes=max(int(graph_reserve_bytes), 0), workspace_bytes=max(int(workspace_bytes), 0))
 
 
 def host_available_bytes() -> int:
@@ -205,9 +209,11 @@ def _gib(n: int) -> str:
 
 def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, total_bytes: int = 0,
                allocated_bytes: int = 0, mem_fraction: Optional[float] = None, graph_top: int = 0,
-               graphs: Optional[GraphTrial] = None, min_slots: int = 0, min_context_len: int = 1) -> None:
-    """Refuse pools (``req_to_token`` + every layer's K/V) and the decode graphs' estimated pool
-    (``s.graph_reserve_bytes``) above ``POOL_MEMORY_SHARE × available`` bytes together.
+               graphs: Optional[GraphTrial] = None, min_slots: int = 0, min_context_len: int = 1,
+               of_total: bool = False) -> None:
+    """Refuse pools (``req_to_token`` + every layer's K/V), the decode graphs' estimated pool
+    (``s.graph_reserve_bytes``) and the planned workspaces (``s.workspace_bytes``) above
+    ``POOL_MEMORY_SHARE × available`` bytes together.
 
     ``available``: bytes free on ``device`` now (:func:`available_bytes`; 0 = unknown, no check).
     The error (ConfigError ``pool_exceeds_memory``, exit 3) names the input that decided the size
@@ -222,19 +228,23 @@ def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, 
     ``graphs``: the captured graphs and their estimate at a lower top (:class:`~pipeline.core.pool_remedy.GraphTrial`),
     for the alternatives that lower or drop them; ``min_slots`` / ``min_context_len``: the least token slots and
     context a remedy may name (what ``run``'s verification batches need). The remedy is
-    :func:`pipeline.core.pool_remedy.refuse_pools`'.
+    :func:`pipeline.core.pool_remedy.refuse_pools`'. ``of_total``: ``available`` is the device's total memory
+    (``plan``, which cannot know the free memory a run will find), and the message says so.
     """
     if available <= 0:
         return
     limit = int(available * POOL_MEMORY_SHARE)
-    graphs_bytes = s.graph_reserve_bytes
-    need = s.req_to_token_bytes + s.kv_bytes + graphs_bytes
+    graphs_bytes, ws = s.graph_reserve_bytes, s.workspace_bytes
+    need = s.req_to_token_bytes + s.kv_bytes + graphs_bytes + ws
     if need <= limit:
         return
     name = (lambda f: "--" + f.replace("_", "-")) if cli else (lambda f: "pool." + f)
-    extra = f" + decode CUDA graphs {graphs_bytes} (estimated)" if graphs_bytes else ""
+    extra = (f" + decode CUDA graphs {graphs_bytes} (estimated)" if graphs_bytes else "") + \
+        (f" + workspaces {ws}" if ws else "")
+    has = (f"{available} bytes in all ({_gib(available)}; plan cannot know the free memory a run will find, at most "
+           "this total, so it checks against the total)" if of_total else f"{available} bytes free ({_gib(available)})")
     head = (f"the KV pools need {need} bytes ({_gib(need)}: req_to_token {s.req_to_token_bytes} + K/V "
-            f"{s.kv_bytes}{extra}) but {device} has {available} bytes free ({_gib(available)}); the pools may use "
+            f"{s.kv_bytes}{extra}) but {device} has {has}; the pools may use "
             f"{POOL_MEMORY_SHARE:.0%} of that, {limit} bytes")
     refuse_pools(s, head, limit, int(remedy_available(available) * POOL_MEMORY_SHARE), name, cli=cli,
                  total_bytes=total_bytes, allocated_bytes=allocated_bytes, mem_fraction=mem_fraction,

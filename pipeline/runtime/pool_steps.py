@@ -34,7 +34,13 @@ def decide_pools(r: Any) -> Any:
     ``prime_graph_capture``; on CUDA :func:`pipeline.runtime.cuda_graphs.prime_capture`: PyTorch's stream pool and
     lazily loaded graph machinery, ~160 MiB outside the allocator on the H200), so the free memory the budget is
     read from no longer holds them; ``r.capture_prime_bytes`` keeps what they took (the ``cuda_graph_memory``
-    event's ``prime_device_bytes``)."""
+    event's ``prime_device_bytes``).
+
+    The planned FlashInfer workspaces (:func:`workspace_bytes`) count with the pools and the graphs (s10mem: they
+    were checked only after the pools were allocated, and without the graphs, so graphs and workspaces too large
+    together failed out of memory during capture): workspaces alone above 90 % of the free memory are refused first
+    (``workspace_exceeds_memory``, :func:`states.workspace_memory_check.check_workspaces_fit`), then the sum by
+    :func:`size_for`."""
     cfg = r.config
     if cfg.mem_fraction is not None:
         try:
@@ -43,13 +49,56 @@ def decide_pools(r: Any) -> Any:
             raise ConfigError(f"--mem-fraction {cfg.mem_fraction} is outside (0, 1]", code=e.info.code,
                               flags=[("mem_fraction", cfg.mem_fraction)], allowed=list(e.info.allowed),
                               remedy=fraction_remedy(r.platform, r.index, cfg, r.load.spec,
-                                                     graph_reserve_bytes(r, r.load.spec))) from None
-    reserve = graph_reserve_bytes(r, r.load.spec)
+                                                     graph_reserve_bytes(r, r.load.spec),
+                                                     workspace_bytes(r, r.load.spec))) from None
+    reserve, ws = graph_reserve_bytes(r, r.load.spec), workspace_bytes(r, r.load.spec)
+    if ws:  # before the prime: the budget's free-memory read comes right after it
+        from states.workspace_memory_check import check_workspaces_fit
+
+        req, d = setup_decided(r, r.load.spec)
+        check_workspaces_fit(req, d["build-mode"], d["device-init"].facts, available_bytes(r.platform, r.index),
+                             graph_bytes=reserve, device=r.platform.torch_device(r.index))
     prime = getattr(r.platform, "prime_graph_capture", None)
     if reserve and prime is not None:  # graphs will be captured: pay their one-time process costs, then read memory
         # summed: preflight decides this step too, and only the first call pays (later calls return 0)
         r.capture_prime_bytes = getattr(r, "capture_prime_bytes", 0) + prime(r.index)
-    return size_for(r.platform, r.index, cfg, r.load.spec, graph_reserve=reserve, graphs=graph_trial_of(r, r.load.spec))
+    return size_for(r.platform, r.index, cfg, r.load.spec, graph_reserve=reserve, graphs=graph_trial_of(r, r.load.spec),
+                    workspace=ws)
+
+
+def setup_decided(r: Any, spec: Any) -> Any:
+    """``(request, decided)``: the setup decided torch-free (:func:`pipeline.setup.build.decide_setup`) for this
+    run's request serving ``spec``, before the pools are sized (the backends, their workspaces and whether graphs
+    are captured depend on ``max_reqs``, not on the pool's size); computed once per runner and spec (kept on ``r``)."""
+    kept = getattr(r, "setup_decided_for", None)
+    if kept is not None and kept[0] is spec:
+        return kept[1]
+    from pipeline.setup.build import decide_setup
+
+    req = msgspec.structs.replace(r.config.request, **served_field(r.config.request, spec))
+    out = (req, decide_setup(req, platform=r.platform, installed=r.installed, rank_group=r.rank_group))
+    r.setup_decided_for = (spec, out)
+    return out
+
+
+def _workspaces_possible(device_type: str) -> bool:
+    """Whether a backend with a workspace (FlashInfer, FA3) can be built on ``device_type`` at all: a CPU run then
+    resolves once, for its attention step only (``tests/test_cli_run.py``)."""
+    from pipeline.backends import registry
+
+    return any(device_type in e.capability.devices and (e.capability.workspace_bytes or e.rules.workspace)
+               for e in map(registry.get, registry.names()))
+
+
+def workspace_bytes(r: Any, spec: Any) -> int:
+    """Bytes of the FlashInfer workspaces build-mode plans for this run serving ``spec`` (0: none, or the setup is
+    refused — the attention step raises that at its own state): the bytes ``plan`` counts with the pools."""
+    if not _workspaces_possible(r.platform.device_facts(r.index).type):
+        return 0
+    try:
+        return sum(w.bytes for w in setup_decided(r, spec)[1]["build-mode"].plan.workspaces)
+    except Exception:  # noqa: BLE001 - a refused setup decision (no build-mode): refused later, where it belongs
+        return 0
 
 
 def graph_estimate(r: Any, spec: Any) -> Any:
@@ -67,11 +116,9 @@ def graph_estimate(r: Any, spec: Any) -> Any:
         return kept[1]
     est = None
     if decide_graphs(cfg.request.args, r.platform.device_facts(r.index).type, []).capture:
-        from pipeline.setup.build import decide_setup
         from states.graph_memory import estimate_for_decided, graph_trial
 
-        req = msgspec.structs.replace(cfg.request, **served_field(cfg.request, spec))
-        decided = decide_setup(req, platform=r.platform, installed=r.installed, rank_group=r.rank_group)
+        req, decided = setup_decided(r, spec)
         est = estimate_for_decided(req, decided, aux_layers=cfg.aux_hidden_state_layers or ())
         r.graph_trial_for = (spec, graph_trial(req, decided, est, aux_layers=cfg.aux_hidden_state_layers or ()))
     r.graph_estimate_for = (spec, est)
@@ -93,7 +140,7 @@ def graph_reserve_bytes(r: Any, spec: Any) -> int:
 
 
 def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0, spare: bool = False,
-             graphs: Any = None) -> Any:
+             graphs: Any = None, workspace: int = 0) -> Any:
     """:func:`decide_pools`' sizing for ``cfg`` (a RunnerConfig, its ``mem_fraction`` already checked) and the
     built ``spec`` on ``platform``'s device ``index``; nothing is allocated. Raises the sizing's ConfigError.
     ``config.min_token_slots`` binds every pool not sized from a share of memory (the default slots too, so a
@@ -103,11 +150,14 @@ def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int 
     :func:`~pipeline.core.pool_sizing.remedy_margin` (what a remedy is sized for). A ``--mem-bytes`` above the
     device's total is a ConfigError (``invalid_value``) naming a value that fits. ``graphs``: the graphs behind
     ``graph_reserve`` (:func:`graph_trial_of`), for a remedy that lowers or drops them; every remedy names values
-    inside their flags' domains, at least ``cfg.min_token_slots`` slots and ``cfg.min_context_len`` tokens."""
+    inside their flags' domains, at least ``cfg.min_token_slots`` slots and ``cfg.min_context_len`` tokens.
+    ``workspace``: the planned workspaces' bytes (:func:`workspace_bytes`), counted with the pools and the graphs
+    against free memory (not taken out of a ``mem_fraction`` budget: sglang allocates them outside it)."""
     req = cfg.request
     p, facts = req.pool, platform.device_facts(index)
     if cfg.mem_bytes is not None and facts.total_memory_bytes and cfg.mem_bytes > facts.total_memory_bytes:
-        fit = min(int(remedy_available(available_bytes(platform, index)) * POOL_MEMORY_SHARE) - graph_reserve,
+        fit = min(int(remedy_available(available_bytes(platform, index)) * POOL_MEMORY_SHARE) - graph_reserve
+                  - workspace,
                   facts.total_memory_bytes)
         raise ConfigError(f"--mem-bytes {cfg.mem_bytes} exceeds the device's {facts.total_memory_bytes} bytes",
                           code="invalid_value", flags=[("mem_bytes", cfg.mem_bytes)],
@@ -126,7 +176,7 @@ def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int 
                    max_reqs=p.max_reqs, max_context_len=p.max_context_len, num_token_slots=slots,
                    budget_bytes=budget, source=source,
                    mem_fraction=cfg.mem_fraction, min_slots=floor, min_slots_for=cfg.min_token_slots_for,
-                   graph_reserve_bytes=graph_reserve)
+                   graph_reserve_bytes=graph_reserve, workspace_bytes=workspace)
     avail = available_bytes(platform, index)
     check_fits(s, remedy_available(avail) if spare else avail, device=platform.torch_device(index), total_bytes=total,
                allocated_bytes=allocated, mem_fraction=cfg.mem_fraction,
@@ -135,7 +185,7 @@ def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int 
     return s
 
 
-def fraction_remedy(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0) -> str:
+def fraction_remedy(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0, workspace: int = 0) -> str:
     """A ``--mem-fraction`` remedy that is true on this device: the largest share (in hundredths, up to 0.9) whose
     pools both hold ``cfg.min_token_slots`` and fit its free memory less a margin (:func:`size_for` with ``spare``,
     sizing only — nothing is allocated), or, when none does, the default sizing (drop the flag)."""
@@ -143,7 +193,8 @@ def fraction_remedy(platform: Any, index: int, cfg: Any, spec: Any, graph_reserv
 
     for pct in range(90, 0, -1):
         try:
-            size_for(platform, index, dataclasses.replace(cfg, mem_fraction=pct / 100), spec, graph_reserve, spare=True)
+            size_for(platform, index, dataclasses.replace(cfg, mem_fraction=pct / 100), spec, graph_reserve, spare=True,
+                     workspace=workspace)
         except ConfigError:
             continue
         return (f"pass --mem-fraction {pct / 100:g} or less (the largest share of this device's memory whose "

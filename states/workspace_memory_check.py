@@ -1,0 +1,89 @@
+"""The planned FlashInfer workspaces against the device's memory before anything is allocated (s10mem): ``plan``
+against the device profile's *total* memory (it cannot know the free memory a run will find, at most that total),
+``run``'s preflight against the memory free now — the same refusal as build-mode's
+(:func:`pipeline.setup.pools.check_workspace_memory`, ``workspace_exceeds_memory``: the workspaces above
+:data:`~pipeline.core.pool_sizing.POOL_MEMORY_SHARE` of the memory), which ran only after the pools were allocated,
+and not in ``plan`` (``plan --flashinfer-workspace-size 281474976710656`` on the h200 profile said ``ok``).
+
+The remedy is true: a workspace size at or above what the backends need (the workspace check's need,
+:meth:`pipeline.backends.registry.Backend.workspace_need`) that fits beside the KV pools and the decode graphs, or,
+when even the need does not fit, the graph-size alternative the workspace remedy uses (that need at a smaller
+captured top, and that top; or no graphs). Pure decisions, no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pipeline.core.errors import ConfigError
+from pipeline.core.pool_sizing import POOL_MEMORY_SHARE, remedy_available
+
+PLAN_TOTAL_NOTE = ("plan cannot know the free memory a run will find, at most this total, so it checks against the "
+                   "total")
+
+
+def need_at(request: Any, d: Any, facts: Any) -> Callable[[int], int]:
+    """``need(bs)``: the bytes each planned workspace must hold at least (the largest need of the backends sharing
+    one, :meth:`~pipeline.backends.registry.Backend.workspace_need`) when the decode graphs go up to ``bs`` (0: no
+    graphs), for build-mode's decision ``d``."""
+    from pipeline.backends import registry
+
+    kinds, plan = request.served_model.layer_kinds(), d.plan
+    users = {ws.id: sorted({i.backend for i in plan.instances if i.workspace == ws.id}) for ws in plan.workspaces}
+
+    def need(bs: int) -> int:
+        return max([registry.get(b).workspace_need(kinds, num_sms=facts.sm_count, max_reqs=request.pool.max_reqs,
+                                                   graph_max_bs=bs) for b in sum(users.values(), [])] or [0])
+    return need
+
+
+def workspace_setting(d: Any) -> tuple[str, Any]:
+    """``(name, value)`` of the setting that sized the workspaces (its environment variable when that set it), as
+    :func:`pipeline.setup.pools.check_workspace_memory` names it; ``("workspace_bytes", None)`` without one."""
+    s = max(d.settings, key=lambda s: s.value) if d.settings else None
+    if s is None:
+        return "workspace_bytes", None
+    return (s.env_var if s.source == "env" and s.env_var else s.field), s.value
+
+
+def check_workspaces_fit(request: Any, d: Any, facts: Any, memory_bytes: int, *, pool_bytes: int = 0,
+                         graph_bytes: int = 0, total: bool = False, device: str = "") -> None:
+    """Raise ConfigError ``workspace_exceeds_memory`` (state ``build-mode``) when build-mode's planned workspaces
+    (``d.plan.workspaces``, bytes) are above :data:`POOL_MEMORY_SHARE` of ``memory_bytes`` — the profile's total
+    (``total``, plan) or the free memory (run's preflight); 0 = unknown, no check.
+
+    ``pool_bytes`` / ``graph_bytes``: the KV pools' and the decode graphs' bytes that must fit beside them (what
+    :func:`pipeline.core.pool_sizing.check_fits` counts with the workspaces), for the remedy: each workspace at most
+    its share of 90 % of ``memory_bytes`` less :func:`~pipeline.core.pool_sizing.remedy_margin`, less those bytes,
+    named only when that is at least the need; else the need at the largest smaller captured top (at most
+    :data:`~pipeline.backends.flashinfer_workspace_check.REMEDY_MAX_BS`) whose need fits, with that top; else the
+    eager need with ``disable_cuda_graph``; else a device with more memory. Costs one sum on the common path."""
+    from pipeline.backends.flashinfer_workspace_check import REMEDY_MAX_BS, largest_fitting_bs
+
+    ws, n = sum(w.bytes for w in d.plan.workspaces), max(len(d.plan.workspaces), 1)
+    share = int(memory_bytes * POOL_MEMORY_SHARE)
+    if not ws or memory_bytes <= 0 or ws <= share:
+        return
+    name, value = workspace_setting(d)
+    room = int(remedy_available(memory_bytes) * POOL_MEMORY_SHARE) - pool_bytes  # the workspaces' and graphs' bytes
+    need, top = need_at(request, d, facts), d.graph_max_bs(request, facts)
+    now, per = need(top), (room - graph_bytes) // n
+    fixes = [f"set {name} to {per} or less (at least the {now} bytes the largest planned batch needs)"] \
+        if now <= per else []
+    if not fixes:
+        bs = largest_fitting_bs(lambda b: need(b) <= per, min(top, request.pool.max_reqs, REMEDY_MAX_BS + 1) - 1)
+        if bs is not None:
+            sizes = (f"use only sizes up to {bs} in cuda_graph_bs" if request.args.cuda_graph_bs
+                     else f"cuda_graph_max_bs={bs}")
+            fixes.append(f"set {name}={need(bs)} and {sizes}")
+        elif top and need(0) <= room // n:
+            fixes.append(f"set {name}={need(0)} and disable_cuda_graph=True")
+    where = f"{memory_bytes} bytes in all ({PLAN_TOTAL_NOTE})" if total else f"{memory_bytes} bytes free"
+    raise ConfigError(f"the planned workspaces need {ws} bytes but {device or facts.type} has {where}; "
+                      f"{POOL_MEMORY_SHARE:.0%} of it may be used", code="workspace_exceeds_memory",
+                      state="build-mode",
+                      flags=[(name, value), ("workspaces", n), ("needed_bytes", now),
+                             ("total_memory_bytes" if total else "available_bytes", memory_bytes)],
+                      allowed=[f"<= {share // n} bytes per workspace"],
+                      remedy=", or ".join(fixes) if fixes else "use a device with more memory (not even the "
+                                                                f"{now} bytes needed fit this one)")
