@@ -82,7 +82,8 @@ class GraphMemoryEstimate(NamedTuple):
     step may take from the device, module docstring); ``per_bs``: what each size's capture adds to the graph pool
     (captured largest first, so the first holds most; they sum to ``pool_bytes``); ``blas_workspace_bytes``: the
     cuBLAS workspace request inside ``warmup_bytes``; ``num_layers`` (hidden layers spanned) and ``batch_sizes``:
-    what it is for."""
+    what it is for; ``lower_bound``: ``total_bytes`` is only a lower bound of the estimate
+    (:mod:`states.graph_memory_bound`, ``per_bs`` empty)."""
 
     total_bytes: int
     per_bs: dict[int, int]
@@ -92,6 +93,7 @@ class GraphMemoryEstimate(NamedTuple):
     pool_bytes: int = 0
     state_bytes: int = 0
     warmup_bytes: int = 0
+    lower_bound: bool = False
 
 
 def _built_kinds(spec: ModelSpec) -> dict[int, LayerKind]:

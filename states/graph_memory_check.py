@@ -80,6 +80,27 @@ def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Opt
         raise
 
 
+def refuse_early(request: "SetupRequest", decided: "Decided", bound: Optional[GraphMemoryEstimate],
+                 total_bytes: int, env: Mapping[str, str] = os.environ) -> None:
+    """s11: :func:`check_plan_memory` with the graphs' lower ``bound``
+    (:func:`states.graph_memory_bound.lower_bound_for_decided`) in place of their estimate, when the bound alone
+    already decides a refusal whose code and remedy are those the full estimate gives: the bound above 90 % of
+    ``total_bytes``, or the bound with the workspaces and the KV pools above it while those two fit. The remedies
+    then do not depend on the graphs' bytes (only on their sizes, and on the room the pools and workspaces leave),
+    so they are the same; only the message's graph bytes are the bound's. Returns when the bound decides nothing
+    (the full estimate is needed), so an accepted top is estimated as before."""
+    if bound is None or not total_bytes:
+        return
+    share = int(total_bytes * POOL_MEMORY_SHARE)
+    if bound.total_bytes <= share:
+        ws = sum(w.bytes for w in decided["build-mode"].plan.workspaces)
+        s = plan_pools(request, None, ws)
+        rest = ws + s.req_to_token_bytes + s.kv_bytes
+        if rest > share or bound.total_bytes + rest <= share:
+            return
+    check_plan_memory(request, decided, bound, total_bytes, env)
+
+
 def check_graphs_fit_device(request: "SetupRequest", decided: "Decided", estimate: Optional[GraphMemoryEstimate],
                             total_bytes: int, env: Mapping[str, str] = os.environ, pool_bytes: int = 0) -> None:
     """Raise ConfigError ``pool_exceeds_memory`` (state ``init-memory-pool``, where ``run`` refuses it) when the
@@ -108,8 +129,9 @@ def check_graphs_fit_device(request: "SetupRequest", decided: "Decided", estimat
            if g > share else f"which with the planned workspaces ({ws} bytes) and the KV pools ({pool_bytes} bytes) "
            f"is above the {POOL_MEMORY_SHARE:.0%} of it ({share} bytes) that run lets them use")
     raise ConfigError(
-        f"the decode CUDA graphs for bs {sizes[0]}..{sizes[-1]} ({len(sizes)} sizes) are estimated at {g} bytes "
-        f"({g / (1 << 30):.2f} GiB), but the device has {total_bytes} bytes in all, {why} (plan cannot know the "
+        f"the decode CUDA graphs for bs {sizes[0]}..{sizes[-1]} ({len(sizes)} sizes) are estimated at "
+        f"{'least ' if estimate.lower_bound else ''}{g} bytes ({g / (1 << 30):.2f} GiB"
+        f"{'; a lower bound, the largest size and each size kept' if estimate.lower_bound else ''}), but the device has {total_bytes} bytes in all, {why} (plan cannot know the "
         "free memory a run will find, at most this total, so it checks against the total)",
         code="pool_exceeds_memory", state="init-memory-pool",
         flags=[("cuda_graph_bs", args.cuda_graph_bs) if args.cuda_graph_bs else

@@ -42,7 +42,8 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
     from pipeline.core.model_spec import layers_covering_every_kind
     from pipeline.core.spec import attention_layer_ids, truncate_spec
     from states.graph_memory import estimate_for_decided
-    from states.graph_memory_check import check_plan_memory
+    from states.graph_memory_bound import lower_bound_for_decided
+    from states.graph_memory_check import check_plan_memory, refuse_early
 
     from pipeline.cli.run import DEFAULT_LAYERS
 
@@ -53,8 +54,10 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
     spec = truncate_spec(served, n)
     field = "draft_model" if request.is_draft_worker and request.draft_model is not None else "model"
     cut = msgspec.structs.replace(request, **{field: spec})
+    total = decided["device-init"].facts.total_memory_bytes
+    refuse_early(cut, decided, lower_bound_for_decided(cut, decided), total)  # s11: before estimating every size
     est = estimate_for_decided(cut, decided)
-    check_plan_memory(cut, decided, est, decided["device-init"].facts.total_memory_bytes)
+    check_plan_memory(cut, decided, est, total)
     if est is None:
         return {"cuda_graph_bytes_estimate": 0, "cuda_graph_estimate": None}
     return {"cuda_graph_bytes_estimate": est.total_bytes,

@@ -1,0 +1,51 @@
+"""s11: every alternative of the FlashInfer workspace remedy passes the whole plan — the pools and graphs too —
+with ``--max-reqs`` 2**24 (req_to_token of 64 GiB at the default context length), in-process through the CLI's main;
+and a graph top no H200 can hold is refused at once from the estimate's lower bound, not after estimating ~2M sizes."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from test_workspace_remedies import WS_CODES, _alternatives, _in_domain, _plan, _set
+
+HUGE = 2 ** 24
+GRID = list(itertools.product((300, HUGE), (1000, 64 << 20, None), (None, 200, "max_reqs")))
+
+
+# s11 gap 2, not fixed yet: with 2**24 rows the remedy's "workspace at the need of top 8192 and that top" is then
+# refused as pool_exceeds_memory (req_to_token + the 8192-top graphs); strict xfail marks it open.
+OPEN = {(HUGE, 1000, "max_reqs"), (HUGE, 64 << 20, "max_reqs")}
+
+
+@pytest.mark.parametrize("max_reqs,ws,top", [pytest.param(*g, marks=pytest.mark.xfail(reason="s11 gap 2 open"))
+                                             if g in OPEN else g for g in GRID])
+def test_every_alternative_plans_ok(max_reqs, ws, top, monkeypatch):
+    argv = ["--max-reqs", str(max_reqs)]
+    if ws is not None:
+        argv += ["--flashinfer-workspace-size", str(ws)]
+    if top is not None:
+        argv += ["--cuda-graph-max-bs", str(max_reqs if top == "max_reqs" else top)]
+    rc, out = _plan(argv, monkeypatch, {})
+    if rc == 0:
+        return
+    err = out["error"]
+    assert rc == 3 and err["code"] in WS_CODES + ("pool_exceeds_memory",), err
+    for flags, env in _alternatives(err["remedy"]):
+        fixed = argv
+        for flag, value in flags.items():
+            assert _in_domain(flag, value), (flag, value)
+            fixed = _set(fixed, flag, value)
+        rc2, out2 = _plan(fixed, monkeypatch, env)
+        assert rc2 == 0, (argv, err["remedy"], fixed, out2.get("error"))
+
+
+def test_a_huge_top_is_refused_at_once(monkeypatch):
+    """The workspace holds the need of a 2**24 top; the graphs' lower bound alone is far above the device."""
+    argv = ["--max-reqs", str(HUGE), "--cuda-graph-max-bs", str(HUGE), "--flashinfer-workspace-size", "5540507547680"]
+    t = time.monotonic()
+    rc, out = _plan(argv, monkeypatch, {})
+    assert time.monotonic() - t < 30
+    assert rc == 3 and out["error"]["code"] in ("workspace_exceeds_memory", "pool_exceeds_memory"), out["error"]
