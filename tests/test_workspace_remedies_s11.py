@@ -20,8 +20,10 @@ GRID = list(itertools.product((300, HUGE), (1000, 64 << 20, None), (None, 200, "
 OPEN = {(HUGE, 1000, "max_reqs"), (HUGE, 64 << 20, "max_reqs")}
 
 
-@pytest.mark.parametrize("max_reqs,ws,top", [pytest.param(*g, marks=pytest.mark.xfail(reason="s11 gap 2 open"))
-                                             if g in OPEN else g for g in GRID])
+GAP2 = pytest.mark.xfail(strict=True, reason="s11 gap 2 open: the workspace remedy ignores the pools")
+
+
+@pytest.mark.parametrize("max_reqs,ws,top", [pytest.param(*g, marks=GAP2) if g in OPEN else g for g in GRID])
 def test_every_alternative_plans_ok(max_reqs, ws, top, monkeypatch):
     argv = ["--max-reqs", str(max_reqs)]
     if ws is not None:
