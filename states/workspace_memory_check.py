@@ -56,9 +56,10 @@ def check_workspaces_fit(request: Any, d: Any, facts: Any, memory_bytes: int, *,
     :func:`pipeline.core.pool_sizing.check_fits` counts with the workspaces), for the remedy: each workspace at most
     its share of 90 % of ``memory_bytes`` less :func:`~pipeline.core.pool_sizing.remedy_margin`, less those bytes,
     named only when that is at least the need; else the need at the largest smaller captured top (at most
-    :data:`~pipeline.backends.flashinfer_workspace_check.REMEDY_MAX_BS`) whose need fits, with that top; else the
+    :data:`~pipeline.core.pool_remedy.REMEDY_MAX_BS`) whose need fits, with that top; else the
     eager need with ``disable_cuda_graph``; else a device with more memory. Costs one sum on the common path."""
-    from pipeline.backends.flashinfer_workspace_check import REMEDY_MAX_BS, largest_fitting_bs
+    from pipeline.backends.flashinfer_workspace_check import largest_fitting_bs
+    from pipeline.core.pool_remedy import REMEDY_MAX_BS
 
     ws, n = sum(w.bytes for w in d.plan.workspaces), max(len(d.plan.workspaces), 1)
     share = int(memory_bytes * POOL_MEMORY_SHARE)

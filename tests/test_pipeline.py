@@ -368,11 +368,11 @@ def test_largest_fitting_graph_bs_is_a_binary_search_equal_to_the_scan():
         for size in sorted(set(needs))[::5] + [needs[0] - 1, needs[-1]]:
             for top in (1, 7, 64, 399):
                 calls = []
-                got = wscheck._largest_fitting_bs(lambda bs: calls.append(bs) or needs[bs - 1] <= size, top)
+                got = wscheck.largest_fitting_bs(lambda bs: calls.append(bs) or needs[bs - 1] <= size, top)
                 assert got == next((bs for bs in range(top, 0, -1) if needs[bs - 1] <= size), None)
                 assert len(calls) <= 2 + top.bit_length()
     calls = []
-    assert wscheck._largest_fitting_bs(lambda bs: calls.append(bs) or bs <= 5, 2 ** 31 - 1) == 5 and len(calls) <= 33
+    assert wscheck.largest_fitting_bs(lambda bs: calls.append(bs) or bs <= 5, 2 ** 31 - 1) == 5 and len(calls) <= 33
 
 
 @pytest.mark.parametrize("graph_bs", [None, (3, 1, 64)])

@@ -9,6 +9,7 @@ from typing import Any, Iterable, Optional
 
 from pipeline.backends.flashinfer_sizing import HeadShape, WorkspaceNeed, workspace_need
 from pipeline.core.errors import ConfigError
+from pipeline.core.pool_remedy import REMEDY_MAX_BS, largest_fitting
 
 WORKSPACE_FIELD = "flashinfer_workspace_size"
 WORKSPACE_ENV = "SGLANG_FLASHINFER_WORKSPACE_SIZE"
@@ -68,25 +69,11 @@ def backend_need(kinds: Iterable[Any], *, backend: str, num_sms: int, max_reqs: 
 
 
 def largest_fitting_bs(fits: Any, top: int) -> Optional[int]:
-    """The largest ``bs`` in ``1..top`` with ``fits(bs)``, or None: a binary search, O(log top) calls, valid because
-    the need grows with the captured batch (:func:`fa2_graph_decode_bytes` is nondecreasing in ``batch_size``, and
-    :func:`use_tensor_core_decode` only turns on as the batch grows). A linear scan from ``top`` down hung on a
-    ``max_reqs`` of 2**31 - 1."""
-    if top < 1 or not fits(1):
-        return None
-    lo, hi = 1, top  # fits(lo) holds
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
-
-
-_largest_fitting_bs = largest_fitting_bs  # its name before s10mem (tests/test_pipeline.py)
-
-# A remedy never names a largest captured batch above this: its series (1, 2, 4, 8, 16, 24, … 8192: 1027 sizes) plans
-# in seconds, while a workspace fitting 2**48 bytes (the flag's limit) would fit ~850M captured requests, a series no
-# plan or capture gets through (t6verify's remedy named --cuda-graph-max-bs 852334595, and that plan ran out of memory).
-REMEDY_MAX_BS = 8192
+    """The largest ``bs`` in ``1..top`` with ``fits(bs)``, or None: :func:`pipeline.core.pool_remedy.largest_fitting`
+    over ``range(1, top + 1)``, O(log top) calls, valid because the need grows with the captured batch
+    (:func:`fa2_graph_decode_bytes` is nondecreasing in ``batch_size``, and :func:`use_tensor_core_decode` only turns
+    on as the batch grows). A linear scan from ``top`` down hung on a ``max_reqs`` of 2**31 - 1."""
+    return largest_fitting(range(1, top + 1), fits)
 
 
 def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: str, num_sms: int, max_reqs: int,

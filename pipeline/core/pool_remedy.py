@@ -13,9 +13,11 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
-# A remedy never names a largest captured batch above this (the FlashInfer workspace remedy's bound too,
-# :data:`pipeline.backends.flashinfer_workspace_check.REMEDY_MAX_BS`): its series (1, 2, 4, 8, 16, 24, … 8192:
-# 1027 sizes) is estimated in about a second, so the search below stays within seconds.
+# A remedy never names a largest captured batch above this (the pool, graph and FlashInfer workspace remedies all
+# use it): its series (1, 2, 4, 8, 16, 24, … 8192:
+# 1027 sizes) is estimated in about a second, so the search below stays within seconds, while a workspace fitting
+# 2**48 bytes would fit ~850M captured requests, a series no plan or capture gets through (t6verify's remedy named
+# --cuda-graph-max-bs 852334595, and that plan ran out of memory).
 REMEDY_MAX_BS = 8192
 
 
