@@ -14,41 +14,22 @@ import re
 import msgspec
 import pytest
 
-from pipeline.cli.domains import FLAG_DOMAINS
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError
 from pipeline.core.pool_remedy import REMEDY_MAX_BS, GraphTrial, largest_fitting
 from pipeline.core.spec import truncate_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.runtime.pool_steps import size_for
+from plan_remedies import in_domain, plan, set_flag
 from pipeline.runtime.runner import RunnerConfig
 
-BASE = ("plan", "--device-profile", "h200", "--installed", "torch,triton,flashinfer")
 GiB = 1 << 30
 
 
-def _plan(*argv: str) -> tuple[int, dict]:
-    from conftest import run_main
-
-    proc = run_main(*BASE, *argv, "--json")
-    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _in_domain(flag: str, value: int) -> bool:
-    d = next(d for d in FLAG_DOMAINS if d.flag == flag)
-    return d.domain.lo <= value <= d.domain.hi
 
 
-def _replace(argv: list[str], flag: str, value: str | None) -> list[str]:
-    """``argv`` with ``flag``'s value set to ``value`` (a switch when None)."""
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i] == flag:
-            i += 2
-            continue
-        out.append(argv[i])
-        i += 1
-    return out + ([flag] if value is None else [flag, value])
 
 
 def _follow_plan_remedy(argv: list[str], remedy: str) -> int:
@@ -58,12 +39,12 @@ def _follow_plan_remedy(argv: list[str], remedy: str) -> int:
         m = re.fullmatch(r"set --cuda-graph-max-bs (\d+)", way)
         if m:
             n = int(m.group(1))
-            assert _in_domain("--cuda-graph-max-bs", n) and n <= REMEDY_MAX_BS
-            fixed = _replace(argv, "--cuda-graph-max-bs", str(n))
+            assert in_domain("--cuda-graph-max-bs", n) and n <= REMEDY_MAX_BS
+            fixed = set_flag(argv, "--cuda-graph-max-bs", str(n))
         else:
             assert way == "set --disable-cuda-graph", way
-            fixed = _replace(argv, "--disable-cuda-graph", None)
-        rc, out = _plan(*fixed)
+            fixed = set_flag(argv, "--disable-cuda-graph", None)
+        rc, out = plan(fixed)
         assert rc == 0, (argv, way, out.get("error"))
     return len(ways)
 
@@ -72,7 +53,7 @@ def test_plan_refuses_the_adversarial_graphs_and_each_alternative_plans_ok():
     """The finding's command: ~9.7 TB of graphs for a 141 GB device is refused as run refuses it, saying that plan
     checks against the total; the largest top that fits and no graphs both then plan ok."""
     argv = ["--max-reqs", "100000", "--cuda-graph-max-bs", "100000", "--flashinfer-workspace-size", "33023735840"]
-    rc, out = _plan(*argv)
+    rc, out = plan(argv)
     err = out["error"]
     assert rc == 3 and err["code"] == "pool_exceeds_memory" and err["state"] == "init-memory-pool", err
     assert "141000000000 bytes in all" in err["message"] and "checks against the total" in err["message"]
@@ -82,14 +63,14 @@ def test_plan_refuses_the_adversarial_graphs_and_each_alternative_plans_ok():
 def test_graphs_beside_a_large_workspace_are_refused_and_the_remedy_plans_ok():
     """Graphs that fit 90 % of the device alone but not beside the planned workspace (76 GiB + 110 GB > 141 GB)."""
     argv = ["--max-reqs", "8192", "--cuda-graph-max-bs", "8192", "--flashinfer-workspace-size", "110000000000"]
-    rc, out = _plan(*argv)
+    rc, out = plan(argv)
     assert rc == 3 and out["error"]["code"] == "pool_exceeds_memory"
     assert "with the planned workspaces (110000000000 bytes)" in out["error"]["message"]
     assert _follow_plan_remedy(argv, out["error"]["remedy"]) == 2
 
 
 def test_the_common_plan_is_unchanged():
-    rc, out = _plan()
+    rc, out = plan([])
     assert rc == 0 and 0 < out["cuda_graph_bytes_estimate"] < 141 * 10 ** 9 * 0.9
 
 
@@ -129,21 +110,21 @@ def _follow_pool(platform, cfg, spec, remedy, reserve=0, graphs=None):
         g = reserve
         if m := re.match(r"lower --max-reqs \(at most (\d+) rows", way):
             n = int(m.group(1))
-            assert _in_domain("--max-reqs", n)
+            assert in_domain("--max-reqs", n)
             fixed = _with_pool(cfg, max_reqs=n)
         elif m := re.match(r"lower --max-context-len \(at most (\d+) tokens", way):
             n = int(m.group(1))
-            assert _in_domain("--max-context-len", n) and n >= cfg.min_context_len
+            assert in_domain("--max-context-len", n) and n >= cfg.min_context_len
             fixed = _with_pool(cfg, max_context_len=n)
         elif m := re.match(r"pass --num-token-slots (\d+) or fewer", way):
             import dataclasses
 
             n = int(m.group(1))
-            assert _in_domain("--num-token-slots", n) and n >= cfg.min_token_slots
+            assert in_domain("--num-token-slots", n) and n >= cfg.min_token_slots
             fixed = dataclasses.replace(cfg, num_token_slots=n)
         elif m := re.fullmatch(r"set cuda_graph_max_bs=(\d+)", way):
             n = int(m.group(1))
-            assert _in_domain("--cuda-graph-max-bs", n)
+            assert in_domain("--cuda-graph-max-bs", n)
             fixed, g = cfg, graphs.bytes_at(n)
         else:
             assert way == "set disable_cuda_graph=True", way
@@ -211,4 +192,4 @@ def test_run_on_the_cli_words_a_valued_context_remedy(monkeypatch):
     assert proc.returncode == 3 and err["code"] == "pool_exceeds_memory", err
     assert "at most 0" not in err["remedy"] and "--max-reqs" not in err["remedy"]
     n = int(re.search(r"--max-context-len \(at most (\d+) tokens", err["remedy"]).group(1))
-    assert _in_domain("--max-context-len", n)
+    assert in_domain("--max-context-len", n)

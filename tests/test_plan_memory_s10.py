@@ -11,7 +11,6 @@ anything is allocated (s10mem).
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -23,29 +22,15 @@ from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec
 from pipeline.core.spec import truncate_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.runtime.pool_steps import size_for
+from plan_remedies import plan, set_flag
 from pipeline.runtime.runner import Runner, RunnerConfig
 
-BASE = ("plan", "--device-profile", "h200", "--installed", "torch,triton,flashinfer")
 ALL = {"torch": True, "triton": True, "flashinfer-python": True}
 GiB = 1 << 30
 
 
-def _plan(*argv: str) -> tuple[int, dict]:
-    from conftest import run_main
-
-    proc = run_main(*BASE, *argv, "--json")
-    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _set(argv: list[str], flag: str, value: str) -> list[str]:
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i] == flag:
-            i += 2
-            continue
-        out.append(argv[i])
-        i += 1
-    return out + [flag, value]
 
 
 def _flag(err: dict, name: str) -> int:
@@ -56,7 +41,7 @@ def _flag(err: dict, name: str) -> int:
 
 def test_plan_refuses_a_workspace_above_the_device_and_the_remedy_plans_ok():
     argv = ["--flashinfer-workspace-size", str(2 ** 48)]
-    rc, out = _plan(*argv)
+    rc, out = plan(argv)
     err = out["error"]
     assert rc == 3 and err["code"] == "workspace_exceeds_memory" and err["state"] == "build-mode", err
     assert "141000000000 bytes in all" in err["message"] and "checks against the total" in err["message"]
@@ -64,12 +49,12 @@ def test_plan_refuses_a_workspace_above_the_device_and_the_remedy_plans_ok():
     m = re.fullmatch(r"set --flashinfer-workspace-size to (\d+) or less \(at least the (\d+) bytes .*\)", err["remedy"])
     assert m and int(m.group(2)) == need <= int(m.group(1)), err["remedy"]
     for value in (m.group(1), str(need)):  # the largest named and the need: both plan ok
-        rc2, out2 = _plan(*_set(argv, "--flashinfer-workspace-size", value))
+        rc2, out2 = plan(set_flag(argv, "--flashinfer-workspace-size", value))
         assert rc2 == 0, out2.get("error")
 
 
 def test_plan_still_accepts_a_large_workspace_that_fits():
-    rc, out = _plan("--flashinfer-workspace-size", str(100 * 10 ** 9))
+    rc, out = plan(["--flashinfer-workspace-size", str(100 * 10 ** 9)])
     assert rc == 0, out.get("error")
 
 
@@ -79,19 +64,19 @@ def _follow(argv: list[str], remedy: str) -> int:
     ways = remedy.split(", or ")
     for way in ways:
         if m := re.match(r"lower --max-reqs \(at most (\d+) rows", way):
-            fixed = _set(argv, "--max-reqs", m.group(1))
+            fixed = set_flag(argv, "--max-reqs", m.group(1))
             if "to at most that" in way:
-                fixed = _set(fixed, "--cuda-graph-max-bs", m.group(1))
+                fixed = set_flag(fixed, "--cuda-graph-max-bs", m.group(1))
         elif m := re.match(r"lower --max-context-len \(at most (\d+) tokens", way):
-            fixed = _set(argv, "--max-context-len", m.group(1))
+            fixed = set_flag(argv, "--max-context-len", m.group(1))
         elif m := re.match(r"pass --num-token-slots (\d+) or fewer", way):
-            fixed = _set(argv, "--num-token-slots", m.group(1))
+            fixed = set_flag(argv, "--num-token-slots", m.group(1))
         elif m := re.fullmatch(r"set --cuda-graph-max-bs (\d+)", way):
-            fixed = _set(argv, "--cuda-graph-max-bs", m.group(1))
+            fixed = set_flag(argv, "--cuda-graph-max-bs", m.group(1))
         else:
             assert way == "set --disable-cuda-graph", way
             fixed = argv + ["--disable-cuda-graph"]
-        rc, out = _plan(*fixed)
+        rc, out = plan(fixed)
         assert rc == 0, (argv, way, out.get("error"))
     return len(ways)
 
@@ -100,7 +85,7 @@ def _follow(argv: list[str], remedy: str) -> int:
                                   ["--max-reqs", "100000", "--max-context-len", "400000"],
                                   ["--num-token-slots", str(2 ** 31 - 1)]])
 def test_plan_refuses_pools_run_refuses_and_each_alternative_plans_ok(argv):
-    rc, out = _plan(*argv)
+    rc, out = plan(argv)
     err = out["error"]
     assert rc == 3 and err["code"] == "pool_exceeds_memory" and err["state"] == "init-memory-pool", err
     assert "141000000000 bytes in all" in err["message"] and "checks against the total" in err["message"]
@@ -110,7 +95,7 @@ def test_plan_refuses_pools_run_refuses_and_each_alternative_plans_ok(argv):
 
 
 def test_the_common_plan_still_plans():
-    rc, out = _plan()
+    rc, out = plan([])
     assert rc == 0 and out["ok"]
 
 

@@ -10,57 +10,15 @@ beside the graphs of a 8192 top), not 2**31 - 1 (8 TiB, refused as ``pool_exceed
 from __future__ import annotations
 
 import itertools
-import json
-import re
 
 import pytest
 
-from pipeline.cli.domains import FLAG_DOMAINS
 from pipeline.core.validation import MAX_BYTES
+from plan_remedies import alternatives, follow_every_alternative, grid_argv, plan
 
-BASE = ("--device-profile", "h200", "--installed", "torch,triton,flashinfer")
 MAX = 2 ** 31 - 1
 BIG = 2 ** 23  # the most rows here: req_to_token of 32 GiB fits the H200 profile beside 8192-top graphs (s10mem)
 WS_CODES = ("workspace_too_small", "workspace_exceeds_memory")
-
-
-def _plan(argv: list[str], monkeypatch, env: dict[str, str]) -> tuple[int, dict]:
-    from conftest import run_main
-
-    with monkeypatch.context() as m:
-        for k, v in env.items():
-            m.setenv(k, v)
-        proc = run_main("plan", *BASE, *argv, "--json")
-    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _set(argv: list[str], flag: str, value: str) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == flag:
-            skip = True
-            continue
-        out.append(a)
-    return out + [flag, value]
-
-
-def _alternatives(remedy: str) -> list[tuple[dict[str, str], dict[str, str]]]:
-    """Each ``, or ``-separated way of the CLI remedy as (flags, environment variables) to set."""
-    ways = []
-    for clause in remedy.split(", or "):
-        flags = dict(re.findall(r"(--[\w-]+)(?: \(or \w+\))?(?: to at least| to)? (\d+)", clause))
-        env = dict(re.findall(r"\b([A-Z][A-Z_]+)(?: to at least |=)(\d+)", clause))
-        assert flags or env, clause
-        ways.append((flags, env))
-    return ways
-
-
-def _in_domain(flag: str, value: str) -> bool:
-    d = next(d for d in FLAG_DOMAINS if d.flag == flag)
-    return d.domain.lo <= int(value) <= d.domain.hi
 
 
 GRID = [(mr, ws, top) for mr, ws, top in itertools.product(
@@ -71,34 +29,24 @@ GRID = [(mr, ws, top) for mr, ws, top in itertools.product(
 
 @pytest.mark.parametrize("max_reqs,ws,top", GRID)
 def test_workspace_remedy_then_plans_ok(max_reqs, ws, top, monkeypatch):
-    argv = ["--max-reqs", str(max_reqs)]
-    if ws is not None:
-        argv += ["--flashinfer-workspace-size", str(ws)]
-    if top is not None:
-        argv += ["--cuda-graph-max-bs", str(max_reqs if top == "max_reqs" else top)]
-    rc, out = _plan(argv, monkeypatch, {})
+    argv = grid_argv(max_reqs, ws, top)
+    rc, out = plan(argv, monkeypatch)
     if rc == 0:
         return
     err = out["error"]
     assert rc == 3 and err["code"] in WS_CODES, err
-    ways = _alternatives(err["remedy"])
-    for flags, env in ways:
-        fixed = argv
-        for flag, value in flags.items():
-            assert _in_domain(flag, value), (flag, value)
-            fixed = _set(fixed, flag, value)
+    for _, env in alternatives(err["remedy"]):
         for value in env.values():
             assert 1 <= int(value) <= MAX_BYTES
-        rc2, out2 = _plan(fixed, monkeypatch, env)
-        assert rc2 == 0, (argv, err["remedy"], fixed, out2.get("error"))
-        given = max_reqs if top == "max_reqs" else top or 0
+    given = max_reqs if top == "max_reqs" else top or 0
+    for out2 in follow_every_alternative(argv, err["remedy"], monkeypatch):
         assert out2["cuda_graphs"]["max_bs"] <= max(8192, given)  # never above what was asked, or practical
 
 
 def test_the_backed_out_case_names_a_workspace_the_device_holds(monkeypatch):
     """t6verify's remedy for this suggested --cuda-graph-max-bs 852334595 with a 2**48 workspace; with sglang's
     default top (256 on an H200) the need is 84 MB, and raising the workspace to it is the remedy."""
-    rc, out = _plan(["--max-reqs", str(MAX), "--flashinfer-workspace-size", str(64 << 20)], monkeypatch, {})
+    rc, out = plan(["--max-reqs", str(MAX), "--flashinfer-workspace-size", str(64 << 20)], monkeypatch, {})
     assert rc == 3 and out["error"]["code"] == "workspace_too_small"
     need = next(f["value"] for f in out["error"]["flags"] if f["name"] == "needed_bytes")
     assert 64 << 20 < need < 141 * 10 ** 9 * 0.9
@@ -115,14 +63,9 @@ def test_a_workspace_the_device_cannot_hold_is_never_suggested(monkeypatch):
         argv = ["--max-reqs", str(BIG), "--cuda-graph-max-bs", str(BIG)]
         if ws is not None:
             argv += ["--flashinfer-workspace-size", str(ws)]
-        rc, out = _plan(argv, monkeypatch, env)
+        rc, out = plan(argv, monkeypatch, env)
         assert rc == 3 and out["error"]["code"] == "workspace_too_small", out["error"]
         need = next(f["value"] for f in out["error"]["flags"] if f["name"] == "needed_bytes")
         assert need > MAX_BYTES or need > 141 * 10 ** 9
         assert str(need) not in out["error"]["remedy"] and "--cuda-graph-max-bs" in out["error"]["remedy"]
-        for flags, extra in _alternatives(out["error"]["remedy"]):
-            fixed = argv
-            for flag, value in flags.items():
-                fixed = _set(fixed, flag, value)
-            rc2, out2 = _plan(fixed, monkeypatch, {**env, **extra})
-            assert rc2 == 0, (out["error"]["remedy"], out2.get("error"))
+        follow_every_alternative(argv, out["error"]["remedy"], monkeypatch, env)

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from test_workspace_remedies import WS_CODES, _alternatives, _in_domain, _plan, _set
+from plan_remedies import follow_every_alternative, grid_argv, plan
+from test_workspace_remedies import WS_CODES
 
 HUGE = 2 ** 24
 GRID = list(itertools.product((300, HUGE), (1000, 64 << 20, None), (None, 200, "max_reqs")))
@@ -25,29 +26,19 @@ GAP2 = pytest.mark.xfail(strict=True, reason="s11 gap 2 open: the workspace reme
 
 @pytest.mark.parametrize("max_reqs,ws,top", [pytest.param(*g, marks=GAP2) if g in OPEN else g for g in GRID])
 def test_every_alternative_plans_ok(max_reqs, ws, top, monkeypatch):
-    argv = ["--max-reqs", str(max_reqs)]
-    if ws is not None:
-        argv += ["--flashinfer-workspace-size", str(ws)]
-    if top is not None:
-        argv += ["--cuda-graph-max-bs", str(max_reqs if top == "max_reqs" else top)]
-    rc, out = _plan(argv, monkeypatch, {})
+    argv = grid_argv(max_reqs, ws, top)
+    rc, out = plan(argv, monkeypatch)
     if rc == 0:
         return
     err = out["error"]
     assert rc == 3 and err["code"] in WS_CODES + ("pool_exceeds_memory",), err
-    for flags, env in _alternatives(err["remedy"]):
-        fixed = argv
-        for flag, value in flags.items():
-            assert _in_domain(flag, value), (flag, value)
-            fixed = _set(fixed, flag, value)
-        rc2, out2 = _plan(fixed, monkeypatch, env)
-        assert rc2 == 0, (argv, err["remedy"], fixed, out2.get("error"))
+    follow_every_alternative(argv, err["remedy"], monkeypatch)
 
 
 def test_a_huge_top_is_refused_at_once(monkeypatch):
     """The workspace holds the need of a 2**24 top; the graphs' lower bound alone is far above the device."""
     argv = ["--max-reqs", str(HUGE), "--cuda-graph-max-bs", str(HUGE), "--flashinfer-workspace-size", "5540507547680"]
     t = time.monotonic()
-    rc, out = _plan(argv, monkeypatch, {})
+    rc, out = plan(argv, monkeypatch)
     assert time.monotonic() - t < 30
     assert rc == 3 and out["error"]["code"] in ("workspace_exceeds_memory", "pool_exceeds_memory"), out["error"]
