@@ -89,10 +89,6 @@ def print_error(err: AttnSetupError, as_json: bool, command: Optional[str] = Non
         render_error(info)
 
 
-# a closed pipe drops the rest of that stream; any other write error fails the command (pipeline.cli.outstreams)
-_quiet_stdout, _ReaderMayLeave = quiet, ReaderMayLeave  # the names this module held
-
-
 # ``-v`` prints a start's events as they happen (:func:`human_line`); only ``run`` starts anything. The others log no
 # event, so ``-v`` there would do nothing: it is refused, saying where their detail is (README, "Command line").
 VERBOSE_COMMANDS = ("run",)
@@ -206,7 +202,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         _print_info(error_info_from(e, "args"), as_json)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # a pipe other than stdout/stderr (both wrapped in main) stopped the command unfinished
-        _quiet_stdout()
+        quiet()
         return EXIT_FAILED
     except Exception as e:  # noqa: BLE001 - a bug still ends in one ErrorInfo, not a traceback
         _print_info(error_info_from(e, "args"), as_json)
