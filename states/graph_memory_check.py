@@ -64,7 +64,7 @@ def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Opt
     if not total_bytes:
         return
     d, facts = decided["build-mode"], decided["device-init"].facts
-    ws = sum(w.bytes for w in d.plan.workspaces)
+    ws = d.plan.workspace_bytes
     s = plan_pools(request, estimate, ws)
     pools, g = s.req_to_token_bytes + s.kv_bytes, s.graph_reserve_bytes
     check_workspaces_fit(request, d, facts, total_bytes, pool_bytes=pools, graph_bytes=g, total=True,
@@ -93,7 +93,7 @@ def refuse_early(request: "SetupRequest", decided: "Decided", bound: Optional[Gr
         return
     share = int(total_bytes * POOL_MEMORY_SHARE)
     if bound.total_bytes <= share:
-        ws = sum(w.bytes for w in decided["build-mode"].plan.workspaces)
+        ws = decided["build-mode"].plan.workspace_bytes
         s = plan_pools(request, None, ws)
         rest = ws + s.req_to_token_bytes + s.kv_bytes
         if rest > share or bound.total_bytes + rest <= share:
@@ -119,7 +119,7 @@ def check_graphs_fit_device(request: "SetupRequest", decided: "Decided", estimat
     if estimate is None or not total_bytes:
         return
     g, share = estimate.total_bytes, int(total_bytes * POOL_MEMORY_SHARE)
-    ws = sum(w.bytes for w in decided["build-mode"].plan.workspaces)
+    ws = decided["build-mode"].plan.workspace_bytes
     if ws + pool_bytes > share or (g <= share and g + ws + pool_bytes <= share):
         return  # fits, or the pools are what is too large: check_plan_memory's pool refusal names them
     room = int(remedy_available(total_bytes) * POOL_MEMORY_SHARE) - ws - pool_bytes

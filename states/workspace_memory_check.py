@@ -61,7 +61,7 @@ def check_workspaces_fit(request: Any, d: Any, facts: Any, memory_bytes: int, *,
     from pipeline.backends.flashinfer_workspace_check import largest_fitting_bs
     from pipeline.core.pool_remedy import REMEDY_MAX_BS
 
-    ws, n = sum(w.bytes for w in d.plan.workspaces), max(len(d.plan.workspaces), 1)
+    ws, n = d.plan.workspace_bytes, max(len(d.plan.workspaces), 1)
     share = int(memory_bytes * POOL_MEMORY_SHARE)
     if not ws or memory_bytes <= 0 or ws <= share:
         return

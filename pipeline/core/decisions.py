@@ -130,3 +130,8 @@ class BuildPlan(msgspec.Struct, **_STRUCT):
     instances: list[InstancePlan]
     workspaces: list[WorkspacePlan]
     skips: list[Skip] = []
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of all planned workspaces together (what the memory checks count beside the pools and graphs)."""
+        return sum(w.bytes for w in self.workspaces)

@@ -96,7 +96,7 @@ def workspace_bytes(r: Any, spec: Any) -> int:
     if not _workspaces_possible(r.platform.device_facts(r.index).type):
         return 0
     try:
-        return sum(w.bytes for w in setup_decided(r, spec)[1]["build-mode"].plan.workspaces)
+        return setup_decided(r, spec)[1]["build-mode"].plan.workspace_bytes
     except Exception:  # noqa: BLE001 - a refused setup decision (no build-mode): refused later, where it belongs
         return 0
 

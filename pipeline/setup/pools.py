@@ -22,7 +22,7 @@ def check_workspace_memory(ctx: SetupContext, d: Any) -> None:
     ``workspace_exceeds_memory`` naming the setting that sized them and a size that fits the free memory less
     :func:`~pipeline.core.pool_sizing.remedy_margin`)."""
     plan = d.plan
-    total = sum(ws.bytes for ws in plan.workspaces)
+    total = plan.workspace_bytes
     avail = available_bytes(ctx.platform, parse_device(ctx.request.device)[1]) if total else 0
     if not avail or total <= avail * POOL_MEMORY_SHARE:
         return
