@@ -100,6 +100,13 @@ def _built_kinds(spec: ModelSpec) -> dict[int, LayerKind]:
     return {lid: kind for kind in spec.layer_kinds() for lid in kind.layer_ids if lid < spec.num_hidden_layers}
 
 
+
+def runner_buffer_bytes(max_bs: int, hidden_size: int, dtype: str) -> tuple[int, ...]:
+    """Bytes of :class:`pipeline.runtime.cuda_graphs.DecodeGraphRunner`'s fixed input buffers at ``max_bs``:
+    ``hidden`` [max_bs, hidden_size] in ``dtype``, ``positions`` int64, ``req_pool_indices`` int64, ``seq_lens``
+    int32, ``out_cache_loc`` int64."""
+    return (max_bs * hidden_size * ELEM_BYTES[dtype], max_bs * 8, max_bs * 8, max_bs * 4, max_bs * 8)
+
 def estimate_graph_memory(spec: ModelSpec, *, dtype: str, kv_dtype: str, decode_backend: str,
                           batch_sizes: Sequence[int], arch: str = "", aux_layers: Sequence[int] = (),
                           max_context_len: int = 1024, page_size: int = 1, num_sms: int = 1,
@@ -125,7 +132,7 @@ def estimate_graph_memory(spec: ModelSpec, *, dtype: str, kv_dtype: str, decode_
     pool, state, side, per_bs = PoolModel(), PoolModel(), PoolModel(), {}
     blas = blas_workspace_bytes(arch, env)
     mb = sizes[0]
-    for nbytes in (mb * spec.hidden_size * elem, mb * 8, mb * 8, mb * 4, mb * 8):  # DecodeGraphRunner's buffers
+    for nbytes in runner_buffer_bytes(mb, spec.hidden_size, dtype):
         state.malloc(nbytes)
     backend_state = entry.graph_state_allocs(list(_kinds_of(kinds)), sizes, max_context_len=max_context_len,
                                              page_size=page_size, num_sms=num_sms)

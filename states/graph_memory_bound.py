@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from pipeline.backends import registry
 from states.cuda_allocator import PoolModel
-from states.decode_trace import ELEM_BYTES
-from states.graph_memory import GraphMemoryEstimate, _built_kinds, _kinds_of, estimate_graph_memory
+from states.graph_memory import (GraphMemoryEstimate, _built_kinds, _kinds_of, estimate_graph_memory,
+                                 runner_buffer_bytes)
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipeline.core.contracts import SetupRequest
@@ -55,8 +55,7 @@ def graph_memory_lower_bound(spec, *, dtype: str, kv_dtype: str, decode_backend:
     if len(sizes) > 1 and kinds:
         entry, mb, r = registry.get(decode_backend, flag="decode_attention_backend"), sizes[-1], PoolModel.round_size
         sk = dict(max_context_len=max_context_len, page_size=page_size, num_sms=num_sms)
-        runner = (mb * spec.hidden_size * ELEM_BYTES[dtype], mb * 8, mb * 8, mb * 4, mb * 8)  # as the estimate's
-        live = sum(r(b) for b in runner) + sum(r(b) for _, b in entry.graph_state_allocs(kinds, [mb], **sk))
+        live = sum(r(b) for b in runner_buffer_bytes(mb, spec.hidden_size, dtype)) + sum(r(b) for _, b in entry.graph_state_allocs(kinds, [mb], **sk))
         per_small = sum(r(b) for bs, b in entry.graph_state_allocs(kinds, sizes[:1], **sk) if bs)
         state = max(state, live + (len(sizes) - 1) * per_small)
     return one._replace(total_bytes=pool + state + one.warmup_bytes, state_bytes=state, pool_bytes=pool, per_bs={},
