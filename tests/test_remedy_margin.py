@@ -96,12 +96,15 @@ def test_workspace_remedy_fits_after_free_memory_moved(free, n, drop):
     """``workspace_exceeds_memory`` names a per-workspace size whose workspaces fit the free memory less the margin."""
     from types import SimpleNamespace as NS
 
+    from pipeline.core.decisions import BuildPlan, WorkspacePlan
     from pipeline.setup.pools import check_workspace_memory
 
     def check(avail: int, each: int) -> None:
         platform = FakePlatform(DeviceFacts(type="cpu", name="host", total_memory_bytes=2 * free), free_bytes=avail)
         ctx = NS(platform=platform, request=NS(device="cpu"), torch_device="cpu")
-        d = NS(plan=NS(workspaces=[NS(bytes=each)] * n), settings=[])
+        plan = BuildPlan(mode="normal", hybrid=False, instances=[],
+                         workspaces=[WorkspacePlan(id=f"ws{i}", owner="prefill", bytes=each) for i in range(n)])
+        d = NS(plan=plan, settings=[])
         check_workspace_memory(ctx, d)
 
     with pytest.raises(ConfigError) as e:
