@@ -19,12 +19,12 @@ graph captured at batch size B replays correctly for any new lengths.
 
 fp8 KV (``float8_e4m3fn`` / ``float8_e5m2`` buffers, q bf16/fp16): tiles are loaded as stored (one byte per
 element: half the bytes of a 16-bit cache) and upcast to q's dtype in registers (exact: both fp8 formats
-embed in bf16 and fp16; e4m3 by integer operations, :mod:`.fp8`), the dots accumulate in fp32, ``k_scale`` is
-folded into the softmax scale and ``v_scale`` multiplies the normalised output — the scale semantics of
-FlashInfer's ``run(k_scale=, v_scale=)`` (``sm_scale *= k_scale``, ``out *= v_scale``), with real = stored *
-scale as the KV pool writes. Scales come as fp32 values or, with ``K_SCALE_PTR`` / ``V_SCALE_PTR``, as
-one-element device tensors read in-kernel (vLLM's Triton kernels load theirs the same way), so a CUDA graph
-follows a changed scale without re-capture.
+embed in bf16 and fp16), the dots accumulate in fp32, ``k_scale`` is folded into the softmax scale and
+``v_scale`` multiplies the normalised output — the scale semantics of FlashInfer's ``run(k_scale=,
+v_scale=)`` (``sm_scale *= k_scale``, ``out *= v_scale``), with real = stored * scale as the KV pool
+writes. Scales come as fp32 values or, with ``K_SCALE_PTR`` / ``V_SCALE_PTR``, as one-element device
+tensors read in-kernel (vLLM's Triton kernels load theirs the same way), so a CUDA graph follows a
+changed scale without re-capture.
 
 Scores are kept in the log2 domain (``exp2``) with ``sm_scale * log2(e)`` folded in; the logit
 softcap (``cap * tanh(s / cap)``) is applied to the natural-unit score first, as FlashInfer and
@@ -36,8 +36,6 @@ chunk start (both kernels recompute it from ``seq_len``, keeping CUDA-graph repl
 
 import triton
 import triton.language as tl
-
-from pipeline.backends.triton.kernels.fp8 import _kv_up
 
 LOG2E = 1.4426950408889634
 
@@ -129,8 +127,8 @@ def decode_split_kernel(
         pos = start + offs_n
         n_mask = pos < hi
         slot = tl.load(r2t + pos, mask=n_mask, other=0).to(tl.int64)
-        k = _kv_up(tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0), q.dtype, UPCAST)
+        k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0).to(q.dtype)
         qk = _dot(q, tl.trans(k), UPCAST)
         if USE_SOFTCAP:
             qk = _softcap(qk * score_scale, softcap) * 1.4426950408889634
@@ -141,8 +139,8 @@ def decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _kv_up(tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
-                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0), q.dtype, UPCAST)
+        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
+                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0).to(q.dtype)
         # p = hi + lo in v's dtype: two MMAs keep P's 16-bit rounding out of the result (free when memory-bound).
         p_hi = p.to(v.dtype)
         p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)

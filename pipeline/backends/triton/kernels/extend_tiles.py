@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from pipeline.backends.triton.kernels.decode import _dot, _softcap
-from pipeline.backends.triton.kernels.fp8 import _kv_up
 
 
 @triton.jit
@@ -62,7 +61,7 @@ def _online(acc, l_i, m_i, qk, c, q, Vb, rows, stride_v, offs_dv, n_mask, DV: tl
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk * c - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _kv_up(_load_rows(Vb, rows, stride_v, offs_dv, n_mask, DV, BLOCK_DV, MASK), q.dtype, UPCAST)
+    v = _load_rows(Vb, rows, stride_v, offs_dv, n_mask, DV, BLOCK_DV, MASK).to(q.dtype)
     acc = acc * alpha[:, None]
     if UPCAST:
         acc += _dot(p.to(v.dtype), v, UPCAST)
@@ -102,7 +101,7 @@ def _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, hi, n_
             nxt = tl.load(R2T + idx + BLOCK_N, mask=(idx + BLOCK_N) < hi, other=0).to(tl.int64)
         else:
             rows = idx.to(tl.int64)
-        k = _kv_up(_load_rows(Kb, rows, stride_k, offs_d, n_mask, D, BLOCK_D, MASK), q.dtype, UPCAST)
+        k = _load_rows(Kb, rows, stride_k, offs_d, n_mask, D, BLOCK_D, MASK).to(q.dtype)
         qk, c = _scores(q, k, score_scale, softcap, USE_SOFTCAP, UPCAST)
         if MASK:
             qk = _visible(qk, idx, n_mask, pos0, q_pos, window, chunk, USE_WINDOW, USE_CHUNK)
@@ -139,7 +138,7 @@ def _attend_cut(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, b,
             nxt = tl.where(ok, tl.load(R2T + idx + BLOCK_N, mask=ok, other=0).to(tl.int64), safe)
         else:
             rows = tl.minimum(idx, n_keys - 1).to(tl.int64)
-        k = _kv_up(_load_rows(Kb, rows, stride_k, offs_d, n_mask, D, BLOCK_D, False), q.dtype, UPCAST)
+        k = _load_rows(Kb, rows, stride_k, offs_d, n_mask, D, BLOCK_D, False).to(q.dtype)
         qk, cc = _scores(q, k, score_scale, softcap, USE_SOFTCAP, UPCAST)
         if (start < b) | (start >= c):
             qk = _visible(qk, idx, n_mask, pos0, q_pos, window, chunk, USE_WINDOW, USE_CHUNK)
