@@ -6,6 +6,8 @@ triton, nor flashinfer (backends are imported lazily by the registry when they a
 
 from __future__ import annotations
 
+from pipeline.core import launch_clock as _launch_clock  # noqa: F401 (first: when this process began running ours)
+
 from typing import Any
 
 from pipeline.core import moved as _moved

@@ -147,9 +147,13 @@ def _progress(ns: argparse.Namespace, log: Any, request: SetupRequest) -> Any:
 
 
 def _process_start(ns: argparse.Namespace) -> Optional[int]:
-    from pipeline.observe.startup import process_start_ns
+    """The startup summary's origin (:func:`pipeline.observe.startup.process_start`); its creation time is kept in
+    ``ns._process_created_ns`` for the summary's ``created_ns`` / ``idle_before_start_s``."""
+    from pipeline.observe.startup import process_start
 
-    return process_start_ns()
+    start = process_start()
+    ns._process_created_ns = None if start is None else start.created_ns
+    return None if start is None else start.start_ns
 
 
 def _watch_slow_phases(ns: argparse.Namespace, log: Any, start_ns: Optional[int]) -> Any:

@@ -102,7 +102,8 @@ def finish_startup(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], 
         parts = [("import torch", t["seconds"], t["detail"])] if t and t["seconds"] else []
         watch = getattr(ns, "_slow_watch", None)  # judged the phases that ended during the run
         summary = emit_summary(log, start_ns=start_ns, jit=jit, slow_s=slow, startup_parts=parts,
-                               judged=watch.seen if watch is not None else ())
+                               judged=watch.seen if watch is not None else (),
+                               created_ns=getattr(ns, "_process_created_ns", None))
     except Exception as e:  # noqa: BLE001 - a failed log write is already the run's error
         print(f"attn-setup: no startup summary: {type(e).__name__}: {e}", file=sys.stderr)
         return None
@@ -119,7 +120,9 @@ def finish_startup(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], 
 
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
     """``(phase, seconds, detail)`` rows: top-level phases with their children indented under them,
-    then ``unaccounted`` and ``wall (process start to summary)`` with the coverage."""
+    then ``unaccounted`` and ``wall (process start to summary)`` with the coverage, and — when the process was
+    created a clock tick or more before it started running (a shell's earlier commands before ``exec``) —
+    ``before start, not running`` (not in the wall)."""
     phases = summary.get("phases") or []
     rows: list[tuple[str, str, str]] = []
     for p in (p for p in phases if not p["parent"]):
@@ -129,7 +132,13 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows.append(("unaccounted", f"{summary['unaccounted_s']:.3f}", ""))
     rows.append(("wall (process start to summary)", f"{summary['wall_s']:.3f}",
                  f"{summary['coverage'] * 100:.1f} % named"))
+    idle = summary.get("idle_before_start_s") or 0.0
+    if idle >= IDLE_SHOWN_S:
+        rows.append(("before start, not running", f"{idle:.3f}", "not in wall: e.g. before exec"))
     return rows
+
+
+IDLE_SHOWN_S = 0.01  # one clock tick at 100 Hz: the creation time's resolution; less is not shown
 
 
 def render_summary(summary: Optional[dict[str, Any]]) -> None:

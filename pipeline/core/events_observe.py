@@ -37,13 +37,18 @@ class PhaseTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 class StartupSummary(Event, tag="startup_summary", kw_only=True):
     """Where the wall time of a launch went (:mod:`pipeline.observe.startup`): the last record before
     ``command_finished``, on every exit it controls. ``wall_s`` from the process start
-    (``process_start_ns``, 0 when unknown) to this record; ``coverage`` = top-level phases / ``wall_s``."""
+    (``process_start_ns``, 0 when unknown) to this record; ``coverage`` = top-level phases / ``wall_s``.
+    The process start is its creation (``created_ns``, the kernel's ``fork`` time; 0 when unknown) moved past
+    ``idle_before_start_s``: the time between creation and attn-setup's first code in which the process did not
+    run (a shell's earlier commands before it ``exec``'d Python), which no phase and not ``wall_s`` counts."""
 
     wall_s: float
     phases: list[PhaseTime]
     unaccounted_s: float
     coverage: float
     process_start_ns: Ns = 0
+    created_ns: Ns = 0
+    idle_before_start_s: float = 0.0
 
 
 class SlowPhase(Event, tag="slow_phase", kw_only=True):

@@ -6,7 +6,9 @@ label values escaped (backslash, double quote, newline), ending with ``# EOF``. 
 describing one launch, labelled with ``run_id`` and ``rank``):
 
 - ``attn_setup_startup_phase_seconds{phase, parent}``: seconds per named phase (``parent=""`` top level);
-- ``attn_setup_startup_wall_seconds``, ``attn_setup_startup_unaccounted_seconds``;
+- ``attn_setup_startup_wall_seconds``, ``attn_setup_startup_unaccounted_seconds``,
+  ``attn_setup_startup_idle_before_start_seconds`` (the process's creation to its start: time it did not run,
+  outside the wall);
 - ``attn_setup_cuda_graph_bytes{bs}``: device bytes each captured decode graph took;
 - ``attn_setup_jit_variants{status}``: FlashInfer JIT variants compiled (``compiling``) and found cached
   (``cached``) during the run.
@@ -59,6 +61,9 @@ def render(summary: ev.StartupSummary, records: Iterable[ev.Event] = ()) -> str:
     lines.append(_sample("attn_setup_startup_wall_seconds", base, summary.wall_s))
     family("attn_setup_startup_unaccounted_seconds", "Wall time no named phase covers.", "seconds")
     lines.append(_sample("attn_setup_startup_unaccounted_seconds", base, summary.unaccounted_s))
+    family("attn_setup_startup_idle_before_start_seconds",
+           "Process creation to its start, time it did not run (not in the wall).", "seconds")
+    lines.append(_sample("attn_setup_startup_idle_before_start_seconds", base, summary.idle_before_start_s))
     family("attn_setup_cuda_graph_bytes", "Device memory one captured decode CUDA graph took.", "bytes")
     for r in records:
         if isinstance(r, ev.CudaGraphCaptured):

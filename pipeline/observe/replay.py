@@ -82,9 +82,27 @@ def _b(x: Any) -> Any:
     return msgspec.to_builtins(x)
 
 
+def _failed_before_resolve(run: Run) -> bool:
+    """The run recorded a failure in a state before resolve: the command line's (``args``, ``preflight``), a
+    runner state before ``attention`` or ``device-init``; its trace holds no decision because it made none."""
+    from pipeline.runtime.table import RUNNER
+
+    f, runner = run.failure, RUNNER.order
+    return f is not None and (f.state in ("args", "preflight", SETUP.order[0])
+                              or (f.state in runner and runner.index(f.state) < runner.index("attention")))
+
+
+def _stop_text(run: Run) -> str:
+    """Where a failed run stopped: its command and exit code, the state and the recorded error code."""
+    cmd, fin, f = run.first(ev.CommandStarted), run.first(ev.CommandFinished), run.failure
+    who = (f"'attn-setup {cmd.command}'" if cmd is not None else "the run") + (
+        f" (exit {fin.exit_code})" if fin is not None else "")
+    return f"{who} failed in state {f.state!r} with {f.code}" if f is not None else f"{who} ended"
+
+
 def _no_start_reason(run: Run) -> str:
-    return (f"it failed in {run.failure.state!r} before the attention pipeline started, so it made no "
-            "decision to replay" if run.failure is not None else
+    return (f"{_stop_text(run)}, before the attention pipeline started, so it made no decision to replay"
+            if run.failure is not None else
             "the record is missing or unreadable (a cut or corrupt line: 'attn-setup inspect' counts the lines it "
             "skipped)")
 
@@ -93,6 +111,20 @@ def _no_start(run: Run) -> UsageError:
     return UsageError(f"run {run.run_id} rank {run.rank} has no run_started record: {_no_start_reason(run)}",
                       code="trace_unreadable", flags=[("run_id", run.run_id)],
                       remedy="inspect it with `attn-setup inspect`; replay a trace of a run that reached resolve")
+
+
+def _nothing_to_replay(runs: list[Run]) -> UsageError:
+    """``nothing_to_replay`` (exit 2): the trace reads, but every run failed before resolve, deciding nothing."""
+    first = runs[0]
+    whys = [f"run {r.run_id} rank {r.rank}" + (f" launch {r.launch_id}" if r.launch_id else "")
+            + f": {_stop_text(r)}, before resolve" for r in runs]
+    return UsageError("the trace is readable but holds no decision to replay: " + "; ".join(whys)
+                      + " (replay compares what resolve and the states after it decided)",
+                      code="nothing_to_replay",
+                      flags=[("run_id", first.run_id), ("rank", first.rank), ("state", first.failure.state),
+                             ("error_code", first.failure.code)],
+                      remedy="read why it stopped with `attn-setup inspect LOG`; fix that and replay the trace of a "
+                             "run that reached resolve")
 
 
 def _unreadable(run: Run, why: str) -> UsageError:
@@ -175,12 +207,17 @@ def replay(trace: Any) -> ReplayResult:
     run without ``run_started`` (a launch refused before the attention pipeline started, next to
     other launches of the same run id) is reported as stopped there, not compared.
     Raises :class:`UsageError` (``trace_unreadable``, exit 2) when no record is readable, when no
-    run has a ``run_started`` record (nothing to replay from), or when a run's recorded request or
-    inputs cannot be used by this version (the error names the run and its ``run_started``
-    record's file and line). Never raises anything else for any file content.
+    run has a ``run_started`` record and no failure before resolve explains it (the record may be a
+    lost line), or when a run's recorded request or inputs cannot be used by this version
+    (the error names the run and its ``run_started`` record's file and line); ``nothing_to_replay``
+    (exit 2) when the trace reads but no run got to a decision because each recorded a failure before
+    resolve (a ``run`` refused at its flags, in preflight, a runner state before ``attention`` or at
+    device-init): the error names each run, the state it failed in and its recorded error code.
+    Never raises anything else for any file content.
     """
     t: Trace = as_trace(trace).require_records()
-    if not any(r.started is not None for r in t.runs):
+    early = all(_failed_before_resolve(r) for r in t.runs)  # no decision, and the recorded failure says why
+    if not any(r.started is not None for r in t.runs) and not early:
         raise _no_start(t.runs[0])
     runs = []
     for r in t.runs:
@@ -189,4 +226,6 @@ def replay(trace: Any) -> ReplayResult:
                                   stopped=f"no run_started record: {_no_start_reason(r)}"))
         else:
             runs.append(_replay_run(r))
+    if early and not any(r.checked or r.divergence is not None for r in runs):
+        raise _nothing_to_replay(t.runs)
     return ReplayResult(runs=runs, skipped_lines=t.skipped_lines)

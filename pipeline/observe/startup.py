@@ -2,9 +2,10 @@
 
 :func:`summarize` turns one launch's records into named phases, each a measured duration:
 
-- ``startup``: process start (the kernel's start time of this process, :func:`process_start_ns`) to
-  ``command_started`` — the interpreter, the imports (torch's included), argument parsing and reading
-  the model config;
+- ``startup``: process start (:func:`process_start`: the kernel's creation time of this process, moved past
+  the time it did not run before attn-setup's first code — a shell's earlier commands before it ``exec``'d
+  Python —, reported apart as ``idle_before_start_s``) to ``command_started`` — the interpreter, the imports
+  (torch's included), argument parsing and reading the model config;
 - ``preflight``: ``command_started`` to ``runner_started`` (the refusals checked before allocating);
 - each runner state (``init-distributed``, ``load-model``, ``init-memory-pool`` — the pool allocation —,
   ``attention``, ``capture-cuda-graphs``) from its ``runner_transition`` ``duration_ms``; children:
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
 from pipeline.core import events as ev
 
@@ -35,12 +36,12 @@ SLOW_PHASE_ENV = "ATTN_SETUP_SLOW_PHASE_S"
 SLOW_PHASE_FLAG = "--slow-phase-s"
 
 
-def process_start_ns() -> Optional[int]:
-    """Wall-clock ns at which this process started, from ``/proc/self/stat`` (Linux; None elsewhere).
+def process_created_ns() -> Optional[int]:
+    """Wall-clock ns at which the kernel created this process, from ``/proc/self/stat`` (Linux; None elsewhere).
 
     Field 22 (``starttime``) counts clock ticks since boot on the boot-time clock; the offset between
-    ``CLOCK_BOOTTIME`` now and then, taken from ``time.time_ns()``, is the start on the wall clock
-    (resolution one tick, 10 ms at the usual 100 Hz).
+    ``CLOCK_BOOTTIME`` now and then, taken from ``time.time_ns()``, is the creation on the wall clock
+    (resolution one tick, 10 ms at the usual 100 Hz). It is the ``fork``, not the ``exec``: see :func:`process_start`.
     """
     try:
         with open("/proc/self/stat", "rb") as f:
@@ -51,6 +52,38 @@ def process_start_ns() -> Optional[int]:
         return time.time_ns() - since_ns
     except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+class ProcessStart(NamedTuple):
+    """Where ``startup`` begins: ``start_ns`` = ``created_ns`` + ``idle_ns`` (wall clock, ns)."""
+
+    start_ns: int  # when the process started running: its creation, moved past the time it did not run
+    created_ns: int  # the kernel's creation time (the fork): process_created_ns()
+    idle_ns: int  # between creation and attn-setup's first code, the time the process did not run (not in wall)
+
+
+def process_start() -> Optional[ProcessStart]:
+    """The startup summary's origin: the process's creation (:func:`process_created_ns`) moved later by the time it
+    did not run before attn-setup's first code (:mod:`pipeline.core.launch_clock`: wall time since creation less the
+    time it ran or waited for a CPU). Linux keeps no ``exec`` time, and a shell may create the process long before
+    it ``exec``'s Python — ``( pip install … && attn-setup run … )`` runs ``pip`` while this process waits —, so
+    that wait is left out instead of counted as startup. It can only leave time out: the interpreter's own waits on
+    disk before our first code are left out too, and the shell's few ms of CPU before ``exec`` stay in. None when
+    the creation time is unknown (not Linux)."""
+    from pipeline.core import launch_clock
+
+    created = process_created_ns()
+    if created is None:
+        return None
+    active = launch_clock.FIRST_CODE_ACTIVE_NS
+    idle = 0 if active is None else max(0, launch_clock.FIRST_CODE_NS - created - active)
+    return ProcessStart(start_ns=created + idle, created_ns=created, idle_ns=idle)
+
+
+def process_start_ns() -> Optional[int]:
+    """:func:`process_start`'s ``start_ns`` (None when unknown)."""
+    start = process_start()
+    return None if start is None else start.start_ns
 
 
 def _phase(name: str, seconds: float, parent: str = "", detail: str = "") -> ev.PhaseTime:
@@ -124,15 +157,17 @@ def timed_torch_import() -> dict[str, Any]:
 
 
 def summarize(records: Iterable[ev.Event], *, start_ns: Optional[int], end_ns: int,
-              jit: Iterable[dict[str, Any]] = (), startup_parts: Iterable[tuple[str, float, str]] = ()
-              ) -> dict[str, Any]:
+              jit: Iterable[dict[str, Any]] = (), startup_parts: Iterable[tuple[str, float, str]] = (),
+              created_ns: Optional[int] = None) -> dict[str, Any]:
     """The ``startup_summary`` fields of one launch's ``records`` (in order).
 
-    ``start_ns``: the process start (wall clock, ns; None when unknown: ``startup`` then starts at the
-    first record); ``end_ns``: when the summary is taken; ``jit``: the FlashInfer backends'
-    ``jit_report`` entries (``{variant, status, seconds}``); ``startup_parts``: ``(name, seconds, detail)`` measured
-    inside ``startup`` (``import torch``, :func:`timed_torch_import`), shown as its children. Returns ``{wall_s, phases, unaccounted_s,
-    coverage, process_start_ns}``; ``coverage`` = top-level seconds / ``wall_s`` (1.0 for a zero wall).
+    ``start_ns``: the process start (wall clock, ns, :func:`process_start`; None when unknown: ``startup`` then
+    starts at the first record); ``created_ns``: the process's creation, when known (``start_ns`` minus it is
+    ``idle_before_start_s``, outside the wall); ``end_ns``: when the summary is taken; ``jit``: the FlashInfer
+    backends' ``jit_report`` entries (``{variant, status, seconds}``); ``startup_parts``: ``(name, seconds, detail)``
+    measured inside ``startup`` (``import torch``, :func:`timed_torch_import`), shown as its children. Returns
+    ``{wall_s, phases, unaccounted_s, coverage, process_start_ns, created_ns, idle_before_start_s}``; ``coverage`` =
+    top-level seconds / ``wall_s`` (1.0 for a zero wall).
     """
     records = list(records)
     first = lambda cls: next((r for r in records if isinstance(r, cls)), None)  # noqa: E731
@@ -159,7 +194,12 @@ def summarize(records: Iterable[ev.Event], *, start_ns: Optional[int], end_ns: i
     wall = max((end_ns - origin) / 1e9, 0.0)
     named = sum(p.seconds for p in phases if not p.parent)
     return {"wall_s": round(wall, 6), "phases": phases, "unaccounted_s": round(wall - named, 6),
-            "coverage": round(named / wall, 4) if wall > 0 else 1.0, "process_start_ns": start_ns or 0}
+            "coverage": round(named / wall, 4) if wall > 0 else 1.0, "process_start_ns": start_ns or 0,
+            "created_ns": created_ns or 0, "idle_before_start_s": _idle_s(start_ns, created_ns)}
+
+
+def _idle_s(start_ns: Optional[int], created_ns: Optional[int]) -> float:
+    return round(max(start_ns - created_ns, 0) / 1e9, 6) if start_ns and created_ns else 0.0
 
 
 def slow_threshold(flag_value: Optional[float]) -> Optional[float]:
@@ -185,7 +225,7 @@ def slow_threshold(flag_value: Optional[float]) -> Optional[float]:
 
 def emit_summary(log: Any, *, start_ns: Optional[int], jit: Iterable[dict[str, Any]] = (),
                  slow_s: Optional[float] = None, startup_parts: Iterable[tuple[str, float, str]] = (),
-                 judged: Iterable[tuple[str, str]] = ()) -> ev.StartupSummary:
+                 judged: Iterable[tuple[str, str]] = (), created_ns: Optional[int] = None) -> ev.StartupSummary:
     """Emit ``slow_phase`` warnings (phases over ``slow_s`` seconds) and the ``startup_summary``; returns it.
 
     ``judged``: ``(name, parent)`` of the phases already judged as they ended
@@ -194,7 +234,8 @@ def emit_summary(log: Any, *, start_ns: Optional[int], jit: Iterable[dict[str, A
     (:func:`pipeline.observe.slow_phase.phase_state`), not with the state the run ended in."""
     from pipeline.observe.slow_phase import phase_state
 
-    s = summarize(log.records, start_ns=start_ns, end_ns=time.time_ns(), jit=jit, startup_parts=startup_parts)
+    s = summarize(log.records, start_ns=start_ns, end_ns=time.time_ns(), jit=jit, startup_parts=startup_parts,
+                  created_ns=created_ns)
     done = set(judged)
     if slow_s is not None:
         for p in s["phases"]:

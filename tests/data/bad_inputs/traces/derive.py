@@ -6,7 +6,9 @@ Sources: tests/data/golden/ok_tbo.jsonl and ok_default.jsonl (real CPU starts, w
 ``launch_id`` existed) and cli_run_ok.jsonl here (a real ``attn-setup run --device cpu`` trace in
 the current format). ``two_launches_shared_run_id.jsonl`` is not derived: it was recorded with
 ``ATTN_SETUP_RUN_ID=shared-1``, first ``--decode-steps -1`` (refused before the pipeline), then a
-good start, both appending to the same ``--log-file``.
+good start, both appending to the same ``--log-file``. ``cli_run_refused_device.jsonl`` is not derived either: a
+real ``attn-setup run --device cuda --log-file …`` on a CPU-only machine, refused at its flags (state ``args``,
+``device_unavailable``, exit 3) before ``run_started``: a readable trace with no decision to replay.
 """
 
 import json
