@@ -198,13 +198,14 @@ def estimate_for_decided(request: "SetupRequest", decided: "Decided",
 
 def graphs_up_to(request: "SetupRequest", n: int) -> "SetupRequest":
     """``request`` with its decode graphs cut to the top ``n``, as a remedy that lowers them words it:
-    ``cuda_graph_max_bs=n``, or with a ``cuda_graph_bs`` list its sizes up to ``n`` (and ``cuda_graph_max_bs=n`` when
-    that was set too)."""
+    ``cuda_graph_max_bs=n``, or with a ``cuda_graph_bs`` list its sizes up to ``n`` (and, when that was set too,
+    ``cuda_graph_max_bs`` the largest of them, which it must equal). The list must keep a size (``n`` at least its
+    smallest): an empty one is refused where it is estimated."""
     import msgspec
 
     args = request.args
     listed = [b for b in args.cuda_graph_bs if b <= n] if args.cuda_graph_bs else None
-    top = n if listed is None or args.cuda_graph_max_bs is not None else None
+    top = n if listed is None else max(listed, default=None) if args.cuda_graph_max_bs is not None else None
     return msgspec.structs.replace(request, args=msgspec.structs.replace(args, cuda_graph_bs=listed,
                                                                          cuda_graph_max_bs=top))
 

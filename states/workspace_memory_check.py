@@ -65,7 +65,8 @@ def check_workspaces(req: Any, d: Any, facts: Any, fits: Any = None) -> None:
             registry.get(backend).check_workspace(
                 ws.bytes, kinds, num_sms=facts.sm_count, max_reqs=req.pool.max_reqs, graph_max_bs=max_bs,
                 graph_bs_given=bool(req.args.cuda_graph_bs), env_var=from_env.get(ws.bytes, ""), max_bytes=max_ws,
-                field_given=ws.bytes in from_field, fits=fits)
+                field_given=ws.bytes in from_field, fits=fits, graph_bs=req.args.cuda_graph_bs or (),
+                max_bs_given=req.args.cuda_graph_max_bs is not None)
 
 
 def check_workspaces_fit(request: Any, d: Any, facts: Any, memory_bytes: int, *, pool_bytes: int = 0,

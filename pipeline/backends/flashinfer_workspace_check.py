@@ -5,7 +5,7 @@ memory" during graph capture)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from pipeline.backends.flashinfer_sizing import HeadShape, WorkspaceNeed, workspace_need
 from pipeline.core.errors import ConfigError
@@ -79,7 +79,8 @@ def largest_fitting_bs(fits: Any, top: int) -> Optional[int]:
 def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: str, num_sms: int, max_reqs: int,
                             graph_max_bs: int, graph_bs_given: bool = False, state: str = "build-mode",
                             env_var: str = "", max_bytes: int = 0, field_given: bool = False,
-                            fits: Optional[Callable[[int, int], bool]] = None) -> None:
+                            fits: Optional[Callable[[int, int], bool]] = None, graph_bs: Sequence[int] = (),
+                            max_bs_given: bool = False) -> None:
     """The one workspace check (build-mode, ``plan`` and ``run``'s preflight call it, through the registry entry).
 
     ``size_bytes``: the workspace the backend gets; ``kinds``: the layer kinds it serves;
@@ -93,7 +94,9 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
     ``fits(ws, bs)``: whether each planned workspace at ``ws`` bytes fits the device beside the KV pools and the
     decode graphs up to ``bs`` (0: none) — ``plan``'s :func:`states.workspace_remedy_check.fits_beside` (s12ws:
     without it the remedy named a workspace and a top whose graphs did not fit beside 2**24 rows of
-    ``req_to_token``); None: only ``max_bytes`` bounds it. Raises ConfigError ``workspace_too_small``.
+    ``req_to_token``); None: only ``max_bytes`` bounds it; ``graph_bs``: the ``cuda_graph_bs`` list (when known: a
+    remedy that cuts it then names the largest size it keeps, and with ``max_bs_given`` — ``cuda_graph_max_bs`` set
+    too, which must equal that size — that top as well). Raises ConfigError ``workspace_too_small``.
 
     Every alternative of the remedy then passes this check with a value the flags take, and ``fits``:
 
@@ -118,28 +121,45 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
     need_at = lambda bs: workspace_need(shapes, cuda_graph_max_bs=bs, **kw).bytes  # noqa: E731
     raise_fits = room(need.bytes, graph_max_bs)
     fix = _graph_fix(size_bytes, need_at, room, top=min(graph_max_bs, max_reqs, REMEDY_MAX_BS + 1) - 1,
-                     graphs=graph_max_bs > 0, list_given=graph_bs_given, name=env_var or WORKSPACE_FIELD,
-                     raise_fits=raise_fits)
+                     graphs=graph_max_bs > 0, sizes=_sizes_wording(graph_bs_given or bool(graph_bs), graph_bs,
+                                                                   max_bs_given),
+                     name=env_var or WORKSPACE_FIELD, raise_fits=raise_fits)
     check_workspace_size(size_bytes, need, state=state, graph_fix=fix, env_var=env_var, raise_fits=raise_fits,
                          field_given=field_given)
 
 
+def _sizes_wording(list_given: bool, graph_bs: Sequence[int], max_bs_given: bool) -> Callable[[int], str]:
+    """``sizes(n)``: the change that makes ``n`` the largest captured batch (library wording) —
+    ``set cuda_graph_max_bs=n``, or with a list ``use only sizes up to n in cuda_graph_bs`` (with ``max_bs_given``,
+    ``cuda_graph_max_bs`` set too, which must equal the list's largest size: ``use only sizes up to m in
+    cuda_graph_bs and set cuda_graph_max_bs=m``, ``m`` the list's largest size up to ``n``) —, or "" where the list
+    (when known) keeps no size."""
+    def sizes(n: int) -> str:
+        if not list_given:
+            return f"set cuda_graph_max_bs={n}"
+        m = max((b for b in graph_bs if b <= n), default=0) if graph_bs else n
+        if not m:
+            return ""
+        return (f"use only sizes up to {m} in cuda_graph_bs and set cuda_graph_max_bs={m}" if max_bs_given
+                else f"use only sizes up to {n} in cuda_graph_bs")
+    return sizes
+
+
 def _graph_fix(size_bytes: int, need_at: Callable[[int], int], room: Callable[[int, int], bool], *, top: int,
-               graphs: bool, list_given: bool, name: str, raise_fits: bool) -> str:
+               graphs: bool, sizes: Callable[[int], str], name: str, raise_fits: bool) -> str:
     """The remedy's alternative that changes the captured sizes (library wording), or "": the largest top ``N`` in
     ``1..top`` whose need fits the workspace as it is and ``room(size_bytes, N)``; else, unless raising the workspace
     works (``raise_fits``), the need at the largest ``N`` with ``room(need_at(N), N)`` and that ``N``; else no graphs
     (``room`` at 0), with the eager need as the workspace when it is above ``size_bytes``. Each search is
-    :func:`largest_fitting_bs`: the need and the graphs' bytes grow with ``N``, so each predicate holds on a prefix."""
-    sizes = (lambda n: f"use only sizes up to {n} in cuda_graph_bs") if list_given else (  # noqa: E731
-        lambda n: f"set cuda_graph_max_bs={n}")
+    :func:`largest_fitting_bs`: the need and the graphs' bytes grow with ``N``, so each predicate holds on a prefix.
+    ``sizes``: :func:`_sizes_wording`'s (a list cut to no size is no alternative)."""
     fits = largest_fitting_bs(lambda bs: need_at(bs) <= size_bytes and room(size_bytes, bs), top)
-    if fits is not None:
+    if fits is not None and sizes(fits):
         return sizes(fits)
     if raise_fits:
         return ""
     both = largest_fitting_bs(lambda bs: room(need_at(bs), bs), top)
-    if both is not None:
+    if both is not None and sizes(both):
         return f"set {name}={need_at(both)} and {sizes(both).removeprefix('set ')}"
     eager = max(need_at(0), size_bytes)
     if graphs and room(eager, 0):
