@@ -6,6 +6,7 @@ beside 8 TiB of req_to_token — each then refused as ``pool_exceeds_memory``.""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -116,3 +117,25 @@ def test_a_cut_list_names_a_size_it_keeps_and_that_top(monkeypatch):
     assert "--cuda-graph-bs" not in err["remedy"]
     follow_every_alternative(base + ["--cuda-graph-max-bs", "250", "--cuda-graph-bs", "250"], err["remedy"],
                              monkeypatch)
+
+
+def test_pools_and_graphs_both_too_large_lower_rows_and_graphs_together(monkeypatch):
+    """Stretch: req_to_token of 16 rows at a 2**31 - 1 context (137 GB) and the graphs at that context (137 GB):
+    neither fewer rows nor fewer graphs alone fit, and the remedy was "free memory on the device"; it now names
+    rows with a lower top, and rows without graphs, each then planning ok."""
+    argv = ["--max-reqs", "16", "--max-context-len", str(2 ** 31 - 1)]
+    rc, out = plan(argv, monkeypatch, {})
+    assert rc == 3 and out["error"]["code"] == "pool_exceeds_memory", out["error"]
+    remedy = out["error"]["remedy"]
+    assert "free memory" not in remedy
+    top, eager = remedy.split(", or ")
+    m = re.fullmatch(r"lower --max-reqs \(at most (\d+) rows at this context length\) and set --cuda-graph-max-bs "
+                     r"(\d+)", top)
+    assert m and 1 <= int(m.group(2)) <= int(m.group(1)) < 16, top
+    rc, got = plan(argv[:1] + [m.group(1)] + argv[2:] + ["--cuda-graph-max-bs", m.group(2)], monkeypatch, {})
+    assert rc == 0 and got["cuda_graphs"]["max_bs"] == int(m.group(2)), got.get("error")
+    m = re.fullmatch(r"lower --max-reqs \(at most (\d+) rows at this context length\) and set --disable-cuda-graph",
+                     eager)
+    assert m, eager
+    rc, got = plan(argv[:1] + [m.group(1)] + argv[2:] + ["--disable-cuda-graph"], monkeypatch, {})
+    assert rc == 0 and not got["cuda_graphs"]["capture"], got.get("error")
