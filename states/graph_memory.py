@@ -73,7 +73,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from pipeline.core.driver import Decided
     from pipeline.core.pool_remedy import GraphTrial
 
-__all__ = ["GraphMemoryEstimate", "estimate_graph_memory", "estimate_for_decided", "graph_trial", "blas_workspace_bytes",
+__all__ = ["GraphMemoryEstimate", "estimate_graph_memory", "estimate_for_decided", "graph_trial", "graphs_up_to",
+           "blas_workspace_bytes",
            "PoolModel",
            "MiB"]
 
@@ -195,14 +196,26 @@ def estimate_for_decided(request: "SetupRequest", decided: "Decided",
                                  page_size=args.page_size, num_sms=facts.sm_count, env=env)
 
 
+def graphs_up_to(request: "SetupRequest", n: int) -> "SetupRequest":
+    """``request`` with its decode graphs cut to the top ``n``, as a remedy that lowers them words it:
+    ``cuda_graph_max_bs=n``, or with a ``cuda_graph_bs`` list its sizes up to ``n`` (and, when that was set too,
+    ``cuda_graph_max_bs`` the largest of them, which it must equal). The list must keep a size (``n`` at least its
+    smallest): an empty one is refused where it is estimated."""
+    import msgspec
+
+    args = request.args
+    listed = [b for b in args.cuda_graph_bs if b <= n] if args.cuda_graph_bs else None
+    top = n if listed is None else max(listed, default=None) if args.cuda_graph_max_bs is not None else None
+    return msgspec.structs.replace(request, args=msgspec.structs.replace(args, cuda_graph_bs=listed,
+                                                                         cuda_graph_max_bs=top))
+
+
 def graph_trial(request: "SetupRequest", decided: "Decided", estimate: Optional[GraphMemoryEstimate],
                 aux_layers: Sequence[int] = (), env: Mapping[str, str] = os.environ) -> Optional["GraphTrial"]:
     """The captured graphs of ``estimate`` as a :class:`pipeline.core.pool_remedy.GraphTrial`, for a memory remedy
     that lowers their top: ``bytes_at(n)`` is :func:`estimate_for_decided` (bytes) for ``request`` with the sizes cut
     to those up to ``n`` (``cuda_graph_max_bs=n``, or the ``cuda_graph_bs`` list's sizes up to ``n``) on the same
     decided setup — nondecreasing in ``n``. None without graphs."""
-    import msgspec
-
     from pipeline.core.pool_remedy import GraphTrial
 
     if estimate is None or not estimate.batch_sizes:
@@ -210,11 +223,7 @@ def graph_trial(request: "SetupRequest", decided: "Decided", estimate: Optional[
     args = request.args
 
     def bytes_at(n: int) -> int:
-        listed = [b for b in args.cuda_graph_bs if b <= n] if args.cuda_graph_bs else None
-        top = n if listed is None or args.cuda_graph_max_bs is not None else None
-        cut = msgspec.structs.replace(request, args=msgspec.structs.replace(args, cuda_graph_bs=listed,
-                                                                            cuda_graph_max_bs=top))
-        est = estimate_for_decided(cut, decided, aux_layers, env)
+        est = estimate_for_decided(graphs_up_to(request, n), decided, aux_layers, env)
         return 0 if est is None else est.total_bytes
 
     return GraphTrial(list(estimate.batch_sizes), bool(args.cuda_graph_bs), args.cuda_graph_max_bs is not None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from pipeline.backends import registry
 from pipeline.core.errors import ConfigError
 from pipeline.core.pool_sizing import POOL_MEMORY_SHARE, remedy_available
 
@@ -26,8 +27,6 @@ def need_at(request: Any, d: Any, facts: Any) -> Callable[[int], int]:
     """``need(bs)``: the bytes each planned workspace must hold at least (the largest need of the backends sharing
     one, :meth:`~pipeline.backends.registry.Backend.workspace_need`) when the decode graphs go up to ``bs`` (0: no
     graphs), for build-mode's decision ``d``."""
-    from pipeline.backends import registry
-
     kinds, plan = request.served_model.layer_kinds(), d.plan
     users = {ws.id: sorted({i.backend for i in plan.instances if i.workspace == ws.id}) for ws in plan.workspaces}
 
@@ -44,6 +43,30 @@ def workspace_setting(d: Any) -> tuple[str, Any]:
     if s is None:
         return "workspace_bytes", None
     return (s.env_var if s.source == "env" and s.env_var else s.field), s.value
+
+
+def check_workspaces(req: Any, d: Any, facts: Any, fits: Any = None) -> None:
+    """Build-mode's workspace check: each planned workspace of ``d`` (a
+    :class:`~pipeline.setup.context.BuildDecision`) against the largest batch its users plan for ``req`` on the
+    device ``facts`` (each user's registry entry, :meth:`~pipeline.backends.registry.Backend.check_workspace`, graph
+    sizes actually captured); build-mode's ``check`` calls it, and ``plan`` again with ``fits``. Raises its ConfigError
+    ``workspace_too_small``, naming the variable or the field that set the size (the field wins); the remedy never
+    names a workspace above each one's share of the device's total memory less
+    :func:`~pipeline.core.pool_sizing.remedy_margin` (as :func:`pipeline.setup.pools.check_workspace_memory`'s),
+    nor, with ``fits(ws, bs)`` (``plan``'s: :func:`states.workspace_remedy_check.fits_beside`), one that with the
+    graphs up to ``bs`` does not fit beside the KV pools."""
+    kinds, max_bs = req.served_model.layer_kinds(), d.graph_max_bs(req, facts)
+    from_env = {s.value: s.env_var for s in d.settings if s.source == "env" and s.env_var}
+    from_field = {s.value for s in d.settings if s.source == "field"}
+    total = facts.total_memory_bytes
+    max_ws = int(remedy_available(total) * POOL_MEMORY_SHARE) // max(len(d.plan.workspaces), 1) if total > 0 else 0
+    for ws in d.plan.workspaces:
+        for backend in sorted({i.backend for i in d.plan.instances if i.workspace == ws.id}):
+            registry.get(backend).check_workspace(
+                ws.bytes, kinds, num_sms=facts.sm_count, max_reqs=req.pool.max_reqs, graph_max_bs=max_bs,
+                graph_bs_given=bool(req.args.cuda_graph_bs), env_var=from_env.get(ws.bytes, ""), max_bytes=max_ws,
+                field_given=ws.bytes in from_field, fits=fits, graph_bs=req.args.cuda_graph_bs or (),
+                max_bs_given=req.args.cuda_graph_max_bs is not None)
 
 
 def check_workspaces_fit(request: Any, d: Any, facts: Any, memory_bytes: int, *, pool_bytes: int = 0,

@@ -67,6 +67,10 @@ def _follow(argv: list[str], remedy: str) -> int:
             fixed = set_flag(argv, "--max-reqs", m.group(1))
             if "to at most that" in way:
                 fixed = set_flag(fixed, "--cuda-graph-max-bs", m.group(1))
+            if top := re.search(r" and set --cuda-graph-max-bs (\d+)$", way):  # rows and graphs together (s12ws)
+                fixed = set_flag(fixed, "--cuda-graph-max-bs", top.group(1))
+            elif way.endswith(" and set --disable-cuda-graph"):
+                fixed = fixed + ["--disable-cuda-graph"]
         elif m := re.match(r"lower --max-context-len \(at most (\d+) tokens", way):
             fixed = set_flag(argv, "--max-context-len", m.group(1))
         elif m := re.match(r"pass --num-token-slots (\d+) or fewer", way):
@@ -83,7 +87,9 @@ def _follow(argv: list[str], remedy: str) -> int:
 
 @pytest.mark.parametrize("argv", [["--max-reqs", "2147483647"],
                                   ["--max-reqs", "100000", "--max-context-len", "400000"],
-                                  ["--num-token-slots", str(2 ** 31 - 1)]])
+                                  ["--num-token-slots", str(2 ** 31 - 1)],
+                                  # s12ws: req_to_token and the graphs of a 2**31 - 1 context are each ~137 GB
+                                  ["--max-reqs", "16", "--max-context-len", "2147483647"]])
 def test_plan_refuses_pools_run_refuses_and_each_alternative_plans_ok(argv):
     rc, out = plan(argv)
     err = out["error"]

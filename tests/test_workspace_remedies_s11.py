@@ -1,6 +1,8 @@
 """s11: every alternative of the FlashInfer workspace remedy passes the whole plan — the pools and graphs too —
 with ``--max-reqs`` 2**24 (req_to_token of 64 GiB at the default context length), in-process through the CLI's main;
-and a graph top no H200 can hold is refused at once from the estimate's lower bound, not after estimating ~2M sizes."""
+and a graph top no H200 can hold is refused at once from the estimate's lower bound, not after estimating ~2M sizes.
+(s12ws closed gap 2: with 2**24 rows and a 2**24 top the remedy named the need of top 8192 and that top, which
+``plan`` then refused as ``pool_exceeds_memory``; tests/test_workspace_remedy_room_s12.py holds its own cases.)"""
 
 from __future__ import annotations
 
@@ -16,15 +18,7 @@ HUGE = 2 ** 24
 GRID = list(itertools.product((300, HUGE), (1000, 64 << 20, None), (None, 200, "max_reqs")))
 
 
-# s11 gap 2, not fixed yet: with 2**24 rows the remedy's "workspace at the need of top 8192 and that top" is then
-# refused as pool_exceeds_memory (req_to_token + the 8192-top graphs); strict xfail marks it open.
-OPEN = {(HUGE, 1000, "max_reqs"), (HUGE, 64 << 20, "max_reqs")}
-
-
-GAP2 = pytest.mark.xfail(strict=True, reason="s11 gap 2 open: the workspace remedy ignores the pools")
-
-
-@pytest.mark.parametrize("max_reqs,ws,top", [pytest.param(*g, marks=GAP2) if g in OPEN else g for g in GRID])
+@pytest.mark.parametrize("max_reqs,ws,top", GRID)
 def test_every_alternative_plans_ok(max_reqs, ws, top, monkeypatch):
     argv = grid_argv(max_reqs, ws, top)
     rc, out = plan(argv, monkeypatch)

@@ -66,7 +66,8 @@ class BackendRules:
     ``workspace(args, model, env) -> Setting``: the workspace bytes one instance gets, as the setting that
     is logged (without it: the record's ``workspace_bytes``, not logged).
     ``check_workspace(nbytes, kinds, *, num_sms, max_reqs, graph_max_bs, graph_bs_given, env_var, max_bytes,
-    field_given)``: refuse a workspace too small for the largest planned batch (ConfigError ``workspace_too_small``).
+    field_given, fits, graph_bs, max_bs_given)``: refuse a workspace too small for the largest planned batch (ConfigError
+    ``workspace_too_small``).
     ``workspace_need(kinds, *, num_sms, max_reqs, graph_max_bs) -> int``: the bytes of workspace that check needs
     (the least it accepts); None: none.
     ``jit_variants(kinds, q_dtype, kv_dtype, arch) -> list``: the kernel modules a build JIT-compiles

@@ -62,10 +62,12 @@ def workspace(args: AttentionArgs, model: ModelSpec, env: Mapping[str, str]) -> 
 
 def _checker(kernel: str) -> Any:
     def check(nbytes: int, kinds: Sequence[Any], *, num_sms: int, max_reqs: int, graph_max_bs: int,
-              graph_bs_given: bool = False, env_var: str = "", max_bytes: int = 0, field_given: bool = False) -> None:
+              graph_bs_given: bool = False, env_var: str = "", max_bytes: int = 0, field_given: bool = False,
+              fits: Any = None, graph_bs: Sequence[int] = (), max_bs_given: bool = False) -> None:
         wscheck.check_backend_workspace(nbytes, kinds, backend=kernel, num_sms=num_sms, max_reqs=max_reqs,
                                        graph_max_bs=graph_max_bs, graph_bs_given=graph_bs_given, env_var=env_var,
-                                       max_bytes=max_bytes, field_given=field_given)
+                                       max_bytes=max_bytes, field_given=field_given, fits=fits, graph_bs=graph_bs,
+                                       max_bs_given=max_bs_given)
     return check
 
 

@@ -76,16 +76,22 @@ class BackendEntry:
 
     def check_workspace(self, nbytes: int, kinds: Sequence["LayerKind"], *, num_sms: int, max_reqs: int,
                         graph_max_bs: int, graph_bs_given: bool = False, env_var: str = "",
-                        max_bytes: int = 0, field_given: bool = False) -> None:
+                        max_bytes: int = 0, field_given: bool = False, fits: Any = None,
+                        graph_bs: Sequence[int] = (), max_bs_given: bool = False) -> None:
         """Refuse a workspace of ``nbytes`` too small for the largest batch this backend plans over ``kinds``
         (ConfigError ``workspace_too_small``); a backend without such a rule needs no check. ``env_var``: the
         environment variable the size came from, if it did (the error then names it and its value);
         ``max_bytes``: the largest workspace the device holds (0: unknown), which the remedy never exceeds;
-        ``field_given``: the size came from its field (which wins over the variable: the remedy names only it)."""
+        ``field_given``: the size came from its field (which wins over the variable: the remedy names only it);
+        ``fits(ws, bs)``: whether each workspace at ``ws`` bytes fits beside the KV pools and the graphs up to
+        ``bs`` (``plan``'s, :func:`states.workspace_remedy_check.fits_beside`; None: ``max_bytes`` alone), which
+        every alternative of the remedy then does; ``graph_bs``: the ``cuda_graph_bs`` list and ``max_bs_given``:
+        ``cuda_graph_max_bs`` set too, so that a remedy cutting the list names a size of it and that top."""
         if self.rules.check_workspace is not None:
             self.rules.check_workspace(nbytes, kinds, num_sms=num_sms, max_reqs=max_reqs, graph_max_bs=graph_max_bs,
                                        graph_bs_given=graph_bs_given, env_var=env_var, max_bytes=max_bytes,
-                                       field_given=field_given)
+                                       field_given=field_given, fits=fits, graph_bs=graph_bs,
+                                       max_bs_given=max_bs_given)
 
     def workspace_need(self, kinds: Sequence["LayerKind"], *, num_sms: int, max_reqs: int, graph_max_bs: int) -> int:
         """Bytes of workspace :meth:`check_workspace` needs for ``kinds`` with ``max_reqs`` rows and graphs up to

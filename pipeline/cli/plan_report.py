@@ -32,6 +32,23 @@ def warnings_obj(warnings: Any) -> list[dict[str, Any]]:
     return [msgspec.to_builtins(w) for w in warnings]
 
 
+def run_stack(request: SetupRequest, num_layers: Any = None) -> Optional[SetupRequest]:
+    """``request`` with its served model cut to the stack ``run`` builds with ``num_layers`` (None: run's default,
+    as many as it takes to include every attention kind), which ``plan``'s memory checks count; None for a model
+    without attention layers. Raises ConfigError for ``num_layers`` outside the model's attention layers."""
+    from pipeline.core.model_spec import layers_covering_every_kind
+    from pipeline.core.spec import attention_layer_ids, truncate_spec
+
+    from pipeline.cli.run import DEFAULT_LAYERS
+
+    served = request.served_model
+    if not attention_layer_ids(served):
+        return None
+    n = num_layers if num_layers is not None else max(layers_covering_every_kind(served, DEFAULT_LAYERS), 1)
+    field = "draft_model" if request.is_draft_worker and request.draft_model is not None else "model"
+    return msgspec.structs.replace(request, **{field: truncate_spec(served, n)})
+
+
 def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = None) -> dict[str, Any]:
     """``{cuda_graph_bytes_estimate, cuda_graph_estimate}`` for the stack ``run`` builds with ``num_layers`` (None:
     run's default) — :func:`states.graph_memory.estimate_for_decided`, as run's pool sizing calls it; 0 and None
@@ -39,21 +56,14 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
     and ``workspace_exceeds_memory`` / ``pool_exceeds_memory`` for workspaces, graphs or pools the device profile
     cannot hold (:func:`states.graph_memory_check.check_plan_memory`: run refuses them too)."""
     from pipeline.core.layer_span import span_fields, span_of
-    from pipeline.core.model_spec import layers_covering_every_kind
-    from pipeline.core.spec import attention_layer_ids, truncate_spec
     from states.graph_memory import estimate_for_decided
     from states.graph_memory_bound import lower_bound_for_decided
     from states.graph_memory_check import check_plan_memory, refuse_early
 
-    from pipeline.cli.run import DEFAULT_LAYERS
-
-    served = request.served_model
-    if not attention_layer_ids(served):
+    served, cut = request.served_model, run_stack(request, num_layers)
+    if cut is None:
         return {"cuda_graph_bytes_estimate": 0, "cuda_graph_estimate": None}
-    n = num_layers if num_layers is not None else max(layers_covering_every_kind(served, DEFAULT_LAYERS), 1)
-    spec = truncate_spec(served, n)
-    field = "draft_model" if request.is_draft_worker and request.draft_model is not None else "model"
-    cut = msgspec.structs.replace(request, **{field: spec})
+    spec = cut.served_model
     total = decided["device-init"].facts.total_memory_bytes
     refuse_early(cut, decided, lower_bound_for_decided(cut, decided), total)  # s11: before estimating every size
     est = estimate_for_decided(cut, decided)
@@ -95,6 +105,24 @@ def graph_estimate_line(report: dict[str, Any]) -> str:
             "sizing the KV pool")
 
 
+def _retell_workspace_refusal(request: SetupRequest, decided: Any, device: DeviceFacts, num_layers: Any) -> None:
+    """s12ws: a ``workspace_too_small`` refusal raised again with a remedy whose alternatives fit beside the KV pools
+    and the graphs of the stack ``run`` builds (:func:`states.workspace_remedy_check.retell_workspace_refusal`);
+    any other refusal, or a ``num_layers`` the model refuses (raised after the refusal, as before), left alone."""
+    from pipeline.core.errors import AttnSetupError
+    from states.workspace_remedy_check import retell_workspace_refusal
+
+    err = decided.refused[1] if decided.refused is not None else None
+    if not isinstance(err, AttnSetupError) or err.info.code != "workspace_too_small":
+        return
+    try:
+        stack = run_stack(request, num_layers)
+    except AttnSetupError:
+        return
+    if stack is not None:
+        retell_workspace_refusal(request, stack, decided, device.total_memory_bytes)
+
+
 def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool],
                 num_layers: Any = None) -> dict[str, Any]:
     """The plan report for ``request`` on ``device`` (raises the typed error of a refusal).
@@ -110,7 +138,9 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
     from pipeline.setup.build import decide_setup
     from states import resolve
 
-    decided = decide_setup(request, facts=device, installed=installed).raise_refusal()
+    decided = decide_setup(request, facts=device, installed=installed)
+    _retell_workspace_refusal(request, decided, device, num_layers)
+    decided.raise_refusal()
     res, plan = decided["resolve"], decided["build-mode"].plan
     return {"ok": True, "device": device_view(device), "installed": dict(installed),
             "resolved": rp.resolved_obj(res), "plan": rp.plan_obj(plan), "rejected": rejected_obj(res),

@@ -65,14 +65,20 @@ def graph_fixes(trial: Optional[GraphTrial], room: int, *, eager_fits: bool) -> 
     candidates = [b for b in trial.sizes if b < top and b <= REMEDY_MAX_BS]
     n = largest_fitting(candidates, lambda b: trial.bytes_at(b) <= room) if room > 0 else None
     if n is not None:
-        if trial.list_given:
-            out.append(f"use only sizes up to {n} in cuda_graph_bs"
-                       + (f" and set cuda_graph_max_bs={n}" if trial.max_bs_given else ""))
-        else:
-            out.append(f"set cuda_graph_max_bs={n}")
+        out.append(top_fix(trial, n))
     if eager_fits:
         out.append("set disable_cuda_graph=True")
     return out
+
+
+def top_fix(trial: GraphTrial, n: int) -> str:
+    """The change that makes ``n`` (one of ``trial.sizes``) the largest captured batch, library wording: ``set
+    cuda_graph_max_bs=n``, or with a ``cuda_graph_bs`` list ``use only sizes up to n in cuda_graph_bs`` (and ``set
+    cuda_graph_max_bs=n`` when that was set too: it must equal the list's largest size)."""
+    if trial.list_given:
+        return (f"use only sizes up to {n} in cuda_graph_bs"
+                + (f" and set cuda_graph_max_bs={n}" if trial.max_bs_given else ""))
+    return f"set cuda_graph_max_bs={n}"
 
 
 REQ_TO_TOKEN_ELEM_BYTES = 4  # req_to_token holds int32 token locations (sglang's ReqToTokenPool)
@@ -91,7 +97,8 @@ def refuse_pools(s: Any, head: str, limit: int, fit: int, name: Callable[[str], 
     that still cover ``req_to_token`` and that floor; and, where the graphs are what is too large (``graphs``:
     :func:`graph_fixes`), a lower top or no graphs — not for a ``--mem-fraction`` budget, which the KV pool fills
     whatever the graphs take. ``graph_top``: the largest graph size given (0: none), lowered with ``max_reqs``.
-    Every value fits beside the planned workspaces (``s.workspace_bytes``), kept as they are."""
+    Every value fits beside the planned workspaces (``s.workspace_bytes``), kept as they are. When neither fewer rows
+    nor fewer graphs alone fit, both together: :func:`rows_and_fewer_graphs`."""
     from pipeline.core.errors import ConfigError
 
     p, allowed, gr, w = s.facts, [f"<= {limit} bytes of pools"], s.graph_reserve_bytes, s.workspace_bytes
@@ -113,12 +120,11 @@ def refuse_pools(s: Any, head: str, limit: int, fit: int, name: Callable[[str], 
         ways = [f"lower {name('max_reqs')} (at most {rows} rows at this context length){also}{more}"] * (rows >= 1)
         ways += ([f"lower {name('max_context_len')} (at most {ctx} tokens at this row count){more}"]
                  if ctx >= max(min_context_len, 1) else [])
-        others = " and ".join([f"the decode CUDA graphs ({gr} bytes estimated)"] * bool(gr) + [f"the planned workspaces ({w} bytes)"] * bool(w))
-        what = ((f"{others} alone" if w else f"the decode CUDA graphs alone ({gr} bytes estimated)") + " are too large"
-                if g >= limit else
-                f"req_to_token {'alone ' if not g else ''}({p.max_reqs} x {p.max_context_len} int32) is too large"
-                + (f" beside {others}" if g else ""))
-        raise ConfigError(f"{head}; {what}", code="pool_exceeds_memory",
+        if not ways and not gfix and s.source != "mem_fraction":  # fewer rows and fewer graphs together (s12ws)
+            ways = rows_and_fewer_graphs(graphs, fit - kv_min - w, p.max_context_len * REQ_TO_TOKEN_ELEM_BYTES,
+                                         lambda r: f"lower {name('max_reqs')} (at most {r} rows at this context "
+                                                   f"length){more}")
+        raise ConfigError(f"{head}; {_too_large(p, gr, w, limit)}", code="pool_exceeds_memory",
                           flags=[("max_reqs", p.max_reqs), ("max_context_len", p.max_context_len),
                                  ("limit_bytes", limit)], allowed=allowed,
                           remedy=_either(ways + gfix))
@@ -138,6 +144,41 @@ def refuse_pools(s: Any, head: str, limit: int, fit: int, name: Callable[[str], 
                                                                 ("limit_bytes", limit)], allowed=allowed,
                       remedy=_either([f"pass --mem-fraction {frac:.2f} or less"] if frac_ok else slots_fix,
                                      " (or free memory on the device)"))
+
+
+def _too_large(p: Any, gr: int, w: int, limit: int) -> str:
+    """What is too large when req_to_token (``p``: the pool facts) and the 2-page floor of the KV pool do not fit
+    ``limit`` beside the graphs' ``gr`` and the workspaces' ``w`` bytes: those two alone, or req_to_token beside them."""
+    g = gr + w
+    others = " and ".join([f"the decode CUDA graphs ({gr} bytes estimated)"] * bool(gr)
+                          + [f"the planned workspaces ({w} bytes)"] * bool(w))
+    if g >= limit:
+        return (f"{others} alone" if w else f"the decode CUDA graphs alone ({gr} bytes estimated)") + " are too large"
+    return (f"req_to_token {'alone ' if not g else ''}({p.max_reqs} x {p.max_context_len} int32) is too large"
+            + (f" beside {others}" if g else ""))
+
+
+def rows_and_fewer_graphs(trial: Optional[GraphTrial], room: int, row_bytes: int,
+                          rows_text: Callable[[int], str]) -> list[str]:
+    """The alternatives that lower ``max_reqs`` and the decode graphs together, for when neither alone fits (s12ws:
+    ``--max-context-len 2147483647 --max-reqs 16``, req_to_token of 137 GB beside graphs of 137 GB, got "free memory
+    on the device"). ``room``: the bytes req_to_token and the graphs may take together; ``row_bytes``: one row of
+    req_to_token (``max_context_len`` x 4); ``rows_text(r)``: the wording of at most ``r`` rows. Each names values
+    that then fit: the largest captured top N below the current one (at most :data:`REMEDY_MAX_BS`) whose
+    estimate (``trial.bytes_at``) leaves room for at least N rows (a top above ``max_reqs`` is refused), with the
+    rows that then fit and that top (:func:`top_fix`); and no graphs, with the rows that fit without them. Both
+    need at least one row. Empty without graphs. O(log sizes) estimates (the rows left fall as the top grows)."""
+    out: list[str] = []
+    if trial is None or not trial.sizes or row_bytes <= 0:
+        return out
+    rows_at = lambda b: (room - trial.bytes_at(b)) // row_bytes  # noqa: E731
+    candidates = [b for b in trial.sizes if b < trial.sizes[-1] and b <= REMEDY_MAX_BS]
+    n = largest_fitting(candidates, lambda b: rows_at(b) >= b)
+    if n is not None:
+        out.append(f"{rows_text(rows_at(n))} and {top_fix(trial, n)}")
+    if room // row_bytes >= 1:
+        out.append(f"{rows_text(room // row_bytes)} and set disable_cuda_graph=True")
+    return out
 
 
 def _either(ways: Sequence[str], tail: str = "") -> str:

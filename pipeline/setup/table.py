@@ -22,7 +22,6 @@ from pipeline.core import settings
 from pipeline.core.contracts import Skip
 from pipeline.core.driver import Stop
 from pipeline.core.errors import error_info_from
-from pipeline.core.pool_sizing import POOL_MEMORY_SHARE, remedy_available
 from pipeline.core.steps import Guard, Step, StepTable
 from pipeline.platforms import parse_device
 from pipeline.setup.context import (
@@ -31,6 +30,7 @@ from pipeline.setup.context import (
 from pipeline.setup.instances import apply_build
 from pipeline.setup.pools import check_pools_fit
 from states import build_mode, device_init, graphs, npu_lazy_mem, resolve
+from states.workspace_memory_check import check_workspaces
 
 Rows = Iterable[tuple[str, Any, Any]]
 
@@ -193,19 +193,7 @@ def check_build(ctx: SetupContext, d: BuildDecision) -> None:
     graphs.check_graph_bs(req.args, req.pool.max_reqs)
     if ctx.platform is not None and ctx.given_pools is None:  # pools we will allocate: the first thing to refuse
         check_pools_fit(ctx)
-    kinds, max_bs = req.served_model.layer_kinds(), d.graph_max_bs(req, ctx.device.facts)
-    # one check whatever set the size; the error names the variable or the field that did (the field wins)
-    from_env = {s.value: s.env_var for s in d.settings if s.source == "env" and s.env_var}
-    from_field = {s.value for s in d.settings if s.source == "field"}
-    # the largest workspace a remedy may name: each one's share of the device's memory, as check_workspace_memory's
-    total = ctx.device.facts.total_memory_bytes
-    max_ws = int(remedy_available(total) * POOL_MEMORY_SHARE) // max(len(d.plan.workspaces), 1) if total > 0 else 0
-    for ws in d.plan.workspaces:
-        for backend in sorted({i.backend for i in d.plan.instances if i.workspace == ws.id}):
-            registry.get(backend).check_workspace(
-                ws.bytes, kinds, num_sms=ctx.device.facts.sm_count, max_reqs=req.pool.max_reqs, graph_max_bs=max_bs,
-                graph_bs_given=bool(req.args.cuda_graph_bs), env_var=from_env.get(ws.bytes, ""), max_bytes=max_ws,
-                field_given=ws.bytes in from_field)
+    check_workspaces(req, d, ctx.device.facts)
 
 
 def compare_build(ctx: SetupContext, recorded: Any, d: BuildDecision) -> Rows:
