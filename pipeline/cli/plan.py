@@ -142,12 +142,14 @@ def _decide(ns: argparse.Namespace) -> tuple[dict[str, Any], DeviceFacts, dict[s
 
     from pipeline.cli.jit import check_warm, cold_report
     from pipeline.cli.request import request_from
+    from pipeline.cli.run_checks import check_plan_minimums
     from pipeline.platforms.profiles import get
 
     device = get(ns.device_profile)
     installed = installed_from(ns.installed)
     ns.device = device.device_str
     request = request_from(ns, on_gpu=device.type != "cpu")
+    check_plan_minimums(request)  # what run refuses from its flags alone (its verification batches' needs)
     try:
         report = plan_report(request, device, installed, getattr(ns, "num_layers", None))
     except AttnSetupError as e:
