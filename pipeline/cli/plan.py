@@ -27,7 +27,7 @@ import msgspec
 
 from pipeline.core.contracts import DeviceFacts, SetupRequest
 from pipeline.core.errors import EXIT_OK, AttnSetupError, Flag, UsageError
-from pipeline.cli.plan_report import decision_lines, graph_estimate_line, plan_report
+from pipeline.cli.plan_report import decision_lines, graph_estimate_line, installed_note, plan_report
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -197,9 +197,10 @@ def cmd(ns: argparse.Namespace) -> int:
         print_line(console(), line)
     if report.get("cuda_graph_estimate"):
         print_line(console(), graph_estimate_line(report))
-    line = estimate_line(report["jit_cold"])
-    if line:
-        print_line(console(), line)
+    for line in (estimate_line(report["jit_cold"]), installed_note(report, installed, ns.device_profile,
+                                                                      ns.installed)):
+        if line:
+            print_line(console(), line)
     rp.render_verdict(report)  # last, where the eye lands when the prompt returns (new user: 'ok' sat mid-report)
     return EXIT_OK
 
