@@ -30,7 +30,7 @@ from pipeline.cli.run_checks import (  # noqa: F401 - run's flag checks moved; i
     open_log, runner_config,
 )
 from pipeline.cli.outstreams import settle
-from pipeline.cli.run_exit import _close_run, _ended_by, finish_log
+from pipeline.cli.run_exit import _close_run, _ended_by, exit_code_of, finish_log
 from pipeline.cli.run_report import (  # noqa: F401 - the report moved; its names stay importable from here
     _graph_line, _pool_line, _print, _render_runner, _report, model_line, timeline_rows, timeline_title,
 )
@@ -227,32 +227,32 @@ def cmd(ns: argparse.Namespace) -> int:
     error: Optional[ErrorInfo] = None
     code, runner, verified, steps, progress = EXIT_OK, None, [], [], None
     try:
-        log.install_signal_handlers()
-        log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
-        from pipeline.cli.startup import warn_env_lookalikes
+        try:
+            log.install_signal_handlers()
+            log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
+            from pipeline.cli.startup import warn_env_lookalikes
 
-        notices += warn_env_lookalikes(log)
-        progress = _progress(ns, log, request)
-        runner = Runner(runner_config(ns, request), log=log, rank_group=group)
-        preflight(ns, runner, log, group)
-        runner.initialize()
-        verified, steps, error = _verify_runner(runner, log, ns.decode_steps)
-        code = EXIT_OK if error is None else EXIT_FAILED
-    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - any crash becomes an exit code with its ErrorInfo
-        error, code = _ended_by(device_as_written(e, ns.device), log)  # --device as the user wrote it
-    finally:
-        error, code, summary = _close_run(ns, log, runner, group, progress, error, code, t0, t_start)
-    try:
+            notices += warn_env_lookalikes(log)
+            progress = _progress(ns, log, request)
+            runner = Runner(runner_config(ns, request), log=log, rank_group=group)
+            preflight(ns, runner, log, group)
+            runner.initialize()
+            verified, steps, error = _verify_runner(runner, log, ns.decode_steps)
+            code = EXIT_OK if error is None else EXIT_FAILED
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - any crash becomes an exit code with its ErrorInfo
+            error, code = _ended_by(device_as_written(e, ns.device), log)  # --device as the user wrote it
+        finally:
+            error, code, summary = _close_run(ns, log, runner, group, progress, error, code, t_start)
         report = _report(log, run_id, code, verified, steps, log_file, error)
         report["warnings"] += rp.layer_rule_warnings(request)
         report["summary"] = summary_obj(summary)
         _print(ns, report, log.records, request, error, code, notices=notices)
         code = settle(code)  # a report lost to a write error (not a closed pipe) fails an ok run: exit 2
     except BaseException as e:  # the code main() will return for it, in the trace too
-        code = EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else getattr(e, "exit_code", EXIT_FAILED)
+        code = exit_code_of(e, log)
         raise
     finally:
-        finish_log(log, code, t0)  # command_finished with the process's exit code, last
+        finish_log(log, code, t0)  # command_finished with the process's exit code, last, on every way out
     return code
 
 

@@ -81,12 +81,15 @@ def jit_reports(runner: Any) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def finish_startup(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], start_ns: Optional[int]) -> Optional[Any]:
+def finish_startup(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]],
+                   start_ns: Optional[int]) -> tuple[Optional[Any], Optional[Any]]:
     """Emit a ``jit_variant_loaded`` per entry of ``jit`` (:func:`jit_reports`, read before the runner closed its
-    backends), ``slow_phase`` warnings and ``startup_summary``, then write ``--metrics-file``.
+    backends), ``slow_phase`` warnings and ``startup_summary``, then write ``--metrics-file``; returns
+    ``(summary, metrics error)``.
 
-    Runs on ``run``'s exit path, so it does not raise: a summary that cannot be computed or a metrics
-    file that cannot be written is reported on stderr (the run's own outcome stands).
+    Runs on ``run``'s exit path, so it does not raise: a summary that cannot be computed is reported on stderr, a
+    metrics file that cannot be written is returned as an :class:`pipeline.core.errors.OutputWriteFailed` naming
+    ``--metrics-file`` (the caller decides the exit: 2 for a run that was otherwise ok).
     """
     from pipeline.observe.startup import emit_summary, slow_threshold
 
@@ -106,16 +109,27 @@ def finish_startup(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], 
                                created_ns=getattr(ns, "_process_created_ns", None))
     except Exception as e:  # noqa: BLE001 - a failed log write is already the run's error
         print(f"attn-setup: no startup summary: {type(e).__name__}: {e}", file=sys.stderr)
-        return None
+        return None, None
     path = getattr(ns, "metrics_file", None)
-    if path:
-        from pipeline.observe.metrics import write_metrics
+    return summary, (metrics_lost(path, summary, log.records) if path else None)
 
-        try:
-            write_metrics(path, summary, log.records)
-        except OSError as e:
-            print(f"attn-setup: cannot write --metrics-file {path!r}: {e.strerror or e}", file=sys.stderr)
-    return summary
+
+def metrics_lost(path: str, summary: Any, records: Any) -> Optional[Any]:
+    """Write the ``--metrics-file``; None when written, else the :class:`OutputWriteFailed` (exit 2) naming the flag,
+    the path and the system's reason (nothing is left behind: :func:`pipeline.observe.metrics.write_metrics`)."""
+    from pipeline.core.errors import AttnSetupError, OutputWriteFailed
+    from pipeline.observe.metrics import write_metrics
+
+    try:
+        write_metrics(path, summary, records)
+        return None
+    except AttnSetupError as e:
+        return e
+    except OSError as e:
+        return OutputWriteFailed(f"cannot write --metrics-file {path!r}: {e.strerror or e}; the metrics file was not "
+                                 "written (a file already there is unchanged)", state="output",
+                                 flags=[("--metrics-file", path)],
+                                 remedy="free space on its filesystem or pick another path for --metrics-file")
 
 
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str, str]]:

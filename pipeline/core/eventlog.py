@@ -75,7 +75,8 @@ class EventLog:
     launch_id: this launch's id (default: a fresh :func:`new_launch_id`), written in every record.
     flag: the name errors about ``path`` give it (the CLI passes ``--log-file``).
     raise_write_errors: raise the first write failure from :meth:`emit` (the CLI: a start whose
-        trace cannot be written stops there, exit 2) instead of only recording it.
+        trace cannot be written stops there, exit 2) instead of only recording it; an attribute the caller may
+        turn off later (``run``'s exit path: its last records go on in memory, :attr:`write_error` judged after).
 
     Raises :class:`pipeline.core.errors.UsageError` (exit 2) when ``path`` cannot be opened for
     appending or is not a regular file. A write that fails later (disk full, I/O error) by default
@@ -97,7 +98,7 @@ class EventLog:
         # called with each record after it was stored and written (``slow_phase`` as phases end); never per layer
         self.observers: list[Callable[[ev.Event], None]] = []
         self.write_error: Any = None
-        self._raise_write_errors = raise_write_errors
+        self.raise_write_errors = raise_write_errors
         self._redact = redactor(tuple(secrets))
         self._lock = threading.RLock()  # re-entrant: a signal handler may emit while the main thread holds it
         self._app = structlog.get_logger("attn_setup").bind(run_id=run_id, rank=rank)
@@ -131,7 +132,7 @@ class EventLog:
                 code="log_write_failed", flags=[(self.flag, str(self.path))],
                 remedy=f"free space on its filesystem or pick another path for {self.flag}")
             self._app.warning("trace_write_failed", path=str(self.path), error=str(self.write_error.info.message))
-            if self._raise_write_errors:
+            if self.raise_write_errors:
                 raise self.write_error
 
     def emit(self, cls: type[ev.Event], *, state: str, outcome: ev.Outcome = "ok", **fields: Any) -> ev.Event:
