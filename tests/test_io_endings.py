@@ -246,3 +246,37 @@ def test_sigint_in_the_exit_handlers_is_ignored(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr[-2000:]
     assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr
+
+
+# 5. appending to a log whose last line was cut short
+
+
+def test_append_after_a_cut_line_starts_a_new_line(tmp_path):
+    """A log whose last line has no newline (``head -c``, a full disk): the next launch's first record is a line of
+    its own — the cut line is skipped as one corrupt line and every new record reads back."""
+    from pipeline.core.eventlog import EventLog
+
+    path = tmp_path / "partial.jsonl"
+    path.write_bytes(b'{"schema_version":1,"event":"command_st')
+    log = EventLog("r1", 0, path)
+    log.emit(ev.StepSkipped, state="resolve", what="x", reason="y")
+    log.emit(ev.StepSkipped, state="resolve", what="z", reason="w")
+    log.close()
+    lines = path.read_bytes().split(b"\n")
+    assert lines[0] == b'{"schema_version":1,"event":"command_st' and lines[-1] == b"" and len(lines) == 4
+    t = read_trace(path)
+    assert t.skipped_lines == 1 and [r.what for r in t.runs[0].records] == ["x", "z"]
+    EventLog("r2", 0, path).close()  # a whole last line: nothing added
+    assert path.read_bytes().count(b"\n") == 3
+
+
+def test_run_appended_to_a_cut_log_reads_back_whole(tmp_path, capsys):
+    log = tmp_path / "partial.jsonl"
+    log.write_bytes(b'{"event":"run_started","run_id":"x')
+    assert main(["run", "--device", "cpu", "--log-file", str(log), *FAST]) == 0
+    capsys.readouterr()
+    assert main(["inspect", "--json", str(log)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["skipped_lines"] == 1 and len(out["runs"]) == 1 and out["runs"][0]["status"] == "ok"
+    t = read_trace(log)
+    assert isinstance(t.runs[0].records[0], ev.CommandStarted) and t.runs[0].records[0].command == "run"

@@ -25,7 +25,7 @@ import msgspec
 import structlog
 
 from pipeline.core import events as ev
-from pipeline.core.files import open_regular
+from pipeline.core.files import ends_mid_line, open_regular
 
 REDACTED = "<redacted>"
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
@@ -68,7 +68,8 @@ class EventLog:
     Parameters
     ----------
     run_id, rank: bound into every record.
-    path: JSON-lines trace file (parent folders are created; appended to); None = no file. It must
+    path: JSON-lines trace file (parent folders are created; appended to — after a newline when its last line was
+        cut short, :func:`pipeline.core.files.ends_mid_line`); None = no file. It must
         be a regular file (or not exist yet): see :func:`open_regular`.
     secrets: values that must never appear in any output (redacted structurally: string values
         only, before encoding — see :func:`pipeline.core.events.to_wire`).
@@ -106,14 +107,17 @@ class EventLog:
         self._file_log: Any = None
         self._prev_handlers: dict[int, Any] = {}
         self._prev_hook: Any = None
+        self._lead = b""  # a newline before the first record when the file's last line was cut short
         if self.path is not None:
             self._fh = open_regular(self.path, "ab", flag=flag, what="the log file")
+            self._lead = b"\n" if ends_mid_line(self.path) else b""
             self._file_log = structlog.wrap_logger(
                 structlog.BytesLogger(self._fh), processors=[self._render], wrapper_class=structlog.BoundLogger,
                 cache_logger_on_first_use=False).bind()  # a concrete logger: a lazy proxy would re-bind per record
 
     def _render(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> bytes:
-        return ev.encode(event_dict["record"], self._redact)
+        lead, self._lead = self._lead, b""
+        return lead + ev.encode(event_dict["record"], self._redact)
 
     def _write(self, record: ev.Event) -> None:
         """One line to the trace file; a failing write turns the file output off (see the class doc)."""

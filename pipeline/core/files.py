@@ -155,6 +155,20 @@ def open_regular(path: str | os.PathLike, mode: str, *, flag: str, what: str) ->
         raise
 
 
+def ends_mid_line(path: str | os.PathLike) -> bool:
+    """Whether the regular file ``path`` is non-empty and does not end with a newline: its last line was cut short
+    (a full disk, a killed writer, ``head -c``). An appender writes ``\\n`` first, so its first record is a line of
+    its own. False when it cannot be read (the appender's own writes report the problem)."""
+    try:
+        with open_regular(path, "rb", flag="path", what="the file") as fh:
+            if fh.seek(0, os.SEEK_END) == 0:
+                return False
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1) != b"\n"
+    except (OSError, UsageError):
+        return False
+
+
 def read_capped(path: str | os.PathLike, limit: int, *, flag: str, what: str) -> bytes:
     """The whole content of the regular file ``path`` if it holds at most ``limit`` bytes.
 
