@@ -280,3 +280,42 @@ def test_run_appended_to_a_cut_log_reads_back_whole(tmp_path, capsys):
     assert out["skipped_lines"] == 1 and len(out["runs"]) == 1 and out["runs"][0]["status"] == "ok"
     t = read_trace(log)
     assert isinstance(t.runs[0].records[0], ev.CommandStarted) and t.runs[0].records[0].command == "run"
+
+
+# 6. --perfetto on a full disk, behind a symbolic link
+
+
+def _a_log(tmp_path: Path) -> Path:
+    from pipeline.core.eventlog import EventLog
+
+    path = tmp_path / "a.jsonl"
+    with EventLog("r1", 0, path) as log:
+        log.emit(ev.RunStarted, state="init", request={})
+        log.emit(ev.RunFinished, state="done", duration_ms=1.0)
+    return path
+
+
+def test_perfetto_on_a_full_disk_keeps_the_previous_file(tmp_path, capsys, monkeypatch):
+    """--perfetto whose write fails (its rename: a full disk): exit 2 naming the flag, the previous timeline left
+    whole (it was truncated), no temporary file."""
+    log = _a_log(tmp_path)
+    capsys.readouterr()  # structlog's default printer, before any CLI configured it
+    out = tmp_path / "t.json"
+    out.write_text('{"traceEvents": []}')
+    _fail_replace(monkeypatch, "t.json")
+    code = main(["inspect", "--json", str(log), "--perfetto", str(out)])
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert code == 2 and err["flags"] == [{"name": "--perfetto", "value": str(out)}]
+    assert "No space left on device" in err["message"]
+    assert out.read_text() == '{"traceEvents": []}' and sorted(os.listdir(tmp_path)) == ["a.jsonl", "t.json"]
+
+
+def test_perfetto_symlink_is_refused(tmp_path, capsys):
+    log = _a_log(tmp_path)
+    capsys.readouterr()
+    (tmp_path / "target.json").write_text("keep")
+    (tmp_path / "t.json").symlink_to(tmp_path / "target.json")
+    code = main(["inspect", "--json", str(log), "--perfetto", str(tmp_path / "t.json")])
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert code == 2 and err["code"] == "output_is_symlink" and err["flags"][0]["name"] == "--perfetto"
+    assert (tmp_path / "t.json").is_symlink() and (tmp_path / "target.json").read_text() == "keep"
