@@ -319,3 +319,16 @@ def test_perfetto_symlink_is_refused(tmp_path, capsys):
     err = json.loads(capsys.readouterr().out)["error"]
     assert code == 2 and err["code"] == "output_is_symlink" and err["flags"][0]["name"] == "--perfetto"
     assert (tmp_path / "t.json").is_symlink() and (tmp_path / "target.json").read_text() == "keep"
+
+
+# 7. the verdict on a narrow terminal
+
+
+@pytest.mark.parametrize("cols", ["1", "5"])
+def test_verdict_word_never_wraps(cols, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("COLUMNS", cols)
+    assert main(["plan"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "ok"
+    assert main(["run", "--device", "cpu", "--attention-backend", "flashmla", "--log-file",
+                 str(tmp_path / "l.jsonl")]) == 3
+    assert capsys.readouterr().out.splitlines()[-1] == "failed"

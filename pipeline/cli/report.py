@@ -242,5 +242,6 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
 
 
 def render_verdict(report: dict[str, Any], c: Optional[Any] = None) -> None:
-    """The verdict line on stdout: ``ok`` (green) when ``report["ok"]``, else ``failed`` (red)."""
-    (c or _console()).print("[bold green]ok[/]" if report.get("ok") else "[bold red]failed[/]")
+    """The verdict line on stdout: ``ok`` (green) when ``report["ok"]``, else ``failed`` (red); one word, never
+    wrapped, whatever the console's width (a script reads the last line: ``COLUMNS=1`` must not split it)."""
+    (c or _console()).print("[bold green]ok[/]" if report.get("ok") else "[bold red]failed[/]", soft_wrap=True)
