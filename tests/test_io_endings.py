@@ -173,6 +173,7 @@ def test_metrics_file_symlink_is_refused_and_left_a_link(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert code == 2 and out["error"]["code"] == "output_is_symlink"
     assert out["error"]["flags"] == [{"name": "--metrics-file", "value": str(link)}]
+    assert "(to '/proc/self/fd/1')" in out["error"]["message"]  # what the link says, not stdout's file
     assert link.is_symlink() and os.readlink(link) == "/proc/self/fd/1" and not (tmp_path / "l.jsonl").exists()
 
 

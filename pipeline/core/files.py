@@ -75,7 +75,10 @@ def refuse_symlink(path: str | os.PathLike, *, flag: str, what: str) -> None:
     p = os.fspath(path)
     if not os.path.islink(p):
         return
-    target = os.path.realpath(p)
+    try:
+        target = os.readlink(p)  # what the link says (a /proc/self/fd link names no file of its own)
+    except OSError:
+        target = "?"
     raise UsageError(f"{what} {p!r} is a symbolic link (to {target!r}); it is written through a temporary file "
                      "renamed over it, which would replace the link", code="output_is_symlink", flags=[(flag, p)],
                      allowed=["a regular file or a new path, not a symbolic link"],
