@@ -216,6 +216,26 @@ def test_sigint_while_the_summary_is_written_still_ends_the_log(tmp_path, capsys
     assert signal.getsignal(signal.SIGINT) is sigint
 
 
+def test_ignored_sigint_while_the_summary_is_written_stays_ignored(tmp_path, capsys, monkeypatch, sigint):
+    """A background job (SIGINT ignored since the start): a SIGINT while the summary is written changes nothing."""
+    import pipeline.cli.startup
+
+    real = pipeline.cli.startup.finish_startup
+
+    def interrupted(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    monkeypatch.setattr(pipeline.cli.startup, "finish_startup", interrupted)
+    log = tmp_path / "l.jsonl"
+    assert main(["run", "--device", "cpu", "--json", "--log-file", str(log), *FAST]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    events = [r["event"] for r in _records(log)]
+    assert "run_interrupted" not in events and events[-2:] == ["startup_summary", "command_finished"]
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
 def test_sigint_after_command_finished_changes_nothing(tmp_path, capsys, monkeypatch, sigint):
     """Once ``command_finished`` is logged with 0, a Ctrl-C does not turn the exit into 130 (the log would then
     disagree with the process): the run exits 0 as logged."""

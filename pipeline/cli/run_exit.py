@@ -109,12 +109,16 @@ def _metrics_failed(lost: Optional[AttnSetupError], error: Optional[ErrorInfo],
 def sigint_held() -> Iterator[list[int]]:
     """SIGINT held while the body runs: a Ctrl-C there only appends to the yielded list (the body — the last records,
     a file written whole — is never cut), and the handler it replaced is back afterwards. Does nothing off the main
-    thread (Python only lets the main thread set handlers)."""
+    thread (Python only lets the main thread set handlers) or when SIGINT is ignored (it stays ignored)."""
     got: list[int] = []
-    try:
-        prev = signal.signal(signal.SIGINT, lambda signum, _frame: got.append(signum))
-    except ValueError:
+    prev = signal.getsignal(signal.SIGINT)
+    if prev in (signal.SIG_IGN, None):  # ignored since the process started (a background job): stays ignored
         prev = None
+    else:
+        try:
+            signal.signal(signal.SIGINT, lambda signum, _frame: got.append(signum))
+        except ValueError:  # not the main thread
+            prev = None
     try:
         yield got
     finally:
