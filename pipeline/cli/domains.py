@@ -61,10 +61,15 @@ _SERVES = "pass a backend that serves this device and model ('attn-setup backend
 
 
 def _known_packages(value: Any) -> str:
-    """``--installed``'s remedy: the list without the names nobody knows (``''`` when none is left)."""
-    known = [p.strip() for p in str(value).split(",") if p.strip().lower() in _PACKAGES]
-    return (f"pass --installed {','.join(known) or repr('')} (the names of the list that are packages: "
-            f"{', '.join(_PACKAGES)}), or drop --installed (default: read from package metadata)")
+    """``--installed``'s remedy: every package a plan reads (so no backend is refused for a missing one; a list
+    cut to the names that are packages — ``''`` when none is — may leave a GPU profile no backend), or the
+    default."""
+    every = ",".join(packages.import_name(d) for d in packages.names())
+    unknown = [p.strip() for p in str(value).split(",") if p.strip() and p.strip().lower() not in _PACKAGES]
+    what = ", ".join(repr(u) for u in unknown) or repr(str(value))
+    return (f"{what} {'is not a package' if len(unknown) <= 1 else 'are not packages'} a plan reads; pass "
+            f"--installed {every} to plan as if every one were installed, or drop --installed to read this "
+            "machine's package metadata")
 
 
 _BYTES = f"bytes, at most 2**{MAX_BYTES.bit_length() - 1}"
