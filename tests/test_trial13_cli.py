@@ -30,3 +30,37 @@ def test_installed_remedy_is_true_and_readable(value):
         fixed = re.search(r"pass --installed (\S+) to plan", remedy).group(1)
         assert fixed == "torch,triton,flashinfer"
         assert run_main("plan", "--installed", fixed, "--device-profile", profile).returncode == 0, profile
+
+
+def _ns(**kw):
+    import argparse
+
+    return argparse.Namespace(**{**dict(world_size=1, rank=0, decode_steps=3), **kw})
+
+
+def test_large_model_notice_suggests_fewer_layers_than_in_use():
+    """Finding 5: ``run --model deepseek-v3.json`` (default 2 layers, 5.9 GiB) said "--num-layers 2 verifies the same
+    layer kinds in seconds": the count already in use. The notice names a count below the one in use (run's
+    default, else the fewest with one layer of each kind) with its estimate, or says it is already the fewest."""
+    from conftest import CONFIGS
+    from pipeline.cli.notices import run_notices
+    from pipeline.core.contracts import AttentionArgs, SetupRequest
+    from pipeline.core.model_spec import load_model_spec
+
+    def notice(cfg: str, layers: int) -> str:
+        req = SetupRequest(args=AttentionArgs(), model=load_model_spec(CONFIGS / cfg), device="cpu")
+        return " ".join(run_notices(_ns(), req, layers, False))
+
+    v3 = notice("deepseek-v3.json", 2)
+    assert v3.startswith("2 attention layers need about 5.9 GiB")
+    assert "--num-layers 2" not in v3 and "--num-layers 1 verifies the same layer kinds with about 2.9 GiB" in v3
+    assert notice("deepseek-v3.json", 1) == ""  # 2.9 GiB: below the notice's 4 GiB
+    from pipeline.cli.notices import _fewer
+
+    v3_spec = load_model_spec(CONFIGS / "deepseek-v3.json")
+    assert _fewer(v3_spec, 1, "bfloat16") == "1 is already the fewest attention layers that include every layer kind " \
+                                            "of this model"
+    assert "--num-layers 2 verifies the same layer kinds with about 0.8 GiB" in notice("llama-3.1-8b.json", 32)
+    # Gemma-3 needs 6 leading layers for both kinds: 7 suggests 6, never fewer than cover both kinds
+    g3 = notice("gemma-3-12b-it.json", 40)
+    assert "--num-layers 6 verifies" in g3
