@@ -64,3 +64,42 @@ def test_large_model_notice_suggests_fewer_layers_than_in_use():
     # Gemma-3 needs 6 leading layers for both kinds: 7 suggests 6, never fewer than cover both kinds
     g3 = notice("gemma-3-12b-it.json", 40)
     assert "--num-layers 6 verifies" in g3
+
+
+@pytest.mark.parametrize("name,flag,value", [
+    ("SGLANG_FLASHINFER_WORKSPACE_SIZE", "--flashinfer-workspace-size", "-5"),
+    ("SGLANG_FLASHINFER_WORKSPACE_SIZE", "--flashinfer-workspace-size", "abc"),
+    ("SGLANG_FLASHINFER_WORKSPACE_SIZE", "--flashinfer-workspace-size", "0"),
+    ("SGLANG_ZBAL_LOCAL_MEM_SIZE", "--zbal-local-mem-size", "-1"),
+])
+@pytest.mark.parametrize("command", ["plan", "run", "warmup"])
+def test_env_size_passes_the_flags_check(name, flag, value, command, monkeypatch):
+    """Finding 6: ``SGLANG_FLASHINFER_WORKSPACE_SIZE=-5`` (or ``abc``) was exit 3 ``invalid_value`` while
+    ``--flashinfer-workspace-size -5`` is exit 2 ``out_of_domain``; README: an environment value "passes the same
+    check as the flag". Now the same refusal as the flag's, naming the variable, with a remedy that passes."""
+    from conftest import run_main
+
+    flag_err = _json(run_main(command, flag, value, "--json"))["error"] if value.lstrip("-").isdigit() else None
+    monkeypatch.setenv(name, value)
+    proc = run_main(command, "--json")
+    assert proc.returncode == 2
+    err = _json(proc)["error"]
+    assert err["code"] == "out_of_domain" and err["state"] == "args"
+    assert err["flags"][0]["name"] == name and err["message"].startswith(f"{name}=")
+    if flag_err is not None:  # the flag with that value: the same code and domain
+        assert (flag_err["code"], flag_err["allowed"]) == (err["code"], err["allowed"])
+    assert f"unset {name}" in err["remedy"] and "else" not in err["remedy"].split(")")[0]
+
+
+def test_a_bad_model_file_keeps_its_code_as_readme_now_says():
+    """Finding 6 (second half): README's pipe paragraph said "a bad --model is still 2", but a --model that reads
+    and is not JSON has always been ``model_config_malformed``, exit 3 (a refused configuration; a nested-bracket
+    file is pinned at 3); only an unreadable one is 2. The code stays, README says which is which."""
+    from conftest import ROOT, run_main
+
+    assert run_main("plan", "--model", str(ROOT / "examples/configs/README.md")).returncode == 3
+    assert run_main("plan", "--model", str(ROOT / "no-such-config.json")).returncode == 2
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "a bad `--model` is still 2" not in readme
+    assert "a `--model` that cannot be read — `config_unreadable` — is still 2" in readme
+    assert "`model_config_malformed`, e.g. not JSON — still 3" in readme
