@@ -103,3 +103,34 @@ def test_a_bad_model_file_keeps_its_code_as_readme_now_says():
     assert "a bad `--model` is still 2" not in readme
     assert "a `--model` that cannot be read — `config_unreadable` — is still 2" in readme
     assert "`model_config_malformed`, e.g. not JSON — still 3" in readme
+
+
+@pytest.mark.parametrize("typed,near", [("rnu", "run"), ("inpsect", "inspect"), ("foo", None)])
+def test_unknown_command_shows_what_was_typed_and_the_nearest(typed, near):
+    """Finding 7: ``attn-setup foo`` / ``rnu`` printed ``field command = (no value)`` though a value was given, and
+    no "did you mean" (run's flags have one)."""
+    from conftest import run_main
+
+    proc = run_main(typed)
+    assert proc.returncode == 2
+    assert f"command = {typed!r}" in proc.stderr and "(no value)" not in proc.stderr
+    assert ("did you mean" in proc.stderr) is (near is not None)
+    if near:
+        assert f"did you mean {near!r}?" in proc.stderr
+    err = _json(run_main(typed, "--json"))["error"]
+    assert err["flags"] == [{"name": "command", "value": typed}]
+
+
+def test_an_empty_string_is_shown_as_typed_and_a_missing_value_as_none_typed():
+    """Finding 7: ``--log-file ''`` and ``plan --installed ''`` showed ``(no value)``; an empty string given is
+    ``''``. A flag typed without any value (``--log-file`` last, a missing LOG, an unknown flag) keeps
+    ``(no value)``."""
+    from conftest import run_main
+
+    proc = run_main("run", "--log-file", "")
+    assert proc.returncode == 2 and "--log-file = ''" in proc.stderr
+    proc = run_main("plan", "--installed", "")
+    assert proc.returncode == 3 and "--installed = ''" in proc.stderr and "(no value)" not in proc.stderr
+    assert "--log-file = (no value)" in run_main("run", "--log-file").stderr
+    assert "LOG = (no value)" in run_main("replay").stderr
+    assert "--bogus = (no value)" in run_main("run", "--bogus").stderr

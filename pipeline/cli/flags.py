@@ -99,8 +99,13 @@ class _Parser(argparse.ArgumentParser):
                 got.group(1), f"a {got.group(1)} value")]
             hint = f"pass {flag} {allowed[0].split(' (')[0].replace('an integer', 'a whole number')}"
         elif why.startswith("invalid choice"):
+            from pipeline.core.type_checks import nearest_name
+
             allowed = re.findall(r"'([^']*)'", why.split("choose from", 1)[-1])
-            hint = f"pass {flag} with one of: {', '.join(allowed)}"
+            given = re.match(r"invalid choice: '(.*)' \(choose from", why, re.S)
+            value = given.group(1) if given else value  # a positional (the subcommand) is not found in argv by name
+            near = nearest_name(value, allowed) if given else None
+            hint = (f"did you mean {near!r}? " if near else "") + f"pass {flag} with one of: {', '.join(allowed)}"
         elif why.startswith("expected"):
             allowed = ["a value after the flag"]
             hint = (f"a value that starts with '-' must be attached: {flag}=VALUE" if str(value).startswith("-") else f"give {flag} its value")
