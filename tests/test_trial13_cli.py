@@ -134,3 +134,25 @@ def test_an_empty_string_is_shown_as_typed_and_a_missing_value_as_none_typed():
     assert "--log-file = (no value)" in run_main("run", "--log-file").stderr
     assert "LOG = (no value)" in run_main("replay").stderr
     assert "--bogus = (no value)" in run_main("run", "--bogus").stderr
+
+
+def test_run_help_shows_every_field_doc_whole():
+    """Finding 8: ``run --help`` cut ``--cuda-graph-max-bs``'s help at its docstring's first line ("… else min(the
+    request pool's (default: unset)"). Every field's doc is read whole (continuation lines included) and shown."""
+    from pipeline.cli.flags import field_docs
+    from pipeline.core.contracts import AttentionArgs
+
+    docs = field_docs(AttentionArgs)
+    assert set(docs) == set(AttentionArgs.__struct_fields__)
+    for name, doc in docs.items():
+        assert doc.count("(") == doc.count(")"), (name, doc)
+    import argparse
+
+    from pipeline.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
+    text = " ".join(sub.format_help().split())
+    assert "else min(the request pool's rows, sglang's default for the device's memory" in text
+    for doc in docs.values():
+        assert " ".join(doc.split()) in text

@@ -137,18 +137,25 @@ class _Parser(argparse.ArgumentParser):
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """``{field: one-line doc}`` from the ``Fields`` section of a contract's docstring
-    (``name: text`` lines, as :class:`~pipeline.core.contracts.AttentionArgs` writes them)."""
+    """``{field: doc}`` from the ``Fields`` section of a contract's docstring (``name: text`` lines, as
+    :class:`~pipeline.core.contracts.AttentionArgs` writes them); a line indented deeper than the field's continues
+    its text (a doc cut at its first line ended ``--help`` mid-sentence)."""
     lines = (cls.__doc__ or "").splitlines()
     try:
         start = next(i for i, line in enumerate(lines) if line.strip() == "Fields") + 2
     except StopIteration:
         return {}
     out: dict[str, str] = {}
+    last, indent = None, 0
     for line in lines[start:]:
         name, sep, text = line.strip().partition(": ")
-        if sep and name.isidentifier():
-            out[name] = text.strip()
+        depth = len(line) - len(line.lstrip())
+        if sep and name.isidentifier() and (last is None or depth <= indent):
+            out[name], last, indent = text.strip(), name, depth
+        elif last is not None and line.strip() and depth > indent:
+            out[last] += " " + line.strip()
+        else:
+            last = None
     return out
 
 
