@@ -81,6 +81,14 @@ def jit_reports(runner: Any) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
+def startup_parts(ns: argparse.Namespace) -> list[tuple[str, float, str]]:
+    """``(name, seconds, detail)`` measured inside ``startup``: ``import torch`` (:func:`pipeline.observe.startup.
+    timed_torch_import`) and, under torchrun, ``rendezvous`` (joining the launch, ``ns._rendezvous``), ok or not."""
+    t, r = getattr(ns, "_torch_import", None), getattr(ns, "_rendezvous", None)
+    parts = [("import torch", t["seconds"], t["detail"])] if t and t["seconds"] else []
+    return parts + ([("rendezvous", r[0], r[1])] if r else [])
+
+
 def finish_startup(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]],
                    start_ns: Optional[int]) -> tuple[Optional[Any], Optional[Any]]:
     """Emit a ``jit_variant_loaded`` per entry of ``jit`` (:func:`jit_reports`, read before the runner closed its
@@ -101,8 +109,7 @@ def finish_startup(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]],
         for j in jit:
             log.emit(ev.JitVariantLoaded, state=log.current_state, variant=j["variant"], status=j["status"],
                      seconds=j["seconds"], started_ns=j.get("started_ns", 0), fields=j.get("fields", {}))
-        t = getattr(ns, "_torch_import", None)
-        parts = [("import torch", t["seconds"], t["detail"])] if t and t["seconds"] else []
+        parts = startup_parts(ns)
         watch = getattr(ns, "_slow_watch", None)  # judged the phases that ended during the run
         summary = emit_summary(log, start_ns=start_ns, jit=jit, slow_s=slow, startup_parts=parts,
                                judged=watch.seen if watch is not None else (),
