@@ -10,6 +10,7 @@ import msgspec
 from pipeline.core import events as ev
 from pipeline.core.contracts import BuildPlan, DtypeChoice, ErrorInfo, Resolution, SetupWarning
 from pipeline.core.model_spec import format_layer_ids
+from pipeline.cli.error_lines import flag_label  # noqa: F401 (importable from here as before)
 
 
 def _resolved(prefill: str, decode: str, is_draft_override: bool, rules: Any, dtype: Any,
@@ -136,30 +137,13 @@ def _console():
     return console()
 
 
-def flag_label(name: str) -> str:
-    """How the error block labels one ErrorInfo flag: a command-line flag, a positional argument (``LOG``), an
-    environment variable, else a field (a config key, a trace's run id: something no flag sets)."""
-    from pipeline.cli.domains import FLAG_DOMAINS
-
-    if name.startswith("-"):
-        return "flag"
-    if any(fd.flag == name for fd in FLAG_DOMAINS):  # the table's rows not spelled --x are the positional arguments
-        return "arg"
-    if name.isupper():
-        return "env"
-    return "field"
-
-
 def flag_value_text(value: Any) -> str:
     """A flag's value for people: ``'x'`` quoted, numbers as typed, ``not set`` for a missing value (None),
-    ``(no value)`` for a flag typed without one."""
-    if value is None:
-        return "not set"
-    if value == "":
-        return "(no value)"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return repr(value) if isinstance(value, str) else str(value)
+    ``(no value)`` for a flag typed without one, lists joined and every rank's values as ``rank 0: 8; rank 1: 16``
+    (:func:`pipeline.core.value_text.value_text`: never a Python repr)."""
+    from pipeline.core.value_text import value_text
+
+    return value_text(value)
 
 
 def render_error(info: ErrorInfo) -> None:
@@ -173,8 +157,10 @@ def render_error(info: ErrorInfo) -> None:
     c.print(f"[bold red]error[/]{escape(head[0][len('error'):])}", soft_wrap=True)
     for part in head[1:]:
         c.print(part, markup=False, soft_wrap=True)
-    for f in info.flags:
-        print_line(c, f"  {flag_label(f.name):<6} {f.name} = {flag_value_text(f.value)}", indent="    ")
+    from pipeline.cli.error_lines import entry_rows
+
+    for label, text in entry_rows(info):
+        print_line(c, f"  {label:<6} {text}", indent="    ")
     if info.json_path:
         print_line(c, f"  at     {info.json_path}", indent="    ")
     if info.allowed:
