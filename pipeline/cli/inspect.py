@@ -26,9 +26,9 @@ from pipeline.cli.inspect_text import (  # noqa: F401 (the text view's names, im
     _COLOUR, _decision_lines, _fit, _is_tty, _safe, explain, failure_of, render_run, render_tail, run_lines,
     terminal_cols,
 )
-from pipeline.cli.startup import summary_of, summary_rows  # noqa: F401
+from pipeline.cli.startup import slow_phases, summary_of, summary_rows  # noqa: F401
 from pipeline.core.errors import EXIT_FAILED, EXIT_OK
-from pipeline.core.events import StartupSummary
+from pipeline.core.events import SlowPhase, StartupSummary
 from pipeline.core.model_spec import format_layer_ids  # noqa: F401 (importable from here before the split)
 from pipeline.observe.rank_summary import RankSummary, summary_lines  # noqa: F401
 from pipeline.observe.ranks import RankDifferences, rank_differences
@@ -55,7 +55,7 @@ def run_obj(run: Run) -> dict[str, Any]:
             "last_state": run.last_state, "states": run.states(), "runner_states": run.runner_states(),
             "decisions": run.decisions(),
             "failure": None if failure is None else msgspec.to_builtins(failure),
-            "summary": summary_of(run.all(StartupSummary))}
+            "summary": summary_of(run.all(StartupSummary)), "slow_phases": slow_phases(run.all(SlowPhase))}
 
 
 def _tail_obj(src: Any, differences: list[dict[str, Any]], ranks: Optional[RankSummary] = None) -> dict[str, Any]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pipeline.cli.startup import summary_of, summary_rows
-from pipeline.core.events import StartupSummary
+from pipeline.cli.startup import slow_line, summary_of, summary_rows
+from pipeline.core.events import SlowPhase, StartupSummary
 from pipeline.core.model_spec import format_layer_ids
 from pipeline.core.value_text import value_text
 from pipeline.observe.rank_summary import RankSummary, summary_lines
@@ -132,6 +132,9 @@ def run_lines(run: Run, colour: bool = False) -> list[str]:
         pw = max(len(r[0]) for r in rows)
         lines.append("  startup summary (seconds):")
         lines += [_safe(f"    {a:<{pw}}  {b:>9}  {c}").rstrip() for a, b, c in rows]
+    slow = slow_line(run.all(SlowPhase))
+    if slow:
+        lines.append("  " + _safe(slow))
     return lines
 
 

@@ -103,7 +103,8 @@ def warning_line(warnings: list[dict[str, Any]]) -> Optional[str]:
     downgraded and why — each warning's message, as ``--json``'s ``warnings`` give it, in the command line's
     words —, the flags that accept or avoid it, and that ``--strict`` refuses it. The rejected candidates'
     own reasons are in the ``rejected`` lines."""
-    warnings = [w for w in warnings if w["code"] != "layer_rule_default"]  # each its own line (render_tables)
+    # layer_rule_default: each its own line (render_tables); slow_phase: one line under the startup summary
+    warnings = [w for w in warnings if w["code"] not in ("layer_rule_default", "slow_phase")]
     if not warnings:
         return None
     from pipeline.cli.wording import cli_flags, cli_text
