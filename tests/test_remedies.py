@@ -191,8 +191,9 @@ def test_every_corpus_refusal_has_a_true_remedy(case, tmp_path, capsys, monkeypa
                 else [command, "--json"])
         code = main([*head, *argv])
         err = json.loads(capsys.readouterr().out)["error"]
-        if command == "plan" and err["remedy"].startswith("pass --installed "):  # follow it: it must plan
-            fix = err["remedy"].split()[2]
+        named = re.search(r"pass --installed (\S+)", err["remedy"]) if command == "plan" else None
+        if named:  # follow it: it must plan
+            fix = named.group(1)
             at = argv.index("--installed")
             assert main([*head, *argv[:at], "--installed", fix, *argv[at + 2:]]) == 0
             capsys.readouterr()

@@ -39,9 +39,13 @@ def wrap(text: str, cols: int, indent: str = "  ") -> list[str]:
     """``text`` broken at spaces into lines of at most ``cols`` columns, later lines indented by ``indent``.
 
     Never splits a word or breaks at a hyphen; a word longer than the line stays whole (the line is then
-    longer than ``cols``). Leading spaces of ``text`` are kept.
+    longer than ``cols``). Leading spaces of ``text`` are kept. A line end in ``text`` (a message that holds a
+    table) stays one: each line after it starts indented, then wraps on its own.
     """
     lead = text[:len(text) - len(text.lstrip(" "))]
+    if "\n" in text:
+        first, *rest = text.split("\n")
+        return wrap(first, cols, indent) + [x for r in rest for x in wrap(lead + indent + r, cols, indent)]
     if len(text) <= cols:
         return [text]
     return textwrap.wrap(text, cols, initial_indent="", subsequent_indent=lead + indent, break_long_words=False,

@@ -5,7 +5,8 @@ run`` trace the runner's states with the setup machine's nested under ``attentio
 for a failed start a short explanation (failed state, cause, the flag to change). Several logs
 merge by (run_id, rank, launch); where the ranks of one run_id decided differently is listed. Truncated or
 corrupt lines are counted and skipped. Exit codes: 0 every start succeeded · 1 a start failed or
-is incomplete · 2 nothing was readable (or a LOG is not a regular file).
+is incomplete · 2 nothing was readable (or a LOG is not a regular file); ``--diff`` the same over each rank's
+last start in either log.
 
 Logs are read streaming (:class:`pipeline.observe.trace.TraceReader`): runs are reported one at a time
 and let go, so memory stays bounded on huge logs; only ``--perfetto`` keeps every run (the
@@ -25,9 +26,9 @@ from pipeline.cli.inspect_text import (  # noqa: F401 (the text view's names, im
     _COLOUR, _decision_lines, _fit, _is_tty, _safe, explain, failure_of, render_run, render_tail, run_lines,
     terminal_cols,
 )
-from pipeline.cli.startup import summary_of, summary_rows  # noqa: F401
+from pipeline.cli.startup import slow_phases, summary_of, summary_rows  # noqa: F401
 from pipeline.core.errors import EXIT_FAILED, EXIT_OK
-from pipeline.core.events import StartupSummary
+from pipeline.core.events import SlowPhase, StartupSummary
 from pipeline.core.model_spec import format_layer_ids  # noqa: F401 (importable from here before the split)
 from pipeline.observe.rank_summary import RankSummary, summary_lines  # noqa: F401
 from pipeline.observe.ranks import RankDifferences, rank_differences
@@ -42,7 +43,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="also write a Chrome trace-event JSON timeline (open in ui.perfetto.dev; default: none)")
     p.add_argument("--diff", action="store_true",
                    help="compare two starts: inspect --diff A.jsonl B.jsonl prints, per rank, each state's and "
-                        "phase's time delta (B - A) and every decision that changed; exit 0 when both read")
+                        "phase's time delta (B - A) and every decision that changed; exit 0 when every start "
+                        "in both started, 1 when one failed or is incomplete, 2 when a log is unreadable")
     return p
 
 
@@ -53,7 +55,7 @@ def run_obj(run: Run) -> dict[str, Any]:
             "last_state": run.last_state, "states": run.states(), "runner_states": run.runner_states(),
             "decisions": run.decisions(),
             "failure": None if failure is None else msgspec.to_builtins(failure),
-            "summary": summary_of(run.all(StartupSummary))}
+            "summary": summary_of(run.all(StartupSummary)), "slow_phases": slow_phases(run.all(SlowPhase))}
 
 
 def _tail_obj(src: Any, differences: list[dict[str, Any]], ranks: Optional[RankSummary] = None) -> dict[str, Any]:
@@ -116,7 +118,7 @@ def _diff(ns: argparse.Namespace) -> int:
         sys.stdout.write(msgspec.json.encode({"diff": d}).decode() + "\n")
     else:
         sys.stdout.write("\n".join(_fit(diff_lines(d, _safe), terminal_cols())) + "\n")
-    return EXIT_OK
+    return EXIT_OK if d["ok"] else EXIT_FAILED  # as inspect's: 1 when a start read failed or is incomplete
 
 
 def cmd(ns: argparse.Namespace) -> int:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pipeline.cli.startup import summary_of, summary_rows
-from pipeline.core.events import StartupSummary
+from pipeline.cli.startup import slow_line, summary_of, summary_rows
+from pipeline.core.events import SlowPhase, StartupSummary
 from pipeline.core.model_spec import format_layer_ids
+from pipeline.core.value_text import value_text
 from pipeline.observe.rank_summary import RankSummary, summary_lines
 from pipeline.observe.runview import device_text
 from pipeline.observe.trace import Run
@@ -42,15 +43,12 @@ def explain(run: Run) -> list[str]:
     info = failure_of(run)
     if info is None:
         return []
-    from pipeline.cli.report import flag_label, flag_value_text, typed_without_value
+    from pipeline.cli.error_lines import change_lines, entry_rows
 
     out = [f"failed in state {info.state!r}: [{info.code}] {info.message}"]  # printed with markup off
-    flags = [f for f in info.flags if flag_label(f.name) == "flag"]  # only flags are flags to change
-    bare = typed_without_value(info)
-    if flags:
-        out.append("flag to change: " + ", ".join(f"{f.name} = {flag_value_text(f.value, bare)}" for f in flags))
-    out += [f"{flag_label(f.name)} {f.name} = {flag_value_text(f.value, bare)}" for f in info.flags
-            if f not in flags]
+    rows = entry_rows(info)
+    out += change_lines([text for label, text in rows if label == "flag"])  # only flags are flags to change
+    out += [f"{label} {text}" for label, text in rows if label != "flag"]
     if info.allowed:
         out.append("allowed: " + ", ".join(info.allowed))
     if info.remedy:
@@ -81,10 +79,22 @@ def _decision_lines(d: dict[str, Any]) -> list[str]:
     return out
 
 
-def _safe(text: Any) -> str:
-    """A string from a log, safe to print: control characters (terminal escapes) shown escaped."""
+def _safe(text: Any, newlines: bool = False) -> str:
+    """A string from a log, safe to print: control characters (terminal escapes) shown escaped, each on its own —
+    the rest of the text as written (an em dash stays a dash). ``newlines``: line ends kept (a message that holds a
+    table), for the caller to split."""
     text = str(text)
-    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or (newlines and ch == "\n") else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
+
+
+def _text_lines(line: str, indent: str = "  ", more: str = "    ") -> list[str]:
+    """One line that may hold line ends (:func:`_safe` with ``newlines``) as lines: the first at ``indent``, the
+    ones after it at ``more`` (a table in an error message stays aligned under its sentence)."""
+    first, *rest = _safe(line, newlines=True).split("\n")
+    return [indent + first] + [more + r for r in rest]
 
 
 _COLOUR = {"ok": "\x1b[32m", "failed": "\x1b[31m"}
@@ -114,13 +124,17 @@ def run_lines(run: Run, colour: bool = False) -> list[str]:
     dw = max([len("duration (ms)")] + [len(c[2]) for c in cells])
     lines = [f"{head}: {status}", f"  {'state':<{w}}  {'start (ms)':>{sw}}  {'duration (ms)':>{dw}}  outcome"]
     lines += [f"  {a:<{w}}  {b:>{sw}}  {c:>{dw}}  {d}" for a, b, c, d in cells]
-    lines += ["  " + _safe(line) for line in _decision_lines(run.decisions()) + explain(run)]
+    lines += ["  " + _safe(line) for line in _decision_lines(run.decisions())]
+    lines += [x for line in explain(run) for x in _text_lines(line)]
     summary = summary_of(run.all(StartupSummary))
     if summary is not None:
         rows = summary_rows(summary)
         pw = max(len(r[0]) for r in rows)
         lines.append("  startup summary (seconds):")
         lines += [_safe(f"    {a:<{pw}}  {b:>9}  {c}").rstrip() for a, b, c in rows]
+    slow = slow_line(run.all(SlowPhase))
+    if slow:
+        lines.append("  " + _safe(slow))
     return lines
 
 
@@ -150,7 +164,7 @@ def render_tail(out: Any, src: Any, differences: list[dict[str, Any]], ranks: Op
     """Per-rank last states, waits and the critical path (several ranks), rank differences, skipped lines."""
     lines = [_safe(x) for x in summary_lines(ranks)] if ranks is not None else []
     for d in differences:
-        vals = ", ".join(f"rank {k}: {v!r}" for k, v in d["values"].items())
+        vals = ", ".join(f"rank {k}: {value_text(v)}" for k, v in d["values"].items())
         lines.append(_safe(f"ranks differ in run {d['run_id']}: {d['key']}: {vals}"))
     if src.skipped_lines or src.unreadable_files:
         lines.append(_safe(f"skipped {src.skipped_lines} unreadable line(s)"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from typing import Any, Iterable, Optional
 
@@ -11,6 +10,7 @@ import msgspec
 from pipeline.core import events as ev
 from pipeline.core.contracts import BuildPlan, DtypeChoice, ErrorInfo, Resolution, SetupWarning
 from pipeline.core.model_spec import format_layer_ids
+from pipeline.cli.error_lines import flag_label, typed_without_value  # noqa: F401 (importable from here as before)
 
 
 def _resolved(prefill: str, decode: str, is_draft_override: bool, rules: Any, dtype: Any,
@@ -103,7 +103,8 @@ def warning_line(warnings: list[dict[str, Any]]) -> Optional[str]:
     downgraded and why — each warning's message, as ``--json``'s ``warnings`` give it, in the command line's
     words —, the flags that accept or avoid it, and that ``--strict`` refuses it. The rejected candidates'
     own reasons are in the ``rejected`` lines."""
-    warnings = [w for w in warnings if w["code"] != "layer_rule_default"]  # each its own line (render_tables)
+    # layer_rule_default: each its own line (render_tables); slow_phase: one line under the startup summary
+    warnings = [w for w in warnings if w["code"] not in ("layer_rule_default", "slow_phase")]
     if not warnings:
         return None
     from pipeline.cli.wording import cli_flags, cli_text
@@ -137,39 +138,14 @@ def _console():
     return console()
 
 
-def flag_label(name: str) -> str:
-    """How the error block labels one ErrorInfo flag: a command-line flag, a positional argument (``LOG``), an
-    environment variable, else a field (a config key, a trace's run id: something no flag sets)."""
-    from pipeline.cli.domains import FLAG_DOMAINS
-
-    if name.startswith("-"):
-        return "flag"
-    if any(fd.flag == name for fd in FLAG_DOMAINS):  # the table's rows not spelled --x are the positional arguments
-        return "arg"
-    if name.isupper():
-        return "env"
-    return "field"
-
-
-_TYPED_WITHOUT_VALUE = re.compile(r"expected (one|at least one) argument|arguments are required|unrecognized arguments")
-
-
-def typed_without_value(info: Any) -> bool:
-    """Whether ``info`` is argparse's refusal of a flag or argument typed without its value (``--log-file`` last,
-    a missing ``LOG``, an unknown flag with nothing after it): its ``""`` values mean "none typed"."""
-    return info.code == "usage" and _TYPED_WITHOUT_VALUE.search(info.message) is not None
-
-
 def flag_value_text(value: Any, no_value: bool = False) -> str:
     """A flag's value for people: ``'x'`` quoted (an empty string as ``''``), numbers as typed, ``not set`` for a
-    missing value (None), ``(no value)`` for a flag typed without one (``no_value``: :func:`typed_without_value`)."""
-    if value is None:
-        return "not set"
-    if value == "" and no_value:
-        return "(no value)"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return repr(value) if isinstance(value, str) else str(value)
+    missing value (None), ``(no value)`` for a flag typed without one (``no_value``:
+    :func:`pipeline.cli.error_lines.typed_without_value`), lists joined and every rank's values as
+    ``rank 0: 8; rank 1: 16`` (:func:`pipeline.core.value_text.value_text`: never a Python repr)."""
+    from pipeline.core.value_text import value_text
+
+    return value_text(value, no_value)
 
 
 def render_error(info: ErrorInfo) -> None:
@@ -183,9 +159,10 @@ def render_error(info: ErrorInfo) -> None:
     c.print(f"[bold red]error[/]{escape(head[0][len('error'):])}", soft_wrap=True)
     for part in head[1:]:
         c.print(part, markup=False, soft_wrap=True)
-    bare = typed_without_value(info)
-    for f in info.flags:
-        print_line(c, f"  {flag_label(f.name):<6} {f.name} = {flag_value_text(f.value, bare)}", indent="    ")
+    from pipeline.cli.error_lines import entry_rows
+
+    for label, text in entry_rows(info):
+        print_line(c, f"  {label:<6} {text}", indent="    ")
     if info.json_path:
         print_line(c, f"  at     {info.json_path}", indent="    ")
     if info.allowed:

@@ -31,6 +31,7 @@ from pipeline.cli.run_checks import (  # noqa: F401 - run's flag checks moved; i
 )
 from pipeline.cli.outstreams import settle
 from pipeline.cli.run_exit import _close_run, _ended_by, exit_code_of, finish_log
+from pipeline.cli.startup import slow_warnings
 from pipeline.cli.run_report import (  # noqa: F401 - the report moved; its names stay importable from here
     _graph_line, _pool_line, _print, _render_runner, _report, model_line, timeline_rows, timeline_title,
 )
@@ -267,7 +268,7 @@ def cmd(ns: argparse.Namespace) -> int:
         finally:
             error, code, summary = _close_run(ns, log, runner, group, progress, error, code, t_start)
         report = _report(log, run_id, code, verified, steps, log_file, error)
-        report["warnings"] += rp.layer_rule_warnings(request)
+        report["warnings"] += rp.layer_rule_warnings(request) + slow_warnings(log.records)
         report["summary"] = summary_obj(summary)
         _print(ns, report, log.records, request, error, code, notices=notices)
         code = settle(code)  # a report lost to a write error (not a closed pipe) fails an ok run: exit 2

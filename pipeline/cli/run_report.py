@@ -48,7 +48,7 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
     rp.render_tables({**report, "states": []}, verdict=False)  # the setup states are in the runner timeline above
     from pipeline.cli.startup import render_summary
 
-    render_summary(report["summary"])
+    render_summary(report["summary"], records)  # with the slow_phase warnings under it
     rp.render_verdict(report)  # stdout's last line, after the startup summary, as plan's (it sat above the summary)
     if error is not None:
         from pipeline.cli.wording import cli_error, command_dests

@@ -162,14 +162,58 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
 IDLE_SHOWN_S = 0.01  # one clock tick at 100 Hz: the creation time's resolution; less is not shown
 
 
-def render_summary(summary: Optional[dict[str, Any]]) -> None:
-    """The ``startup summary`` table (plain text for every string: phase names can come from a log)."""
+def render_summary(summary: Optional[dict[str, Any]], records: Any = ()) -> None:
+    """The ``startup summary`` table (plain text for every string: phase names can come from a log), then the
+    ``slow_phase`` warnings among ``records`` as one line (:func:`slow_line`)."""
     if not summary:
         return
-    from pipeline.cli.console import console, print_table
+    from pipeline.cli.console import console, print_line, print_table
 
-    print_table(console(), "startup summary (seconds; children indented under their phase)", ["phase", "s", "detail"],
+    c = console()
+    print_table(c, "startup summary (seconds; children indented under their phase)", ["phase", "s", "detail"],
                 summary_rows(summary), justify=["left", "right", "left"])
+    line = slow_line(records)
+    if line:
+        print_line(c, f"warning: {line}", style="bold yellow")
+
+
+def _slow(records: Any) -> list[Any]:
+    return [r for r in records if isinstance(r, ev.SlowPhase)]
+
+
+def _phase_path(r: Any) -> str:
+    return f"{r.parent}/{r.phase}" if r.parent else r.phase
+
+
+def slow_line(records: Any) -> Optional[str]:
+    """``slow phases (over 1 s): load-model 1.280 s, startup/import torch 1.539 s`` from a run's ``slow_phase``
+    records, in the order they were logged (None without one): ``run``'s report and ``inspect`` print it under the
+    startup summary."""
+    slow = _slow(records)
+    if not slow:
+        return None
+    return (f"slow phases (over {slow[0].threshold_s:g} s): "
+            + ", ".join(f"{_phase_path(r)} {r.seconds:.3f} s" for r in slow))
+
+
+def slow_warnings(records: Any) -> list[dict[str, Any]]:
+    """``run --json``'s ``warnings`` entries of the ``slow_phase`` records: ``{code: slow_phase, what: the phase
+    (parent/name for a child), message}`` (:class:`~pipeline.core.contracts.SetupWarning`)."""
+    import msgspec
+
+    from pipeline.core.contracts import SetupWarning
+
+    return [msgspec.to_builtins(SetupWarning(
+        code="slow_phase", what=_phase_path(r),
+        message=f"{_phase_path(r)} took {r.seconds:.3f} s, over the slow-phase threshold of {r.threshold_s:g} s"))
+        for r in _slow(records)]
+
+
+def slow_phases(records: Any) -> list[dict[str, Any]]:
+    """``inspect --json``'s ``slow_phases``: ``[{phase, parent, seconds, threshold_s}]`` of the ``slow_phase``
+    records, in log order."""
+    return [{"phase": r.phase, "parent": r.parent, "seconds": r.seconds, "threshold_s": r.threshold_s}
+            for r in _slow(records)]
 
 
 def summary_of(records: Any) -> Optional[dict[str, Any]]:

@@ -12,7 +12,9 @@ The whole error speaks the command line's vocabulary (:func:`cli_error`): the fl
 the remedy name flags (``pool.max_reqs`` → ``--max-reqs``, ``args.page_size`` → ``--page-size``,
 ``attention_backend`` → ``--attention-backend``) wherever a flag sets that field, and no Python value leaks
 (``X=None`` → ``X not set``, ``str | None`` → ``str or not set``; a flag entry without a value is printed as
-``not set``). Names no flag sets (a config key, an environment variable, a trace's run id) stay as they are.
+``not set``). Names no flag sets (a config key, an environment variable, a trace's run id) stay as they are, and so
+does a field a ``derived`` entry names (``rank_divergence``'s capture list that follows ``--max-reqs``: no flag to
+change), whose sources become flags.
 Nothing here imports torch.
 """
 
@@ -165,8 +167,11 @@ def cli_error(info: ErrorInfo, dests: Iterable[str] | None = None) -> ErrorInfo:
     known = cli_dests() if dests is None else frozenset(dests)
     flags: list[Flag] = []
     seen: set[str] = set()
+    derived = next((f.value for f in info.flags if f.name == "derived" and isinstance(f.value, dict)), {})
     for f in info.flags:
-        name = flag_name(f.name, known)
+        name = f.name if f.name in derived else flag_name(f.name, known)  # a derived field is no flag to change
+        if f.name == "derived" and derived:
+            f = Flag(name=f.name, value={k: flag_name(str(v), known) for k, v in derived.items()})
         if name in NOT_FLAGS:
             continue
         if name not in seen:

@@ -151,7 +151,9 @@ class RankDivergence(ConfigError):
 
     Raised on *every* rank together (each compares the same gathered table), before anything is
     allocated. ``info.flags`` holds one ``rank[i]`` entry per rank (device, host, prefill, decode)
-    and ``diverging`` names the fields that differ; the message carries the same table as text.
+    and ``diverging`` names the fields that differ; ``derived`` (only when one applies) maps a field that differs
+    only because another does to that one (``{"cuda_graph_bs": "pool.max_reqs"}``); the message carries the same
+    table as text.
     """
 
     code = "rank_divergence"

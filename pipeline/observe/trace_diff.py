@@ -7,7 +7,8 @@ For each rank found in both logs (the last launch of that rank in each file), th
 - every ``startup_summary`` phase (JIT variants, graph batch sizes, verified instances included), in s;
 - every decision that changed: the resolved backends and their rules, settings (workspace bytes among
   them), the build plan (mode, instances, workspaces with their bytes), skips and downgrades, the
-  annotation, the captured graph batch sizes — as ``key: A → B``. Device facts that vary from start to
+  annotation, the captured graph batch sizes — as ``key: A → B`` (a value absent on one side: ``not set``,
+  :func:`pipeline.core.value_text.value_text`). Device facts that vary from start to
   start on the same machine (free memory) are left out.
 
 Torch-free. The numbers are the recorded ones (``duration_ms`` of the transitions), so a state that
@@ -21,6 +22,7 @@ from typing import Any, Optional
 import msgspec
 
 from pipeline.core import events as ev
+from pipeline.core.value_text import value_text
 from pipeline.observe.ranks import _flatten
 from pipeline.observe.trace import Run, read_trace
 
@@ -84,10 +86,11 @@ def diff_runs(a: Run, b: Run) -> dict[str, Any]:
 
 
 def diff_logs(path_a: str, path_b: str) -> dict[str, Any]:
-    """``{a, b, ranks: [diff_runs …], only_in_a, only_in_b}`` for two trace files (one start each, per rank)."""
+    """``{a, b, ok, ranks: [diff_runs …], only_in_a, only_in_b}`` for two trace files (one start each, per rank);
+    ``ok``: every start compared or listed (each rank's last in either file) started — ``inspect``'s exit 0."""
     (ra, na), (rb, nb) = _last_per_rank(path_a), _last_per_rank(path_b)
     ranks = [{**diff_runs(ra[k], rb[k]), "starts_a": na[k], "starts_b": nb[k]} for k in sorted(set(ra) & set(rb))]
-    return {"a": path_a, "b": path_b, "ranks": ranks,
+    return {"a": path_a, "b": path_b, "ok": all(r.ok for r in [*ra.values(), *rb.values()]), "ranks": ranks,
             "only_in_a": sorted(set(ra) - set(rb)), "only_in_b": sorted(set(rb) - set(ra))}
 
 
@@ -121,7 +124,7 @@ def diff_lines(d: dict[str, Any], safe: Any = str) -> list[str]:
             else:
                 lines.append(safe(f"  phase {name}: {p['a_s']:.3f} s -> {p['b_s']:.3f} s ({p['delta_s']:+.3f} s)"))
         for c in r["decisions"]:
-            lines.append(safe(f"  changed {c['key']}: {c['a']!r} -> {c['b']!r}"))
+            lines.append(safe(f"  changed {c['key']}: {value_text(c['a'])} -> {value_text(c['b'])}"))
         if not r["decisions"]:
             lines.append("  no decision changed")
     for side, key in (("A", "only_in_a"), ("B", "only_in_b")):

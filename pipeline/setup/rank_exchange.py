@@ -144,6 +144,20 @@ def agree_on_resolution(resolution: Optional[Resolution], device_facts: DeviceFa
     raise _divergence(rank, rows, reports, bad)
 
 
+# The CUDA-graph flags: when none differs, a differing capture list follows from the pool (derived_fields).
+_GRAPH_ARGS = ("args.cuda_graph_bs", "args.cuda_graph_max_bs", "args.disable_cuda_graph")
+DERIVED_WORDS = {"cuda_graph_bs": "the decode batch sizes to capture"}  # a derived field in the message's words
+
+
+def derived_fields(bad: list[str]) -> dict[str, str]:
+    """``{field: the field it follows from}`` among the differing fields ``bad``: ``cuda_graph_bs`` (the capture
+    list, derived from ``pool.max_reqs`` unless a CUDA-graph flag is given) when ``pool.max_reqs`` differs too and
+    no CUDA-graph flag does — the rank error then names the field the user set, and this one as derived."""
+    if "cuda_graph_bs" in bad and "pool.max_reqs" in bad and not any(g in bad for g in _GRAPH_ARGS):
+        return {"cuda_graph_bs": "pool.max_reqs"}
+    return {}
+
+
 def _divergence(rank: int, rows: list[RankRow], reports: list[RankReport], bad: list[str]) -> RankDivergence:
     failed = [r for r in reports if r.error is not None]
     why = "; ".join(f"rank {r.rank} refused: [{r.error.code}] {r.error.message}" for r in failed)
@@ -151,10 +165,14 @@ def _divergence(rank: int, rows: list[RankRow], reports: list[RankReport], bad: 
                for b in bad if b.startswith("args.")}
     per_arg.update({b: {str(r.rank): r.digest.get(b, "missing") for r in reports if r.digest}
                     for b in bad if b not in per_arg and b not in ("resolve_error", "pair", "device")})
-    lines = [f"{f}: " + ", ".join(f"rank {k}={v!r}" for k, v in vals.items()) for f, vals in per_arg.items()]
-    msg = (f"the {len(rows)} ranks disagree on {', '.join(bad)}" + (f" ({why})" if why else "")
+    derived = derived_fields(bad)
+    lines = [(f"{DERIVED_WORDS[f]} (derived from {derived[f]})" if f in derived else f) + ": "
+             + ", ".join(f"rank {k}={v!r}" for k, v in vals.items()) for f, vals in per_arg.items()]
+    msg = (f"the {len(rows)} ranks disagree on {', '.join(b for b in bad if b not in derived)}"
+           + "".join(f" (and so on {DERIVED_WORDS[f]}, derived from {src})" for f, src in derived.items())
+           + (f" ({why})" if why else "")
            + f" — seen from rank {rank}:\n" + table_text(rows) + "".join("\n" + x for x in lines))
-    flags: list[tuple[str, Any]] = [("diverging", bad)]
+    flags: list[tuple[str, Any]] = [("diverging", bad)] + ([("derived", derived)] if derived else [])
     flags += [(f"rank[{r.rank}]", {"host": r.host, "device": r.device, "prefill": r.prefill, "decode": r.decode,
                                    **({"error": r.error} if r.error else {})}) for r in rows]
     flags += list(per_arg.items())
