@@ -205,7 +205,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         quiet()
         return EXIT_FAILED
     except Exception as e:  # noqa: BLE001 - a bug still ends in one ErrorInfo, not a traceback
-        _print_info(error_info_from(e, "args"), as_json)
+        _print_info(error_info_from(e, "args", logged=False), as_json)  # no log holds it: run's own are logged
         return EXIT_FAILED
 
 
