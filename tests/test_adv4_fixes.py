@@ -117,3 +117,60 @@ def test_error_info_from_points_at_the_log_only_when_logged(logged):
 
     info = error_info_from(ValueError("v"), "resolve", logged=logged)
     assert info.code == "internal_error" and ("the log holds the full event" in info.remedy) is logged
+
+
+# -- 2. a {run_id} --log-file is checked for path_conflict with the run id it gets -------------------------------
+def _run_json(*argv: str) -> tuple[int, dict]:
+    import json
+
+    from conftest import run_main
+
+    proc = run_main("run", "--device", "cpu", "--json", *argv)
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_run_id_log_file_over_the_model_config_is_a_path_conflict(tmp_path, monkeypatch):
+    """The finding: ``ATTN_SETUP_RUN_ID=myrun … --model conf/myrun.json --log-file 'conf/{run_id}.json'`` was rc 0
+    with 37 JSON lines appended to the config; now exit 2 ``path_conflict`` naming both flags, the config as it was."""
+    from conftest import ROOT
+
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    model = conf / "myrun.json"
+    model.write_bytes((ROOT / "examples/configs/llama-3.1-8b.json").read_bytes())
+    before = model.read_bytes()
+    monkeypatch.setenv("ATTN_SETUP_RUN_ID", "myrun")
+    rc, out = _run_json("--model", str(model), "--log-file", str(conf / "{run_id}.json"))
+    err = out["error"]
+    assert rc == 2 and err["code"] == "path_conflict" and err["state"] == "args", err
+    assert [f["name"] for f in err["flags"]] == ["--log-file", "--model"] and err["flags"][0]["value"] == str(model)
+    assert err["remedy"] == "pass a different path to --log-file"
+    assert model.read_bytes() == before and sorted(p.name for p in conf.iterdir()) == ["myrun.json"]
+
+
+def test_a_run_id_log_file_over_the_metrics_file_is_a_path_conflict(tmp_path, monkeypatch):
+    """``ATTN_SETUP_RUN_ID=m2 … --log-file 'conf/{run_id}.jsonl' --metrics-file conf/m2.jsonl``: the log was replaced
+    by OpenMetrics text; now refused before anything is written."""
+    monkeypatch.setenv("ATTN_SETUP_RUN_ID", "m2")
+    rc, out = _run_json("--log-file", str(tmp_path / "{run_id}.jsonl"), "--metrics-file", str(tmp_path / "m2.jsonl"))
+    err = out["error"]
+    assert rc == 2 and err["code"] == "path_conflict", err
+    assert [f["name"] for f in err["flags"]] == ["--log-file", "--metrics-file"]
+    assert err["remedy"] == "pass a different path to --metrics-file" and list(tmp_path.iterdir()) == []
+
+
+def test_a_run_id_known_only_when_the_run_starts_is_checked_before_the_log_opens(tmp_path, monkeypatch):
+    """A run id not in the environment (a fresh one, a rank group's) is filled in as the run starts; the conflict
+    check runs again then, before the log opens: nothing written, exit 2 ``path_conflict``."""
+    import pipeline.setup.build as build
+
+    monkeypatch.delenv("ATTN_SETUP_RUN_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(build, "new_run_id", lambda: "fresh")
+    metrics = tmp_path / "fresh.rank0.jsonl"
+    rc, out = _run_json("--log-file", str(tmp_path / "{run_id}.rank{rank}.jsonl"), "--metrics-file", str(metrics))
+    err = out["error"]
+    assert rc == 2 and err["code"] == "path_conflict", err
+    assert err["flags"] == [{"name": "--log-file", "value": str(metrics)}, {"name": "--metrics-file",
+                                                                           "value": str(metrics)}]
+    assert list(tmp_path.iterdir()) == []

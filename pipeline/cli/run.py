@@ -26,7 +26,7 @@ from pipeline.core.errors import (
     EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from,  # noqa: F401
 )
 from pipeline.cli.run_checks import (  # noqa: F401 - run's flag checks moved; importable from here
-    _PLACEHOLDER, DEFAULT_LAYERS, check_context, check_pool_for_checks, check_warm_cache, log_path,
+    _PLACEHOLDER, DEFAULT_LAYERS, check_context, check_pool_for_checks, check_warm_cache, checked_log_path, log_path,
     open_log, runner_config,
 )
 from pipeline.cli.outstreams import settle
@@ -219,7 +219,7 @@ def cmd(ns: argparse.Namespace) -> int:
     request = request_from(ns, on_gpu=on_gpu)
     notices = _notices(ns, request, group is not None)
     run_id = group.run_id if group is not None else new_run_id()
-    log_file = log_path(ns.log_file, run_id, request.rank)
+    log_file = checked_log_path(ns, run_id, request.rank)  # s13: path_conflict again, the run id known
     log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
     t0 = time.perf_counter()
     t_start = _process_start(ns)

@@ -292,9 +292,6 @@ def error_info_from(exc: BaseException, state: str, *, logged: bool = True) -> E
     if isinstance(exc, KeyboardInterrupt):
         return ErrorInfo(code="interrupted", state=state, message=f"interrupted (SIGINT) in state {state}",
                          remedy=INTERRUPTED_REMEDY)
-    return ErrorInfo(
-        code="internal_error",
-        state=state,
-        message=printable(f"{type(exc).__name__}: {exc}"),
-        remedy=OUT_OF_MEMORY_REMEDY if isinstance(exc, MemoryError) else LOGGED_REMEDY if logged else UNLOGGED_REMEDY,
-    )
+    return ErrorInfo(code="internal_error", state=state, message=printable(f"{type(exc).__name__}: {exc}"),
+                     remedy=OUT_OF_MEMORY_REMEDY if isinstance(exc, MemoryError) else
+                     LOGGED_REMEDY if logged else UNLOGGED_REMEDY)
