@@ -174,3 +174,37 @@ def test_a_run_id_known_only_when_the_run_starts_is_checked_before_the_log_opens
     assert err["flags"] == [{"name": "--log-file", "value": str(metrics)}, {"name": "--metrics-file",
                                                                            "value": str(metrics)}]
     assert list(tmp_path.iterdir()) == []
+
+
+# -- 3. a --mem-fraction pool must hold run's verification batches ----------------------------------------------
+def test_a_mem_fraction_below_the_verification_batches_is_refused_and_its_remedy_runs_ok(tmp_path):
+    """The finding: ``--mem-fraction 1e-300`` was refused with "cover 49152 bytes" (2 slots), and following it
+    (2.1e-6, 53080 bytes) loaded the model and failed verification with ``kv_pool_exhausted``. Now the refusal
+    counts the 72 slots the verification batches need, as ``--mem-bytes``'s does, names a fraction, and that runs ok;
+    the finding's 2.1e-6 is refused before the model loads."""
+    import re
+
+    for frac in ("1e-300", "2.1e-6"):
+        rc, out = _run_json("--mem-fraction", frac, "--log-file", str(tmp_path / f"{frac}.jsonl"))
+        err = out["error"]
+        assert rc == 3 and err["code"] == "pool_budget_too_small" and err["state"] == "args", err
+        assert "72 token slots (the verification batches with --decode-steps 3)" in err["message"]
+        assert "(622592 bytes in all)" in err["message"] and err["allowed"] == [">= 622592 bytes"]
+    m = re.fullmatch(r"raise --mem-fraction to (\S+) or more \(it then covers 622592 bytes\), or lower --max-reqs "
+                     r"or --max-context-len", err["remedy"])
+    assert m, err["remedy"]
+    rc, out = _run_json("--mem-fraction", m.group(1), "--log-file", str(tmp_path / "ok.jsonl"))
+    assert rc == 0 and out["ok"] and out["error"] is None, out["error"]
+
+
+def test_fraction_covering_is_the_smallest_three_digit_fraction():
+    from pipeline.core.pool_sizing import budget_from_fraction, fraction_covering
+
+    for need, total, allocated in [(622592, 25_280_000_000, 0), (1, 10, 0), (10, 10, 0), (5, 100, 50),
+                                   (123456789, 141_000_000_000, 17_000_000_000)]:
+        f = fraction_covering(need, total, allocated)
+        assert budget_from_fraction(f, total, allocated) >= need
+        m, e = f"{f:.2e}".split("e")
+        lower = float(f"{round(float(m) * 100) - 1}e{int(e) - 2}")
+        assert lower <= 0 or int(lower * total) - allocated < need, (need, total, f)
+    assert fraction_covering(11, 10) is None and fraction_covering(5, 0) is None and fraction_covering(10, 10) == 1.0
