@@ -5,7 +5,9 @@ divergence is printed as state, field, recorded, now) · 2 the trace is unreadab
 replay from, a LOG that is not a regular file, or a recorded request/input this version cannot
 use: ``trace_unreadable`` naming the run and its ``run_started`` record), or it reads but holds no
 decision to replay (every run stopped before resolve: ``nothing_to_replay`` naming each run, the
-state it failed in and its recorded error code).
+state it failed in and its recorded error code), or a run's recorded request had deciding values redacted by a
+secret equal to ordinary text (``request_redacted`` naming the fields). A decision whose recorded value holds a
+secret's ``<redacted>`` marker is compared around it (listed as ``redacted``), never a divergence for the marker.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def cmd(ns: argparse.Namespace) -> int:
             head = f"run {r.run_id} rank {r.rank}" + (f" launch {r.launch_id}" if r.launch_id else "") + ": "
             if r.divergence is None:
                 print_line(c, head + f"same ({len(r.checked)} decisions checked)"
+                           + (f"; {len(r.redacted)} compared around a secret's <redacted> marker: "
+                              + ", ".join(r.redacted) if r.redacted else "")
                            + (f"; stopped: {r.stopped}" if r.stopped else ""))
             else:
                 d = r.divergence

@@ -21,6 +21,8 @@ from pipeline.core import driver
 from pipeline.core import events as ev
 from pipeline.core.contracts import SetupRequest
 from pipeline.core.errors import AttnSetupError, UsageError
+from pipeline.observe.replay_redacted import (has_redacted, matches_around_redaction, redacted_request_fields,
+                                              request_redacted)
 from pipeline.observe.trace import Run, Trace, as_trace
 from pipeline.setup.context import SetupContext
 from pipeline.setup.table import SETUP
@@ -42,7 +44,8 @@ class RunReplay(msgspec.Struct, frozen=True, kw_only=True):
     """One run's replay: ``checked`` lists the fields compared (in order); ``divergence`` or None.
 
     ``stopped`` says why comparison ended before ``done`` (a recorded effect failure, an
-    incomplete trace), or is empty.
+    incomplete trace), or is empty. ``redacted``: the checked fields whose recorded value held a secret's
+    ``"<redacted>"`` marker, compared around it (:mod:`pipeline.observe.replay_redacted`).
     """
 
     run_id: str
@@ -51,6 +54,7 @@ class RunReplay(msgspec.Struct, frozen=True, kw_only=True):
     divergence: Optional[Divergence] = None
     stopped: str = ""
     launch_id: str = ""
+    redacted: list[str] = []
 
     @property
     def same(self) -> bool:
@@ -144,9 +148,14 @@ class _Replayer:
     def __init__(self, run: Run) -> None:
         self.run = run
         self.checked: list[str] = []
+        self.redacted: list[str] = []
         started = run.started
         if started is None:
             raise _no_start(run)
+        hidden = redacted_request_fields(started.request)
+        if hidden:  # s13: a secret equal to ordinary text; not trace_unreadable
+            where = f" ({run.started_at[0]}:{run.started_at[1]})" if run.started_at else ""
+            raise request_redacted(run.run_id, run.rank, where, hidden)
         try:
             self.req = msgspec.convert(started.request, SetupRequest)
         except (msgspec.ValidationError, AttnSetupError) as e:
@@ -160,6 +169,9 @@ class _Replayer:
     def check(self, state: str, fld: str, recorded: Any, now: Any) -> None:
         self.checked.append(f"{state}.{fld}")
         if _b(recorded) != _b(now):
+            if has_redacted(_b(recorded)) and matches_around_redaction(_b(recorded), _b(now)):
+                self.redacted.append(f"{state}.{fld}")  # the marker stands for text we cannot know
+                return
             raise _Diverged(Divergence(state=state, field=fld, recorded=_b(recorded), now=_b(now)))
 
     def replay(self) -> RunReplay:
@@ -173,11 +185,11 @@ class _Replayer:
                 stopped = ""
         except _Diverged as e:
             return RunReplay(run_id=run.run_id, rank=run.rank, checked=self.checked, divergence=e.d,
-                             launch_id=run.launch_id)
+                             launch_id=run.launch_id, redacted=self.redacted)
         except driver.Stop as e:
             stopped = str(e)
         return RunReplay(run_id=run.run_id, rank=run.rank, checked=self.checked, stopped=stopped,
-                         launch_id=run.launch_id)
+                         launch_id=run.launch_id, redacted=self.redacted)
 
 
 def _replay_run(run: Run) -> RunReplay:
