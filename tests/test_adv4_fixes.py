@@ -381,3 +381,61 @@ def test_pieces_of_one_launch_in_two_files_still_merge_in_time_order(tmp_path):
     want = json.loads(run_main("inspect", "--json", str(ROOT / "tests/data/bad_inputs/traces/cli_run_ok.jsonl"))
                       .stdout)["runs"][0]
     assert run["ok"] and run["runner_states"] == want["runner_states"] and run["states"] == want["states"]
+
+
+# -- 7. nits: --json=1 in JSON, the dist timeout variable's remedy, ASCII-only numbers -------------------------------
+def test_json_with_a_value_is_refused_in_json():
+    """``plan --json=1`` printed a human error; it is the JSON error object, naming the switch and what it takes."""
+    import json
+
+    from conftest import run_main
+
+    proc = run_main("plan", "--json=1")
+    err = json.loads(proc.stdout)["error"]
+    assert proc.returncode == 2 and err["code"] == "usage" and err["flags"] == [{"name": "--json", "value": "1"}]
+    assert err["allowed"] == ["--json alone (a switch takes no value)"] and proc.stderr == ""
+    assert err["remedy"].startswith("pass --json without =1")
+
+
+@pytest.mark.parametrize("raw", ["inf", "nan", "0", "-1", "1e9"])
+def test_a_bad_dist_timeout_variable_is_named_as_a_variable_and_its_remedy_runs(tmp_path, monkeypatch, raw):
+    """``ATTN_SETUP_DIST_TIMEOUT=inf`` got "pass ATTN_SETUP_DIST_TIMEOUT 60" (a flag's wording, value null); now
+    the variable as set and "export ATTN_SETUP_DIST_TIMEOUT=60", which then runs ok."""
+    monkeypatch.setenv("ATTN_SETUP_DIST_TIMEOUT", raw)
+    rc, out = _run_json("--log-file", str(tmp_path / "l.jsonl"))
+    err = out["error"]
+    assert rc == 2 and err["flags"] == [{"name": "ATTN_SETUP_DIST_TIMEOUT", "value": raw}], err
+    assert err["message"] == f"ATTN_SETUP_DIST_TIMEOUT='{raw}' must be a number of seconds in (0, 86400]"
+    assert err["remedy"] == ("export ATTN_SETUP_DIST_TIMEOUT=60, or unset it (60 s), or pass --dist-timeout 60")
+    if raw == "inf":
+        monkeypatch.setenv("ATTN_SETUP_DIST_TIMEOUT", "60")
+        assert _run_json("--log-file", str(tmp_path / "l.jsonl"))[0] == 0
+
+
+@pytest.mark.parametrize("flag,value", [("--max-reqs", "٣"), ("--max-reqs", "３"), ("--max-reqs", "8_0"),
+                                        ("--cuda-graph-max-bs", "３"), ("--max-context-len", "1_024"),
+                                        ("--page-size", "١")])
+def test_integer_flags_take_ascii_digits_only(flag, value):
+    """Python's int() took ``٣``, ``３`` and ``8_0``; a flag's integer is ASCII digits, else the flag's refusal."""
+    import json
+
+    from conftest import run_main
+
+    proc = run_main("plan", "--json", flag, value)
+    err = json.loads(proc.stdout)["error"]
+    assert proc.returncode == 2 and err["code"] == "out_of_domain", err
+    assert err["flags"] == [{"name": flag, "value": value}] and "invalid int value" in err["message"]
+
+
+def test_ascii_numbers():
+    from pipeline.cli.numbers import ascii_float, ascii_int
+
+    assert [ascii_int(s) for s in ("8", "+8", "-3", " 80 ", "007")] == [8, 8, -3, 80, 7]
+    assert [ascii_float(s) for s in ("0.5", ".5", "5.", "1e-3", "-2E+2", "inf")] == [0.5, 0.5, 5.0, 1e-3, -200.0,
+                                                                                      float("inf")]
+    for bad in ("٣", "３", "8_0", "0x10", "", "1.5", "8\n"):
+        with pytest.raises(ValueError):
+            ascii_int(bad)
+    for bad in ("٠.٥", "1_0.5", "0x1p3", "", "1e", "."):
+        with pytest.raises(ValueError):
+            ascii_float(bad)

@@ -34,6 +34,7 @@ from pipeline.cli.run_exit import _close_run, _ended_by, finish_log
 from pipeline.cli.run_report import (  # noqa: F401 - the report moved; its names stay importable from here
     _graph_line, _pool_line, _print, _render_runner, _report, model_line, timeline_rows, timeline_title,
 )
+from pipeline.cli.numbers import ascii_float, ascii_int
 
 
 def preflight(ns: argparse.Namespace, runner: Any, log: Any, group: Any) -> None:
@@ -99,25 +100,25 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     run.add_argument("--log-file", default="./attn-setup-logs/{run_id}.rank{rank}.jsonl",
                      help="JSON-lines trace path; {run_id} and {rank} are filled in "
                           "(default: ./attn-setup-logs/{run_id}.rank{rank}.jsonl)")
-    run.add_argument("--decode-steps", type=int, default=3, help="decode steps verified after the extend")
-    run.add_argument("--num-layers", type=int, default=None,
+    run.add_argument("--decode-steps", type=ascii_int, default=3, help="decode steps verified after the extend")
+    run.add_argument("--num-layers", type=ascii_int, default=None,
                      help=f"build only the first N attention layers (default {DEFAULT_LAYERS}, or as many as it takes "
                           "to include every attention layer kind; a hybrid model's linear-attention / mamba layers "
                           "are skipped, not counted)")
-    run.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
+    run.add_argument("--dist-timeout", type=ascii_float, default=None, metavar="SECONDS",
                      help="under torchrun (WORLD_SIZE > 1): seconds to wait for the rendezvous (then "
                           "rank_exchange_failed) and for every rank at each of our waits (then rank_stalled, naming "
                           "the rank, its last state and what it was doing) "
                           "(default: $ATTN_SETUP_DIST_TIMEOUT, else 60)")
-    run.add_argument("--max-memory-imbalance", type=float, default=None, metavar="FRACTION",
+    run.add_argument("--max-memory-imbalance", type=ascii_float, default=None, metavar="FRACTION",
                      help="under torchrun: the allowed spread of free device memory between ranks at device-init, "
                           "a fraction of the largest; more fails every rank with memory_imbalance "
                           "(default: $ATTN_SETUP_MAX_MEMORY_IMBALANCE, else 0.1 as sglang; 1 = no check)")
     budget = run.add_mutually_exclusive_group()
-    budget.add_argument("--mem-fraction", type=float, default=None,
+    budget.add_argument("--mem-fraction", type=ascii_float, default=None,
                         help="size the KV pool from this share of device memory (sglang's mem_fraction_static; "
                              "default: unset, the pool has --num-token-slots slots)")
-    budget.add_argument("--mem-bytes", type=int, default=None,
+    budget.add_argument("--mem-bytes", type=ascii_int, default=None,
                         help="size the KV pool from this many bytes (default: unset, as --mem-fraction)")
     from pipeline.cli.startup import add_startup_flags
 
