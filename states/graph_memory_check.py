@@ -60,6 +60,7 @@ def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Opt
     (``pool_exceeds_memory``, state ``init-memory-pool``, with ``run``'s remedy builder; every alternative then
     plans ok). ``request``'s served model is the stack ``run`` builds. Common path: a pool sizing and sums."""
     from pipeline.core.pool_sizing import check_fits
+    from pipeline.core.verification_sizes import context_needed, slots_needed
 
     if not total_bytes:
         return
@@ -74,7 +75,9 @@ def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Opt
     try:
         check_fits(s, total_bytes, device=facts.name or facts.type, of_total=True,
                    graph_top=args.cuda_graph_max_bs or max(args.cuda_graph_bs or [0]),
-                   graphs=graph_trial(request, decided, estimate, env=env))
+                   graphs=graph_trial(request, decided, estimate, env=env),
+                   min_slots=slots_needed(request.pool.max_reqs, args.page_size),
+                   min_context_len=context_needed(request.pool.max_reqs))
     except ConfigError as e:
         e.info = msgspec.structs.replace(e.info, state="init-memory-pool")
         raise

@@ -33,6 +33,7 @@ PINNED = {
 # config → (dtype, its rule, not-attention layers of what the run builds): --num-layers defaults to the first 2
 # attention layers (more when a kind starts later), so Qwen3-Next builds layers 0..7 (attention 3 and 7).
 RUN_DTYPE = {"gemma-2-9b.json": ("bfloat16", "auto:float32_to_bfloat16", []),
+             "gpt-oss-20b.json": ("float16", "auto:missing_torch_dtype_as_float32_to_float16", []),  # no torch_dtype
              "qwen3-next-80b-a3b-instruct.json": ("bfloat16", "auto:checkpoint",
                                                   [{"kind": "linear_attention", "layer_ids": [0, 1, 2, 4, 5, 6]}])}
 # the served sliding window of the windowed configs: verification builds its instances for window 7 instead

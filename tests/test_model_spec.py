@@ -57,7 +57,7 @@ EXPECTED = {
     "deepseek-v3.json": ("deepseek_v3", 61, 128, 128, 192, 128, (0.1 * math.log(40) + 1) ** 2 / math.sqrt(192), [],
                          None, None, False, (512, 64, 128, 128, 1536), "bfloat16", 129280, 163840, 10000.0),
     "gpt-oss-20b.json": ("gpt_oss", 24, 64, 8, 64, 64, 1 / 8, _EVEN(24), 128,
-                         None, True, None, "bfloat16", 201088, 131072, 150000.0),
+                         None, True, None, "float32", 201088, 131072, 150000.0),  # no torch_dtype: sglang's float32
     # 48 layers: 3 Gated DeltaNet then 1 gated full attention, x12; 16 q / 2 kv heads of 256 (model card)
     "qwen3-next-80b-a3b-instruct.json": ("qwen3_next", 48, 16, 2, 256, 256, 1 / 16, [], None,
                                          None, False, None, "bfloat16", 151936, 262144, 1e7),

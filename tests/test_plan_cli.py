@@ -58,7 +58,7 @@ H200_PINNED = {
     "qwen3-8b.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),
     "deepseek-v2-lite.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),     # MLA: measured fastest on sm90
     "deepseek-v3.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),           # MLA 576/512, 128 heads
-    "gpt-oss-20b.json": ("flashinfer", ("bfloat16", "auto:checkpoint"), []),          # no torch_dtype: bf16
+    "gpt-oss-20b.json": ("flashinfer", ("float16", "auto:missing_torch_dtype_as_float32_to_float16"), []),  # sglang
     "qwen3-next-80b-a3b-instruct.json": ("flashinfer", ("bfloat16", "auto:checkpoint"),
                                          [("linear_attention", [i for i in range(48) if (i + 1) % 4])]),
     "llama-4-scout-17b-16e-instruct.json": ("triton", ("bfloat16", "auto:checkpoint"), []),  # chunked layers

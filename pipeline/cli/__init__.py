@@ -145,6 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from pipeline.core.errors import EXIT_FAILED
 
     closed = open_std_fds() if argv is None else frozenset()  # a process's own descriptors, not an in-process call's
+    sigint = _sigint_now() if argv is not None else None  # ``run`` ignores SIGINT once it logged its exit code
     real_stdout, real_stderr = sys.stdout, sys.stderr
     out = ReaderMayLeave(safe(std_stream(real_stdout, 1, closed)), "stdout")
     err = ReaderMayLeave(safe(std_stream(real_stderr, 2, closed)), "stderr")
@@ -157,7 +158,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             code = report(code, out, err)
         finally:
             sys.stdout, sys.stderr = real_stdout, real_stderr
+            _restore_sigint(sigint)
     return code
+
+
+def _sigint_now() -> Any:
+    import signal
+
+    return signal.getsignal(signal.SIGINT)
+
+
+def _restore_sigint(handler: Any) -> None:
+    """An in-process caller's SIGINT handler back (``run``'s :func:`pipeline.cli.run_exit.finish_log` ignores SIGINT
+    from its last record on, so that the process exits with the code it logged)."""
+    import signal
+
+    if handler is None or signal.getsignal(signal.SIGINT) is handler:
+        return
+    try:
+        signal.signal(signal.SIGINT, handler)
+    except (ValueError, TypeError):  # not the main thread
+        pass
 
 
 def _flag_after(argv: Sequence[str], flag: str) -> Optional[str]:
@@ -229,11 +250,18 @@ def entry() -> None:  # pragma: no cover - ends the process
     on a 2-core CPU machine — time no phase of the run can name. So the exit handlers run
     (``atexit``: logging's flush among them), stdout and stderr are flushed, and the process ends with
     ``os._exit`` and the exit code. In-process callers (tests, engines) call :func:`main` and keep
-    their interpreter.
+    their interpreter. SIGINT is ignored from the moment :func:`main` returns: the command is over and its exit
+    code decided (``run`` logged it in ``command_finished``), so a Ctrl-C in the exit handlers neither changes it
+    nor prints a traceback.
     """
     import atexit
+    import signal
 
     code = main()
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except (ValueError, OSError):  # pragma: no cover - entry() runs in the main thread
+        pass
     try:
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):

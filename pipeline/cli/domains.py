@@ -61,10 +61,15 @@ _SERVES = "pass a backend that serves this device and model ('attn-setup backend
 
 
 def _known_packages(value: Any) -> str:
-    """``--installed``'s remedy: the list without the names nobody knows (``''`` when none is left)."""
-    known = [p.strip() for p in str(value).split(",") if p.strip().lower() in _PACKAGES]
-    return (f"pass --installed {','.join(known) or repr('')} (the names of the list that are packages: "
-            f"{', '.join(_PACKAGES)}), or drop --installed (default: read from package metadata)")
+    """``--installed``'s remedy: every package a plan reads (so no backend is refused for a missing one; a list
+    cut to the names that are packages — ``''`` when none is — may leave a GPU profile no backend), or the
+    default."""
+    every = ",".join(packages.import_name(d) for d in packages.names())
+    unknown = [p.strip() for p in str(value).split(",") if p.strip() and p.strip().lower() not in _PACKAGES]
+    what = ", ".join(repr(u) for u in unknown) or repr(str(value))
+    return (f"{what} {'is not a package' if len(unknown) <= 1 else 'are not packages'} a plan reads; pass "
+            f"--installed {every} to plan as if every one were installed, or drop --installed to read this "
+            "machine's package metadata")
 
 
 _BYTES = f"bytes, at most 2**{MAX_BYTES.bit_length() - 1}"
@@ -185,13 +190,42 @@ def _graph_rank_needs_log(ns: argparse.Namespace, fd: FlagDomain) -> Optional[In
                    fix="drop --rank, or give the rank's trace: attn-setup graph LOG … --rank N -o FILE")
 
 
+def _env_value(raw: str) -> Any:
+    """An environment variable's text as the flag's value: an integer when it is written as one, else the text."""
+    text = raw.strip()
+    return int(text) if text.lstrip("+-").isascii() and text.lstrip("+-").isdigit() and len(text) <= 31 else raw
+
+
+def check_env_sizes(ns: argparse.Namespace, env: Any = os.environ) -> None:
+    """The SGLANG_* size variables (:data:`pipeline.core.settings.ENV_VARS`) a setup command reads, through the domain
+    of the flag they stand for (README: "a value from the environment passes the same check as the flag"): a value
+    outside it is the flag's refusal, exit 2 ``out_of_domain``, naming the variable. Empty or unset: not checked."""
+    from pipeline.core.settings import ENV_VARS
+
+    if ns.command not in SETUP:
+        return
+    for dest, name in ENV_VARS.items():
+        raw = env.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        fd = next(d for d in FLAG_DOMAINS if d.dest == dest)
+        value = _env_value(raw)
+        if not fd.domain.admits(value):
+            allowed, default = fd.domain.allowed(), fd.default.removeprefix(f"{name}, else ")
+            raise InvalidValue(f"{name}={value!r} is not allowed: a value from the environment passes the check of "
+                               f"{fd.flag}, which takes {allowed}", flags=[(name, value)], allowed=[allowed],
+                               remedy=f"unset {name} (then {fd.flag}'s default applies: {default}), or set it to "
+                                      f"{allowed}, e.g. {name}={fd.domain.example}")
+
+
 CROSS_CHECKS: tuple[Callable[[argparse.Namespace, FlagDomain], Optional[InvalidValue]], ...] = (
     _rank_in_world, _graph_rank_needs_log)
 
 
 def check_flags(ns: argparse.Namespace) -> None:
     """Raise the first :class:`InvalidValue` among ``ns``'s flags (a flag not given is not checked): each flag's own
-    domain first, then the checks across flags (:data:`CROSS_CHECKS`)."""
+    domain first, then the checks across flags (:data:`CROSS_CHECKS`), then the size variables that stand for
+    flags (:func:`check_env_sizes`)."""
     given = [fd for fd in domains_of(ns.command) if getattr(ns, fd.dest, None) is not None]
     for fd in given:
         value = getattr(ns, fd.dest)
@@ -207,6 +241,7 @@ def check_flags(ns: argparse.Namespace) -> None:
             err = check(ns, fd)
             if err is not None:
                 raise err
+    check_env_sizes(ns)
 
 
 def parser_refusal(command: Optional[str], flag: str, value: Any, message: str) -> Optional[InvalidValue]:

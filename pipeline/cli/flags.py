@@ -100,8 +100,13 @@ class _Parser(argparse.ArgumentParser):
                 got.group(1), f"a {got.group(1)} value")]
             hint = f"pass {flag} {allowed[0].split(' (')[0].replace('an integer', 'a whole number')}"
         elif why.startswith("invalid choice"):
+            from pipeline.core.type_checks import nearest_name
+
             allowed = re.findall(r"'([^']*)'", why.split("choose from", 1)[-1])
-            hint = f"pass {flag} with one of: {', '.join(allowed)}"
+            given = re.match(r"invalid choice: '(.*)' \(choose from", why, re.S)
+            value = given.group(1) if given else value  # a positional (the subcommand) is not found in argv by name
+            near = nearest_name(value, allowed) if given else None
+            hint = (f"did you mean {near!r}? " if near else "") + f"pass {flag} with one of: {', '.join(allowed)}"
         elif why.startswith("expected"):
             allowed = ["a value after the flag"]
             hint = (f"a value that starts with '-' must be attached: {flag}=VALUE" if str(value).startswith("-") else f"give {flag} its value")
@@ -135,18 +140,25 @@ class _Parser(argparse.ArgumentParser):
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """``{field: one-line doc}`` from the ``Fields`` section of a contract's docstring
-    (``name: text`` lines, as :class:`~pipeline.core.contracts.AttentionArgs` writes them)."""
+    """``{field: doc}`` from the ``Fields`` section of a contract's docstring (``name: text`` lines, as
+    :class:`~pipeline.core.contracts.AttentionArgs` writes them); a line indented deeper than the field's continues
+    its text (a doc cut at its first line ended ``--help`` mid-sentence)."""
     lines = (cls.__doc__ or "").splitlines()
     try:
         start = next(i for i, line in enumerate(lines) if line.strip() == "Fields") + 2
     except StopIteration:
         return {}
     out: dict[str, str] = {}
+    last, indent = None, 0
     for line in lines[start:]:
         name, sep, text = line.strip().partition(": ")
-        if sep and name.isidentifier():
-            out[name] = text.strip()
+        depth = len(line) - len(line.lstrip())
+        if sep and name.isidentifier() and (last is None or depth <= indent):
+            out[name], last, indent = text.strip(), name, depth
+        elif last is not None and line.strip() and depth > indent:
+            out[last] += " " + line.strip()
+        else:
+            last = None
     return out
 
 

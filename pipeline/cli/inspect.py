@@ -139,7 +139,8 @@ def cmd(ns: argparse.Namespace) -> int:
         except OSError as e:
             from pipeline.core.errors import UsageError
 
-            raise UsageError(f"cannot write {ns.perfetto!r}: {e.strerror or e}", code="usage",
+            raise UsageError(f"cannot write {ns.perfetto!r}: {e.strerror or e}; nothing was written (a file already "
+                             "there is unchanged)", code="usage",
                              flags=[("--perfetto", ns.perfetto)], remedy="pick a writable file path") from None
         if not ns.json:
             print(f"perfetto: wrote {n} trace events to {ns.perfetto}", file=sys.stderr)

@@ -42,13 +42,15 @@ def explain(run: Run) -> list[str]:
     info = failure_of(run)
     if info is None:
         return []
-    from pipeline.cli.report import flag_label, flag_value_text
+    from pipeline.cli.report import flag_label, flag_value_text, typed_without_value
 
     out = [f"failed in state {info.state!r}: [{info.code}] {info.message}"]  # printed with markup off
     flags = [f for f in info.flags if flag_label(f.name) == "flag"]  # only flags are flags to change
+    bare = typed_without_value(info)
     if flags:
-        out.append("flag to change: " + ", ".join(f"{f.name} = {flag_value_text(f.value)}" for f in flags))
-    out += [f"{flag_label(f.name)} {f.name} = {flag_value_text(f.value)}" for f in info.flags if f not in flags]
+        out.append("flag to change: " + ", ".join(f"{f.name} = {flag_value_text(f.value, bare)}" for f in flags))
+    out += [f"{flag_label(f.name)} {f.name} = {flag_value_text(f.value, bare)}" for f in info.flags
+            if f not in flags]
     if info.allowed:
         out.append("allowed: " + ", ".join(info.allowed))
     if info.remedy:

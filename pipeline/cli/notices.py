@@ -40,15 +40,33 @@ def run_notices(ns: argparse.Namespace, request: Any, num_layers: int, in_torchr
                    "rank group, the rank agreement is skipped); launch every rank with 'torchrun --nproc-per-node "
                    f"{ns.world_size} -m pipeline.cli run …' (it sets RANK/WORLD_SIZE) for a real group")
     model = request.served_model
-    own, ref = weight_bytes(model, num_layers, model_dtype(request.args, model))
+    dtype = model_dtype(request.args, model)
+    own, ref = weight_bytes(model, num_layers, dtype)
     if own + ref > MEMORY_NOTICE_BYTES:
         out.append(f"{num_layers} attention layers need about {_gib(own + ref)} of host memory for the weights "
                    f"({_gib(own)}) and the float64 verification reference ({_gib(ref)}), and minutes on a CPU; "
-                   "--num-layers 2 verifies the same layer kinds in seconds")
+                   + _fewer(model, num_layers, dtype))
     if ns.decode_steps > MANY_STEPS:
         out.append(f"--decode-steps {ns.decode_steps}: every step is checked against a reference over the whole "
                    f"history, so this takes longer (100 steps: about a minute on a 2-core CPU with 2 layers)")
     return out
+
+
+def _fewer(model: Any, num_layers: int, dtype: str) -> str:
+    """A smaller run that verifies the same layer kinds, with its estimate: ``run``'s default (the leading attention
+    layers with one of each kind, at least 2) when ``num_layers`` is above it, else the fewest with one of each
+    kind (:func:`pipeline.core.spec.layers_covering_every_kind`); never the count in use. Already at the fewest:
+    says so."""
+    from pipeline.cli.run_checks import DEFAULT_LAYERS
+    from pipeline.core.spec import layers_covering_every_kind
+
+    fewer = [n for n in (layers_covering_every_kind(model, DEFAULT_LAYERS), layers_covering_every_kind(model, 1))
+             if n < num_layers]
+    if not fewer:
+        return (f"{num_layers} {'is' if num_layers == 1 else 'are'} already the fewest attention layers that "
+                "include every layer kind of this model")
+    own, ref = weight_bytes(model, fewer[0], dtype)
+    return f"--num-layers {fewer[0]} verifies the same layer kinds with about {_gib(own + ref)}"
 
 
 def in_torchrun(environ: Any = os.environ) -> bool:

@@ -102,9 +102,12 @@ def _check_conflicts(ns: argparse.Namespace, log_file: Optional[str] = None) -> 
 
 def check_metrics_file(path: str) -> None:
     """``--metrics-file`` can be written where it is written (a temporary file beside it, then renamed): that file
-    is created and removed now. Raises UsageError ``metrics_file_unwritable`` naming the flag."""
-    from pipeline.core.files import check_output
+    is created and removed now. Raises UsageError ``metrics_file_unwritable`` naming the flag, or
+    ``output_is_symlink`` for a symbolic link (the rename would replace it:
+    :func:`pipeline.core.files.refuse_symlink`)."""
+    from pipeline.core.files import check_output, refuse_symlink
 
+    refuse_symlink(path, flag="--metrics-file", what="the metrics file")
     check_output(path, flag="--metrics-file", what="the metrics file")
     probe = f"{path}.tmp{os.getpid()}"
     try:

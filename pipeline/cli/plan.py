@@ -27,7 +27,7 @@ import msgspec
 
 from pipeline.core.contracts import DeviceFacts, SetupRequest
 from pipeline.core.errors import EXIT_OK, AttnSetupError, Flag, UsageError
-from pipeline.cli.plan_report import decision_lines, graph_estimate_line, plan_report
+from pipeline.cli.plan_report import decision_lines, graph_estimate_line, installed_note, plan_report
 from pipeline.cli.numbers import ascii_int
 
 
@@ -143,12 +143,14 @@ def _decide(ns: argparse.Namespace) -> tuple[dict[str, Any], DeviceFacts, dict[s
 
     from pipeline.cli.jit import check_warm, cold_report
     from pipeline.cli.request import request_from
+    from pipeline.cli.run_checks import check_plan_minimums
     from pipeline.platforms.profiles import get
 
     device = get(ns.device_profile)
     installed = installed_from(ns.installed)
     ns.device = device.device_str
     request = request_from(ns, on_gpu=device.type != "cpu")
+    check_plan_minimums(request)  # what run refuses from its flags alone (its verification batches' needs)
     try:
         report = plan_report(request, device, installed, getattr(ns, "num_layers", None))
     except AttnSetupError as e:
@@ -196,9 +198,10 @@ def cmd(ns: argparse.Namespace) -> int:
         print_line(console(), line)
     if report.get("cuda_graph_estimate"):
         print_line(console(), graph_estimate_line(report))
-    line = estimate_line(report["jit_cold"])
-    if line:
-        print_line(console(), line)
+    for line in (estimate_line(report["jit_cold"]), installed_note(report, installed, ns.device_profile,
+                                                                      ns.installed)):
+        if line:
+            print_line(console(), line)
     rp.render_verdict(report)  # last, where the eye lands when the prompt returns (new user: 'ok' sat mid-report)
     return EXIT_OK
 

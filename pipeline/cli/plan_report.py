@@ -197,3 +197,26 @@ def decision_lines(report: dict[str, Any]) -> list[str]:
     lazy = (f"npu lazy memory: {fmt_bytes(z['bytes'])} of zbal lazy memory ({where})" if z["run"]
             else f"npu lazy memory: not initialized: {z['reason']}")
     return [graphs, lazy]
+
+
+def installed_note(report: dict[str, Any], installed: Mapping[str, bool], profile: str,
+                   given: Optional[str]) -> Optional[str]:
+    """A human line for a plan of a named device profile whose backends were rejected only because this machine
+    lacks their packages: ``plan`` read the packages from this machine's metadata (no ``--installed``), which is the
+    wrong question when planning for another machine, and the rejection's own remedy (``pip install …``) would be
+    the wrong fix here. Names the packages missing and the ``--installed`` value that assumes every backend's
+    packages. None for ``--device-profile auto`` (this machine: installing is the fix), with ``--installed``
+    given, or when no backend was rejected for a package."""
+    from pipeline.backends import packages
+
+    if given is not None or profile.lower() == "auto":
+        return None
+    rejected = sorted({r["backend"] for side in report["rejected"].values() for r in side
+                       if any("is not installed" in reason for reason in r["reasons"])})
+    missing = [p for p, ok in installed.items() if not ok]
+    if not rejected or not missing:
+        return None
+    full = ",".join(dict.fromkeys(packages.import_name(p) for p in packages.names()))
+    return (f"note: packages were read from this machine, which lacks {', '.join(missing)}; {', '.join(rejected)} "
+            f"{'was' if len(rejected) == 1 else 'were'} rejected for that. To plan for a {profile} that has them, "
+            f"pass --installed {full}")

@@ -5,8 +5,10 @@ divergence is printed as state, field, recorded, now) · 2 the trace is unreadab
 replay from, a LOG that is not a regular file, or a recorded request/input this version cannot
 use: ``trace_unreadable`` naming the run and its ``run_started`` record), or it reads but holds no
 decision to replay (every run stopped before resolve: ``nothing_to_replay`` naming each run, the
-state it failed in and its recorded error code), or a run's recorded request had deciding values redacted by a
-secret equal to ordinary text (``request_redacted`` naming the fields). A decision whose recorded value holds a
+state it failed in and its recorded error code), or a run's trace ends before its last decision without
+recording its end (``trace_incomplete``, naming the run and the state it ends in; only what was recorded is
+compared, so a cut trace never reads as a divergence), or a run's recorded request had deciding values redacted by
+a secret equal to ordinary text (``request_redacted`` naming the fields). A decision whose recorded value holds a
 secret's ``<redacted>`` marker is compared around it (listed as ``redacted``), never a divergence for the marker.
 """
 
@@ -46,7 +48,10 @@ def cmd(ns: argparse.Namespace) -> int:
         c = console()
         for r in result.runs:
             head = f"run {r.run_id} rank {r.rank}" + (f" launch {r.launch_id}" if r.launch_id else "") + ": "
-            if r.divergence is None:
+            if r.ends_in:  # printed when another run diverged; alone it is trace_incomplete (exit 2)
+                print_line(c, head + f"incomplete: the trace ends in state {r.ends_in!r} ({len(r.checked)} decisions "
+                                     "recorded up to there, the same)")
+            elif r.divergence is None:
                 print_line(c, head + f"same ({len(r.checked)} decisions checked)"
                            + (f"; {len(r.redacted)} compared around a secret's <redacted> marker: "
                               + ", ".join(r.redacted) if r.redacted else "")

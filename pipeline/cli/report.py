@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any, Iterable, Optional
 
@@ -150,12 +151,21 @@ def flag_label(name: str) -> str:
     return "field"
 
 
-def flag_value_text(value: Any) -> str:
-    """A flag's value for people: ``'x'`` quoted, numbers as typed, ``not set`` for a missing value (None),
-    ``(no value)`` for a flag typed without one."""
+_TYPED_WITHOUT_VALUE = re.compile(r"expected (one|at least one) argument|arguments are required|unrecognized arguments")
+
+
+def typed_without_value(info: Any) -> bool:
+    """Whether ``info`` is argparse's refusal of a flag or argument typed without its value (``--log-file`` last,
+    a missing ``LOG``, an unknown flag with nothing after it): its ``""`` values mean "none typed"."""
+    return info.code == "usage" and _TYPED_WITHOUT_VALUE.search(info.message) is not None
+
+
+def flag_value_text(value: Any, no_value: bool = False) -> str:
+    """A flag's value for people: ``'x'`` quoted (an empty string as ``''``), numbers as typed, ``not set`` for a
+    missing value (None), ``(no value)`` for a flag typed without one (``no_value``: :func:`typed_without_value`)."""
     if value is None:
         return "not set"
-    if value == "":
+    if value == "" and no_value:
         return "(no value)"
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -173,8 +183,9 @@ def render_error(info: ErrorInfo) -> None:
     c.print(f"[bold red]error[/]{escape(head[0][len('error'):])}", soft_wrap=True)
     for part in head[1:]:
         c.print(part, markup=False, soft_wrap=True)
+    bare = typed_without_value(info)
     for f in info.flags:
-        print_line(c, f"  {flag_label(f.name):<6} {f.name} = {flag_value_text(f.value)}", indent="    ")
+        print_line(c, f"  {flag_label(f.name):<6} {f.name} = {flag_value_text(f.value, bare)}", indent="    ")
     if info.json_path:
         print_line(c, f"  at     {info.json_path}", indent="    ")
     if info.allowed:
@@ -242,5 +253,6 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
 
 
 def render_verdict(report: dict[str, Any], c: Optional[Any] = None) -> None:
-    """The verdict line on stdout: ``ok`` (green) when ``report["ok"]``, else ``failed`` (red)."""
-    (c or _console()).print("[bold green]ok[/]" if report.get("ok") else "[bold red]failed[/]")
+    """The verdict line on stdout: ``ok`` (green) when ``report["ok"]``, else ``failed`` (red); one word, never
+    wrapped, whatever the console's width (a script reads the last line: ``COLUMNS=1`` must not split it)."""
+    (c or _console()).print("[bold green]ok[/]" if report.get("ok") else "[bold red]failed[/]", soft_wrap=True)

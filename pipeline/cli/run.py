@@ -30,7 +30,7 @@ from pipeline.cli.run_checks import (  # noqa: F401 - run's flag checks moved; i
     open_log, runner_config,
 )
 from pipeline.cli.outstreams import settle
-from pipeline.cli.run_exit import _close_run, _ended_by, finish_log
+from pipeline.cli.run_exit import _close_run, _ended_by, exit_code_of, finish_log
 from pipeline.cli.run_report import (  # noqa: F401 - the report moved; its names stay importable from here
     _graph_line, _pool_line, _print, _render_runner, _report, model_line, timeline_rows, timeline_title,
 )
@@ -170,9 +170,9 @@ def _watch_slow_phases(ns: argparse.Namespace, log: Any, start_ns: Optional[int]
         return None
     if slow is None:
         return None
-    t = getattr(ns, "_torch_import", None)
-    parts = [("import torch", t["seconds"], t["detail"])] if t and t["seconds"] else []
-    return SlowPhaseWatch(log, slow, start_ns=start_ns, startup_parts=parts).install()
+    from pipeline.cli.startup import startup_parts
+
+    return SlowPhaseWatch(log, slow, start_ns=start_ns, startup_parts=startup_parts(ns)).install()
 
 
 def summary_obj(summary: Any) -> Any:
@@ -195,6 +195,29 @@ def _rank_group(ns: argparse.Namespace) -> Any:
     return group
 
 
+def _join(ns: argparse.Namespace) -> tuple[Any, Optional[AttnSetupError]]:
+    """:func:`_rank_group`, and a rendezvous that failed (``rank_exchange_failed``, exit 1) kept instead of raised,
+    so that the run opens its log and ends as every failed start does (headline, log, ``run_failed``, verdict);
+    ``ns.rank`` / ``ns.world_size`` are then torchrun's (checked before the rendezvous). A bad launch variable or
+    timeout (a UsageError, exit 2) is still raised: refused as the flags are. The wait is ``ns._rendezvous``
+    (seconds, detail), a child of the startup summary's ``startup``."""
+    import time
+
+    from pipeline.core.errors import RankExchangeError
+    from pipeline.setup.distributed import check_launch_env
+
+    t0 = time.perf_counter()
+    try:
+        group = _rank_group(ns)
+    except RankExchangeError as e:
+        ns.rank, ns.world_size, _ = check_launch_env()
+        ns._rendezvous = (time.perf_counter() - t0, f"failed: {e.info.code}")
+        return None, e
+    if group is not None:
+        ns._rendezvous = (time.perf_counter() - t0, f"{group.world_size} ranks joined")
+    return group, None
+
+
 def cmd(ns: argparse.Namespace) -> int:
     """Run the runner flow, verify every instance and the stack's steps, print the report; returns the exit code.
 
@@ -209,16 +232,16 @@ def cmd(ns: argparse.Namespace) -> int:
     """
     import time
 
+    from pipeline.cli.startup import warn_env_lookalikes
+    from pipeline.observe.startup import timed_torch_import
     from pipeline.runtime.runner import Runner
     from pipeline.setup.build import new_run_id
 
-    from pipeline.observe.startup import timed_torch_import
-
     ns._torch_import = timed_torch_import()  # named in the startup summary and the progress line (cold start)
-    group = _rank_group(ns)
+    group, joined = _join(ns)
     on_gpu = is_gpu_device(ns.device)
     request = request_from(ns, on_gpu=on_gpu)
-    notices = _notices(ns, request, group is not None)
+    notices = _notices(ns, request, group is not None) if joined is None else []
     run_id = group.run_id if group is not None else new_run_id()
     log_file = checked_log_path(ns, run_id, request.rank)  # s13: path_conflict again, the run id known
     log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
@@ -228,32 +251,32 @@ def cmd(ns: argparse.Namespace) -> int:
     error: Optional[ErrorInfo] = None
     code, runner, verified, steps, progress = EXIT_OK, None, [], [], None
     try:
-        log.install_signal_handlers()
-        log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
-        from pipeline.cli.startup import warn_env_lookalikes
-
-        notices += warn_env_lookalikes(log)
-        progress = _progress(ns, log, request)
-        runner = Runner(runner_config(ns, request), log=log, rank_group=group)
-        preflight(ns, runner, log, group)
-        runner.initialize()
-        verified, steps, error = _verify_runner(runner, log, ns.decode_steps)
-        code = EXIT_OK if error is None else EXIT_FAILED
-    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - any crash becomes an exit code with its ErrorInfo
-        error, code = _ended_by(device_as_written(e, ns.device), log)  # --device as the user wrote it
-    finally:
-        error, code, summary = _close_run(ns, log, runner, group, progress, error, code, t0, t_start)
-    try:
+        try:
+            log.install_signal_handlers()
+            log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
+            notices += warn_env_lookalikes(log)
+            if joined is not None:  # the rendezvous failed before the log could exist: its failure is this run's
+                raise joined
+            progress = _progress(ns, log, request)
+            runner = Runner(runner_config(ns, request), log=log, rank_group=group)
+            preflight(ns, runner, log, group)
+            runner.initialize()
+            verified, steps, error = _verify_runner(runner, log, ns.decode_steps)
+            code = EXIT_OK if error is None else EXIT_FAILED
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - any crash becomes an exit code with its ErrorInfo
+            error, code = _ended_by(device_as_written(e, ns.device), log)  # --device as the user wrote it
+        finally:
+            error, code, summary = _close_run(ns, log, runner, group, progress, error, code, t_start)
         report = _report(log, run_id, code, verified, steps, log_file, error)
         report["warnings"] += rp.layer_rule_warnings(request)
         report["summary"] = summary_obj(summary)
         _print(ns, report, log.records, request, error, code, notices=notices)
         code = settle(code)  # a report lost to a write error (not a closed pipe) fails an ok run: exit 2
     except BaseException as e:  # the code main() will return for it, in the trace too
-        code = EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else getattr(e, "exit_code", EXIT_FAILED)
+        code = exit_code_of(e, log)
         raise
     finally:
-        finish_log(log, code, t0)  # command_finished with the process's exit code, last
+        finish_log(log, code, t0)  # command_finished with the process's exit code, last, on every way out
     return code
 
 

@@ -63,23 +63,43 @@ def open_log(path: str, template: str, run_id: str, rank: int, secrets: tuple[st
                          flags=[("--log-file", template)], remedy="pick a writable path for --log-file") from None
 
 
-def check_context(request: SetupRequest, decode_steps: int) -> None:
+def check_context(request: SetupRequest, decode_steps: int, command: str = "run") -> None:
     """Refuse a ``--max-context-len`` shorter than the longest request ``run``'s checks reach: the built instances
     are verified on a 5-request batch and the model steps on a 4-request one
-    (:func:`pipeline.runtime.verify.context_needed`, :func:`pipeline.runtime.model_steps.context_needed`);
-    ConfigError ``invalid_value`` naming the minimum."""
+    (:func:`pipeline.core.verification_sizes.context_needed`; torch-free, so ``plan`` refuses it too, at run's
+    default ``--decode-steps``); ConfigError ``invalid_value`` naming the minimum."""
     from pipeline.core.validation import MAX_POOL_DIM
-    from pipeline.runtime import model_steps, verify
+    from pipeline.core.verification_sizes import context_needed
 
     p = request.pool
-    ctx = max(verify.context_needed(p.max_reqs, decode_steps), model_steps.context_needed(p.max_reqs, decode_steps))
+    ctx = context_needed(p.max_reqs, decode_steps)
     if p.max_context_len < ctx:
+        which = "verification request reaches with --decode-steps" if command == "run" else \
+            "verification request of `attn-setup run` reaches with its default --decode-steps"
         raise ConfigError(f"--max-context-len {p.max_context_len} is shorter than the {ctx} tokens the longest "
-                          f"verification request reaches with --decode-steps {decode_steps}", code="invalid_value",
+                          f"{which} {decode_steps}", code="invalid_value",
                           flags=[("max_context_len", p.max_context_len), ("decode_steps", decode_steps)],
                           allowed=[f">= {ctx}"],
                           remedy=f"pass --max-context-len {ctx} or more" if ctx <= MAX_POOL_DIM else
                           f"lower --decode-steps (--max-context-len is at most {MAX_POOL_DIM})")
+
+
+def check_plan_minimums(request: SetupRequest) -> None:
+    """``plan``'s copy of the refusals ``run`` makes from its flags alone before anything is built, at ``run``'s
+    default ``--decode-steps`` (plan has no such flag): a ``--max-context-len`` shorter than the longest verification
+    request (:func:`check_context`), and a ``--num-token-slots`` below the slots the verification batches hold
+    (``pool_budget_too_small``, as ``run``'s pool sizing words it: whole pages, at least two). Torch-free."""
+    from pipeline.core.verification_sizes import DEFAULT_DECODE_STEPS, slots_needed
+
+    check_context(request, DEFAULT_DECODE_STEPS, command="plan")
+    p, page = request.pool, request.args.page_size
+    floor = max(2 * page, -(-slots_needed(p.max_reqs, page, DEFAULT_DECODE_STEPS) // page) * page)
+    if p.num_token_slots is not None and -(-p.num_token_slots // page) * page < floor:
+        raise ConfigError(f"num_token_slots={p.num_token_slots} cannot hold {floor} token slots (the verification "
+                          f"batches of `attn-setup run` with its default --decode-steps {DEFAULT_DECODE_STEPS})",
+                          code="pool_budget_too_small", flags=[("num_token_slots", p.num_token_slots),
+                                                               ("page_size", page)],
+                          allowed=[f">= {floor}"], remedy=f"set num_token_slots={floor} or more")
 
 
 def check_warm_cache(ns: argparse.Namespace, runner: Any, pre: Any) -> None:
@@ -112,16 +132,15 @@ def runner_config(ns: argparse.Namespace, request: SetupRequest) -> Any:
     """The RunnerConfig from the flags (default on every device: the first 2 attention layers, or as many as it
     takes to include one layer of every attention kind, e.g. 4 for Llama-4, 6 for Gemma-3); a pool sized from
     ``--num-token-slots`` or ``--mem-bytes`` must hold the verification batches (whole pages each:
-    :func:`pipeline.runtime.verify.slots_needed`, :func:`pipeline.runtime.model_steps.slots_needed`)."""
+    :func:`pipeline.core.verification_sizes.slots_needed`)."""
     from pipeline.core.model_spec import layers_covering_every_kind
-    from pipeline.runtime import model_steps, verify
+    from pipeline.core.verification_sizes import context_needed, slots_needed
     from pipeline.runtime.runner import RunnerConfig
 
     default = layers_covering_every_kind(request.served_model, DEFAULT_LAYERS)
     layers = ns.num_layers if ns.num_layers is not None else max(default, 1)
     p, ps, steps = request.pool, request.args.page_size, max(ns.decode_steps, 0)
-    need = max(verify.slots_needed(p.max_reqs, ps, steps), model_steps.slots_needed(p.max_reqs, ps, steps))
-    ctx = max(verify.context_needed(p.max_reqs, steps), model_steps.context_needed(p.max_reqs, steps))
+    need, ctx = slots_needed(p.max_reqs, ps, steps), context_needed(p.max_reqs, steps)
     return RunnerConfig(request=request, num_layers=layers, num_token_slots=ns.num_token_slots,
                         mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction, min_token_slots=need,
                         min_token_slots_for=f"the verification batches with --decode-steps {steps}",

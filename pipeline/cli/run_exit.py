@@ -3,14 +3,17 @@
 :func:`_ended_by` turns what stopped the run (a typed refusal, SIGINT, any other crash) into its ErrorInfo and exit
 code and logs ``run_failed`` / ``run_interrupted`` unless one was written; :func:`_close_run` then stops the
 progress line, reads the JIT variants before the runner's ``close()`` releases the backends that know them, closes
-the runner and the rank group, and — even when a close raised — writes the startup summary and
-``command_finished`` with the exit code, closes the log and restores the signal handlers.
+the runner and the rank group, and — even when a close raised — writes the startup summary (SIGINT held meanwhile:
+:func:`sigint_held`) and restores the signal handlers; :func:`finish_log`, last on every way out of ``cmd``, writes
+``command_finished`` with the exit code and closes the log.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional
+import signal
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 from pipeline.core import events as ev
 from pipeline.core.contracts import ErrorInfo
@@ -18,7 +21,8 @@ from pipeline.core.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSet
 
 
 def _summary(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], start_ns: Optional[int]) -> Any:
-    """``startup_summary`` (and ``slow_phase`` warnings, the ``--metrics-file``); never raises (an exit path)."""
+    """``(startup_summary, metrics error)`` (and ``slow_phase`` warnings, the ``--metrics-file``); never raises (an
+    exit path)."""
     from pipeline.cli.startup import finish_startup
 
     return finish_startup(ns, log, jit, start_ns)
@@ -39,14 +43,12 @@ def _ended(log: Any) -> bool:
 
 
 def _close_run(ns: argparse.Namespace, log: Any, runner: Any, group: Any, progress: Any, error: Optional[ErrorInfo],
-               code: int, t0: float, t_start: Optional[int]) -> tuple[Optional[ErrorInfo], int, Any]:
+               code: int, t_start: Optional[int]) -> tuple[Optional[ErrorInfo], int, Any]:
     """:func:`cmd`'s ending, on every exit it controls: the progress line stopped, the JIT variants read (before
     ``close()`` releases the backends that know them), the runner and the rank group closed, then — even when a
-    close raised — a failed trace write turned into the exit (``log_write_failed``, exit 2) of a run that was
-    otherwise ok, the startup summary and the signal handlers restored. The log stays open for
-    :func:`finish_log` (after the report is printed, so that ``command_finished`` carries the exit code the output's
-    fate decided); when a close raised, :func:`finish_log` is done here before the exception goes on.
-    Returns ``(error, exit code, startup summary)``."""
+    close raised, whose exception then goes on — :func:`_wrap_up`. The log stays open for :func:`finish_log`, which
+    :func:`cmd` calls last on every way out (after the report is printed, so that ``command_finished`` carries the
+    exit code the output's fate decided). Returns ``(error, exit code, startup summary)``."""
     if progress is not None:
         progress.__exit__(None, None, None)
     jit = _jit(runner)  # before close(): closing releases the backends that know what they loaded
@@ -55,31 +57,121 @@ def _close_run(ns: argparse.Namespace, log: Any, runner: Any, group: Any, progre
             runner.close()
         if group is not None:
             group.close()
-    except BaseException:
-        error, code, _ = _wrap_up(ns, log, jit, error, code, t_start)
-        finish_log(log, code, t0)
-        raise
-    return _wrap_up(ns, log, jit, error, code, t_start)
+    finally:
+        error, code, summary = _wrap_up(ns, log, jit, error, code, t_start)
+    return error, code, summary
 
 
 def _wrap_up(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], error: Optional[ErrorInfo], code: int,
              t_start: Optional[int]) -> tuple[Optional[ErrorInfo], int, Any]:
-    if log.write_error is not None and code == EXIT_OK:
-        error, code = log.write_error.info, log.write_error.exit_code
-    error, code = _interrupted_ends(log, error, code)
-    summary = _summary(ns, log, jit, t_start)
-    log.restore_signal_handlers()
+    """The startup summary and the ``--metrics-file`` written with SIGINT held (:func:`sigint_held`: a Ctrl-C there
+    is logged as ``run_interrupted`` after them, exit 130), the signal handlers restored; a run that was otherwise ok
+    ends 2 when its log stopped taking writes (``log_write_failed``, also while the summary was written) or its
+    metrics file could not be written (``output_write_failed``). Never raises."""
+    summary = None
+    try:
+        with sigint_held() as got:
+            error, code = _interrupted_ends(log, *_log_failed(log, error, code))
+            raising, log.raise_write_errors = log.raise_write_errors, False  # the summary goes on in memory
+            try:
+                summary, lost = _summary(ns, log, jit, t_start)
+            finally:
+                log.raise_write_errors = raising
+            error, code = _metrics_failed(lost, *_log_failed(log, error, code))
+        if got:
+            error, code = _deliver_sigint(log, error, code)
+    finally:
+        log.restore_signal_handlers()
     return error, code, summary
+
+
+def _log_failed(log: Any, error: Optional[ErrorInfo], code: int) -> tuple[Optional[ErrorInfo], int]:
+    if log.write_error is not None and code == EXIT_OK:
+        return log.write_error.info, log.write_error.exit_code
+    return error, code
+
+
+def _metrics_failed(lost: Optional[AttnSetupError], error: Optional[ErrorInfo],
+                    code: int) -> tuple[Optional[ErrorInfo], int]:
+    """A ``--metrics-file`` that could not be written: the error of a run that was otherwise ok (exit 2); a failed
+    run keeps its own, and the metrics error is one line on stderr."""
+    if lost is None:
+        return error, code
+    if code == EXIT_OK:
+        return lost.info, lost.exit_code
+    import sys
+
+    print(f"attn-setup: {lost.info.message}", file=sys.stderr)
+    return error, code
+
+
+@contextmanager
+def sigint_held() -> Iterator[list[int]]:
+    """SIGINT held while the body runs: a Ctrl-C there only appends to the yielded list (the body — the last records,
+    a file written whole — is never cut), and the handler it replaced is back afterwards. Does nothing off the main
+    thread (Python only lets the main thread set handlers) or when SIGINT is ignored (it stays ignored)."""
+    got: list[int] = []
+    prev = signal.getsignal(signal.SIGINT)
+    if prev in (signal.SIG_IGN, None):  # ignored since the process started (a background job): stays ignored
+        prev = None
+    else:
+        try:
+            signal.signal(signal.SIGINT, lambda signum, _frame: got.append(signum))
+        except ValueError:  # not the main thread
+            prev = None
+    try:
+        yield got
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGINT, prev)
+
+
+def _deliver_sigint(log: Any, error: Optional[ErrorInfo], code: int) -> tuple[Optional[ErrorInfo], int]:
+    """A Ctrl-C held by :func:`sigint_held` handed to the handler it held it from (the log's: ``run_interrupted``),
+    whose KeyboardInterrupt is exit 130 here, not an exception — as a Ctrl-C anywhere else in the run."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        if callable(handler):
+            handler(signal.SIGINT, None)
+    except KeyboardInterrupt:
+        pass
+    error, code = _interrupted_ends(log, error, code)
+    if code != EXIT_INTERRUPTED:  # the handler logged nothing (the run had failed already): still a Ctrl-C's exit
+        error, code = error_info_from(KeyboardInterrupt("SIGINT"), log.current_state), EXIT_INTERRUPTED
+    return error, code
+
+
+def exit_code_of(e: BaseException, log: Any) -> int:
+    """The exit code :func:`pipeline.cli.main` gives an exception that leaves ``cmd`` after the run was wrapped up
+    (while the report is printed, or from a close): 130 for a Ctrl-C — logged as ``run_interrupted`` unless the run
+    already ended with a terminal record —, a typed error's own code, else 1."""
+    if isinstance(e, KeyboardInterrupt):
+        try:
+            if not _ended(log):
+                log.emit(ev.RunInterrupted, state=log.current_state, outcome="failed", reason="signal",
+                         signal="SIGINT", error=error_info_from(e, log.current_state))
+        except AttnSetupError:  # the log stopped taking writes just now: the Ctrl-C's exit stands
+            pass
+        return EXIT_INTERRUPTED
+    return getattr(e, "exit_code", EXIT_FAILED)
 
 
 def finish_log(log: Any, code: int, t0: float) -> None:
     """``command_finished`` with the exit code and ``duration_ms`` (ms since ``t0``, ``time.perf_counter()``
-    seconds), then the log closed: the trace's last record, on every exit :func:`cmd` controls."""
+    seconds), then the log closed: the trace's last record, on every exit :func:`cmd` controls. From here on SIGINT
+    is ignored in the main thread (the exit code is the one logged; :func:`pipeline.cli.main` gives an in-process
+    caller its handler back)."""
     import time
 
-    log.emit(ev.CommandFinished, state=log.current_state, command="run", exit_code=code,
-             duration_ms=(time.perf_counter() - t0) * 1e3)
-    log.close()
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        log.emit(ev.CommandFinished, state=log.current_state, command="run", exit_code=code,
+                 duration_ms=(time.perf_counter() - t0) * 1e3)
+    finally:
+        log.close()
 
 
 def _ended_by(e: BaseException, log: Any) -> tuple[ErrorInfo, int]:

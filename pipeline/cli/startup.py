@@ -82,12 +82,23 @@ def jit_reports(runner: Any) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def finish_startup(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], start_ns: Optional[int]) -> Optional[Any]:
-    """Emit a ``jit_variant_loaded`` per entry of ``jit`` (:func:`jit_reports`, read before the runner closed its
-    backends), ``slow_phase`` warnings and ``startup_summary``, then write ``--metrics-file``.
+def startup_parts(ns: argparse.Namespace) -> list[tuple[str, float, str]]:
+    """``(name, seconds, detail)`` measured inside ``startup``: ``import torch`` (:func:`pipeline.observe.startup.
+    timed_torch_import`) and, under torchrun, ``rendezvous`` (joining the launch, ``ns._rendezvous``), ok or not."""
+    t, r = getattr(ns, "_torch_import", None), getattr(ns, "_rendezvous", None)
+    parts = [("import torch", t["seconds"], t["detail"])] if t and t["seconds"] else []
+    return parts + ([("rendezvous", r[0], r[1])] if r else [])
 
-    Runs on ``run``'s exit path, so it does not raise: a summary that cannot be computed or a metrics
-    file that cannot be written is reported on stderr (the run's own outcome stands).
+
+def finish_startup(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]],
+                   start_ns: Optional[int]) -> tuple[Optional[Any], Optional[Any]]:
+    """Emit a ``jit_variant_loaded`` per entry of ``jit`` (:func:`jit_reports`, read before the runner closed its
+    backends), ``slow_phase`` warnings and ``startup_summary``, then write ``--metrics-file``; returns
+    ``(summary, metrics error)``.
+
+    Runs on ``run``'s exit path, so it does not raise: a summary that cannot be computed is reported on stderr, a
+    metrics file that cannot be written is returned as an :class:`pipeline.core.errors.OutputWriteFailed` naming
+    ``--metrics-file`` (the caller decides the exit: 2 for a run that was otherwise ok).
     """
     from pipeline.observe.startup import emit_summary, slow_threshold
 
@@ -99,24 +110,34 @@ def finish_startup(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], 
         for j in jit:
             log.emit(ev.JitVariantLoaded, state=log.current_state, variant=j["variant"], status=j["status"],
                      seconds=j["seconds"], started_ns=j.get("started_ns", 0), fields=j.get("fields", {}))
-        t = getattr(ns, "_torch_import", None)
-        parts = [("import torch", t["seconds"], t["detail"])] if t and t["seconds"] else []
+        parts = startup_parts(ns)
         watch = getattr(ns, "_slow_watch", None)  # judged the phases that ended during the run
         summary = emit_summary(log, start_ns=start_ns, jit=jit, slow_s=slow, startup_parts=parts,
                                judged=watch.seen if watch is not None else (),
                                created_ns=getattr(ns, "_process_created_ns", None))
     except Exception as e:  # noqa: BLE001 - a failed log write is already the run's error
         print(f"attn-setup: no startup summary: {type(e).__name__}: {e}", file=sys.stderr)
-        return None
+        return None, None
     path = getattr(ns, "metrics_file", None)
-    if path:
-        from pipeline.observe.metrics import write_metrics
+    return summary, (metrics_lost(path, summary, log.records) if path else None)
 
-        try:
-            write_metrics(path, summary, log.records)
-        except OSError as e:
-            print(f"attn-setup: cannot write --metrics-file {path!r}: {e.strerror or e}", file=sys.stderr)
-    return summary
+
+def metrics_lost(path: str, summary: Any, records: Any) -> Optional[Any]:
+    """Write the ``--metrics-file``; None when written, else the :class:`OutputWriteFailed` (exit 2) naming the flag,
+    the path and the system's reason (nothing is left behind: :func:`pipeline.observe.metrics.write_metrics`)."""
+    from pipeline.core.errors import AttnSetupError, OutputWriteFailed
+    from pipeline.observe.metrics import write_metrics
+
+    try:
+        write_metrics(path, summary, records)
+        return None
+    except AttnSetupError as e:
+        return e
+    except OSError as e:
+        return OutputWriteFailed(f"cannot write --metrics-file {path!r}: {e.strerror or e}; the metrics file was not "
+                                 "written (a file already there is unchanged)", state="output",
+                                 flags=[("--metrics-file", path)],
+                                 remedy="free space on its filesystem or pick another path for --metrics-file")
 
 
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str, str]]:

@@ -81,5 +81,5 @@ def cmd(ns: argparse.Namespace) -> int:
                        indent="    ")
         if not variants:
             print_line(c, report["note"])
-        c.print("[bold green]ok[/]" if ok else "[bold red]failed[/]")
+        c.print("[bold green]ok[/]" if ok else "[bold red]failed[/]", soft_wrap=True)  # one word, never wrapped
     return 0 if ok else 1

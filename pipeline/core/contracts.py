@@ -87,7 +87,7 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
         rows, sglang's default for the device's memory: states.graphs.graph_top)
     zbal_local_mem_size: bytes of NPU zbal lazy memory, 0 = off; unset = SGLANG_ZBAL_LOCAL_MEM_SIZE, else 0
     flashinfer_workspace_size: bytes of the FlashInfer workspace; unset = SGLANG_FLASHINFER_WORKSPACE_SIZE, else 384 MiB (512 MiB for sglang's Qwen2/Qwen3/MiMo architectures)
-    dtype: model (activation) dtype; auto = the checkpoint's, a float32 checkpoint in bfloat16 (Gemma family) or float16
+    dtype: model (activation) dtype; auto = the checkpoint's, a float32 checkpoint in bfloat16 (Gemma family) or float16 (a config without torch_dtype counts as float32, as in sglang)
     strict: refuse (exit 3) instead of warning when auto lands on the torch_native reference backend on an accelerator or a feature is downgraded
     """
 

@@ -10,7 +10,10 @@ checked in the current source), whose argument names this library uses:
 - a float32 checkpoint is downcast: to bfloat16 for the Gemma family (``model_type`` starting with
   ``gemma``; sglang logs "For Gemma N, we downcast float32 to bfloat16 instead of float16"), to
   float16 otherwise ("Following the common practice, we use float16 for float32 models")
-  (rules ``float32_to_bfloat16`` / ``float32_to_float16``).
+  (rules ``float32_to_bfloat16`` / ``float32_to_float16``);
+- a config without ``torch_dtype`` / ``dtype`` is read as float32 (sglang: "config.torch_dtype can
+  be None" → ``torch.float32``) and downcast the same way; its rules say so
+  (``missing_torch_dtype_as_float32_to_bfloat16`` / ``missing_torch_dtype_as_float32_to_float16``).
 
 vLLM refuses float16 for the model types of its ``_FLOAT16_NOT_SUPPORTED_MODELS`` table
 (``vllm/config/model.py``: gemma2, gemma3, gemma3_text, plamo2, glm4 — "Numerical instability.
@@ -25,8 +28,8 @@ Where vLLM differs, and we do not follow it: for a float32 checkpoint vLLM's cur
 ``_resolve_auto_dtype`` takes the platform's first supported dtype (CUDA sm80+: bfloat16 for
 every model; sm60–sm75: float16, or float32 for the types above), so a non-Gemma float32
 checkpoint gets bfloat16 there and float16 here (sglang). A config without ``torch_dtype`` /
-``dtype`` is read by :mod:`pipeline.core.model_spec` as bfloat16 (sglang would read it as float32 and
-pick float16; vLLM reads the weights' safetensors dtypes, which we do not have).
+``dtype`` is read by :mod:`pipeline.core.model_spec` as float32 (``ModelSpec.dtype_missing``), as
+sglang reads it (vLLM reads the weights' safetensors dtypes instead, which we do not have).
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ AUTO_RULES: dict[str, str] = {
     "float32_to_bfloat16": "a float32 checkpoint of the Gemma family (or of a model type float16 is refused for) "
                            "is downcast to bfloat16 (sglang _get_and_verify_dtype; vLLM _FLOAT16_NOT_SUPPORTED_MODELS)",
     "float32_to_float16": "a float32 checkpoint is downcast to float16 (sglang _get_and_verify_dtype)",
+    "missing_torch_dtype_as_float32_to_bfloat16": "a config without torch_dtype/dtype is read as float32 and, for "
+                                                  "the Gemma family (or a model type float16 is refused for), "
+                                                  "downcast to bfloat16 (sglang _get_and_verify_dtype)",
+    "missing_torch_dtype_as_float32_to_float16": "a config without torch_dtype/dtype is read as float32 and "
+                                                 "downcast to float16 (sglang _get_and_verify_dtype)",
     "float16_refused_to_bfloat16": "a float16 checkpoint of a model type float16 is refused for runs in bfloat16 "
                                    "(vLLM _resolve_auto_dtype falls back to its preferred dtype)",
 }
@@ -73,9 +81,10 @@ def _refused(model_type: str) -> bool:
 def _auto(model: "ModelSpec") -> DtypeChoice:
     ckpt, mt = norm_dtype(model.dtype), model.model_type
     if ckpt == "float32":
+        prefix = "auto:missing_torch_dtype_as_" if model.dtype_missing else "auto:"
         if mt.startswith("gemma") or _refused(mt):
-            return DtypeChoice(value="bfloat16", source="auto:float32_to_bfloat16")
-        return DtypeChoice(value="float16", source="auto:float32_to_float16")
+            return DtypeChoice(value="bfloat16", source=prefix + "float32_to_bfloat16")
+        return DtypeChoice(value="float16", source=prefix + "float32_to_float16")
     if ckpt == "float16" and _refused(mt):
         return DtypeChoice(value="bfloat16", source="auto:float16_refused_to_bfloat16")
     return DtypeChoice(value=ckpt, source="auto:checkpoint")

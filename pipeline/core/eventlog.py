@@ -25,7 +25,7 @@ import msgspec
 import structlog
 
 from pipeline.core import events as ev
-from pipeline.core.files import open_regular
+from pipeline.core.files import ends_mid_line, open_regular
 
 REDACTED = "<redacted>"
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
@@ -68,14 +68,16 @@ class EventLog:
     Parameters
     ----------
     run_id, rank: bound into every record.
-    path: JSON-lines trace file (parent folders are created; appended to); None = no file. It must
+    path: JSON-lines trace file (parent folders are created; appended to — after a newline when its last line was
+        cut short, :func:`pipeline.core.files.ends_mid_line`); None = no file. It must
         be a regular file (or not exist yet): see :func:`open_regular`.
     secrets: values that must never appear in any output (redacted structurally: string values
         only, before encoding — see :func:`pipeline.core.events.to_wire`).
     launch_id: this launch's id (default: a fresh :func:`new_launch_id`), written in every record.
     flag: the name errors about ``path`` give it (the CLI passes ``--log-file``).
     raise_write_errors: raise the first write failure from :meth:`emit` (the CLI: a start whose
-        trace cannot be written stops there, exit 2) instead of only recording it.
+        trace cannot be written stops there, exit 2) instead of only recording it; an attribute the caller may
+        turn off later (``run``'s exit path: its last records go on in memory, :attr:`write_error` judged after).
 
     Raises :class:`pipeline.core.errors.UsageError` (exit 2) when ``path`` cannot be opened for
     appending or is not a regular file. A write that fails later (disk full, I/O error) by default
@@ -97,7 +99,7 @@ class EventLog:
         # called with each record after it was stored and written (``slow_phase`` as phases end); never per layer
         self.observers: list[Callable[[ev.Event], None]] = []
         self.write_error: Any = None
-        self._raise_write_errors = raise_write_errors
+        self.raise_write_errors = raise_write_errors
         self._redact = redactor(tuple(secrets))
         self._lock = threading.RLock()  # re-entrant: a signal handler may emit while the main thread holds it
         self._app = structlog.get_logger("attn_setup").bind(run_id=run_id, rank=rank)
@@ -105,14 +107,17 @@ class EventLog:
         self._file_log: Any = None
         self._prev_handlers: dict[int, Any] = {}
         self._prev_hook: Any = None
+        self._lead = b""  # a newline before the first record when the file's last line was cut short
         if self.path is not None:
             self._fh = open_regular(self.path, "ab", flag=flag, what="the log file")
+            self._lead = b"\n" if ends_mid_line(self.path) else b""
             self._file_log = structlog.wrap_logger(
                 structlog.BytesLogger(self._fh), processors=[self._render], wrapper_class=structlog.BoundLogger,
                 cache_logger_on_first_use=False).bind()  # a concrete logger: a lazy proxy would re-bind per record
 
     def _render(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> bytes:
-        return ev.encode(event_dict["record"], self._redact)
+        lead, self._lead = self._lead, b""
+        return lead + ev.encode(event_dict["record"], self._redact)
 
     def _write(self, record: ev.Event) -> None:
         """One line to the trace file; a failing write turns the file output off (see the class doc)."""
@@ -131,7 +136,7 @@ class EventLog:
                 code="log_write_failed", flags=[(self.flag, str(self.path))],
                 remedy=f"free space on its filesystem or pick another path for {self.flag}")
             self._app.warning("trace_write_failed", path=str(self.path), error=str(self.write_error.info.message))
-            if self._raise_write_errors:
+            if self.raise_write_errors:
                 raise self.write_error
 
     def emit(self, cls: type[ev.Event], *, state: str, outcome: ev.Outcome = "ok", **fields: Any) -> ev.Event:

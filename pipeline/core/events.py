@@ -23,6 +23,8 @@ every record type with hypothesis).
 
 from __future__ import annotations
 
+from typing import Any
+
 # The records live in three modules by who emits them, the codec in one; this module gathers them, so
 # ``from pipeline.core import events as ev; ev.RunStarted``, ``ev.encode`` and ``ev.decode_line`` keep working.
 from pipeline.core.contracts import (  # noqa: F401 (reachable here before the split)
@@ -68,5 +70,24 @@ def catalogue_markdown() -> str:
     return "\n".join(lines)
 
 
+def print_catalogue(stream: Any = None) -> int:
+    """Write :func:`catalogue_markdown` to ``stream`` (stdout) for ``python -m pipeline.core.events``; returns the
+    exit code, 0. A reader that leaves early (``| head -3``) ends it quietly, as it does the CLI's commands: the
+    rest is dropped and stdout pointed at /dev/null, so the interpreter's last flush finds no closed pipe."""
+    import os
+    import sys
+
+    out = sys.stdout if stream is None else stream
+    try:
+        out.write(catalogue_markdown() + "\n")
+        out.flush()
+    except BrokenPipeError:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        except (OSError, ValueError):  # not a file descriptor (a test's stream): nothing will flush to a pipe
+            pass
+    return 0
+
+
 if __name__ == "__main__":  # python -m pipeline.core.events  → prints the README table
-    print(catalogue_markdown())
+    raise SystemExit(print_catalogue())

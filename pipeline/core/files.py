@@ -67,6 +67,58 @@ def check_output(path: str | os.PathLike, *, flag: str, what: str) -> None:
     make_parent(p, flag=flag)
 
 
+def refuse_symlink(path: str | os.PathLike, *, flag: str, what: str) -> None:
+    """An output written through a temporary file renamed over it (``--metrics-file``, ``--perfetto``) must not be a
+    symbolic link: the rename would replace the link by a regular file, not write where it points (a link to
+    ``/proc/self/fd/1`` would turn into a file). Raises :class:`UsageError` ``output_is_symlink`` naming ``flag``
+    and the link's target."""
+    p = os.fspath(path)
+    if not os.path.islink(p):
+        return
+    try:
+        target = os.readlink(p)  # what the link says (a /proc/self/fd link names no file of its own)
+    except OSError:
+        target = "?"
+    raise UsageError(f"{what} {p!r} is a symbolic link (to {target!r}); it is written through a temporary file "
+                     "renamed over it, which would replace the link", code="output_is_symlink", flags=[(flag, p)],
+                     allowed=["a regular file or a new path, not a symbolic link"],
+                     remedy=f"pass the link's target ({target!r}) or another path as {flag}")
+
+
+def check_replaceable(path: str | os.PathLike) -> None:
+    """Raise OSError when ``path`` exists and is a symbolic link or not a regular file: what
+    :func:`replace_atomically` would replace by its rename (a device, a directory's entry, the link itself)."""
+    p = os.fspath(path)
+    try:
+        mode = os.lstat(p).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise OSError(f"{p!r} is {'a symbolic link' if stat.S_ISLNK(mode) else 'not a regular file'}")
+
+
+def replace_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all: a temporary file beside it (``PATH.tmp<pid>``, same folder so
+    the rename stays on one file system), flushed, renamed over ``path``; removed whenever a step fails, so a full
+    disk leaves neither a truncated ``path`` nor a temporary file. Raises OSError, also for an existing ``path`` that
+    is a symbolic link or not a regular file (never touched)."""
+    p = os.fspath(path)
+    check_replaceable(p)
+    tmp = f"{p}.tmp{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0), 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, p)
+    finally:
+        if os.path.lexists(tmp):
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
 def open_regular(path: str | os.PathLike, mode: str, *, flag: str, what: str) -> IO[bytes]:
     """Open ``path`` for binary reading (``"rb"``), appending (``"ab"``) or writing (``"wb"``; both
     create a missing file and its missing folders, :func:`make_parent`), refusing anything that is not a regular
@@ -104,6 +156,20 @@ def open_regular(path: str | os.PathLike, mode: str, *, flag: str, what: str) ->
     except BaseException:
         os.close(fd)
         raise
+
+
+def ends_mid_line(path: str | os.PathLike) -> bool:
+    """Whether the regular file ``path`` is non-empty and does not end with a newline: its last line was cut short
+    (a full disk, a killed writer, ``head -c``). An appender writes ``\\n`` first, so its first record is a line of
+    its own. False when it cannot be read (the appender's own writes report the problem)."""
+    try:
+        with open_regular(path, "rb", flag="path", what="the file") as fh:
+            if fh.seek(0, os.SEEK_END) == 0:
+                return False
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1) != b"\n"
+    except (OSError, UsageError):
+        return False
 
 
 def read_capped(path: str | os.PathLike, limit: int, *, flag: str, what: str) -> bytes:

@@ -247,14 +247,15 @@ def _rope_theta(c: _Cfg) -> float:
     return theta if theta is not None else 10000.0
 
 
-def _dtype(c: _Cfg, top: _Cfg) -> str:
+def _dtype(c: _Cfg, top: _Cfg) -> tuple[str, bool]:
+    """The checkpoint dtype and whether the config left it out (then float32, as sglang reads it)."""
     for cfg in (c, top):
         for key in ("torch_dtype", "dtype"):
             v = cfg.get(key)
             if v is not None:
                 return _choice(v, _DTYPES, cfg.at(key), key, "bfloat16, float16 or float32",
-                               "is not a supported model dtype")
-    return "bfloat16"
+                               "is not a supported model dtype"), False
+    return "float32", True
 
 
 def _build(top: _Cfg, source: str) -> ModelSpec:
@@ -273,6 +274,7 @@ def _build(top: _Cfg, source: str) -> ModelSpec:
     kinds = _layer_types(c, n_layers, rule)
     window = c.integer("sliding_window", required=True) if "sliding" in kinds else None
     chunk = c.integer("attention_chunk_size", required=True) if "chunked" in kinds else None
+    dtype, dtype_missing = _dtype(c, top)
     return ModelSpec(
         model_type=model_type, architectures=list(archs), source=source, hidden_size=hidden,
         num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv,
@@ -282,6 +284,6 @@ def _build(top: _Cfg, source: str) -> ModelSpec:
                                 "logits become cap * tanh(logit / cap)"),
         has_attention_sinks=(rule or DEFAULT_RULE).has_sinks, mla=mla,
         is_encoder_decoder=top.flag("is_encoder_decoder") or c.flag("is_encoder_decoder"),
-        dtype=_dtype(c, top), rope_theta=_rope_theta(c),
+        dtype=dtype, dtype_missing=dtype_missing, rope_theta=_rope_theta(c),
         max_position_embeddings=c.integer("max_position_embeddings", 4096),
         vocab_size=c.integer("vocab_size", 32000), attention_chunk_size=chunk)

@@ -105,6 +105,8 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     256 local / 512 global); None = every layer uses ``head_dim``/``v_head_dim``.
     ``scaling`` is the softmax scale (``query_pre_attn_scalar ** -0.5`` where set, else
     ``head_dim ** -0.5``; for MLA ``(qk_nope + qk_rope) ** -0.5``).
+    ``dtype`` is the checkpoint's (``torch_dtype`` / ``dtype``); ``dtype_missing``: the config names
+    neither, so ``dtype`` is ``float32``, as sglang's ``_get_and_verify_dtype`` reads a missing one.
     """
 
     model_type: str
@@ -125,6 +127,7 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     mla: MLADims | None = None
     is_encoder_decoder: bool = False
     dtype: str = "bfloat16"
+    dtype_missing: bool = False
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     vocab_size: int = 32000

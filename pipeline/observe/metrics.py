@@ -19,7 +19,6 @@ Torch-free; the tests parse the file with ``prometheus_client``'s OpenMetrics pa
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Iterable
 
 from pipeline.core import events as ev
@@ -77,19 +76,12 @@ def render(summary: ev.StartupSummary, records: Iterable[ev.Event] = ()) -> str:
 
 
 def write_metrics(path: str, summary: ev.StartupSummary, records: Iterable[ev.Event] = ()) -> None:
-    """Write :func:`render` to ``path`` atomically (a temporary file renamed over it). Raises OSError — also for an
-    existing ``path`` that is not a regular file (the rename would replace a device such as ``/dev/zero``, as root,
-    or a directory's entry), which is never touched."""
-    import stat
+    """Write :func:`render` to ``path`` atomically: a temporary file beside it (``PATH.tmp<pid>``), renamed over it
+    once whole; the temporary file is removed whenever the write fails, so a failure leaves ``path`` as it was and
+    nothing beside it. Raises OSError — also for an existing ``path`` that is not a regular file (the rename would
+    replace a device such as ``/dev/zero``, as root, or a directory's entry) or that is a symbolic link (the rename
+    would replace the link, not write its target), which is never touched."""
+    from pipeline.core.files import check_replaceable, replace_atomically
 
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        mode = None
-    if mode is not None and not stat.S_ISREG(mode):
-        raise OSError(f"{path!r} is not a regular file")
-    text = render(summary, records)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    check_replaceable(path)  # before rendering: a refused path is refused whatever the summary
+    replace_atomically(path, render(summary, records).encode("utf-8"))

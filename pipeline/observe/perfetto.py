@@ -102,15 +102,18 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
 
 
 def write_chrome_trace(trace: Trace, path: str, flag: str = "path") -> int:
-    """Write :func:`chrome_trace` to ``path``; returns the number of trace events written.
+    """Write :func:`chrome_trace` to ``path`` whole or not at all; returns the number of trace events written.
 
-    ``path`` must be a regular file (or not exist): a FIFO or device raises UsageError
-    ``not_a_regular_file`` naming ``flag`` (:func:`pipeline.core.files.open_regular`); other write
-    failures raise OSError.
+    Written through a temporary file beside ``path``, renamed over it once complete
+    (:func:`pipeline.core.files.replace_atomically`): a write that fails (a full disk) leaves a file already there
+    unchanged and no temporary file. ``path`` must be a regular file (or not exist): a FIFO or device raises
+    UsageError ``not_a_regular_file`` and a symbolic link ``output_is_symlink`` (the rename would replace the link),
+    naming ``flag``; other write failures raise OSError.
     """
-    from pipeline.core.files import open_regular
+    from pipeline.core.files import check_output, refuse_symlink, replace_atomically
 
+    refuse_symlink(path, flag=flag, what="the timeline file")
+    check_output(path, flag=flag, what="the timeline file")
     obj = chrome_trace(trace)
-    with open_regular(path, "wb", flag=flag, what="the timeline file") as fh:
-        fh.write(msgspec.json.encode(obj))
+    replace_atomically(path, msgspec.json.encode(obj))
     return len(obj["traceEvents"])

@@ -44,8 +44,10 @@ class RunReplay(msgspec.Struct, frozen=True, kw_only=True):
     """One run's replay: ``checked`` lists the fields compared (in order); ``divergence`` or None.
 
     ``stopped`` says why comparison ended before ``done`` (a recorded effect failure, an
-    incomplete trace), or is empty. ``redacted``: the checked fields whose recorded value held a secret's
-    ``"<redacted>"`` marker, compared around it (:mod:`pipeline.observe.replay_redacted`).
+    incomplete trace), or is empty. ``ends_in``: for a run that never recorded its end (``inspect``'s
+    ``incomplete``) whose trace ends before its last decision, the state it ends in; else empty. ``redacted``: the
+    checked fields whose recorded value held a secret's ``"<redacted>"`` marker, compared around it
+    (:mod:`pipeline.observe.replay_redacted`).
     """
 
     run_id: str
@@ -54,6 +56,7 @@ class RunReplay(msgspec.Struct, frozen=True, kw_only=True):
     divergence: Optional[Divergence] = None
     stopped: str = ""
     launch_id: str = ""
+    ends_in: str = ""
     redacted: list[str] = []
 
     @property
@@ -131,6 +134,44 @@ def _nothing_to_replay(runs: list[Run]) -> UsageError:
                              "run that reached resolve")
 
 
+def _incomplete(runs: list[RunReplay], skipped: int) -> UsageError:
+    """``trace_incomplete`` (exit 2): a run's trace ends before its last decision and before the run recorded its
+    end (a cut file, a process killed while it wrote): what it recorded matched, the rest cannot be compared.
+    With unreadable lines skipped, the missing records may be those: ``trace_unreadable``, saying so."""
+    cut = [r for r in runs if r.ends_in]
+    first = cut[0]
+    if skipped:
+        return UsageError(f"run {first.run_id} rank {first.rank}: its readable records stop in state "
+                          f"{first.ends_in!r} without the run's end, and {skipped} line(s) of the trace could not be "
+                          "read: the decisions after that may be in them", code="trace_unreadable",
+                          flags=[("run_id", first.run_id), ("state", first.ends_in), ("skipped_lines", skipped)],
+                          remedy="`attn-setup inspect LOG --json` lists the skipped lines; replay the trace as the "
+                                 "run wrote it")
+    whys = [f"run {r.run_id} rank {r.rank}" + (f" launch {r.launch_id}" if r.launch_id else "")
+            + f": the trace ends in state {r.ends_in!r}, before the run recorded its end; "
+            + (f"the {len(r.checked)} decision(s) recorded up to there are the same now" if r.checked else
+               "no decision was recorded before that") for r in cut]
+    return UsageError("the trace is incomplete, so replay cannot say the start decides the same: " + "; ".join(whys)
+                      + " (the rest was never written: a cut file, or a process that died while it wrote)",
+                      code="trace_incomplete",
+                      flags=[("run_id", first.run_id), ("rank", first.rank), ("state", first.ends_in)],
+                      remedy="replay the run's whole log (`attn-setup inspect LOG` calls this one incomplete and "
+                             "shows where it ends), or run the start again to record a complete trace")
+
+
+def _cut_before_setup(run: Run) -> bool:
+    """An unfinished ``run`` (or runner) trace that ends before the setup machine wrote anything: no run_started
+    was lost, it was never written."""
+    return (run.status == "incomplete" and (run.first(ev.CommandStarted) or run.first(ev.RunnerStarted)) is not None
+            and not any(r.state in SETUP.order for r in run.records))
+
+
+def _unrecorded(recorded: Any, now: Any) -> bool:
+    """What a trace cut inside a state looks like: the value never written, or a list cut short of ``now``."""
+    return recorded is None or (isinstance(recorded, list) and isinstance(now, list) and len(recorded) < len(now)
+                                and now[:len(recorded)] == recorded)
+
+
 def _unreadable(run: Run, why: str) -> UsageError:
     """trace_unreadable (exit 2) naming the run and where its run_started record is."""
     where = f" ({run.started_at[0]}:{run.started_at[1]})" if run.started_at else ""
@@ -165,14 +206,21 @@ class _Replayer:
         self.env = {s.env_var: str(s.value) for s in run.all(ev.SettingResolved) if s.source == "env" and s.env_var}
         end = next((r for r in run.records if isinstance(r, (ev.RunFailed, ev.RunInterrupted))), None)
         self.error = None if end is None else end.error
+        self.incomplete = run.status == "incomplete"  # no terminal record: the trace may end inside a state
+        moves = run.all(ev.StateTransition)
+        # the setup state the trace ends in (the one it left for 'failed' when the failure record was cut off)
+        self.last = (moves[-1].from_state if moves[-1].to == "failed" else moves[-1].to) if moves else SETUP.order[0]
 
     def check(self, state: str, fld: str, recorded: Any, now: Any) -> None:
+        recorded, now = _b(recorded), _b(now)
+        if recorded != now and self.incomplete and state == self.last and _unrecorded(recorded, now):
+            raise driver.Stop(f"the trace ends in {state} before it recorded {fld}")  # compare only what was written
         self.checked.append(f"{state}.{fld}")
-        if _b(recorded) != _b(now):
-            if has_redacted(_b(recorded)) and matches_around_redaction(_b(recorded), _b(now)):
+        if recorded != now:
+            if has_redacted(recorded) and matches_around_redaction(recorded, now):
                 self.redacted.append(f"{state}.{fld}")  # the marker stands for text we cannot know
                 return
-            raise _Diverged(Divergence(state=state, field=fld, recorded=_b(recorded), now=_b(now)))
+            raise _Diverged(Divergence(state=state, field=fld, recorded=recorded, now=now))
 
     def replay(self) -> RunReplay:
         run = self.run
@@ -188,8 +236,9 @@ class _Replayer:
                              launch_id=run.launch_id, redacted=self.redacted)
         except driver.Stop as e:
             stopped = str(e)
+        ends_in = self.last if stopped and self.incomplete else ""
         return RunReplay(run_id=run.run_id, rank=run.rank, checked=self.checked, stopped=stopped,
-                         launch_id=run.launch_id, redacted=self.redacted)
+                         launch_id=run.launch_id, ends_in=ends_in, redacted=self.redacted)
 
 
 def _replay_run(run: Run) -> RunReplay:
@@ -224,20 +273,26 @@ def replay(trace: Any) -> ReplayResult:
     (the error names the run and its ``run_started`` record's file and line); ``nothing_to_replay``
     (exit 2) when the trace reads but no run got to a decision because each recorded a failure before
     resolve (a ``run`` refused at its flags, in preflight, a runner state before ``attention`` or at
-    device-init): the error names each run, the state it failed in and its recorded error code.
-    Never raises anything else for any file content.
+    device-init): the error names each run, the state it failed in and its recorded error code;
+    ``trace_incomplete`` (exit 2) when no run diverged but a run's trace ends before its last decision without
+    recording its end (``inspect``'s ``incomplete``): only what was recorded is compared, and the error names
+    each such run and the state its trace ends in. Never raises anything else for any file content.
     """
     t: Trace = as_trace(trace).require_records()
     early = all(_failed_before_resolve(r) for r in t.runs)  # no decision, and the recorded failure says why
-    if not any(r.started is not None for r in t.runs) and not early:
+    if not any(r.started is not None or _cut_before_setup(r) for r in t.runs) and not early:
         raise _no_start(t.runs[0])
     runs = []
     for r in t.runs:
         if r.started is None:
+            cut = _cut_before_setup(r)
             runs.append(RunReplay(run_id=r.run_id, rank=r.rank, checked=[], launch_id=r.launch_id,
-                                  stopped=f"no run_started record: {_no_start_reason(r)}"))
+                                  stopped="the trace ends before the attention pipeline started" if cut else
+                                  f"no run_started record: {_no_start_reason(r)}", ends_in=r.last_state if cut else ""))
         else:
             runs.append(_replay_run(r))
     if early and not any(r.checked or r.divergence is not None for r in runs):
         raise _nothing_to_replay(t.runs)
+    if any(r.ends_in for r in runs) and not any(r.divergence is not None for r in runs):
+        raise _incomplete(runs, t.skipped_lines)
     return ReplayResult(runs=runs, skipped_lines=t.skipped_lines)

@@ -37,6 +37,7 @@ import msgspec
 import torch
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer  # noqa: F401 (AttentionLayer: as before the split)
+from pipeline.core import verification_sizes
 from pipeline.core.contracts import ForwardMode, LayerKind, ModelSpec, SetupRequest
 from pipeline.core.errors import BuildError
 from pipeline.backends.memory import (  # noqa: F401 (dequantize_kv, quantize_kv: importable here as before the split)
@@ -49,8 +50,7 @@ from pipeline.core.dtypes import norm_dtype
 __all__ = ["VerifyResult", "verify_backend", "verify_all", "verify_built", "verification_model", "tolerance",
            "VERIFY_WINDOW", "VERIFY_CHUNK"]
 
-PREFIX_LENS = (0, 3, 21, 0, 10)
-NEW_LENS = (9, 4, 2, 6, 1)
+from pipeline.core.verification_sizes import NEW_LENS, PREFIX_LENS  # noqa: E402 (the batch: shared with plan)
 VERIFY_WINDOW = 7
 VERIFY_CHUNK = 8  # requests reach 26 tokens: chunk boundaries at 8, 16, 24 fall inside prefixes and new tokens
 _Q_DTYPES = ("bfloat16", "float16", "float32")
@@ -104,15 +104,15 @@ def tolerance(dtype: Any, kv_dtype: Any = None) -> float:
 
 
 def slots_needed(max_reqs: int, page_size: int, decode_steps: int = 3) -> int:
-    """Token slots :func:`verify_backend` allocates (whole pages per request, plus the reserved page 0)."""
-    b = min(len(PREFIX_LENS), max_reqs)
-    return page_size * (1 + sum(-(-(p + n + decode_steps) // page_size) for p, n in zip(PREFIX_LENS[:b], NEW_LENS[:b])))
+    """Token slots :func:`verify_backend` allocates (whole pages per request, plus the reserved page 0):
+    :func:`pipeline.core.verification_sizes.verify_slots_needed`."""
+    return verification_sizes.verify_slots_needed(max_reqs, page_size, decode_steps)
 
 
 def context_needed(max_reqs: int, decode_steps: int = 3) -> int:
-    """Tokens the longest request of :func:`verify_backend` reaches (the ``max_context_len`` it needs)."""
-    b = min(len(PREFIX_LENS), max_reqs)
-    return max(x + y for x, y in zip(PREFIX_LENS[:b], NEW_LENS[:b])) + decode_steps
+    """Tokens the longest request of :func:`verify_backend` reaches (the ``max_context_len`` it needs):
+    :func:`pipeline.core.verification_sizes.verify_context_needed`."""
+    return verification_sizes.verify_context_needed(max_reqs, decode_steps)
 
 
 def _steps(rows: Sequence[int], decode_steps: int) -> list[tuple[str, ForwardMode, list[int], list[int]]]:
