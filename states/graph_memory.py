@@ -226,5 +226,5 @@ def graph_trial(request: "SetupRequest", decided: "Decided", estimate: Optional[
         est = estimate_for_decided(graphs_up_to(request, n), decided, aux_layers, env)
         return 0 if est is None else est.total_bytes
 
-    return GraphTrial(list(estimate.batch_sizes), bool(args.cuda_graph_bs), args.cuda_graph_max_bs is not None,
+    return GraphTrial(estimate.batch_sizes, bool(args.cuda_graph_bs), args.cuda_graph_max_bs is not None,
                       bytes_at)

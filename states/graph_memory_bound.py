@@ -25,6 +25,7 @@ import os
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from pipeline.backends import registry
+from states.batch_series import BatchSeries, series_sum
 from states.cuda_allocator import PoolModel
 from states.graph_memory import (GraphMemoryEstimate, _built_kinds, _kinds_of, estimate_graph_memory,
                                  runner_buffer_bytes)
@@ -42,8 +43,9 @@ def graph_memory_lower_bound(spec, *, dtype: str, kv_dtype: str, decode_backend:
                              env: Mapping[str, str] = os.environ) -> GraphMemoryEstimate:
     """A :class:`GraphMemoryEstimate` (``lower_bound`` True, ``per_bs`` empty) whose ``total_bytes`` is at most
     :func:`~states.graph_memory.estimate_graph_memory`'s for the same arguments (module docstring), computed from
-    the largest size alone: O(1) in the sizes' values, O(len) only to count them. Same arguments as that."""
-    sizes = sorted(set(int(b) for b in batch_sizes))
+    the largest size alone: O(1) in the sizes (a :class:`~states.batch_series.BatchSeries` is never listed; other
+    sizes are sorted). Same arguments as that."""
+    sizes = batch_sizes if isinstance(batch_sizes, BatchSeries) else sorted(set(int(b) for b in batch_sizes))
     kw = dict(dtype=dtype, kv_dtype=kv_dtype, decode_backend=decode_backend, arch=arch, aux_layers=aux_layers,
               max_context_len=max_context_len, page_size=page_size, num_sms=num_sms, env=env)
     if not sizes:
@@ -51,7 +53,7 @@ def graph_memory_lower_bound(spec, *, dtype: str, kv_dtype: str, decode_backend:
     one = estimate_graph_memory(spec, batch_sizes=sizes[-1:], **kw)
     kinds = list(_kinds_of(_built_kinds(spec)))
     state = one.state_bytes
-    pool = max(one.pool_bytes, sum(sizes) * spec.hidden_size * 4) if kinds else one.pool_bytes  # the outputs kept
+    pool = max(one.pool_bytes, series_sum(sizes) * spec.hidden_size * 4) if kinds else one.pool_bytes  # the outputs kept
     if len(sizes) > 1 and kinds:
         entry, mb, r = registry.get(decode_backend, flag="decode_attention_backend"), sizes[-1], PoolModel.round_size
         sk = dict(max_context_len=max_context_len, page_size=page_size, num_sms=num_sms)
@@ -67,13 +69,13 @@ def lower_bound_for_decided(request: "SetupRequest", decided: "Decided", aux_lay
     """:func:`graph_memory_lower_bound` for what :func:`states.graph_memory.estimate_for_decided` estimates (same
     request, sizes, backend and device), or None where that is None."""
     from pipeline.core.dtypes import kv_dtype, model_dtype
-    from states.graphs import capture_batch_sizes
+    from states.graphs import capture_series
 
     if decided.refused is not None or not decided["build-mode"].graphs.capture:
         return None
     spec, args, facts = request.served_model, request.args, decided["device-init"].facts
     return graph_memory_lower_bound(
         spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec), decode_backend=decided["resolve"].pair.decode,
-        batch_sizes=capture_batch_sizes(args, request.pool.max_reqs, device=facts, world_size=request.world_size),
+        batch_sizes=capture_series(args, request.pool.max_reqs, device=facts, world_size=request.world_size),
         arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
         page_size=args.page_size, num_sms=facts.sm_count, env=env)

@@ -154,11 +154,20 @@ def capture_batch_sizes(args: AttentionArgs, max_reqs: int, *, device: Optional[
 
     Raises ConfigError (``invalid_value``, in ``state``) naming ``cuda_graph_bs`` and ``max_reqs`` with both numbers.
     """
+    return list(capture_series(args, max_reqs, device=device, world_size=world_size, state=state))
+
+
+def capture_series(args: AttentionArgs, max_reqs: int, *, device: Optional[DeviceFacts] = None,
+                   world_size: int = 1, state: str = "build-mode") -> Sequence[int]:
+    """:func:`capture_batch_sizes` not listed: the ``cuda_graph_bs`` sizes sorted, else the series as a
+    :class:`states.batch_series.BatchSeries` (length, indexing and sum in O(1) whatever the top; the graphs'
+    lower bound and the memory remedies use it, so refusing an absurd top costs nothing). Raises as that."""
+    from states.batch_series import BatchSeries
+
     check_graph_bs(args, max_reqs, state=state)
     if args.cuda_graph_bs:
         return sorted(set(args.cuda_graph_bs))
-    top = graph_top(args, max_reqs, device=device, world_size=world_size).bs
-    return [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 8))
+    return BatchSeries(graph_top(args, max_reqs, device=device, world_size=world_size).bs)
 
 
 def count_batch_sizes(args: AttentionArgs, max_reqs: int, *, device: Optional[DeviceFacts] = None,

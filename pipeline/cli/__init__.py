@@ -196,7 +196,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from pipeline.core.errors import EXIT_FAILED, EXIT_INTERRUPTED, error_info_from
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    as_json = "--json" in argv
+    as_json = any(a == "--json" or a.startswith("--json=") for a in argv)  # s13: --json=1 is refused in JSON
     command = subcommand_of(argv)
     try:
         parser = build_parser()
@@ -226,7 +226,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         quiet()
         return EXIT_FAILED
     except Exception as e:  # noqa: BLE001 - a bug still ends in one ErrorInfo, not a traceback
-        _print_info(error_info_from(e, "args"), as_json)
+        _print_info(error_info_from(e, "args", logged=False), as_json)  # no log holds it: run's own are logged
         return EXIT_FAILED
 
 

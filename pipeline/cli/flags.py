@@ -17,6 +17,7 @@ from pipeline.cli.domains import parser_refusal
 from pipeline.cli.unknown_flags import unknown_flags
 from pipeline.core.contracts import AttentionArgs
 from pipeline.core.errors import UsageError
+from pipeline.cli.numbers import ascii_float, ascii_int
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -109,6 +110,8 @@ class _Parser(argparse.ArgumentParser):
         elif why.startswith("expected"):
             allowed = ["a value after the flag"]
             hint = (f"a value that starts with '-' must be attached: {flag}=VALUE" if str(value).startswith("-") else f"give {flag} its value")
+        elif why.startswith("ignored explicit argument"):  # --json=1: a switch takes no value
+            allowed, hint = [f"{flag} alone (a switch takes no value)"], f"pass {flag} without ={value}"
         elif "not allowed with argument" in why:
             other = why.split("not allowed with argument", 1)[1].strip().split("/")[-1]
             allowed = [f"{flag} or {other}, not both"]
@@ -202,6 +205,11 @@ def _flag_type(tp: Any) -> tuple[str, Any]:
     return "scalar", base
 
 
+def _ascii(t: Any) -> Any:
+    """The parser of a flag of type ``t``: ASCII-only for int and float (:mod:`pipeline.cli.numbers`)."""
+    return {int: ascii_int, float: ascii_float}.get(t, t)
+
+
 def add_attention_flags(p: argparse.ArgumentParser) -> None:
     """One kebab-case flag per AttentionArgs field, generated from the Struct so none is forgotten."""
     g = p.add_argument_group("attention arguments (sglang's names)")
@@ -214,9 +222,10 @@ def add_attention_flags(p: argparse.ArgumentParser) -> None:
         if kind == "bool":
             g.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=text)
         elif kind == "list":
-            g.add_argument(flag, dest=name, nargs="+", type=elem, default=argparse.SUPPRESS, metavar="N", help=text)
+            g.add_argument(flag, dest=name, nargs="+", type=_ascii(elem), default=argparse.SUPPRESS, metavar="N",
+                           help=text)
         else:
-            g.add_argument(flag, dest=name, type=elem, default=argparse.SUPPRESS,
+            g.add_argument(flag, dest=name, type=_ascii(elem), default=argparse.SUPPRESS,
                            metavar=name.split("_")[-1].upper(), help=text)
 
 
@@ -236,12 +245,12 @@ def add_setup_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
     if device:
         p.add_argument("--device", default="auto",
                        help="auto (a GPU when torch sees one, else cpu) | cpu | cuda[:N] | musa|npu|xpu[:N] (default: auto)")
-    p.add_argument("--max-reqs", type=int, default=None, help="rows of req_to_token (default 8)")
-    p.add_argument("--max-context-len", type=int, default=None, help="columns of req_to_token (default 1024)")
-    p.add_argument("--num-token-slots", type=int, default=None,
+    p.add_argument("--max-reqs", type=ascii_int, default=None, help="rows of req_to_token (default 8)")
+    p.add_argument("--max-context-len", type=ascii_int, default=None, help="columns of req_to_token (default 1024)")
+    p.add_argument("--num-token-slots", type=ascii_int, default=None,
                    help="KV slots per layer (default 1024 on CPU, 65536 on GPU)")
-    p.add_argument("--rank", type=int, default=0, help="this process's rank (default 0; RANK under torchrun)")
-    p.add_argument("--world-size", type=int, default=1, help="number of ranks (default 1)")
+    p.add_argument("--rank", type=ascii_int, default=0, help="this process's rank (default 0; RANK under torchrun)")
+    p.add_argument("--world-size", type=ascii_int, default=1, help="number of ranks (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables (errors too)")
     add_attention_flags(p)
 

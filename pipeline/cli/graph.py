@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.core.errors import EXIT_OK, UsageError
+from pipeline.cli.numbers import ascii_int
 
 FORMATS = (".mmd", ".dot", ".svg", ".png")
 STYLE = {"taken": {"fill": "honeydew", "color": "darkgreen"}, "failed": {"fill": "mistyrose", "color": "red"}}
@@ -52,7 +53,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print the machine as one JSON object: states (each with its highlight), transitions, the "
                         "run's path; with -o the file is written too")
-    p.add_argument("--rank", type=int, default=None,
+    p.add_argument("--rank", type=ascii_int, default=None,
                    help="which rank's run to highlight (default: the first failed run, else the first)")
     p.add_argument("--machine", choices=("setup", "runner"), default="setup",
                    help="setup: the six-state pipeline; runner: the runner's outer machine (init-distributed … ready)")

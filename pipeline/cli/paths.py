@@ -57,12 +57,19 @@ def _check_utf8(flag: str, path: str) -> None:
 
 
 def _concrete(flag: str, path: str, ns: argparse.Namespace) -> Optional[str]:
-    """The path a flag will really touch: ``--log-file`` with ``{rank}`` filled in (None with ``{run_id}``: a new
-    name each run, which nothing given can be)."""
+    """The path a flag will really touch: ``--log-file`` with ``{rank}`` filled in, and ``{run_id}`` with the shared
+    run id when one is set (``ATTN_SETUP_RUN_ID`` / ``TORCHELASTIC_RUN_ID``: s13, a ``{run_id}`` path then named the
+    model config or the metrics file unchecked); None with ``{run_id}`` and no shared id (a fresh name, which nothing
+    given can be, checked again once known: :func:`check_log_path`)."""
+    from pipeline.core.runinfo import shared_run_id
+
     if flag != "--log-file":
         return path
     if "{run_id}" in path:
-        return None
+        run_id = shared_run_id()
+        if run_id is None:
+            return None
+        path = path.replace("{run_id}", run_id)
     rank = os.environ.get("RANK") if "WORLD_SIZE" in os.environ else None
     return path.replace("{rank}", str(rank if rank is not None else getattr(ns, "rank", 0)))
 
@@ -77,8 +84,9 @@ def same_file(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _check_conflicts(ns: argparse.Namespace) -> None:
-    paths = [(f, p, out) for f, v, out in named_paths(ns) if (p := _concrete(f, v, ns)) is not None]
+def _check_conflicts(ns: argparse.Namespace, log_file: Optional[str] = None) -> None:
+    paths = [(f, p, out) for f, v, out in named_paths(ns)
+             if (p := log_file if log_file is not None and f == "--log-file" else _concrete(f, v, ns)) is not None]
     for i, (fa, pa, out_a) in enumerate(paths):
         for fb, pb, out_b in paths[i + 1:]:
             if not (out_a or out_b) or not same_file(pa, pb):
@@ -114,6 +122,13 @@ def check_metrics_file(path: str) -> None:
                      f"be created ({why})", code="metrics_file_unwritable", flags=[("--metrics-file", path)],
                      allowed=["a writable regular file (created if absent) in a writable folder"],
                      remedy="pass a writable path for --metrics-file, or drop it")
+
+
+def check_log_path(ns: argparse.Namespace, log_file: str) -> None:
+    """``path_conflict`` again with ``run``'s own ``--log-file`` path (``log_file``: placeholders filled with the
+    run id and rank the run got), before the log opens: a run id known only then (a fresh one, or the rank group's)
+    can make it name an input or the metrics file. Raises what :func:`check_paths` raises for a conflict."""
+    _check_conflicts(ns, log_file)
 
 
 def check_paths(ns: argparse.Namespace) -> None:

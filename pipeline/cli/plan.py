@@ -28,6 +28,7 @@ import msgspec
 from pipeline.core.contracts import DeviceFacts, SetupRequest
 from pipeline.core.errors import EXIT_OK, AttnSetupError, Flag, UsageError
 from pipeline.cli.plan_report import decision_lines, graph_estimate_line, installed_note, plan_report
+from pipeline.cli.numbers import ascii_int
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -44,7 +45,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                            f"{', '.join(packages.names())} (or their import names); it replaces what is installed "
                            "here, it does not add to it: a GPU plan needs torch,triton,… too; '' = none "
                            "(default: read from package metadata, no import)")
-    plan.add_argument("--num-layers", type=int, default=None,
+    plan.add_argument("--num-layers", type=ascii_int, default=None,
                       help="the attention layers `attn-setup run` builds with these flags, for the CUDA-graph memory "
                            "estimate (default as run's: 2, or as many as it takes to include every attention kind)")
     from pipeline.cli.jit import add_flag

@@ -7,7 +7,9 @@ use: ``trace_unreadable`` naming the run and its ``run_started`` record), or it 
 decision to replay (every run stopped before resolve: ``nothing_to_replay`` naming each run, the
 state it failed in and its recorded error code), or a run's trace ends before its last decision without
 recording its end (``trace_incomplete``, naming the run and the state it ends in; only what was recorded is
-compared, so a cut trace never reads as a divergence).
+compared, so a cut trace never reads as a divergence), or a run's recorded request had deciding values redacted by
+a secret equal to ordinary text (``request_redacted`` naming the fields). A decision whose recorded value holds a
+secret's ``<redacted>`` marker is compared around it (listed as ``redacted``), never a divergence for the marker.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def cmd(ns: argparse.Namespace) -> int:
                                      "recorded up to there, the same)")
             elif r.divergence is None:
                 print_line(c, head + f"same ({len(r.checked)} decisions checked)"
+                           + (f"; {len(r.redacted)} compared around a secret's <redacted> marker: "
+                              + ", ".join(r.redacted) if r.redacted else "")
                            + (f"; stopped: {r.stopped}" if r.stopped else ""))
             else:
                 d = r.divergence

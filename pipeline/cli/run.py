@@ -26,7 +26,7 @@ from pipeline.core.errors import (
     EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, AttnSetupError, ConfigError, UsageError, error_info_from,  # noqa: F401
 )
 from pipeline.cli.run_checks import (  # noqa: F401 - run's flag checks moved; importable from here
-    _PLACEHOLDER, DEFAULT_LAYERS, check_context, check_pool_for_checks, check_warm_cache, log_path,
+    _PLACEHOLDER, DEFAULT_LAYERS, check_context, check_pool_for_checks, check_warm_cache, checked_log_path, log_path,
     open_log, runner_config,
 )
 from pipeline.cli.outstreams import settle
@@ -35,6 +35,7 @@ from pipeline.cli.startup import slow_warnings
 from pipeline.cli.run_report import (  # noqa: F401 - the report moved; its names stay importable from here
     _graph_line, _pool_line, _print, _render_runner, _report, model_line, timeline_rows, timeline_title,
 )
+from pipeline.cli.numbers import ascii_float, ascii_int
 
 
 def preflight(ns: argparse.Namespace, runner: Any, log: Any, group: Any) -> None:
@@ -100,25 +101,25 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     run.add_argument("--log-file", default="./attn-setup-logs/{run_id}.rank{rank}.jsonl",
                      help="JSON-lines trace path; {run_id} and {rank} are filled in "
                           "(default: ./attn-setup-logs/{run_id}.rank{rank}.jsonl)")
-    run.add_argument("--decode-steps", type=int, default=3, help="decode steps verified after the extend")
-    run.add_argument("--num-layers", type=int, default=None,
+    run.add_argument("--decode-steps", type=ascii_int, default=3, help="decode steps verified after the extend")
+    run.add_argument("--num-layers", type=ascii_int, default=None,
                      help=f"build only the first N attention layers (default {DEFAULT_LAYERS}, or as many as it takes "
                           "to include every attention layer kind; a hybrid model's linear-attention / mamba layers "
                           "are skipped, not counted)")
-    run.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
+    run.add_argument("--dist-timeout", type=ascii_float, default=None, metavar="SECONDS",
                      help="under torchrun (WORLD_SIZE > 1): seconds to wait for the rendezvous (then "
                           "rank_exchange_failed) and for every rank at each of our waits (then rank_stalled, naming "
                           "the rank, its last state and what it was doing) "
                           "(default: $ATTN_SETUP_DIST_TIMEOUT, else 60)")
-    run.add_argument("--max-memory-imbalance", type=float, default=None, metavar="FRACTION",
+    run.add_argument("--max-memory-imbalance", type=ascii_float, default=None, metavar="FRACTION",
                      help="under torchrun: the allowed spread of free device memory between ranks at device-init, "
                           "a fraction of the largest; more fails every rank with memory_imbalance "
                           "(default: $ATTN_SETUP_MAX_MEMORY_IMBALANCE, else 0.1 as sglang; 1 = no check)")
     budget = run.add_mutually_exclusive_group()
-    budget.add_argument("--mem-fraction", type=float, default=None,
+    budget.add_argument("--mem-fraction", type=ascii_float, default=None,
                         help="size the KV pool from this share of device memory (sglang's mem_fraction_static; "
                              "default: unset, the pool has --num-token-slots slots)")
-    budget.add_argument("--mem-bytes", type=int, default=None,
+    budget.add_argument("--mem-bytes", type=ascii_int, default=None,
                         help="size the KV pool from this many bytes (default: unset, as --mem-fraction)")
     from pipeline.cli.startup import add_startup_flags
 
@@ -243,7 +244,7 @@ def cmd(ns: argparse.Namespace) -> int:
     request = request_from(ns, on_gpu=on_gpu)
     notices = _notices(ns, request, group is not None) if joined is None else []
     run_id = group.run_id if group is not None else new_run_id()
-    log_file = log_path(ns.log_file, run_id, request.rank)
+    log_file = checked_log_path(ns, run_id, request.rank)  # s13: path_conflict again, the run id known
     log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
     t0 = time.perf_counter()
     t_start = _process_start(ns)

@@ -41,6 +41,16 @@ def log_path(template: str, run_id: str, rank: int) -> str:
     return path
 
 
+def checked_log_path(ns: argparse.Namespace, run_id: str, rank: int) -> str:
+    """:func:`log_path` of ``--log-file`` for ``run_id`` and ``rank``, checked against the other path flags
+    (:func:`pipeline.cli.paths.check_log_path`: ``path_conflict``, exit 2) before the log opens."""
+    from pipeline.cli.paths import check_log_path
+
+    path = log_path(ns.log_file, run_id, rank)
+    check_log_path(ns, path)
+    return path
+
+
 def open_log(path: str, template: str, run_id: str, rank: int, secrets: tuple[str, ...]) -> Any:
     """The run's EventLog; an unwritable path or one that is not a regular file (a FIFO, ``/dev/full``)
     is a UsageError naming ``--log-file`` (exit 2, nothing started)."""

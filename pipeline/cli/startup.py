@@ -12,13 +12,14 @@ import sys
 from typing import Any, Optional
 
 from pipeline.core import events as ev
+from pipeline.cli.numbers import ascii_float
 
 
 def add_startup_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-file", metavar="PATH", default=None,
                    help="write the startup summary in the Prometheus/OpenMetrics text format to PATH at the end "
                         "of the run, success or failure (default: none)")
-    p.add_argument("--slow-phase-s", metavar="SECONDS", type=float, default=None,
+    p.add_argument("--slow-phase-s", metavar="SECONDS", type=ascii_float, default=None,
                    help="log a slow_phase warning for every startup phase longer than SECONDS "
                         "(default: env ATTN_SETUP_SLOW_PHASE_S, else off)")
     p.add_argument("--no-progress", action="store_true",

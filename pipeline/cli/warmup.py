@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
+from pipeline.cli.numbers import ascii_int
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -19,7 +20,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
     p = sub.add_parser("warmup", help="compile the FlashInfer kernel variants a configuration needs")
     add_setup_flags(p)
-    p.add_argument("--jobs", type=int, default=4, help="parallel compile processes (default 4)")
+    p.add_argument("--jobs", type=ascii_int, default=4, help="parallel compile processes (default 4)")
     return p
 
 

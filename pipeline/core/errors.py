@@ -277,9 +277,16 @@ def _jsonable(v: Any) -> Any:
 INTERRUPTED_REMEDY = "the process was stopped from outside (Ctrl-C, scheduler, timeout); rerun the start"
 
 
-def error_info_from(exc: BaseException, state: str) -> ErrorInfo:
+LOGGED_REMEDY = "This is a bug or an environment failure; the log holds the full event."
+UNLOGGED_REMEDY = "This is a bug or an environment failure (no log holds it); report it with the command line"  # s13
+OUT_OF_MEMORY_REMEDY = ("the process ran out of host memory: lower the size flags or free memory on this machine; "
+                        "if the sizes are modest, report it as a bug with the command line")
+
+
+def error_info_from(exc: BaseException, state: str, *, logged: bool = True) -> ErrorInfo:
     """The ErrorInfo of any exception: typed errors keep theirs, KeyboardInterrupt (SIGINT) is
-    ``interrupted``, others get ``internal_error``."""
+    ``interrupted``, others get ``internal_error`` — whose remedy points at the log only when ``logged`` (the caller
+    writes the event to one), and names running out of memory for a MemoryError."""
     if isinstance(exc, AttnSetupError):
         if exc.info.state == "args" and state != "args":
             exc.with_state(state)
@@ -287,9 +294,6 @@ def error_info_from(exc: BaseException, state: str) -> ErrorInfo:
     if isinstance(exc, KeyboardInterrupt):
         return ErrorInfo(code="interrupted", state=state, message=f"interrupted (SIGINT) in state {state}",
                          remedy=INTERRUPTED_REMEDY)
-    return ErrorInfo(
-        code="internal_error",
-        state=state,
-        message=printable(f"{type(exc).__name__}: {exc}"),
-        remedy="This is a bug or an environment failure; the log holds the full event.",
-    )
+    return ErrorInfo(code="internal_error", state=state, message=printable(f"{type(exc).__name__}: {exc}"),
+                     remedy=OUT_OF_MEMORY_REMEDY if isinstance(exc, MemoryError) else
+                     LOGGED_REMEDY if logged else UNLOGGED_REMEDY)

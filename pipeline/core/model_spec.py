@@ -30,8 +30,8 @@ from collections import ChainMap
 from typing import Any, Mapping
 
 from pipeline.core.config_reader import (  # noqa: F401 (MAX_CONFIG_BYTES … re-exported: this module held them)
-    DEFAULT_UPPER, MAX_CONFIG_BYTES, MAX_INT_DIGITS, MSCALE_RANGE, PRE_ATTN_SCALAR_RANGE, SOFTCAP_RANGE, UPPER,
-    YARN_FACTOR_RANGE, _Cfg, _choice, _in_range, _read_json, _show,
+    DEFAULT_UPPER, MAX_CONFIG_BYTES, MAX_INT_DIGITS, MSCALE_RANGE, PRE_ATTN_SCALAR_RANGE, ROPE_THETA_RANGE,
+    SOFTCAP_RANGE, UPPER, YARN_FACTOR_RANGE, _Cfg, _choice, _in_range, _read_json, _show,
 )
 from pipeline.core.errors import ModelConfigError, UsageError
 from pipeline.core.layer_rules import DEFAULT_RULE, LAYER_RULES, LayerRule, _layer_types  # noqa: F401
@@ -234,10 +234,16 @@ def _scaling(c: _Cfg, head_dim: int, mla: MLADims | None) -> float:
 
 
 def _rope_theta(c: _Cfg) -> float:
-    theta = c.num("rope_theta")
-    rope = _rope_block(c)
+    """``rope_theta`` (top level, else in the RoPE block; default 10000) in ``ROPE_THETA_RANGE``, low end
+    exclusive (config_reader says why), else ModelConfigError at its JSON path."""
+    theta, at, rope = c.num("rope_theta"), c, _rope_block(c)
     if theta is None and rope is not None:
-        theta = rope[1].num("rope_theta")
+        theta, at = rope[1].num("rope_theta"), rope[1]
+    lo, hi = ROPE_THETA_RANGE
+    if theta is not None and not lo < theta <= hi:
+        raise at.bad("rope_theta", theta, f"a number in ({lo:g}, {hi:g}]", f"must be in ({lo:g}, {hi:g}] (RoPE's "
+                     "base: at 1 or below the rotary frequencies are all alike or above a radian per position, "
+                     "above it the lowest underflow)")
     return theta if theta is not None else 10000.0
 
 

@@ -10,6 +10,7 @@ nothing here imports the estimate. Pure arithmetic, no torch.
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -37,6 +38,13 @@ class GraphTrial(NamedTuple):
     bytes_at: Callable[[int], int]
 
 
+def remedy_tops(sizes: Sequence[int]) -> list[int]:
+    """The tops a remedy may name among the captured ``sizes`` (ascending): those below the largest and at most
+    :data:`REMEDY_MAX_BS`, found by bisection, so a huge series (:class:`states.batch_series.BatchSeries`) is
+    never listed past them."""
+    return list(sizes[:bisect.bisect_left(sizes, min(sizes[-1], REMEDY_MAX_BS + 1))]) if sizes else []
+
+
 def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool]) -> Optional[int]:
     """The largest of ``candidates`` (ascending) with ``fits``, or None: the largest is tried first (a lowered top
     often fits at once), then a binary search, O(log n) calls — valid because ``fits`` holds on a prefix (the
@@ -61,8 +69,7 @@ def graph_fixes(trial: Optional[GraphTrial], room: int, *, eager_fits: bool) -> 
     out: list[str] = []
     if trial is None or not trial.sizes:
         return out
-    top = trial.sizes[-1]
-    candidates = [b for b in trial.sizes if b < top and b <= REMEDY_MAX_BS]
+    candidates = remedy_tops(trial.sizes)
     n = largest_fitting(candidates, lambda b: trial.bytes_at(b) <= room) if room > 0 else None
     if n is not None:
         out.append(top_fix(trial, n))
@@ -172,7 +179,7 @@ def rows_and_fewer_graphs(trial: Optional[GraphTrial], room: int, row_bytes: int
     if trial is None or not trial.sizes or row_bytes <= 0:
         return out
     rows_at = lambda b: (room - trial.bytes_at(b)) // row_bytes  # noqa: E731
-    candidates = [b for b in trial.sizes if b < trial.sizes[-1] and b <= REMEDY_MAX_BS]
+    candidates = remedy_tops(trial.sizes)
     n = largest_fitting(candidates, lambda b: rows_at(b) >= b)
     if n is not None:
         out.append(f"{rows_text(rows_at(n))} and {top_fix(trial, n)}")

@@ -118,10 +118,35 @@ def budget_from_fraction(mem_fraction: float, total_memory_bytes: int, already_a
     return int(mem_fraction * total_memory_bytes) - int(already_allocated)
 
 
+def fraction_covering(need_bytes: int, total_bytes: int, allocated_bytes: int = 0) -> Optional[float]:
+    """The smallest ``mem_fraction`` of three significant digits whose budget (:func:`budget_from_fraction` of
+    ``total_bytes`` less ``allocated_bytes``) is at least ``need_bytes``; None when that is above 1 or the total is
+    unknown (0)."""
+    if total_bytes <= 0 or need_bytes + allocated_bytes > total_bytes:
+        return None
+    exact = max(need_bytes + allocated_bytes, 1) / total_bytes
+    e = math.floor(math.log10(exact)) - 2
+    m = max(math.floor(exact / 10.0 ** e), 1)
+    while int(float(f"{m}e{e}") * total_bytes) - allocated_bytes < need_bytes:
+        m += 1
+    f = float(f"{m}e{e}")
+    return f if f <= 1 else None
+
+
+def _raise_budget(source: str, need: int, graphs: int, total: int, allocated: int) -> str:
+    """The remedy of a budget below ``need`` bytes: raise the flag to cover them — a ``mem_fraction`` to the
+    fraction that does (the graphs' ``graphs`` bytes come out of it first) when the device's memory is known."""
+    f = fraction_covering(need + (graphs if source == "mem_fraction" else 0), total, allocated) \
+        if source == "mem_fraction" else None
+    cover = f"to {f:g} or more (it then covers {need} bytes)" if f is not None else f"to cover {need} bytes"
+    return f"raise {_FLAG.get(source, source)} {cover}, or lower max_reqs or max_context_len"
+
+
 def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, page_size: int, max_reqs: int,
                max_context_len: int, num_token_slots: Optional[int] = None, budget_bytes: Optional[int] = None,
                source: Source = "bytes", mem_fraction: Optional[float] = None, min_slots: int = 0,
-               min_slots_for: str = "", graph_reserve_bytes: int = 0, workspace_bytes: int = 0) -> PoolSizing:
+               min_slots_for: str = "", graph_reserve_bytes: int = 0, workspace_bytes: int = 0,
+               total_bytes: int = 0, allocated_bytes: int = 0) -> PoolSizing:
     """Size ``req_to_token`` and the K/V buffers; see the module docstring for the rules.
 
     Exactly one of ``num_token_slots`` (rounded up to whole pages) or ``budget_bytes`` must be
@@ -134,7 +159,8 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
     for :func:`check_fits` whatever the source; so is ``workspace_bytes`` (bytes, >= 0: the planned workspaces),
     never taken out of a budget.
     Raises ConfigError (``pool_budget_too_small``) naming the flag, what it must cover and a remedy
-    otherwise; nothing is allocated.
+    otherwise — for a ``mem_fraction`` budget the fraction that covers it (:func:`fraction_covering` of the
+    device's ``total_bytes`` less ``allocated_bytes``, when known); nothing is allocated.
     """
     per_tok = kv_bytes_per_token(kinds, num_layers, kv_dtype)
     r2t = max_reqs * max_context_len * REQ_TO_TOKEN_ELEM_BYTES
@@ -162,8 +188,7 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
                        else [(_FLAG.get(source, source), budget)]) + [("max_reqs", max_reqs),
                                                                       ("max_context_len", max_context_len)],
                 allowed=[f">= {need} bytes"],
-                remedy=f"raise {_FLAG.get(source, source)} to cover {need} bytes, or lower max_reqs or "
-                       "max_context_len")
+                remedy=_raise_budget(source, need, int(graph_reserve_bytes), total_bytes, allocated_bytes))
     else:
         raise ConfigError("size_pools needs num_token_slots or budget_bytes", code="invalid_value",
                           flags=[("num_token_slots", None), ("budget_bytes", None)],

@@ -43,15 +43,17 @@ def _versions(installed_items: tuple[tuple[str, bool], ...]) -> tuple[tuple[str,
     return tuple(out.items())
 
 
-def new_run_id() -> str:
-    """A fresh run id, or ``ATTN_SETUP_RUN_ID`` / torchrun's ``TORCHELASTIC_RUN_ID`` when set, so the
-    ranks of one launch share a run id and their traces merge by (run_id, rank)."""
+def shared_run_id(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """``ATTN_SETUP_RUN_ID``, else torchrun's ``TORCHELASTIC_RUN_ID`` (``none`` counts as unset), or None: the run
+    id every rank of a launch shares, known before the run starts (``--log-file``'s ``{run_id}`` is checked with
+    it, :mod:`pipeline.cli.paths`). Raises UsageError naming the variable for a value that cannot name a file."""
     import os
 
     import re
 
+    env = os.environ if env is None else env
     for var in ("ATTN_SETUP_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        shared = os.environ.get(var)
+        shared = env.get(var)
         if not shared or shared == "none":
             continue
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", shared) or ".." in shared:
@@ -61,7 +63,13 @@ def new_run_id() -> str:
                              flags=[(var, shared)], allowed=["1-128 of A-Z a-z 0-9 . _ -, not starting with . or -"],
                              remedy=f"set {var} to a plain identifier such as job-42")
         return shared
-    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+    return None
+
+
+def new_run_id() -> str:
+    """A fresh run id, or the shared one (:func:`shared_run_id`) when set, so the ranks of one launch share a run id
+    and their traces merge by (run_id, rank)."""
+    return shared_run_id() or time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
 
 
 def redacted_request(request: SetupRequest) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from pipeline.core import driver
 from pipeline.core import events as ev
 from pipeline.core.contracts import SetupRequest
 from pipeline.core.errors import AttnSetupError, UsageError
+from pipeline.observe.replay_redacted import (has_redacted, matches_around_redaction, redacted_request_fields,
+                                              request_redacted)
 from pipeline.observe.trace import Run, Trace, as_trace
 from pipeline.setup.context import SetupContext
 from pipeline.setup.table import SETUP
@@ -43,7 +45,9 @@ class RunReplay(msgspec.Struct, frozen=True, kw_only=True):
 
     ``stopped`` says why comparison ended before ``done`` (a recorded effect failure, an
     incomplete trace), or is empty. ``ends_in``: for a run that never recorded its end (``inspect``'s
-    ``incomplete``) whose trace ends before its last decision, the state it ends in; else empty.
+    ``incomplete``) whose trace ends before its last decision, the state it ends in; else empty. ``redacted``: the
+    checked fields whose recorded value held a secret's ``"<redacted>"`` marker, compared around it
+    (:mod:`pipeline.observe.replay_redacted`).
     """
 
     run_id: str
@@ -53,6 +57,7 @@ class RunReplay(msgspec.Struct, frozen=True, kw_only=True):
     stopped: str = ""
     launch_id: str = ""
     ends_in: str = ""
+    redacted: list[str] = []
 
     @property
     def same(self) -> bool:
@@ -184,9 +189,14 @@ class _Replayer:
     def __init__(self, run: Run) -> None:
         self.run = run
         self.checked: list[str] = []
+        self.redacted: list[str] = []
         started = run.started
         if started is None:
             raise _no_start(run)
+        hidden = redacted_request_fields(started.request)
+        if hidden:  # s13: a secret equal to ordinary text; not trace_unreadable
+            where = f" ({run.started_at[0]}:{run.started_at[1]})" if run.started_at else ""
+            raise request_redacted(run.run_id, run.rank, where, hidden)
         try:
             self.req = msgspec.convert(started.request, SetupRequest)
         except (msgspec.ValidationError, AttnSetupError) as e:
@@ -207,6 +217,9 @@ class _Replayer:
             raise driver.Stop(f"the trace ends in {state} before it recorded {fld}")  # compare only what was written
         self.checked.append(f"{state}.{fld}")
         if recorded != now:
+            if has_redacted(recorded) and matches_around_redaction(recorded, now):
+                self.redacted.append(f"{state}.{fld}")  # the marker stands for text we cannot know
+                return
             raise _Diverged(Divergence(state=state, field=fld, recorded=recorded, now=now))
 
     def replay(self) -> RunReplay:
@@ -220,12 +233,12 @@ class _Replayer:
                 stopped = ""
         except _Diverged as e:
             return RunReplay(run_id=run.run_id, rank=run.rank, checked=self.checked, divergence=e.d,
-                             launch_id=run.launch_id)
+                             launch_id=run.launch_id, redacted=self.redacted)
         except driver.Stop as e:
             stopped = str(e)
         ends_in = self.last if stopped and self.incomplete else ""
         return RunReplay(run_id=run.run_id, rank=run.rank, checked=self.checked, stopped=stopped,
-                         launch_id=run.launch_id, ends_in=ends_in)
+                         launch_id=run.launch_id, ends_in=ends_in, redacted=self.redacted)
 
 
 def _replay_run(run: Run) -> RunReplay:

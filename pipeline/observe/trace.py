@@ -5,7 +5,8 @@ deeply, is longer than :data:`MAX_LINE_BYTES`, or is not a known valid record is
 reason: ``not_json``, ``too_deep``, ``line_too_long``, ``unknown_event``, ``newer_schema``,
 ``invalid_record``) and skipped; everything else is kept. Several files merge: records are grouped
 by ``(run_id, rank, launch_id)`` — two launches that share a run id and a log file stay two runs —
-ordered by ``ts_ns``, and a line read twice (a file passed twice, overlapping copies) counts once.
+ordered by position in their file (one launch writes its records in order; a wall clock stepped back mid-run
+changes nothing; pieces in several files by their first records' ``ts_ns``), and a line read twice (a file passed twice, overlapping copies) counts once.
 
 Only regular files are read: a FIFO, a device or a directory is refused (``UsageError``
 ``not_a_regular_file``, exit 2) instead of blocking or reading forever.
@@ -55,10 +56,6 @@ from pipeline.observe.trace_view import _BY_CLASS, Run, SkippedLine, Trace, noth
 
 SKIP_DETAILS = 100         # skipped lines listed with file:line (all are counted)
 
-
-
-def _ts(r: ev.Event) -> int:
-    return r.ts_ns
 
 
 class _Envelope(msgspec.Struct):
@@ -182,7 +179,7 @@ class TraceReader:
 
     def _read_run(self, key: tuple[str, int, str], e: _Entry) -> Optional[Run]:
         run = Run(key[0], key[1], launch_id=key[2])
-        records = run.records
+        by_file: dict[int, list[ev.Event]] = {}  # one launch writes one file in order: its lines' order is the truth
         seen: set[bytes] = set()
         p = e.pieces
         for i in range(0, len(p), 4):
@@ -204,15 +201,18 @@ class TraceReader:
                     seen.add(line)
                     if dropped:
                         self.dropped_fields += dropped
-                    records.append(rec)
+                    by_file.setdefault(fi, []).append(rec)
                     if run.started_at is None and type(rec) is ev.RunStarted:
                         run.started_at = (self.paths[fi], n + k)
             except OSError:
                 if self.paths[fi] not in self.unreadable_files:
                     self.unreadable_files.append(self.paths[fi])
-        if not records:
+        if not by_file:
             return None
-        records.sort(key=_ts)  # pieces of one trace may come in any file order
+        # s13: by file position, not wall clock (a clock stepped back mid-run garbled inspect); pieces of one trace
+        # in several files (copies, a split log) in the order of their first records' time
+        for fi in sorted(by_file, key=lambda f: (by_file[f][0].ts_ns, f)):
+            run.records.extend(by_file[fi])
         return run
 
     def runs(self) -> Iterator[Run]:

@@ -143,8 +143,8 @@ def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int 
              graphs: Any = None, workspace: int = 0) -> Any:
     """:func:`decide_pools`' sizing for ``cfg`` (a RunnerConfig, its ``mem_fraction`` already checked) and the
     built ``spec`` on ``platform``'s device ``index``; nothing is allocated. Raises the sizing's ConfigError.
-    ``config.min_token_slots`` binds every pool not sized from a share of memory (the default slots too, so a
-    ``--num-token-slots`` remedy is enough when followed). ``graph_reserve``: the decode graphs' estimated bytes
+    ``config.min_token_slots`` binds every pool (the default slots too, so a ``--num-token-slots`` remedy is enough
+    when followed; s13: a ``mem_fraction`` pool too, whose refusal names the fraction that covers it). ``graph_reserve``: the decode graphs' estimated bytes
     (:func:`graph_reserve_bytes`), out of a ``mem_fraction`` budget and counted against free memory
     (:func:`pipeline.core.pool_sizing.size_pools`). ``spare``: check against the free memory less
     :func:`~pipeline.core.pool_sizing.remedy_margin` (what a remedy is sized for). A ``--mem-bytes`` above the
@@ -171,12 +171,12 @@ def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int 
         budget, source = budget_from_fraction(cfg.mem_fraction, total, allocated), "mem_fraction"
     slots = cfg.num_token_slots if cfg.num_token_slots is not None else (None if budget is not None else
                                                                          p.num_token_slots)
-    floor = 0 if source == "mem_fraction" else cfg.min_token_slots
     s = size_pools(spec.layer_kinds(), spec.num_hidden_layers, kv_dtype(req.args, spec), page_size=req.args.page_size,
                    max_reqs=p.max_reqs, max_context_len=p.max_context_len, num_token_slots=slots,
                    budget_bytes=budget, source=source,
-                   mem_fraction=cfg.mem_fraction, min_slots=floor, min_slots_for=cfg.min_token_slots_for,
-                   graph_reserve_bytes=graph_reserve, workspace_bytes=workspace)
+                   mem_fraction=cfg.mem_fraction, min_slots=cfg.min_token_slots, min_slots_for=cfg.min_token_slots_for,
+                   graph_reserve_bytes=graph_reserve, workspace_bytes=workspace, total_bytes=total,
+                   allocated_bytes=allocated)
     avail = available_bytes(platform, index)
     check_fits(s, remedy_available(avail) if spare else avail, device=platform.torch_device(index), total_bytes=total,
                allocated_bytes=allocated, mem_fraction=cfg.mem_fraction,

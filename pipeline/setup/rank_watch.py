@@ -50,12 +50,17 @@ def timeout_from_env(default: float, environ: Any = os.environ) -> float:
     raw = environ.get(ENV_TIMEOUT, "").strip()
     if not raw:
         return default
+    remedy = f"export {ENV_TIMEOUT}=60, or unset it (60 s), or pass --dist-timeout 60"  # s13: worded as a variable
     try:
         value = float(raw)
     except ValueError:
         raise UsageError(f"{ENV_TIMEOUT}={raw[:40]!r} is not a number of seconds", flags=[(ENV_TIMEOUT, raw[:40])],
-                         allowed=["0 < seconds <= 86400"], remedy=f"export {ENV_TIMEOUT}=60, or unset it") from None
-    return check_timeout(value, ENV_TIMEOUT)
+                         allowed=["0 < seconds <= 86400"], remedy=remedy) from None
+    try:
+        return check_timeout(value, ENV_TIMEOUT)
+    except UsageError as e:  # inf, nan, 0, -1, 1e9: the text as set (inf is no JSON value), the variable's remedy
+        raise UsageError(f"{ENV_TIMEOUT}={raw[:40]!r} must be a number of seconds in (0, 86400]",
+                         flags=[(ENV_TIMEOUT, raw[:40])], allowed=list(e.info.allowed), remedy=remedy) from None
 
 
 class Watch:
