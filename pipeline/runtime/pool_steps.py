@@ -119,10 +119,25 @@ def graph_estimate(r: Any, spec: Any) -> Any:
         from states.graph_memory import estimate_for_decided, graph_trial
 
         req, decided = setup_decided(r, spec)
-        est = estimate_for_decided(req, decided, aux_layers=cfg.aux_hidden_state_layers or ())
+        est = _bound_if_beyond_device(r, req, decided) or \
+            estimate_for_decided(req, decided, aux_layers=cfg.aux_hidden_state_layers or ())
         r.graph_trial_for = (spec, graph_trial(req, decided, est, aux_layers=cfg.aux_hidden_state_layers or ()))
     r.graph_estimate_for = (spec, est)
     return est
+
+
+def _bound_if_beyond_device(r: Any, req: Any, decided: Any) -> Any:
+    """The graphs' lower bound (:func:`states.graph_memory_bound.lower_bound_for_decided`, closed form whatever the
+    top) when it alone is above the share of the device's total memory the pools may use, else None. Then the run
+    is refused whatever the full estimate says, and the full estimate, one entry per captured size, is not built: a
+    ``--cuda-graph-max-bs`` of 2**31 - 1 would list ~268M sizes (``plan`` refuses from the bound the same way,
+    :func:`states.graph_memory_check.refuse_early`)."""
+    from pipeline.core.pool_sizing import POOL_MEMORY_SHARE
+    from states.graph_memory_bound import lower_bound_for_decided
+
+    total = r.platform.device_facts(r.index).total_memory_bytes
+    bound = lower_bound_for_decided(req, decided, aux_layers=r.config.aux_hidden_state_layers or ())
+    return bound if bound is not None and total and bound.total_bytes > total * POOL_MEMORY_SHARE else None
 
 
 def graph_trial_of(r: Any, spec: Any) -> Any:
