@@ -72,7 +72,7 @@ def test_page_size_divergence_fails_both_ranks_with_the_table(launched):
         assert flags["diverging"] == ["args.page_size"]
         assert flags["args.page_size"] == {"0": 1, "1": 16}
         assert flags["rank[0]"]["device"] == "cpu" and flags["rank[1]"]["prefill"] == "torch_native"
-        assert "rank 0=1, rank 1=16" in err["message"] and err["state"] == "resolve" and err["remedy"]
+        assert "rank 0: 1; rank 1: 16" in err["message"] and err["state"] == "resolve" and err["remedy"]
         records = trace(launched, "page_size", r["group_run_id"], r["rank"])
         assert not any(isinstance(x, (ev.BackendBuilt, ev.BuildPlanned)) for x in records)
         assert isinstance(records[-1], ev.RunFailed) and records[-1].error.code == "rank_divergence"

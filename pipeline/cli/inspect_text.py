@@ -47,13 +47,25 @@ def explain(run: Run) -> list[str]:
 
     out = [f"failed in state {info.state!r}: [{info.code}] {info.message}"]  # printed with markup off
     rows = entry_rows(info)
-    out += change_lines([text for label, text in rows if label == "flag"])  # only flags are flags to change
+    flags = [text for label, text in rows if label == "flag"]  # only flags are flags to change
+    change = _named_by(flags, info.remedy or "") or flags
+    out += change_lines(change)
+    out += [f"flag {text}" for text in flags if text not in change]   # context, as run's error block labels it
     out += [f"{label} {text}" for label, text in rows if label != "flag"]
     if info.allowed:
         out.append("allowed: " + ", ".join(info.allowed))
     if info.remedy:
         out.append("remedy: " + info.remedy)
     return out
+
+
+def _named_by(flags: list[str], remedy: str) -> list[str]:
+    """The entries (``"--flag = value"``) whose flag the remedy names, as a whole word: the flags to change when the
+    error carries context flags too (a capability refusal names ``--device`` and ``--model`` beside the
+    ``--attention-backend`` its remedy changes). Empty when the remedy names none of them (then all are listed)."""
+    import re
+
+    return [t for t in flags if re.search(rf"(?<![\w-]){re.escape(t.split(' = ', 1)[0])}(?![\w-])", remedy)]
 
 
 def _decision_lines(d: dict[str, Any]) -> list[str]:

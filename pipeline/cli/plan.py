@@ -207,8 +207,11 @@ def cmd(ns: argparse.Namespace) -> int:
 
 
 def _print_stderr(lines: list[str]) -> None:
-    """``lines`` on stderr, flushed (before the report on stdout: one terminal, two streams)."""
+    """``lines`` on stderr, flushed (before the report on stdout: one terminal, two streams), broken at spaces to
+    stderr's width as every other human line."""
     import sys
 
-    for line in lines:
-        print(line, file=sys.stderr, flush=True)
+    from pipeline.cli.console import console, width, wrap_lines
+
+    for part in wrap_lines(lines, width(console(stderr=True))):
+        print(part, file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import msgspec
 
+from pipeline.core.value_text import value_text
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, ErrorInfo, Resolution
 from pipeline.core.errors import RankDivergence, RankExchangeError
 from pipeline.core.events import RankRow
@@ -167,7 +168,7 @@ def _divergence(rank: int, rows: list[RankRow], reports: list[RankReport], bad: 
                     for b in bad if b not in per_arg and b not in ("resolve_error", "pair", "device")})
     derived = derived_fields(bad)
     lines = [(f"{DERIVED_WORDS[f]} (derived from {derived[f]})" if f in derived else f) + ": "
-             + ", ".join(f"rank {k}={v!r}" for k, v in vals.items()) for f, vals in per_arg.items()]
+             + value_text(vals) for f, vals in per_arg.items()]   # "rank 0: 8; rank 1: 16", no Python reprs
     msg = (f"the {len(rows)} ranks disagree on {', '.join(b for b in bad if b not in derived)}"
            + "".join(f" (and so on {DERIVED_WORDS[f]}, derived from {src})" for f, src in derived.items())
            + (f" ({why})" if why else "")
