@@ -56,3 +56,12 @@ def test_the_human_plan_prints_it_before_the_verdict(monkeypatch):
     text = " ".join(" ".join(lines).split())
     assert proc.returncode == 0 and lines[-1].strip() == "ok"
     assert "note: packages were read from this machine" in text and "--installed torch,triton,flashinfer" in text
+
+
+def test_no_note_where_the_packages_would_not_help():
+    """b200 (sm100): flashinfer and fa3 are refused for the arch too, so assuming every package would not bring them
+    back; the note would be untrue (adversarial pass #5) and is not printed."""
+    lacking = {"torch": True, "triton": True, "flashinfer-python": False}
+    rep = _report("b200", lacking)
+    assert any("is not installed" in reason for side in rep["rejected"].values() for r in side for reason in r["reasons"])
+    assert installed_note(rep, lacking, "b200", None) is None

@@ -211,8 +211,10 @@ def installed_note(report: dict[str, Any], installed: Mapping[str, bool], profil
 
     if given is not None or profile.lower() == "auto":
         return None
+    # only backends whose every reason is a missing package: one also refused for the arch (b200's sm100) would
+    # stay refused with every package assumed, and the note would be untrue (adversarial pass #5)
     rejected = sorted({r["backend"] for side in report["rejected"].values() for r in side
-                       if any("is not installed" in reason for reason in r["reasons"])})
+                       if r["reasons"] and all(_only_packages_missing(reason) for reason in r["reasons"])})
     missing = [p for p, ok in installed.items() if not ok]
     if not rejected or not missing:
         return None
@@ -220,3 +222,8 @@ def installed_note(report: dict[str, Any], installed: Mapping[str, bool], profil
     return (f"note: packages were read from this machine, which lacks {', '.join(missing)}; {', '.join(rejected)} "
             f"{'was' if len(rejected) == 1 else 'were'} rejected for that. To plan for a {profile} that has them, "
             f"pass --installed {full}")
+
+
+def _only_packages_missing(reason: str) -> bool:
+    """Whether a rejection reason (``"; "``-joined parts) says nothing but that packages are not installed."""
+    return all("is not installed" in part for part in reason.split("; "))

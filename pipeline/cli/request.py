@@ -64,10 +64,16 @@ def pool_facts(ns: argparse.Namespace, args: Any, on_gpu: bool) -> PoolFacts:
     """
     ps = args.page_size
     if ns.num_token_slots is not None and ns.num_token_slots > 0 and ns.num_token_slots % ps:
+        from pipeline.core.verification_sizes import DEFAULT_DECODE_STEPS, slots_needed
+
+        # the multiple named must also hold run's verification batches, or following it is refused next
+        steps = max(getattr(ns, "decode_steps", DEFAULT_DECODE_STEPS) or 0, 0)
+        need = max(2 * ps, slots_needed(8 if ns.max_reqs is None else ns.max_reqs, ps, steps))
+        fix = -(-max(ns.num_token_slots, need) // ps) * ps
         raise ConfigError(f"--num-token-slots {ns.num_token_slots} is not a whole number of pages of {ps} tokens",
                           code="invalid_value", flags=[("num_token_slots", ns.num_token_slots), ("page_size", ps)],
                           allowed=[f"a multiple of {ps}"],
-                          remedy=f"use --num-token-slots {-(-ns.num_token_slots // ps) * ps} (or another multiple)")
+                          remedy=f"use --num-token-slots {fix} (or a larger multiple of {ps})")
     slots = ns.num_token_slots if ns.num_token_slots is not None else -(-(65536 if on_gpu else 1024) // ps) * ps
     return PoolFacts(max_reqs=8 if ns.max_reqs is None else ns.max_reqs,
                      max_context_len=1024 if ns.max_context_len is None else ns.max_context_len,

@@ -79,10 +79,15 @@ def refuse_symlink(path: str | os.PathLike, *, flag: str, what: str) -> None:
         target = os.readlink(p)  # what the link says (a /proc/self/fd link names no file of its own)
     except OSError:
         target = "?"
+    # the link's text is relative to the link's folder, not to the working directory: name the path to pass from here
+    here = os.path.normpath(os.path.join(os.path.dirname(p), target)) if target != "?" else target
+    remedy = (f"pass another path as {flag}: the link points to a directory ({here!r})" if os.path.isdir(here) else
+              f"pass another path as {flag} (a pseudo-file such as {target!r} cannot be written through a rename)"
+              if target.startswith("/proc/") or target == "?" else
+              f"pass the link's target, {here!r}, or another path as {flag}")
     raise UsageError(f"{what} {p!r} is a symbolic link (to {target!r}); it is written through a temporary file "
                      "renamed over it, which would replace the link", code="output_is_symlink", flags=[(flag, p)],
-                     allowed=["a regular file or a new path, not a symbolic link"],
-                     remedy=f"pass the link's target ({target!r}) or another path as {flag}")
+                     allowed=["a regular file or a new path, not a symbolic link"], remedy=remedy)
 
 
 def check_replaceable(path: str | os.PathLike) -> None:

@@ -133,20 +133,21 @@ def fraction_covering(need_bytes: int, total_bytes: int, allocated_bytes: int = 
     return f if f <= 1 else None
 
 
-def _raise_budget(source: str, need: int, graphs: int, total: int, allocated: int) -> str:
+def _raise_budget(source: str, need: int, graphs: int, total: int, allocated: int, lower: str = "") -> str:
     """The remedy of a budget below ``need`` bytes: raise the flag to cover them — a ``mem_fraction`` to the
-    fraction that does (the graphs' ``graphs`` bytes come out of it first) when the device's memory is known."""
+    fraction that does (the graphs' ``graphs`` bytes come out of it first) when the device's memory is known —,
+    or lower the sizes in ``lower`` (:func:`_lowerable`: only those that can still go lower)."""
     f = fraction_covering(need + (graphs if source == "mem_fraction" else 0), total, allocated) \
         if source == "mem_fraction" else None
     cover = f"to {f:g} or more (it then covers {need} bytes)" if f is not None else f"to cover {need} bytes"
-    return f"raise {_FLAG.get(source, source)} {cover}, or lower max_reqs or max_context_len"
+    return f"raise {_FLAG.get(source, source)} {cover}" + lower
 
 
 def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, page_size: int, max_reqs: int,
                max_context_len: int, num_token_slots: Optional[int] = None, budget_bytes: Optional[int] = None,
                source: Source = "bytes", mem_fraction: Optional[float] = None, min_slots: int = 0,
                min_slots_for: str = "", graph_reserve_bytes: int = 0, workspace_bytes: int = 0,
-               total_bytes: int = 0, allocated_bytes: int = 0) -> PoolSizing:
+               total_bytes: int = 0, allocated_bytes: int = 0, min_context_len: int = 1) -> PoolSizing:
     """Size ``req_to_token`` and the K/V buffers; see the module docstring for the rules.
 
     Exactly one of ``num_token_slots`` (rounded up to whole pages) or ``budget_bytes`` must be
@@ -188,7 +189,8 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
                        else [(_FLAG.get(source, source), budget)]) + [("max_reqs", max_reqs),
                                                                       ("max_context_len", max_context_len)],
                 allowed=[f">= {need} bytes"],
-                remedy=_raise_budget(source, need, int(graph_reserve_bytes), total_bytes, allocated_bytes))
+                remedy=_raise_budget(source, need, int(graph_reserve_bytes), total_bytes, allocated_bytes,
+                                     _lowerable(max_reqs, max_context_len, min_context_len)))
     else:
         raise ConfigError("size_pools needs num_token_slots or budget_bytes", code="invalid_value",
                           flags=[("num_token_slots", None), ("budget_bytes", None)],
@@ -274,3 +276,11 @@ def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, 
     refuse_pools(s, head, limit, int(remedy_available(available) * POOL_MEMORY_SHARE), name, cli=cli,
                  total_bytes=total_bytes, allocated_bytes=allocated_bytes, mem_fraction=mem_fraction,
                  graph_top=graph_top, graphs=graphs, min_slots=min_slots, min_context_len=min_context_len)
+
+
+def _lowerable(max_reqs: int, max_context_len: int, min_context_len: int) -> str:
+    """The ", or lower …" tail of a budget remedy: only the sizes that can still go lower (adversarial pass #5: at
+    ``max_reqs`` 1 and the verification's shortest context it offered both, and neither could work).
+    ``min_context_len``: the least ``max_context_len`` the caller accepts (``run``'s verification)."""
+    names = (["max_reqs"] if max_reqs > 1 else []) + (["max_context_len"] if max_context_len > min_context_len else [])
+    return f", or lower {' or '.join(names)}" if names else ""

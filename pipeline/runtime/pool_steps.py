@@ -191,7 +191,7 @@ def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int 
                    budget_bytes=budget, source=source,
                    mem_fraction=cfg.mem_fraction, min_slots=cfg.min_token_slots, min_slots_for=cfg.min_token_slots_for,
                    graph_reserve_bytes=graph_reserve, workspace_bytes=workspace, total_bytes=total,
-                   allocated_bytes=allocated)
+                   allocated_bytes=allocated, min_context_len=cfg.min_context_len)
     avail = available_bytes(platform, index)
     check_fits(s, remedy_available(avail) if spare else avail, device=platform.torch_device(index), total_bytes=total,
                allocated_bytes=allocated, mem_fraction=cfg.mem_fraction,

@@ -147,16 +147,27 @@ def agree_on_resolution(resolution: Optional[Resolution], device_facts: DeviceFa
 
 # The CUDA-graph flags: when none differs, a differing capture list follows from the pool (derived_fields).
 _GRAPH_ARGS = ("args.cuda_graph_bs", "args.cuda_graph_max_bs", "args.disable_cuda_graph")
-DERIVED_WORDS = {"cuda_graph_bs": "the decode batch sizes to capture"}  # a derived field in the message's words
+DERIVED_WORDS = {"cuda_graph_bs": "the decode batch sizes to capture", "dtype.model": "the model dtype",
+                 "dtype.kv_cache": "the KV cache dtype"}  # a derived field in the message's words
+_DTYPE_ARGS = {"dtype.model": "args.dtype", "dtype.kv_cache": "args.kv_cache_dtype"}
 
 
 def derived_fields(bad: list[str]) -> dict[str, str]:
-    """``{field: the field it follows from}`` among the differing fields ``bad``: ``cuda_graph_bs`` (the capture
-    list, derived from ``pool.max_reqs`` unless a CUDA-graph flag is given) when ``pool.max_reqs`` differs too and
-    no CUDA-graph flag does — the rank error then names the field the user set, and this one as derived."""
-    if "cuda_graph_bs" in bad and "pool.max_reqs" in bad and not any(g in bad for g in _GRAPH_ARGS):
-        return {"cuda_graph_bs": "pool.max_reqs"}
-    return {}
+    """``{field: the field it follows from}`` among the differing fields ``bad``, so that the rank error names the
+    field the user set and these as derived:
+
+    - ``cuda_graph_bs`` (the capture list) when ``args.cuda_graph_bs`` itself does not differ: from
+      ``args.cuda_graph_max_bs`` or ``args.disable_cuda_graph`` when one of them differs, else from
+      ``pool.max_reqs`` when that differs (the list's default top follows the rows);
+    - ``dtype.model`` / ``dtype.kv_cache`` (the resolved dtypes) from ``args.dtype`` / ``args.kv_cache_dtype`` when
+      that differs too (adversarial pass #5: they were listed as fields to change of their own)."""
+    out: dict[str, str] = {}
+    if "cuda_graph_bs" in bad and "args.cuda_graph_bs" not in bad:
+        src = next((g for g in _GRAPH_ARGS[1:] if g in bad), "pool.max_reqs" if "pool.max_reqs" in bad else None)
+        if src is not None:
+            out["cuda_graph_bs"] = src
+    out.update({f: src for f, src in _DTYPE_ARGS.items() if f in bad and src in bad})
+    return out
 
 
 def _divergence(rank: int, rows: list[RankRow], reports: list[RankReport], bad: list[str]) -> RankDivergence:

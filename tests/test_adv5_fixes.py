@@ -1,0 +1,81 @@
+"""Adversarial pass #5's findings, each followed through: a symbolic-link remedy that names the path to pass from
+here (the link's text is relative to its folder) and says so when the link points to a directory; a page-multiple
+remedy that also holds run's verification batches; a budget remedy that offers lowering only what can go lower;
+``inspect``'s rank differences without a rank that never recorded its request."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import run_main
+
+from pipeline.core.errors import UsageError
+from pipeline.core.files import refuse_symlink
+
+
+def test_a_relative_link_remedy_names_the_path_from_here_and_following_it_writes_the_target(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "target.prom").write_text("")
+    os.symlink("target.prom", tmp_path / "d" / "rel.prom")
+    with pytest.raises(UsageError) as e:
+        refuse_symlink("d/rel.prom", flag="--metrics-file", what="--metrics-file")
+    remedy = e.value.info.remedy
+    assert "'d/target.prom'" in remedy, remedy
+    refuse_symlink("d/target.prom", flag="--metrics-file", what="--metrics-file")   # the path it names is no link
+
+
+def test_a_link_to_a_directory_is_not_offered_as_the_target(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "realdir").mkdir()
+    os.symlink("realdir", tmp_path / "dlink")
+    with pytest.raises(UsageError) as e:
+        refuse_symlink("dlink", flag="--perfetto", what="--perfetto")
+    assert "points to a directory" in e.value.info.remedy and "pass the link's target" not in e.value.info.remedy
+
+
+@pytest.mark.parametrize("page,given", [(16, 1), (16, 1000), (4096, 1), (64, 65)])
+def test_the_page_multiple_named_then_plans(page, given):
+    proc = run_main("plan", "--device-profile", "cpu", "--page-size", str(page), "--num-token-slots", str(given),
+                    "--json")
+    err = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
+    assert proc.returncode == 3 and err["code"] == "invalid_value", err
+    fix = err["remedy"].split("--num-token-slots ", 1)[1].split()[0]
+    assert int(fix) % page == 0 and int(fix) >= given
+    proc = run_main("plan", "--device-profile", "cpu", "--page-size", str(page), "--num-token-slots", fix, "--json")
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize("max_reqs,ctx,tail", [(1, 12, ""), (2, 40, ", or lower max_reqs or max_context_len"),
+                                               (1, 40, ", or lower max_context_len"), (4, 12, ", or lower max_reqs")])
+def test_a_budget_remedy_offers_only_what_can_go_lower(max_reqs, ctx, tail):
+    from pipeline.core.errors import ConfigError
+    from pipeline.core.pool_sizing import size_pools
+
+    with pytest.raises(ConfigError) as e:
+        size_pools([], 1, "bfloat16", page_size=1, max_reqs=max_reqs, max_context_len=ctx, budget_bytes=1,
+                   min_slots=72, min_context_len=12)
+    assert e.value.info.code == "pool_budget_too_small" and e.value.info.remedy.endswith(f"bytes{tail}"), \
+        e.value.info.remedy
+
+
+def test_a_rank_that_recorded_no_request_is_not_compared():
+    from types import SimpleNamespace
+
+    from pipeline.observe.ranks import RankDifferences
+
+    class R(SimpleNamespace):
+        def decisions(self):
+            return dict(self.d)
+
+    started = SimpleNamespace(request={"args": {"page_size": 1}})
+    rd = RankDifferences()
+    rd.add(R(run_id="x", rank=0, started=started, d={"resolve": {"prefill": "torch_native"}}))
+    rd.add(R(run_id="x", rank=1, started=None, d={}))
+    assert rd.finish() == []
+    rd.add(R(run_id="y", rank=0, started=started, d={"resolve": {"prefill": "torch_native"}}))
+    rd.add(R(run_id="y", rank=1, started=started, d={"resolve": {"prefill": "triton"}}))
+    assert [f["key"] for f in rd.finish()] == ["resolve.prefill"]
