@@ -79,3 +79,30 @@ def test_a_rank_that_recorded_no_request_is_not_compared():
     rd.add(R(run_id="y", rank=0, started=started, d={"resolve": {"prefill": "torch_native"}}))
     rd.add(R(run_id="y", rank=1, started=started, d={"resolve": {"prefill": "triton"}}))
     assert [f["key"] for f in rd.finish()] == ["resolve.prefill"]
+
+
+@pytest.mark.parametrize("var", ["ATTN_SETUP_SLOW_PHASE_S", "ATTN_SETUP_DIST_TIMEOUT", "ATTN_SETUP_MAX_MEMORY_IMBALANCE"])
+@pytest.mark.parametrize("text", ["٣", "３", "0_5"])
+def test_the_variables_take_ascii_numbers_as_their_flags_do(var, text, monkeypatch):
+    """``ATTN_SETUP_DIST_TIMEOUT=٣`` was taken as 3 s (Python's float() reads any Unicode digit), while
+    ``--dist-timeout ٣`` is refused; each variable is now refused naming itself and the value as set."""
+    from pipeline.observe.startup import slow_threshold
+    from pipeline.setup.rank_digest import max_imbalance_from
+    from pipeline.setup.rank_watch import timeout_from_env
+
+    monkeypatch.setenv(var, text)
+    read = {"ATTN_SETUP_SLOW_PHASE_S": lambda: slow_threshold(None),
+            "ATTN_SETUP_DIST_TIMEOUT": lambda: timeout_from_env(60.0),
+            "ATTN_SETUP_MAX_MEMORY_IMBALANCE": lambda: max_imbalance_from(None)}[var]
+    with pytest.raises(UsageError) as e:
+        read()
+    assert e.value.exit_code == 2 and var in e.value.info.message and text in e.value.info.message
+
+
+def test_a_blank_slow_phase_variable_is_unset_as_the_others(monkeypatch):
+    from pipeline.observe.startup import slow_threshold
+    from pipeline.setup.rank_watch import timeout_from_env
+
+    monkeypatch.setenv("ATTN_SETUP_SLOW_PHASE_S", " ")
+    monkeypatch.setenv("ATTN_SETUP_DIST_TIMEOUT", " ")
+    assert slow_threshold(None) is None and timeout_from_env(60.0) == 60.0

@@ -27,6 +27,8 @@ Nothing here runs on the hot path: it reads records after the run ended.
 from __future__ import annotations
 
 import os
+
+from pipeline.core.numbers import ascii_float
 import time
 from typing import Any, Iterable, NamedTuple, Optional
 
@@ -211,10 +213,10 @@ def slow_threshold(flag_value: Optional[float]) -> Optional[float]:
 
     name, raw = (SLOW_PHASE_FLAG, flag_value) if flag_value is not None else (SLOW_PHASE_ENV,
                                                                              os.environ.get(SLOW_PHASE_ENV))
-    if raw is None or raw == "":
+    if raw is None or (isinstance(raw, str) and not raw.strip()):   # blank as unset, as the other ATTN_SETUP_* variables
         return None
     try:
-        value = float(raw)
+        value = ascii_float(str(raw))
     except ValueError:
         value = float("nan")
     if not value > 0 or value == float("inf"):

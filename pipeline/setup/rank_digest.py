@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+
+from pipeline.core.numbers import ascii_float
 from typing import Any, Mapping, Optional
 
 import msgspec
@@ -119,12 +121,13 @@ def max_imbalance_from(value: Optional[float], environ: Mapping[str, str] = os.e
         if not text:
             return DEFAULT_MAX_IMBALANCE
         try:
-            raw = float(text)
+            raw = ascii_float(text)   # ASCII only, as the flag: '٣' is not 3 (adversarial pass #5)
         except ValueError:
             raw = text
     ok = isinstance(raw, (int, float)) and not isinstance(raw, bool) and 0.0 <= raw <= 1.0
     if not ok:
-        raise UsageError(f"{name} {raw!r} is not a fraction in [0, 1]", flags=[(name, repr(raw))],
+        shown = text if value is None else raw   # the variable as it was set, not its float's repr
+        raise UsageError(f"{name} {shown!r} is not a fraction in [0, 1]", flags=[(name, str(shown))],
                          allowed=["0 <= fraction <= 1 (0.1 = sglang's rule; 1 = no check)"],
                          remedy=f"pass {FLAG_MAX_IMBALANCE} 0.1 (or unset {ENV_MAX_IMBALANCE})")
     return float(raw)  # type: ignore[arg-type]

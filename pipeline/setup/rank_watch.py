@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+
+from pipeline.core.numbers import ascii_float
 import threading
 import time
 from contextlib import contextmanager
@@ -52,7 +54,7 @@ def timeout_from_env(default: float, environ: Any = os.environ) -> float:
         return default
     remedy = f"export {ENV_TIMEOUT}=60, or unset it (60 s), or pass --dist-timeout 60"  # s13: worded as a variable
     try:
-        value = float(raw)
+        value = ascii_float(raw)
     except ValueError:
         raise UsageError(f"{ENV_TIMEOUT}={raw[:40]!r} is not a number of seconds", flags=[(ENV_TIMEOUT, raw[:40])],
                          allowed=["0 < seconds <= 86400"], remedy=remedy) from None
