@@ -36,6 +36,7 @@ from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, Setup
 from pipeline.core.errors import AttnSetupError  # noqa: E402
 from pipeline.core.faults import Faults  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
+from pipeline.core.spec import truncate_spec  # noqa: E402
 from pipeline.platforms.fake import FakePlatform  # noqa: E402
 
 INSTALLED = {"torch": True, "triton": True, "flashinfer-python": False}
@@ -67,6 +68,7 @@ FLIPS: dict[str, tuple[dict, dict]] = {
     "args.dtype": ({"dtype": "float32"}, {}),
     "args.strict": ({"strict": True}, {}),
     "model": ({}, {"model": OTHER}),
+    "num_layers": ({}, {"model": truncate_spec(MODEL, 1)}),   # run --num-layers 1 on one rank: not another model
     "draft_model": ({}, {"draft_model": OTHER, "is_draft_worker": True}),
     "is_draft_worker": ({}, {"is_draft_worker": True}),
     "pool.max_reqs": ({}, {"max_reqs": 8}),

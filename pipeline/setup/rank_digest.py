@@ -7,7 +7,8 @@ before anything is allocated. The attention args are compared field by field as 
 (the existing part of the table); the digest adds:
 
 ============================  =============================================================
-``model``                     served model: type, architectures, sha256 of its config record
+``model``                     served model: type, architectures, sha256 of its config record less its layers
+``num_layers``                the layers it spans (``--num-layers`` cuts them) and a sha256 of their kinds
 ``draft_model``               the draft model the same way (``none`` when not given)
 ``is_draft_worker``           draft worker or target worker
 ``pool.<field>``              ``max_reqs``, ``max_context_len``, ``num_token_slots`` (page size: ``args.page_size``)
@@ -58,12 +59,20 @@ def _sha(obj: Any) -> str:
     return hashlib.sha256(msgspec.json.encode(obj, order="deterministic")).hexdigest()[:16]
 
 
-def _model_text(model: Any) -> str:
+def _model_text(model: Any, layers_apart: bool = False) -> str:
     if model is None:
         return "none"
     rec = msgspec.to_builtins(model)
     rec.pop("source", None)  # the file path may differ between hosts; the content may not
+    if layers_apart:  # compared as ``num_layers`` (:func:`_layers_text`): a different --num-layers is not a model
+        rec.pop("num_hidden_layers", None)
+        rec.pop("layer_types", None)
     return f"{model.model_type} {'/'.join(model.architectures or [])} sha256:{_sha(rec)}"
+
+
+def _layers_text(model: Any) -> str:
+    """The layers the served model spans (``--num-layers`` cuts them) and a hash of their kinds."""
+    return f"{model.num_hidden_layers} layers, kinds sha256:{_sha(list(model.layer_types or []))}"
 
 
 def _capabilities_text() -> str:
@@ -93,7 +102,8 @@ def digest_fields(request: Any, installed: Mapping[str, bool], device: Any = Non
         except AttnSetupError as e:
             return f"error: {e.info.code}"
 
-    out = {"model": _model_text(request.served_model),
+    out = {"model": _model_text(request.served_model, layers_apart=True),
+           "num_layers": _layers_text(request.served_model),
            "draft_model": _model_text(request.draft_model),
            "is_draft_worker": str(request.is_draft_worker).lower()}
     for f in pool.__struct_fields__:
