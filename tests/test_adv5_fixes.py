@@ -106,3 +106,20 @@ def test_a_blank_slow_phase_variable_is_unset_as_the_others(monkeypatch):
     monkeypatch.setenv("ATTN_SETUP_SLOW_PHASE_S", " ")
     monkeypatch.setenv("ATTN_SETUP_DIST_TIMEOUT", " ")
     assert slow_threshold(None) is None and timeout_from_env(60.0) == 60.0
+
+
+def test_a_secret_equal_to_a_state_name_leaves_the_transitions_alone(tmp_path):
+    """``ATTN_SETUP_SECRET_TOK=ready`` rewrote ``runner_transition.to`` to ``<redacted>`` (inspect then showed a
+    ``<redacted>`` state); a transition's states and trigger are machine names, kept, while free text is still
+    redacted."""
+    from pipeline.core import events as ev
+    from pipeline.core.eventlog import EventLog
+
+    path = tmp_path / "t.jsonl"
+    log = EventLog("r1", 0, path, secrets=("ready",))
+    log.emit(ev.RunnerTransition, state="capture-cuda-graphs", from_state="capture-cuda-graphs", to="ready",
+             trigger="graphs_settled", duration_ms=1.0, outcome="ok")
+    log.emit(ev.CommandStarted, state="args", command="run", argv=["--note", "is ready"])
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert recs[0]["to"] == "ready" and recs[0]["from"] == "capture-cuda-graphs"
+    assert recs[1]["argv"] == ["--note", "is <redacted>"]

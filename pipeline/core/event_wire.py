@@ -49,6 +49,9 @@ _encoder = msgspec.json.Encoder()
 # Envelope fields: identifiers the library writes itself, never redacted (a secret equal to a state
 # name or a run id must not rewrite the record's identity).
 ENVELOPE = ("event", "schema_version", "ts_ns", "run_id", "rank", "launch_id", "state", "outcome")
+# A transition's states and trigger are names from a machine's own closed set, never user text: a secret that happens
+# to equal one ("ready") must not rewrite it (adversarial pass #5: inspect then showed a "<redacted>" state).
+MACHINE_NAMES = {"runner_transition": ("from", "to", "trigger"), "state_transition": ("from", "to", "trigger")}
 
 
 def clean_str(s: str) -> str:
@@ -134,7 +137,8 @@ def to_wire(event: Event, redact: Optional[Callable[[str], str]] = None) -> dict
     if closed is None:
         closed = _CLOSED[cls] = _closed_spec(mi.type_info(cls), {}) or {}
     obj = msgspec.to_builtins(event)
-    return {k: (_wire(v, None) if k in ENVELOPE else _wire(v, redact, 0, closed.get(k))) for k, v in obj.items()}
+    keep = ENVELOPE + MACHINE_NAMES.get(obj.get("event"), ())
+    return {k: (_wire(v, None) if k in keep else _wire(v, redact, 0, closed.get(k))) for k, v in obj.items()}
 
 
 def _finite(x: Any) -> bool:
