@@ -89,11 +89,12 @@ def check_plan_minimums(request: SetupRequest) -> None:
     default ``--decode-steps`` (plan has no such flag): a ``--max-context-len`` shorter than the longest verification
     request (:func:`check_context`), and a ``--num-token-slots`` below the slots the verification batches hold
     (``pool_budget_too_small``, as ``run``'s pool sizing words it: whole pages, at least two). Torch-free."""
+    from pipeline.core.pool_remedy import slot_floor
     from pipeline.core.verification_sizes import DEFAULT_DECODE_STEPS, slots_needed
 
     check_context(request, DEFAULT_DECODE_STEPS, command="plan")
     p, page = request.pool, request.args.page_size
-    floor = max(2 * page, -(-slots_needed(p.max_reqs, page, DEFAULT_DECODE_STEPS) // page) * page)
+    floor = slot_floor(slots_needed(p.max_reqs, page, DEFAULT_DECODE_STEPS), page)
     if p.num_token_slots is not None and -(-p.num_token_slots // page) * page < floor:
         raise ConfigError(f"num_token_slots={p.num_token_slots} cannot hold {floor} token slots (the verification "
                           f"batches of `attn-setup run` with its default --decode-steps {DEFAULT_DECODE_STEPS})",

@@ -45,6 +45,12 @@ def remedy_tops(sizes: Sequence[int]) -> list[int]:
     return list(sizes[:bisect.bisect_left(sizes, min(sizes[-1], REMEDY_MAX_BS + 1))]) if sizes else []
 
 
+def slot_floor(min_slots: int, page_size: int) -> int:
+    """The fewest token slots a pool may hold: whole pages, at least two, and at least ``min_slots`` (what ``run``'s
+    verification batches need; :func:`pipeline.core.pool_sizing.size_pools` refuses fewer)."""
+    return max(2 * page_size, -(-min_slots // page_size) * page_size)
+
+
 def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool]) -> Optional[int]:
     """The largest of ``candidates`` (ascending) with ``fits``, or None: the largest is tried first (a lowered top
     often fits at once), then a binary search, O(log n) calls — valid because ``fits`` holds on a prefix (the
@@ -111,7 +117,7 @@ def refuse_pools(s: Any, head: str, limit: int, fit: int, name: Callable[[str], 
     p, allowed, gr, w = s.facts, [f"<= {limit} bytes of pools"], s.graph_reserve_bytes, s.workspace_bytes
     g = gr + w  # what the pools must fit beside: the graphs (a remedy may lower them) and the workspaces
     per_tok, page, r2t, kv = max(s.bytes_per_token, 1), p.page_size, s.req_to_token_bytes, s.kv_bytes
-    floor = max(2 * page, -(-min_slots // page) * page)  # the fewest token slots a pool may hold
+    floor = slot_floor(min_slots, page)
     gfix = [] if s.source == "mem_fraction" else graph_fixes(graphs, fit - r2t - kv - w, eager_fits=r2t + kv + w <= fit)
     fit_slots = (fit - r2t - g) // per_tok // page * page
     slots_fix = [f"pass {name('num_token_slots')} {fit_slots} or fewer ({s.bytes_per_token} bytes per token slot)"] \

@@ -35,7 +35,7 @@ import msgspec
 
 from pipeline.core.contracts import LayerKind, PoolFacts
 from pipeline.core.errors import ConfigError
-from pipeline.core.pool_remedy import REQ_TO_TOKEN_ELEM_BYTES, GraphTrial, refuse_pools
+from pipeline.core.pool_remedy import REQ_TO_TOKEN_ELEM_BYTES, GraphTrial, refuse_pools, slot_floor
 from pipeline.core.validation import MAX_POOL_DIM
 
 KV_ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -165,7 +165,7 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
     """
     per_tok = kv_bytes_per_token(kinds, num_layers, kv_dtype)
     r2t = max_reqs * max_context_len * REQ_TO_TOKEN_ELEM_BYTES
-    floor = max(2 * page_size, -(-min_slots // page_size) * page_size)
+    floor = slot_floor(min_slots, page_size)
     what = f"{floor} token slots ({min_slots_for})" if min_slots_for else f"{floor // page_size} pages of {page_size} token(s)"
     if num_token_slots is not None:
         slots, source, budget = -(-num_token_slots // page_size) * page_size, "slots", None
