@@ -428,7 +428,7 @@ def test_integer_flags_take_ascii_digits_only(flag, value):
 
 
 def test_ascii_numbers():
-    from pipeline.cli.numbers import ascii_float, ascii_int
+    from pipeline.core.numbers import ascii_float, ascii_int
 
     assert [ascii_int(s) for s in ("8", "+8", "-3", " 80 ", "007")] == [8, 8, -3, 80, 7]
     assert [ascii_float(s) for s in ("0.5", ".5", "5.", "1e-3", "-2E+2", "inf")] == [0.5, 0.5, 5.0, 1e-3, -200.0,

@@ -17,7 +17,7 @@ from pipeline.cli.domains import parser_refusal
 from pipeline.cli.unknown_flags import unknown_flags
 from pipeline.core.contracts import AttentionArgs
 from pipeline.core.errors import UsageError
-from pipeline.cli.numbers import ascii_float, ascii_int
+from pipeline.core.numbers import ascii_float, ascii_int
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -206,7 +206,7 @@ def _flag_type(tp: Any) -> tuple[str, Any]:
 
 
 def _ascii(t: Any) -> Any:
-    """The parser of a flag of type ``t``: ASCII-only for int and float (:mod:`pipeline.cli.numbers`)."""
+    """The parser of a flag of type ``t``: ASCII-only for int and float (:mod:`pipeline.core.numbers`)."""
     return {int: ascii_int, float: ascii_float}.get(t, t)
 
 

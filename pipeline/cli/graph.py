@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.core.errors import EXIT_OK, UsageError
-from pipeline.cli.numbers import ascii_int
+from pipeline.core.numbers import ascii_int
 
 FORMATS = (".mmd", ".dot", ".svg", ".png")
 STYLE = {"taken": {"fill": "honeydew", "color": "darkgreen"}, "failed": {"fill": "mistyrose", "color": "red"}}

@@ -28,7 +28,7 @@ import msgspec
 from pipeline.core.contracts import DeviceFacts, SetupRequest
 from pipeline.core.errors import EXIT_OK, AttnSetupError, Flag, UsageError
 from pipeline.cli.plan_report import decision_lines, graph_estimate_line, installed_note, plan_report
-from pipeline.cli.numbers import ascii_int
+from pipeline.core.numbers import ascii_int
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

@@ -35,7 +35,7 @@ from pipeline.cli.startup import slow_warnings
 from pipeline.cli.run_report import (  # noqa: F401 - the report moved; its names stay importable from here
     _graph_line, _pool_line, _print, _render_runner, _report, model_line, timeline_rows, timeline_title,
 )
-from pipeline.cli.numbers import ascii_float, ascii_int
+from pipeline.core.numbers import ascii_float, ascii_int
 
 
 def preflight(ns: argparse.Namespace, runner: Any, log: Any, group: Any) -> None:

@@ -12,7 +12,7 @@ import sys
 from typing import Any, Optional
 
 from pipeline.core import events as ev
-from pipeline.cli.numbers import ascii_float
+from pipeline.core.numbers import ascii_float
 
 
 def add_startup_flags(p: argparse.ArgumentParser) -> None:

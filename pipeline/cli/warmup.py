@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
-from pipeline.cli.numbers import ascii_int
+from pipeline.core.numbers import ascii_int
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
