@@ -38,12 +38,12 @@ def test_every_flag_is_to_change_when_the_remedy_names_none():
 
 
 def test_notices_break_at_stderrs_width(monkeypatch, capsys):
-    from pipeline.cli.run_report import _notices_to_stderr
+    from pipeline.cli.console import print_stderr_lines
 
     monkeypatch.setenv("COLUMNS", "40")
     note = ("notice: --world-size 2 outside torchrun: this process runs rank 0 alone (no rank group, the rank "
             "agreement is skipped)")
-    _notices_to_stderr([note])
+    print_stderr_lines([note])
     err = capsys.readouterr().err.splitlines()
     assert len(err) > 1 and all(len(ln) <= 40 for ln in err), err
     assert " ".join(" ".join(err).split()) == note

@@ -61,6 +61,15 @@ def wrap_lines(lines: Sequence[str], cols: int, indent: str = "  ") -> list[str]
     return out
 
 
+def print_stderr_lines(lines: Sequence[str]) -> None:
+    """``notice:`` / ``warning:`` lines on stderr as plain text (never markup), broken at spaces to stderr's width as
+    every other human line, flushed (they precede the report on stdout: one terminal, two streams)."""
+    import sys
+
+    for part in wrap_lines(lines, width(console(stderr=True))):
+        print(part, file=sys.stderr, flush=True)
+
+
 def print_line(c: Any, text: str, style: Optional[str] = None, indent: str = "  ") -> None:
     """One line of plain text (never markup), wrapped at words to the console's width."""
     for part in wrap_lines([text], width(c), indent):

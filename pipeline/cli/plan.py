@@ -27,6 +27,7 @@ import msgspec
 
 from pipeline.core.contracts import DeviceFacts, SetupRequest
 from pipeline.core.errors import EXIT_OK, AttnSetupError, Flag, UsageError
+from pipeline.cli.console import print_stderr_lines
 from pipeline.cli.plan_report import decision_lines, graph_estimate_line, installed_note, plan_report
 from pipeline.core.numbers import ascii_int
 
@@ -132,7 +133,7 @@ def _print_refusal(ns: argparse.Namespace, err: AttnSetupError, warnings: list[s
         c = console(stderr=True)
         for line in wrap(headline(err), width(c)):  # at the terminal's width
             c.print(f"[bold red]{escape(line)}[/]", soft_wrap=True)
-    _print_stderr(warnings)
+    print_stderr_lines(warnings)
     print_error(err, ns.json, "plan")
 
 
@@ -181,16 +182,16 @@ def cmd(ns: argparse.Namespace) -> int:
         _print_refusal(ns, e, warnings)
         return e.exit_code
     except BaseException:  # a flag value msgspec refuses (main reports it), Ctrl-C or a bug: the warnings still shown
-        _print_stderr(warnings)
+        print_stderr_lines(warnings)
         raise
     if ns.json:
-        _print_stderr(warnings)
+        print_stderr_lines(warnings)
         rp.emit_json(report)
         return EXIT_OK
     from pipeline.cli.console import console, print_line
     from pipeline.cli.jit import estimate_line
 
-    _print_stderr(warnings)
+    print_stderr_lines(warnings)
     print_line(console(), f"device: {device.name or device.type} ({device.arch or device.type}) from "
                           f"{device.source}; installed: {', '.join(p for p, ok in installed.items() if ok) or 'none'}")
     rp.render_tables(report, report["rejected"], verdict=False)
@@ -204,14 +205,3 @@ def cmd(ns: argparse.Namespace) -> int:
             print_line(console(), line)
     rp.render_verdict(report)  # last, where the eye lands when the prompt returns (new user: 'ok' sat mid-report)
     return EXIT_OK
-
-
-def _print_stderr(lines: list[str]) -> None:
-    """``lines`` on stderr, flushed (before the report on stdout: one terminal, two streams), broken at spaces to
-    stderr's width as every other human line."""
-    import sys
-
-    from pipeline.cli.console import console, width, wrap_lines
-
-    for part in wrap_lines(lines, width(console(stderr=True))):
-        print(part, file=sys.stderr, flush=True)

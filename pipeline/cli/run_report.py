@@ -21,15 +21,6 @@ from pipeline.core.contracts import ErrorInfo, ModelSpec, SetupRequest
 from pipeline.core.errors import EXIT_OK, AttnSetupError
 
 
-def _notices_to_stderr(lines: Sequence[str]) -> None:
-    """The ``notice:`` / ``warning:`` lines on stderr, plain text broken at spaces to stderr's width as every other
-    human line (new-user trial #12: a 239-character notice at ``COLUMNS=80``)."""
-    from pipeline.cli.console import console, width, wrap_lines
-
-    for part in wrap_lines(lines, width(console(stderr=True))):
-        print(part, file=sys.stderr, flush=True)
-
-
 def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request: SetupRequest,
            error: Optional[ErrorInfo], code: int = EXIT_OK, notices: Sequence[str] = ()) -> None:
     """``--json``'s object (the notices on stderr), or: for a failed run first its headline (:func:`headline`: the
@@ -38,10 +29,10 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
     stdout's last line, as ``plan``'s) and — for a failed run, last, where the eye lands when the prompt returns —
     the error in full in the command line's flags under a red rule that says the run failed and its exit code
     (new-user trial #2: the error sat between the tables)."""
-    from pipeline.cli.console import console, width, wrap
+    from pipeline.cli.console import console, print_stderr_lines, width, wrap
 
     if ns.json:
-        _notices_to_stderr(notices)
+        print_stderr_lines(notices)
         rp.emit_json(report)
         return
     if error is not None:
@@ -50,7 +41,7 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
         c = console(stderr=True)
         for line in wrap(headline(cli_error(error, command_dests("run")), code), width(c)):  # at the terminal's width
             c.print(f"[bold red]{escape(line)}[/]", soft_wrap=True)
-    _notices_to_stderr(notices)
+    print_stderr_lines(notices)
     _render_runner(report, records, request)
     rp.render_tables({**report, "states": []}, verdict=False)  # the setup states are in the runner timeline above
     from pipeline.cli.startup import render_summary
