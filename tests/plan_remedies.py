@@ -79,6 +79,17 @@ def follow_every_alternative(argv: list[str], remedy: str, monkeypatch: Any,
     return outs
 
 
+def refused_then_followed(argv: list[str], codes: tuple[str, ...], monkeypatch: Any) -> tuple[Optional[dict], list[dict]]:
+    """``plan`` with ``argv``: ``(None, [])`` when it plans ok; else asserts exit 3 with a code in ``codes``, follows
+    every alternative of the remedy (:func:`follow_every_alternative`) and returns ``(error, their JSON objects)``."""
+    rc, out = plan(argv, monkeypatch)
+    if rc == 0:
+        return None, []
+    err = out["error"]
+    assert rc == 3 and err["code"] in codes, err
+    return err, follow_every_alternative(argv, err["remedy"], monkeypatch)
+
+
 def grid_argv(max_reqs: int, ws: Optional[int], top: Any) -> list[str]:
     """``--max-reqs``, then ``--flashinfer-workspace-size`` unless ``ws`` is None, then ``--cuda-graph-max-bs`` unless
     ``top`` is None (``"max_reqs"``: the same as ``--max-reqs``)."""

@@ -14,7 +14,7 @@ import itertools
 import pytest
 
 from pipeline.core.validation import MAX_BYTES
-from plan_remedies import alternatives, follow_every_alternative, grid_argv, plan
+from plan_remedies import alternatives, follow_every_alternative, grid_argv, plan, refused_then_followed
 
 MAX = 2 ** 31 - 1
 BIG = 2 ** 23  # the most rows here: req_to_token of 32 GiB fits the H200 profile beside 8192-top graphs (s10mem)
@@ -29,17 +29,14 @@ GRID = [(mr, ws, top) for mr, ws, top in itertools.product(
 
 @pytest.mark.parametrize("max_reqs,ws,top", GRID)
 def test_workspace_remedy_then_plans_ok(max_reqs, ws, top, monkeypatch):
-    argv = grid_argv(max_reqs, ws, top)
-    rc, out = plan(argv, monkeypatch)
-    if rc == 0:
+    err, followed = refused_then_followed(grid_argv(max_reqs, ws, top), WS_CODES, monkeypatch)
+    if err is None:
         return
-    err = out["error"]
-    assert rc == 3 and err["code"] in WS_CODES, err
     for _, env in alternatives(err["remedy"]):
         for value in env.values():
             assert 1 <= int(value) <= MAX_BYTES
     given = max_reqs if top == "max_reqs" else top or 0
-    for out2 in follow_every_alternative(argv, err["remedy"], monkeypatch):
+    for out2 in followed:
         assert out2["cuda_graphs"]["max_bs"] <= max(8192, given)  # never above what was asked, or practical
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from plan_remedies import follow_every_alternative, grid_argv, plan
+from plan_remedies import grid_argv, plan, refused_then_followed
 from test_workspace_remedies import WS_CODES
 
 HUGE = 2 ** 24
@@ -20,13 +20,7 @@ GRID = list(itertools.product((300, HUGE), (1000, 64 << 20, None), (None, 200, "
 
 @pytest.mark.parametrize("max_reqs,ws,top", GRID)
 def test_every_alternative_plans_ok(max_reqs, ws, top, monkeypatch):
-    argv = grid_argv(max_reqs, ws, top)
-    rc, out = plan(argv, monkeypatch)
-    if rc == 0:
-        return
-    err = out["error"]
-    assert rc == 3 and err["code"] in WS_CODES + ("pool_exceeds_memory",), err
-    follow_every_alternative(argv, err["remedy"], monkeypatch)
+    refused_then_followed(grid_argv(max_reqs, ws, top), WS_CODES + ("pool_exceeds_memory",), monkeypatch)
 
 
 def test_a_huge_top_is_refused_at_once(monkeypatch):
