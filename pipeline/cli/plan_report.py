@@ -220,7 +220,7 @@ def installed_note(report: dict[str, Any], installed: Mapping[str, bool], profil
         return None
     full = ",".join(dict.fromkeys(packages.import_name(p) for p in packages.names()))
     return (f"note: packages were read from this machine, which lacks {', '.join(missing)}; {', '.join(rejected)} "
-            f"{'was' if len(rejected) == 1 else 'were'} rejected for that. To plan for a {profile} that has them, "
+            f"{'was' if len(rejected) == 1 else 'were'} rejected for that. To plan for the {profile} profile with them, "
             f"pass --installed {full}")
 
 
