@@ -10,10 +10,7 @@ from pipeline.core import launch_clock as _launch_clock  # noqa: F401 (first: wh
 
 from typing import Any
 
-from pipeline.core import moved as _moved
-
 __version__ = "0.1.0"
-_moved.install()  # old import paths (pipeline.memory, pipeline.contracts …) still work: pipeline/core/moved.py
 
 _EXPORTS = {
     "build_attention_backends": ("pipeline.setup.build", "build_attention_backends"),

@@ -38,29 +38,21 @@ def test_exit_code_table():
         assert re.search(rf"\| {code} \| [^\n]*{word}", README)
 
 
-def _outside_what_moved() -> str:
-    """The README without its "What moved" section (which names old paths on purpose)."""
-    start, end = README.index("### What moved"), README.index("## Log events")
-    return README[:start] + README[end:]
-
-
 def test_every_source_path_the_readme_names_exists():
     """Every ``pipeline/…`` / ``states/…`` / ``tests/…`` / ``benchmarks/…`` / ``examples/…`` path the README names
-    (outside "What moved") exists: ``pipeline/dtypes.py``, ``pipeline/memory.py`` and
-    ``pipeline/backends/capabilities.py`` were stale after the moves (new-user trial #2, item 4)."""
-    text = _outside_what_moved()
-    paths = set(re.findall(r"(?<![\w./-])((?:pipeline|states|tests|benchmarks|examples|docs)/[\w./-]*\w)", text))
+    exists."""
+    paths = set(re.findall(r"(?<![\w./-])((?:pipeline|states|tests|benchmarks|examples|docs)/[\w./-]*\w)", README))
     assert "pipeline/core/dtypes.py" in paths and "pipeline/backends/memory.py" in paths
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert missing == [], missing
 
 
 def test_every_dotted_pipeline_name_the_readme_names_resolves():
-    """Every ```pipeline.x.y``` the README names (outside "What moved") is a module or a name in one."""
+    """Every ```pipeline.x.y``` the README names is a module or a name in one."""
     import importlib
 
     bad = []
-    for ref in sorted(set(re.findall(r"`(pipeline(?:\.\w+)+)", _outside_what_moved()))):
+    for ref in sorted(set(re.findall(r"`(pipeline(?:\.\w+)+)", README))):
         parts = ref.split(".")
         for i in range(len(parts), 0, -1):
             try:
