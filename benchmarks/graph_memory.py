@@ -1,4 +1,4 @@
-"""Decode CUDA-graph memory: the estimate (states.graph_memory) against what capture really took, on a GPU.
+"""Decode CUDA-graph memory: the estimate (pipeline.memory.graphs) against what capture really took, on a GPU.
 
 For each model (Llama-3.1-8B, Qwen3-8B, DeepSeek-V2-Lite MLA; the bundled configs) and each batch-size list
 (1,2,4,8 / sglang's default series up to 32 / up to 256), the runner is built as ``attn-setup run --device cuda

@@ -141,10 +141,9 @@ class Cell:
         return msgspec.convert(m, ModelSpec)
 
     def request(self, device: str) -> SetupRequest:
-        from pipeline import runner_verify, verify
+        from pipeline.memory.pools import check_needs
 
-        slots = max(verify.slots_needed(MAX_REQS, self.page, DECODE_STEPS),
-                    runner_verify.slots_needed(MAX_REQS, self.page, DECODE_STEPS))
+        slots = check_needs(MAX_REQS, self.page, DECODE_STEPS).slots
         return SetupRequest(args=self.args(), model=self.model(), device=device,
                             pool=PoolFacts(max_reqs=MAX_REQS, max_context_len=64, num_token_slots=slots,
                                            page_size=self.page))

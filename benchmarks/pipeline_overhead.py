@@ -32,7 +32,7 @@ from pipeline.platforms.cpu import CpuPlatform  # noqa: E402
 from pipeline.backends.workspace import WorkspacePool  # noqa: E402
 from pipeline.setup.context import Built  # noqa: E402
 from pipeline.setup.instances import build_instances  # noqa: E402
-from pipeline.setup.table import set_names  # noqa: E402
+from states.annotate import set_names  # noqa: E402
 from states import build_mode, device_init, npu_lazy_mem, resolve  # noqa: E402
 from pipeline.core.dtypes import kv_dtype, model_dtype  # noqa: E402
 

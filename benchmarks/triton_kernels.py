@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.runtime.cuda_graphs import capture_graph  # noqa: E402
+from pipeline.platforms.cuda import capture_graph
 
 H, HKV, D, PAGE = 32, 8, 128, 16
 DECODE_B = (1, 8, 64, 256)
@@ -76,7 +76,7 @@ def _us(fn: Callable[[], None]) -> float:
 
 
 def _graph(fn: Callable[[], None]) -> Callable[[], None]:
-    """Capture ``fn`` (pipeline.cuda_graphs.capture_graph: warm-up on a side stream first) and return the replay."""
+    """Capture ``fn`` (pipeline.platforms.cuda.capture_graph: warm-up on a side stream first) and return the replay."""
     return capture_graph(fn)[0].replay
 
 

@@ -1,4 +1,4 @@
-"""build-mode: which instances to build and on which workspace (the plan; the setup table builds it).
+"""build-mode: which instances to build, on which workspace, and the decode CUDA graphs they are captured for.
 
 Modes, checked in sglang's order: PD-mux (``enable_pdmux``) → one prefill backend on a *private*
 workspace plus ``sm_group_num`` decode backends on the one *shared* workspace
@@ -7,15 +7,317 @@ worker) → a wrapper with one primary and two children built by the same factor
 all on the shared workspace); else one backend. A draft worker's TBO is skipped and recorded.
 When prefill ≠ decode every instance is a hybrid of a prefill and a decode backend (sglang calls
 it experimental), and both halves are instances of the plan (roles ``….prefill``/``….decode``).
+
+Decode CUDA graphs, decided once: :func:`decide_graphs` says whether they are captured (disabled, not a CUDA
+device, a decode backend whose registry entry cannot be captured), :func:`capture_batch_sizes` for which sizes
+(sglang's ``get_batch_sizes_to_capture``) and :func:`graph_top` the largest (sglang's memory-derived
+``cuda_graph_max_bs`` default, capped by ``max_reqs``). The size series is a :class:`BatchSeries`, never listed, so
+an absurd top costs nothing. The capture itself is :class:`pipeline.runtime.cuda_graphs.DecodeGraphRunner`.
+Pure decisions, no torch.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional, overload, Sequence, Union
 
-from pipeline.core.contracts import (
-    AttentionArgs, BuildPlan, InstancePlan, Mode, ResolvedAttentionBackendStr, Skip, WorkspacePlan,
+from pipeline.backends import registry
+from pipeline.core.contracts import (AttentionArgs, BuildPlan, DeviceFacts, InstancePlan, Mode,
+    ResolvedAttentionBackendStr, Skip, WorkspacePlan)
+from pipeline.core.errors import ConfigError
+
+
+
+HEAD = (1, 2, 4, 8)  # then 16, 24, 32, … step 8 (sglang's get_batch_sizes_to_capture)
+
+
+class BatchSeries(Sequence[int]):
+    """The sizes 1, 2, 4, 8, 16, 24, … up to ``top`` (those at most ``top``), ascending, held as a head tuple and a
+    ``range``. A slice is a list (callers slice at most :data:`pipeline.core.numbers.REMEDY_MAX_BS`'s sizes)."""
+
+    def __init__(self, top: int) -> None:
+        self.top = int(top)
+        self._head = tuple(b for b in HEAD if b <= self.top)
+        self._tail = range(16, self.top + 1, 8)
+
+    def __len__(self) -> int:
+        return len(self._head) + len(self._tail)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: Union[int, slice]) -> Union[int, list[int]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n, h = len(self), len(self._head)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("batch size index out of range")
+        return self._head[i] if i < h else self._tail[i - h]
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._head
+        yield from self._tail
+
+    def __contains__(self, b: object) -> bool:
+        return b in self._head or b in self._tail
+
+    def __repr__(self) -> str:
+        return f"BatchSeries(top={self.top}, {len(self)} sizes)"
+
+    def total(self) -> int:
+        """The sum of the sizes, in closed form."""
+        t = self._tail
+        return sum(self._head) + (len(t) * (t[0] + t[-1]) // 2 if len(t) else 0)
+
+
+def series_sum(sizes: Sequence[int]) -> int:
+    """``sum(sizes)``: in closed form for a :class:`BatchSeries`, else summed."""
+    return sizes.total() if isinstance(sizes, BatchSeries) else sum(sizes)
+
+
+
+def check_graph_bs(args: AttentionArgs, max_reqs: int, *, state: str = "build-mode") -> None:
+    """The one rule for graph sizes the user gives: an unreachable or conflicting size is refused, never clamped or
+    ignored silently (sglang does both: ``get_batch_sizes_to_capture`` drops sizes above the request pool and adds
+    the pool's size; ``ServerArgs`` replaces ``cuda_graph_max_bs`` by ``max(cuda_graph_bs)``). In order:
+
+    - a ``cuda_graph_bs`` entry outside ``1..max_reqs`` (a captured batch holds one ``req_to_token`` row per
+      request: a larger one is never run);
+    - ``cuda_graph_max_bs`` given with ``cuda_graph_bs`` and not equal to its largest size (``conflicting_options``:
+      the list decides what is captured);
+    - ``cuda_graph_max_bs`` above ``max_reqs`` (unreachable, as a list entry above it is).
+
+    Checked on every device (also where graphs are not captured), as ``plan`` and ``run``'s preflight check them.
+    Costs O(len(cuda_graph_bs)), whatever ``max_reqs`` is, so it may run before any size is checked.
+
+    Raises ConfigError (``invalid_value`` / ``conflicting_options``, in ``state``) naming both fields with their
+    numbers, the allowed values and a remedy that then passes.
+    """
+    bad = sorted(b for b in args.cuda_graph_bs or () if not 1 <= b <= max_reqs)
+    if bad:
+        keep = sorted(b for b in args.cuda_graph_bs if 1 <= b <= max_reqs)
+        sizes = ", ".join(map(str, bad))
+        fix = f"drop {sizes} from cuda_graph_bs" + (f" (keeping {', '.join(map(str, keep))})" if keep else "") + (
+            " and drop cuda_graph_max_bs" if args.cuda_graph_max_bs else "")
+        raise ConfigError(
+            f"cuda_graph_bs has {sizes}, above max_reqs={max_reqs}: a captured decode batch of {max(bad)} "
+            f"requests needs {max(bad)} rows of req_to_token and the pool has {max_reqs}",
+            code="invalid_value", state=state,
+            flags=[("cuda_graph_bs", list(args.cuda_graph_bs)), ("max_reqs", max_reqs)],
+            allowed=[f"1..{max_reqs}"], remedy=f"{fix}, or raise max_reqs to at least {max(bad)}")
+    top = args.cuda_graph_max_bs  # 0 / False (a remedy's "drop") is unset, as everywhere below
+    if top and args.cuda_graph_bs and top != max(args.cuda_graph_bs):
+        largest = max(args.cuda_graph_bs)
+        raise ConfigError(
+            f"cuda_graph_max_bs={top} conflicts with cuda_graph_bs, whose largest size is {largest}: the listed sizes "
+            f"are what is captured (sglang would replace cuda_graph_max_bs by {largest} without saying so)",
+            code="conflicting_options", state=state,
+            flags=[("cuda_graph_max_bs", top), ("cuda_graph_bs", list(args.cuda_graph_bs))], allowed=[str(largest)],
+            remedy=f"set cuda_graph_max_bs={largest}, or drop cuda_graph_max_bs (the list's largest size is the "
+                   "largest captured)")
+    if top and top > max_reqs:
+        raise ConfigError(
+            f"cuda_graph_max_bs={top} is above max_reqs={max_reqs}: no decode batch has more than the pool's "
+            f"{max_reqs} rows of req_to_token, so sizes above {max_reqs} are never captured (sglang would clamp them "
+            "to the pool without saying so)", code="invalid_value", state=state,
+            flags=[("cuda_graph_max_bs", top), ("max_reqs", max_reqs)], allowed=[f"1..{max_reqs}"],
+            remedy=f"set cuda_graph_max_bs={max_reqs}, or drop cuda_graph_max_bs (its default, sglang's top for the "
+                   f"device's memory, is capped at max_reqs), or raise max_reqs to at least {top}")
+
+
+# sglang's default ``cuda_graph_max_bs`` by the device's total memory (``ServerArgs._handle_gpu_memory_settings`` in
+# python/sglang/srt/server_args.py; gpu_mem in MiB): (below this many MiB, tp_size < 4, tp_size >= 4). The last row
+# (B200, MI300: 160 GiB and more) has no bound. sglang then keeps only sizes <= the request pool
+# (``get_batch_sizes_to_capture``: ``bs <= req_to_token_pool.size and bs <= cuda_graph_max_bs``).
+SGLANG_MAX_BS_BY_MEMORY: tuple[tuple[Optional[int], int, int], ...] = (
+    (20 * 1024, 8, 8),       # T4, 4080
+    (35 * 1024, 24, 80),     # A10, 4090, 5090
+    (60 * 1024, 32, 160),    # A100 40 GB, L40(S)
+    (90 * 1024, 256, 512),   # H100, A100 80 GB
+    (160 * 1024, 256, 512),  # H20, H200
+    (None, 512, 512),        # B200, MI300
 )
+# sglang's fallback when the device memory is unknown (gpu_mem None); ours also for CPU, where graphs are never
+# captured and the value only enters the ranks' digest and plan's (not captured) report.
+SGLANG_MAX_BS_NO_MEMORY = 160
+
+
+class GraphTop(NamedTuple):
+    """The top of the capture series and where it came from.
+
+    ``bs``: the bound the series is cut at (the largest size captured is the last series entry <= ``bs``);
+    ``source``: ``cuda_graph_bs`` (the list's largest), ``cuda_graph_max_bs`` (the user's value, kept as given),
+    ``default`` (sglang's memory-derived default) or ``max_reqs`` (the default capped by the pool's rows);
+    ``text``: that, in words, for plan's and run's output.
+    """
+
+    bs: int
+    source: str
+    text: str
+
+
+def default_max_bs(device: Optional[DeviceFacts], world_size: int = 1) -> tuple[int, str]:
+    """sglang's default ``cuda_graph_max_bs`` for ``device`` and ``world_size`` (sglang's ``tp_size``) and the words
+    saying so: :data:`SGLANG_MAX_BS_BY_MEMORY` by the device's total memory (sglang's
+    ``ServerArgs._handle_gpu_memory_settings``: e.g. 256 below 160 GiB and 512 above it, with tp < 4), or
+    :data:`SGLANG_MAX_BS_NO_MEMORY` (160, sglang's fallback without a memory reading) for a CPU, no device or a
+    device whose total memory is unknown (0). O(1)."""
+    mem = device.total_memory_bytes if device is not None and device.type != "cpu" else 0
+    if mem <= 0:
+        why = "a CPU" if device is not None and device.type == "cpu" else "no known device memory"
+        return SGLANG_MAX_BS_NO_MEMORY, f"default for {why}: {SGLANG_MAX_BS_NO_MEMORY} (sglang's fallback)"
+    mib = mem / (1 << 20)
+    for below, small, large in SGLANG_MAX_BS_BY_MEMORY:
+        if below is None or mib < below:
+            bs = small if world_size < 4 else large
+            break
+    tp = f", tp {world_size}" if world_size > 1 else ""
+    return bs, f"default for {mem / (1 << 30):.0f} GiB{tp}: {bs} (sglang's rule)"
+
+
+def graph_top(args: AttentionArgs, max_reqs: int, *, device: Optional[DeviceFacts] = None,
+              world_size: int = 1) -> GraphTop:
+    """The top of the decode capture series (the one rule; :func:`capture_batch_sizes`, :func:`count_batch_sizes`,
+    :func:`graph_max_bs` and :func:`batch_sizes_text` all cut the series here): the largest of ``cuda_graph_bs``
+    when given; else ``cuda_graph_max_bs`` when given (kept as given: :func:`check_graph_bs` has refused one above
+    ``max_reqs``, never clamped); else ``min(max_reqs, default)``, ``default`` being sglang's memory-derived
+    ``cuda_graph_max_bs`` (:func:`default_max_bs`: 256 on an H200 at tp < 4; sglang likewise caps its captured
+    sizes by the request pool). ``device``: the decided device's facts (None: no memory known, sglang's fallback
+    160); ``world_size``: the ranks (sglang's tp_size). Raises what :func:`check_graph_bs` raises."""
+    check_graph_bs(args, max_reqs)
+    if args.cuda_graph_bs:
+        return GraphTop(max(args.cuda_graph_bs), "cuda_graph_bs", "the largest of cuda_graph_bs")
+    if args.cuda_graph_max_bs:
+        return GraphTop(args.cuda_graph_max_bs, "cuda_graph_max_bs", f"cuda_graph_max_bs={args.cuda_graph_max_bs}")
+    bs, why = default_max_bs(device, world_size)
+    if max_reqs < bs:
+        return GraphTop(max_reqs, "max_reqs", f"max_reqs={max_reqs}, below the {why}")
+    return GraphTop(bs, "default", why)
+
+
+def _series_top(top: int) -> int:
+    """The last entry <= ``top`` of sglang's series 1, 2, 4, 8, 16, 24, … (0 when ``top`` < 1)."""
+    return top - (top - 16) % 8 if top >= 16 else max((b for b in (1, 2, 4, 8) if b <= top), default=0)
+
+
+def capture_batch_sizes(args: AttentionArgs, max_reqs: int, *, device: Optional[DeviceFacts] = None,
+                        world_size: int = 1, state: str = "build-mode") -> list[int]:
+    """The decode batch sizes to capture, ascending (the one implementation of this rule).
+
+    ``cuda_graph_bs`` when given (checked by :func:`check_graph_bs`), else sglang's series 1, 2, 4, 8, 16, 24, 32,
+    … (step 8 from 16, ``get_batch_sizes_to_capture``) up to :func:`graph_top`: ``cuda_graph_max_bs`` when given,
+    else sglang's default for the device's memory (``ServerArgs._handle_gpu_memory_settings``; ``device`` and
+    ``world_size`` as :func:`graph_top`) capped by ``max_reqs``. ``plan``, ``run``'s preflight and the capture
+    itself call this; checks made before the pools are sized (whose ``max_reqs`` may still be absurd) use
+    :func:`check_graph_bs` and :func:`graph_max_bs`, which never build the series.
+
+    Raises ConfigError (``invalid_value``, in ``state``) naming ``cuda_graph_bs`` and ``max_reqs`` with both numbers.
+    """
+    return list(capture_series(args, max_reqs, device=device, world_size=world_size, state=state))
+
+
+def capture_series(args: AttentionArgs, max_reqs: int, *, device: Optional[DeviceFacts] = None,
+                   world_size: int = 1, state: str = "build-mode") -> Sequence[int]:
+    """:func:`capture_batch_sizes` not listed: the ``cuda_graph_bs`` sizes sorted, else the series as a
+    :class:`states.build_mode.BatchSeries` (length, indexing and sum in O(1) whatever the top; the graphs'
+    lower bound and the memory remedies use it, so refusing an absurd top costs nothing). Raises as that."""
+
+    check_graph_bs(args, max_reqs, state=state)
+    if args.cuda_graph_bs:
+        return sorted(set(args.cuda_graph_bs))
+    return BatchSeries(graph_top(args, max_reqs, device=device, world_size=world_size).bs)
+
+
+def count_batch_sizes(args: AttentionArgs, max_reqs: int, *, device: Optional[DeviceFacts] = None,
+                      world_size: int = 1) -> int:
+    """``len(capture_batch_sizes(args, max_reqs, …))`` computed, not listed (O(1) in ``max_reqs``; the progress line's
+    "bs k of n" before the pools are checked). Raises what :func:`check_graph_bs` raises."""
+    check_graph_bs(args, max_reqs)
+    if args.cuda_graph_bs:
+        return len(set(args.cuda_graph_bs))
+    top = graph_top(args, max_reqs, device=device, world_size=world_size).bs
+    return sum(1 for b in (1, 2, 4, 8) if b <= top) + (max((top - 16) // 8 + 1, 0) if top >= 16 else 0)
+
+
+def batch_sizes_text(args: AttentionArgs, max_reqs: int, limit: int = 4096, *,
+                     device: Optional[DeviceFacts] = None, world_size: int = 1) -> str:
+    """The captured sizes as comma-separated text (what ranks compare in their configuration digest); a series
+    longer than ``limit`` as ``1,2,4,8,16..TOP step 8 (N sizes)`` so a huge ``cuda_graph_max_bs`` costs nothing."""
+    kw = dict(device=device, world_size=world_size)
+    n = count_batch_sizes(args, max_reqs, **kw)
+    if n <= limit:
+        return ",".join(map(str, capture_batch_sizes(args, max_reqs, **kw)))
+    return f"1,2,4,8,16..{graph_max_bs(args, max_reqs, True, **kw)} step 8 ({n} sizes)"
+
+
+class GraphDecision(NamedTuple):
+    """Whether decode CUDA graphs are captured and, if not, why.
+
+    ``downgrade``: graphs exist on this device and are lost because of the decode backend (a
+    ``feature_downgraded`` warning, refused under ``strict``); False when they are switched off by
+    the user or do not apply (no CUDA device).
+    """
+
+    capture: bool
+    reason: str = ""
+    downgrade: bool = False
+
+
+def decide_graphs(args: AttentionArgs, device_type: str, decode_backends: Sequence[str]) -> GraphDecision:
+    """The one CUDA-graph rule (resolve records it, the runner's capture step obeys it).
+
+    Checked in order: ``disable_cuda_graph`` (off, no downgrade); a device other than cuda (does not
+    apply); any decode backend whose registry entry cannot be captured (its record lacks ``cuda_graph``: a
+    downgrade, as sglang turns graphs off for its reference backend).
+    """
+    if args.disable_cuda_graph:
+        return GraphDecision(False, "disable_cuda_graph is set")
+    if device_type != "cuda":
+        return GraphDecision(False, f"CUDA graphs need a CUDA device; this run is on {device_type}")
+    lacking = [n for n in decode_backends if not registry.get(n).graphs]
+    if lacking:
+        return GraphDecision(False, f"decode backend {lacking[0]!r} cannot be captured in a CUDA graph "
+                             f"(as sglang turns graphs off for {registry.reference_name()})", downgrade=True)
+    return GraphDecision(True)
+
+
+def skip_reason(args: AttentionArgs, device_type: str, backend_names: Sequence[str]) -> Optional[str]:
+    """Why decode graphs are not captured, or None when they are (:func:`decide_graphs`)."""
+    d = decide_graphs(args, device_type, backend_names)
+    return None if d.capture else d.reason
+
+
+def graph_max_bs(args: AttentionArgs, max_reqs: int, captured: bool, *, device: Optional[DeviceFacts] = None,
+                 world_size: int = 1) -> int:
+    """The largest decode batch a graph is captured for: the last of :func:`capture_batch_sizes`, 0 without graphs
+    (computed, not listed: O(1) in ``max_reqs``). Raises what :func:`check_graph_bs` raises."""
+    if not captured:
+        return 0
+    check_graph_bs(args, max_reqs)
+    if args.cuda_graph_bs:
+        return max(args.cuda_graph_bs)
+    return _series_top(graph_top(args, max_reqs, device=device, world_size=world_size).bs)
+
+
+LISTED_SIZES = 1024  # a plan lists the capture sizes up to this many (the series of an absurd max_reqs is not built)
+
+
+def graph_sizes(args: AttentionArgs, max_reqs: int, captured: bool, *, device: Optional[DeviceFacts] = None,
+                world_size: int = 1) -> tuple[int, int, Optional[list[int]]]:
+    """``(count, largest, sizes)`` of the decode batches captured (``(0, 0, [])`` without graphs); ``sizes`` is
+    :func:`capture_batch_sizes` when at most :data:`LISTED_SIZES`, else None — counted in O(1) like
+    :func:`graph_max_bs`, never built. Raises what :func:`check_graph_bs` raises."""
+    if not captured:
+        return 0, 0, []
+    kw = dict(device=device, world_size=world_size)
+    count = count_batch_sizes(args, max_reqs, **kw)
+    sizes = capture_batch_sizes(args, max_reqs, **kw) if count <= LISTED_SIZES else None
+    return count, graph_max_bs(args, max_reqs, True, **kw), sizes
+
 
 
 def decide_mode(args: AttentionArgs, is_draft_worker: bool) -> tuple[Mode, list[Skip]]:
@@ -67,3 +369,4 @@ def decide(args: AttentionArgs, pair: ResolvedAttentionBackendStr, *, is_draft_w
         instances += [InstancePlan(role=r, backend=b, workspace=ws_id) for r, b in halves]
     workspaces = privates + ([WorkspacePlan(**shared)] if shared else [])
     return BuildPlan(mode=mode, hybrid=hybrid, instances=instances, workspaces=workspaces, skips=skips)
+

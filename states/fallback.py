@@ -22,7 +22,7 @@ from pipeline.backends import registry
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, Resolution, SetupWarning, Skip
 from pipeline.core.errors import CapabilityMismatch
 from states.build_mode import decide_mode
-from states.graphs import decide_graphs
+from states.build_mode import decide_graphs
 
 
 def one_of(names: Sequence[str]) -> str:
@@ -55,7 +55,7 @@ class StrictRefusal(CapabilityMismatch):
 
 
 def graph_skips(args: AttentionArgs, decode: str, device: DeviceFacts) -> list[Skip]:
-    """CUDA graphs not captured, from the one rule (:func:`states.graphs.decide_graphs`).
+    """CUDA graphs not captured, from the one rule (:func:`states.build_mode.decide_graphs`).
 
     No skip when graphs are captured or the user turned them off. On a non-CUDA device graphs do
     not apply (``downgrade=False``); on a CUDA device with a decode backend that cannot be captured

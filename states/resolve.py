@@ -6,56 +6,80 @@ sglang) > ``phase_flag`` (``prefill_attention_backend`` / ``decode_attention_bac
 ``global_flag`` (``attention_backend``) > ``auto``. An explicit choice is never replaced: it
 passes the capability check or is refused with every reason, the flags involved and the backends
 that would work. Auto-selection walks a per-device priority list and takes the first candidate
-with no reason against it, recording the others with their reasons (vLLM's approach). Registry
-lookups read only the resolved strings (the seed reviewer's ``attention_backend=None`` bug cannot
-recur). Mode checks that need no backend (PD-mux with TBO, PD-mux on CPU or on an arch outside the
-SM-partition table: :mod:`states.modes`) also happen here, before anything is allocated; resolve extends each of
-their fixes with what the rest of the request needs.
+with no reason against it, recording the others with their reasons (vLLM's approach).
+
+Mode combinations no backend can fix are refused first (:func:`check_modes`): PD-mux with TBO (sglang silently
+lets PD-mux win), PD-mux on a CPU, more SM groups than the device has SMs, PD-mux on an arch outside sglang's
+SM-partition table. Each refusal carries its fixes as alternatives, which resolve extends with what the rest of
+the request needs.
 
 When no *installed* backend can serve a request but one would if its package were installed, the
-error says exactly that (and names the package), instead of advising a backend that is missing.
+error says exactly that (and names the package). The resolution also carries the compute dtype and its rule
+(:func:`pipeline.core.dtypes.resolve_dtype`) and the model's layers that are not attention (linear attention,
+mamba): those need no backend; a model with no attention layer at all is refused.
 
-The resolution also carries the compute dtype and the rule that chose it
-(:func:`pipeline.core.dtypes.resolve_dtype`; an explicit float16 the model type refuses is refused here)
-and the model's layers that are not attention (linear attention, mamba): those need no backend, so
-only the attention layer kinds are checked; a model with no attention layer at all is refused.
-
-Remedies are true for the request at hand: ``allowed`` and every backend a remedy names are ones
-that resolve for this device, model and flags (with ``strict``, the extra fields a backend needs
-to pass strict are named with it); an unknown name gets the closest known one ("did you mean"),
-registered or sglang's, installed or not, with the package it needs. Library wording: field names
-(``attention_backend``), assignments as ``field='value'``; the CLI shows its flags instead.
-
-Warnings (:func:`warnings_for`): auto-selection landing on the reference backend (the registry's
-:func:`~pipeline.backends.registry.reference_name`) on an accelerator (``reference_fallback``, with every
-rejected candidate's reasons), and
-every downgrade (:class:`~pipeline.core.contracts.Skip` with ``downgrade=True``: CUDA graphs off on a
-CUDA device, TBO dropped on a draft worker). With ``args.strict`` each of them is a refusal in
-resolve instead (``reference_fallback`` / ``downgrade_refused``, exit 3), naming the fields that
-accept or avoid it; applying them resolves under strict.
+Remedies are true for the request at hand (:mod:`states.remedies`); warnings and strict refusals come from
+:mod:`states.fallback`. Library wording: field names (``attention_backend``), assignments as ``field='value'``;
+the CLI shows its flags instead.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import msgspec
 
 from pipeline.backends import registry
-from pipeline.core.contracts import (
-    AttentionArgs, DeviceFacts, ModelSpec, Rejection, Resolution, ResolvedAttentionBackendStr, Rule,
-)
+from pipeline.core.contracts import (AttentionArgs, DeviceFacts, ModelSpec, Rejection, Resolution,
+    ResolvedAttentionBackendStr, Rule)
 from pipeline.core.dtypes import resolve_dtype
-from pipeline.core.errors import (  # noqa: F401 (ConflictingOptions: importable from here before the split)
-    BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions,
-)
+from pipeline.core.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
 from pipeline.core.model_spec import format_layer_ids
 from states.capability_check import Reason
-from states.modes import PDMUX_SM_PARTITION_ARCHS, check_modes  # noqa: F401 (resolve's names before the split)
-from states.fallback import (  # noqa: F401 (part of resolve's API: build, plan, replay and tests use them)
-    StrictRefusal, assignments, graph_skips, reference_fallback, refuse_strict, warnings_for,
-)
-from states.remedies import Remedies, Survey, complete_fix, minimal, suggest
+from states.fallback import assignments, graph_skips, refuse_strict
+from states.remedies import complete_fix, minimal, Remedies, suggest, Survey
+
+
+# Arches whose SMs sglang's PD-multiplexing can partition into groups (green contexts need sm80+
+# and a per-arch SM table; sglang's table covers Ampere, Ada, Hopper and Blackwell datacenter).
+PDMUX_SM_PARTITION_ARCHS = ("sm80", "sm86", "sm89", "sm90", "sm100")
+
+
+def _refuse_mode(err: ConfigError, fixes: list[dict[str, Any]], prose: str = "") -> ConfigError:
+    """``err`` with its remedy written from ``fixes`` (alternatives; kept on ``err.fixes`` so resolve can
+    extend each with what the rest of the request needs) and an optional closing ``prose`` alternative."""
+    err.fixes, err.prose = fixes, prose  # type: ignore[attr-defined]
+    err.info = msgspec.structs.replace(err.info, remedy=" or ".join(
+        [assignments(f) for f in fixes] + ([prose] if prose else [])))
+    return err
+
+
+def check_modes(args: AttentionArgs, device: DeviceFacts, is_draft_worker: bool) -> None:
+    """Refuse mode combinations that no backend can fix (raises ConflictingOptions/CapabilityMismatch)."""
+    if args.enable_pdmux and args.enable_two_batch_overlap:
+        raise _refuse_mode(ConflictingOptions(
+            "PD-multiplexing and two-batch overlap cannot be combined (sglang silently lets PD-mux win)",
+            state="resolve", flags=[("enable_pdmux", True), ("enable_two_batch_overlap", True)]),
+            [{"enable_pdmux": False}, {"enable_two_batch_overlap": False}])
+    if args.enable_pdmux and device.type == "cpu":
+        raise _refuse_mode(CapabilityMismatch(
+            "PD-multiplexing partitions GPU SMs into groups; a CPU device has none",
+            state="resolve", flags=[("enable_pdmux", True), ("device", device.device_str)],
+            allowed=list(PDMUX_SM_PARTITION_ARCHS)), [{"enable_pdmux": False}],
+            "run on a GPU whose arch is listed")
+    if args.enable_pdmux and device.sm_count and args.sm_group_num > device.sm_count:
+        raise _refuse_mode(CapabilityMismatch(
+            f"sm_group_num={args.sm_group_num} SM groups cannot be carved from {device.sm_count} SMs",
+            state="resolve", flags=[("sm_group_num", args.sm_group_num), ("device.sm_count", device.sm_count)],
+            allowed=[f"1..{device.sm_count}"]), [{"sm_group_num": min(3, device.sm_count)}],
+            f"another sm_group_num up to {device.sm_count} (sglang uses a handful of groups)")
+    if args.enable_pdmux and device.arch not in PDMUX_SM_PARTITION_ARCHS:
+        raise _refuse_mode(CapabilityMismatch(
+            f"PD-multiplexing has no SM partition table for {device.arch or device.type}",
+            state="resolve", flags=[("enable_pdmux", True), ("device.arch", device.arch or device.type)],
+            allowed=list(PDMUX_SM_PARTITION_ARCHS)), [{"enable_pdmux": False}])
+
+
 
 Explicit = tuple[Rule, str, str]  # (rule, backend name, flag that named it)
 
@@ -288,3 +312,4 @@ def decide_for_run(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *
         code="package_presence_mismatch", state="resolve", flags=[("package", p) for p in diff],
         remedy=f"reinstall or uninstall {', '.join(diff)} (pip install --force-reinstall …) so that "
                "'attn-setup plan' and 'attn-setup run' see the same packages")
+

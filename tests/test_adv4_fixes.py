@@ -72,8 +72,8 @@ def test_the_series_is_never_listed_and_agrees_with_the_list():
     """:class:`BatchSeries`: length, indexing, bisection and sum in O(1), equal to the listed series."""
     import bisect
 
-    from pipeline.core.pool_remedy import remedy_tops
-    from states.batch_series import BatchSeries, series_sum
+    from pipeline.memory.pools import remedy_tops
+    from states.build_mode import BatchSeries, series_sum
 
     for top in (1, 3, 8, 15, 16, 17, 24, 1000):
         listed = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 8))
@@ -198,7 +198,7 @@ def test_a_mem_fraction_below_the_verification_batches_is_refused_and_its_remedy
 
 
 def test_fraction_covering_is_the_smallest_three_digit_fraction():
-    from pipeline.core.pool_sizing import budget_from_fraction, fraction_covering
+    from pipeline.memory.pools import budget_from_fraction, fraction_covering
 
     for need, total, allocated in [(622592, 25_280_000_000, 0), (1, 10, 0), (10, 10, 0), (5, 100, 50),
                                    (123456789, 141_000_000_000, 17_000_000_000)]:

@@ -53,7 +53,7 @@ def test_the_page_multiple_named_then_plans(page, given):
                                                (1, 40, ", or lower max_context_len"), (4, 12, ", or lower max_reqs")])
 def test_a_budget_remedy_offers_only_what_can_go_lower(max_reqs, ctx, tail):
     from pipeline.core.errors import ConfigError
-    from pipeline.core.pool_sizing import size_pools
+    from pipeline.memory.pools import size_pools
 
     with pytest.raises(ConfigError) as e:
         size_pools([], 1, "bfloat16", page_size=1, max_reqs=max_reqs, max_context_len=ctx, budget_bytes=1,

@@ -187,11 +187,11 @@ def test_mem_bytes_too_small_is_refused_before_the_model_loads(tmp_path, capsys)
 def test_pool_must_hold_the_verification_batches_before_the_model_loads(tmp_path, capsys):
     """The slots run's checks allocate (verify + model steps, whole pages) are the boundary: one less is
     refused in preflight naming the flag and the need; exactly that many runs (pages 1 and 16)."""
-    from pipeline.runtime import model_steps as runner_verify, verify
     from pipeline.cli import main
+    from pipeline.memory.pools import check_needs
 
     for ps in (1, 16):
-        need = max(verify.slots_needed(8, ps), runner_verify.slots_needed(8, ps))
+        need = check_needs(8, ps).slots
         log = tmp_path / f"l{ps}.jsonl"
         assert main(["run", "--device", "cpu", "--page-size", str(ps), "--num-token-slots", str(need - ps),
                      "--log-file", str(log), "--json"]) == 3

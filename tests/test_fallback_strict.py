@@ -34,7 +34,8 @@ from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.platforms.profiles import PROFILES
 from remedy_fixes import apply, fixes_of
-from states.resolve import StrictRefusal, auto_candidates
+from states.fallback import StrictRefusal
+from states.resolve import auto_candidates
 
 MODELS = {p.stem: load_model_spec(p) for p in sorted(CONFIGS.glob("*.json"))}
 ALL = {"torch": True, "triton": True, "flashinfer-python": True}

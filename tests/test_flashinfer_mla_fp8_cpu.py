@@ -284,14 +284,15 @@ def test_runner_flow_resolves_flashinfer_by_auto_on_a_fake_sm90(fib, config, fla
     from pipeline.platforms.fake import FakePlatform
     from pipeline.runtime.runner import Runner, RunnerConfig
     from pipeline.runtime.model_steps import verify_model_steps
-    from pipeline.runtime.verify import slots_needed, verify_built
+    from pipeline.memory.pools import check_needs
+    from pipeline.runtime.verify import verify_built
 
     model = load_model_spec(CONFIGS / config)
     if model.num_attention_heads > 32:
         model = msgspec.structs.replace(model, num_attention_heads=16, num_key_value_heads=16)
     gpu = DeviceFacts(type="cuda", index=0, name="fake sm90", vendor="nvidia", compute_capability=(9, 0), sm_count=4,
                       total_memory_bytes=80 << 30, cuda_version="12.8", source="test")
-    pool = PoolFacts(max_reqs=8, max_context_len=64, num_token_slots=slots_needed(8, 4) + 32 * 4, page_size=4)
+    pool = PoolFacts(max_reqs=8, max_context_len=64, num_token_slots=check_needs(8, 4).verify_slots + 32 * 4, page_size=4)
     args = AttentionArgs(page_size=4, disable_cuda_graph=True, flashinfer_workspace_size=64 << 20, **flags)
     req = SetupRequest(args=args, model=model, pool=pool, device="cuda")
     installed = {"torch": True, "triton": True, "flashinfer-python": True}

@@ -1,4 +1,4 @@
-"""The decode CUDA-graph memory estimate (states.graph_memory), the plan field and the runner's pool sizing.
+"""The decode CUDA-graph memory estimate (pipeline.memory.graphs), the plan field and the runner's pool sizing.
 
 The estimate's accuracy is a GPU claim (benchmarks/graph_memory.py against torch.cuda.memory_snapshot()); here
 the properties that hold whatever the device: the allocator model keeps the caching allocator's documented rules,
@@ -24,12 +24,13 @@ from pipeline.core import events as ev
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError
 from pipeline.core.model_spec import load_model_spec
-from pipeline.core.pool_sizing import check_fits, size_pools
+from pipeline.memory.pools import check_fits, size_pools
 from pipeline.core.spec import attention_layer_ids, truncate_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.runtime.runner import Runner, RunnerConfig
-from states.graph_memory import PoolModel, blas_workspace_bytes, estimate_graph_memory
-from states.graphs import capture_batch_sizes
+from pipeline.memory.allocator import PoolModel, blas_workspace_bytes
+from pipeline.memory.graphs import estimate_graph_memory
+from states.build_mode import capture_batch_sizes
 
 MiB = 1 << 20
 ALL = {"torch": True, "triton": True, "flashinfer-python": True}

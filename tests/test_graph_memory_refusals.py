@@ -16,7 +16,8 @@ import pytest
 
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError
-from pipeline.core.pool_remedy import REMEDY_MAX_BS, GraphTrial, largest_fitting
+from pipeline.memory.pools import GraphTrial
+from pipeline.core.numbers import REMEDY_MAX_BS, largest_fitting
 from pipeline.core.spec import truncate_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.runtime.pool_steps import size_for

@@ -1,4 +1,4 @@
-"""The top of the decode CUDA-graph capture series (``states.graphs.graph_top``): sglang's memory-derived default
+"""The top of the decode CUDA-graph capture series (``states.build_mode.graph_top``): sglang's memory-derived default
 ``cuda_graph_max_bs`` capped by ``max_reqs``, an explicit value kept as given, and one rule for the four functions
 that read it (``capture_batch_sizes``, ``count_batch_sizes``, ``graph_max_bs``, ``batch_sizes_text``)."""
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pipeline.core.contracts import AttentionArgs, DeviceFacts
 from pipeline.core.errors import ConfigError
 from pipeline.platforms import profiles
-from states.graphs import (batch_sizes_text, capture_batch_sizes, count_batch_sizes, default_max_bs, graph_max_bs,
+from states.build_mode import (batch_sizes_text, capture_batch_sizes, count_batch_sizes, default_max_bs, graph_max_bs,
                            graph_top)
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -66,7 +66,7 @@ def test_default_is_capped_by_max_reqs_and_an_explicit_top_is_kept():
 
 
 def _series(top: int) -> list[int]:
-    """sglang's 1, 2, 4, 8, 16, 24, … up to ``top``, written out differently from states.graphs."""
+    """sglang's 1, 2, 4, 8, 16, 24, … up to ``top``, written out differently from states.build_mode."""
     out, b = [], 1
     while b <= top and b < 16:
         out.append(b)

@@ -202,7 +202,7 @@ def test_pool_exceeding_memory_names_the_flag_and_a_value_that_fits(llama, avail
     also when free memory has dropped by up to the remedy margin since (free memory moves between runs)."""
     import re
 
-    from pipeline.core.pool_sizing import POOL_MEMORY_SHARE, check_fits, kv_bytes_per_token, remedy_margin, size_pools
+    from pipeline.memory.pools import POOL_MEMORY_SHARE, check_fits, kv_bytes_per_token, remedy_margin, size_pools
 
     kinds, limit = llama.layer_kinds(), int(avail * POOL_MEMORY_SHARE)
     per_tok = kv_bytes_per_token(kinds, 2, "bfloat16")

@@ -24,7 +24,7 @@ from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.core.contracts import ForwardMode, LayerKind
 from pipeline.core.errors import ConfigError
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, dequantize_kv, make_forward_batch, quantize_kv
-from pipeline.core.pool_sizing import kv_bytes_per_token
+from pipeline.memory.pools import kv_bytes_per_token
 from pipeline.runtime.reference import reference_attention, rel_err
 from pipeline.runtime.verify import tolerance, verify_backend
 

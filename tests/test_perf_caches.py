@@ -139,7 +139,7 @@ def test_a_setup_reads_free_memory_once_and_still_refuses_a_pool_that_cannot_fit
     with no pool allocated."""
     from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
     from pipeline.core.errors import ConfigError
-    from pipeline.core.pool_sizing import host_available_bytes
+    from pipeline.platforms.cpu import host_available_bytes
     from pipeline.platforms.cpu import CpuPlatform
     from pipeline.setup.build import build_attention_backends
 

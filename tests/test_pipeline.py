@@ -180,7 +180,7 @@ def test_unknown_backend_lists_the_registered_ones(llama, small_pool):
 
 STATE_FUNCS = [("device-init", "states.device_init", "decide_blas"), ("resolve", "states.resolve", "decide"),
                ("build-mode", "pipeline.setup.instances", "build_instances"),
-               ("npu-lazy-mem", "states.npu_lazy_mem", "decide"), ("annotate", "pipeline.setup.table", "set_names")]
+               ("npu-lazy-mem", "states.npu_lazy_mem", "decide"), ("annotate", "states.annotate", "set_names")]
 
 
 @pytest.mark.parametrize("state,module,func", STATE_FUNCS)
@@ -310,7 +310,7 @@ def test_graph_max_bs_is_the_series_top_without_listing_it(graph_bs):
     sizes) for every max_reqs / cuda_graph_max_bs up to 300, and stays O(1) for a cuda_graph_max_bs of 2**31 - 1 (it
     ran the whole series before: build-mode hung on such a pool instead of refusing it); without one the top is the
     default (160 without a known device memory), whatever max_reqs is."""
-    from states.graphs import capture_batch_sizes, graph_max_bs
+    from states.build_mode import capture_batch_sizes, graph_max_bs
 
     for max_reqs in range(64 if graph_bs else 1, 300):
         for cap in (None, 1, 3, 8, 15, 16, 17, 24, 100, 1000):
@@ -358,7 +358,8 @@ def test_absurd_pool_on_a_gpu_is_refused_for_memory_before_the_workspace_check()
 def test_largest_fitting_graph_bs_is_a_binary_search_equal_to_the_scan():
     """The workspace remedy's 'largest captured size that fits' equals a linear scan for every size bound and
     workspace size over several head shapes (the need is nondecreasing in the batch), in O(log n) calls."""
-    from pipeline.backends import flashinfer_sizing as sz, flashinfer_workspace_check as wscheck
+    from pipeline.backends import flashinfer_sizing as sz
+    from pipeline.core.numbers import largest_fitting
 
     for h, kv, d, sinks in [(32, 8, 128, False), (32, 32, 128, False), (64, 8, 64, True), (16, 4, 256, False)]:
         shapes = [sz.HeadShape(h, kv, d, sinks, False)]
@@ -368,11 +369,11 @@ def test_largest_fitting_graph_bs_is_a_binary_search_equal_to_the_scan():
         for size in sorted(set(needs))[::5] + [needs[0] - 1, needs[-1]]:
             for top in (1, 7, 64, 399):
                 calls = []
-                got = wscheck.largest_fitting_bs(lambda bs: calls.append(bs) or needs[bs - 1] <= size, top)
+                got = largest_fitting(range(1, top + 1), lambda bs: calls.append(bs) or needs[bs - 1] <= size)
                 assert got == next((bs for bs in range(top, 0, -1) if needs[bs - 1] <= size), None)
                 assert len(calls) <= 2 + top.bit_length()
     calls = []
-    assert wscheck.largest_fitting_bs(lambda bs: calls.append(bs) or bs <= 5, 2 ** 31 - 1) == 5 and len(calls) <= 33
+    assert largest_fitting(range(1, 2 ** 31), lambda bs: calls.append(bs) or bs <= 5) == 5 and len(calls) <= 33
 
 
 @pytest.mark.parametrize("graph_bs", [None, (3, 1, 64)])
@@ -380,7 +381,7 @@ def test_batch_size_count_and_text_without_listing(graph_bs):
     """count_batch_sizes equals len(capture_batch_sizes) and batch_sizes_text its comma join for every max_reqs /
     cuda_graph_max_bs up to 300; at max_reqs 2**31 - 1 both answer at once (the progress line and the ranks'
     digest listed 268M sizes)."""
-    from states.graphs import batch_sizes_text, capture_batch_sizes, count_batch_sizes
+    from states.build_mode import batch_sizes_text, capture_batch_sizes, count_batch_sizes
 
     for max_reqs in range(64 if graph_bs else 1, 300):
         for cap in (None, 1, 3, 8, 15, 16, 17, 24, 100):

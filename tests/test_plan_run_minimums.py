@@ -2,10 +2,11 @@
 verification request, a ``--num-token-slots`` below the verification batches' slots — and its pool remedy names no
 value ``run`` would refuse for them (before: ``plan --max-context-len 13`` said ok, which ``run`` refused at its
 flags; a pool remedy named ``--max-context-len`` at most 13 tokens). The minimums are ``run``'s own: both commands
-read :mod:`pipeline.core.verification_sizes`, and the runtime's batch modules report the same numbers."""
+read :mod:`pipeline.memory.pools`, and the runtime's batch modules report the same numbers."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -14,28 +15,29 @@ from conftest import run_main
 from plan_remedies import plan, set_flag
 
 from pipeline.core.errors import ConfigError
-from pipeline.core.verification_sizes import context_needed, slots_needed
+from pipeline.memory.pools import CHUNK_LENS, EXTEND_LENS, NEW_LENS, PREFIX_LENS, check_needs
 
 
 def _run_minimums(max_reqs: int, page: int) -> tuple[int, int]:
-    """(slots, context) ``run`` requires for these flags, from its own code paths (the runtime's batch modules and
-    the RunnerConfig it builds)."""
+    """(slots, context) ``run`` requires for these flags, from the RunnerConfig it builds, checked against the two
+    check batches counted here (whole pages per request at 3 decode steps, plus the reserved page 0)."""
     from pipeline.cli.flags import build_parser
     from pipeline.cli.request import request_from
     from pipeline.cli.run_checks import runner_config
-    from pipeline.runtime import model_steps, verify
 
     ns = build_parser().parse_args(["run", "--device", "cpu", "--max-reqs", str(max_reqs), "--page-size", str(page)])
     cfg = runner_config(ns, request_from(ns, on_gpu=False))
-    assert cfg.min_token_slots == max(verify.slots_needed(max_reqs, page), model_steps.slots_needed(max_reqs, page))
-    assert cfg.min_context_len == max(verify.context_needed(max_reqs), model_steps.context_needed(max_reqs))
+    batches = [list(zip(a, b))[:max_reqs] for a, b in ((PREFIX_LENS, NEW_LENS), (EXTEND_LENS, CHUNK_LENS))]
+    slots = max(page * (1 + sum(math.ceil((x + y + 3) / page) for x, y in rows)) for rows in batches)
+    assert cfg.min_token_slots == slots
+    assert cfg.min_context_len == max(x + y + 3 for rows in batches for x, y in rows)
     return cfg.min_token_slots, cfg.min_context_len
 
 
 @pytest.mark.parametrize("max_reqs,page", [(1, 1), (2, 16), (3, 1), (8, 1), (8, 64), (256, 16)])
 def test_plan_and_run_agree_on_the_shortest_context(max_reqs, page):
     slots, ctx = _run_minimums(max_reqs, page)
-    assert (slots, ctx) == (slots_needed(max_reqs, page), context_needed(max_reqs))
+    assert (slots, ctx) == (check_needs(max_reqs, page).slots, check_needs(max_reqs).context)
     argv = ["--max-reqs", str(max_reqs), "--page-size", str(page)]
     rc, out = plan(set_flag(argv, "--max-context-len", str(ctx - 1)))
     assert rc == 3 and out["error"]["code"] == "invalid_value", out["error"]
@@ -56,7 +58,7 @@ def test_plan_refuses_token_slots_run_refuses(max_reqs, page):
     rc, out = plan(set_flag(argv, "--num-token-slots", str(floor)))
     assert rc == 0, out.get("error")
     # run refuses one page less too (its pool sizing, before anything is built)
-    from pipeline.core.pool_sizing import size_pools
+    from pipeline.memory.pools import size_pools
 
     with pytest.raises(ConfigError) as e:
         size_pools([], 1, "bfloat16", page_size=page, max_reqs=max_reqs, max_context_len=64,
@@ -76,7 +78,7 @@ def test_the_pool_remedy_names_no_context_run_refuses():
     assert ways, remedy
     for flag, value in ways:
         if flag == "--max-context-len":
-            assert int(value) >= context_needed(2147483647), remedy
+            assert int(value) >= check_needs(2147483647).context, remedy
         rc, fixed = plan(set_flag(argv, flag, value))
         assert rc == 0, (flag, value, fixed.get("error"))
 

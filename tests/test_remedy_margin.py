@@ -1,5 +1,5 @@
 """Memory remedies that name "the largest that fits" stay true when followed: each value is sized against the free
-memory less :func:`pipeline.core.pool_sizing.remedy_margin` and rounded down, so a re-run on a machine whose free
+memory less :func:`pipeline.memory.pools.remedy_margin` and rounded down, so a re-run on a machine whose free
 memory dropped by up to that margin passes the same check (a new-user trial followed ``--mem-fraction 0.84``, then
 0.83, 0.82 … down to 0.78 before one fitted)."""
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 
 from pipeline.core.contracts import DeviceFacts, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError
-from pipeline.core.pool_sizing import REMEDY_MARGIN_MIN_BYTES, remedy_available, remedy_margin
+from pipeline.memory.pools import REMEDY_MARGIN_MIN_BYTES, remedy_available, remedy_margin
 from pipeline.core.spec import truncate_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.runtime.pool_steps import fraction_remedy, size_for
@@ -120,7 +120,7 @@ def test_a_max_reqs_remedy_lowers_the_graph_sizes_above_it(llama, graphs):
     N rows …)", and that N with the graph top left as given was refused next (cuda_graph_max_bs above max_reqs).
     The remedy now lowers the graph sizes with it, and following it passes both checks (s8adv)."""
     from pipeline.core.contracts import AttentionArgs
-    from states.graphs import check_graph_bs
+    from states.build_mode import check_graph_bs
 
     big = 2 ** 31 - 1
     req = SetupRequest(model=llama, device="cpu", args=AttentionArgs(**graphs),

@@ -15,7 +15,7 @@ import msgspec
 from conftest import cuda_facts
 
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
-from pipeline.core.pool_sizing import POOL_MEMORY_SHARE
+from pipeline.memory.pools import POOL_MEMORY_SHARE
 from pipeline.core.spec import truncate_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.runtime import pool_steps
@@ -50,7 +50,7 @@ def test_an_absurd_top_is_estimated_by_its_bound_at_once(llama):
 
 def test_a_top_that_fits_gets_the_full_estimate(llama):
     """Below the device, nothing changes: the estimate is the full one (one entry per size), not the bound."""
-    from states.graph_memory import estimate_for_decided
+    from pipeline.memory.graphs import estimate_for_decided
 
     r = _runner(llama, 64, 64)
     spec = truncate_spec(llama, 2)

@@ -8,12 +8,12 @@ import pytest
 from conftest import CONFIGS, npu_facts
 from pipeline.core import events as ev
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
-from states.graphs import capture_batch_sizes, skip_reason
+from states.build_mode import capture_batch_sizes, skip_reason
 from pipeline.core.errors import BackendClosed, ConfigError, OrderingError
 from pipeline.core.steps import GuardError
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
-from pipeline.core.pool_sizing import kv_bytes_per_token, size_pools
+from pipeline.memory.pools import kv_bytes_per_token, size_pools
 from pipeline.runtime.runner import Runner, RunnerConfig, RunnerState
 
 ORDER = ["init-distributed", "load-model", "init-memory-pool", "attention", "capture-cuda-graphs", "ready"]
@@ -124,7 +124,7 @@ def test_rank_agreement_from_callable_or_recorded_skip(qwen):
 def test_zbal_before_capture_never_for_draft_or_size_zero(qwen, monkeypatch):
     """With a fake NPU platform and a fake capture: zbal lazy memory is called before capture."""
     import pipeline.runtime.cuda_graphs as cg
-    import states.graphs as graphs
+    import states.build_mode as graphs
 
     class FakeGraphs:
         def __init__(self, stack, backend, rp, kv, sizes):
@@ -179,7 +179,7 @@ def _fail_model(monkeypatch):
 
 def _fail_capture(monkeypatch):
     import pipeline.runtime.cuda_graphs as cg
-    import states.graphs as graphs
+    import states.build_mode as graphs
 
     monkeypatch.setattr(graphs, "decide_graphs", lambda *a: graphs.GraphDecision(True))  # capture on CPU: it fails
     monkeypatch.setattr(cg, "DecodeGraphRunner", lambda *a: (_ for _ in ()).throw(RuntimeError("capture exploded")))

@@ -110,7 +110,8 @@ def test_mem_fraction_remedy_names_a_share_that_fits_here(capsys, tmp_path):
     req, platform = request_from(ns, on_gpu=False), platform_for("cpu")
     check_pool_for_checks(ns, req, platform, 0)
     if frac < 0.9:
-        from pipeline.core.pool_sizing import host_available_bytes, remedy_margin
+        from pipeline.memory.pools import remedy_margin
+        from pipeline.platforms.cpu import host_available_bytes
 
         total = platform.device_facts(0).total_memory_bytes  # the remedy keeps a margin; host memory also moves
         ns.mem_fraction = round(frac + remedy_margin(host_available_bytes()) / total + 0.03, 2)

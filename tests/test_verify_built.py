@@ -30,11 +30,12 @@ from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, Setup
 from pipeline.runtime.model import truncate_spec
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
-from pipeline.runtime.verify import VERIFY_WINDOW, slots_needed, verification_model, verify_backend, verify_built
+from pipeline.memory.pools import check_needs
+from pipeline.runtime.verify import VERIFY_WINDOW, verification_model, verify_backend, verify_built
 
 WINDOWED = {"gemma-2-9b.json": 4096, "gpt-oss-20b.json": 128, "mistral-7b-v0.1.json": 4096}
 PAGE = 4
-POOL = PoolFacts(max_reqs=8, max_context_len=64, num_token_slots=slots_needed(8, PAGE) + 8 * PAGE, page_size=PAGE)
+POOL = PoolFacts(max_reqs=8, max_context_len=64, num_token_slots=check_needs(8, PAGE).verify_slots + 8 * PAGE, page_size=PAGE)
 FI_INSTALLED = {"torch": True, "triton": True, "flashinfer-python": True}
 # a small fake GPU: 4 SMs keep FlashInfer's workspace bound (and the CPU buffer) small
 FAKE_GPU = DeviceFacts(type="cuda", index=0, name="fake sm90", vendor="nvidia", compute_capability=(9, 0), sm_count=4,

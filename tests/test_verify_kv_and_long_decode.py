@@ -12,14 +12,15 @@ import torch
 from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
 from pipeline.platforms.fake import FakePlatform
-from pipeline.runtime.model_steps import slots_needed, verify_model_steps
+from pipeline.memory.pools import check_needs
+from pipeline.runtime.model_steps import verify_model_steps
 from pipeline.runtime.runner import Runner, RunnerConfig
 from test_verify_steps import TINY, tiny  # noqa: F401 (fixture)
 
 
 def _checks(spec, *, dtype="auto", kv="auto", steps=3, page_size=1, decode_off=None):
     pool = PoolFacts(max_reqs=4, max_context_len=16 + steps, page_size=page_size,
-                     num_token_slots=slots_needed(4, page_size, steps) + 2 * page_size)
+                     num_token_slots=check_needs(4, page_size, steps).steps_slots + 2 * page_size)
     req = SetupRequest(args=AttentionArgs(dtype=dtype, kv_cache_dtype=kv, page_size=page_size), model=spec,
                        device="cpu", pool=pool)
     facts = DeviceFacts(type="cpu", name="fake cpu", total_memory_bytes=8 << 30, sm_count=2, source="test")

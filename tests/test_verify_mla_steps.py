@@ -20,9 +20,10 @@ import torch
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
 from pipeline.core.errors import BuildError
 from pipeline.core.model_spec import load_model_spec
+from pipeline.memory.pools import check_needs
 from pipeline.platforms.fake import FakePlatform
 from pipeline.runtime import model_steps, stack_reference
-from pipeline.runtime.model_steps import (REF_MLA_ABSORBED, REF_MLA_UNABSORBED, absorption_tolerance, slots_needed,
+from pipeline.runtime.model_steps import (REF_MLA_ABSORBED, REF_MLA_UNABSORBED, absorption_tolerance,
                                           verify_model_steps)
 from pipeline.runtime.runner import Runner, RunnerConfig
 
@@ -59,7 +60,7 @@ def _checks(spec, *, steps=3, page_size=1, stack_wrong=None):
     """verify_model_steps on a 2-layer stack; ``stack_wrong=(key, fn)`` makes the *stack* compute with
     ``fn(weights[key])`` while the references keep the right weights (their float64 cache is filled first)."""
     pool = PoolFacts(max_reqs=4, max_context_len=16 + steps, page_size=page_size,
-                     num_token_slots=slots_needed(4, page_size, steps) + 2 * page_size)
+                     num_token_slots=check_needs(4, page_size, steps).steps_slots + 2 * page_size)
     req = SetupRequest(args=AttentionArgs(page_size=page_size), model=spec, device="cpu", pool=pool)
     facts = DeviceFacts(type="cpu", name="fake cpu", total_memory_bytes=8 << 30, sm_count=2, source="test")
     with Runner(RunnerConfig(request=req, num_layers=2), platform=FakePlatform(facts)) as r:

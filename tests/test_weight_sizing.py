@@ -10,9 +10,9 @@ import pytest
 from conftest import CONFIGS
 from pipeline import load_model_spec
 from pipeline.core.errors import ConfigError
-from pipeline.core.pool_sizing import remedy_available, remedy_margin
+from pipeline.memory.pools import remedy_available, remedy_margin
 from pipeline.core.spec import attention_layer_ids
-from pipeline.core.weight_sizing import check_weights_fit, weight_bytes
+from pipeline.memory.pools import check_weights_fit, weight_bytes
 
 # DeepSeek-V3 left out for speed (its MLA shapes are DeepSeek-V2-Lite's formula at other sizes)
 MODELS = sorted(p for p in glob.glob(str(CONFIGS / "*.json")) if "deepseek-v3" not in p)

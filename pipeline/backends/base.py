@@ -1,4 +1,4 @@
-"""The attention backend interface (sglang's contract) and the forward-batch record.
+"""The attention backend interface (sglang's contract), the forward-batch record and the per-call layer check.
 
 An engine that already speaks sglang's ``AttentionBackend`` can plug any backend built here into
 its model: the method names and arguments match sglang's
@@ -11,22 +11,70 @@ Shapes (T = tokens in the batch, H = q heads, Hkv = kv heads, D = qk head dim, D
 - output: [T, H*Dv], same dtype as ``q``.
 - KV memory: see :mod:`pipeline.backends.memory` (``req_to_token`` [max_reqs, max_context_len] int32;
   per-layer K/V buffers [num_token_slots, Hkv, D] / [num_token_slots, Hkv, Dv]).
+
+A closed backend (:func:`mark_closed`, applied by every subclass's ``close``) refuses each call of
+:data:`GUARDED_METHODS` with :class:`pipeline.core.errors.BackendClosed`, at no cost to an open one.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, TYPE_CHECKING
 
-from pipeline.backends.closed import GUARDED_METHODS, _closing, mark_closed  # noqa: F401 (their home before the split)
 from pipeline.core.contracts import ForwardMode, LayerKind
 from pipeline.core.errors import LayerMismatch
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+
+# The methods a closed backend refuses (sglang's backend contract: everything that reads its buffers).
+GUARDED_METHODS = ("init_forward_metadata", "init_cuda_graph_state", "init_forward_metadata_capture_cuda_graph",
+                   "init_forward_metadata_replay_cuda_graph", "forward", "forward_extend", "forward_decode")
+_CLOSED_VIEWS: dict[type, type] = {}
+
+
+def _refuse(method: str) -> Callable[..., Any]:
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from pipeline.core.errors import BackendClosed
+
+        name = getattr(self, "name", type(self).__name__)
+        raise BackendClosed(f"{type(self).__name__}.{method}() was called after close() released this backend",
+                            code="backend_closed", state="closed", flags=[("backend", name), ("method", method)],
+                            remedy="build new backends with build_attention_backends() (AttentionBackends.close() "
+                                   "or a failed start released these); drop references to the old ones")
+    refuse.__name__ = method
+    return refuse
+
+
+def mark_closed(backend: Any) -> None:
+    """Move ``backend`` to the closed view of its class, whose :data:`GUARDED_METHODS` raise
+    :class:`pipeline.core.errors.BackendClosed` (idempotent; attributes and ``isinstance`` are kept)."""
+    cls = type(backend)
+    if getattr(cls, "_closed_view", False):
+        return
+    view = _CLOSED_VIEWS.get(cls)
+    if view is None:
+        ns = {"_closed_view": True, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+              "__doc__": cls.__doc__, **{m: _refuse(m) for m in GUARDED_METHODS}}
+        view = _CLOSED_VIEWS[cls] = type(cls)(cls.__name__, (cls,), ns)
+    backend.__class__ = view
+
+
+def _closing(close: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    @functools.wraps(close)
+    def wrapper(self: Any) -> Any:
+        out = close(self)
+        mark_closed(self)
+        return out
+
+    wrapper._marks_closed = True  # type: ignore[attr-defined]
+    return wrapper
+
 
 
 @dataclass(frozen=True, eq=False)
@@ -278,3 +326,4 @@ class AttentionBackend(abc.ABC):
 
 
 AttentionBackend.close = _closing(AttentionBackend.close)  # type: ignore[method-assign]
+

@@ -75,7 +75,7 @@ class BackendRules:
     ``graph_decode_allocs(kind, bs, q_elem_bytes) -> [(nbytes, is_output)]``: the device tensors its decode
     forward allocates for one layer of ``kind`` at ``bs`` requests, in order (``is_output``: the tensor it returns;
     the others are freed before it returns) — what a CUDA-graph capture takes from the graph pool
-    (:mod:`states.graph_memory`); None: the output alone (:func:`decode_output_only`).
+    (:mod:`pipeline.memory.graphs`); None: the output alone (:func:`decode_output_only`).
     ``graph_state_allocs(kinds, batch_sizes, *, max_context_len, page_size, num_sms) -> [(bs, nbytes)]``: the device
     tensors it allocates outside the graph pool for capture and keeps, in order — ``bs`` 0 for
     ``init_cuda_graph_state``, else in ``init_forward_metadata_capture_cuda_graph`` of that size (sizes captured

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from pipeline.backends.flashinfer_sizing import HeadShape, WorkspaceNeed, workspace_need
 from pipeline.core.errors import ConfigError
-from pipeline.core.pool_remedy import REMEDY_MAX_BS, largest_fitting
+from pipeline.core.numbers import REMEDY_MAX_BS, largest_fitting
 
 WORKSPACE_FIELD = "flashinfer_workspace_size"
 WORKSPACE_ENV = "SGLANG_FLASHINFER_WORKSPACE_SIZE"
@@ -68,14 +68,6 @@ def backend_need(kinds: Iterable[Any], *, backend: str, num_sms: int, max_reqs: 
                           max_batch_size=max_reqs, prefill_backend="fa3" if backend == "fa3" else "fa2").bytes
 
 
-def largest_fitting_bs(fits: Any, top: int) -> Optional[int]:
-    """The largest ``bs`` in ``1..top`` with ``fits(bs)``, or None: :func:`pipeline.core.pool_remedy.largest_fitting`
-    over ``range(1, top + 1)``, O(log top) calls, valid because the need grows with the captured batch
-    (:func:`fa2_graph_decode_bytes` is nondecreasing in ``batch_size``, and :func:`use_tensor_core_decode` only turns
-    on as the batch grows). A linear scan from ``top`` down hung on a ``max_reqs`` of 2**31 - 1."""
-    return largest_fitting(range(1, top + 1), fits)
-
-
 def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: str, num_sms: int, max_reqs: int,
                             graph_max_bs: int, graph_bs_given: bool = False, state: str = "build-mode",
                             env_var: str = "", max_bytes: int = 0, field_given: bool = False,
@@ -86,13 +78,13 @@ def check_backend_workspace(size_bytes: int, kinds: Iterable[Any], *, backend: s
     ``size_bytes``: the workspace the backend gets; ``kinds``: the layer kinds it serves;
     ``backend``: ``"flashinfer"`` (fa2 kernels) or ``"fa3"``; ``num_sms``: the device's SMs;
     ``max_reqs``: rows of ``req_to_token`` (the largest eager batch); ``graph_max_bs``: the
-    largest captured decode batch (:func:`states.graphs.graph_max_bs`, 0 without graphs);
+    largest captured decode batch (:func:`states.build_mode.graph_max_bs`, 0 without graphs);
     ``graph_bs_given``: the sizes came from ``cuda_graph_bs`` (so the remedy names that list);
     ``env_var``: the environment variable the size came from ("" when the field or the default set it), named by
     the error; ``max_bytes``: the largest workspace this device can hold (0: unknown), see below; ``field_given``:
     ``flashinfer_workspace_size`` set the size (the remedy then names only it: the field wins over the variable);
     ``fits(ws, bs)``: whether each planned workspace at ``ws`` bytes fits the device beside the KV pools and the
-    decode graphs up to ``bs`` (0: none) — ``plan``'s :func:`states.workspace_remedy_check.fits_beside` (s12ws:
+    decode graphs up to ``bs`` (0: none) — ``plan``'s :func:`pipeline.memory.fits.fits_beside` (s12ws:
     without it the remedy named a workspace and a top whose graphs did not fit beside 2**24 rows of
     ``req_to_token``); None: only ``max_bytes`` bounds it; ``graph_bs``: the ``cuda_graph_bs`` list (when known: a
     remedy that cuts it then names the largest size it keeps, and with ``max_bs_given`` — ``cuda_graph_max_bs`` set
@@ -151,14 +143,16 @@ def _graph_fix(size_bytes: int, need_at: Callable[[int], int], room: Callable[[i
     ``1..top`` whose need fits the workspace as it is and ``room(size_bytes, N)``; else, unless raising the workspace
     works (``raise_fits``), the need at the largest ``N`` with ``room(need_at(N), N)`` and that ``N``; else no graphs
     (``room`` at 0), with the eager need as the workspace when it is above ``size_bytes``. Each search is
-    :func:`largest_fitting_bs`: the need and the graphs' bytes grow with ``N``, so each predicate holds on a prefix.
+    :func:`~pipeline.core.numbers.largest_fitting` over ``1..top``: the need and the graphs' bytes grow with ``N``
+    (:func:`fa2_graph_decode_bytes` is nondecreasing in the batch, and tensor-core decode only turns on as it grows), so
+    each predicate holds on a prefix.
     ``sizes``: :func:`_sizes_wording`'s (a list cut to no size is no alternative)."""
-    fits = largest_fitting_bs(lambda bs: need_at(bs) <= size_bytes and room(size_bytes, bs), top)
+    fits = largest_fitting(range(1, top + 1), lambda bs: need_at(bs) <= size_bytes and room(size_bytes, bs))
     if fits is not None and sizes(fits):
         return sizes(fits)
     if raise_fits:
         return ""
-    both = largest_fitting_bs(lambda bs: room(need_at(bs), bs), top)
+    both = largest_fitting(range(1, top + 1), lambda bs: room(need_at(bs), bs))
     if both is not None and sizes(both):
         return f"set {name}={need_at(both)} and {sizes(both).removeprefix('set ')}"
     eager = max(need_at(0), size_bytes)

@@ -84,7 +84,7 @@ class BackendEntry:
         ``max_bytes``: the largest workspace the device holds (0: unknown), which the remedy never exceeds;
         ``field_given``: the size came from its field (which wins over the variable: the remedy names only it);
         ``fits(ws, bs)``: whether each workspace at ``ws`` bytes fits beside the KV pools and the graphs up to
-        ``bs`` (``plan``'s, :func:`states.workspace_remedy_check.fits_beside`; None: ``max_bytes`` alone), which
+        ``bs`` (``plan``'s, :func:`pipeline.memory.fits.fits_beside`; None: ``max_bytes`` alone), which
         every alternative of the remedy then does; ``graph_bs``: the ``cuda_graph_bs`` list and ``max_bs_given``:
         ``cuda_graph_max_bs`` set too, so that a remedy cutting the list names a size of it and that top."""
         if self.rules.check_workspace is not None:
@@ -106,7 +106,7 @@ class BackendEntry:
 
     def graph_decode_allocs(self, kind: "LayerKind", bs: int, q_elem_bytes: int) -> list[tuple[int, bool]]:
         """``[(nbytes, is_output)]`` its decode forward allocates for one layer of ``kind`` at ``bs`` requests, in
-        order (the CUDA-graph memory estimate replays them: :mod:`states.graph_memory`); without a rule of its
+        order (the CUDA-graph memory estimate replays them: :mod:`pipeline.memory.graphs`); without a rule of its
         own, the output ``[bs, H, Dv]`` in q's dtype alone."""
         from pipeline.backends.capability import decode_output_only
 

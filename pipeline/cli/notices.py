@@ -18,7 +18,7 @@ import argparse
 import os
 from typing import Any
 
-from pipeline.core.weight_sizing import weight_bytes  # the estimate (moved to the core: the runner refuses with it)
+from pipeline.memory.pools import weight_bytes  # the estimate (moved to the core: the runner refuses with it)
 
 __all__ = ["run_notices", "weight_bytes", "MEMORY_NOTICE_BYTES", "MANY_STEPS"]
 

@@ -11,7 +11,7 @@ sizes above ``--max-reqs``, a FlashInfer workspace too small). Package presence 
 (``importlib.metadata``) unless ``--installed`` lists the packages to assume. ``cuda_graph_bytes_estimate`` (and
 ``cuda_graph_estimate``: the graph pool, the replay state and the warm-up stream, the pool per batch size, the
 layers, the cuBLAS workspace) is the decode CUDA graphs' memory
-:mod:`states.graph_memory` estimates for the stack ``attn-setup run`` builds with the same flags (``--num-layers``,
+:mod:`pipeline.memory.graphs` estimates for the stack ``attn-setup run`` builds with the same flags (``--num-layers``,
 default as ``run``'s) — what ``run`` takes out of a ``--mem-fraction`` budget before sizing the KV pool.
 
 Exit codes: 0 planned · 2 usage (bad flags, unreadable file, unknown profile or package) ·

@@ -51,14 +51,14 @@ def run_stack(request: SetupRequest, num_layers: Any = None) -> Optional[SetupRe
 
 def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = None) -> dict[str, Any]:
     """``{cuda_graph_bytes_estimate, cuda_graph_estimate}`` for the stack ``run`` builds with ``num_layers`` (None:
-    run's default) — :func:`states.graph_memory.estimate_for_decided`, as run's pool sizing calls it; 0 and None
+    run's default) — :func:`pipeline.memory.graphs.estimate_for_decided`, as run's pool sizing calls it; 0 and None
     when no decode graphs are captured. Raises ConfigError for ``num_layers`` outside the model's attention layers,
     and ``workspace_exceeds_memory`` / ``pool_exceeds_memory`` for workspaces, graphs or pools the device profile
-    cannot hold (:func:`states.graph_memory_check.check_plan_memory`: run refuses them too)."""
+    cannot hold (:func:`pipeline.memory.fits.check_plan_memory`: run refuses them too)."""
     from pipeline.core.layer_span import span_fields, span_of
-    from states.graph_memory import estimate_for_decided
-    from states.graph_memory_bound import lower_bound_for_decided
-    from states.graph_memory_check import check_plan_memory, refuse_early
+    from pipeline.memory.graphs import estimate_for_decided
+    from pipeline.memory.graphs import lower_bound_for_decided
+    from pipeline.memory.fits import check_plan_memory, refuse_early
 
     served, cut = request.served_model, run_stack(request, num_layers)
     if cut is None:
@@ -107,10 +107,10 @@ def graph_estimate_line(report: dict[str, Any]) -> str:
 
 def _retell_workspace_refusal(request: SetupRequest, decided: Any, device: DeviceFacts, num_layers: Any) -> None:
     """s12ws: a ``workspace_too_small`` refusal raised again with a remedy whose alternatives fit beside the KV pools
-    and the graphs of the stack ``run`` builds (:func:`states.workspace_remedy_check.retell_workspace_refusal`);
+    and the graphs of the stack ``run`` builds (:func:`pipeline.memory.fits.retell_workspace_refusal`);
     any other refusal, or a ``num_layers`` the model refuses (raised after the refusal, as before), left alone."""
     from pipeline.core.errors import AttnSetupError
-    from states.workspace_remedy_check import retell_workspace_refusal
+    from pipeline.memory.fits import retell_workspace_refusal
 
     err = decided.refused[1] if decided.refused is not None else None
     if not isinstance(err, AttnSetupError) or err.info.code != "workspace_too_small":
@@ -131,12 +131,12 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
     before allocating — resolve (``strict`` included), build-mode's plan, the CUDA-graph sizes against
     ``max_reqs``, each workspace against the largest batch it plans, npu-lazy-mem — so ``plan`` refuses what
     a run would refuse. ``warnings``: the reference fallback and every downgrade
-    (:func:`states.resolve.warnings_for`), as a run logs them. ``num_layers``: the layers ``run`` would build,
+    (:func:`states.fallback.warnings_for`), as a run logs them. ``num_layers``: the layers ``run`` would build,
     for the CUDA-graph memory estimate (:func:`graph_estimate_obj`).
     """
     from pipeline.cli import report as rp
     from pipeline.setup.build import decide_setup
-    from states import resolve
+    from states.fallback import warnings_for
 
     decided = decide_setup(request, facts=device, installed=installed)
     _retell_workspace_refusal(request, decided, device, num_layers)
@@ -145,7 +145,7 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
     return {"ok": True, "device": device_view(device), "installed": dict(installed),
             "resolved": rp.resolved_obj(res), "plan": rp.plan_obj(plan), "rejected": rejected_obj(res),
             "skips": skips_of(decided),
-            "warnings": warnings_obj(resolve.warnings_for(res, list(res.skips) + list(plan.skips), device))
+            "warnings": warnings_obj(warnings_for(res, list(res.skips) + list(plan.skips), device))
             + rp.layer_rule_warnings(request),
             "cuda_graphs": cuda_graphs_obj(request, decided["build-mode"].graphs, device),
             "npu_lazy_mem": lazy_mem_obj(decided["npu-lazy-mem"]),
@@ -154,14 +154,14 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
 
 def cuda_graphs_obj(request: SetupRequest, graphs: Any, device: Optional[DeviceFacts] = None) -> dict[str, Any]:
     """``cuda_graphs`` of plan JSON: ``{capture, reason, batch_sizes, count, max_bs, max_bs_source, max_bs_from}`` —
-    whether decode CUDA graphs are captured (:func:`states.graphs.decide_graphs`; ``reason`` when not), the decode
-    batch sizes a run captures on ``device`` (:func:`states.graphs.capture_batch_sizes`: ``cuda_graph_bs``, else
+    whether decode CUDA graphs are captured (:func:`states.build_mode.decide_graphs`; ``reason`` when not), the decode
+    batch sizes a run captures on ``device`` (:func:`states.build_mode.capture_batch_sizes`: ``cuda_graph_bs``, else
     sglang's 1, 2, 4, 8, 16, 24, … up to ``cuda_graph_max_bs``, else up to sglang's default for the device's memory
-    capped by ``max_reqs``; null when more than :data:`states.graphs.LISTED_SIZES`), how many and the largest (0
-    without graphs), and where the top came from (:func:`states.graphs.graph_top`: ``max_bs_source`` one of
+    capped by ``max_reqs``; null when more than :data:`states.build_mode.LISTED_SIZES`), how many and the largest (0
+    without graphs), and where the top came from (:func:`states.build_mode.graph_top`: ``max_bs_source`` one of
     ``cuda_graph_bs``, ``cuda_graph_max_bs``, ``default``, ``max_reqs``; ``max_bs_from`` in words, e.g.
     ``default for 131 GiB: 256 (sglang's rule)``; null without graphs)."""
-    from states.graphs import graph_sizes, graph_top
+    from states.build_mode import graph_sizes, graph_top
 
     kw = dict(device=device, world_size=request.world_size)
     count, largest, sizes = graph_sizes(request.args, request.pool.max_reqs, graphs.capture, **kw)

@@ -64,12 +64,11 @@ def pool_facts(ns: argparse.Namespace, args: Any, on_gpu: bool) -> PoolFacts:
     """
     ps = args.page_size
     if ns.num_token_slots is not None and ns.num_token_slots > 0 and ns.num_token_slots % ps:
-        from pipeline.core.pool_remedy import slot_floor
-        from pipeline.core.verification_sizes import DEFAULT_DECODE_STEPS, slots_needed
+        from pipeline.memory.pools import DEFAULT_DECODE_STEPS, check_needs, slot_floor
 
         # the multiple named must also hold run's verification batches, or following it is refused next
         steps = max(getattr(ns, "decode_steps", DEFAULT_DECODE_STEPS) or 0, 0)
-        need = slot_floor(slots_needed(8 if ns.max_reqs is None else ns.max_reqs, ps, steps), ps)
+        need = slot_floor(check_needs(8 if ns.max_reqs is None else ns.max_reqs, ps, steps).slots, ps)
         fix = -(-max(ns.num_token_slots, need) // ps) * ps
         raise ConfigError(f"--num-token-slots {ns.num_token_slots} is not a whole number of pages of {ps} tokens",
                           code="invalid_value", flags=[("num_token_slots", ns.num_token_slots), ("page_size", ps)],

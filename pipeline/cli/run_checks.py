@@ -66,13 +66,13 @@ def open_log(path: str, template: str, run_id: str, rank: int, secrets: tuple[st
 def check_context(request: SetupRequest, decode_steps: int, command: str = "run") -> None:
     """Refuse a ``--max-context-len`` shorter than the longest request ``run``'s checks reach: the built instances
     are verified on a 5-request batch and the model steps on a 4-request one
-    (:func:`pipeline.core.verification_sizes.context_needed`; torch-free, so ``plan`` refuses it too, at run's
+    (:func:`pipeline.memory.pools.check_needs`; torch-free, so ``plan`` refuses it too, at run's
     default ``--decode-steps``); ConfigError ``invalid_value`` naming the minimum."""
     from pipeline.core.validation import MAX_POOL_DIM
-    from pipeline.core.verification_sizes import context_needed
+    from pipeline.memory.pools import check_needs
 
     p = request.pool
-    ctx = context_needed(p.max_reqs, decode_steps)
+    ctx = check_needs(p.max_reqs, 1, decode_steps).context
     if p.max_context_len < ctx:
         which = "verification request reaches with --decode-steps" if command == "run" else \
             "verification request of `attn-setup run` reaches with its default --decode-steps"
@@ -89,12 +89,11 @@ def check_plan_minimums(request: SetupRequest) -> None:
     default ``--decode-steps`` (plan has no such flag): a ``--max-context-len`` shorter than the longest verification
     request (:func:`check_context`), and a ``--num-token-slots`` below the slots the verification batches hold
     (``pool_budget_too_small``, as ``run``'s pool sizing words it: whole pages, at least two). Torch-free."""
-    from pipeline.core.pool_remedy import slot_floor
-    from pipeline.core.verification_sizes import DEFAULT_DECODE_STEPS, slots_needed
+    from pipeline.memory.pools import DEFAULT_DECODE_STEPS, check_needs, slot_floor
 
     check_context(request, DEFAULT_DECODE_STEPS, command="plan")
     p, page = request.pool, request.args.page_size
-    floor = slot_floor(slots_needed(p.max_reqs, page, DEFAULT_DECODE_STEPS), page)
+    floor = slot_floor(check_needs(p.max_reqs, page, DEFAULT_DECODE_STEPS).slots, page)
     if p.num_token_slots is not None and -(-p.num_token_slots // page) * page < floor:
         raise ConfigError(f"num_token_slots={p.num_token_slots} cannot hold {floor} token slots (the verification "
                           f"batches of `attn-setup run` with its default --decode-steps {DEFAULT_DECODE_STEPS})",
@@ -133,16 +132,16 @@ def runner_config(ns: argparse.Namespace, request: SetupRequest) -> Any:
     """The RunnerConfig from the flags (default on every device: the first 2 attention layers, or as many as it
     takes to include one layer of every attention kind, e.g. 4 for Llama-4, 6 for Gemma-3); a pool sized from
     ``--num-token-slots`` or ``--mem-bytes`` must hold the verification batches (whole pages each:
-    :func:`pipeline.core.verification_sizes.slots_needed`)."""
+    :func:`pipeline.memory.pools.check_needs`)."""
     from pipeline.core.model_spec import layers_covering_every_kind
-    from pipeline.core.verification_sizes import context_needed, slots_needed
+    from pipeline.memory.pools import check_needs
     from pipeline.runtime.runner import RunnerConfig
 
     default = layers_covering_every_kind(request.served_model, DEFAULT_LAYERS)
     layers = ns.num_layers if ns.num_layers is not None else max(default, 1)
     p, ps, steps = request.pool, request.args.page_size, max(ns.decode_steps, 0)
-    need, ctx = slots_needed(p.max_reqs, ps, steps), context_needed(p.max_reqs, steps)
+    needs = check_needs(p.max_reqs, ps, steps)
     return RunnerConfig(request=request, num_layers=layers, num_token_slots=ns.num_token_slots,
-                        mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction, min_token_slots=need,
+                        mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction, min_token_slots=needs.slots,
                         min_token_slots_for=f"the verification batches with --decode-steps {steps}",
-                        min_context_len=ctx)
+                        min_context_len=needs.context)

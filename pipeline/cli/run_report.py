@@ -159,8 +159,8 @@ def _pool_line(records: Any) -> Optional[str]:
 
 def _top_text(records: Any, request: Optional[SetupRequest]) -> str:
     """`` (top: default for 131 GiB: 256 (sglang's rule))``: where the largest captured size came from
-    (:func:`states.graphs.graph_top` on the initialized device); empty when that cannot be said."""
-    from states.graphs import graph_top
+    (:func:`states.build_mode.graph_top` on the initialized device); empty when that cannot be said."""
+    from states.build_mode import graph_top
 
     init = next((r for r in records if isinstance(r, ev.DeviceInitialized)), None)
     if request is None or init is None:

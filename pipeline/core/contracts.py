@@ -84,7 +84,7 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
     disable_cuda_graph: capture no decode CUDA graphs
     cuda_graph_bs: decode batch sizes captured as CUDA graphs; unset = 1, 2, 4, 8, 16, 24, … up to cuda_graph_max_bs
     cuda_graph_max_bs: largest decode batch size captured; unset = max(cuda_graph_bs), else min(the request pool's
-        rows, sglang's default for the device's memory: states.graphs.graph_top)
+        rows, sglang's default for the device's memory: states.build_mode.graph_top)
     zbal_local_mem_size: bytes of NPU zbal lazy memory, 0 = off; unset = SGLANG_ZBAL_LOCAL_MEM_SIZE, else 0
     flashinfer_workspace_size: bytes of the FlashInfer workspace; unset = SGLANG_FLASHINFER_WORKSPACE_SIZE, else 384 MiB (512 MiB for sglang's Qwen2/Qwen3/MiMo architectures)
     dtype: model (activation) dtype; auto = the checkpoint's, a float32 checkpoint in bfloat16 (Gemma family) or float16 (a config without torch_dtype counts as float32, as in sglang)

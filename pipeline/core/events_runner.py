@@ -65,7 +65,7 @@ class ModelLoaded(Event, tag="model_loaded", kw_only=True):
 class MemoryPoolSized(Event, tag="memory_pool_sized", kw_only=True):
     """init-memory-pool: where the size came from, tokens and bytes of ``req_to_token`` and the K/V buffers.
 
-    ``graph_bytes_estimate``: the decode CUDA graphs' estimated private pool (:mod:`states.graph_memory`), taken
+    ``graph_bytes_estimate``: the decode CUDA graphs' estimated private pool (:mod:`pipeline.memory.graphs`), taken
     out of a ``mem_fraction`` budget before the pools were sized (``budget_bytes`` is what was left for them) and
     counted with them against free memory; 0 without graphs and in traces written before it was estimated."""
 
@@ -88,7 +88,7 @@ class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
     pool, captured largest first, so smaller sizes mostly reuse it); ``device_bytes``: device memory free before
     the capture minus free after (``torch.cuda.mem_get_info``; can be 0 or below when the allocator released
     cached blocks to make room). Both 0 in traces written before they were measured. ``graph_bytes_estimate``:
-    what :mod:`states.graph_memory` estimated this size's capture adds to the pool (0 in older traces).
+    what :mod:`pipeline.memory.graphs` estimated this size's capture adds to the pool (0 in older traces).
     """
 
     bs: int
@@ -100,7 +100,7 @@ class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
 
 
 class CudaGraphMemory(Event, tag="cuda_graph_memory", kw_only=True):
-    """Decode-graph capture done: what it took against what :mod:`states.graph_memory` estimated (bytes).
+    """Decode-graph capture done: what it took against what :mod:`pipeline.memory.graphs` estimated (bytes).
 
     Estimated, by part: ``pool_estimate`` (the graphs' private pool), ``state_estimate`` (buffers kept for replay:
     the runner's inputs, the backend's graph state and per-size wrappers), ``warmup_estimate`` (the warm-up stream's
@@ -108,7 +108,7 @@ class CudaGraphMemory(Event, tag="cuda_graph_memory", kw_only=True):
     what pool sizing set aside). Measured: ``pool_bytes`` (the private pool's segments,
     ``torch.cuda.memory_snapshot()``) and ``step_device_bytes`` (free device memory before the capture step's first
     buffer minus after its last capture). ``prime_device_bytes``: free device memory the process's one-time capture
-    costs took before the pool budget was read (:func:`pipeline.runtime.cuda_graphs.prime_capture`: PyTorch's
+    costs took before the pool budget was read (:func:`pipeline.platforms.cuda.prime_capture`: PyTorch's
     stream pool, lazily loaded graph machinery), outside the step and its estimate; 0 when the process had paid them
     before, and in older traces.
     """

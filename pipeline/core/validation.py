@@ -267,7 +267,7 @@ def check_pool_facts(p: Any) -> None:
 
     Each size is in ``[1, 2**31 - 1]``: ``req_to_token`` stores int32 token locations (sglang's
     ``ReqToTokenPool``), so a larger pool could not be addressed. Whether the pools fit the
-    device's memory is checked where they are allocated (:func:`pipeline.core.pool_sizing.check_fits`).
+    device's memory is checked where they are allocated (:func:`pipeline.memory.pools.check_fits`).
     """
     _positive("pool.max_reqs", p.max_reqs, upper=MAX_POOL_DIM)
     _positive("pool.max_context_len", p.max_context_len, upper=MAX_POOL_DIM)

@@ -126,7 +126,7 @@ def progress_for(ns: Any, log: Any, request: Any) -> Any:
     def sizes(facts: Any) -> int:
         """The sizes a run captures on the initialized device (its memory sets the default top)."""
         try:
-            from states.graphs import count_batch_sizes
+            from states.build_mode import count_batch_sizes
 
             return count_batch_sizes(request.args, request.pool.max_reqs, device=facts,
                                      world_size=request.world_size)

@@ -36,6 +36,22 @@ class CpuPlatform:
 
     def memory_available(self, index: int = 0) -> int:
         """Host bytes free now (``MemAvailable``), what CPU pools are checked against before allocation."""
-        from pipeline.core.pool_sizing import host_available_bytes
+        from pipeline.platforms.cpu import host_available_bytes
 
         return host_available_bytes()
+
+
+def host_available_bytes() -> int:
+    """Host memory the kernel could hand out now: ``MemAvailable`` from /proc/meminfo (Linux),
+    else free physical pages (``os.sysconf``); 0 when unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -9,7 +9,7 @@ capture. A replay copies a real decode batch into the buffers, pads it to the ne
 (padded rows: request row 0, ``seq_len`` = the backend's fill value, KV slot 0 — page 0 is the
 reserved padding page), calls ``init_forward_metadata_replay_cuda_graph`` outside the graph and
 replays. Only decode is captured (sglang runs extend eagerly). Whether graphs are captured, and for which
-batch sizes, is decided once, torch-free, by :mod:`states.graphs`.
+batch sizes, is decided once, torch-free, by :mod:`states.build_mode`.
 """
 
 from __future__ import annotations
@@ -19,79 +19,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from pipeline.core.contracts import ForwardMode
 from pipeline.core.errors import ConfigError
+from pipeline.platforms.cuda import capture_graph, capture_stream
 
-__all__ = ["capture_graph", "capture_stream", "prime_capture", "DecodeGraphRunner"]
-
-_STREAMS: dict[int, Any] = {}  # device index -> this process's capture stream
-_PRIMED: dict[int, int] = {}  # device index -> device bytes the priming took (measured once)
-
-
-def capture_stream(device: Any = None) -> Any:
-    """This process's capture stream on ``device`` (a ``torch.device``, an index, or None for the current device):
-    created once, then given to every capture (:func:`capture_graph`, :class:`DecodeGraphRunner`), as sglang keeps
-    one graph-capture stream per process. Why one: the first ``torch.cuda.Stream()`` of a process creates PyTorch's
-    whole stream pool (~70 MiB outside the caching allocator on the H200), and cuBLAS keeps a workspace per (handle,
-    stream) that is never freed (32 MiB on sm90) — a stream per capture or per runner paid it again each time."""
-    import torch
-
-    idx = device if isinstance(device, int) else None if device is None else torch.device(device).index
-    idx = torch.cuda.current_device() if idx is None else idx
-    s = _STREAMS.get(idx)
-    if s is None:
-        s = _STREAMS[idx] = torch.cuda.Stream(device=idx)
-    return s
-
-
-def prime_capture(device: Any = None) -> int:
-    """Pay a process's one-time CUDA-graph costs on ``device`` now, before the KV pool's budget is read from free
-    memory, and return the device bytes they took (free memory before minus after, ``torch.cuda.mem_get_info``);
-    0 when this process had primed ``device`` already.
-
-    The costs (H200, ``benchmarks/first_capture_probe.py``, RESULTS.md): PyTorch's stream pool, created with the
-    first side stream (~70 MiB), and the CUDA graph machinery the driver loads lazily at the first capture (~90 MiB
-    under the default ``CUDA_MODULE_LOADING=LAZY``, 0 under EAGER). Both sit outside PyTorch's allocator, so
-    :mod:`states.graph_memory` cannot model them per capture; paid here, the capture step's own drop stays within
-    that estimate. What is captured is one in-place add on a 1-element tensor (no graph-pool memory)."""
-    import torch
-
-    s = capture_stream(device)
-    idx = s.device.index
-    if idx in _PRIMED:
-        return 0
-    with torch.cuda.device(idx):
-        torch.cuda.synchronize()
-        free = int(torch.cuda.mem_get_info()[0])
-        x = torch.zeros(1, device=s.device)
-        capture_graph(lambda: x.add_(1), stream=s)
-        torch.cuda.synchronize()
-        _PRIMED[idx] = max(free - int(torch.cuda.mem_get_info()[0]), 0)
-    return _PRIMED[idx]
-
-
-def capture_graph(fn: Callable[[], Any], pool: Any = None, stream: Any = None) -> tuple[Any, Any]:
-    """Capture ``fn`` into a ``torch.cuda.CUDAGraph`` after one warm-up call on a side stream, and return
-    ``(graph, out)``: ``out`` is what ``fn`` returned inside the capture, the static tensor each replay rewrites.
-
-    The warm-up follows PyTorch's CUDA-graph rule (the first call may allocate or lazily initialise what capture
-    forbids, and must not run on the legacy default stream); ``pool`` is a ``torch.cuda.graph_pool_handle()`` shared
-    by several captures (sglang captures its batch sizes largest first into one pool). ``stream``: the side stream
-    for the warm-up and the capture; give the same one to every capture of a series, as sglang does: cuBLAS keeps a
-    workspace per (handle, stream) that is never freed (32 MiB on sm90), so a fresh stream per captured size cost
-    32 MiB per size on the H200 (1.1 GiB for sglang's 35 sizes up to 256). None: this process's capture stream
-    on the current device (:func:`capture_stream`).
-    Raises what capture raises (``RuntimeError`` on a host sync or an illegal call inside ``fn``).
-    """
-    import torch
-
-    side = stream if stream is not None else capture_stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool, stream=side):
-        out = fn()
-    return g, out
 
 
 def _graph_pool_bytes(torch: Any, pool: Any) -> int:

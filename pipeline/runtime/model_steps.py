@@ -35,16 +35,15 @@ from typing import Any
 
 import torch
 
-from pipeline.core import verification_sizes
 from pipeline.core.contracts import ForwardMode
 from pipeline.backends.memory import PageAllocator, dequantize_kv, layer_kv_scales, make_forward_batch
 from pipeline.runtime.stack_reference import MLA_ABSORBED, MLA_UNABSORBED, reference_forward_rounded
 from pipeline.runtime.reference import rel_err
 
-__all__ = ["StepCheck", "verify_model_steps", "slots_needed", "absorption_tolerance", "EXTEND_LENS", "CHUNK_LENS",
+__all__ = ["StepCheck", "verify_model_steps", "absorption_tolerance", "EXTEND_LENS", "CHUNK_LENS",
            "REF_ROUNDED", "REF_MLA_ABSORBED", "REF_MLA_UNABSORBED", "F64_SLACK"]
 
-from pipeline.core.verification_sizes import CHUNK_LENS, EXTEND_LENS  # noqa: E402 (the batch: shared with plan)
+from pipeline.memory.pools import CHUNK_LENS, EXTEND_LENS  # noqa: E402 (the batch: shared with plan)
 REF_ROUNDED = "rounded"
 REF_MLA_ABSORBED = "mla-absorbed"
 REF_MLA_UNABSORBED = "mla-unabsorbed"
@@ -112,18 +111,6 @@ def absorption_tolerance(tol: float, d_rounded: torch.Tensor, d_exact: torch.Ten
     m = float(d_unabsorbed.abs().max()) if d_unabsorbed.numel() else 0.0
     m = m if m > 0 else 1.0  # rel_err's convention: an all-zero reference gives the absolute error
     return (tol * float(d_rounded.abs().max()) + float((d_rounded - d_exact).abs().max())) / m + F64_SLACK
-
-
-def slots_needed(max_reqs: int, page_size: int, decode_steps: int = 3) -> int:
-    """Token slots :func:`verify_model_steps` allocates (whole pages per request, plus the reserved page 0):
-    :func:`pipeline.core.verification_sizes.steps_slots_needed`."""
-    return verification_sizes.steps_slots_needed(max_reqs, page_size, decode_steps)
-
-
-def context_needed(max_reqs: int, decode_steps: int = 3) -> int:
-    """Tokens the longest request of :func:`verify_model_steps` reaches (the ``max_context_len`` it needs):
-    :func:`pipeline.core.verification_sizes.steps_context_needed`."""
-    return verification_sizes.steps_context_needed(max_reqs, decode_steps)
 
 
 def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0) -> list[StepCheck]:

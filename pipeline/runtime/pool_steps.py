@@ -15,7 +15,7 @@ import msgspec
 from pipeline.core import events as ev
 from pipeline.core.dtypes import kv_dtype
 from pipeline.core.errors import ConfigError
-from pipeline.core.pool_sizing import (POOL_MEMORY_SHARE, available_bytes, budget_from_fraction, check_fits,
+from pipeline.memory.pools import (POOL_MEMORY_SHARE, available_bytes, budget_from_fraction, check_fits,
                                         check_mem_fraction, remedy_available, size_pools)
 
 
@@ -31,7 +31,7 @@ def decide_pools(r: Any) -> Any:
     outside (0, 1] is refused with a remedy naming the largest share that fits this device (:func:`fraction_remedy`).
 
     When decode graphs will be captured, the process's one-time capture costs are paid first (the platform's
-    ``prime_graph_capture``; on CUDA :func:`pipeline.runtime.cuda_graphs.prime_capture`: PyTorch's stream pool and
+    ``prime_graph_capture``; on CUDA :func:`pipeline.platforms.cuda.prime_capture`: PyTorch's stream pool and
     lazily loaded graph machinery, ~160 MiB outside the allocator on the H200), so the free memory the budget is
     read from no longer holds them; ``r.capture_prime_bytes`` keeps what they took (the ``cuda_graph_memory``
     event's ``prime_device_bytes``).
@@ -39,7 +39,7 @@ def decide_pools(r: Any) -> Any:
     The planned FlashInfer workspaces (:func:`workspace_bytes`) count with the pools and the graphs (s10mem: they
     were checked only after the pools were allocated, and without the graphs, so graphs and workspaces too large
     together failed out of memory during capture): workspaces alone above 90 % of the free memory are refused first
-    (``workspace_exceeds_memory``, :func:`states.workspace_memory_check.check_workspaces_fit`), then the sum by
+    (``workspace_exceeds_memory``, :func:`pipeline.memory.workspaces.check_workspaces_fit`), then the sum by
     :func:`size_for`."""
     cfg = r.config
     if cfg.mem_fraction is not None:
@@ -53,7 +53,7 @@ def decide_pools(r: Any) -> Any:
                                                      workspace_bytes(r, r.load.spec))) from None
     reserve, ws = graph_reserve_bytes(r, r.load.spec), workspace_bytes(r, r.load.spec)
     if ws:  # before the prime: the budget's free-memory read comes right after it
-        from states.workspace_memory_check import check_workspaces_fit
+        from pipeline.memory.workspaces import check_workspaces_fit
 
         req, d = setup_decided(r, r.load.spec)
         check_workspaces_fit(req, d["build-mode"], d["device-init"].facts, available_bytes(r.platform, r.index),
@@ -102,13 +102,13 @@ def workspace_bytes(r: Any, spec: Any) -> int:
 
 
 def graph_estimate(r: Any, spec: Any) -> Any:
-    """The decode CUDA graphs' estimated memory (:class:`states.graph_memory.GraphMemoryEstimate`) for this run's
+    """The decode CUDA graphs' estimated memory (:class:`pipeline.memory.graphs.GraphMemoryEstimate`) for this run's
     built ``spec``, from the setup decided torch-free for it (:func:`pipeline.setup.build.decide_setup`: the decode
     backend and whether it is captured depend on ``max_reqs``, not on the pool's size); None when no graphs are
     captured (CPU, ``--disable-cuda-graph``, a decode backend without graphs) or the setup is refused. Computed once
-    per runner and spec (kept on ``r``); where graphs cannot apply at all (:func:`states.graphs.decide_graphs` before
+    per runner and spec (kept on ``r``); where graphs cannot apply at all (:func:`states.build_mode.decide_graphs` before
     any backend is known) nothing is resolved for it, so such a run still resolves once."""
-    from states.graphs import decide_graphs
+    from states.build_mode import decide_graphs
 
     cfg = r.config
     kept = getattr(r, "graph_estimate_for", None)
@@ -116,7 +116,7 @@ def graph_estimate(r: Any, spec: Any) -> Any:
         return kept[1]
     est = None
     if decide_graphs(cfg.request.args, r.platform.device_facts(r.index).type, []).capture:
-        from states.graph_memory import estimate_for_decided, graph_trial
+        from pipeline.memory.graphs import estimate_for_decided, graph_trial
 
         req, decided = setup_decided(r, spec)
         est = _bound_if_beyond_device(r, req, decided) or \
@@ -127,13 +127,13 @@ def graph_estimate(r: Any, spec: Any) -> Any:
 
 
 def _bound_if_beyond_device(r: Any, req: Any, decided: Any) -> Any:
-    """The graphs' lower bound (:func:`states.graph_memory_bound.lower_bound_for_decided`, closed form whatever the
+    """The graphs' lower bound (:func:`pipeline.memory.graphs.lower_bound_for_decided`, closed form whatever the
     top) when it alone is above the share of the device's total memory the pools may use, else None. Then the run
     is refused whatever the full estimate says, and the full estimate, one entry per captured size, is not built: a
     ``--cuda-graph-max-bs`` of 2**31 - 1 would list ~268M sizes (``plan`` refuses from the bound the same way,
-    :func:`states.graph_memory_check.refuse_early`)."""
-    from pipeline.core.pool_sizing import POOL_MEMORY_SHARE
-    from states.graph_memory_bound import lower_bound_for_decided
+    :func:`pipeline.memory.fits.refuse_early`)."""
+    from pipeline.memory.pools import POOL_MEMORY_SHARE
+    from pipeline.memory.graphs import lower_bound_for_decided
 
     total = r.platform.device_facts(r.index).total_memory_bytes
     bound = lower_bound_for_decided(req, decided, aux_layers=r.config.aux_hidden_state_layers or ())
@@ -141,7 +141,7 @@ def _bound_if_beyond_device(r: Any, req: Any, decided: Any) -> Any:
 
 
 def graph_trial_of(r: Any, spec: Any) -> Any:
-    """The graphs :func:`graph_estimate` estimated for ``spec``, as a :class:`pipeline.core.pool_remedy.GraphTrial`
+    """The graphs :func:`graph_estimate` estimated for ``spec``, as a :class:`pipeline.memory.pools.GraphTrial`
     (their estimate at a lower top, for a pool remedy that lowers it); None without graphs."""
     graph_estimate(r, spec)
     kept = getattr(r, "graph_trial_for", None)
@@ -161,8 +161,8 @@ def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int 
     ``config.min_token_slots`` binds every pool (the default slots too, so a ``--num-token-slots`` remedy is enough
     when followed; s13: a ``mem_fraction`` pool too, whose refusal names the fraction that covers it). ``graph_reserve``: the decode graphs' estimated bytes
     (:func:`graph_reserve_bytes`), out of a ``mem_fraction`` budget and counted against free memory
-    (:func:`pipeline.core.pool_sizing.size_pools`). ``spare``: check against the free memory less
-    :func:`~pipeline.core.pool_sizing.remedy_margin` (what a remedy is sized for). A ``--mem-bytes`` above the
+    (:func:`pipeline.memory.pools.size_pools`). ``spare``: check against the free memory less
+    :func:`~pipeline.memory.pools.remedy_margin` (what a remedy is sized for). A ``--mem-bytes`` above the
     device's total is a ConfigError (``invalid_value``) naming a value that fits. ``graphs``: the graphs behind
     ``graph_reserve`` (:func:`graph_trial_of`), for a remedy that lowers or drops them; every remedy names values
     inside their flags' domains, at least ``cfg.min_token_slots`` slots and ``cfg.min_context_len`` tokens.

@@ -23,7 +23,7 @@ from pipeline.core import events as ev
 from pipeline.core import settings
 from pipeline.core.dtypes import kv_dtype, model_dtype  # noqa: F401
 from pipeline.core.errors import ConfigError
-from pipeline.core.pool_sizing import available_bytes, budget_from_fraction, check_fits, check_mem_fraction, size_pools  # noqa: F401
+from pipeline.memory.pools import available_bytes, budget_from_fraction, check_fits, check_mem_fraction, size_pools  # noqa: F401
 from pipeline.core.layer_span import span_fields, span_of
 from pipeline.core.spec import attention_layer_ids, truncate_spec
 from pipeline.core.steps import Guard, Step, StepTable
@@ -39,7 +39,7 @@ class LoadDecision(NamedTuple):
 
 
 class CaptureDecision(NamedTuple):
-    """capture-cuda-graphs' decision: the setup's :class:`states.graphs.GraphDecision` and the batch sizes."""
+    """capture-cuda-graphs' decision: the setup's :class:`states.build_mode.GraphDecision` and the batch sizes."""
 
     graphs: Any
     sizes: list[int]
@@ -131,9 +131,9 @@ def decide_model(r: Any) -> LoadDecision:
 
 def _check_weights(r: Any, served: Any, dtype: str) -> None:
     """The stack's weights and their float64 reference against the memory free now (weights_exceed_memory);
-    :mod:`pipeline.core.weight_sizing`."""
-    from pipeline.core.pool_sizing import host_available_bytes
-    from pipeline.core.weight_sizing import check_weights_fit
+    :mod:`pipeline.memory.pools`."""
+    from pipeline.platforms.cpu import host_available_bytes
+    from pipeline.memory.pools import check_weights_fit
 
     n = r.config.num_layers if r.config.num_layers is not None else len(attention_layer_ids(served))
     on_host = r.platform.torch_device(r.index) == "cpu"
@@ -197,9 +197,9 @@ def build_attention(r: Any, decided: Any) -> None:
 
 # -- capture-cuda-graphs: decode graphs, or skipped with the setup's reason -----------------------------------
 def decide_capture(r: Any) -> CaptureDecision:
-    """Whether decode graphs are captured — as the setup machine decided (one rule: :mod:`states.graphs`) — and for
+    """Whether decode graphs are captured — as the setup machine decided (one rule: :mod:`states.build_mode`) — and for
     which batch sizes."""
-    from states.graphs import capture_batch_sizes
+    from states.build_mode import capture_batch_sizes
 
     out = r.machine.model.backends
     g = out.graphs if out is not None else r.attention["build-mode"].graphs

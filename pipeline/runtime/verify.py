@@ -37,7 +37,6 @@ import msgspec
 import torch
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer  # noqa: F401 (AttentionLayer: as before the split)
-from pipeline.core import verification_sizes
 from pipeline.core.contracts import ForwardMode, LayerKind, ModelSpec, SetupRequest
 from pipeline.core.errors import BuildError
 from pipeline.backends.memory import (  # noqa: F401 (dequantize_kv, quantize_kv: importable here as before the split)
@@ -50,7 +49,7 @@ from pipeline.core.dtypes import norm_dtype
 __all__ = ["VerifyResult", "verify_backend", "verify_all", "verify_built", "verification_model", "tolerance",
            "VERIFY_WINDOW", "VERIFY_CHUNK"]
 
-from pipeline.core.verification_sizes import NEW_LENS, PREFIX_LENS  # noqa: E402 (the batch: shared with plan)
+from pipeline.memory.pools import NEW_LENS, PREFIX_LENS  # noqa: E402 (the batch: shared with plan)
 VERIFY_WINDOW = 7
 VERIFY_CHUNK = 8  # requests reach 26 tokens: chunk boundaries at 8, 16, 24 fall inside prefixes and new tokens
 _Q_DTYPES = ("bfloat16", "float16", "float32")
@@ -101,18 +100,6 @@ def tolerance(dtype: Any, kv_dtype: Any = None) -> float:
     """
     name = str(_torch_dtype(dtype)).replace("torch.", "")
     return TOLERANCE[name]
-
-
-def slots_needed(max_reqs: int, page_size: int, decode_steps: int = 3) -> int:
-    """Token slots :func:`verify_backend` allocates (whole pages per request, plus the reserved page 0):
-    :func:`pipeline.core.verification_sizes.verify_slots_needed`."""
-    return verification_sizes.verify_slots_needed(max_reqs, page_size, decode_steps)
-
-
-def context_needed(max_reqs: int, decode_steps: int = 3) -> int:
-    """Tokens the longest request of :func:`verify_backend` reaches (the ``max_context_len`` it needs):
-    :func:`pipeline.core.verification_sizes.verify_context_needed`."""
-    return verification_sizes.verify_context_needed(max_reqs, decode_steps)
 
 
 def _steps(rows: Sequence[int], decode_steps: int) -> list[tuple[str, ForwardMode, list[int], list[int]]]:

@@ -31,7 +31,7 @@ class DeviceDecision(NamedTuple):
 
 class BuildDecision(NamedTuple):
     """build-mode's decision: the settings that sized the workspaces (the ones logged), each backend's workspace
-    bytes, the plan and whether decode CUDA graphs are captured (:class:`states.graphs.GraphDecision`)."""
+    bytes, the plan and whether decode CUDA graphs are captured (:class:`states.build_mode.GraphDecision`)."""
 
     settings: list[Setting]
     workspace_bytes: dict[str, int]
@@ -40,7 +40,7 @@ class BuildDecision(NamedTuple):
 
     def graph_max_bs(self, request: SetupRequest, device: DeviceFacts) -> int:
         """The largest decode batch captured as a graph on ``device`` (0 without graphs): the last capture size."""
-        from states.graphs import graph_max_bs
+        from states.build_mode import graph_max_bs
 
         return graph_max_bs(request.args, request.pool.max_reqs, self.graphs.capture, device=device,
                             world_size=request.world_size)

@@ -124,7 +124,7 @@ def build_like(backends: Any, request: SetupRequest, model: Any, pools: Optional
     :class:`~pipeline.setup.context.Built`; the caller closes its ``instances`` (they own no workspace or pool).
     Raises what a factory raises, after closing the instances already built.
     """
-    from states.graphs import graph_max_bs
+    from states.build_mode import graph_max_bs
 
     pools = pools if pools is not None else backends.pools
     kinds, ws_pool = model.layer_kinds(), backends.workspace_pool

@@ -8,7 +8,7 @@ from typing import Any
 
 from pipeline.core.dtypes import kv_dtype
 from pipeline.core.errors import ConfigError
-from pipeline.core.pool_sizing import POOL_MEMORY_SHARE, PoolSizing, available_bytes, check_fits, kv_bytes_per_token, \
+from pipeline.memory.pools import POOL_MEMORY_SHARE, PoolSizing, available_bytes, check_fits, kv_bytes_per_token, \
     remedy_available
 from pipeline.platforms import parse_device
 from pipeline.setup.context import SetupContext
@@ -20,7 +20,7 @@ GIVEN_POOLS_REMEDY = ("build the pools from the same sizes as the SetupRequest's
 def check_workspace_memory(ctx: SetupContext, d: Any) -> None:
     """Refuse planned workspaces larger than :data:`POOL_MEMORY_SHARE` of the device's free memory (ConfigError
     ``workspace_exceeds_memory`` naming the setting that sized them and a size that fits the free memory less
-    :func:`~pipeline.core.pool_sizing.remedy_margin`)."""
+    :func:`~pipeline.memory.pools.remedy_margin`)."""
     plan = d.plan
     total = plan.workspace_bytes
     avail = available_bytes(ctx.platform, parse_device(ctx.request.device)[1]) if total else 0
@@ -40,7 +40,7 @@ def check_workspace_memory(ctx: SetupContext, d: Any) -> None:
 def check_pools_fit(ctx: SetupContext) -> None:
     """Refuse the KV pools ``request.pool`` asks for (``req_to_token`` + every layer's K/V) when they cannot fit the
     free memory of the run's device: ConfigError ``pool_exceeds_memory`` naming the ``pool.*`` field that decides
-    it (:func:`pipeline.core.pool_sizing.check_fits`). Reads free memory, allocates nothing; build-mode's ``check``
+    it (:func:`pipeline.memory.pools.check_fits`). Reads free memory, allocates nothing; build-mode's ``check``
     calls it before its workspace checks (a pool of 2**31 rows is the problem to name, not the workspace its graphs
     would need). In a run that check comes right before build-mode's ``apply``, which allocates the pools
     (:func:`make_pools`) without reading free memory a second time: nothing is allocated in between, and on CPU one

@@ -84,12 +84,12 @@ def _capabilities_text() -> str:
 def digest_fields(request: Any, installed: Mapping[str, bool], device: Any = None) -> dict[str, str]:
     """``{field: text}`` of what must be equal on every rank (module docstring), for ``request``
     (a :class:`~pipeline.core.contracts.SetupRequest`), the package presence ``installed`` and the rank's
-    ``device`` facts (the default capture sizes follow its memory: :func:`states.graphs.graph_top`).
+    ``device`` facts (the default capture sizes follow its memory: :func:`states.build_mode.graph_top`).
 
     Values are short texts so the divergence table shows them; a value that cannot be computed
     (an invalid dtype, a graph list the pool cannot hold) reads ``error: <code>`` — that rank's
     own check reports it, and the other ranks see the difference."""
-    from states.graphs import batch_sizes_text
+    from states.build_mode import batch_sizes_text
     from pipeline.core.errors import AttnSetupError
     from pipeline.core.runinfo import versions
     from states.capability_check import kv_dtype, model_dtype

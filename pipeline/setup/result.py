@@ -20,7 +20,7 @@ class AttentionBackends:
     (empty when the engine passed its own with ``pools=``: the engine keeps owning those).
     ``device_facts``: what device-init found (the instances were built for it).
     What the run decided, typed, for the caller to act on (a runner reads these, never the log):
-    ``resolution`` and ``plan``; ``graphs`` (:class:`states.graphs.GraphDecision`: decode CUDA graphs captured,
+    ``resolution`` and ``plan``; ``graphs`` (:class:`states.build_mode.GraphDecision`: decode CUDA graphs captured,
     or why not); ``lazy_mem`` (:class:`states.npu_lazy_mem.LazyMemDecision`: NPU zbal memory initialised, or
     why not); ``agreement`` (:class:`pipeline.setup.context.Agreement`: how the ranks agreed on the
     resolution); ``settings`` (the :class:`~pipeline.core.settings.Setting` of each sized buffer).

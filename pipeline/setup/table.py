@@ -29,8 +29,8 @@ from pipeline.setup.context import (
 )
 from pipeline.setup.instances import apply_build
 from pipeline.setup.pools import check_pools_fit
-from states import build_mode, device_init, graphs, npu_lazy_mem, resolve
-from states.workspace_memory_check import check_workspaces
+from states import annotate, build_mode, device_init, fallback, npu_lazy_mem, resolve
+from pipeline.memory.workspaces import check_workspaces
 
 Rows = Iterable[tuple[str, Any, Any]]
 
@@ -110,7 +110,7 @@ def log_resolution(ctx: SetupContext, res: Any) -> None:
     ctx.emit(ev.BackendsResolved, prefill=res.pair.prefill, decode=res.pair.decode,
              is_draft_override=res.pair.is_draft_override, rules=dict(res.rules), rejected=res.rejected,
              not_attention=list(res.not_attention))
-    fb = resolve.reference_fallback(res, facts)
+    fb = fallback.reference_fallback(res, facts)
     if fb is not None:
         ctx.emit(ev.ReferenceFallback, halves=fb.what.split("+"), backend=registry.reference_name(),
                  device=facts.arch or facts.type, rejected=fb.rejected, avoid=fb.avoid, message=fb.message)
@@ -162,7 +162,7 @@ def compare_resolution(ctx: SetupContext, recorded: Any, res: Any) -> Rows:
                 ("rules", rec.rules, dict(res.rules)), ("rejected", rec.rejected, res.rejected),
                 ("not_attention", rec.not_attention, res.not_attention))
     yield from _skip_rows(recorded, "resolve", res.skips)
-    fb, now = recorded.first(ev.ReferenceFallback), resolve.reference_fallback(res, ctx.device.facts)
+    fb, now = recorded.first(ev.ReferenceFallback), fallback.reference_fallback(res, ctx.device.facts)
     yield "reference_fallback", None if fb is None else fb.halves, None if now is None else now.what.split("+")
 
 
@@ -175,7 +175,7 @@ def decide_build(ctx: SetupContext) -> BuildDecision:
                              workspace_bytes=lambda b: ws[b].value)
     logged = list({s.field: s for s in ws.values() if s.field}.values())
     return BuildDecision(settings=logged, workspace_bytes={b: s.value for b, s in ws.items()}, plan=plan,
-                         graphs=graphs.decide_graphs(req.args, ctx.device.facts.type, [res.pair.decode]))
+                         graphs=build_mode.decide_graphs(req.args, ctx.device.facts.type, [res.pair.decode]))
 
 
 def log_build(ctx: SetupContext, d: BuildDecision) -> None:
@@ -190,7 +190,7 @@ def check_build(ctx: SetupContext, d: BuildDecision) -> None:
     """Refusals that need no device: CUDA-graph sizes within ``max_reqs`` (on every device) and each workspace
     against the largest batch its users plan (each user's registry entry, graph sizes actually captured)."""
     req = ctx.request
-    graphs.check_graph_bs(req.args, req.pool.max_reqs)
+    build_mode.check_graph_bs(req.args, req.pool.max_reqs)
     if ctx.platform is not None and ctx.given_pools is None:  # pools we will allocate: the first thing to refuse
         check_pools_fit(ctx)
     check_workspaces(req, d, ctx.device.facts)
@@ -236,16 +236,9 @@ def lazy_skips(ctx: SetupContext, d: LazyDecision) -> list[Skip]:
     return [] if d.decision.run else [Skip(what="npu_lazy_mem", reason=d.decision.reason, downgrade=False)]
 
 
-# -- annotate: the resolved names on the top-level backend object (wrapper included), as sglang does ---------
-def set_names(top: Any, pair: Any) -> None:
-    """Set ``prefill_attention_backend_str`` / ``decode_attention_backend_str`` on ``top``."""
-    top.prefill_attention_backend_str = pair.prefill
-    top.decode_attention_backend_str = pair.decode
-
-
 def apply_names(ctx: SetupContext, _: Any) -> None:
     pair, top = ctx.resolution.pair, ctx.built.attn_backend
-    set_names(top, pair)
+    annotate.set_names(top, pair)
     ctx.emit(ev.BackendsAnnotated, target=type(top).__name__, prefill=pair.prefill, decode=pair.decode)
     ctx.model.names_set = True
 

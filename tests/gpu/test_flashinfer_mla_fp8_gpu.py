@@ -35,7 +35,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
 from fi_reference import Scenario, dense_reference, make_kind, make_layer, make_mla_kind, rel_err  # noqa: E402
 from pipeline.backends import flashinfer_sizing as sz  # noqa: E402
 from pipeline.core.contracts import ForwardMode  # noqa: E402
-from pipeline.runtime.cuda_graphs import capture_graph  # noqa: E402
+from pipeline.platforms.cuda import capture_graph
 
 TOL = 1e-2
 # DeepSeek's softmax scales: (128 + 64)^-0.5 * YaRN mscale(40, mscale_all_dim)^2 — V2-Lite 0.707, V3 1.0

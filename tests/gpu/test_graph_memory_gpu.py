@@ -1,4 +1,4 @@
-"""Decode CUDA-graph memory on a GPU (H200): the runner's capture against states.graph_memory's estimate.
+"""Decode CUDA-graph memory on a GPU (H200): the runner's capture against pipeline.memory.graphs's estimate.
 
 For Llama-3.1-8B (flashinfer when installed, else triton) with sglang's series up to 32 and up to 160, and
 DeepSeek-V2-Lite (MLA) up to 64, the runner is built as ``attn-setup run --device cuda`` builds it and initialised;
@@ -38,14 +38,14 @@ def test_capture_memory_matches_the_estimate(model, max_reqs, tmp_path):
     capture costs (stream pool, lazily loaded graph machinery) before reading the budget, and logs them as
     ``prime_device_bytes`` (before that, the first capture took ~66 MiB more than estimated: 192 vs 126 MiB, llama bs
     up to 32, H200, 2026-12-01)."""
-    from pipeline.runtime import cuda_graphs
+    from pipeline.platforms import cuda as cuda_platform
 
     gc.collect()
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
     torch.cuda.empty_cache()
-    first = torch.cuda.current_device() not in cuda_graphs._PRIMED
+    first = torch.cuda.current_device() not in cuda_platform._PRIMED
     ns = build_parser().parse_args(["run", "--device", "cuda", "--model", model, "--max-reqs", str(max_reqs),
                                     "--attention-backend", BACKEND])
     runner = Runner(runner_config(ns, request_from(ns, on_gpu=True)), log_file=str(tmp_path / "t.jsonl"))

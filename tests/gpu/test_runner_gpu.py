@@ -105,15 +105,16 @@ def test_captures_share_one_stream_so_cublas_workspaces_do_not_pile_up(monkeypat
     """cuBLAS keeps a workspace per (handle, stream) that is never freed (32 MiB on sm90): a fresh side stream per
     captured size cost 32 MiB each (measured on the H200: +33.5 MB allocated per size). Captures on one stream
     and one pool add almost nothing after the first; the runner captures every size on one stream."""
+    from pipeline.platforms.cuda import capture_graph
     from pipeline.runtime import cuda_graphs as cg
 
     a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     pool, stream, keep = torch.cuda.graph_pool_handle(), torch.cuda.Stream(), []
-    keep.append(cg.capture_graph(lambda: a @ a, pool, stream))  # the first: this stream's cuBLAS workspace
+    keep.append(capture_graph(lambda: a @ a, pool, stream))  # the first: this stream's cuBLAS workspace
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     for _ in range(8):
-        keep.append(cg.capture_graph(lambda: a @ a, pool, stream))
+        keep.append(capture_graph(lambda: a @ a, pool, stream))
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - base < 4 << 20
     streams, real = [], cg.capture_graph

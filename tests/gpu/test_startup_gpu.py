@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from pipeline import events as ev  # noqa: E402
+from pipeline.core import events as ev  # noqa: E402
 from pipeline.cli import main  # noqa: E402
 
 

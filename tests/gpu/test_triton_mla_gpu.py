@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu,
 
 from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.core.contracts import ForwardMode  # noqa: E402
-from pipeline.runtime.cuda_graphs import capture_graph  # noqa: E402
+from pipeline.platforms.cuda import capture_graph
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch  # noqa: E402
 from pipeline.runtime.reference import reference_attention, rel_err  # noqa: E402
 

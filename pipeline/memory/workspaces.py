@@ -1,14 +1,13 @@
-"""The planned FlashInfer workspaces against the device's memory before anything is allocated (s10mem): ``plan``
-against the device profile's *total* memory (it cannot know the free memory a run will find, at most that total),
-``run``'s preflight against the memory free now — the same refusal as build-mode's
-(:func:`pipeline.setup.pools.check_workspace_memory`, ``workspace_exceeds_memory``: the workspaces above
-:data:`~pipeline.core.pool_sizing.POOL_MEMORY_SHARE` of the memory), which ran only after the pools were allocated,
-and not in ``plan`` (``plan --flashinfer-workspace-size 281474976710656`` on the h200 profile said ``ok``).
+"""The planned backend workspaces against the need and the device's memory, before anything is allocated.
 
-The remedy is true: a workspace size at or above what the backends need (the workspace check's need,
-:meth:`pipeline.backends.registry.Backend.workspace_need`) that fits beside the KV pools and the decode graphs, or,
-when even the need does not fit, the graph-size alternative the workspace remedy uses (that need at a smaller
-captured top, and that top; or no graphs). Pure decisions, no torch.
+:func:`check_workspaces` is build-mode's check: each planned workspace against what its backends need for the
+largest batch they plan (their registry entries' ``check_workspace``), ``workspace_too_small`` otherwise.
+:func:`check_workspaces_fit` refuses workspaces above :data:`~pipeline.memory.pools.POOL_MEMORY_SHARE` of the
+memory (``workspace_exceeds_memory``): ``plan`` against the device profile's *total* memory (it cannot know the
+free memory a run will find, at most that total), ``run``'s preflight against the memory free now — the same
+refusal as build-mode's (:func:`pipeline.setup.pools.check_workspace_memory`). The remedy is true: a workspace size
+at or above what the backends need that fits beside the KV pools and the decode graphs, or, when even the need does
+not fit, that need at a smaller captured top, and that top; or no graphs. Pure decisions, no torch.
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ from typing import Any, Callable
 
 from pipeline.backends import registry
 from pipeline.core.errors import ConfigError
-from pipeline.core.pool_sizing import POOL_MEMORY_SHARE, remedy_available
+from pipeline.memory.pools import POOL_MEMORY_SHARE, remedy_available
+
 
 PLAN_TOTAL_NOTE = ("plan cannot know the free memory a run will find, at most this total, so it checks against the "
                    "total")
@@ -52,8 +52,8 @@ def check_workspaces(req: Any, d: Any, facts: Any, fits: Any = None) -> None:
     sizes actually captured); build-mode's ``check`` calls it, and ``plan`` again with ``fits``. Raises its ConfigError
     ``workspace_too_small``, naming the variable or the field that set the size (the field wins); the remedy never
     names a workspace above each one's share of the device's total memory less
-    :func:`~pipeline.core.pool_sizing.remedy_margin` (as :func:`pipeline.setup.pools.check_workspace_memory`'s),
-    nor, with ``fits(ws, bs)`` (``plan``'s: :func:`states.workspace_remedy_check.fits_beside`), one that with the
+    :func:`~pipeline.memory.pools.remedy_margin` (as :func:`pipeline.setup.pools.check_workspace_memory`'s),
+    nor, with ``fits(ws, bs)`` (``plan``'s: :func:`pipeline.memory.fits.fits_beside`), one that with the
     graphs up to ``bs`` does not fit beside the KV pools."""
     kinds, max_bs = req.served_model.layer_kinds(), d.graph_max_bs(req, facts)
     from_env = {s.value: s.env_var for s in d.settings if s.source == "env" and s.env_var}
@@ -76,13 +76,12 @@ def check_workspaces_fit(request: Any, d: Any, facts: Any, memory_bytes: int, *,
     (``total``, plan) or the free memory (run's preflight); 0 = unknown, no check.
 
     ``pool_bytes`` / ``graph_bytes``: the KV pools' and the decode graphs' bytes that must fit beside them (what
-    :func:`pipeline.core.pool_sizing.check_fits` counts with the workspaces), for the remedy: each workspace at most
-    its share of 90 % of ``memory_bytes`` less :func:`~pipeline.core.pool_sizing.remedy_margin`, less those bytes,
+    :func:`pipeline.memory.pools.check_fits` counts with the workspaces), for the remedy: each workspace at most
+    its share of 90 % of ``memory_bytes`` less :func:`~pipeline.memory.pools.remedy_margin`, less those bytes,
     named only when that is at least the need; else the need at the largest smaller captured top (at most
-    :data:`~pipeline.core.pool_remedy.REMEDY_MAX_BS`) whose need fits, with that top; else the
+    :data:`~pipeline.core.numbers.REMEDY_MAX_BS`) whose need fits, with that top; else the
     eager need with ``disable_cuda_graph``; else a device with more memory. Costs one sum on the common path."""
-    from pipeline.backends.flashinfer_workspace_check import largest_fitting_bs
-    from pipeline.core.pool_remedy import REMEDY_MAX_BS
+    from pipeline.core.numbers import REMEDY_MAX_BS, largest_fitting
 
     ws, n = d.plan.workspace_bytes, max(len(d.plan.workspaces), 1)
     share = int(memory_bytes * POOL_MEMORY_SHARE)
@@ -95,7 +94,7 @@ def check_workspaces_fit(request: Any, d: Any, facts: Any, memory_bytes: int, *,
     fixes = [f"set {name} to {per} or less (at least the {now} bytes the largest planned batch needs)"] \
         if now <= per else []
     if not fixes:
-        bs = largest_fitting_bs(lambda b: need(b) <= per, min(top, request.pool.max_reqs, REMEDY_MAX_BS + 1) - 1)
+        bs = largest_fitting(range(1, min(top, request.pool.max_reqs, REMEDY_MAX_BS + 1)), lambda b: need(b) <= per)
         if bs is not None:
             sizes = (f"use only sizes up to {bs} in cuda_graph_bs" if request.args.cuda_graph_bs
                      else f"cuda_graph_max_bs={bs}")
@@ -111,3 +110,4 @@ def check_workspaces_fit(request: Any, d: Any, facts: Any, memory_bytes: int, *,
                       allowed=[f"<= {share // n} bytes per workspace"],
                       remedy=", or ".join(fixes) if fixes else "use a device with more memory (not even the "
                                                                 f"{now} bytes needed fit this one)")
+

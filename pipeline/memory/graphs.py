@@ -6,23 +6,12 @@ What is captured is :meth:`pipeline.runtime.model.AttentionStack.forward` for on
 forward allocates inside the capture comes from that pool and stays reserved by it for the graphs' life: the
 pool's size is what its *segments* add up to, not the bytes live at the end. So the estimate replays the
 forward's allocations and frees, tensor by tensor, through a model of PyTorch's CUDA caching allocator
-(``c10/cuda/CUDACachingAllocator.cpp``; the rules below are its documented constants and block policy):
-
-- every request is rounded up to a multiple of 512 bytes (``kMinBlockSize``);
-- requests of at most 1 MiB (``kSmallSize``) are *small*: they are carved out of 2 MiB segments
-  (``kSmallBuffer``) of the pool's small free list; a carved block is split whenever 512 bytes or more remain;
-- larger requests come from the large free list; a new segment is 20 MiB (``kLargeBuffer``) for a request
-  under 10 MiB (``kMinLargeAlloc``), else the request rounded up to 2 MiB (``kRoundLarge``); a large block is
-  split only when more than 1 MiB would remain;
-- a free block is the smallest one that fits (best fit); freed blocks merge with free neighbours of their
-  segment, and a block freed inside a capture is reused by later allocations of the same pool — within the
-  capture and by the smaller sizes captured after it (why sglang captures largest first);
-- segments of a graph pool are never returned while the graphs live.
+(:mod:`pipeline.memory.allocator`).
 
 What the forward allocates (float32 residual stream, the normed input in the model dtype, the QKV projection,
 RoPE's float32 temporaries, the backend's output, the output projection and its float32 copy, the residual add;
 for absorbed MLA the absorbed query, the latent, its norm and the up-projection) is written out in
-:func:`states.decode_trace._decode_trace` from ``AttentionStack.forward``; each backend's own allocations inside its decode forward
+:func:`pipeline.memory.allocator._decode_trace` from ``AttentionStack.forward``; each backend's own allocations inside its decode forward
 come from its registry entry (:meth:`pipeline.backends.registry.BackendEntry.graph_decode_allocs`: FlashInfer's
 ``run`` output, the Triton kernels' output; their split scratch lives in buffers made before capture). The outputs
 each graph returns (the residual stream and the EAGLE3 aux states) stay allocated after its capture.
@@ -54,29 +43,32 @@ The runner's pool sizing takes the estimate out of the memory budget before sizi
 ``determine_available_memory`` now subtracts its CUDA-graph memory estimate; ``attn-setup plan`` shows it. Its
 accuracy is measured on a GPU, against ``torch.cuda.memory_snapshot()`` of the real pool
 (``benchmarks/graph_memory.py``, ``benchmarks/RESULTS.md``).
+
+:func:`graph_memory_lower_bound` is a cheap lower bound of the estimate, so that ``plan`` refuses graphs the device
+profile cannot hold before estimating every captured size: it replays only the largest size and adds what every
+other size keeps for replay, counted from the smallest size (the registry entries' per-size state is nondecreasing
+in the size). Pure arithmetic, no torch.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Iterator, Mapping, NamedTuple, Optional, Sequence
+from typing import Iterator, Mapping, NamedTuple, Optional, Sequence, TYPE_CHECKING
 
 from pipeline.backends import registry
 from pipeline.core.contracts import LayerKind, ModelSpec
-from states.cuda_allocator import (BLAS_WORKSPACE_32MIB_ARCHS, K_LARGE_BUFFER, K_MIN_BLOCK, K_MIN_LARGE_ALLOC,  # noqa: F401
-                                   K_ROUND_LARGE, K_SMALL_BUFFER, K_SMALL_SIZE, MiB, PoolModel, _Trace,
-                                   blas_workspace_bytes)
-from states.decode_trace import ELEM_BYTES, _decode_trace
+from pipeline.memory.allocator import (_decode_trace, _Trace, blas_workspace_bytes,
+    ELEM_BYTES, MiB,
+    PoolModel)
+from states.build_mode import BatchSeries, series_sum
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipeline.core.contracts import SetupRequest
     from pipeline.core.driver import Decided
-    from pipeline.core.pool_remedy import GraphTrial
+    from pipeline.memory.pools import GraphTrial
 
-__all__ = ["GraphMemoryEstimate", "estimate_graph_memory", "estimate_for_decided", "graph_trial", "graphs_up_to",
-           "blas_workspace_bytes",
-           "PoolModel",
-           "MiB"]
+__all__ = ['GraphMemoryEstimate', 'estimate_graph_memory', 'estimate_for_decided', 'graph_trial', 'graphs_up_to', 'blas_workspace_bytes', 'PoolModel', 'MiB', 'graph_memory_lower_bound', 'lower_bound_for_decided']
+
 
 class GraphMemoryEstimate(NamedTuple):
     """The estimate, in bytes: ``total_bytes`` = ``pool_bytes`` + ``state_bytes`` + ``warmup_bytes`` (what the capture
@@ -84,7 +76,7 @@ class GraphMemoryEstimate(NamedTuple):
     (captured largest first, so the first holds most; they sum to ``pool_bytes``); ``blas_workspace_bytes``: the
     cuBLAS workspace request inside ``warmup_bytes``; ``num_layers`` (hidden layers spanned) and ``batch_sizes``:
     what it is for; ``lower_bound``: ``total_bytes`` is only a lower bound of the estimate
-    (:mod:`states.graph_memory_bound`, ``per_bs`` empty)."""
+    (:mod:`pipeline.memory.graphs`, ``per_bs`` empty)."""
 
     total_bytes: int
     per_bs: dict[int, int]
@@ -178,12 +170,12 @@ def estimate_for_decided(request: "SetupRequest", decided: "Decided",
     captures no decode graphs or was refused (the refusal is raised where it happens, not here).
 
     ``request``: the request as the runner builds it (``served_model`` cut to the layers built, as
-    ``attn-setup run``'s ``--num-layers``); the sizes are :func:`states.graphs.capture_batch_sizes` for its
+    ``attn-setup run``'s ``--num-layers``); the sizes are :func:`states.build_mode.capture_batch_sizes` for its
     ``max_reqs``, the decode backend the resolved one, the arch the decided device's. ``attn-setup plan`` and the
     runner's pool sizing both call this, so they agree.
     """
     from pipeline.core.dtypes import kv_dtype, model_dtype
-    from states.graphs import capture_batch_sizes
+    from states.build_mode import capture_batch_sizes
 
     if decided.refused is not None or not decided["build-mode"].graphs.capture:
         return None
@@ -212,11 +204,11 @@ def graphs_up_to(request: "SetupRequest", n: int) -> "SetupRequest":
 
 def graph_trial(request: "SetupRequest", decided: "Decided", estimate: Optional[GraphMemoryEstimate],
                 aux_layers: Sequence[int] = (), env: Mapping[str, str] = os.environ) -> Optional["GraphTrial"]:
-    """The captured graphs of ``estimate`` as a :class:`pipeline.core.pool_remedy.GraphTrial`, for a memory remedy
+    """The captured graphs of ``estimate`` as a :class:`pipeline.memory.pools.GraphTrial`, for a memory remedy
     that lowers their top: ``bytes_at(n)`` is :func:`estimate_for_decided` (bytes) for ``request`` with the sizes cut
     to those up to ``n`` (``cuda_graph_max_bs=n``, or the ``cuda_graph_bs`` list's sizes up to ``n``) on the same
     decided setup — nondecreasing in ``n``. None without graphs."""
-    from pipeline.core.pool_remedy import GraphTrial
+    from pipeline.memory.pools import GraphTrial
 
     if estimate is None or not estimate.batch_sizes:
         return None
@@ -228,3 +220,59 @@ def graph_trial(request: "SetupRequest", decided: "Decided", estimate: Optional[
 
     return GraphTrial(estimate.batch_sizes, bool(args.cuda_graph_bs), args.cuda_graph_max_bs is not None,
                       bytes_at)
+
+
+
+def graph_memory_lower_bound(spec, *, dtype: str, kv_dtype: str, decode_backend: str, batch_sizes: Sequence[int],
+                             arch: str = "", aux_layers: Sequence[int] = (), max_context_len: int = 1024,
+                             page_size: int = 1, num_sms: int = 1,
+                             env: Mapping[str, str] = os.environ) -> GraphMemoryEstimate:
+    """A :class:`GraphMemoryEstimate` (``lower_bound`` True, ``per_bs`` empty) whose ``total_bytes`` is at most
+    :func:`~pipeline.memory.graphs.estimate_graph_memory`'s for the same arguments, computed from
+    the largest size alone: O(1) in the sizes (a :class:`~states.build_mode.BatchSeries` is never listed; other
+    sizes are sorted). Same arguments as that.
+
+    Why it is a lower bound of the full estimate's ``total_bytes``:
+
+    - the graph pool and the warm-up stream start with the largest size exactly as with it alone, and a model pool's
+      reserved bytes never shrink, so each is at least the largest size's alone;
+    - each captured graph's output (the float32 residual stream [bs, hidden]) stays allocated in the graph pool for the
+      graphs' life, so the pool holds at least the sum of those over the sizes;
+    - the replay state is never freed, so its reserved bytes are at least both the largest size's alone and the bytes
+      of every state request (rounded to 512), that is those of the largest size plus each other size's, at least the
+      smallest size's per-size state each."""
+    sizes = batch_sizes if isinstance(batch_sizes, BatchSeries) else sorted(set(int(b) for b in batch_sizes))
+    kw = dict(dtype=dtype, kv_dtype=kv_dtype, decode_backend=decode_backend, arch=arch, aux_layers=aux_layers,
+              max_context_len=max_context_len, page_size=page_size, num_sms=num_sms, env=env)
+    if not sizes:
+        return estimate_graph_memory(spec, batch_sizes=[], **kw)._replace(lower_bound=True)
+    one = estimate_graph_memory(spec, batch_sizes=sizes[-1:], **kw)
+    kinds = list(_kinds_of(_built_kinds(spec)))
+    state = one.state_bytes
+    pool = max(one.pool_bytes, series_sum(sizes) * spec.hidden_size * 4) if kinds else one.pool_bytes  # the outputs kept
+    if len(sizes) > 1 and kinds:
+        entry, mb, r = registry.get(decode_backend, flag="decode_attention_backend"), sizes[-1], PoolModel.round_size
+        sk = dict(max_context_len=max_context_len, page_size=page_size, num_sms=num_sms)
+        live = sum(r(b) for b in runner_buffer_bytes(mb, spec.hidden_size, dtype)) + sum(r(b) for _, b in entry.graph_state_allocs(kinds, [mb], **sk))
+        per_small = sum(r(b) for bs, b in entry.graph_state_allocs(kinds, sizes[:1], **sk) if bs)
+        state = max(state, live + (len(sizes) - 1) * per_small)
+    return one._replace(total_bytes=pool + state + one.warmup_bytes, state_bytes=state, pool_bytes=pool, per_bs={},
+                        batch_sizes=sizes, lower_bound=True)
+
+
+def lower_bound_for_decided(request: "SetupRequest", decided: "Decided", aux_layers: Sequence[int] = (),
+                            env: Mapping[str, str] = os.environ) -> Optional[GraphMemoryEstimate]:
+    """:func:`graph_memory_lower_bound` for what :func:`pipeline.memory.graphs.estimate_for_decided` estimates (same
+    request, sizes, backend and device), or None where that is None."""
+    from pipeline.core.dtypes import kv_dtype, model_dtype
+    from states.build_mode import capture_series
+
+    if decided.refused is not None or not decided["build-mode"].graphs.capture:
+        return None
+    spec, args, facts = request.served_model, request.args, decided["device-init"].facts
+    return graph_memory_lower_bound(
+        spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec), decode_backend=decided["resolve"].pair.decode,
+        batch_sizes=capture_series(args, request.pool.max_reqs, device=facts, world_size=request.world_size),
+        arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
+        page_size=args.page_size, num_sms=facts.sm_count, env=env)
+

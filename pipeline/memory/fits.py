@@ -1,0 +1,276 @@
+"""``attn-setup plan``'s check of the whole plan against the device profile — KV pools, decode CUDA graphs and
+workspaces together — so that it refuses what ``run`` certainly refuses, with remedies that pass the whole plan.
+
+``run`` refuses the KV pools and the graphs' estimate together above :data:`~pipeline.memory.pools.POOL_MEMORY_SHARE`
+(90 %) of the device's *free* memory (:func:`pipeline.memory.pools.check_fits`, ``pool_exceeds_memory``), and the
+graphs are captured after the workspaces were allocated. ``plan`` cannot know the free memory of the device a run
+will get, only the profile's *total*, which the free memory never exceeds. So :func:`check_plan_memory` counts what
+``plan`` can know without allocating, as ``run``'s preflight counts it (``req_to_token``, the KV pool of
+``--num-token-slots``, the graphs' estimate and the planned workspaces) against that total: the workspaces alone
+first (``workspace_exceeds_memory``, :mod:`pipeline.memory.workspaces`), then the graphs when they are what is too
+large, then the pools (``pool_exceeds_memory`` with run's remedy builder, :func:`pipeline.memory.pools.refuse_pools`).
+
+A FlashInfer workspace refusal (``workspace_too_small``) is told again with :func:`fits_beside`
+(:func:`retell_workspace_refusal`): build-mode's check bounds a remedy's workspace by each one's share of the device
+alone, while ``plan`` knows the pools and can estimate the graphs, so every alternative it names — the workspaces,
+the graphs up to the top it names and the KV pools ``run`` sizes — fits together within
+:data:`~pipeline.memory.pools.POOL_MEMORY_SHARE` of the profile's total less
+:func:`~pipeline.memory.pools.remedy_margin`. Pure decisions, no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping, Optional, TYPE_CHECKING
+
+import msgspec
+
+from pipeline.backends import registry
+from pipeline.core.driver import Decided
+from pipeline.core.errors import ConfigError
+from pipeline.core.numbers import largest_fitting, REMEDY_MAX_BS
+from pipeline.core.validation import MAX_BYTES
+from pipeline.memory.graphs import (estimate_for_decided, graph_trial, GraphMemoryEstimate, graphs_up_to,
+    lower_bound_for_decided)
+from pipeline.memory.pools import graph_fixes, POOL_MEMORY_SHARE, remedy_available
+from pipeline.memory.workspaces import check_workspaces, check_workspaces_fit, need_at, workspace_setting
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipeline.core.contracts import SetupRequest
+
+
+def plan_pools(request: "SetupRequest", estimate: Optional[GraphMemoryEstimate], ws: int) -> Any:
+    """The :class:`~pipeline.memory.pools.PoolSizing` ``run`` sizes for ``request`` (its served model the
+    stack run builds) when no ``--mem-bytes`` / ``--mem-fraction`` is given: ``req_to_token`` and the KV pool of
+    ``pool.num_token_slots`` (:func:`pipeline.memory.pools.size_pools`, bytes), with the graphs' estimate and
+    the workspaces' ``ws`` bytes recorded beside them. Raises size_pools' ConfigError for a pool below two pages."""
+    from pipeline.core.dtypes import kv_dtype
+    from pipeline.memory.pools import size_pools
+
+    spec, p = request.served_model, request.pool
+    return size_pools(spec.layer_kinds(), spec.num_hidden_layers, kv_dtype(request.args, spec),
+                      page_size=request.args.page_size, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
+                      num_token_slots=p.num_token_slots, graph_reserve_bytes=0 if estimate is None else
+                      estimate.total_bytes, workspace_bytes=ws)
+
+
+def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Optional[GraphMemoryEstimate],
+                      total_bytes: int, env: Mapping[str, str] = os.environ) -> None:
+    """``plan``'s memory refusals against ``total_bytes`` (the profile's device memory; 0: unknown, none), in the
+    order their remedies need: the planned workspaces alone above 90 % (``workspace_exceeds_memory``), the graphs
+    (:func:`check_graphs_fit_device`), then ``req_to_token`` + the KV pool + the graphs + the workspaces above 90 %
+    (``pool_exceeds_memory``, state ``init-memory-pool``, with ``run``'s remedy builder; every alternative then
+    plans ok). ``request``'s served model is the stack ``run`` builds. Common path: a pool sizing and sums."""
+    from pipeline.memory.pools import check_fits
+    from pipeline.memory.pools import check_needs
+
+    if not total_bytes:
+        return
+    d, facts = decided["build-mode"], decided["device-init"].facts
+    ws = d.plan.workspace_bytes
+    s = plan_pools(request, estimate, ws)
+    pools, g = s.req_to_token_bytes + s.kv_bytes, s.graph_reserve_bytes
+    check_workspaces_fit(request, d, facts, total_bytes, pool_bytes=pools, graph_bytes=g, total=True,
+                         device=facts.name or facts.type)
+    check_graphs_fit_device(request, decided, estimate, total_bytes, env, pool_bytes=pools)
+    args = request.args
+    try:
+        check_fits(s, total_bytes, device=facts.name or facts.type, of_total=True,
+                   graph_top=args.cuda_graph_max_bs or max(args.cuda_graph_bs or [0]),
+                   graphs=graph_trial(request, decided, estimate, env=env),
+                   min_slots=check_needs(request.pool.max_reqs, args.page_size).slots,
+                   min_context_len=check_needs(request.pool.max_reqs).context)
+    except ConfigError as e:
+        e.info = msgspec.structs.replace(e.info, state="init-memory-pool")
+        raise
+
+
+def refuse_early(request: "SetupRequest", decided: "Decided", bound: Optional[GraphMemoryEstimate],
+                 total_bytes: int, env: Mapping[str, str] = os.environ) -> None:
+    """s11: :func:`check_plan_memory` with the graphs' lower ``bound``
+    (:func:`pipeline.memory.graphs.lower_bound_for_decided`) in place of their estimate, when the bound alone
+    already decides a refusal whose code and remedy are those the full estimate gives: the bound above 90 % of
+    ``total_bytes``, or the bound with the workspaces and the KV pools above it while those two fit. The remedies
+    then do not depend on the graphs' bytes (only on their sizes, and on the room the pools and workspaces leave),
+    so they are the same; only the message's graph bytes are the bound's. Returns when the bound decides nothing
+    (the full estimate is needed), so an accepted top is estimated as before."""
+    if bound is None or not total_bytes:
+        return
+    share = int(total_bytes * POOL_MEMORY_SHARE)
+    if bound.total_bytes <= share:
+        ws = decided["build-mode"].plan.workspace_bytes
+        s = plan_pools(request, None, ws)
+        rest = ws + s.req_to_token_bytes + s.kv_bytes
+        if rest > share or bound.total_bytes + rest <= share:
+            return
+    check_plan_memory(request, decided, bound, total_bytes, env)
+
+
+def check_graphs_fit_device(request: "SetupRequest", decided: "Decided", estimate: Optional[GraphMemoryEstimate],
+                            total_bytes: int, env: Mapping[str, str] = os.environ, pool_bytes: int = 0) -> None:
+    """Raise ConfigError ``pool_exceeds_memory`` (state ``init-memory-pool``, where ``run`` refuses it) when the
+    graphs' ``estimate`` (bytes) is above 90 % of ``total_bytes`` (the profile's device memory), or the estimate plus
+    the planned workspaces (``decided["build-mode"].plan.workspaces``, bytes) and the KV pools (``pool_bytes``) above
+    90 % of it while those two fit (else the pools are what to refuse: :func:`check_plan_memory`). Nothing to check
+    without graphs (``estimate`` None) or a memory reading (``total_bytes`` 0).
+
+    The remedy's alternatives (:func:`pipeline.memory.pools.graph_fixes`) then pass this check: the largest
+    captured top (at most :data:`~pipeline.core.numbers.REMEDY_MAX_BS`) whose estimate fits both bounds less
+    :func:`~pipeline.memory.pools.remedy_margin` of the total, found by a binary search over the captured sizes
+    (the estimate is nondecreasing in the top); and ``disable_cuda_graph`` when the workspaces alone fit 90 % of that.
+    Costs nothing on the common path (two comparisons); the search runs only for a refusal. Workspaces above 90 %
+    of the total by themselves are :mod:`pipeline.memory.workspaces`'s refusal, checked first.
+    """
+    if estimate is None or not total_bytes:
+        return
+    g, share = estimate.total_bytes, int(total_bytes * POOL_MEMORY_SHARE)
+    ws = decided["build-mode"].plan.workspace_bytes
+    if ws + pool_bytes > share or (g <= share and g + ws + pool_bytes <= share):
+        return  # fits, or the pools are what is too large: check_plan_memory's pool refusal names them
+    room = int(remedy_available(total_bytes) * POOL_MEMORY_SHARE) - ws - pool_bytes
+    fixes = graph_fixes(graph_trial(request, decided, estimate, env=env), room, eager_fits=room >= 0)
+    args, sizes = request.args, estimate.batch_sizes
+    why = (f"above the {POOL_MEMORY_SHARE:.0%} of it ({share} bytes) that run lets the pools and graphs use"
+           if g > share else f"which with the planned workspaces ({ws} bytes) and the KV pools ({pool_bytes} bytes) "
+           f"is above the {POOL_MEMORY_SHARE:.0%} of it ({share} bytes) that run lets them use")
+    raise ConfigError(
+        f"the decode CUDA graphs for bs {sizes[0]}..{sizes[-1]} ({len(sizes)} sizes) are estimated at "
+        f"{'least ' if estimate.lower_bound else ''}{g} bytes ({g / (1 << 30):.2f} GiB"
+        f"{'; a lower bound, the largest size and each size kept' if estimate.lower_bound else ''}), but the device has {total_bytes} bytes in all, {why} (plan cannot know the "
+        "free memory a run will find, at most this total, so it checks against the total)",
+        code="pool_exceeds_memory", state="init-memory-pool",
+        flags=[("cuda_graph_bs", args.cuda_graph_bs) if args.cuda_graph_bs else
+               ("cuda_graph_max_bs", args.cuda_graph_max_bs), ("max_reqs", request.pool.max_reqs),
+               ("graph_bytes_estimate", g), ("workspace_bytes", ws), ("pool_bytes", pool_bytes),
+               ("total_memory_bytes", total_bytes)],
+        allowed=[f"<= {max(share - ws - pool_bytes, 0)} bytes of decode CUDA graphs"],
+        remedy=", or ".join(fixes) if fixes else "use a device with more memory (no graph size fits this one)")
+
+
+
+def _room(stack: "SetupRequest", d: Any, total_bytes: int) -> tuple[int, int]:
+    """``(bytes, n)``: what the ``n`` workspaces the workspace setting sizes (those a backend with a workspace check
+    uses) and the decode graphs may take together beside the KV pools of ``stack`` (:func:`plan_pools`) and the other
+    planned workspaces of build-mode's decision ``d``: 90 % of ``total_bytes`` less the remedy margin, less those."""
+    sized = [w for w in d.plan.workspaces if any(registry.get(i.backend).rules.check_workspace is not None
+                                                 for i in d.plan.instances if i.workspace == w.id)]
+    s = plan_pools(stack, None, 0)
+    fixed = d.plan.workspace_bytes - sum(w.bytes for w in sized)
+    return (int(remedy_available(total_bytes) * POOL_MEMORY_SHARE) - s.req_to_token_bytes - s.kv_bytes - fixed,
+            len(sized))
+
+
+def _graph_bytes(r: "SetupRequest", dec: Decided, bound: bool, env: Mapping[str, str]) -> int:
+    """The decode graphs' bytes for ``r``: their estimate, or with ``bound`` its lower bound (0 without graphs)."""
+    est = (lower_bound_for_decided if bound else estimate_for_decided)(r, dec, env=env)
+    return 0 if est is None else est.total_bytes
+
+
+def fits_beside(stack: "SetupRequest", decided: Decided, total_bytes: int,
+                env: Mapping[str, str] = os.environ) -> Callable[[int, int], bool]:
+    """``fits(ws, bs)``: whether the planned workspaces the workspace setting sizes, each at ``ws`` bytes, the
+    other planned workspaces as they are, the decode graphs up to ``bs`` (0: none; the estimate of
+    :func:`~pipeline.memory.graphs.estimate_for_decided` for ``stack`` cut to that top,
+    :func:`~pipeline.memory.graphs.graphs_up_to`) and the KV pools of ``stack`` (:func:`plan_pools`) are together
+    at most 90 % of ``total_bytes`` less the remedy margin. ``stack``: the request as ``run`` builds it (its served
+    model cut to ``--num-layers``), as ``plan``'s memory checks count it; ``decided``: ``plan``'s decide walk
+    (a refusal it holds is ignored here). Once false it stays false as ``ws`` or ``bs`` grows (the estimate is
+    nondecreasing in the top), as the remedy's binary searches need. Each top's graphs are estimated once, after
+    their lower bound (:mod:`pipeline.memory.graphs`, O(1) in the top) did not already rule it out."""
+    dec = _unrefused(decided)
+    d = dec["build-mode"]
+    now, (room, n) = d.graph_max_bs(stack, dec["device-init"].facts), _room(stack, d, total_bytes)
+    memo: dict[tuple[int, bool], int] = {}
+    listed = stack.args.cuda_graph_bs
+
+    def graphs(bs: int, bound: bool) -> int:
+        if bs <= 0 or (listed and bs < min(listed)):  # no graphs (a cut list would be empty)
+            return 0
+        if (bs, bound) not in memo:
+            memo[bs, bound] = _graph_bytes(stack if bs == now else graphs_up_to(stack, bs), dec, bound, env)
+        return memo[bs, bound]
+
+    def fits(ws: int, bs: int) -> bool:
+        left = room - n * ws
+        return left >= 0 and left >= graphs(bs, True) and left >= graphs(bs, False)
+    return fits
+
+
+def _unrefused(decided: Decided) -> Decided:
+    """``decided`` without its refusal (the estimates refuse to estimate for a refused walk)."""
+    return Decided(table=decided.table, decisions=dict(decided.decisions), inputs=decided.inputs)
+
+
+def rows_fix(request: "SetupRequest", stack: "SetupRequest", decided: Decided, total_bytes: int,
+             env: Mapping[str, str] = os.environ) -> str:
+    """The alternative that lowers ``max_reqs`` (library wording), for when no workspace or graph size can work
+    because the KV pools leave no room (``--max-reqs 2147483647``: 8 TiB of ``req_to_token``): the largest
+    ``max_reqs`` R below the one asked, at least the largest ``cuda_graph_bs`` size (a size above it is refused),
+    with which the whole plan fits, as :func:`fits_beside` counts it — the KV pools of R rows; the graphs, their
+    top capped at R (sglang's default top is; a ``cuda_graph_max_bs`` above R is lowered to R or
+    :data:`~pipeline.core.numbers.REMEDY_MAX_BS`, the lower, and named); each sized workspace at the larger of
+    its size and what the backends need at R rows and that top (named when above its size; at most 2**48 bytes,
+    the flag's domain). "" when not even one row fits. Binary search (everything grows with R): O(log max_reqs)
+    lower bounds, and estimates where they pass, one per graph top."""
+    dec = _unrefused(decided)
+    d, facts, args = dec["build-mode"], dec["device-init"].facts, request.args
+    name, size = workspace_setting(d)
+    size, top = size or 0, args.cuda_graph_max_bs
+
+    def top_at(n: int) -> Optional[int]:  # a given top above n is lowered, then to at most REMEDY_MAX_BS
+        return top if top is None or top <= n else min(n, REMEDY_MAX_BS)
+
+    def rows(r: "SetupRequest", n: int) -> "SetupRequest":
+        a = msgspec.structs.replace(r.args, cuda_graph_max_bs=top_at(n))
+        return msgspec.structs.replace(r, args=a, pool=msgspec.structs.replace(r.pool, max_reqs=n))
+
+    memo: dict[tuple[int, bool], int] = {}  # the graphs' bytes by their top: the sizes depend on R only through it
+
+    def graphs(cut: "SetupRequest", bs: int, bound: bool) -> int:
+        if (bs, bound) not in memo:
+            memo[bs, bound] = _graph_bytes(cut, dec, bound, env)
+        return memo[bs, bound]
+
+    def plan_at(n: int) -> tuple[bool, int]:
+        full, cut = rows(request, n), rows(stack, n)
+        bs = d.graph_max_bs(full, facts)
+        ws = max(size, need_at(full, d, facts)(bs))
+        room, k = _room(cut, d, total_bytes)
+        left = room - k * ws
+        ok = ws <= MAX_BYTES and left >= 0 and all(left >= graphs(cut, bs, b) for b in (True, False))
+        return ok, ws
+
+    r = largest_fitting(range(max(args.cuda_graph_bs or [1]), request.pool.max_reqs), lambda n: plan_at(n)[0])
+    if r is None:
+        return ""
+    ws = plan_at(r)[1]
+    return (f"set max_reqs={r}" + (f" and {name}={ws}" if ws > size else "")
+            + (f" and cuda_graph_max_bs={top_at(r)}" if top_at(r) != top else ""))
+
+
+NO_ROOM = "lower max_context_len or num_token_slots (the KV pools leave the workspaces no room at any max_reqs)"
+
+
+def retell_workspace_refusal(request: "SetupRequest", stack: "SetupRequest", decided: Decided, total_bytes: int,
+                             env: Mapping[str, str] = os.environ) -> None:
+    """When ``decided`` (``plan``'s decide walk for ``request``) was refused in build-mode with
+    ``workspace_too_small``, raise that refusal again — the same check, code, message and fields — with the remedy
+    :func:`fits_beside` bounds (``stack``: the request as ``run`` builds it, see there); when no workspace or graph
+    size can work, :func:`rows_fix` (or, when not even that fits, :data:`NO_ROOM`). Else return. Without a memory
+    reading (``total_bytes`` 0) the refusal stays as it was."""
+    refused = decided.refused
+    if refused is None or total_bytes <= 0 or refused[0] != "build-mode" \
+            or getattr(getattr(refused[1], "info", None), "code", None) != "workspace_too_small":
+        return
+    try:
+        fits = fits_beside(stack, decided, total_bytes, env)
+    except ConfigError:  # the KV pool below two pages: plan_pools' refusal comes after this one, as before
+        return
+    try:
+        check_workspaces(request, decided["build-mode"], decided["device-init"].facts, fits=fits)
+    except ConfigError as e:
+        if not e.info.remedy:
+            e.info = msgspec.structs.replace(e.info, remedy=rows_fix(request, stack, decided, total_bytes, env)
+                                             or NO_ROOM)
+        raise
+
