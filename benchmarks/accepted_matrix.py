@@ -138,12 +138,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--subset", choices=("all", "covering"), default="all", help="every accepted cell, or a "
                    "pairwise covering subset of them")
     p.add_argument("--list-variants", action="store_true", help="print the FlashInfer variants the accepted cells "
-                   "need (one JSON object per line, pipeline.backends.flashinfer_jit.Variant fields) and exit")
+                   "need (one JSON object per line, pipeline.backends.flashinfer.jit.Variant fields) and exit")
     p.add_argument("--installed", default=None, help="comma-separated distributions to decide with (default: what "
                    "imports here), e.g. torch,triton,flashinfer-python to list a GPU machine's variants from a CPU one")
     p.add_argument("--dry-run", action="store_true", help="decide only: print the accepted cells and the counts")
     p.add_argument("--warmup", type=int, default=0, metavar="JOBS", help="compile the FlashInfer variants the "
-                   "accepted cells need in JOBS parallel processes (pipeline.backends.flashinfer_jit.warmup_variants), print each, exit")
+                   "accepted cells need in JOBS parallel processes (pipeline.backends.flashinfer.jit.warmup_variants), print each, exit")
     p.add_argument("--shard", default="0/1", metavar="K/N", help="run only the K-th (from 0) of N shards of about "
                    "equal estimated cost (one matrix over several calls; --merge joins their --out files)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="print the table and summary of several "
@@ -172,7 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if ns.list_variants or ns.warmup:
         found = variants(rows, facts)
         if ns.warmup:
-            from pipeline.backends.flashinfer_jit import warmup_variants
+            from pipeline.backends.flashinfer.jit import warmup_variants
 
             results = warmup_variants(found, jobs=ns.warmup) if found else []
             for r in results:

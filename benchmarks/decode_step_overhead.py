@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from fi_reference import Scenario, make_kind, make_layer  # noqa: E402
 from pipeline.backends.base import PlannedLayers  # noqa: E402
-from pipeline.backends import flashinfer_sizing as sz  # noqa: E402
+from pipeline.backends.flashinfer import rules as sz
 from pipeline.core.contracts import ForwardMode  # noqa: E402
 
 L = 32
@@ -127,7 +127,7 @@ def top(fn, n=200, k=14) -> str:
 def case(B, ctx, profile=False, graphs=True, reps=21):
     import flashinfer
 
-    from pipeline.backends import flashinfer as fib
+    from pipeline.backends.flashinfer import backend as fib
 
     h, hkv, d = 32, 8, 128
     kind = make_kind(h, hkv, d, layer_ids=(0,))

@@ -22,9 +22,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from fi_reference import Scenario, dense_reference, make_kind, make_layer, rel_err  # noqa: E402
-from pipeline.backends import flashinfer_sizing as sz  # noqa: E402
+from pipeline.backends.flashinfer import rules as sz
 from pipeline.core.contracts import ForwardMode  # noqa: E402
-from pipeline.backends.flashinfer_jit import Variant, warmup_variants  # noqa: E402
+from pipeline.backends.flashinfer.jit import Variant, warmup_variants  # noqa: E402
+from pipeline.backends.capability import WorkspaceQuery
 
 R: dict = {"cases": [], "errors": {}}
 READY: set = set()  # variant names compiled (or cached) by the warmup phase
@@ -46,7 +47,7 @@ def variants(arch="sm90"):
 
 def run_case(name, h, hkv, d, dtype, ps, window=None, softcap=None, sinks=False, seed=0):
     """Decode (B=1 long, B=33 ragged, B=256 for page 16) + extend ragged + extend paged for one config."""
-    from pipeline.backends import flashinfer as fib
+    from pipeline.backends.flashinfer import backend as fib
 
     kind = make_kind(h, hkv, d, window=window, softcap=softcap, sinks=sinks)
     dt = str(dtype)[6:]
@@ -122,7 +123,7 @@ def phase_correctness():
 
 def phase_graphs():
     """Capture decode at bs (cc and tc paths, and fa3), replay with changed lengths == eager."""
-    from pipeline.backends import flashinfer as fib
+    from pipeline.backends.flashinfer import backend as fib
 
     for name, h, bs, real in (("flashinfer", 32, 16, 11), ("flashinfer", 32, 4, 3), ("flashinfer", 8, 16, 16), ("fa3", 32, 16, 11)):
         kind = make_kind(h, 8, 128, layer_ids=(0, 1))
@@ -166,7 +167,8 @@ def phase_graphs():
 
 def phase_workspace():
     """Plan + capture at the computed size succeed; at half our check fires; FlashInfer then fails too."""
-    from pipeline.backends import flashinfer as fib, registry
+    from pipeline.backends import registry
+    from pipeline.backends.flashinfer import backend as fib
     from pipeline.core.errors import ConfigError
 
     kind = make_kind(32, 8, 128)
@@ -177,8 +179,9 @@ def phase_workspace():
         sc = Scenario([kind], page_size=16, max_reqs=257, max_context_len=4096, num_slots=1 << 20, ws_bytes=int(need.bytes * frac),
                       sm_count=torch.cuda.get_device_properties(0).multi_processor_count, extra={"cuda_graph_max_bs": 256})
         try:  # the check build-mode runs before allocating (the registry entry's)
-            registry.get("flashinfer").check_workspace(sc.ctx.workspace.nbytes, [kind], num_sms=sc.ctx.device.sm_count,
-                                                       max_reqs=sc.ctx.req_to_token_pool.max_reqs, graph_max_bs=256)
+            registry.get("flashinfer").check_workspace(sc.ctx.workspace.nbytes, WorkspaceQuery(
+                kinds=[kind], num_sms=sc.ctx.device.sm_count, max_reqs=sc.ctx.req_to_token_pool.max_reqs,
+                graph_max_bs=256))
             out[f"our_check_{frac}"] = "passed"
         except ConfigError as e:
             out[f"our_check_{frac}"] = f"refused: {e}"
@@ -214,7 +217,7 @@ def phase_bench():
     """Crossover cc vs tc (raw wrappers), and our 32-layer decode step vs the same raw calls."""
     import flashinfer
 
-    from pipeline.backends import flashinfer as fib
+    from pipeline.backends.flashinfer import backend as fib
 
     rows, cross = [], []
     for (h, hkv) in ((32, 32), (32, 8), (32, 4)):

@@ -50,7 +50,8 @@ sys.path.insert(0, str(HERE))
 from decode_step_overhead import interleaved  # noqa: E402
 from fi_reference import Scenario, make_kind, make_layer, make_mla_kind  # noqa: E402
 from mla_decode import COPY_CEILING_GBPS, _us, copy_bandwidth  # noqa: E402
-from pipeline.backends import flashinfer_sizing as sz  # noqa: E402
+from pipeline.backends.flashinfer import rules as sz
+from pipeline.backends.flashinfer.jit import mla_backend
 from pipeline.backends.base import PlannedLayers  # noqa: E402
 from pipeline.core.contracts import ForwardMode  # noqa: E402
 
@@ -98,7 +99,7 @@ def _fill_requests(sc: Scenario, reqs: list[int], ctx: int) -> None:
 def mla_rows(layers: int, ceiling: float, shapes) -> list[dict]:
     import flashinfer
 
-    from pipeline.backends import flashinfer as fib
+    from pipeline.backends.flashinfer import backend as fib
 
     page, bmax, cmax = 64, max(b for b, _ in shapes), max(c for _, c in shapes)
     kind = make_mla_kind(128, scaling=V3_SCALE)
@@ -137,7 +138,7 @@ def mla_rows(layers: int, ceiling: float, shapes) -> list[dict]:
         raw = flashinfer.mla.BatchMLAPagedAttentionWrapper(
             ws, use_cuda_graph=True, qo_indptr=torch.empty(b + 1, **i32), kv_indptr=torch.empty(b + 1, **i32),
             kv_indices=torch.empty(indices.numel(), **i32), kv_len_arr=torch.empty(b, **i32),
-            backend=sz.mla_backend(arch))
+            backend=mla_backend(arch))
         plan_args = (qo, indptr, indices, seq_cpu, 128, 512, 64, page, False, V3_SCALE, torch.bfloat16, torch.bfloat16)
         raw.plan(*plan_args)
         o_raw = torch.empty(b, 128, 512, dtype=torch.bfloat16, device="cuda")
@@ -165,7 +166,7 @@ def mla_rows(layers: int, ceiling: float, shapes) -> list[dict]:
         t = interleaved(dict(ours=ours_step, raw=raw_step), reps=11, spread=spread)
         k_us = _us(g_kernel.replay)
         gbps = b * ctx * 576 * 2 / k_us / 1e3
-        rows.append(dict(section="mla", B=b, ctx=ctx, layers=layers, backend=sz.mla_backend(arch),
+        rows.append(dict(section="mla", B=b, ctx=ctx, layers=layers, backend=mla_backend(arch),
                          ours_us=t["ours"], raw_us=t["raw"], ratio=t["raw"] / t["ours"], kernel_us=k_us,
                          gbps=gbps, pct_copy=100 * gbps / ceiling, outputs_equal=same, spread_us=spread,
                          meets=t["raw"] / t["ours"] >= TARGET_MLA))
@@ -179,7 +180,7 @@ def mla_rows(layers: int, ceiling: float, shapes) -> list[dict]:
 
 def _decode_step(h: int, hkv: int, kv_name: str, path: str | None, layers: int, b: int = 64, ctx: int = 4096):
     """(µs per graph-replayed step, the decode wrapper class used) of our backend over a ``kv_name`` cache."""
-    from pipeline.backends import flashinfer as fib
+    from pipeline.backends.flashinfer import backend as fib
 
     g = h // hkv
     old = sz.FP8_DECODE_PATH.get(g)
@@ -253,7 +254,7 @@ def fp8_decode_rows(layers: int, ceiling: float) -> list[dict]:
 
 
 def fp8_extend_rows(layers: int) -> list[dict]:
-    from pipeline.backends import flashinfer as fib
+    from pipeline.backends.flashinfer import backend as fib
 
     rows = []
     for b, prefix, new in ((8, 3584, 512), (1, 0, 4096)):

@@ -33,7 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from pipeline.backends.triton import launch_mla  # noqa: E402
 from pipeline.backends.triton.kernels import mla as kmla  # noqa: E402
-from pipeline.backends.triton.kernels import mla_extend as kmla_ext  # noqa: E402
+from pipeline.backends.triton.kernels import mla as kmla_ext
 
 DV, DR = 512, 64
 _TYPES = {"Q": "*bf16", "KV": "*bf16", "KVNew": "*bf16", "ReqToToken": "*i32", "ReqIdx": "*i64", "SeqLens": "*i32",

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple
 
-from pipeline.backends import registry
-from pipeline.backends.capability import MODEL_FEATURES
-from pipeline.backends.registry import Capability
+from pipeline.backends.packages import install_hint
+from pipeline.backends.capability import MODEL_FEATURES, Capability
+
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec
 from pipeline.core.dtypes import kv_dtype, model_dtype
 from pipeline.core.model_spec import format_layer_ids
@@ -124,7 +124,7 @@ def _device_reasons(cap: Capability, device: DeviceFacts, installed: Mapping[str
                           (("device.arch", device.arch),)))
     for pkg in cap.packages:
         if not installed.get(pkg, False):
-            out.append(Reason(f"{PACKAGE_REASON_PREFIX}{pkg!r} is not installed ({registry.install_hint(pkg)})",
+            out.append(Reason(f"{PACKAGE_REASON_PREFIX}{pkg!r} is not installed ({install_hint(pkg)})",
                               (("missing_package", pkg),)))
     return out
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import msgspec
 
 from pipeline.backends import registry
+from pipeline.backends.packages import install_hint
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec
 from pipeline.core.errors import ConfigError
 from pipeline.core.type_checks import nearest_name
@@ -198,6 +199,6 @@ def suggest(name: str, ctx: Remedies) -> tuple[Optional[str], str]:
         return best, note
     pk = ctx.survey.packages_of(best)
     if pk and best in ctx.survey.installable:
-        hints = sorted({registry.install_hint(p) for p in pk})
+        hints = sorted({install_hint(p) for p in pk})
         return best, f"{note} It needs {one_of(pk)}, which is not installed ({'; '.join(hints)})"
     return best, f"{note} It cannot serve this request here: {'; '.join(r.text for r in why)}"

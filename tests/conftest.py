@@ -19,6 +19,26 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 CONFIGS = ROOT / "examples" / "configs"
 
 
+def gpu_backends(arch: "str | None" = None, installed_only: bool = False) -> list[str]:
+    """The registered backends whose capability record serves CUDA, the reference backend left out (it runs
+    everywhere and is tested on its own), in the registry's order: those serving ``arch`` (``"sm90"``) when given,
+    and whose packages are installed with ``installed_only``. Derived from the registry, so a new backend is
+    tested without editing the tests."""
+    from pipeline.backends import packages, registry
+
+    out = []
+    for name in registry.names():
+        cap = registry.get(name).capability
+        if name == registry.reference_name() or "cuda" not in cap.devices:
+            continue
+        if arch is not None and cap.archs is not None and arch not in cap.archs:
+            continue
+        if installed_only and not all(packages.installed(cap.packages).values()):
+            continue
+        out.append(name)
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip GPU-marked tests when torch sees no CUDA device (reported as skipped, never silent)."""
     try:

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import torch
 
+from conftest import gpu_backends
 from pipeline.backends import registry
 from pipeline.backends.base import AttentionLayer
 from pipeline.backends.records import TORCH_NATIVE
@@ -216,7 +217,7 @@ def test_torch_native_cuda_and_pdmux_run(args):
 # ---------------------------------------------------------------------------------------------
 # GPU records: real cases on CUDA for every claim (marked gpu)
 # ---------------------------------------------------------------------------------------------
-GPU_RECORDS = ["flashinfer", "fa3", "triton"]
+GPU_RECORDS = gpu_backends()
 
 
 def _gpu_cases() -> list:

@@ -3,7 +3,7 @@
 ``plan`` and ``run``'s preflight (every device) refuse CUDA-graph batch sizes above ``max_reqs`` and a
 FlashInfer workspace smaller than the largest batch it will plan, naming both numbers, with remedies
 that work when applied. The workspace bytes expected here are written out from FlashInfer 0.6.13's
-scheduler formulas (pipeline/backends/flashinfer_sizing.py docstring), not taken from the code.
+scheduler formulas (pipeline/backends/flashinfer/rules.py docstring), not taken from the code.
 """
 
 from __future__ import annotations

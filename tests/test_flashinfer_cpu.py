@@ -14,11 +14,13 @@ import structlog
 import torch
 
 from pipeline.backends.registry import get  # noqa: I001  (registry first: it imports capabilities)
-from pipeline.backends import records as capabilities, flashinfer_sizing as sz, flashinfer_workspace_check as wscheck
+from pipeline.backends import records as capabilities
+from pipeline.backends.flashinfer import rules
 
 from pipeline.core.contracts import ForwardMode
 from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError
-from pipeline.backends.flashinfer_jit import Variant, ensure_compiled, heartbeat
+from pipeline.backends.flashinfer.jit import Variant, ensure_compiled, heartbeat
+from pipeline.backends.capability import WorkspaceQuery
 import fake_flashinfer
 from fi_reference import Scenario, dense_reference, make_kind, make_layer, rel_err
 
@@ -28,7 +30,7 @@ from fi_reference import Scenario, dense_reference, make_kind, make_layer, rel_e
 def test_factory_without_flashinfer_names_package_and_extra(monkeypatch):
     """Without FlashInfer the factory raises BackendUnavailable naming the package and the cuda extra."""
     monkeypatch.setitem(sys.modules, "flashinfer", None)
-    from pipeline.backends import flashinfer as fib
+    from pipeline.backends.flashinfer import backend as fib
 
     for name, factory in (("flashinfer", fib.create), ("fa3", fib.create_fa3)):
         sc = Scenario([make_kind(4, 2, 64)], device="cpu", name=name)
@@ -43,16 +45,16 @@ def test_capability_records_registered():
     """Both backends are registered with cuda-only records, fa3 on sm90 only, 384 MiB workspace."""
     fi, fa3 = get("flashinfer").capability, get("fa3").capability
     assert fi.devices == ["cuda"] and fa3.archs == ["sm90"]
-    assert fi.workspace_bytes == fa3.workspace_bytes == 384 * (1 << 20) == sz.DEFAULT_WORKSPACE_BYTES
+    assert fi.workspace_bytes == fa3.workspace_bytes == 384 * (1 << 20) == rules.DEFAULT_WORKSPACE_BYTES
     assert "flashinfer-python" in fi.packages and "SGLANG_FLASHINFER_WORKSPACE_SIZE" in fi.source
-    assert get("fa3").factory == "pipeline.backends.flashinfer:create_fa3"
+    assert get("fa3").factory == "pipeline.backends.flashinfer.backend:create_fa3"
     assert capabilities.FA3.q_dtypes == ["bfloat16", "float16"]
 
 
 def test_fa3_refused_off_sm90(monkeypatch):
     """fa3 on an sm80 device is a CapabilityMismatch naming the compute capability."""
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
-    from pipeline.backends import flashinfer as fib
+    from pipeline.backends.flashinfer import backend as fib
 
     sc = Scenario([make_kind(4, 2, 64)], device="cpu", name="fa3", arch=(8, 0))
     sc.ctx.device = type(sc.ctx.device)(type="cuda", compute_capability=(8, 0), sm_count=108)
@@ -66,40 +68,40 @@ def test_fa3_refused_off_sm90(monkeypatch):
 
 def test_workspace_hand_computed_table():
     """Bytes match a hand-computed table (H=32, Hkv=8, Dv=128, 132 SMs)."""
-    s = sz.HeadShape(32, 8, 128)
+    s = rules.HeadShape(32, 8, 128)
     # CUDA-core decode: rows = 16*132//8 = 264; 32*264*(128+1)*4 + 32
-    assert sz.cuda_core_decode_bytes(s, 132) == 32 * 264 * 129 * 4 + 32
+    assert rules.cuda_core_decode_bytes(s, 132) == 32 * 264 * 129 * 4 + 32
     # FA2 eager: tiles = 2*132//8 = 33, tile 128 rows
-    assert sz.fa2_eager_bytes(s, 132) == 32 * 33 * 128 * 129 * 4 + 32
+    assert rules.fa2_eager_bytes(s, 132) == 32 * 33 * 128 * 129 * 4 + 32
     # graph decode bs=256, group 4 -> tile 16, q tiles = 256*4/16 + 255 = 319 > 33
-    assert sz.fa2_graph_decode_bytes(s, 132, 256) == 32 * 319 * 16 * 129 * 4 + 32
+    assert rules.fa2_graph_decode_bytes(s, 132, 256) == 32 * 319 * 16 * 129 * 4 + 32
     # bs=4: q tiles 1+3=4 < 33 split tiles
-    assert sz.fa2_graph_decode_bytes(s, 132, 4) == 32 * 33 * 16 * 129 * 4 + 32
+    assert rules.fa2_graph_decode_bytes(s, 132, 4) == 32 * 33 * 16 * 129 * 4 + 32
 
 
 def test_workspace_need_takes_largest_path_and_graph_bs():
     """The need is the max over paths; graph term only when tensor-core decode is used at that bs."""
-    s = sz.HeadShape(32, 8, 128)
-    n = sz.workspace_need([s], num_sms=132, max_batch_size=256, cuda_graph_max_bs=256)
-    assert n.bytes == n.parts["fa2_graph_decode"] == sz.fa2_graph_decode_bytes(s, 132, 256)
-    g1 = sz.workspace_need([sz.HeadShape(8, 8, 128)], num_sms=132, max_batch_size=256, cuda_graph_max_bs=256)
+    s = rules.HeadShape(32, 8, 128)
+    n = rules.workspace_need([s], num_sms=132, max_batch_size=256, cuda_graph_max_bs=256)
+    assert n.bytes == n.parts["fa2_graph_decode"] == rules.fa2_graph_decode_bytes(s, 132, 256)
+    g1 = rules.workspace_need([rules.HeadShape(8, 8, 128)], num_sms=132, max_batch_size=256, cuda_graph_max_bs=256)
     assert g1.parts["fa2_graph_decode"] == 0  # group 1 decodes on CUDA cores
-    assert sz.workspace_need([s], num_sms=132, max_batch_size=256, prefill_backend="fa3").bytes == 0
-    assert sz.workspace_need([s], num_sms=132, max_batch_size=256).bytes == sz.fa2_eager_bytes(s, 132)
+    assert rules.workspace_need([s], num_sms=132, max_batch_size=256, prefill_backend="fa3").bytes == 0
+    assert rules.workspace_need([s], num_sms=132, max_batch_size=256).bytes == rules.fa2_eager_bytes(s, 132)
 
 
 def test_mqa_needs_more_than_sglang_default():
     """An MQA model (H=32, Hkv=1, D=128) needs more than 384 MiB for its worst FA2 prefill split."""
-    n = sz.workspace_need([sz.HeadShape(32, 1, 128)], num_sms=132, max_batch_size=64)
-    assert n.bytes == 32 * 264 * 128 * 129 * 4 + 32 > sz.DEFAULT_WORKSPACE_BYTES
+    n = rules.workspace_need([rules.HeadShape(32, 1, 128)], num_sms=132, max_batch_size=64)
+    assert n.bytes == 32 * 264 * 128 * 129 * 4 + 32 > rules.DEFAULT_WORKSPACE_BYTES
 
 
 def test_check_workspace_size_error_names_field_and_bytes():
     """Too small a workspace raises ConfigError naming flashinfer_workspace_size and the needed bytes."""
-    need = sz.workspace_need([sz.HeadShape(32, 8, 128)], num_sms=132, max_batch_size=256, cuda_graph_max_bs=256)
-    wscheck.check_workspace_size(need.bytes, need)
+    need = rules.workspace_need([rules.HeadShape(32, 8, 128)], num_sms=132, max_batch_size=256, cuda_graph_max_bs=256)
+    rules.check_workspace_size(need.bytes, need)
     with pytest.raises(ConfigError) as ei:
-        wscheck.check_workspace_size(need.bytes // 2, need)
+        rules.check_workspace_size(need.bytes // 2, need)
     info = ei.value.info
     assert info.code == "workspace_too_small" and info.state == "build-mode"
     assert info.flags[0].name == "flashinfer_workspace_size" and info.flags[0].value == need.bytes // 2
@@ -111,8 +113,8 @@ def test_cuda_core_decode_only_for_groups_flashinfer_compiles():
     (1, 2, 3, 4, 8); e.g. Qwen2.5-7B's group 7 (28 q / 4 kv heads) always decodes on tensor cores."""
     for group in range(1, 65):
         for bs in (1, 2, 7, 8, 9, 64, 300):
-            assert sz.use_tensor_core_decode(group, bs) or group in (1, 2, 3, 4, 8), (group, bs)
-    assert all(sz.use_tensor_core_decode(7, bs) for bs in range(1, 300))
+            assert rules.use_tensor_core_decode(group, bs) or group in (1, 2, 3, 4, 8), (group, bs)
+    assert all(rules.use_tensor_core_decode(7, bs) for bs in range(1, 300))
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(28, 4), (10, 2), (12, 2), (48, 8)])
@@ -129,30 +131,30 @@ def test_glue_decode_groups_without_a_cuda_core_kernel(fib, heads, kv_heads):
 
 def test_tensor_core_rule_and_cta_tile():
     """Tensor-core decode for group >= 8, or >= 4 at batch >= 8 (fp8: the FP8_DECODE_PATH table); FA2 tile rows."""
-    assert not sz.use_tensor_core_decode(1, 256) and not sz.use_tensor_core_decode(4, 1)
-    assert sz.use_tensor_core_decode(8, 1)
-    assert sz.use_tensor_core_decode(4, 8)
+    assert not rules.use_tensor_core_decode(1, 256) and not rules.use_tensor_core_decode(4, 1)
+    assert rules.use_tensor_core_decode(8, 1)
+    assert rules.use_tensor_core_decode(4, 8)
     for kv in ("fp8_e4m3", "fp8_e5m2", "float8_e4m3fn", "float8_e5m2"):  # our names and torch's
         for g in (1, 2, 3, 4, 7, 8):
             for b in (1, 8, 256):
-                want = g not in sz.CUDA_CORE_DECODE_GROUPS or sz.FP8_DECODE_PATH.get(g, "tensor_core") == "tensor_core"
-                assert sz.use_tensor_core_decode(g, b, kv) == want, (kv, g, b)
+                want = g not in rules.CUDA_CORE_DECODE_GROUPS or rules.FP8_DECODE_PATH.get(g, "tensor_core") == "tensor_core"
+                assert rules.use_tensor_core_decode(g, b, kv) == want, (kv, g, b)
 
 
 def test_workspace_bound_holds_for_either_fp8_decode_path(monkeypatch):
     """Flipping FP8_DECODE_PATH (as the lead may after a GPU run) never leaves the graph term unsized: the bound
     covers tensor-core graph plans wherever either the 16-bit or the fp8 rule takes them."""
-    s = sz.HeadShape(32, 8, 128)
+    s = rules.HeadShape(32, 8, 128)
     for bs in (1, 4, 7):  # group 4 below 8 requests: bf16 decodes on CUDA cores
-        monkeypatch.setitem(sz.FP8_DECODE_PATH, 4, "cuda_core")
-        cc = sz.workspace_need([s], num_sms=132, max_batch_size=bs, cuda_graph_max_bs=bs)
-        monkeypatch.setitem(sz.FP8_DECODE_PATH, 4, "tensor_core")
-        tc = sz.workspace_need([s], num_sms=132, max_batch_size=bs, cuda_graph_max_bs=bs)
+        monkeypatch.setitem(rules.FP8_DECODE_PATH, 4, "cuda_core")
+        cc = rules.workspace_need([s], num_sms=132, max_batch_size=bs, cuda_graph_max_bs=bs)
+        monkeypatch.setitem(rules.FP8_DECODE_PATH, 4, "tensor_core")
+        tc = rules.workspace_need([s], num_sms=132, max_batch_size=bs, cuda_graph_max_bs=bs)
         assert cc.parts["fa2_graph_decode"] == 0
-        assert tc.parts["fa2_graph_decode"] == sz.fa2_graph_decode_bytes(s, 132, bs)
+        assert tc.parts["fa2_graph_decode"] == rules.fa2_graph_decode_bytes(s, 132, bs)
         assert tc.bytes >= cc.bytes
-    assert [sz.cta_tile_q(n, 128) for n in (1, 16, 17, 64, 65)] == [16, 16, 64, 64, 128]
-    assert sz.cta_tile_q(65, 256) == 64
+    assert [rules.cta_tile_q(n, 128) for n in (1, 16, 17, 64, 65)] == [16, 16, 64, 64, 128]
+    assert rules.cta_tile_q(65, 256) == 64
 
 
 # ---------------------------------------------------------------- variants and JIT events
@@ -214,7 +216,7 @@ def fib(monkeypatch):
     """The backend module with the fake FlashInfer installed and JIT checks stubbed out."""
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
     monkeypatch.setattr(fake_flashinfer, "JIT_MODULES", {})  # a fresh JIT cache per test
-    from pipeline.backends import flashinfer as mod
+    from pipeline.backends.flashinfer import backend as mod
 
     monkeypatch.setattr(mod, "ensure_compiled", lambda v, **kw: {"variant": v.name, "status": "cached", "seconds": 0})
     return mod
@@ -338,12 +340,12 @@ def test_entry_refuses_small_workspace_before_building():
     from pipeline.backends import registry
 
     kinds = [make_kind(32, 8, 128)]
-    need = sz.workspace_need(wscheck.shapes_of(kinds), num_sms=132, max_batch_size=4, cuda_graph_max_bs=4).bytes
+    need = rules.workspace_need(rules.shapes_of(kinds), num_sms=132, max_batch_size=4, cuda_graph_max_bs=4).bytes
     entry = registry.get("flashinfer")
     with pytest.raises(ConfigError) as ei:
-        entry.check_workspace(1 << 20, kinds, num_sms=132, max_reqs=4, graph_max_bs=4)
+        entry.check_workspace(1 << 20, WorkspaceQuery(kinds=kinds, num_sms=132, max_reqs=4, graph_max_bs=4))
     assert ei.value.info.flags[0].name == "flashinfer_workspace_size" and ei.value.info.code == "workspace_too_small"
-    entry.check_workspace(need, kinds, num_sms=132, max_reqs=4, graph_max_bs=4)
+    entry.check_workspace(need, WorkspaceQuery(kinds=kinds, num_sms=132, max_reqs=4, graph_max_bs=4))
     assert need > 1 << 20
 
 

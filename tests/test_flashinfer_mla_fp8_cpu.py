@@ -13,10 +13,12 @@ import sys
 import pytest
 import torch
 
-from pipeline.backends import flashinfer_sizing as sz, flashinfer_workspace_check as wscheck
+from pipeline.backends.flashinfer import rules
+from pipeline.backends.flashinfer.jit import mla_backend
 from pipeline.core.contracts import ForwardMode
 from pipeline.core.errors import CapabilityMismatch
-from pipeline.backends.flashinfer_jit import variants_for
+from pipeline.backends.flashinfer.jit import variants_for
+from pipeline.backends.capability import WorkspaceQuery
 import fake_flashinfer
 from fi_reference import Scenario, dense_reference, make_kind, make_layer, make_mla_kind, rel_err
 
@@ -27,7 +29,7 @@ FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 def fib(monkeypatch):
     """The backend module with the fake FlashInfer installed and JIT checks stubbed out."""
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
-    from pipeline.backends import flashinfer as mod
+    from pipeline.backends.flashinfer import backend as mod
 
     monkeypatch.setattr(mod, "ensure_compiled", lambda v, **kw: {"variant": v.name, "status": "cached", "seconds": 0})
     return mod
@@ -97,7 +99,7 @@ def test_mla_backend_by_arch(fib, arch, want):
     """FlashInfer's fa3 MLA kernels on sm90 (measured 2.1x faster at 128 heads), fa2 elsewhere."""
     sc = _scenario([make_mla_kind(16)], 4, arch=arch)
     be = fib.create(sc.ctx)
-    assert be.kinds[0].mla_backend == want == be.kinds[0].wrapper.backend == sz.mla_backend(sc.ctx.device.arch)
+    assert be.kinds[0].mla_backend == want == be.kinds[0].wrapper.backend == mla_backend(sc.ctx.device.arch)
     assert [v.kind for v in be.variants()] == ["mla"] and be.variants()[0].backend == want
 
 
@@ -141,16 +143,16 @@ def test_mla_dims_other_than_576_512_refused(fib):
 
 def test_mla_workspace_hand_computed():
     """MLA float scratch: 2 x 64 rows per SM of bf16 partial outputs (Dv) and fp32 LSEs, whatever the batch."""
-    s = sz.HeadShape(128, 1, 512, mla=True)
-    assert sz.mla_bytes(s, 132) == 2 * 64 * 132 * (512 * 2 + 4) + 32 == 17_369_120
+    s = rules.HeadShape(128, 1, 512, mla=True)
+    assert rules.mla_bytes(s, 132) == 2 * 64 * 132 * (512 * 2 + 4) + 32 == 17_369_120
     for graph_bs in (0, 1, 256):
-        need = sz.workspace_need([s], num_sms=132, max_batch_size=256, cuda_graph_max_bs=graph_bs)
-        assert need.bytes == need.parts["mla"] == sz.mla_bytes(s, 132)
-    mixed = sz.workspace_need([s, sz.HeadShape(32, 8, 128)], num_sms=132, max_batch_size=8)
-    assert mixed.bytes == max(sz.mla_bytes(s, 132), sz.fa2_eager_bytes(sz.HeadShape(32, 8, 128), 132))
-    assert wscheck.shapes_of([make_mla_kind(128)]) == [s]
-    wscheck.check_backend_workspace(sz.DEFAULT_WORKSPACE_BYTES, [make_mla_kind(128)], backend="flashinfer", num_sms=132,
-                               max_reqs=256, graph_max_bs=256)
+        need = rules.workspace_need([s], num_sms=132, max_batch_size=256, cuda_graph_max_bs=graph_bs)
+        assert need.bytes == need.parts["mla"] == rules.mla_bytes(s, 132)
+    mixed = rules.workspace_need([s, rules.HeadShape(32, 8, 128)], num_sms=132, max_batch_size=8)
+    assert mixed.bytes == max(rules.mla_bytes(s, 132), rules.fa2_eager_bytes(rules.HeadShape(32, 8, 128), 132))
+    assert rules.shapes_of([make_mla_kind(128)]) == [s]
+    rules.check_backend_workspace(rules.DEFAULT_WORKSPACE_BYTES, WorkspaceQuery(
+        kinds=[make_mla_kind(128)], num_sms=132, max_reqs=256, graph_max_bs=256), backend="flashinfer")
 
 
 def test_mla_jit_variants():
@@ -189,7 +191,7 @@ def test_fp8_decode_and_extend_match_float64(fib, kv, ks, vs, heads, kv_heads):
     assert not be.extend_ragged and be.kinds[0].mode == "paged"
     assert max(_batch_errs(sc, be, ForwardMode.EXTEND, [0, 3], [0, 0], [4, 9])) < 1e-2
     assert max(_batch_errs(sc, be, ForwardMode.DECODE, [0, 1, 2, 3], [0] * 4, [1] * 4)) < 1e-2
-    tc = sz.use_tensor_core_decode(heads // kv_heads, 4, kv)
+    tc = rules.use_tensor_core_decode(heads // kv_heads, 4, kv)
     assert be.kinds[0].active is (be.kinds[0].decode_tc if tc else be.kinds[0].decode_cc)
     want0 = {} if (ks, vs) == (1.0, 1.0) else {"k_scale": ks, "v_scale": vs}
     assert {tuple(sorted(k.items())) for k in seen} >= {tuple(sorted(want0.items()))}

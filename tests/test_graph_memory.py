@@ -285,7 +285,7 @@ def test_pool_estimate_equals_the_h200_probe_per_size(run):
 
 
 def test_flashinfer_state_is_its_buffers_and_one_wrapper_per_size_and_kind():
-    from pipeline.backends.flashinfer_rules import FI_INT_WORKSPACE_BYTES
+    from pipeline.backends.flashinfer.rules import FI_INT_WORKSPACE_BYTES
 
     gemma = _spec("gemma-2-9b")  # a sliding and a full kind: two wrappers per size
     kinds = gemma.layer_kinds()

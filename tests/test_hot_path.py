@@ -52,7 +52,7 @@ def guarded(fb):
 @pytest.fixture
 def fib(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
-    from pipeline.backends import flashinfer as mod
+    from pipeline.backends.flashinfer import backend as mod
 
     monkeypatch.setattr(mod, "ensure_compiled", lambda v, **kw: {"variant": v.name, "status": "cached", "seconds": 0})
     return mod

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-import pipeline.backends.jit_cache as jc
+import pipeline.backends.flashinfer.jit as jc
 from conftest import run_main
 
 PLAN = ["plan", "--device-profile", "h200", "--installed", "torch,triton,flashinfer-python",

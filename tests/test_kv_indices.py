@@ -1,4 +1,4 @@
-"""Page-table construction for FlashInfer (pipeline/backends/kv_indices.py).
+"""Page-table construction for FlashInfer (pipeline/backends/flashinfer/backend.py).
 
 The reference is a plain Python walk over ``req_to_token``; the Triton kernel (interpreted on CPU,
 compiled on the GPU machine by tests/gpu) and the torch fallback must both match it exactly.
@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from pipeline.backends.kv_indices import gather_kv_indices, host_page_meta
+from pipeline.backends.flashinfer.backend import gather_kv_indices, host_page_meta
 
 # compiled kernel on a GPU machine, Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -134,13 +134,13 @@ def test_kernel_never_writes_past_the_host_total():
 
 
 def test_errors_name_the_problem_and_the_remedy(monkeypatch):
-    from pipeline.backends import kv_indices
+    from pipeline.backends.flashinfer import backend
 
     r2t = _pool(2, 32, 16, seed=7)
     with pytest.raises(ValueError, match="non-contiguous"):
         gather_kv_indices(r2t, torch.tensor([0], device=DEV), torch.tensor([1], device=DEV), 1, 16,
                           out=torch.empty(8, dtype=torch.int32, device=DEV)[::2])
-    monkeypatch.setattr(kv_indices, "_INTERPRETED", DEV == "cuda")  # the mode in which Triton cannot run on DEV
+    monkeypatch.setattr(backend, "_INTERPRETED", DEV == "cuda")  # the mode in which Triton cannot run on DEV
     with pytest.raises(ValueError, match="impl='triton' cannot run.*impl='auto'"):
         gather_kv_indices(r2t, torch.tensor([0], device=DEV), torch.tensor([1], device=DEV), 1, 16, impl="triton")
     got = gather_kv_indices(r2t, torch.tensor([0], device=DEV), torch.tensor([17], device=DEV), 2, 16)  # auto: torch

@@ -57,13 +57,13 @@ def test_mutations_cover_every_compared_field():
 def fib(monkeypatch):
     """The flashinfer backend module over the fake FlashInfer API, JIT checks stubbed out."""
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
-    from pipeline.backends import flashinfer as mod
+    from pipeline.backends.flashinfer import backend as mod
 
     monkeypatch.setattr(mod, "ensure_compiled", lambda v, **kw: {"variant": v.name, "status": "cached", "seconds": 0})
     return mod
 
 
-BACKENDS = ["torch_native", "triton", "flashinfer", "fa3"]
+BACKENDS = registry.names()
 
 
 def build(name: str, request, kinds=KINDS, built_for=None):

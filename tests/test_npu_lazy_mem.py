@@ -9,7 +9,7 @@ from pipeline.core import events as ev
 from pipeline.setup.build import build_attention_backends
 from pipeline.core.contracts import AttentionArgs, SetupRequest
 from pipeline.platforms.fake import FakePlatform
-from pipeline.backends import flashinfer_rules
+from pipeline.backends.flashinfer import rules
 from pipeline.core import settings
 from states import npu_lazy_mem
 
@@ -90,7 +90,7 @@ def test_bad_env_value_is_a_typed_error(monkeypatch):
 
     monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", "lots")
     with pytest.raises(ConfigError) as ei:
-        flashinfer_rules.flashinfer_workspace_size(AttentionArgs(), None)
+        rules.flashinfer_workspace_size(AttentionArgs(), None)
     assert ei.value.info.flags[0].name == "SGLANG_FLASHINFER_WORKSPACE_SIZE"
 
 
@@ -101,11 +101,11 @@ def test_flashinfer_workspace_defaults(llama, monkeypatch):
 
     monkeypatch.delenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", raising=False)
     qwen = load_model_spec(CONFIGS / "qwen3-8b.json")
-    assert flashinfer_rules.flashinfer_workspace_size(AttentionArgs(), llama) == (384 << 20, "default")
-    assert flashinfer_rules.flashinfer_workspace_size(AttentionArgs(), qwen) == (512 << 20, "default")
+    assert rules.flashinfer_workspace_size(AttentionArgs(), llama) == (384 << 20, "default")
+    assert rules.flashinfer_workspace_size(AttentionArgs(), qwen) == (512 << 20, "default")
     monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", str(1 << 30))
-    assert flashinfer_rules.flashinfer_workspace_size(AttentionArgs(), llama) == (1 << 30, "env")
-    assert flashinfer_rules.flashinfer_workspace_size(AttentionArgs(flashinfer_workspace_size=5), llama) == (5, "field")
+    assert rules.flashinfer_workspace_size(AttentionArgs(), llama) == (1 << 30, "env")
+    assert rules.flashinfer_workspace_size(AttentionArgs(flashinfer_workspace_size=5), llama) == (5, "field")
 
 
 @pytest.mark.parametrize("device,draft,size,run", [("npu", False, 1, True), ("npu", True, 1, False),

@@ -242,7 +242,7 @@ def test_events_round_trip_through_json(llama, small_pool):
 
 def test_flashinfer_workspace_too_small_is_refused_in_build_mode_before_allocation(llama, small_pool):
     """A flashinfer_workspace_size below the planned need fails build-mode naming the field and bytes."""
-    from pipeline.backends import flashinfer_sizing as sizing
+    from pipeline.backends.flashinfer import rules as sizing
     from pipeline.core.errors import ConfigError
     from pipeline.core.eventlog import EventLog
 
@@ -358,7 +358,7 @@ def test_absurd_pool_on_a_gpu_is_refused_for_memory_before_the_workspace_check()
 def test_largest_fitting_graph_bs_is_a_binary_search_equal_to_the_scan():
     """The workspace remedy's 'largest captured size that fits' equals a linear scan for every size bound and
     workspace size over several head shapes (the need is nondecreasing in the batch), in O(log n) calls."""
-    from pipeline.backends import flashinfer_sizing as sz
+    from pipeline.backends.flashinfer import rules as sz
     from pipeline.core.numbers import largest_fitting
 
     for h, kv, d, sinks in [(32, 8, 128, False), (32, 32, 128, False), (64, 8, 64, True), (16, 4, 256, False)]:

@@ -267,7 +267,7 @@ def test_jit_compile_is_what_a_stalled_rank_reports_doing():
     import torch.distributed as dist
 
     from pipeline.core.errors import RankStalled
-    from pipeline.backends.flashinfer_jit import Variant, ensure_compiled
+    from pipeline.backends.flashinfer.jit import Variant, ensure_compiled
     from pipeline.setup.rank_watch import Watch, current_doing
 
     store = dist.HashStore()

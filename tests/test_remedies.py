@@ -371,7 +371,7 @@ def test_cli_json_and_text_errors_show_flags(capsys):
 
 # --- random requests with several faults at once ------------------------------------------------------
 
-MANY_NAMES = [None, None, "torch_native", "triton", "flashinfer", "fa3", "trtllm_mha", "flashinfr"]
+MANY_NAMES = [None, None, *registry.names(), "trtllm_mha", "flashinfr"]
 
 
 @st.composite

@@ -8,6 +8,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.backends import registry
 from pipeline.core.contracts import AttentionArgs, Resolution
 from pipeline.core.errors import ConfigError
 from pipeline.core.model_spec import load_model_spec
@@ -15,7 +16,7 @@ from pipeline.platforms.profiles import PROFILES
 from states import resolve
 
 CONFIGS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.json"))
-NAMES = [None, None, "torch_native", "triton", "flashinfer", "fa3", "trtllm_mha"]
+NAMES = [None, None, *registry.names(), "trtllm_mha"]
 PACKAGES = ("torch", "triton", "flashinfer-python")
 
 

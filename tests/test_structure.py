@@ -20,13 +20,15 @@ from conftest import ROOT
 LAYERS = ["pipeline.core", "pipeline.platforms", "pipeline.backends", "states", "pipeline.memory", "pipeline.setup",
           "pipeline.runtime", "pipeline.observe", "pipeline.cli"]
 # What each layer may import besides itself (a layer not listed: every layer before it). The states and the memory
-# planner decide torch-free: of the backends they reach only the registry and its record type.
+# planner decide torch-free: of the backends they reach only the registry, its record types and package lookup.
 ALLOWED: dict[str, tuple[str, ...]] = {
     "pipeline.core": (),
     "pipeline.platforms": ("pipeline.core",),
     "pipeline.backends": ("pipeline.core",),
-    "states": ("pipeline.core", "pipeline.backends.registry", "pipeline.backends.capability"),
-    "pipeline.memory": ("pipeline.core", "pipeline.backends.registry", "pipeline.backends.capability", "states"),
+    "states": ("pipeline.core", "pipeline.backends.registry", "pipeline.backends.capability",
+               "pipeline.backends.packages"),
+    "pipeline.memory": ("pipeline.core", "pipeline.backends.registry", "pipeline.backends.capability",
+                        "pipeline.backends.packages", "states"),
 }
 
 
@@ -151,12 +153,12 @@ def test_upward_import_finder_finds_them():
     """The check above can fail: a core module importing a command, a platform importing a backend, a state
     importing a backend module (not its registry) and the memory planner importing setup are each found."""
     g = {"pipeline.core.a": {"pipeline.cli.run"}, "pipeline.platforms.cpu": {"pipeline.backends.base"},
-         "states.resolve": {"pipeline.backends.registry", "pipeline.backends.flashinfer"},
+         "states.resolve": {"pipeline.backends.registry", "pipeline.backends.flashinfer.backend"},
          "pipeline.memory.pools": {"states.resolve", "pipeline.setup.table"},
          "pipeline.cli.run": {"pipeline.core.a", "states.resolve", "pipeline.memory.pools"}}
     assert upward_imports(g) == ["pipeline.core.a -> pipeline.cli.run",
                                  "pipeline.platforms.cpu -> pipeline.backends.base",
-                                 "states.resolve -> pipeline.backends.flashinfer",
+                                 "states.resolve -> pipeline.backends.flashinfer.backend",
                                  "pipeline.memory.pools -> pipeline.setup.table"]
 
 

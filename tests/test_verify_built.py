@@ -151,7 +151,7 @@ def test_a_backend_ignoring_the_window_fails_verification(config, monkeypatch):
 @pytest.fixture
 def fake_fi(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
-    from pipeline.backends import flashinfer as mod
+    from pipeline.backends.flashinfer import backend as mod
 
     monkeypatch.setattr(mod, "ensure_compiled", lambda v, **kw: {"variant": v.name, "status": "cached", "seconds": 0})
     return mod

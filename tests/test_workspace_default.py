@@ -13,7 +13,7 @@ import json
 import pytest
 
 from conftest import CONFIGS
-from pipeline.backends import flashinfer_rules
+from pipeline.backends.flashinfer import rules
 from pipeline.core.contracts import AttentionArgs
 from pipeline.core.model_spec import load_model_spec
 
@@ -42,15 +42,15 @@ def test_default_keys_on_the_architecture_name(archs, model_type, want, monkeypa
     """The default is 512 MiB exactly for sglang's architecture names, whatever the model_type says."""
     monkeypatch.delenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", raising=False)
     spec = load_model_spec({**BASE, "architectures": archs, "model_type": model_type})
-    assert flashinfer_rules.flashinfer_workspace_size(AttentionArgs(), spec) == (want, "default")
+    assert rules.flashinfer_workspace_size(AttentionArgs(), spec) == (want, "default")
 
 
 def test_explicit_field_and_env_still_win(monkeypatch):
     """A MiMo model with the env var set keeps the user's value (sglang would overwrite it; we never replace it)."""
     spec = load_model_spec({**BASE, "architectures": ["MiMoForCausalLM"], "model_type": "mimo"})
     monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", str(100 * MiB))
-    assert flashinfer_rules.flashinfer_workspace_size(AttentionArgs(), spec) == (100 * MiB, "env")
-    assert flashinfer_rules.flashinfer_workspace_size(AttentionArgs(flashinfer_workspace_size=7 * MiB), spec) == (7 * MiB,
+    assert rules.flashinfer_workspace_size(AttentionArgs(), spec) == (100 * MiB, "env")
+    assert rules.flashinfer_workspace_size(AttentionArgs(flashinfer_workspace_size=7 * MiB), spec) == (7 * MiB,
                                                                                                            "field")
 
 

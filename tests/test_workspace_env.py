@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pipeline.backends import flashinfer_sizing as sizing, flashinfer_workspace_check as wscheck
+from pipeline.backends.flashinfer import rules
 from pipeline.cli import main
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.profiles import get
@@ -37,9 +37,9 @@ def test_env_value_below_the_minimum_is_refused_naming_the_variable(argv, backen
     # the minimum is the backend's own bound, computed independently here from its sizing rule
     model = load_model_spec(argv[argv.index("--model") + 1]) if "--model" in argv else \
         load_model_spec("examples/configs/llama-3.1-8b.json")
-    shapes = wscheck.shapes_of(model.layer_kinds())
+    shapes = rules.shapes_of(model.layer_kinds())
     reqs = int(argv[argv.index("--max-reqs") + 1]) if "--max-reqs" in argv else 8  # run's default
-    assert need == sizing.workspace_need(shapes, num_sms=get("h200").sm_count, max_batch_size=reqs,
+    assert need == rules.workspace_need(shapes, num_sms=get("h200").sm_count, max_batch_size=reqs,
                                          cuda_graph_max_bs=reqs).bytes
     assert err["remedy"] == f"set SGLANG_FLASHINFER_WORKSPACE_SIZE to at least {need}"
     # the remedy is true: that value plans, one byte less does not

@@ -65,11 +65,9 @@ class BackendRules:
 
     ``workspace(args, model, env) -> Setting``: the workspace bytes one instance gets, as the setting that
     is logged (without it: the record's ``workspace_bytes``, not logged).
-    ``check_workspace(nbytes, kinds, *, num_sms, max_reqs, graph_max_bs, graph_bs_given, env_var, max_bytes,
-    field_given, fits, graph_bs, max_bs_given)``: refuse a workspace too small for the largest planned batch (ConfigError
-    ``workspace_too_small``).
-    ``workspace_need(kinds, *, num_sms, max_reqs, graph_max_bs) -> int``: the bytes of workspace that check needs
-    (the least it accepts); None: none.
+    ``check_workspace(nbytes, query)``: refuse a workspace of ``nbytes`` too small for the largest batch a
+    :class:`WorkspaceQuery` plans (ConfigError ``workspace_too_small``).
+    ``workspace_need(query) -> int``: the bytes of workspace that check needs (the least it accepts); None: none.
     ``jit_variants(kinds, q_dtype, kv_dtype, arch) -> list``: the kernel modules a build JIT-compiles
     (what ``attn-setup warmup`` compiles ahead).
     ``graph_decode_allocs(kind, bs, q_elem_bytes) -> [(nbytes, is_output)]``: the device tensors its decode
@@ -88,6 +86,33 @@ class BackendRules:
     jit_variants: Optional[Callable[..., list[Any]]] = None
     graph_decode_allocs: Optional[Callable[..., list[tuple[int, bool]]]] = None
     graph_state_allocs: Optional[Callable[..., list[tuple[int, int]]]] = None
+
+
+class WorkspaceQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """What a workspace check asks of one backend's workspace (build-mode, ``plan`` and ``run``'s preflight).
+
+    ``kinds``: the layer kinds it serves; ``num_sms``: the device's SMs; ``max_reqs``: rows of ``req_to_token``
+    (the largest eager batch); ``graph_max_bs``: the largest captured decode batch (0: no graphs).
+    For the refusal's remedy: ``graph_bs``: the ``cuda_graph_bs`` list (a remedy that cuts it names the largest size
+    it keeps) and ``graph_bs_given`` (the sizes came from it); ``max_bs_given``: ``cuda_graph_max_bs`` was set too
+    (the remedy then names that top as well); ``env_var``: the environment variable the size came from ("" when the
+    field or the default set it); ``field_given``: the size came from its field (which wins over the variable: the
+    remedy names only it); ``max_bytes``: the largest workspace the device holds (0: unknown), which the remedy never
+    exceeds; ``fits(ws, bs)``: whether each workspace at ``ws`` bytes fits beside the KV pools and the graphs up to
+    ``bs`` (``plan``'s :func:`pipeline.memory.fits.fits_beside`; None: ``max_bytes`` alone).
+    """
+
+    kinds: Any
+    num_sms: int
+    max_reqs: int
+    graph_max_bs: int
+    graph_bs: tuple[int, ...] = ()
+    graph_bs_given: bool = False
+    max_bs_given: bool = False
+    env_var: str = ""
+    field_given: bool = False
+    max_bytes: int = 0
+    fits: Optional[Callable[[int, int], bool]] = None
 
 
 def decode_output_only(kind: Any, bs: int, q_elem_bytes: int) -> list[tuple[int, bool]]:

@@ -49,7 +49,7 @@ sglang, since absorbed ``v`` is ``c_kv``), and the pool's bytes per token are ``
 ``D + Dv``. FlashInfer's MLA wrapper reads ``c_kv`` and ``k_rope`` as two strided slices of the
 same buffer; our Triton MLA kernels and torch_native read the same rows.
 
-The storage dtypes and the write/read rule are :mod:`pipeline.backends.kv_quant` (re-exported here).
+The storage dtypes and the write/read rule are :mod:`pipeline.backends.memory` (re-exported here).
 
 This module imports torch; it is only imported by backends and by verification.
 """
@@ -62,11 +62,48 @@ from typing import Any, Collection, Optional, Sequence
 import torch
 
 from pipeline.backends.base import ForwardBatch
-from pipeline.backends.kv_quant import (  # noqa: F401 (the storage rule's names, importable from here as before)
-    _TORCH_DTYPES, FP8_DTYPES, dequantize_kv, is_fp8, quantize_kv, torch_dtype,
-)
 from pipeline.core.contracts import ForwardMode, LayerKind
 from pipeline.core.errors import BuildError, ConfigError
+
+
+_TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch dtype for a normalised dtype name (``bfloat16``, ``fp8_e4m3`` …)."""
+    return _TORCH_DTYPES[name]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """True for the two fp8 KV storage dtypes (``float8_e4m3fn``, ``float8_e5m2``)."""
+    return dtype in FP8_DTYPES
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: Any = 1.0) -> torch.Tensor:
+    """What the pool stores for ``x``: ``round(clamp(x / scale))`` in fp8, else ``x`` cast to ``dtype``.
+
+    ``x``: any float tensor; ``dtype``: the pool's storage dtype; ``scale``: the layer's
+    ``k_scale`` or ``v_scale``, a float or a one-element tensor (only fp8 pools take one other than 1.0). Returns a tensor of
+    ``dtype`` with ``x``'s shape. See the module docstring (the write rule).
+    """
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    fmax = torch.finfo(dtype).max
+    y = x.to(torch.float32)
+    if isinstance(scale, torch.Tensor) or scale != 1.0:  # x / 1.0 is x: skip the op for the common case
+        y = y / scale
+    return y.clamp(-fmax, fmax).to(dtype)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``float(stored) * scale`` in ``dtype`` (float32 by default): the value a stored K/V element means."""
+    out = stored.to(dtype)
+    return out * scale if scale != 1.0 else out
+
 
 
 def _check_scales(name: str, scales: Optional[Sequence[float]], num_layers: int, dtype: torch.dtype) -> list[float]:
@@ -286,3 +323,4 @@ def make_forward_batch(mode: ForwardMode, reqs: Sequence[int], new_tokens: Seque
         extend_prefix_lens_cpu=prefix,
         extend_seq_lens_cpu=list(new_tokens),
     )
+

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.backends.capability import BackendRules, Capability, decode_output_only
-from pipeline.backends.flashinfer_rules import FA3_RULES, FLASHINFER_RULES
+from pipeline.backends.flashinfer.rules import FA3_RULES, FLASHINFER_RULES
 
 MiB = 1 << 20
 
@@ -153,8 +153,8 @@ def triton_graph_state_allocs(kinds: Any, batch_sizes: Any, *, max_context_len: 
 
 BUILTINS: list[tuple[str, Capability, str, BackendRules]] = [
     ("torch_native", TORCH_NATIVE, "pipeline.backends.torch_native:create", BackendRules()),
-    ("flashinfer", FLASHINFER, "pipeline.backends.flashinfer:create", FLASHINFER_RULES),
-    ("fa3", FA3, "pipeline.backends.flashinfer:create_fa3", FA3_RULES),
+    ("flashinfer", FLASHINFER, "pipeline.backends.flashinfer.backend:create", FLASHINFER_RULES),
+    ("fa3", FA3, "pipeline.backends.flashinfer.backend:create_fa3", FA3_RULES),
     # decode allocates its output [bs, H, Dv] only; the split scratch is init_cuda_graph_state's buffer
     ("triton", TRITON_CAP, "pipeline.backends.triton.backend:create",
      BackendRules(graph_decode_allocs=decode_output_only, graph_state_allocs=triton_graph_state_allocs)),

@@ -20,8 +20,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-from pipeline.backends.capability import FEATURES, BackendRules, Capability  # noqa: F401 (re-exported)
-from pipeline.backends.packages import install_hint  # noqa: F401 (the registry answers it for resolve)
+from pipeline.backends.capability import BackendRules, Capability, WorkspaceQuery
+from pipeline.backends.packages import install_hint
 from pipeline.core.errors import BackendUnavailable, BackendUnknown
 from pipeline.core.settings import Setting
 
@@ -74,31 +74,17 @@ class BackendEntry:
             return self.rules.workspace(args, model, env)
         return Setting(field="", value=self.capability.workspace_bytes, source="default")
 
-    def check_workspace(self, nbytes: int, kinds: Sequence["LayerKind"], *, num_sms: int, max_reqs: int,
-                        graph_max_bs: int, graph_bs_given: bool = False, env_var: str = "",
-                        max_bytes: int = 0, field_given: bool = False, fits: Any = None,
-                        graph_bs: Sequence[int] = (), max_bs_given: bool = False) -> None:
-        """Refuse a workspace of ``nbytes`` too small for the largest batch this backend plans over ``kinds``
-        (ConfigError ``workspace_too_small``); a backend without such a rule needs no check. ``env_var``: the
-        environment variable the size came from, if it did (the error then names it and its value);
-        ``max_bytes``: the largest workspace the device holds (0: unknown), which the remedy never exceeds;
-        ``field_given``: the size came from its field (which wins over the variable: the remedy names only it);
-        ``fits(ws, bs)``: whether each workspace at ``ws`` bytes fits beside the KV pools and the graphs up to
-        ``bs`` (``plan``'s, :func:`pipeline.memory.fits.fits_beside`; None: ``max_bytes`` alone), which
-        every alternative of the remedy then does; ``graph_bs``: the ``cuda_graph_bs`` list and ``max_bs_given``:
-        ``cuda_graph_max_bs`` set too, so that a remedy cutting the list names a size of it and that top."""
+    def check_workspace(self, nbytes: int, query: WorkspaceQuery) -> None:
+        """Refuse a workspace of ``nbytes`` too small for the largest batch ``query`` plans (ConfigError
+        ``workspace_too_small``, with a remedy every alternative of which then passes and fits); a backend without
+        such a rule needs no check."""
         if self.rules.check_workspace is not None:
-            self.rules.check_workspace(nbytes, kinds, num_sms=num_sms, max_reqs=max_reqs, graph_max_bs=graph_max_bs,
-                                       graph_bs_given=graph_bs_given, env_var=env_var, max_bytes=max_bytes,
-                                       field_given=field_given, fits=fits, graph_bs=graph_bs,
-                                       max_bs_given=max_bs_given)
+            self.rules.check_workspace(nbytes, query)
 
-    def workspace_need(self, kinds: Sequence["LayerKind"], *, num_sms: int, max_reqs: int, graph_max_bs: int) -> int:
-        """Bytes of workspace :meth:`check_workspace` needs for ``kinds`` with ``max_reqs`` rows and graphs up to
-        ``graph_max_bs`` (0: none) — the least it accepts; 0 for a backend without such a rule."""
-        if self.rules.workspace_need is None:
-            return 0
-        return self.rules.workspace_need(kinds, num_sms=num_sms, max_reqs=max_reqs, graph_max_bs=graph_max_bs)
+    def workspace_need(self, query: WorkspaceQuery) -> int:
+        """Bytes of workspace :meth:`check_workspace` needs for ``query`` — the least it accepts; 0 for a backend
+        without such a rule."""
+        return 0 if self.rules.workspace_need is None else self.rules.workspace_need(query)
 
     def jit_variants(self, kinds: Sequence["LayerKind"], q_dtype: str, kv_dtype: str, arch: str) -> list[Any]:
         """The kernel modules a build of this backend JIT-compiles for ``kinds`` (none for most backends)."""

@@ -1,7 +1,7 @@
 """``plan`` / ``run``: the FlashInfer variants that would compile here, and ``--require-warm-cache``.
 
 :func:`cold_report` lists, torch-free, the JIT variants of the resolved flashinfer/fa3 backends that
-have no built module in this machine's cache (:mod:`pipeline.backends.jit_cache`), each with the nearest cached
+have no built module in this machine's cache (:mod:`pipeline.backends.flashinfer.jit`), each with the nearest cached
 variant and the fields that differ, and an estimate of the compile time from the seconds ``warmup``
 recorded beside the cache. With ``--require-warm-cache`` a variant that would compile is a refusal:
 ConfigError ``cold_jit_cache`` (exit 3) naming the variant and the ``attn-setup warmup …`` command
@@ -45,9 +45,9 @@ def warmup_command(argv: list[str]) -> str:
 
 
 def cold_report(request: Any, facts: Any, pair: Any) -> list[dict[str, Any]]:
-    """The variants that would compile (:func:`pipeline.backends.jit_cache.cold_variants`); [] without FlashInfer backends."""
+    """The variants that would compile (:func:`pipeline.backends.flashinfer.jit.cold_variants`); [] without FlashInfer backends."""
     from pipeline.cli.warmup import variants_for_request
-    from pipeline.backends.jit_cache import cold_variants
+    from pipeline.backends.flashinfer.jit import cold_variants
 
     variants = variants_for_request(request, facts, pair)
     return cold_variants(variants, facts.arch or "") if variants else []

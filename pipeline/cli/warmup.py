@@ -26,7 +26,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def _record_times(variants: list[Any], results: list[dict[str, Any]], arch: str) -> None:
     """Record each compiled variant's seconds beside FlashInfer's cache (``plan``'s compile-time estimate)."""
-    from pipeline.backends.jit_cache import flashinfer_version, module_name, record_seconds
+    from pipeline.backends.flashinfer.jit import flashinfer_version, module_name, record_seconds
 
     version = flashinfer_version()
     done = [(module_name(v), r["seconds"]) for v, r in zip(dict.fromkeys(variants), results) if r["status"] == "compiled"]
@@ -55,7 +55,7 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.cli import report as rp
     from pipeline.backends.packages import installed_by_import
     from pipeline.cli.request import is_gpu_device, request_from
-    from pipeline.backends.flashinfer_jit import warmup_variants
+    from pipeline.backends.flashinfer.jit import warmup_variants
     from pipeline.platforms import parse_device, platform_for
     from states import resolve
 

@@ -2,7 +2,7 @@
 
 - ``zbal_local_mem_size`` ↔ ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` (bytes; default 0 = off).
 - ``flashinfer_workspace_size`` ↔ ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` (bytes; the default is the
-  FlashInfer backends' own rule: :func:`pipeline.backends.flashinfer_rules.flashinfer_workspace_size`).
+  FlashInfer backends' own rule: :func:`pipeline.backends.flashinfer.rules.flashinfer_workspace_size`).
 
 The resolved value and the source that won (a :class:`Setting`) are logged as a ``setting_resolved`` event. A value
 from the environment passes the same check as the field (:func:`pipeline.core.validation.check_size`),

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from pipeline.backends import registry
+from pipeline.backends.capability import WorkspaceQuery
 from pipeline.core.errors import ConfigError
 from pipeline.memory.pools import POOL_MEMORY_SHARE, remedy_available
 
@@ -31,8 +32,8 @@ def need_at(request: Any, d: Any, facts: Any) -> Callable[[int], int]:
     users = {ws.id: sorted({i.backend for i in plan.instances if i.workspace == ws.id}) for ws in plan.workspaces}
 
     def need(bs: int) -> int:
-        return max([registry.get(b).workspace_need(kinds, num_sms=facts.sm_count, max_reqs=request.pool.max_reqs,
-                                                   graph_max_bs=bs) for b in sum(users.values(), [])] or [0])
+        q = WorkspaceQuery(kinds=kinds, num_sms=facts.sm_count, max_reqs=request.pool.max_reqs, graph_max_bs=bs)
+        return max([registry.get(b).workspace_need(q) for b in sum(users.values(), [])] or [0])
     return need
 
 
@@ -62,11 +63,11 @@ def check_workspaces(req: Any, d: Any, facts: Any, fits: Any = None) -> None:
     max_ws = int(remedy_available(total) * POOL_MEMORY_SHARE) // max(len(d.plan.workspaces), 1) if total > 0 else 0
     for ws in d.plan.workspaces:
         for backend in sorted({i.backend for i in d.plan.instances if i.workspace == ws.id}):
-            registry.get(backend).check_workspace(
-                ws.bytes, kinds, num_sms=facts.sm_count, max_reqs=req.pool.max_reqs, graph_max_bs=max_bs,
-                graph_bs_given=bool(req.args.cuda_graph_bs), env_var=from_env.get(ws.bytes, ""), max_bytes=max_ws,
-                field_given=ws.bytes in from_field, fits=fits, graph_bs=req.args.cuda_graph_bs or (),
-                max_bs_given=req.args.cuda_graph_max_bs is not None)
+            registry.get(backend).check_workspace(ws.bytes, WorkspaceQuery(
+                kinds=kinds, num_sms=facts.sm_count, max_reqs=req.pool.max_reqs, graph_max_bs=max_bs,
+                graph_bs=tuple(req.args.cuda_graph_bs or ()), graph_bs_given=bool(req.args.cuda_graph_bs),
+                max_bs_given=req.args.cuda_graph_max_bs is not None, env_var=from_env.get(ws.bytes, ""),
+                field_given=ws.bytes in from_field, max_bytes=max_ws, fits=fits))
 
 
 def check_workspaces_fit(request: Any, d: Any, facts: Any, memory_bytes: int, *, pool_bytes: int = 0,

@@ -20,10 +20,11 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
 pytest.importorskip("flashinfer")
 
 from fi_reference import Scenario, dense_reference, make_kind, make_layer, rel_err  # noqa: E402
-from pipeline.backends import flashinfer as fib  # noqa: E402
-from pipeline.backends import flashinfer_sizing as sz  # noqa: E402
+from pipeline.backends.flashinfer import backend as fib
+from pipeline.backends.flashinfer import rules as sz
 from pipeline.core.contracts import ForwardMode  # noqa: E402
 from pipeline.core.errors import ConfigError  # noqa: E402
+from pipeline.backends.capability import WorkspaceQuery
 
 
 def _err(sc, be, kind, mode, reqs, prefix, new, sinks=None):
@@ -80,7 +81,7 @@ def test_workspace_half_refused_by_our_check():
     need = sz.workspace_need([sz.HeadShape(32, 8, 128)], num_sms=n_sm, max_batch_size=64, cuda_graph_max_bs=64)
     kinds = [make_kind(32, 8, 128)]
     entry = registry.get("flashinfer")
-    entry.check_workspace(need.bytes, kinds, num_sms=n_sm, max_reqs=64, graph_max_bs=64)
+    entry.check_workspace(need.bytes, WorkspaceQuery(kinds=kinds, num_sms=n_sm, max_reqs=64, graph_max_bs=64))
     with pytest.raises(ConfigError) as ei:
-        entry.check_workspace(need.bytes // 2, kinds, num_sms=n_sm, max_reqs=64, graph_max_bs=64)
+        entry.check_workspace(need.bytes // 2, WorkspaceQuery(kinds=kinds, num_sms=n_sm, max_reqs=64, graph_max_bs=64))
     assert ei.value.info.flags[0].name == "flashinfer_workspace_size"

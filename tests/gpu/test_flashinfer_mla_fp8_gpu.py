@@ -33,7 +33,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from fi_reference import Scenario, dense_reference, make_kind, make_layer, make_mla_kind, rel_err  # noqa: E402
-from pipeline.backends import flashinfer_sizing as sz  # noqa: E402
+from pipeline.backends.flashinfer import rules as sz
 from pipeline.core.contracts import ForwardMode  # noqa: E402
 from pipeline.platforms.cuda import capture_graph
 
@@ -57,7 +57,7 @@ def _factory(name):
     if name == "flashinfer":
         if not _has_flashinfer():
             pytest.skip("FlashInfer is not installed")
-        from pipeline.backends import flashinfer as fib
+        from pipeline.backends.flashinfer import backend as fib
 
         return fib.create
     if name == "triton":

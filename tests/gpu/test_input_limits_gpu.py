@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import re
 
@@ -28,11 +27,9 @@ from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest  # no
 from pipeline.core.errors import BackendClosed, ConfigError  # noqa: E402
 from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec  # noqa: E402
 from pipeline.platforms.cuda import CudaPlatform  # noqa: E402
+from conftest import gpu_backends  # noqa: E402
 
-NEEDS = {"flashinfer": "flashinfer", "fa3": "flashinfer", "triton": "triton"}
-BACKENDS = [b for b, mod in NEEDS.items() if importlib.util.find_spec(mod) is not None]
-if torch.cuda.get_device_capability() != (9, 0) and "fa3" in BACKENDS:
-    BACKENDS.remove("fa3")
+BACKENDS = gpu_backends("sm{}{}".format(*torch.cuda.get_device_capability()), installed_only=True)
 
 
 def run_main(*args: str):

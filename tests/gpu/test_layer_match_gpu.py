@@ -20,7 +20,6 @@ Run on the H200: ``python3 -m pytest -q -m gpu tests/gpu/test_layer_match_gpu.py
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
 import sys
@@ -35,7 +34,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from fi_reference import Scenario  # noqa: E402
-from pipeline.backends import registry  # noqa: E402
+from pipeline.backends import packages, registry  # noqa: E402
 from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.core.contracts import DeviceFacts, ForwardMode, LayerKind, ModelSpec  # noqa: E402
 from pipeline.core.errors import LayerMismatch  # noqa: E402
@@ -51,8 +50,7 @@ SHAPES = {
 FEATURES = {"window": {"window"}, "softcap": {"softcap"}, "sinks": {"sinks"}, "window+sinks": {"window", "sinks"},
             "window+softcap": {"window", "softcap"}}
 SOFTCAP = 50.0
-PACKAGE = {"flashinfer": "flashinfer", "fa3": "flashinfer", "triton": "triton", "torch_native": "torch"}
-BACKENDS = ["flashinfer", "fa3", "triton", "torch_native"]
+BACKENDS = registry.names()
 CC = torch.cuda.get_device_capability()
 FACTS = DeviceFacts(type="cuda", compute_capability=CC, sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
                     source="test")
@@ -101,8 +99,9 @@ class Case:
     """One backend instance for one kind, with an independent K/V history per request."""
 
     def __init__(self, backend: str, kind: LayerKind, page: int, max_ctx: int, seed: int = 0) -> None:
-        if importlib.util.find_spec(PACKAGE[backend]) is None:
-            pytest.fail(f"{backend} needs the {PACKAGE[backend]} package on the GPU machine")
+        missing = [p for p, ok in packages.installed(registry.get(backend).capability.packages).items() if not ok]
+        if missing:
+            pytest.fail(f"{backend} needs the {', '.join(missing)} package on the GPU machine")
         self.kind, self.backend_name = kind, backend
         self.sc = Scenario([kind], device=DEV, dtype=torch.bfloat16, page_size=page, max_reqs=8,
                            max_context_len=max_ctx, ws_bytes=512 << 20, name=backend, sm_count=FACTS.sm_count,

@@ -13,7 +13,6 @@ fa3 need FlashInfer; triton needs Triton): ``initialize()`` a 2-layer Llama-3.1-
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -31,11 +30,9 @@ from pipeline.core.model_spec import load_model_spec  # noqa: E402
 from pipeline.runtime.reference import rel_err  # noqa: E402
 from pipeline.runtime.runner import Runner, RunnerConfig, RunnerState  # noqa: E402
 from pipeline.runtime.model_steps import verify_model_steps  # noqa: E402
+from conftest import gpu_backends  # noqa: E402
 
-NEEDS = {"flashinfer": "flashinfer", "fa3": "flashinfer", "triton": "triton"}
-BACKENDS = [b for b, mod in NEEDS.items() if importlib.util.find_spec(mod) is not None]
-if torch.cuda.get_device_capability() != (9, 0) and "fa3" in BACKENDS:
-    BACKENDS.remove("fa3")
+BACKENDS = gpu_backends("sm{}{}".format(*torch.cuda.get_device_capability()), installed_only=True)
 BS = [1, 2, 4, 8]
 
 

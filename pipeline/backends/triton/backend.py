@@ -20,6 +20,11 @@ attention over what the pool holds (the float64 reference over the dequantised s
 MLA layers (``layer.is_mla``: absorbed form, one latent KV head, D = kv_lora_rank + rope, Dv =
 kv_lora_rank) go to :mod:`.launch_mla` (decode and extend over the latent rows of the K buffer; the
 pool's V copy is not read); no window, chunk, softcap or sinks there.
+
+What it serves is checked before any launch: :func:`kernel_dims` (the layer kinds the factory accepts, refused with
+``CapabilityMismatch`` naming the model's fields) and :func:`check_call` (one forward call's layer and batch against
+the kernels and the pool's buffers: ``CapabilityMismatch`` for what the kernels lack, ``BuildError``
+``forward_input_invalid`` for a layer id, KV buffer or q that does not match).
 """
 
 from __future__ import annotations
@@ -30,13 +35,67 @@ from typing import Any, Optional, Sequence
 import torch
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
-from pipeline.backends.kv_quant import quantize_kv
+from pipeline.backends.memory import quantize_kv
 from pipeline.backends.triton import launch, launch_mla
-from pipeline.backends.triton.backend_checks import call_error, check_call, kernel_dims
+from pipeline.backends.triton.launch import MAX_HEAD_DIM
+from pipeline.backends.triton.launch_mla import MLA_MAX_LATENT_DIM, MLA_MAX_ROPE_DIM
 from pipeline.core.contracts import ForwardMode, LayerKind
-from pipeline.core.errors import BuildError, CapabilityMismatch  # noqa: F401 (BuildError: importable here before)
+from pipeline.core.errors import BuildError, CapabilityMismatch
 
-__all__ = ["TritonAttnBackend", "create"]
+
+def call_error(field: str, value: Any, allowed: str, remedy: str) -> BuildError:
+    """The BuildError (``forward_input_invalid``, state ``forward``) for a call input that does not match."""
+    return BuildError(f"triton backend: {field}={value!r} does not match the layer/batch", code="forward_input_invalid",
+                      state="forward", flags=[(field, value)], allowed=[allowed], remedy=remedy)
+
+
+def check_call(q: Any, layer: Any, fb: Any) -> None:
+    """Refuse a forward call the kernels cannot run: a non-MLA layer with D != Dv, an MLA layer with a window, softcap
+    or sinks, a layer id outside the pool, a KV buffer of other [Hkv, D] than the layer's, or q not
+    [T, H, D] / [T, H*D] for the batch's T new tokens."""
+    if not layer.is_mla and layer.head_dim != layer.v_head_dim:
+        raise CapabilityMismatch("the triton backend serves D == Dv, or MLA layers",
+                                 flags=[("layer.head_dim", layer.head_dim), ("layer.v_head_dim", layer.v_head_dim)],
+                                 allowed=["D == Dv", "is_mla"], remedy="use torch_native for this layer")
+    if layer.is_mla:
+        for name in ("sliding_window", "logit_softcap", "sinks"):
+            if getattr(layer, name) is not None:
+                raise CapabilityMismatch(f"the triton MLA kernels have no {name}", flags=[(f"layer.{name}", "set")],
+                                         allowed=["None"], remedy="use torch_native for this layer")
+    pool = fb.token_to_kv_pool
+    if not 0 <= layer.layer_id < len(pool.k_buffer):
+        raise call_error("layer.layer_id", layer.layer_id, f"0..{len(pool.k_buffer) - 1}", "size the KV pool per layer")
+    kb = pool.get_key_buffer(layer.layer_id)
+    want = (layer.num_kv_heads, layer.head_dim)
+    if tuple(kb.shape[1:]) != want:
+        raise call_error("kv_pool.buffer_shape", tuple(kb.shape[1:]), str(want), "build the pool from the layer kinds")
+    t, h, d = fb.num_tokens, layer.num_heads, layer.head_dim
+    if q.numel() != t * h * d or q.shape[0] != t:
+        raise call_error("q.shape", tuple(q.shape), f"[{t}, {h}, {d}] or [{t}, {h * d}]", "pass q for the new tokens")
+
+
+def kernel_dims(kinds: Sequence[LayerKind]) -> list[tuple[int, int, int, int]]:
+    """``(H, Hkv, D, Dv)`` per layer kind, after refusing a kind the kernels cannot serve (CapabilityMismatch)."""
+    dims = []
+    for kind in kinds:
+        if kind.is_mla:
+            dv, dr = kind.head_dim_v, kind.head_dim_qk - kind.head_dim_v
+            if kind.num_kv_heads != 1 or not 1 <= dv <= MLA_MAX_LATENT_DIM or \
+                    not 1 <= dr <= MLA_MAX_ROPE_DIM:
+                raise CapabilityMismatch(
+                    f"triton MLA kernels cannot serve kv_lora_rank={dv}, rope dims={dr}, kv heads={kind.num_kv_heads}",
+                    flags=[("model.kv_lora_rank", dv), ("model.qk_rope_head_dim", dr)],
+                    allowed=[f"1 latent head, kv_lora_rank <= {MLA_MAX_LATENT_DIM}, "
+                             f"rope dims 1..{MLA_MAX_ROPE_DIM}"],
+                    remedy="use flashinfer or torch_native for this model")
+        elif kind.head_dim_qk != kind.head_dim_v or kind.head_dim_qk > MAX_HEAD_DIM:
+            raise CapabilityMismatch(
+                f"triton cannot serve a layer kind with D={kind.head_dim_qk}, Dv={kind.head_dim_v}, mla={kind.is_mla}",
+                flags=[("model.head_dim", kind.head_dim_qk), ("model.v_head_dim", kind.head_dim_v)],
+                allowed=["D == Dv <= 256, no MLA"], remedy="use flashinfer or torch_native for this model")
+        dims.append((kind.num_heads, kind.num_kv_heads, kind.head_dim_qk, kind.head_dim_v))
+    return dims
+
 
 
 @dataclass
@@ -68,7 +127,7 @@ def kv_scales(layer: AttentionLayer, pool: Any) -> tuple[Any, Any]:
 
 
 def stored_kv(x: torch.Tensor, buf_dtype: torch.dtype, scale: Any) -> torch.Tensor:
-    """``x`` in a KV buffer's stored format, by the pool's write rule (:func:`pipeline.backends.kv_quant.quantize_kv`:
+    """``x`` in a KV buffer's stored format, by the pool's write rule (:func:`pipeline.backends.memory.quantize_kv`:
     a plain cast for 16/32-bit buffers, ``round_to_fp8(clamp(x / scale, -max, max))`` for fp8 ones). ``x`` already in
     ``buf_dtype`` is returned as it is (already stored)."""
     return x if x.dtype == buf_dtype else quantize_kv(x, buf_dtype, scale)
@@ -194,7 +253,7 @@ class TritonAttnBackend(AttentionBackend):
     # ----------------------------------------------------------------------------- forward
     def _prepare(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layer: AttentionLayer,
                  fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
-        """Check the layer against its plan, the kernels and the KV buffers (:func:`.backend_checks.check_call`), write
+        """Check the layer against its plan, the kernels and the KV buffers (:func:`check_call`), write
         the new K/V when asked; returns q as [T, H, D]."""
         if self.planned is not None:
             self.planned.check(layer)
@@ -289,3 +348,4 @@ def create(ctx: Any) -> TritonAttnBackend:
     sms = getattr(ctx.device, "sm_count", 0) or 132
     return TritonAttnBackend(torch_device=ctx.torch_device, layer_dims=dims, num_sms=sms, role=ctx.role,
                              layer_kinds=ctx.layer_kinds)
+

@@ -1,27 +1,176 @@
-"""JIT visibility for FlashInfer kernels: cached-or-compiling events, heartbeats, timing, warmup.
+"""FlashInfer's kernel variants: which would compile (its cache read without torch or flashinfer), and each
+compile-or-load made visible before a backend first touches it.
 
-FlashInfer compiles each kernel *variant* (dtypes, head dims, sliding window on/off, logit softcap
-on/off, prefill backend, GPU arch) on first use: 15–25 s for a decode module, ~110 s for an sm90
-fa3 prefill module. Unannounced, that looks like a hang (a reported sglang complaint). Before a
-backend first touches a variant it calls :func:`ensure_compiled`, which logs
-
-- ``jit_variant`` with ``status="cached"`` or ``status="compiling"`` and the variant's fields,
-- ``jit_heartbeat`` every ``heartbeat_s`` seconds while compiling ("still compiling X after N s"),
-- ``jit_variant_ready`` with the seconds taken (or ``jit_variant_failed``).
-
-Events go to ``structlog.get_logger("attn_setup")``; this module never configures logging.
+FlashInfer compiles each kernel *variant* (dtypes, head dims, sliding window on/off, logit softcap on/off, prefill
+backend, GPU arch) on first use: 15–25 s for a decode module, ~110 s for an sm90 fa3 prefill module. Unannounced,
+that looks like a hang (a reported sglang complaint). :func:`ensure_compiled` logs ``jit_variant`` (``status``
+``cached`` or ``compiling``), ``jit_heartbeat`` every ``heartbeat_s`` seconds while compiling, then
+``jit_variant_ready`` with the seconds (or ``jit_variant_failed``). Events go to
+``structlog.get_logger("attn_setup")``; this module never configures logging.
 Only :func:`spec_for` / :func:`load_variant` import torch and flashinfer (lazily).
+
+Where FlashInfer 0.6.13 keeps a built module (``flashinfer/jit/env.py``, ``flashinfer/jit/core.py``):
+
+- JIT cache: ``$FLASHINFER_WORKSPACE_BASE`` (default: the home directory) ``/.cache/flashinfer/<version>/
+  <arch>/cached_ops/<module>/<module>.so``, ``<arch>`` the target arch as nvcc names it without
+  ``compute_`` (``compilation_context.py``: SM 9.x and SM ≥ 10 get an ``a`` suffix, SM 12.0 ``0f``:
+  ``90a``, ``100a``, ``120f``; below SM 9 none: ``80``, ``89``);
+- AOT modules shipped in the package: ``<flashinfer package>/data/aot/<module>/<module>.so``
+  (found with ``importlib.util.find_spec``, which locates the package without running it).
+  A ``flashinfer-jit-cache`` package's directory is not looked at (it needs the package imported).
+
+``<module>`` is the variant's URI (``flashinfer/jit/attention/modules.py``), rebuilt by :func:`module_name` for the
+:class:`Variant` fields. ``attn-setup warmup`` records each compiled variant's seconds in
+``attn-setup-warmup-times.json`` beside ``cached_ops`` (:func:`record_seconds`), which ``plan`` reads to estimate
+the compile time of what would compile.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
 import time
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import structlog
+
+
+_SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "fp8_e4m3": "e4m3",
+          "fp8_e5m2": "e5m2"}
+TIMES_FILE = "attn-setup-warmup-times.json"
+
+
+def module_name(v: Any) -> str:
+    """FlashInfer's module URI of variant ``v`` (o dtype = q dtype, int32 indices, no RoPE in the kernel)."""
+    q, kv = _SHORT.get(v.q_dtype, v.q_dtype), _SHORT.get(v.kv_dtype, v.kv_dtype)
+    sm90 = "_sm90" if v.backend == "fa3" else ""
+    head = f"dtype_q_{q}_dtype_kv_{kv}_dtype_o_{q}_dtype_idx_i32_head_dim_qk_{v.head_dim_qk}_head_dim_vo_{v.head_dim_vo}_"
+    if v.kind == "decode":
+        return (f"batch_decode_with_kv_cache_{head}posenc_0_use_swa_{v.sliding_window}"
+                f"_use_logits_cap_{v.logit_softcap}")
+    if v.kind == "prefill":
+        return (f"batch_prefill_with_kv_cache_{head}posenc_0_use_swa_{v.sliding_window}"
+                f"_use_logits_cap_{v.logit_softcap}_f16qk_False{sm90}")
+    return f"batch_prefill_with_attention_sink_kv_cache_{head}use_swa_{v.sliding_window}_{sm90}"
+
+
+def arch_dir(arch: str) -> str:
+    """``sm90`` → ``90a`` (FlashInfer's per-arch cache directory name); ``""`` for an unknown arch."""
+    m = re.fullmatch(r"sm(\d+?)(\d)", arch or "")
+    if m is None:
+        return ""
+    major, minor = int(m.group(1)), int(m.group(2))
+    if major == 12 and minor == 0:
+        return "120f"
+    return f"{major}{minor}" + ("a" if major >= 9 else "")
+
+
+def flashinfer_version() -> Optional[str]:
+    """The installed ``flashinfer-python`` version (package metadata, no import), or None."""
+    try:
+        return importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cache_dir(version: str, arch: str, env: Mapping[str, str] = os.environ) -> Path:
+    """``…/.cache/flashinfer/<version>/<arch dir>`` (``cached_ops`` and the warmup times live in it)."""
+    base = Path(env.get("FLASHINFER_WORKSPACE_BASE") or Path.home())
+    return base / ".cache" / "flashinfer" / version / arch_dir(arch)
+
+
+def aot_dir() -> Optional[Path]:
+    """The installed flashinfer package's ``data/aot`` (located, not imported), or None."""
+    try:
+        spec = importlib.util.find_spec("flashinfer")
+    except (ImportError, ValueError):
+        spec = None
+    locs = list(spec.submodule_search_locations or []) if spec is not None else []
+    return Path(locs[0]) / "data" / "aot" if locs else None
+
+
+def cached_modules(version: str, arch: str, env: Mapping[str, str] = os.environ) -> set[str]:
+    """Module names with a built ``.so`` in the JIT cache or the package's AOT directory."""
+    out: set[str] = set()
+    for root in (cache_dir(version, arch, env) / "cached_ops", aot_dir()):
+        if root is not None and root.is_dir():
+            out |= {d.name for d in root.iterdir() if (d / f"{d.name}.so").is_file()}
+    return out
+
+
+def _fields(name: str) -> dict[str, str]:
+    """The key fields a module name spells (kind, dtypes, head dims, switches, sm90), for comparing two."""
+    kind = ("decode" if name.startswith("batch_decode") else "sink" if "attention_sink" in name else
+            "prefill" if name.startswith("batch_prefill") else name)
+    out = {"kind": kind, "backend": "fa3" if name.endswith("_sm90") else "fa2/cuda_core"}
+    for key, pat in (("q_dtype", r"dtype_q_([a-z0-9]+)"), ("kv_dtype", r"dtype_kv_([a-z0-9]+)"),
+                     ("head_dim_qk", r"head_dim_qk_(\d+)"), ("head_dim_vo", r"head_dim_vo_(\d+)"),
+                     ("sliding_window", r"use_swa_(True|False)"), ("logit_softcap", r"use_logits_cap_(True|False)")):
+        m = re.search(pat, name)
+        out[key] = m.group(1) if m else "-"
+    return out
+
+
+def nearest(name: str, cached: Iterable[str]) -> tuple[Optional[str], list[str]]:
+    """The cached module differing from ``name`` in the fewest key fields, and those fields (None, [] if none)."""
+    want, best = _fields(name), (None, [])
+    for c in sorted(cached):
+        diff = [k for k, v in _fields(c).items() if want.get(k) != v]
+        if best[0] is None or len(diff) < len(best[1]):
+            best = (c, diff)
+    return best
+
+
+def recorded_seconds(version: str, arch: str, env: Mapping[str, str] = os.environ) -> dict[str, float]:
+    """``{module: seconds}`` that ``warmup`` recorded beside the cache ({} when none or unreadable)."""
+    try:
+        data = json.loads((cache_dir(version, arch, env) / TIMES_FILE).read_text())
+        return {str(k): float(v) for k, v in data.items() if isinstance(v, (int, float))}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def record_seconds(version: str, arch: str, results: Iterable[tuple[str, float]],
+                   env: Mapping[str, str] = os.environ) -> None:
+    """Merge ``(module, compile seconds)`` into the times file (written whole, then renamed)."""
+    d = cache_dir(version, arch, env)
+    d.mkdir(parents=True, exist_ok=True)
+    times = {**recorded_seconds(version, arch, env), **dict(results)}
+    tmp = d / f"{TIMES_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(times, sort_keys=True))
+    os.replace(tmp, d / TIMES_FILE)
+
+
+def cold_variants(variants: Iterable[Any], arch: str, version: Optional[str] = None,
+                  env: Mapping[str, str] = os.environ) -> list[dict[str, Any]]:
+    """Each variant that would compile on this machine: ``{variant, module, nearest, differs, estimate_s}``.
+
+    ``version``: FlashInfer's (default: the installed one; without one nothing can be cached, so
+    every variant would compile). ``estimate_s``: the seconds ``warmup`` recorded for that module, else
+    the median recorded for the same kind, else None (no record beside the cache).
+    """
+    version = version or flashinfer_version()
+    cached = cached_modules(version, arch, env) if version else set()
+    times = recorded_seconds(version, arch, env) if version else {}
+    out = []
+    for v in variants:
+        name = module_name(v)
+        if name in cached:
+            continue
+        near, differs = nearest(name, cached)
+        same = sorted(s for m, s in times.items() if _fields(m)["kind"] == v.kind)
+        est = times.get(name, same[len(same) // 2] if same else None)
+        out.append({"variant": v.name, "module": name, "nearest": near, "differs": differs, "estimate_s": est,
+                    "flashinfer_version": version})
+    return out
+
+
 
 KINDS = ("decode", "prefill", "sink", "mla")
 _SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
@@ -76,11 +225,10 @@ def variants_for(layer_kinds: Sequence[Any], prefill_backend: str, q_dtype: str,
     ``prefill_backend``: ``fa2`` (the ``flashinfer`` backend: prefill kernels for extend and
     tensor-core decode, plus the CUDA-core decode kernels) or ``fa3`` (prefill kernels for both).
     Layer kinds with sinks use the attention-sink variant only; MLA kinds the MLA module only, with
-    the MLA backend of ``arch`` (:func:`pipeline.backends.flashinfer_sizing.mla_backend`: fa3 on sm90).
+    the MLA backend of ``arch`` (:func:`pipeline.backends.flashinfer.jit.mla_backend`: fa3 on sm90).
     Dtypes are torch dtype names (the KV dtype an fp8 one, e.g. ``float8_e4m3fn``, for an fp8 cache;
     our ``fp8_e4m3`` / ``fp8_e5m2`` are accepted and written as torch's).
     """
-    from pipeline.backends.flashinfer_sizing import mla_backend
 
     q_dtype, kv_dtype = _TORCH_NAME.get(q_dtype, q_dtype), _TORCH_NAME.get(kv_dtype, kv_dtype)
     out: list[Variant] = []
@@ -112,7 +260,7 @@ def sink_uri(v: Variant, q_name: str, kv_name: str) -> str:
     and its JIT cache is keyed by that name, so once a head_dim-64 sink module is built (gpt-oss) a later
     head_dim-128 sink layer loads the head_dim-64 kernel and computes garbage (max rel err 1.4-2.0 on the H200 in
     ``benchmarks/accepted_matrix.py --profile h200``; RESULTS.md "Accepted means runs on the H200"). We build the
-    same module under this complete name instead (``pipeline.backends.flashinfer`` and the warm-up both use it).
+    same module under this complete name instead (``pipeline.backends.flashinfer.backend`` and the warm-up both use it).
     """
     return (f"attn_setup_prefill_sink_q_{q_name}_kv_{kv_name}_d{v.head_dim_qk}x{v.head_dim_vo}"
             f"_swa_{v.sliding_window}_{v.backend}")
@@ -266,6 +414,8 @@ def warmup_variants(variants: Sequence[Variant], jobs: int = 4) -> list[dict[str
     uniq = list(dict.fromkeys(variants))
     log.info("jit_warmup_start", variants=[v.name for v in uniq], jobs=jobs)
     t0 = time.monotonic()
+    from concurrent.futures import ProcessPoolExecutor
+
     with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=mp.get_context("spawn")) as pool:
         futures = [pool.submit(_compile_in_child, v.fields()) for v in uniq]
         with heartbeat(f"{len(uniq)} variants", 15.0, log=log):
@@ -275,3 +425,16 @@ def warmup_variants(variants: Sequence[Variant], jobs: int = 4) -> list[dict[str
     log.info("jit_warmup_done", seconds=round(time.monotonic() - t0, 3),
              failed=sum(r["status"] == "failed" for r in results))
     return results
+
+
+# FlashInfer MLA backend per arch: the sm90 (Hopper) fa3 MLA kernels are 2.1x faster than fa2 at 128 heads
+# (H200, bf16, page 16, graph replay: B=64 ctx 4096 136.4 vs 289.0 µs; B=256 508 vs 1119; B=64 ctx 32768
+# 1063 vs 2373 — benchmarks/RESULTS.md "fp8 KV and MLA facts"); FlashInfer's own ``backend="auto"``
+# (``determine_mla_backend``) also picks fa3 where sm90a is supported. Other arches have only fa2.
+MLA_FA3_ARCHS = ("sm90",)
+
+
+def mla_backend(arch: str) -> str:
+    """FlashInfer's MLA wrapper backend for ``arch`` (``"sm90"`` …): ``"fa3"`` on :data:`MLA_FA3_ARCHS`,
+    else ``"fa2"``."""
+    return "fa3" if arch in MLA_FA3_ARCHS else "fa2"

@@ -1,0 +1,433 @@
+"""The ``flashinfer`` and ``fa3`` backends' own rules, torch-free: what their registry entries answer.
+
+- **workspace**: ``flashinfer_workspace_size`` when set, else ``SGLANG_FLASHINFER_WORKSPACE_SIZE``,
+  else sglang's default (:func:`flashinfer_workspace_size`); logged as ``setting_resolved``.
+- **workspace need and check**: the bytes FlashInfer's scheduler can ask for at the largest planned batch
+  (:func:`workspace_need`), checked against the size a backend gets in build-mode, ``plan`` and ``run``'s preflight
+  before anything is allocated (:func:`check_backend_workspace`), with a remedy whose every alternative then
+  passes — sglang fails instead with FlashInfer's "Out of workspace memory" during graph capture.
+- **JIT variants**: the kernel modules a build compiles (:func:`pipeline.backends.flashinfer.jit.variants_for`):
+  FA2 prefill plus CUDA-core decode for ``flashinfer``, FA3 prefill for ``fa3``.
+
+FlashInfer's ``plan()`` carves its split-KV scratch (partial outputs ``tmp_v`` and partial log-sum-exps ``tmp_s``,
+both float32) out of the caller-owned *float* workspace buffer. The amount depends only on the head shape, the SM
+count and — under CUDA-graph capture — the captured batch size. The formulas mirror FlashInfer 0.6.13's scheduler
+(``include/flashinfer/attention/scheduler.cuh``):
+
+- CUDA-core decode (``DecodePlan``): KV is split only while ``batch * num_kv_heads`` is below the
+  grid the kernel fills (``blocks_per_sm * num_sms``), so at most ``grid / num_kv_heads`` split
+  rows exist; we bound ``blocks_per_sm`` by 16 (>= 128 threads per CTA, 2048 threads per SM).
+  Bytes: ``H * rows * (Dv + 1) * 4``.
+- FA2 prefill / tensor-core decode (``PrefillPlan``): eager plans split into at most
+  ``2 * num_sms // num_kv_heads`` work tiles of ``cta_tile_q`` rows; a CUDA-graph plan pads to
+  ``max(that, ceil(bs * G / cta_tile_q) + bs - 1)`` tiles. Bytes: ``H * tiles * cta_tile_q * (Dv + 1) * 4``.
+- FA3 (``PrefillSM90Plan``) keeps no float scratch.
+- MLA (``MLAPlan``, shared by the fa2 and fa3 MLA wrappers): partial outputs in the output dtype
+  (2 bytes) and float32 partial LSEs for ``2 * num_clusters * cluster_tile_q`` rows, at most ``64 * num_sms``
+  whatever the batch: ``2 * 64 * num_sms * (2 * Dv + 4)`` bytes (17.4 MB for 132 SMs and Dv 512).
+
+Every allocation is 16-byte aligned; we add 16 bytes per buffer. The records list these rules
+(:data:`pipeline.backends.records.BUILTINS`); resolve, build-mode, plan, warmup and replay ask the entries.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence, TYPE_CHECKING
+
+from pipeline.backends.capability import BackendRules, WorkspaceQuery, decode_output_only
+from pipeline.core.contracts import AttentionArgs, ModelSpec
+from pipeline.core.errors import ConfigError
+from pipeline.core.numbers import largest_fitting, REMEDY_MAX_BS
+from pipeline.core.settings import explicit_or_env, Setting, setting, Source
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipeline.backends.flashinfer.jit import Variant
+
+
+MiB = 1 << 20
+DEFAULT_WORKSPACE_BYTES = 384 * MiB
+DEFAULT_WORKSPACE_SOURCE = "sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default"
+FLOAT_BYTES = 4
+ALIGN_BYTES = 16
+MAX_DECODE_BLOCKS_PER_SM = 16
+PREFILL_CTAS_PER_SM = 2
+MLA_CTA_TILE_Q = 64
+MLA_OUT_BYTES = 2  # FlashInfer's MLAPlan sizes partial outputs for a 16-bit output dtype
+
+# Tensor-core (prefill-kernel) decode pays once the GQA group and the batch are both large
+# enough; measured on the H200 (see benchmarks/RESULTS.md, "FlashInfer backends").
+TENSOR_CORE_MIN_GROUP = 4
+TENSOR_CORE_MIN_BATCH = 8
+TENSOR_CORE_ALWAYS_GROUP = 8
+# GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (``DISPATCH_GQA_GROUP_SIZE`` in
+# include/flashinfer/utils.cuh, 0.6.13: 1, 2, 3, 4, 8); any other group ("Unsupported group_size: 7" for
+# Qwen2.5-7B's 28 q / 4 kv heads) must decode on the tensor-core (prefill) kernel, which takes any group.
+CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """One layer kind's attention heads: q heads ``H``, kv heads ``Hkv``, v head dim ``Dv``.
+
+    ``sinks``: the kind has attention sinks, so its decode also runs the prefill kernel.
+    ``mla``: an absorbed-MLA kind, served by FlashInfer's MLA wrapper for decode and extend.
+    """
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim_vo: int
+    sinks: bool = False
+    mla: bool = False
+
+    @property
+    def group(self) -> int:
+        """GQA group size ``H // Hkv``."""
+        return self.num_qo_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class WorkspaceNeed:
+    """Bytes of float workspace needed, and the largest term per kernel path (for messages)."""
+
+    bytes: int
+    parts: dict[str, int] = field(default_factory=dict)
+
+
+# Decode path for an fp8 KV cache (bf16/fp16 q), per GQA group: "cuda_core" or "tensor_core". The rule is
+# this table; groups it lacks decode on tensor cores (as sglang always does for fp8). Measured on the H200
+# (FlashInfer 0.6.13, D 128, page 16, CUDA-graph replay; ``python3 benchmarks/flashinfer_mla_fp8.py``, table
+# "fp8_decode" in benchmarks/RESULTS.md): 32/8 heads — tensor cores 2133 µs (1.01x its bf16 step), CUDA cores
+# 4880 µs (2.30x); 64/8 — tensor cores 1.03x, CUDA cores 4.55x; 32/32 (MHA, group 1) — CUDA cores 0.61x
+# (e4m3) / 0.60x (e5m2), tensor cores 1.04x. So only group 1 decodes fp8 on CUDA cores (FlashInfer's CUDA-core
+# kernel loads fp8 and upcasts in registers, which pays off when there is no head group to share a tile);
+# every GQA group uses the tensor-core (prefill-kernel) path. Groups 2 and 3 were not measured: they follow
+# group 4. On GQA fp8 halves the KV bytes but not the step time (47 % of the copy ceiling, see RESULTS.md).
+FP8_DECODE_PATH: dict[int, str] = {1: "cuda_core"}
+
+
+def is_fp8_name(kv_dtype: str) -> bool:
+    """True for an fp8 KV dtype name, ours (``fp8_e4m3``) or torch's (``float8_e4m3fn``)."""
+    return kv_dtype.startswith(("fp8", "float8"))
+
+
+def use_tensor_core_decode(group: int, batch_size: int, kv_dtype: str = "bfloat16") -> bool:
+    """Whether decode should run FlashInfer's prefill (tensor-core) kernel instead of CUDA cores.
+
+    ``group``: q heads per kv head; ``batch_size``: requests in the decode batch; ``kv_dtype``: the
+    KV-cache dtype name (ours or torch's). A GQA group the CUDA-core kernel is not compiled for
+    (:data:`CUDA_CORE_DECODE_GROUPS`) always uses tensor cores. fp8 KV follows
+    :data:`FP8_DECODE_PATH` (measured, see there). bf16/fp16: a group >=
+    :data:`TENSOR_CORE_ALWAYS_GROUP` always uses tensor cores; a group >= :data:`TENSOR_CORE_MIN_GROUP`
+    does from :data:`TENSOR_CORE_MIN_BATCH` requests on. Measured on the H200 (H=32, D=128, bf16,
+    page 16): group 8 tc is never slower (1.0-2.7x faster), group 4 loses <= 2 µs below 8 requests at
+    short contexts and wins up to 1.6x from there, group 1 is a tie (CUDA cores kept).
+
+    :func:`workspace_need` sizes the graph term for tensor cores wherever either rule (16-bit or fp8)
+    uses them, so the bound holds for every KV dtype however :data:`FP8_DECODE_PATH` is set.
+    """
+    if group not in CUDA_CORE_DECODE_GROUPS:
+        return True
+    if is_fp8_name(kv_dtype):
+        return FP8_DECODE_PATH.get(group, "tensor_core") == "tensor_core"
+    if group >= TENSOR_CORE_ALWAYS_GROUP:
+        return True
+    return group >= TENSOR_CORE_MIN_GROUP and batch_size >= TENSOR_CORE_MIN_BATCH
+
+
+def cta_tile_q(packed_qo_len: int, head_dim_vo: int) -> int:
+    """FlashInfer FA2's query tile (rows) for a packed query length (``qo_len * group``) on sm80+."""
+    if packed_qo_len > 64 and head_dim_vo < 256:
+        return 128
+    return 64 if packed_qo_len > 16 else 16
+
+
+def _tmp_bytes(heads: int, rows: int, head_dim_vo: int) -> int:
+    return heads * rows * head_dim_vo * FLOAT_BYTES + heads * rows * FLOAT_BYTES + 2 * ALIGN_BYTES
+
+
+def cuda_core_decode_bytes(shape: HeadShape, num_sms: int) -> int:
+    """Upper bound of the float scratch of CUDA-core decode (eager or graph, any batch size)."""
+    rows = MAX_DECODE_BLOCKS_PER_SM * num_sms // shape.num_kv_heads
+    return _tmp_bytes(shape.num_qo_heads, rows, shape.head_dim_vo)
+
+
+def fa2_eager_bytes(shape: HeadShape, num_sms: int) -> int:
+    """Upper bound of FA2 prefill / tensor-core decode scratch for an eager plan (any batch)."""
+    tiles = PREFILL_CTAS_PER_SM * num_sms // shape.num_kv_heads
+    tile = 128 if shape.head_dim_vo < 256 else 64
+    return _tmp_bytes(shape.num_qo_heads, tiles * tile, shape.head_dim_vo)
+
+
+def fa2_graph_decode_bytes(shape: HeadShape, num_sms: int, batch_size: int) -> int:
+    """Exact FA2 scratch of a tensor-core decode plan captured at ``batch_size`` requests."""
+    tile = cta_tile_q(shape.group, shape.head_dim_vo)
+    split_tiles = PREFILL_CTAS_PER_SM * num_sms // shape.num_kv_heads
+    q_tiles = -(-batch_size * shape.group // tile) + batch_size - 1
+    return _tmp_bytes(shape.num_qo_heads, max(split_tiles, q_tiles) * tile, shape.head_dim_vo)
+
+
+def mla_bytes(shape: HeadShape, num_sms: int) -> int:
+    """Float scratch of an MLA plan (fa2 or fa3 MLA wrapper, eager or graph, any batch): see the module docstring."""
+    rows = 2 * MLA_CTA_TILE_Q * num_sms
+    return rows * shape.head_dim_vo * MLA_OUT_BYTES + rows * FLOAT_BYTES + 2 * ALIGN_BYTES
+
+
+def workspace_need(shapes: Iterable[HeadShape], *, num_sms: int, max_batch_size: int,
+                   cuda_graph_max_bs: int = 0, prefill_backend: str = "fa2") -> WorkspaceNeed:
+    """Float-workspace bytes a FlashInfer backend needs for the largest batch it will plan.
+
+    Parameters
+    ----------
+    shapes: the head shapes of every layer kind the backend serves.
+    num_sms: streaming multiprocessors of the device (``DeviceFacts.sm_count``), > 0.
+    max_batch_size: the largest batch planned: max of the request pool (``max_reqs``) and the
+        CUDA-graph batch sizes.
+    cuda_graph_max_bs: largest captured batch size, 0 when CUDA graphs are off.
+    prefill_backend: ``"fa2"`` (the ``flashinfer`` backend) or ``"fa3"`` (the ``fa3`` backend,
+        whose SM90 kernels keep no float scratch).
+
+    Returns a :class:`WorkspaceNeed`; ``parts`` names the largest term per path.
+    """
+    parts: dict[str, int] = {"cuda_core_decode": 0, "fa2_eager": 0, "fa2_graph_decode": 0, "mla": 0}
+    for s in shapes:
+        if s.mla:  # the MLA wrapper serves every step of an MLA kind
+            parts["mla"] = max(parts["mla"], mla_bytes(s, num_sms))
+            continue
+        if prefill_backend == "fa3":
+            continue
+        parts["cuda_core_decode"] = max(parts["cuda_core_decode"], cuda_core_decode_bytes(s, num_sms))
+        parts["fa2_eager"] = max(parts["fa2_eager"], fa2_eager_bytes(s, num_sms))
+        bs = min(cuda_graph_max_bs, max_batch_size) if max_batch_size > 0 else cuda_graph_max_bs
+        tc = use_tensor_core_decode(s.group, bs) or use_tensor_core_decode(s.group, bs, "fp8")  # either KV dtype
+        if bs > 0 and (s.sinks or tc):
+            parts["fa2_graph_decode"] = max(parts["fa2_graph_decode"], fa2_graph_decode_bytes(s, num_sms, bs))
+    return WorkspaceNeed(bytes=max(parts.values()), parts=parts)
+
+
+WORKSPACE_FIELD = "flashinfer_workspace_size"
+WORKSPACE_ENV = "SGLANG_FLASHINFER_WORKSPACE_SIZE"
+
+
+def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: str = WORKSPACE_FIELD,
+                         state: str = "build-mode", graph_fix: str = "", env_var: str = "",
+                         raise_fits: bool = True, field_given: bool = False) -> None:
+    """Raise :class:`ConfigError` (``workspace_too_small``) when ``size_bytes < need.bytes``.
+
+    The one check of the workspace size, whichever source set it. The error names ``field_name`` and its
+    value — or, when the value came from the environment (``env_var``, e.g.
+    ``SGLANG_FLASHINFER_WORKSPACE_SIZE=1000``), that variable with its value first and the field after it
+    (value None), as :func:`pipeline.core.validation.check_size` names a variable — the minimum this backend can
+    use (``needed_bytes``: the bytes its largest planned batch needs, and the kernel path that needs them) and
+    the remedy: set the field (or, unless ``field_given`` — the field set the size, and it wins over the variable —,
+    the variable) to at least that — only when ``raise_fits`` (that size is a value the flag takes and the device
+    can hold) —, or ``graph_fix`` (a change to the captured batch sizes that then passes) when given.
+    """
+    if size_bytes >= need.bytes:
+        return
+    worst = max(need.parts, key=need.parts.get) if need.parts else "plan"
+    if env_var:
+        raise ConfigError(
+            f"environment variable {env_var}={size_bytes} sets a FlashInfer workspace smaller than the {need.bytes} "
+            f"bytes the largest planned batch needs ({worst}): the least this backend can use here",
+            code="workspace_too_small", state=state,
+            flags=[(env_var, size_bytes), (field_name, None), ("needed_bytes", need.bytes)],
+            allowed=[f">= {need.bytes}"],
+            remedy=", or ".join(([f"set {env_var} to at least {need.bytes}"] if raise_fits else [])
+                               + ([graph_fix] if graph_fix else [])),
+        )
+    raise ConfigError(
+        f"the FlashInfer workspace of {size_bytes} bytes is smaller than the {need.bytes} bytes the "
+        f"largest planned batch needs ({worst})",
+        code="workspace_too_small", state=state,
+        flags=[(field_name, size_bytes), ("needed_bytes", need.bytes)],
+        allowed=[f">= {need.bytes}"],
+        remedy=", or ".join(([f"set {field_name}{'' if field_given else f' (or {WORKSPACE_ENV})'} to at least "
+                              f"{need.bytes}"] if raise_fits else [])
+                            + ([graph_fix] if graph_fix else [])),
+    )
+
+
+def shapes_of(kinds: Iterable[Any]) -> list[HeadShape]:
+    """The :class:`HeadShape` of each :class:`~pipeline.core.contracts.LayerKind` (heads, kv heads, v dim, sinks, MLA)."""
+    return [HeadShape(k.num_heads, k.num_kv_heads, k.head_dim_v, k.has_sinks, bool(getattr(k, "is_mla", False)))
+            for k in kinds]
+
+
+def backend_need(q: WorkspaceQuery, *, backend: str) -> int:
+    """Bytes of workspace :func:`check_backend_workspace` needs (its ``need``: the least it accepts) for the query's
+    kinds served by ``backend`` (``"flashinfer"`` or ``"fa3"``)."""
+    return workspace_need(shapes_of(q.kinds), cuda_graph_max_bs=q.graph_max_bs, num_sms=max(q.num_sms, 1),
+                          max_batch_size=q.max_reqs, prefill_backend="fa3" if backend == "fa3" else "fa2").bytes
+
+
+def check_backend_workspace(size_bytes: int, q: WorkspaceQuery, *, backend: str, state: str = "build-mode") -> None:
+    """The one workspace check (build-mode, ``plan`` and ``run``'s preflight call it, through the registry entry):
+    ``size_bytes``, the workspace the backend gets, against the need for the largest batch ``q`` plans
+    (:class:`~pipeline.backends.capability.WorkspaceQuery`); ``backend``: ``"flashinfer"`` (fa2 kernels) or
+    ``"fa3"``. Raises ConfigError ``workspace_too_small``.
+
+    Every alternative of the remedy then passes this check with a value the flags take, and ``fits``:
+
+    - a larger workspace, only when the need is at most ``min(max_bytes, MAX_BYTES)`` (``MAX_BYTES`` = 2**48, the
+      ``--flashinfer-workspace-size`` domain) and fits;
+    - a smaller largest captured batch that fits the workspace as it is (``cuda_graph_max_bs=N``, or the list's
+      sizes up to N), N at most :data:`REMEDY_MAX_BS`;
+    - when neither alone can work (the workspace cannot be raised enough and fits not even one captured request),
+      both: a workspace of the need at such an N and that N;
+    - when no captured batch fits at all, ``disable_cuda_graph=True`` (with the eager need as the workspace when
+      the workspace is below it) if that fits.
+    """
+    from pipeline.core.validation import MAX_BYTES
+
+    shapes, fits = shapes_of(q.kinds), q.fits
+    kw = dict(num_sms=max(q.num_sms, 1), max_batch_size=q.max_reqs,
+              prefill_backend="fa3" if backend == "fa3" else "fa2")
+    need = workspace_need(shapes, cuda_graph_max_bs=q.graph_max_bs, **kw)
+    if size_bytes >= need.bytes:
+        return
+    cap = min(q.max_bytes, MAX_BYTES) if q.max_bytes > 0 else MAX_BYTES
+    room = (lambda ws, bs: ws <= cap and fits(ws, bs)) if fits is not None else (lambda ws, bs: ws <= cap)  # noqa: E731
+    need_at = lambda bs: workspace_need(shapes, cuda_graph_max_bs=bs, **kw).bytes  # noqa: E731
+    raise_fits = room(need.bytes, q.graph_max_bs)
+    fix = _graph_fix(size_bytes, need_at, room, top=min(q.graph_max_bs, q.max_reqs, REMEDY_MAX_BS + 1) - 1,
+                     graphs=q.graph_max_bs > 0,
+                     sizes=_sizes_wording(q.graph_bs_given or bool(q.graph_bs), q.graph_bs, q.max_bs_given),
+                     name=q.env_var or WORKSPACE_FIELD, raise_fits=raise_fits)
+    check_workspace_size(size_bytes, need, state=state, graph_fix=fix, env_var=q.env_var, raise_fits=raise_fits,
+                         field_given=q.field_given)
+
+
+def _sizes_wording(list_given: bool, graph_bs: Sequence[int], max_bs_given: bool) -> Callable[[int], str]:
+    """``sizes(n)``: the change that makes ``n`` the largest captured batch (library wording) —
+    ``set cuda_graph_max_bs=n``, or with a list ``use only sizes up to n in cuda_graph_bs`` (with ``max_bs_given``,
+    ``cuda_graph_max_bs`` set too, which must equal the list's largest size: ``use only sizes up to m in
+    cuda_graph_bs and set cuda_graph_max_bs=m``, ``m`` the list's largest size up to ``n``) —, or "" where the list
+    (when known) keeps no size."""
+    def sizes(n: int) -> str:
+        if not list_given:
+            return f"set cuda_graph_max_bs={n}"
+        m = max((b for b in graph_bs if b <= n), default=0) if graph_bs else n
+        if not m:
+            return ""
+        return (f"use only sizes up to {m} in cuda_graph_bs and set cuda_graph_max_bs={m}" if max_bs_given
+                else f"use only sizes up to {n} in cuda_graph_bs")
+    return sizes
+
+
+def _graph_fix(size_bytes: int, need_at: Callable[[int], int], room: Callable[[int, int], bool], *, top: int,
+               graphs: bool, sizes: Callable[[int], str], name: str, raise_fits: bool) -> str:
+    """The remedy's alternative that changes the captured sizes (library wording), or "": the largest top ``N`` in
+    ``1..top`` whose need fits the workspace as it is and ``room(size_bytes, N)``; else, unless raising the workspace
+    works (``raise_fits``), the need at the largest ``N`` with ``room(need_at(N), N)`` and that ``N``; else no graphs
+    (``room`` at 0), with the eager need as the workspace when it is above ``size_bytes``. Each search is
+    :func:`~pipeline.core.numbers.largest_fitting` over ``1..top``: the need and the graphs' bytes grow with ``N``
+    (:func:`fa2_graph_decode_bytes` is nondecreasing in the batch, and tensor-core decode only turns on as it grows), so
+    each predicate holds on a prefix.
+    ``sizes``: :func:`_sizes_wording`'s (a list cut to no size is no alternative)."""
+    fits = largest_fitting(range(1, top + 1), lambda bs: need_at(bs) <= size_bytes and room(size_bytes, bs))
+    if fits is not None and sizes(fits):
+        return sizes(fits)
+    if raise_fits:
+        return ""
+    both = largest_fitting(range(1, top + 1), lambda bs: room(need_at(bs), bs))
+    if both is not None and sizes(both):
+        return f"set {name}={need_at(both)} and {sizes(both).removeprefix('set ')}"
+    eager = max(need_at(0), size_bytes)
+    if graphs and room(eager, 0):
+        return ("set disable_cuda_graph=True" if eager == size_bytes
+                else f"set {name}={eager} and disable_cuda_graph=True")
+    return ""
+
+
+MiB = 1 << 20
+FLASHINFER_WORKSPACE_DEFAULT = 384 * MiB
+FLASHINFER_WORKSPACE_QWEN = 512 * MiB
+# sglang's FlashInferAttnBackend.__init__ (python/sglang/srt/layers/attention/flashinfer_backend.py,
+# sgl-project/sglang at 0005834c, "Qwen2/Qwen3 models require higher flashinfer workspace size")
+# raises the workspace to 512 MiB when hf_config.architectures contains one of these names, and
+# keys on nothing else: not model_type, so Qwen2-MoE, Qwen3-MoE, Qwen2-VL and Qwen2.5-VL keep 384 MiB
+# while MiMo gets 512 MiB. sglang assigns the value inside the backend, so there it also beats an
+# env var; here explicit field > env var > this default, so an explicit value is never replaced.
+WORKSPACE_512_MIB_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMoForCausalLM",
+                                   "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+FIELD = "flashinfer_workspace_size"
+
+
+def flashinfer_workspace_size(args: AttentionArgs, model: ModelSpec,
+                              env: Mapping[str, str] = os.environ) -> tuple[int, Source]:
+    """Bytes of the FlashInfer workspace buffer and where the value came from.
+
+    ``flashinfer_workspace_size`` when set, else ``SGLANG_FLASHINFER_WORKSPACE_SIZE``, else 512 MiB
+    when ``model.architectures`` names one of :data:`WORKSPACE_512_MIB_ARCHITECTURES` (sglang's
+    rule, matched on the architecture name exactly as sglang does) and 384 MiB otherwise.
+    Raises ConfigError for an env value that is not a byte count.
+    """
+    given = explicit_or_env(args, FIELD, env)
+    if given is not None:
+        return given
+    big = any(a in WORKSPACE_512_MIB_ARCHITECTURES for a in model.architectures)
+    return (FLASHINFER_WORKSPACE_QWEN if big else FLASHINFER_WORKSPACE_DEFAULT), "default"
+
+
+def workspace(args: AttentionArgs, model: ModelSpec, env: Mapping[str, str]) -> Setting:
+    """The workspace one ``flashinfer``/``fa3`` instance gets, as the :class:`Setting` that is logged."""
+    return setting(FIELD, *flashinfer_workspace_size(args, model, env))
+
+
+def _checker(kernel: str) -> Any:
+    return lambda nbytes, query: check_backend_workspace(nbytes, query, backend=kernel)
+
+
+def _need(kernel: str) -> Any:
+    return lambda query: backend_need(query, backend=kernel)
+
+
+def _variants(prefill: str) -> Any:
+    def variants(kinds: Sequence[Any], q_dtype: str, kv_dtype: str, arch: str) -> list["Variant"]:
+        from pipeline.backends.flashinfer.jit import variants_for  # its module imports multiprocessing: not for plan
+
+        return variants_for(kinds, prefill, q_dtype, kv_dtype, arch)
+    return variants
+
+
+# Every FlashInfer wrapper allocates its own int workspace on the device in ``__init__`` (8 MiB:
+# ``_int_workspace_buffer`` of BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper and
+# BatchMLAPagedAttentionWrapper, FlashInfer 0.6.13); prefill-class wrappers also a ``_kv_lens_buffer`` of 32768 int32.
+FI_INT_WORKSPACE_BYTES = 8 * MiB
+FI_KV_LENS_BYTES = 32768 * 4
+
+
+def graph_state_allocs(kinds: Sequence[Any], batch_sizes: Sequence[int], *, max_context_len: int, page_size: int,
+                       num_sms: int) -> list[tuple[int, int]]:
+    """What decode-graph capture allocates outside the graph pool, in order (``[(bs, nbytes)]``, bs 0 first):
+    :class:`pipeline.backends.flashinfer.backend.GraphState`'s int32 buffers for the largest size (``indptr``,
+    ``indices`` of ``max_bs * ceil(max_context_len / page_size)`` pages, ``last_page_len``, ``qo_indptr``,
+    ``kv_len``), then per captured size and layer kind the ``use_cuda_graph`` wrapper made for it — its own 8 MiB
+    int workspace (:data:`FI_INT_WORKSPACE_BYTES`), a prefill-class (sink) wrapper's kv-lens buffer, a tensor-core
+    decode wrapper's ``qo_indptr`` [bs+1] int32. sglang's FlashInfer backend makes its capture wrappers per size
+    the same way."""
+    mb = max(batch_sizes)
+    pages = -(-max_context_len // max(page_size, 1))
+    out = [(0, (mb + 1) * 4), (0, mb * pages * 4), (0, mb * 4), (0, (mb + 1) * 4), (0, mb * 4)]
+    for bs in sorted(set(batch_sizes), reverse=True):
+        for k in kinds:
+            out.append((bs, FI_INT_WORKSPACE_BYTES))
+            if k.has_sinks and not k.is_mla:
+                out.append((bs, FI_KV_LENS_BYTES))
+            elif not k.is_mla and use_tensor_core_decode(k.num_heads // k.num_kv_heads, bs):
+                out.append((bs, (bs + 1) * 4))
+    return out
+
+
+# CUDA-graph memory: decode allocates only its output inside a capture (``run`` makes ``out`` [bs, H, Dv]; the MLA
+# path makes it before calling ``run``); the split scratch lives in the workspace, made before capture.
+FLASHINFER_RULES = BackendRules(workspace=workspace, check_workspace=_checker("flashinfer"),
+                                workspace_need=_need("flashinfer"),
+                                jit_variants=_variants("fa2"), graph_decode_allocs=decode_output_only,
+                                graph_state_allocs=graph_state_allocs)
+FA3_RULES = BackendRules(workspace=workspace, check_workspace=_checker("fa3"), workspace_need=_need("fa3"),
+                         jit_variants=_variants("fa3"),
+                         graph_decode_allocs=decode_output_only, graph_state_allocs=graph_state_allocs)
+
