@@ -58,7 +58,7 @@ case $PART in
     run h200_auto --page-size 16
     run h200_fa3 --attention-backend fa3 --page-size 16 --cuda-graph-bs 1 4
     run h200_triton --attention-backend triton --page-size 16 --cuda-graph-bs 1 4
-    run h200_tbo --attention-backend flashinfer --enable-two-batch-overlap --page-size 16
+    run h200_tbo --attention-backend flashinfer --enable-two-batch-overlap --moe-a2a-backend deepep --page-size 16
     run h200_pdmux4 --attention-backend flashinfer --enable-pdmux --sm-group-num 4 --page-size 16
     run h200_hybrid --prefill-attention-backend fa3 --decode-attention-backend triton --page-size 16 --cuda-graph-bs 1 4
     run h200_gemma2_fi --attention-backend flashinfer --model $C/gemma-2-9b.json --dtype bfloat16 --page-size 16

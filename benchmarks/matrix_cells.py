@@ -114,6 +114,7 @@ class Cell:
             a["attention_backend"] = self.prefill
         if self.mode == "tbo":
             a["enable_two_batch_overlap"] = True
+            a["moe_a2a_backend"] = "deepep"  # sglang's TBO needs an EP all-to-all (or attention DP)
         if self.mode == "pdmux":
             a.update(enable_pdmux=True, sm_group_num=SM_GROUPS)
         if self.graph == "graph":

@@ -35,7 +35,7 @@ def main() -> None:
     ns = ap.parse_args()
     configure_logging(verbose=False)
     model = load_model_spec(ns.model)
-    modes = [("normal", {}), ("tbo", dict(enable_two_batch_overlap=True))] + [
+    modes = [("normal", {}), ("tbo", dict(enable_two_batch_overlap=True, moe_a2a_backend="deepep"))] + [
         (f"pdmux N={n}", dict(enable_pdmux=True, sm_group_num=n)) for n in (1, 4, 8)]
     rows = []
     for label, flags in modes:

@@ -45,7 +45,7 @@ OTHER = {"flashinfer": "triton", "triton": "flashinfer", "fa3": "triton"}
 
 def variants(backend: str) -> dict[str, dict]:
     return {"alone": dict(attention_backend=backend),
-            "tbo": dict(attention_backend=backend, enable_two_batch_overlap=True),
+            "tbo": dict(attention_backend=backend, enable_two_batch_overlap=True, moe_a2a_backend="deepep"),
             "hybrid": dict(prefill_attention_backend=OTHER[backend], decode_attention_backend=backend)}
 
 

@@ -12,17 +12,18 @@ local attention — each reason names the head dim or feature *and* the layer ki
 kinds against ``mla_head_dims`` when the record has them;
 a hybrid model's linear-attention / mamba layers are no attention kind and need nothing), q dtype, KV-cache
 dtype (an fp8 one only with the record's ``fp8_kv_features``; ``kv_dtype_matches_q`` exempts fp8), page size,
-speculative decoding (incl. EAGLE tree verification), TBO, PD-mux.
+speculative decoding (EAGLE trees: the tree features, trees with pages > 1), TBO, PD-mux.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Optional
 
 from pipeline.backends.packages import install_hint
 from pipeline.backends.capability import MODEL_FEATURES, Capability
 
-from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec
+from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec, SpeculativeParams
+from pipeline.core.speculative import chain_fix, decide_speculative
 from pipeline.core.dtypes import kv_dtype, model_dtype
 from pipeline.core.model_spec import format_layer_ids
 
@@ -134,7 +135,41 @@ def _kv_auto(args: AttentionArgs) -> tuple[tuple[str, Any], ...]:
     return () if args.kv_cache_dtype == "auto" else (("kv_cache_dtype", "auto"),)
 
 
-def _flag_reasons(cap: Capability, args: AttentionArgs, model: ModelSpec, is_draft_worker: bool) -> list[Reason]:
+def _speculative_reasons(cap: Capability, args: AttentionArgs, model: ModelSpec, is_draft_worker: bool,
+                         spec: Optional[SpeculativeParams]) -> list[Reason]:
+    """Speculative decoding (a draft worker or ``speculative_algorithm``), EAGLE trees (top-k > 1, of ``spec``, the
+    settled shape — never the unset flag, the fault of sglang#36554, where a draft worker chose its backend before
+    top-k was filled in), trees at ``page_size > 1`` (sglang: flashinfer, fa3 and triton only) and the model features
+    a backend serves under a tree (``tree_features``)."""
+    if not (args.speculative_algorithm or is_draft_worker):
+        return []
+    flags: tuple[tuple[str, Any], ...] = tuple(
+        f for f in (("speculative_algorithm", args.speculative_algorithm),
+                    ("is_draft_worker", True) if is_draft_worker else None) if f and f[1] is not None)
+    if not cap.has("speculative"):
+        return [Reason("speculative decoding is not supported", flags)]
+    if spec is None or not spec.is_tree:
+        return []
+    topk = (("speculative_eagle_topk", spec.topk),)
+    fix = chain_fix(args, spec)
+    if not cap.has("speculative_tree"):
+        return [Reason(f"tree verification (speculative_eagle_topk={spec.topk} > 1, a custom tree mask) is not "
+                       "supported", topk, fix)]
+    out = []
+    if args.page_size > 1 and not cap.has("speculative_tree_paged"):
+        out.append(Reason(f"speculative_eagle_topk={spec.topk} > 1 with page_size {args.page_size} > 1 is not supported",
+                          topk + (("page_size", args.page_size),), (("page_size", 1),)))
+    if cap.tree_features is not None:
+        for f in model_features(model):
+            if f not in cap.tree_features and cap.has(f):
+                out.append(Reason(f"tree verification (speculative_eagle_topk={spec.topk} > 1) is not supported with "
+                                  f"{f.replace('_', ' ')} layers (trees are served with {_list(cap.tree_features)} "
+                                  "layers only)", topk + (_model_flag(model),), fix))
+    return out
+
+
+def _flag_reasons(cap: Capability, args: AttentionArgs, model: ModelSpec, is_draft_worker: bool,
+                  spec: Optional[SpeculativeParams] = None) -> list[Reason]:
     out: list[Reason] = []
     qd, kd = model_dtype(args, model), kv_dtype(args, model)
     if qd not in cap.q_dtypes:
@@ -155,16 +190,7 @@ def _flag_reasons(cap: Capability, args: AttentionArgs, model: ModelSpec, is_dra
     if cap.page_sizes is not None and args.page_size not in cap.page_sizes:
         out.append(Reason(f"page_size {args.page_size} is not supported (supports {_list(cap.page_sizes)})",
                           (("page_size", args.page_size),)))
-    spec_flags: tuple[tuple[str, Any], ...] = tuple(
-        f for f in (("speculative_algorithm", args.speculative_algorithm),
-                    ("is_draft_worker", True) if is_draft_worker else None) if f and f[1] is not None)
-    if (args.speculative_algorithm or is_draft_worker) and not cap.has("speculative"):
-        out.append(Reason("speculative decoding is not supported", spec_flags))
-    topk = args.speculative_eagle_topk
-    if (args.speculative_algorithm or is_draft_worker) and topk is not None and topk > 1 \
-            and not cap.has("speculative_tree"):
-        out.append(Reason(f"tree verification (speculative_eagle_topk={topk} > 1, a custom tree mask) is not "
-                          "supported", (("speculative_eagle_topk", topk),), (("speculative_eagle_topk", 1),)))
+    out += _speculative_reasons(cap, args, model, is_draft_worker, spec)
     if args.enable_two_batch_overlap and not is_draft_worker and not cap.has("tbo"):
         out.append(Reason("two-batch overlap is not supported", (("enable_two_batch_overlap", True),),
                           (("enable_two_batch_overlap", False),)))
@@ -174,7 +200,8 @@ def _flag_reasons(cap: Capability, args: AttentionArgs, model: ModelSpec, is_dra
 
 
 def reasons_with_flags(cap: Capability, *, args: AttentionArgs, model: ModelSpec, device: DeviceFacts,
-                       installed: Mapping[str, bool], is_draft_worker: bool) -> list[Reason]:
+                       installed: Mapping[str, bool], is_draft_worker: bool,
+                       spec: Optional[SpeculativeParams] = None) -> list[Reason]:
     """Every reason ``cap`` cannot serve this request (empty when it can), with the flags involved.
 
     Parameters
@@ -184,13 +211,18 @@ def reasons_with_flags(cap: Capability, *, args: AttentionArgs, model: ModelSpec
     installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → present.
     is_draft_worker : a speculative-decoding draft worker (implies speculative support is needed;
         TBO is not required there because build-mode downgrades it, as sglang does).
+    spec : the settled speculative shape (:func:`pipeline.core.speculative.decide_speculative`, from the *target*
+        model); None with ``speculative_algorithm`` set: settled here from ``model``.
     """
+    if spec is None and args.speculative_algorithm is not None:
+        spec = decide_speculative(args, model)
     return (_device_reasons(cap, device, installed) + model_reasons_with_flags(cap, model)
-            + _flag_reasons(cap, args, model, is_draft_worker))
+            + _flag_reasons(cap, args, model, is_draft_worker, spec))
 
 
 def reasons(cap: Capability, *, args: AttentionArgs, model: ModelSpec, device: DeviceFacts,
-            installed: Mapping[str, bool], is_draft_worker: bool) -> list[str]:
+            installed: Mapping[str, bool], is_draft_worker: bool,
+            spec: Optional[SpeculativeParams] = None) -> list[str]:
     """Every reason ``cap`` cannot serve this request, as strings; empty when it can."""
     return [r.text for r in reasons_with_flags(cap, args=args, model=model, device=device, installed=installed,
-                                               is_draft_worker=is_draft_worker)]
+                                               is_draft_worker=is_draft_worker, spec=spec)]

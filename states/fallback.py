@@ -31,12 +31,13 @@ def one_of(names: Sequence[str]) -> str:
 
 
 def assignments(fix: Mapping[str, Any]) -> str:
-    """Library wording of field changes: ``set a='x' and b=True, and drop c`` (``c=False`` is "drop c").
+    """Library wording of field changes: ``set a='x' and b=True, and drop c`` (``c=False`` or ``c=None``, back to
+    unset, is "drop c").
 
     The CLI rewrites each ``field=value`` / ``drop field`` into its flag (``--a x``, ``--b``, ``drop --c``).
     """
-    sets = [f"{k}={v!r}" for k, v in fix.items() if v is not False]
-    drops = [k for k, v in fix.items() if v is False]
+    sets = [f"{k}={v!r}" for k, v in fix.items() if v is not False and v is not None]
+    drops = [k for k, v in fix.items() if v is False or v is None]
     out = ("set " + " and ".join(sets)) if sets else ""
     if drops:
         out += (", and " if out else "") + "drop " + " and ".join(drops)

@@ -10,7 +10,8 @@ with no reason against it, recording the others with their reasons (vLLM's appro
 
 Mode combinations no backend can fix are refused first (:func:`check_modes`): PD-mux with TBO (sglang silently
 lets PD-mux win), PD-mux on a CPU, more SM groups than the device has SMs, PD-mux on an arch outside sglang's
-SM-partition table. Each refusal carries its fixes as alternatives, which resolve extends with what the rest of
+SM-partition table, TBO without attention DP or an expert-parallel all-to-all (:func:`check_tbo`). Then the
+speculative shape is settled (:mod:`pipeline.core.speculative`) and every backend checked against it. Each refusal carries its fixes as alternatives, which resolve extends with what the rest of
 the request needs.
 
 When no *installed* backend can serve a request but one would if its package were installed, the
@@ -25,6 +26,7 @@ the CLI shows its flags instead.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Optional, Union
 
 import msgspec
@@ -35,6 +37,7 @@ from pipeline.core.contracts import (AttentionArgs, DeviceFacts, ModelSpec, Reje
 from pipeline.core.dtypes import resolve_dtype
 from pipeline.core.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
 from pipeline.core.model_spec import format_layer_ids
+from pipeline.core.speculative import decide_speculative
 from states.capability_check import Reason
 from states.fallback import assignments, graph_skips, refuse_strict
 from states.remedies import complete_fix, minimal, Remedies, suggest, Survey
@@ -78,6 +81,22 @@ def check_modes(args: AttentionArgs, device: DeviceFacts, is_draft_worker: bool)
             f"PD-multiplexing has no SM partition table for {device.arch or device.type}",
             state="resolve", flags=[("enable_pdmux", True), ("device.arch", device.arch or device.type)],
             allowed=list(PDMUX_SM_PARTITION_ARCHS)), [{"enable_pdmux": False}])
+    check_tbo(args)
+
+
+def check_tbo(args: AttentionArgs) -> None:
+    """Refuse two-batch overlap without attention data parallelism or an expert-parallel all-to-all, as sglang 0.5.23
+    does (``arg_groups/validation_hook.py``, ``check_two_batch_overlap``): TBO overlaps one micro-batch's compute with
+    the other's DP all-gather / EP all-to-all, so without either there is nothing to overlap. A server-wide rule: a
+    draft worker's args are the server's, so it holds there too. Raises ConflictingOptions naming the three fields."""
+    if args.enable_two_batch_overlap and args.moe_a2a_backend == "none" and args.attn_dp_size <= 1:
+        raise _refuse_mode(ConflictingOptions(
+            "two-batch overlap needs attention data parallelism (attn_dp_size > 1) or an expert-parallel all-to-all "
+            "(moe_a2a_backend): without either there is no communication for TBO to overlap (sglang refuses it)",
+            state="resolve", flags=[("enable_two_batch_overlap", True), ("attn_dp_size", args.attn_dp_size),
+                                    ("moe_a2a_backend", args.moe_a2a_backend)]),
+            [{"enable_two_batch_overlap": False}, {"moe_a2a_backend": "deepep"}],
+            "attn_dp_size > 1 with world_size a multiple of it")
 
 
 
@@ -187,7 +206,7 @@ def _pick(half: str, explicit: Optional[Explicit], ctx: Remedies) -> tuple[str, 
 
 
 def decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_draft_worker: bool,
-           installed: Mapping[str, bool]) -> Resolution:
+           installed: Mapping[str, bool], target: Optional[ModelSpec] = None) -> Resolution:
     """Resolve the (prefill, decode) pair for the model this worker serves.
 
     Parameters
@@ -197,31 +216,37 @@ def decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dra
     device : the device facts (a named profile at plan time, torch's at run time).
     is_draft_worker : a speculative-decoding draft worker.
     installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → present.
+    target : the target model, whose architecture settles the speculative shape
+        (:func:`pipeline.core.speculative.decide_speculative`) on a draft worker too; None: ``model``.
 
     Returns a :class:`Resolution` (never None): the pair, the rule per half, every auto candidate
     refused (per half, with reasons), the CUDA-graph skip if any (:func:`warnings_for` turns it into the
-    start's warnings), the compute dtype with its rule, and the layers that are not attention
-    (``not_attention``).
+    start's warnings), the compute dtype with its rule, the layers that are not attention
+    (``not_attention``) and the speculative shape (``speculative``): every backend is checked against the settled
+    top-k, never the unset flag (sglang#36554 chose the draft worker's backend before top-k was filled in).
     Raises BackendUnknown / BackendUnavailable / CapabilityMismatch / ConflictingOptions / ConfigError
     (``dtype_refused``; ``no_attention_layers`` for a model made only of linear-attention / mamba
     layers) — exit 3; with ``args.strict``, :class:`StrictRefusal` (``reference_fallback`` /
     ``downgrade_refused``).
     """
-    return _decide(args, model, device, is_draft_worker=is_draft_worker, installed=installed, probe=False)
+    return _decide(args, model, device, is_draft_worker=is_draft_worker, installed=installed, probe=False,
+                   target=target)
 
 
 def _decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_draft_worker: bool,
-            installed: Mapping[str, bool], probe: bool) -> Resolution:
+            installed: Mapping[str, bool], probe: bool, target: Optional[ModelSpec] = None) -> Resolution:
     """:func:`decide`; ``probe`` (remedy trials) skips trying remedies of its own."""
+    trial = functools.partial(_probe, target=target)
     try:
         check_modes(args, device, is_draft_worker)
+        spec = decide_speculative(args, target if target is not None else model)
     except ConfigError as e:
         fixes = getattr(e, "fixes", [])
         if fixes and not probe:  # each alternative with what the rest needs; those that resolve first
-            tried = [complete_fix(_probe, args, model, device, installed, is_draft_worker, dict(f)) for f in fixes]
+            tried = [complete_fix(trial, args, model, device, installed, is_draft_worker, dict(f)) for f in fixes]
             done = [f for f, ok in tried if ok]
             if not done and len(fixes) > 1:  # e.g. PD-mux + TBO on a CPU: only dropping both resolves
-                union, ok = complete_fix(_probe, args, model, device, installed, is_draft_worker,
+                union, ok = complete_fix(trial, args, model, device, installed, is_draft_worker,
                                          {k: v for f in fixes for k, v in f.items()})
                 done = [union] if ok else []
             done = minimal(done) or [f for f, _ in tried]
@@ -230,8 +255,9 @@ def _decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dr
         raise
     dtype = resolve_dtype(args, model)
     check_has_attention(model)
-    survey = Survey(args=args, model=model, device=device, installed=installed, is_draft_worker=is_draft_worker)
-    ctx = Remedies(_probe, args, model, device, installed, is_draft_worker, survey, probe)
+    survey = Survey(args=args, model=model, device=device, installed=installed, is_draft_worker=is_draft_worker,
+                    spec=spec)
+    ctx = Remedies(trial, args, model, device, installed, is_draft_worker, survey, probe)
     picks, rules, rejected = {}, {}, {}
     for half in ("prefill", "decode"):
         name, rule, rej = _pick(half, explicit_choice(args, half, is_draft_worker), ctx)
@@ -241,7 +267,7 @@ def _decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dr
     pair = ResolvedAttentionBackendStr(prefill=picks["prefill"], decode=picks["decode"],
                                        is_draft_override=rules["prefill"] == "draft_override")
     res = Resolution(pair=pair, rules=rules, rejected=rejected, skips=graph_skips(args, picks["decode"], device),
-                     dtype=dtype, not_attention=model.not_attention())
+                     dtype=dtype, not_attention=model.not_attention(), speculative=spec)
     refuse_strict(res, args, device, is_draft_worker)
     return res
 
@@ -264,14 +290,16 @@ def check_has_attention(model: ModelSpec) -> None:
 
 
 def _probe(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_draft_worker: bool,
-           installed: Mapping[str, bool]) -> Resolution:
+           installed: Mapping[str, bool], target: Optional[ModelSpec] = None) -> Resolution:
     """:func:`decide` as a remedy trial: refusals come without remedies of their own (no recursion)."""
-    return _decide(args, model, device, is_draft_worker=is_draft_worker, installed=installed, probe=True)
+    return _decide(args, model, device, is_draft_worker=is_draft_worker, installed=installed, probe=True,
+                   target=target)
 
 
 def decide_for_run(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_draft_worker: bool,
                    metadata: Mapping[str, bool], imported: Mapping[str, bool],
-                   import_errors: Optional[Mapping[str, str]] = None) -> Resolution:
+                   import_errors: Optional[Mapping[str, str]] = None,
+                   target: Optional[ModelSpec] = None) -> Resolution:
     """:func:`decide` for a run: package presence by real import, checked against the metadata.
 
     ``metadata`` is presence by distribution metadata (what ``attn-setup plan`` sees);
@@ -283,7 +311,7 @@ def decide_for_run(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *
     import-based resolution, or raises its error.
     """
     diff = sorted(p for p in set(metadata) | set(imported) if bool(metadata.get(p)) != bool(imported.get(p)))
-    kw = dict(is_draft_worker=is_draft_worker)
+    kw = dict(is_draft_worker=is_draft_worker, target=target)
     by_import: Union[Resolution, ConfigError]
     try:
         by_import = decide(args, model, device, installed=imported, **kw)

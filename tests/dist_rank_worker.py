@@ -57,7 +57,7 @@ FLIPS: dict[str, tuple[dict, dict]] = {
     "args.speculative_eagle_topk": ({"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 2}, {}),
     "args.enable_pdmux": ({"enable_pdmux": True}, {}),
     "args.sm_group_num": ({"sm_group_num": 4}, {}),
-    "args.enable_two_batch_overlap": ({"enable_two_batch_overlap": True}, {}),
+    "args.enable_two_batch_overlap": ({"enable_two_batch_overlap": True, "moe_a2a_backend": "deepep"}, {}),
     "args.kv_cache_dtype": ({"kv_cache_dtype": "float32"}, {}),
     "args.page_size": ({"page_size": 16}, {}),
     "args.disable_cuda_graph": ({"disable_cuda_graph": True}, {}),

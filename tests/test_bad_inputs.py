@@ -227,7 +227,8 @@ def _call(case, llama, tmp_path):
     from pipeline.backends.memory import PageAllocator, make_forward_batch
     from pipeline.core.contracts import ForwardMode
 
-    args = AttentionArgs(enable_two_batch_overlap=kw.get("enable_two_batch_overlap", False))
+    tbo = kw.get("enable_two_batch_overlap", False)  # sglang's TBO needs an EP all-to-all (or attention DP)
+    args = AttentionArgs(enable_two_batch_overlap=tbo, moe_a2a_backend="deepep" if tbo else "none")
     out = build_attention_backends(SetupRequest(args=args, model=llama, device="cpu", pool=small))
     held = list(out.instances.values())[-1]  # an engine's own reference (a TBO child with TBO)
     alloc = PageAllocator(out.pools["req_to_token_pool"], small.num_token_slots, 1)

@@ -57,7 +57,7 @@ FEATURE_MODELS = {
     "chunked_local_attention": spec(layer_types=["chunked", "full", "chunked"], attention_chunk_size=5),
     "encoder_decoder": spec(is_encoder_decoder=True),
 }
-FEATURE_ARGS = {"speculative": dict(speculative_algorithm="EAGLE"), "tbo": dict(enable_two_batch_overlap=True),
+FEATURE_ARGS = {"speculative": dict(speculative_algorithm="EAGLE"), "tbo": dict(enable_two_batch_overlap=True, moe_a2a_backend="deepep"),
                 "pdmux": dict(enable_pdmux=True, sm_group_num=2)}
 
 
@@ -144,7 +144,8 @@ def test_torch_native_model_features_run(feature):
 
 def test_torch_native_tbo_runs():
     """TBO: primary + two children and the wrapper verified."""
-    res = build_and_verify(spec(), "cpu", TN_CPU, attention_backend="torch_native", enable_two_batch_overlap=True)
+    res = build_and_verify(spec(), "cpu", TN_CPU, attention_backend="torch_native", enable_two_batch_overlap=True,
+                           moe_a2a_backend="deepep")
     assert {r.role for r in res} == {"tbo.primary", "tbo.child0", "tbo.child1", "wrapper"}
     assert_passed(res)
 

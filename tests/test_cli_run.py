@@ -18,7 +18,7 @@ PINNED = {
     "llama-3.1-8b.json": ([], 0, "normal", ["primary"]),
     "qwen2.5-7b.json": (["--page-size", "16"], 0, "normal", ["primary"]),
     "mistral-7b-v0.1.json": (["--page-size", "64"], 0, "normal", ["primary"]),
-    "gemma-2-9b.json": (["--enable-two-batch-overlap"], 0, "tbo",
+    "gemma-2-9b.json": (["--enable-two-batch-overlap", "--moe-a2a-backend", "deepep"], 0, "tbo",
                         ["tbo.primary", "tbo.child0", "tbo.child1", "tbo.wrapper"]),
     "qwen3-8b.json": (["--enable-pdmux"], 3, None, []),  # PD-mux needs GPU SMs: refused on CPU
     "deepseek-v2-lite.json": (["--kv-cache-dtype", "fp8_e4m3"], 0, "normal", ["primary"]),

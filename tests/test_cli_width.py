@@ -80,7 +80,8 @@ def test_backends_table_never_cuts_a_cell(capsys, monkeypatch, cols):
 
 @pytest.mark.parametrize("cols", WIDTHS)
 def test_plan_lines_wrap_at_words(capsys, monkeypatch, cols):
-    argv = ["plan", "--device-profile", "h100", "--installed", "torch,triton", "--enable-two-batch-overlap"]
+    argv = ["plan", "--device-profile", "h100", "--installed", "torch,triton", "--enable-two-batch-overlap",
+            "--moe-a2a-backend", "deepep"]
     code, text, rep = _human_and_json(capsys, monkeypatch, cols, argv)
     assert code == 0
     need = _value_words([[r["reasons"], r["backend"]] for half in rep["rejected"].values() for r in half])
@@ -109,7 +110,7 @@ def test_run_output_and_error_follow_the_width(capsys, monkeypatch, tmp_path, co
     monkeypatch.setenv("COLUMNS", str(cols))
     log = tmp_path / "a-rather-long-directory-name-for-the-trace-files" / "run.jsonl"
     log.parent.mkdir()
-    argv = ["run", "--device", "cpu", "--num-layers", "1", "--decode-steps", "1", "--enable-two-batch-overlap",
+    argv = ["run", "--device", "cpu", "--num-layers", "1", "--decode-steps", "1", "--enable-two-batch-overlap", "--moe-a2a-backend", "deepep",
             "--log-file", str(log), "--no-progress"]
     assert main(argv) == 0
     cap = capsys.readouterr()

@@ -72,7 +72,7 @@ def _states(result):
 
 def test_target_and_draft_in_parallel_are_independent(models):
     target_model, draft_model = models
-    target = SetupRequest(args=AttentionArgs(enable_two_batch_overlap=True, speculative_algorithm="EAGLE",
+    target = SetupRequest(args=AttentionArgs(enable_two_batch_overlap=True, moe_a2a_backend="deepep", speculative_algorithm="EAGLE",
                                              speculative_draft_attention_backend="torch_native"),
                           model=target_model, pool=POOL, device="cpu")
     draft = SetupRequest(args=target.args, model=target_model, draft_model=draft_model, is_draft_worker=True,

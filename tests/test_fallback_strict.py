@@ -49,7 +49,7 @@ FLAGS = {
     "decode-tn": {"decode_attention_backend": "torch_native"},
     "nograph": {"disable_cuda_graph": True},
     "bf16": {"dtype": "bfloat16"},
-    "tbo": {"enable_two_batch_overlap": True},
+    "tbo": {"enable_two_batch_overlap": True, "moe_a2a_backend": "deepep"},
 }
 REFERENCE = "torch_native"
 
@@ -285,7 +285,8 @@ def test_run_cpu_warning_line_json_equals_plan_and_strict_refuses(tmp_path, caps
     """run --device cpu on a draft worker with TBO: one warning line, not repeated on stderr (only with -v),
     run's --json warnings equal plan's; --strict: exit 3 downgrade_refused in resolve before the model loads,
     remedy 'drop --enable-two-batch-overlap', and without that flag the strict run succeeds."""
-    flags = ["--draft-worker", "--enable-two-batch-overlap", "--speculative-algorithm", "EAGLE"]
+    flags = ["--draft-worker", "--enable-two-batch-overlap", "--moe-a2a-backend", "deepep", "--speculative-algorithm",
+             "EAGLE"]
     run = ["run", "--device", "cpu", "--log-file", str(tmp_path / "{run_id}.jsonl"), *SMALL]
     code, out, err = _cli(capsys, *run, *flags)
     lines = _warnings(out)

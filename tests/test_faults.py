@@ -49,6 +49,8 @@ def tiny():
 
 def _req(model_pool, **args):
     model, pool = model_pool
+    if args.get("enable_two_batch_overlap"):  # sglang's TBO needs an EP all-to-all (or attention DP)
+        args.setdefault("moe_a2a_backend", "deepep")
     return SetupRequest(args=AttentionArgs(**args), model=model, pool=pool, device="cpu")
 
 

@@ -104,7 +104,7 @@ def test_nothing_readable_exits_2(capsys, tmp_path, content):
 
 def test_replay_cli_exit_codes(capsys, monkeypatch, tmp_path):
     assert main(["replay", str(GOLDEN / "ok_default.jsonl")]) == 0
-    assert "same (18 decisions checked)" in capsys.readouterr().out
+    assert "same (19 decisions checked)" in capsys.readouterr().out
     import states.device_init as di
 
     monkeypatch.setattr(di, "decide_blas", lambda t: True)

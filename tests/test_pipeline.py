@@ -46,7 +46,7 @@ def test_normal_mode_reaches_done_with_annotated_names(llama, small_pool):
 
 def test_tbo_builds_primary_and_two_children_of_one_factory(llama, small_pool):
     """TBO: three distinct instances of the same backend on the shared workspace, wrapper annotated."""
-    with _build(_req(llama, small_pool, enable_two_batch_overlap=True)) as out:
+    with _build(_req(llama, small_pool, enable_two_batch_overlap=True, moe_a2a_backend="deepep")) as out:
         roles = [i.role for i in out.plan.instances]
         assert roles == ["tbo.primary", "tbo.child0", "tbo.child1"]
         objs = [out.instances[r] for r in roles]
@@ -61,7 +61,7 @@ def test_tbo_children_serve_one_half_each_and_match_normal_mode(llama, small_poo
     """Each TBO child serves exactly its half of the requests; the wrapper passes verification."""
     from pipeline.runtime.verify import verify_backend
 
-    with _build(_req(llama, small_pool, enable_two_batch_overlap=True)) as out:
+    with _build(_req(llama, small_pool, enable_two_batch_overlap=True, moe_a2a_backend="deepep")) as out:
         top = out.attn_backend
         journal = spy_tbo(top)
         res = verify_backend(top, role="tbo", name="tbo", model=llama, req_to_token_pool=out.pools["req_to_token_pool"],
@@ -162,7 +162,8 @@ def test_pdmux_on_cpu_is_refused(llama, small_pool):
 
 def test_tbo_on_draft_worker_is_a_recorded_downgrade(llama, small_pool):
     """TBO on a draft worker: normal mode plus a feature_downgraded warning and a skip entry."""
-    req = _req(llama, small_pool, enable_two_batch_overlap=True, speculative_algorithm="EAGLE", is_draft_worker=True)
+    req = _req(llama, small_pool, enable_two_batch_overlap=True, moe_a2a_backend="deepep", speculative_algorithm="EAGLE",
+               is_draft_worker=True)
     with _build(req) as out:
         assert out.plan.mode.value == "normal"
         downs = [r for r in out.events if isinstance(r, ev.FeatureDowngraded)]
@@ -235,7 +236,7 @@ def test_close_releases_buffers(llama, small_pool):
 
 def test_events_round_trip_through_json(llama, small_pool):
     """Every record a run emits decodes back to an equal typed record."""
-    with _build(_req(llama, small_pool, enable_two_batch_overlap=True)) as out:
+    with _build(_req(llama, small_pool, enable_two_batch_overlap=True, moe_a2a_backend="deepep")) as out:
         for rec in out.events:
             assert ev.decode_line(ev.encode(rec)) == rec
 

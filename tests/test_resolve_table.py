@@ -94,7 +94,10 @@ def err(id, rule, profile, config, error, **kw) -> Row:
 
 TN, FI, FA3, TR = "torch_native", "flashinfer", "fa3", "triton"
 AA, AUTO, GF, PF, DO = ("auto", "auto"), "auto", "global_flag", "phase_flag", "draft_override"
-SPEC = {"speculative_algorithm": "EAGLE"}
+SPEC = {"speculative_algorithm": "EAGLE"}  # a Llama target: sglang's defaults, 5 steps of top-k 4, 8 draft tokens
+CHAIN = {**SPEC, "speculative_num_steps": 3, "speculative_eagle_topk": 1}
+TREE = {**SPEC, "speculative_num_steps": 3, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8}
+A2A = {"moe_a2a_backend": "deepep"}  # an expert-parallel all-to-all: what sglang's TBO needs (or attention DP)
 
 ROWS: list[Row] = [
     # --- auto-selection per device (issue 3 §3) ---------------------------------------------
@@ -161,9 +164,15 @@ ROWS: list[Row] = [
        "h200", "llama-3.1-8b", (TR, TR), AA, flags=SPEC, installed=NOFI, rejected=((FI, FA3), (FI, FA3))),
     ok("h200-spec-torchonly", "auto: speculative, only torch installed -> torch_native", "h200", "llama-3.1-8b",
        (TN, TN), AA, flags=SPEC, installed=TORCH, rejected=((FI, FA3, TR), (FI, FA3, TR)), skips=("cuda_graph",)),
-    err("h200-spec-tree", "validation: EAGLE topk>1 needs tree masks no backend has", "h200", "llama-3.1-8b",
-        CapabilityMismatch, flags={**SPEC, "speculative_eagle_topk": 4}, err_flags=("speculative_eagle_topk",),
-        allowed=(), text=("tree verification",)),
+    ok("h200-spec-tree", "auto: an EAGLE tree (top-k 4) on sm90 -> flashinfer (custom tree mask)", "h200",
+       "llama-3.1-8b", (FI, FI), AA, flags=TREE),
+    ok("h200-spec-tree-page16", "auto: a tree with page_size 16 -> flashinfer (sglang: flashinfer/fa3/triton only)",
+       "h200", "llama-3.1-8b", (FI, FI), AA, flags={**TREE, "page_size": 16}),
+    ok("h200-spec-tree-gemma2", "auto: a tree over sliding-window layers -> flashinfer refused (window) -> triton",
+       "h200", "gemma-2-9b", (TR, TR), AA, flags=TREE, rejected=((FI, FA3), (FI, FA3))),
+    err("h200-fa3-spec-tree", "explicit: fa3 has no speculative decoding -> refused, tree backends allowed", "h200",
+        "llama-3.1-8b", CapabilityMismatch, flags={"attention_backend": FA3, **TREE},
+        err_flags=("attention_backend", "speculative_algorithm"), allowed=(FI, TN, TR), text=("speculative",)),
     err("cpu-encdec", "validation: encoder-decoder claimed by no backend", "cpu", "enc-dec", CapabilityMismatch,
         allowed=(), text=("encoder-decoder",)),
     # --- explicit choices: passed or refused, never replaced (issue 3 §2-3) -------------------
@@ -303,18 +312,22 @@ ROWS: list[Row] = [
     ok("target-ignores-draft", "precedence: draft override ignored on the target worker", "h200", "llama-3.1-8b",
        (TR, TR), (GF, GF), flags={**SPEC, "attention_backend": TR, "speculative_draft_attention_backend": TN}),
     err("draft-mla-inherited", "validation: draft model's own shapes vs inherited backend -> draft flag remedy",
-        "h200", "llama-3.1-8b", CapabilityMismatch, flags={**SPEC, "attention_backend": FA3}, draft=True,
+        "h200", "llama-3.1-8b", CapabilityMismatch, flags={**CHAIN, "attention_backend": FA3}, draft=True,
         draft_config="deepseek-v2-lite", allowed=(FI, TN, TR), text=("speculative_draft_attention_backend", "MLA")),
     ok("draft-mla-override", "precedence: draft override serves the MLA draft model", "h200", "llama-3.1-8b",
        (TN, TN), (DO, DO), flags={**SPEC, "attention_backend": FA3, "speculative_draft_attention_backend": TN},
        draft=True, draft_config="deepseek-v2-lite"),
-    ok("draft-mla-inherits-triton", "draft worker: triton now serves the MLA draft model (chain verify = extend)",
-       "h200", "llama-3.1-8b", (TR, TR), (GF, GF), flags={**SPEC, "attention_backend": TR}, draft=True,
+    ok("draft-mla-inherits-triton", "draft worker: triton serves the MLA draft model (a chain: top-k 1)",
+       "h200", "llama-3.1-8b", (TR, TR), (GF, GF), flags={**CHAIN, "attention_backend": TR}, draft=True,
        draft_config="deepseek-v2-lite"),
+    err("draft-mla-tree-from-target", "draft worker: top-k comes from the Llama target (4), not unset "
+        "(sglang#36554) -> triton refused for the MLA draft model's tree", "h200", "llama-3.1-8b",
+        CapabilityMismatch, flags={**SPEC, "attention_backend": TR}, draft=True, draft_config="deepseek-v2-lite",
+        err_flags=("attention_backend", "speculative_eagle_topk"), allowed=(TN,), text=("tree verification", "mla")),
     ok("draft-auto", "auto on a draft worker needs speculative -> flashinfer claims it", "h200", "llama-3.1-8b",
        (FI, FI), AA, flags=SPEC, draft=True),
     ok("draft-tbo", "downgrade: TBO on a draft worker -> normal + skip", "h200", "llama-3.1-8b", (TR, TR), (GF, GF),
-       flags={**SPEC, "attention_backend": TR, "enable_two_batch_overlap": True}, draft=True,
+       flags={**SPEC, **A2A, "attention_backend": TR, "enable_two_batch_overlap": True}, draft=True,
        mode="normal", skips=("two_batch_overlap",)),
     err("draft-fa3", "validation: draft worker with a backend lacking speculative", "h200", "llama-3.1-8b",
         CapabilityMismatch, flags={"attention_backend": FA3}, draft=True,
@@ -336,8 +349,11 @@ ROWS: list[Row] = [
        flags={"enable_pdmux": True}, mode="pdmux", skips=()),
     ok("pdmux-b200", "mode: PD-mux on sm100 (in the table) with torch_native", "b200", "llama-3.1-8b", (TN, TN), AA,
        flags={"enable_pdmux": True}, mode="pdmux", skips=("cuda_graph",)),
-    ok("tbo-h200", "mode: TBO on the target worker", "h200", "llama-3.1-8b", (FI, FI), AA,
-       flags={"enable_two_batch_overlap": True}, mode="tbo", skips=()),
+    ok("tbo-h200", "mode: TBO on the target worker (with an EP all-to-all)", "h200", "llama-3.1-8b", (FI, FI), AA,
+       flags={"enable_two_batch_overlap": True, **A2A}, mode="tbo", skips=()),
+    err("tbo-no-dp", "validation: TBO without attention DP or an EP all-to-all refused (sglang)", "h200",
+        "llama-3.1-8b", ConflictingOptions, flags={"enable_two_batch_overlap": True}, code="conflicting_options",
+        err_flags=("enable_two_batch_overlap", "attn_dp_size", "moe_a2a_backend")),
     # --- CUDA-graph downgrade (issue 3 §4) ----------------------------------------------------
     ok("graph-off", "downgrade: none when graphs are disabled", "h200", "llama-3.1-8b", (TN, TN), (GF, GF),
        flags={"attention_backend": TN, "disable_cuda_graph": True}, skips=()),

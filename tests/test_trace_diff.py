@@ -103,7 +103,7 @@ def test_changed_decisions_are_listed(tiny, tmp_path):
     """TBO on in B: the mode, the instances, the annotation target and the flag itself show as A -> B."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     _start(tiny, a)
-    _start(tiny, b, enable_two_batch_overlap=True)
+    _start(tiny, b, enable_two_batch_overlap=True, moe_a2a_backend="deepep")
     (rank,) = json.loads(run_main("inspect", "--diff", "--json", str(a), str(b)).stdout)["diff"]["ranks"]
     changed = {c["key"]: (c["a"], c["b"]) for c in rank["decisions"]}
     assert changed["plan.mode"] == ("normal", "tbo")
@@ -133,7 +133,7 @@ def test_a_log_with_appended_starts_says_which_one_it_compares(tiny, tmp_path):
     the log holds, which run it took), in --json (starts_a/starts_b) and in the text."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     _start(tiny, a)
-    _start(tiny, a, enable_two_batch_overlap=True)
+    _start(tiny, a, enable_two_batch_overlap=True, moe_a2a_backend="deepep")
     _start(tiny, b)
     (rank,) = json.loads(run_main("inspect", "--diff", "--json", str(a), str(b)).stdout)["diff"]["ranks"]
     assert (rank["starts_a"], rank["starts_b"]) == (2, 1)

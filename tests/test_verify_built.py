@@ -75,7 +75,7 @@ def windows(backend) -> set:
 
 
 # (Gemma-2 in TBO mode, gpt-oss and Mistral in normal mode also run through `attn-setup run` in test_cli_run)
-TN_CASES = [("gemma-2-9b.json", {}), ("gpt-oss-20b.json", {"enable_two_batch_overlap": True}),
+TN_CASES = [("gemma-2-9b.json", {}), ("gpt-oss-20b.json", {"enable_two_batch_overlap": True, "moe_a2a_backend": "deepep"}),
             ("mistral-7b-v0.1.json", {})]
 
 
@@ -160,7 +160,7 @@ def fake_fi(monkeypatch):
 # (fa3's record claims neither windows nor head dim 256 / 64: resolve refuses it for these models)
 FI_MODES = {
     "normal": dict(attention_backend="flashinfer"),
-    "tbo": dict(attention_backend="flashinfer", enable_two_batch_overlap=True),
+    "tbo": dict(attention_backend="flashinfer", enable_two_batch_overlap=True, moe_a2a_backend="deepep"),
     "pdmux": dict(attention_backend="flashinfer", enable_pdmux=True, sm_group_num=2),
     "hybrid": dict(prefill_attention_backend="flashinfer", decode_attention_backend="torch_native"),
 }
@@ -206,7 +206,7 @@ def verification_spec(req):
 
 def test_build_like_refusal_closes_what_it_built(monkeypatch):
     """A factory failing half-way through build_like closes the instances made before it."""
-    req, out = built("gemma-2-9b.json", enable_two_batch_overlap=True)
+    req, out = built("gemma-2-9b.json", enable_two_batch_overlap=True, moe_a2a_backend="deepep")
     made = []
     real = registry.get("torch_native").load_factory()
 
@@ -229,7 +229,7 @@ def test_runner_model_steps_use_layers_every_instance_was_built_for():
     (test_cli_run runs those steps for Gemma-2 in TBO mode through `attn-setup run`.)"""
     from pipeline.runtime.runner import Runner, RunnerConfig
 
-    req = SetupRequest(args=AttentionArgs(page_size=PAGE, enable_two_batch_overlap=True), pool=POOL, device="cpu",
+    req = SetupRequest(args=AttentionArgs(page_size=PAGE, enable_two_batch_overlap=True, moe_a2a_backend="deepep"), pool=POOL, device="cpu",
                        model=load_model_spec(CONFIGS / "gemma-2-9b.json"))
     with Runner(RunnerConfig(request=req, num_layers=2)) as r:
         r.initialize()

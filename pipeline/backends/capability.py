@@ -11,7 +11,7 @@ import msgspec
 _STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 FEATURES = ("mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention",
-            "encoder_decoder", "speculative", "cuda_graph", "tbo", "pdmux")
+            "encoder_decoder", "speculative", "speculative_tree", "speculative_tree_paged", "cuda_graph", "tbo", "pdmux")
 # The features a model's layers use (the rest are flags or build modes); see ``fp8_kv_features``.
 MODEL_FEATURES = ("mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention",
                   "encoder_decoder")
@@ -53,6 +53,7 @@ class Capability(msgspec.Struct, **_STRUCT):
     kv_dtype_matches_q: bool = False
     mla_head_dims: Optional[list[list[int]]] = None
     fp8_kv_features: Optional[list[str]] = None
+    tree_features: Optional[list[str]] = None
     source: str = ""
 
     def has(self, feature: str) -> bool:

@@ -24,14 +24,15 @@ TORCH_NATIVE = Capability(
     q_dtypes=["bfloat16", "float16", "float32"],
     kv_dtypes=["bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"],
     features=["mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention",
-              "speculative", "tbo", "pdmux"],
+              "speculative", "speculative_tree", "speculative_tree_paged", "tbo", "pdmux"],
     page_sizes=None,
     packages=["torch"],
     workspace_bytes=0,
     source="reference backend: per-request torch SDPA-style math in fp32; no CUDA graphs "
            "(sglang's torch_native also turns them off); no encoder-decoder (its forward is causal "
-           "self-attention only); speculative = draft decode + chain (topk 1) target verify as extend. "
-           "Every claim runs in tests/test_capabilities.py",
+           "self-attention only); speculative: target verify with the tree mask applied exactly (ancestors "
+           "of each draft token, positions prefix + depth), draft extend, draft decode of top-k branches, every "
+           "layer kind and page size. Every claim runs in tests/test_capabilities.py",
 )
 
 FLASHINFER = Capability(
@@ -41,13 +42,14 @@ FLASHINFER = Capability(
     head_dims_v=[64, 128, 256],
     q_dtypes=["bfloat16", "float16"],
     kv_dtypes=["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"],
-    features=["mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "cuda_graph", "speculative", "tbo",
-              "pdmux"],
+    features=["mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "cuda_graph", "speculative",
+              "speculative_tree", "speculative_tree_paged", "tbo", "pdmux"],
     page_sizes=None,
     packages=["torch", "flashinfer-python"],
     kv_dtype_matches_q=True,
     mla_head_dims=[[576, 512]],
     fp8_kv_features=["mha"],
+    tree_features=["mha", "logit_softcap"],
     workspace_bytes=384 * MiB,
     source="sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default; FlashInfer 0.6.13 wrappers (fa2 prefill, "
            "CUDA-core/tensor-core decode, attention-sink wrapper), verified on an H200 (sm90) only: "
@@ -59,7 +61,12 @@ FLASHINFER = Capability(
            "takes no k_scale/v_scale, so those are refused with fp8 (fp8_kv_features). MLA (absorbed, "
            "576/512 = DeepSeek-V2/V3, Kimi-K2): flashinfer.mla.BatchMLAPagedAttentionWrapper, backend fa3 on sm90 "
            "and fa2 elsewhere, decode and causal extend, 16 and 128 heads, pages 1/16/64, within 5.4e-3 on the "
-           "H200",
+           "H200. Speculative (sglang's flashinfer_backend.py): target verify = the paged prefill wrapper with "
+           "FlashInfer's packed custom mask (prefix columns set, the tree's ancestor mask after them; the fa2 kernels: "
+           "fa3 has no custom mask), draft decode of top-k branches = the decode wrapper over a page-size-1 view of "
+           "the pool with token-level indices (prefix then the branch's draft slots: any page size, no prefix-tail "
+           "copy), both CUDA-graph captured. Trees only for MHA/GQA layers with or without softcap: FlashInfer's "
+           "window counts KV indices, not tree positions, the sink wrapper and the MLA wrapper take no custom mask",
 )
 
 FA3 = Capability(
@@ -80,7 +87,9 @@ FA3 = Capability(
            "No fp8 KV: backend='fa3' with a bf16 q and an fp8 (e4m3) KV cache fails to compile in FlashInfer "
            "0.6.13 (ninja build failure on the H200, RESULTS.md 'fp8 KV and MLA facts'); e5m2 likewise (neither "
            "compiled nor verified); use flashinfer (fa2 kernels) for fp8 KV. No MLA (the MLA wrapper is the flashinfer "
-           "backend's)",
+           "backend's). No speculative decoding: FlashInfer's fa3 prefill has no custom mask (its dispatcher falls back "
+           "to fa2 for one), so target verify of EAGLE trees is the flashinfer backend's (sglang's fa3 backend is "
+           "FlashAttention-3 from sgl-kernel, not FlashInfer's)",
 )
 
 TRITON_CAP = Capability(
@@ -92,11 +101,12 @@ TRITON_CAP = Capability(
     kv_dtypes=["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"],
     fp8_kv_features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention"],
     features=["mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention",
-              "cuda_graph", "speculative", "tbo", "pdmux"],
+              "cuda_graph", "speculative", "speculative_tree", "speculative_tree_paged", "tbo", "pdmux"],
     page_sizes=None,
     packages=["torch", "triton"],
     kv_dtype_matches_q=True,
     mla_head_dims=[[576, 512]],
+    tree_features=["mha", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention"],
     workspace_bytes=0,
     source="pipeline/backends/triton (our kernels): split-K paged decode + LSE merge, paged extend. Verified vs "
            "the float64 reference and torch_native on an H200 (sm90, triton 3.6: D 64/96/128/256, bf16/fp16, "
@@ -110,9 +120,12 @@ TRITON_CAP = Capability(
            "KV for MLA. fp8 KV (e4m3/e5m2, per-layer k_scale/v_scale from the pool, upcast in registers) in the "
            "decode and extend kernels for MHA/GQA with windows, softcaps, sinks and chunks: H200 grid in "
            "tests/gpu/test_triton_gpu.py (fp8 vs torch_native over the dequantised pool and float64) and the "
-           "accepted-config matrix (benchmarks/accepted_matrix.py); no fp8 MLA kernel. No fp32 KV, no encoder-decoder. Speculative: draft "
-           "decode and chain (top-k 1) target verify as causal extend; tree verify (top-k > 1) would need a custom "
-           "mask the extend kernel lacks. Only decode is graph-captured (as in sglang)",
+           "accepted-config matrix (benchmarks/accepted_matrix.py); no fp8 MLA kernel. No fp32 KV, no encoder-decoder. "
+           "Speculative (sglang's triton_backend.py): target verify = the extend kernel with a tree mask (per request "
+           "[n, n] ancestor bits; positions prefix + depth for windows and chunks), draft decode of top-k branches = "
+           "the decode kernel over a token table (prefix then the branch's draft slots), both CUDA-graph captured "
+           "beside decode; trees for MHA/GQA kinds with windows, softcaps, sinks and chunks, not MLA (the MLA extend "
+           "kernel has no tree mask)",
 )
 
 # Measured MLA decode step per arch (µs, lower is faster): DeepSeek-V3 dims (128 q heads, one latent head of

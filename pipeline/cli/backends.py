@@ -94,6 +94,8 @@ def markdown() -> str:
                      if any(k.startswith("fp8") for k in r["kv_dtypes"]) else "")
                   + (f"; fp8 KV only for layers using no more than: {', '.join(r['fp8_kv_features'])}"
                      if r["fp8_kv_features"] is not None else ""),
+                  *([f"- EAGLE trees (top-k > 1) only for layers using no more than: {', '.join(r['tree_features'])}"]
+                    if r.get("tree_features") is not None and "speculative_tree" in r["features"] else []),
                   f"- page sizes: {_any(r['page_sizes'], 'page size >= 1')}",
                   f"- default workspace: {ws} bytes" + (f" ({ws >> 20} MiB)" if ws else " (needs none)"),
                   f"- packages: {', '.join(r['packages'])}",

@@ -20,8 +20,8 @@ from typing import Any, Callable, Optional
 from pipeline.backends import packages, registry
 from pipeline.core.errors import InvalidValue
 from pipeline.core.type_checks import Domain
-from pipeline.core.validation import KV_CACHE_DTYPES, MAX_BYTES, MAX_PAGE_SIZE, MAX_POOL_DIM, MODEL_DTYPES, \
-    SPECULATIVE_ALGORITHMS
+from pipeline.core.validation import KV_CACHE_DTYPES, MAX_BYTES, MAX_PAGE_SIZE, MAX_POOL_DIM, MAX_SPEC, MODEL_DTYPES, \
+    MOE_A2A_BACKENDS, SPECULATIVE_ALGORITHMS
 from pipeline.platforms.profiles import names as profile_names
 
 SETUP = ("run", "plan", "warmup")  # the commands with the shared setup flags (pipeline.cli.flags.add_setup_flags)
@@ -90,7 +90,15 @@ FLAG_DOMAINS: tuple[FlagDomain, ...] = (
                                                     "decode_attention_backend", "speculative_draft_attention_backend")),
     FlagDomain("--speculative-algorithm", "speculative_algorithm", SETUP,
                Domain("choice", "EAGLE", choices=SPECULATIVE_ALGORITHMS, any_case=True), "none"),
-    FlagDomain("--speculative-eagle-topk", "speculative_eagle_topk", SETUP, _int(1, 1024, 1), "unset"),
+    FlagDomain("--speculative-num-steps", "speculative_num_steps", SETUP, _int(1, MAX_SPEC, 3),
+               "sglang's default for the target model (Llama: 5, else 3)"),
+    FlagDomain("--speculative-eagle-topk", "speculative_eagle_topk", SETUP, _int(1, MAX_SPEC, 1),
+               "sglang's default for the target model (Llama: 4, else 1)"),
+    FlagDomain("--speculative-num-draft-tokens", "speculative_num_draft_tokens", SETUP, _int(1, MAX_SPEC, 4),
+               "--speculative-num-steps + 1 with top-k 1; sglang's default for the target model (Llama: 8, else 4)"),
+    FlagDomain("--attn-dp-size", "attn_dp_size", SETUP, _int(1, MAX_POOL_DIM, 1), "1"),
+    FlagDomain("--moe-a2a-backend", "moe_a2a_backend", SETUP, Domain("choice", "none", choices=MOE_A2A_BACKENDS),
+               "none"),
     FlagDomain("--sm-group-num", "sm_group_num", SETUP, _int(1, MAX_POOL_DIM, 3), "3"),
     FlagDomain("--kv-cache-dtype", "kv_cache_dtype", SETUP, Domain("choice", "auto", choices=KV_CACHE_DTYPES), "auto"),
     FlagDomain("--page-size", "page_size", SETUP, _int(1, MAX_PAGE_SIZE, 1), "1"),

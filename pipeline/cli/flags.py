@@ -171,7 +171,8 @@ def attention_choices(name: str) -> Optional[list[str]]:
 
         return registry.names()
     return {"kv_cache_dtype": list(validation.KV_CACHE_DTYPES), "dtype": list(validation.MODEL_DTYPES),
-            "speculative_algorithm": list(validation.SPECULATIVE_ALGORITHMS)}.get(name)
+            "speculative_algorithm": list(validation.SPECULATIVE_ALGORITHMS),
+            "moe_a2a_backend": list(validation.MOE_A2A_BACKENDS)}.get(name)
 
 
 def _default_text(value: Any) -> str:

@@ -14,10 +14,13 @@ from pipeline.cli.error_lines import flag_label, typed_without_value  # noqa: F4
 
 
 def _resolved(prefill: str, decode: str, is_draft_override: bool, rules: Any, dtype: Any,
-              not_attention: Any) -> dict[str, Any]:
-    return {"prefill": prefill, "decode": decode, "is_draft_override": is_draft_override, "rules": dict(rules),
-            "dtype": None if dtype is None else {"value": dtype.value, "source": dtype.source},
-            "not_attention": msgspec.to_builtins(list(not_attention))}
+              not_attention: Any, speculative: Any = None) -> dict[str, Any]:
+    out = {"prefill": prefill, "decode": decode, "is_draft_override": is_draft_override, "rules": dict(rules),
+           "dtype": None if dtype is None else {"value": dtype.value, "source": dtype.source},
+           "not_attention": msgspec.to_builtins(list(not_attention))}
+    if speculative is not None:
+        out["speculative"] = msgspec.to_builtins(speculative)
+    return out
 
 
 def resolved_obj(res: Optional[Resolution]) -> Optional[dict[str, Any]]:
@@ -25,12 +28,13 @@ def resolved_obj(res: Optional[Resolution]) -> Optional[dict[str, Any]]:
 
     ``{prefill, decode, is_draft_override, rules, dtype: {value, source}, not_attention: [{kind, layer_ids}]}``
     — ``dtype.source`` is ``field`` or ``auto:<rule>`` (:data:`pipeline.core.dtypes.AUTO_RULES`);
-    ``not_attention`` lists the layers no attention backend serves (linear attention, mamba).
+    ``not_attention`` lists the layers no attention backend serves (linear attention, mamba); with speculative
+    decoding, ``speculative: {algorithm, num_steps, topk, num_draft_tokens, source}`` (the settled shape).
     """
     if res is None:
         return None
     return _resolved(res.pair.prefill, res.pair.decode, res.pair.is_draft_override, res.rules, res.dtype,
-                     res.not_attention)
+                     res.not_attention, res.speculative)
 
 
 def resolved_from(records: Iterable[ev.Event]) -> Optional[dict[str, Any]]:
@@ -41,7 +45,7 @@ def resolved_from(records: Iterable[ev.Event]) -> Optional[dict[str, Any]]:
     d = next((r for r in records if isinstance(r, ev.SettingResolved) and r.field == "dtype"), None)
     return None if e is None else _resolved(e.prefill, e.decode, e.is_draft_override, e.rules,
                                             None if d is None else DtypeChoice(value=str(d.value), source=d.source),
-                                            e.not_attention)
+                                            e.not_attention, e.speculative)
 
 
 def _layers_text(ids: list[int]) -> str:

@@ -62,6 +62,7 @@ def cmd(ns: argparse.Namespace) -> int:
     request = request_from(ns, on_gpu=is_gpu_device(ns.device))
     facts = platform_for(request.device).device_facts(parse_device(request.device)[1])
     res = resolve.decide(request.args, request.served_model, facts, is_draft_worker=request.is_draft_worker,
+                         target=request.model,
                          installed=installed_by_import())
     variants = variants_for_request(request, facts, res.pair)
     results = warmup_variants(variants, jobs=ns.jobs) if variants else []

@@ -21,7 +21,7 @@ import msgspec
 
 from pipeline.core.decisions import (  # noqa: F401 (contracts: re-exported; the decisions' own module)
     _STRUCT, BuildPlan, DtypeChoice, InstancePlan, Mode, Rejection, Resolution, ResolvedAttentionBackendStr, Rule,
-    SetupWarning, Skip, WorkspacePlan,
+    SetupWarning, Skip, SpeculativeParams, WorkspacePlan,
 )
 from pipeline.core.errors import ErrorInfo, Flag  # noqa: F401 (contracts: re-exported)
 from pipeline.core.spec import (  # noqa: F401 (contracts: re-exported)
@@ -34,10 +34,28 @@ SCHEMA_VERSION = 1
 
 
 class ForwardMode(str, enum.Enum):
-    """What a forward batch does: extend (prefill with an optional cached prefix) or decode."""
+    """What a forward batch does.
+
+    ``EXTEND``: prefill with an optional cached prefix (causal among the new tokens). ``DECODE``: one new token per
+    request. Speculative decoding (sglang's ``ForwardMode`` in ``model_executor/forward_batch_info.py``):
+    ``TARGET_VERIFY``: the target model scores each request's tree of ``num_draft_tokens`` draft tokens, each token
+    attending to the cached prefix and to its ancestors in the tree (a custom mask from the tree's parents);
+    ``DRAFT_EXTEND``: the draft model's extend over the accepted tokens (causal, as ``EXTEND``; sglang's
+    ``DRAFT_EXTEND_V2``); ``DRAFT_DECODE``: one draft step of ``topk`` branches per request, each branch row attending
+    to the prefix and its own draft tokens so far (sglang runs it as ``DECODE`` with an ``EagleDraftInput`` through
+    its multi-step draft backends).
+    """
 
     EXTEND = "extend"
     DECODE = "decode"
+    TARGET_VERIFY = "target_verify"
+    DRAFT_EXTEND = "draft_extend"
+    DRAFT_DECODE = "draft_decode"
+
+    @property
+    def is_decode_like(self) -> bool:
+        """One query row per request (decode) or per draft branch (draft decode): served by ``forward_decode``."""
+        return self in (ForwardMode.DECODE, ForwardMode.DRAFT_DECODE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -74,11 +92,15 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
     prefill_attention_backend: backend for extend/prefill batches (wins over attention_backend)
     decode_attention_backend: backend for decode batches (wins over attention_backend)
     speculative_draft_attention_backend: on a draft worker, the backend for both phases (wins over all)
-    speculative_algorithm: speculative decoding algorithm (case-insensitive); unset = none
-    speculative_eagle_topk: EAGLE draft tokens per step; needs speculative_algorithm
+    speculative_algorithm: speculative decoding algorithm (case-insensitive; NEXTN is EAGLE); unset = none
+    speculative_num_steps: draft decode steps per round; unset = sglang's default for the target model (Llama: 5, else 3), then speculative_eagle_topk and speculative_num_draft_tokens must be unset too
+    speculative_eagle_topk: EAGLE branches per draft step (> 1: a tree verified with a custom mask); needs speculative_num_steps
+    speculative_num_draft_tokens: tokens per request in a target-verify batch (the tree's nodes); unset = speculative_num_steps + 1 when speculative_eagle_topk is 1
     enable_pdmux: PD-mux: one prefill backend on a private workspace, sm_group_num decode backends on one shared workspace (GPU only, not with TBO)
     sm_group_num: number of PD-mux decode backends (SM groups)
-    enable_two_batch_overlap: TBO: a wrapper with a primary and two children, each serving half the batch (a recorded downgrade on a draft worker)
+    enable_two_batch_overlap: TBO: a wrapper with a primary and two children, each serving half the batch (a recorded downgrade on a draft worker); needs attn_dp_size > 1 or moe_a2a_backend, as in sglang
+    attn_dp_size: attention data-parallel groups (sglang's --attn-dp-size; a divisor of world_size); only TBO reads it here
+    moe_a2a_backend: expert-parallel all-to-all backend of the MoE layers (sglang's; none = off); only TBO reads it here
     kv_cache_dtype: storage dtype of the KV cache; auto = the model dtype
     page_size: tokens per KV-cache page
     disable_cuda_graph: capture no decode CUDA graphs
@@ -96,10 +118,14 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
     decode_attention_backend: str | None = None
     speculative_draft_attention_backend: str | None = None
     speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
     enable_pdmux: bool = False
     sm_group_num: int = 3
     enable_two_batch_overlap: bool = False
+    attn_dp_size: int = 1
+    moe_a2a_backend: str = "none"
     kv_cache_dtype: str = "auto"
     page_size: int = 1
     disable_cuda_graph: bool = False

@@ -54,11 +54,36 @@ class DtypeChoice(msgspec.Struct, **_STRUCT):
     source: str
 
 
+class SpeculativeParams(msgspec.Struct, **_STRUCT):
+    """The speculative-decoding shape a start serves, settled as sglang 0.5.23 settles it
+    (:func:`pipeline.core.speculative.decide_speculative`).
+
+    ``algorithm``: sglang's resolved name (``NEXTN`` is ``EAGLE``); ``num_steps``: draft decode steps per round;
+    ``topk``: branches per draft step (EAGLE's ``speculative_eagle_topk``; > 1 makes the draft a tree);
+    ``num_draft_tokens``: tokens per request in a target-verify batch (the tree's nodes, its root the bonus token);
+    ``source``: ``"flags"`` (all given), ``"flags:topk1"`` (``num_draft_tokens`` derived as ``num_steps + 1``),
+    ``"auto:<architecture>"`` (sglang's ``_auto_choose_speculative_params`` for the target model) or
+    ``"ngram"`` (sglang's NGRAM defaults).
+    """
+
+    algorithm: str
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    source: str
+
+    @property
+    def is_tree(self) -> bool:
+        """True when a draft step branches (top-k > 1): target verify needs a custom tree mask."""
+        return self.topk > 1
+
+
 class Resolution(msgspec.Struct, **_STRUCT):
     """Output of the resolve state: the pair, the rule per half, and what auto-selection refused.
 
     ``dtype``: the compute dtype and the rule that chose it; ``not_attention``: the model's layers
-    that no attention backend computes (linear attention, mamba), left to the model's own kernels.
+    that no attention backend computes (linear attention, mamba), left to the model's own kernels;
+    ``speculative``: the speculative-decoding shape served (None without ``speculative_algorithm``).
     """
 
     pair: ResolvedAttentionBackendStr
@@ -67,6 +92,7 @@ class Resolution(msgspec.Struct, **_STRUCT):
     skips: list["Skip"] = []
     dtype: DtypeChoice | None = None
     not_attention: list[LayerGroup] = []
+    speculative: SpeculativeParams | None = None
 
 
 class Skip(msgspec.Struct, **_STRUCT):

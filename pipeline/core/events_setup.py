@@ -8,7 +8,8 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from pipeline.core.contracts import DeviceFacts, ErrorInfo, InstancePlan, LayerGroup, Mode, Rejection, WorkspacePlan
+from pipeline.core.contracts import (DeviceFacts, ErrorInfo, InstancePlan, LayerGroup, Mode, Rejection,
+                                     SpeculativeParams, WorkspacePlan)
 from pipeline.core.event_base import Event
 
 
@@ -51,8 +52,10 @@ class SettingResolved(Event, tag="setting_resolved", kw_only=True):
 
 
 class BackendsResolved(Event, tag="backends_resolved", kw_only=True):
-    """resolve's decision: the pair, the rule per half, every rejected candidate with reasons, and the
-    model's layers that no attention backend serves (``not_attention``: linear attention, mamba)."""
+    """resolve's decision: the pair, the rule per half, every rejected candidate with reasons, the
+    model's layers that no attention backend serves (``not_attention``: linear attention, mamba) and the
+    speculative shape served (``speculative``: steps, top-k, draft tokens and where they came from; None without
+    speculative decoding)."""
 
     prefill: str
     decode: str
@@ -60,6 +63,7 @@ class BackendsResolved(Event, tag="backends_resolved", kw_only=True):
     rules: dict[str, str]
     rejected: dict[str, list[Rejection]] = {}
     not_attention: list[LayerGroup] = []
+    speculative: SpeculativeParams | None = None
 
 
 class RankRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -28,6 +28,10 @@ KV_CACHE_DTYPES = ("auto", *_FLOATS, "fp8_e4m3", "fp8_e5m2")
 MODEL_DTYPES = ("auto", *_FLOATS)
 MAX_PAGE_SIZE = 4096
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+# sglang 0.5.23's --moe-a2a-backend choices (arg_groups/fields/exec_.py); "none" = no expert-parallel all-to-all
+MOE_A2A_BACKENDS = ("none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "megamoe",
+                    "deepep_v2", "ascend_tp", "pplx", "flashinfer_megamoe")
+MAX_SPEC = 1024  # upper bound of the speculative counts (steps, top-k, draft tokens): far above any real tree
 # Byte sizes (workspaces, lazy memory) above this are typos: far above any device's memory, and
 # well inside torch's int64 sizes. build-mode also checks a workspace against the device's memory.
 MAX_BYTES = 1 << 48
@@ -230,7 +234,9 @@ def check_attention_args(a: Any) -> None:
     _positive("page_size", a.page_size, upper=MAX_PAGE_SIZE)
     _positive("sm_group_num", a.sm_group_num)  # above the SM count: refused at resolve, naming it
     _positive("cuda_graph_max_bs", a.cuda_graph_max_bs, upper=MAX_POOL_DIM)
-    _positive("speculative_eagle_topk", a.speculative_eagle_topk, upper=1024)
+    for field in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+        _positive(field, getattr(a, field), upper=MAX_SPEC)
+    _positive("attn_dp_size", a.attn_dp_size, upper=MAX_POOL_DIM)
     check_types(a)
     if a.cuda_graph_bs is not None:
         if not isinstance(a.cuda_graph_bs, (list, tuple)):
@@ -249,10 +255,14 @@ def check_attention_args(a: Any) -> None:
     if a.speculative_algorithm is not None and a.speculative_algorithm.upper() not in SPECULATIVE_ALGORITHMS:
         _bad("speculative_algorithm", a.speculative_algorithm, SPECULATIVE_ALGORITHMS,
              "use one of sglang's speculative algorithms, or leave it unset")
-    if a.speculative_eagle_topk is not None and a.speculative_algorithm is None:
-        raise ConfigError("speculative_eagle_topk is set without speculative_algorithm", code="conflicting_options",
-                          flags=[("speculative_eagle_topk", a.speculative_eagle_topk), ("speculative_algorithm", None)],
-                          remedy="set speculative_algorithm too, or drop speculative_eagle_topk")
+    for field in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+        if getattr(a, field) is not None and a.speculative_algorithm is None:
+            raise ConfigError(f"{field} is set without speculative_algorithm", code="conflicting_options",
+                              flags=[(field, getattr(a, field)), ("speculative_algorithm", None)],
+                              remedy=f"set speculative_algorithm too, or drop {field}")
+    if a.moe_a2a_backend not in MOE_A2A_BACKENDS:
+        _bad("moe_a2a_backend", a.moe_a2a_backend, MOE_A2A_BACKENDS, "pick one of sglang's MoE all-to-all backends, "
+             "or 'none'")
     for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend",
                   "speculative_draft_attention_backend"):
         v = getattr(a, field)
@@ -287,6 +297,13 @@ def check_setup_request(r: Any) -> None:
     if not 0 <= r.rank < r.world_size:
         _bad("rank", r.rank, [f"0..{r.world_size - 1}"],
              f"rank must be in [0, world_size): set rank to one of 0..{r.world_size - 1}")
+    if r.world_size % r.args.attn_dp_size:
+        raise ConfigError(
+            f"attn_dp_size={r.args.attn_dp_size} does not divide world_size={r.world_size} (sglang: tp_size must be "
+            "divisible by attn_dp_size)", code="conflicting_options",
+            flags=[("attn_dp_size", r.args.attn_dp_size), ("world_size", r.world_size)],
+            allowed=[f"a divisor of {r.world_size}"],
+            remedy=f"set attn_dp_size to a divisor of world_size={r.world_size}, or world_size to a multiple of it")
     if r.pool.page_size != r.args.page_size:
         raise ConfigError(
             f"pool.page_size={r.pool.page_size} differs from page_size={r.args.page_size}",

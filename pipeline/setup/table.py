@@ -96,7 +96,7 @@ def compare_device(ctx: SetupContext, recorded: Any, d: DeviceDecision) -> Rows:
 def decide_resolution(ctx: SetupContext) -> Any:
     """resolve's decision; a run's package presence by import must agree with the metadata ``plan`` reads."""
     req, facts = ctx.request, ctx.device.facts
-    kw = dict(is_draft_worker=req.is_draft_worker)
+    kw = dict(is_draft_worker=req.is_draft_worker, target=req.model)
     if ctx.installed_given:
         return resolve.decide(req.args, req.served_model, facts, installed=ctx.installed, **kw)
     return resolve.decide_for_run(req.args, req.served_model, facts, metadata=installed_by_metadata(),
@@ -109,7 +109,7 @@ def log_resolution(ctx: SetupContext, res: Any) -> None:
         ctx.emit(ev.SettingResolved, field="dtype", value=res.dtype.value, source=res.dtype.source)
     ctx.emit(ev.BackendsResolved, prefill=res.pair.prefill, decode=res.pair.decode,
              is_draft_override=res.pair.is_draft_override, rules=dict(res.rules), rejected=res.rejected,
-             not_attention=list(res.not_attention))
+             not_attention=list(res.not_attention), speculative=res.speculative)
     fb = fallback.reference_fallback(res, facts)
     if fb is not None:
         ctx.emit(ev.ReferenceFallback, halves=fb.what.split("+"), backend=registry.reference_name(),
@@ -160,7 +160,8 @@ def compare_resolution(ctx: SetupContext, recorded: Any, res: Any) -> Rows:
     yield from (("prefill", rec.prefill, res.pair.prefill), ("decode", rec.decode, res.pair.decode),
                 ("is_draft_override", rec.is_draft_override, res.pair.is_draft_override),
                 ("rules", rec.rules, dict(res.rules)), ("rejected", rec.rejected, res.rejected),
-                ("not_attention", rec.not_attention, res.not_attention))
+                ("not_attention", rec.not_attention, res.not_attention),
+                ("speculative", rec.speculative, res.speculative))
     yield from _skip_rows(recorded, "resolve", res.skips)
     fb, now = recorded.first(ev.ReferenceFallback), fallback.reference_fallback(res, ctx.device.facts)
     yield "reference_fallback", None if fb is None else fb.halves, None if now is None else now.what.split("+")

@@ -32,8 +32,8 @@ from pipeline.runtime.reference import reference_attention, rel_err  # noqa: E40
 
 PAGE, DEV = 16, "cuda"
 MODES = {
-    "tbo-flashinfer": dict(attention_backend="flashinfer", enable_two_batch_overlap=True),
-    "tbo-triton": dict(attention_backend="triton", enable_two_batch_overlap=True),
+    "tbo-flashinfer": dict(attention_backend="flashinfer", enable_two_batch_overlap=True, moe_a2a_backend="deepep"),
+    "tbo-triton": dict(attention_backend="triton", enable_two_batch_overlap=True, moe_a2a_backend="deepep"),
     "hybrid-flashinfer-triton": dict(prefill_attention_backend="flashinfer", decode_attention_backend="triton"),
     "hybrid-triton-flashinfer": dict(prefill_attention_backend="triton", decode_attention_backend="flashinfer"),
 }
