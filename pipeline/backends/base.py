@@ -216,6 +216,9 @@ class ForwardBatch:
     ``out_cache_loc``: [T] int64 KV slots for the new tokens, in batch order.
     ``positions``: [T] int64 position of each new token.
     ``*_cpu``: host copies (Python lists) for planning without a device sync.
+    ``spec_info``: a :class:`~pipeline.backends.speculative.SpecInfo` for ``TARGET_VERIFY`` (the trees; extend
+    fields as for an extend of their tokens) and ``DRAFT_DECODE`` (B requests, ``B * topk`` rows: ``out_cache_loc``,
+    ``positions`` and q have one per branch; ``seq_lens`` are the committed prefixes); None otherwise.
     """
 
     forward_mode: ForwardMode
@@ -231,6 +234,7 @@ class ForwardBatch:
     extend_seq_lens: Optional["torch.Tensor"] = None
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    spec_info: Any = None  # pipeline.backends.speculative.SpecInfo (which imports torch)
 
     @property
     def num_tokens(self) -> int:
@@ -240,7 +244,14 @@ class ForwardBatch:
         return self.forward_mode is ForwardMode.DECODE
 
     def is_extend(self) -> bool:
-        return self.forward_mode is ForwardMode.EXTEND
+        """An extend-shaped batch: extend, draft extend or target verify (sglang's ``is_extend`` includes verify)."""
+        return self.forward_mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY)
+
+    def is_target_verify(self) -> bool:
+        return self.forward_mode is ForwardMode.TARGET_VERIFY
+
+    def is_draft_decode(self) -> bool:
+        return self.forward_mode is ForwardMode.DRAFT_DECODE
 
 
 class AttentionBackend(abc.ABC):
@@ -301,9 +312,10 @@ class AttentionBackend(abc.ABC):
         """Run attention for one layer; dispatches on ``forward_batch.forward_mode``.
 
         Returns [T, H*Dv] in q's dtype. With ``save_kv_cache`` the new K/V are first written to
-        ``out_cache_loc`` of layer ``layer.layer_id``.
+        ``out_cache_loc`` of layer ``layer.layer_id``. Decode and draft decode go to :meth:`forward_decode`; extend,
+        draft extend and target verify to :meth:`forward_extend`.
         """
-        if forward_batch.is_decode():
+        if forward_batch.forward_mode.is_decode_like:
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
 

@@ -2,7 +2,8 @@
 
 Built when the resolved prefill and decode backend names differ (sglang's ``HybridAttnBackend``,
 which sglang calls experimental). Extend batches — planning and every layer call — go to the
-prefill backend, decode batches to the decode backend; nothing is recorded per call (tests observe
+prefill backend, decode batches to the decode backend; target verify and draft extend are extend-shaped and go to
+the prefill backend (sglang's default ``speculative_attention_mode="prefill"``), draft decode to the decode backend; nothing is recorded per call (tests observe
 the halves through spies). CUDA graphs are decode graphs, so the graph hooks go to the decode backend.
 """
 
@@ -30,7 +31,7 @@ class HybridAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Plan the batch on the backend its forward mode routes to."""
-        backend = self.decode_backend if forward_batch.is_decode() else self.prefill_backend
+        backend = self.decode_backend if forward_batch.forward_mode.is_decode_like else self.prefill_backend
         backend.init_forward_metadata(forward_batch)
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True):

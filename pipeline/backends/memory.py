@@ -230,6 +230,16 @@ class KVPool:
         if layer_id not in self.mla_layers:
             vb[loc] = quantize_kv(v.reshape(-1, vb.shape[1], vb.shape[2]), vb.dtype, self.v_scales[layer_id])
 
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V at slots ``src`` [n] to slots ``dst`` [n] (int64; the stored values, scales unchanged):
+        what an engine does after target verify with the accepted draft tokens' KV (sglang's ``move_kv_cache``), so
+        they sit at consecutive positions of the request's pages."""
+        for lid, (kb, vb) in enumerate(zip(self.k_buffer, self.v_buffer)):
+            if kb.numel():
+                kb[dst] = kb[src]
+                if lid not in self.mla_layers:
+                    vb[dst] = vb[src]
+
     def nbytes(self) -> int:
         """Bytes held by all K/V buffers (an MLA layer's V view is not counted twice)."""
         bufs = self.k_buffer + [v for lid, v in enumerate(self.v_buffer) if lid not in self.mla_layers]
@@ -263,6 +273,7 @@ class PageAllocator:
         self.free_pages: list[int] = order
         self.req_pages: dict[int, list[int]] = {}
         self.req_lens: dict[int, int] = {}
+        self.scratch_pages: dict[int, list[int]] = {}  # pages of slots outside req_to_token (draft tokens)
 
     def extend(self, req: int, new_tokens: int) -> torch.Tensor:
         """Give request row ``req`` room for ``new_tokens`` more tokens; returns their slots [new] int64."""
@@ -274,13 +285,7 @@ class PageAllocator:
                              remedy="use shorter verification batches or a larger max_context_len")
         pages = self.req_pages.setdefault(req, [])
         while len(pages) * self.page_size < new:
-            if not self.free_pages:
-                raise BuildError("the KV pool has no free page", code="kv_pool_exhausted", state="verify",
-                                 flags=[("num_token_slots", self.num_pages * self.page_size),
-                                        ("page_size", self.page_size)],
-                                 remedy="give the pool more token slots (num_token_slots, mem_bytes or mem_fraction; "
-                                        "each request needs whole pages) or lower decode_steps")
-            pages.append(self.free_pages.pop())
+            pages.append(self._page())
         t = torch.arange(old, new, dtype=torch.int64)
         page_idx = torch.tensor(pages, dtype=torch.int64)[t // self.page_size]
         slots = page_idx * self.page_size + t % self.page_size
@@ -288,17 +293,45 @@ class PageAllocator:
         self.req_lens[req] = new
         return slots
 
+    def _page(self) -> int:
+        if not self.free_pages:
+            raise BuildError("the KV pool has no free page", code="kv_pool_exhausted", state="verify",
+                             flags=[("num_token_slots", self.num_pages * self.page_size), ("page_size", self.page_size)],
+                             remedy="give the pool more token slots (num_token_slots, mem_bytes or mem_fraction; "
+                                    "each request needs whole pages) or lower decode_steps")
+        return self.free_pages.pop()
+
+    def scratch(self, req: int, n: int) -> torch.Tensor:
+        """``n`` slots in fresh pages held for request row ``req`` but outside its ``req_to_token`` row (draft
+        tokens: sglang keeps them in the draft's ``out_cache_loc`` until verify); freed with the request. [n] int64."""
+        pages = [self._page() for _ in range(-(-n // self.page_size))]
+        self.scratch_pages.setdefault(req, []).extend(pages)
+        t = torch.arange(n, dtype=torch.int64)
+        return torch.tensor(pages, dtype=torch.int64)[t // self.page_size] * self.page_size + t % self.page_size
+
+    def truncate(self, req: int, length: int) -> None:
+        """Keep the first ``length`` tokens of request ``req`` (e.g. the accepted ones after target verify); whole
+        pages past them go back to the free list."""
+        pages = self.req_pages.get(req, [])
+        keep = -(-length // self.page_size)
+        self.free_pages.extend(pages[keep:])
+        del pages[keep:]
+        self.req_lens[req] = length
+
     def free(self, req: int) -> None:
-        """Return a request's pages to the free list."""
+        """Return a request's pages (and its scratch pages) to the free list."""
         self.free_pages.extend(self.req_pages.pop(req, []))
+        self.free_pages.extend(self.scratch_pages.pop(req, []))
         self.req_lens.pop(req, None)
 
 
 def make_forward_batch(mode: ForwardMode, reqs: Sequence[int], new_tokens: Sequence[int], allocator: PageAllocator,
-                       kv_pool: KVPool) -> ForwardBatch:
+                       kv_pool: KVPool, spec_info: Any = None) -> ForwardBatch:
     """Allocate slots for ``new_tokens[i]`` more tokens of request row ``reqs[i]`` and build the batch.
 
-    For ``DECODE`` every ``new_tokens[i]`` must be 1. Tensors live on the KV pool's device.
+    For ``DECODE`` every ``new_tokens[i]`` must be 1. ``TARGET_VERIFY``: ``spec_info`` (a
+    :class:`~pipeline.backends.speculative.SpecInfo`) holds each request's tree of ``new_tokens[i]`` tokens, placed at
+    positions ``prefix + depth``. Draft decode: :func:`make_draft_batch`. Tensors live on the KV pool's device.
     """
     if mode is ForwardMode.DECODE and any(n != 1 for n in new_tokens):
         raise BuildError("a decode batch has exactly one new token per request", code="bad_batch")
@@ -306,7 +339,13 @@ def make_forward_batch(mode: ForwardMode, reqs: Sequence[int], new_tokens: Seque
     prefix = [allocator.req_lens.get(r, 0) for r in reqs]
     locs = [allocator.extend(r, n) for r, n in zip(reqs, new_tokens)]
     seq = [p + n for p, n in zip(prefix, new_tokens)]
-    positions = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix, seq)])
+    if mode is ForwardMode.TARGET_VERIFY:
+        from pipeline.backends.speculative import check_verify_batch, verify_positions
+
+        positions = torch.tensor(verify_positions(check_verify_batch(spec_info, prefix, new_tokens), prefix),
+                                 dtype=torch.int64)
+    else:
+        positions = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix, seq)])
     i32 = dict(dtype=torch.int32, device=dev)
     return ForwardBatch(
         forward_mode=mode,
@@ -322,5 +361,26 @@ def make_forward_batch(mode: ForwardMode, reqs: Sequence[int], new_tokens: Seque
         extend_seq_lens=torch.tensor(list(new_tokens), **i32),
         extend_prefix_lens_cpu=prefix,
         extend_seq_lens_cpu=list(new_tokens),
+        spec_info=spec_info,
     )
+
+
+def make_draft_batch(reqs: Sequence[int], draft_slots: torch.Tensor, allocator: PageAllocator,
+                     kv_pool: KVPool) -> ForwardBatch:
+    """A ``DRAFT_DECODE`` batch: request row ``reqs[b]`` (its committed tokens as the allocator holds them) with
+    ``topk`` branches whose draft-token slots so far are ``draft_slots[b]`` [topk, s + 1] (the last: this step's
+    token, at position ``prefix + s``); see :mod:`pipeline.backends.speculative`."""
+    from pipeline.backends.speculative import SpecInfo
+
+    dev = kv_pool.device
+    b, topk, s1 = draft_slots.shape
+    seq = [allocator.req_lens.get(r, 0) for r in reqs]
+    positions = torch.tensor(seq, dtype=torch.int64).repeat_interleave(topk) + (s1 - 1)
+    return ForwardBatch(
+        forward_mode=ForwardMode.DRAFT_DECODE, batch_size=len(reqs),
+        req_pool_indices=torch.tensor(list(reqs), dtype=torch.int64, device=dev),
+        seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev),
+        out_cache_loc=draft_slots[:, :, -1].reshape(-1).to(dev, torch.int64), positions=positions.to(dev),
+        req_to_token_pool=allocator.req_pool, token_to_kv_pool=kv_pool, seq_lens_cpu=seq,
+        spec_info=SpecInfo(topk=topk, draft_slots=draft_slots.to(dev, torch.int64)))
 

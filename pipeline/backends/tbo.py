@@ -5,7 +5,7 @@ which serves one micro-batch while the other one's communication overlaps. Here 
 the split itself so the rule is visible and testable: the first ``ceil(B/2)`` requests go to child
 0, the rest to child 1 (a batch of one request goes to child 0 only). Each child gets its own
 sub-:class:`ForwardBatch` (rows, seq lens, prefix/new lens, ``out_cache_loc`` and ``positions``
-sliced to its requests' tokens), is planned with ``init_forward_metadata`` and run with
+sliced to its requests' tokens, and a speculative batch's trees or draft branches), is planned with ``init_forward_metadata`` and run with
 ``forward``; outputs are concatenated in batch order. The per-layer path keeps no record and reads
 nothing from the device (tests observe the children through spies); the split is computed once per
 batch from the host lengths the batch carries.
@@ -30,7 +30,17 @@ def split_point(batch_size: int) -> int:
 def _token_counts(fb: ForwardBatch) -> list[int]:
     if fb.is_decode():
         return [1] * fb.batch_size
+    if fb.is_draft_decode():  # one row per branch
+        return [fb.spec_info.topk] * fb.batch_size
     return list(fb.extend_seq_lens_cpu) or [int(x) for x in fb.extend_seq_lens.tolist()]
+
+
+def _sub_spec(spec: Any, r0: int, r1: int) -> Any:
+    """A speculative batch's SpecInfo for requests ``[r0, r1)`` (their trees, their branches' slots)."""
+    if spec is None:
+        return None
+    return replace(spec, parents=None if spec.parents is None else spec.parents[r0:r1],
+                   draft_slots=None if spec.draft_slots is None else spec.draft_slots[r0:r1], _cache={})
 
 
 def _sub_batch(fb: ForwardBatch, r0: int, r1: int, t0: int, t1: int) -> ForwardBatch:
@@ -43,7 +53,7 @@ def _sub_batch(fb: ForwardBatch, r0: int, r1: int, t0: int, t1: int) -> ForwardB
         out_cache_loc=fb.out_cache_loc[t0:t1], positions=fb.positions[t0:t1],
         seq_lens_cpu=list(fb.seq_lens_cpu[r0:r1]), extend_prefix_lens=cut(fb.extend_prefix_lens),
         extend_seq_lens=cut(fb.extend_seq_lens), extend_prefix_lens_cpu=list(fb.extend_prefix_lens_cpu[r0:r1]),
-        extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu[r0:r1]))
+        extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu[r0:r1]), spec_info=_sub_spec(fb.spec_info, r0, r1))
 
 
 def split_batch(fb: ForwardBatch) -> list[tuple[ForwardBatch, int, int]]:

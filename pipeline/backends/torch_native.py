@@ -4,9 +4,13 @@ Like sglang's ``TorchNativeAttnBackend`` it loops over the requests of a batch, 
 request's keys and values through ``req_to_token`` and runs attention in fp32; it needs no
 workspace and does not support CUDA graphs (the base class raises; sglang turns graphs off for it).
 
-- extend: new tokens attend to their cached prefix and causally to each other; the new K/V are
+- extend (and draft extend): new tokens attend to their cached prefix and causally to each other; the new K/V are
   first written to ``out_cache_loc`` (``save_kv_cache``).
 - decode: one new token per request attends to every cached token and itself.
+- target verify: each tree token attends to the prefix and to its ancestors and itself, at position
+  ``prefix + depth`` (windows and chunks count those positions): the tree mask applied exactly, the reference the
+  other backends' tree masks are checked against. Draft decode: each of a request's ``topk`` branches attends to the
+  committed prefix and its own draft tokens (:mod:`pipeline.backends.speculative`).
 - GQA (``H % Hkv == 0``), sliding window, chunked local attention (Llama-4: key j visible from
   query i iff ``j // C == i // C``), logit softcap, attention sinks, MLA absorbed form
   (``Dv != D``, one latent KV head; V read from the first Dv dims of the one latent buffer), any
@@ -21,15 +25,16 @@ The capability record is :data:`pipeline.backends.records.TORCH_NATIVE` (kept to
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
+from pipeline.backends.memory import dequantize_kv, layer_kv_scales
+from pipeline.backends.speculative import check_draft_batch, check_verify_batch
 from pipeline.core.contracts import LayerKind
 from pipeline.core.errors import BuildError
-from pipeline.backends.memory import dequantize_kv, layer_kv_scales
 
 __all__ = ["TorchNativeBackend", "create", "check_forward_inputs", "batch_layout"]
 
@@ -100,11 +105,18 @@ def check_forward_inputs(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional
 def batch_layout(fb: ForwardBatch) -> list[tuple[int, int, int]]:
     """Per request ``(req_to_token row, cached prefix length, new tokens)``, from host data.
 
-    Extend reads ``extend_prefix_lens[_cpu]`` / ``extend_seq_lens[_cpu]``; decode has one new token
-    after ``seq_len - 1`` cached ones. Raises BuildError if the batch is inconsistent.
+    Extend (draft extend, target verify) reads ``extend_prefix_lens[_cpu]`` / ``extend_seq_lens[_cpu]``; decode has
+    one new token after ``seq_len - 1`` cached ones; draft decode has ``topk`` rows after ``seq_len`` committed tokens.
+    Raises BuildError if the batch is inconsistent.
     """
     rows = [int(r) for r in fb.req_pool_indices.tolist()]
     seq = list(fb.seq_lens_cpu) or [int(s) for s in fb.seq_lens.tolist()]
+    if fb.is_draft_decode():
+        topk = check_draft_batch(fb.spec_info, fb.batch_size, fb.num_tokens).shape[1]
+        if len(rows) != len(seq) or len(rows) != fb.batch_size:
+            raise _bad("forward_batch.batch_size", fb.batch_size, f"{len(rows)} (req_pool_indices)",
+                       "build the batch with one entry per request in every field")
+        return [(r, s, topk) for r, s in zip(rows, seq)]
     if fb.is_decode():
         prefix, new = [s - 1 for s in seq], [1] * len(seq)
     else:
@@ -120,17 +132,63 @@ def batch_layout(fb: ForwardBatch) -> list[tuple[int, int, int]]:
     return list(zip(rows, prefix, new))
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, layer: AttentionLayer) -> torch.Tensor:
-    """One request: q [n, H, D], k [s, Hkv, D], v [s, Hkv, Dv] fp32 → [n, H, Dv] fp32."""
+class Unit(NamedTuple):
+    """One attention problem of a batch: output rows ``[start, start + n)``, the KV slots it reads [s] int64,
+    the query positions [n] and key positions [s] (int64), and an extra visibility mask [n, s] (None: causal by
+    position only)."""
+
+    start: int
+    n: int
+    slots: torch.Tensor
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    allowed: Optional[torch.Tensor]
+
+
+def batch_units(fb: ForwardBatch, layout: list[tuple[int, int, int]]) -> list[Unit]:
+    """The batch as :class:`Unit` s (host index work once per batch): one per request for extend / decode / target
+    verify (its tree mask and ``prefix + depth`` positions), one per branch for draft decode."""
+    r2t, dev = fb.req_to_token_pool.req_to_token, fb.token_to_kv_pool.device
+    ar = lambda a, b: torch.arange(a, b, device=dev)  # noqa: E731
+    units, start = [], 0
+    if fb.is_draft_decode():
+        slots = fb.spec_info.draft_slots.to(dev, torch.int64)
+        for b, (row, prefix, topk) in enumerate(layout):
+            head = r2t[row, :prefix].to(torch.int64)
+            s = slots.shape[2]
+            for k in range(topk):
+                units.append(Unit(start, 1, torch.cat([head, slots[b, k]]), ar(prefix + s - 1, prefix + s),
+                                  ar(0, prefix + s), None))
+                start += 1
+        return units
+    spec = check_verify_batch(fb.spec_info, [p for _, p, _ in layout], [n for _, _, n in layout]) \
+        if fb.is_target_verify() else None
+    for b, (row, prefix, new) in enumerate(layout):
+        slots = r2t[row, : prefix + new].to(torch.int64)
+        if spec is None:
+            units.append(Unit(start, new, slots, ar(prefix, prefix + new), ar(0, prefix + new), None))
+        else:
+            depth = torch.tensor(spec.depths()[b], device=dev) + prefix
+            allowed = torch.cat([torch.ones((new, prefix), dtype=torch.bool), spec.masks()[b]], dim=1).to(dev)
+            units.append(Unit(start, new, slots, depth, torch.cat([ar(0, prefix), depth]), allowed))
+        start += new
+    return units
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, unit: Unit, layer: AttentionLayer) -> torch.Tensor:
+    """One unit: q [n, H, D], k [s, Hkv, D], v [s, Hkv, Dv] fp32 → [n, H, Dv] fp32; key j visible from query i when
+    its position is not later (causal), within the window and chunk by position, and ``unit.allowed``."""
     n, s = q.shape[0], k.shape[0]
-    qpos = torch.arange(prefix, prefix + n, device=q.device).view(-1, 1)
-    dist = qpos - torch.arange(s, device=q.device).view(1, -1)
+    qpos, kpos = unit.q_pos.view(-1, 1), unit.k_pos.view(1, -1)
+    dist = qpos - kpos
     mask = dist >= 0
+    if unit.allowed is not None:
+        mask &= unit.allowed
     if layer.sliding_window is not None:
         mask &= dist < layer.sliding_window
     if layer.attention_chunk_size is not None:
         c = layer.attention_chunk_size
-        mask &= (qpos // c) == (torch.arange(s, device=q.device).view(1, -1) // c)
+        mask &= (qpos // c) == (kpos // c)
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # [H, n, D], [Hkv, s, *]
     if layer.logit_softcap is None and layer.sinks is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scaling,
@@ -172,47 +230,46 @@ class TorchNativeBackend(AttentionBackend):
         self.torch_device = torch.device(torch_device)
         self.role = role
         self.planned = None if layer_kinds is None else PlannedLayers(layer_kinds, backend=self.name, role=role)
-        self._layout: Optional[tuple[ForwardBatch, list[tuple[int, int, int]]]] = None
+        self._layout: Optional[tuple[ForwardBatch, list[tuple[int, int, int]], list[Unit]]] = None
         self.closed = False
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Read the batch layout from host data once per batch (no device work)."""
-        self._layout = (forward_batch, batch_layout(forward_batch))
+        """Read the batch layout and its attention units from host data once per batch."""
+        layout = batch_layout(forward_batch)
+        self._layout = (forward_batch, layout, batch_units(forward_batch, layout))
 
-    def _layout_for(self, fb: ForwardBatch) -> list[tuple[int, int, int]]:
+    def _layout_for(self, fb: ForwardBatch) -> tuple[list[tuple[int, int, int]], list[Unit]]:
         if self._layout is None or self._layout[0] is not fb:  # not planned: plan once, not once per layer
             self.init_forward_metadata(fb)
-        return self._layout[1]
+        return self._layout[1], self._layout[2]
 
     def _run(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         if self.planned is not None:
             self.planned.check(layer)
-        layout = self._layout_for(fb)
+        layout, units = self._layout_for(fb)
         q3 = check_forward_inputs(q, k, v, layer, fb, save_kv_cache, layout)
         pool = fb.token_to_kv_pool
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         kb, vb = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         ks, vs = layer_kv_scales(pool, layer.layer_id)
-        r2t = fb.req_to_token_pool.req_to_token
         out = torch.empty((q3.shape[0], layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
-        start = 0
-        for row, prefix, new in layout:
-            slots = r2t[row, : prefix + new].to(torch.int64)
-            k_req, v_req = dequantize_kv(kb[slots], ks), dequantize_kv(vb[slots], vs)
-            q_req = q3[start : start + new].to(torch.float32)
-            out[start : start + new] = _attend(q_req, k_req, v_req, prefix, layer).to(q.dtype)
-            start += new
+        for u in units:
+            k_req, v_req = dequantize_kv(kb[u.slots], ks), dequantize_kv(vb[u.slots], vs)
+            q_req = q3[u.start: u.start + u.n].to(torch.float32)
+            out[u.start: u.start + u.n] = _attend(q_req, k_req, v_req, u, layer).to(q.dtype)
         return out.reshape(q3.shape[0], layer.num_heads * layer.v_head_dim)
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> torch.Tensor:
-        """Extend: q [T, H, D] → [T, H*Dv] in q's dtype (prefix from the cache, causal among new)."""
+        """Extend: q [T, H, D] → [T, H*Dv] in q's dtype (prefix from the cache, causal among new; target verify:
+        the tree mask)."""
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward_decode(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> torch.Tensor:
-        """Decode: q [B, H, D] (one token per request) → [B, H*Dv] in q's dtype."""
+        """Decode: q [B, H, D] (one token per request; draft decode: [B * topk, H, D], one per branch) → [rows, H*Dv]
+        in q's dtype."""
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
     def close(self) -> None:

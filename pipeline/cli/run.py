@@ -71,7 +71,9 @@ def _model_steps(runner: Any, log: Any, decode_steps: int) -> list[dict[str, Any
     from pipeline.runtime.model_steps import verify_model_steps
 
     out = []
-    for c in verify_model_steps(runner, decode_steps=decode_steps):
+    res = runner.backends.resolution  # speculative decoding adds target-verify or draft-decode steps
+    spec = None if res is None else res.speculative
+    for c in verify_model_steps(runner, decode_steps=decode_steps, spec=spec, draft=runner.request.is_draft_worker):
         log.emit(ev.ModelStepVerified, state="ready", outcome="ok" if c.passed else "failed", step=c.step,
                  mode=c.mode, batch_size=c.batch_size, graph=c.graph, max_rel_err=c.max_rel_err, tol=c.tol,
                  passed=c.passed, reference=c.reference)

@@ -71,8 +71,10 @@ def check_context(request: SetupRequest, decode_steps: int, command: str = "run"
     from pipeline.core.validation import MAX_POOL_DIM
     from pipeline.memory.pools import check_needs
 
+    from pipeline.core.speculative import settled
+
     p = request.pool
-    ctx = check_needs(p.max_reqs, 1, decode_steps).context
+    ctx = check_needs(p.max_reqs, 1, decode_steps, settled(request), request.is_draft_worker).context
     if p.max_context_len < ctx:
         which = "verification request reaches with --decode-steps" if command == "run" else \
             "verification request of `attn-setup run` reaches with its default --decode-steps"
@@ -91,9 +93,12 @@ def check_plan_minimums(request: SetupRequest) -> None:
     (``pool_budget_too_small``, as ``run``'s pool sizing words it: whole pages, at least two). Torch-free."""
     from pipeline.memory.pools import DEFAULT_DECODE_STEPS, check_needs, slot_floor
 
+    from pipeline.core.speculative import settled
+
     check_context(request, DEFAULT_DECODE_STEPS, command="plan")
     p, page = request.pool, request.args.page_size
-    floor = slot_floor(check_needs(p.max_reqs, page, DEFAULT_DECODE_STEPS).slots, page)
+    floor = slot_floor(check_needs(p.max_reqs, page, DEFAULT_DECODE_STEPS, settled(request),
+                                   request.is_draft_worker).slots, page)
     if p.num_token_slots is not None and -(-p.num_token_slots // page) * page < floor:
         raise ConfigError(f"num_token_slots={p.num_token_slots} cannot hold {floor} token slots (the verification "
                           f"batches of `attn-setup run` with its default --decode-steps {DEFAULT_DECODE_STEPS})",
@@ -134,13 +139,14 @@ def runner_config(ns: argparse.Namespace, request: SetupRequest) -> Any:
     ``--num-token-slots`` or ``--mem-bytes`` must hold the verification batches (whole pages each:
     :func:`pipeline.memory.pools.check_needs`)."""
     from pipeline.core.model_spec import layers_covering_every_kind
+    from pipeline.core.speculative import settled
     from pipeline.memory.pools import check_needs
     from pipeline.runtime.runner import RunnerConfig
 
     default = layers_covering_every_kind(request.served_model, DEFAULT_LAYERS)
     layers = ns.num_layers if ns.num_layers is not None else max(default, 1)
     p, ps, steps = request.pool, request.args.page_size, max(ns.decode_steps, 0)
-    needs = check_needs(p.max_reqs, ps, steps)
+    needs = check_needs(p.max_reqs, ps, steps, settled(request), request.is_draft_worker)
     return RunnerConfig(request=request, num_layers=layers, num_token_slots=ns.num_token_slots,
                         mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction, min_token_slots=needs.slots,
                         min_token_slots_for=f"the verification batches with --decode-steps {steps}",

@@ -177,3 +177,12 @@ def chain_fix(args: Any, spec: SpeculativeParams) -> tuple[tuple[str, Any], ...]
     if args.speculative_num_draft_tokens is not None:
         out.append(("speculative_num_draft_tokens", None))
     return tuple(out)
+
+
+def settled(request: Any) -> Optional[SpeculativeParams]:
+    """The shape a ``SetupRequest`` serves, for sizing before resolve (``run``'s check batches, ``plan``'s
+    minimums); None without speculative decoding or when resolve will refuse the flags (it names them there)."""
+    try:
+        return decide_speculative(request.args, request.model)
+    except ConflictingOptions:
+        return None

@@ -61,8 +61,8 @@ def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Opt
     (:func:`check_graphs_fit_device`), then ``req_to_token`` + the KV pool + the graphs + the workspaces above 90 %
     (``pool_exceeds_memory``, state ``init-memory-pool``, with ``run``'s remedy builder; every alternative then
     plans ok). ``request``'s served model is the stack ``run`` builds. Common path: a pool sizing and sums."""
-    from pipeline.memory.pools import check_fits
-    from pipeline.memory.pools import check_needs
+    from pipeline.core.speculative import settled
+    from pipeline.memory.pools import check_fits, check_needs
 
     if not total_bytes:
         return
@@ -78,8 +78,10 @@ def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Opt
         check_fits(s, total_bytes, device=facts.name or facts.type, of_total=True,
                    graph_top=args.cuda_graph_max_bs or max(args.cuda_graph_bs or [0]),
                    graphs=graph_trial(request, decided, estimate, env=env),
-                   min_slots=check_needs(request.pool.max_reqs, args.page_size).slots,
-                   min_context_len=check_needs(request.pool.max_reqs).context)
+                   min_slots=check_needs(request.pool.max_reqs, args.page_size, spec=settled(request),
+                                         draft=request.is_draft_worker).slots,
+                   min_context_len=check_needs(request.pool.max_reqs, spec=settled(request),
+                                               draft=request.is_draft_worker).context)
     except ConfigError as e:
         e.info = msgspec.structs.replace(e.info, state="init-memory-pool")
         raise

@@ -550,14 +550,22 @@ class CheckNeeds(NamedTuple):
         return max(self.verify_context, self.steps_context)
 
 
-def check_needs(max_reqs: int, page_size: int = 1, decode_steps: int = DEFAULT_DECODE_STEPS) -> CheckNeeds:
+def check_needs(max_reqs: int, page_size: int = 1, decode_steps: int = DEFAULT_DECODE_STEPS, spec: Any = None,
+                draft: bool = False) -> CheckNeeds:
     """:class:`CheckNeeds` of ``run``'s batches for a pool of ``max_reqs`` rows and ``page_size``, with
     ``decode_steps`` decode steps. Each batch takes its first ``min(len, max_reqs)`` requests. Torch-free, so that
-    ``plan`` refuses what ``run`` would refuse and its remedies name values ``run`` accepts."""
+    ``plan`` refuses what ``run`` would refuse and its remedies name values ``run`` accepts. ``spec`` (the settled
+    :class:`~pipeline.core.decisions.SpeculativeParams`, or None): a target worker's checks verify a tree of
+    ``num_draft_tokens`` per request on top of its tokens (a bound: the accepted path stays); a draft worker's
+    (``draft``) run ``num_steps`` draft steps of ``topk`` branches, each step's tokens in fresh pages outside
+    ``req_to_token``."""
+    tree = spec.num_draft_tokens if spec is not None and not draft else 0
+    scratch = spec.num_steps * -(-spec.topk // page_size) * page_size if spec is not None and draft else 0
+
     def need(firsts: tuple[int, ...], seconds: tuple[int, ...]) -> tuple[int, int]:
         pairs = list(zip(firsts, seconds))[:min(len(firsts), max_reqs)]
-        slots = page_size * (1 + sum(-(-(x + y + decode_steps) // page_size) for x, y in pairs))
-        return slots, max(x + y for x, y in pairs) + decode_steps
+        slots = page_size * (1 + sum(-(-(x + y + decode_steps + tree) // page_size) for x, y in pairs))
+        return slots + scratch * len(pairs), max(x + y for x, y in pairs) + decode_steps + tree
 
     return CheckNeeds(*need(PREFIX_LENS, NEW_LENS), *need(EXTEND_LENS, CHUNK_LENS))
 

@@ -31,14 +31,17 @@ Which reference judged a check is :attr:`StepCheck.reference`:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from pipeline.core.contracts import ForwardMode
-from pipeline.backends.memory import PageAllocator, dequantize_kv, layer_kv_scales, make_forward_batch
+from pipeline.backends.memory import (PageAllocator, dequantize_kv, layer_kv_scales, make_draft_batch,
+                                      make_forward_batch)
+from pipeline.backends.speculative import SpecInfo
 from pipeline.runtime.stack_reference import MLA_ABSORBED, MLA_UNABSORBED, reference_forward_rounded
 from pipeline.runtime.reference import rel_err
+from pipeline.runtime.spec_batches import accept_path, next_branches, random_path, random_tree
 
 __all__ = ["StepCheck", "verify_model_steps", "absorption_tolerance", "EXTEND_LENS", "CHUNK_LENS",
            "REF_ROUNDED", "REF_MLA_ABSORBED", "REF_MLA_UNABSORBED", "F64_SLACK"]
@@ -113,7 +116,78 @@ def absorption_tolerance(tol: float, d_rounded: torch.Tensor, d_exact: torch.Ten
     return (tol * float(d_rounded.abs().max()) + float((d_rounded - d_exact).abs().max())) / m + F64_SLACK
 
 
-def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0) -> list[StepCheck]:
+class _Tokens:
+    """One request's tokens as a tree — each token's parent (the previous token of a sequence, a draft tree's parent,
+    a draft branch's previous token) —, each one's input and the K/V the pool held for it right after its step
+    (before an acceptance moves KV or frees a tree's rejected slots). ``last``: the token the next ones follow."""
+
+    def __init__(self) -> None:
+        self.x: list[torch.Tensor] = []
+        self.parent: list[int] = []
+        self.kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per token, per stack layer
+        self.last = -1
+
+    def add(self, x: torch.Tensor, parents: list[int], kv: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[int]:
+        """Append tokens (``parents`` index this request's tokens; -1: none); returns their indices."""
+        first = len(self.parent)
+        self.x += list(x)
+        self.parent += parents
+        self.kv += kv
+        return list(range(first, first + len(parents)))
+
+    def tree(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [L]: each token's depth, mask [L, L]: ancestors and itself)."""
+        n = len(self.parent)
+        mask = torch.zeros((n, n), dtype=torch.bool)
+        depth = torch.zeros(n, dtype=torch.int64)
+        for i, p in enumerate(self.parent):
+            mask[i, i] = True
+            if p >= 0:
+                mask[i] |= mask[p]
+                depth[i] = depth[p] + 1
+        return depth, mask
+
+
+def _step_parents(tok: _Tokens, mode: ForwardMode, n: int, tree: Optional[list[int]], branch_tokens: Any,
+                  b: int) -> list[int]:
+    """Parents (request-token indices) of one request's new tokens in a step."""
+    nxt = len(tok.parent)
+    if mode is ForwardMode.TARGET_VERIFY:
+        return [tok.last if p < 0 else nxt + p for p in tree]
+    if mode is ForwardMode.DRAFT_DECODE:
+        prev, parent = branch_tokens
+        return [tok.last if prev is None else prev[b][int(parent[b, j])] for j in range(n)]
+    return [tok.last] + list(range(nxt, nxt + n - 1))
+
+
+def _pool_kv(stack: Any, kv: Any, slots: torch.Tensor) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per token at ``slots``, per stack layer: the dequantized K/V the pool holds (float64, CPU)."""
+    per_layer = []
+    for L in stack.layers:
+        ks, vs = layer_kv_scales(kv, L.layer_id)
+        per_layer.append((dequantize_kv(kv.get_key_buffer(L.layer_id)[slots], ks, torch.float64).cpu(),
+                          dequantize_kv(kv.get_value_buffer(L.layer_id)[slots], vs, torch.float64).cpu()))
+    return [[(k[i: i + 1], v[i: i + 1]) for k, v in per_layer] for i in range(slots.shape[0])]
+
+
+def _steps(b: int, decode_steps: int, spec: Any, draft: bool) -> list[tuple[str, ForwardMode, list[int]]]:
+    """extend, chunked extend, decodes; a target worker verifies trees after the first decode (one request a
+    single-token tree), a draft worker draft-extends its chunk and runs a round of draft-decode steps."""
+    ext = ForwardMode.DRAFT_EXTEND if spec is not None and draft else ForwardMode.EXTEND
+    steps = [("extend", ForwardMode.EXTEND, list(EXTEND_LENS[:b])),
+             ("draft-extend" if draft and spec is not None else "chunked-extend", ext, list(CHUNK_LENS[:b]))]
+    decodes = [(f"decode#{i}", ForwardMode.DECODE, [1] * b) for i in range(decode_steps)]
+    if spec is None:
+        return steps + decodes
+    if draft:
+        return steps + [(f"draft-decode#{i}", ForwardMode.DRAFT_DECODE, [spec.topk] * b)
+                         for i in range(spec.num_steps)] + decodes
+    trees = [1] + [spec.num_draft_tokens] * (b - 1) if b > 1 else [spec.num_draft_tokens]
+    return steps + decodes[:1] + [("target-verify", ForwardMode.TARGET_VERIFY, trees)] + decodes[1:]
+
+
+def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0, spec: Any = None,
+                       draft: bool = False) -> list[StepCheck]:
     """Run extend, chunked extend and decode steps through a ready ``runner``; see the module docstring.
 
     Uses ``req_to_token`` rows ``0..B-1`` (B = min(4, max_reqs)) and frees them afterwards.
@@ -124,8 +198,12 @@ def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0) -> 
     tolerance does not depend on the KV dtype or the context length; a ``kv-cache-write`` check is appended
     when the pool's K/V differ from the reference's recomputation by more than a step of the coarser dtype.
     A stack with MLA layers gets two checks per step, ``mla-absorbed`` (this tolerance) then ``mla-unabsorbed``
-    (:func:`absorption_tolerance`); see the module docstring. The stack is causal, so each request's reference
-    is computed once, over its whole history, after the last step. Raises BuildError when the pools are too small.
+    (:func:`absorption_tolerance`); see the module docstring. ``spec`` (the :class:`SpeculativeParams` served) adds
+    speculative steps (:func:`_steps`): a target-verify step of random trees (then each request's accepted path, its
+    KV moved as an engine moves it, and decodes on), or a draft extend and a round of draft-decode steps of
+    ``spec.topk`` branches (``draft``: a draft worker). Each request's tokens form a tree (:class:`_Tokens`), so each
+    request's reference is computed once, after the last step, over all its tokens with the tree's mask and depths
+    as positions. Raises BuildError when the pools are too small.
     """
     stack, pools = runner.stack, runner.pools
     req_pool, kv = pools["req_to_token_pool"], pools["kv_pool"]
@@ -133,44 +211,63 @@ def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0) -> 
     b = min(len(EXTEND_LENS), req_pool.max_reqs)
     rows = list(range(b))
     alloc = PageAllocator(req_pool, kv.size, kv.page_size, seed=seed)
-    hist: dict[int, list[torch.Tensor]] = {r: [] for r in rows}
-    steps = [("extend", ForwardMode.EXTEND, list(EXTEND_LENS[:b])), ("chunked-extend", ForwardMode.EXTEND,
-                                                                       list(CHUNK_LENS[:b]))]
-    steps += [(f"decode#{i}", ForwardMode.DECODE, [1] * b) for i in range(decode_steps)]
-    outs: list[tuple[str, ForwardMode, list[int], bool, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+    toks = {r: _Tokens() for r in rows}
+    outs: list[tuple[str, ForwardMode, bool, list[tuple[list[int], torch.Tensor, torch.Tensor]]]] = []
+    branches: list[Any] = [None, None]  # the previous draft step's slots and its tokens per request
     try:
-        for label, mode, new in steps:
-            fb = make_forward_batch(mode, rows, new, alloc, kv)
-            x = torch.randn(sum(new), stack.hidden, generator=gen).to(kv.device, stack.dtype)
-            out, _aux, graphed = runner.forward(x, fb)
-            per_req, start = [], 0
-            for r, n in zip(rows, new):
-                hist[r].append(x[start:start + n].cpu())
-                per_req.append((x[start:start + n].double().cpu(), out[start:start + n].double().cpu()))
-                start += n
-            outs.append((label, mode, new, graphed, per_req))
-        stored = {r: _stored_kv(stack, kv, req_pool, r, sum(x.shape[0] for x in hist[r])) for r in rows}
+        for label, mode, new in _steps(b, decode_steps, spec, draft):
+            graphed, per_req = _run_step(runner, mode, rows, new, alloc, toks, spec, branches, gen)
+            outs.append((label, mode, graphed, per_req))
     finally:
         for r in rows:
             alloc.free(r)
             req_pool.req_to_token[r].zero_()
-    return _compare(stack, kv.dtype, rows, hist, stored, outs, b)
+    return _compare(stack, kv.dtype, rows, toks, outs, b)
 
 
-def _stored_kv(stack: Any, kv: Any, req_pool: Any, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per stack layer, the K/V the pool holds for request ``row`` (positions ``0..length-1``): dequantized, f64, CPU."""
-    slots = req_pool.req_to_token[row, :length].to(torch.int64)
-    out = []
-    for L in stack.layers:
-        ks, vs = layer_kv_scales(kv, L.layer_id)
-        out.append((dequantize_kv(kv.get_key_buffer(L.layer_id)[slots], ks, torch.float64).cpu(),
-                    dequantize_kv(kv.get_value_buffer(L.layer_id)[slots], vs, torch.float64).cpu()))
-    return out
+def _run_step(runner: Any, mode: ForwardMode, rows: list[int], new: list[int], alloc: PageAllocator,
+              toks: dict[int, _Tokens], spec: Any, branches: list[Any], gen: torch.Generator) -> tuple[bool, list]:
+    """One step through the runner: its batch (trees for target verify, the next branches for draft decode), random
+    inputs, the stored K/V of its tokens, each request's new tokens added to its tree; after target verify each
+    request keeps an accepted path (KV moved). Returns (replayed from a graph, per request (token indices, input,
+    output))."""
+    stack, kv = runner.stack, runner.pools["kv_pool"]
+    trees = [random_tree(n, spec.topk, spec.num_steps, gen) for n in new] \
+        if mode is ForwardMode.TARGET_VERIFY else None
+    if mode is ForwardMode.DRAFT_DECODE:
+        slots, parent = next_branches(branches[0], rows, spec.topk, alloc, gen)
+        fb = make_draft_batch(rows, slots, alloc, kv)
+    else:
+        info = None if trees is None else SpecInfo(topk=spec.topk, num_draft_tokens=spec.num_draft_tokens,
+                                                   parents=trees)
+        fb = make_forward_batch(mode, rows, new, alloc, kv, spec_info=info)
+    x = torch.randn(fb.num_tokens, stack.hidden, generator=gen).to(kv.device, stack.dtype)
+    out, _aux, graphed = runner.forward(x, fb)
+    stored = _pool_kv(stack, kv, fb.out_cache_loc)
+    per_req, start, made = [], 0, []
+    for i, (r, n) in enumerate(zip(rows, new)):
+        par = _step_parents(toks[r], mode, n, None if trees is None else trees[i],
+                            (branches[1], parent) if mode is ForwardMode.DRAFT_DECODE else None, i)
+        idx = toks[r].add(x[start:start + n].double().cpu(), par, stored[start:start + n])
+        made.append(idx)
+        per_req.append((idx, x[start:start + n].double().cpu(), out[start:start + n].double().cpu()))
+        if mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND, ForwardMode.DECODE):
+            toks[r].last = idx[-1]
+        start += n
+    if mode is ForwardMode.DRAFT_DECODE:
+        branches[:] = [slots, made]
+    if mode is ForwardMode.TARGET_VERIFY:
+        for r, tree, idx, prefix in zip(rows, trees, made, fb.extend_prefix_lens_cpu):
+            path = random_path(tree, gen)
+            accept_path(alloc, kv, r, prefix, path)
+            toks[r].last = idx[path[-1]]
+    return graphed, per_req
 
 
-def _compare(stack: Any, kv_dtype: torch.dtype, rows: list[int], hist: dict[int, list[torch.Tensor]],
-             stored: dict[int, Any], outs: list[Any], b: int) -> list[StepCheck]:
-    """One reference per request over its whole history and stored K/V; worst per-request error per step.
+def _compare(stack: Any, kv_dtype: torch.dtype, rows: list[int], toks: dict[int, _Tokens], outs: list[Any],
+             b: int) -> list[StepCheck]:
+    """One reference per request over all its tokens (their tree's mask and depths) and stored K/V; worst
+    per-request error per step.
 
     A stack with MLA layers gets the two checks of the module docstring per step (absorbed first), from three
     references per request: absorbed with and without the absorbed-only roundings, and un-absorbed."""
@@ -178,19 +275,23 @@ def _compare(stack: Any, kv_dtype: torch.dtype, rows: list[int], hist: dict[int,
     tol = _tol(stack.dtype)
     mla = any(L.is_mla for L in stack.layers)
     first = MLA_ABSORBED if mla else MLA_UNABSORBED
-    refs = {r: reference_forward_rounded(stack, torch.cat(hist[r]), stored_kv=stored[r], kv_errs=kv_errs,
-                                         mla_path=first)[0] for r in rows}
+
+    def ref(r: int, **kw: Any) -> torch.Tensor:
+        t = toks[r]
+        pos, mask = t.tree()
+        stored = [(torch.cat([kv[i][0] for kv in t.kv]), torch.cat([kv[i][1] for kv in t.kv]))
+                  for i in range(len(stack.layers))]
+        return reference_forward_rounded(stack, torch.stack(t.x), stored_kv=stored, positions=pos, mask=mask,
+                                         **kw)[0]
+
+    refs = {r: ref(r, kv_errs=kv_errs, mla_path=first) for r in rows}
     if mla:
-        exact = {r: reference_forward_rounded(stack, torch.cat(hist[r]), stored_kv=stored[r], mla_path=MLA_ABSORBED,
-                                              absorbed_rounding=False)[0] for r in rows}
-        unabs = {r: reference_forward_rounded(stack, torch.cat(hist[r]), stored_kv=stored[r],
-                                              mla_path=MLA_UNABSORBED)[0] for r in rows}
-    checks, done = [], {r: 0 for r in rows}
-    for label, mode, new, graphed, per_req in outs:
+        exact = {r: ref(r, mla_path=MLA_ABSORBED, absorbed_rounding=False) for r in rows}
+        unabs = {r: ref(r, mla_path=MLA_UNABSORBED) for r in rows}
+    checks = []
+    for label, mode, graphed, per_req in outs:
         worst, absorb = 0.0, None  # absorb: (err, tol) of the request with the largest err / tol
-        for r, n, (xin, o) in zip(rows, new, per_req):
-            at = slice(done[r], done[r] + n)
-            done[r] += n
+        for r, (at, xin, o) in zip(rows, per_req):
             err = rel_err(o - xin, refs[r][at] - xin)
             worst = max(worst, err) if err == err else float("inf")
             if mla:

@@ -3,9 +3,9 @@
 This is the yardstick every backend is checked against (tests and ``attn-setup run``'s
 verification). It is deliberately written apart from the backends: it never sees ``req_to_token``,
 the paged KV pool or ``scaled_dot_product_attention``; it takes one request's keys and values as
-plain tensors (positions ``0..L-1``) and spells the math out: ``q @ k^T * scale``, optional logit
-softcap, causal + sliding-window + chunked-local mask on absolute positions, optional attention
-sinks, softmax, ``@ v``.
+plain tensors (positions ``0..L-1``, or given, for a speculative tree) and spells the math out: ``q @ k^T * scale``,
+optional logit softcap, causal + sliding-window + chunked-local mask on absolute positions and an optional explicit
+mask (an EAGLE tree's ancestors), optional attention sinks, softmax, ``@ v``.
 
 Error metric used with it everywhere: :func:`rel_err` = ``max|out - ref| / max|ref|``.
 """
@@ -22,7 +22,8 @@ __all__ = ["reference_attention", "rel_err"]
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-           window: Optional[int], sinks: Optional[torch.Tensor], chunk: Optional[int] = None) -> None:
+           window: Optional[int], sinks: Optional[torch.Tensor], chunk: Optional[int] = None,
+           k_positions: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> None:
     """Shape checks; raises :class:`BuildError` (``reference_input_invalid``) naming the argument."""
     def bad(field: str, value: object, allowed: str) -> BuildError:
         return BuildError(f"reference_attention: {field}={value} is not allowed", code="reference_input_invalid",
@@ -39,6 +40,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch
         raise bad("q_positions.shape", tuple(q_positions.shape), f"[{tq}]")
     if tq and (int(q_positions.min()) < 0 or int(q_positions.max()) >= lk):
         raise bad("q_positions", (int(q_positions.min()), int(q_positions.max())), f"positions in [0, {lk - 1}]")
+    if k_positions is not None and tuple(k_positions.shape) != (lk,):
+        raise bad("k_positions.shape", tuple(k_positions.shape), f"[{lk}]")
+    if mask is not None and (tuple(mask.shape) != (tq, lk) or mask.dtype != torch.bool):
+        raise bad("mask", (tuple(mask.shape), str(mask.dtype)), f"bool [{tq}, {lk}]")
     if window is not None and window < 1:
         raise bad("window", window, "None or an integer >= 1")
     if chunk is not None and chunk < 1:
@@ -49,7 +54,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
                         scale: float, window: Optional[int] = None, softcap: Optional[float] = None,
-                        sinks: Optional[torch.Tensor] = None, chunk: Optional[int] = None) -> torch.Tensor:
+                        sinks: Optional[torch.Tensor] = None, chunk: Optional[int] = None,
+                        k_positions: Optional[torch.Tensor] = None,
+                        mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of one request's queries over all of its keys, in float64.
 
     Parameters
@@ -68,6 +75,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
     chunk : chunked local attention (Llama-4's ``attention_chunk_size``): key ``j`` is visible from
         query ``i`` only when ``j // chunk == i // chunk`` (a window that resets at chunk
         boundaries; HF's chunked-attention mask); None = no chunking. Combines with ``window``.
+    k_positions : [L] int — each key's position (default ``0..L-1``). Speculative trees put several tokens at one
+        position (siblings at the same depth); causality, window and chunk compare positions.
+    mask : [Tq, L] bool — a key is visible only where it is True too (an EAGLE tree: the prefix and the query's
+        ancestors and itself); None = causal by position only.
 
     GQA: query head ``h`` reads kv head ``h // (H // Hkv)``.
 
@@ -79,7 +90,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
     ------
     BuildError (``reference_input_invalid``) for inconsistent shapes, positions, window or chunk.
     """
-    _check(q, k, v, q_positions, window, sinks, chunk)
+    _check(q, k, v, q_positions, window, sinks, chunk, k_positions, mask)
     f64 = torch.float64
     h, hkv = q.shape[1], k.shape[1]
     kv_of_head = torch.arange(h, device=k.device) // (h // hkv)
@@ -89,12 +100,14 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
     scores = (qh @ kh.transpose(1, 2)) * scale                    # [H, Tq, L]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    dist = q_positions.to(q.device).view(-1, 1) - torch.arange(k.shape[0], device=q.device).view(1, -1)
+    key_pos = (torch.arange(k.shape[0], device=q.device) if k_positions is None else k_positions.to(q.device)).view(1, -1)
+    dist = q_positions.to(q.device).view(-1, 1) - key_pos
     visible = dist >= 0
+    if mask is not None:
+        visible &= mask.to(q.device)
     if window is not None:
         visible &= dist < window
     if chunk is not None:
-        key_pos = torch.arange(k.shape[0], device=q.device).view(1, -1)
         visible &= (q_positions.to(q.device).view(-1, 1) // chunk) == (key_pos // chunk)
     scores = scores.masked_fill(~visible, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)                   # every query sees itself: finite

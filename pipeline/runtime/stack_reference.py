@@ -91,9 +91,14 @@ def _note(errs: Optional[list[float]], k: torch.Tensor, k_ref: torch.Tensor, v: 
 def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dtype: Optional[torch.dtype] = None,
                               stored_kv: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None,
                               kv_errs: Optional[list[float]] = None, *, mla_path: str = MLA_UNABSORBED,
-                              absorbed_rounding: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                              absorbed_rounding: bool = True, positions: Optional[torch.Tensor] = None,
+                              mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One request's sequence ``hidden`` [L, hidden_size] (positions ``0..L-1``) through ``stack`` in float64,
     rounded like the stack; returns the output [L, hidden_size] and the aux states (float64, CPU).
+
+    ``positions`` [L] and ``mask`` [L, L] bool: a request whose tokens form a tree (speculative decoding: draft
+    trees verified, draft branches) — token ``i`` at its depth, seeing the tokens ``mask[i]`` marks (its ancestors and
+    itself), for RoPE and for attention alike; default ``0..L-1`` and causal.
 
     ``kv_dtype``: a narrower cache dtype to round K/V through; ``stored_kv``: per layer, the dequantized K/V the
     pool holds (MLA: the latent K [L, 1, kv_lora_rank + qk_rope_head_dim]), attended over instead; ``kv_errs``: gets
@@ -121,7 +126,7 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dt
         stack._f64_weights = [{k: f(t) for k, t in w.items()} for w in stack.weights]
     weights = stack._f64_weights
     h, aux, n = f(hidden), [], hidden.shape[0]
-    pos = torch.arange(n)
+    pos = torch.arange(n) if positions is None else positions.cpu()
     for idx, L in enumerate(stack.layers):
         if stack.aux_hidden_state_layers and L.layer_id in stack.aux_hidden_state_layers:
             aux.append(h)
@@ -134,7 +139,8 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dt
             qq, kk, vv = _mha_qkv(stack, L, w, x, pos, r, cached, stored, kv_errs)
         o = reference_attention(qq, kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
                                 softcap=L.logit_softcap, sinks=None if L.sinks is None else f(L.sinks),
-                                chunk=L.attention_chunk_size)
+                                chunk=L.attention_chunk_size, k_positions=None if positions is None else pos,
+                                mask=mask)
         if L.is_mla and mla_path == MLA_ABSORBED:
             o = expand_latent_output(r(o) if absorbed_rounding else o, w["uv"])
         h = h + r(r(o).reshape(n, -1) @ w["o"].T)

@@ -7,7 +7,10 @@ distinct layer kind of the model it drives the backend through the engine's own 
 1. an extend that caches the prefixes of the requests that have one (lengths 3, 21, 10 — not
    multiples of page_size > 1, and 21 crosses a 16-token page),
 2. an extend of new tokens for every request (prefix lengths 0, 3, 21, 0, 10),
-3. ``decode_steps`` decode steps,
+3. ``decode_steps`` decode steps; with speculative decoding (:func:`_steps`) a target worker's batch adds a
+   target-verify step of random EAGLE-shaped trees (each tree token against the float64 reference with the tree
+   mask: the prefix, its ancestors and itself at positions ``prefix + depth``) and decodes on from accepted paths,
+   a draft worker's a draft extend and ``num_steps`` draft-decode steps of ``topk`` branches,
 
 with random q/k/v (and random sinks for kinds with sinks), pages handed out scrambled by
 :class:`~pipeline.backends.memory.PageAllocator`. Per layer kind (:mod:`pipeline.runtime.verify_case`) it keeps its own un-paged copy of every K/V written, as the
@@ -37,12 +40,15 @@ import msgspec
 import torch
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer  # noqa: F401 (AttentionLayer: as before the split)
-from pipeline.core.contracts import ForwardMode, LayerKind, ModelSpec, SetupRequest
+from pipeline.backends.speculative import SpecInfo
+from pipeline.core.contracts import ForwardMode, LayerKind, ModelSpec, SetupRequest, SpeculativeParams
 from pipeline.core.errors import BuildError
 from pipeline.backends.memory import (  # noqa: F401 (dequantize_kv, quantize_kv: importable here as before the split)
-    KVPool, PageAllocator, ReqToTokenPool, dequantize_kv, layer_kv_scales, make_forward_batch, quantize_kv, torch_dtype,
+    KVPool, PageAllocator, ReqToTokenPool, dequantize_kv, layer_kv_scales, make_draft_batch, make_forward_batch,
+    quantize_kv, torch_dtype,
 )
 from pipeline.runtime.reference import reference_attention, rel_err  # noqa: F401 (importable here as before the split)
+from pipeline.runtime.spec_batches import accept_path, next_branches, random_path, random_tree
 from pipeline.runtime.verify_case import _Case, _check_case_step
 from pipeline.core.dtypes import norm_dtype
 
@@ -102,19 +108,58 @@ def tolerance(dtype: Any, kv_dtype: Any = None) -> float:
     return TOLERANCE[name]
 
 
-def _steps(rows: Sequence[int], decode_steps: int) -> list[tuple[str, ForwardMode, list[int], list[int]]]:
+def _steps(rows: Sequence[int], decode_steps: int, spec: Optional[SpeculativeParams] = None,
+           draft: bool = False) -> list[tuple[str, ForwardMode, list[int], list[int]]]:
+    """The batch's steps: prefix extend, extend, decodes. With ``spec``: a target worker verifies a tree per request
+    after the first decode (one request's tree is a single token: a decode among the trees) and decodes on from the
+    accepted paths; a draft worker's extend is a draft extend, followed by a round of ``spec.num_steps`` draft-decode
+    steps of ``spec.topk`` branches."""
     b = len(rows)
     pre = [(r, p) for r, p in zip(rows, PREFIX_LENS[:b]) if p > 0]
     steps = [("prefix-extend", ForwardMode.EXTEND, [r for r, _ in pre], [p for _, p in pre])] if pre else []
-    steps.append(("extend", ForwardMode.EXTEND, list(rows), list(NEW_LENS[:b])))
-    steps += [(f"decode#{i}", ForwardMode.DECODE, list(rows), [1] * b) for i in range(decode_steps)]
-    return steps
+    ext = ForwardMode.DRAFT_EXTEND if spec is not None and draft else ForwardMode.EXTEND
+    steps.append(("draft-extend" if ext is ForwardMode.DRAFT_EXTEND else "extend", ext, list(rows), list(NEW_LENS[:b])))
+    decodes = [(f"decode#{i}", ForwardMode.DECODE, list(rows), [1] * b) for i in range(decode_steps)]
+    if spec is None:
+        return steps + decodes
+    if draft:
+        steps += [(f"draft-decode#{i}", ForwardMode.DRAFT_DECODE, list(rows), [spec.topk] * b)
+                  for i in range(spec.num_steps)]
+        return steps + decodes
+    trees = [1] + [spec.num_draft_tokens] * (b - 1) if b > 1 else [spec.num_draft_tokens]
+    return steps + decodes[:1] + [("target-verify", ForwardMode.TARGET_VERIFY, list(rows), trees)] + decodes[1:]
+
+
+def _spec_batch(label: str, mode: ForwardMode, rows: list[int], new: list[int], alloc: PageAllocator, kv_pool: KVPool,
+                spec: Optional[SpeculativeParams], gen: torch.Generator, branches: list[Any]) -> Any:
+    """The step's ForwardBatch: random trees for target verify (EAGLE-shaped: ``spec``'s top-k and steps), the next
+    branches of a draft round for draft decode (``branches[0]``: the previous step's slots), else a plain batch."""
+    if mode is ForwardMode.TARGET_VERIFY:
+        trees = [random_tree(n, spec.topk, spec.num_steps, gen) for n in new]
+        info = SpecInfo(topk=spec.topk, num_draft_tokens=spec.num_draft_tokens, parents=trees)
+        return make_forward_batch(mode, rows, new, alloc, kv_pool, spec_info=info)
+    if mode is ForwardMode.DRAFT_DECODE:
+        branches[0], _ = next_branches(branches[0], rows, spec.topk, alloc, gen)
+        return make_draft_batch(rows, branches[0], alloc, kv_pool)
+    return make_forward_batch(mode, rows, new, alloc, kv_pool)
+
+
+def _accept(fb: Any, rows: list[int], alloc: PageAllocator, kv_pool: KVPool, cases: list[_Case],
+            gen: torch.Generator) -> None:
+    """After a target-verify step: keep a random accepted path of every request's tree, in the pool and in each
+    case's history."""
+    for row, parents, prefix in zip(rows, fb.spec_info.parents, fb.extend_prefix_lens_cpu):
+        path = random_path(parents, gen)
+        accept_path(alloc, kv_pool, row, prefix, path)
+        for case in cases:
+            case.accept(row, prefix, path)
 
 
 def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Optional[ModelSpec],
                    req_to_token_pool: ReqToTokenPool, kv_pool: KVPool, torch_device: str | torch.device,
                    dtype: Any, seed: int = 0, decode_steps: int = 3,
-                   layer_kinds: Optional[Sequence[LayerKind]] = None, notes: Sequence[str] = ()) -> VerifyResult:
+                   layer_kinds: Optional[Sequence[LayerKind]] = None, notes: Sequence[str] = (),
+                   spec: Optional[SpeculativeParams] = None, draft: bool = False) -> VerifyResult:
     """Verify one instance on the engine's pools; see the module docstring for the batch.
 
     Parameters
@@ -128,6 +173,9 @@ def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Op
         ``req_to_token`` and scrambled pages of ``kv_pool`` are used, the rows are zeroed after.
     torch_device : device of the pools; dtype : q/k/v dtype (name or torch dtype).
     notes : what the caller changed for verification (e.g. shrunk windows), appended to the detail.
+    spec, draft : the speculative shape served and whether the backend is a draft worker's: a target worker's batch
+        adds a target-verify step of random trees (``spec``'s top-k and steps; one request a single-token tree), a
+        draft worker's a draft extend and a round of draft-decode steps (:func:`_steps`).
 
     Returns :class:`VerifyResult`. Raises :class:`BuildError` when the pools cannot hold the batch
     or do not match the model; exceptions from the backend propagate unchanged.
@@ -142,15 +190,18 @@ def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Op
     cases = [_Case(kind, kv_pool, device, gen) for kind in kinds]
     rows = list(range(min(len(PREFIX_LENS), req_to_token_pool.max_reqs)))
     alloc = PageAllocator(req_to_token_pool, kv_pool.size, kv_pool.page_size, seed=seed)
-    worst, where = 0.0, ""
+    worst, where, branches = 0.0, "", [None]
+    steps = _steps(rows, decode_steps, spec, draft)
     try:
-        for label, mode, srows, new in _steps(rows, decode_steps):
-            fb = make_forward_batch(mode, srows, new, alloc, kv_pool)
+        for label, mode, srows, new in steps:
+            fb = _spec_batch(label, mode, srows, new, alloc, kv_pool, spec, gen, branches)
             backend.init_forward_metadata(fb)
             for case in cases:
                 for row, err in zip(srows, _check_case_step(case, backend, fb, srows, new, qdtype, gen)):
                     if not err <= worst:  # also catches NaN
                         worst, where = (err if err == err else math.inf), f"{case.kind.kind}/{label}/req{row}"
+            if mode is ForwardMode.TARGET_VERIFY:
+                _accept(fb, srows, alloc, kv_pool, cases, gen)
     finally:
         for r in rows:
             alloc.free(r)
@@ -159,9 +210,14 @@ def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Op
     scaled = sorted({layer_kv_scales(kv_pool, c.layer.layer_id) for c in cases} - {(1.0, 1.0)})
     if scaled:
         notes.append("k_scale/v_scale " + ", ".join(f"{k:g}/{v:g}" for k, v in scaled))
-    detail = (f"{len(cases)} kind(s) x {len(_steps(rows, decode_steps))} steps x {len(rows)} reqs, "
+    detail = (f"{len(cases)} kind(s) x {len(steps)} steps x {len(rows)} reqs, "
               f"prefix {list(PREFIX_LENS[:len(rows)])}, new {list(NEW_LENS[:len(rows)])}, "
-              f"page_size {kv_pool.page_size}, kv {str(kv_pool.dtype).replace('torch.', '')}; worst at {where}")
+              f"page_size {kv_pool.page_size}, kv {str(kv_pool.dtype).replace('torch.', '')}")
+    spec_steps = [label for label, mode, _, _ in steps if mode not in (ForwardMode.EXTEND, ForwardMode.DECODE)]
+    if spec_steps:
+        detail += (f", {spec.algorithm} steps {spec.num_steps} top-k {spec.topk} draft tokens {spec.num_draft_tokens}"
+                   f" ({', '.join(spec_steps)})")
+    detail += f"; worst at {where}"
     if notes:
         detail += "; " + "; ".join(notes)
     return VerifyResult(role=role, backend=name, max_rel_err=worst, passed=worst <= tol, tol=tol, detail=detail)
@@ -213,6 +269,7 @@ def verify_built(backends: Any, request: SetupRequest, *, pools: Optional[dict[s
 
     served = request.served_model
     pools = pools if pools is not None else backends.pools
+    spec = backends.resolution.speculative if backends.resolution is not None else None
     model, notes = verification_model(served)
     built = backends if model is served else build_like(backends, request, model, pools)
     try:
@@ -226,7 +283,7 @@ def verify_built(backends: Any, request: SetupRequest, *, pools: Optional[dict[s
             r = verify_backend(b, role=role, name=name, model=model, req_to_token_pool=pools["req_to_token_pool"],
                                kv_pool=pools["kv_pool"], torch_device=backends.torch_device,
                                dtype=model_dtype(request.args, served), seed=seed, decode_steps=decode_steps,
-                               notes=notes)
+                               notes=notes, spec=spec, draft=request.is_draft_worker)
             out.append(msgspec.structs.replace(r, duration_ms=(time.perf_counter() - t0) * 1e3))
         return out
     finally:

@@ -10,7 +10,7 @@ that makes scaled scores reach a softcap) and each request's K/V as the pool sto
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ from pipeline.backends.memory import KVPool, dequantize_kv, layer_kv_scales, qua
 from pipeline.core.contracts import LayerKind
 from pipeline.core.errors import BuildError
 from pipeline.runtime.reference import reference_attention, rel_err
+from pipeline.runtime.spec_batches import path_to
 
 
 class _Case:
@@ -46,6 +47,14 @@ class _Case:
             self.q_gain = kind.logit_softcap / (math.sqrt(kind.head_dim_qk) * kind.scaling)
         self.k_hist: dict[int, list[torch.Tensor]] = {}
         self.v_hist: dict[int, list[torch.Tensor]] = {}
+        self.draft: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # draft-token slot -> its stored (K, V)
+
+    def accept(self, row: int, prefix: int, path: Sequence[int]) -> None:
+        """After target verify: request ``row``'s history keeps its first ``prefix`` tokens and the tree tokens on
+        ``path`` (root first), as the pool does (:func:`pipeline.runtime.spec_batches.accept_path`)."""
+        for hist in (self.k_hist, self.v_hist):
+            h = torch.cat(hist[row])
+            hist[row] = [torch.cat([h[:prefix], h[[prefix + i for i in path]]])]
 
     def notes(self) -> list[str]:
         k, out = self.kind, []
@@ -67,26 +76,80 @@ def _inputs(case: _Case, n: int, dtype: torch.dtype, device: torch.device,
     return q.to(device), k.to(device), v.to(device)
 
 
+def _ancestors_mask(parents: Sequence[int], prefix: int) -> torch.Tensor:
+    """[n, prefix + n] bool: every tree token sees the prefix, itself and its ancestors — from the paths to the root
+    (:func:`pipeline.runtime.spec_batches.path_to`), not from the backends' mask builder."""
+    n = len(parents)
+    mask = torch.zeros((n, prefix + n), dtype=torch.bool)
+    mask[:, :prefix] = True
+    for i in range(n):
+        mask[i, [prefix + j for j in path_to(parents, i)]] = True
+    return mask
+
+
+def _reference(case: _Case, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, q_pos: torch.Tensor,
+               k_pos: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    L = case.layer
+    return reference_attention(q.cpu(), kk, vv, q_positions=q_pos, scale=L.scaling, window=L.sliding_window,
+                               softcap=L.logit_softcap, sinks=None if L.sinks is None else L.sinks.cpu(),
+                               chunk=L.attention_chunk_size, k_positions=k_pos, mask=mask)
+
+
 def _check_case_step(case: _Case, backend: AttentionBackend, fb, rows: Sequence[int], new: Sequence[int],
                      dtype: torch.dtype, gen: torch.Generator) -> list[float]:
-    """Run one layer of one step; returns the per-request relative errors."""
+    """Run one layer of one step; returns the per-request relative errors (draft decode: the worst branch of each
+    request). A target-verify step appends the whole tree to each request's history (:meth:`_Case.accept` keeps the
+    accepted path afterwards); a draft-decode step keeps its tokens apart, by slot."""
     pool, dev = fb.token_to_kv_pool, fb.token_to_kv_pool.device
-    q, k, v = _inputs(case, sum(new), dtype, dev, gen)
+    t = fb.num_tokens
+    q, k, v = _inputs(case, t, dtype, dev, gen)
     out = backend.forward(q, k, v, case.layer, fb, save_kv_cache=True)
     L = case.layer
-    out = out.reshape(sum(new), L.num_heads, L.v_head_dim)
+    out = out.reshape(t, L.num_heads, L.v_head_dim).cpu()
     ks, vs = layer_kv_scales(pool, L.layer_id)
     f64 = torch.float64
+    k_st = dequantize_kv(quantize_kv(k, pool.dtype, ks), ks, f64).cpu()
+    v_st = dequantize_kv(quantize_kv(v, pool.dtype, vs), vs, f64).cpu()
+    if fb.is_draft_decode():
+        return _check_draft(case, fb, rows, q, out, k_st, v_st)
     errs, start = [], 0
-    for row, n in zip(rows, new):
+    for b, (row, n) in enumerate(zip(rows, new)):
         sl = slice(start, start + n)
-        case.k_hist.setdefault(row, []).append(dequantize_kv(quantize_kv(k[sl], pool.dtype, ks), ks, f64).cpu())
-        case.v_hist.setdefault(row, []).append(dequantize_kv(quantize_kv(v[sl], pool.dtype, vs), vs, f64).cpu())
-        kk, vv = torch.cat(case.k_hist[row]), torch.cat(case.v_hist[row])
-        pos = torch.arange(kk.shape[0] - n, kk.shape[0])
-        ref = reference_attention(q[sl].cpu(), kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
-                                  softcap=L.logit_softcap, sinks=None if L.sinks is None else L.sinks.cpu(),
-                                  chunk=L.attention_chunk_size)
-        errs.append(rel_err(out[sl].cpu(), ref))
+        hist_k, hist_v = case.k_hist.setdefault(row, []), case.v_hist.setdefault(row, [])
+        prefix = sum(x.shape[0] for x in hist_k)
+        hist_k.append(k_st[sl])
+        hist_v.append(v_st[sl])
+        kk, vv = torch.cat(hist_k), torch.cat(hist_v)
+        if fb.is_target_verify():
+            parents = fb.spec_info.parents[b]
+            q_pos = torch.tensor([prefix + len(path_to(parents, i)) - 1 for i in range(n)])
+            ref = _reference(case, q[sl], kk, vv, q_pos, torch.cat([torch.arange(prefix), q_pos]),
+                             _ancestors_mask(parents, prefix))
+        else:
+            ref = _reference(case, q[sl], kk, vv, torch.arange(prefix, prefix + n))
+        errs.append(rel_err(out[sl], ref))
         start += n
+    return errs
+
+
+def _check_draft(case: _Case, fb, rows: Sequence[int], q: torch.Tensor, out: torch.Tensor, k_st: torch.Tensor,
+                 v_st: torch.Tensor) -> list[float]:
+    """Draft decode: branch ``(b, j)`` against the request's history and its own draft tokens (by slot)."""
+    slots = fb.spec_info.draft_slots.cpu()
+    topk, s1 = slots.shape[1], slots.shape[2]
+    for i, slot in enumerate(slots[:, :, -1].reshape(-1).tolist()):
+        case.draft[slot] = (k_st[i: i + 1], v_st[i: i + 1])
+    errs = []
+    for b, row in enumerate(rows):
+        hist_k, hist_v = torch.cat(case.k_hist[row]), torch.cat(case.v_hist[row])
+        worst = 0.0
+        for j in range(topk):
+            r = b * topk + j
+            mine = [case.draft[int(x)] for x in slots[b, j]]
+            kk = torch.cat([hist_k] + [m[0] for m in mine])
+            vv = torch.cat([hist_v] + [m[1] for m in mine])
+            ref = _reference(case, q[r: r + 1], kk, vv, torch.tensor([kk.shape[0] - 1]))
+            e = rel_err(out[r: r + 1], ref)
+            worst = e if not e <= worst else worst
+        errs.append(worst)
     return errs

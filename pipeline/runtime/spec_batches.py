@@ -1,0 +1,80 @@
+"""Speculative batches for verification: random EAGLE-shaped trees, accepting a path, and draft branches.
+
+What an engine's speculative worker does around the attention calls, reduced to what attention sees
+(sglang's ``eagle_utils`` / ``eagle_worker_v2``): a target-verify batch holds per request a tree of draft tokens
+(:func:`random_tree`: parents first, at most ``topk`` children per node, at most ``num_steps`` deep — every tree
+EAGLE can propose and more); after it the engine keeps one root-to-node path (:func:`accept_path`: the accepted
+tokens' KV moved to consecutive positions, the rest of the tree's pages freed). A draft round runs ``num_steps``
+draft decode steps of ``topk`` branches; at each step a branch continues its own path or another branch's (EAGLE
+re-selects its top-k among ``topk**2`` candidates), so branches share earlier slots (:func:`next_branches`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pipeline.backends.memory import KVPool, PageAllocator
+from pipeline.backends.speculative import tree_depths
+
+
+def random_tree(n: int, topk: int, num_steps: int, gen: torch.Generator) -> list[int]:
+    """Parents of a random tree of ``n`` tokens (``-1`` for the root): each new token hangs under a random earlier
+    one that is shallower than ``num_steps`` and has fewer than ``topk`` children. ``n`` up to
+    ``1 + topk + ... + topk**num_steps`` (a chain when ``topk == 1``, at most ``num_steps + 1`` tokens)."""
+    parents, depth, kids = [-1], [0], [0]
+    for _ in range(1, n):
+        open_ = [i for i in range(len(parents)) if depth[i] < num_steps and kids[i] < topk]
+        if not open_:
+            raise ValueError(f"a tree of {n} tokens does not fit top-k {topk} and {num_steps} steps")
+        p = open_[int(torch.randint(len(open_), (1,), generator=gen))]
+        parents.append(p)
+        depth.append(depth[p] + 1)
+        kids.append(0)
+        kids[p] += 1
+    return parents
+
+
+def path_to(parents: Sequence[int], node: int) -> list[int]:
+    """Tree indices from the root to ``node``, root first."""
+    out = [node]
+    while parents[out[-1]] >= 0:
+        out.append(parents[out[-1]])
+    return out[::-1]
+
+
+def random_path(parents: Sequence[int], gen: torch.Generator) -> list[int]:
+    """The accepted tokens of a verified tree: the path from the root to a random node (the root alone when
+    nothing is accepted)."""
+    return path_to(parents, int(torch.randint(len(parents), (1,), generator=gen)))
+
+
+def accept_path(allocator: PageAllocator, kv_pool: KVPool, row: int, prefix: int, path: Sequence[int]) -> None:
+    """Keep ``path`` (tree indices, root first) of the tree verified at positions ``prefix ..`` of request ``row``:
+    their KV moves to positions ``prefix .. prefix + len(path) - 1`` (sglang's ``move_kv_cache`` after verify) and
+    the request is cut there."""
+    r2t = allocator.req_pool.req_to_token[row].to(torch.int64)
+    src = r2t[[prefix + i for i in path]].to(kv_pool.device)
+    dst = r2t[prefix: prefix + len(path)].to(kv_pool.device)
+    kv_pool.move_kv(src, dst)
+    allocator.truncate(row, prefix + len(path))
+
+
+def next_branches(prev: torch.Tensor | None, rows: Sequence[int], topk: int, allocator: PageAllocator,
+                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft step's ``(draft_slots [B, topk, s + 1], parent_branch [B, topk])``: each branch continues the path of
+    a random branch of the previous step (all of them the root's at the first step, ``prev`` None) with a fresh
+    slot for this step's token (:meth:`PageAllocator.scratch`)."""
+    b = len(rows)
+    new = torch.stack([allocator.scratch(r, topk) for r in rows]).view(b, topk, 1)
+    if prev is None:
+        return new, torch.zeros((b, topk), dtype=torch.int64)
+    parent = torch.randint(prev.shape[1], (b, topk), generator=gen)
+    kept = torch.gather(prev.cpu(), 1, parent.view(b, topk, 1).expand(b, topk, prev.shape[2]))
+    return torch.cat([kept, new], dim=2), parent
+
+
+def tree_positions(parents: Sequence[int], prefix: int) -> list[int]:
+    """``prefix + depth`` of each tree token (their RoPE positions)."""
+    return [prefix + d for d in tree_depths(parents)]
