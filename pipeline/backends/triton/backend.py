@@ -36,6 +36,8 @@ import torch
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
 from pipeline.backends.memory import quantize_kv
+from pipeline.backends.speculative import (check_draft_batch, check_verify_batch, draft_token_table, tree_mask_rows,
+                                          verify_positions)
 from pipeline.backends.triton import launch, launch_mla
 from pipeline.backends.triton.launch import MAX_HEAD_DIM
 from pipeline.backends.triton.launch_mla import MLA_MAX_LATENT_DIM, MLA_MAX_ROPE_DIM
@@ -100,18 +102,41 @@ def kernel_dims(kinds: Sequence[LayerKind]) -> list[tuple[int, int, int, int]]:
 
 @dataclass
 class _DecodeMeta:
+    """A decode-shaped batch: ``bs`` query rows, each reading ``req_to_token[req_pool_indices[i], :seq_lens[i]]``;
+    ``table``: a draft decode's per-branch token table standing in for ``req_to_token`` (None: the pool's)."""
+
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     bs: int
     scratch: Optional[torch.Tensor] = None
+    table: Optional[torch.Tensor] = None
 
 
 @dataclass
 class _ExtendMeta:
+    """An extend-shaped batch; ``tree``: a target verify's (mask, indptr, positions) for the kernel's tree mask
+    (None: causal — an extend, a draft extend, or a verified chain)."""
+
     req_pool_indices: torch.Tensor
     qo_indptr: torch.Tensor
     prefix_lens: torch.Tensor
     max_extend_len: int
+    tree: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+
+
+def _tree_args(tree: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """:func:`launch.extend_attention`'s tree keywords for a target verify's (mask, indptr, positions), or none."""
+    if tree is None:
+        return {}
+    return {"tree_mask": tree[0], "tree_indptr": tree[1], "positions": tree[2]}
+
+
+def _host_lens(fb: ForwardBatch) -> list[int]:
+    """The batch's ``seq_lens`` on the host (the engine's copy when it gave one; else a device read)."""
+    host = fb.seq_lens_cpu
+    if host is not None and len(host):
+        return host.tolist() if isinstance(host, torch.Tensor) else list(host)
+    return fb.seq_lens.tolist()
 
 
 def kv_scales(layer: AttentionLayer, pool: Any) -> tuple[Any, Any]:
@@ -168,16 +193,40 @@ class TritonAttnBackend(AttentionBackend):
         self._decode: Optional[_DecodeMeta] = None
         self._extend: Optional[tuple[ForwardBatch, _ExtendMeta]] = None  # the planned extend batch and its metadata
         self._graph: dict[str, torch.Tensor] = {}
+        self._graph_mode: Optional[ForwardMode] = None  # the mode captured / replayed last (its metadata is current)
         self.closed = False
 
     # ----------------------------------------------------------------------------- metadata
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Eager batch: point decode at the batch's own tensors, or build extend's ``qo_indptr``."""
+        """Eager batch: point decode at the batch's own tensors (draft decode: at its per-branch token table), or
+        build extend's ``qo_indptr`` (target verify: and the tree's mask rows and positions)."""
         fb = forward_batch
+        self._graph_mode = None
         if fb.is_decode():
             self._decode = _DecodeMeta(fb.req_pool_indices, fb.seq_lens, fb.batch_size)
             return
+        if fb.is_draft_decode():
+            self._decode = self._draft_meta(fb)
+            return
         self._extend = (fb, self._extend_meta(fb))
+
+    def _draft_meta(self, fb: ForwardBatch, table: Optional[torch.Tensor] = None,
+                    seq_lens: Optional[torch.Tensor] = None, scratch: Optional[torch.Tensor] = None) -> _DecodeMeta:
+        """A draft decode as a decode of ``B * topk`` rows over :func:`draft_token_table` (written into ``table`` and
+        ``seq_lens`` when given: CUDA-graph buffers)."""
+        slots = check_draft_batch(fb.spec_info, fb.batch_size, fb.num_tokens)
+        r2t = fb.req_to_token_pool.req_to_token
+        width = r2t.shape[1] if table is None else table.shape[1]
+        seq = _host_lens(fb)
+        if max(seq, default=0) + slots.shape[2] > width:
+            raise call_error("forward_batch.seq_lens", max(seq), f"prefix + draft tokens <= {width}",
+                             "size req_to_token (max_context_len) for the prefix and the draft tokens")
+        tab, lens = draft_token_table(r2t, fb.req_pool_indices, fb.seq_lens, slots, width, out=table)
+        rows = tab.shape[0]
+        if seq_lens is not None:
+            seq_lens[:rows].copy_(lens)
+            lens = seq_lens[:rows]
+        return _DecodeMeta(torch.arange(rows, device=tab.device), lens, rows, scratch, tab)
 
     def _extend_meta(self, fb: ForwardBatch) -> _ExtendMeta:
         if fb.extend_seq_lens is None or fb.extend_prefix_lens is None:
@@ -186,7 +235,14 @@ class TritonAttnBackend(AttentionBackend):
         qo = torch.zeros(fb.batch_size + 1, dtype=torch.int32, device=ext.device)
         qo[1:] = torch.cumsum(ext, 0)
         max_ext = max(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu else int(ext.max().item())
-        return _ExtendMeta(fb.req_pool_indices, qo, fb.extend_prefix_lens, int(max_ext))
+        tree = None
+        if fb.is_target_verify():
+            pre = list(fb.extend_prefix_lens_cpu) or fb.extend_prefix_lens.tolist()
+            spec = check_verify_batch(fb.spec_info, pre, list(fb.extend_seq_lens_cpu) or ext.tolist())
+            if not spec.is_chain():  # a chain is the causal extend
+                mask, indptr = tree_mask_rows(spec, ext.device)
+                tree = (mask, indptr, torch.tensor(verify_positions(spec, pre), dtype=torch.int64, device=ext.device))
+        return _ExtendMeta(fb.req_pool_indices, qo, fb.extend_prefix_lens, int(max_ext), tree)
 
     def _max_splits(self, bs: int, num_kv_heads: int) -> int:
         cfg = self.decode_config or launch.DecodeConfig()
@@ -270,22 +326,24 @@ class TritonAttnBackend(AttentionBackend):
         """Decode: q [B, H, D] (or [B, H*D]) → [B, H*Dv] in q's dtype; the new token is read from the pool."""
         fb = forward_batch
         q3 = self._prepare(q, k, v, layer, fb, save_kv_cache)
-        meta = self._decode if self._decode is not None and self._decode.bs == fb.batch_size else None
+        meta = self._decode if self._decode is not None and self._decode.bs == fb.num_tokens else None
         if meta is None:
-            meta = _DecodeMeta(fb.req_pool_indices, fb.seq_lens, fb.batch_size)
+            meta = self._draft_meta(fb) if fb.is_draft_decode() else \
+                _DecodeMeta(fb.req_pool_indices, fb.seq_lens, fb.batch_size)
+        r2t = fb.req_to_token_pool.req_to_token if meta.table is None else meta.table
         pool = fb.token_to_kv_pool
         out = torch.empty((meta.bs, layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
         k_scale, v_scale = kv_scales(layer, pool)
         if layer.is_mla:
             cfg = self._mla_cfg(layer.num_heads)
             launch_mla.mla_decode_attention(
-                q3, pool.get_key_buffer(layer.layer_id), fb.req_to_token_pool.req_to_token, meta.req_pool_indices,
+                q3, pool.get_key_buffer(layer.layer_id), r2t, meta.req_pool_indices,
                 meta.seq_lens, out, sm_scale=layer.scaling, max_splits=self._mla_splits(meta.bs, layer.num_heads),
                 scratch=meta.scratch, config=cfg)
             return out.view(meta.bs, layer.num_heads * layer.v_head_dim)
         launch.decode_attention(
             q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-            fb.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens, out,
+            r2t, meta.req_pool_indices, meta.seq_lens, out,
             sm_scale=layer.scaling, max_splits=self._max_splits(meta.bs, layer.num_kv_heads), scratch=meta.scratch,
             sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap, sinks=layer.sinks,
             config=self.decode_config, attention_chunk_size=layer.attention_chunk_size, k_scale=k_scale,
@@ -297,13 +355,21 @@ class TritonAttnBackend(AttentionBackend):
         """Extend: q [T, H, D] → [T, H*Dv]; prefix from the pool, new tokens from k/v (or the pool if None)."""
         fb = forward_batch
         q3 = self._prepare(q, k, v, layer, fb, save_kv_cache)
-        if self._extend is None or self._extend[0] is not fb:  # not planned: plan once (not per layer, never stale)
-            self._extend = (fb, self._extend_meta(fb))
-        meta = self._extend[1]
+        if self._graph_mode is ForwardMode.TARGET_VERIFY:  # captured: the graph buffers, refreshed before each replay
+            meta = self._extend[1]
+        else:
+            if self._extend is None or self._extend[0] is not fb:  # not planned: plan once (not per layer, never stale)
+                self._extend = (fb, self._extend_meta(fb))
+            meta = self._extend[1]
         pool = fb.token_to_kv_pool
         kb, vb = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         t, h = q3.shape[0], layer.num_heads
         if layer.is_mla:  # new latent rows from k (or the pool); the kernels never read v
+            if meta.tree is not None:
+                raise CapabilityMismatch("the triton MLA extend kernel has no tree mask (target verify of an EAGLE "
+                                         "tree)", flags=[("layer.is_mla", True), ("forward_mode", "target_verify")],
+                                         allowed=["a chain (speculative_eagle_topk=1)"],
+                                         remedy="use torch_native for MLA trees, or speculative_eagle_topk=1")
             kv_new = (kb[fb.out_cache_loc] if k is None else k).reshape(t, 1, layer.head_dim).to(kb.dtype)
             out = torch.empty((t, h, layer.v_head_dim), dtype=q.dtype, device=q.device)
             launch_mla.mla_extend_attention(
@@ -322,7 +388,7 @@ class TritonAttnBackend(AttentionBackend):
             meta.prefix_lens, out, max_extend_len=meta.max_extend_len, sm_scale=layer.scaling,
             sliding_window=layer.sliding_window, logit_softcap=layer.logit_softcap, sinks=layer.sinks,
             config=self.extend_config, attention_chunk_size=layer.attention_chunk_size, k_scale=k_scale,
-            v_scale=v_scale)
+            v_scale=v_scale, **_tree_args(meta.tree))
         return out.view(t, h * layer.v_head_dim)
 
     # ----------------------------------------------------------------------------- ownership

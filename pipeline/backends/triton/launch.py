@@ -181,6 +181,20 @@ def check_extend(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo
 
 
 
+def check_tree(tree_mask: Any, tree_indptr: Any, positions: Any, bsz: int, t: int, device: torch.device) -> bool:
+    """A target-verify batch's tree inputs of :func:`extend_attention` (all three or none); returns whether given."""
+    given = [x is not None for x in (tree_mask, tree_indptr, positions)]
+    if not any(given):
+        return False
+    if not all(given):
+        raise bad("tree_mask/tree_indptr/positions", given, "all three or none", "pass the tree's mask, its row "
+                  "offsets and the tokens' positions together (pipeline.backends.speculative.tree_mask_rows)")
+    _check_tensor("tree_mask", tree_mask, 1, (torch.uint8,), device)
+    _check_index("tree_indptr", tree_indptr, bsz + 1, device)
+    _check_index("positions", positions, t, device)
+    return True
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tuning of the decode kernels: tile of keys, warps, pipeline depth and split policy.
@@ -348,7 +362,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
                      logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                      config: Optional[ExtendConfig] = None,
                      attention_chunk_size: Optional[int] = None, k_scale: Scale = 1.0,
-                     v_scale: Scale = 1.0) -> torch.Tensor:
+                     v_scale: Scale = 1.0, tree_mask: Optional[torch.Tensor] = None,
+                     tree_indptr: Optional[torch.Tensor] = None,
+                     positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Extend attention over a paged prefix plus the step's own tokens (causal), ragged batch.
 
     ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] / [T, Hkv, Dv]: the new tokens, request after request,
@@ -361,10 +377,18 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
     ``attention_chunk_size``: chunked local attention (key at position p visible from the query at
     position i iff ``p // C == i // C``), None = off. With a window or chunk, key tiles wholly before the
     first visible key of a block of queries are never read.
+
+    Target verify (``tree_mask``, ``tree_indptr``, ``positions``, all three or none): the new tokens of request
+    ``b`` are an EAGLE tree; ``tree_mask`` [sum n_b^2] uint8 holds each request's [n_b, n_b] ancestor-or-self mask
+    row-major from ``tree_indptr[b]`` ([B+1] int32/int64), ``positions`` [T] int32/int64 each token's position
+    (``prefix + depth``); a parent precedes its children (:mod:`pipeline.backends.speculative`). As sglang's Triton
+    extend with ``custom_mask`` / ``mask_indptr``, with the mask's prefix columns implied (all set) and windows and
+    chunks counted on the positions.
     """
     bsz, ks_ptr, vs_ptr = check_extend(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr,
                                        prefix_lens, out, sliding_window, logit_softcap, sinks, max_extend_len,
                                        attention_chunk_size, k_scale, v_scale)
+    tree = check_tree(tree_mask, tree_indptr, positions, bsz, q.shape[0], q.device)
     t, h, d = q.shape
     hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
     if bsz == 0 or max_extend_len == 0 or t == 0:
@@ -378,6 +402,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
     kext.extend_kernel[grid](
         q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens,
         sinks if sinks is not None else q, out, k_scale if ks_ptr else out, v_scale if vs_ptr else out,
+        tree_mask if tree else out, tree_indptr if tree else qo_indptr, positions if tree else qo_indptr,
         float(sm_scale), 1.0 if ks_ptr else float(k_scale), 1.0 if vs_ptr else float(v_scale),
         float(logit_softcap or 1.0), int(sliding_window or 0), int(attention_chunk_size or 1),
         h // hkv,
@@ -387,6 +412,6 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
         D=d, DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=logit_softcap is not None, HAS_SINKS=sinks is not None,
         UPCAST=_interpreting(), USE_CHUNK=attention_chunk_size is not None, K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
-        PACK_GQA=pack, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PACK_GQA=pack, USE_TREE=tree, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

@@ -62,10 +62,18 @@ def _scores(q, k, score_scale, softcap, USE_SOFTCAP: tl.constexpr, UPCAST: tl.co
 
 
 @triton.jit
-def _visible(qk, idx, n_mask, pos0, q_pos, window, chunk, USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr):
-    """``qk`` with the keys a row may not see set to -inf: past the phase's keys, causal, window, chunk."""
-    kp = pos0 + idx
-    vis = n_mask[None, :] & (kp[None, :] <= q_pos[:, None])
+def _visible(qk, idx, n_mask, pos0, q_pos, window, chunk, trow, kpos, USE_WINDOW: tl.constexpr,
+             USE_CHUNK: tl.constexpr, TREE: tl.constexpr):
+    """``qk`` with the keys a row may not see set to -inf: past the phase's keys, causal, window, chunk. ``TREE``
+    (target verify's new tokens): key ``idx`` sits at position ``kpos[idx]`` and a row sees it only where its tree
+    mask row (``trow``: a pointer per row to its ``[n]`` bytes) has it — the row's ancestors and itself."""
+    if TREE:
+        kp = tl.load(kpos + idx, mask=n_mask, other=0).to(tl.int32)
+        bit = tl.load(trow[:, None] + idx[None, :], mask=n_mask[None, :], other=0)
+        vis = n_mask[None, :] & (bit != 0) & (kp[None, :] <= q_pos[:, None])
+    else:
+        kp = pos0 + idx
+        vis = n_mask[None, :] & (kp[None, :] <= q_pos[:, None])
     if USE_WINDOW:
         vis = vis & ((q_pos[:, None] - kp[None, :]) < window)
     if USE_CHUNK:
@@ -93,10 +101,10 @@ def _online(acc, l_i, m_i, qk, c, q, Vb, rows, stride_v, offs_dv, n_mask, DV: tl
 
 @triton.jit
 def _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, hi, n_keys, pos0,
-            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv,
+            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, trow, kpos,
             D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr, USE_WINDOW: tl.constexpr,
-            USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr):
+            USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr, TREE: tl.constexpr):
     """Online softmax over key tiles ``[lo, hi)`` (step ``BLOCK_N``) of one phase's keys ``0 … n_keys-1``.
 
     Key ``i`` of the phase sits at position ``pos0 + i``; its row is ``R2T[i]`` (``PAGED``, the cached prefix)
@@ -125,7 +133,7 @@ def _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, hi, n_
         k = _load_rows(Kb, rows, stride_k, offs_d, n_mask, D, BLOCK_D, MASK).to(q.dtype)
         qk, c = _scores(q, k, score_scale, softcap, USE_SOFTCAP, UPCAST)
         if MASK:
-            qk = _visible(qk, idx, n_mask, pos0, q_pos, window, chunk, USE_WINDOW, USE_CHUNK)
+            qk = _visible(qk, idx, n_mask, pos0, q_pos, window, chunk, trow, kpos, USE_WINDOW, USE_CHUNK, TREE)
         acc, l_i, m_i = _online(acc, l_i, m_i, qk, c, q, Vb, rows, stride_v, offs_dv, n_mask, DV, BLOCK_DV, MASK,
                                 UPCAST)
     return acc, l_i, m_i
@@ -133,10 +141,10 @@ def _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, hi, n_
 
 @triton.jit
 def _attend_cut(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, b, c, hi, n_keys, pos0,
-                score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv,
+                score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, trow, kpos,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_N: tl.constexpr, PAGED: tl.constexpr, USE_WINDOW: tl.constexpr,
-                USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr):
+                USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr, TREE: tl.constexpr):
     """:func:`_attend` over ``[lo, hi)`` in ONE loop: a tile outside ``[b, c)`` builds its mask behind a runtime
     branch instead of running in a loop of its own. Loads are never masked: a key at or past ``hi`` (prefix) or
     ``n_keys`` (new tokens) reads the range's last real row instead, so no padding slot or stale row enters the
@@ -162,7 +170,7 @@ def _attend_cut(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, b,
         k = _load_rows(Kb, rows, stride_k, offs_d, n_mask, D, BLOCK_D, False).to(q.dtype)
         qk, cc = _scores(q, k, score_scale, softcap, USE_SOFTCAP, UPCAST)
         if (start < b) | (start >= c):
-            qk = _visible(qk, idx, n_mask, pos0, q_pos, window, chunk, USE_WINDOW, USE_CHUNK)
+            qk = _visible(qk, idx, n_mask, pos0, q_pos, window, chunk, trow, kpos, USE_WINDOW, USE_CHUNK, TREE)
         acc, l_i, m_i = _online(acc, l_i, m_i, qk, cc, q, Vb, rows, stride_v, offs_dv, n_mask, DV, BLOCK_DV, False,
                                 UPCAST)
     return acc, l_i, m_i
@@ -170,10 +178,10 @@ def _attend_cut(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, b,
 
 @triton.jit
 def _phase(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, full_lo, full_hi, end, n_keys, pos0,
-           score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv,
+           score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, trow, kpos,
            D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
            BLOCK_N: tl.constexpr, PAGED: tl.constexpr, USE_WINDOW: tl.constexpr,
-           USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr):
+           USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr, TREE: tl.constexpr):
     """One phase's tiles ``[lo, end)`` (``lo`` a multiple of ``BLOCK_N``): masked ``[lo, b)``, unmasked ``[b, c)``
     and masked ``[c, end)``, where ``[full_lo, full_hi)`` (both multiples of ``BLOCK_N``) holds the tiles whose
     every key every row of the block sees. ``lo >= end`` (a window or chunk that starts past the prefix) leaves
@@ -188,38 +196,39 @@ def _phase(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, full_lo
         b = tl.maximum(lo, tl.minimum(full_lo, whole))
         c = tl.maximum(b, tl.minimum(full_hi, whole))
         return _attend_cut(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, b, c, end, n_keys, pos0,
-                           score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV,
-                           BLOCK_N, PAGED, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+                           score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, trow, kpos, D, DV, BLOCK_D,
+                           BLOCK_DV, BLOCK_N, PAGED, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST, TREE)
     else:
         return _phase3(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, full_lo, full_hi, end, n_keys,
-                       pos0, score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV,
-                       BLOCK_N, PAGED, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+                       pos0, score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, trow, kpos, D, DV, BLOCK_D,
+                       BLOCK_DV, BLOCK_N, PAGED, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST, TREE)
 
 
 @triton.jit
 def _phase3(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, full_lo, full_hi, end, n_keys, pos0,
-            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv,
+            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, trow, kpos,
             D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             BLOCK_N: tl.constexpr, PAGED: tl.constexpr, USE_WINDOW: tl.constexpr,
-            USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr):
+            USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr, TREE: tl.constexpr):
     """:func:`_phase` as three loops (see there)."""
     b = tl.maximum(lo, tl.minimum(full_lo, end))
     c = tl.maximum(b, tl.minimum(full_hi, end))
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, b, n_keys, pos0,
-                            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV,
-                            BLOCK_N, PAGED, True, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+                            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, trow, kpos, D, DV, BLOCK_D,
+                            BLOCK_DV, BLOCK_N, PAGED, True, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST, TREE)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, b, c, n_keys, pos0,
-                            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV,
-                            BLOCK_N, PAGED, False, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+                            score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, trow, kpos, D, DV, BLOCK_D,
+                            BLOCK_DV, BLOCK_N, PAGED, False, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST, TREE)
     return _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, c, end, n_keys, pos0,
-                   score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV,
-                   BLOCK_N, PAGED, True, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+                   score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, trow, kpos, D, DV, BLOCK_D, BLOCK_DV,
+                   BLOCK_N, PAGED, True, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST, TREE)
 
 
 
 @triton.jit
 def extend_kernel(
     Q, KNew, VNew, KBuf, VBuf, ReqToToken, ReqIdx, QoIndptr, PrefixLens, Sinks, Out, KScale, VScale,
+    TreeMask, TreeIndptr, Positions,
     sm_scale, k_scale, v_scale, softcap, window, chunk, G,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t, stride_ot, stride_oh,
@@ -227,7 +236,7 @@ def extend_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr, USE_CHUNK: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
-    PACK_GQA: tl.constexpr,
+    PACK_GQA: tl.constexpr, USE_TREE: tl.constexpr,
 ):
     """One block of query rows of one request: prefix phase, then causal phase.
 
@@ -237,6 +246,12 @@ def extend_kernel(
     with it, program ``(kvh, b, ·)`` owns ``BLOCK_M`` (token, head) rows of kv head ``kvh``'s ``G`` q heads,
     packed token-major (row ``r`` = token ``r // G``, head ``kvh * G + r % G``, as FlashInfer packs
     ``qo_len * group_size`` rows for GQA), so each K/V tile is read once per group instead of ``G`` times.
+
+    ``USE_TREE`` (target verify, sglang's custom mask of its Triton extend kernel): request ``b``'s new tokens are a
+    tree; ``TreeMask[TreeIndptr[b] + i * n + j]`` (uint8) says token ``i`` sees token ``j`` (its ancestors and itself;
+    a parent precedes its children, so no row sees a later token); ``Positions`` [T] are the tokens' positions
+    (``prefix + depth``), for windows and chunks. The prefix is seen whole (within window and chunk); no new-token
+    tile is taken as fully visible.
     """
     pid0 = tl.program_id(0)
     b = tl.program_id(1)
@@ -267,8 +282,14 @@ def extend_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_mask = offs_r < n_rows
-    q_pos = prefix + tok
     rows = (q_start + tok).to(tl.int64)
+    trow = TreeMask   # unused unless USE_TREE
+    kpos = Positions + q_start.to(tl.int64)
+    if USE_TREE:
+        q_pos = tl.load(Positions + rows, mask=m_mask, other=0).to(tl.int32)
+        trow = TreeMask + tl.load(TreeIndptr + b).to(tl.int64) + (tl.minimum(tok, ext_len - 1) * ext_len).to(tl.int64)
+    else:
+        q_pos = prefix + tok
     q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & (offs_d[None, :] < D), other=0.0)
     score_scale = sm_scale * _scale(KScale, k_scale, K_SCALE_PTR)   # real score = stored q.k * k_scale
@@ -285,12 +306,16 @@ def extend_kernel(
         full_from = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
         full_from2 = tl.cdiv(tl.maximum(tok_end - window, 0), BLOCK_N) * BLOCK_N
 
-    # Phase 1: cached prefix, gathered through req_to_token; from the first key the block's first token sees.
+    # Phase 1: cached prefix, gathered through req_to_token; from the first key the block's first token sees (a tree
+    # token is at prefix + depth >= prefix, its depth not ordered by index: bound by the root's position).
+    first_pos = prefix + tok_first
+    if USE_TREE:
+        first_pos = prefix
     lo = prefix * 0
     if USE_WINDOW:
-        lo = tl.maximum(prefix + tok_first - window + 1, 0)
+        lo = tl.maximum(first_pos - window + 1, 0)
     if USE_CHUNK:
-        lo = tl.maximum(lo, ((prefix + tok_first) // chunk) * chunk)
+        lo = tl.maximum(lo, (first_pos // chunk) * chunk)
     lo = (lo // BLOCK_N) * BLOCK_N
     full_end = (prefix // BLOCK_N) * BLOCK_N
     if USE_CHUNK:
@@ -298,25 +323,26 @@ def extend_kernel(
     r2t = ReqToToken + req * stride_r2t
     acc, l_i, m_i = _phase(acc, l_i, m_i, q, q_pos, KBuf + kvh * stride_kh, VBuf + kvh * stride_vh, r2t, stride_kt,
                            stride_vt, lo, full_from, full_end, prefix, prefix, 0, score_scale, softcap, window, chunk,
-                           offs_n, offs_d, offs_dv, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, USE_WINDOW, USE_SOFTCAP,
-                           USE_CHUNK, UPCAST)
+                           offs_n, offs_d, offs_dv, trow, kpos, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, USE_WINDOW,
+                           USE_SOFTCAP, USE_CHUNK, UPCAST, False)
 
     # Phase 2: the new tokens themselves, causally, read from this step's k/v. Tiles wholly at or before
     # the block's first token are seen by every row (causal); the diagonal tiles are masked.
     lo2 = prefix * 0
-    if USE_WINDOW:
+    if USE_WINDOW and not USE_TREE:
         lo2 = tl.maximum(tok_first - window + 1, 0)
-    if USE_CHUNK:
+    if USE_CHUNK and not USE_TREE:
         lo2 = tl.maximum(lo2, ((prefix + tok_first) // chunk) * chunk - prefix)
     lo2 = (lo2 // BLOCK_N) * BLOCK_N
     full_end2 = ((tok_first + 1) // BLOCK_N) * BLOCK_N
-    if USE_CHUNK:
+    if USE_CHUNK or USE_TREE:
         full_end2 = lo2
     kn = KNew + q_start.to(tl.int64) * stride_knt + kvh * stride_knh
     vn = VNew + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh
     acc, l_i, m_i = _phase(acc, l_i, m_i, q, q_pos, kn, vn, r2t, stride_knt, stride_vnt, lo2, full_from2, full_end2,
                            tok_end, ext_len, prefix, score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv,
-                           D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST)
+                           trow, kpos, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, USE_WINDOW, USE_SOFTCAP, USE_CHUNK,
+                           UPCAST, USE_TREE)
 
     if HAS_SINKS:
         sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
