@@ -48,7 +48,7 @@ class _Base:
         if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             assert q.dtype in (torch.bfloat16, torch.float16) and self.backend != "fa3", "fp8 KV: fa2 / CUDA core only"
 
-    def _attend(self, q, k, v, kv_len, causal, k_scale=None, v_scale=None):
+    def _attend(self, q, k, v, kv_len, causal, k_scale=None, v_scale=None, custom=None):
         kw = self.kw
         g = q.shape[1] // k.shape[1]
         k, v = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
@@ -60,7 +60,7 @@ class _Base:
         n = q.shape[0]
         pos = (kv_len - n + torch.arange(n))[:, None] if causal else torch.full((n, 1), kv_len - 1)
         j = torch.arange(kv_len)[None, :]
-        ok = j <= pos
+        ok = j <= pos if custom is None else custom  # FlashInfer: a custom mask replaces the causal one
         if kw.get("window_left", -1) >= 0:
             ok &= j >= pos - kw["window_left"]
         s = s.masked_fill(~ok, -math.inf)
@@ -83,8 +83,20 @@ class _Base:
             k = kc[pages].reshape(-1, *kc.shape[2:])[:kv_len]
             v = vc[pages].reshape(-1, *vc.shape[2:])[:kv_len]
             a, e = int(self.qo[b]), int(self.qo[b + 1])
-            out[a:e] = self._attend(q[a:e], k, v, kv_len, causal, k_scale, v_scale).to(q.dtype)
+            custom = self._custom(b, e - a, kv_len)
+            out[a:e] = self._attend(q[a:e], k, v, kv_len, causal, k_scale, v_scale, custom).to(q.dtype)
         return out
+
+    def _custom(self, b, qo_len, kv_len):
+        """Request ``b``'s [qo_len, kv_len] custom mask, unpacked at run time from the packed bytes plan() stored
+        (in CUDA-graph mode: from custom_mask_buf / mask_indptr_buf, as the kernel reads them); None without one."""
+        packed, indptr = getattr(self, "packed_mask", None), getattr(self, "mask_indptr", None)
+        if packed is None:
+            return None
+        seg = packed[int(indptr[b]): int(indptr[b + 1])].cpu()
+        bits = ((seg.view(-1, 1).int() >> torch.arange(8)) & 1).reshape(-1)[: qo_len * kv_len]  # little bit order
+        assert bits.numel() == qo_len * kv_len, "custom mask shorter than qo_len * kv_len"
+        return bits.bool().view(qo_len, kv_len)
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Base):
@@ -104,9 +116,27 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
         self.module = _jit_module(jit_args) if jit_args else None
 
     def plan(self, *, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-             num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, causal=False, **kw):
+             num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, causal=False, custom_mask=None, **kw):
         self.causal = causal
         self._store(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kw)
+        self.packed_mask = self.mask_indptr = None
+        graph_buf = self.bufs.get("custom_mask_buf")
+        if custom_mask is None:
+            assert graph_buf is None, "a CUDA-graph wrapper built with custom_mask_buf always reads it: plan a mask"
+            return
+        # FlashInfer packs it with segment_packbits, whose indptr must be on the mask's device (0.6.13)
+        assert qo_indptr.device == custom_mask.device == paged_kv_indptr.device, "segment_packbits device check"
+        lens = (self.qo[1:] - self.qo[:-1]) * ((self.indptr[1:] - self.indptr[:-1] - 1) * page_size + self.last)
+        segs = torch.split(custom_mask.cpu().bool(), lens.tolist())
+        packed = [_packbits(x) for x in segs]
+        mask_indptr = torch.tensor([0] + [len(x) for x in packed]).cumsum(0)
+        flat = torch.cat(packed) if packed else torch.zeros(0, dtype=torch.uint8)
+        if graph_buf is not None:
+            graph_buf[: len(flat)].copy_(flat)
+            self.bufs["mask_indptr_buf"].copy_(mask_indptr)
+            self.packed_mask, self.mask_indptr = graph_buf, self.bufs["mask_indptr_buf"]
+        else:
+            self.packed_mask, self.mask_indptr = flat, mask_indptr
 
     def run(self, q, kv, *args, k_scale=None, v_scale=None):
         if self.module is not None:
@@ -115,6 +145,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
                 f"JIT module built for {self.module}, run with head dims {q.shape[-1]}/{vc.shape[-1]} and "
                 f"KV {kc.dtype}: a module name that does not name every compile-time parameter")
         return self._paged(q, kv, self.causal, *args, k_scale=k_scale, v_scale=v_scale)
+
+
+def _packbits(x: torch.Tensor) -> torch.Tensor:
+    """numpy.packbits(x, bitorder="little") of a bool vector, as FlashInfer's segment_packbits packs each segment."""
+    pad = torch.zeros((-len(x)) % 8, dtype=torch.bool)
+    bits = torch.cat([x, pad]).view(-1, 8).to(torch.uint8)
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(1).to(torch.uint8)
 
 
 # JIT modules by name, as FlashInfer's JIT cache keys them: the first build of a name wins, and a later wrapper

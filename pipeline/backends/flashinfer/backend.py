@@ -65,6 +65,7 @@ from pipeline.backends.flashinfer import rules
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
 from pipeline.backends.flashinfer.jit import ensure_compiled, mla_backend, Variant, variants_for
 from pipeline.backends.memory import is_fp8, layer_kv_scales
+from pipeline.backends.speculative import check_draft_batch, check_verify_batch, draft_token_table, full_mask_rows
 from pipeline.core.contracts import ForwardMode, LayerKind
 from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError
 
@@ -303,9 +304,11 @@ class MLAWrappers:
         return self.wrapper, "mla"
 
     def plan(self, wrapper: Any, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-             kv_lens: torch.Tensor, causal: bool) -> None:
-        """``plan()`` an MLA wrapper: indptrs and kv lengths [B] int32 on the host, page ids on the device."""
-        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, causal=causal, **self.plan_kw)
+             kv_lens: torch.Tensor, causal: bool, page_size: Optional[int] = None) -> None:
+        """``plan()`` an MLA wrapper: indptrs and kv lengths [B] int32 on the host, page ids on the device
+        (``page_size``: of that page table, default the pool's)."""
+        kw = self.plan_kw if page_size is None else {**self.plan_kw, "page_size": page_size}
+        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, causal=causal, **kw)
         self.active, self.mode = wrapper, "mla"
 
 
@@ -394,6 +397,18 @@ def _check_ctx(ctx: Any, prefill_backend: str) -> None:
         raise ConfigError("num_token_slots must be a multiple of page_size for the paged view",
                           flags=[("pool.num_token_slots", ctx.kv_pool.size), ("page_size", ctx.kv_pool.page_size)],
                           remedy="round num_token_slots to whole pages")
+
+
+def _check_tree_kind(name: str, kw: Any) -> None:
+    """Refuse a tree (target verify with a custom mask) on a kind its record does not serve it for (``tree_features``:
+    FlashInfer's window counts KV indices, not tree positions; the sink and MLA wrappers take no custom mask)."""
+    k = kw.kind
+    what = "MLA" if kw.mla else "attention-sink" if k.has_sinks else "sliding-window" if k.sliding_window else None
+    if what is not None:
+        raise CapabilityMismatch(f"{name} cannot verify an EAGLE tree over {what} layers (layers {k.layer_ids})",
+                                 flags=[("layer_kind", k.kind), ("forward_mode", "target_verify")],
+                                 allowed=["MHA/GQA layers with or without softcap"],
+                                 remedy="use --attention-backend triton (or torch_native), or --speculative-eagle-topk 1")
 
 
 def _host_ints(host: Any, device: torch.Tensor) -> list[int]:
@@ -495,22 +510,82 @@ class FlashInferBackend(AttentionBackend):
         (sink kinds) or ``"mla"`` (see :meth:`KindWrappers.decode_wrapper`).
         """
         indptr, indices, last = self.page_table(req_pool_indices, seq_lens, seq_lens_dev, indices_out)
-        qo = kv_lens = None
+        self.plan_decode_tables(kinds_wrappers, indptr, indices, last, seq_lens, self.page_size, "decode")
+
+    def plan_decode_tables(self, kinds_wrappers: list[tuple[Any, Any, str]], indptr: torch.Tensor,
+                           indices: torch.Tensor, last: torch.Tensor, kv_lens: list[int], page_size: int,
+                           mode: str) -> None:
+        """Plan the decode wrappers over a page table (``indptr`` [R+1] / ``last`` [R] int32 on the host,
+        ``indices`` on the device) of ``page_size``-token pages; ``mode`` ``"decode"`` or ``"draft"`` (a draft decode
+        over the page-size-1 view: :meth:`token_kv`)."""
+        qo = kv_lens_t = None
         for kw, w, cls in kinds_wrappers:
             k = kw.kind
             if cls == "decode":
-                w.plan(indptr=indptr, indices=indices, last_page_len=last, **kw.decode_kw)
-                kw.active, kw.mode = w, "decode"
+                w.plan(indptr=indptr, indices=indices, last_page_len=last, **{**kw.decode_kw, "page_size": page_size})
+                kw.active, kw.mode = w, mode
                 continue
-            qo = torch.arange(len(seq_lens) + 1, dtype=torch.int32) if qo is None else qo
+            qo = torch.arange(len(kv_lens) + 1, dtype=torch.int32) if qo is None else qo
             if cls == "mla":
-                kv_lens = torch.tensor(seq_lens, dtype=torch.int32) if kv_lens is None else kv_lens
-                kw.plan(w, qo, indptr, indices, kv_lens, causal=False)
+                kv_lens_t = torch.tensor(kv_lens, dtype=torch.int32) if kv_lens_t is None else kv_lens_t
+                kw.plan(w, qo, indptr, indices, kv_lens_t, causal=False, page_size=page_size)
+                if mode == "draft":  # read through the page-size-1 view
+                    kw.mode = mode
                 continue
             w.plan(qo_indptr=qo, paged_kv_indptr=indptr, paged_kv_indices=indices, paged_kv_last_page_len=last,
-                   head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, page_size=self.page_size, causal=False,
+                   head_dim_qk=k.head_dim_qk, head_dim_vo=k.head_dim_v, page_size=page_size, causal=False,
                    **kw.plan_kw)
-            kw.active, kw.mode = w, "decode"
+            kw.active, kw.mode = w, mode
+
+    def draft_tables(self, fb: ForwardBatch, indices_out: Optional[torch.Tensor] = None,
+                     table_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+        """A draft decode's token-level page table: (indptr [R+1], indices [sum lens] int32 on the device, last [R]
+        all 1, kv lens per row), R = B * topk branch rows, page size 1 (:func:`draft_token_table`: each branch's
+        prefix slots then its draft slots; sglang's ``generate_draft_decode_kv_indices`` does it at page level)."""
+        slots = check_draft_batch(fb.spec_info, fb.batch_size, fb.num_tokens)
+        r2t = self.req_pool.req_to_token
+        topk, s1 = slots.shape[1], slots.shape[2]
+        lens = [s + s1 for s in _host_ints(fb.seq_lens_cpu, fb.seq_lens) for _ in range(topk)]
+        width = r2t.shape[1] if table_out is None else table_out.shape[1]
+        if max(lens, default=0) > width:
+            raise ConfigError(f"a draft branch reaches {max(lens)} tokens, req_to_token holds {width}",
+                              code="invalid_value", flags=[("max_context_len", width)],
+                              remedy="size max_context_len for the prefix and the draft tokens")
+        table, lens_dev = draft_token_table(r2t, fb.req_pool_indices, fb.seq_lens, slots, width, out=table_out)
+        rows = len(lens)
+        indptr = torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
+        indices = gather_kv_indices(table, torch.arange(rows, device=table.device), lens_dev, int(indptr[-1]), 1,
+                                    out=indices_out)
+        return indptr, indices, torch.ones(rows, dtype=torch.int32), lens
+
+    def plan_draft_decode(self, fb: ForwardBatch) -> None:
+        """Plan a draft decode (B * topk branch rows) on each kind's decode wrapper for that many rows."""
+        indptr, indices, last, lens = self.draft_tables(fb)
+        sel = [(kw, *kw.decode_wrapper(len(lens), self.kv_dtype_name)) for kw in self.kinds]
+        self.plan_decode_tables(sel, indptr, indices, last, lens, 1, "draft")
+
+    def plan_verify(self, fb: ForwardBatch, wrappers: Optional[list[Any]] = None,
+                    indices_out: Optional[torch.Tensor] = None) -> None:
+        """Plan a target verify of EAGLE trees: each kind's paged prefill wrapper (``wrappers``: CUDA-graph ones per
+        kind) over prefix + tree tokens with FlashInfer's custom mask — per request ``[n, prefix + n]`` bits, prefix
+        columns set, the tree's ancestor mask after them (:func:`full_mask_rows`; sglang's ``FULL_MASK``), packed by
+        ``plan()``. The indptrs go to the device with the mask: FlashInfer packs it with ``segment_packbits``, which
+        wants its indptr on the mask's device (0.6.13; 0.7.2 moves it itself)."""
+        pre = _host_ints(fb.extend_prefix_lens_cpu, fb.extend_prefix_lens)
+        ext = _host_ints(fb.extend_seq_lens_cpu, fb.extend_seq_lens)
+        spec = check_verify_batch(fb.spec_info, pre, ext)
+        dev = self.kv_pool.device
+        indptr, indices, last = self.page_table(fb.req_pool_indices, [p + e for p, e in zip(pre, ext)], fb.seq_lens,
+                                                indices_out)
+        qo = torch.tensor([0, *accumulate(ext)], dtype=torch.int32)
+        mask = full_mask_rows(spec, pre).to(dev)
+        for i, kw in enumerate(self.kinds):
+            _check_tree_kind(self.name, kw)
+            w = kw.paged if wrappers is None else wrappers[i]
+            w.plan(qo_indptr=qo.to(dev), paged_kv_indptr=indptr.to(dev), paged_kv_indices=indices,
+                   paged_kv_last_page_len=last.to(dev), page_size=self.page_size, head_dim_qk=kw.kind.head_dim_qk,
+                   head_dim_vo=kw.kind.head_dim_v, causal=False, custom_mask=mask, **kw.plan_kw)
+            kw.active, kw.mode = w, "paged"
 
     def plan_extend(self, fb: ForwardBatch) -> None:
         """Plan every kind for an extend batch (ragged if no request has a cached prefix)."""
@@ -541,9 +616,16 @@ class FlashInferBackend(AttentionBackend):
             kw.active, kw.mode = kw.paged, "paged"
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Plan the batch once (host metadata + page ids); the layers then only ``run()``."""
+        """Plan the batch once (host metadata + page ids); the layers then only ``run()``. Target verify of a tree:
+        :meth:`plan_verify` (a chain is planned as the causal extend it is); draft decode: :meth:`plan_draft_decode`."""
         fb = forward_batch
-        if fb.is_decode():
+        if fb.is_draft_decode():
+            self.plan_draft_decode(fb)
+        elif fb.is_target_verify() and not check_verify_batch(
+                fb.spec_info, _host_ints(fb.extend_prefix_lens_cpu, fb.extend_prefix_lens),
+                _host_ints(fb.extend_seq_lens_cpu, fb.extend_seq_lens)).is_chain():
+            self.plan_verify(fb)
+        elif fb.is_decode():
             seq = _host_ints(fb.seq_lens_cpu, fb.seq_lens)
             sel = self._decode_sel.get(len(seq))
             if sel is None:  # the wrapper choice depends on the batch size only
@@ -589,6 +671,20 @@ class FlashInferBackend(AttentionBackend):
             self._paged_views[layer_id] = (kb.view(-1, ps, *kb.shape[1:]), vb.view(-1, ps, *vb.shape[1:]))
         return self._paged_views[layer_id]
 
+    def token_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_id``'s K/V as pages of one token (``[num_token_slots, 1, Hkv, D]``; MLA: its ``c_kv`` and
+        ``k_rope`` slices, ``[num_token_slots, 1, *]``): what a draft decode's token-level page table indexes."""
+        key = ("token", layer_id)
+        if key not in self._paged_views:
+            kb, vb = self.kv_pool.get_key_buffer(layer_id), self.kv_pool.get_value_buffer(layer_id)
+            kind = self.kinds[self.layer_kind[layer_id]]
+            if kind.mla:
+                lat, dv = kb.view(-1, 1, kb.shape[-1]), kind.kind.head_dim_v
+                self._paged_views[key] = (lat[..., :dv], lat[..., dv:])
+            else:
+                self._paged_views[key] = (kb.view(-1, 1, *kb.shape[1:]), vb.view(-1, 1, *vb.shape[1:]))
+        return self._paged_views[key]
+
     def mla_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """An MLA layer's ``c_kv`` [num_pages, page_size, Dv] and ``k_rope`` [num_pages, page_size, D - Dv]:
         two strided slices (no copy) of its one latent buffer [num_token_slots, 1, D]."""
@@ -622,6 +718,8 @@ class FlashInferBackend(AttentionBackend):
         _, kw, kv, h, d, hdv, run_kw, dv = info
         if save_kv_cache and k is not None:
             fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        if kw.mode == "draft":
+            kv = self.token_kv(layer.layer_id)
         q3 = q if q.dim() == 3 else q.reshape(-1, h, d)
         if kw.mla:
             return self._run_mla(kw, q3, kv, h, dv).view(-1, hdv)
@@ -660,6 +758,8 @@ class FlashInferBackend(AttentionBackend):
         _, kw, kv, h, d, hdv, run_kw, dv = info
         if save_kv_cache and k is not None:
             forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        if kw.mode == "draft":
+            return self._run(q, None, None, layer, forward_batch, False)
         if kw.mla:
             return self._run_mla(kw, q if q.dim() == 3 else q.view(-1, h, d), kv, h, dv).view(-1, hdv)
         if kw.sinks:
