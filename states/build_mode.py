@@ -267,6 +267,21 @@ class GraphDecision(NamedTuple):
     downgrade: bool = False
 
 
+def graph_mode(spec: Any, is_draft_worker: bool) -> str:
+    """The step CUDA graphs capture (a ``ForwardMode`` value), as sglang's graph runners choose it: a speculative
+    target worker captures target verify (its ``CudaGraphRunner`` with ``TARGET_VERIFY``), a draft worker with a
+    speculative shape its draft decode (``EAGLEDraftCudaGraphRunner``), every other worker decode."""
+    if spec is None:
+        return "decode"
+    return "draft_decode" if is_draft_worker else "target_verify"
+
+
+def graph_backend(pair: Any, spec: Any, is_draft_worker: bool) -> str:
+    """The resolved backend whose graphs are captured: the prefill half for target verify (an extend-shaped batch,
+    sglang's ``speculative_attention_mode="prefill"``), the decode half otherwise."""
+    return pair.prefill if graph_mode(spec, is_draft_worker) == "target_verify" else pair.decode
+
+
 def decide_graphs(args: AttentionArgs, device_type: str, decode_backends: Sequence[str]) -> GraphDecision:
     """The one CUDA-graph rule (resolve records it, the runner's capture step obeys it).
 

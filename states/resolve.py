@@ -38,6 +38,7 @@ from pipeline.core.dtypes import resolve_dtype
 from pipeline.core.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
 from pipeline.core.model_spec import format_layer_ids
 from pipeline.core.speculative import decide_speculative
+from states.build_mode import graph_backend
 from states.capability_check import Reason
 from states.fallback import assignments, graph_skips, refuse_strict
 from states.remedies import complete_fix, minimal, Remedies, suggest, Survey
@@ -266,7 +267,8 @@ def _decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dr
             rejected[half] = rej
     pair = ResolvedAttentionBackendStr(prefill=picks["prefill"], decode=picks["decode"],
                                        is_draft_override=rules["prefill"] == "draft_override")
-    res = Resolution(pair=pair, rules=rules, rejected=rejected, skips=graph_skips(args, picks["decode"], device),
+    captured = graph_backend(pair, spec, is_draft_worker)  # target verify is captured on the prefill half
+    res = Resolution(pair=pair, rules=rules, rejected=rejected, skips=graph_skips(args, captured, device),
                      dtype=dtype, not_attention=model.not_attention(), speculative=spec)
     refuse_strict(res, args, device, is_draft_worker)
     return res

@@ -100,13 +100,17 @@ class WorkspaceQuery(msgspec.Struct, frozen=True, kw_only=True):
     field or the default set it); ``field_given``: the size came from its field (which wins over the variable: the
     remedy names only it); ``max_bytes``: the largest workspace the device holds (0: unknown), which the remedy never
     exceeds; ``fits(ws, bs)``: whether each workspace at ``ws`` bytes fits beside the KV pools and the graphs up to
-    ``bs`` (``plan``'s :func:`pipeline.memory.fits.fits_beside`; None: ``max_bytes`` alone).
+    ``bs`` (``plan``'s :func:`pipeline.memory.fits.fits_beside`; None: ``max_bytes`` alone). ``graph_mode`` /
+    ``graph_tokens``: what the graphs capture (``decode``; a speculative worker's ``target_verify`` or
+    ``draft_decode``, ``graph_tokens`` rows per captured request: :func:`states.build_mode.graph_mode`).
     """
 
     kinds: Any
     num_sms: int
     max_reqs: int
     graph_max_bs: int
+    graph_mode: str = "decode"
+    graph_tokens: int = 1
     graph_bs: tuple[int, ...] = ()
     graph_bs_given: bool = False
     max_bs_given: bool = False

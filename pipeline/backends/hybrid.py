@@ -3,13 +3,14 @@
 Built when the resolved prefill and decode backend names differ (sglang's ``HybridAttnBackend``,
 which sglang calls experimental). Extend batches — planning and every layer call — go to the
 prefill backend, decode batches to the decode backend; target verify and draft extend are extend-shaped and go to
-the prefill backend (sglang's default ``speculative_attention_mode="prefill"``), draft decode to the decode backend; nothing is recorded per call (tests observe
-the halves through spies). CUDA graphs are decode graphs, so the graph hooks go to the decode backend.
+the prefill backend (sglang's default ``speculative_attention_mode="prefill"``), draft decode to the decode backend
+(CUDA graphs likewise: a speculative target worker captures target verify on the prefill backend); nothing is recorded per call (tests observe
+the halves through spies). CUDA-graph hooks go to the backend of the captured mode (decode: the decode backend).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch
 
@@ -28,6 +29,8 @@ class HybridAttnBackend(AttentionBackend):
     def __init__(self, prefill_backend: AttentionBackend, decode_backend: AttentionBackend) -> None:
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
+        self._graph_state: Optional[tuple[int, int]] = None
+        self._graph_ready: list[AttentionBackend] = []
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Plan the batch on the backend its forward mode routes to."""
@@ -43,14 +46,26 @@ class HybridAttnBackend(AttentionBackend):
         return self.decode_backend.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Graph buffers of the decode backend (CUDA graphs serve decode batches)."""
-        self.decode_backend.init_cuda_graph_state(max_bs, max_num_tokens)
+        """Remember the sizes: the backend of the captured mode makes its buffers at its first capture (decode and
+        draft decode: the decode backend; target verify: the prefill backend)."""
+        self._graph_state, self._graph_ready = (max_bs, max_num_tokens), []
 
-    def init_forward_metadata_capture_cuda_graph(self, *args: Any, **kwargs: Any) -> None:
-        self.decode_backend.init_forward_metadata_capture_cuda_graph(*args, **kwargs)
+    def _graph_backend(self, forward_mode: Any) -> AttentionBackend:
+        backend = self.decode_backend if forward_mode.is_decode_like else self.prefill_backend
+        if self._graph_state is not None and not any(b is backend for b in self._graph_ready):
+            backend.init_cuda_graph_state(*self._graph_state)
+            self._graph_ready.append(backend)
+        return backend
 
-    def init_forward_metadata_replay_cuda_graph(self, *args: Any, **kwargs: Any) -> None:
-        self.decode_backend.init_forward_metadata_replay_cuda_graph(*args, **kwargs)
+    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
+                                                 forward_mode, spec_info) -> None:
+        self._graph_backend(forward_mode).init_forward_metadata_capture_cuda_graph(
+            bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, forward_mode, spec_info)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
+                                                forward_mode, spec_info, seq_lens_cpu=None) -> None:
+        self._graph_backend(forward_mode).init_forward_metadata_replay_cuda_graph(
+            bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.decode_backend.get_cuda_graph_seq_len_fill_value()

@@ -146,14 +146,31 @@ _MLA_BLOCK_H = 64  # ``launch_mla.MLADecodeConfig.block_h``
 
 
 def triton_graph_state_allocs(kinds: Any, batch_sizes: Any, *, max_context_len: int, page_size: int,
-                              num_sms: int) -> list[tuple[int, int]]:
+                              num_sms: int, mode: str = "decode", tokens_per_req: int = 1) -> list[tuple[int, int]]:
     """What our Triton backend's ``init_cuda_graph_state`` allocates (``[(0, nbytes)]``): ``req_pool_indices``
     [max_bs] int64, ``seq_lens`` [max_bs] int32 and the fp32 split scratch for every size up to ``max_bs`` and
     every kind — ``B * S`` rows of ``H * (Dv + 1)`` floats, where ``B * S`` (batch times splits) is at most
     ``max(max_bs, programs_per_sm * SMs / Hkv)`` for MHA/GQA (:func:`launch.decode_max_splits` without its cap: a
     bound) and ``max(max_bs, 2 * programs_per_sm * SMs / ceil(H / block_h) + 1)`` for MLA (its split candidates,
-    bounded with the MHA programs per SM). Nothing per captured size."""
+    bounded with the MHA programs per SM). Nothing per captured size. Speculative modes add their buffers, made at
+    the first capture: ``target_verify`` (n = ``tokens_per_req``) rows [max_bs] int64, prefixes [max_bs] int32,
+    positions [max_bs * n] int64, tree masks [max_bs * n * n] uint8, ``qo_indptr`` and mask offsets [max_bs + 1]
+    int32; ``draft_decode`` (n = top-k) for ``max_bs * n`` rows: the token table [rows, max_context_len] int32,
+    lengths int32, row ids int64 and the split scratch at that many rows."""
     mb = max(batch_sizes)
+    out = [(0, mb * 8), (0, mb * 4), (0, _scratch_rows(kinds, mb, num_sms) * 4)]
+    n = tokens_per_req
+    if mode == "target_verify":
+        out += [(0, mb * 8), (0, mb * 4), (0, mb * n * 8), (0, mb * n * n), (0, (mb + 1) * 4), (0, (mb + 1) * 4)]
+    elif mode == "draft_decode":
+        rows = mb * n
+        out += [(0, rows * max_context_len * 4), (0, rows * 4), (0, rows * 8), (0, _scratch_rows(kinds, rows, num_sms) * 4)]
+    return out
+
+
+def _scratch_rows(kinds: Any, mb: int, num_sms: int) -> int:
+    """fp32 elements of the Triton decode split scratch for batches up to ``mb`` rows (see
+    :func:`triton_graph_state_allocs`)."""
     rows = 0
     for k in kinds:
         if k.is_mla:
@@ -161,7 +178,7 @@ def triton_graph_state_allocs(kinds: Any, batch_sizes: Any, *, max_context_len: 
         else:
             bs_s = max(mb, TRITON_PROGRAMS_PER_SM * max(num_sms, 1) // k.num_kv_heads)
         rows = max(rows, bs_s * k.num_heads * (k.head_dim_v + 1))
-    return [(0, mb * 8), (0, mb * 4), (0, rows * 4)]
+    return rows
 
 
 BUILTINS: list[tuple[str, Capability, str, BackendRules]] = [

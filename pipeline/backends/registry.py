@@ -100,14 +100,17 @@ class BackendEntry:
         return rule(kind, bs, q_elem_bytes)
 
     def graph_state_allocs(self, kinds: Sequence["LayerKind"], batch_sizes: Sequence[int], *, max_context_len: int,
-                           page_size: int, num_sms: int) -> list[tuple[int, int]]:
-        """``[(bs, nbytes)]`` it allocates outside the graph pool for decode-graph capture and keeps (``bs`` 0:
-        ``init_cuda_graph_state``; else that size's capture-time metadata, sizes largest first); none without a
-        rule of its own."""
+                           page_size: int, num_sms: int, mode: str = "decode",
+                           tokens_per_req: int = 1) -> list[tuple[int, int]]:
+        """``[(bs, nbytes)]`` it allocates outside the graph pool for graph capture and keeps (``bs`` 0:
+        ``init_cuda_graph_state`` and a speculative mode's buffers, made at its first capture; else that size's
+        capture-time metadata, sizes largest first); none without a rule of its own. ``mode``: the captured step
+        (``decode``, ``target_verify``, ``draft_decode``) with ``tokens_per_req`` rows per request."""
         if self.rules.graph_state_allocs is None:
             return []
+        kw = {} if mode == "decode" else {"mode": mode, "tokens_per_req": tokens_per_req}
         return self.rules.graph_state_allocs(kinds, batch_sizes, max_context_len=max_context_len, page_size=page_size,
-                                             num_sms=num_sms)
+                                             num_sms=num_sms, **kw)
 
     def load_factory(self) -> Callable[[BackendContext], Any]:
         """Import the factory (this is where torch/triton/flashinfer get imported)."""

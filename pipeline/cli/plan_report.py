@@ -75,7 +75,9 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
                                     "num_hidden_layers": served.num_hidden_layers, "batch_sizes": est.batch_sizes,
                                     "pool_bytes": est.pool_bytes, "state_bytes": est.state_bytes,
                                     "warmup_bytes": est.warmup_bytes, "blas_workspace_bytes": est.blas_workspace_bytes,
-                                    "per_bs": {str(b): v for b, v in sorted(est.per_bs.items(), reverse=True)}}}
+                                    "per_bs": {str(b): v for b, v in sorted(est.per_bs.items(), reverse=True)},
+                                    **({"mode": est.mode, "tokens_per_req": est.tokens_per_req}
+                                       if est.mode != "decode" else {})}}
 
 
 def _layers_built(e: dict[str, Any]) -> str:
@@ -98,7 +100,11 @@ def graph_estimate_line(report: dict[str, Any]) -> str:
         return ""
     sizes = e["batch_sizes"]
     span = f"bs {sizes[0]}" if len(sizes) == 1 else f"bs {sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)"
-    return (f"decode CUDA graphs: {fmt_bytes(report['cuda_graph_bytes_estimate'])} estimated for {span} over "
+    mode = e.get("mode", "decode")
+    if mode != "decode":  # a speculative worker captures its own step, tokens_per_req rows per request
+        span += f" x {e['tokens_per_req']} {'tokens' if mode == 'target_verify' else 'branches'} per request"
+    return (f"{mode.replace('_', '-')} CUDA graphs: {fmt_bytes(report['cuda_graph_bytes_estimate'])} estimated for "
+            f"{span} over "
             f"{_layers_built(e)}: graph pool {fmt_bytes(e['pool_bytes'])}, replay state "
             f"{fmt_bytes(e['state_bytes'])}, warm-up stream {fmt_bytes(e['warmup_bytes'])} (cuBLAS workspace "
             f"{fmt_bytes(e['blas_workspace_bytes'])} of it); run takes it out of a --mem-fraction budget before "
@@ -147,13 +153,16 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
             "skips": skips_of(decided),
             "warnings": warnings_obj(warnings_for(res, list(res.skips) + list(plan.skips), device))
             + rp.layer_rule_warnings(request),
-            "cuda_graphs": cuda_graphs_obj(request, decided["build-mode"].graphs, device),
+            "cuda_graphs": cuda_graphs_obj(request, decided["build-mode"].graphs, device, res.speculative),
             "npu_lazy_mem": lazy_mem_obj(decided["npu-lazy-mem"]),
             **graph_estimate_obj(request, decided, num_layers)}
 
 
-def cuda_graphs_obj(request: SetupRequest, graphs: Any, device: Optional[DeviceFacts] = None) -> dict[str, Any]:
-    """``cuda_graphs`` of plan JSON: ``{capture, reason, batch_sizes, count, max_bs, max_bs_source, max_bs_from}`` —
+def cuda_graphs_obj(request: SetupRequest, graphs: Any, device: Optional[DeviceFacts] = None,
+                    spec: Any = None) -> dict[str, Any]:
+    """``cuda_graphs`` of plan JSON: ``{capture, reason, batch_sizes, count, max_bs, max_bs_source, max_bs_from,
+    mode}`` — ``mode`` the captured step (``decode``; with speculative decoding ``target_verify`` on a target worker,
+    ``draft_decode`` on a draft worker: :func:`states.build_mode.graph_mode`), and
     whether decode CUDA graphs are captured (:func:`states.build_mode.decide_graphs`; ``reason`` when not), the decode
     batch sizes a run captures on ``device`` (:func:`states.build_mode.capture_batch_sizes`: ``cuda_graph_bs``, else
     sglang's 1, 2, 4, 8, 16, 24, … up to ``cuda_graph_max_bs``, else up to sglang's default for the device's memory
@@ -161,13 +170,14 @@ def cuda_graphs_obj(request: SetupRequest, graphs: Any, device: Optional[DeviceF
     without graphs), and where the top came from (:func:`states.build_mode.graph_top`: ``max_bs_source`` one of
     ``cuda_graph_bs``, ``cuda_graph_max_bs``, ``default``, ``max_reqs``; ``max_bs_from`` in words, e.g.
     ``default for 131 GiB: 256 (sglang's rule)``; null without graphs)."""
-    from states.build_mode import graph_sizes, graph_top
+    from states.build_mode import graph_mode, graph_sizes, graph_top
 
     kw = dict(device=device, world_size=request.world_size)
     count, largest, sizes = graph_sizes(request.args, request.pool.max_reqs, graphs.capture, **kw)
     top = graph_top(request.args, request.pool.max_reqs, **kw) if graphs.capture else None
     return {"capture": graphs.capture, "reason": graphs.reason, "batch_sizes": sizes, "count": count,
-            "max_bs": largest, "max_bs_source": top and top.source, "max_bs_from": top and top.text}
+            "max_bs": largest, "max_bs_source": top and top.source, "max_bs_from": top and top.text,
+            "mode": graph_mode(spec, request.is_draft_worker)}
 
 
 def lazy_mem_obj(lazy: Any) -> dict[str, Any]:
@@ -188,7 +198,8 @@ def decision_lines(report: dict[str, Any]) -> list[str]:
         sizes = g["batch_sizes"]
         shown = ", ".join(map(str, sizes)) if sizes is not None and len(sizes) <= 12 else \
             ", ".join(map(str, (sizes or [1, 2, 4, 8])[:6])) + f", …, {g['max_bs']}"
-        graphs = f"cuda graphs: decode batch sizes {shown} ({g['count']} sizes, largest {g['max_bs']})"
+        mode = g.get("mode", "decode").replace("_", "-")
+        graphs = f"cuda graphs: {mode} batch sizes {shown} ({g['count']} sizes, largest {g['max_bs']})"
         if g.get("max_bs_from"):
             graphs += f"; top: {g['max_bs_from']}"
     else:

@@ -196,6 +196,10 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
                       f"decode={res['decode']} ({res['rules']['decode']}), draft override={res['is_draft_override']}")
         if res.get("dtype"):
             print_line(c, f"dtype: {res['dtype']['value']} ({res['dtype']['source']})")
+        sp = res.get("speculative")
+        if sp:
+            print_line(c, f"speculative: {sp['algorithm']} {sp['num_steps']} steps, top-k {sp['topk']}, "
+                          f"{sp['num_draft_tokens']} draft tokens per verify ({sp['source']})")
         for g in res.get("not_attention") or []:
             print_line(c, f"not attention (no KV cache, computed by the model's own kernels): {g['kind']} layers "
                           f"{_layers_text(g['layer_ids'])}")

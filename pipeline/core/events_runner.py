@@ -88,7 +88,9 @@ class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
     pool, captured largest first, so smaller sizes mostly reuse it); ``device_bytes``: device memory free before
     the capture minus free after (``torch.cuda.mem_get_info``; can be 0 or below when the allocator released
     cached blocks to make room). Both 0 in traces written before they were measured. ``graph_bytes_estimate``:
-    what :mod:`pipeline.memory.graphs` estimated this size's capture adds to the pool (0 in older traces).
+    what :mod:`pipeline.memory.graphs` estimated this size's capture adds to the pool (0 in older traces). ``mode``:
+    the captured step (``decode``; a speculative worker's ``target_verify`` or ``draft_decode``, whose ``bs``
+    requests hold ``num_draft_tokens`` or ``topk`` rows each).
     """
 
     bs: int
@@ -97,6 +99,7 @@ class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
     graph_bytes: int = 0
     device_bytes: int = 0
     graph_bytes_estimate: int = 0
+    mode: str = "decode"
 
 
 class CudaGraphMemory(Event, tag="cuda_graph_memory", kw_only=True):

@@ -76,7 +76,8 @@ class GraphMemoryEstimate(NamedTuple):
     (captured largest first, so the first holds most; they sum to ``pool_bytes``); ``blas_workspace_bytes``: the
     cuBLAS workspace request inside ``warmup_bytes``; ``num_layers`` (hidden layers spanned) and ``batch_sizes``:
     what it is for; ``lower_bound``: ``total_bytes`` is only a lower bound of the estimate
-    (:mod:`pipeline.memory.graphs`, ``per_bs`` empty)."""
+    (:mod:`pipeline.memory.graphs`, ``per_bs`` empty); ``mode`` / ``tokens_per_req``: the captured step and its rows
+    per request (``decode``, 1; a speculative worker's ``target_verify`` or ``draft_decode``)."""
 
     total_bytes: int
     per_bs: dict[int, int]
@@ -87,6 +88,8 @@ class GraphMemoryEstimate(NamedTuple):
     state_bytes: int = 0
     warmup_bytes: int = 0
     lower_bound: bool = False
+    mode: str = "decode"
+    tokens_per_req: int = 1
 
 
 def _built_kinds(spec: ModelSpec) -> dict[int, LayerKind]:
@@ -94,16 +97,21 @@ def _built_kinds(spec: ModelSpec) -> dict[int, LayerKind]:
 
 
 
-def runner_buffer_bytes(max_bs: int, hidden_size: int, dtype: str) -> tuple[int, ...]:
-    """Bytes of :class:`pipeline.runtime.cuda_graphs.DecodeGraphRunner`'s fixed input buffers at ``max_bs``:
-    ``hidden`` [max_bs, hidden_size] in ``dtype``, ``positions`` int64, ``req_pool_indices`` int64, ``seq_lens``
-    int32, ``out_cache_loc`` int64."""
-    return (max_bs * hidden_size * ELEM_BYTES[dtype], max_bs * 8, max_bs * 8, max_bs * 4, max_bs * 8)
+def runner_buffer_bytes(max_bs: int, hidden_size: int, dtype: str, tokens_per_req: int = 1,
+                        mode: str = "decode") -> tuple[int, ...]:
+    """Bytes of :class:`pipeline.runtime.cuda_graphs.DecodeGraphRunner`'s fixed input buffers at ``max_bs`` requests
+    of ``tokens_per_req`` rows: ``hidden`` [rows, hidden_size] in ``dtype``, ``positions`` int64 [rows],
+    ``req_pool_indices`` int64 [max_bs], ``seq_lens`` int32 [max_bs], ``out_cache_loc`` int64 [rows]; target verify
+    adds its prefix and tree lengths, int32 [max_bs] each."""
+    rows = max_bs * tokens_per_req
+    out = (rows * hidden_size * ELEM_BYTES[dtype], rows * 8, max_bs * 8, max_bs * 4, rows * 8)
+    return out + ((max_bs * 4, max_bs * 4) if mode == "target_verify" else ())
 
 def estimate_graph_memory(spec: ModelSpec, *, dtype: str, kv_dtype: str, decode_backend: str,
                           batch_sizes: Sequence[int], arch: str = "", aux_layers: Sequence[int] = (),
                           max_context_len: int = 1024, page_size: int = 1, num_sms: int = 1,
-                          env: Mapping[str, str] = os.environ) -> GraphMemoryEstimate:
+                          env: Mapping[str, str] = os.environ, mode: str = "decode",
+                          tokens_per_req: int = 1) -> GraphMemoryEstimate:
     """Bytes decode-graph capture of every size in ``batch_sizes`` takes: the graphs' private pool, the state kept
     for replay and the warm-up's stream (:class:`GraphMemoryEstimate`).
 
@@ -112,7 +120,10 @@ def estimate_graph_memory(spec: ModelSpec, *, dtype: str, kv_dtype: str, decode_
     (``"fp8_e4m3"`` …); ``decode_backend``: the registry name that decodes (its entry's
     ``graph_decode_allocs``); ``batch_sizes``: the captured sizes (any order; captured largest first);
     ``arch``: the device arch (``"sm90"``), for the cuBLAS workspace; ``aux_layers``: EAGLE3 aux layer ids;
-    ``max_context_len`` (tokens), ``page_size`` and ``num_sms``: what the backend's graph buffers are sized from.
+    ``max_context_len`` (tokens), ``page_size`` and ``num_sms``: what the backend's graph buffers are sized from;
+    ``mode`` / ``tokens_per_req``: a speculative worker's captured step (``target_verify`` of ``num_draft_tokens``,
+    ``draft_decode`` of ``topk`` rows per request: the stack's forward runs ``bs * tokens_per_req`` rows, the backend
+    keeps that mode's buffers; ``decode_backend`` is then the backend captured).
     See the module docstring for the rules. An empty ``batch_sizes`` estimates 0 bytes. Raises BackendUnknown /
     BackendUnavailable for a ``decode_backend`` the registry does not have.
     """
@@ -121,14 +132,15 @@ def estimate_graph_memory(spec: ModelSpec, *, dtype: str, kv_dtype: str, decode_
     kinds = _built_kinds(spec)
     sizes = sorted(set(int(b) for b in batch_sizes), reverse=True)
     if not sizes or not kinds:
-        return GraphMemoryEstimate(0, {}, 0, spec.num_hidden_layers, sorted(sizes))
+        return GraphMemoryEstimate(0, {}, 0, spec.num_hidden_layers, sorted(sizes), mode=mode,
+                                   tokens_per_req=tokens_per_req)
     pool, state, side, per_bs = PoolModel(), PoolModel(), PoolModel(), {}
     blas = blas_workspace_bytes(arch, env)
-    mb = sizes[0]
-    for nbytes in runner_buffer_bytes(mb, spec.hidden_size, dtype):
+    mb, t = sizes[0], tokens_per_req
+    for nbytes in runner_buffer_bytes(mb, spec.hidden_size, dtype, t, mode):
         state.malloc(nbytes)
     backend_state = entry.graph_state_allocs(list(_kinds_of(kinds)), sizes, max_context_len=max_context_len,
-                                             page_size=page_size, num_sms=num_sms)
+                                             page_size=page_size, num_sms=num_sms, mode=mode, tokens_per_req=t)
     by_bs: dict[int, list[int]] = {}  # the backend's state per captured size (0: made once), in its order
     for b, nbytes in backend_state:
         by_bs.setdefault(b, []).append(nbytes)
@@ -140,13 +152,13 @@ def estimate_graph_memory(spec: ModelSpec, *, dtype: str, kv_dtype: str, decode_
             state.malloc(nbytes)
         if i == 0 and blas:
             warm.a(blas)  # the side stream's cuBLAS workspace, made by the first warm-up's matmul and kept
-        warm.f(*_decode_trace(warm, spec, kinds, bs, elem, kv_dtype, entry, list(aux_layers)))
+        warm.f(*_decode_trace(warm, spec, kinds, bs * t, elem, kv_dtype, entry, list(aux_layers)))
         before = pool.reserved
-        _decode_trace(tr, spec, kinds, bs, elem, kv_dtype, entry, list(aux_layers))
+        _decode_trace(tr, spec, kinds, bs * t, elem, kv_dtype, entry, list(aux_layers))
         per_bs[bs] = pool.reserved - before
     total = pool.reserved + state.reserved + side.reserved
     return GraphMemoryEstimate(total, per_bs, blas, spec.num_hidden_layers, sorted(sizes), pool.reserved,
-                               state.reserved, side.reserved)
+                               state.reserved, side.reserved, mode=mode, tokens_per_req=t)
 
 
 def _kinds_of(kinds: dict[int, LayerKind]) -> Iterator[LayerKind]:
@@ -181,11 +193,25 @@ def estimate_for_decided(request: "SetupRequest", decided: "Decided",
         return None
     spec, args, facts = request.served_model, request.args, decided["device-init"].facts
     return estimate_graph_memory(spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
-                                 decode_backend=decided["resolve"].pair.decode,
                                  batch_sizes=capture_batch_sizes(args, request.pool.max_reqs, device=facts,
                                                                  world_size=request.world_size),
                                  arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
-                                 page_size=args.page_size, num_sms=facts.sm_count, env=env)
+                                 page_size=args.page_size, num_sms=facts.sm_count, env=env,
+                                 **captured_step(request, decided))
+
+
+def captured_step(request: "SetupRequest", decided: "Decided") -> dict:
+    """What the graphs capture for a decided setup (:func:`states.build_mode.graph_mode`): the backend captured
+    (``decode_backend``), the ``mode`` and the rows per request (``tokens_per_req``: a target worker's
+    ``num_draft_tokens``, a draft worker's ``topk``, else 1)."""
+    from states.build_mode import graph_backend, graph_mode
+
+    res = decided["resolve"]
+    mode = graph_mode(res.speculative, request.is_draft_worker)
+    t = {"target_verify": getattr(res.speculative, "num_draft_tokens", 1),
+         "draft_decode": getattr(res.speculative, "topk", 1)}.get(mode, 1)
+    return dict(decode_backend=graph_backend(res.pair, res.speculative, request.is_draft_worker), mode=mode,
+                tokens_per_req=t)
 
 
 def graphs_up_to(request: "SetupRequest", n: int) -> "SetupRequest":
@@ -225,8 +251,8 @@ def graph_trial(request: "SetupRequest", decided: "Decided", estimate: Optional[
 
 def graph_memory_lower_bound(spec, *, dtype: str, kv_dtype: str, decode_backend: str, batch_sizes: Sequence[int],
                              arch: str = "", aux_layers: Sequence[int] = (), max_context_len: int = 1024,
-                             page_size: int = 1, num_sms: int = 1,
-                             env: Mapping[str, str] = os.environ) -> GraphMemoryEstimate:
+                             page_size: int = 1, num_sms: int = 1, env: Mapping[str, str] = os.environ,
+                             mode: str = "decode", tokens_per_req: int = 1) -> GraphMemoryEstimate:
     """A :class:`GraphMemoryEstimate` (``lower_bound`` True, ``per_bs`` empty) whose ``total_bytes`` is at most
     :func:`~pipeline.memory.graphs.estimate_graph_memory`'s for the same arguments, computed from
     the largest size alone: O(1) in the sizes (a :class:`~states.build_mode.BatchSeries` is never listed; other
@@ -243,17 +269,21 @@ def graph_memory_lower_bound(spec, *, dtype: str, kv_dtype: str, decode_backend:
       smallest size's per-size state each."""
     sizes = batch_sizes if isinstance(batch_sizes, BatchSeries) else sorted(set(int(b) for b in batch_sizes))
     kw = dict(dtype=dtype, kv_dtype=kv_dtype, decode_backend=decode_backend, arch=arch, aux_layers=aux_layers,
-              max_context_len=max_context_len, page_size=page_size, num_sms=num_sms, env=env)
+              max_context_len=max_context_len, page_size=page_size, num_sms=num_sms, env=env, mode=mode,
+              tokens_per_req=tokens_per_req)
     if not sizes:
         return estimate_graph_memory(spec, batch_sizes=[], **kw)._replace(lower_bound=True)
     one = estimate_graph_memory(spec, batch_sizes=sizes[-1:], **kw)
     kinds = list(_kinds_of(_built_kinds(spec)))
     state = one.state_bytes
-    pool = max(one.pool_bytes, series_sum(sizes) * spec.hidden_size * 4) if kinds else one.pool_bytes  # the outputs kept
+    pool = max(one.pool_bytes, series_sum(sizes) * tokens_per_req * spec.hidden_size * 4) if kinds \
+        else one.pool_bytes  # the outputs kept
     if len(sizes) > 1 and kinds:
         entry, mb, r = registry.get(decode_backend, flag="decode_attention_backend"), sizes[-1], PoolModel.round_size
-        sk = dict(max_context_len=max_context_len, page_size=page_size, num_sms=num_sms)
-        live = sum(r(b) for b in runner_buffer_bytes(mb, spec.hidden_size, dtype)) + sum(r(b) for _, b in entry.graph_state_allocs(kinds, [mb], **sk))
+        sk = dict(max_context_len=max_context_len, page_size=page_size, num_sms=num_sms, mode=mode,
+                  tokens_per_req=tokens_per_req)
+        live = sum(r(b) for b in runner_buffer_bytes(mb, spec.hidden_size, dtype, tokens_per_req, mode)) + \
+            sum(r(b) for _, b in entry.graph_state_allocs(kinds, [mb], **sk))
         per_small = sum(r(b) for bs, b in entry.graph_state_allocs(kinds, sizes[:1], **sk) if bs)
         state = max(state, live + (len(sizes) - 1) * per_small)
     return one._replace(total_bytes=pool + state + one.warmup_bytes, state_bytes=state, pool_bytes=pool, per_bs={},
@@ -271,8 +301,8 @@ def lower_bound_for_decided(request: "SetupRequest", decided: "Decided", aux_lay
         return None
     spec, args, facts = request.served_model, request.args, decided["device-init"].facts
     return graph_memory_lower_bound(
-        spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec), decode_backend=decided["resolve"].pair.decode,
+        spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
         batch_sizes=capture_series(args, request.pool.max_reqs, device=facts, world_size=request.world_size),
         arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
-        page_size=args.page_size, num_sms=facts.sm_count, env=env)
+        page_size=args.page_size, num_sms=facts.sm_count, env=env, **captured_step(request, decided))
 

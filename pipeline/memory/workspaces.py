@@ -32,9 +32,22 @@ def need_at(request: Any, d: Any, facts: Any) -> Callable[[int], int]:
     users = {ws.id: sorted({i.backend for i in plan.instances if i.workspace == ws.id}) for ws in plan.workspaces}
 
     def need(bs: int) -> int:
-        q = WorkspaceQuery(kinds=kinds, num_sms=facts.sm_count, max_reqs=request.pool.max_reqs, graph_max_bs=bs)
+        q = WorkspaceQuery(kinds=kinds, num_sms=facts.sm_count, max_reqs=request.pool.max_reqs, graph_max_bs=bs,
+                           **graph_step(request))
         return max([registry.get(b).workspace_need(q) for b in sum(users.values(), [])] or [0])
     return need
+
+
+def graph_step(request: Any) -> dict[str, Any]:
+    """``graph_mode`` / ``graph_tokens`` of a :class:`WorkspaceQuery` for ``request``: the step its graphs capture
+    (:func:`states.build_mode.graph_mode` of its settled speculative shape) and the rows per captured request."""
+    from pipeline.core.speculative import settled
+    from states.build_mode import graph_mode
+
+    spec = settled(request)
+    mode = graph_mode(spec, request.is_draft_worker)
+    tokens = {"target_verify": getattr(spec, "num_draft_tokens", 1), "draft_decode": getattr(spec, "topk", 1)}
+    return {"graph_mode": mode, "graph_tokens": tokens.get(mode, 1)}
 
 
 def workspace_setting(d: Any) -> tuple[str, Any]:
@@ -64,7 +77,7 @@ def check_workspaces(req: Any, d: Any, facts: Any, fits: Any = None) -> None:
     for ws in d.plan.workspaces:
         for backend in sorted({i.backend for i in d.plan.instances if i.workspace == ws.id}):
             registry.get(backend).check_workspace(ws.bytes, WorkspaceQuery(
-                kinds=kinds, num_sms=facts.sm_count, max_reqs=req.pool.max_reqs, graph_max_bs=max_bs,
+                kinds=kinds, num_sms=facts.sm_count, max_reqs=req.pool.max_reqs, graph_max_bs=max_bs, **graph_step(req),
                 graph_bs=tuple(req.args.cuda_graph_bs or ()), graph_bs_given=bool(req.args.cuda_graph_bs),
                 max_bs_given=req.args.cuda_graph_max_bs is not None, env_var=from_env.get(ws.bytes, ""),
                 field_given=ws.bytes in from_field, max_bytes=max_ws, fits=fits))

@@ -1,4 +1,4 @@
-"""Decode CUDA graphs: capture the attention stack's decode step per batch size, replay it later.
+"""CUDA graphs: capture the attention stack's decode step (or a speculative step) per batch size, replay it later.
 
 As sglang's ``CudaGraphRunner``: fixed-address input buffers sized for the largest batch
 (``hidden`` [max_bs, hidden_size], ``positions`` [max_bs] int64, ``req_pool_indices`` [max_bs]
@@ -10,6 +10,14 @@ capture. A replay copies a real decode batch into the buffers, pads it to the ne
 reserved padding page), calls ``init_forward_metadata_replay_cuda_graph`` outside the graph and
 replays. Only decode is captured (sglang runs extend eagerly). Whether graphs are captured, and for which
 batch sizes, is decided once, torch-free, by :mod:`states.build_mode`.
+
+With speculative decoding the captured step is the worker's own, as sglang's runners capture it (its
+``CudaGraphRunner`` captures ``TARGET_VERIFY`` on a speculative target, ``EAGLEDraftCudaGraphRunner`` the draft
+decode): a target worker's target verify of ``num_draft_tokens`` tokens per request (``bs * num_draft_tokens`` query
+rows; the tree of each replayed batch goes to the backend's metadata, outside the graph), a draft worker's draft
+decode of ``topk`` branches per request (``bs * topk`` rows; any draft step replays the one graph). The fixed
+buffers then hold ``max_bs * tokens_per_req`` rows; a padded request verifies a chain at prefix 0 on row 0, or
+drafts from row 0, in the padding slot.
 """
 
 from __future__ import annotations
@@ -46,30 +54,39 @@ def _as_id(pool_id: Any) -> Any:
 
 
 class DecodeGraphRunner:
-    """Captured decode graphs of ``stack`` through ``backend`` for batch sizes ``batch_sizes``.
+    """Captured graphs of ``stack`` through ``backend`` for batch sizes ``batch_sizes`` (requests).
 
-    ``on_captured(bs, capture_ms)`` is called after each capture (the runner logs it).
-    :attr:`step_device_bytes`: device memory free when this runner was made (before its buffers) minus free after
-    the last capture — the whole capture step: buffers, the backend's graph state, the warm-up stream, the pool.
-    :attr:`capture_ms` maps bs → milliseconds spent capturing (warm-up run included).
+    ``mode``: the captured step — ``DECODE`` (default), ``TARGET_VERIFY`` or ``DRAFT_DECODE`` — with ``spec`` (the
+    :class:`~pipeline.core.contracts.SpeculativeParams` served) for the speculative ones: each request then has
+    ``tokens_per_req`` rows (``num_draft_tokens`` or ``topk``). ``on_captured(bs, capture_ms)`` is called after each
+    capture (the runner logs it). :attr:`step_device_bytes`: device memory free when this runner was made (before its
+    buffers) minus free after the last capture — the whole capture step: buffers, the backend's graph state, the
+    warm-up stream, the pool. :attr:`capture_ms` maps bs → milliseconds spent capturing (warm-up run included).
     """
 
     def __init__(self, stack: Any, backend: Any, req_to_token_pool: Any, kv_pool: Any,
-                 batch_sizes: Sequence[int]) -> None:
+                 batch_sizes: Sequence[int], mode: ForwardMode = ForwardMode.DECODE, spec: Any = None) -> None:
         import torch
 
         self.stack, self.backend, self.req_pool, self.kv_pool = stack, backend, req_to_token_pool, kv_pool
+        self.mode, self.spec = mode, spec
+        self.tokens_per_req = {ForwardMode.TARGET_VERIFY: getattr(spec, "num_draft_tokens", 1),
+                               ForwardMode.DRAFT_DECODE: getattr(spec, "topk", 1)}.get(mode, 1)
         self.free_at_start = int(torch.cuda.mem_get_info()[0]) if kv_pool.device.type == "cuda" else 0
         self.step_device_bytes = 0
         self.batch_sizes = sorted(batch_sizes)
         self.max_bs = self.batch_sizes[-1]
-        dev, n = kv_pool.device, self.max_bs
+        dev, n, rows = kv_pool.device, self.max_bs, self.max_bs * self.tokens_per_req
         self.fill = int(backend.get_cuda_graph_seq_len_fill_value())
-        self.buf = {"hidden": torch.zeros(n, stack.hidden, dtype=stack.dtype, device=dev),
-                    "positions": torch.zeros(n, dtype=torch.int64, device=dev),
+        self.buf = {"hidden": torch.zeros(rows, stack.hidden, dtype=stack.dtype, device=dev),
+                    "positions": torch.zeros(rows, dtype=torch.int64, device=dev),
                     "req_pool_indices": torch.zeros(n, dtype=torch.int64, device=dev),
                     "seq_lens": torch.full((n,), self.fill, dtype=torch.int32, device=dev),
-                    "out_cache_loc": torch.zeros(n, dtype=torch.int64, device=dev)}
+                    "out_cache_loc": torch.zeros(rows, dtype=torch.int64, device=dev)}
+        if mode is ForwardMode.TARGET_VERIFY:  # the tree tokens follow their prefix: extend fields
+            self.buf["extend_prefix_lens"] = torch.zeros(n, dtype=torch.int32, device=dev)
+            self.buf["extend_seq_lens"] = torch.full((n,), self.tokens_per_req, dtype=torch.int32, device=dev)
+            self.buf["seq_lens"].fill_(self.tokens_per_req)
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, tuple[Any, list[Any]]] = {}
         self.capture_ms: dict[int, float] = {}
@@ -78,30 +95,52 @@ class DecodeGraphRunner:
         self.pool: Any = None
         self.stream: Any = None
 
-    def _batch(self, bs: int) -> Any:
+    def _spec_info(self, bs: int, parents: Any = None, draft_slots: Any = None) -> Any:
+        """The SpecInfo of a captured or replayed batch: trees (default chains) or draft slots (default one token
+        per branch, in the padding slot)."""
+        if self.mode is ForwardMode.DECODE:
+            return None
+        import torch
+
+        from pipeline.backends.speculative import SpecInfo
+
+        t, topk = self.tokens_per_req, getattr(self.spec, "topk", 1)
+        if self.mode is ForwardMode.TARGET_VERIFY:
+            return SpecInfo(topk=topk, num_draft_tokens=t, parents=parents or [list(range(-1, t - 1))] * bs)
+        if draft_slots is None:
+            draft_slots = torch.zeros((bs, topk, 1), dtype=torch.int64, device=self.kv_pool.device)
+        return SpecInfo(topk=topk, num_draft_tokens=getattr(self.spec, "num_draft_tokens", 0), draft_slots=draft_slots)
+
+    def _batch(self, bs: int, spec_info: Any = None) -> Any:
         from pipeline.backends.base import ForwardBatch
 
-        b = self.buf
-        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs, req_pool_indices=b["req_pool_indices"][:bs],
-                            seq_lens=b["seq_lens"][:bs], out_cache_loc=b["out_cache_loc"][:bs],
-                            positions=b["positions"][:bs], req_to_token_pool=self.req_pool,
-                            token_to_kv_pool=self.kv_pool, seq_lens_cpu=[self.fill] * bs)
+        b, rows = self.buf, bs * self.tokens_per_req
+        seq_cpu = [self.fill] * bs if self.mode is not ForwardMode.TARGET_VERIFY else [self.tokens_per_req] * bs
+        fb = ForwardBatch(forward_mode=self.mode, batch_size=bs, req_pool_indices=b["req_pool_indices"][:bs],
+                          seq_lens=b["seq_lens"][:bs], out_cache_loc=b["out_cache_loc"][:rows],
+                          positions=b["positions"][:rows], req_to_token_pool=self.req_pool,
+                          token_to_kv_pool=self.kv_pool, seq_lens_cpu=seq_cpu,
+                          spec_info=spec_info if spec_info is not None else self._spec_info(bs))
+        if self.mode is ForwardMode.TARGET_VERIFY:
+            fb.extend_prefix_lens, fb.extend_seq_lens = b["extend_prefix_lens"][:bs], b["extend_seq_lens"][:bs]
+            fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = [0] * bs, [self.tokens_per_req] * bs
+        return fb
 
     def capture(self, on_captured: Optional[Callable[[int, float], None]] = None) -> None:
         """Capture every batch size, largest first (so smaller graphs reuse its memory pool)."""
         import torch
 
-        self.backend.init_cuda_graph_state(self.max_bs, self.max_bs)
+        self.backend.init_cuda_graph_state(self.max_bs, self.max_bs * self.tokens_per_req)
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = capture_stream(self.kv_pool.device)  # the process's one capture stream (see capture_graph)
         for bs in reversed(self.batch_sizes):
             t0 = time.perf_counter()
             before, free = _graph_pool_bytes(torch, self.pool), torch.cuda.mem_get_info()[0]
             fb = self._batch(bs)
-            b = self.buf
+            b, rows = self.buf, bs * self.tokens_per_req
             self.backend.init_forward_metadata_capture_cuda_graph(
-                bs, bs, b["req_pool_indices"][:bs], b["seq_lens"][:bs], None, ForwardMode.DECODE, None)
-            g, out = capture_graph(lambda: self.stack.forward(b["hidden"][:bs], fb, self.backend), pool=self.pool,
+                bs, rows, b["req_pool_indices"][:bs], b["seq_lens"][:bs], None, self.mode, fb.spec_info)
+            g, out = capture_graph(lambda: self.stack.forward(b["hidden"][:rows], fb, self.backend), pool=self.pool,
                                    stream=self.stream)
             torch.cuda.synchronize()
             self.graphs[bs], self.outputs[bs] = g, out
@@ -122,34 +161,60 @@ class DecodeGraphRunner:
                           remedy="raise cuda_graph_max_bs, or run this batch eagerly")
 
     def can_run(self, forward_batch: Any) -> bool:
-        """Whether this decode batch fits a captured graph."""
-        return forward_batch.is_decode() and forward_batch.batch_size <= self.max_bs and bool(self.graphs)
+        """Whether this batch fits a captured graph: the captured mode, at most the largest size, and (speculative)
+        ``tokens_per_req`` rows per request (every tree of ``num_draft_tokens``; ``topk`` branches)."""
+        fb = forward_batch
+        if fb.forward_mode is not self.mode or fb.batch_size > self.max_bs or not self.graphs:
+            return False
+        if self.mode is ForwardMode.TARGET_VERIFY:
+            return all(int(n) == self.tokens_per_req for n in (fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()))
+        return fb.num_tokens == fb.batch_size * self.tokens_per_req
 
     def replay(self, hidden: Any, forward_batch: Any) -> tuple[Any, list[Any]]:
-        """Replay the decode step for a real batch; returns (output [B, hidden], aux list) copies.
+        """Replay the captured step for a real batch; returns (output [rows, hidden], aux list) copies.
 
-        ``hidden`` [B, hidden_size]; ``forward_batch`` a DECODE batch of B <= max captured size.
+        ``hidden`` [rows, hidden_size]; ``forward_batch`` a batch of the captured mode and B <= max captured size.
+        Padded requests: row 0, ``seq_len`` the backend's fill value (target verify: a chain at prefix 0), KV slot 0.
         """
-        fb, n = forward_batch, forward_batch.batch_size
-        bs, b = self.graph_bs(n), self.buf
-        b["hidden"][:n].copy_(hidden)
-        b["positions"][:n].copy_(fb.positions)
-        b["req_pool_indices"][:n].copy_(fb.req_pool_indices)
-        b["seq_lens"][:n].copy_(fb.seq_lens)
-        b["out_cache_loc"][:n].copy_(fb.out_cache_loc)
-        b["req_pool_indices"][n:bs].zero_()
-        b["seq_lens"][n:bs].fill_(self.fill)
-        b["out_cache_loc"][n:bs].zero_()
-        b["positions"][n:bs].zero_()
-        seq_cpu = list(fb.seq_lens_cpu) + [self.fill] * (bs - n)
         import torch
 
+        fb, n = forward_batch, forward_batch.batch_size
+        bs, b, t = self.graph_bs(n), self.buf, self.tokens_per_req
+        rows, pad = n * t, bs * t
+        b["hidden"][:rows].copy_(hidden)
+        b["positions"][:rows].copy_(fb.positions)
+        b["req_pool_indices"][:n].copy_(fb.req_pool_indices)
+        b["seq_lens"][:n].copy_(fb.seq_lens)
+        b["out_cache_loc"][:rows].copy_(fb.out_cache_loc)
+        b["req_pool_indices"][n:bs].zero_()
+        b["seq_lens"][n:bs].fill_(t if self.mode is ForwardMode.TARGET_VERIFY else self.fill)
+        b["out_cache_loc"][rows:pad].zero_()
+        b["positions"][rows:pad].zero_()
+        seq_cpu = list(fb.seq_lens_cpu) + [t if self.mode is ForwardMode.TARGET_VERIFY else self.fill] * (bs - n)
+        spec_info = self._replay_spec(fb, bs)
+        if self.mode is ForwardMode.TARGET_VERIFY:
+            b["extend_prefix_lens"][:n].copy_(fb.extend_prefix_lens)
+            b["extend_prefix_lens"][n:bs].zero_()
         self.backend.init_forward_metadata_replay_cuda_graph(
-            bs, b["req_pool_indices"][:bs], b["seq_lens"][:bs], sum(seq_cpu), None, ForwardMode.DECODE, None,
+            bs, b["req_pool_indices"][:bs], b["seq_lens"][:bs], sum(seq_cpu), None, self.mode, spec_info,
             torch.tensor(seq_cpu, dtype=torch.int32))
         self.graphs[bs].replay()
         out, aux = self.outputs[bs]
-        return out[:n].clone(), [a[:n].clone() for a in aux]
+        return out[:rows].clone(), [a[:rows].clone() for a in aux]
+
+    def _replay_spec(self, fb: Any, bs: int) -> Any:
+        """The replayed batch's SpecInfo padded to ``bs`` requests (chains / branches in the padding slot)."""
+        if self.mode is ForwardMode.DECODE:
+            return None
+        import torch
+
+        n, info = fb.batch_size, fb.spec_info
+        if self.mode is ForwardMode.TARGET_VERIFY:
+            return self._spec_info(bs, parents=list(info.parents) + [list(range(-1, self.tokens_per_req - 1))] * (bs - n))
+        slots = info.draft_slots
+        if bs > n:
+            slots = torch.cat([slots, torch.zeros((bs - n, *slots.shape[1:]), dtype=slots.dtype, device=slots.device)])
+        return self._spec_info(bs, draft_slots=slots)
 
     def close(self) -> None:
         """Drop the graphs, their outputs and the memory pool handle."""

@@ -218,17 +218,24 @@ def capture(r: Any, d: CaptureDecision) -> None:
         r.emit(ev.StepSkipped, outcome="skipped", what="cuda_graph_capture", reason=d.graphs.reason)
         m.graphs = d.graphs.reason
         return
-    backend = m.backends.decode_attention_backend_str
+    from pipeline.core.contracts import ForwardMode
+    from states.build_mode import graph_backend, graph_mode
+
+    res = m.backends.resolution
+    spec = None if res is None else res.speculative
+    mode = ForwardMode(graph_mode(spec, r.request.is_draft_worker))  # a speculative worker captures its own step
+    backend = graph_backend(m.backends.resolution.pair, spec, r.request.is_draft_worker) if res is not None \
+        else m.backends.decode_attention_backend_str
     _barrier_before_capture(r)
-    g = cuda_graphs.DecodeGraphRunner(m.stack, r.backend_for(True), m.pools["req_to_token_pool"], m.pools["kv_pool"],
-                                      d.sizes)
+    g = cuda_graphs.DecodeGraphRunner(m.stack, r.backend_for(mode.is_decode_like), m.pools["req_to_token_pool"],
+                                      m.pools["kv_pool"], d.sizes, mode=mode, spec=spec)
     m.graphs = g
     est = graph_estimate(r, m.stack.spec)
     per_bs = {} if est is None else est.per_bs
-    with r.log.heartbeat(f"capturing decode CUDA graphs for bs {', '.join(map(str, d.sizes))}"):
+    with r.log.heartbeat(f"capturing {mode.value} CUDA graphs for bs {', '.join(map(str, d.sizes))}"):
         g.capture(lambda bs, ms: r.emit(ev.CudaGraphCaptured, bs=bs, capture_ms=ms, backend=backend,
                                         graph_bytes=g.graph_bytes[bs], device_bytes=g.device_bytes[bs],
-                                        graph_bytes_estimate=per_bs.get(bs, 0)))
+                                        graph_bytes_estimate=per_bs.get(bs, 0), mode=mode.value))
     if est is not None:  # the whole step against the estimate, part by part
         r.emit(ev.CudaGraphMemory, backend=backend, batch_sizes=list(d.sizes), pool_estimate=est.pool_bytes,
                state_estimate=est.state_bytes, warmup_estimate=est.warmup_bytes,

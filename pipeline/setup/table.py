@@ -176,7 +176,8 @@ def decide_build(ctx: SetupContext) -> BuildDecision:
                              workspace_bytes=lambda b: ws[b].value)
     logged = list({s.field: s for s in ws.values() if s.field}.values())
     return BuildDecision(settings=logged, workspace_bytes={b: s.value for b, s in ws.items()}, plan=plan,
-                         graphs=build_mode.decide_graphs(req.args, ctx.device.facts.type, [res.pair.decode]))
+                         graphs=build_mode.decide_graphs(req.args, ctx.device.facts.type, [build_mode.graph_backend(
+                             res.pair, res.speculative, req.is_draft_worker)]))
 
 
 def log_build(ctx: SetupContext, d: BuildDecision) -> None:

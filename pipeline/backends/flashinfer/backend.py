@@ -208,56 +208,98 @@ class GraphState:
     ``last_page_len`` [max_bs] int32, ``qo_indptr`` [max_bs+1] int32 (0..max_bs, for the prefill-
     class wrappers used by sink layers and the MLA wrappers), ``kv_len`` [max_bs] int32 (tokens per
     request, for the MLA wrappers); all on the KV pool's device.
+
+    Speculative graphs (made at the first, largest, capture of their mode): target verify — per size and kind a
+    paged prefill wrapper over the same page-table buffers with its own ``qo_indptr`` (0, n, 2n …), FlashInfer's
+    ``custom_mask_buf`` (``max_bs`` packed [n, max_context_len] masks) and ``mask_indptr_buf``; draft decode — a
+    token-level set of the buffers above for ``max_bs * topk`` rows (indices ``rows * max_context_len``) and the
+    decode wrappers per row count, as sglang's multi-step draft backend keeps its own ``kv_indptr`` / ``kv_indices``.
     """
 
     def __init__(self, backend: "FlashInferBackend", max_bs: int, max_num_tokens: int) -> None:
         self.backend = backend
         self.max_bs = max_bs
         self.max_num_tokens = max_num_tokens
-        dev = backend.kv_pool.device
         pages = -(-backend.req_pool.max_context_len // backend.page_size)
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.indptr = torch.zeros(max_bs + 1, **i32)
-        self.indices = torch.zeros(max_bs * pages, **i32)
-        self.last_page_len = torch.ones(max_bs, **i32)
-        self.qo_indptr = torch.arange(max_bs + 1, **i32)
-        self.kv_len = torch.ones(max_bs, **i32)
-        self._by_bs: dict[int, list[tuple["KindWrappers", Any, str]]] = {}
+        self.decode = self._buffers(max_bs, max_bs * pages)
+        self.indptr, self.indices, self.last_page_len = (self.decode[k] for k in ("indptr", "indices", "last"))
+        self.qo_indptr, self.kv_len = self.decode["qo"], self.decode["kv_len"]
+        self.verify: dict[str, torch.Tensor] = {}
+        self.draft: dict[str, torch.Tensor] = {}
+        self._by_bs: dict[tuple[str, int], list[tuple[Any, Any, str]]] = {}
+
+    def _buffers(self, rows: int, indices: int) -> dict[str, torch.Tensor]:
+        i32 = dict(dtype=torch.int32, device=self.backend.kv_pool.device)
+        return {"indptr": torch.zeros(rows + 1, **i32), "indices": torch.zeros(indices, **i32),
+                "last": torch.ones(rows, **i32), "qo": torch.arange(rows + 1, **i32), "kv_len": torch.ones(rows, **i32)}
 
     def buffers(self) -> list[torch.Tensor]:
         """The fixed-address tensors this state owns."""
-        return [self.indptr, self.indices, self.last_page_len, self.qo_indptr, self.kv_len]
+        return [*self.decode.values(), *self.verify.values(), *self.draft.values()]
 
     def wrappers(self, bs: int) -> list[tuple["KindWrappers", Any, str]]:
         """(kind, wrapper, class) per layer kind for batch size ``bs`` (made on first use); class as in
         :meth:`~pipeline.backends.flashinfer.backend.KindWrappers.decode_wrapper`."""
-        if bs > self.max_bs:
-            from pipeline.core.errors import ConfigError
+        self._check_bs(bs)
+        if ("decode", bs) not in self._by_bs:
+            self._by_bs[("decode", bs)] = [self._make(kw, bs, self.decode) for kw in self.backend.kinds]
+        return self._by_bs[("decode", bs)]
 
+    def _check_bs(self, bs: int) -> None:
+        if bs > self.max_bs:
             raise ConfigError(f"graph batch size {bs} exceeds the {self.max_bs} buffers were sized for",
                               flags=[("cuda_graph_max_bs", self.max_bs), ("bs", bs)],
                               remedy="raise cuda_graph_max_bs or capture a smaller batch")
-        if bs not in self._by_bs:
-            self._by_bs[bs] = [self._make(kw, bs) for kw in self.backend.kinds]
-        return self._by_bs[bs]
 
-    def _make(self, kw: "KindWrappers", bs: int) -> tuple["KindWrappers", Any, str]:
+    def verify_wrappers(self, bs: int, n: int) -> list[Any]:
+        """One ``use_cuda_graph`` paged prefill wrapper per kind for a target verify of ``bs`` requests of ``n``
+        tokens, with FlashInfer's custom-mask buffers."""
+        self._check_bs(bs)
+        if not self.verify:
+            b, dev = self.backend, self.backend.kv_pool.device
+            mask_bytes = self.max_bs * (-(-n * b.req_pool.max_context_len // 8) + 1)
+            self.verify = {"qo": (torch.arange(self.max_bs + 1, dtype=torch.int32) * n).to(dev),
+                           "mask": torch.zeros(mask_bytes, dtype=torch.uint8, device=dev),
+                           "mask_indptr": torch.zeros(self.max_bs + 1, dtype=torch.int32, device=dev)}
+        if ("verify", bs) not in self._by_bs:
+            b, v = self.backend, self.verify
+            self._by_bs[("verify", bs)] = [b.fi.BatchPrefillWithPagedKVCacheWrapper(
+                b.workspace, "NHD", backend=b.prefill_backend, use_cuda_graph=True, qo_indptr_buf=v["qo"][: bs + 1],
+                paged_kv_indptr_buf=self.indptr[: bs + 1], paged_kv_indices_buf=self.indices,
+                paged_kv_last_page_len_buf=self.last_page_len[:bs], custom_mask_buf=v["mask"],
+                mask_indptr_buf=v["mask_indptr"][: bs + 1]) for _ in b.kinds]
+        return self._by_bs[("verify", bs)]
+
+    def draft_wrappers(self, rows: int, max_rows: int) -> list[tuple["KindWrappers", Any, str]]:
+        """(kind, wrapper, class) per kind for a draft decode of ``rows`` branch rows over the token-level buffers
+        (made for ``max_rows`` at the first capture)."""
+        if not self.draft:
+            self.draft = self._buffers(max_rows, max_rows * self.backend.req_pool.max_context_len)
+        if rows > self.draft["last"].numel():
+            raise ConfigError(f"a draft decode of {rows} branch rows exceeds the {self.draft['last'].numel()} the "
+                              "graph buffers were sized for", flags=[("rows", rows)],
+                              remedy="capture the largest batch first (its buffers serve every smaller one)")
+        if ("draft", rows) not in self._by_bs:
+            self._by_bs[("draft", rows)] = [self._make(kw, rows, self.draft) for kw in self.backend.kinds]
+        return self._by_bs[("draft", rows)]
+
+    def _make(self, kw: "KindWrappers", bs: int, buf: dict[str, torch.Tensor]) -> tuple["KindWrappers", Any, str]:
         b, fi = self.backend, self.backend.fi
         if kw.mla:
-            w = b.mla_wrapper(kw.mla_backend, use_cuda_graph=True, qo_indptr=self.qo_indptr[: bs + 1],
-                              kv_indptr=self.indptr[: bs + 1], kv_indices=self.indices, kv_len_arr=self.kv_len[:bs])
+            w = b.mla_wrapper(kw.mla_backend, use_cuda_graph=True, qo_indptr=buf["qo"][: bs + 1],
+                              kv_indptr=buf["indptr"][: bs + 1], kv_indices=buf["indices"], kv_len_arr=buf["kv_len"][:bs])
             return kw, w, "mla"
-        bufs = dict(paged_kv_indptr_buf=self.indptr[: bs + 1], paged_kv_indices_buf=self.indices,
-                    paged_kv_last_page_len_buf=self.last_page_len[:bs])
+        bufs = dict(paged_kv_indptr_buf=buf["indptr"][: bs + 1], paged_kv_indices_buf=buf["indices"],
+                    paged_kv_last_page_len_buf=buf["last"][:bs])
         if kw.sinks:
-            w = b.sink_wrapper(kw.kind, kw.window_left, use_cuda_graph=True, qo_indptr_buf=self.qo_indptr[: bs + 1], **bufs)
+            w = b.sink_wrapper(kw.kind, kw.window_left, use_cuda_graph=True, qo_indptr_buf=buf["qo"][: bs + 1], **bufs)
             return kw, w, "prefill"
         _, cls = kw.decode_wrapper(bs, b.kv_dtype_name)
         tc = kw.decode_cc is None or kw.decode_wrapper(bs, b.kv_dtype_name)[0] is kw.decode_tc
         w = fi.BatchDecodeWithPagedKVCacheWrapper(
             b.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
             backend=b.prefill_backend if tc else "auto",
-            paged_kv_indptr_buffer=bufs["paged_kv_indptr_buf"], paged_kv_indices_buffer=self.indices,
+            paged_kv_indptr_buffer=bufs["paged_kv_indptr_buf"], paged_kv_indices_buffer=buf["indices"],
             paged_kv_last_page_len_buffer=bufs["paged_kv_last_page_len_buf"])
         return kw, w, cls
 
@@ -537,21 +579,22 @@ class FlashInferBackend(AttentionBackend):
                    **kw.plan_kw)
             kw.active, kw.mode = w, mode
 
-    def draft_tables(self, fb: ForwardBatch, indices_out: Optional[torch.Tensor] = None,
-                     table_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    def draft_tables(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_host: list[int],
+                     spec_info: Any, indices_out: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """A draft decode's token-level page table: (indptr [R+1], indices [sum lens] int32 on the device, last [R]
         all 1, kv lens per row), R = B * topk branch rows, page size 1 (:func:`draft_token_table`: each branch's
-        prefix slots then its draft slots; sglang's ``generate_draft_decode_kv_indices`` does it at page level)."""
-        slots = check_draft_batch(fb.spec_info, fb.batch_size, fb.num_tokens)
+        prefix slots then its draft slots; sglang's ``generate_draft_decode_kv_indices`` does it at page level).
+        ``seq_lens`` / ``seq_host``: the committed prefixes on the device / host."""
+        slots = spec_info.draft_slots
         r2t = self.req_pool.req_to_token
         topk, s1 = slots.shape[1], slots.shape[2]
-        lens = [s + s1 for s in _host_ints(fb.seq_lens_cpu, fb.seq_lens) for _ in range(topk)]
-        width = r2t.shape[1] if table_out is None else table_out.shape[1]
-        if max(lens, default=0) > width:
-            raise ConfigError(f"a draft branch reaches {max(lens)} tokens, req_to_token holds {width}",
-                              code="invalid_value", flags=[("max_context_len", width)],
+        lens = [s + s1 for s in seq_host for _ in range(topk)]
+        if max(lens, default=0) > r2t.shape[1]:
+            raise ConfigError(f"a draft branch reaches {max(lens)} tokens, req_to_token holds {r2t.shape[1]}",
+                              code="invalid_value", flags=[("max_context_len", r2t.shape[1])],
                               remedy="size max_context_len for the prefix and the draft tokens")
-        table, lens_dev = draft_token_table(r2t, fb.req_pool_indices, fb.seq_lens, slots, width, out=table_out)
+        table, lens_dev = draft_token_table(r2t, req_pool_indices, seq_lens, slots, r2t.shape[1])
         rows = len(lens)
         indptr = torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
         indices = gather_kv_indices(table, torch.arange(rows, device=table.device), lens_dev, int(indptr[-1]), 1,
@@ -560,25 +603,26 @@ class FlashInferBackend(AttentionBackend):
 
     def plan_draft_decode(self, fb: ForwardBatch) -> None:
         """Plan a draft decode (B * topk branch rows) on each kind's decode wrapper for that many rows."""
-        indptr, indices, last, lens = self.draft_tables(fb)
+        check_draft_batch(fb.spec_info, fb.batch_size, fb.num_tokens)
+        indptr, indices, last, lens = self.draft_tables(fb.req_pool_indices, fb.seq_lens,
+                                                        _host_ints(fb.seq_lens_cpu, fb.seq_lens), fb.spec_info)
         sel = [(kw, *kw.decode_wrapper(len(lens), self.kv_dtype_name)) for kw in self.kinds]
         self.plan_decode_tables(sel, indptr, indices, last, lens, 1, "draft")
 
-    def plan_verify(self, fb: ForwardBatch, wrappers: Optional[list[Any]] = None,
+    def plan_verify(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, prefix: list[int],
+                    new: list[int], spec_info: Any, wrappers: Optional[list[Any]] = None,
                     indices_out: Optional[torch.Tensor] = None) -> None:
-        """Plan a target verify of EAGLE trees: each kind's paged prefill wrapper (``wrappers``: CUDA-graph ones per
-        kind) over prefix + tree tokens with FlashInfer's custom mask — per request ``[n, prefix + n]`` bits, prefix
-        columns set, the tree's ancestor mask after them (:func:`full_mask_rows`; sglang's ``FULL_MASK``), packed by
-        ``plan()``. The indptrs go to the device with the mask: FlashInfer packs it with ``segment_packbits``, which
-        wants its indptr on the mask's device (0.6.13; 0.7.2 moves it itself)."""
-        pre = _host_ints(fb.extend_prefix_lens_cpu, fb.extend_prefix_lens)
-        ext = _host_ints(fb.extend_seq_lens_cpu, fb.extend_seq_lens)
-        spec = check_verify_batch(fb.spec_info, pre, ext)
+        """Plan a target verify of EAGLE trees (``new[b]`` tokens after ``prefix[b]``): each kind's paged prefill wrapper
+        (``wrappers``: CUDA-graph ones per kind) over prefix + tree tokens with FlashInfer's custom mask — per request
+        ``[n, prefix + n]`` bits, prefix columns set, the tree's ancestor mask after them (:func:`full_mask_rows`;
+        sglang's ``FULL_MASK``), packed by ``plan()``. The indptrs go to the device with the mask: FlashInfer packs it
+        with ``segment_packbits``, which wants its indptr on the mask's device (0.6.13; 0.7.2 moves it itself)."""
+        spec = check_verify_batch(spec_info, prefix, new)
         dev = self.kv_pool.device
-        indptr, indices, last = self.page_table(fb.req_pool_indices, [p + e for p, e in zip(pre, ext)], fb.seq_lens,
+        indptr, indices, last = self.page_table(req_pool_indices, [p + e for p, e in zip(prefix, new)], seq_lens,
                                                 indices_out)
-        qo = torch.tensor([0, *accumulate(ext)], dtype=torch.int32)
-        mask = full_mask_rows(spec, pre).to(dev)
+        qo = torch.tensor([0, *accumulate(new)], dtype=torch.int32)
+        mask = full_mask_rows(spec, prefix).to(dev)
         for i, kw in enumerate(self.kinds):
             _check_tree_kind(self.name, kw)
             w = kw.paged if wrappers is None else wrappers[i]
@@ -619,12 +663,12 @@ class FlashInferBackend(AttentionBackend):
         """Plan the batch once (host metadata + page ids); the layers then only ``run()``. Target verify of a tree:
         :meth:`plan_verify` (a chain is planned as the causal extend it is); draft decode: :meth:`plan_draft_decode`."""
         fb = forward_batch
+        pre = _host_ints(fb.extend_prefix_lens_cpu, fb.extend_prefix_lens) if fb.is_target_verify() else []
+        new = _host_ints(fb.extend_seq_lens_cpu, fb.extend_seq_lens) if fb.is_target_verify() else []
         if fb.is_draft_decode():
             self.plan_draft_decode(fb)
-        elif fb.is_target_verify() and not check_verify_batch(
-                fb.spec_info, _host_ints(fb.extend_prefix_lens_cpu, fb.extend_prefix_lens),
-                _host_ints(fb.extend_seq_lens_cpu, fb.extend_seq_lens)).is_chain():
-            self.plan_verify(fb)
+        elif fb.is_target_verify() and not check_verify_batch(fb.spec_info, pre, new).is_chain():
+            self.plan_verify(fb.req_pool_indices, fb.seq_lens, pre, new, fb.spec_info)
         elif fb.is_decode():
             seq = _host_ints(fb.seq_lens_cpu, fb.seq_lens)
             sel = self._decode_sel.get(len(seq))
@@ -643,24 +687,42 @@ class FlashInferBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
                                                  forward_mode, spec_info) -> None:
         """Build (once per ``bs``) the ``use_cuda_graph=True`` wrappers and plan them for capture."""
-        self._require_graph(forward_mode)
-        self.plan_decode(self.graph.wrappers(bs), req_pool_indices[:bs], seq_lens[:bs].tolist(), seq_lens[:bs],
-                         self.graph.indices)
+        self._graph_plan(bs, req_pool_indices, seq_lens, seq_lens[:bs].tolist(), forward_mode, spec_info)
 
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
                                                 forward_mode, spec_info, seq_lens_cpu=None) -> None:
         """Re-plan the ``bs`` graph wrappers for the new lengths (outside the graph) before replay."""
-        self._require_graph(forward_mode)
         seq = (seq_lens_cpu[:bs] if seq_lens_cpu is not None else seq_lens[:bs]).tolist()
-        self.plan_decode(self.graph.wrappers(bs), req_pool_indices[:bs], seq, seq_lens[:bs], self.graph.indices)
+        self._graph_plan(bs, req_pool_indices, seq_lens, seq, forward_mode, spec_info)
+
+    def _graph_plan(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq: list[int],
+                    forward_mode: ForwardMode, spec_info: Any) -> None:
+        """Plan the ``bs`` graph wrappers of ``forward_mode``: decode; target verify of ``num_draft_tokens`` (n) per
+        request (prefix ``seq - n``; always with a custom mask: a wrapper made with ``custom_mask_buf`` reads it at
+        every run, as sglang notes); draft decode of ``bs * topk`` rows over the token-level buffers."""
+        self._require_graph(forward_mode)
+        rpi, lens = req_pool_indices[:bs], seq_lens[:bs]
+        if forward_mode is ForwardMode.TARGET_VERIFY:
+            n = spec_info.num_draft_tokens
+            self.plan_verify(rpi, lens, [s - n for s in seq], [n] * bs, spec_info,
+                             self.graph.verify_wrappers(bs, n), self.graph.indices)
+        elif forward_mode is ForwardMode.DRAFT_DECODE:
+            rows = bs * spec_info.topk
+            wrappers = self.graph.draft_wrappers(rows, self.graph.max_bs * spec_info.topk)
+            indptr, indices, last, kv = self.draft_tables(rpi, lens, seq, spec_info, self.graph.draft["indices"])
+            self.plan_decode_tables(wrappers, indptr, indices, last, kv, 1, "draft")
+        else:
+            self.plan_decode(self.graph.wrappers(bs), rpi, seq, lens, self.graph.indices)
 
     def _require_graph(self, forward_mode: ForwardMode) -> None:
         if self.graph is None:
             raise ConfigError("init_cuda_graph_state was not called before capture/replay", code="out_of_order",
                               remedy="call init_cuda_graph_state(max_bs, max_num_tokens) first")
-        if forward_mode is not ForwardMode.DECODE:
-            raise CapabilityMismatch(f"{self.name} captures decode batches only", flags=[("forward_mode", forward_mode.value)],
-                                     allowed=["decode"], remedy="run extend batches eagerly")
+        if forward_mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE):
+            raise CapabilityMismatch(f"{self.name} captures decode, target-verify and draft-decode batches only",
+                                     flags=[("forward_mode", forward_mode.value)],
+                                     allowed=["decode", "target_verify", "draft_decode"],
+                                     remedy="run extend batches eagerly")
 
     # ------------------------------------------------------------------ forward
     def paged_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -160,11 +160,15 @@ def fa2_eager_bytes(shape: HeadShape, num_sms: int) -> int:
     return _tmp_bytes(shape.num_qo_heads, tiles * tile, shape.head_dim_vo)
 
 
-def fa2_graph_decode_bytes(shape: HeadShape, num_sms: int, batch_size: int) -> int:
-    """Exact FA2 scratch of a tensor-core decode plan captured at ``batch_size`` requests."""
-    tile = cta_tile_q(shape.group, shape.head_dim_vo)
+def fa2_graph_decode_bytes(shape: HeadShape, num_sms: int, batch_size: int, qo_len: int = 1) -> int:
+    """Exact FA2 scratch of a tensor-core decode plan captured at ``batch_size`` requests (``qo_len`` query rows
+    each: a target verify's ``num_draft_tokens``, planned on the same prefill kernel). FlashInfer's planner in
+    CUDA-graph mode bounds the tiles from the total rows: the tile from the longest request the total allows
+    (``total - batch_size + 1`` rows), ``ceil(total * group / tile) + batch_size - 1`` tiles."""
+    rows = batch_size * qo_len
+    tile = cta_tile_q((rows - batch_size + 1) * shape.group, shape.head_dim_vo)
     split_tiles = PREFILL_CTAS_PER_SM * num_sms // shape.num_kv_heads
-    q_tiles = -(-batch_size * shape.group // tile) + batch_size - 1
+    q_tiles = -(-rows * shape.group // tile) + batch_size - 1
     return _tmp_bytes(shape.num_qo_heads, max(split_tiles, q_tiles) * tile, shape.head_dim_vo)
 
 
@@ -175,7 +179,8 @@ def mla_bytes(shape: HeadShape, num_sms: int) -> int:
 
 
 def workspace_need(shapes: Iterable[HeadShape], *, num_sms: int, max_batch_size: int,
-                   cuda_graph_max_bs: int = 0, prefill_backend: str = "fa2") -> WorkspaceNeed:
+                   cuda_graph_max_bs: int = 0, prefill_backend: str = "fa2", graph_mode: str = "decode",
+                   graph_tokens: int = 1) -> WorkspaceNeed:
     """Float-workspace bytes a FlashInfer backend needs for the largest batch it will plan.
 
     Parameters
@@ -187,6 +192,9 @@ def workspace_need(shapes: Iterable[HeadShape], *, num_sms: int, max_batch_size:
     cuda_graph_max_bs: largest captured batch size, 0 when CUDA graphs are off.
     prefill_backend: ``"fa2"`` (the ``flashinfer`` backend) or ``"fa3"`` (the ``fa3`` backend,
         whose SM90 kernels keep no float scratch).
+    graph_mode, graph_tokens: what the graphs capture (``decode``; a speculative worker's ``target_verify`` of
+        ``graph_tokens`` query rows per request on the prefill kernel, or ``draft_decode`` of ``graph_tokens``
+        branch rows per request).
 
     Returns a :class:`WorkspaceNeed`; ``parts`` names the largest term per path.
     """
@@ -200,9 +208,15 @@ def workspace_need(shapes: Iterable[HeadShape], *, num_sms: int, max_batch_size:
         parts["cuda_core_decode"] = max(parts["cuda_core_decode"], cuda_core_decode_bytes(s, num_sms))
         parts["fa2_eager"] = max(parts["fa2_eager"], fa2_eager_bytes(s, num_sms))
         bs = min(cuda_graph_max_bs, max_batch_size) if max_batch_size > 0 else cuda_graph_max_bs
-        tc = use_tensor_core_decode(s.group, bs) or use_tensor_core_decode(s.group, bs, "fp8")  # either KV dtype
-        if bs > 0 and (s.sinks or tc):
-            parts["fa2_graph_decode"] = max(parts["fa2_graph_decode"], fa2_graph_decode_bytes(s, num_sms, bs))
+        if graph_mode == "target_verify":  # the paged prefill kernel, graph_tokens rows per request
+            if bs > 0:
+                parts["fa2_graph_decode"] = max(parts["fa2_graph_decode"],
+                                                fa2_graph_decode_bytes(s, num_sms, bs, graph_tokens))
+            continue
+        rows = bs * graph_tokens if graph_mode == "draft_decode" else bs
+        tc = use_tensor_core_decode(s.group, rows) or use_tensor_core_decode(s.group, rows, "fp8")  # either KV dtype
+        if rows > 0 and (s.sinks or tc):
+            parts["fa2_graph_decode"] = max(parts["fa2_graph_decode"], fa2_graph_decode_bytes(s, num_sms, rows))
     return WorkspaceNeed(bytes=max(parts.values()), parts=parts)
 
 
@@ -259,7 +273,8 @@ def backend_need(q: WorkspaceQuery, *, backend: str) -> int:
     """Bytes of workspace :func:`check_backend_workspace` needs (its ``need``: the least it accepts) for the query's
     kinds served by ``backend`` (``"flashinfer"`` or ``"fa3"``)."""
     return workspace_need(shapes_of(q.kinds), cuda_graph_max_bs=q.graph_max_bs, num_sms=max(q.num_sms, 1),
-                          max_batch_size=q.max_reqs, prefill_backend="fa3" if backend == "fa3" else "fa2").bytes
+                          max_batch_size=q.max_reqs, prefill_backend="fa3" if backend == "fa3" else "fa2",
+                          graph_mode=q.graph_mode, graph_tokens=q.graph_tokens).bytes
 
 
 def check_backend_workspace(size_bytes: int, q: WorkspaceQuery, *, backend: str, state: str = "build-mode") -> None:
@@ -283,7 +298,7 @@ def check_backend_workspace(size_bytes: int, q: WorkspaceQuery, *, backend: str,
 
     shapes, fits = shapes_of(q.kinds), q.fits
     kw = dict(num_sms=max(q.num_sms, 1), max_batch_size=q.max_reqs,
-              prefill_backend="fa3" if backend == "fa3" else "fa2")
+              prefill_backend="fa3" if backend == "fa3" else "fa2", graph_mode=q.graph_mode, graph_tokens=q.graph_tokens)
     need = workspace_need(shapes, cuda_graph_max_bs=q.graph_max_bs, **kw)
     if size_bytes >= need.bytes:
         return
@@ -400,24 +415,41 @@ FI_KV_LENS_BYTES = 32768 * 4
 
 
 def graph_state_allocs(kinds: Sequence[Any], batch_sizes: Sequence[int], *, max_context_len: int, page_size: int,
-                       num_sms: int) -> list[tuple[int, int]]:
-    """What decode-graph capture allocates outside the graph pool, in order (``[(bs, nbytes)]``, bs 0 first):
+                       num_sms: int, mode: str = "decode", tokens_per_req: int = 1) -> list[tuple[int, int]]:
+    """What graph capture allocates outside the graph pool, in order (``[(bs, nbytes)]``, bs 0 first):
     :class:`pipeline.backends.flashinfer.backend.GraphState`'s int32 buffers for the largest size (``indptr``,
     ``indices`` of ``max_bs * ceil(max_context_len / page_size)`` pages, ``last_page_len``, ``qo_indptr``,
     ``kv_len``), then per captured size and layer kind the ``use_cuda_graph`` wrapper made for it — its own 8 MiB
     int workspace (:data:`FI_INT_WORKSPACE_BYTES`), a prefill-class (sink) wrapper's kv-lens buffer, a tensor-core
     decode wrapper's ``qo_indptr`` [bs+1] int32. sglang's FlashInfer backend makes its capture wrappers per size
-    the same way."""
+    the same way. ``target_verify`` (``tokens_per_req`` = n tokens per request): the verify ``qo_indptr``, the
+    custom-mask buffer (``max_bs`` packed ``[n, max_context_len]`` masks) and its indptr, and per size and kind a
+    paged prefill wrapper; ``draft_decode`` (n = top-k rows per request): the token-level buffers for
+    ``max_bs * n`` rows and the decode wrappers per row count."""
     mb = max(batch_sizes)
     pages = -(-max_context_len // max(page_size, 1))
     out = [(0, (mb + 1) * 4), (0, mb * pages * 4), (0, mb * 4), (0, (mb + 1) * 4), (0, mb * 4)]
-    for bs in sorted(set(batch_sizes), reverse=True):
-        for k in kinds:
-            out.append((bs, FI_INT_WORKSPACE_BYTES))
-            if k.has_sinks and not k.is_mla:
-                out.append((bs, FI_KV_LENS_BYTES))
-            elif not k.is_mla and use_tensor_core_decode(k.num_heads // k.num_kv_heads, bs):
-                out.append((bs, (bs + 1) * 4))
+    n, sizes = tokens_per_req, sorted(set(batch_sizes), reverse=True)
+    if mode == "target_verify":
+        out += [(0, (mb + 1) * 4), (0, mb * (-(-n * max_context_len // 8) + 1)), (0, (mb + 1) * 4)]
+        return out + [(bs, b) for bs in sizes for _ in kinds for b in (FI_INT_WORKSPACE_BYTES, FI_KV_LENS_BYTES)]
+    if mode == "draft_decode":
+        rows = mb * n
+        out += [(0, (rows + 1) * 4), (0, rows * max_context_len * 4), (0, rows * 4), (0, (rows + 1) * 4), (0, rows * 4)]
+        return out + [a for bs in sizes for a in _wrapper_allocs(kinds, bs * n, bs)]
+    return out + [a for bs in sizes for a in _wrapper_allocs(kinds, bs, bs)]
+
+
+def _wrapper_allocs(kinds: Sequence[Any], rows: int, bs: int) -> list[tuple[int, int]]:
+    """Per layer kind, what the ``use_cuda_graph`` decode-class wrapper for ``rows`` query rows allocates (recorded
+    under size ``bs``)."""
+    out = []
+    for k in kinds:
+        out.append((bs, FI_INT_WORKSPACE_BYTES))
+        if k.has_sinks and not k.is_mla:
+            out.append((bs, FI_KV_LENS_BYTES))
+        elif not k.is_mla and use_tensor_core_decode(k.num_heads // k.num_kv_heads, rows):
+            out.append((bs, (rows + 1) * 4))
     return out
 
 

@@ -5,6 +5,10 @@
   (``req_pool_indices`` [max_bs] int64, ``seq_lens`` [max_bs] int32 and the fp32 split scratch) that
   capture points the kernels at and :meth:`init_forward_metadata_replay_cuda_graph` refreshes; the
   launch grid depends on the batch size only, so one graph serves any new lengths.
+- Speculative (sglang's ``triton_backend.py``): target verify = the extend kernel with a tree mask
+  (:mod:`pipeline.backends.speculative`); draft decode = the decode kernels over a per-branch token table. Both are
+  captured as sglang captures them (target verify of ``num_draft_tokens`` per request, draft decode of ``topk``
+  rows per request), their graph buffers made at the first (largest) capture of the mode.
 - Extend: :func:`~pipeline.backends.triton.launch.extend_attention` (prefix through ``req_to_token``,
   causal among the new tokens), eager only, as in sglang's decode-only graph capture.
 - Both write the new K/V into the pool first when ``save_kv_cache`` (sglang's order).
@@ -171,6 +175,8 @@ class TritonAttnBackend(AttentionBackend):
         every call's layer is then checked against its kind once per layer object
         (:class:`~pipeline.backends.base.PlannedLayers`; ``LayerMismatch`` before any write).
         None computes with whatever each call's layer says (direct use in kernel tests).
+    req_to_token_pool : the pool it serves (draft-decode CUDA graphs rebuild their token table from it before each
+        replay, where no batch is passed); None is fine without them.
     """
 
     name = "triton"
@@ -180,8 +186,9 @@ class TritonAttnBackend(AttentionBackend):
                  extend_config: Optional[launch.ExtendConfig] = None,
                  mla_decode_config: Optional[launch_mla.MLADecodeConfig] = None,
                  mla_extend_config: Optional[launch_mla.MLAExtendConfig] = None,
-                 layer_kinds: Optional[Sequence[LayerKind]] = None) -> None:
+                 layer_kinds: Optional[Sequence[LayerKind]] = None, req_to_token_pool: Any = None) -> None:
         self.torch_device = torch.device(torch_device)
+        self.req_to_token_pool = req_to_token_pool  # draft-decode graphs build their token table from it
         self.layer_dims = list(layer_dims)
         self.num_sms = int(num_sms)
         self.role = role
@@ -282,8 +289,9 @@ class TritonAttnBackend(AttentionBackend):
         if not self._graph:
             raise call_error("cuda_graph_state", None, "init_cuda_graph_state() called", "call init_cuda_graph_state first")
         if forward_mode is not ForwardMode.DECODE:
-            raise CapabilityMismatch("the triton backend captures decode batches only",
-                                     flags=[("forward_mode", str(forward_mode.value))], allowed=["decode"],
+            raise CapabilityMismatch("the triton backend captures decode, target-verify and draft-decode batches only",
+                                     flags=[("forward_mode", str(forward_mode.value))],
+                                     allowed=["decode", "target_verify", "draft_decode"],
                                      remedy="run extend batches eagerly (as sglang does)")
         g_req, g_seq = self._graph["req_pool_indices"], self._graph["seq_lens"]
         if not 1 <= bs <= g_req.shape[0]:
@@ -292,15 +300,87 @@ class TritonAttnBackend(AttentionBackend):
         g_seq[:bs].copy_(seq_lens[:bs])
         return _DecodeMeta(g_req[:bs], g_seq[:bs], bs, self._graph["scratch"])
 
+    def _graph_buffer(self, name: str, numel: int, dtype: torch.dtype, fill: Optional[torch.Tensor] = None
+                      ) -> torch.Tensor:
+        """A fixed-address speculative graph buffer, made at the first (largest) capture of its mode, outside the
+        graph (``fill``: its initial value). Later sizes take a prefix of it."""
+        buf = self._graph.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self._graph[name] = torch.zeros(numel, dtype=dtype, device=self.torch_device) if fill is None \
+                else fill.to(self.torch_device, dtype)
+        return buf
+
+    def _verify_graph_meta(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, spec_info: Any,
+                           seq_lens_cpu: Optional[list[int]]) -> _ExtendMeta:
+        """Target verify in a graph: ``num_draft_tokens`` (n) per request, the prefix ``seq_lens - n``; fixed buffers
+        for the rows, prefixes, ``qo_indptr`` (0, n, 2n …), the [n, n] tree masks (a chain's is causal: in a graph the
+        kernel always reads one) and the tokens' positions, refreshed from the batch's trees (outside the graph)."""
+        n = spec_info.num_draft_tokens
+        pre = [s - n for s in (seq_lens_cpu if seq_lens_cpu is not None else seq_lens[:bs].tolist())][:bs]
+        spec = check_verify_batch(spec_info, pre, [n] * bs)
+        mb = self._graph["req_pool_indices"].shape[0]
+        g = {k: self._graph_buffer(f"verify.{k}", *a) for k, a in (
+            ("req", (mb, torch.int64)), ("prefix", (mb, torch.int32)), ("pos", (mb * n, torch.int64)),
+            ("mask", (mb * n * n, torch.uint8)),
+            ("qo", (mb + 1, torch.int32, torch.arange(mb + 1) * n)),
+            ("mask_indptr", (mb + 1, torch.int32, torch.arange(mb + 1) * n * n)))}
+        g["req"][:bs].copy_(req_pool_indices[:bs])
+        g["prefix"][:bs].copy_(torch.tensor(pre, dtype=torch.int32))
+        mask, _ = tree_mask_rows(spec, "cpu")
+        g["mask"][: mask.numel()].copy_(mask)
+        g["pos"][: bs * n].copy_(torch.tensor(verify_positions(spec, pre), dtype=torch.int64))
+        return _ExtendMeta(g["req"][:bs], g["qo"][: bs + 1], g["prefix"][:bs], n,
+                           (g["mask"], g["mask_indptr"][: bs + 1], g["pos"][: bs * n]))
+
+    def _draft_graph_meta(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, spec_info: Any,
+                          seq_lens_cpu: Optional[list[int]]) -> _DecodeMeta:
+        """Draft decode in a graph: ``bs * topk`` branch rows over a fixed token table [rows, max_context_len]
+        (:func:`draft_token_table`), lengths and decode scratch sized for that many rows, refreshed outside the graph."""
+        if self.req_to_token_pool is None:
+            raise call_error("req_to_token_pool", None, "the pool the backend was built over",
+                             "build the backend with its req_to_token_pool (the registry factory does)")
+        r2t = self.req_to_token_pool.req_to_token
+        topk, mb = spec_info.topk, self._graph["req_pool_indices"].shape[0]
+        rows, max_rows = bs * topk, mb * topk
+        table = self._graph_buffer("draft.table", max_rows * r2t.shape[1], torch.int32).view(max_rows, -1)
+        lens = self._graph_buffer("draft.lens", max_rows, torch.int32)
+        idx = self._graph_buffer("draft.rows", max_rows, torch.int64, torch.arange(max_rows))
+        need = max(self._scratch_numel(r, h, hkv, d, dv) for r in (max_rows,) for h, hkv, d, dv in self.layer_dims)
+        scratch = self._graph_buffer("draft.scratch", need, torch.float32)
+        slots = spec_info.draft_slots
+        seq = seq_lens_cpu if seq_lens_cpu is not None else seq_lens[:bs].tolist()
+        if max(seq[:bs], default=0) + slots.shape[2] > table.shape[1]:
+            raise call_error("seq_lens", max(seq[:bs]), f"prefix + draft tokens <= {table.shape[1]}",
+                             "size max_context_len for the prefix and the draft tokens")
+        tab, l_dev = draft_token_table(r2t, req_pool_indices[:bs], seq_lens[:bs], slots, table.shape[1], out=table)
+        lens[:rows].copy_(l_dev)
+        return _DecodeMeta(idx[:rows], lens[:rows], rows, scratch, tab)
+
+    def _spec_graph(self, bs: int, req_pool_indices, seq_lens, forward_mode: ForwardMode, spec_info: Any,
+                    seq_lens_cpu: Any = None) -> None:
+        """Point the next forward (capture) or replay at the graph buffers of ``forward_mode``."""
+        if not self._graph:
+            raise call_error("cuda_graph_state", None, "init_cuda_graph_state() called", "call init_cuda_graph_state first")
+        seq = None if seq_lens_cpu is None else [int(x) for x in seq_lens_cpu]
+        self._graph_mode = forward_mode
+        if forward_mode is ForwardMode.TARGET_VERIFY:
+            self._extend = (None, self._verify_graph_meta(bs, req_pool_indices, seq_lens, spec_info, seq))
+        elif forward_mode is ForwardMode.DRAFT_DECODE:
+            self._decode = self._draft_graph_meta(bs, req_pool_indices, seq_lens, spec_info, seq)
+        else:
+            self._decode = self._graph_meta(bs, req_pool_indices, seq_lens, forward_mode)
+
     def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
                                                  forward_mode, spec_info) -> None:
-        """Point decode at the graph buffers (filled with this batch) before capture at size ``bs``."""
-        self._decode = self._graph_meta(bs, req_pool_indices, seq_lens, forward_mode)
+        """Point decode (target verify, draft decode) at the graph buffers, filled with this batch, before capture
+        at size ``bs``."""
+        self._spec_graph(bs, req_pool_indices, seq_lens, forward_mode, spec_info)
 
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
                                                 forward_mode, spec_info, seq_lens_cpu=None) -> None:
-        """Copy the new batch's rows and lengths into the graph buffers (outside the graph)."""
-        self._decode = self._graph_meta(bs, req_pool_indices, seq_lens, forward_mode)
+        """Copy the new batch's rows and lengths (target verify: its trees; draft decode: its token table) into the
+        graph buffers (outside the graph)."""
+        self._spec_graph(bs, req_pool_indices, seq_lens, forward_mode, spec_info, seq_lens_cpu)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padded graph rows get length 1 (row 0, slot 0: sglang's padding slot)."""
@@ -401,6 +481,7 @@ class TritonAttnBackend(AttentionBackend):
         self._graph = {}
         self._decode = None
         self._extend = None
+        self.req_to_token_pool = None
         self.closed = True
 
 
@@ -413,5 +494,5 @@ def create(ctx: Any) -> TritonAttnBackend:
     dims = kernel_dims(ctx.layer_kinds)
     sms = getattr(ctx.device, "sm_count", 0) or 132
     return TritonAttnBackend(torch_device=ctx.torch_device, layer_dims=dims, num_sms=sms, role=ctx.role,
-                             layer_kinds=ctx.layer_kinds)
+                             layer_kinds=ctx.layer_kinds, req_to_token_pool=ctx.req_to_token_pool)
 
