@@ -57,12 +57,18 @@ FEATURE_MODELS = {
     "chunked_local_attention": spec(layer_types=["chunked", "full", "chunked"], attention_chunk_size=5),
     "encoder_decoder": spec(is_encoder_decoder=True),
 }
-FEATURE_ARGS = {"speculative": dict(speculative_algorithm="EAGLE"), "tbo": dict(enable_two_batch_overlap=True, moe_a2a_backend="deepep"),
+TREE = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=4,
+            speculative_num_draft_tokens=8)
+FEATURE_ARGS = {"speculative": dict(speculative_algorithm="EAGLE"), "speculative_tree": TREE,
+                "speculative_tree_paged": dict(TREE, page_size=16),
+                "tbo": dict(enable_two_batch_overlap=True, moe_a2a_backend="deepep"),
                 "pdmux": dict(enable_pdmux=True, sm_group_num=2)}
 
 
 def build_and_verify(model: ModelSpec, device: str, installed: dict, page_size: int = 4, **args: Any) -> list:
-    """Build through the pipeline, verify every instance and the top wrapper; returns VerifyResults."""
+    """Build through the pipeline, verify every instance and the top wrapper (with speculative decoding: its
+    target-verify step, on the shape resolve settled); returns VerifyResults."""
+    page_size = args.pop("page_size", page_size)
     a = AttentionArgs(page_size=page_size, **args)
     req = SetupRequest(args=a, model=model, device=device,
                        pool=PoolFacts(max_reqs=8, max_context_len=128, num_token_slots=96 * page_size,
@@ -74,7 +80,7 @@ def build_and_verify(model: ModelSpec, device: str, installed: dict, page_size: 
         dtype = model_dtype(a, model)  # the same rule the pipeline used (auto: sglang's downcast of float32)
         return [verify_backend(b, role=r, name=n, model=model, req_to_token_pool=out.pools["req_to_token_pool"],
                                kv_pool=out.pools["kv_pool"], torch_device=out.torch_device, dtype=dtype,
-                               decode_steps=2) for r, n, b in targets]
+                               decode_steps=2, spec=out.resolution.speculative) for r, n, b in targets]
 
 
 def assert_passed(results: list) -> None:
@@ -121,7 +127,7 @@ TN_CPU = {"torch": True, "triton": False, "flashinfer-python": False}
 # torch_native: one real CPU case per claim
 # ---------------------------------------------------------------------------------------------
 TESTED_FEATURES = {"mha", "mla", "sliding_window", "logit_softcap", "attention_sinks", "chunked_local_attention",
-                   "speculative", "tbo", "pdmux"}
+                   "speculative", "speculative_tree", "speculative_tree_paged", "tbo", "pdmux"}
 TESTED_Q = {"bfloat16", "float16", "float32"}
 TESTED_KV = {"bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"}
 TESTED_DEVICES = {"cpu", "cuda", "musa", "npu", "xpu"}
@@ -319,10 +325,22 @@ def test_cuda_graph_claim_decides_the_downgrade(name):
     assert [s.what for s in res.skips] == ([] if registry.get(name).capability.has("cuda_graph") else ["cuda_graph"])
 
 
-def test_no_record_claims_tree_speculation():
-    """EAGLE topk > 1 needs tree masks, which no backend implements: refused for every backend."""
+def test_tree_speculation_refused_iff_unclaimed():
+    """EAGLE top-k > 1 needs tree masks: refused naming tree verification exactly for the records without
+    speculative_tree (or without speculative at all)."""
     for name in registry.names():
-        assert _refused(name, spec(), speculative_algorithm="EAGLE", speculative_eagle_topk=2)
+        cap = registry.get(name).capability
+        why = _refused(name, spec(), **TREE)
+        assert bool(why) == (not cap.has("speculative_tree")), (name, why)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_torch_native_speculative_tree_runs(page_size):
+    """speculative_tree / speculative_tree_paged: a target verify of random EAGLE trees (top-k 4, 8 tokens, 3 steps)
+    through the built backend, against the float64 reference with the tree mask."""
+    res = build_and_verify(spec(), "cpu", TN_CPU, attention_backend="torch_native", page_size=page_size, **TREE)
+    assert_passed(res)
+    assert all("target-verify" in r.detail for r in res)
 
 
 @pytest.mark.parametrize("name", registry.names())

@@ -127,7 +127,7 @@ def test_zbal_before_capture_never_for_draft_or_size_zero(qwen, monkeypatch):
     import states.build_mode as graphs
 
     class FakeGraphs:
-        def __init__(self, stack, backend, rp, kv, sizes):
+        def __init__(self, stack, backend, rp, kv, sizes, **mode):  # mode / spec: what a speculative worker captures
             self.sizes, self.capture_ms = sizes, {}
             self.graph_bytes, self.device_bytes = dict.fromkeys(sizes, 0), dict.fromkeys(sizes, 0)
             self.step_device_bytes = 0
@@ -182,7 +182,8 @@ def _fail_capture(monkeypatch):
     import states.build_mode as graphs
 
     monkeypatch.setattr(graphs, "decide_graphs", lambda *a: graphs.GraphDecision(True))  # capture on CPU: it fails
-    monkeypatch.setattr(cg, "DecodeGraphRunner", lambda *a: (_ for _ in ()).throw(RuntimeError("capture exploded")))
+    monkeypatch.setattr(cg, "DecodeGraphRunner",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("capture exploded")))
     return {}
 
 

@@ -46,9 +46,10 @@ class HybridAttnBackend(AttentionBackend):
         return self.decode_backend.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Remember the sizes: the backend of the captured mode makes its buffers at its first capture (decode and
-        draft decode: the decode backend; target verify: the prefill backend)."""
-        self._graph_state, self._graph_ready = (max_bs, max_num_tokens), []
+        """Graph buffers of the decode backend (decode and draft decode graphs); the prefill backend makes its own at
+        its first capture, when a speculative target worker captures target verify on it."""
+        self.decode_backend.init_cuda_graph_state(max_bs, max_num_tokens)
+        self._graph_state, self._graph_ready = (max_bs, max_num_tokens), [self.decode_backend]
 
     def _graph_backend(self, forward_mode: Any) -> AttentionBackend:
         backend = self.decode_backend if forward_mode.is_decode_like else self.prefill_backend
