@@ -322,3 +322,77 @@ def test_run_draft_worker_verifies_draft_decode_steps(capsys, tmp_path):
     modes = [s["mode"] for s in out["model_steps"]]
     assert modes.count("draft_decode") == 3 and "draft_extend" in modes
     assert all(s["passed"] for s in out["model_steps"])
+
+
+# ---------------------------------------------------------------- CUDA graphs, emulated (tests/graph_emulation.py)
+
+def _fi_stack_and_backend(fib, page_size):
+    from pipeline.runtime.model import AttentionStack
+    from pipeline.core.contracts import ModelSpec
+
+    spec = ModelSpec(model_type="probe", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, v_head_dim=16, scaling=16 ** -0.5, layer_types=["full"],
+                     dtype="float32", source="probe")
+    stack = AttentionStack(spec, dtype=torch.float32, device="cpu", seed=0)
+    sc = Scenario(spec.layer_kinds(), device="cpu", dtype=torch.float32, page_size=page_size, max_reqs=6,
+                  max_context_len=96, ws_bytes=1 << 20, name="flashinfer", sm_count=4, facts_type="cuda")
+    return stack, sc, fib.create(sc.ctx), TorchNativeBackend()
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_flashinfer_graph_replay_of_new_trees_and_branches(fib, monkeypatch, mode, page_size):
+    """FlashInfer's graph wrappers (verify: custom_mask_buf / mask_indptr_buf; draft decode: the token-level
+    buffers) re-planned before each replay of new trees or branches give the eager torch_native answer; the buffers
+    made are the ones the graph-memory estimate counts (its made-once part)."""
+    from graph_emulation import emulate_graphs
+    from pipeline.backends.flashinfer import rules
+    from pipeline.runtime.cuda_graphs import DecodeGraphRunner
+    from pipeline.runtime.reference import rel_err
+    from pipeline.runtime.spec_batches import next_branches
+
+    emulate_graphs(monkeypatch)
+    stack, sc, be, ref = _fi_stack_and_backend(fib, page_size)
+    spec, gen = spec_of(3, 3, 6), torch.Generator().manual_seed(0)
+    runner = DecodeGraphRunner(stack, be, sc.req_pool, sc.kv, [1, 2, 4], mode=mode, spec=spec)
+    runner.capture()
+    rows = [1, 3, 4]
+    x = torch.randn(26, 64, generator=gen)
+    fb = make_forward_batch(ForwardMode.EXTEND, rows, [9, 5, 12], sc.alloc, sc.kv)
+    ref.init_forward_metadata(fb)
+    stack.forward(x, fb, ref)
+    prev = None
+    for step in range(2):
+        if mode is ForwardMode.TARGET_VERIFY:
+            info = SpecInfo(topk=3, num_draft_tokens=6, parents=[random_tree(6, 3, 3, gen) for _ in rows])
+            fb = make_forward_batch(mode, rows, [6] * 3, sc.alloc, sc.kv, spec_info=info)
+        else:
+            prev, _ = next_branches(prev, rows, 3, sc.alloc, gen)
+            fb = make_draft_batch(rows, prev, sc.alloc, sc.kv)
+        assert runner.can_run(fb)
+        h = torch.randn(fb.num_tokens, 64, generator=gen)
+        replayed, _ = runner.replay(h, fb)
+        ref.init_forward_metadata(fb)
+        want, _ = stack.forward(h, fb, ref)
+        assert rel_err(replayed - h, want - h) < 1e-5, (mode, step)
+    made = [t.numel() * t.element_size() for t in be.graph.buffers()]
+    est = rules.graph_state_allocs(stack.spec.layer_kinds(), [1, 2, 4], max_context_len=96, page_size=page_size,
+                                   num_sms=4, mode=mode.value, tokens_per_req=runner.tokens_per_req)
+    assert made == [b for bs, b in est if bs == 0]
+
+
+def test_graph_memory_estimate_counts_the_speculative_step():
+    """A target worker's graphs hold bs x num_draft_tokens rows, a draft worker's bs x topk: the estimate grows with
+    the rows (the same model and sizes as decode graphs) and names the mode."""
+    from pipeline.memory.graphs import estimate_graph_memory
+
+    kw = dict(dtype="bfloat16", kv_dtype="bfloat16", batch_sizes=[1, 2, 4, 8], arch="sm90", max_context_len=1024,
+              page_size=16, num_sms=132)
+    spec = msgspec.structs.replace(LLAMA, num_hidden_layers=2, layer_types=["full", "full"])
+    for backend in ("flashinfer", "triton"):
+        dec = estimate_graph_memory(spec, decode_backend=backend, **kw)
+        ver = estimate_graph_memory(spec, decode_backend=backend, mode="target_verify", tokens_per_req=8, **kw)
+        dra = estimate_graph_memory(spec, decode_backend=backend, mode="draft_decode", tokens_per_req=4, **kw)
+        assert ver.mode == "target_verify" and ver.tokens_per_req == 8 and dra.mode == "draft_decode"
+        assert ver.pool_bytes > dra.pool_bytes > dec.pool_bytes and ver.state_bytes >= dec.state_bytes
+        assert ver.total_bytes > dra.total_bytes > dec.total_bytes

@@ -140,8 +140,8 @@ class DecodeGraphRunner:
             b, rows = self.buf, bs * self.tokens_per_req
             self.backend.init_forward_metadata_capture_cuda_graph(
                 bs, rows, b["req_pool_indices"][:bs], b["seq_lens"][:bs], None, self.mode, fb.spec_info)
-            g, out = capture_graph(lambda: self.stack.forward(b["hidden"][:rows], fb, self.backend), pool=self.pool,
-                                   stream=self.stream)
+            step = lambda rows=rows, fb=fb: self.stack.forward(b["hidden"][:rows], fb, self.backend)  # noqa: E731
+            g, out = capture_graph(step, pool=self.pool, stream=self.stream)
             torch.cuda.synchronize()
             self.graphs[bs], self.outputs[bs] = g, out
             self.capture_ms[bs] = (time.perf_counter() - t0) * 1e3

@@ -345,7 +345,8 @@ class TritonAttnBackend(AttentionBackend):
         table = self._graph_buffer("draft.table", max_rows * r2t.shape[1], torch.int32).view(max_rows, -1)
         lens = self._graph_buffer("draft.lens", max_rows, torch.int32)
         idx = self._graph_buffer("draft.rows", max_rows, torch.int64, torch.arange(max_rows))
-        need = max(self._scratch_numel(r, h, hkv, d, dv) for r in (max_rows,) for h, hkv, d, dv in self.layer_dims)
+        need = max(self._scratch_numel(r, h, hkv, d, dv)  # every row count up to max_rows (splits grow as rows shrink)
+                   for r in range(1, max_rows + 1) for h, hkv, d, dv in self.layer_dims)
         scratch = self._graph_buffer("draft.scratch", need, torch.float32)
         slots = spec_info.draft_slots
         seq = seq_lens_cpu if seq_lens_cpu is not None else seq_lens[:bs].tolist()
