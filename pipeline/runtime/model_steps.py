@@ -171,8 +171,9 @@ def _pool_kv(stack: Any, kv: Any, slots: torch.Tensor) -> list[list[tuple[torch.
 
 
 def _steps(b: int, decode_steps: int, spec: Any, draft: bool) -> list[tuple[str, ForwardMode, list[int]]]:
-    """extend, chunked extend, decodes; a target worker verifies trees after the first decode (one request a
-    single-token tree), a draft worker draft-extends its chunk and runs a round of draft-decode steps."""
+    """extend, chunked extend, decodes; a target worker verifies trees of ``num_draft_tokens`` after the first
+    decode (replayed from its CUDA graph where one is captured), a draft worker draft-extends its chunk and runs a
+    round of draft-decode steps."""
     ext = ForwardMode.DRAFT_EXTEND if spec is not None and draft else ForwardMode.EXTEND
     steps = [("extend", ForwardMode.EXTEND, list(EXTEND_LENS[:b])),
              ("draft-extend" if draft and spec is not None else "chunked-extend", ext, list(CHUNK_LENS[:b]))]
@@ -182,8 +183,9 @@ def _steps(b: int, decode_steps: int, spec: Any, draft: bool) -> list[tuple[str,
     if draft:
         return steps + [(f"draft-decode#{i}", ForwardMode.DRAFT_DECODE, [spec.topk] * b)
                          for i in range(spec.num_steps)] + decodes
-    trees = [1] + [spec.num_draft_tokens] * (b - 1) if b > 1 else [spec.num_draft_tokens]
-    return steps + decodes[:1] + [("target-verify", ForwardMode.TARGET_VERIFY, trees)] + decodes[1:]
+    # every tree of num_draft_tokens, as a captured target-verify graph holds them (the instances' check mixes sizes)
+    return steps + decodes[:1] + [("target-verify", ForwardMode.TARGET_VERIFY, [spec.num_draft_tokens] * b)] \
+        + decodes[1:]
 
 
 def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0, spec: Any = None,
