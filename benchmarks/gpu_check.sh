@@ -17,14 +17,17 @@
 #   startup    startup accounting with a cold then a warm FlashInfer JIT cache (benchmarks/startup_coverage.py),
 #              plan --require-warm-cache before (exit 3) and after warmup (exit 0), tests/gpu/test_startup_gpu.py
 #                                                                                       -> startup.log
+#   spec       speculative decoding: tests/gpu/test_speculative_gpu.py (EAGLE trees and draft branches, flashinfer and
+#              triton, eager and CUDA-graph replay), `run` with the EAGLE flags on a target and a draft worker, and
+#              benchmarks/speculative_trees.py (the backends x shapes x graph table)   -> spec.log, spec_trees.json
 #   save-aot   pack the compiled FlashInfer JIT modules into $OUT/fi-aot.txz.part-* (carry them back into .whl/)
 # Every part first restores the carried FlashInfer AOT modules (.whl/fi-aot.tgz.part-* or .whl/fi-aot.txz.part-*)
 # so nothing is JIT-compiled that was compiled before; every step has a hard timeout. $OUT/summary.txt collects the
 # lines that say pass/fail and the tables.
-PART=${1:?usage: gpu_check.sh tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|save-aot OUTDIR}
+PART=${1:?usage: gpu_check.sh tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|save-aot OUTDIR}
 OUT=${2:?usage: gpu_check.sh PART OUTDIR}
-case $PART in tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|save-aot) ;;
-  *) echo "unknown part '$PART' (tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|save-aot)" >&2; exit 2 ;; esac
+case $PART in tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|save-aot) ;;
+  *) echo "unknown part '$PART' (tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|save-aot)" >&2; exit 2 ;; esac
 mkdir -p "$OUT"; S=$OUT/summary.txt; T0=$(date +%s)
 el(){ echo "$(( $(date +%s) - T0 )) s"; }
 note(){ echo "$*" | tee -a "$S"; }
@@ -50,7 +53,8 @@ C=examples/configs
 case $PART in
   tests)
     pytest_part tests tests/gpu tests/test_capabilities.py tests/test_kv_indices.py \
-      --ignore=tests/gpu/test_triton_gpu.py --ignore=tests/gpu/test_triton_mla_gpu.py ;;
+      --ignore=tests/gpu/test_triton_gpu.py --ignore=tests/gpu/test_triton_mla_gpu.py \
+      --ignore=tests/gpu/test_speculative_gpu.py ;;
   kernels)
     pytest_part kernels tests/gpu/test_triton_gpu.py tests/gpu/test_triton_mla_gpu.py ;;
   runs)
@@ -113,6 +117,14 @@ case $PART in
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_startup_gpu.py -s 2>&1 | tail -5
     ) > "$OUT/startup.log" 2>&1
     note "startup at $(el)"; grep -E "rc=|coverage|unaccounted|passed|failed" "$OUT/startup.log" >> "$S" ;;
+  spec)
+    pytest_part spec tests/gpu/test_speculative_gpu.py
+    E="--speculative-algorithm EAGLE --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 --speculative-num-steps 3"
+    run h200_spec_flashinfer --attention-backend flashinfer --page-size 16 --num-layers 4 --cuda-graph-bs 1 2 4 8 $E
+    run h200_spec_triton --attention-backend triton --page-size 16 --cuda-graph-bs 1 2 4 8 $E
+    run h200_spec_draft --draft-worker --page-size 16 --cuda-graph-bs 1 2 4 8 $E
+    timeout 240 python3 benchmarks/speculative_trees.py --out "$OUT/spec_trees.json" > "$OUT/spec_trees.log" 2>&1
+    note "speculative_trees rc=$? at $(el)"; tail -n 26 "$OUT/spec_trees.log" >> "$S" ;;
   save-aot)
     st=/tmp/aotstage; rm -rf $st; mkdir -p $st; cp -r $AOT/. $st/ 2>/dev/null
     for so in $(find "${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}/.cache" -path '*cached_ops*' -name '*.so' 2>/dev/null); do

@@ -47,13 +47,15 @@ from pipeline.platforms.profiles import PROFILES  # noqa: E402
 
 KINDS = ("full", "window", "softcap", "sinks", "chunked", "mla")
 PAGE_SIZES = (1, 16, 64)
-MODES = ("normal", "tbo", "hybrid", "pdmux")
+MODES = ("normal", "tbo", "hybrid", "pdmux", "spec")  # spec: a target worker verifying EAGLE trees (SPEC_TREE)
 GRAPHS = ("eager", "graph")
 HEADS = ((2, 2), (4, 1), (7, 1))  # (q heads, kv heads): GQA groups 1, 4, 7
 ANY_DIMS = (64, 128, 256)  # MHA head dims tried for a record that claims any (head_dims None)
 MLA_DIMS = (576, 512)  # absorbed qk / v dims (DeepSeek-V2/V3: kv_lora_rank 512 + rope 64)
 WINDOW, CHUNK, SOFTCAP = 6, 5, 50.0  # window/chunk bite within the verification requests; Gemma-2's softcap
 SM_GROUPS = 2  # PD-mux decode backends
+SPEC_TREE = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=4,
+                 speculative_num_draft_tokens=8)  # sglang's top-k 4 and 8 draft tokens, 3 steps
 DECODE_STEPS = 2
 MAX_REQS = 8
 GRAPH_BS = [MAX_REQS]  # one captured size; the 4-request model steps replay it padded
@@ -117,6 +119,8 @@ class Cell:
             a["moe_a2a_backend"] = "deepep"  # sglang's TBO needs an EP all-to-all (or attention DP)
         if self.mode == "pdmux":
             a.update(enable_pdmux=True, sm_group_num=SM_GROUPS)
+        if self.mode == "spec":
+            a.update(SPEC_TREE)
         if self.graph == "graph":
             a["cuda_graph_bs"] = list(GRAPH_BS)
         return AttentionArgs(**a)
@@ -250,10 +254,12 @@ def _run_graph(req: SetupRequest, platform: Any, decode_steps: int) -> list[Any]
         if runner.graphs is None:
             raise RuntimeError("accepted with CUDA graphs, but the runner captured none")
         checks = list(verify_built(runner.backends, runner.request, pools=runner.pools, decode_steps=decode_steps))
-        steps = verify_model_steps(runner, decode_steps=decode_steps)
-        eager = [s.step for s in steps if s.mode == "decode" and not s.graph]
-        if eager:
-            raise RuntimeError(f"decode steps {', '.join(eager)} ran eagerly instead of replaying the captured graph")
+        spec = runner.backends.resolution.speculative
+        steps = verify_model_steps(runner, decode_steps=decode_steps, spec=spec)
+        captured = runner.graphs.mode.value  # a speculative target captures target verify, not decode
+        eager = [s.step for s in steps if s.mode == captured and not s.graph]
+        if eager or not any(s.mode == captured for s in steps):
+            raise RuntimeError(f"{captured} steps {', '.join(eager)} ran eagerly instead of replaying the captured graph")
         return checks + list(steps)
 
 
@@ -288,7 +294,7 @@ def cost(c: Cell) -> float:
     if c.mode == "hybrid":
         work = 1.5 * (w[c.prefill] + w[c.decode])
     else:
-        work = {"normal": 1, "tbo": 4, "pdmux": 1 + SM_GROUPS}[c.mode] * w[c.prefill]
+        work = {"normal": 1, "tbo": 4, "pdmux": 1 + SM_GROUPS, "spec": 2}[c.mode] * w[c.prefill]  # spec: + verify
     return work * (2 if c.graph == "graph" else 1) * (1 + c.heads[0] / 4)
 
 

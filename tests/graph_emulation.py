@@ -43,3 +43,37 @@ def emulate_graphs(monkeypatch: Any) -> None:
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 0))
+
+
+def replays_match_eager(runner: Any, stack: Any, eager: Any, alloc: Any, kv: Any, gen: torch.Generator,
+                        dtype: torch.dtype, steps: int = 2) -> list[float]:
+    """Three requests (rows 1, 3, 4: a batch padded to the captured 4) extend eagerly, then ``steps`` batches of the
+    runner's mode — new random trees of ``num_draft_tokens`` or the next draft branches each time — replay; returns
+    each replay's ``rel_err`` against the same step run eagerly through ``eager`` (the attention updates, out - in)."""
+    from pipeline.backends.memory import make_draft_batch, make_forward_batch
+    from pipeline.backends.speculative import SpecInfo
+    from pipeline.core.contracts import ForwardMode
+    from pipeline.runtime.reference import rel_err
+    from pipeline.runtime.spec_batches import next_branches, random_tree
+
+    spec, rows, hidden = runner.spec, [1, 3, 4], stack.hidden
+    fb = make_forward_batch(ForwardMode.EXTEND, rows, [9, 5, 12], alloc, kv)
+    eager.init_forward_metadata(fb)
+    stack.forward(torch.randn(26, hidden, generator=gen).to(dtype), fb, eager)
+    prev, errs = None, []
+    for _ in range(steps):
+        if runner.mode is ForwardMode.TARGET_VERIFY:
+            n = spec.num_draft_tokens
+            info = SpecInfo(topk=spec.topk, num_draft_tokens=n,
+                            parents=[random_tree(n, spec.topk, spec.num_steps, gen) for _ in rows])
+            fb = make_forward_batch(runner.mode, rows, [n] * len(rows), alloc, kv, spec_info=info)
+        else:
+            prev, _ = next_branches(prev, rows, spec.topk, alloc, gen)
+            fb = make_draft_batch(rows, prev, alloc, kv)
+        assert runner.can_run(fb)
+        h = torch.randn(fb.num_tokens, hidden, generator=gen).to(dtype)
+        replayed, _ = runner.replay(h, fb)
+        eager.init_forward_metadata(fb)
+        want, _ = stack.forward(h, fb, eager)
+        errs.append(rel_err(replayed - h.float(), want - h.float()))
+    return errs

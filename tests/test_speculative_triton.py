@@ -24,13 +24,10 @@ DIRECT = not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1" and (
 
 pytestmark = pytest.mark.skipif(HAS_CUDA, reason="CUDA present: tests/gpu/test_speculative_gpu.py runs the kernels")
 
-from graph_emulation import emulate_graphs  # noqa: E402
-from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_draft_batch, make_forward_batch  # noqa: E402
-from pipeline.backends.speculative import SpecInfo  # noqa: E402
+from graph_emulation import emulate_graphs, replays_match_eager  # noqa: E402
+from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool  # noqa: E402
 from pipeline.core.contracts import ForwardMode, LayerKind, ModelSpec, SpeculativeParams  # noqa: E402
 from pipeline.core.errors import CapabilityMismatch  # noqa: E402
-from pipeline.runtime.reference import rel_err  # noqa: E402
-from pipeline.runtime.spec_batches import next_branches, random_tree  # noqa: E402
 from pipeline.runtime.verify import verify_backend  # noqa: E402
 
 
@@ -154,25 +151,8 @@ def test_graph_replay_of_new_trees_and_branches(monkeypatch, mode):
     be, eager = _backend(stack.spec.layer_kinds(), r2t), _backend(stack.spec.layer_kinds())
     runner = DecodeGraphRunner(stack, be, r2t, kv, [1, 2, 4], mode=mode, spec=spec)
     runner.capture()
-    rows = [1, 3, 4]
-    x = torch.randn(sum((9, 5, 12)), 64, generator=gen).to(torch.bfloat16)
-    fb = make_forward_batch(ForwardMode.EXTEND, rows, [9, 5, 12], alloc, kv)
-    eager.init_forward_metadata(fb)
-    stack.forward(x, fb, eager)
-    prev = None
-    for step in range(2):
-        if mode is ForwardMode.TARGET_VERIFY:
-            info = SpecInfo(topk=3, num_draft_tokens=6, parents=[random_tree(6, 3, 3, gen) for _ in rows])
-            fb = make_forward_batch(mode, rows, [6] * 3, alloc, kv, spec_info=info)
-        else:
-            prev, _ = next_branches(prev, rows, 3, alloc, gen)
-            fb = make_draft_batch(rows, prev, alloc, kv)
-        assert runner.can_run(fb)
-        h = torch.randn(fb.num_tokens, 64, generator=gen).to(torch.bfloat16)
-        replayed, _ = runner.replay(h, fb)
-        eager.init_forward_metadata(fb)
-        want, _ = stack.forward(h, fb, eager)
-        assert rel_err(replayed - h.float(), want - h.float()) < 1e-6, (mode, step)
+    errs = replays_match_eager(runner, stack, eager, alloc, kv, gen, torch.bfloat16)
+    assert max(errs) < 1e-6, (mode, errs)
     made = [t.numel() * t.element_size() for k, t in be._graph.items() if "." in k]
     est = records.triton_graph_state_allocs(stack.spec.layer_kinds(), [1, 2, 4], max_context_len=96, page_size=4,
                                             num_sms=4, mode=mode.value, tokens_per_req=runner.tokens_per_req)

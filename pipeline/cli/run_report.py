@@ -179,7 +179,9 @@ def _graph_line(records: Any, request: Optional[SetupRequest] = None) -> Optiona
     m = next((r for r in records if isinstance(r, ev.CudaGraphMemory)), None)
     if m is None:
         return None
-    return (f"CUDA graphs: {len(m.batch_sizes)} sizes captured{_top_text(records, request)}, graph pool "
+    cap = next((r for r in records if isinstance(r, ev.CudaGraphCaptured)), None)
+    what = "" if cap is None or cap.mode == "decode" else f" of {cap.mode.replace('_', '-')}"  # a speculative step
+    return (f"CUDA graphs: {len(m.batch_sizes)} sizes{what} captured{_top_text(records, request)}, graph pool "
             f"{rp.fmt_bytes(m.pool_bytes)} (estimated "
             f"{rp.fmt_bytes(m.pool_estimate)}), capture step took {rp.fmt_bytes(m.step_device_bytes)} of the device "
             f"(estimated {rp.fmt_bytes(m.kept_estimate)} kept, {rp.fmt_bytes(m.total_estimate)} at its peak)"

@@ -136,7 +136,7 @@ def _check_draft(case: _Case, fb, rows: Sequence[int], q: torch.Tensor, out: tor
                  v_st: torch.Tensor) -> list[float]:
     """Draft decode: branch ``(b, j)`` against the request's history and its own draft tokens (by slot)."""
     slots = fb.spec_info.draft_slots.cpu()
-    topk, s1 = slots.shape[1], slots.shape[2]
+    topk = slots.shape[1]
     for i, slot in enumerate(slots[:, :, -1].reshape(-1).tolist()):
         case.draft[slot] = (k_st[i: i + 1], v_st[i: i + 1])
     errs = []
