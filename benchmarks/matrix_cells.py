@@ -146,10 +146,12 @@ class Cell:
         return msgspec.convert(m, ModelSpec)
 
     def request(self, device: str) -> SetupRequest:
+        from pipeline.core.speculative import decide_speculative
         from pipeline.memory.pools import check_needs
 
-        slots = check_needs(MAX_REQS, self.page, DECODE_STEPS).slots
-        return SetupRequest(args=self.args(), model=self.model(), device=device,
+        args, model = self.args(), self.model()
+        slots = check_needs(MAX_REQS, self.page, DECODE_STEPS, decide_speculative(args, model)).slots  # + the trees
+        return SetupRequest(args=args, model=model, device=device,
                             pool=PoolFacts(max_reqs=MAX_REQS, max_context_len=64, num_token_slots=slots,
                                            page_size=self.page))
 

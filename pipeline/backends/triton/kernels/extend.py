@@ -327,16 +327,20 @@ def extend_kernel(
                            USE_SOFTCAP, USE_CHUNK, UPCAST, False)
 
     # Phase 2: the new tokens themselves, causally, read from this step's k/v. Tiles wholly at or before
-    # the block's first token are seen by every row (causal); the diagonal tiles are masked.
+    # the block's first token are seen by every row (causal); the diagonal tiles are masked. A tree: every tile from
+    # the first masked (a row's ancestors are anywhere before it).
     lo2 = prefix * 0
-    if USE_WINDOW and not USE_TREE:
-        lo2 = tl.maximum(tok_first - window + 1, 0)
-    if USE_CHUNK and not USE_TREE:
-        lo2 = tl.maximum(lo2, ((prefix + tok_first) // chunk) * chunk - prefix)
-    lo2 = (lo2 // BLOCK_N) * BLOCK_N
-    full_end2 = ((tok_first + 1) // BLOCK_N) * BLOCK_N
-    if USE_CHUNK or USE_TREE:
+    if USE_TREE:
         full_end2 = lo2
+    else:
+        if USE_WINDOW:
+            lo2 = tl.maximum(tok_first - window + 1, 0)
+        if USE_CHUNK:
+            lo2 = tl.maximum(lo2, ((prefix + tok_first) // chunk) * chunk - prefix)
+        lo2 = (lo2 // BLOCK_N) * BLOCK_N
+        full_end2 = ((tok_first + 1) // BLOCK_N) * BLOCK_N
+        if USE_CHUNK:
+            full_end2 = lo2
     kn = KNew + q_start.to(tl.int64) * stride_knt + kvh * stride_knh
     vn = VNew + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh
     acc, l_i, m_i = _phase(acc, l_i, m_i, q, q_pos, kn, vn, r2t, stride_knt, stride_vnt, lo2, full_from2, full_end2,
