@@ -100,16 +100,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
     scores = (qh @ kh.transpose(1, 2)) * scale                    # [H, Tq, L]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    key_pos = (torch.arange(k.shape[0], device=q.device) if k_positions is None else k_positions.to(q.device)).view(1, -1)
-    dist = q_positions.to(q.device).view(-1, 1) - key_pos
-    visible = dist >= 0
-    if mask is not None:
-        visible &= mask.to(q.device)
-    if window is not None:
-        visible &= dist < window
-    if chunk is not None:
-        visible &= (q_positions.to(q.device).view(-1, 1) // chunk) == (key_pos // chunk)
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.masked_fill(~_visible(q_positions, k_positions, k.shape[0], window, chunk, mask, q.device),
+                                float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)                   # every query sees itself: finite
     if sinks is not None:
         sink = sinks.to(device=q.device, dtype=f64).view(h, 1, 1)
@@ -120,6 +112,23 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
         denom = denom + torch.exp(sink - row_max)
     out = (weights / denom) @ vh                                  # [H, Tq, Dv]
     return out.transpose(0, 1).contiguous()
+
+
+def _visible(q_positions: torch.Tensor, k_positions: Optional[torch.Tensor], num_keys: int, window: Optional[int],
+             chunk: Optional[int], mask: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[Tq, L] bool: key j visible from query i — causal by position, within the window and the chunk, and
+    ``mask`` (see :func:`reference_attention`)."""
+    key_pos = (torch.arange(num_keys, device=device) if k_positions is None else k_positions.to(device)).view(1, -1)
+    q_pos = q_positions.to(device).view(-1, 1)
+    dist = q_pos - key_pos
+    visible = dist >= 0
+    if mask is not None:
+        visible &= mask.to(device)
+    if window is not None:
+        visible &= dist < window
+    if chunk is not None:
+        visible &= (q_pos // chunk) == (key_pos // chunk)
+    return visible
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -130,7 +130,7 @@ def _steps(rows: Sequence[int], decode_steps: int, spec: Optional[SpeculativePar
     return steps + decodes[:1] + [("target-verify", ForwardMode.TARGET_VERIFY, list(rows), trees)] + decodes[1:]
 
 
-def _spec_batch(label: str, mode: ForwardMode, rows: list[int], new: list[int], alloc: PageAllocator, kv_pool: KVPool,
+def _spec_batch(mode: ForwardMode, rows: list[int], new: list[int], alloc: PageAllocator, kv_pool: KVPool,
                 spec: Optional[SpeculativeParams], gen: torch.Generator, branches: list[Any]) -> Any:
     """The step's ForwardBatch: random trees for target verify (EAGLE-shaped: ``spec``'s top-k and steps), the next
     branches of a draft round for draft decode (``branches[0]``: the previous step's slots), else a plain batch."""
@@ -190,18 +190,9 @@ def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Op
     cases = [_Case(kind, kv_pool, device, gen) for kind in kinds]
     rows = list(range(min(len(PREFIX_LENS), req_to_token_pool.max_reqs)))
     alloc = PageAllocator(req_to_token_pool, kv_pool.size, kv_pool.page_size, seed=seed)
-    worst, where, branches = 0.0, "", [None]
     steps = _steps(rows, decode_steps, spec, draft)
     try:
-        for label, mode, srows, new in steps:
-            fb = _spec_batch(label, mode, srows, new, alloc, kv_pool, spec, gen, branches)
-            backend.init_forward_metadata(fb)
-            for case in cases:
-                for row, err in zip(srows, _check_case_step(case, backend, fb, srows, new, qdtype, gen)):
-                    if not err <= worst:  # also catches NaN
-                        worst, where = (err if err == err else math.inf), f"{case.kind.kind}/{label}/req{row}"
-            if mode is ForwardMode.TARGET_VERIFY:
-                _accept(fb, srows, alloc, kv_pool, cases, gen)
+        worst, where = _run_steps(backend, steps, cases, alloc, kv_pool, spec, qdtype, gen)
     finally:
         for r in rows:
             alloc.free(r)
@@ -221,6 +212,23 @@ def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Op
     if notes:
         detail += "; " + "; ".join(notes)
     return VerifyResult(role=role, backend=name, max_rel_err=worst, passed=worst <= tol, tol=tol, detail=detail)
+
+
+def _run_steps(backend: AttentionBackend, steps: list, cases: list[_Case], alloc: PageAllocator, kv_pool: KVPool,
+               spec: Optional[SpeculativeParams], qdtype: torch.dtype, gen: torch.Generator) -> tuple[float, str]:
+    """Every step through every case; the worst error and where (``kind/step/reqN``). A target-verify step is
+    followed by each request's accepted path (:func:`_accept`)."""
+    worst, where, branches = 0.0, "", [None]
+    for label, mode, srows, new in steps:
+        fb = _spec_batch(mode, srows, new, alloc, kv_pool, spec, gen, branches)
+        backend.init_forward_metadata(fb)
+        for case in cases:
+            for row, err in zip(srows, _check_case_step(case, backend, fb, srows, new, qdtype, gen)):
+                if not err <= worst:  # also catches NaN
+                    worst, where = (err if err == err else math.inf), f"{case.kind.kind}/{label}/req{row}"
+        if mode is ForwardMode.TARGET_VERIFY:
+            _accept(fb, srows, alloc, kv_pool, cases, gen)
+    return worst, where
 
 
 def verify_all(instances: Iterable[tuple[str, str, AttentionBackend]], **kwargs: Any) -> list[VerifyResult]:
