@@ -84,11 +84,11 @@ def _verify(kind, page_size, spec, draft, seed=0):
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_tree_mask_in_the_extend_kernel(kind, page_size):
-    """Random trees (top-k 2-4, 2-3 deep, one request a single token) through the extend kernel's tree mask, with
+    """Random trees (top-k 2 or 4, 2-3 deep, one request a single token) through the extend kernel's tree mask, with
     windows and chunks counted on positions prefix + depth, against float64."""
-    for i, spec in enumerate((spec_of(2, 2, 5), spec_of(3, 4, 8))):
-        r = _verify(KINDS[kind], page_size, spec, draft=False, seed=i)
-        assert r.passed and r.max_rel_err < 1e-2, r.detail
+    spec = (spec_of(2, 2, 5), spec_of(3, 4, 8))[(sorted(KINDS).index(kind) + page_size) % 2]  # both over the cases
+    r = _verify(KINDS[kind], page_size, spec, draft=False)
+    assert r.passed and r.max_rel_err < 1e-2, r.detail
 
 
 @pytest.mark.parametrize("kind", ["gqa", "window"])
