@@ -18,16 +18,17 @@
 #              plan --require-warm-cache before (exit 3) and after warmup (exit 0), tests/gpu/test_startup_gpu.py
 #                                                                                       -> startup.log
 #   spec       speculative decoding: tests/gpu/test_speculative_gpu.py (EAGLE trees and draft branches, flashinfer and
-#              triton, eager and CUDA-graph replay), `run` with the EAGLE flags on a target and a draft worker, and
-#              benchmarks/speculative_trees.py (the backends x shapes x graph table)   -> spec.log, spec_trees.json
+#              triton, eager and CUDA-graph replay)                                    -> spec.log
+#   spec-bench `run` with the EAGLE flags (flashinfer and triton target workers, a draft worker) and
+#              benchmarks/speculative_trees.py (the backends x shapes x graph table)   -> spec_trees.log/.json
 #   save-aot   pack the compiled FlashInfer JIT modules into $OUT/fi-aot.txz.part-* (carry them back into .whl/)
 # Every part first restores the carried FlashInfer AOT modules (.whl/fi-aot.tgz.part-* or .whl/fi-aot.txz.part-*)
 # so nothing is JIT-compiled that was compiled before; every step has a hard timeout. $OUT/summary.txt collects the
 # lines that say pass/fail and the tables.
-PART=${1:?usage: gpu_check.sh tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|save-aot OUTDIR}
+PART=${1:?usage: gpu_check.sh tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot OUTDIR}
 OUT=${2:?usage: gpu_check.sh PART OUTDIR}
-case $PART in tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|save-aot) ;;
-  *) echo "unknown part '$PART' (tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|save-aot)" >&2; exit 2 ;; esac
+case $PART in tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot) ;;
+  *) echo "unknown part '$PART' (tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot)" >&2; exit 2 ;; esac
 mkdir -p "$OUT"; S=$OUT/summary.txt; T0=$(date +%s)
 el(){ echo "$(( $(date +%s) - T0 )) s"; }
 note(){ echo "$*" | tee -a "$S"; }
@@ -118,12 +119,13 @@ case $PART in
     ) > "$OUT/startup.log" 2>&1
     note "startup at $(el)"; grep -E "rc=|coverage|unaccounted|passed|failed" "$OUT/startup.log" >> "$S" ;;
   spec)
-    pytest_part spec tests/gpu/test_speculative_gpu.py
+    pytest_part spec tests/gpu/test_speculative_gpu.py ;;
+  spec-bench)
     E="--speculative-algorithm EAGLE --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 --speculative-num-steps 3"
     run h200_spec_flashinfer --attention-backend flashinfer --page-size 16 --num-layers 4 --cuda-graph-bs 1 2 4 8 $E
     run h200_spec_triton --attention-backend triton --page-size 16 --cuda-graph-bs 1 2 4 8 $E
     run h200_spec_draft --draft-worker --page-size 16 --cuda-graph-bs 1 2 4 8 $E
-    timeout 240 python3 benchmarks/speculative_trees.py --out "$OUT/spec_trees.json" > "$OUT/spec_trees.log" 2>&1
+    timeout 360 python3 benchmarks/speculative_trees.py --out "$OUT/spec_trees.json" > "$OUT/spec_trees.log" 2>&1
     note "speculative_trees rc=$? at $(el)"; tail -n 26 "$OUT/spec_trees.log" >> "$S" ;;
   save-aot)
     st=/tmp/aotstage; rm -rf $st; mkdir -p $st; cp -r $AOT/. $st/ 2>/dev/null

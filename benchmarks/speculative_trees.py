@@ -30,12 +30,12 @@ from pipeline.core.contracts import LayerKind, SpeculativeParams  # noqa: E402
 from pipeline.runtime.spec_check import backend_over, check_draft, check_verify, draft_scratch, make_pools  # noqa: E402
 
 TOL = 1e-2
-SHAPES = {  # name -> (num_steps, topk, num_draft_tokens)
-    "chain 3x1 (4)": (3, 1, 4),
-    "sglang llama 5x4 (8)": (5, 4, 8),
-    "3x4 (16)": (3, 4, 16),
-    "4x8 (64)": (4, 8, 64),
-    "6x10 (60)": (6, 10, 60),
+SHAPES = {  # steps x top-k / draft tokens -> (num_steps, topk, num_draft_tokens)
+    "3x1/4": (3, 1, 4),      # a chain
+    "5x4/8": (5, 4, 8),      # sglang's default for Llama
+    "3x4/16": (3, 4, 16),
+    "4x8/64": (4, 8, 64),
+    "6x10/60": (6, 10, 60),
 }
 KIND = LayerKind(kind="full", layer_ids=[0], num_heads=32, num_kv_heads=8, head_dim_qk=128, head_dim_v=128,
                  scaling=128 ** -0.5)
@@ -68,7 +68,7 @@ def row(backend: str, shape: str, step: str, bs: int, prefix: int, page: int, gr
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| backend | step | shape (steps x top-k (draft tokens)) | bs | query rows | graph | max rel err vs float64 "
+    out = ["| backend | step | steps x top-k / draft tokens | bs | query rows | graph | max rel err vs float64 "
            "| µs per layer |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = r.get("error") or f"{r['max_rel_err']:.2e}" + ("" if r["passed"] else " FAIL")
