@@ -46,7 +46,7 @@ def test_no_prefix_of_a_recorded_trace_diverges(src, tmp_path):
 
 def _lazy_cut(tmp_path: Path) -> Path:
     """A recorded ``run`` log cut right after its transition into npu-lazy-mem, as the finding's ``head -20``."""
-    src = next(p for p in GOLDEN if p.stem == "h200_tbo")
+    src = next(p for p in GOLDEN if p.stem == "h200_flashinfer")
     lines = src.read_bytes().splitlines()
     n = next(i for i, line in enumerate(lines, 1)
              if (r := ev.decode_line(line)) and isinstance(r, ev.StateTransition) and r.to == "npu-lazy-mem")
@@ -78,7 +78,7 @@ def test_a_real_divergence_before_the_cut_is_still_one(tmp_path):
     lines = inc.read_bytes().splitlines()
     i = next(i for i, line in enumerate(lines) if isinstance(ev.decode_line(line), ev.BuildPlanned))
     rec = json.loads(lines[i])
-    rec["mode"] = "normal"
+    rec["mode"] = "tbo"  # recorded normal: now a different mode than the rules decide
     lines[i] = json.dumps(rec).encode()
     inc.write_bytes(b"\n".join(lines) + b"\n")
     proc = run_main("replay", str(inc))
