@@ -201,14 +201,15 @@ def _many_launches(path: Path, mb: int) -> int:
 
 
 class _Sink:
-    """stdout that keeps only how much was written and how many runs it held."""
+    """stdout that keeps only how much was written and how many runs it held (one ``last_state`` per run object: a
+    run's ``launch_id`` also appears in its startup summary when it recorded one)."""
 
     def __init__(self) -> None:
         self.size = self.runs = 0
 
     def write(self, s: str) -> int:
         self.size += len(s)
-        self.runs += s.count('"launch_id":')
+        self.runs += s.count('"last_state":')
         return len(s)
 
     def flush(self) -> None:
