@@ -36,7 +36,7 @@ from pipeline.setup.build import build_attention_backends  # noqa: E402
 from pipeline.cli.request import default_model_path  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, ForwardMode, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch, torch_dtype  # noqa: E402
-from pipeline.runtime.model import truncate_spec  # noqa: E402
+from pipeline.core.spec import truncate_spec  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
 
 L, PAGE = 32, 16

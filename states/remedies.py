@@ -19,7 +19,7 @@ from pipeline.backends import registry
 from pipeline.backends.packages import install_hint
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec
 from pipeline.core.errors import ConfigError
-from pipeline.core.type_checks import nearest_name
+from pipeline.core.validation import nearest_name
 from states.capability_check import Reason, reasons_with_flags
 from states.fallback import StrictRefusal, assignments, one_of
 

@@ -309,7 +309,7 @@ def test_a_redacted_request_is_request_redacted_not_trace_unreadable(secret_trac
 
 
 def test_matches_around_redaction():
-    from pipeline.observe.replay_redacted import matches_around_redaction as m
+    from pipeline.observe.replay import matches_around_redaction as m
 
     assert m("<redacted>", "torch_native") and m("torch_n<redacted>tive", "torch_native")
     assert m({"a": ["x<redacted>", 1]}, {"a": ["xy", 1]})

@@ -87,7 +87,7 @@ def test_the_variables_take_ascii_numbers_as_their_flags_do(var, text, monkeypat
     """``ATTN_SETUP_DIST_TIMEOUT=٣`` was taken as 3 s (Python's float() reads any Unicode digit), while
     ``--dist-timeout ٣`` is refused; each variable is now refused naming itself and the value as set."""
     from pipeline.observe.startup import slow_threshold
-    from pipeline.setup.rank_digest import max_imbalance_from
+    from pipeline.setup.distributed import max_imbalance_from
     from pipeline.setup.rank_watch import timeout_from_env
 
     monkeypatch.setenv(var, text)

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import CONFIGS, run_main
 from pipeline.core import events as ev
+from pipeline.core import wire
 
 SIX = ["device-init", "resolve", "build-mode", "npu-lazy-mem", "annotate", "done"]
 RUNNER = ["init-distributed", "load-model", "init-memory-pool", "attention", "capture-cuda-graphs", "ready"]
@@ -60,7 +61,7 @@ def test_run_outcome_per_config(config, tmp_path):
     assert out["ok"] is (code == 0)
     assert set(out) == {"ok", "run_id", "states", "resolved", "plan", "skips", "warnings", "verified", "log_file",
                         "error", "runner_states", "model_steps", "summary", "device"}
-    records = [ev.decode_line(l) for l in Path(out["log_file"]).read_bytes().splitlines()]
+    records = [wire.decode_line(l) for l in Path(out["log_file"]).read_bytes().splitlines()]
     check_summary(records, out["summary"])
     assert all(r.run_id == out["run_id"] for r in records)
     transitions = [r for r in records if isinstance(r, ev.StateTransition)]
@@ -227,7 +228,7 @@ def test_run_resolves_once(tmp_path, monkeypatch, args, code):
     assert main(["run", "--device", "cpu", "--json", "--num-layers", "1", "--decode-steps", "0", "--log-file",
                  str(log), *args]) == code
     assert len(calls) == 1
-    recs = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    recs = [wire.decode_line(x) for x in log.read_bytes().splitlines()]
     moved = [(r.from_state, r.to) for r in recs if isinstance(r, ev.StateTransition)]
     if code == 0:
         assert [f for f, _ in moved] == ["device-init", "resolve", "build-mode", "npu-lazy-mem", "annotate"]

@@ -12,7 +12,7 @@ from pipeline.cli import main
 from pipeline.cli.request import is_gpu_device
 from pipeline.core.contracts import SetupRequest
 from pipeline.core.errors import ConfigError
-from pipeline.core.type_checks import device_spelling
+from pipeline.core.validation import device_spelling
 
 
 @pytest.mark.parametrize("text,canonical,spelled", [

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.contracts import DeviceFacts, ResolvedAttentionBackendStr, Resolution
 from pipeline.setup.distributed import RankGroup, agree_on_resolution, check_rank_device, rank_device
 from pipeline.core.errors import ConfigError
@@ -42,7 +43,7 @@ def results(out: Path, sc: str) -> list[dict]:
 
 
 def trace(out: Path, sc: str, run_id: str, rank: int) -> list[ev.Event]:
-    return [ev.decode_line(x) for x in (out / sc / f"{run_id}.rank{rank}.jsonl").read_bytes().splitlines()]
+    return [wire.decode_line(x) for x in (out / sc / f"{run_id}.rank{rank}.jsonl").read_bytes().splitlines()]
 
 
 def test_ranks_agree_share_rank0_run_id_and_log_their_rank(launched):

@@ -20,6 +20,7 @@ import pytest
 
 from pipeline.core import events as ev
 from pipeline.cli import main
+from pipeline.core.contracts import ErrorInfo
 from pipeline.observe.trace import MAX_LINE_BYTES, TraceReader, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,7 +181,7 @@ def test_two_launches_sharing_run_id_and_file_stay_apart(tmp_path):
     p = tmp_path / "shared.jsonl"
     a = EventLog("same", 0, p)
     a.emit(ev.RunFailed, state="args", outcome="failed",
-           error=ev.ErrorInfo(code="usage", state="args", message="refused", remedy="r"))
+           error=ErrorInfo(code="usage", state="args", message="refused", remedy="r"))
     a.close()
     b = EventLog("same", 0, p)
     b.emit(ev.RunStarted, state="device-init", request={})

@@ -206,7 +206,7 @@ def test_library_strict_refuses_in_resolve_before_anything_is_allocated():
 
 def test_cpu_cuda_graph_skip_is_a_step_skipped_not_a_warning(llama, small_pool):
     """On CPU, CUDA graphs do not apply: a step_skipped record (info), no feature_downgraded, resolve not 'skipped'."""
-    from pipeline.observe.trace import Run
+    from pipeline.observe.runs import Run
 
     req = SetupRequest(args=AttentionArgs(strict=True), model=llama, pool=small_pool, device="cpu")
     with build_attention_backends(req, installed=ALL) as out:

@@ -20,7 +20,7 @@ from pipeline.memory.pools import GraphTrial
 from pipeline.core.numbers import REMEDY_MAX_BS, largest_fitting
 from pipeline.core.spec import truncate_spec
 from pipeline.platforms.fake import FakePlatform
-from pipeline.runtime.pool_steps import size_for
+from pipeline.runtime.table import size_for
 from plan_remedies import in_domain, plan, set_flag
 from pipeline.runtime.runner import RunnerConfig
 

@@ -50,7 +50,7 @@ DONE: dict[str, dict[str, M.Row]] = {g: {} for g in GROUPS}
 @functools.lru_cache(maxsize=None)
 def group_rows(group: str) -> tuple[M.Row, ...]:
     """Every cell of ``group``, decided (status ``accepted`` or ``refused``)."""
-    from pipeline.setup.build import installed_by_import
+    from pipeline.backends.packages import installed_by_import
 
     profile, backends, must = GROUPS[group]
     cells = [c for c in M.cells(backends) if must is None or must in (c.prefill, c.decode)]

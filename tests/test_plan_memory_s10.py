@@ -21,7 +21,7 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec
 from pipeline.core.spec import truncate_spec
 from pipeline.platforms.fake import FakePlatform
-from pipeline.runtime.pool_steps import size_for
+from pipeline.runtime.table import size_for
 from plan_remedies import plan, set_flag
 from pipeline.runtime.runner import Runner, RunnerConfig
 

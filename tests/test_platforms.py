@@ -16,9 +16,7 @@ import torch
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 from pipeline.core.errors import BuildError, ConfigError
 from pipeline.platforms import platform_for
-from pipeline.platforms.musa import MusaPlatform
-from pipeline.platforms.npu import NpuPlatform
-from pipeline.platforms.xpu import XpuPlatform
+from pipeline.platforms.vendor import MusaPlatform, NpuPlatform, XpuPlatform
 
 
 class FakeDeviceModule(types.SimpleNamespace):

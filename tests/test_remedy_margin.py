@@ -17,7 +17,7 @@ from pipeline.core.errors import ConfigError
 from pipeline.memory.pools import REMEDY_MARGIN_MIN_BYTES, remedy_available, remedy_margin
 from pipeline.core.spec import truncate_spec
 from pipeline.platforms.fake import FakePlatform
-from pipeline.runtime.pool_steps import fraction_remedy, size_for
+from pipeline.runtime.table import fraction_remedy, size_for
 from pipeline.runtime.runner import RunnerConfig
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -96,8 +96,8 @@ def test_workspace_remedy_fits_after_free_memory_moved(free, n, drop):
     """``workspace_exceeds_memory`` names a per-workspace size whose workspaces fit the free memory less the margin."""
     from types import SimpleNamespace as NS
 
-    from pipeline.core.decisions import BuildPlan, WorkspacePlan
-    from pipeline.setup.pools import check_workspace_memory
+    from pipeline.core.contracts import BuildPlan, WorkspacePlan
+    from pipeline.setup.instances import check_workspace_memory
 
     def check(avail: int, each: int) -> None:
         platform = FakePlatform(DeviceFacts(type="cpu", name="host", total_memory_bytes=2 * free), free_bytes=avail)

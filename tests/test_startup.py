@@ -12,6 +12,7 @@ import pytest
 
 from conftest import run_main
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.errors import UsageError
 from pipeline.observe.startup import process_start_ns, slow_threshold, summarize
 
@@ -133,7 +134,7 @@ def test_run_writes_summary_metrics_and_slow_phase(tmp_path):
     p = run_main("run", "--device", "cpu", "--json", "--num-layers", "1", "--decode-steps", "1", "--log-file",
                  str(log), "--metrics-file", str(prom), "--slow-phase-s", "0.05")
     assert p.returncode == 0, p.stderr[-2000:]
-    records = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    records = [wire.decode_line(x) for x in log.read_bytes().splitlines()]
     s = next(r for r in records if isinstance(r, ev.StartupSummary))
     slow = [r for r in records if isinstance(r, ev.SlowPhase)]
     assert sorted((r.phase, r.parent) for r in slow) == sorted((x.name, x.parent) for x in s.phases if x.seconds > 0.05)
@@ -155,7 +156,7 @@ def test_refused_run_still_ends_with_summary(tmp_path):
     p = run_main("run", "--device", "cpu", "--json", "--attention-backend", "flashmla", "--log-file", str(log),
                  "--metrics-file", str(prom))
     assert p.returncode == 3
-    records = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    records = [wire.decode_line(x) for x in log.read_bytes().splitlines()]
     assert isinstance(records[-2], ev.StartupSummary) and isinstance(records[-1], ev.CommandFinished)
     assert [x.name for x in records[-2].phases if not x.parent] == ["startup", "preflight"]
     assert {x.parent for x in records[-2].phases} == {"", "preflight"}  # the refusal's setup states ran there
@@ -201,7 +202,7 @@ def test_perfetto_slices_for_verification_model_steps_and_jit():
     """Two ranks: each rank's track (tid = rank) has a verify slice per instance (its duration, ending at the
     record), one model-steps slice (last verification to last step) and one slice per JIT variant from its start."""
     from pipeline.observe.perfetto import chrome_trace
-    from pipeline.observe.trace import Run, Trace
+    from pipeline.observe.runs import Run, Trace
 
     runs = []
     for rank in (0, 1):

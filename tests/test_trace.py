@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.observe import trace as tr
 from pipeline.core.contracts import DeviceFacts, ErrorInfo, InstancePlan, Mode, Rejection, WorkspacePlan
 from pipeline.core.eventlog import EventLog
@@ -77,9 +78,9 @@ def test_every_record_type_has_a_sample():
 @pytest.mark.parametrize("cls", ev.EVENT_TYPES, ids=lambda c: ev.event_name(c))
 def test_round_trip_every_record_type(cls, tmp_path):
     rec = cls(ts_ns=123, run_id="r", rank=1, state="resolve", **SAMPLES[cls])
-    assert ev.decode_line(ev.encode(rec)) == rec
+    assert wire.decode_line(wire.encode(rec)) == rec
     path = tmp_path / "t.jsonl"
-    path.write_bytes(ev.encode(rec) + b"\n")
+    path.write_bytes(wire.encode(rec) + b"\n")
     t = tr.read_trace(path)
     assert t.skipped_lines == 0 and t.runs[0].records == [rec] and (t.runs[0].run_id, t.runs[0].rank) == ("r", 1)
 
@@ -100,10 +101,10 @@ def test_schema_policy_and_tolerance(tmp_path, monkeypatch):
     assert [s.line for s in t.skipped] == [2, 3, 4, 6, 7]
     assert t.dropped_fields == 1 and [r.ts_ns for r in t.runs[0].records] == [1, 2]
     # an old version passes through its upgrader (simulated: this reader at version 2, the line at 1)
-    from pipeline.observe import trace_decode  # the decoder's home since the split (trace re-exports its names)
+    from pipeline.observe import trace
 
-    monkeypatch.setattr(trace_decode, "SCHEMA_VERSION", 2)
-    monkeypatch.setattr(trace_decode, "UPGRADERS", {1: lambda o: {**{k: v for k, v in o.items() if k != "ms"}, "duration_ms": o["ms"]}})
+    monkeypatch.setattr(trace, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(trace, "UPGRADERS", {1: lambda o: {**{k: v for k, v in o.items() if k != "ms"}, "duration_ms": o["ms"]}})
     old = tmp_path / "old.jsonl"
     old.write_bytes(_line(schema_version=1, ms=4.0, duration_ms=None).replace(b'"duration_ms": null, ', b""))
     rec = tr.read_trace(old).runs[0].records[0]
@@ -145,6 +146,7 @@ def test_heartbeat_records(tmp_path):
 SCRIPT = """
 import os, signal, sys
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.eventlog import EventLog
 log = EventLog("sig", 0, sys.argv[1])
 log.install_signal_handlers()

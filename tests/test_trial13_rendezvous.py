@@ -12,6 +12,7 @@ import json
 import socket
 
 from pipeline.core import events as ev
+from pipeline.core import wire
 
 
 def _free_port() -> int:
@@ -35,7 +36,7 @@ def test_rendezvous_timeout_writes_the_log_and_the_failure_layout(tmp_path, monk
     assert err_lines[0].startswith("attn-setup run failed (exit 1) in state init-distributed: rank_exchange_failed:")
     assert any(line.startswith("error [rank_exchange_failed] in state init-distributed") for line in err_lines)
     assert f"log: {log}" in out_lines and out_lines[-1] == "failed"
-    records = [ev.decode_line(line) for line in log.read_bytes().splitlines()]
+    records = [wire.decode_line(line) for line in log.read_bytes().splitlines()]
     assert isinstance(records[0], ev.CommandStarted)
     failed = [r for r in records if isinstance(r, ev.RunFailed)]
     assert [(r.state, r.error.code) for r in failed] == [("init-distributed", "rank_exchange_failed")]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.errors import UsageError
 from pipeline.observe.replay import replay
 
@@ -49,7 +50,7 @@ def _lazy_cut(tmp_path: Path) -> Path:
     src = next(p for p in GOLDEN if p.stem == "h200_tbo")
     lines = src.read_bytes().splitlines()
     n = next(i for i, line in enumerate(lines, 1)
-             if (r := ev.decode_line(line)) and isinstance(r, ev.StateTransition) and r.to == "npu-lazy-mem")
+             if (r := wire.decode_line(line)) and isinstance(r, ev.StateTransition) and r.to == "npu-lazy-mem")
     return _cut(src, n, tmp_path / "inc.jsonl")
 
 
@@ -76,7 +77,7 @@ def test_a_real_divergence_before_the_cut_is_still_one(tmp_path):
 
     inc = _lazy_cut(tmp_path)
     lines = inc.read_bytes().splitlines()
-    i = next(i for i, line in enumerate(lines) if isinstance(ev.decode_line(line), ev.BuildPlanned))
+    i = next(i for i, line in enumerate(lines) if isinstance(wire.decode_line(line), ev.BuildPlanned))
     rec = json.loads(lines[i])
     rec["mode"] = "normal"
     lines[i] = json.dumps(rec).encode()

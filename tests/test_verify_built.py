@@ -27,7 +27,7 @@ from pipeline.backends.records import TORCH_NATIVE
 from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.setup.build import build_attention_backends
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
-from pipeline.runtime.model import truncate_spec
+from pipeline.core.spec import truncate_spec
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.memory.pools import check_needs

@@ -18,7 +18,7 @@ from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.runtime.runner import Runner, RunnerConfig
 from pipeline.runtime.model_steps import verify_model_steps
-from pipeline.runtime.stack_reference import reference_forward_rounded
+from pipeline.runtime.model_steps import reference_forward_rounded
 
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 512, "num_hidden_layers": 4,
         "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "rope_theta": 500000.0,

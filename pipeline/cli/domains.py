@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from pipeline.backends import packages, registry
 from pipeline.core.errors import InvalidValue
-from pipeline.core.type_checks import Domain
+from pipeline.core.validation import Domain
 from pipeline.core.validation import KV_CACHE_DTYPES, MAX_BYTES, MAX_PAGE_SIZE, MAX_POOL_DIM, MODEL_DTYPES, \
     SPECULATIVE_ALGORITHMS
 from pipeline.platforms.profiles import names as profile_names

@@ -100,7 +100,7 @@ class _Parser(argparse.ArgumentParser):
                 got.group(1), f"a {got.group(1)} value")]
             hint = f"pass {flag} {allowed[0].split(' (')[0].replace('an integer', 'a whole number')}"
         elif why.startswith("invalid choice"):
-            from pipeline.core.type_checks import nearest_name
+            from pipeline.core.validation import nearest_name
 
             allowed = re.findall(r"'([^']*)'", why.split("choose from", 1)[-1])
             given = re.match(r"invalid choice: '(.*)' \(choose from", why, re.S)

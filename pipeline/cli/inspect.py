@@ -30,9 +30,10 @@ from pipeline.cli.startup import slow_phases, summary_of, summary_rows  # noqa: 
 from pipeline.core.errors import EXIT_FAILED, EXIT_OK
 from pipeline.core.events import SlowPhase, StartupSummary
 from pipeline.core.model_spec import format_layer_ids  # noqa: F401 (importable from here before the split)
-from pipeline.observe.rank_summary import RankSummary, summary_lines  # noqa: F401
+from pipeline.observe.ranks import RankSummary, summary_lines  # noqa: F401
 from pipeline.observe.ranks import RankDifferences, rank_differences
-from pipeline.observe.trace import Run, Trace, TraceReader, nothing_readable
+from pipeline.observe.trace import TraceReader
+from pipeline.observe.runs import Run, Trace, nothing_readable
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

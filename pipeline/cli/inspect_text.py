@@ -15,9 +15,9 @@ from pipeline.cli.startup import slow_line, summary_of, summary_rows
 from pipeline.core.events import SlowPhase, StartupSummary
 from pipeline.core.model_spec import format_layer_ids
 from pipeline.core.value_text import value_text
-from pipeline.observe.rank_summary import RankSummary, summary_lines
-from pipeline.observe.runview import device_text
-from pipeline.observe.trace import Run
+from pipeline.observe.ranks import RankSummary, summary_lines
+from pipeline.observe.runs import device_text
+from pipeline.observe.runs import Run
 
 
 def failure_of(run: Run) -> Any:

@@ -61,7 +61,7 @@ def _concrete(flag: str, path: str, ns: argparse.Namespace) -> Optional[str]:
     run id when one is set (``ATTN_SETUP_RUN_ID`` / ``TORCHELASTIC_RUN_ID``: s13, a ``{run_id}`` path then named the
     model config or the metrics file unchecked); None with ``{run_id}`` and no shared id (a fresh name, which nothing
     given can be, checked again once known: :func:`check_log_path`)."""
-    from pipeline.core.runinfo import shared_run_id
+    from pipeline.core.eventlog import shared_run_id
 
     if flag != "--log-file":
         return path

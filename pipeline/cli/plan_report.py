@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 import msgspec
 
 from pipeline.core.contracts import DeviceFacts, Resolution, SetupRequest
-from pipeline.observe.runview import device_view
+from pipeline.observe.runs import device_view
 
 
 def skips_of(decided: Any) -> list[dict[str, str]]:

@@ -13,7 +13,7 @@ from pipeline.core.contracts import Flag, ModelSpec, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError, ModelConfigError, UsageError
 from pipeline.core.eventlog import secrets_from_env
 from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec
-from pipeline.core.type_checks import DeviceSpelling, device_spelling
+from pipeline.core.validation import DeviceSpelling, device_spelling
 
 
 def default_model_path() -> str:

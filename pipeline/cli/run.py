@@ -159,10 +159,10 @@ def _process_start(ns: argparse.Namespace) -> Optional[int]:
 
 
 def _watch_slow_phases(ns: argparse.Namespace, log: Any, start_ns: Optional[int]) -> Any:
-    """With ``--slow-phase-s`` (or its variable) a :class:`pipeline.observe.slow_phase.SlowPhaseWatch` on ``log``,
+    """With ``--slow-phase-s`` (or its variable) a :class:`pipeline.observe.startup.SlowPhaseWatch` on ``log``,
     so that each ``slow_phase`` warning comes as its phase ends; None without (or with a bad value: preflight
     refuses it)."""
-    from pipeline.observe.slow_phase import SlowPhaseWatch
+    from pipeline.observe.startup import SlowPhaseWatch
     from pipeline.observe.startup import slow_threshold
 
     try:
@@ -185,7 +185,7 @@ def _rank_group(ns: argparse.Namespace) -> Any:
     ``ns``; None otherwise. ``--dist-timeout`` (else ``ATTN_SETUP_DIST_TIMEOUT``, else 60 s) and
     ``--max-memory-imbalance`` (else its variable, else 0.1) are checked with one rank too."""
     from pipeline.setup.distributed import check_timeout, init_from_env
-    from pipeline.setup.rank_digest import max_imbalance_from
+    from pipeline.setup.distributed import max_imbalance_from
     from pipeline.setup.rank_watch import timeout_from_env
 
     timeout = timeout_from_env(60.0) if ns.dist_timeout is None else check_timeout(ns.dist_timeout)
@@ -236,7 +236,7 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.cli.startup import warn_env_lookalikes
     from pipeline.observe.startup import timed_torch_import
     from pipeline.runtime.runner import Runner
-    from pipeline.setup.build import new_run_id
+    from pipeline.core.eventlog import new_run_id
 
     ns._torch_import = timed_torch_import()  # named in the startup summary and the progress line (cold start)
     group, joined = _join(ns)
@@ -283,8 +283,8 @@ def cmd(ns: argparse.Namespace) -> int:
 
 def _verify_runner(runner: Any, log: Any, decode_steps: int) -> tuple[list, list, Optional[ErrorInfo]]:
     """Verify every built instance and the stack's steps (each logged); a failure is logged as ``run_failed``
-    (:func:`pipeline.observe.runview.verification_failure`, the one builder ``inspect`` also uses)."""
-    from pipeline.observe.runview import verification_failure
+    (:func:`pipeline.observe.runs.verification_failure`, the one builder ``inspect`` also uses)."""
+    from pipeline.observe.runs import verification_failure
 
     verified = _verify(runner.backends, runner.request, log, decode_steps, runner.pools)
     steps = _model_steps(runner, log, decode_steps)

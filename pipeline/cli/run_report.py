@@ -1,7 +1,7 @@
 """``attn-setup run``'s report: the JSON object (``--json``) and what the terminal shows — the model line, the KV
 pool and CUDA-graph lines, the runner timeline with the setup states nested, the stack's verified steps and, for a
 failed run, the error last. Split out of :mod:`pipeline.cli.run` (the command flow), which re-exports every name
-here; the records' outcomes come from :mod:`pipeline.observe.runview`, the shared tables from
+here; the records' outcomes come from :mod:`pipeline.observe.runs`, the shared tables from
 :mod:`pipeline.cli.report`.
 """
 
@@ -66,7 +66,7 @@ def headline(info: ErrorInfo, code: int) -> str:
 def device_line(report: dict[str, Any], request: Optional[SetupRequest]) -> Optional[str]:
     """``device: cuda:0 NVIDIA H200 (sm90), written as CUDA:0`` from the report's ``device``; the requested device
     when the run stopped before device-init read its facts."""
-    from pipeline.observe.runview import device_text
+    from pipeline.observe.runs import device_text
 
     d = report.get("device")
     if d is not None:
@@ -82,7 +82,7 @@ def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_f
             error: Optional[ErrorInfo]) -> dict[str, Any]:
     """Run's JSON object; the error's remedy in this command line's flags."""
     from pipeline.cli.wording import cli_error, command_dests
-    from pipeline.observe.runview import device_from, outcomes
+    from pipeline.observe.runs import device_from, outcomes
 
     return {
         "ok": code == EXIT_OK, "run_id": run_id, "states": outcomes(log.records, "setup"),
@@ -203,7 +203,7 @@ def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[
         print_table(c, timeline_title(report), ["state", "outcome", "duration ms"],
                     [[label, outcome, f"{ms:.1f}"] for label, outcome, ms in rows])
     if report["model_steps"]:
-        from pipeline.observe.runview import tol_text
+        from pipeline.observe.runs import tol_text
 
         steps = report["model_steps"]
         # an MLA stack is judged against two references per step: the table names them (module model_steps)

@@ -179,7 +179,7 @@ class RankStalled(RankExchangeError):
 
 class MemoryImbalance(AttnSetupError):
     """Free device memory at device-init differs between ranks by more than the allowed fraction
-    (sglang's tensor-parallel check; :mod:`pipeline.setup.rank_digest`). Raised on every rank, naming the
+    (sglang's tensor-parallel check; :mod:`pipeline.setup.distributed`). Raised on every rank, naming the
     lowest rank and every rank's free bytes."""
 
     code = "memory_imbalance"

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Optional, TYPE_CHECKING
 import msgspec
 
 from pipeline.backends import registry
-from pipeline.core.driver import Decided
+from pipeline.core.steps import Decided
 from pipeline.core.errors import ConfigError
 from pipeline.core.numbers import largest_fitting, REMEDY_MAX_BS
 from pipeline.core.validation import MAX_BYTES

@@ -64,7 +64,7 @@ from states.build_mode import BatchSeries, series_sum
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipeline.core.contracts import SetupRequest
-    from pipeline.core.driver import Decided
+    from pipeline.core.steps import Decided
     from pipeline.memory.pools import GraphTrial
 
 __all__ = ['GraphMemoryEstimate', 'estimate_graph_memory', 'estimate_for_decided', 'graph_trial', 'graphs_up_to', 'blas_workspace_bytes', 'PoolModel', 'MiB', 'graph_memory_lower_bound', 'lower_bound_for_decided']

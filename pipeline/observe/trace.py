@@ -17,7 +17,9 @@ contiguous piece); the second pass reads one run at a time from those ranges, yi
 it go. Memory is therefore bounded by the index (a few dozen bytes per contiguous piece of a run)
 plus the largest single run, not by the file — ``attn-setup inspect`` on a 1 GB log stays within a
 few hundred MB (``benchmarks/inspect_large_log.py``). :func:`read_trace` keeps every run (for
-replay, graph and tests).
+replay, graph and tests). Lines are read without holding more than one block or one capped line
+(:func:`capped_lines` for the index pass, :func:`piece_lines` for the second); :func:`decode_record` turns one
+line into one typed record, or the reason it is skipped, never raising.
 
 Schema policy for old traces
 ----------------------------
@@ -40,19 +42,146 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field  # noqa: F401
-from typing import IO, Any, Callable, Iterator, Optional, Sequence, Union  # noqa: F401
+from typing import Any, Callable, IO, Iterator, Optional, Sequence, Union
 
 import msgspec
 
-from pipeline.core import events as ev
-from pipeline.core.contracts import SCHEMA_VERSION, ErrorInfo  # noqa: F401
+from pipeline.core import events as ev, wire
+from pipeline.core.contracts import SCHEMA_VERSION
 from pipeline.core.errors import UsageError
-from pipeline.observe.runview import timeline, verification_failure  # noqa: F401
-from pipeline.observe.trace_decode import (MAX_DEPTH, MAX_LINE_BYTES, UPGRADERS, _BY_TAG, _depth,  # noqa: F401
-                                           _may_be_deep, _upgrade, decode_record)
-from pipeline.observe.trace_lines import capped_lines, piece_lines
-from pipeline.observe.trace_view import _BY_CLASS, Run, SkippedLine, Trace, nothing_readable  # noqa: F401
+from pipeline.observe.runs import Run, SkippedLine, Trace
+
+
+UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+_BY_TAG = {ev.event_name(c): c for c in ev.EVENT_TYPES}
+MAX_LINE_BYTES = 4 << 20   # a run_started line of a 4096-layer model with a draft model is ~0.2 MB
+MAX_DEPTH = wire.MAX_DEPTH   # our records nest 6 deep; the writer never writes deeper than this
+
+
+def _upgrade(obj: dict[str, Any]) -> dict[str, Any]:
+    for v in sorted(UPGRADERS):
+        if obj.get("schema_version", 1) <= v:
+            obj = UPGRADERS[v](obj)
+            obj["schema_version"] = v + 1
+    return obj
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of decoded JSON (iterative: a hostile line must not exhaust the stack)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            deepest = max(deepest, d)
+            if d > MAX_DEPTH:
+                return d
+            stack.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return deepest
+
+
+def _may_be_deep(line: bytes) -> bool:
+    return line.count(b"[") + line.count(b"{") > MAX_DEPTH
+
+
+def decode_record(line: bytes) -> tuple[Optional[ev.Event], str, int]:
+    """(record or None, skip reason or "", number of unknown fields dropped) for one line.
+
+    Never raises for any input: every failure is a skip reason (see the module docstring).
+    """
+    if len(line) > MAX_LINE_BYTES:
+        return None, "line_too_long", 0
+    if not _may_be_deep(line):
+        try:  # the fast path: a current record as written
+            rec = wire._decoder.decode(line)
+            if rec.schema_version == SCHEMA_VERSION:
+                return rec, "", 0
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            pass
+    try:
+        obj = msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return None, "not_json", 0
+    except RecursionError:
+        return None, "too_deep", 0
+    if not isinstance(obj, dict) or type(obj.get("event")) is not str or obj["event"] not in _BY_TAG:
+        return None, "unknown_event", 0
+    if _depth(obj) > MAX_DEPTH:
+        return None, "too_deep", 0
+    version = obj.get("schema_version", 1)
+    if type(version) is not int:
+        return None, "invalid_record", 0
+    if version > SCHEMA_VERSION:
+        return None, "newer_schema", 0
+    if version < 1:
+        return None, "invalid_record", 0
+    try:
+        obj = wire.restore_floats(_upgrade(obj))
+        try:
+            return msgspec.convert(obj, ev.AnyEvent), "", 0
+        except msgspec.ValidationError:
+            cls = _BY_TAG[obj["event"]]
+            known = set(cls.__struct_encode_fields__) | {"event"}
+            kept = {k: v for k, v in obj.items() if k in known}
+            if len(kept) == len(obj):
+                return None, "invalid_record", 0
+            try:
+                return msgspec.convert(kept, ev.AnyEvent), "", len(obj) - len(kept)
+            except msgspec.ValidationError:
+                return None, "invalid_record", 0
+    except RecursionError:
+        return None, "too_deep", 0
+    except Exception:  # noqa: BLE001 - an upgrader choking on a hostile record: skip it, never crash
+        return None, "invalid_record", 0
+
+
+
+BLOCK = 1 << 20
+
+
+def capped_lines(fh: IO[bytes], start: int, end: Optional[int]) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) from ``start`` up to ``end``; lines over :data:`MAX_LINE_BYTES` come back as
+    ``b""`` after the rest of them was read past (never held whole)."""
+    fh.seek(start)
+    offset = start
+    while end is None or offset < end:
+        raw = fh.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        at = offset
+        offset += len(raw)
+        if len(raw) > MAX_LINE_BYTES:
+            while not raw.endswith(b"\n"):
+                raw = fh.readline(1 << 20)
+                if not raw:
+                    break
+                offset += len(raw)
+            yield at, b""
+            continue
+        yield at, raw
+
+
+def piece_lines(fh: IO[bytes], start: int, end: int) -> Iterator[bytes]:
+    """The lines of one piece, read in blocks (a piece holds only lines pass 1 kept: each at most
+    :data:`MAX_LINE_BYTES`, newline-terminated except possibly the file's last)."""
+    fh.seek(start)
+    left = end - start
+    while left > 0:
+        block = fh.read(min(left, BLOCK))
+        if not block:
+            return  # the file shrank since pass 1
+        left -= len(block)
+        if left > 0:
+            cut = block.rfind(b"\n") + 1
+            if 0 < cut < len(block):  # keep the partial last line for the next block
+                fh.seek(cut - len(block), os.SEEK_CUR)
+                left += len(block) - cut
+                block = block[:cut]
+        lines = block.split(b"\n")  # \n only, as pass 1 counted them
+        if lines and not lines[-1]:
+            lines.pop()
+        yield from lines
+
+
 
 SKIP_DETAILS = 100         # skipped lines listed with file:line (all are counted)
 
@@ -258,3 +387,4 @@ def as_trace(obj: Any) -> Trace:
             groups.setdefault((r.run_id, r.rank, r.launch_id), Run(r.run_id, r.rank, launch_id=r.launch_id)).records.append(r)
         return Trace(runs=list(groups.values()))
     return read_trace(obj)
+

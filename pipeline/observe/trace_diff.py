@@ -24,7 +24,8 @@ import msgspec
 from pipeline.core import events as ev
 from pipeline.core.value_text import value_text
 from pipeline.observe.ranks import _flatten
-from pipeline.observe.trace import Run, read_trace
+from pipeline.observe.trace import read_trace
+from pipeline.observe.runs import Run
 
 _VOLATILE = ("free", "memory_allocated")  # device facts that change between starts on one machine
 

@@ -2,7 +2,7 @@
 
 The table (:data:`pipeline.runtime.table.RUNNER`) orders the steps — ``init-distributed → load-model →
 init-memory-pool → attention → capture-cuda-graphs → ready`` (+ ``failed``) — and holds each step's decision
-and effect; the one driver (:mod:`pipeline.core.driver`) walks it. ``attention`` is the setup machine
+and effect; the one driver (:mod:`pipeline.core.steps`) walks it. ``attention`` is the setup machine
 (:func:`pipeline.setup.build.build_attention_backends`) run over the pools this runner sized, writing to the same
 :class:`~pipeline.core.eventlog.EventLog`, so one trace holds both machines (``runner_transition`` records for
 this one, ``state_transition`` for the setup). :meth:`Runner.preflight` makes every decision before anything is
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from pipeline.core import driver
+from pipeline.core import steps
 from pipeline.core import events as ev
 from pipeline.core.contracts import SetupRequest
 from pipeline.core.errors import error_info_from
@@ -111,7 +111,8 @@ class Runner:
                  log_file: Optional[str] = None, cpu_group: Any = None, agree: Optional[AgreeFn] = None,
                  installed: Optional[dict[str, bool]] = None, rank_group: Any = None) -> None:
         from pipeline.platforms import parse_device, platform_for
-        from pipeline.setup.build import new_run_id, open_event_log
+        from pipeline.setup.build import open_event_log
+        from pipeline.core.eventlog import new_run_id
 
         if not isinstance(config, RunnerConfig) or not isinstance(config.request, SetupRequest):
             from pipeline.core.errors import UsageError
@@ -132,7 +133,7 @@ class Runner:
         self.request = req
         self.sizing: Any = None
         self.setup_failed = False
-        self.preflighted: Optional[driver.Decided] = None
+        self.preflighted: Optional[steps.Decided] = None
         self.t0 = time.perf_counter()
         # each step's decision, kept by the driver under the step's ``result``
         self.load: Any = None
@@ -176,7 +177,7 @@ class Runner:
         self.machine.require_state(state)
         given = None if self.preflighted is None else self.preflighted.only("attention")
         try:
-            driver.run_step(RUNNER, RUNNER.step(state), self, self.machine, given=given)
+            steps.run_step(RUNNER, RUNNER.step(state), self, self.machine, given=given)
         except BaseException as exc:
             self._fail(state, exc)
             raise
@@ -206,11 +207,11 @@ class Runner:
         return a.detail if self.cpu_group is None and self.rank_group is None else None
 
     # -- steps ---------------------------------------------------------------------------------
-    def preflight(self) -> driver.Decided:
+    def preflight(self) -> steps.Decided:
         """Every step's decision before anything is allocated (the table in decide mode): the env settings, the
         dtype and the layers to build, the pool sizes against the device's memory, every setup decision, the graph
         sizes. A typed refusal is kept in the result; :meth:`initialize` then takes the setup's decisions."""
-        self.preflighted = driver.decide(RUNNER, self)
+        self.preflighted = steps.decide(RUNNER, self)
         return self.preflighted
 
     def init_distributed(self) -> None:

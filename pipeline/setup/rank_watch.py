@@ -25,7 +25,6 @@ import json
 import os
 
 from pipeline.core.numbers import ascii_float
-import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta

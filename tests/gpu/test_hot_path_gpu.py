@@ -26,7 +26,7 @@ from pipeline.setup.build import build_attention_backends  # noqa: E402
 from pipeline.cli.request import default_model_path  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, ForwardMode, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.backends.memory import PageAllocator, make_forward_batch  # noqa: E402
-from pipeline.runtime.model import truncate_spec  # noqa: E402
+from pipeline.core.spec import truncate_spec  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
 from pipeline.runtime.reference import reference_attention, rel_err  # noqa: E402
 

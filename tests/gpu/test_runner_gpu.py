@@ -28,7 +28,8 @@ from pipeline.backends.memory import PageAllocator, make_forward_batch  # noqa: 
 from pipeline.runtime.model import reference_forward  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
 from pipeline.runtime.reference import rel_err  # noqa: E402
-from pipeline.runtime.runner import Runner, RunnerConfig, RunnerState  # noqa: E402
+from pipeline.runtime.runner import Runner, RunnerConfig  # noqa: E402
+from pipeline.runtime.table import RunnerState  # noqa: E402
 from pipeline.runtime.model_steps import verify_model_steps  # noqa: E402
 from conftest import gpu_backends  # noqa: E402
 
