@@ -11,7 +11,7 @@ run logs as ``reference_fallback`` / ``feature_downgraded`` events. With ``args.
 allocated, naming the fields that accept or avoid all of them (``avoid``).
 
 Library wording (:func:`assignments`): field names and ``field='value'``; the CLI shows its flags
-(:mod:`pipeline.cli.wording`). Pure decisions, no torch.
+(:mod:`pipeline.cli.output`). Pure decisions, no torch.
 """
 
 from __future__ import annotations

@@ -162,11 +162,11 @@ def test_a_run_id_log_file_over_the_metrics_file_is_a_path_conflict(tmp_path, mo
 def test_a_run_id_known_only_when_the_run_starts_is_checked_before_the_log_opens(tmp_path, monkeypatch):
     """A run id not in the environment (a fresh one, a rank group's) is filled in as the run starts; the conflict
     check runs again then, before the log opens: nothing written, exit 2 ``path_conflict``."""
-    import pipeline.setup.build as build
+    import pipeline.core.eventlog as eventlog
 
     monkeypatch.delenv("ATTN_SETUP_RUN_ID", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    monkeypatch.setattr(build, "new_run_id", lambda: "fresh")
+    monkeypatch.setattr(eventlog, "new_run_id", lambda: "fresh")
     metrics = tmp_path / "fresh.rank0.jsonl"
     rc, out = _run_json("--log-file", str(tmp_path / "{run_id}.rank{rank}.jsonl"), "--metrics-file", str(metrics))
     err = out["error"]

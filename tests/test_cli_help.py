@@ -247,7 +247,7 @@ def test_runner_example_prints_results_and_imports_no_cli(capsys, tmp_path, monk
     tree = ast.parse(path.read_text())
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not any(m and (m.startswith("pipeline.cli") or m == "pipeline.cli.report") for m in mods), mods
+    assert not any(m and (m.startswith("pipeline.cli") or m == "pipeline.cli.output") for m in mods), mods
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [str(path), "cpu"])
     runpy.run_path(str(path), run_name="__main__")

@@ -131,7 +131,7 @@ def test_run_output_and_error_follow_the_width(capsys, monkeypatch, tmp_path, co
 
 
 def test_wrap_never_splits_a_word():
-    from pipeline.cli.console import wrap
+    from pipeline.cli.output import wrap
 
     text = "a " * 5 + "x" * 50 + " b-c-d-e-f-g-h-i-j " + "word " * 20
     for cols in (10, 20, 33, 80):
@@ -141,7 +141,7 @@ def test_wrap_never_splits_a_word():
 
 
 def test_column_widths_fit_and_keep_every_word():
-    from pipeline.cli.console import column_widths, table_fits
+    from pipeline.cli.output import column_widths, table_fits
 
     cols, rows = ["a", "features"], [["x", "mha, chunked_local_attention, speculative"], ["yy", "tbo"]]
     for width in (40, 50, 80):
@@ -158,7 +158,7 @@ def test_the_checker_catches_the_library_words(capsys):
     """The library's own ErrorInfo (fields, pool paths) fails the check; the command line's passes."""
     import msgspec
 
-    from pipeline.cli.wording import cli_error, command_dests
+    from pipeline.cli.output import cli_error, command_dests
     from pipeline.core.contracts import PoolFacts
     from pipeline.core.errors import AttnSetupError
 
@@ -190,8 +190,8 @@ def test_cli_error_words_generated_errors(field, prefix, value, shape):
 
     import msgspec
 
-    from pipeline.cli.report import render_error
-    from pipeline.cli.wording import cli_error, command_dests
+    from pipeline.cli.output import render_error
+    from pipeline.cli.output import cli_error, command_dests
     from pipeline.core.errors import ErrorInfo, Flag
 
     text = shape.format(p=prefix, f=field, v=value)

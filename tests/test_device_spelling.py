@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pipeline.cli import main
-from pipeline.cli.request import is_gpu_device
+from pipeline.cli.flags import is_gpu_device
 from pipeline.core.contracts import SetupRequest
 from pipeline.core.errors import ConfigError
 from pipeline.core.validation import device_spelling

@@ -70,7 +70,7 @@ def test_logged_interruption_always_ends_130(monkeypatch, tmp_path, capsys, sigi
 
 def test_interrupted_record_overrides_a_zero_exit():
     """_close_run's last word: a signal's run_interrupted in the log turns any other exit into 130."""
-    from pipeline.cli.run_exit import _interrupted_ends
+    from pipeline.cli.run import _interrupted_ends
     from pipeline.core import events as ev
     from pipeline.core.contracts import ErrorInfo
     from pipeline.core.eventlog import EventLog

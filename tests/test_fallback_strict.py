@@ -24,10 +24,10 @@ import pytest
 
 from conftest import CONFIGS
 from pipeline.core import events as ev
-from pipeline.cli import report as rp
+from pipeline.cli import output as rp
 from pipeline.setup.build import build_attention_backends
 from pipeline.cli import main
-from pipeline.cli.plan_report import plan_report
+from pipeline.cli.plan import plan_report
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError
 from pipeline.core.model_spec import load_model_spec

@@ -1,4 +1,4 @@
-"""Every flag of the domain table (pipeline/cli/domains.py), generated: values below, above and at its bounds,
+"""Every flag of the domain table (pipeline/cli/flags.py), generated: values below, above and at its bounds,
 values of the wrong type, NaN / infinities, empty text and unknown choices. Each out-of-domain value is exit 2
 ``out_of_domain`` naming the flag, the value and the domain, raised before a log is opened; each value at a bound
 and each remedy's suggestion passes. In-process through ``pipeline.cli.main``."""
@@ -13,7 +13,7 @@ import re
 import pytest
 
 from pipeline.cli import build_parser, main
-from pipeline.cli.domains import FLAG_DOMAINS, FlagDomain, check_flags, domains_of
+from pipeline.cli.flags import FLAG_DOMAINS, FlagDomain, check_flags, domains_of
 from pipeline.core.errors import InvalidValue
 
 BASE = {"run": ["run", "--device", "cpu"], "plan": ["plan", "--device-profile", "cpu"],

@@ -19,7 +19,7 @@ from conftest import CONFIGS, cuda_facts
 from pipeline.backends import registry
 from pipeline.backends.capability import BackendRules, decode_output_only
 from pipeline.cli import main
-from pipeline.cli.plan_report import plan_report
+from pipeline.cli.plan import plan_report
 from pipeline.core import events as ev
 from pipeline.core import wire
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest

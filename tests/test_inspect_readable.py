@@ -13,8 +13,8 @@ import re
 import pytest
 
 from conftest import CONFIGS, run_main
-from pipeline.cli.report import render_error
-from pipeline.cli.wording import cli_error, command_dests
+from pipeline.cli.output import render_error
+from pipeline.cli.output import cli_error, command_dests
 from pipeline.core import events as ev
 from pipeline.core import wire
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest

@@ -81,7 +81,7 @@ def test_arch_dir(arch, want):
 
 
 def test_warmup_command_keeps_setup_flags_only():
-    from pipeline.cli.jit import warmup_command
+    from pipeline.cli.warmup import warmup_command
 
     argv = ["run", "--device", "cuda", "--json", "--log-file", "x.jsonl", "--attention-backend", "fa3",
             "--require-warm-cache", "--num-layers", "3", "--page-size=16", "--metrics-file=m.prom"]

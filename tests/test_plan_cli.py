@@ -226,7 +226,7 @@ def test_plan_shows_the_graph_sizes_and_lazy_memory_a_recorded_run_took(name, mo
     """``plan``'s ``cuda_graphs`` and ``npu_lazy_mem`` for each golden run's request and device facts equal what that
     run recorded: the decode batch sizes it captured (``runner_ready.graph_batch_sizes``, or the ``cuda_graph`` skip
     reason), and npu-lazy-mem's setting (bytes, source) and outcome (initialized, or the skip reason)."""
-    from pipeline.cli.plan_report import plan_report
+    from pipeline.cli.plan import plan_report
     from pipeline.core import events as ev
     from pipeline.core.contracts import SetupRequest
     from pipeline.core.errors import AttnSetupError

@@ -9,12 +9,12 @@ import json
 
 from conftest import run_main
 
-from pipeline.cli.plan_report import installed_note, plan_report
+from pipeline.cli.plan import installed_note, plan_report
 
 
 def _report(profile: str, installed: dict[str, bool]) -> dict:
     from pipeline.cli.flags import build_parser
-    from pipeline.cli.request import request_from
+    from pipeline.cli.flags import request_from
     from pipeline.platforms.profiles import get
 
     device = get(profile)

@@ -23,12 +23,12 @@ from conftest import CONFIGS
 from pipeline.backends import registry
 from pipeline.cli import build_parser, main
 from pipeline.cli.plan import installed_from
-from pipeline.cli.plan_report import plan_report
-from pipeline.cli.request import request_from
+from pipeline.cli.plan import plan_report
+from pipeline.cli.flags import request_from
 from pipeline.core.contracts import AttentionArgs, ErrorInfo
 from pipeline.core.errors import ConfigError, UsageError
 from pipeline.platforms.profiles import PROFILES
-from pipeline.cli.wording import cli_dests, to_cli
+from pipeline.cli.output import cli_dests, to_cli
 from remedy_fixes import Fix, apply, backends_named, fixes_of
 from test_bad_inputs import CASES, DATA
 

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import msgspec
 import pytest
 
-from pipeline.cli.plan_report import plan_report
+from pipeline.cli.plan import plan_report
 from pipeline.core.contracts import AttentionArgs, ModelSpec, PoolFacts, SetupRequest
 from pipeline.core.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
 from pipeline.core.model_spec import load_model_spec

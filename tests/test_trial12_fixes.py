@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pipeline.cli.inspect_text import explain
+from pipeline.cli.inspect import explain
 from pipeline.core.contracts import ErrorInfo, Flag
 
 
@@ -38,7 +38,7 @@ def test_every_flag_is_to_change_when_the_remedy_names_none():
 
 
 def test_notices_break_at_stderrs_width(monkeypatch, capsys):
-    from pipeline.cli.console import print_stderr_lines
+    from pipeline.cli.output import print_stderr_lines
 
     monkeypatch.setenv("COLUMNS", "40")
     note = ("notice: --world-size 2 outside torchrun: this process runs rank 0 alone (no rank group, the rank "

@@ -43,7 +43,7 @@ def test_large_model_notice_suggests_fewer_layers_than_in_use():
     layer kinds in seconds": the count already in use. The notice names a count below the one in use (run's
     default, else the fewest with one layer of each kind) with its estimate, or says it is already the fewest."""
     from conftest import CONFIGS
-    from pipeline.cli.notices import run_notices
+    from pipeline.cli.run import run_notices
     from pipeline.core.contracts import AttentionArgs, SetupRequest
     from pipeline.core.model_spec import load_model_spec
 
@@ -55,7 +55,7 @@ def test_large_model_notice_suggests_fewer_layers_than_in_use():
     assert v3.startswith("2 attention layers need about 5.9 GiB")
     assert "--num-layers 2" not in v3 and "--num-layers 1 verifies the same layer kinds with about 2.9 GiB" in v3
     assert notice("deepseek-v3.json", 1) == ""  # 2.9 GiB: below the notice's 4 GiB
-    from pipeline.cli.notices import _fewer
+    from pipeline.cli.run import _fewer
 
     v3_spec = load_model_spec(CONFIGS / "deepseek-v3.json")
     assert _fewer(v3_spec, 1, "bfloat16") == "1 is already the fewest attention layers that include every layer kind " \

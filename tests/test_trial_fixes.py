@@ -68,7 +68,7 @@ def test_notices_before_a_slow_or_memory_hungry_run_and_a_lone_rank():
     from pipeline.core.contracts import AttentionArgs, SetupRequest
     from pipeline.runtime.model import AttentionStack
     from pipeline.core.model_spec import load_model_spec
-    from pipeline.cli.notices import run_notices, weight_bytes
+    from pipeline.cli.run import run_notices, weight_bytes
 
     spec = load_model_spec(CONFIGS / "llama-3.1-8b.json")
     req = SetupRequest(args=AttentionArgs(), model=spec, device="cpu")

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.cli import main
-from pipeline.cli.inspect_text import explain
+from pipeline.cli.inspect import explain
 from pipeline.core.errors import ErrorInfo, Flag
 
 README = Path(__file__).resolve().parent.parent / "README.md"

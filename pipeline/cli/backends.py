@@ -109,7 +109,7 @@ def cmd(ns: argparse.Namespace) -> int:
     import sys
 
     from pipeline.backends import packages
-    from pipeline.cli import report as rp
+    from pipeline.cli import output as rp
 
     if ns.markdown:
         sys.stdout.write(markdown())
@@ -120,7 +120,7 @@ def cmd(ns: argparse.Namespace) -> int:
     if ns.json:
         rp.emit_json(rep)
         return EXIT_OK
-    from pipeline.cli.console import console, print_line, print_table
+    from pipeline.cli.output import console, print_line, print_table
 
     c = console()
     rows = []

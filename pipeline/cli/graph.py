@@ -162,7 +162,7 @@ def machine_obj(taken: list[Any], failed: Optional[Any], run: Any, machine: str 
     """
     spec = machine_spec(machine)
     st = styles(taken, failed, machine)
-    from pipeline.cli.inspect_text import failure_of
+    from pipeline.cli.inspect import failure_of
 
     info = None if run is None else failure_of(run)  # in the command line's words (--attention-backend fa3)
     return {
@@ -194,7 +194,7 @@ def cmd(ns: argparse.Namespace) -> int:
         raise UsageError(f"writing {ext} needs Graphviz's 'dot' program, which is not on PATH", code="graphviz_missing",
                          flags=[("-o", ns.output)], allowed=[".mmd", ".dot"],
                          remedy="install Graphviz (apt-get install graphviz / brew install graphviz), or use -o FILE.mmd")
-    from pipeline.cli.log_paths import check_log_paths
+    from pipeline.cli.flags import check_log_paths
 
     check_log_paths(ns.logs)
     taken, failed, run = trace_path(ns.logs, ns.rank, ns.machine)
@@ -226,7 +226,7 @@ def cmd(ns: argparse.Namespace) -> int:
             raise UsageError(f"cannot write {str(out)!r}: {getattr(e, 'strerror', None) or e}", code="usage",
                              flags=[("-o", ns.output)], remedy="pick a writable output path") from None
     if ns.json:
-        from pipeline.cli.report import emit_json
+        from pipeline.cli.output import emit_json
 
         emit_json({"ok": True, **machine_obj(taken, failed, run, ns.machine),
                    "output": None if out is None else str(out)})

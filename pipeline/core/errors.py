@@ -215,7 +215,7 @@ class UsageError(AttnSetupError):
 
 
 class InvalidValue(UsageError):
-    """A command-line flag's value outside the flag's own domain (:data:`pipeline.cli.domains.FLAG_DOMAINS`):
+    """A command-line flag's value outside the flag's own domain (:data:`pipeline.cli.flags.FLAG_DOMAINS`):
     a number out of range, NaN or infinity, an unknown choice, an empty string, a value of the wrong type.
 
     Exit code 2, raised as the flags are read — before anything is allocated or a log file opened. ``info.flags``
@@ -229,7 +229,7 @@ class OutputWriteFailed(UsageError):
     """stdout or stderr could not be written, other than by a reader that left (a closed pipe changes nothing): a full
     disk, ``> /dev/full``, an I/O error. Exit code 2, as a ``--log-file`` that stops taking writes
     (``log_write_failed``): where the output goes is the invocation's to fix. A command that failed anyway keeps its
-    own code (:mod:`pipeline.cli.outstreams`). ``info.flags``: each lost stream and where it pointed."""
+    own code (:mod:`pipeline.cli.output`). ``info.flags``: each lost stream and where it pointed."""
 
     code = "output_write_failed"
 

@@ -6,7 +6,7 @@ a remedy; cross-field and capability checks live in :mod:`states.resolve` and :m
 :class:`Domain` says which values one setting takes (an integer or number range, a closed set of names, non-empty
 text) and words it for errors; :func:`device_spelling` reads a device as a user may write it (``CUDA:0``, ``gpu``,
 ``Cpu``) into its canonical form and what was written. The command line's table of flag domains is
-:data:`pipeline.cli.domains.FLAG_DOMAINS`.
+:data:`pipeline.cli.flags.FLAG_DOMAINS`.
 
 The draft worker's fields (:func:`check_draft_fields`): ``draft_model`` and
 ``args.speculative_draft_attention_backend`` only mean something on a draft worker (sglang reads the draft backend

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from pipeline.cli.flags import build_parser  # noqa: E402
-from pipeline.cli.request import request_from  # noqa: E402
+from pipeline.cli.flags import request_from  # noqa: E402
 from pipeline.cli.run import runner_config  # noqa: E402
 from pipeline.core import events as ev  # noqa: E402
 from pipeline.runtime.runner import Runner  # noqa: E402

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
 
 from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.setup.build import build_attention_backends  # noqa: E402
-from pipeline.cli.request import default_model_path  # noqa: E402
+from pipeline.cli.flags import default_model_path  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, ForwardMode, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.backends.memory import PageAllocator, make_forward_batch  # noqa: E402
 from pipeline.core.spec import truncate_spec  # noqa: E402

@@ -2,7 +2,7 @@
 flag of ``plan`` and ``run`` (run's own ones; the shared ones through plan) with values argparse cannot convert,
 with a value that starts with '-' (must be attached: ``--flag=VALUE``) and with no value. Each must be exit 2
 naming the flag in the ErrorInfo's ``flags``: ``out_of_domain`` for a value the flag's domain refuses
-(:mod:`pipeline.cli.domains`), ``usage`` for a value missing or detached. Run from the repository root: ``python3
+(:mod:`pipeline.cli.flags`), ``usage`` for a value missing or detached. Run from the repository root: ``python3
 tests/data/bad_inputs/gen_flag_cases.py`` (rewrites cases.json in place, keeping every other case)."""
 
 import argparse
