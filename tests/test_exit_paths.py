@@ -39,12 +39,12 @@ def _inspect(capsys, path: Path) -> tuple[int, dict]:
 def test_crash_after_the_pipeline_is_logged_and_inspect_says_failed(tmp_path, capsys, monkeypatch):
     """An exception in cmd after the runner is ready (the qk_rope_head_dim 63 kind): exit 1
     internal_error, and the log says so (run_failed, command_finished 1) — inspect exits 1."""
-    import pipeline.cli.run
+    import pipeline.runtime.model_steps
 
     def boom(*a, **k):
         raise RuntimeError("boom after the pipeline")
 
-    monkeypatch.setattr(pipeline.cli.run, "_model_steps", boom)
+    monkeypatch.setattr(pipeline.runtime.model_steps, "verify_model_steps", boom)
     log = tmp_path / "l.jsonl"
     code = main(["run", "--device", "cpu", "--json", "--log-file", str(log), *FAST])
     out = json.loads(capsys.readouterr().out)
@@ -61,18 +61,15 @@ def test_crash_after_the_pipeline_is_logged_and_inspect_says_failed(tmp_path, ca
 
 def test_failed_verification_is_a_run_failed(tmp_path, capsys, monkeypatch):
     """A verification that comes out NaN: written as text, a run_failed record, exit 1, inspect 1."""
-    import pipeline.cli.run
+    import pipeline.runtime.model_steps as ms
 
-    real = pipeline.cli.run._model_steps
+    real = ms.verify_model_steps
 
-    def nan_steps(runner, log, decode_steps):
-        log.emit(ev.ModelStepVerified, state="ready", outcome="failed", step="extend", mode="extend", batch_size=4,
-                 graph=False, max_rel_err=float("nan"), tol=2e-2, passed=False)
-        return [*real(runner, log, decode_steps), {"step": "extend", "mode": "extend", "batch_size": 4,
-                                                    "graph": False, "max_rel_err": float("nan"), "tol": 2e-2,
-                                                    "passed": False}]
+    def nan_steps(runner, decode_steps=3):
+        return [*real(runner, decode_steps=decode_steps),
+                ms.StepCheck(step="extend", mode="extend", batch_size=4, graph=False, max_rel_err=float("nan"), tol=2e-2)]
 
-    monkeypatch.setattr(pipeline.cli.run, "_model_steps", nan_steps)
+    monkeypatch.setattr(ms, "verify_model_steps", nan_steps)
     log = tmp_path / "l.jsonl"
     assert main(["run", "--device", "cpu", "--json", "--log-file", str(log), *FAST]) == 1
     capsys.readouterr()

@@ -8,7 +8,8 @@ import json
 from conftest import run_main
 from pipeline.core import events as ev
 from pipeline.core import wire
-from pipeline.observe.runs import outcomes, step_skips, timeline, verification_failure
+from pipeline.observe.runs import outcomes, step_skips, timeline
+from pipeline.runtime.runner import verification_failure
 from pipeline.observe.trace import read_trace
 from pipeline.observe.runs import Run
 

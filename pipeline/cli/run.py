@@ -484,19 +484,22 @@ def device_line(report: dict[str, Any], request: Optional[SetupRequest]) -> Opti
             + (f", written as {spelled}" if spelled else ""))
 
 
-def _report(log: Any, run_id: str, code: int, verified: list, steps: list, log_file: str,
+def _report(log: Any, run_id: str, code: int, checked: Any, log_file: str,
             error: Optional[ErrorInfo]) -> dict[str, Any]:
-    """Run's JSON object; the error's remedy in this command line's flags."""
+    """Run's JSON object; ``verified`` and ``model_steps`` from the runner's :class:`~pipeline.runtime.runner.Verification`
+    (None: the run stopped before), the error's remedy in this command line's flags."""
     from pipeline.cli.output import cli_error, command_dests
     from pipeline.observe.runs import device_from, outcomes
 
     return {
         "ok": code == EXIT_OK, "run_id": run_id, "states": outcomes(log.records, "setup"),
         "resolved": rp.resolved_from(log.records), "plan": rp.plan_from(log.records),
-        "skips": rp.skips_from(log.records), "warnings": rp.warnings_from(log.records), "verified": verified,
+        "skips": rp.skips_from(log.records), "warnings": rp.warnings_from(log.records),
+        "verified": [] if checked is None else [_instance_obj(r) for r in checked.instances],
         "log_file": os.path.abspath(log_file),
         "error": None if error is None else msgspec.to_builtins(cli_error(error, command_dests("run"))),
-        "runner_states": outcomes(log.records, "runner"), "model_steps": steps, "device": device_from(log.records),
+        "runner_states": outcomes(log.records, "runner"), "device": device_from(log.records),
+        "model_steps": [] if checked is None else [_step_obj(c) for c in checked.steps],
     }
 
 
@@ -609,7 +612,7 @@ def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[
         print_table(c, timeline_title(report), ["state", "outcome", "duration ms"],
                     [[label, outcome, f"{ms:.1f}"] for label, outcome, ms in rows])
     if report["model_steps"]:
-        from pipeline.observe.runs import tol_text
+        from pipeline.runtime.runner import tol_text
 
         steps = report["model_steps"]
         # an MLA stack is judged against two references per step: the table names them (module model_steps)
@@ -652,30 +655,16 @@ def preflight(ns: argparse.Namespace, runner: Any, log: Any, group: Any) -> None
     raise err
 
 
-def _model_steps(runner: Any, log: Any, decode_steps: int) -> list[dict[str, Any]]:
-    from pipeline.runtime.model_steps import verify_model_steps
-
-    out = []
-    for c in verify_model_steps(runner, decode_steps=decode_steps):
-        log.emit(ev.ModelStepVerified, state="ready", outcome="ok" if c.passed else "failed", step=c.step,
-                 mode=c.mode, batch_size=c.batch_size, graph=c.graph, max_rel_err=c.max_rel_err, tol=c.tol,
-                 passed=c.passed, reference=c.reference)
-        out.append({"step": c.step, "mode": c.mode, "batch_size": c.batch_size, "graph": c.graph,
-                    "max_rel_err": c.max_rel_err, "tol": c.tol, "passed": c.passed, "reference": c.reference})
-    return out
+def _instance_obj(r: Any) -> dict[str, Any]:
+    """One ``verified`` entry of the report, from :meth:`pipeline.runtime.runner.Runner.verify`'s result."""
+    return {"role": r.role, "backend": r.backend, "max_rel_err": r.max_rel_err, "passed": r.passed, "tol": r.tol,
+            "detail": r.detail}
 
 
-def _verify(backends: Any, request: SetupRequest, log: Any, decode_steps: int,
-            pools: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
-    from pipeline.runtime.verify import verify_built
-
-    out = []
-    for r in verify_built(backends, request, pools=pools, decode_steps=decode_steps):
-        log.emit(ev.InstanceVerified, state="done", outcome="ok" if r.passed else "failed", role=r.role,
-                 backend=r.backend, max_rel_err=r.max_rel_err, tol=r.tol, passed=r.passed, duration_ms=r.duration_ms)
-        out.append({"role": r.role, "backend": r.backend, "max_rel_err": r.max_rel_err, "passed": r.passed,
-                    "tol": r.tol, "detail": r.detail})
-    return out
+def _step_obj(c: Any) -> dict[str, Any]:
+    """One ``model_steps`` entry of the report, from :meth:`pipeline.runtime.runner.Runner.verify`'s result."""
+    return {"step": c.step, "mode": c.mode, "batch_size": c.batch_size, "graph": c.graph,
+            "max_rel_err": c.max_rel_err, "tol": c.tol, "passed": c.passed, "reference": c.reference}
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -834,7 +823,7 @@ def cmd(ns: argparse.Namespace) -> int:
     t_start = _process_start(ns)
     ns._slow_watch = _watch_slow_phases(ns, log, t_start)
     error: Optional[ErrorInfo] = None
-    code, runner, verified, steps, progress = EXIT_OK, None, [], [], None
+    code, runner, checked, progress = EXIT_OK, None, None, None
     try:
         try:
             log.install_signal_handlers()
@@ -846,13 +835,13 @@ def cmd(ns: argparse.Namespace) -> int:
             runner = Runner(runner_config(ns, request), log=log, rank_group=group)
             preflight(ns, runner, log, group)
             runner.initialize()
-            verified, steps, error = _verify_runner(runner, log, ns.decode_steps)
-            code = EXIT_OK if error is None else EXIT_FAILED
+            checked = runner.verify(ns.decode_steps)  # the runner checks what it built; its results make the report
+            error, code = checked.error, EXIT_OK if checked.error is None else EXIT_FAILED
         except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - any crash becomes an exit code with its ErrorInfo
             error, code = _ended_by(device_as_written(e, ns.device), log)  # --device as the user wrote it
         finally:
             error, code, summary = _close_run(ns, log, runner, group, progress, error, code, t_start)
-        report = _report(log, run_id, code, verified, steps, log_file, error)
+        report = _report(log, run_id, code, checked, log_file, error)
         report["warnings"] += rp.layer_rule_warnings(request) + slow_warnings(log.records)
         report["summary"] = summary_obj(summary)
         _print(ns, report, log.records, request, error, code, notices=notices)
@@ -863,17 +852,3 @@ def cmd(ns: argparse.Namespace) -> int:
     finally:
         finish_log(log, code, t0)  # command_finished with the process's exit code, last, on every way out
     return code
-
-
-def _verify_runner(runner: Any, log: Any, decode_steps: int) -> tuple[list, list, Optional[ErrorInfo]]:
-    """Verify every built instance and the stack's steps (each logged); a failure is logged as ``run_failed``
-    (:func:`pipeline.observe.runs.verification_failure`, the one builder ``inspect`` also uses)."""
-    from pipeline.observe.runs import verification_failure
-
-    verified = _verify(runner.backends, runner.request, log, decode_steps, runner.pools)
-    steps = _model_steps(runner, log, decode_steps)
-    error = verification_failure(log.records)
-    if error is not None:
-        log.emit(ev.RunFailed, state=log.current_state, outcome="failed", error=error)
-    return verified, steps, error
-

@@ -2,7 +2,7 @@
 
 :class:`Run` is one start, one rank, one launch: its status, failure, decisions, its state timelines (which state
 ran, was skipped, failed or never ended: :func:`timeline`) and its verification failure
-(:func:`verification_failure`); :class:`Trace` is every run read and what could not be (:class:`SkippedLine`,
+(:func:`pipeline.runtime.runner.verification_failure`); :class:`Trace` is every run read and what could not be (:class:`SkippedLine`,
 :func:`nothing_readable`). ``attn-setup run``'s report (from the records it just wrote) and ``inspect``, ``graph``
 and Perfetto (from a trace file) read them here, so they cannot disagree.
 
@@ -43,7 +43,6 @@ def step_skips() -> frozenset[str]:
     return frozenset(s.skip for t in machines().values() for s in t.steps if s.skip)
 
 _NS_LIMIT = 1 << 62
-VERIFY_REMEDY = "the backend computes wrong attention for this model; report it with the log"
 
 
 def ms_to_ns(ms: float) -> int:
@@ -109,34 +108,6 @@ def outcomes(records: Sequence[ev.Event], machine: str) -> list[dict[str, Any]]:
     return [{"state": r["state"], "outcome": r["outcome"], "duration_ms": round(r["duration_ms"], 3)} for r in rows]
 
 
-def tol_text(tol: float) -> str:
-    """A tolerance as the reports print it: one digit when that is exact (``1e-02``), else three
-    (``1.43e-02``: the MLA absorption check's tolerance is derived per step, :mod:`pipeline.runtime.model_steps`)."""
-    short = f"{tol:.0e}"
-    return short if float(short) == tol else f"{tol:.2e}"
-
-
-def verification_failure(records: Iterable[ev.Event]) -> Optional[ErrorInfo]:
-    """The ``verification_failed`` ErrorInfo of the failed ``instance_verified`` and ``model_step_verified``
-    records (None when none failed): each instance as ``role (backend: max_rel_err > tol)``, each model step as
-    ``step (graph|eager: max_rel_err > tol)`` — ``step (eager, mla-unabsorbed: …)`` when an MLA reference judged it
-    (the ``rounded`` reference and traces without one are not named). ``state``: ``done`` when an instance failed
-    (setup's last state), else ``ready`` (the runner's)."""
-    inst, steps = [], []
-    for r in records:
-        if isinstance(r, ev.InstanceVerified) and not r.passed:
-            inst.append(f"{r.role} ({r.backend}: {r.max_rel_err:.2e} > {tol_text(r.tol)})")
-        elif isinstance(r, ev.ModelStepVerified) and not r.passed:
-            how = ("graph" if r.graph else "eager") + (f", {r.reference}" if r.reference.startswith("mla-") else "")
-            steps.append(f"{r.step} ({how}: {r.max_rel_err:.2e} > {tol_text(r.tol)})")
-    if not inst and not steps:
-        return None
-    parts = ([f"instances failed verification against the float64 reference: {', '.join(inst)}"] if inst else []) \
-        + ([f"model steps failed verification against the float64 reference: {', '.join(steps)}"] if steps else [])
-    return ErrorInfo(code="verification_failed", state="done" if inst else "ready", message="; ".join(parts),
-                     remedy=VERIFY_REMEDY)
-
-
 def device_view(facts: DeviceFacts, spelled_as: Optional[str] = None, **extra: Any) -> dict[str, Any]:
     """The device as every command's JSON shows it (``run``, ``plan``, ``inspect``): the
     :class:`~pipeline.core.contracts.DeviceFacts` fields (``type``, ``index``, ``name`` …), ``arch`` (``sm90``,
@@ -157,7 +128,6 @@ def device_text(d: dict[str, Any]) -> str:
     where = d["type"] if d["type"] == "cpu" else f"{d['type']}:{d['index']}"
     text = f"{where} {d.get('name') or ''}".rstrip() + (f" ({d['arch']})" if d.get("arch") else "")
     return text + (f", written as {d['spelled_as']}" if d.get("spelled_as") else "")
-
 
 
 _BY_CLASS = frozenset(c for c in ev.EVENT_TYPES if not c.__subclasses__())  # exact types: indexable
@@ -246,6 +216,8 @@ class Run:
         ends = [r for r in (self.first(ev.RunFailed), self.first(ev.RunInterrupted)) if r is not None]
         if ends:
             return min(ends, key=lambda r: (r.ts_ns, self.records.index(r))).error
+        from pipeline.runtime.runner import verification_failure
+
         verification = verification_failure(self.records)
         if verification is not None:
             return verification
