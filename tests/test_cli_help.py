@@ -258,3 +258,25 @@ def test_runner_example_prints_results_and_imports_no_cli(capsys, tmp_path, monk
     err = float(re.search(r"update: ([\d.e+-]+)", out.out).group(1))
     assert 0 < err < 1e-2 and "runner state: ready" in out.out
     assert Path(tmp_path / "attn-setup-logs" / "runner_example.jsonl").stat().st_size > 0
+
+
+def test_run_help_shows_every_field_doc_whole():
+    """Finding 8: ``run --help`` cut ``--cuda-graph-max-bs``'s help at its docstring's first line ("… else min(the
+    request pool's (default: unset)"). Every field's doc is read whole (continuation lines included) and shown."""
+    from pipeline.cli.flags import field_docs
+    from pipeline.core.contracts import AttentionArgs
+
+    docs = field_docs(AttentionArgs)
+    assert set(docs) == set(AttentionArgs.__struct_fields__)
+    for name, doc in docs.items():
+        assert doc.count("(") == doc.count(")"), (name, doc)
+    import argparse
+
+    from pipeline.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
+    text = " ".join(sub.format_help().split())
+    assert "else min(the request pool's rows, sglang's default for the device's memory" in text
+    for doc in docs.values():
+        assert " ".join(doc.split()) in text

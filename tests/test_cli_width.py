@@ -215,3 +215,15 @@ def test_unknown_run_is_named_without_python_values(capsys):
     code = main(["graph", str(GOLDEN / "ok_default.jsonl"), "--rank", "7", "-o", "/dev/null/x.mmd"])
     err = capsys.readouterr().err
     assert code == 2 and "None" not in err and "rank 7" in " ".join(err.split()) and "--rank = 7" in err
+
+
+def test_notices_break_at_stderrs_width(monkeypatch, capsys):
+    from pipeline.cli.output import print_stderr_lines
+
+    monkeypatch.setenv("COLUMNS", "40")
+    note = ("notice: --world-size 2 outside torchrun: this process runs rank 0 alone (no rank group, the rank "
+            "agreement is skipped)")
+    print_stderr_lines([note])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) > 1 and all(len(ln) <= 40 for ln in err), err
+    assert " ".join(" ".join(err).split()) == note

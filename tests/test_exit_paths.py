@@ -260,3 +260,17 @@ def test_perfetto_into_a_fifo_is_refused(tmp_path, capsys):
     code = main(["inspect", str(ROOT / "tests/data/golden/ok_tbo.jsonl"), "--json", "--perfetto", str(fifo)])
     err = json.loads(capsys.readouterr().out)["error"]
     assert code == 2 and err["code"] == "not_a_regular_file" and err["flags"][0]["name"] == "--perfetto"
+
+
+def test_a_bad_model_file_keeps_its_code_as_readme_now_says():
+    """Finding 6 (second half): README's pipe paragraph said "a bad --model is still 2", but a --model that reads
+    and is not JSON has always been ``model_config_malformed``, exit 3 (a refused configuration; a nested-bracket
+    file is pinned at 3); only an unreadable one is 2. The code stays, README says which is which."""
+    from conftest import ROOT, run_main
+
+    assert run_main("plan", "--model", str(ROOT / "examples/configs/README.md")).returncode == 3
+    assert run_main("plan", "--model", str(ROOT / "no-such-config.json")).returncode == 2
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "a bad `--model` is still 2" not in readme
+    assert "a `--model` that cannot be read — `config_unreadable` — is still 2" in readme
+    assert "`model_config_malformed`, e.g. not JSON — still 3" in readme

@@ -10,6 +10,9 @@ import json
 from conftest import run_main
 
 from pipeline.cli.plan import installed_note, plan_report
+from pipeline.platforms.profiles import names as profile_names
+import pytest
+import re
 
 
 def _report(profile: str, installed: dict[str, bool]) -> dict:
@@ -65,3 +68,24 @@ def test_no_note_where_the_packages_would_not_help():
     rep = _report("b200", lacking)
     assert any("is not installed" in reason for side in rep["rejected"].values() for r in side for reason in r["reasons"])
     assert installed_note(rep, lacking, "b200", None) is None
+
+
+@pytest.mark.parametrize("value", ["bogus", "torch,bogus", "Foo,bar"])
+def test_installed_remedy_is_true_and_readable(value):
+    """Finding 4: ``plan --installed bogus`` suggested ``--installed ''``, which a GPU profile then refused (exit 3,
+    capability_mismatch), in a garbled sentence. The remedy's value now plans on every profile."""
+    from conftest import run_main
+
+    for profile in profile_names():
+        err = _json(run_main("plan", "--installed", value, "--device-profile", profile, "--json"))["error"]
+        assert err["code"] == "out_of_domain"
+        remedy = err["remedy"]
+        assert "the names of the list" not in remedy
+        assert re.search(r"'(bogus|Foo)'.* (is not a package|are not packages) a plan reads", remedy), remedy
+        fixed = re.search(r"pass --installed (\S+) to plan", remedy).group(1)
+        assert fixed == "torch,triton,flashinfer"
+        assert run_main("plan", "--installed", fixed, "--device-profile", profile).returncode == 0, profile
+
+
+def _json(proc) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])

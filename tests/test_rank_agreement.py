@@ -297,3 +297,22 @@ def test_jit_compile_is_what_a_stalled_rank_reports_doing():
     assert flags["stalled_rank"] == 1 and flags["last_state"] == "build-mode" and flags["timeout_s"] == 0.5
     assert 0.5 <= waited <= 0.5 + heartbeat_interval(0.5) + 0.2
     assert current_doing() == ""  # the mark ends with the compile
+
+
+def test_a_rank_that_recorded_no_request_is_not_compared():
+    from types import SimpleNamespace
+
+    from pipeline.observe.ranks import RankDifferences
+
+    class R(SimpleNamespace):
+        def decisions(self):
+            return dict(self.d)
+
+    started = SimpleNamespace(request={"args": {"page_size": 1}})
+    rd = RankDifferences()
+    rd.add(R(run_id="x", rank=0, started=started, d={"resolve": {"prefill": "torch_native"}}))
+    rd.add(R(run_id="x", rank=1, started=None, d={}))
+    assert rd.finish() == []
+    rd.add(R(run_id="y", rank=0, started=started, d={"resolve": {"prefill": "torch_native"}}))
+    rd.add(R(run_id="y", rank=1, started=started, d={"resolve": {"prefill": "triton"}}))
+    assert [f["key"] for f in rd.finish()] == ["resolve.prefill"]

@@ -15,6 +15,8 @@ from pipeline.core import events as ev
 from pipeline.core import wire
 from pipeline.core.errors import UsageError
 from pipeline.observe.startup import process_start_ns, slow_threshold, summarize
+from conftest import ROOT
+import os
 
 S = 1_000_000_000
 
@@ -244,3 +246,31 @@ def test_a_cold_start_is_named_in_the_summary_and_the_progress_line():
     warm = summarize([cmd], start_ns=int(1e9), end_ns=int(13e9), startup_parts=[("import torch", 2.0, "cached")])
     assert "cold" not in warm["phases"][0].detail and cold_start_lead({"seconds": 2.0, "cold": False}) == ""
     assert timed_torch_import() == {"seconds": 0.0, "cold": False, "detail": "already imported"}  # torch is loaded
+
+
+GOLDEN = ROOT / "tests" / "data" / "golden"
+
+
+LOG = str(GOLDEN / "ok_default.jsonl")
+
+
+def test_readme_shows_the_summary_as_run_and_as_inspect_print_it():
+    """README's startup-summary samples: ``run``'s table (its title and box) and ``inspect``'s plain text."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Startup accounting", 1)[1].split("\n## ", 1)[0]
+    assert "startup summary (seconds; children indented under their phase)\n┏" in section
+    assert "\n  startup summary (seconds):\n    startup " in section
+    assert "a first run in a fresh environment, where Python compiles" not in section
+    assert "--no-compile" in section and "PYTHONDONTWRITEBYTECODE" in section
+
+
+def test_a_cold_torch_import_is_named_only_without_cached_bytecode(tmp_path):
+    """An empty ``PYTHONPYCACHEPREFIX`` (no bytecode cached for torch) is a cold import, named with its causes;
+    the next import in the same environment reads the cache Python wrote."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env.update(PYTHONPYCACHEPREFIX=str(tmp_path / "pyc"), PYTHONPATH=str(ROOT))
+    code = "import json; from pipeline.observe.startup import timed_torch_import as t; print(json.dumps(t()))"
+    first, second = (json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                               text=True, check=True, timeout=300).stdout) for _ in range(2))
+    assert first["cold"] and "--no-compile" in first["detail"] and "compiled" in first["detail"], first
+    assert not second["cold"] and second["detail"] == "cached bytecode", second

@@ -172,3 +172,69 @@ def test_sigterm_and_uncaught_exception_write_a_last_event(tmp_path, how):
         assert last.error.code == "internal_error" and "boom in build" in last.error.message
     run = tr.read_trace(path).runs[0]
     assert run.status == "failed" and run.states()[-1] == {**run.states()[-1], "state": "build-mode", "outcome": "failed"}
+
+
+# -- 6. inspect orders one launch's records by file position, not wall clock --------------------------------------
+def _clock_stepped_back(tmp_path, shift_ns: int = -3600 * 10**9, first: int = 10):
+    """``cli_run_ok.jsonl`` with the ``ts_ns`` of its records ``first``+ moved by ``shift_ns`` (a clock step)."""
+    import json
+
+    from conftest import ROOT
+
+    lines = (ROOT / "tests/data/bad_inputs/traces/cli_run_ok.jsonl").read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        d = json.loads(line)
+        d["ts_ns"] += shift_ns if i >= first else 0
+        out.append(json.dumps(d))
+    path = tmp_path / "clockback.jsonl"
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+def test_inspect_survives_a_wall_clock_step_back(tmp_path):
+    """The finding: records 10+ an hour back made ``attention`` appear twice, one copy ``incomplete``; the states
+    are now those of the unshifted trace, the run ok."""
+    import json
+
+    from conftest import ROOT, run_main
+
+    good = ROOT / "tests/data/bad_inputs/traces/cli_run_ok.jsonl"
+    want = json.loads(run_main("inspect", "--json", str(good)).stdout)["runs"][0]
+    proc = run_main("inspect", "--json", str(_clock_stepped_back(tmp_path)))
+    run = json.loads(proc.stdout)["runs"][0]
+    assert proc.returncode == 0 and run["ok"] and run["status"] == "ok", run["status"]
+    assert [(s["state"], s["outcome"]) for s in run["runner_states"]] == [
+        ("init-distributed", "ok"), ("load-model", "ok"), ("init-memory-pool", "ok"), ("attention", "ok"),
+        ("capture-cuda-graphs", "skipped"), ("ready", "ok")]
+    assert [s["state"] for s in run["states"]] == [s["state"] for s in want["states"]]
+
+
+def test_inspect_diff_keeps_runner_ready_after_a_clock_step(tmp_path):
+    """``inspect --diff`` of the trace against its clock-stepped copy lost ``runner:ready``; now every state."""
+    from conftest import ROOT, run_main
+
+    good = ROOT / "tests/data/bad_inputs/traces/cli_run_ok.jsonl"
+    import json
+
+    proc = run_main("inspect", "--diff", str(good), str(_clock_stepped_back(tmp_path)), "--json")
+    assert proc.returncode == 0, proc.stderr
+    states = json.loads(proc.stdout)["diff"]["ranks"][0]["states"]
+    assert {"machine": "runner", "state": "ready", "a_ms": 0.0, "b_ms": 0.0, "delta_ms": 0.0} in states
+    assert all(s["delta_ms"] == 0.0 for s in states) and len(states) == 12, states
+
+
+def test_pieces_of_one_launch_in_two_files_still_merge_in_time_order(tmp_path):
+    """A log split in two files, passed tail first: the pieces join by their first records' time, lines once."""
+    import json
+
+    from conftest import ROOT, run_main
+
+    lines = (ROOT / "tests/data/bad_inputs/traces/cli_run_ok.jsonl").read_text().splitlines(keepends=True)
+    head, tail = tmp_path / "head.jsonl", tmp_path / "tail.jsonl"
+    head.write_text("".join(lines[:20]))
+    tail.write_text("".join(lines[12:]))  # overlapping copies
+    run = json.loads(run_main("inspect", "--json", str(tail), str(head)).stdout)["runs"][0]
+    want = json.loads(run_main("inspect", "--json", str(ROOT / "tests/data/bad_inputs/traces/cli_run_ok.jsonl"))
+                      .stdout)["runs"][0]
+    assert run["ok"] and run["runner_states"] == want["runner_states"] and run["states"] == want["states"]
