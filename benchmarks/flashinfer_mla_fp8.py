@@ -1,4 +1,4 @@
-"""Benchmark (issue 16): our flashinfer backend's MLA decode step vs raw FlashInfer, and fp8 KV vs bf16 — one process.
+"""Benchmark: our flashinfer backend's MLA decode step vs raw FlashInfer, and fp8 KV vs bf16 — one process.
 
 Sections (each a printed table; all rows go to ``--out`` as JSON):
 

@@ -1,4 +1,4 @@
-"""What every command-line error must say, in the command line's words (new-user trial #11).
+"""What every command-line error must say, in the command line's words.
 
 :func:`check_cli_error` is applied to every error of the bad-input corpus (``tests/test_bad_inputs.py``), both
 to the ``--json`` object and to the human block :func:`pipeline.cli.output.render_error` prints for it:

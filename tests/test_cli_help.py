@@ -1,4 +1,4 @@
-"""A CLI that explains itself (issue 14 §6): help, abbreviations, --version, backends, stderr, -v, run's output."""
+"""A CLI that explains itself: help, abbreviations, --version, backends, stderr, -v, run's output."""
 
 from __future__ import annotations
 
@@ -261,7 +261,7 @@ def test_runner_example_prints_results_and_imports_no_cli(capsys, tmp_path, monk
 
 
 def test_run_help_shows_every_field_doc_whole():
-    """Finding 8: ``run --help`` cut ``--cuda-graph-max-bs``'s help at its docstring's first line ("… else min(the
+    """``run --help`` cut ``--cuda-graph-max-bs``'s help at its docstring's first line ("… else min(the
     request pool's (default: unset)"). Every field's doc is read whole (continuation lines included) and shown."""
     from pipeline.cli.flags import field_docs
     from pipeline.core.contracts import AttentionArgs

@@ -291,7 +291,7 @@ def _ns(**kw):
 
 
 def test_large_model_notice_suggests_fewer_layers_than_in_use():
-    """Finding 5: ``run --model deepseek-v3.json`` (default 2 layers, 5.9 GiB) said "--num-layers 2 verifies the same
+    """``run --model deepseek-v3.json`` (default 2 layers, 5.9 GiB) said "--num-layers 2 verifies the same
     layer kinds in seconds": the count already in use. The notice names a count below the one in use (run's
     default, else the fewest with one layer of each kind) with its estimate, or says it is already the fewest."""
     from conftest import CONFIGS

@@ -1,5 +1,5 @@
-"""Human output follows the console width and never cuts what a user needs (new-user trial #4), and CLI errors
-speak the command line's words (trial #11: the checker itself, and cli_error over generated errors).
+"""Human output follows the console width and never cuts what a user needs, and CLI errors
+speak the command line's words (the checker itself, and cli_error over generated errors).
 
 Each human command runs at ``COLUMNS`` = 60, 80, 120 and 220 and its output is compared with the same command's
 ``--json`` (or the trace it reads): no ellipsis anywhere, every word of every value the user needs (backend names,
@@ -151,7 +151,7 @@ def test_column_widths_fit_and_keep_every_word():
     assert not table_fits(cols, rows, 30)
 
 
-# -- one vocabulary in CLI errors (trial #11) -----------------------------------------------------------------
+# -- one vocabulary in CLI errors -----------------------------------------------------------------
 
 
 def test_the_checker_catches_the_library_words(capsys):

@@ -81,7 +81,7 @@ class _ClosedPipe:
 
 
 def test_events_table_ends_quietly_when_the_reader_leaves(monkeypatch):
-    """Finding 9: ``python3 -m pipeline.core.events | head -3`` (README) ended in a BrokenPipeError traceback; it now
+    """``python3 -m pipeline.core.events | head -3`` (README) ended in a BrokenPipeError traceback; it now
     ends quietly with 0, as the CLI's commands do."""
     import runpy
     import sys

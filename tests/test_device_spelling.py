@@ -1,4 +1,4 @@
-"""Device spellings (new-user trial): ``CUDA:0``, ``gpu``, ``Cpu`` are accepted as their canonical device, what the
+"""Device spellings: ``CUDA:0``, ``gpu``, ``Cpu`` are accepted as their canonical device, what the
 user wrote is kept (``spelled_as``) in the request, the ``device_initialized`` record and ``run``'s report, and the
 JSON of ``run``, ``plan`` and ``inspect`` shows ``device.type`` and ``device.arch``."""
 

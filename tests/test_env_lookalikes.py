@@ -1,4 +1,4 @@
-"""Environment variables that look like ours (issue 18 §7): a warning naming the known one, nothing refused."""
+"""Environment variables that look like ours: a warning naming the known one, nothing refused."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Wording slips a new-user trial found (item 5): only flags in inspect's "flag to change" line, the LOG argument
+"""Wording: only flags in inspect's "flag to change" line, the LOG argument
 labelled as an argument, ``--device`` shown as written, a remedy for a device type with no platform that names the
 ones there are, and ``graph --json``'s failure in the command line's words with every key README lists.
 In-process through ``pipeline.cli.main``."""
@@ -38,7 +38,7 @@ def test_flag_to_change_lists_only_flags(names):
 
 
 def test_inspect_of_a_pool_refusal_changes_only_the_flag(tmp_path, capsys):
-    """The trial's case: ``run --mem-fraction 1.0`` refused for memory; inspect names --mem-fraction as the flag to
+    """A reported case: ``run --mem-fraction 1.0`` refused for memory; inspect names --mem-fraction as the flag to
     change and limit_bytes apart."""
     log = tmp_path / "r.jsonl"
     assert main(["run", "--device", "cpu", "--mem-fraction", "1.0", "--log-file", str(log), "--json"]) == 3

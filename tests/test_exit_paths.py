@@ -263,7 +263,7 @@ def test_perfetto_into_a_fifo_is_refused(tmp_path, capsys):
 
 
 def test_a_bad_model_file_keeps_its_code_as_readme_now_says():
-    """Finding 6 (second half): README's pipe paragraph said "a bad --model is still 2", but a --model that reads
+    """README's pipe paragraph said "a bad --model is still 2", but a --model that reads
     and is not JSON has always been ``model_config_malformed``, exit 3 (a refused configuration; a nested-bracket
     file is pinned at 3); only an unreadable one is 2. The code stays, README says which is which."""
     from conftest import ROOT, run_main

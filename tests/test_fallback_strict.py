@@ -131,7 +131,7 @@ def test_warnings_and_strict_over_the_matrix(profile):
 
 @pytest.mark.parametrize("profile,flags,model", [
     ("b200", {}, "llama-3.1-8b"), ("mi300x", {}, "llama-3.1-8b"), ("rtx-pro-6000", {}, "llama-3.1-8b"),
-    # since issue 16 DeepSeek (MLA) and fp8 KV on GQA resolve flashinfer; fp8 KV on MLA layers is served by no
+    # DeepSeek (MLA) and fp8 KV on GQA resolve flashinfer; fp8 KV on MLA layers is served by no
     # GPU record (FlashInfer's MLA wrapper takes no k_scale/v_scale, triton has no fp8)
     ("h100", {"kv_cache_dtype": "fp8_e4m3"}, "deepseek-v2-lite"),
     ("h200", {"kv_cache_dtype": "fp8_e5m2"}, "deepseek-v2-lite"),

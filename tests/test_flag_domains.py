@@ -206,7 +206,7 @@ def test_a_mistyped_choice_gets_did_you_mean_the_nearest(cmd, fd, tmp_path):
 
 
 def test_the_trial_backend_typo_names_flashinfer(capsys):
-    """``run --attention-backend flashinfr`` (the trial's case): exit 2 naming 'flashinfer'."""
+    """``run --attention-backend flashinfr``: exit 2 naming 'flashinfer'."""
     assert main(["run", "--attention-backend", "flashinfr", "--json"]) == 2
     assert "did you mean 'flashinfer'?" in json.loads(capsys.readouterr().out)["error"]["message"]
 
@@ -266,7 +266,7 @@ def test_an_unknown_switch_before_a_flag_has_no_value(capsys):
 ])
 @pytest.mark.parametrize("command", ["plan", "run", "warmup"])
 def test_env_size_passes_the_flags_check(name, flag, value, command, monkeypatch):
-    """Finding 6: ``SGLANG_FLASHINFER_WORKSPACE_SIZE=-5`` (or ``abc``) was exit 3 ``invalid_value`` while
+    """``SGLANG_FLASHINFER_WORKSPACE_SIZE=-5`` (or ``abc``) was exit 3 ``invalid_value`` while
     ``--flashinfer-workspace-size -5`` is exit 2 ``out_of_domain``; README: an environment value "passes the same
     check as the flag". Now the same refusal as the flag's, naming the variable, with a remedy that passes."""
     from conftest import run_main
@@ -285,7 +285,7 @@ def test_env_size_passes_the_flags_check(name, flag, value, command, monkeypatch
 
 @pytest.mark.parametrize("typed,near", [("rnu", "run"), ("inpsect", "inspect"), ("foo", None)])
 def test_unknown_command_shows_what_was_typed_and_the_nearest(typed, near):
-    """Finding 7: ``attn-setup foo`` / ``rnu`` printed ``field command = (no value)`` though a value was given, and
+    """``attn-setup foo`` / ``rnu`` printed ``field command = (no value)`` though a value was given, and
     no "did you mean" (run's flags have one)."""
     from conftest import run_main
 
@@ -300,7 +300,7 @@ def test_unknown_command_shows_what_was_typed_and_the_nearest(typed, near):
 
 
 def test_an_empty_string_is_shown_as_typed_and_a_missing_value_as_none_typed():
-    """Finding 7: ``--log-file ''`` and ``plan --installed ''`` showed ``(no value)``; an empty string given is
+    """``--log-file ''`` and ``plan --installed ''`` showed ``(no value)``; an empty string given is
     ``''``. A flag typed without any value (``--log-file`` last, a missing LOG, an unknown flag) keeps
     ``(no value)``."""
     from conftest import run_main

@@ -1,4 +1,4 @@
-"""CPU tests of the flashinfer backend's MLA and fp8-KV glue over tests/fake_flashinfer.py (issue 16).
+"""CPU tests of the flashinfer backend's MLA and fp8-KV glue over tests/fake_flashinfer.py.
 
 The real backend code (planning, page tables, the MLA wrapper's q / latent views, fp8 scales, CUDA-graph
 buffers) runs against the fake wrappers, whose math is written independently in float32; every output is

@@ -1,4 +1,4 @@
-"""``inspect`` reads as the live run did (new-user trial, session 13): a multi-rank failure's text with real line ends
+"""``inspect`` reads as the live run did (session 13): a multi-rank failure's text with real line ends
 and dashes, every rank's value as ``rank 0: 8; rank 1: 16``, the flag the user set named (the capture list derived
 from ``--max-reqs`` said to be derived); ``inspect --diff`` saying ``not set`` and exiting as ``inspect`` does; a
 junk LOG named as a plain path; ``--slow-phase-s``'s warnings in ``run``'s report, its ``--json`` and ``inspect``.

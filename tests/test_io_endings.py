@@ -1,4 +1,4 @@
-"""How outputs end (session 13, adversarial I/O findings): a log that fills up while the last records are written, a
+"""How outputs end: a log that fills up while the last records are written, a
 metrics file or a perfetto timeline on a full disk or behind a symbolic link, a Ctrl-C while the run closes down or
 in the exit handlers, a log whose last line was cut short, and a verdict on a 1-column terminal.
 

@@ -1,4 +1,4 @@
-"""The FlashInfer compile cache explained (issue 18 §4), against a fake cache directory.
+"""The FlashInfer compile cache explained, against a fake cache directory.
 
 The module paths below are written out by hand from FlashInfer 0.6.13's layout (jit/env.py: <base>/.cache/
 flashinfer/<version>/<arch>/cached_ops/<uri>/<uri>.so; compilation_context.py: sm90 -> "90a"; the URIs of

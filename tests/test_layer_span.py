@@ -1,4 +1,4 @@
-"""How many layers a run built, said truly for a hybrid model (new-user trial #2, item 1).
+"""How many layers a run built, said truly for a hybrid model.
 
 Qwen3-Next with ``--num-layers 2`` builds layers 3 and 7: the stack spans layers 0-7 and 6 linear-attention layers
 in it are skipped. "8 of 48 layers built" and plan's "over 8 layers" read as 8 attention layers.

@@ -1,4 +1,4 @@
-"""Memory refusals that involve the decode CUDA graphs are made, and their remedies are true (s9mem).
+"""Memory refusals that involve the decode CUDA graphs are made, and their remedies are true.
 
 1. ``plan`` refuses graphs the device profile cannot hold (``pool_exceeds_memory``, as ``run`` would: it said ``ok``
    beside a ~9.7 TB estimate for a 141 GB H200), and every alternative of its remedy then plans ok.
@@ -235,7 +235,7 @@ def _follow(argv: list[str], remedy: str) -> int:
             fixed = set_flag(argv, "--max-reqs", m.group(1))
             if "to at most that" in way:
                 fixed = set_flag(fixed, "--cuda-graph-max-bs", m.group(1))
-            if top := re.search(r" and set --cuda-graph-max-bs (\d+)$", way):  # rows and graphs together (s12ws)
+            if top := re.search(r" and set --cuda-graph-max-bs (\d+)$", way):  # rows and graphs together
                 fixed = set_flag(fixed, "--cuda-graph-max-bs", top.group(1))
             elif way.endswith(" and set --disable-cuda-graph"):
                 fixed = fixed + ["--disable-cuda-graph"]
@@ -256,14 +256,14 @@ def _follow(argv: list[str], remedy: str) -> int:
 @pytest.mark.parametrize("argv", [["--max-reqs", "2147483647"],
                                   ["--max-reqs", "100000", "--max-context-len", "400000"],
                                   ["--num-token-slots", str(2 ** 31 - 1)],
-                                  # s12ws: req_to_token and the graphs of a 2**31 - 1 context are each ~137 GB
+                                  # req_to_token and the graphs of a 2**31 - 1 context are each ~137 GB
                                   ["--max-reqs", "16", "--max-context-len", "2147483647"]])
 def test_plan_refuses_pools_run_refuses_and_each_alternative_plans_ok(argv):
     rc, out = plan(argv)
     err = out["error"]
     assert rc == 3 and err["code"] == "pool_exceeds_memory" and err["state"] == "init-memory-pool", err
     assert "141000000000 bytes in all" in err["message"] and "checks against the total" in err["message"]
-    # the pools' refusal counts the planned workspace, as run counts it (graphs too large are named as such: s9mem)
+    # the pools' refusal counts the planned workspace, as run counts it (graphs too large are named as such:)
     assert "workspaces 402653184" in err["message"] or err["message"].startswith("the decode CUDA graphs")
     assert _follow(argv, err["remedy"]) >= 1
 

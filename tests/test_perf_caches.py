@@ -1,4 +1,4 @@
-"""The caches added for issue 15's overhead criterion give exactly what the uncached code gives.
+"""The caches of the setup's hot path give exactly what the uncached code gives.
 
 ``layer_kinds`` is kept per spec, ``StepTable.transitions()`` is built once per table and the events' float-field
 map is computed per tag on first use; each is checked here against the computation it replaced, over every

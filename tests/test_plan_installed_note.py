@@ -1,5 +1,5 @@
 """``plan`` of a named profile on a machine that lacks a backend's package says that the packages came from this
-machine and which ``--installed`` value plans for a machine that has them (new-user trial #11: a CPU box's plan for an
+machine and which ``--installed`` value plans for a machine that has them (a CPU box's plan for an
 H200 quietly answered ``triton``, its rejection lines saying ``pip install flashinfer-python``); following it, no
 backend is rejected for a package."""
 
@@ -63,7 +63,7 @@ def test_the_human_plan_prints_it_before_the_verdict(monkeypatch):
 
 def test_no_note_where_the_packages_would_not_help():
     """b200 (sm100): flashinfer and fa3 are refused for the arch too, so assuming every package would not bring them
-    back; the note would be untrue (adversarial pass #5) and is not printed."""
+    back; the note would be untrue and is not printed."""
     lacking = {"torch": True, "triton": True, "flashinfer-python": False}
     rep = _report("b200", lacking)
     assert any("is not installed" in reason for side in rep["rejected"].values() for r in side for reason in r["reasons"])
@@ -72,7 +72,7 @@ def test_no_note_where_the_packages_would_not_help():
 
 @pytest.mark.parametrize("value", ["bogus", "torch,bogus", "Foo,bar"])
 def test_installed_remedy_is_true_and_readable(value):
-    """Finding 4: ``plan --installed bogus`` suggested ``--installed ''``, which a GPU profile then refused (exit 3,
+    """``plan --installed bogus`` suggested ``--installed ''``, which a GPU profile then refused (exit 3,
     capability_mismatch), in a garbled sentence. The remedy's value now plans on every profile."""
     from conftest import run_main
 

@@ -165,7 +165,7 @@ def test_pipeline_on_npu_platform_calls_zbal_once(vendor, llama, draft, size, ca
     assert ("get_device_properties", 1) in dev.calls
 
 
-# --- device_unavailable: what this machine can use, and why not the rest (issue 14, item 12) ------------------
+# --- device_unavailable: what this machine can use, and why not the rest (item 12) ------------------
 @pytest.fixture
 def bare_host(monkeypatch):
     """A host with no accelerator: no CUDA device, no vendor plugin, ``torch.xpu`` with no device."""

@@ -281,7 +281,7 @@ def test_no_suggestion_for_a_name_close_to_nothing():
 ])
 def test_unavailable_sglang_names_advise_only_what_resolves(profile, model, name, want):
     """The issue's two false remedies: flashmla on an H200 MLA model offers exactly the backends serving MLA there
-    (flashinfer, torch_native, triton since issue 16), aiter on an MI300X only torch_native."""
+    (flashinfer, torch_native, triton since), aiter on an MI300X only torch_native."""
     from pipeline.core.contracts import PoolFacts, SetupRequest
     from pipeline.core.model_spec import load_model_spec
 

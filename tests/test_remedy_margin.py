@@ -1,6 +1,6 @@
 """Memory remedies that name "the largest that fits" stay true when followed: each value is sized against the free
 memory less :func:`pipeline.memory.pools.remedy_margin` and rounded down, so a re-run on a machine whose free
-memory dropped by up to that margin passes the same check (a new-user trial followed ``--mem-fraction 0.84``, then
+memory dropped by up to that margin passes the same check (a followed ``--mem-fraction 0.84``, then
 0.83, 0.82 … down to 0.78 before one fitted)."""
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def test_workspace_remedy_fits_after_free_memory_moved(free, n, drop):
 def test_a_max_reqs_remedy_lowers_the_graph_sizes_above_it(llama, graphs):
     """``run --max-reqs 2147483647 --cuda-graph-max-bs 2147483647``: the remedy said only "lower --max-reqs (at most
     N rows …)", and that N with the graph top left as given was refused next (cuda_graph_max_bs above max_reqs).
-    The remedy now lowers the graph sizes with it, and following it passes both checks (s8adv)."""
+    The remedy now lowers the graph sizes with it, and following it passes both checks."""
     from pipeline.core.contracts import AttentionArgs
     from states.build_mode import check_graph_bs
 

@@ -1,6 +1,6 @@
 """``run``'s preflight on a GPU with an absurd decode-graph top: the graphs' estimate is taken from its closed-form
-lower bound when that alone is beyond the device (as ``plan`` does, s11), so the refusal comes at once instead of
-after estimating ~268M batch sizes (s13plan left this open: ``pool_steps.graph_estimate`` built the full series).
+lower bound when that alone is beyond the device (as ``plan`` does), so the refusal comes at once instead of
+after estimating ~268M batch sizes (left this open: ``pool_steps.graph_estimate`` built the full series).
 A fake H200 (no GPU needed): the estimate the pool check sees is the bound, which is above 90 % of the device.
 (A top of 2**31 - 1 needs as many rows, whose req_to_token the setup refuses first.)"""
 

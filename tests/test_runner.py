@@ -266,7 +266,7 @@ def test_graph_sizes_one_rule_over_the_space():
     accepted exactly when every given size is reachable (list entries and the max within max_reqs) and the two
     fields agree (the max, when both are given, is the list's largest); an accepted request captures only sizes
     within max_reqs and, with the max given, up to it; a refused one names the field at fault and its remedy's
-    first change is then accepted (issue 14: max 4 with bs 8, and max 100 with max_reqs 8, were accepted silently)."""
+    first change is then accepted (max 4 with bs 8, and max 100 with max_reqs 8, were accepted silently)."""
     import re
 
     lists = [None, [1], [8], [1, 2, 4], [3, 16], [24, 5], [40]]

@@ -1,4 +1,4 @@
-"""``slow_phase`` warnings come as each phase ends, tagged with that phase (new-user trial #2, item 2).
+"""``slow_phase`` warnings come as each phase ends, tagged with that phase.
 
 They all came at the end, tagged ``ready``. Now each phase that ends during the run is judged when the record that
 ends it is logged; only the phases known at the end (verification, model-steps, release, JIT variants) come with the

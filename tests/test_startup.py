@@ -1,4 +1,4 @@
-"""startup_summary, slow_phase and --metrics-file (issue 18 §1, §6)."""
+"""startup_summary, slow_phase and --metrics-file (§6)."""
 
 from __future__ import annotations
 
@@ -229,7 +229,7 @@ def test_perfetto_slices_for_verification_model_steps_and_jit():
 def test_a_cold_start_is_named_in_the_summary_and_the_progress_line():
     """``import torch`` measured inside ``startup`` is its child with why it took long (bytecode compiled on a first
     run), ``startup``'s detail says it was a cold start, and the progress line leads with it; a warm import is a
-    child too, without the lead (new-user trial #2: ~11 s in startup, unexplained)."""
+    child too, without the lead (~11 s in startup, unexplained)."""
     from pipeline.core import events as ev
     from pipeline.observe.progress import cold_start_lead
     from pipeline.observe.startup import summarize, timed_torch_import

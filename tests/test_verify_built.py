@@ -1,4 +1,4 @@
-"""Verification tests what runs (issue 13, section 1): the instances it checks are built for its windows.
+"""Verification tests what runs: the instances it checks are built for its windows.
 
 :func:`pipeline.runtime.verify.verify_built` rebuilds the plan (same backends, roles, mode, wrappers) from the
 verification spec whose sliding windows are capped at ``VERIFY_WINDOW``, so the windows bite within

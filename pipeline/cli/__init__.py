@@ -196,7 +196,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from pipeline.core.errors import EXIT_FAILED, EXIT_INTERRUPTED, error_info_from
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    as_json = any(a == "--json" or a.startswith("--json=") for a in argv)  # s13: --json=1 is refused in JSON
+    as_json = any(a == "--json" or a.startswith("--json=") for a in argv)  # --json=1 is refused in JSON
     command = subcommand_of(argv)
     try:
         parser = build_parser()

@@ -359,7 +359,7 @@ def _check_utf8(flag: str, path: str) -> None:
 
 def _concrete(flag: str, path: str, ns: argparse.Namespace) -> Optional[str]:
     """The path a flag will really touch: ``--log-file`` with ``{rank}`` filled in, and ``{run_id}`` with the shared
-    run id when one is set (``ATTN_SETUP_RUN_ID`` / ``TORCHELASTIC_RUN_ID``: s13, a ``{run_id}`` path then named the
+    run id when one is set (``ATTN_SETUP_RUN_ID`` / ``TORCHELASTIC_RUN_ID``:, a ``{run_id}`` path then named the
     model config or the metrics file unchecked); None with ``{run_id}`` and no shared id (a fresh name, which nothing
     given can be, checked again once known: :func:`check_log_path`)."""
     from pipeline.core.eventlog import shared_run_id

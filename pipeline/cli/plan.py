@@ -86,7 +86,7 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
         return {"cuda_graph_bytes_estimate": 0, "cuda_graph_estimate": None}
     spec = cut.served_model
     total = decided["device-init"].facts.total_memory_bytes
-    refuse_early(cut, decided, lower_bound_for_decided(cut, decided), total)  # s11: before estimating every size
+    refuse_early(cut, decided, lower_bound_for_decided(cut, decided), total)  # before estimating every size
     est = estimate_for_decided(cut, decided)
     check_plan_memory(cut, decided, est, total)
     if est is None:
@@ -127,7 +127,7 @@ def graph_estimate_line(report: dict[str, Any]) -> str:
 
 
 def _retell_workspace_refusal(request: SetupRequest, decided: Any, device: DeviceFacts, num_layers: Any) -> None:
-    """s12ws: a ``workspace_too_small`` refusal raised again with a remedy whose alternatives fit beside the KV pools
+    """A ``workspace_too_small`` refusal raised again with a remedy whose alternatives fit beside the KV pools
     and the graphs of the stack ``run`` builds (:func:`pipeline.memory.fits.retell_workspace_refusal`);
     any other refusal, or a ``num_layers`` the model refuses (raised after the refusal, as before), left alone."""
     from pipeline.core.errors import AttnSetupError
@@ -233,7 +233,7 @@ def installed_note(report: dict[str, Any], installed: Mapping[str, bool], profil
     if given is not None or profile.lower() == "auto":
         return None
     # only backends whose every reason is a missing package: one also refused for the arch (b200's sm100) would
-    # stay refused with every package assumed, and the note would be untrue (adversarial pass #5)
+    # stay refused with every package assumed, and the note would be untrue
     rejected = sorted({r["backend"] for side in report["rejected"].values() for r in side
                        if r["reasons"] and all(_only_packages_missing(reason) for reason in r["reasons"])})
     missing = [p for p, ok in installed.items() if not ok]

@@ -430,11 +430,11 @@ def _interrupted_ends(log: Any, error: Optional[ErrorInfo], code: int) -> tuple[
 def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request: SetupRequest,
            error: Optional[ErrorInfo], code: int = EXIT_OK, notices: Sequence[str] = ()) -> None:
     """``--json``'s object (the notices on stderr), or: for a failed run first its headline (:func:`headline`: the
-    state, the error, its message and remedy — new-user trial #5: the cause was below the tables), the notices,
+    state, the error, its message and remedy — the cause was below the tables), the notices,
     the model and device, the runner timeline, the tables, the startup summary, the verdict (``ok`` / ``failed``:
     stdout's last line, as ``plan``'s) and — for a failed run, last, where the eye lands when the prompt returns —
     the error in full in the command line's flags under a red rule that says the run failed and its exit code
-    (new-user trial #2: the error sat between the tables)."""
+    (the error sat between the tables)."""
     from pipeline.cli.output import console, print_stderr_lines, width, wrap
 
     if ns.json:
@@ -817,7 +817,7 @@ def cmd(ns: argparse.Namespace) -> int:
     request = request_from(ns, on_gpu=on_gpu)
     notices = _notices(ns, request, group is not None) if joined is None else []
     run_id = group.run_id if group is not None else new_run_id()
-    log_file = checked_log_path(ns, run_id, request.rank)  # s13: path_conflict again, the run id known
+    log_file = checked_log_path(ns, run_id, request.rank)  # path_conflict again, the run id known
     log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
     t0 = time.perf_counter()
     t_start = _process_start(ns)

@@ -278,7 +278,7 @@ INTERRUPTED_REMEDY = "the process was stopped from outside (Ctrl-C, scheduler, t
 
 
 LOGGED_REMEDY = "This is a bug or an environment failure; the log holds the full event."
-UNLOGGED_REMEDY = "This is a bug or an environment failure (no log holds it); report it with the command line"  # s13
+UNLOGGED_REMEDY = "This is a bug or an environment failure (no log holds it); report it with the command line"
 OUT_OF_MEMORY_REMEDY = ("the process ran out of host memory: lower the size flags or free memory on this machine; "
                         "if the sizes are modest, report it as a bug with the command line")
 

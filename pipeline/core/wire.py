@@ -120,7 +120,7 @@ _encoder = msgspec.json.Encoder()
 # name or a run id must not rewrite the record's identity).
 ENVELOPE = ("event", "schema_version", "ts_ns", "run_id", "rank", "launch_id", "state", "outcome")
 # A transition's states and trigger are names from a machine's own closed set, never user text: a secret that happens
-# to equal one ("ready") must not rewrite it (adversarial pass #5: inspect then showed a "<redacted>" state).
+# to equal one ("ready") must not rewrite it (inspect then showed a "<redacted>" state).
 MACHINE_NAMES = {"runner_transition": ("from", "to", "trigger"), "state_transition": ("from", "to", "trigger")}
 
 

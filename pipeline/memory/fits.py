@@ -87,7 +87,7 @@ def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Opt
 
 def refuse_early(request: "SetupRequest", decided: "Decided", bound: Optional[GraphMemoryEstimate],
                  total_bytes: int, env: Mapping[str, str] = os.environ) -> None:
-    """s11: :func:`check_plan_memory` with the graphs' lower ``bound``
+    """:func:`check_plan_memory` with the graphs' lower ``bound``
     (:func:`pipeline.memory.graphs.lower_bound_for_decided`) in place of their estimate, when the bound alone
     already decides a refusal whose code and remedy are those the full estimate gives: the bound above 90 % of
     ``total_bytes``, or the bound with the workspaces and the KV pools above it while those two fit. The remedies

@@ -139,7 +139,7 @@ def refuse_pools(s: Any, head: str, limit: int, fit: int, name: Callable[[str], 
         ways = [f"lower {name('max_reqs')} (at most {rows} rows at this context length){also}{more}"] * (rows >= 1)
         ways += ([f"lower {name('max_context_len')} (at most {ctx} tokens at this row count){more}"]
                  if ctx >= max(min_context_len, 1) else [])
-        if not ways and not gfix and s.source != "mem_fraction":  # fewer rows and fewer graphs together (s12ws)
+        if not ways and not gfix and s.source != "mem_fraction":  # fewer rows and fewer graphs together
             ways = rows_and_fewer_graphs(graphs, fit - kv_min - w, p.max_context_len * REQ_TO_TOKEN_ELEM_BYTES,
                                          lambda r: f"lower {name('max_reqs')} (at most {r} rows at this context "
                                                    f"length){more}")
@@ -179,8 +179,7 @@ def _too_large(p: Any, gr: int, w: int, limit: int) -> str:
 
 def rows_and_fewer_graphs(trial: Optional[GraphTrial], room: int, row_bytes: int,
                           rows_text: Callable[[int], str]) -> list[str]:
-    """The alternatives that lower ``max_reqs`` and the decode graphs together, for when neither alone fits (s12ws:
-    ``--max-context-len 2147483647 --max-reqs 16``, req_to_token of 137 GB beside graphs of 137 GB, got "free memory
+    """The alternatives that lower ``max_reqs`` and the decode graphs together, for when neither alone fits (``--max-context-len 2147483647 --max-reqs 16``, req_to_token of 137 GB beside graphs of 137 GB, got "free memory
     on the device"). ``room``: the bytes req_to_token and the graphs may take together; ``row_bytes``: one row of
     req_to_token (``max_context_len`` x 4); ``rows_text(r)``: the wording of at most ``r`` rows. Each names values
     that then fit: the largest captured top N below the current one (at most :data:`REMEDY_MAX_BS`) whose
@@ -219,7 +218,7 @@ class PoolSizing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     all built layers; ``req_to_token_bytes`` / ``kv_bytes``: bytes the pools will hold;
     ``graph_reserve_bytes``: the decode CUDA graphs' estimated pool (0 without graphs), taken out of a
     ``mem_fraction`` budget before the KV pool was sized from it; ``workspace_bytes``: the planned FlashInfer
-    workspaces (0 without), counted with the pools against free memory (s10mem) but not taken out of a budget
+    workspaces (0 without), counted with the pools against free memory but not taken out of a budget
     (sglang allocates them outside ``mem_fraction_static``).
     """
 
@@ -431,7 +430,7 @@ def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, 
 
 
 def _lowerable(max_reqs: int, max_context_len: int, min_context_len: int) -> str:
-    """The ", or lower …" tail of a budget remedy: only the sizes that can still go lower (adversarial pass #5: at
+    """The ", or lower …" tail of a budget remedy: only the sizes that can still go lower (at
     ``max_reqs`` 1 and the verification's shortest context it offered both, and neither could work).
     ``min_context_len``: the least ``max_context_len`` the caller accepts (``run``'s verification)."""
     names = (["max_reqs"] if max_reqs > 1 else []) + (["max_context_len"] if max_context_len > min_context_len else [])

@@ -91,7 +91,7 @@ class RankDifferences:
 
     def finish(self) -> list[dict[str, Any]]:
         # a rank that never recorded its request (stopped before run_started: killed, stalled) decided nothing to
-        # compare; counting it would list every field as differing (adversarial pass #5: 16 such lines)
+        # compare; counting it would list every field as differing (16 such lines)
         runs = {k: r for k, r in self._runs.items() if r.started is not None}
         if self._run_id is not None and len(runs) > 1:  # one rank: nothing to compare, nothing flattened
             self.found += _differences(self._run_id, {k: _flat_decisions(r) for k, r in runs.items()})

@@ -267,7 +267,7 @@ class _Replayer:
         if started is None:
             raise _no_start(run)
         hidden = redacted_request_fields(started.request)
-        if hidden:  # s13: a secret equal to ordinary text; not trace_unreadable
+        if hidden:  # a secret equal to ordinary text; not trace_unreadable
             where = f" ({run.started_at[0]}:{run.started_at[1]})" if run.started_at else ""
             raise request_redacted(run.run_id, run.rank, where, hidden)
         try:

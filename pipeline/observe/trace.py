@@ -338,7 +338,7 @@ class TraceReader:
                     self.unreadable_files.append(self.paths[fi])
         if not by_file:
             return None
-        # s13: by file position, not wall clock (a clock stepped back mid-run garbled inspect); pieces of one trace
+        # by file position, not wall clock (a clock stepped back mid-run garbled inspect); pieces of one trace
         # in several files (copies, a split log) in the order of their first records' time
         for fi in sorted(by_file, key=lambda f: (by_file[f][0].ts_ns, f)):
             run.records.extend(by_file[fi])

@@ -48,7 +48,7 @@ def decide_pools(r: Any) -> Any:
     read from no longer holds them; ``r.capture_prime_bytes`` keeps what they took (the ``cuda_graph_memory``
     event's ``prime_device_bytes``).
 
-    The planned FlashInfer workspaces (:func:`workspace_bytes`) count with the pools and the graphs (s10mem: they
+    The planned FlashInfer workspaces (:func:`workspace_bytes`) count with the pools and the graphs (they
     were checked only after the pools were allocated, and without the graphs, so graphs and workspaces too large
     together failed out of memory during capture): workspaces alone above 90 % of the free memory are refused first
     (``workspace_exceeds_memory``, :func:`pipeline.memory.workspaces.check_workspaces_fit`), then the sum by
@@ -171,7 +171,7 @@ def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int 
     """:func:`decide_pools`' sizing for ``cfg`` (a RunnerConfig, its ``mem_fraction`` already checked) and the
     built ``spec`` on ``platform``'s device ``index``; nothing is allocated. Raises the sizing's ConfigError.
     ``config.min_token_slots`` binds every pool (the default slots too, so a ``--num-token-slots`` remedy is enough
-    when followed; s13: a ``mem_fraction`` pool too, whose refusal names the fraction that covers it). ``graph_reserve``: the decode graphs' estimated bytes
+    when followed; a ``mem_fraction`` pool too, whose refusal names the fraction that covers it). ``graph_reserve``: the decode graphs' estimated bytes
     (:func:`graph_reserve_bytes`), out of a ``mem_fraction`` budget and counted against free memory
     (:func:`pipeline.memory.pools.size_pools`). ``spare``: check against the free memory less
     :func:`~pipeline.memory.pools.remedy_margin` (what a remedy is sized for). A ``--mem-bytes`` above the

@@ -158,7 +158,7 @@ def max_imbalance_from(value: Optional[float], environ: Mapping[str, str] = os.e
         if not text:
             return DEFAULT_MAX_IMBALANCE
         try:
-            raw = ascii_float(text)   # ASCII only, as the flag: '٣' is not 3 (adversarial pass #5)
+            raw = ascii_float(text)   # ASCII only, as the flag: '٣' is not 3
         except ValueError:
             raw = text
     ok = isinstance(raw, (int, float)) and not isinstance(raw, bool) and 0.0 <= raw <= 1.0
@@ -338,7 +338,7 @@ def derived_fields(bad: list[str]) -> dict[str, str]:
       ``args.cuda_graph_max_bs`` or ``args.disable_cuda_graph`` when one of them differs, else from
       ``pool.max_reqs`` when that differs (the list's default top follows the rows);
     - ``dtype.model`` / ``dtype.kv_cache`` (the resolved dtypes) from ``args.dtype`` / ``args.kv_cache_dtype`` when
-      that differs too (adversarial pass #5: they were listed as fields to change of their own)."""
+      that differs too (they were listed as fields to change of their own)."""
     out: dict[str, str] = {}
     if "cuda_graph_bs" in bad and "args.cuda_graph_bs" not in bad:
         src = next((g for g in _GRAPH_ARGS[1:] if g in bad), "pool.max_reqs" if "pool.max_reqs" in bad else None)

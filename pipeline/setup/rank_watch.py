@@ -51,7 +51,7 @@ def timeout_from_env(default: float, environ: Any = os.environ) -> float:
     raw = environ.get(ENV_TIMEOUT, "").strip()
     if not raw:
         return default
-    remedy = f"export {ENV_TIMEOUT}=60, or unset it (60 s), or pass --dist-timeout 60"  # s13: worded as a variable
+    remedy = f"export {ENV_TIMEOUT}=60, or unset it (60 s), or pass --dist-timeout 60"  # worded as a variable
     try:
         value = ascii_float(raw)
     except ValueError:

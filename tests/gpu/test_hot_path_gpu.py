@@ -1,4 +1,4 @@
-"""Eager TBO and hybrid steps make no device→host sync (issue 13, section 8), on a CUDA GPU.
+"""Eager TBO and hybrid steps make no device→host sync, on a CUDA GPU.
 
 A 2-layer Llama-3.1-8B attention model (one layer with a 64-key window) is built through the
 pipeline in TBO mode (flashinfer, triton) and as a hybrid (flashinfer prefill + triton decode, and

@@ -1,4 +1,4 @@
-"""startup_summary on a GPU (issue 18 §1, §3, §6): graph bytes per batch size and JIT variants accounted.
+"""startup_summary on a GPU: graph bytes per batch size and JIT variants accounted.
 
 Run on the H200: ``python3 -m pytest -q -m gpu tests/gpu/test_startup_gpu.py``. A flashinfer run with decode
 graphs at bs 1, 2, 4, 8: every captured size has a ``capture-cuda-graphs`` phase and ``graph_bytes`` > 0 for the
