@@ -1,18 +1,6 @@
 """Checks of one backend's capability record against the device, the model and the flags.
 
-:func:`reasons_with_flags` returns every reason a backend cannot serve a request (empty = it
-can), each with the request flags it is about, in the spirit of vLLM's
-``validate_configuration`` (a list of reasons per candidate, never just the first).
-:func:`reasons` is the same as plain strings (what :class:`~pipeline.core.contracts.Rejection` holds).
-Pure decisions: no torch, no import of any backend module.
-
-Checks, in order: device type, arch (compute capability), packages, the model's layer kinds
-(MHA/MLA, encoder-decoder, qk/v head dims, sliding window, logit softcap, attention sinks, chunked
-local attention — each reason names the head dim or feature *and* the layer kind with its layers; MLA
-kinds against ``mla_head_dims`` when the record has them;
-a hybrid model's linear-attention / mamba layers are no attention kind and need nothing), q dtype, KV-cache
-dtype (an fp8 one only with the record's ``fp8_kv_features``; ``kv_dtype_matches_q`` exempts fp8), page size,
-speculative decoding (incl. EAGLE tree verification), TBO, PD-mux.
+Details: docs/internals.md, ``states.capability_check``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """resolve: the backend pair, the rule that chose each half, and every candidate refused.
 
-Precedence per half (recorded as the rule): ``draft_override`` (draft worker with
-``speculative_draft_attention_backend`` set: it serves both halves, ``is_draft_override=True``, as
-sglang) > ``phase_flag`` (``prefill_attention_backend`` / ``decode_attention_backend``) >
-``global_flag`` (``attention_backend``) > ``auto``. An explicit choice is never replaced: it
-passes the capability check or is refused with every reason, the flags involved and the backends
-that would work. Auto-selection walks a per-device priority list and takes the first candidate
-with no reason against it, recording the others with their reasons (vLLM's approach).
-
-Mode combinations no backend can fix are refused first (:func:`check_modes`): PD-mux with TBO (sglang silently
-lets PD-mux win), PD-mux on a CPU, more SM groups than the device has SMs, PD-mux on an arch outside sglang's
-SM-partition table. Each refusal carries its fixes as alternatives, which resolve extends with what the rest of
-the request needs.
-
-When no *installed* backend can serve a request but one would if its package were installed, the
-error says exactly that (and names the package). The resolution also carries the compute dtype and its rule
-(:func:`pipeline.core.dtypes.resolve_dtype`) and the model's layers that are not attention (linear attention,
-mamba): those need no backend; a model with no attention layer at all is refused.
-
-Remedies are true for the request at hand (:mod:`states.remedies`); warnings and strict refusals come from
-:mod:`states.fallback`. Library wording: field names (``attention_backend``), assignments as ``field='value'``;
-the CLI shows its flags instead.
+Details: docs/internals.md, ``states.resolve``.
 """
 
 from __future__ import annotations
@@ -78,7 +58,6 @@ def check_modes(args: AttentionArgs, device: DeviceFacts, is_draft_worker: bool)
             f"PD-multiplexing has no SM partition table for {device.arch or device.type}",
             state="resolve", flags=[("enable_pdmux", True), ("device.arch", device.arch or device.type)],
             allowed=list(PDMUX_SM_PARTITION_ARCHS)), [{"enable_pdmux": False}])
-
 
 
 Explicit = tuple[Rule, str, str]  # (rule, backend name, flag that named it)

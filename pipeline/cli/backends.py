@@ -1,16 +1,6 @@
 """``attn-setup backends [--json | --markdown]``: every backend, its capability record, and whether it is installed.
 
-One row per registered backend, from the same :class:`~pipeline.backends.capability.Capability`
-records resolve checks requests against (:mod:`pipeline.backends.records`): the device types,
-compute capabilities (``sm90`` …; none listed = no limit) and features it serves, head dims,
-dtypes, page sizes, default workspace bytes, the packages it needs and whether they are installed
-here (distribution metadata, no import: the same answer ``attn-setup plan`` uses), and where its
-limits come from. The sglang backend names attn-setup knows but does not implement are listed with
-what to use instead.
-
-``--markdown`` prints ``docs/backends.md``, generated from the same records
-(``python3 -m pipeline.cli backends --markdown > docs/backends.md``; a test fails when they drift).
-Nothing here imports torch, triton or flashinfer. Exit 0.
+Details: docs/internals.md, ``pipeline.cli.backends``.
 """
 
 from __future__ import annotations

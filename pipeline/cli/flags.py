@@ -1,24 +1,7 @@
 """The command line read: the ``attn-setup`` parser, every flag's domain, the paths it names, and the
 ``SetupRequest`` that run, plan and warmup build from their shared flags.
 
-:func:`build_parser` loads the subcommand modules of :data:`COMMANDS` by name; each adds its own flags
-(:func:`add_setup_flags` for the ones run, plan and warmup share, the ``AttentionArgs`` flags generated from the
-Struct) and its ``cmd``. Right after parsing, before a command starts — before torch is imported, a model file read,
-a log file opened or anything allocated — :func:`pipeline.cli.main` runs:
-
-- :func:`check_flags`: a value outside its flag's domain (:data:`FLAG_DOMAINS`: a number out of range, NaN or
-  infinity, an unknown choice, an empty string) is an :class:`~pipeline.core.errors.InvalidValue` (exit 2) naming
-  the flag, the value given, the domain and a remedy that passes this check; argparse's own conversion errors
-  (``abc`` for an integer) become the same error (:func:`parser_refusal`), and its ``unrecognized arguments`` name
-  each unknown flag with the value that followed it, a "did you mean" and the subcommands that have the flag;
-- :func:`check_paths`: every path is valid UTF-8 (``path_not_utf8``); no output overwrites an input or another
-  output (``path_conflict``: same resolved path, or the same file through a hard link); ``--metrics-file`` can be
-  written (``metrics_file_unwritable``) — each a :class:`~pipeline.core.errors.UsageError` (exit 2).
-
-The LOGs ``inspect``, ``replay`` and ``graph`` read are checked before any is read (:func:`check_log_paths`): a
-missing or unreadable one is refused with the operating system's reason, the same way whether it is the only log
-or one of several. Checks that need a model, a device or the environment (``--num-layers`` above the model's
-layers, a pool that does not fit) stay where that is known (exit 3).
+Details: docs/internals.md, ``pipeline.cli.flags``.
 """
 
 from __future__ import annotations
@@ -275,7 +258,6 @@ def parser_refusal(command: Optional[str], flag: str, value: Any, message: str) 
     return refusal(fd, value, f"{fd.flag} takes {fd.domain.allowed()} ({message})")
 
 
-
 _MARK = "unrecognized arguments:"
 
 
@@ -318,7 +300,6 @@ def unknown_flags(message: str, argv: Sequence[str], known: set[str], by_command
             hints.append(f"{opt}: did you mean {' or '.join(near[:2])}?"
                          + (" (abbreviations are not accepted)" if prefix else ""))
     return f"{message.split(_MARK, 1)[0]}{_MARK} {' '.join(words)}", flags, hints
-
 
 
 # (flag, namespace attribute, output?) per command; a list attribute (the LOGs) gives one path per element.
@@ -442,7 +423,6 @@ def check_paths(ns: argparse.Namespace) -> None:
         check_metrics_file(metrics)
 
 
-
 def check_log_paths(paths: Iterable[str | os.PathLike]) -> None:
     """Raise :class:`UsageError` (exit 2, naming ``LOG``) for the first path that cannot be read.
 
@@ -467,7 +447,6 @@ def check_log_paths(paths: Iterable[str | os.PathLike]) -> None:
             raise UsageError(f"cannot read the trace {p!r}: permission denied", code="trace_unreadable",
                              flags=[("LOG", p)], allowed=["a readable regular file"],
                              remedy=f"make {p!r} readable (chmod) or pass a copy you can read")
-
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -747,7 +726,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 _VERBOSE_HELP = ("run: print each event as a short line on stderr (the log file keeps the JSON); the other commands "
                  "log no event and refuse it (exit 2), before or after the subcommand")
-
 
 
 def default_model_path() -> str:

@@ -1,17 +1,6 @@
 """``attn-setup graph [LOG …] -o FILE|--json [--machine setup|runner]``: a state machine, a recorded run's path highlighted.
 
-``--machine setup`` (default) draws the six-state setup machine (:data:`pipeline.setup.table.SETUP`),
-``--machine runner`` the runner's outer machine (:data:`pipeline.runtime.table.RUNNER`: init-distributed …
-ready), both from their step tables. The format follows FILE's extension: ``.mmd`` — mermaid
-``stateDiagram-v2`` text produced by pytransitions' own diagram support
-(``GraphMachine(graph_engine="mermaid")``), always available; ``.dot`` — Graphviz source;
-``.svg``/``.png`` — rendered by Graphviz's ``dot`` program. When ``dot`` is not on PATH the command
-exits 2 (``graphviz_missing``, nothing written) and names it; ``.mmd`` still works. With LOGs (one
-or several, e.g. every rank's), the states the run went through are marked ``taken`` and the state
-it failed in ``failed`` (``--rank`` picks the run; default: the first failed run, else the first); a run that
-failed after the machine finished (verification after ``ready``/``done``) has that last state marked ``failed``.
-``--json`` prints the machine (states with their highlight, transitions) and the run's path as one object
-(:func:`machine_obj`).
+Details: docs/internals.md, ``pipeline.cli.graph``.
 """
 
 from __future__ import annotations

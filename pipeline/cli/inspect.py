@@ -1,21 +1,6 @@
 """``attn-setup inspect LOG [LOG …]``: what a start did, read back from its trace.
 
-Per run (``run_id``, rank): a timeline table (state, start, duration, outcome; for an ``attn-setup
-run`` trace the runner's states with the setup machine's nested under ``attention``), the decisions, and
-for a failed start a short explanation (failed state, cause, the flag to change). Several logs
-merge by (run_id, rank, launch); where the ranks of one run_id decided differently is listed. Truncated or
-corrupt lines are counted and skipped. Exit codes: 0 every start succeeded · 1 a start failed or
-is incomplete · 2 nothing was readable (or a LOG is not a regular file); ``--diff`` the same over each rank's
-last start in either log.
-
-Logs are read streaming (:class:`pipeline.observe.trace.TraceReader`): runs are reported one at a time
-and let go, so memory stays bounded on huge logs; only ``--perfetto`` keeps every run (the
-timeline file holds them all anyway). Every string read from a log is printed as plain text (never
-rich markup), control characters escaped (:func:`_safe`), wrapped at words to the terminal's width.
-
-The text view: :func:`run_lines` — status, the timeline table (a runner's states with the setup machine's nested under
-``attention``), the decisions, the explanation of a failure (:func:`explain`) and the startup summary;
-:func:`render_tail` — per-rank last states and waits, rank differences, skipped lines. :func:`failure_of` words a run's failure as the command line does (the ``--json`` view uses it too).
+Details: docs/internals.md, ``pipeline.cli.inspect``.
 """
 
 from __future__ import annotations
@@ -207,7 +192,6 @@ def _is_tty(out: Any) -> bool:
         return bool(out.isatty())
     except (AttributeError, ValueError):
         return False
-
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

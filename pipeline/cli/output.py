@@ -1,24 +1,7 @@
 """The command line's output: the run/plan report (one JSON object with ``--json``, or rich tables), errors in the
 command line's words, text at the console's width, and stdout/stderr that survive a reader leaving early.
 
-- Report: built from the event records and decisions (:func:`render_error` prints one ErrorInfo block).
-- Wording (:func:`to_cli`, :func:`cli_error`): the library writes remedies with field names (``set
-  attention_backend='<name>' and disable_cuda_graph=True``), because an engine sets fields; the command line shows
-  the same remedy with the flags it accepted (``set --attention-backend <name> and --disable-cuda-graph``), for the
-  known flag destinations only, so prose is never touched; no Python value leaks (``X=None`` → ``X not set``). An
-  error's entries are labelled (``flag``, ``arg``, ``env``, ``field`` or ``derived``) and their values worded by
-  :func:`pipeline.core.value_text.value_text`, one wording for ``run``'s error block and ``inspect``'s explanation.
-- Width: rich's console width (``COLUMNS`` when a positive integer, else the terminal's, else 80). Nothing a user
-  needs is cut: :func:`print_table` gives every column at least its longest word and falls back to records when
-  even those do not fit; :func:`wrap` and :func:`print_line` break lines at spaces only.
-- Streams: :class:`SafeText` writes ASCII stand-ins where the stream cannot encode our glyphs
-  (``PYTHONIOENCODING=ascii``), so exit codes never depend on the terminal's encoding. :class:`ReaderMayLeave`
-  wraps stdout and stderr: a closed pipe (``| head -1``) is a reader that left — the rest is dropped and the exit
-  code stays the command's; any other write error (``> /dev/full``) is recorded and :func:`settle` turns an exit 0
-  into exit 2 ``output_write_failed`` (a failed command keeps its own code), named on stderr when stderr works. A
-  descriptor closed before the process started is pointed at /dev/null first (:func:`open_std_fds`), so the next
-  file opened cannot take its number. ``run`` calls :func:`settle` after its report and before
-  ``command_finished``, so that the trace's exit code is the process's.
+Details: docs/internals.md, ``pipeline.cli.output``.
 """
 
 from __future__ import annotations
@@ -256,7 +239,6 @@ def render_verdict(report: dict[str, Any], c: Optional[Any] = None) -> None:
     (c or _console()).print("[bold green]ok[/]" if report.get("ok") else "[bold red]failed[/]", soft_wrap=True)
 
 
-
 # ASCII stand-ins for the glyphs human output uses; anything else that cannot be encoded becomes "?".
 GLYPHS = str.maketrans({
     "└": "`-", "├": "|-", "│": "|", "─": "-", "━": "-", "═": "=", "→": "->", "←": "<-", "…": "...", "—": "--",
@@ -291,7 +273,6 @@ class SafeText:
 def safe(stream: Any) -> Any:
     """``stream`` wrapped in :class:`SafeText` (once; None stays None)."""
     return stream if stream is None or isinstance(stream, SafeText) else SafeText(stream)
-
 
 
 def console(stderr: bool = False) -> Any:
@@ -416,7 +397,6 @@ def print_table(c: Any, title: Optional[str], columns: Sequence[str], rows: Sequ
         print_line(c, r[0].strip() or "-", indent="    ")
         for h, v in zip(columns[1:], r[1:]):
             print_line(c, f"  {h}: {v}", indent="    ")
-
 
 
 # One-word fields rewritten when they stand alone (the others — device, model, rank — are words of prose too).
@@ -546,7 +526,7 @@ def cli_text(text: str, dests: Iterable[str] | None = None) -> str:
 
 
 def cli_error(info: ErrorInfo, dests: Iterable[str] | None = None) -> ErrorInfo:
-    """The ErrorInfo as the command line shows it, in one vocabulary (see the module docstring).
+    """The ErrorInfo as the command line shows it, in one vocabulary (see docs/internals.md, ``pipeline.cli.output``).
 
     Flag entries are renamed by :func:`flag_name`, those in :data:`NOT_FLAGS` left out, and deduplicated (the same name twice keeps its first
     value: ``--model`` given and the loader's own ``path`` entry for the same file); the message, the
@@ -571,7 +551,6 @@ def cli_error(info: ErrorInfo, dests: Iterable[str] | None = None) -> ErrorInfo:
     return msgspec.structs.replace(info, flags=flags, message=cli_text(info.message, known),
                                    allowed=[cli_text(a, known) for a in info.allowed],
                                    remedy=cli_text(info.remedy, known))
-
 
 
 DERIVED = "derived"
@@ -632,7 +611,6 @@ def change_lines(change: list[str]) -> list[str]:
     if any("; rank " in c for c in change):
         return [f"flag to change: {c}" for c in change]
     return ["flag to change: " + ", ".join(change)]
-
 
 
 def open_std_fds() -> frozenset[int]:

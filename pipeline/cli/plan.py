@@ -1,23 +1,6 @@
 """``attn-setup plan``: resolution and build plan for a device profile, without importing torch.
 
-``attn-setup plan --model CONFIG_JSON --device-profile NAME|auto [--installed PKG,…] [run flags]
-[--draft-worker --draft-model CONFIG_JSON] [--json]`` runs the pure decisions of the pipeline
-(resolve, build-mode, npu-lazy-mem) against a named :mod:`pipeline.platforms.profiles` record (or this
-machine, found through NVML / ``nvidia-smi``) and prints the same ``resolved``, ``plan`` and
-``skips`` objects as ``attn-setup run --json``, plus ``rejected: {prefill: [{backend, reasons}],
-decode: […]}``, ``warnings`` (reference fallback and downgrades, as ``run`` reports them) and the
-``device`` facts used. It refuses what a run would refuse before allocating (``--strict``, graph
-sizes above ``--max-reqs``, a FlashInfer workspace too small). Package presence comes from distribution metadata
-(``importlib.metadata``) unless ``--installed`` lists the packages to assume. ``cuda_graph_bytes_estimate`` (and
-``cuda_graph_estimate``: the graph pool, the replay state and the warm-up stream, the pool per batch size, the
-layers, the cuBLAS workspace) is the decode CUDA graphs' memory
-:mod:`pipeline.memory.graphs` estimates for the stack ``attn-setup run`` builds with the same flags (``--num-layers``,
-default as ``run``'s) — what ``run`` takes out of a ``--mem-fraction`` budget before sizing the KV pool.
-
-The report objects and their human lines are built from the setup table's decide mode
-(:func:`pipeline.setup.build.decide_setup`). Exit codes: 0 planned · 2 usage (bad flags, unreadable file, unknown
-profile or package) · 3 configuration refused (one ErrorInfo printed). Nothing here imports torch, triton or
-flashinfer.
+Details: docs/internals.md, ``pipeline.cli.plan``.
 """
 
 from __future__ import annotations
@@ -248,7 +231,6 @@ def installed_note(report: dict[str, Any], installed: Mapping[str, bool], profil
 def _only_packages_missing(reason: str) -> bool:
     """Whether a rejection reason (``"; "``-joined parts) says nothing but that packages are not installed."""
     return all("is not installed" in part for part in reason.split("; "))
-
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

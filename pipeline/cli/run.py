@@ -1,28 +1,6 @@
 """``attn-setup run``: the runner flow, then verification on real batches.
 
-Every device goes through the same runner states (:mod:`pipeline.runtime.runner`): init-distributed,
-load-model (``--num-layers``, default 2 on every device), init-memory-pool (``--mem-fraction`` /
-``--mem-bytes`` / ``--num-token-slots``), attention (the six-state pipeline), capture-cuda-graphs
-(skipped with its reason on CPU or for backends without CUDA graphs), ready. Then every built
-instance is verified on a batch against the float64 reference, and the attention stack runs an
-extend, a chunked extend and decode steps (replayed from graphs where captured) checked against
-the dense float64 stack reference.
-
-Before anything is built, ``run`` checks its own flags (each flag's domain was checked as the flags were read):
-``--log-file`` (its placeholders filled, the log opened), ``--max-context-len`` against the verification batches,
-``--require-warm-cache``, the pool the checks need, and prints its notices on stderr — a run that will be slow or
-memory-hungry (the weights and their float64 reference copy, estimated from the config; ``--decode-steps`` beyond
-:data:`MANY_STEPS`) and ``--world-size`` > 1 outside torchrun. Nothing is changed: the flags are run as given.
-
-The report: the JSON object (``--json``) or the model line, the KV pool and CUDA-graph lines, the runner timeline
-with the setup states nested, the stack's verified steps and, for a failed run, the error last.
-
-How it ends, on every exit it controls: :func:`_ended_by` turns what stopped the run (a typed refusal, SIGINT, any
-other crash) into its ErrorInfo and exit code and logs ``run_failed`` / ``run_interrupted`` unless one was written;
-:func:`_close_run` stops the progress line, reads the JIT variants before the runner's ``close()`` releases the
-backends that know them, closes the runner and the rank group, and — even when a close raised — writes the startup
-summary (SIGINT held meanwhile) and restores the signal handlers; :func:`finish_log`, last on every way out of
-``cmd``, writes ``command_finished`` with the exit code and closes the log.
+Details: docs/internals.md, ``pipeline.cli.run``.
 """
 
 from __future__ import annotations
@@ -59,7 +37,7 @@ def _gib(n: int) -> str:
 
 
 def run_notices(ns: argparse.Namespace, request: Any, num_layers: int, in_torchrun: bool) -> list[str]:
-    """The notices for this run (empty when none applies); see the module docstring."""
+    """The notices for this run (empty when none applies); see docs/internals.md, ``pipeline.cli.run``."""
     from states.capability_check import model_dtype
 
     out = []
@@ -102,7 +80,6 @@ def in_torchrun(environ: Any = os.environ) -> bool:
         return int(environ.get("WORLD_SIZE", "1")) > 1
     except ValueError:
         return False
-
 
 
 DEFAULT_LAYERS = 2  # a verification run: at least 2 layers, more when a layer kind first appears later (quick on CPU)
@@ -235,7 +212,6 @@ def runner_config(ns: argparse.Namespace, request: SetupRequest) -> Any:
                         mem_bytes=ns.mem_bytes, mem_fraction=ns.mem_fraction, min_token_slots=needs.slots,
                         min_token_slots_for=f"the verification batches with --decode-steps {steps}",
                         min_context_len=needs.context)
-
 
 
 def _summary(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], start_ns: Optional[int]) -> Any:
@@ -424,7 +400,6 @@ def _interrupted_ends(log: Any, error: Optional[ErrorInfo], code: int) -> tuple[
     if seen is None or code == EXIT_INTERRUPTED:
         return error, code
     return seen.error, EXIT_INTERRUPTED
-
 
 
 def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request: SetupRequest,
@@ -623,7 +598,6 @@ def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[
                      + ([s.get("reference", "")] if refs else [])
                      + [f"{s['max_rel_err']:.2e}", tol_text(s["tol"]), "yes" if s["passed"] else "NO"]
                      for s in steps])
-
 
 
 def preflight(ns: argparse.Namespace, runner: Any, log: Any, group: Any) -> None:

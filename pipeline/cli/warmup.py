@@ -1,20 +1,6 @@
 """``attn-setup warmup``: compile every FlashInfer kernel variant a configuration needs, in parallel.
 
-Resolves exactly as ``run`` would on this machine (same flags, same device), lists the kernel
-variants the resolved backends JIT-compile for every attention layer kind of the model (each registry
-entry's :meth:`~pipeline.backends.registry.BackendEntry.jit_variants`), and compiles them in ``--jobs`` processes, each variant its
-own module, so the first real start finds them cached instead of "hanging" in a silent JIT.
-Exit codes as README: 0 every variant cached or compiled (also when nothing needs compiling),
-1 a compile failed, 2 usage, 3 configuration refused.
-
-For ``plan`` and ``run``: the FlashInfer variants that would compile here, and ``--require-warm-cache``.
-
-:func:`cold_report` lists, torch-free, the JIT variants of the resolved flashinfer/fa3 backends that
-have no built module in this machine's cache (:mod:`pipeline.backends.flashinfer.jit`), each with the nearest cached
-variant and the fields that differ, and an estimate of the compile time from the seconds ``warmup``
-recorded beside the cache. With ``--require-warm-cache`` a variant that would compile is a refusal:
-ConfigError ``cold_jit_cache`` (exit 3) naming the variant and the ``attn-setup warmup …`` command
-that builds it (the same setup flags), before anything is allocated.
+Details: docs/internals.md, ``pipeline.cli.warmup``.
 """
 
 from __future__ import annotations
@@ -93,7 +79,6 @@ def cmd(ns: argparse.Namespace) -> int:
             print_line(c, report["note"])
         c.print("[bold green]ok[/]" if ok else "[bold red]failed[/]", soft_wrap=True)  # one word, never wrapped
     return 0 if ok else 1
-
 
 
 # flags that are not setup flags: dropped from the warmup command of the remedy (with their value when they take one)

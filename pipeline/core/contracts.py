@@ -150,7 +150,6 @@ class BuildPlan(msgspec.Struct, **_STRUCT):
         return sum(w.bytes for w in self.workspaces)
 
 
-
 SCHEMA_VERSION = 1
 
 

@@ -1,28 +1,6 @@
 """Typed errors and :class:`ErrorInfo`, the one record each carries (re-exported by the contracts).
 
-Hierarchy::
-
-    AttnSetupError
-    ├── ConfigError            exit code 3: configuration refused, nothing allocated
-    │   ├── BackendUnknown      a backend name nobody knows
-    │   ├── BackendUnavailable  known name, not usable here (not implemented / package missing)
-    │   ├── CapabilityMismatch  the backend cannot serve this device, model or flag
-    │   ├── ConflictingOptions  two options that cannot be used together
-    │   ├── ModelConfigError    config.json unreadable or inconsistent (JSON path given)
-    │   └── RankDivergence      the ranks of one launch resolved differently (table rank → device → pair)
-    ├── OrderingError          a trigger fired out of order (current and expected state)
-    ├── RankExchangeError      exit code 1: a rank did not take part in the exchange within the timeout
-    │   └── RankStalled         a rank did not arrive at one of our waits (named, with its last heartbeat)
-    ├── MemoryImbalance        exit code 1: free device memory differs between ranks beyond the threshold
-    ├── BuildError             exit code 1: building or verifying a backend failed
-    │   └── LayerMismatch       a backend was called with a layer it was not built/planned for
-    ├── BackendClosed          exit code 1: a backend was used after ``close()`` released it
-    └── UsageError             exit code 2: bad command-line usage / unreadable file
-        └── InvalidValue        a flag's value outside its domain (range, choices, finite, non-empty)
-
-None of these derive from ValueError/TypeError on purpose: msgspec would otherwise fold them into
-its own ``ValidationError`` when they are raised from ``__post_init__`` and the ErrorInfo would
-be lost.
+Details: docs/internals.md, ``pipeline.core.errors``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """Emitting event records: to the application's structlog logger, to a JSON-lines trace file, to memory.
 
-The library never configures logging. Records go to ``structlog.get_logger("attn_setup")`` bound
-with ``run_id``/``rank`` (the application decides where that goes), and — when the caller asks for
-a trace file — to a per-run structlog ``BytesLogger`` that writes exactly one msgspec-encoded JSON
-line per record and flushes it (so a crash loses nothing already emitted). Secret values given in
-``SetupRequest.secrets`` are replaced by ``"<redacted>"`` in both outputs — in string values, before
-encoding (never by rewriting encoded bytes, which would corrupt numbers and keys).
-
-What a run records about its environment (its ``run_started`` record): package versions, the run id, the redacted
-request.
-
-Package presence is the backends' question (:mod:`pipeline.backends.packages`). Torch-free, except that
-:func:`versions` reads torch's CUDA version when torch is installed.
+Details: docs/internals.md, ``pipeline.core.eventlog``.
 """
 
 from __future__ import annotations
@@ -98,7 +87,6 @@ def redacted_request(request: SetupRequest) -> dict[str, Any]:
     data = msgspec.to_builtins(request)
     data["secrets"] = {k: "<redacted>" for k in request.secrets}
     return data
-
 
 
 REDACTED = "<redacted>"

@@ -1,16 +1,6 @@
 """Event records: one per transition and per decision, schema-versioned, a tagged union (:data:`AnyEvent`).
 
-Every record carries ``schema_version``, ``ts_ns`` (wall clock, ns), ``run_id``, ``rank``, ``launch_id``, ``state``
-and ``outcome`` ∈ {ok, skipped, failed}; the ``event`` tag names it (stable snake_case). The records, in the order
-of the README's table: the setup machine's (its inputs, every transition and decision from device-init to done, a
-refusal or failure, what was released), the runner's and the command's (``attn-setup run``: its outer states, the
-model stack, the memory pool, CUDA graphs, verification, the command's start and exit), and the observability
-records (heartbeats, the startup accounting, FlashInfer JIT variants, environment look-alikes). A run's records,
-one JSON object a line, are its trace; the wire codec is :mod:`pipeline.core.wire`.
-
-Schema policy: ``schema_version`` rises when a field is removed or changes meaning; adding a field
-with a default does not. Readers accept versions ``1 ..= SCHEMA_VERSION`` (``launch_id`` was added
-with a default, so traces written before it read as launch ``""``).
+Details: docs/internals.md, ``pipeline.core.events``.
 """
 
 from __future__ import annotations
@@ -45,7 +35,6 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     launch_id: str = ""
     state: str
     outcome: Outcome = "ok"
-
 
 
 class RunStarted(Event, tag="run_started", kw_only=True):
@@ -252,7 +241,6 @@ class RunFinished(Event, tag="run_finished", kw_only=True):
     duration_ms: float
 
 
-
 class InstanceVerified(Event, tag="instance_verified", kw_only=True):
     """One built instance checked on a real batch against the float64 reference."""
 
@@ -421,7 +409,6 @@ class CommandFinished(Event, tag="command_finished", kw_only=True):
     duration_ms: float
 
 
-
 class Heartbeat(Event, tag="heartbeat", kw_only=True):
     """Emitted while a long step (JIT compile, graph capture) is still running.
 
@@ -494,7 +481,6 @@ class EnvVarLookalike(Event, tag="env_var_lookalike", kw_only=True):
     level: ClassVar[str] = "warning"
     name: str
     known: str
-
 
 
 AnyEvent = Union[

@@ -1,45 +1,6 @@
 """Step tables: one record per step of a state machine, and everything derived from the table.
 
-A :class:`StepTable` lists a machine's steps in order. Each :class:`Step` names the state its work runs in,
-the trigger that moves on once that work is done (to the next step's state, after the last one to the
-table's success state), the guards that must hold then (each naming the invariant it protects), and the
-work itself, split into the phases the driver calls per mode:
-
-- ``decide(ctx) -> decision`` — no effect (it may read facts through ``ctx``); every mode runs it and the
-  driver keeps the decision on ``ctx`` as attribute ``result``;
-- ``log(ctx, decision)`` — the events that record the decision (run mode);
-- ``check(ctx, decision)`` — refusals of the decision that need no device (every mode);
-- ``apply(ctx, decision)`` — the effect (run mode only);
-- ``compare(recorded, decision)`` — ``(field, recorded, now)`` rows, for replay;
-- ``skips(ctx, decision)`` — what the step skipped or downgraded, for ``plan``;
-- ``refused(ctx, error)`` — called in run mode when the decision is refused, before the error propagates
-  (e.g. the other ranks must hear of it).
-
-``pre`` are guards that must hold before ``apply`` starts (``what`` names the work in that refusal).
-
-``emits`` lists the event types a step writes, ``faults`` the fault points inside its ``apply`` (besides
-``state:<state>`` and ``state:<state>:done``, which the driver visits around every step), ``skip`` the
-``step_skipped`` ``what`` that means the whole state did no work (the timeline shows it ``skipped``).
-
-Derived from the table, nothing else spelling them: the state Enum (:attr:`StepTable.State`), the order,
-the terminal states, pytransitions' transitions (:meth:`StepTable.transitions`), the fault points
-(:meth:`StepTable.fault_points`), the guard invariants, the skip markers and the diagram's model
-(:meth:`StepTable.diagram_model`). :class:`TableMachine` runs the machine over a table with typed errors.
-
-One driver walks every table, in four modes:
-
-- **run** (:func:`run`, :func:`run_step`): per step ``decide`` → ``log`` → ``check`` → ``apply`` → fire the
-  trigger, with the fault points ``state:<state>`` before and ``state:<state>:done`` after; a decision made
-  earlier for the same inputs (``given``, a :class:`Decided` of a preflight) is taken instead of deciding
-  again, and a refusal found then is raised at its own step (so the log shows where it happened);
-- **plan** and **preflight** (:func:`decide`): per step ``decide`` → ``check`` only, nothing applied; the
-  first refusal ends the walk and is kept in the returned :class:`Decided` (``plan`` decides for a named
-  device profile, ``preflight`` for this machine's device before anything is allocated);
-- **replay** (:func:`replay`): per step ``decide`` against the facts a trace recorded, then the step's
-  ``compare`` rows are checked against the recorded values; a decision or check that fails must fail as
-  recorded; :class:`Stop` ends the comparison where the recorded run ended.
-
-Nothing here imports torch; what a step does is the step's.
+Details: docs/internals.md, ``pipeline.core.steps``.
 """
 
 from __future__ import annotations
@@ -69,7 +30,7 @@ class Guard(NamedTuple):
 
 @dataclass(frozen=True)
 class Step:
-    """One step of a machine (see the module docstring for the phases and their modes)."""
+    """One step of a machine (see docs/internals.md, ``pipeline.core.steps`` for the phases and their modes)."""
 
     state: str
     trigger: str
@@ -293,7 +254,6 @@ class TableMachine:
                                  remedy=f"complete {g.set_by} before {what}")
 
 
-
 @dataclass
 class Decided:
     """What a decide-only walk found: each step's decision by state, in table order, and the refusal that
@@ -346,7 +306,7 @@ def _decide(step: Step, ctx: Any, given: Optional[Decided]) -> Any:
 
 def run_step(table: StepTable, step: Step, ctx: Any, machine: TableMachine, *, faults: Optional[Faults] = None,
              given: Optional[Decided] = None) -> Any:
-    """One step in run mode (see the module docstring); returns its decision. Raises what the step raises."""
+    """One step in run mode (see docs/internals.md, ``pipeline.core.steps``); returns its decision. Raises what the step raises."""
     fault_point(faults, f"state:{step.state}")
     decision = _decide(step, ctx, given)
     if step.log is not None:

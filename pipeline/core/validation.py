@@ -1,19 +1,7 @@
 """Checks of values before anything is allocated: field-level checks run from the contracts' ``__post_init__``,
 value domains and device spellings the library and the command line share.
 
-Each field failure raises :class:`pipeline.core.errors.ConfigError` naming the field, its value, what is allowed and
-a remedy; cross-field and capability checks live in :mod:`states.resolve` and :mod:`states.build_mode`. A
-:class:`Domain` says which values one setting takes (an integer or number range, a closed set of names, non-empty
-text) and words it for errors; :func:`device_spelling` reads a device as a user may write it (``CUDA:0``, ``gpu``,
-``Cpu``) into its canonical form and what was written. The command line's table of flag domains is
-:data:`pipeline.cli.flags.FLAG_DOMAINS`.
-
-The draft worker's fields (:func:`check_draft_fields`): ``draft_model`` and
-``args.speculative_draft_attention_backend`` only mean something on a draft worker (sglang reads the draft backend
-only there), so a request that sets either with ``is_draft_worker=False`` is refused, as the CLI refuses the flags
-without ``--draft-worker``. One exception, for engines: a speculative server (``speculative_algorithm`` set) hands
-its target and draft workers one set of args, as sglang's ServerArgs, so there the target worker's request may
-carry the draft backend, which it ignores. Nothing here imports torch.
+Details: docs/internals.md, ``pipeline.core.validation``.
 """
 
 from __future__ import annotations
@@ -175,7 +163,6 @@ class Domain:
         return f"a comma-separated list of {', '.join(self.choices)} ('' = none)"
 
 
-
 def check_draft_fields(r: Any) -> None:
     """Raise ConfigError when ``r`` sets a draft-only field without ``is_draft_worker``: ``invalid_value`` naming
     ``draft_model``; ``conflicting_options`` naming ``speculative_draft_attention_backend`` and ``is_draft_worker`` (unless
@@ -196,7 +183,6 @@ def check_draft_fields(r: Any) -> None:
                                    "speculative server's target worker (speculative_algorithm set)"],
                           remedy="set is_draft_worker=True to initialize the draft worker, or drop "
                                  "speculative_draft_attention_backend")
-
 
 
 # One alias set for --dtype and --kv-cache-dtype (sglang's dtype takes half/float, its kv_cache_dtype bf16: both take

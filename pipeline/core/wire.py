@@ -111,7 +111,6 @@ class FloatFields(Mapping[str, Any]):
         return len(self._by_tag)
 
 
-
 _BY_TAG: dict[str, type[Event]] = {c.__struct_config__.tag: c for c in EVENT_TYPES}  # type: ignore[misc]
 _decoder = msgspec.json.Decoder(AnyEvent)
 _encoder = msgspec.json.Encoder()

@@ -1,32 +1,7 @@
 """The runner's static memory against the device: the KV pools sized from a budget (sglang's ``init_memory_pool``),
 the attention stack's weights, what ``run``'s checks need of the pools, and the refusals' remedies.
 
-The budget is either a fraction of the device's memory (``--mem-fraction``, sglang's ``mem_fraction_static``: the
-share of total device memory the static pools — weights and KV cache — may use; the weights already allocated are
-subtracted) or an explicit byte count, or an explicit slot count (``--num-token-slots``), in that order of
-precedence: slots > bytes > fraction.
-
-Bytes per token = Σ over the built layers of ``Hkv·(D_qk + D_v)·elem_size(kv_dtype)`` (sglang's ``cell_size``), and
-``D_qk·elem_size`` for an absorbed-MLA layer, whose one latent buffer holds V as a view of its first ``D_v`` dims
-(sglang's ``MLATokenToKVPool``); ``req_to_token`` costs ``max_reqs·max_context_len·4`` bytes (int32). The number
-of token slots is the rest of the budget divided by bytes per token, rounded *down* to whole pages, with at least
-two pages (page 0 is the reserved padding page).
-
-Decode CUDA graphs take their own memory after the pools are sized (:mod:`pipeline.memory.graphs` estimates it). A
-budget from ``--mem-fraction`` is reduced by that estimate before the KV pool is sized from it, as vLLM's
-``determine_available_memory`` takes its CUDA-graph estimate out of the memory the KV cache may use; an explicit
-``--mem-bytes`` or ``--num-token-slots`` is kept as given. Either way :func:`check_fits` counts the pools and the
-graphs together against :data:`POOL_MEMORY_SHARE` of the memory free now (:func:`available_bytes`), before anything
-is allocated, naming the input that set the size, the limit and a value that fits.
-
-The weights (:func:`weight_bytes`): per built attention layer ``(H·Dqk + 2·Hkv·Dqk)·hidden + hidden·H·Dv``
-elements (MHA/GQA), or for an absorbed-MLA layer ``q``, ``dkv``, ``W_UK``, ``W_UV`` and ``o``; in the model dtype on
-the device, and in float64 on the host for the verification reference. :func:`check_weights_fit` applies the same
-share rule to them.
-
-Remedies name values inside each flag's domain that then pass the same check; a flag no value of which can work is
-not offered. The graphs' side of a remedy is a :class:`GraphTrial` passed in by the caller. Pure arithmetic, no
-torch.
+Details: docs/internals.md, ``pipeline.memory.pools``.
 """
 
 from __future__ import annotations
@@ -204,7 +179,6 @@ def _either(ways: Sequence[str], tail: str = "") -> str:
     return ", or ".join(ways) + tail if ways else "free memory on the device (no value of these flags fits it)"
 
 
-
 KV_ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 Source = Literal["slots", "bytes", "mem_fraction"]
@@ -315,7 +289,7 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
                source: Source = "bytes", mem_fraction: Optional[float] = None, min_slots: int = 0,
                min_slots_for: str = "", graph_reserve_bytes: int = 0, workspace_bytes: int = 0,
                total_bytes: int = 0, allocated_bytes: int = 0, min_context_len: int = 1) -> PoolSizing:
-    """Size ``req_to_token`` and the K/V buffers; see the module docstring for the rules.
+    """Size ``req_to_token`` and the K/V buffers; see docs/internals.md, ``pipeline.memory.pools`` for the rules.
 
     Exactly one of ``num_token_slots`` (rounded up to whole pages) or ``budget_bytes`` must be
     given (``mem_fraction``: the fraction a ``source="mem_fraction"`` budget came from, for the
@@ -437,7 +411,6 @@ def _lowerable(max_reqs: int, max_context_len: int, min_context_len: int) -> str
     return f", or lower {' or '.join(names)}" if names else ""
 
 
-
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 REFERENCE_BYTES = 8  # float64
 
@@ -515,7 +488,6 @@ def check_weights_fit(model: Any, num_layers: int, dtype: str, *, device_free: i
     raise ConfigError(f"{num_layers} attention layers need {why}", code="weights_exceed_memory",
                       state="load-model", flags=[("num_layers", num_layers)],
                       allowed=[f"num_layers <= {lo}" if lo >= 1 else "a model whose one layer fits"], remedy=remedy)
-
 
 
 # The two batches ``run``'s checks put through the stack (their modules hold the code that runs them): the built

@@ -1,23 +1,6 @@
 """The ranks of one launch read together: where they decided differently (``inspect``'s ``rank_differences``).
 
-Each rank's :meth:`~pipeline.observe.runs.Run.decisions` (and its request's attention args) are flattened to
-``{"a.b.c": leaf}`` and compared key by key; the keys each rank owns (:data:`RANK_LOCAL`) are left out.
-
-Over several ranks' logs, ``inspect`` also says where each rank stopped, whom the others waited for, and
-the startup critical path.
-
-For every run id with more than one rank (each rank's latest launch), :class:`RankSummary` reports
-
-- ``ranks``: per rank its status, the last state it reached, and the ranks it waited for
-  (``rank_stalled`` records it wrote: the missing rank, that rank's last state, seconds since its
-  last heartbeat and what it was doing);
-- ``critical_path``: per state the slowest rank and its time, and the total — the sum of those
-  maxima, what the launch takes when ranks meet at every state boundary (our waits do meet at
-  device-init, resolve and before capture). States are the runner's when any rank's trace has them
-  (``attn-setup run``), else the setup machine's; a rank refused before its runner started adds none.
-
-Runs arrive one at a time (:class:`pipeline.observe.trace.TraceReader` yields a run id's runs together), so
-only the runs of one run id are held at once.
+Details: docs/internals.md, ``pipeline.observe.ranks``.
 """
 
 from __future__ import annotations
@@ -114,7 +97,6 @@ def rank_differences(trace: Trace) -> list[dict[str, Any]]:
         if len(runs) >= 2:
             out += _differences(run_id, {rank: _flat_decisions(r) for rank, r in runs.items()})
     return out
-
 
 
 def _states(run: Any, runner: bool) -> list[dict[str, Any]]:

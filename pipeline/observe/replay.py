@@ -1,27 +1,6 @@
 """Replay: re-run a recorded start's decisions and report the first place they now differ.
 
-``pipeline.replay(trace)`` takes a trace (path, paths, :class:`~pipeline.observe.runs.Trace`, a run or a
-list of records). For each run it rebuilds the :class:`SetupRequest` from ``run_started`` and walks the
-setup table (:data:`pipeline.setup.table.SETUP`) in the driver's replay mode
-(:func:`pipeline.core.steps.replay`): each step decides with the *recorded* inputs — the device facts of
-``device_initialized``, package presence from ``run_started.packages``, environment-backed settings from
-the ``setting_resolved`` records (never the current environment) — and its fields are compared with what
-was recorded. No GPU is touched and no backend is constructed. A recorded failure in a decision must fail
-again with the same error code and message; a failure after a state's decision (building a backend, the
-device itself) ends the comparison there. Nothing here imports torch.
-
-Redaction: a secret (``ATTN_SETUP_SECRET_*``) equal to ordinary text — ``torch_native``,
-``cpu``, ``a`` — is replaced by ``"<redacted>"`` wherever it occurs in a trace's string values
-(:func:`pipeline.core.eventlog.redactor`), decisions and the recorded request included. Replay then knows only the
-text around each marker:
-
-- a recorded decision holding the marker is compared *around* it (:func:`matches_around_redaction`: the value
-  computed now must read the same with some non-empty text in place of each marker), never reported as diverged
-  for the marker itself; the fields so compared are listed in the run's replay (``redacted``);
-- a recorded request with the marker in a field that decides something cannot be rebuilt: ``request_redacted``
-  (exit 2, like ``nothing_to_replay``: the trace reads fine, it holds no usable input), naming the fields — not
-  ``trace_unreadable``. Fields that decide nothing (the secrets themselves, the run id, how the device was
-  written, a model's ``source`` path, shown only in messages) may hold it.
+Details: docs/internals.md, ``pipeline.observe.replay``.
 """
 
 from __future__ import annotations
@@ -98,7 +77,6 @@ def request_redacted(run_id: str, rank: int, where: str, fields: list[str]) -> U
         allowed=["a recorded request whose deciding values hold no secret"],
         remedy="use secrets that do not occur in ordinary values (a device, a dtype, a backend or model name), "
                "rerun and replay that trace; 'attn-setup inspect' still shows what this run did")
-
 
 
 class Divergence(msgspec.Struct, frozen=True, kw_only=True):
@@ -330,7 +308,7 @@ def _replay_run(run: Run) -> RunReplay:
 
 
 def replay(trace: Any) -> ReplayResult:
-    """Re-run every recorded run's decisions; see the module docstring.
+    """Re-run every recorded run's decisions; see docs/internals.md, ``pipeline.observe.replay``.
 
     Parameters
     ----------

@@ -1,45 +1,6 @@
 """Startup accounting: where every second of an ``attn-setup run`` went (``startup_summary``).
 
-:func:`summarize` turns one launch's records into named phases, each a measured duration:
-
-- ``startup``: process start (:func:`process_start`: the kernel's creation time of this process, moved past
-  the time it did not run before attn-setup's first code — a shell's earlier commands before it ``exec``'d
-  Python —, reported apart as ``idle_before_start_s``) to ``command_started`` — the interpreter, the imports
-  (torch's included), argument parsing and reading the model config;
-- ``preflight``: ``command_started`` to ``runner_started`` (the refusals checked before allocating);
-- each runner state (``init-distributed``, ``load-model``, ``init-memory-pool`` — the pool allocation —,
-  ``attention``, ``capture-cuda-graphs``) from its ``runner_transition`` ``duration_ms``; children:
-  the setup machine's states (``state_transition``) and the FlashInfer JIT variants under ``attention``,
-  one ``bs=N`` per captured graph under ``capture-cuda-graphs`` (``cuda_graph_captured``);
-- ``verification``: ``runner_ready`` to the last ``instance_verified``, one child per instance
-  (its own ``duration_ms``);
-- ``model-steps``: the attention stack's extend/decode checks (to the last ``model_step_verified``);
-- ``release``: closing what was built, up to the summary.
-
-Top-level phases are disjoint; ``unaccounted_s`` is the wall time (process start to the summary) they
-do not cover. sglang's and TensorRT-LLM's startup logs name phases the same way (weights, memory pool,
-graph capture); vLLM's ``benchmarks`` measure process start to ready from outside — this module
-measures from inside, from the process's own start time, so the imports count.
-
-Nothing here runs on the hot path: it reads records after the run ended.
-
-``slow_phase`` warnings come as each phase ends (``--slow-phase-s`` / ``ATTN_SETUP_SLOW_PHASE_S``):
-:class:`SlowPhaseWatch` is an observer of the run's :class:`pipeline.core.eventlog.EventLog`: it looks at the
-records that end a phase and, when the phase took longer than the threshold, logs a ``slow_phase`` warning right
-then, tagged with that phase (``state`` = the phase's name; a child that is not a state of its own — a captured
-batch size, a verified instance, ``import torch`` — is tagged with its parent). The phases and their seconds are
-those of the ``startup_summary``, measured the same way:
-
-- ``startup`` (and ``import torch`` under it) when ``command_started`` is logged;
-- ``preflight`` when the runner starts (or the start is refused first);
-- each runner state at its ``runner_transition``, each setup state at its ``state_transition``;
-- each ``bs=N`` at its ``cuda_graph_captured``, each verified instance at its ``instance_verified``.
-
-The rest is known only when the summary is taken — ``verification`` and ``model-steps`` (their ends are the last
-records of their kind), ``release`` and the FlashInfer JIT variants (reported at the end) —: those warnings come
-with the summary (:func:`emit_summary`), still tagged with their phase.
-
-Only records that end a phase are looked at (one ``isinstance`` per record emitted); nothing runs per layer.
+Details: docs/internals.md, ``pipeline.observe.startup``.
 """
 
 from __future__ import annotations
@@ -65,7 +26,7 @@ def phase_state(name: str, parent: str) -> str:
 
 
 class SlowPhaseWatch:
-    """Log a ``slow_phase`` warning as each phase above ``threshold_s`` ends (module docstring).
+    """Log a ``slow_phase`` warning as each phase above ``threshold_s`` ends (docs/internals.md).
 
     ``start_ns``: the process start (wall clock, ns; None: ``startup`` is left to the summary);
     ``startup_parts``: ``(name, seconds, detail)`` measured inside ``startup`` (``import torch``).
@@ -118,7 +79,6 @@ class SlowPhaseWatch:
             self.judge(f"bs={r.bs}", "capture-cuda-graphs", r.capture_ms / 1e3)
         else:
             self.judge(r.role, "verification", r.duration_ms / 1e3)
-
 
 
 SLOW_PHASE_ENV = "ATTN_SETUP_SLOW_PHASE_S"

@@ -1,42 +1,6 @@
 """Reading traces back: JSON-lines event logs → typed records, grouped into runs by (run_id, rank, launch).
 
-The reader is tolerant: a line that is not JSON (a crash mid-write, a truncated copy), nests too
-deeply, is longer than :data:`MAX_LINE_BYTES`, or is not a known valid record is counted (with its
-reason: ``not_json``, ``too_deep``, ``line_too_long``, ``unknown_event``, ``newer_schema``,
-``invalid_record``) and skipped; everything else is kept. Several files merge: records are grouped
-by ``(run_id, rank, launch_id)`` — two launches that share a run id and a log file stay two runs —
-ordered by position in their file (one launch writes its records in order; a wall clock stepped back mid-run
-changes nothing; pieces in several files by their first records' ``ts_ns``), and a line read twice (a file passed twice, overlapping copies) counts once.
-
-Only regular files are read: a FIFO, a device or a directory is refused (``UsageError``
-``not_a_regular_file``, exit 2) instead of blocking or reading forever.
-
-Streaming (:class:`TraceReader`): the first pass reads only each line's envelope (run id, rank,
-launch id, time) and remembers, per run, the byte ranges its lines occupy (one range per
-contiguous piece); the second pass reads one run at a time from those ranges, yields it and lets
-it go. Memory is therefore bounded by the index (a few dozen bytes per contiguous piece of a run)
-plus the largest single run, not by the file — ``attn-setup inspect`` on a 1 GB log stays within a
-few hundred MB (``benchmarks/inspect_large_log.py``). :func:`read_trace` keeps every run (for
-replay, graph and tests). Lines are read without holding more than one block or one capped line
-(:func:`capped_lines` for the index pass, :func:`piece_lines` for the second); :func:`decode_record` turns one
-line into one typed record, or the reason it is skipped, never raising.
-
-Schema policy for old traces
-----------------------------
-``schema_version`` (see :mod:`pipeline.core.events`) rises only when a field is removed or changes
-meaning; adding a field with a default keeps the version. Therefore:
-
-- a record with ``1 <= schema_version <= SCHEMA_VERSION`` is read; versions below the current one
-  pass through :data:`UPGRADERS` (``{old_version: fn(dict) -> dict}``, applied in order) first;
-  ``schema_version <= 0`` (never written by any version) is ``invalid_record``;
-- a record with a *newer* version is skipped and counted (``reason="newer_schema"``): this reader
-  cannot know what its fields mean;
-- a record of the current version carrying fields this reader does not know (written by a newer
-  attn-setup that added fields) is read with those fields dropped, counted in
-  :attr:`Trace.dropped_fields`;
-- an unknown ``event`` tag (or one that is not a string) is skipped and counted (``reason="unknown_event"``).
-
-Nothing here imports torch.
+Details: docs/internals.md, ``pipeline.observe.trace``.
 """
 
 from __future__ import annotations
@@ -86,7 +50,7 @@ def _may_be_deep(line: bytes) -> bool:
 def decode_record(line: bytes) -> tuple[Optional[ev.Event], str, int]:
     """(record or None, skip reason or "", number of unknown fields dropped) for one line.
 
-    Never raises for any input: every failure is a skip reason (see the module docstring).
+    Never raises for any input: every failure is a skip reason (see docs/internals.md, ``pipeline.observe.trace``).
     """
     if len(line) > MAX_LINE_BYTES:
         return None, "line_too_long", 0
@@ -132,7 +96,6 @@ def decode_record(line: bytes) -> tuple[Optional[ev.Event], str, int]:
         return None, "too_deep", 0
     except Exception:  # noqa: BLE001 - an upgrader choking on a hostile record: skip it, never crash
         return None, "invalid_record", 0
-
 
 
 BLOCK = 1 << 20
@@ -182,9 +145,7 @@ def piece_lines(fh: IO[bytes], start: int, end: int) -> Iterator[bytes]:
         yield from lines
 
 
-
 SKIP_DETAILS = 100         # skipped lines listed with file:line (all are counted)
-
 
 
 class _Envelope(msgspec.Struct):
@@ -211,7 +172,7 @@ class _Entry:
 
 
 class TraceReader:
-    """Stream the runs of one or more trace files (see the module docstring): :meth:`runs` yields
+    """Stream the runs of one or more trace files (see docs/internals.md, ``pipeline.observe.trace``): :meth:`runs` yields
     each :class:`Run` complete and in order, holding one run at a time.
 
     After (or during) iteration: :attr:`skipped` (the first :data:`SKIP_DETAILS` skipped lines, in
@@ -363,7 +324,7 @@ class TraceReader:
 
 
 def read_trace(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]) -> Trace:
-    """Read one or more JSON-lines traces (tolerant; see the module docstring), every run kept.
+    """Read one or more JSON-lines traces (tolerant; see docs/internals.md, ``pipeline.observe.trace``), every run kept.
 
     Never raises for bad content: missing or unreadable files go to ``unreadable_files``, bad lines
     to ``skipped``. Call :meth:`Trace.require_records` to insist on at least one record. Raises

@@ -41,7 +41,6 @@ class Platform(Protocol):
     def memory_allocated(self, index: int) -> int: ...
 
 
-
 # Device types that parse (pipeline.core.validation.DEVICE_TYPES) but that no platform here serves, and why.
 NO_PLATFORM = {"mps": "Apple MPS has no attn-setup platform and no backend record lists it"}
 

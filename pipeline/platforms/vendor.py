@@ -1,25 +1,6 @@
 """The vendor platforms whose torch support ships as a plugin module: MUSA, Ascend NPU and Intel XPU.
 
-MUSA (``torch_musa``), Ascend NPU (``torch_npu``) and Intel XPU (built into torch ≥ 2.4, older
-builds via ``intel_extension_for_pytorch``) all follow the same pattern: importing the plugin
-registers a device module at ``torch.<type>`` exposing ``is_available``, ``device_count``,
-``set_device``, ``get_device_properties`` and ``memory_allocated`` like ``torch.cuda`` does.
-:class:`VendorPlatform` holds that logic once; subclasses name the device type, the plugin and
-what differs (BLAS init on MUSA, zbal lazy memory on NPU).
-
-Untested on hardware: every vendor platform is exercised only against fake plugin modules
-injected into ``sys.modules`` (``tests/test_platforms.py``).
-
-MUSA (Moore Threads): besides CUDA, MUSA is the one device sglang initialises BLAS on (``init_cublas`` also runs for
-``musa``): a tiny half-precision GEMM on the device creates the muBLAS handle up front.
-
-Ascend NPU: zbal lazy device memory: sglang initialises it on NPU, when ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` > 0 and
-not on a draft worker, with the world group's rank, world size and CPU process group, before any
-graph capture (the decision lives in :mod:`states.npu_lazy_mem`; this is the effect). The vendor
-entry point is looked up by name on the imported ``torch_npu`` module — :data:`LAZY_MEM_ENTRY`,
-overridable per instance — because its exact name was not verifiable without the hardware.
-
-Intel XPU: no BLAS warm-up (sglang does that on cuda/musa only) and no lazy device memory.
+Details: docs/internals.md, ``pipeline.platforms.vendor``.
 """
 
 from __future__ import annotations
@@ -102,7 +83,6 @@ class VendorPlatform:
         return int(self.device_module().memory_allocated(index))
 
 
-
 class MusaPlatform(VendorPlatform):
     """Platform for ``device=musa[:N]``."""
 
@@ -122,7 +102,6 @@ class MusaPlatform(VendorPlatform):
 
         a = torch.ones((16, 16), dtype=torch.float16, device=device)
         (a @ a).sum().item()
-
 
 
 LAZY_MEM_ENTRY = "npu.init_zbal_lazy_mem"
@@ -153,7 +132,6 @@ class NpuPlatform(VendorPlatform):
                                  code="npu_lazy_mem_unavailable", flags=[("zbal_local_mem_size", nbytes)],
                                  remedy="upgrade torch_npu, or set SGLANG_ZBAL_LOCAL_MEM_SIZE=0 to skip zbal")
         fn(int(nbytes), rank=int(rank), world_size=int(world_size), group=cpu_group)
-
 
 
 class XpuPlatform(VendorPlatform):

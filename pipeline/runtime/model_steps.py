@@ -1,72 +1,6 @@
 """Steps through a ready runner, checked against the float64 dense reference of the stack.
 
-:func:`verify_model_steps` drives the runner's attention stack the way an engine does: an extend of
-new requests, an extend of more tokens on their cached prefixes (chunked prefill), then
-``decode_steps`` decode steps — each decode replayed from a CUDA graph when the runner captured
-one, else eager. Inputs are random hidden states (seeded); pages are handed out scrambled.
-After every step each request's outputs are compared with
-:func:`reference_forward_rounded` over its whole history: float64 math that
-rounds to the stack's dtype where the stack does, so the stack's own bf16/fp16 rounding — which
-compounds through layers and decode steps — is not blamed on the backend, and the tolerance holds
-at any step count. Metric: ``max|Δout − Δref| / max|Δref|`` per request, where ``Δ`` is the
-stack's update to the residual stream (output minus input), so the input's own magnitude cannot
-hide an attention error; the worst request is reported per step.
-
-Which reference judged a check is :attr:`StepCheck.reference`:
-
-- :data:`REF_ROUNDED` (``"rounded"``): a stack without MLA layers — one check per step, the rounded reference,
-  tolerance :func:`_tol` (fp32 1e-4, bf16/fp16 1e-2).
-- An absorbed-MLA stack (DeepSeek-V2/V3, Kimi-K2) gets two checks per step, because the stack rounds two tensors
-  that only its absorbed form has (``q_abs = q_nope · W_UK`` and the latent attention output, both in the stack
-  dtype), and a reference that mirrors them no longer checks the absorption by itself:
-
-  * :data:`REF_MLA_ABSORBED` (``"mla-absorbed"``), the *kernel check*: the reference follows the absorbed path with
-    those two roundings too (``mla_path="absorbed"``), so the backend sees exactly the reference's inputs; held to
-    :func:`_tol`, as any layer.
-  * :data:`REF_MLA_UNABSORBED` (``"mla-unabsorbed"``), the *absorption check*: the un-absorbed reference (per-head
-    K/V expanded from the latent cache, the absorption identity never used), held to
-    :func:`absorption_tolerance`, derived per request from this batch (its docstring gives the derivation).
-
-The rounded reference: :func:`pipeline.runtime.model.reference_forward` is exact float64 from the input on, while a
-bf16/fp16 stack rounds its activations at every layer, and those roundings feed the next layer and every later token
-through the KV cache; against exact float64 the stack's error grows with depth and decode steps although no kernel
-is wrong. :func:`reference_forward_rounded` computes the same float64 math but rounds to the stack's dtype at
-the points where :meth:`AttentionStack.forward` materialises a tensor in that dtype. Both sides then
-see the same rounded inputs at each layer and step, so what is left of the difference is the
-attention kernel's own error (plus a one-ulp flip where float32 and float64 land on opposite
-sides of a rounding boundary), and the fixed tolerance holds at any step count — while a backend that computes the wrong
-attention still moves the result by far more than the tolerance.
-
-This is the usual way kernel tests in vLLM and sglang judge a bf16 attention kernel: against a
-reference fed the kernel's *own* bf16 q/k/v, not against an end-to-end float64 model.
-
-Rounding points mirrored (``r`` = round to the stack dtype):
-MHA/GQA: ``r(rms(h))``, ``r(x @ Wqkv)``, ``r(rope(q))``, ``r(rope(k))``, the KV cache dtype,
-``r(attention)``, ``r(o @ Wo)``. MLA, both paths: ``r(rms(h))``, ``r(x @ Wq)``, ``r(x @ Wdkv)``,
-``r(rms(c_kv))``, ``r(rope(k_rope))``, ``r(rope(q_rope))``, ``r(o · W_UV)``, ``r(o @ Wo)``.
-
-MLA has two paths (``mla_path``), because one reference cannot both round where the stack rounds and check the
-absorption (:meth:`AttentionStack._qkv` / :meth:`AttentionStack.forward` are the stack's side):
-
-- ``"absorbed"`` (:data:`MLA_ABSORBED`) follows the stack's absorbed form: ``q_abs = q_nope · W_UK`` per head
-  ([T, H, kv_lora_rank]), attention of ``[q_abs, q_rope]`` over the one latent head ``[c_kv, k_rope]`` the pool
-  holds, the latent output ``o_lat`` [T, H, kv_lora_rank] times ``W_UV`` per head. With
-  ``absorbed_rounding=True`` it also rounds the two tensors the stack materialises in its dtype on that path and the
-  un-absorbed form never has: ``r(q_abs)`` (the stack's bf16 einsum) and ``r(o_lat)`` (the backend's output dtype).
-  This is the *kernel check*'s reference: the same inputs as the backend at every layer and step.
-- ``"unabsorbed"`` (:data:`MLA_UNABSORBED`) expands per-head ``k_nope = W_UK c`` and ``v = W_UV c`` from the latent
-  cache and attends with the plain query: the absorption identity ``(q_nope W_UK) · c = q_nope · (W_UK c)`` is not
-  used, so comparing the stack with it checks the absorption (the *absorption check*,
-  :mod:`pipeline.runtime.model_steps` derives its tolerance).
-
-The float64 absorption math of the reference is in :func:`absorb_query` and :func:`expand_latent_output`, written
-apart from the stack's.
-
-Stored K/V (``stored_kv``): a recomputed K lands on a neighbouring step of the cache dtype wherever float64
-and the stack's GEMM round differently (about one element in a thousand in bf16), and a query whose softmax
-sits on such a key amplifies that one step (0.85 of a head's weight on one key gave 2.1e-2 at decode#129);
-the number of such keys grows with the context. Attending over what the pool holds removes that, while
-``kv_errs`` still checks that the pool holds what the stack computed.
+Details: docs/internals.md, ``pipeline.runtime.model_steps``.
 """
 
 from __future__ import annotations
@@ -82,7 +16,6 @@ from pipeline.core.errors import BuildError
 from pipeline.memory.pools import CHUNK_LENS, EXTEND_LENS
 from pipeline.runtime.model import _rope_complex, AttentionStack, EPS
 from pipeline.runtime.reference import reference_attention, rel_err
-
 
 
 MLA_ABSORBED = "absorbed"
@@ -123,7 +56,7 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dt
 
     ``kv_dtype``: a narrower cache dtype to round K/V through; ``stored_kv``: per layer, the dequantized K/V the
     pool holds (MLA: the latent K [L, 1, kv_lora_rank + qk_rope_head_dim]), attended over instead; ``kv_errs``: gets
-    ``max|stored - recomputed| / max|recomputed|`` per layer (module docstring). ``mla_path`` (MLA layers only):
+    ``max|stored - recomputed| / max|recomputed|`` per layer (docs/internals.md). ``mla_path`` (MLA layers only):
     :data:`MLA_UNABSORBED` (default, as before) or :data:`MLA_ABSORBED`; ``absorbed_rounding``: on the absorbed
     path, round ``q_abs`` and the latent output to the stack dtype as the stack does (False: keep them float64,
     which :mod:`pipeline.runtime.model_steps` uses to measure what those two roundings change). Non-MLA layers
@@ -210,7 +143,6 @@ def _mha_qkv(stack: AttentionStack, L: Any, w: dict, x: torch.Tensor, pos: torch
     return qq, kk, vv
 
 
-
 REF_ROUNDED = "rounded"
 REF_MLA_ABSORBED = "mla-absorbed"
 REF_MLA_UNABSORBED = "mla-unabsorbed"
@@ -225,7 +157,7 @@ F64_SLACK = 1e-9
 class StepCheck:
     """One step's outcome: label, mode, batch size, whether replayed from a graph, worst error, tolerance, and
     the reference it was judged against (``reference``: :data:`REF_ROUNDED`, :data:`REF_MLA_ABSORBED` or
-    :data:`REF_MLA_UNABSORBED`; module docstring). With a per-request tolerance (the absorption check) the
+    :data:`REF_MLA_UNABSORBED`; docs/internals.md). With a per-request tolerance (the absorption check) the
     step reports the request nearest to or furthest over its tolerance (largest ``err / tol``): its error and
     its tolerance."""
 
@@ -281,7 +213,7 @@ def absorption_tolerance(tol: float, d_rounded: torch.Tensor, d_exact: torch.Ten
 
 
 def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0) -> list[StepCheck]:
-    """Run extend, chunked extend and decode steps through a ready ``runner``; see the module docstring.
+    """Run extend, chunked extend and decode steps through a ready ``runner``; see docs/internals.md, ``pipeline.runtime.model_steps``.
 
     Uses ``req_to_token`` rows ``0..B-1`` (B = min(4, max_reqs)) and frees them afterwards.
     Tolerance: 1e-4 for float32 stacks, 1e-2 for bf16/fp16 (the residual stream is float32),
@@ -291,7 +223,7 @@ def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0) -> 
     tolerance does not depend on the KV dtype or the context length; a ``kv-cache-write`` check is appended
     when the pool's K/V differ from the reference's recomputation by more than a step of the coarser dtype.
     A stack with MLA layers gets two checks per step, ``mla-absorbed`` (this tolerance) then ``mla-unabsorbed``
-    (:func:`absorption_tolerance`); see the module docstring. The stack is causal, so each request's reference
+    (:func:`absorption_tolerance`); see docs/internals.md, ``pipeline.runtime.model_steps``. The stack is causal, so each request's reference
     is computed once, over its whole history, after the last step. Raises BuildError when the pools are too small.
     """
     stack, pools = runner.stack, runner.pools
@@ -339,7 +271,7 @@ def _compare(stack: Any, kv_dtype: torch.dtype, rows: list[int], hist: dict[int,
              stored: dict[int, Any], outs: list[Any], b: int) -> list[StepCheck]:
     """One reference per request over its whole history and stored K/V; worst per-request error per step.
 
-    A stack with MLA layers gets the two checks of the module docstring per step (absorbed first), from three
+    A stack with MLA layers gets the two checks of docs/internals.md per step (absorbed first), from three
     references per request: absorbed with and without the absorbed-only roundings, and un-absorbed."""
     kv_errs: list[float] = []
     tol = _tol(stack.dtype)

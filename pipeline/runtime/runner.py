@@ -1,20 +1,6 @@
 """Runner orchestration: a model runner's ``initialize()`` as an outer state machine.
 
-The table (:data:`pipeline.runtime.table.RUNNER`) orders the steps — ``init-distributed → load-model →
-init-memory-pool → attention → capture-cuda-graphs → ready`` (+ ``failed``) — and holds each step's decision
-and effect; the one driver (:mod:`pipeline.core.steps`) walks it. ``attention`` is the setup machine
-(:func:`pipeline.setup.build.build_attention_backends`) run over the pools this runner sized, writing to the same
-:class:`~pipeline.core.eventlog.EventLog`, so one trace holds both machines (``runner_transition`` records for
-this one, ``state_transition`` for the setup). :meth:`Runner.preflight` makes every decision before anything is
-allocated (the setup's included) and :meth:`Runner.initialize` then takes them, so a start resolves once.
-
-Ordering rules enforced (sglang keeps them in comments): the KV pool exists before any backend is
-built; decode CUDA-graph capture only after the pipeline reached ``done``, NPU zbal lazy memory was
-initialised or skipped with its reason, the configured EAGLE3 aux hidden-state layers were set on
-the model, the KV pool exists and — with several ranks — the ranks agreed on the resolution.
-A failure in any step moves the runner to ``failed``, logs ``run_failed`` whose ``error.state``
-names the step (the pipeline's own state for a failure inside ``attention``) and whose message
-gives the cause, releases what was built and re-raises.
+Details: docs/internals.md, ``pipeline.runtime.runner``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """The runner's machine as one table (a model runner's ``initialize()``), each step's decision and effect.
 
-::
-
-    init-distributed ─distributed_ready─► load-model ─model_loaded─► init-memory-pool ─pool_ready─►
-        attention ─attention_ready─► capture-cuda-graphs ─graphs_settled─► ready   (any non-terminal ─fail─► failed)
-
-``attention`` runs the setup machine (:data:`pipeline.setup.table.SETUP`) composed inside it. Each step's
-``decide`` makes its decision without an effect — a runner's preflight (:meth:`pipeline.runtime.runner.Runner.preflight`)
-walks them before anything is allocated: the env settings, the compute dtype and the layers to build, the pool
-sizes against the device's memory, every setup decision up to allocation, the graph sizes — and ``apply`` carries
-it out. The pools are sized without allocating (:func:`decide_pools`: slots > bytes > a fraction of the device's
-memory, the decode graphs' estimated bytes set aside: :func:`graph_estimate`) and allocated by :func:`alloc_pools`.
-Capture is refused unless every :data:`CAPTURE_PRECONDITIONS` guard holds. Nothing here imports torch at import
-time.
+Details: docs/internals.md, ``pipeline.runtime.table``.
 """
 
 from __future__ import annotations
@@ -244,7 +232,6 @@ def alloc_pools(r: Any, s: Any) -> None:
            page_size=p.page_size, req_to_token_bytes=s.req_to_token_bytes, kv_bytes=s.kv_bytes,
            graph_bytes_estimate=s.graph_reserve_bytes)
     r.machine.model.pools = pools
-
 
 
 class LoadDecision(NamedTuple):

@@ -1,31 +1,6 @@
 """Verification harness: run a real batch through a built backend and compare with the reference.
 
-``attn-setup run`` calls :func:`verify_built` on its build: every instance (TBO children, PD-mux
-members, both halves of a hybrid) and the top wrapper. For one representative layer of each
-distinct layer kind of the model it drives the backend through the engine's own pools:
-
-1. an extend that caches the prefixes of the requests that have one (lengths 3, 21, 10 — not
-   multiples of page_size > 1, and 21 crosses a 16-token page),
-2. an extend of new tokens for every request (prefix lengths 0, 3, 21, 0, 10),
-3. ``decode_steps`` decode steps,
-
-with random q/k/v (and random sinks for kinds with sinks), pages handed out scrambled by
-:class:`~pipeline.backends.memory.PageAllocator`. Per layer kind (:class:`_Case`) it keeps its own un-paged copy
-of every K/V written, as the
-pool stores and means it (:mod:`pipeline.backends.memory`'s contract: ``float(round(x / scale)) * scale`` with
-the layer's ``k_scale``/``v_scale`` for an fp8 cache, the value rounded to the storage dtype
-otherwise), and compares every step's output per request with
-:func:`pipeline.runtime.reference.reference_attention` (float64 over those dequantized stored K/V) using
-``max|out - ref| / max|ref|`` against :func:`tolerance`.
-
-Verification tests what runs: the layers it calls a backend with are exactly those the backend was
-built for (every backend refuses others with ``LayerMismatch``). So that sliding windows bite within
-these short requests (at most 26 tokens), :func:`verify_built` builds the same plan again
-(:func:`pipeline.setup.instances.build_like`: same backends, roles, mode and wrappers) from
-:func:`verification_model` — the served spec with windows capped at :data:`VERIFY_WINDOW` keys and
-attention chunks (Llama-4's chunked layers) at :data:`VERIFY_CHUNK` tokens — and
-verifies those instances; for softcapped kinds q is scaled so scaled scores are of the order of the
-cap (otherwise a cap of 50 would never bite). Both are stated in :attr:`VerifyResult.detail`.
+Details: docs/internals.md, ``pipeline.runtime.verify``.
 """
 
 from __future__ import annotations
@@ -118,7 +93,6 @@ def _check_case_step(case: _Case, backend: AttentionBackend, fb, rows: Sequence[
     return errs
 
 
-
 VERIFY_WINDOW = 7
 VERIFY_CHUNK = 8  # requests reach 26 tokens: chunk boundaries at 8, 16, 24 fall inside prefixes and new tokens
 _Q_DTYPES = ("bfloat16", "float16", "float32")
@@ -184,7 +158,7 @@ def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Op
                    req_to_token_pool: ReqToTokenPool, kv_pool: KVPool, torch_device: str | torch.device,
                    dtype: Any, seed: int = 0, decode_steps: int = 3,
                    layer_kinds: Optional[Sequence[LayerKind]] = None, notes: Sequence[str] = ()) -> VerifyResult:
-    """Verify one instance on the engine's pools; see the module docstring for the batch.
+    """Verify one instance on the engine's pools; see docs/internals.md, ``pipeline.runtime.verify`` for the batch.
 
     Parameters
     ----------

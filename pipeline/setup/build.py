@@ -2,18 +2,7 @@
 :class:`~pipeline.setup.result.AttentionBackends`; and the same decisions without any effect (``plan``, a
 run's preflight).
 
-:class:`ModelRunnerAttention` gives an engine's ModelRunner the attributes sglang's ModelRunner exposes after the
-seed PR: an engine that keeps its own ``initialize()`` can replace its inline attention setup with::
-
-    self._attn = ModelRunnerAttention(request, pools={"req_to_token_pool": ..., "kv_pool": ...})
-    self._attn.init_attention_backends()
-    self.attn_backend = self._attn.attn_backend                      # TBO / hybrid wrapper where asked
-    self.decode_attn_backend = self._attn.decode_attn_backend        # PD-mux's first decode backend, else None
-    self.decode_attn_backend_group = self._attn.decode_attn_backend_group   # PD-mux's decode backends, else []
-
-``init_attention_backends()`` runs the six-state pipeline once (a second call raises
-:class:`~pipeline.core.errors.OrderingError`); before it, the three attributes are None / None / []
-as in sglang's ``__init__``. Nothing here imports torch until the call.
+Details: docs/internals.md, ``pipeline.setup.build``.
 """
 
 from __future__ import annotations
@@ -260,7 +249,6 @@ def open_event_log(run_id: str, rank: int, log_file: Any, secrets: tuple[str, ..
         return EventLog(run_id, rank, log_file, secrets=secrets)
     except OSError as e:
         raise bad(f"cannot be opened for appending: {e.strerror or e}") from None
-
 
 
 class ModelRunnerAttention:

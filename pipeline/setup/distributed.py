@@ -1,57 +1,6 @@
 """Many ranks under torch.distributed: one run id, each rank on its own device, one agreed resolution.
 
-What engines already run (``torchrun``, or their own launcher setting ``RANK``/``WORLD_SIZE``/
-``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``):
-
-- :func:`init_from_env` joins the process group (gloo when nothing is initialised yet), makes a
-  gloo **CPU group** with a timeout, agrees on one run id (rank 0's, broadcast over that group;
-  rank 0 takes ``ATTN_SETUP_RUN_ID`` / ``TORCHELASTIC_RUN_ID`` when set) and picks the rank's own
-  device (``cuda`` / ``auto`` → ``cuda:LOCAL_RANK``), returning a :class:`RankGroup`.
-- :func:`check_rank_device` (device-init) refuses a device string that would put this rank on
-  another rank's device, e.g. a bare ``cuda`` that means ``cuda:0`` on every rank.
-- :func:`agree_on_resolution` (resolve) exchanges msgspec-encoded reports (resolved pair, attention
-  args, device, host) over the CPU group. Every rank compares the same gathered table, so either
-  all ranks agree or all raise :class:`~pipeline.core.errors.RankDivergence` carrying the table
-  rank → host → device → pair. A rank that does not arrive within ``timeout_s`` makes the others
-  raise :class:`~pipeline.core.errors.RankExchangeError` instead of hanging.
-
-torch is imported lazily (only :func:`init_from_env` and the exchange need it).
-
-What every rank of a launch must agree on: :func:`digest_fields` turns one rank's request and environment into
-``{field: text}``; resolve exchanges it with the resolution (:func:`agree_on_resolution`) and every rank
-fails with ``rank_divergence`` naming each field whose text differs, with every rank's value,
-before anything is allocated. The attention args are compared field by field as ``args.<name>``
-(the existing part of the table); the digest adds:
-
-============================  =============================================================
-``model``                     served model: type, architectures, sha256 of its config record less its layers
-``num_layers``                the layers it spans (``--num-layers`` cuts them) and a sha256 of their kinds
-``draft_model``               the draft model the same way (``none`` when not given)
-``is_draft_worker``           draft worker or target worker
-``pool.<field>``              ``max_reqs``, ``max_context_len``, ``num_token_slots`` (page size: ``args.page_size``)
-``dtype.model`` / ``dtype.kv_cache``  resolved compute and KV-cache dtypes
-``cuda_graph_bs``             the decode batch sizes that would be captured (``disabled``)
-``versions.<package>``        attn-setup, Python, torch, CUDA, triton, flashinfer versions
-``capabilities``              sha256 of every registered backend's capability record
-============================  =============================================================
-
-``world_size`` is not in the digest: device-init already refuses a request whose rank or world size
-is not the process group's (``rank_mismatch``).
-
-**May differ** (never compared, documented in README): ``rank``, ``LOCAL_RANK`` and the device
-index (each rank has its own device; two ranks on one device of one host are refused separately),
-the host name, process ids, the model config's file path (``source``: mounts differ between
-hosts), timestamps and the trace file path.
-
-Memory balance mirrors sglang's tensor-parallel check (``ModelRunner.init_torch_distributed``:
-every rank all-reduces the minimum free memory and raises "The memory capacity is unbalanced"
-when ``min_free < local_free * 0.9``), i.e. a spread above 10 % of the largest rank's free memory.
-Here every rank compares the same gathered list, so all ranks fail together and the lowest rank
-is named: :func:`check_memory_balance`. Device-init's exchange (:func:`balance_memory`): every rank reads its free
-device memory (``Platform.memory_available``), the ranks gather the list over the CPU group (an arrival-checked
-wait: a rank that never arrives is named ``rank_stalled``), and each checks the same list — so either every rank
-logs ``memory_balanced`` or every rank fails with ``memory_imbalance``, before any pool is allocated. CPU ranks share their host's memory, so there is nothing to balance: the step is
-recorded as skipped (``StepSkipped``, ``what="memory_balance"``).
+Details: docs/internals.md, ``pipeline.setup.distributed``.
 """
 
 from __future__ import annotations
@@ -109,7 +58,7 @@ def _capabilities_text() -> str:
 
 
 def digest_fields(request: Any, installed: Mapping[str, bool], device: Any = None) -> dict[str, str]:
-    """``{field: text}`` of what must be equal on every rank (module docstring), for ``request``
+    """``{field: text}`` of what must be equal on every rank (docs/internals.md), for ``request``
     (a :class:`~pipeline.core.contracts.SetupRequest`), the package presence ``installed`` and the rank's
     ``device`` facts (the default capture sizes follow its memory: :func:`states.build_mode.graph_top`).
 
@@ -194,7 +143,6 @@ def check_memory_balance(free_bytes: list[int], max_imbalance: float, *, rank: i
         allowed=[f"every rank's free memory >= {1.0 - max_imbalance:.0%} of the largest"],
         remedy=f"free rank {low}'s device (another process holds memory there: check nvidia-smi), or allow a larger "
                f"spread with {FLAG_MAX_IMBALANCE} / {ENV_MAX_IMBALANCE} (1 turns the check off)")
-
 
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -371,7 +319,6 @@ def _divergence(rank: int, rows: list[RankRow], reports: list[RankReport], bad: 
               "resolve the same backends (one device per rank); pin prefill_attention_backend and "
               "decode_attention_backend if the hardware differs")
     return RankDivergence(msg, state="resolve", flags=flags, allowed=["every rank the same"], remedy=remedy)
-
 
 
 ACCELERATORS = ("cuda", "musa", "npu", "xpu")
@@ -595,7 +542,6 @@ def _shared_run_id(cpu_group: Any, rank: int) -> str:
     box = [new_run_id() if rank == 0 else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(cpu_group, 0), group=cpu_group)
     return str(box[0])
-
 
 
 def balance_memory(run: Any, index: int) -> None:

@@ -143,7 +143,6 @@ def check_given_pools(ctx: SetupContext) -> None:
                            "MLA layer, as sglang's MLATokenToKVPool; KVPool.for_layer_kinds builds it)")
 
 
-
 def _compose(plan: BuildPlan, instances: dict[str, Any], top: str) -> Any:
     if plan.hybrid:
         from pipeline.backends.hybrid import HybridAttnBackend

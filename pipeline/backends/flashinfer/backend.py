@@ -1,55 +1,6 @@
 """The ``flashinfer`` and ``fa3`` backends: FlashInfer wrappers over the paged KV cache.
 
-One backend instance serves every layer kind of the model (full / sliding, with or without softcap
-or sinks); each kind has its own wrappers because FlashInfer compiles window and softcap in. A call
-whose layer differs from its planned kind (window, softcap, scale, sinks, heads, dims) or whose layer
-id was not planned raises ``LayerMismatch`` on its first call
-(:class:`~pipeline.backends.base.PlannedLayers`) instead of computing with the planned values.
-
-- **extend**: :class:`flashinfer.BatchPrefillWithRaggedKVCacheWrapper` on the new K/V when no
-  request has a cached prefix, else :class:`flashinfer.BatchPrefillWithPagedKVCacheWrapper` over
-  prefix + new tokens; causal, bottom-right aligned (FlashInfer's convention).
-- **decode**: :class:`flashinfer.BatchDecodeWithPagedKVCacheWrapper`, on CUDA cores or on the
-  prefill (tensor-core) kernel per :func:`~pipeline.backends.flashinfer.rules.use_tensor_core_decode`.
-- **sinks**: :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` (the only 0.6.13 fa2/fa3
-  path that honours sinks: the plain wrappers accept ``sinks=`` but only trtllm-gen uses it).
-- **MLA** (absorbed; one latent head of ``kv_lora_rank + rope`` = 576 dims, v = the first 512):
-  :class:`flashinfer.mla.BatchMLAPagedAttentionWrapper` for decode (``causal=False``, one query per
-  request) *and* for every extend (``causal=True``, bottom-right aligned, over prefix + new tokens),
-  with ``backend="fa3"`` on sm90 and ``"fa2"`` elsewhere (:func:`~pipeline.backends.flashinfer.jit.mla_backend`).
-  An extend without a cached prefix also uses the paged MLA wrapper, not the ragged prefill path:
-  the backend receives the *absorbed* q and the latent K (sglang's contract for MLA backends), and
-  the new tokens' latents are already in the pool when the layer runs, so the paged wrapper sees
-  them; the ragged path would need the un-absorbed per-head K/V (192/128 dims), which this
-  interface never receives (sglang's flashinfer_mla backend builds those in its model code). ``c_kv``
-  and ``k_rope`` are passed as two strided slices of the one latent buffer, q as two slices of q.
-- **fp8 KV** (``float8_e4m3fn`` / ``float8_e5m2``, bf16/fp16 q, plain MHA/GQA kinds): the pool
-  stores ``fp8(x / scale)`` (:mod:`pipeline.backends.memory`); ``run()`` gets the layer's ``k_scale`` and
-  ``v_scale`` (FlashInfer multiplies the softmax scale by ``k_scale`` and the output by ``v_scale``).
-  Decode runs on CUDA cores or tensor cores per
-  :data:`~pipeline.backends.flashinfer.rules.FP8_DECODE_PATH` (measured); every extend runs the
-  paged prefill wrapper, so that new tokens are read back as stored (fp8) like the prefix, never
-  at full precision from the ragged path.
-- ``fa3``: the same, with ``backend="fa3"`` (sm90 kernels) for extend *and* decode (no MLA, no fp8).
-
-``plan()`` runs once per forward batch in :meth:`init_forward_metadata`, outside any CUDA graph: the host-side
-``kv_indptr`` [B+1] / ``kv_last_page_len`` [B] int32 (:func:`host_page_meta`) and the page ids ``kv_indices``
-gathered on the device from ``req_to_token`` by one kernel (:func:`gather_kv_indices`: sglang's
-``create_flashinfer_kv_indices_triton``, with each request's start computed on the device too, so no host-to-device
-copy of its own; torch ops where Triton cannot run); ``run()`` once per layer.
-Paged layout: the pool's ``[num_token_slots, Hkv, D]`` buffer viewed as
-``[num_pages, page_size, Hkv, D]`` is FlashInfer's ``NHD`` paged cache; the page ids of request r
-are ``req_to_token[r, ::page_size] // page_size``. Sliding window W (key j visible from query i
-iff ``0 <= i - j < W``) is FlashInfer's ``window_left = W - 1``. The float workspace is the
-pool's (``ctx.workspace``); the backend never allocates its own.
-
-CUDA graphs (:class:`GraphState`): FlashInfer's ``use_cuda_graph=True`` wrappers freeze the batch size and the
-*addresses* of their index buffers; ``plan()`` (before every replay) rewrites their contents. As in sglang, one set of
-buffers sized for ``max_bs`` requests is allocated once in ``init_cuda_graph_state`` and each captured batch size
-gets wrappers over prefix slices of them (MLA: one ``BatchMLAPagedAttentionWrapper`` per size, each with
-FlashInfer's own 8 MiB int workspace). Padded slots (``seq_len = 1`` on request row 0, whose page 0 is reserved) are
-planned like real requests. A context FlashInfer cannot serve is refused before anything is allocated
-(:func:`_check_ctx`), and a missing package is named by :func:`import_flashinfer`.
+Details: docs/internals.md, ``pipeline.backends.flashinfer.backend``.
 """
 
 from __future__ import annotations
@@ -279,7 +230,7 @@ def import_flashinfer(name: str = "flashinfer") -> Any:
 
 
 class MLAWrappers:
-    """The MLA wrapper of one absorbed-MLA layer kind (decode and extend; see the module docstring).
+    """The MLA wrapper of one absorbed-MLA layer kind (decode and extend; see docs/internals.md, ``pipeline.backends.flashinfer.backend``).
 
     ``kind.head_dim_v`` is ``kv_lora_rank`` (``head_dim_ckv``); ``head_dim_qk - head_dim_v`` the
     rope dims (``head_dim_kpe``). ``mla_backend``: FlashInfer's MLA backend, ``fa3`` or ``fa2``.
@@ -405,7 +356,7 @@ def _host_ints(host: Any, device: torch.Tensor) -> list[int]:
 
 
 class FlashInferBackend(AttentionBackend):
-    """FlashInfer attention over the pool's paged KV cache (see the module docstring).
+    """FlashInfer attention over the pool's paged KV cache (see docs/internals.md, ``pipeline.backends.flashinfer.backend``).
 
     Parameters: ``ctx`` (:class:`~pipeline.backends.registry.BackendContext`; its workspace
     buffer must be a uint8 CUDA tensor of at least the bytes :func:`sizing.workspace_need` gives),

@@ -1,28 +1,7 @@
 """FlashInfer's kernel variants: which would compile (its cache read without torch or flashinfer), and each
 compile-or-load made visible before a backend first touches it.
 
-FlashInfer compiles each kernel *variant* (dtypes, head dims, sliding window on/off, logit softcap on/off, prefill
-backend, GPU arch) on first use: 15–25 s for a decode module, ~110 s for an sm90 fa3 prefill module. Unannounced,
-that looks like a hang (a reported sglang complaint). :func:`ensure_compiled` logs ``jit_variant`` (``status``
-``cached`` or ``compiling``), ``jit_heartbeat`` every ``heartbeat_s`` seconds while compiling, then
-``jit_variant_ready`` with the seconds (or ``jit_variant_failed``). Events go to
-``structlog.get_logger("attn_setup")``; this module never configures logging.
-Only :func:`spec_for` / :func:`load_variant` import torch and flashinfer (lazily).
-
-Where FlashInfer 0.6.13 keeps a built module (``flashinfer/jit/env.py``, ``flashinfer/jit/core.py``):
-
-- JIT cache: ``$FLASHINFER_WORKSPACE_BASE`` (default: the home directory) ``/.cache/flashinfer/<version>/
-  <arch>/cached_ops/<module>/<module>.so``, ``<arch>`` the target arch as nvcc names it without
-  ``compute_`` (``compilation_context.py``: SM 9.x and SM ≥ 10 get an ``a`` suffix, SM 12.0 ``0f``:
-  ``90a``, ``100a``, ``120f``; below SM 9 none: ``80``, ``89``);
-- AOT modules shipped in the package: ``<flashinfer package>/data/aot/<module>/<module>.so``
-  (found with ``importlib.util.find_spec``, which locates the package without running it).
-  A ``flashinfer-jit-cache`` package's directory is not looked at (it needs the package imported).
-
-``<module>`` is the variant's URI (``flashinfer/jit/attention/modules.py``), rebuilt by :func:`module_name` for the
-:class:`Variant` fields. ``attn-setup warmup`` records each compiled variant's seconds in
-``attn-setup-warmup-times.json`` beside ``cached_ops`` (:func:`record_seconds`), which ``plan`` reads to estimate
-the compile time of what would compile.
+Details: docs/internals.md, ``pipeline.backends.flashinfer.jit``.
 """
 
 from __future__ import annotations
@@ -169,7 +148,6 @@ def cold_variants(variants: Iterable[Any], arch: str, version: Optional[str] = N
         out.append({"variant": v.name, "module": name, "nearest": near, "differs": differs, "estimate_s": est,
                     "flashinfer_version": version})
     return out
-
 
 
 KINDS = ("decode", "prefill", "sink", "mla")

@@ -1,33 +1,6 @@
 """The ``flashinfer`` and ``fa3`` backends' own rules, torch-free: what their registry entries answer.
 
-- **workspace**: ``flashinfer_workspace_size`` when set, else ``SGLANG_FLASHINFER_WORKSPACE_SIZE``,
-  else sglang's default (:func:`flashinfer_workspace_size`); logged as ``setting_resolved``.
-- **workspace need and check**: the bytes FlashInfer's scheduler can ask for at the largest planned batch
-  (:func:`workspace_need`), checked against the size a backend gets in build-mode, ``plan`` and ``run``'s preflight
-  before anything is allocated (:func:`check_backend_workspace`), with a remedy whose every alternative then
-  passes — sglang fails instead with FlashInfer's "Out of workspace memory" during graph capture.
-- **JIT variants**: the kernel modules a build compiles (:func:`pipeline.backends.flashinfer.jit.variants_for`):
-  FA2 prefill plus CUDA-core decode for ``flashinfer``, FA3 prefill for ``fa3``.
-
-FlashInfer's ``plan()`` carves its split-KV scratch (partial outputs ``tmp_v`` and partial log-sum-exps ``tmp_s``,
-both float32) out of the caller-owned *float* workspace buffer. The amount depends only on the head shape, the SM
-count and — under CUDA-graph capture — the captured batch size. The formulas mirror FlashInfer 0.6.13's scheduler
-(``include/flashinfer/attention/scheduler.cuh``):
-
-- CUDA-core decode (``DecodePlan``): KV is split only while ``batch * num_kv_heads`` is below the
-  grid the kernel fills (``blocks_per_sm * num_sms``), so at most ``grid / num_kv_heads`` split
-  rows exist; we bound ``blocks_per_sm`` by 16 (>= 128 threads per CTA, 2048 threads per SM).
-  Bytes: ``H * rows * (Dv + 1) * 4``.
-- FA2 prefill / tensor-core decode (``PrefillPlan``): eager plans split into at most
-  ``2 * num_sms // num_kv_heads`` work tiles of ``cta_tile_q`` rows; a CUDA-graph plan pads to
-  ``max(that, ceil(bs * G / cta_tile_q) + bs - 1)`` tiles. Bytes: ``H * tiles * cta_tile_q * (Dv + 1) * 4``.
-- FA3 (``PrefillSM90Plan``) keeps no float scratch.
-- MLA (``MLAPlan``, shared by the fa2 and fa3 MLA wrappers): partial outputs in the output dtype
-  (2 bytes) and float32 partial LSEs for ``2 * num_clusters * cluster_tile_q`` rows, at most ``64 * num_sms``
-  whatever the batch: ``2 * 64 * num_sms * (2 * Dv + 4)`` bytes (17.4 MB for 132 SMs and Dv 512).
-
-Every allocation is 16-byte aligned; we add 16 bytes per buffer. The records list these rules
-(:data:`pipeline.backends.records.BUILTINS`); resolve, build-mode, plan, warmup and replay ask the entries.
+Details: docs/internals.md, ``pipeline.backends.flashinfer.rules``.
 """
 
 from __future__ import annotations
@@ -169,7 +142,7 @@ def fa2_graph_decode_bytes(shape: HeadShape, num_sms: int, batch_size: int) -> i
 
 
 def mla_bytes(shape: HeadShape, num_sms: int) -> int:
-    """Float scratch of an MLA plan (fa2 or fa3 MLA wrapper, eager or graph, any batch): see the module docstring."""
+    """Float scratch of an MLA plan (fa2 or fa3 MLA wrapper, eager or graph, any batch): see docs/internals.md, ``pipeline.backends.flashinfer.rules``."""
     rows = 2 * MLA_CTA_TILE_Q * num_sms
     return rows * shape.head_dim_vo * MLA_OUT_BYTES + rows * FLOAT_BYTES + 2 * ALIGN_BYTES
 
