@@ -238,3 +238,14 @@ def test_the_architecture_page_maps_every_module():
     assert sorted(files - named) == []
     tests = {p.name for p in (ROOT / "tests").glob("*.py")}
     assert sorted(n for n in named if n not in files | tests | {"__init__.py"}) == []
+
+
+def test_every_package_ships():
+    """pyproject.toml lists every package of pipeline/ and states/ (a folder with ``__init__.py``), so an install
+    holds every module the source tree has."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("pipeline", "states")
+             for p in (ROOT / top).rglob("__init__.py")}
+    assert found == listed
