@@ -232,12 +232,6 @@ def _summary(runs: list[Run]) -> RankSummary:
     return s.finish()
 
 
-def report_obj(trace: Trace) -> dict[str, Any]:
-    """The whole ``--json`` object of a trace read into memory (``cmd`` streams the same shape)."""
-    return {"runs": [run_obj(r) for r in trace.runs],
-            **_tail_obj(trace, rank_differences(trace), _summary(trace.runs))}
-
-
 def render(trace: Trace) -> None:
     """Every run of a trace read into memory, then the tail (``cmd`` streams the same output)."""
     cols = terminal_cols()

@@ -146,16 +146,6 @@ def _console():
     return console()
 
 
-def flag_value_text(value: Any, no_value: bool = False) -> str:
-    """A flag's value for people: ``'x'`` quoted (an empty string as ``''``), numbers as typed, ``not set`` for a
-    missing value (None), ``(no value)`` for a flag typed without one (``no_value``:
-    :func:`pipeline.cli.output.typed_without_value`), lists joined and every rank's values as
-    ``rank 0: 8; rank 1: 16`` (:func:`pipeline.core.value_text.value_text`: never a Python repr)."""
-    from pipeline.core.value_text import value_text
-
-    return value_text(value, no_value)
-
-
 def render_error(info: ErrorInfo) -> None:
     """Print one ErrorInfo as a readable block on stderr, wrapped at words to the terminal's width."""
     from rich.markup import escape

@@ -110,11 +110,6 @@ def _kinds_of(kinds: dict[int, LayerKind]) -> Iterator[LayerKind]:
     yield from seen
 
 
-def iter_sizes(estimate: GraphMemoryEstimate) -> Iterator[tuple[int, int]]:
-    """``(bs, bytes)`` in capture order (largest first)."""
-    yield from sorted(estimate.per_bs.items(), reverse=True)
-
-
 def estimate_for_decided(request: "SetupRequest", decided: "Decided",
                          aux_layers: Sequence[int] = (), env: Mapping[str, str] = os.environ
                          ) -> Optional[GraphMemoryEstimate]:
