@@ -138,13 +138,16 @@ def mla_rows(layers: int, ceiling: float, shapes) -> list[dict]:
             ws, use_cuda_graph=True, qo_indptr=torch.empty(b + 1, **i32), kv_indptr=torch.empty(b + 1, **i32),
             kv_indices=torch.empty(indices.numel(), **i32), kv_len_arr=torch.empty(b, **i32),
             backend=sz.mla_backend(arch))
-        plan_args = (qo, indptr, indices, seq_cpu, 128, 512, 64, page, False, V3_SCALE, torch.bfloat16, torch.bfloat16)
-        raw.plan(*plan_args)
+        plan_kw = dict(metadata=flashinfer.mla.MLAPlanMetadata.csr(qo, indptr, indices, seq_cpu), num_heads=128,
+                       head_dim_ckv=512, head_dim_kpe=64, page_size=page, causal=False, sm_scale=V3_SCALE,
+                       q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, query_layout="split",
+                       kv_cache_layout="split")  # FlashInfer 0.7.2's canonical form, as the backend plans
+        raw.plan(**plan_kw)
         o_raw = torch.empty(b, 128, 512, dtype=torch.bfloat16, device="cuda")
 
         def raw_body(n=layers):
             for _ in range(n):
-                raw.run(q[..., :512], q[..., 512:], ckv, kpe, out=o_raw)
+                raw.run(query=(q[..., :512], q[..., 512:]), kv_cache=(ckv, kpe), out=o_raw)
         g_raw = _capture(raw_body)
         g_kernel = _capture(lambda: raw_body(1))
 
@@ -154,7 +157,7 @@ def mla_rows(layers: int, ceiling: float, shapes) -> list[dict]:
             g_ours.replay()
 
         def raw_step():
-            raw.plan(*plan_args)
+            raw.plan(**plan_kw)
             g_raw.replay()
 
         ours_step()

@@ -109,7 +109,7 @@ def test_a_cut_list_names_a_size_it_keeps_and_that_top(monkeypatch):
     """With --cuda-graph-max-bs set beside the list (it must equal the list's largest size), cutting the list
     names the size kept and sets that top (the remedy said "sizes up to 212" alone: then refused as conflicting);
     a list no cut of which keeps a size is not offered."""
-    base = ["--max-reqs", "256", "--flashinfer-workspace-size", "70000000"]
+    base = ["--max-reqs", "256", "--flashinfer-workspace-size", "18000000"]
     err = _refused(base + ["--cuda-graph-max-bs", "250", "--cuda-graph-bs", "8", "250"], monkeypatch)
     assert err["remedy"].endswith("or use only sizes up to 8 in --cuda-graph-bs and set --cuda-graph-max-bs 8")
     assert plan(base + ["--cuda-graph-max-bs", "8", "--cuda-graph-bs", "8"], monkeypatch)[0] == 0

@@ -11,8 +11,9 @@ id was not planned raises ``LayerMismatch`` on its first call
   prefix + new tokens; causal, bottom-right aligned (FlashInfer's convention).
 - **decode**: :class:`flashinfer.BatchDecodeWithPagedKVCacheWrapper`, on CUDA cores or on the
   prefill (tensor-core) kernel per :func:`~pipeline.backends.flashinfer_sizing.use_tensor_core_decode`.
-- **sinks**: :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` (the only 0.6.13 fa2/fa3
-  path that honours sinks: the plain wrappers accept ``sinks=`` but only trtllm-gen uses it).
+- **sinks**: FlashInfer's attention-sink variant, as :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper`
+  builds it (the only fa2/fa3 path that honours sinks in 0.7.2: the plain wrappers' ``run(sinks=)`` reaches the
+  trtllm-gen and cuDNN kernels only), under our own module name (:meth:`FlashInferBackend.sink_wrapper`).
 - **MLA** (absorbed; one latent head of ``kv_lora_rank + rope`` = 576 dims, v = the first 512):
   :class:`flashinfer.mla.BatchMLAPagedAttentionWrapper` for decode (``causal=False``, one query per
   request) *and* for every extend (``causal=True``, bottom-right aligned, over prefix + new tokens),
@@ -112,8 +113,9 @@ class FlashInferBackend(FlashInferPlanning, AttentionBackend):
 
         Built as :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` builds it (the prefill wrapper with the
         ``AttentionSink`` variant's ``jit_args``), but under a module name that includes the head dims and the KV
-        dtype (:func:`pipeline.backends.flashinfer_jit.sink_uri`): FlashInfer 0.6.13's own name omits them, so two sink kinds of
-        different head dims in one process or JIT cache share one kernel and all but the first compute garbage.
+        dtype (:func:`pipeline.backends.flashinfer_jit.sink_uri`): FlashInfer's own name (0.6.13, and 0.7.2) omits
+        them, so two sink kinds of different head dims in one process or JIT cache would share one kernel and all but
+        the first compute garbage.
         """
         from pipeline.backends.flashinfer_jit import Variant, sink_jit_args, torch_dtype_name
 
@@ -221,9 +223,12 @@ class FlashInferBackend(FlashInferPlanning, AttentionBackend):
     @staticmethod
     def _run_mla(kw: MLAWrappers, q3: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], h: int,
                  dv: int) -> torch.Tensor:
-        """One MLA layer: q [T, H, D] split into its latent (Dv) and rope parts (views) → out [T, H, Dv]."""
+        """One MLA layer: q [T, H, D] split into its latent (Dv) and rope parts (views) → out [T, H, Dv].
+
+        FlashInfer 0.7.2's structural form (``query=``/``kv_cache=`` split pairs, as planned), not the deprecated
+        separate ``q_nope, q_pe, ckv_cache, kpe_cache`` arguments."""
         out = torch.empty((q3.shape[0], h, dv), dtype=q3.dtype, device=q3.device)
-        kw.active.run(q3[..., :dv], q3[..., dv:], kv[0], kv[1], out=out)
+        kw.active.run(query=(q3[..., :dv], q3[..., dv:]), kv_cache=kv, out=out)
         return out
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):

@@ -86,9 +86,10 @@ def _variants(prefill: str) -> Any:
     return variants
 
 
-# Every FlashInfer wrapper allocates its own int workspace on the device in ``__init__`` (8 MiB:
-# ``_int_workspace_buffer`` of BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper and
-# BatchMLAPagedAttentionWrapper, FlashInfer 0.6.13); prefill-class wrappers also a ``_kv_lens_buffer`` of 32768 int32.
+# Every FlashInfer wrapper allocates its own int workspace on the device (8 MiB: ``_int_workspace_buffer`` of
+# BatchDecodeWithPagedKVCacheWrapper and BatchPrefillWithPagedKVCacheWrapper in ``__init__``; FlashInfer 0.7.2's
+# BatchMLAPagedAttentionWrapper in its fa2/fa3 backend object at the first ``plan()``, which a CUDA-graph wrapper's
+# later plans reuse — before capture either way); prefill-class wrappers also a ``_kv_lens_buffer`` of 32768 int32.
 FI_INT_WORKSPACE_BYTES = 8 * MiB
 FI_KV_LENS_BYTES = 32768 * 4
 

@@ -8,15 +8,17 @@ can ever need are known at build time. build-mode calls :func:`workspace_need` a
 :func:`pipeline.backends.flashinfer_workspace_check.check_workspace_size` to refuse a too-small
 ``flashinfer_workspace_size`` before anything is allocated, instead of failing later during graph capture (a reported sglang pain point).
 
-The formulas mirror FlashInfer 0.6.13's scheduler (``include/flashinfer/attention/scheduler.cuh``):
+The formulas mirror FlashInfer 0.7.2's scheduler (``include/flashinfer/attention/scheduler.cuh``):
 
 - CUDA-core decode (``DecodePlan``): KV is split only while ``batch * num_kv_heads`` is below the
   grid the kernel fills (``blocks_per_sm * num_sms``), so at most ``grid / num_kv_heads`` split
   rows exist; we bound ``blocks_per_sm`` by 16 (>= 128 threads per CTA, 2048 threads per SM).
   Bytes: ``H * rows * (Dv + 1) * 4``.
 - FA2 prefill / tensor-core decode (``PrefillPlan``): eager plans split into at most
-  ``2 * num_sms // num_kv_heads`` work tiles of ``cta_tile_q`` rows; a CUDA-graph plan pads to
-  ``max(that, ceil(bs * G / cta_tile_q) + bs - 1)`` tiles. Bytes: ``H * tiles * cta_tile_q * (Dv + 1) * 4``.
+  ``2 * num_sms // num_kv_heads`` work tiles of ``cta_tile_q`` packed (row, head) rows; a CUDA-graph plan pads to
+  ``max(that, ceil(bs * G / cta_tile_q) + bs - 1)`` tiles. 0.7.2 sizes the partial outputs per query row, not
+  per packed row: ``ceil(tiles * cta_tile_q / G)`` rows (0.6.13 reserved ``tiles * cta_tile_q``, G times more).
+  Bytes: ``H * rows * (Dv + 1) * 4``.
 - FA3 (``PrefillSM90Plan``) keeps no float scratch.
 - MLA (``MLAPlan``, shared by the fa2 and fa3 MLA wrappers): partial outputs in the output dtype
   (2 bytes) and float32 partial LSEs for ``2 * num_clusters * cluster_tile_q`` rows, where
@@ -48,9 +50,11 @@ MLA_OUT_BYTES = 2  # FlashInfer's MLAPlan sizes partial outputs for a 16-bit out
 TENSOR_CORE_MIN_GROUP = 4
 TENSOR_CORE_MIN_BATCH = 8
 TENSOR_CORE_ALWAYS_GROUP = 8
-# GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (``DISPATCH_GQA_GROUP_SIZE`` in
-# include/flashinfer/utils.cuh, 0.6.13: 1, 2, 3, 4, 8); any other group ("Unsupported group_size: 7" for
-# Qwen2.5-7B's 28 q / 4 kv heads) must decode on the tensor-core (prefill) kernel, which takes any group.
+# GQA group sizes we decode on FlashInfer's CUDA-core kernel. It is compiled for 1, 2, 3, 4, 8 (0.6.13) and also 6
+# and 16 (0.7.2: ``DISPATCH_GQA_GROUP_SIZE`` in include/flashinfer/utils.cuh); any other group ("Unsupported
+# group_size: 7" for Qwen2.5-7B's 28 q / 4 kv heads) must decode on the tensor-core (prefill) kernel, which takes
+# any group. 16 would take tensor cores anyway (>= TENSOR_CORE_ALWAYS_GROUP); 6 stays on tensor cores until the
+# CUDA-core kernel is measured and verified for it.
 CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 
 
@@ -153,11 +157,17 @@ def cuda_core_decode_bytes(shape: HeadShape, num_sms: int) -> int:
     return _tmp_bytes(shape.num_qo_heads, rows, shape.head_dim_vo)
 
 
+def _partial_rows(tiles: int, tile: int, group: int) -> int:
+    """Query rows of FA2's partial outputs for ``tiles`` work tiles of ``tile`` packed rows (0.7.2:
+    ``max_partial_rows = ceil(padded_batch_size * cta_tile_q / gqa_group_size)``)."""
+    return -(-tiles * tile // max(group, 1))
+
+
 def fa2_eager_bytes(shape: HeadShape, num_sms: int) -> int:
     """Upper bound of FA2 prefill / tensor-core decode scratch for an eager plan (any batch)."""
     tiles = PREFILL_CTAS_PER_SM * num_sms // shape.num_kv_heads
     tile = 128 if shape.head_dim_vo < 256 else 64
-    return _tmp_bytes(shape.num_qo_heads, tiles * tile, shape.head_dim_vo)
+    return _tmp_bytes(shape.num_qo_heads, _partial_rows(tiles, tile, shape.group), shape.head_dim_vo)
 
 
 def fa2_graph_decode_bytes(shape: HeadShape, num_sms: int, batch_size: int) -> int:
@@ -165,7 +175,8 @@ def fa2_graph_decode_bytes(shape: HeadShape, num_sms: int, batch_size: int) -> i
     tile = cta_tile_q(shape.group, shape.head_dim_vo)
     split_tiles = PREFILL_CTAS_PER_SM * num_sms // shape.num_kv_heads
     q_tiles = -(-batch_size * shape.group // tile) + batch_size - 1
-    return _tmp_bytes(shape.num_qo_heads, max(split_tiles, q_tiles) * tile, shape.head_dim_vo)
+    return _tmp_bytes(shape.num_qo_heads, _partial_rows(max(split_tiles, q_tiles), tile, shape.group),
+                      shape.head_dim_vo)
 
 
 def mla_bytes(shape: HeadShape, num_sms: int) -> int:

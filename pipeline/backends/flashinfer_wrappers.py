@@ -12,6 +12,7 @@ import torch
 
 from pipeline.backends import flashinfer_sizing as sizing
 from pipeline.backends.memory import is_fp8
+from pipeline.backends.packages import install_hint
 from pipeline.core.contracts import LayerKind
 from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError
 
@@ -30,7 +31,7 @@ def import_flashinfer(name: str = "flashinfer") -> Any:
         raise BackendUnavailable(
             f"backend {name!r} needs the {PACKAGE} package, which is not installed ({e})",
             flags=[("attention_backend", name)], allowed=["torch_native", "triton"],
-            remedy="pip install 'flashinfer-python>=0.6.13,<0.7' (attn-setup's cuda extra), or choose another backend",
+            remedy=f"{install_hint(PACKAGE)} (attn-setup's cuda extra), or choose another backend",
         ) from e
     return flashinfer
 
@@ -51,9 +52,11 @@ class MLAWrappers:
         self.wrapper = backend.mla_wrapper(self.mla_backend)
         self.active: Any = self.wrapper
         self.mode = "mla"
+        self.csr = fi.mla.MLAPlanMetadata.csr
         self.plan_kw = dict(num_heads=kind.num_heads, head_dim_ckv=kind.head_dim_v,
                             head_dim_kpe=kind.head_dim_qk - kind.head_dim_v, page_size=backend.page_size,
-                            sm_scale=kind.scaling, q_data_type=backend.q_dtype, kv_data_type=backend.kv_dtype)
+                            sm_scale=kind.scaling, q_data_type=backend.q_dtype, kv_data_type=backend.kv_dtype,
+                            query_layout="split", kv_cache_layout="split")
 
     def decode_wrapper(self, batch_size: int, kv_dtype: str) -> tuple[Any, str]:
         """(wrapper, ``"mla"``): the one MLA wrapper serves decode at every batch size."""
@@ -61,8 +64,14 @@ class MLAWrappers:
 
     def plan(self, wrapper: Any, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
              kv_lens: torch.Tensor, causal: bool) -> None:
-        """``plan()`` an MLA wrapper: indptrs and kv lengths [B] int32 on the host, page ids on the device."""
-        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, causal=causal, **self.plan_kw)
+        """``plan()`` an MLA wrapper: indptrs and kv lengths [B] int32 on the host, page ids on the device.
+
+        FlashInfer 0.7.2's canonical form (keywords only, ``metadata=MLAPlanMetadata.csr(...)``): the flat and
+        positional forms are deprecated there. The layouts are declared ``"split"`` — ``run()`` gets q as
+        (latent, rope) views and the cache as (``c_kv``, ``k_rope``) views of the one latent buffer, the tensors
+        0.6.13's ``run(q_nope, q_pe, ckv, kpe)`` took — where the canonical form would default to ``"packed"``.
+        """
+        wrapper.plan(metadata=self.csr(qo_indptr, kv_indptr, kv_indices, kv_lens), causal=causal, **self.plan_kw)
         self.active, self.mode = wrapper, "mla"
 
 

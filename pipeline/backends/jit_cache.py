@@ -1,6 +1,6 @@
 """FlashInfer's compile cache read without importing torch or flashinfer: which variants would compile.
 
-Where FlashInfer 0.6.13 keeps a built module (``flashinfer/jit/env.py``, ``flashinfer/jit/core.py``):
+Where FlashInfer 0.7.2 keeps a built module (``flashinfer/jit/env.py``, ``flashinfer/jit/core.py``; as 0.6.13 did):
 
 - JIT cache: ``$FLASHINFER_WORKSPACE_BASE`` (default: the home directory) ``/.cache/flashinfer/<version>/
   <arch>/cached_ops/<module>/<module>.so``, ``<arch>`` the target arch as nvcc names it without
@@ -10,9 +10,12 @@ Where FlashInfer 0.6.13 keeps a built module (``flashinfer/jit/env.py``, ``flash
   (found with ``importlib.util.find_spec``, which locates the package without running it).
   A ``flashinfer-jit-cache`` package's directory is not looked at (it needs the package imported).
 
-``<module>`` is the variant's URI (``flashinfer/jit/attention/modules.py``: ``get_batch_decode_uri``,
-``get_batch_prefill_uri``, ``get_batch_prefill_attention_sink_uri``), rebuilt by :func:`module_name`
-for the :class:`pipeline.backends.flashinfer_jit.Variant` fields. ``attn-setup warmup`` records each compiled variant's
+``<module>`` is the name of the module the variant's wrappers load (0.7.2's ``flashinfer/jit/attention/modules.py``:
+``get_batch_decode_uri``; ``get_batch_prefill_uri`` plus ``_kv_stride_equal`` for fa2, the module
+``get_batch_prefill_module`` builds for fa2; ``get_batch_mla_uri``, which gained ``_planabi2``; our own complete
+name for the attention-sink module, :func:`pipeline.backends.flashinfer_jit.sink_uri`), rebuilt by :func:`module_name`
+for the :class:`pipeline.backends.flashinfer_jit.Variant` fields; ``tests/gpu/test_flashinfer_api.py`` compares them
+with FlashInfer's own ``JitSpec`` names. ``attn-setup warmup`` records each compiled variant's
 seconds in ``attn-setup-warmup-times.json`` beside ``cached_ops`` (:func:`record_seconds`), which
 ``plan`` reads to estimate the compile time of what would compile.
 """
@@ -33,17 +36,24 @@ TIMES_FILE = "attn-setup-warmup-times.json"
 
 
 def module_name(v: Any) -> str:
-    """FlashInfer's module URI of variant ``v`` (o dtype = q dtype, int32 indices, no RoPE in the kernel)."""
+    """The JIT module name of variant ``v`` in FlashInfer 0.7.2 (o dtype = q dtype, int32 indices, no RoPE in the
+    kernel, no profiler); for a sink variant our own module name
+    (:func:`~pipeline.backends.flashinfer_jit.sink_uri`)."""
+    from pipeline.backends.flashinfer_jit import sink_uri
+
     q, kv = _SHORT.get(v.q_dtype, v.q_dtype), _SHORT.get(v.kv_dtype, v.kv_dtype)
     sm90 = "_sm90" if v.backend == "fa3" else ""
-    head = f"dtype_q_{q}_dtype_kv_{kv}_dtype_o_{q}_dtype_idx_i32_head_dim_qk_{v.head_dim_qk}_head_dim_vo_{v.head_dim_vo}_"
+    dtypes = f"dtype_q_{q}_dtype_kv_{kv}_dtype_o_{q}_dtype_idx_i32_"
+    if v.kind == "mla":
+        return (f"batch_mla_attention_{dtypes}head_dim_ckv_{v.head_dim_vo}_head_dim_kpe_{v.head_dim_qk - v.head_dim_vo}"
+                f"_profiler_False_planabi2{sm90}")
+    if v.kind == "sink":
+        return sink_uri(v, q, kv)
+    head = f"{dtypes}head_dim_qk_{v.head_dim_qk}_head_dim_vo_{v.head_dim_vo}_posenc_0_use_swa_{v.sliding_window}"
     if v.kind == "decode":
-        return (f"batch_decode_with_kv_cache_{head}posenc_0_use_swa_{v.sliding_window}"
-                f"_use_logits_cap_{v.logit_softcap}")
-    if v.kind == "prefill":
-        return (f"batch_prefill_with_kv_cache_{head}posenc_0_use_swa_{v.sliding_window}"
-                f"_use_logits_cap_{v.logit_softcap}_f16qk_False{sm90}")
-    return f"batch_prefill_with_attention_sink_kv_cache_{head}use_swa_{v.sliding_window}_{sm90}"
+        return f"batch_decode_with_kv_cache_{head}_use_logits_cap_{v.logit_softcap}"
+    stride = "_kv_stride_equal" if v.backend == "fa2" else ""
+    return f"batch_prefill_with_kv_cache_{head}_use_logits_cap_{v.logit_softcap}_f16qk_False{sm90}{stride}"
 
 
 def arch_dir(arch: str) -> str:
@@ -92,12 +102,12 @@ def cached_modules(version: str, arch: str, env: Mapping[str, str] = os.environ)
 
 def _fields(name: str) -> dict[str, str]:
     """The key fields a module name spells (kind, dtypes, head dims, switches, sm90), for comparing two."""
-    kind = ("decode" if name.startswith("batch_decode") else "sink" if "attention_sink" in name else
-            "prefill" if name.startswith("batch_prefill") else name)
-    out = {"kind": kind, "backend": "fa3" if name.endswith("_sm90") else "fa2/cuda_core"}
-    for key, pat in (("q_dtype", r"dtype_q_([a-z0-9]+)"), ("kv_dtype", r"dtype_kv_([a-z0-9]+)"),
-                     ("head_dim_qk", r"head_dim_qk_(\d+)"), ("head_dim_vo", r"head_dim_vo_(\d+)"),
-                     ("sliding_window", r"use_swa_(True|False)"), ("logit_softcap", r"use_logits_cap_(True|False)")):
+    kind = ("decode" if name.startswith("batch_decode") else "mla" if name.startswith("batch_mla") else
+            "sink" if "_sink_" in name else "prefill" if name.startswith("batch_prefill") else name)
+    out = {"kind": kind, "backend": "fa3" if name.endswith(("_sm90", "_fa3")) else "fa2/cuda_core"}
+    for key, pat in (("q_dtype", r"(?:dtype_q|_q)_([a-z0-9]+)"), ("kv_dtype", r"(?:dtype_kv|_kv)_([a-z0-9]+)"),
+                     ("head_dim_qk", r"(?:head_dim_qk_|_d)(\d+)"), ("head_dim_vo", r"(?:head_dim_vo_|_d\d+x)(\d+)"),
+                     ("sliding_window", r"_swa_(True|False)"), ("logit_softcap", r"use_logits_cap_(True|False)")):
         m = re.search(pat, name)
         out[key] = m.group(1) if m else "-"
     return out
