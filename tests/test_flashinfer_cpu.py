@@ -35,7 +35,7 @@ def test_factory_without_flashinfer_names_package_and_extra(monkeypatch):
         with pytest.raises(BackendUnavailable) as ei:
             factory(sc.ctx)
         assert "flashinfer-python" in ei.value.info.message
-        assert "pip install 'flashinfer-python>=0.6.13,<0.7'" in ei.value.info.remedy
+        assert "pip install 'flashinfer-python==0.7.2'" in ei.value.info.remedy
         assert ei.value.info.flags[0].value == name
 
 
@@ -275,8 +275,8 @@ def test_glue_decode_extend_all_kinds(fib, page_size):
 def test_sink_kinds_of_different_head_dims_get_their_own_modules(fib, window):
     """Sink layers of head dims 64 and 128 (and a float16 KV next to bf16 ones) in one process each run their own
     kernel. FlashInfer's sink wrapper (0.6.13, still 0.7.2) names its JIT module without head dims or KV dtype, so the
-    second kind loaded the first one's kernel (max rel err 1.4-2.0 on the H200); the fake's JIT cache is keyed by module name as
-    the real one is, and refuses a module built for other parameters."""
+    second kind loaded the first one's kernel (max rel err 1.4-2.0 on the H200); the fake's JIT cache is keyed by
+    module name as the real one is, and refuses a module built for other parameters."""
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
     for d in (64, 128):  # two backends in one process share the JIT cache
         sc = _scenario([make_kind(4, 2, d, window=window, sinks=True, layer_ids=(0,)),

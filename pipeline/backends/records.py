@@ -119,10 +119,11 @@ TRITON_CAP = Capability(
 
 # Measured MLA decode step per arch (µs, lower is faster): DeepSeek-V3 dims (128 q heads, one latent head of
 # 512 + 64, bf16), B=64 requests x 4096 tokens, page 16, CUDA-graph replay, median — on the H200 with
-# FlashInfer 0.6.13 (fa3 MLA wrapper 136.4 µs; fa2 289.0; to re-measure with 0.7.2) and our Triton MLA kernels' best swept config
+# FlashInfer 0.6.13 (fa3 MLA wrapper 136.4 µs; fa2 289.0) and our Triton MLA kernels' best swept config
 # (h64n64w8s2, 415.6 µs; the L2-prefetch default h64n64w8s3 measured 267.5 µs in the final H200 run, 0.52x): benchmarks/RESULTS.md, "fp8 KV and MLA facts" and "MLA decode". For an MLA model on
 # a listed arch, auto-selection tries these backends first, fastest first (registry.auto_candidates);
-# re-measure with ``python benchmarks/mla_decode.py`` (or benchmarks/p4_fp8_mla.py) and update the numbers.
+# re-measure with ``python benchmarks/mla_decode.py`` (or benchmarks/p4_fp8_mla.py) and update the numbers (due for
+# FlashInfer 0.7.2, whose MLA wrapper now plans through a backend object per plan() call).
 MLA_DECODE_US: dict[str, dict[str, float]] = {
     "sm90": {"flashinfer": 136.4, "triton": 415.6},
 }
@@ -175,9 +176,14 @@ AUTO_PRIORITY: dict[str, list[str]] = {
 }
 DEFAULT_PRIORITY = ["torch_native"]
 
-# Every package a record lists: distribution → (import name, how to install it).
+# Every package a record lists: distribution → (import name, the versions attn-setup supports: PEP 440 specifiers,
+# the tested ones). pyproject.toml's dependencies and ``cuda`` extra give the same ranges
+# (tests/test_coinstall.py); docs/install.md says how each end is tested. An installed version outside its range is
+# refused at resolve (``package_version_unsupported``), as a missing package is. FlashInfer: exactly 0.7.2, sglang
+# 0.5.23's pin (0.7.2.post1 changes ~490 files: other kernels, not tested). torch: 2.11 (the H200's, 2.11+cu130)
+# through 2.15. triton: 3.6 (the H200's, torch 2.11's) through 3.9 (this CI machine's; torch 2.14.1 pins ~=3.8.0).
 PACKAGES: dict[str, tuple[str, str]] = {
-    "torch": ("torch", "pip install torch"),
-    "triton": ("triton", "pip install 'triton>=3.4'"),
-    "flashinfer-python": ("flashinfer", "pip install 'flashinfer-python>=0.6.13,<0.7'"),
+    "torch": ("torch", ">=2.11,<2.16"),
+    "triton": ("triton", ">=3.6,<3.10"),
+    "flashinfer-python": ("flashinfer", "==0.7.2"),
 }

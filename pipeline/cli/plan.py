@@ -55,8 +55,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return plan
 
 
-def installed_from(flag: str | None) -> dict[str, bool]:
-    """Package presence: the ``--installed`` list, or distribution metadata (no import).
+def installed_from(flag: str | None) -> dict[str, bool | str]:
+    """Package presence: the ``--installed`` list (present, at a supported version: assumed), or distribution
+    metadata (no import: the installed version, checked by resolve, or False).
 
     Accepts the distribution names the backends need (:func:`pipeline.backends.packages.names`) and their
     import names, case-insensitively (:func:`pipeline.backends.packages.canonical`).
@@ -78,6 +79,11 @@ def installed_from(flag: str | None) -> dict[str, bool]:
                          remedy=f"list distribution names ({', '.join(dists)}) or import names ({', '.join(imports)}), "
                                 "comma-separated, or '' for none")
     return {p: p in canon for p in dists}
+
+
+def _installed_text(installed: Mapping[str, bool | str]) -> str:
+    """``torch 2.13.0+cpu, triton 3.9.0`` (a package assumed by ``--installed``: its name alone), or ``none``."""
+    return ", ".join(p if v is True else f"{p} {v}" for p, v in installed.items() if v) or "none"
 
 
 def installed_hint(err: AttnSetupError, request: SetupRequest, device: DeviceFacts,
@@ -193,7 +199,7 @@ def cmd(ns: argparse.Namespace) -> int:
 
     print_stderr_lines(warnings)
     print_line(console(), f"device: {device.name or device.type} ({device.arch or device.type}) from "
-                          f"{device.source}; installed: {', '.join(p for p, ok in installed.items() if ok) or 'none'}")
+                          f"{device.source}; installed: {_installed_text(installed)}")
     rp.render_tables(report, report["rejected"], verdict=False)
     for line in decision_lines(report):
         print_line(console(), line)
