@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple
 
-from pipeline.backends.packages import install_hint
+from pipeline.backends import packages
 from pipeline.backends.capability import MODEL_FEATURES, Capability
 
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec
@@ -15,6 +15,7 @@ from pipeline.core.dtypes import kv_dtype, model_dtype
 from pipeline.core.model_spec import format_layer_ids
 
 PACKAGE_REASON_PREFIX = "package "
+UNSUPPORTED_FLAG = "unsupported_package"
 
 
 class Reason(NamedTuple):
@@ -29,8 +30,15 @@ class Reason(NamedTuple):
 
     @property
     def is_package(self) -> bool:
-        """True for a "package X is not installed" reason (installing it would remove the reason)."""
+        """True for a "package X is not installed" or "package X is at an unsupported version" reason (installing a
+        supported version would remove the reason)."""
         return self.text.startswith(PACKAGE_REASON_PREFIX)
+
+    @property
+    def is_version(self) -> bool:
+        """True for a "package X is at a version attn-setup does not support" reason
+        (``package_version_unsupported``)."""
+        return bool(self.flags) and self.flags[0][0] == UNSUPPORTED_FLAG
 
 
 def _list(values: Any) -> str:
@@ -111,10 +119,22 @@ def _device_reasons(cap: Capability, device: DeviceFacts, installed: Mapping[str
         out.append(Reason(f"arch {device.arch} is not supported (supports {_list(cap.archs)})",
                           (("device.arch", device.arch),)))
     for pkg in cap.packages:
-        if not installed.get(pkg, False):
-            out.append(Reason(f"{PACKAGE_REASON_PREFIX}{pkg!r} is not installed ({install_hint(pkg)})",
+        have = installed.get(pkg, False)
+        if not have:
+            out.append(Reason(f"{PACKAGE_REASON_PREFIX}{pkg!r} is not installed ({packages.install_hint(pkg)})",
                               (("missing_package", pkg),)))
+        elif (version := packages.unsupported(pkg, have)) is not None:
+            out.append(version_reason(pkg, version))
     return out
+
+
+def version_reason(pkg: str, version: str) -> Reason:
+    """The reason a backend needing ``pkg`` cannot serve when ``version`` of it is installed, outside the range
+    attn-setup supports: names both versions and the pip command that installs a supported one."""
+    want = packages.requirement(pkg)
+    return Reason(f"{PACKAGE_REASON_PREFIX}{pkg!r} is {version}, a version attn-setup does not support (it supports "
+                  f"{want}: {packages.install_hint(pkg)})",
+                  ((UNSUPPORTED_FLAG, pkg), ("installed_version", f"{pkg} {version}"), ("supported_versions", want)))
 
 
 def _kv_auto(args: AttentionArgs) -> tuple[tuple[str, Any], ...]:
@@ -169,7 +189,9 @@ def reasons_with_flags(cap: Capability, *, args: AttentionArgs, model: ModelSpec
     ----------
     cap : the backend's capability record.
     args, model, device : the request's attention flags, the served model, the device facts.
-    installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → present.
+    installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → presence
+        (:data:`pipeline.backends.packages.Presence`: False, True, or the installed version, checked against the
+        supported range).
     is_draft_worker : a speculative-decoding draft worker (implies speculative support is needed;
         TBO is not required there because build-mode downgrades it, as sglang does).
     """

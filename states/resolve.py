@@ -104,7 +104,7 @@ def _lookup(name: str, flag: str, ctx: Remedies) -> registry.BackendEntry:
         allowed, remedy = ctx.set_remedy(flag, survey.working, first)
         if isinstance(e, BackendUnknown) and first in survey.installable and first not in survey.working:
             pk = survey.packages_of(first)
-            remedy = f"install {' and '.join(pk)} and {assignments(ctx.complete({flag: first}, pk))}" + (
+            remedy = f"install {survey.install_words(pk)} and {assignments(ctx.complete({flag: first}, pk))}" + (
                 f", or {remedy}" if allowed else "")
         e.args = (msg,)
         e.info = msgspec.structs.replace(e.info, state="resolve", message=msg, allowed=allowed, remedy=remedy)
@@ -123,6 +123,9 @@ def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reas
     if own and survey.working and not ctx.probe:  # keep the user's backend: the field changes it needs, first
         own, ok = complete_fix(_probe, ctx.args, model, device, ctx.installed, ctx.is_draft_worker, own)
         remedy = f"{assignments(own)}, or {remedy}" if ok else remedy
+    code = "package_version_unsupported" if survey.versions_only(bad) else None
+    if code and allowed:  # installing the supported versions serves the user's choice: first
+        remedy = f"{survey.pip_command(bad)} (then {flag}={name!r} serves it), or {remedy}"
     if target != flag:
         remedy = f"the draft model cannot use the inherited {name!r}: {remedy}"
     msg = f"{flag}={name!r} cannot serve {half} here: " + "; ".join(r.text for r in bad)
@@ -131,7 +134,8 @@ def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reas
     flags = _flags_of([(flag, name)], bad, device) + [("model", model.source or model.model_type)]
     if target != flag:  # the field the allowed values and the remedy are for
         flags.append((target, None))
-    err = CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=allowed, remedy=remedy)
+    err = CapabilityMismatch(msg, code=code, state="resolve", flags=list(dict.fromkeys(flags)), allowed=allowed,
+                             remedy=remedy)
     err.fixes = [{target: n} for n in survey.working] + ([own] if own else []) \
         + survey.field_fixes()  # type: ignore[attr-defined]
     return err
@@ -175,16 +179,18 @@ def decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dra
     model : the served model (the draft model on a draft worker).
     device : the device facts (a named profile at plan time, torch's at run time).
     is_draft_worker : a speculative-decoding draft worker.
-    installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → present.
+    installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → presence
+        (:data:`pipeline.backends.packages.Presence`: False, True, or the installed version, which must be in the
+        supported range).
 
     Returns a :class:`Resolution` (never None): the pair, the rule per half, every auto candidate
     refused (per half, with reasons), the CUDA-graph skip if any (:func:`warnings_for` turns it into the
     start's warnings), the compute dtype with its rule, and the layers that are not attention
     (``not_attention``).
-    Raises BackendUnknown / BackendUnavailable / CapabilityMismatch / ConflictingOptions / ConfigError
-    (``dtype_refused``; ``no_attention_layers`` for a model made only of linear-attention / mamba
-    layers) — exit 3; with ``args.strict``, :class:`StrictRefusal` (``reference_fallback`` /
-    ``downgrade_refused``).
+    Raises BackendUnknown / BackendUnavailable / CapabilityMismatch (``package_version_unsupported``: an explicit
+    choice refused only for packages, one at an unsupported version) / ConflictingOptions / ConfigError
+    (``dtype_refused``; ``no_attention_layers``: only linear-attention / mamba layers) — exit 3; with
+    ``args.strict``, :class:`StrictRefusal` (``reference_fallback`` / ``downgrade_refused``).
     """
     return _decide(args, model, device, is_draft_worker=is_draft_worker, installed=installed, probe=False)
 
@@ -253,8 +259,9 @@ def decide_for_run(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *
                    import_errors: Optional[Mapping[str, str]] = None) -> Resolution:
     """:func:`decide` for a run: package presence by real import, checked against the metadata.
 
-    ``metadata`` is presence by distribution metadata (what ``attn-setup plan`` sees);
-    ``imported`` presence by a real import; ``import_errors`` the import error text per package.
+    ``metadata`` is presence by distribution metadata (what ``attn-setup plan`` sees: the version or False);
+    ``imported`` presence by a real import (the same metadata version, True without one, False);
+    ``import_errors`` the import error text per package. Both check versions alike, so only presence can differ.
     When the two disagree on a package *and* that changes the outcome (another pair, or a refusal
     on one side only), raises :class:`BackendUnavailable` (``package_presence_mismatch``) naming the
     package, both answers and the import error — so a run never silently resolves differently

@@ -103,8 +103,9 @@ def test_profile_names_are_case_insensitive(capsys, name, monkeypatch):
 
 def test_backends_json_lists_every_backend_with_its_record(capsys):
     """`backends --json`: every registered backend, its full capability record, installed per package."""
-    from pipeline.backends import registry
+    from pipeline.backends import packages, registry
     from pipeline.backends.packages import installed_by_metadata
+    from pipeline.backends.records import PACKAGES
 
     assert main(["backends", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -112,8 +113,11 @@ def test_backends_json_lists_every_backend_with_its_record(capsys):
     for b in out["backends"]:
         cap = registry.get(b["name"]).capability
         assert b["archs"] == cap.archs and b["features"] == cap.features and b["devices"] == cap.devices
-        assert b["package_status"] == installed_by_metadata(tuple(cap.packages))
-        assert b["installed"] == all(b["package_status"].values())
+        have = installed_by_metadata(tuple(cap.packages))
+        assert b["package_status"] == {p: bool(v) for p, v in have.items()}
+        assert b["package_versions"] == {p: v or None for p, v in have.items()}
+        assert b["supported_versions"] == {p: p + PACKAGES[p][1] for p in cap.packages}
+        assert b["installed"] == all(v and packages.is_supported(p, v) for p, v in have.items())
     assert out["known_unavailable"]["trtllm_mha"]
 
 

@@ -105,12 +105,12 @@ class BackendEntry:
         try:
             module = importlib.import_module(mod)
         except ImportError as e:
-            pk = ", ".join(self.capability.packages) or mod
+            pk = list(self.capability.packages) or [mod]
             raise BackendUnavailable(
                 f"backend {self.name!r} could not be imported: {e}",
                 flags=[("backend", self.name)],
-                remedy=f"install {pk} ({install_hint(pk)}: the pins of attn-setup's cuda extra), "
-                       "or choose another backend",
+                remedy=f"install {', '.join(pk)} ({'; '.join(install_hint(p) for p in pk)}: the versions attn-setup "
+                       "supports), or choose another backend",
             ) from e
         return getattr(module, fn)
 

@@ -487,8 +487,10 @@ def cli_flags(fix: Mapping[str, Any]) -> str:
 
 
 # Entries of the library's flags list that no flag or field sets: the message already names them (``missing_package``:
-# "package 'flashinfer-python' is not installed"), and the command line lists only what the user can change.
-NOT_FLAGS = frozenset({"missing_package"})
+# "package 'flashinfer-python' is not installed"; ``unsupported_package`` / ``installed_version`` /
+# ``supported_versions``: "package 'flashinfer-python' is 0.6.13, a version attn-setup does not support (it supports
+# flashinfer-python==0.7.2 …)"), and the command line lists only what the user can change.
+NOT_FLAGS = frozenset({"missing_package", "unsupported_package", "installed_version", "supported_versions"})
 _PATH = re.compile(r"(?<![\w.$\-])(?:pool|args)\.([a-z_][a-z0-9_]*)\b")
 _NONE_ASSIGN = re.compile(r"(?<![\w.])([A-Za-z_][\w.]*)\s*(?:=|is|:)\s*None\b")
 _OPTIONAL = re.compile(r"\s*\|\s*None\b")

@@ -127,9 +127,13 @@ def _retell_workspace_refusal(request: SetupRequest, decided: Any, device: Devic
         retell_workspace_refusal(request, stack, decided, device.total_memory_bytes)
 
 
-def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool],
+def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool | str],
                 num_layers: Any = None) -> dict[str, Any]:
     """The plan report for ``request`` on ``device`` (raises the typed error of a refusal).
+
+    ``installed``: each package's presence (:data:`pipeline.backends.packages.Presence`); the report's
+    ``installed`` says present or not, ``package_versions`` the version resolve checked (null: absent, or assumed by
+    ``--installed``).
 
     The setup table in decide mode (:func:`pipeline.setup.build.decide_setup`): the decisions a run makes
     before allocating — resolve (``strict`` included), build-mode's plan, the CUDA-graph sizes against
@@ -146,7 +150,8 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
     _retell_workspace_refusal(request, decided, device, num_layers)
     decided.raise_refusal()
     res, plan = decided["resolve"], decided["build-mode"].plan
-    return {"ok": True, "device": device_view(device), "installed": dict(installed),
+    return {"ok": True, "device": device_view(device), "installed": {p: bool(v) for p, v in installed.items()},
+            "package_versions": {p: v if isinstance(v, str) else None for p, v in installed.items()},
             "resolved": rp.resolved_obj(res), "plan": rp.plan_obj(plan), "rejected": rejected_obj(res),
             "skips": skips_of(decided),
             "warnings": warnings_obj(warnings_for(res, list(res.skips) + list(plan.skips), device))
@@ -203,14 +208,15 @@ def decision_lines(report: dict[str, Any]) -> list[str]:
     return [graphs, lazy]
 
 
-def installed_note(report: dict[str, Any], installed: Mapping[str, bool], profile: str,
+def installed_note(report: dict[str, Any], installed: Mapping[str, bool | str], profile: str,
                    given: Optional[str]) -> Optional[str]:
     """A human line for a plan of a named device profile whose backends were rejected only because this machine
-    lacks their packages: ``plan`` read the packages from this machine's metadata (no ``--installed``), which is the
-    wrong question when planning for another machine, and the rejection's own remedy (``pip install …``) would be
-    the wrong fix here. Names the packages missing and the ``--installed`` value that assumes every backend's
-    packages. None for ``--device-profile auto`` (this machine: installing is the fix), with ``--installed``
-    given, or when no backend was rejected for a package."""
+    lacks their packages (or has them at versions attn-setup does not support): ``plan`` read the packages from this
+    machine's metadata (no ``--installed``), which is the wrong question when planning for another machine, and the
+    rejection's own remedy (``pip install …``) would be the wrong fix here. Names the packages missing (with the
+    version, for one at an unsupported version) and the ``--installed`` value that assumes every backend's packages.
+    None for ``--device-profile auto`` (this machine: installing is the fix), with ``--installed`` given, or when no
+    backend was rejected for a package."""
     from pipeline.backends import packages
 
     if given is not None or profile.lower() == "auto":
@@ -219,7 +225,8 @@ def installed_note(report: dict[str, Any], installed: Mapping[str, bool], profil
     # stay refused with every package assumed, and the note would be untrue
     rejected = sorted({r["backend"] for side in report["rejected"].values() for r in side
                        if r["reasons"] and all(_only_packages_missing(reason) for reason in r["reasons"])})
-    missing = [p for p, ok in installed.items() if not ok]
+    missing = [p if not v else f"{p} {v}" for p, v in installed.items()
+               if not v or packages.unsupported(p, v) is not None]
     if not rejected or not missing:
         return None
     full = ",".join(dict.fromkeys(packages.import_name(p) for p in packages.names()))
@@ -229,8 +236,10 @@ def installed_note(report: dict[str, Any], installed: Mapping[str, bool], profil
 
 
 def _only_packages_missing(reason: str) -> bool:
-    """Whether a rejection reason (``"; "``-joined parts) says nothing but that packages are not installed."""
-    return all("is not installed" in part for part in reason.split("; "))
+    """Whether a rejection reason (``"; "``-joined parts) says nothing but that packages are not installed, or not
+    at a version attn-setup supports."""
+    return all("is not installed" in part or "a version attn-setup does not support" in part
+               for part in reason.split("; "))
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -256,8 +265,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return plan
 
 
-def installed_from(flag: str | None) -> dict[str, bool]:
-    """Package presence: the ``--installed`` list, or distribution metadata (no import).
+def installed_from(flag: str | None) -> dict[str, bool | str]:
+    """Package presence: the ``--installed`` list (present, at a supported version: assumed), or distribution
+    metadata (no import: the installed version, checked by resolve, or False).
 
     Accepts the distribution names the backends need (:func:`pipeline.backends.packages.names`) and their
     import names, case-insensitively (:func:`pipeline.backends.packages.canonical`).
@@ -281,8 +291,13 @@ def installed_from(flag: str | None) -> dict[str, bool]:
     return {p: p in canon for p in dists}
 
 
+def _installed_text(installed: Mapping[str, bool | str]) -> str:
+    """``torch 2.13.0+cpu, triton 3.9.0`` (a package assumed by ``--installed``: its name alone), or ``none``."""
+    return ", ".join(p if v is True else f"{p} {v}" for p, v in installed.items() if v) or "none"
+
+
 def installed_hint(err: AttnSetupError, request: SetupRequest, device: DeviceFacts,
-                   installed: Mapping[str, bool]) -> None:
+                   installed: Mapping[str, bool | str]) -> None:
     """When an explicit ``--installed`` set is why ``plan`` fails, point the remedy at the full set.
 
     ``--installed`` replaces the assumed set (it does not add to what is installed here), so
@@ -338,7 +353,7 @@ def _print_refusal(ns: argparse.Namespace, err: AttnSetupError, warnings: list[s
     print_error(err, ns.json, "plan")
 
 
-def _decide(ns: argparse.Namespace) -> tuple[dict[str, Any], DeviceFacts, dict[str, bool]]:
+def _decide(ns: argparse.Namespace) -> tuple[dict[str, Any], DeviceFacts, dict[str, bool | str]]:
     """The plan report for ``ns`` (the JIT variants that would compile included), the device profile and the packages
     assumed. Raises the typed error of a refusal (``--require-warm-cache`` with a cold variant among them)."""
     from types import SimpleNamespace
@@ -394,7 +409,7 @@ def cmd(ns: argparse.Namespace) -> int:
 
     print_stderr_lines(warnings)
     print_line(console(), f"device: {device.name or device.type} ({device.arch or device.type}) from "
-                          f"{device.source}; installed: {', '.join(p for p, ok in installed.items() if ok) or 'none'}")
+                          f"{device.source}; installed: {_installed_text(installed)}")
     rp.render_tables(report, report["rejected"], verdict=False)
     for line in decision_lines(report):
         print_line(console(), line)

@@ -38,11 +38,13 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
 
 class RunStarted(Event, tag="run_started", kw_only=True):
-    """The inputs (redacted request, model, packages) and versions, so the run can be replayed."""
+    """The inputs (redacted request, model, packages) and versions, so the run can be replayed. ``packages``: each
+    distribution's presence as resolve saw it — False, True, or the installed version resolve checked against the
+    supported range (traces recorded before that hold booleans, replayed as before)."""
 
     request: dict[str, Any]
     versions: dict[str, str | None] = {}
-    packages: dict[str, bool] = {}
+    packages: dict[str, bool | str] = {}
     platform: str = ""
 
 

@@ -16,6 +16,7 @@ from pipeline.backends.flashinfer import rules
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
 from pipeline.backends.flashinfer.jit import ensure_compiled, mla_backend, Variant, variants_for
 from pipeline.backends.memory import is_fp8, layer_kv_scales
+from pipeline.backends.packages import install_hint
 from pipeline.core.contracts import ForwardMode, LayerKind
 from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError
 
@@ -224,7 +225,7 @@ def import_flashinfer(name: str = "flashinfer") -> Any:
         raise BackendUnavailable(
             f"backend {name!r} needs the {PACKAGE} package, which is not installed ({e})",
             flags=[("attention_backend", name)], allowed=["torch_native", "triton"],
-            remedy="pip install 'flashinfer-python>=0.6.13,<0.7' (attn-setup's cuda extra), or choose another backend",
+            remedy=f"{install_hint(PACKAGE)} (attn-setup's cuda extra), or choose another backend",
         ) from e
     return flashinfer
 
@@ -245,9 +246,11 @@ class MLAWrappers:
         self.wrapper = backend.mla_wrapper(self.mla_backend)
         self.active: Any = self.wrapper
         self.mode = "mla"
+        self.csr = fi.mla.MLAPlanMetadata.csr
         self.plan_kw = dict(num_heads=kind.num_heads, head_dim_ckv=kind.head_dim_v,
                             head_dim_kpe=kind.head_dim_qk - kind.head_dim_v, page_size=backend.page_size,
-                            sm_scale=kind.scaling, q_data_type=backend.q_dtype, kv_data_type=backend.kv_dtype)
+                            sm_scale=kind.scaling, q_data_type=backend.q_dtype, kv_data_type=backend.kv_dtype,
+                            query_layout="split", kv_cache_layout="split")
 
     def decode_wrapper(self, batch_size: int, kv_dtype: str) -> tuple[Any, str]:
         """(wrapper, ``"mla"``): the one MLA wrapper serves decode at every batch size."""
@@ -255,8 +258,14 @@ class MLAWrappers:
 
     def plan(self, wrapper: Any, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
              kv_lens: torch.Tensor, causal: bool) -> None:
-        """``plan()`` an MLA wrapper: indptrs and kv lengths [B] int32 on the host, page ids on the device."""
-        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, causal=causal, **self.plan_kw)
+        """``plan()`` an MLA wrapper: indptrs and kv lengths [B] int32 on the host, page ids on the device.
+
+        FlashInfer 0.7.2's canonical form (keywords only, ``metadata=MLAPlanMetadata.csr(...)``): the flat and
+        positional forms are deprecated there. The layouts are declared ``"split"`` — ``run()`` gets q as
+        (latent, rope) views and the cache as (``c_kv``, ``k_rope``) views of the one latent buffer, the tensors
+        0.6.13's ``run(q_nope, q_pe, ckv, kpe)`` took — where the canonical form would default to ``"packed"``.
+        """
+        wrapper.plan(metadata=self.csr(qo_indptr, kv_indptr, kv_indices, kv_lens), causal=causal, **self.plan_kw)
         self.active, self.mode = wrapper, "mla"
 
 
@@ -406,8 +415,9 @@ class FlashInferBackend(AttentionBackend):
 
         Built as :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` builds it (the prefill wrapper with the
         ``AttentionSink`` variant's ``jit_args``), but under a module name that includes the head dims and the KV
-        dtype (:func:`pipeline.backends.flashinfer.jit.sink_uri`): FlashInfer 0.6.13's own name omits them, so two sink kinds of
-        different head dims in one process or JIT cache share one kernel and all but the first compute garbage.
+        dtype (:func:`pipeline.backends.flashinfer.jit.sink_uri`): FlashInfer's own name (0.6.13, and 0.7.2) omits
+        them, so two sink kinds of different head dims in one process or JIT cache would share one kernel and all but
+        the first compute garbage.
         """
         from pipeline.backends.flashinfer.jit import Variant, sink_jit_args, torch_dtype_name
 
@@ -587,9 +597,12 @@ class FlashInferBackend(AttentionBackend):
     @staticmethod
     def _run_mla(kw: MLAWrappers, q3: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], h: int,
                  dv: int) -> torch.Tensor:
-        """One MLA layer: q [T, H, D] split into its latent (Dv) and rope parts (views) → out [T, H, Dv]."""
+        """One MLA layer: q [T, H, D] split into its latent (Dv) and rope parts (views) → out [T, H, Dv].
+
+        FlashInfer 0.7.2's structural form (``query=``/``kv_cache=`` split pairs, as planned), not the deprecated
+        separate ``q_nope, q_pe, ckv_cache, kpe_cache`` arguments."""
         out = torch.empty((q3.shape[0], h, dv), dtype=q3.dtype, device=q3.device)
-        kw.active.run(q3[..., :dv], q3[..., dv:], kv[0], kv[1], out=out)
+        kw.active.run(query=(q3[..., :dv], q3[..., dv:]), kv_cache=kv, out=out)
         return out
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):

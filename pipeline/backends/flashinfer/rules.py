@@ -34,9 +34,11 @@ MLA_OUT_BYTES = 2  # FlashInfer's MLAPlan sizes partial outputs for a 16-bit out
 TENSOR_CORE_MIN_GROUP = 4
 TENSOR_CORE_MIN_BATCH = 8
 TENSOR_CORE_ALWAYS_GROUP = 8
-# GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (``DISPATCH_GQA_GROUP_SIZE`` in
-# include/flashinfer/utils.cuh, 0.6.13: 1, 2, 3, 4, 8); any other group ("Unsupported group_size: 7" for
-# Qwen2.5-7B's 28 q / 4 kv heads) must decode on the tensor-core (prefill) kernel, which takes any group.
+# GQA group sizes we decode on FlashInfer's CUDA-core kernel. It is compiled for 1, 2, 3, 4, 8 (0.6.13) and also 6
+# and 16 (0.7.2: ``DISPATCH_GQA_GROUP_SIZE`` in include/flashinfer/utils.cuh); any other group ("Unsupported
+# group_size: 7" for Qwen2.5-7B's 28 q / 4 kv heads) must decode on the tensor-core (prefill) kernel, which takes
+# any group. 16 would take tensor cores anyway (>= TENSOR_CORE_ALWAYS_GROUP); 6 stays on tensor cores until the
+# CUDA-core kernel is measured and verified for it.
 CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 
 
@@ -126,11 +128,17 @@ def cuda_core_decode_bytes(shape: HeadShape, num_sms: int) -> int:
     return _tmp_bytes(shape.num_qo_heads, rows, shape.head_dim_vo)
 
 
+def _partial_rows(tiles: int, tile: int, group: int) -> int:
+    """Query rows of FA2's partial outputs for ``tiles`` work tiles of ``tile`` packed rows (0.7.2:
+    ``max_partial_rows = ceil(padded_batch_size * cta_tile_q / gqa_group_size)``)."""
+    return -(-tiles * tile // max(group, 1))
+
+
 def fa2_eager_bytes(shape: HeadShape, num_sms: int) -> int:
     """Upper bound of FA2 prefill / tensor-core decode scratch for an eager plan (any batch)."""
     tiles = PREFILL_CTAS_PER_SM * num_sms // shape.num_kv_heads
     tile = 128 if shape.head_dim_vo < 256 else 64
-    return _tmp_bytes(shape.num_qo_heads, tiles * tile, shape.head_dim_vo)
+    return _tmp_bytes(shape.num_qo_heads, _partial_rows(tiles, tile, shape.group), shape.head_dim_vo)
 
 
 def fa2_graph_decode_bytes(shape: HeadShape, num_sms: int, batch_size: int) -> int:
@@ -138,7 +146,8 @@ def fa2_graph_decode_bytes(shape: HeadShape, num_sms: int, batch_size: int) -> i
     tile = cta_tile_q(shape.group, shape.head_dim_vo)
     split_tiles = PREFILL_CTAS_PER_SM * num_sms // shape.num_kv_heads
     q_tiles = -(-batch_size * shape.group // tile) + batch_size - 1
-    return _tmp_bytes(shape.num_qo_heads, max(split_tiles, q_tiles) * tile, shape.head_dim_vo)
+    return _tmp_bytes(shape.num_qo_heads, _partial_rows(max(split_tiles, q_tiles), tile, shape.group),
+                      shape.head_dim_vo)
 
 
 def mla_bytes(shape: HeadShape, num_sms: int) -> int:
@@ -365,9 +374,10 @@ def _variants(prefill: str) -> Any:
     return variants
 
 
-# Every FlashInfer wrapper allocates its own int workspace on the device in ``__init__`` (8 MiB:
-# ``_int_workspace_buffer`` of BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper and
-# BatchMLAPagedAttentionWrapper, FlashInfer 0.6.13); prefill-class wrappers also a ``_kv_lens_buffer`` of 32768 int32.
+# Every FlashInfer wrapper allocates its own int workspace on the device (8 MiB: ``_int_workspace_buffer`` of
+# BatchDecodeWithPagedKVCacheWrapper and BatchPrefillWithPagedKVCacheWrapper in ``__init__``; FlashInfer 0.7.2's
+# BatchMLAPagedAttentionWrapper in its fa2/fa3 backend object at the first ``plan()``, which a CUDA-graph wrapper's
+# later plans reuse — before capture either way); prefill-class wrappers also a ``_kv_lens_buffer`` of 32768 int32.
 FI_INT_WORKSPACE_BYTES = 8 * MiB
 FI_KV_LENS_BYTES = 32768 * 4
 
