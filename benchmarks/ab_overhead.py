@@ -19,7 +19,7 @@ Several new trees (``--new B C``) are measured in the same loop, each round in a
 measure and tree: median, 10th and 90th percentile (ms) of A and of the tree, the ratio of medians, and the median
 of paired ratios (per round of batches, per round of fresh processes) with their 10th–90th percentile spread, which
 is what cancels the machine's load. The old tree needs its own ``benchmarks/pipeline_overhead.py`` with
-``piped``/``direct`` (any commit since issue 2).
+``piped``/``direct``.
 
     git worktree add --detach /tmp/old a91a56e
     python benchmarks/ab_overhead.py --old /tmp/old [--new TREE …] [--rounds 40 --batch 25 --plan-runs 40]

@@ -162,7 +162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = ns.device or ("cpu" if facts.type == "cpu" else "cuda")
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-    from pipeline.setup.build import installed_by_import
+    from pipeline.backends.packages import installed_by_import
 
     installed = installed_by_import()
     if ns.installed is not None:

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.cli.request import default_model_path  # noqa: E402
+from pipeline.cli.flags import default_model_path  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, ForwardMode, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.backends.memory import PageAllocator, make_forward_batch  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402

@@ -1,4 +1,4 @@
-"""Our Triton decode vs FlashInfer on the B=256 shapes, alternated, with the card's clocks and power (issue 19).
+"""Our Triton decode vs FlashInfer on the B=256 shapes, alternated, with the card's clocks and power.
 
 The three-run table of ``triton_kernels.py`` runs minutes of full-bandwidth load; at B=256 ctx 32768 our unsplit
 decode lost 2-4 % per run against FlashInfer there while FlashInfer's time did not move. This probe separates the

@@ -1,4 +1,4 @@
-"""Where the first CUDA-graph capture of a process puts its device memory (issue 18 §3's unmodelled one-time cost).
+"""Where the first CUDA-graph capture of a process puts its device memory (the one-time cost the estimate does not model).
 
 A fresh process does, one step at a time, what the decode-graph capture step does, and prints for each step the
 drop in the device's free memory (``torch.cuda.mem_get_info``, MiB), the change in what PyTorch's caching

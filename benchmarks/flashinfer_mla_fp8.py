@@ -1,4 +1,4 @@
-"""Benchmark (issue 16): our flashinfer backend's MLA decode step vs raw FlashInfer, and fp8 KV vs bf16 — one process.
+"""Benchmark: our flashinfer backend's MLA decode step vs raw FlashInfer, and fp8 KV vs bf16 — one process.
 
 Sections (each a printed table; all rows go to ``--out`` as JSON):
 
@@ -16,8 +16,8 @@ Sections (each a printed table; all rows go to ``--out`` as JSON):
 2. ``fp8_decode``: decode at B=64, ctx 4096, D 128, page 16, heads 32/8 (the target shape), 32/32 and 64/8: our
    flashinfer backend's graph-replayed step (``--layers`` layers) with a bf16 cache (its own decode path) and with
    fp8 e4m3 / e5m2 caches (k_scale 0.5, v_scale 2.0) on the CUDA-core and on the tensor-core path (each forced
-   through ``flashinfer_sizing.FP8_DECODE_PATH``). ``fp8/bf16`` <= 0.60 is the target (half the bytes);
-   ``GB/s`` counts K+V bytes per layer. The row marked ``rule`` is the path :data:`FP8_DECODE_PATH` picks today:
+   through ``pipeline.backends.flashinfer.rules.FP8_DECODE_PATH``). ``fp8/bf16`` <= 0.60 is the target (half the
+   bytes); ``GB/s`` counts K+V bytes per layer. The row marked ``rule`` is the path :data:`FP8_DECODE_PATH` picks today:
    update the table from these rows.
 3. ``fp8_extend`` (report, no target): 32/8 heads, D 128, page 16, eager ``init_forward_metadata`` + ``--layers``
    ``forward_extend``: B=8 x 512 new tokens on a 3584-token prefix and B=1 x 4096 new tokens without a prefix
@@ -139,13 +139,16 @@ def mla_rows(layers: int, ceiling: float, shapes) -> list[dict]:
             ws, use_cuda_graph=True, qo_indptr=torch.empty(b + 1, **i32), kv_indptr=torch.empty(b + 1, **i32),
             kv_indices=torch.empty(indices.numel(), **i32), kv_len_arr=torch.empty(b, **i32),
             backend=mla_backend(arch))
-        plan_args = (qo, indptr, indices, seq_cpu, 128, 512, 64, page, False, V3_SCALE, torch.bfloat16, torch.bfloat16)
-        raw.plan(*plan_args)
+        plan_kw = dict(metadata=flashinfer.mla.MLAPlanMetadata.csr(qo, indptr, indices, seq_cpu), num_heads=128,
+                       head_dim_ckv=512, head_dim_kpe=64, page_size=page, causal=False, sm_scale=V3_SCALE,
+                       q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, query_layout="split",
+                       kv_cache_layout="split")  # FlashInfer 0.7.2's canonical form, as the backend plans
+        raw.plan(**plan_kw)
         o_raw = torch.empty(b, 128, 512, dtype=torch.bfloat16, device="cuda")
 
         def raw_body(n=layers):
             for _ in range(n):
-                raw.run(q[..., :512], q[..., 512:], ckv, kpe, out=o_raw)
+                raw.run(query=(q[..., :512], q[..., 512:]), kv_cache=(ckv, kpe), out=o_raw)
         g_raw = _capture(raw_body)
         g_kernel = _capture(lambda: raw_body(1))
 
@@ -155,7 +158,7 @@ def mla_rows(layers: int, ceiling: float, shapes) -> list[dict]:
             g_ours.replay()
 
         def raw_step():
-            raw.plan(*plan_args)
+            raw.plan(**plan_kw)
             g_raw.replay()
 
         ours_step()

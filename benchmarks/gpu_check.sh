@@ -1,8 +1,11 @@
 #!/bin/bash
 # The one GPU check: named parts, each one device call inside the 10-minute limit (see benchmarks/README.md).
-# On the GPU machine, from the repository root, with .whl carried:
+# On the GPU machine, from the repository root, with .whl carried (FlashInfer 0.7.2 as .whl/flashinfer-0.7.2.tar.xz,
+# which .whl/prelude.sh unpacks into /tmp/site with its dist-info):
 #   source .whl/prelude.sh; bash benchmarks/gpu_check.sh PART "$OUT"
 # PART:
+#   probe      the short FlashInfer compatibility probe to run first on a new FlashInfer: tests/gpu/test_flashinfer_api.py
+#              (installed version, JIT module names, every wrapper kind warns nothing: GQA, sinks, MLA) -> probe.log
 #   tests      every GPU-marked test except the Triton kernel files (tests/gpu/, the capability records' GPU claims,
 #              kv_indices on CUDA)                                              -> $OUT/tests.log
 #   kernels    the Triton kernel GPU tests (tests/gpu/test_triton_gpu.py, test_triton_mla_gpu.py)  -> kernels.log
@@ -21,21 +24,27 @@
 #              triton, eager and CUDA-graph replay)                                    -> spec.log
 #   spec-bench `run` with the EAGLE flags (flashinfer and triton target workers, a draft worker) and
 #              benchmarks/speculative_trees.py (the backends x shapes x graph table)   -> spec_trees.log/.json
-#   save-aot   pack the compiled FlashInfer JIT modules into $OUT/fi-aot.txz.part-* (carry them back into .whl/)
-# Every part first restores the carried FlashInfer AOT modules (.whl/fi-aot.tgz.part-* or .whl/fi-aot.txz.part-*)
-# so nothing is JIT-compiled that was compiled before; every step has a hard timeout. $OUT/summary.txt collects the
-# lines that say pass/fail and the tables.
-PART=${1:?usage: gpu_check.sh tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot OUTDIR}
+#   save-aot   pack the FlashInfer JIT modules compiled here into $OUT/fi-aot-<version>.txz.part-* (carry them back
+#              into .whl/)
+# Every part first restores the carried FlashInfer AOT modules of the installed FlashInfer version
+# (.whl/fi-aot-<version>.t{gz,xz}.part-*), so nothing is JIT-compiled that was compiled before. Modules of another
+# version are never restored: FlashInfer loads <package>/data/aot/<module>/<module>.so by name, and many names (decode,
+# fa3 prefill) did not change from 0.6.13 to 0.7.2 while the code did. The unversioned .whl/fi-aot.t{gz,xz}.part-* of
+# earlier sessions hold 0.6.13 modules. Every step has a hard timeout. $OUT/summary.txt collects the lines that say
+# pass/fail and the tables.
+PART=${1:?usage: gpu_check.sh probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot OUTDIR}
 OUT=${2:?usage: gpu_check.sh PART OUTDIR}
-case $PART in tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot) ;;
-  *) echo "unknown part '$PART' (tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot)" >&2; exit 2 ;; esac
+case $PART in probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot) ;;
+  *) echo "unknown part '$PART' (probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot)" >&2; exit 2 ;; esac
 mkdir -p "$OUT"; S=$OUT/summary.txt; T0=$(date +%s)
 el(){ echo "$(( $(date +%s) - T0 )) s"; }
 note(){ echo "$*" | tee -a "$S"; }
+FIV=$(python3 -c "import importlib.metadata as m; print(m.version('flashinfer-python'))" 2>/dev/null || echo none)
 AOT=/tmp/site/flashinfer/data/aot; mkdir -p $AOT
-if ls .whl/fi-aot.tgz.part-* >/dev/null 2>&1; then cat .whl/fi-aot.tgz.part-* | tar -xz -C $AOT; fi
-if ls .whl/fi-aot.txz.part-* >/dev/null 2>&1; then cat .whl/fi-aot.txz.part-* | xz -d -T0 | tar -x -C $AOT; fi
-note "part $PART; flashinfer AOT modules restored: $(ls $AOT | wc -l)"
+if ls .whl/fi-aot-"$FIV".tgz.part-* >/dev/null 2>&1; then cat .whl/fi-aot-"$FIV".tgz.part-* | tar -xz -C $AOT; fi
+if ls .whl/fi-aot-"$FIV".txz.part-* >/dev/null 2>&1; then cat .whl/fi-aot-"$FIV".txz.part-* | xz -d -T0 | tar -x -C $AOT; fi
+if ls .whl/fi-aot.t?z.part-* >/dev/null 2>&1; then note "not restored: .whl/fi-aot.t?z.part-* (unversioned: 0.6.13 modules)"; fi
+note "part $PART; flashinfer $FIV; AOT modules restored: $(ls $AOT | wc -l)"
 
 pytest_part(){ name=$1; shift
   timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=10 "$@" > "$OUT/$name.log" 2>&1
@@ -52,6 +61,9 @@ run(){ name=$1; shift; mkdir -p "$OUT/traces"
 
 C=examples/configs
 case $PART in
+  probe)
+    pytest_part probe tests/gpu/test_flashinfer_api.py -k "not fa3 and (supported_one or own or gqa or sinks or mla or \
+workspace)" ;;
   tests)
     pytest_part tests tests/gpu tests/test_capabilities.py tests/test_kv_indices.py \
       --ignore=tests/gpu/test_triton_gpu.py --ignore=tests/gpu/test_triton_mla_gpu.py \
@@ -128,11 +140,13 @@ case $PART in
     timeout 360 python3 benchmarks/speculative_trees.py --out "$OUT/spec_trees.json" > "$OUT/spec_trees.log" 2>&1
     note "speculative_trees rc=$? at $(el)"; tail -n 26 "$OUT/spec_trees.log" >> "$S" ;;
   save-aot)
+    # this FlashInfer version's modules only: the JIT cache keeps one directory per version
     st=/tmp/aotstage; rm -rf $st; mkdir -p $st; cp -r $AOT/. $st/ 2>/dev/null
-    for so in $(find "${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}/.cache" -path '*cached_ops*' -name '*.so' 2>/dev/null); do
+    for so in $(find "${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}/.cache/flashinfer/$FIV" -path '*cached_ops*' -name '*.so' \
+                2>/dev/null); do
       n=$(basename "$(dirname "$so")"); mkdir -p $st/$n; cp "$so" $st/$n/; done
-    tar -c -C $st . | xz -9 -T0 > /tmp/fi-aot.txz && split -b 15M /tmp/fi-aot.txz "$OUT/fi-aot.txz.part-"
-    note "aot saved: $(ls $st | wc -l) modules" ;;
+    tar -c -C $st . | xz -9 -T0 > /tmp/fi-aot.txz && split -b 15M /tmp/fi-aot.txz "$OUT/fi-aot-$FIV.txz.part-"
+    note "aot saved: $(ls $st | wc -l) modules of flashinfer $FIV" ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$S" 2>&1
 note "total $(el)"

@@ -60,7 +60,7 @@ def start(argv: list[str], log_file: str, device: str = "cuda") -> tuple[Any, An
     """``attn-setup run --device DEVICE``'s runner for ``argv`` (run's flags), preflighted and initialised as the
     command does; returns (runner, None), or (None, the ConfigError) for a start refused before allocating."""
     from pipeline.cli.flags import build_parser
-    from pipeline.cli.request import request_from
+    from pipeline.cli.flags import request_from
     from pipeline.cli.run import runner_config
     from pipeline.core.errors import ConfigError
     from pipeline.runtime.runner import Runner

@@ -11,7 +11,7 @@ is the child's ``ru_maxrss`` (``os.wait4``), so it includes the interpreter and 
     python benchmarks/inspect_large_log.py                   # 64 MB, 256 MB, 1024 MB
     python benchmarks/inspect_large_log.py --sizes-mb 100 --keep /tmp/logs
 
-Targets (issue 14): peak RSS <= 300 MB and >= 20 MB/s for a 1 GB log.
+Targets: peak RSS <= 300 MB and >= 20 MB/s for a 1 GB log.
 """
 
 from __future__ import annotations

@@ -96,11 +96,12 @@ def flashinfer_decode(cache: Cache, pg: torch.Tensor, ctx: int, q: torch.Tensor,
     w = flashinfer.mla.BatchMLAPagedAttentionWrapper(
         ws, use_cuda_graph=True, qo_indptr=torch.empty_like(qo), kv_indptr=torch.empty_like(kv_indptr),
         kv_indices=torch.empty_like(kv_indices), kv_len_arr=torch.empty_like(kv_lens), backend="auto")
-    w.plan(qo, kv_indptr, kv_indices, kv_lens, H, DV, DR, cache.page, False, SCALE, torch.bfloat16, torch.bfloat16)
+    w.plan(metadata=flashinfer.mla.MLAPlanMetadata.csr(qo, kv_indptr, kv_indices, kv_lens), num_heads=H,
+           head_dim_ckv=DV, head_dim_kpe=DR, page_size=cache.page, causal=False, sm_scale=SCALE,
+           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, query_layout="packed", kv_cache_layout="packed")
     paged = cache.kv.view(-1, cache.page, D)
-    ckv, kpe = paged[..., :DV], paged[..., DV:]
     out = torch.empty(b, H, DV, dtype=torch.bfloat16, device=dev)
-    return (lambda: w.run(q[..., :DV], q[..., DV:], ckv, kpe, out=out)), out, str(getattr(w, "_backend", "?"))
+    return (lambda: w.run(query=q, kv_cache=paged, out=out)), out, str(getattr(w, "_backend", "?"))
 
 
 def ours_decode(cache: Cache, r2t: torch.Tensor, q: torch.Tensor,

@@ -7,11 +7,11 @@ prints the table and the issue-19 / issue-16 targets):
 - ``copy``: device copy bandwidth (read + write bytes over time), the memory ceiling;
 - ``decode``: B in {1, 8, 64, 256} x ctx in {512, 4096, 32768}, 32 q / 8 kv heads, D 128: FlashInfer
   ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)`` vs ours; GB/s counts the K/V bytes read;
-  ratio = FlashInfer time / ours (> 1: ours faster). Target (issue 19): ratio >= 0.97 everywhere, and >= 93 %
+  ratio = FlashInfer time / ours (> 1: ours faster). Target: ratio >= 0.97 everywhere, and >= 93 %
   of the copy ceiling wherever FlashInfer is above it;
 - ``fp8``: B=64 ctx 4096, K/V stored as fp8 e4m3 / e5m2 with k_scale 0.5, v_scale 0.25 (q bf16): ours vs
   FlashInfer's fp8 decode, tensor-core and CUDA-core wrappers (``run(k_scale=, v_scale=)``); ratio against the
-  faster FlashInfer path (target >= 0.90, issue 16 §4) and time against our bf16 decode of the same shape
+  faster FlashInfer path (target >= 0.90) and time against our bf16 decode of the same shape
   (half the bytes: ideally ~0.5);
 - ``window``: decode at ctx 32768 with a 4096-token sliding window, B in {1, 8, 64, 256}: ours, FlashInfer
   with ``window_left=4095`` over the whole page table, and FlashInfer given only the window's pages (what

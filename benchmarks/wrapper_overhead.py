@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.setup.build import build_attention_backends  # noqa: E402
-from pipeline.cli.request import default_model_path  # noqa: E402
+from pipeline.cli.flags import default_model_path  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, ForwardMode, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch, torch_dtype  # noqa: E402
-from pipeline.runtime.model import truncate_spec  # noqa: E402
+from pipeline.core.spec import truncate_spec  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
 
 L, PAGE = 32, 16

@@ -20,7 +20,8 @@ from typing import Any, Mapping, Optional
 from pipeline.core.contracts import DeviceFacts, SetupRequest
 from pipeline.platforms.fake import FakePlatform
 from pipeline.observe.replay import ReplayResult, replay
-from pipeline.observe.trace import Trace, read_trace
+from pipeline.observe.trace import read_trace
+from pipeline.observe.runs import Trace
 
 __all__ = ["FakePlatform", "assert_replays", "record_trace", "cuda_facts", "cpu_facts", "truncate_trace",
            "read_trace", "replay"]

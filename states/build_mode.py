@@ -1,19 +1,6 @@
 """build-mode: which instances to build, on which workspace, and the decode CUDA graphs they are captured for.
 
-Modes, checked in sglang's order: PD-mux (``enable_pdmux``) → one prefill backend on a *private*
-workspace plus ``sm_group_num`` decode backends on the one *shared* workspace
-(``decode_attn_backend`` = the group's first); TBO (``enable_two_batch_overlap`` and not a draft
-worker) → a wrapper with one primary and two children built by the same factory (3 instances,
-all on the shared workspace); else one backend. A draft worker's TBO is skipped and recorded.
-When prefill ≠ decode every instance is a hybrid of a prefill and a decode backend (sglang calls
-it experimental), and both halves are instances of the plan (roles ``….prefill``/``….decode``).
-
-Decode CUDA graphs, decided once: :func:`decide_graphs` says whether they are captured (disabled, not a CUDA
-device, a decode backend whose registry entry cannot be captured), :func:`capture_batch_sizes` for which sizes
-(sglang's ``get_batch_sizes_to_capture``) and :func:`graph_top` the largest (sglang's memory-derived
-``cuda_graph_max_bs`` default, capped by ``max_reqs``). The size series is a :class:`BatchSeries`, never listed, so
-an absurd top costs nothing. The capture itself is :class:`pipeline.runtime.cuda_graphs.DecodeGraphRunner`.
-Pure decisions, no torch.
+Details: docs/internals.md, ``states.build_mode``.
 """
 
 from __future__ import annotations
@@ -24,7 +11,6 @@ from pipeline.backends import registry
 from pipeline.core.contracts import (AttentionArgs, BuildPlan, DeviceFacts, InstancePlan, Mode,
     ResolvedAttentionBackendStr, Skip, WorkspacePlan)
 from pipeline.core.errors import ConfigError
-
 
 
 HEAD = (1, 2, 4, 8)  # then 16, 24, 32, … step 8 (sglang's get_batch_sizes_to_capture)
@@ -77,7 +63,6 @@ class BatchSeries(Sequence[int]):
 def series_sum(sizes: Sequence[int]) -> int:
     """``sum(sizes)``: in closed form for a :class:`BatchSeries`, else summed."""
     return sizes.total() if isinstance(sizes, BatchSeries) else sum(sizes)
-
 
 
 def check_graph_bs(args: AttentionArgs, max_reqs: int, *, state: str = "build-mode") -> None:
@@ -332,7 +317,6 @@ def graph_sizes(args: AttentionArgs, max_reqs: int, captured: bool, *, device: O
     count = count_batch_sizes(args, max_reqs, **kw)
     sizes = capture_batch_sizes(args, max_reqs, **kw) if count <= LISTED_SIZES else None
     return count, graph_max_bs(args, max_reqs, True, **kw), sizes
-
 
 
 def decide_mode(args: AttentionArgs, is_draft_worker: bool) -> tuple[Mode, list[Skip]]:

@@ -1,25 +1,13 @@
 """Checks of one backend's capability record against the device, the model and the flags.
 
-:func:`reasons_with_flags` returns every reason a backend cannot serve a request (empty = it
-can), each with the request flags it is about, in the spirit of vLLM's
-``validate_configuration`` (a list of reasons per candidate, never just the first).
-:func:`reasons` is the same as plain strings (what :class:`~pipeline.core.contracts.Rejection` holds).
-Pure decisions: no torch, no import of any backend module.
-
-Checks, in order: device type, arch (compute capability), packages, the model's layer kinds
-(MHA/MLA, encoder-decoder, qk/v head dims, sliding window, logit softcap, attention sinks, chunked
-local attention — each reason names the head dim or feature *and* the layer kind with its layers; MLA
-kinds against ``mla_head_dims`` when the record has them;
-a hybrid model's linear-attention / mamba layers are no attention kind and need nothing), q dtype, KV-cache
-dtype (an fp8 one only with the record's ``fp8_kv_features``; ``kv_dtype_matches_q`` exempts fp8), page size,
-speculative decoding (EAGLE trees: the tree features, trees with pages > 1), TBO, PD-mux.
+Details: docs/internals.md, ``states.capability_check``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple, Optional
 
-from pipeline.backends.packages import install_hint
+from pipeline.backends import packages
 from pipeline.backends.capability import MODEL_FEATURES, Capability
 
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec, SpeculativeParams
@@ -28,6 +16,7 @@ from pipeline.core.dtypes import kv_dtype, model_dtype
 from pipeline.core.model_spec import format_layer_ids
 
 PACKAGE_REASON_PREFIX = "package "
+UNSUPPORTED_FLAG = "unsupported_package"
 
 
 class Reason(NamedTuple):
@@ -42,8 +31,15 @@ class Reason(NamedTuple):
 
     @property
     def is_package(self) -> bool:
-        """True for a "package X is not installed" reason (installing it would remove the reason)."""
+        """True for a "package X is not installed" or "package X is at an unsupported version" reason (installing a
+        supported version would remove the reason)."""
         return self.text.startswith(PACKAGE_REASON_PREFIX)
+
+    @property
+    def is_version(self) -> bool:
+        """True for a "package X is at a version attn-setup does not support" reason
+        (``package_version_unsupported``)."""
+        return bool(self.flags) and self.flags[0][0] == UNSUPPORTED_FLAG
 
 
 def _list(values: Any) -> str:
@@ -124,10 +120,22 @@ def _device_reasons(cap: Capability, device: DeviceFacts, installed: Mapping[str
         out.append(Reason(f"arch {device.arch} is not supported (supports {_list(cap.archs)})",
                           (("device.arch", device.arch),)))
     for pkg in cap.packages:
-        if not installed.get(pkg, False):
-            out.append(Reason(f"{PACKAGE_REASON_PREFIX}{pkg!r} is not installed ({install_hint(pkg)})",
+        have = installed.get(pkg, False)
+        if not have:
+            out.append(Reason(f"{PACKAGE_REASON_PREFIX}{pkg!r} is not installed ({packages.install_hint(pkg)})",
                               (("missing_package", pkg),)))
+        elif (version := packages.unsupported(pkg, have)) is not None:
+            out.append(version_reason(pkg, version))
     return out
+
+
+def version_reason(pkg: str, version: str) -> Reason:
+    """The reason a backend needing ``pkg`` cannot serve when ``version`` of it is installed, outside the range
+    attn-setup supports: names both versions and the pip command that installs a supported one."""
+    want = packages.requirement(pkg)
+    return Reason(f"{PACKAGE_REASON_PREFIX}{pkg!r} is {version}, a version attn-setup does not support (it supports "
+                  f"{want}: {packages.install_hint(pkg)})",
+                  ((UNSUPPORTED_FLAG, pkg), ("installed_version", f"{pkg} {version}"), ("supported_versions", want)))
 
 
 def _kv_auto(args: AttentionArgs) -> tuple[tuple[str, Any], ...]:
@@ -208,7 +216,9 @@ def reasons_with_flags(cap: Capability, *, args: AttentionArgs, model: ModelSpec
     ----------
     cap : the backend's capability record.
     args, model, device : the request's attention flags, the served model, the device facts.
-    installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → present.
+    installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → presence
+        (:data:`pipeline.backends.packages.Presence`: False, True, or the installed version, checked against the
+        supported range).
     is_draft_worker : a speculative-decoding draft worker (implies speculative support is needed;
         TBO is not required there because build-mode downgrades it, as sglang does).
     spec : the settled speculative shape (:func:`pipeline.core.speculative.decide_speculative`, from the *target*

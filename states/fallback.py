@@ -1,17 +1,6 @@
 """Warnings and strict mode: the reference fallback, downgrades, and their refusal under ``strict``.
 
-A start on an accelerator should not land on the slow reference backend
-(:func:`pipeline.backends.registry.reference_name`) or lose a feature without saying so. :func:`reference_fallback` finds the halves auto-selection put on it
-(any device but a CPU; an explicit choice is the user's, not a fallback), :func:`graph_skips` the
-CUDA-graph rule's outcome (a downgrade on a CUDA device whose decode backend cannot be captured, not
-applicable elsewhere), and :func:`warnings_for` lists them with build-mode's downgrade (TBO on a
-draft worker) as :class:`~pipeline.core.contracts.SetupWarning` records — what ``plan`` prints and what a
-run logs as ``reference_fallback`` / ``feature_downgraded`` events. With ``args.strict``
-:func:`refuse_strict` turns them into one :class:`StrictRefusal` in resolve, before anything is
-allocated, naming the fields that accept or avoid all of them (``avoid``).
-
-Library wording (:func:`assignments`): field names and ``field='value'``; the CLI shows its flags
-(:mod:`pipeline.cli.wording`). Pure decisions, no torch.
+Details: docs/internals.md, ``states.fallback``.
 """
 
 from __future__ import annotations

@@ -15,11 +15,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import msgspec
 
-from pipeline.backends import registry
-from pipeline.backends.packages import install_hint
+from pipeline.backends import packages, registry
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, ModelSpec
 from pipeline.core.errors import ConfigError
-from pipeline.core.type_checks import nearest_name
+from pipeline.core.validation import nearest_name
 from states.capability_check import Reason, reasons_with_flags
 from states.fallback import StrictRefusal, assignments, one_of
 
@@ -71,33 +70,55 @@ def minimal(fixes: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class Survey:
-    """Every registered backend's reasons for one request: who works, who would if installed."""
+    """Every registered backend's reasons for one request: who works, who would if installed (a package missing, or
+    installed at a version attn-setup does not support)."""
 
     def __init__(self, **ctx) -> None:
         self.why: dict[str, list[Reason]] = {
             n: reasons_with_flags(registry.get(n).capability, **ctx) for n in registry.names()}
         self.working = [n for n, r in self.why.items() if not r]
         self.installable = [n for n, r in self.why.items() if r and all(x.is_package for x in r)]
+        self.unsupported = sorted({x.flags[0][1] for r in self.why.values() for x in r if x.is_version})
+
+    def install_words(self, pk: Sequence[str]) -> str:
+        """``a and b`` for a remedy's "install …": a package installed at an unsupported version is named with the
+        supported ones (``flashinfer-python==0.7.2``)."""
+        return " and ".join(packages.requirement(p) if p in self.unsupported else p for p in pk)
 
     def missing_note(self) -> str:
-        """One sentence naming the backends that would work if their package were installed."""
+        """One sentence naming the backends that would work if their package were installed (at a supported
+        version)."""
         pk = sorted({x.flags[0][1] for n in self.installable for x in self.why[n]})
-        return (f"no installed backend can serve this; only {', '.join(self.installable)} could, and it needs "
-                f"package(s) {', '.join(pk)}, which {'is' if len(pk) == 1 else 'are'} not installed")
+        head = f"no installed backend can serve this; only {', '.join(self.installable)} could"
+        if not any(p in self.unsupported for p in pk):
+            return (f"{head}, and it needs package(s) {', '.join(pk)}, which {'is' if len(pk) == 1 else 'are'} not "
+                    "installed")
+        return f"{head}, and it needs {', '.join(packages.requirement(p) for p in pk)}, not installed here"
 
     def field_fixes(self) -> list[dict[str, Any]]:
         """Each backend's reason fixes together, for the backends whose every reason has one (not tried)."""
         return minimal([{k: v for r in why for k, v in r.fix} for why in self.why.values()
                         if why and all(r.fix for r in why)])
 
+    @staticmethod
+    def versions_only(why: Sequence[Reason]) -> bool:
+        """Whether ``why`` (one backend's reasons) names packages only, one of them at an unsupported version: the
+        backend serves once the supported versions are installed (``package_version_unsupported``)."""
+        return bool(why) and all(r.is_package for r in why) and any(r.is_version for r in why)
+
+    @staticmethod
+    def pip_command(why: Sequence[Reason]) -> str:
+        """The pip commands that install the supported versions of the packages ``why`` names."""
+        return "; ".join(packages.install_hint(p) for p in sorted({r.flags[0][1] for r in why if r.is_package}))
+
     def packages_of(self, name: str) -> list[str]:
-        """The packages whose absence is (part of) why ``name`` cannot serve."""
+        """The packages whose absence (or unsupported version) is (part of) why ``name`` cannot serve."""
         return sorted({x.flags[0][1] for x in self.why.get(name, []) if x.is_package})
 
     def remedy_without_working(self) -> str:
         if self.installable:
             pk = sorted({x.flags[0][1] for n in self.installable for x in self.why[n]})
-            return f"install {' and '.join(pk)} (see the reasons), or change the model/dtype/flags"
+            return f"install {self.install_words(pk)} (see the reasons), or change the model/dtype/flags"
         return "no registered backend can serve this; change the model, dtype or flags named in the reasons"
 
 
@@ -147,7 +168,7 @@ class Remedies:
         survey, parts = self.survey, []
         for name in survey.installable:
             pk = survey.packages_of(name)
-            parts.append(f"install {' and '.join(pk)} and {assignments(self.complete({flag: name}, pk))}")
+            parts.append(f"install {survey.install_words(pk)} and {assignments(self.complete({flag: name}, pk))}")
         return ", or ".join(parts) if parts else self.without_working()
 
     def flag_fixes(self) -> list[dict[str, Any]]:
@@ -175,7 +196,7 @@ class Remedies:
             pk = sorted({p for n in survey.installable for p in survey.packages_of(n)})
             fix = self.complete({}, pk)
             then = f" and {assignments(fix)}" if fix else ""
-            parts.append(f"install {' and '.join(pk)}{then} (see the reasons)")
+            parts.append(f"install {survey.install_words(pk)}{then} (see the reasons)")
         if not parts:
             return survey.remedy_without_working()
         return " or ".join(parts) + ("" if len(parts) > 1 or not survey.installable
@@ -199,6 +220,7 @@ def suggest(name: str, ctx: Remedies) -> tuple[Optional[str], str]:
         return best, note
     pk = ctx.survey.packages_of(best)
     if pk and best in ctx.survey.installable:
-        hints = sorted({install_hint(p) for p in pk})
-        return best, f"{note} It needs {one_of(pk)}, which is not installed ({'; '.join(hints)})"
+        hints = sorted({packages.install_hint(p) for p in pk})
+        what = "not installed at a supported version" if set(pk) & set(ctx.survey.unsupported) else "not installed"
+        return best, f"{note} It needs {one_of(pk)}, which is {what} ({'; '.join(hints)})"
     return best, f"{note} It cannot serve this request here: {'; '.join(r.text for r in why)}"

@@ -1,27 +1,6 @@
 """resolve: the backend pair, the rule that chose each half, and every candidate refused.
 
-Precedence per half (recorded as the rule): ``draft_override`` (draft worker with
-``speculative_draft_attention_backend`` set: it serves both halves, ``is_draft_override=True``, as
-sglang) > ``phase_flag`` (``prefill_attention_backend`` / ``decode_attention_backend``) >
-``global_flag`` (``attention_backend``) > ``auto``. An explicit choice is never replaced: it
-passes the capability check or is refused with every reason, the flags involved and the backends
-that would work. Auto-selection walks a per-device priority list and takes the first candidate
-with no reason against it, recording the others with their reasons (vLLM's approach).
-
-Mode combinations no backend can fix are refused first (:func:`check_modes`): PD-mux with TBO (sglang silently
-lets PD-mux win), PD-mux on a CPU, more SM groups than the device has SMs, PD-mux on an arch outside sglang's
-SM-partition table, TBO without attention DP or an expert-parallel all-to-all (:func:`check_tbo`). Then the
-speculative shape is settled (:mod:`pipeline.core.speculative`) and every backend checked against it. Each refusal carries its fixes as alternatives, which resolve extends with what the rest of
-the request needs.
-
-When no *installed* backend can serve a request but one would if its package were installed, the
-error says exactly that (and names the package). The resolution also carries the compute dtype and its rule
-(:func:`pipeline.core.dtypes.resolve_dtype`) and the model's layers that are not attention (linear attention,
-mamba): those need no backend; a model with no attention layer at all is refused.
-
-Remedies are true for the request at hand (:mod:`states.remedies`); warnings and strict refusals come from
-:mod:`states.fallback`. Library wording: field names (``attention_backend``), assignments as ``field='value'``;
-the CLI shows its flags instead.
+Details: docs/internals.md, ``states.resolve``.
 """
 
 from __future__ import annotations
@@ -100,7 +79,6 @@ def check_tbo(args: AttentionArgs) -> None:
             "attn_dp_size > 1 with world_size a multiple of it")
 
 
-
 Explicit = tuple[Rule, str, str]  # (rule, backend name, flag that named it)
 
 
@@ -145,7 +123,7 @@ def _lookup(name: str, flag: str, ctx: Remedies) -> registry.BackendEntry:
         allowed, remedy = ctx.set_remedy(flag, survey.working, first)
         if isinstance(e, BackendUnknown) and first in survey.installable and first not in survey.working:
             pk = survey.packages_of(first)
-            remedy = f"install {' and '.join(pk)} and {assignments(ctx.complete({flag: first}, pk))}" + (
+            remedy = f"install {survey.install_words(pk)} and {assignments(ctx.complete({flag: first}, pk))}" + (
                 f", or {remedy}" if allowed else "")
         e.args = (msg,)
         e.info = msgspec.structs.replace(e.info, state="resolve", message=msg, allowed=allowed, remedy=remedy)
@@ -164,6 +142,9 @@ def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reas
     if own and survey.working and not ctx.probe:  # keep the user's backend: the field changes it needs, first
         own, ok = complete_fix(_probe, ctx.args, model, device, ctx.installed, ctx.is_draft_worker, own)
         remedy = f"{assignments(own)}, or {remedy}" if ok else remedy
+    code = "package_version_unsupported" if survey.versions_only(bad) else None
+    if code and allowed:  # installing the supported versions serves the user's choice: first
+        remedy = f"{survey.pip_command(bad)} (then {flag}={name!r} serves it), or {remedy}"
     if target != flag:
         remedy = f"the draft model cannot use the inherited {name!r}: {remedy}"
     msg = f"{flag}={name!r} cannot serve {half} here: " + "; ".join(r.text for r in bad)
@@ -172,7 +153,8 @@ def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reas
     flags = _flags_of([(flag, name)], bad, device) + [("model", model.source or model.model_type)]
     if target != flag:  # the field the allowed values and the remedy are for
         flags.append((target, None))
-    err = CapabilityMismatch(msg, state="resolve", flags=list(dict.fromkeys(flags)), allowed=allowed, remedy=remedy)
+    err = CapabilityMismatch(msg, code=code, state="resolve", flags=list(dict.fromkeys(flags)), allowed=allowed,
+                             remedy=remedy)
     err.fixes = [{target: n} for n in survey.working] + ([own] if own else []) \
         + survey.field_fixes()  # type: ignore[attr-defined]
     return err
@@ -216,7 +198,9 @@ def decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dra
     model : the served model (the draft model on a draft worker).
     device : the device facts (a named profile at plan time, torch's at run time).
     is_draft_worker : a speculative-decoding draft worker.
-    installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → present.
+    installed : distribution name (``torch``, ``triton``, ``flashinfer-python``) → presence
+        (:data:`pipeline.backends.packages.Presence`: False, True, or the installed version, which must be in the
+        supported range).
     target : the target model, whose architecture settles the speculative shape
         (:func:`pipeline.core.speculative.decide_speculative`) on a draft worker too; None: ``model``.
 
@@ -225,10 +209,10 @@ def decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dra
     start's warnings), the compute dtype with its rule, the layers that are not attention
     (``not_attention``) and the speculative shape (``speculative``): every backend is checked against the settled
     top-k, never the unset flag (sglang#36554 chose the draft worker's backend before top-k was filled in).
-    Raises BackendUnknown / BackendUnavailable / CapabilityMismatch / ConflictingOptions / ConfigError
-    (``dtype_refused``; ``no_attention_layers`` for a model made only of linear-attention / mamba
-    layers) — exit 3; with ``args.strict``, :class:`StrictRefusal` (``reference_fallback`` /
-    ``downgrade_refused``).
+    Raises BackendUnknown / BackendUnavailable / CapabilityMismatch (``package_version_unsupported``: an explicit
+    choice refused only for packages, one at an unsupported version) / ConflictingOptions / ConfigError
+    (``dtype_refused``; ``no_attention_layers``: only linear-attention / mamba layers) — exit 3; with
+    ``args.strict``, :class:`StrictRefusal` (``reference_fallback`` / ``downgrade_refused``).
     """
     return _decide(args, model, device, is_draft_worker=is_draft_worker, installed=installed, probe=False,
                    target=target)
@@ -304,8 +288,9 @@ def decide_for_run(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *
                    target: Optional[ModelSpec] = None) -> Resolution:
     """:func:`decide` for a run: package presence by real import, checked against the metadata.
 
-    ``metadata`` is presence by distribution metadata (what ``attn-setup plan`` sees);
-    ``imported`` presence by a real import; ``import_errors`` the import error text per package.
+    ``metadata`` is presence by distribution metadata (what ``attn-setup plan`` sees: the version or False);
+    ``imported`` presence by a real import (the same metadata version, True without one, False);
+    ``import_errors`` the import error text per package. Both check versions alike, so only presence can differ.
     When the two disagree on a package *and* that changes the outcome (another pair, or a refusal
     on one side only), raises :class:`BackendUnavailable` (``package_presence_mismatch``) naming the
     package, both answers and the import error — so a run never silently resolves differently

@@ -1,7 +1,7 @@
-"""What every command-line error must say, in the command line's words (new-user trial #11).
+"""What every command-line error must say, in the command line's words.
 
 :func:`check_cli_error` is applied to every error of the bad-input corpus (``tests/test_bad_inputs.py``), both
-to the ``--json`` object and to the human block :func:`pipeline.cli.report.render_error` prints for it:
+to the ``--json`` object and to the human block :func:`pipeline.cli.output.render_error` prints for it:
 
 - no Python value leaks: no ``None`` word, no ``=None`` (a missing value reads ``not set``);
 - no field path (``pool.max_reqs``, ``args.page_size``) or bare field name (``attention_backend``) where the
@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pipeline.cli.wording import command_dests, flag_of
+from pipeline.cli.output import command_dests, flag_of
 
 NONE = re.compile(r"\bNone\b")
 
@@ -51,10 +51,10 @@ def check_cli_error(err: dict[str, Any], command: str, human: str = "") -> None:
 
 
 def rendered(err: dict[str, Any], capsys: Any) -> str:
-    """The human error block :func:`pipeline.cli.report.render_error` prints for ``err`` (captured stderr)."""
+    """The human error block :func:`pipeline.cli.output.render_error` prints for ``err`` (captured stderr)."""
     import msgspec
 
-    from pipeline.cli.report import render_error
+    from pipeline.cli.output import render_error
     from pipeline.core.errors import ErrorInfo
 
     capsys.readouterr()

@@ -92,6 +92,14 @@ def npu_facts():
                        total_memory_bytes=64 << 30, source="test")
 
 
+def run_json(command: str, *args: str) -> tuple[int, dict]:
+    """``attn-setup COMMAND --json ARGS`` in this process (:func:`run_main`): (exit code, the last JSON line)."""
+    import json
+
+    proc = run_main(command, *(("--device", "cpu") if command == "run" else ()), "--json", *args)
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_main(*args: str) -> "subprocess.CompletedProcess[str]":
     """``attn-setup ARGS`` in this process (``pipeline.cli.main`` with stdout/stderr captured), as a
     CompletedProcess. For tests of what a command does; the few tests of process-level behaviour

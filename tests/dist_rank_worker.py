@@ -29,8 +29,8 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.core import runinfo  # noqa: E402
-from pipeline.setup import distributed, rank_digest  # noqa: E402
+from pipeline.core import eventlog
+from pipeline.setup import distributed
 from pipeline.setup.build import build_attention_backends  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.core.errors import AttnSetupError  # noqa: E402
@@ -95,10 +95,10 @@ def patched(g: distributed.RankGroup, sc: str):
     if g.rank != g.world_size - 1:
         return mock.patch.dict({})
     if field.startswith("versions."):
-        real = runinfo.versions
-        return mock.patch.object(runinfo, "versions", lambda inst: {**real(inst), field[9:]: "0.0.0-other"})
+        real = eventlog.versions
+        return mock.patch.object(eventlog, "versions", lambda inst: {**real(inst), field[9:]: "0.0.0-other"})
     if field == "capabilities":
-        return mock.patch.object(rank_digest, "_capabilities_text", lambda: "sha256:0000000000000000")
+        return mock.patch.object(distributed, "_capabilities_text", lambda: "sha256:0000000000000000")
     return mock.patch.dict({})
 
 

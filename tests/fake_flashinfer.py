@@ -1,18 +1,21 @@
-"""A CPU stand-in for the FlashInfer 0.6.13 wrapper API, to test the backend's glue on CPU.
+"""A CPU stand-in for the FlashInfer 0.7.2 wrapper API, to test the backend's glue on CPU.
 
 It implements the documented semantics of ``plan()``/``run()`` (indptr / indices /
 last_page_len page tables, NHD paged layout, bottom-right causal mask, ``window_left``,
 ``logits_soft_cap``, sinks as extra positional run args; fp8 caches with ``k_scale`` multiplying the
 softmax scale and ``v_scale`` the output, as FlashInfer's ``run()`` does; and the MLA wrapper
-``flashinfer.mla.BatchMLAPagedAttentionWrapper``: ``plan(qo_indptr, kv_indptr, kv_indices,
-kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
-kv_data_type)``, ``run(q_nope, q_pe, ckv, kpe, out=...)`` with ``scores = q_nope·ckv + q_pe·kpe`` and
-``out = softmax · ckv``, CUDA-graph buffers read at run time) with plain fp32 loops. It checks what
-FlashInfer checks or would mis-compute silently: the cache dtype against the planned
-``kv_data_type``, q's dtype against ``q_data_type``, MLA page counts against ``kv_len_arr``. It is a
-test double for the *interface*: the real kernels are checked on the H200
-(tests/gpu/test_flashinfer_gpu.py, tests/gpu/test_flashinfer_mla_fp8_gpu.py). Install with
-``monkeypatch.setitem(sys.modules, "flashinfer", fake)``.
+``flashinfer.mla.BatchMLAPagedAttentionWrapper`` in its only non-deprecated form: ``plan(*,
+metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr), num_heads, head_dim_ckv, head_dim_kpe,
+page_size, causal, sm_scale, q_data_type, kv_data_type, query_layout, kv_cache_layout)``, ``run(*, query,
+kv_cache, out=...)`` — a (q_nope, q_pe) / (ckv, kpe) pair where the plan said ``"split"``, one tensor where it said
+``"packed"`` (the canonical default) — with ``scores = q_nope·ckv + q_pe·kpe`` and ``out = softmax · ckv``,
+CUDA-graph buffers read at run time) with plain fp32 loops. The deprecated MLA forms (flat or positional plan
+metadata, separate ``q_nope, q_pe, ckv_cache, kpe_cache`` run arguments) raise TypeError here, so a call FlashInfer
+0.7.2 would only warn about fails the CPU tests. It checks what FlashInfer checks or would mis-compute silently: the
+cache dtype against the planned ``kv_data_type``, q's dtype against ``q_data_type``, MLA page counts against
+``kv_len_arr``, a customized prefill module's ``paged_kv_stride_mode`` (fa3 compiles ``"runtime"`` only). It is a
+test double for the *interface*: the real kernels are checked on the H200 (tests/gpu/test_flashinfer_gpu.py,
+tests/gpu/test_flashinfer_mla_fp8_gpu.py). Install with ``monkeypatch.setitem(sys.modules, "flashinfer", fake)``.
 """
 
 from __future__ import annotations
@@ -114,6 +117,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
     def __init__(self, ws, kv_layout="NHD", *, jit_args=None, jit_kwargs=None, **kw):
         super().__init__(ws, kv_layout, **kw)
         self.module = _jit_module(jit_args) if jit_args else None
+        if jit_args:  # flashinfer.jit.attention.modules._validate_batch_prefill_module_mode
+            mode, surface = (jit_kwargs or {}).get("paged_kv_stride_mode", "runtime"), \
+                (jit_kwargs or {}).get("module_surface", "full")
+            assert mode in ("runtime", "equal", "independent") and surface in ("full", "paged"), (mode, surface)
+            assert self.backend == "fa2" or (mode, surface) == ("runtime", "full"), (self.backend, mode, surface)
 
     def plan(self, *, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, causal=False, custom_mask=None, **kw):
@@ -155,8 +163,8 @@ def _packbits(x: torch.Tensor) -> torch.Tensor:
 
 
 # JIT modules by name, as FlashInfer's JIT cache keys them: the first build of a name wins, and a later wrapper
-# asking for the same name with other compile-time parameters gets that first module (FlashInfer 0.6.13's sink
-# wrapper names its module without head dims or KV dtype, so this is how a d128 sink layer got the d64 kernel).
+# asking for the same name with other compile-time parameters gets that first module (FlashInfer's sink wrapper,
+# 0.6.13 and 0.7.2, names its module without head dims or KV dtype: this is how a d128 sink layer got the d64 kernel).
 JIT_MODULES: dict = {}
 
 
@@ -172,7 +180,9 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
         short = {torch.bfloat16: "bf16", torch.float16: "f16"}[q_data_type]
         jit_args = [f"batch_prefill_attention_sink_{short}_swa_{window_left >= 0}_{backend}", q_data_type,
                     kv_data_type, q_data_type, torch.int32, head_dim_qk, head_dim_vo]
-        super().__init__(ws, kv_layout, backend=backend, jit_args=jit_args, **kw)
+        jit_kwargs = {"paged_kv_stride_mode": "independent" if backend == "fa2" else "runtime",
+                      "module_surface": "full"}
+        super().__init__(ws, kv_layout, backend=backend, jit_args=jit_args, jit_kwargs=jit_kwargs, **kw)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_Base):
@@ -191,8 +201,30 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Base):
         return out
 
 
+class MLAPlanMetadata:
+    """``flashinfer.mla.MLAPlanMetadata`` (0.7.2): the CSR form is the one the fa2/fa3 MLA backends consume."""
+
+    def __init__(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+        self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_len_arr = qo_indptr, kv_indptr, kv_indices, kv_len_arr
+
+    @classmethod
+    def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+        return cls(qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+
+
+def _mla_pair(value, layout: str, widths: tuple, name: str) -> tuple:
+    """(nope, pe) of a structural MLA input as planned: a pair for ``"split"``, one tensor for ``"packed"``."""
+    if layout == "split":
+        if not (isinstance(value, tuple) and len(value) == 2):
+            raise TypeError(f"{name}: planned split, got {type(value).__name__}")
+        return value
+    if not isinstance(value, torch.Tensor) or value.shape[-1] != sum(widths):
+        raise TypeError(f"{name}: planned packed [..., {sum(widths)}], got {getattr(value, 'shape', type(value))}")
+    return value[..., :widths[0]], value[..., widths[0]:]
+
+
 class BatchMLAPagedAttentionWrapper:
-    """FlashInfer 0.6.13's MLA wrapper (absorbed form): one latent head, ``ckv`` / ``kpe`` paged caches."""
+    """FlashInfer 0.7.2's MLA wrapper (absorbed form): one latent head, ``ckv`` / ``kpe`` paged caches."""
 
     def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None,
                  kv_len_arr=None, backend="auto"):
@@ -203,8 +235,12 @@ class BatchMLAPagedAttentionWrapper:
         if use_cuda_graph:
             assert all(isinstance(b, torch.Tensor) and b.dtype == torch.int32 for b in self.bufs.values()), self.bufs
 
-    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
-             causal, sm_scale, q_data_type, kv_data_type, use_profiler=False):
+    def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
+             kv_data_type, use_profiler=False, query_layout="packed", kv_cache_layout="packed", lse_mode="none"):
+        assert isinstance(metadata, MLAPlanMetadata), type(metadata)
+        assert query_layout in ("packed", "split") and kv_cache_layout in ("packed", "split")
+        qo_indptr, kv_indptr, kv_indices, kv_len_arr = (metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices,
+                                                        metadata.kv_len_arr)
         self.plans += 1
         self.qo, self.kvp, self.lens = qo_indptr.cpu().long(), kv_indptr.cpu().long(), kv_len_arr.cpu().long()
         assert len(self.qo) == len(self.kvp) == len(self.lens) + 1
@@ -214,15 +250,18 @@ class BatchMLAPagedAttentionWrapper:
             assert int(self.qo[b + 1] - self.qo[b]) <= int(self.lens[b])
         self.indices = kv_indices.long()
         self.cfg = dict(num_heads=num_heads, ckv=head_dim_ckv, kpe=head_dim_kpe, page_size=page_size, causal=causal,
-                        sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type)
+                        sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                        query_layout=query_layout, kv_cache_layout=kv_cache_layout)
         if self.use_cuda_graph:  # as FlashInfer: copied into the fixed buffers, which run() reads
             self.bufs["qo_indptr"].copy_(qo_indptr)
             self.bufs["kv_indptr"].copy_(kv_indptr)
             self.bufs["kv_indices"][: len(kv_indices)].copy_(kv_indices)
             self.bufs["kv_len_arr"].copy_(kv_len_arr)
 
-    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False):
+    def run(self, *, query, kv_cache, out=None, lse=None, return_lse=False):
         c = self.cfg
+        q_nope, q_pe = _mla_pair(query, c["query_layout"], (c["ckv"], c["kpe"]), "query")
+        ckv_cache, kpe_cache = _mla_pair(kv_cache, c["kv_cache_layout"], (c["ckv"], c["kpe"]), "kv_cache")
         t, h = q_nope.shape[:2]
         assert q_nope.shape == (t, c["num_heads"], c["ckv"]) and q_pe.shape == (t, c["num_heads"], c["kpe"])
         assert q_nope.dtype == q_pe.dtype == c["q_data_type"], (q_nope.dtype, c["q_data_type"])
@@ -254,7 +293,8 @@ def module() -> types.ModuleType:
         setattr(m, c.__name__, c)
     m.mla = types.ModuleType("flashinfer.mla")
     m.mla.BatchMLAPagedAttentionWrapper = BatchMLAPagedAttentionWrapper
+    m.mla.MLAPlanMetadata = MLAPlanMetadata
     m.jit = types.SimpleNamespace(attention=types.SimpleNamespace(variants=types.SimpleNamespace(
         attention_sink_decl={"fa2": "/* fake fa2 sink decl */", "fa3": "/* fake fa3 sink decl */"})))
-    m.__version__ = "fake"
+    m.__version__ = "0.7.2"
     return m

@@ -8,7 +8,7 @@ import json
 import re
 from typing import Any, Optional
 
-from pipeline.cli.domains import FLAG_DOMAINS
+from pipeline.cli.flags import FLAG_DOMAINS
 
 H200 = ("--device-profile", "h200", "--installed", "torch,triton,flashinfer")
 
@@ -41,7 +41,7 @@ def set_flag(argv: list[str], flag: str, value: Optional[str] = None) -> list[st
 
 
 def in_domain(flag: str, value: Any) -> bool:
-    """Whether ``value`` lies in ``flag``'s domain (:data:`pipeline.cli.domains.FLAG_DOMAINS`)."""
+    """Whether ``value`` lies in ``flag``'s domain (:data:`pipeline.cli.flags.FLAG_DOMAINS`)."""
     d = next(d for d in FLAG_DOMAINS if d.flag == flag)
     return d.domain.lo <= int(value) <= d.domain.hi
 

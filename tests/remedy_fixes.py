@@ -36,8 +36,9 @@ def fixes_of(remedy: str) -> list[Fix]:
     """The alternatives a library remedy proposes (see the module docstring)."""
     out: list[Fix] = []
     for clause in re.split(r",? or ", remedy):
-        pk = re.search(r"\binstall ((?:[\w\-]+)(?: and [\w\-]+)*?)(?: and (?=set)|\s*\(|$|,)", clause)
-        pkgs = [p for p in pk.group(1).split(" and ")] if pk else []
+        req = r"[\w\-]+(?:[<>=!~][\w.<>=!~,]*)?"  # a name, or a name with the supported versions (torch>=2.11,<2.16)
+        pk = re.search(rf"\binstall ((?:{req})(?: and {req})*?)(?: and (?=set)|\s*\(|$|,)", clause)
+        pkgs = [re.split(r"[<>=!~]", p)[0] for p in pk.group(1).split(" and ")] if pk else []
         one_of = re.search(r"\bset (\w+) to one of: ([\w, ]+)", clause)
         if one_of:
             out += [Fix(list(pkgs), {one_of.group(1): n.strip()}) for n in one_of.group(2).split(",") if n.strip()]

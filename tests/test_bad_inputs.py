@@ -83,7 +83,7 @@ def _setup(case: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         os.mkfifo(tmp_path / "fifo")
     point = case.get("interrupt")
     if point:  # a real SIGINT, delivered to this process at that point (as Ctrl-C would)
-        import pipeline.cli.run
+        import pipeline.runtime.verify
         import pipeline.runtime.model
         import pipeline.setup.context
 
@@ -100,7 +100,7 @@ def _setup(case: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         target = {"load-model": (pipeline.runtime.model, "AttentionStack"),
                   # the setup machine's first record in npu-lazy-mem (the run's, not the preflight's decision)
                   "npu-lazy-mem": (pipeline.setup.context.SetupContext, "emit", lambda ctx, *a: ctx.state == point),
-                  "verification": (pipeline.cli.run, "_verify")}[point]
+                  "verification": (pipeline.runtime.verify, "verify_built")}[point]
         interrupting(*target)
 
 

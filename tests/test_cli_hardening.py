@@ -112,8 +112,7 @@ def test_unwritable_outputs_are_usage_errors(capsys, tmp_path):
 
 
 def test_every_output_path_flag_creates_missing_folders(capsys, tmp_path):
-    """One rule for --log-file, --perfetto, --metrics-file and graph -o: missing folders are created (issue 14:
-    --log-file created them while --perfetto refused), and the file is written there."""
+    """One rule for --log-file, --perfetto, --metrics-file and graph -o: missing folders are created (--log-file created them while --perfetto refused), and the file is written there."""
     from pipeline.cli.startup import check_startup_flags
 
     golden = str(CONFIGS.parent.parent / "tests" / "data" / "golden" / "ok_tbo.jsonl")

@@ -1,4 +1,4 @@
-"""A CLI that explains itself (issue 14 §6): help, abbreviations, --version, backends, stderr, -v, run's output."""
+"""A CLI that explains itself: help, abbreviations, --version, backends, stderr, -v, run's output."""
 
 from __future__ import annotations
 
@@ -103,8 +103,9 @@ def test_profile_names_are_case_insensitive(capsys, name, monkeypatch):
 
 def test_backends_json_lists_every_backend_with_its_record(capsys):
     """`backends --json`: every registered backend, its full capability record, installed per package."""
-    from pipeline.backends import registry
+    from pipeline.backends import packages, registry
     from pipeline.backends.packages import installed_by_metadata
+    from pipeline.backends.records import PACKAGES
 
     assert main(["backends", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -112,8 +113,11 @@ def test_backends_json_lists_every_backend_with_its_record(capsys):
     for b in out["backends"]:
         cap = registry.get(b["name"]).capability
         assert b["archs"] == cap.archs and b["features"] == cap.features and b["devices"] == cap.devices
-        assert b["package_status"] == installed_by_metadata(tuple(cap.packages))
-        assert b["installed"] == all(b["package_status"].values())
+        have = installed_by_metadata(tuple(cap.packages))
+        assert b["package_status"] == {p: bool(v) for p, v in have.items()}
+        assert b["package_versions"] == {p: v or None for p, v in have.items()}
+        assert b["supported_versions"] == {p: p + PACKAGES[p][1] for p in cap.packages}
+        assert b["installed"] == all(v and packages.is_supported(p, v) for p, v in have.items())
     assert out["known_unavailable"]["trtllm_mha"]
 
 
@@ -247,7 +251,7 @@ def test_runner_example_prints_results_and_imports_no_cli(capsys, tmp_path, monk
     tree = ast.parse(path.read_text())
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not any(m and (m.startswith("pipeline.cli") or m == "pipeline.cli.report") for m in mods), mods
+    assert not any(m and (m.startswith("pipeline.cli") or m == "pipeline.cli.output") for m in mods), mods
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [str(path), "cpu"])
     runpy.run_path(str(path), run_name="__main__")
@@ -258,3 +262,25 @@ def test_runner_example_prints_results_and_imports_no_cli(capsys, tmp_path, monk
     err = float(re.search(r"update: ([\d.e+-]+)", out.out).group(1))
     assert 0 < err < 1e-2 and "runner state: ready" in out.out
     assert Path(tmp_path / "attn-setup-logs" / "runner_example.jsonl").stat().st_size > 0
+
+
+def test_run_help_shows_every_field_doc_whole():
+    """``run --help`` cut ``--cuda-graph-max-bs``'s help at its docstring's first line ("… else min(the
+    request pool's (default: unset)"). Every field's doc is read whole (continuation lines included) and shown."""
+    from pipeline.cli.flags import field_docs
+    from pipeline.core.contracts import AttentionArgs
+
+    docs = field_docs(AttentionArgs)
+    assert set(docs) == set(AttentionArgs.__struct_fields__)
+    for name, doc in docs.items():
+        assert doc.count("(") == doc.count(")"), (name, doc)
+    import argparse
+
+    from pipeline.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
+    text = " ".join(sub.format_help().split())
+    assert "else min(the request pool's rows, sglang's default for the device's memory" in text
+    for doc in docs.values():
+        assert " ".join(doc.split()) in text

@@ -1,4 +1,4 @@
-"""The CLI explains itself, the minor items (new-user trial #14): ``-v`` where it has no effect is refused,
+"""The CLI explains itself, the minor items: ``-v`` where it has no effect is refused,
 ``graph --json``, ``graph`` highlights what a failed run did, a timeline heading true to its rows."""
 
 from __future__ import annotations

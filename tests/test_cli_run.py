@@ -9,6 +9,7 @@ import pytest
 
 from conftest import CONFIGS, run_main
 from pipeline.core import events as ev
+from pipeline.core import wire
 
 SIX = ["device-init", "resolve", "build-mode", "npu-lazy-mem", "annotate", "done"]
 RUNNER = ["init-distributed", "load-model", "init-memory-pool", "attention", "capture-cuda-graphs", "ready"]
@@ -60,7 +61,7 @@ def test_run_outcome_per_config(config, tmp_path):
     assert out["ok"] is (code == 0)
     assert set(out) == {"ok", "run_id", "states", "resolved", "plan", "skips", "warnings", "verified", "log_file",
                         "error", "runner_states", "model_steps", "summary", "device"}
-    records = [ev.decode_line(l) for l in Path(out["log_file"]).read_bytes().splitlines()]
+    records = [wire.decode_line(l) for l in Path(out["log_file"]).read_bytes().splitlines()]
     check_summary(records, out["summary"])
     assert all(r.run_id == out["run_id"] for r in records)
     transitions = [r for r in records if isinstance(r, ev.StateTransition)]
@@ -227,7 +228,7 @@ def test_run_resolves_once(tmp_path, monkeypatch, args, code):
     assert main(["run", "--device", "cpu", "--json", "--num-layers", "1", "--decode-steps", "0", "--log-file",
                  str(log), *args]) == code
     assert len(calls) == 1
-    recs = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    recs = [wire.decode_line(x) for x in log.read_bytes().splitlines()]
     moved = [(r.from_state, r.to) for r in recs if isinstance(r, ev.StateTransition)]
     if code == 0:
         assert [f for f, _ in moved] == ["device-init", "resolve", "build-mode", "npu-lazy-mem", "annotate"]
@@ -281,3 +282,66 @@ def test_failed_run_prints_its_error_last_under_a_rule(capsys, tmp_path):
     assert main([*argv, "--json"]) == 3
     out, err = capsys.readouterr()
     assert json.loads(out)["error"]["remedy"] == "drop --enable-pdmux" and "run failed" not in out + err
+
+
+def _ns(**kw):
+    import argparse
+
+    return argparse.Namespace(**{**dict(world_size=1, rank=0, decode_steps=3), **kw})
+
+
+def test_large_model_notice_suggests_fewer_layers_than_in_use():
+    """``run --model deepseek-v3.json`` (default 2 layers, 5.9 GiB) said "--num-layers 2 verifies the same
+    layer kinds in seconds": the count already in use. The notice names a count below the one in use (run's
+    default, else the fewest with one layer of each kind) with its estimate, or says it is already the fewest."""
+    from conftest import CONFIGS
+    from pipeline.cli.run import run_notices
+    from pipeline.core.contracts import AttentionArgs, SetupRequest
+    from pipeline.core.model_spec import load_model_spec
+
+    def notice(cfg: str, layers: int) -> str:
+        req = SetupRequest(args=AttentionArgs(), model=load_model_spec(CONFIGS / cfg), device="cpu")
+        return " ".join(run_notices(_ns(), req, layers, False))
+
+    v3 = notice("deepseek-v3.json", 2)
+    assert v3.startswith("2 attention layers need about 5.9 GiB")
+    assert "--num-layers 2" not in v3 and "--num-layers 1 verifies the same layer kinds with about 2.9 GiB" in v3
+    assert notice("deepseek-v3.json", 1) == ""  # 2.9 GiB: below the notice's 4 GiB
+    from pipeline.cli.run import _fewer
+
+    v3_spec = load_model_spec(CONFIGS / "deepseek-v3.json")
+    assert _fewer(v3_spec, 1, "bfloat16") == "1 is already the fewest attention layers that include every layer kind " \
+                                            "of this model"
+    assert "--num-layers 2 verifies the same layer kinds with about 0.8 GiB" in notice("llama-3.1-8b.json", 32)
+    # Gemma-3 needs 6 leading layers for both kinds: 7 suggests 6, never fewer than cover both kinds
+    g3 = notice("gemma-3-12b-it.json", 40)
+    assert "--num-layers 6 verifies" in g3
+
+
+def test_notices_before_a_slow_or_memory_hungry_run_and_a_lone_rank():
+    """Item 8: `--num-layers 32` (13.6 GB peak measured) and `--decode-steps 100` are announced from the config;
+    item 7: `--world-size 2` outside torchrun says that one rank runs alone. Defaults stay quiet."""
+    from conftest import CONFIGS
+    from pipeline.core.contracts import AttentionArgs, SetupRequest
+    from pipeline.runtime.model import AttentionStack
+    from pipeline.core.model_spec import load_model_spec
+    from pipeline.cli.run import run_notices, weight_bytes
+
+    spec = load_model_spec(CONFIGS / "llama-3.1-8b.json")
+    req = SetupRequest(args=AttentionArgs(), model=spec, device="cpu")
+    assert run_notices(_ns(), req, 2, False) == []
+    (mem,) = run_notices(_ns(), req, 32, False)
+    assert "12.5 GiB" in mem and "--num-layers 2" in mem        # 2.5 GiB bf16 + 10.0 GiB float64
+    (steps,) = run_notices(_ns(decode_steps=100), req, 2, False)
+    assert "--decode-steps 100" in steps
+    (lone,) = run_notices(_ns(world_size=2, rank=1), req, 2, False)
+    assert "torchrun --nproc-per-node 2" in lone and "rank 1 alone" in lone
+    assert run_notices(_ns(world_size=2, rank=1), req, 2, True) == []
+    # the estimate is the stack's own size (independent count: the built tensors), MLA included
+    for cfg in ("llama-3.1-8b.json", "deepseek-v2-lite.json", "gpt-oss-20b.json"):
+        s = load_model_spec(CONFIGS / cfg)
+        import torch
+
+        st = AttentionStack(s, dtype=torch.bfloat16, device="cpu", num_layers=1)
+        no_sinks = st.param_bytes() - sum(L.sinks.numel() * L.sinks.element_size() for L in st.layers if L.sinks is not None)
+        assert weight_bytes(s, 1, "bfloat16") == (no_sinks, no_sinks * 4)

@@ -1,5 +1,5 @@
-"""Human output follows the console width and never cuts what a user needs (new-user trial #4), and CLI errors
-speak the command line's words (trial #11: the checker itself, and cli_error over generated errors).
+"""Human output follows the console width and never cuts what a user needs, and CLI errors
+speak the command line's words (the checker itself, and cli_error over generated errors).
 
 Each human command runs at ``COLUMNS`` = 60, 80, 120 and 220 and its output is compared with the same command's
 ``--json`` (or the trace it reads): no ellipsis anywhere, every word of every value the user needs (backend names,
@@ -132,7 +132,7 @@ def test_run_output_and_error_follow_the_width(capsys, monkeypatch, tmp_path, co
 
 
 def test_wrap_never_splits_a_word():
-    from pipeline.cli.console import wrap
+    from pipeline.cli.output import wrap
 
     text = "a " * 5 + "x" * 50 + " b-c-d-e-f-g-h-i-j " + "word " * 20
     for cols in (10, 20, 33, 80):
@@ -142,7 +142,7 @@ def test_wrap_never_splits_a_word():
 
 
 def test_column_widths_fit_and_keep_every_word():
-    from pipeline.cli.console import column_widths, table_fits
+    from pipeline.cli.output import column_widths, table_fits
 
     cols, rows = ["a", "features"], [["x", "mha, chunked_local_attention, speculative"], ["yy", "tbo"]]
     for width in (40, 50, 80):
@@ -152,14 +152,14 @@ def test_column_widths_fit_and_keep_every_word():
     assert not table_fits(cols, rows, 30)
 
 
-# -- one vocabulary in CLI errors (trial #11) -----------------------------------------------------------------
+# -- one vocabulary in CLI errors -----------------------------------------------------------------
 
 
 def test_the_checker_catches_the_library_words(capsys):
     """The library's own ErrorInfo (fields, pool paths) fails the check; the command line's passes."""
     import msgspec
 
-    from pipeline.cli.wording import cli_error, command_dests
+    from pipeline.cli.output import cli_error, command_dests
     from pipeline.core.contracts import PoolFacts
     from pipeline.core.errors import AttnSetupError
 
@@ -191,8 +191,8 @@ def test_cli_error_words_generated_errors(field, prefix, value, shape):
 
     import msgspec
 
-    from pipeline.cli.report import render_error
-    from pipeline.cli.wording import cli_error, command_dests
+    from pipeline.cli.output import render_error
+    from pipeline.cli.output import cli_error, command_dests
     from pipeline.core.errors import ErrorInfo, Flag
 
     text = shape.format(p=prefix, f=field, v=value)
@@ -216,3 +216,15 @@ def test_unknown_run_is_named_without_python_values(capsys):
     code = main(["graph", str(GOLDEN / "ok_default.jsonl"), "--rank", "7", "-o", "/dev/null/x.mmd"])
     err = capsys.readouterr().err
     assert code == 2 and "None" not in err and "rank 7" in " ".join(err.split()) and "--rank = 7" in err
+
+
+def test_notices_break_at_stderrs_width(monkeypatch, capsys):
+    from pipeline.cli.output import print_stderr_lines
+
+    monkeypatch.setenv("COLUMNS", "40")
+    note = ("notice: --world-size 2 outside torchrun: this process runs rank 0 alone (no rank group, the rank "
+            "agreement is skipped)")
+    print_stderr_lines([note])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) > 1 and all(len(ln) <= 40 for ln in err), err
+    assert " ".join(" ".join(err).split()) == note

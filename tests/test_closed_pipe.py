@@ -59,3 +59,38 @@ def test_run_with_v_keeps_exit_0_and_a_complete_log_when_the_pipe_closes(tmp_pat
 
     trace = read_trace(log)
     assert trace.skipped_lines == 0 and [run.status for run in trace.runs] == ["ok"]
+
+
+class _ClosedPipe:
+    """A stdout whose reader left after the first write (``| head -3``)."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self) -> int:
+        import io
+
+        raise io.UnsupportedOperation("fileno")
+
+
+def test_events_table_ends_quietly_when_the_reader_leaves(monkeypatch):
+    """``python3 -m pipeline.core.events | head -3`` (README) ended in a BrokenPipeError traceback; it now
+    ends quietly with 0, as the CLI's commands do."""
+    import runpy
+    import sys
+    import warnings
+
+    pipe = _ClosedPipe()
+    monkeypatch.setattr(sys, "stdout", pipe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the module is already imported: runpy says so
+        with pytest.raises(SystemExit) as ei:
+            runpy.run_module("pipeline.core.events", run_name="__main__")
+    assert ei.value.code == 0 and pipe.writes == 1

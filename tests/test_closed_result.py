@@ -1,5 +1,5 @@
 """After ``AttentionBackends.close()`` the result's backend accessors raise ``BackendClosed`` naming close(), and a
-reference kept from before raises it when called (new-user trial #2, item 3: ``out.attn_backend`` was None, so a
+reference kept from before raises it when called (``out.attn_backend`` was None, so a
 call through it raised AttributeError)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Streams closed before the process starts (``attn-setup plan >&-``, ``2>&-``): Python then has no ``sys.stdout``.
 Before: ``plan >&-`` was exit 1 ``internal_error`` ('NoneType' object has no attribute 'write'), ``plan --json >&-`` a
 traceback, ``plan --model /nonexistent 2>&-`` exit 1 instead of 2, and ``run >&- 2>&-`` exited 1 while its log said 0
-(adversarial pass s8adv). Now a closed descriptor is a stream every write to fails (EBADF), answered as any other
-write error (``pipeline.cli.outstreams``): an ok command whose output was lost is exit 2 ``output_write_failed``, a
+Now a closed descriptor is a stream every write to fails (EBADF), answered as any other
+write error (``pipeline.cli.output``): an ok command whose output was lost is exit 2 ``output_write_failed``, a
 failed command keeps its own code, and the log's ``command_finished`` carries the process's exit code. Real
 processes: only a process started with a descriptor closed sees this.
 """

@@ -1,4 +1,4 @@
-"""Device spellings (new-user trial): ``CUDA:0``, ``gpu``, ``Cpu`` are accepted as their canonical device, what the
+"""Device spellings: ``CUDA:0``, ``gpu``, ``Cpu`` are accepted as their canonical device, what the
 user wrote is kept (``spelled_as``) in the request, the ``device_initialized`` record and ``run``'s report, and the
 JSON of ``run``, ``plan`` and ``inspect`` shows ``device.type`` and ``device.arch``."""
 
@@ -9,10 +9,14 @@ import json
 import pytest
 
 from pipeline.cli import main
-from pipeline.cli.request import is_gpu_device
+from pipeline.cli.flags import is_gpu_device
 from pipeline.core.contracts import SetupRequest
 from pipeline.core.errors import ConfigError
-from pipeline.core.type_checks import device_spelling
+from pipeline.core.validation import device_spelling
+from conftest import ROOT
+import re
+
+GOLDEN = ROOT / "tests" / "data" / "golden"
 
 
 @pytest.mark.parametrize("text,canonical,spelled", [
@@ -86,3 +90,48 @@ def test_plan_json_has_device_type_and_arch(capsys):
     assert main(["plan", "--json", "--device-profile", "cpu"]) == 0
     dev = json.loads(capsys.readouterr().out)["device"]
     assert dev["type"] == "cpu" and dev["arch"] is None
+
+
+def _device_lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("device: ")]
+
+
+def test_run_and_inspect_print_one_device_line(capsys, tmp_path):
+    """``run`` and ``inspect`` of its log print the same ``device:`` line (it was ``device: cpu x86_64`` against
+    ``device: cpu:0 x86_64 blas_init=False``); a GPU trace reads as README's ``device: cuda:0 NVIDIA H200 (sm90)``."""
+    log = tmp_path / "l.jsonl"
+    assert main(["run", "--device", "cpu", "--num-layers", "1", "--decode-steps", "0", "--no-progress",
+                 "--log-file", str(log)]) == 0
+    ran = _device_lines(capsys.readouterr().out)
+    assert main(["inspect", str(log)]) == 0
+    seen = _device_lines(capsys.readouterr().out)
+    assert len(ran) == 1 and ran == seen and "blas_init" not in ran[0], (ran, seen)
+    assert main(["inspect", str(GOLDEN / "h200_fa3.jsonl")]) == 0
+    assert _device_lines(capsys.readouterr().out) == ["device: cuda:0 NVIDIA H200 (sm90)"]
+
+
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _no_cuda(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("written", ["gpu:1", "GPU", "cuda:1", "Cuda"])
+def test_device_is_shown_as_written(written, tmp_path, capsys):
+    """``--device gpu:1`` on a CPU host: the error (printed and logged) shows ``gpu:1``, not the platform's 'cuda'."""
+    log = tmp_path / "r.jsonl"
+    assert main(["run", "--device", written, "--log-file", str(log), "--json"]) == 3
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert err["code"] == "device_unavailable" and err["flags"] == [{"name": "--device", "value": written}]
+    failed = [json.loads(ln) for ln in log.read_text().splitlines() if '"run_failed"' in ln]
+    assert failed and failed[-1]["error"]["flags"][0]["value"] == written
+    assert main(["warmup", "--device", written]) == 3
+    assert re.search(rf"flag +--device = '{re.escape(written)}'", capsys.readouterr().err)
+
+
+def test_a_device_with_no_platform_names_the_supported_types(tmp_path, capsys):
+    """``--device mps``: no accelerator or plugin would help; the remedy names the device types there are."""
+    assert main(["run", "--device", "mps", "--log-file", str(tmp_path / "r.jsonl"), "--json"]) == 3
+    remedy = json.loads(capsys.readouterr().out)["error"]["remedy"]
+    assert "cpu, cuda, musa, npu, xpu" in remedy and "torch plugin" not in remedy, remedy

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.contracts import DeviceFacts, ResolvedAttentionBackendStr, Resolution
 from pipeline.setup.distributed import RankGroup, agree_on_resolution, check_rank_device, rank_device
 from pipeline.core.errors import ConfigError
+import socket
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 HARD_TIMEOUT_S = 120
@@ -42,7 +44,7 @@ def results(out: Path, sc: str) -> list[dict]:
 
 
 def trace(out: Path, sc: str, run_id: str, rank: int) -> list[ev.Event]:
-    return [ev.decode_line(x) for x in (out / sc / f"{run_id}.rank{rank}.jsonl").read_bytes().splitlines()]
+    return [wire.decode_line(x) for x in (out / sc / f"{run_id}.rank{rank}.jsonl").read_bytes().splitlines()]
 
 
 def test_ranks_agree_share_rank0_run_id_and_log_their_rank(launched):
@@ -136,3 +138,40 @@ def test_request_rank_must_match_group():
     with pytest.raises(ConfigError) as ei:
         check_rank_device("cpu", "cpu", g, rank=0, world_size=2)
     assert ei.value.info.code == "rank_mismatch" and ei.value.info.allowed == ["1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_rendezvous_timeout_writes_the_log_and_the_failure_layout(tmp_path, monkeypatch):
+    from conftest import run_main
+
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    for k in ("TORCHELASTIC_RUN_ID", "ATTN_SETUP_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    log = tmp_path / "x" / "d2.jsonl"
+    proc = run_main("run", "--device", "cpu", "--dist-timeout", "1", "--log-file", str(log))
+    assert proc.returncode == 1, proc.stderr
+    err_lines, out_lines = proc.stderr.splitlines(), proc.stdout.splitlines()
+    assert err_lines[0].startswith("attn-setup run failed (exit 1) in state init-distributed: rank_exchange_failed:")
+    assert any(line.startswith("error [rank_exchange_failed] in state init-distributed") for line in err_lines)
+    assert f"log: {log}" in out_lines and out_lines[-1] == "failed"
+    records = [wire.decode_line(line) for line in log.read_bytes().splitlines()]
+    assert isinstance(records[0], ev.CommandStarted)
+    failed = [r for r in records if isinstance(r, ev.RunFailed)]
+    assert [(r.state, r.error.code) for r in failed] == [("init-distributed", "rank_exchange_failed")]
+    assert isinstance(records[-2], ev.StartupSummary) and isinstance(records[-1], ev.CommandFinished)
+    assert records[-1].exit_code == 1 and all(r.rank == 0 for r in records)
+    rendezvous = [p for p in records[-2].phases if p.name == "rendezvous"]
+    assert [(p.parent, p.detail) for p in rendezvous] == [("startup", "failed: rank_exchange_failed")]
+    assert rendezvous[0].seconds >= 0.9  # the wait is named, not hidden in "interpreter, imports, arguments"
+    # inspect now has the run: failed in init-distributed with the code
+    got = run_main("inspect", str(log), "--json")
+    assert got.returncode == 1
+    assert "rank_exchange_failed" in got.stdout and "init-distributed" in got.stdout
+    json.loads(got.stdout)

@@ -2,8 +2,8 @@
 
 ``plan`` and ``run``'s preflight (every device) refuse CUDA-graph batch sizes above ``max_reqs`` and a
 FlashInfer workspace smaller than the largest batch it will plan, naming both numbers, with remedies
-that work when applied. The workspace bytes expected here are written out from FlashInfer 0.6.13's
-scheduler formulas (pipeline/backends/flashinfer/rules.py docstring), not taken from the code.
+that work when applied. The workspace bytes expected here are written out from FlashInfer 0.7.2's
+scheduler formulas (docs/internals.md, ``pipeline.backends.flashinfer.rules``), not taken from the code.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def _plan(capsys, *argv: str) -> tuple[int, dict]:
 
 
 def _fa2_eager_bytes(h: int, hkv: int, dv: int, sms: int) -> int:
-    """FA2 eager split-KV scratch: 2 CTAs/SM over kv heads, 128-row tiles (Dv < 256), float32 v + lse, 2×16 B."""
-    rows = (2 * sms // hkv) * 128
+    """FA2 eager split-KV scratch: 2 CTAs/SM over kv heads, 128 packed rows per tile (Dv < 256), one partial row per
+    query row (packed rows / group), float32 v + lse, 2×16 B."""
+    rows = -(-(2 * sms // hkv) * 128 // (h // hkv))
     return h * rows * dv * 4 + h * rows * 4 + 32
 
 
@@ -97,19 +98,20 @@ def test_plan_refuses_a_workspace_build_mode_would_refuse(capsys):
 
 
 def _graph_decode_bytes(bs: int, h: int = 32, hkv: int = 8, dv: int = 128, sms: int = 132) -> int:
-    """Tensor-core decode plan captured at ``bs``: tiles of 16 rows for group 4 (packed length 4 <= 16),
-    max(2*SMs/Hkv, ceil(bs*G/16) + bs - 1) tiles."""
+    """Tensor-core decode plan captured at ``bs``: tiles of 16 packed rows for group 4 (packed length 4 <= 16),
+    max(2*SMs/Hkv, ceil(bs*G/16) + bs - 1) tiles, tiles * 16 / G query rows."""
     tiles = max(2 * sms // hkv, -(-bs * (h // hkv) // 16) + bs - 1)
-    rows = tiles * 16
+    rows = -(-tiles * 16 // (h // hkv))
     return h * rows * dv * 4 + h * rows * 4 + 32
 
 
 def test_workspace_remedy_names_the_largest_graph_size_that_fits(capsys):
-    """70 MB with --max-reqs 256: the graph term needs more; the remedy names the largest captured batch that
+    """18 MB with --max-reqs 256: the graph term needs more; the remedy names the largest captured batch that
     fits (from the formula), it plans, and one more does not."""
     fits = max(bs for bs in range(1, 257) if max(_graph_decode_bytes(bs), _fa2_eager_bytes(32, 8, 128, 132),
-                                                  32 * (16 * 132 // 8) * 129 * 4 + 32) <= 70_000_000)
-    base = ["--device-profile", "h200", *FI, "--flashinfer-workspace-size", "70000000", "--max-reqs", "256"]
+                                                  32 * (16 * 132 // 8) * 129 * 4 + 32) <= 18_000_000)
+    assert 8 < fits < 250
+    base = ["--device-profile", "h200", *FI, "--flashinfer-workspace-size", "18000000", "--max-reqs", "256"]
     code, out = _plan(capsys, *base)
     assert code == 3 and out["error"]["remedy"].endswith(f"or set --cuda-graph-max-bs {fits}")
     assert out["error"]["flags"][1] == {"name": "needed_bytes", "value": _graph_decode_bytes(256)}

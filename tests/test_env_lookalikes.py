@@ -1,4 +1,4 @@
-"""Environment variables that look like ours (issue 18 §7): a warning naming the known one, nothing refused."""
+"""Environment variables that look like ours: a warning naming the known one, nothing refused."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import run_main
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.settings import KNOWN_ENV_VARS, LOOKALIKE_DISTANCE, _edit_distance, env_lookalikes
 
 ALPHA = string.ascii_uppercase + "_0123456789"
@@ -81,7 +82,7 @@ def test_run_warns_and_still_runs(tmp_path, monkeypatch):
     log = tmp_path / "a.jsonl"
     p = run_main("run", "--device", "cpu", "--json", "--num-layers", "1", "--decode-steps", "0", "--log-file", str(log))
     assert p.returncode == 0 and json.loads(p.stdout)["ok"]
-    recs = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    recs = [wire.decode_line(x) for x in log.read_bytes().splitlines()]
     (w,) = [r for r in recs if isinstance(r, ev.EnvVarLookalike)]
     assert (w.name, w.known) == ("SGLANG_FLASHINFER_WORKSPACE_SIZ", "SGLANG_FLASHINFER_WORKSPACE_SIZE")
     assert "did you mean SGLANG_FLASHINFER_WORKSPACE_SIZE?" in p.stderr

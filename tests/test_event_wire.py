@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.observe import trace as tr
 from pipeline.core.contracts import SCHEMA_VERSION
 from pipeline.core.eventlog import REDACTED, EventLog
@@ -109,7 +110,7 @@ def _expected(x: Any, typed_float: bool = False) -> Any:
 
 
 def _typed_floats(rec: ev.Event) -> set[str]:
-    spec = ev.FLOAT_FIELDS[ev.event_name(type(rec))] or {}
+    spec = wire.FLOAT_FIELDS[ev.event_name(type(rec))] or {}
     return {k for k, v in spec.items() if v in ("f", "f?")}
 
 
@@ -118,16 +119,16 @@ def _typed_floats(rec: ev.Event) -> set[str]:
 def test_every_record_round_trips(rec):
     """encode never raises; the line is JSON; the reader keeps it (no skip, no dropped field) and it
     reads back equal, NaN and ±inf included; a file of it reads with nothing skipped."""
-    line = ev.encode(rec)
+    line = wire.encode(rec)
     json.loads(line)  # strict JSON: no NaN/Infinity literals, valid UTF-8
     back, reason, dropped = tr.decode_record(line)
     assert reason == "" and dropped == 0 and type(back) is type(rec)
-    assert ev.decode_line(line) == back or _same(msgspec.to_builtins(ev.decode_line(line)),
+    assert wire.decode_line(line) == back or _same(msgspec.to_builtins(wire.decode_line(line)),
                                                    msgspec.to_builtins(back))
     got, want = msgspec.to_builtins(back), msgspec.to_builtins(rec)
     floats = _typed_floats(rec)
     assert got.keys() == want.keys()
-    nested = {k: v[1] for k, v in (ev.FLOAT_FIELDS[ev.event_name(type(rec))] or {}).items()
+    nested = {k: v[1] for k, v in (wire.FLOAT_FIELDS[ev.event_name(type(rec))] or {}).items()
               if isinstance(v, tuple) and v[0] == "seq"}
     for k in want:
         if k in nested:  # a list of Structs with typed float fields (startup_summary's phases)
@@ -143,10 +144,10 @@ def test_every_record_round_trips(rec):
 def test_a_file_of_records_reads_back_whole(recs):
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "t.jsonl"
-        p.write_bytes(b"".join(ev.encode(r) + b"\n" for r in recs))
+        p.write_bytes(b"".join(wire.encode(r) + b"\n" for r in recs))
         t = tr.read_trace(p)
     assert t.skipped_lines == 0 and t.dropped_fields == 0
-    distinct = {ev.encode(r) for r in recs}
+    distinct = {wire.encode(r) for r in recs}
     assert sum(len(r.records) for r in t.runs) == len(distinct)
 
 
@@ -248,18 +249,18 @@ def test_redaction_is_structural(secrets, recs):
         obj = json.loads(line)
         back, reason, _ = tr.decode_record(line)
         assert reason == "", (reason, line[:200])
-        plain = ev.to_wire(rec)
+        plain = wire.to_wire(rec)
         assert _skeleton(obj) == _skeleton(plain)
-        from pipeline.core.event_wire import MACHINE_NAMES
+        from pipeline.core.wire import MACHINE_NAMES
 
-        keep = ev.ENVELOPE + MACHINE_NAMES.get(plain["event"], ())   # a transition's state names: never rewritten
+        keep = wire.ENVELOPE + MACHINE_NAMES.get(plain["event"], ())   # a transition's state names: never rewritten
         for k in keep:
             assert obj[k] == plain[k]
         numbers = _nonfinite_paths(msgspec.to_builtins(rec))  # written as "NaN"/"Infinity" text: numbers, not strings
         # Literal/Enum fields are never redacted (a redacted value would make the record invalid)
-        body = {k: v for k, v in ev.to_wire(rec, lambda text: "\0").items() if k not in keep}
+        body = {k: v for k, v in wire.to_wire(rec, lambda text: "\0").items() if k not in keep}
         untouched = {p for p, v in _strings(body) if v != "\0" and v} - numbers
-        assert {v for p, v in _strings(ev.to_wire(rec)) if p in untouched} <= CLOSED
+        assert {v for p, v in _strings(wire.to_wire(rec)) if p in untouched} <= CLOSED
         numbers |= untouched
         for path, value in _strings({k: v for k, v in obj.items() if k not in keep}):
             if path in numbers:
@@ -297,9 +298,9 @@ def test_a_value_nested_deeper_than_readers_keep_is_cut_not_dropped():
     for _ in range(300):
         deep = [deep]
     rec = ev.RunnerStarted(ts_ns=1, run_id="r", state="init-distributed", config={"deep": deep, "n": math.inf})
-    back, reason, _ = tr.decode_record(ev.encode(rec))
+    back, reason, _ = tr.decode_record(wire.encode(rec))
     assert reason == "" and back.config["n"] == "Infinity"
     x, depth = back.config["deep"], 0
     while isinstance(x, list):
         x, depth = x[0], depth + 1
-    assert x == ev.TOO_DEEP and 40 <= depth < tr.MAX_DEPTH
+    assert x == wire.TOO_DEEP and 40 <= depth < tr.MAX_DEPTH

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import CONFIGS, ROOT
 from pipeline.cli import main
+from plan_remedies import plan
 
 OK_LOG = ROOT / "tests" / "data" / "bad_inputs" / "traces" / "cli_run_ok.jsonl"
 RUN = ["run", "--device", "cpu", "--num-layers", "1", "--decode-steps", "1"]
@@ -70,7 +71,7 @@ def test_logged_interruption_always_ends_130(monkeypatch, tmp_path, capsys, sigi
 
 def test_interrupted_record_overrides_a_zero_exit():
     """_close_run's last word: a signal's run_interrupted in the log turns any other exit into 130."""
-    from pipeline.cli.run_exit import _interrupted_ends
+    from pipeline.cli.run import _interrupted_ends
     from pipeline.core import events as ev
     from pipeline.core.contracts import ErrorInfo
     from pipeline.core.eventlog import EventLog
@@ -162,3 +163,35 @@ def test_library_rank_remedy_names_the_range(llama):
     with pytest.raises(ConfigError) as e:
         SetupRequest(model=llama, rank=-1, world_size=2)
     assert "[0, world_size)" in e.value.info.remedy and "0..1" in e.value.info.remedy
+
+
+def test_an_internal_error_of_plan_names_no_log(monkeypatch):
+    """plan writes no log: its internal_error remedy says so (it said "the log holds the full event"), and a
+    MemoryError says the process ran out of memory."""
+    import pipeline.cli.plan as plan_cli
+
+    def boom(ns):
+        raise MemoryError()
+
+    monkeypatch.setattr(plan_cli, "_decide", boom)
+    rc, out = plan([])
+    err = out["error"]
+    assert rc == 1 and err["code"] == "internal_error" and err["message"] == "MemoryError: ", err
+    assert err["remedy"].startswith("the process ran out of host memory") and "log" not in err["remedy"]
+
+    def bug(ns):
+        raise RuntimeError("x")
+
+    monkeypatch.setattr(plan_cli, "_decide", bug)
+    rc, out = plan([])
+    assert rc == 1 and out["error"]["remedy"] == ("This is a bug or an environment failure (no log holds it); "
+                                                 "report it with the command line")
+
+
+@pytest.mark.parametrize("logged", [True, False])
+def test_error_info_from_points_at_the_log_only_when_logged(logged):
+    """run's failures (written to its log) keep "the log holds the full event"."""
+    from pipeline.core.errors import error_info_from
+
+    info = error_info_from(ValueError("v"), "resolve", logged=logged)
+    assert info.code == "internal_error" and ("the log holds the full event" in info.remedy) is logged

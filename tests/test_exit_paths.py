@@ -20,6 +20,7 @@ import pytest
 
 from pipeline.core import events as ev
 from pipeline.cli import main
+from pipeline.core.contracts import ErrorInfo
 from pipeline.observe.trace import MAX_LINE_BYTES, TraceReader, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,12 +39,12 @@ def _inspect(capsys, path: Path) -> tuple[int, dict]:
 def test_crash_after_the_pipeline_is_logged_and_inspect_says_failed(tmp_path, capsys, monkeypatch):
     """An exception in cmd after the runner is ready (the qk_rope_head_dim 63 kind): exit 1
     internal_error, and the log says so (run_failed, command_finished 1) — inspect exits 1."""
-    import pipeline.cli.run
+    import pipeline.runtime.model_steps
 
     def boom(*a, **k):
         raise RuntimeError("boom after the pipeline")
 
-    monkeypatch.setattr(pipeline.cli.run, "_model_steps", boom)
+    monkeypatch.setattr(pipeline.runtime.model_steps, "verify_model_steps", boom)
     log = tmp_path / "l.jsonl"
     code = main(["run", "--device", "cpu", "--json", "--log-file", str(log), *FAST])
     out = json.loads(capsys.readouterr().out)
@@ -60,18 +61,15 @@ def test_crash_after_the_pipeline_is_logged_and_inspect_says_failed(tmp_path, ca
 
 def test_failed_verification_is_a_run_failed(tmp_path, capsys, monkeypatch):
     """A verification that comes out NaN: written as text, a run_failed record, exit 1, inspect 1."""
-    import pipeline.cli.run
+    import pipeline.runtime.model_steps as ms
 
-    real = pipeline.cli.run._model_steps
+    real = ms.verify_model_steps
 
-    def nan_steps(runner, log, decode_steps):
-        log.emit(ev.ModelStepVerified, state="ready", outcome="failed", step="extend", mode="extend", batch_size=4,
-                 graph=False, max_rel_err=float("nan"), tol=2e-2, passed=False)
-        return [*real(runner, log, decode_steps), {"step": "extend", "mode": "extend", "batch_size": 4,
-                                                    "graph": False, "max_rel_err": float("nan"), "tol": 2e-2,
-                                                    "passed": False}]
+    def nan_steps(runner, decode_steps=3):
+        return [*real(runner, decode_steps=decode_steps),
+                ms.StepCheck(step="extend", mode="extend", batch_size=4, graph=False, max_rel_err=float("nan"), tol=2e-2)]
 
-    monkeypatch.setattr(pipeline.cli.run, "_model_steps", nan_steps)
+    monkeypatch.setattr(ms, "verify_model_steps", nan_steps)
     log = tmp_path / "l.jsonl"
     assert main(["run", "--device", "cpu", "--json", "--log-file", str(log), *FAST]) == 1
     capsys.readouterr()
@@ -180,7 +178,7 @@ def test_two_launches_sharing_run_id_and_file_stay_apart(tmp_path):
     p = tmp_path / "shared.jsonl"
     a = EventLog("same", 0, p)
     a.emit(ev.RunFailed, state="args", outcome="failed",
-           error=ev.ErrorInfo(code="usage", state="args", message="refused", remedy="r"))
+           error=ErrorInfo(code="usage", state="args", message="refused", remedy="r"))
     a.close()
     b = EventLog("same", 0, p)
     b.emit(ev.RunStarted, state="device-init", request={})
@@ -263,3 +261,17 @@ def test_perfetto_into_a_fifo_is_refused(tmp_path, capsys):
     code = main(["inspect", str(ROOT / "tests/data/golden/ok_tbo.jsonl"), "--json", "--perfetto", str(fifo)])
     err = json.loads(capsys.readouterr().out)["error"]
     assert code == 2 and err["code"] == "not_a_regular_file" and err["flags"][0]["name"] == "--perfetto"
+
+
+def test_a_bad_model_file_keeps_its_code_as_readme_now_says():
+    """README's pipe paragraph said "a bad --model is still 2", but a --model that reads
+    and is not JSON has always been ``model_config_malformed``, exit 3 (a refused configuration; a nested-bracket
+    file is pinned at 3); only an unreadable one is 2. The code stays, README says which is which."""
+    from conftest import ROOT, run_main
+
+    assert run_main("plan", "--model", str(ROOT / "examples/configs/README.md")).returncode == 3
+    assert run_main("plan", "--model", str(ROOT / "no-such-config.json")).returncode == 2
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "a bad `--model` is still 2" not in readme
+    assert "a `--model` that cannot be read — `config_unreadable` — is still 2" in readme
+    assert "`model_config_malformed`, e.g. not JSON — still 3" in readme

@@ -1,4 +1,4 @@
-"""A failed ``attn-setup run`` on a terminal (new-user trial): the first line is the failure's headline — state, error
+"""A failed ``attn-setup run`` on a terminal: the first line is the failure's headline — state, error
 code, message, remedy — before the notices and tables; the full error still closes the output; the report names the
 device the run was on. Both streams go to one buffer, as they do on a terminal."""
 

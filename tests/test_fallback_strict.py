@@ -24,10 +24,10 @@ import pytest
 
 from conftest import CONFIGS
 from pipeline.core import events as ev
-from pipeline.cli import report as rp
+from pipeline.cli import output as rp
 from pipeline.setup.build import build_attention_backends
 from pipeline.cli import main
-from pipeline.cli.plan_report import plan_report
+from pipeline.cli.plan import plan_report
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError
 from pipeline.core.model_spec import load_model_spec
@@ -131,7 +131,7 @@ def test_warnings_and_strict_over_the_matrix(profile):
 
 @pytest.mark.parametrize("profile,flags,model", [
     ("b200", {}, "llama-3.1-8b"), ("mi300x", {}, "llama-3.1-8b"), ("rtx-pro-6000", {}, "llama-3.1-8b"),
-    # since issue 16 DeepSeek (MLA) and fp8 KV on GQA resolve flashinfer; fp8 KV on MLA layers is served by no
+    # DeepSeek (MLA) and fp8 KV on GQA resolve flashinfer; fp8 KV on MLA layers is served by no
     # GPU record (FlashInfer's MLA wrapper takes no k_scale/v_scale, triton has no fp8)
     ("h100", {"kv_cache_dtype": "fp8_e4m3"}, "deepseek-v2-lite"),
     ("h200", {"kv_cache_dtype": "fp8_e5m2"}, "deepseek-v2-lite"),
@@ -206,7 +206,7 @@ def test_library_strict_refuses_in_resolve_before_anything_is_allocated():
 
 def test_cpu_cuda_graph_skip_is_a_step_skipped_not_a_warning(llama, small_pool):
     """On CPU, CUDA graphs do not apply: a step_skipped record (info), no feature_downgraded, resolve not 'skipped'."""
-    from pipeline.observe.trace import Run
+    from pipeline.observe.runs import Run
 
     req = SetupRequest(args=AttentionArgs(strict=True), model=llama, pool=small_pool, device="cpu")
     with build_attention_backends(req, installed=ALL) as out:

@@ -1,4 +1,4 @@
-"""Every flag of the domain table (pipeline/cli/domains.py), generated: values below, above and at its bounds,
+"""Every flag of the domain table (pipeline/cli/flags.py), generated: values below, above and at its bounds,
 values of the wrong type, NaN / infinities, empty text and unknown choices. Each out-of-domain value is exit 2
 ``out_of_domain`` naming the flag, the value and the domain, raised before a log is opened; each value at a bound
 and each remedy's suggestion passes. In-process through ``pipeline.cli.main``."""
@@ -13,8 +13,13 @@ import re
 import pytest
 
 from pipeline.cli import build_parser, main
-from pipeline.cli.domains import FLAG_DOMAINS, FlagDomain, check_flags, domains_of
+from pipeline.cli.flags import FLAG_DOMAINS, FlagDomain, check_flags, domains_of
 from pipeline.core.errors import InvalidValue
+from conftest import ROOT, run_json
+from pipeline.core.errors import UsageError
+
+GOLDEN = ROOT / "tests" / "data" / "golden"
+LOG = str(GOLDEN / "ok_default.jsonl")
 
 BASE = {"run": ["run", "--device", "cpu"], "plan": ["plan", "--device-profile", "cpu"],
         "warmup": ["warmup", "--device", "cpu"], "inspect": ["inspect"], "replay": ["replay"], "graph": ["graph"]}
@@ -201,7 +206,7 @@ def test_a_mistyped_choice_gets_did_you_mean_the_nearest(cmd, fd, tmp_path):
 
 
 def test_the_trial_backend_typo_names_flashinfer(capsys):
-    """``run --attention-backend flashinfr`` (the trial's case): exit 2 naming 'flashinfer'."""
+    """``run --attention-backend flashinfr``: exit 2 naming 'flashinfer'."""
     assert main(["run", "--attention-backend", "flashinfr", "--json"]) == 2
     assert "did you mean 'flashinfer'?" in json.loads(capsys.readouterr().out)["error"]["message"]
 
@@ -210,3 +215,192 @@ def test_a_value_near_no_choice_gets_no_suggestion(capsys):
     """A value far from every choice lists the choices without guessing."""
     assert main(["run", "--attention-backend", "zzzzzz", "--json"]) == 2
     assert "did you mean" not in json.loads(capsys.readouterr().out)["error"]["message"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["inspect", "-v", LOG], ["inspect", LOG, "-v"], ["replay", "-v", LOG], ["backends", "-v"],
+    ["graph", "-v", LOG], ["backends", "--verbose"],
+])
+def test_verbose_after_the_subcommand_is_refused_with_its_reason(capsys, argv):
+    """``inspect -v LOG``, ``replay -v LOG``, ``backends -v``, ``graph -v LOG --json``: exit 2 with the same refusal
+    as ``attn-setup -v inspect`` (why the command has no events, ``attn-setup run -v``), not argparse's
+    ``unrecognized arguments: -v``."""
+    command = argv[0]
+    assert main([*argv, "--json"]) == 2
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert "unrecognized" not in err["message"], err
+    assert f"'attn-setup {command}' has none" in err["message"] and err["flags"] == [{"name": "-v", "value": True}]
+    assert "drop -v" in err["remedy"] and f"see 'attn-setup {command} --help'" in err["remedy"]
+    assert main(argv) == 2 and f"'attn-setup {command}' has none" in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("argv", [
+    ["inspect", "--json", "--device", "cpu", LOG], ["inspect", LOG, "--device", "cpu", "--json"],
+    ["replay", "--device", "cpu", LOG, "--json"], ["graph", LOG, "--device", "cpu", "--json"],
+])
+def test_an_unknown_flag_is_named_with_the_value_that_followed_it(capsys, argv):
+    """argparse took ``cpu`` for a LOG; the error still names ``--device`` with ``cpu`` (as ``plan --device cpu``
+    does) and says which subcommands have ``--device``."""
+    assert main(argv) == 2
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert err["flags"] == [{"name": "--device", "value": "cpu"}], err
+    assert err["message"].endswith("unrecognized arguments: --device cpu"), err["message"]
+    assert f"--device is a flag of attn-setup run and attn-setup warmup, not of attn-setup {argv[0]}" in err["remedy"]
+
+
+def test_an_unknown_switch_before_a_flag_has_no_value(capsys):
+    """The word after an unknown flag is its value only when it is not a flag itself."""
+    assert main(["inspect", LOG, "--strict", "--json"]) == 2
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert err["flags"] == [{"name": "--strict", "value": ""}] and err["message"].endswith("arguments: --strict")
+    assert main(["plan", "--device", "cpu", "--json"]) == 2  # plan's form is unchanged
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert err["flags"] == [{"name": "--device", "value": "cpu"}] and "did you mean --device-profile" in err["remedy"]
+
+
+@pytest.mark.parametrize("name,flag,value", [
+    ("SGLANG_FLASHINFER_WORKSPACE_SIZE", "--flashinfer-workspace-size", "-5"),
+    ("SGLANG_FLASHINFER_WORKSPACE_SIZE", "--flashinfer-workspace-size", "abc"),
+    ("SGLANG_FLASHINFER_WORKSPACE_SIZE", "--flashinfer-workspace-size", "0"),
+    ("SGLANG_ZBAL_LOCAL_MEM_SIZE", "--zbal-local-mem-size", "-1"),
+])
+@pytest.mark.parametrize("command", ["plan", "run", "warmup"])
+def test_env_size_passes_the_flags_check(name, flag, value, command, monkeypatch):
+    """``SGLANG_FLASHINFER_WORKSPACE_SIZE=-5`` (or ``abc``) was exit 3 ``invalid_value`` while
+    ``--flashinfer-workspace-size -5`` is exit 2 ``out_of_domain``; README: an environment value "passes the same
+    check as the flag". Now the same refusal as the flag's, naming the variable, with a remedy that passes."""
+    from conftest import run_main
+
+    flag_err = _json(run_main(command, flag, value, "--json"))["error"] if value.lstrip("-").isdigit() else None
+    monkeypatch.setenv(name, value)
+    proc = run_main(command, "--json")
+    assert proc.returncode == 2
+    err = _json(proc)["error"]
+    assert err["code"] == "out_of_domain" and err["state"] == "args"
+    assert err["flags"][0]["name"] == name and err["message"].startswith(f"{name}=")
+    if flag_err is not None:  # the flag with that value: the same code and domain
+        assert (flag_err["code"], flag_err["allowed"]) == (err["code"], err["allowed"])
+    assert f"unset {name}" in err["remedy"] and "else" not in err["remedy"].split(")")[0]
+
+
+@pytest.mark.parametrize("typed,near", [("rnu", "run"), ("inpsect", "inspect"), ("foo", None)])
+def test_unknown_command_shows_what_was_typed_and_the_nearest(typed, near):
+    """``attn-setup foo`` / ``rnu`` printed ``field command = (no value)`` though a value was given, and
+    no "did you mean" (run's flags have one)."""
+    from conftest import run_main
+
+    proc = run_main(typed)
+    assert proc.returncode == 2
+    assert f"command = {typed!r}" in proc.stderr and "(no value)" not in proc.stderr
+    assert ("did you mean" in proc.stderr) is (near is not None)
+    if near:
+        assert f"did you mean {near!r}?" in proc.stderr
+    err = _json(run_main(typed, "--json"))["error"]
+    assert err["flags"] == [{"name": "command", "value": typed}]
+
+
+def test_an_empty_string_is_shown_as_typed_and_a_missing_value_as_none_typed():
+    """``--log-file ''`` and ``plan --installed ''`` showed ``(no value)``; an empty string given is
+    ``''``. A flag typed without any value (``--log-file`` last, a missing LOG, an unknown flag) keeps
+    ``(no value)``."""
+    from conftest import run_main
+
+    proc = run_main("run", "--log-file", "")
+    assert proc.returncode == 2 and "--log-file = ''" in proc.stderr
+    proc = run_main("plan", "--installed", "")
+    assert proc.returncode == 3 and "--installed = ''" in proc.stderr and "(no value)" not in proc.stderr
+    assert "--log-file = (no value)" in run_main("run", "--log-file").stderr
+    assert "LOG = (no value)" in run_main("replay").stderr
+    assert "--bogus = (no value)" in run_main("run", "--bogus").stderr
+
+
+def _json(proc) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+BIG = "2147483647"
+
+
+# -- 7. nits: --json=1 in JSON, the dist timeout variable's remedy, ASCII-only numbers -------------------------------
+def test_json_with_a_value_is_refused_in_json():
+    """``plan --json=1`` printed a human error; it is the JSON error object, naming the switch and what it takes."""
+    import json
+
+    from conftest import run_main
+
+    proc = run_main("plan", "--json=1")
+    err = json.loads(proc.stdout)["error"]
+    assert proc.returncode == 2 and err["code"] == "usage" and err["flags"] == [{"name": "--json", "value": "1"}]
+    assert err["allowed"] == ["--json alone (a switch takes no value)"] and proc.stderr == ""
+    assert err["remedy"].startswith("pass --json without =1")
+
+
+@pytest.mark.parametrize("raw", ["inf", "nan", "0", "-1", "1e9"])
+def test_a_bad_dist_timeout_variable_is_named_as_a_variable_and_its_remedy_runs(tmp_path, monkeypatch, raw):
+    """``ATTN_SETUP_DIST_TIMEOUT=inf`` got "pass ATTN_SETUP_DIST_TIMEOUT 60" (a flag's wording, value null); now
+    the variable as set and "export ATTN_SETUP_DIST_TIMEOUT=60", which then runs ok."""
+    monkeypatch.setenv("ATTN_SETUP_DIST_TIMEOUT", raw)
+    rc, out = run_json("run", "--log-file", str(tmp_path / "l.jsonl"))
+    err = out["error"]
+    assert rc == 2 and err["flags"] == [{"name": "ATTN_SETUP_DIST_TIMEOUT", "value": raw}], err
+    assert err["message"] == f"ATTN_SETUP_DIST_TIMEOUT='{raw}' must be a number of seconds in (0, 86400]"
+    assert err["remedy"] == ("export ATTN_SETUP_DIST_TIMEOUT=60, or unset it (60 s), or pass --dist-timeout 60")
+    if raw == "inf":
+        monkeypatch.setenv("ATTN_SETUP_DIST_TIMEOUT", "60")
+        assert run_json("run", "--log-file", str(tmp_path / "l.jsonl"))[0] == 0
+
+
+@pytest.mark.parametrize("flag,value", [("--max-reqs", "٣"), ("--max-reqs", "３"), ("--max-reqs", "8_0"),
+                                        ("--cuda-graph-max-bs", "３"), ("--max-context-len", "1_024"),
+                                        ("--page-size", "١")])
+def test_integer_flags_take_ascii_digits_only(flag, value):
+    """Python's int() took ``٣``, ``３`` and ``8_0``; a flag's integer is ASCII digits, else the flag's refusal."""
+    import json
+
+    from conftest import run_main
+
+    proc = run_main("plan", "--json", flag, value)
+    err = json.loads(proc.stdout)["error"]
+    assert proc.returncode == 2 and err["code"] == "out_of_domain", err
+    assert err["flags"] == [{"name": flag, "value": value}] and "invalid int value" in err["message"]
+
+
+def test_ascii_numbers():
+    from pipeline.core.numbers import ascii_float, ascii_int
+
+    assert [ascii_int(s) for s in ("8", "+8", "-3", " 80 ", "007")] == [8, 8, -3, 80, 7]
+    assert [ascii_float(s) for s in ("0.5", ".5", "5.", "1e-3", "-2E+2", "inf")] == [0.5, 0.5, 5.0, 1e-3, -200.0,
+                                                                                      float("inf")]
+    for bad in ("٣", "３", "8_0", "0x10", "", "1.5", "8\n"):
+        with pytest.raises(ValueError):
+            ascii_int(bad)
+    for bad in ("٠.٥", "1_0.5", "0x1p3", "", "1e", "."):
+        with pytest.raises(ValueError):
+            ascii_float(bad)
+
+
+@pytest.mark.parametrize("var", ["ATTN_SETUP_SLOW_PHASE_S", "ATTN_SETUP_DIST_TIMEOUT", "ATTN_SETUP_MAX_MEMORY_IMBALANCE"])
+@pytest.mark.parametrize("text", ["٣", "３", "0_5"])
+def test_the_variables_take_ascii_numbers_as_their_flags_do(var, text, monkeypatch):
+    """``ATTN_SETUP_DIST_TIMEOUT=٣`` was taken as 3 s (Python's float() reads any Unicode digit), while
+    ``--dist-timeout ٣`` is refused; each variable is now refused naming itself and the value as set."""
+    from pipeline.observe.startup import slow_threshold
+    from pipeline.setup.distributed import max_imbalance_from
+    from pipeline.setup.rank_watch import timeout_from_env
+
+    monkeypatch.setenv(var, text)
+    read = {"ATTN_SETUP_SLOW_PHASE_S": lambda: slow_threshold(None),
+            "ATTN_SETUP_DIST_TIMEOUT": lambda: timeout_from_env(60.0),
+            "ATTN_SETUP_MAX_MEMORY_IMBALANCE": lambda: max_imbalance_from(None)}[var]
+    with pytest.raises(UsageError) as e:
+        read()
+    assert e.value.exit_code == 2 and var in e.value.info.message and text in e.value.info.message
+
+
+def test_a_blank_slow_phase_variable_is_unset_as_the_others(monkeypatch):
+    from pipeline.observe.startup import slow_threshold
+    from pipeline.setup.rank_watch import timeout_from_env
+
+    monkeypatch.setenv("ATTN_SETUP_SLOW_PHASE_S", " ")
+    monkeypatch.setenv("ATTN_SETUP_DIST_TIMEOUT", " ")
+    assert slow_threshold(None) is None and timeout_from_env(60.0) == 60.0

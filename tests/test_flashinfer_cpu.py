@@ -37,7 +37,7 @@ def test_factory_without_flashinfer_names_package_and_extra(monkeypatch):
         with pytest.raises(BackendUnavailable) as ei:
             factory(sc.ctx)
         assert "flashinfer-python" in ei.value.info.message
-        assert "pip install 'flashinfer-python>=0.6.13,<0.7'" in ei.value.info.remedy
+        assert "pip install 'flashinfer-python==0.7.2'" in ei.value.info.remedy
         assert ei.value.info.flags[0].value == name
 
 
@@ -67,16 +67,19 @@ def test_fa3_refused_off_sm90(monkeypatch):
 
 
 def test_workspace_hand_computed_table():
-    """Bytes match a hand-computed table (H=32, Hkv=8, Dv=128, 132 SMs)."""
+    """Bytes match a hand-computed table (H=32, Hkv=8, Dv=128, 132 SMs; FlashInfer 0.7.2's scheduler.cuh: FA2
+    partial outputs per query row, ``ceil(tiles * cta_tile_q / group)`` rows)."""
     s = rules.HeadShape(32, 8, 128)
     # CUDA-core decode: rows = 16*132//8 = 264; 32*264*(128+1)*4 + 32
     assert rules.cuda_core_decode_bytes(s, 132) == 32 * 264 * 129 * 4 + 32
-    # FA2 eager: tiles = 2*132//8 = 33, tile 128 rows
-    assert rules.fa2_eager_bytes(s, 132) == 32 * 33 * 128 * 129 * 4 + 32
-    # graph decode bs=256, group 4 -> tile 16, q tiles = 256*4/16 + 255 = 319 > 33
-    assert rules.fa2_graph_decode_bytes(s, 132, 256) == 32 * 319 * 16 * 129 * 4 + 32
-    # bs=4: q tiles 1+3=4 < 33 split tiles
-    assert rules.fa2_graph_decode_bytes(s, 132, 4) == 32 * 33 * 16 * 129 * 4 + 32
+    # FA2 eager: tiles = 2*132//8 = 33, tile 128 packed rows, group 4 -> 33*128/4 = 1056 rows
+    assert rules.fa2_eager_bytes(s, 132) == 32 * 1056 * 129 * 4 + 32
+    # graph decode bs=256, group 4 -> tile 16, q tiles = 256*4/16 + 255 = 319 > 33 -> 319*16/4 = 1276 rows
+    assert rules.fa2_graph_decode_bytes(s, 132, 256) == 32 * 1276 * 129 * 4 + 32
+    # bs=4: q tiles 1+3=4 < 33 split tiles -> 33*16/4 = 132 rows
+    assert rules.fa2_graph_decode_bytes(s, 132, 4) == 32 * 132 * 129 * 4 + 32
+    # group 3 (24/8): 33 tiles of 16 packed rows -> ceil(528/3) = 176 rows
+    assert rules.fa2_graph_decode_bytes(rules.HeadShape(24, 8, 128), 132, 4) == 24 * 176 * 129 * 4 + 32
 
 
 def test_workspace_need_takes_largest_path_and_graph_bs():
@@ -90,10 +93,13 @@ def test_workspace_need_takes_largest_path_and_graph_bs():
     assert rules.workspace_need([s], num_sms=132, max_batch_size=256).bytes == rules.fa2_eager_bytes(s, 132)
 
 
-def test_mqa_needs_more_than_sglang_default():
-    """An MQA model (H=32, Hkv=1, D=128) needs more than 384 MiB for its worst FA2 prefill split."""
+def test_mqa_fits_sglang_default():
+    """An MQA model (H=32, Hkv=1, D=128): FlashInfer 0.7.2 sizes FA2's partial outputs per query row, so the worst
+    prefill split needs 264*128/32 = 1056 rows (0.6.13 reserved 32 times more, beyond 384 MiB); the largest path is
+    CUDA-core decode, 16*132 = 2112 rows — far below sglang's default."""
     n = rules.workspace_need([rules.HeadShape(32, 1, 128)], num_sms=132, max_batch_size=64)
-    assert n.bytes == 32 * 264 * 128 * 129 * 4 + 32 > rules.DEFAULT_WORKSPACE_BYTES
+    assert n.parts["fa2_eager"] == 32 * 1056 * 129 * 4 + 32
+    assert n.bytes == n.parts["cuda_core_decode"] == 32 * 2112 * 129 * 4 + 32 < rules.DEFAULT_WORKSPACE_BYTES
 
 
 def test_check_workspace_size_error_names_field_and_bytes():
@@ -270,9 +276,9 @@ def test_glue_decode_extend_all_kinds(fib, page_size):
 @pytest.mark.parametrize("window", [None, 6])
 def test_sink_kinds_of_different_head_dims_get_their_own_modules(fib, window):
     """Sink layers of head dims 64 and 128 (and a float16 KV next to bf16 ones) in one process each run their own
-    kernel. FlashInfer 0.6.13's sink wrapper names its JIT module without head dims or KV dtype, so the second kind
-    loaded the first one's kernel (max rel err 1.4-2.0 on the H200); the fake's JIT cache is keyed by module name as
-    the real one is, and refuses a module built for other parameters."""
+    kernel. FlashInfer's sink wrapper (0.6.13, still 0.7.2) names its JIT module without head dims or KV dtype, so the
+    second kind loaded the first one's kernel (max rel err 1.4-2.0 on the H200); the fake's JIT cache is keyed by
+    module name as the real one is, and refuses a module built for other parameters."""
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
     for d in (64, 128):  # two backends in one process share the JIT cache
         sc = _scenario([make_kind(4, 2, d, window=window, sinks=True, layer_ids=(0,)),

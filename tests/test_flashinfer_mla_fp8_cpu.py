@@ -1,4 +1,4 @@
-"""CPU tests of the flashinfer backend's MLA and fp8-KV glue over tests/fake_flashinfer.py (issue 16).
+"""CPU tests of the flashinfer backend's MLA and fp8-KV glue over tests/fake_flashinfer.py.
 
 The real backend code (planning, page tables, the MLA wrapper's q / latent views, fp8 scales, CUDA-graph
 buffers) runs against the fake wrappers, whose math is written independently in float32; every output is
@@ -247,7 +247,8 @@ def test_fp8_outside_plain_mha_refused_by_the_factory(fib, what):
 
 
 def test_fp8_fa3_refused_by_the_factory(fib):
-    """fa3 with an fp8 cache (does not compile in FlashInfer 0.6.13) is refused, pointing at flashinfer."""
+    """fa3 with an fp8 cache (did not compile in FlashInfer 0.6.13; not verified with 0.7.2) is refused, pointing at
+    flashinfer."""
     sc = _scenario([make_kind(8, 2, 128)], 4, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, name="fa3")
     with pytest.raises(CapabilityMismatch) as ei:
         fib.create_fa3(sc.ctx)

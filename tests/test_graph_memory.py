@@ -19,8 +19,9 @@ from conftest import CONFIGS, cuda_facts
 from pipeline.backends import registry
 from pipeline.backends.capability import BackendRules, decode_output_only
 from pipeline.cli import main
-from pipeline.cli.plan_report import plan_report
+from pipeline.cli.plan import plan_report
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError
 from pipeline.core.model_spec import load_model_spec
@@ -322,13 +323,13 @@ def test_run_prints_the_capture_step_against_the_estimate():
                              batch_sizes=[1, 2, 4, 8], pool_estimate=2 * MiB, state_estimate=42 * MiB,
                              warmup_estimate=34 * MiB, blas_workspace_bytes=32 * MiB, total_estimate=78 * MiB,
                              pool_bytes=2 * MiB, step_device_bytes=60 * MiB)
-    assert ev.decode_line(ev.encode(mem)) == mem   # the wire form round-trips
+    assert wire.decode_line(wire.encode(mem)) == mem   # the wire form round-trips
     # kept = 78 - (34 - 32): the warm-up's temporaries are given back before each capture, its cuBLAS workspace not
     assert mem.kept_estimate == 76 * MiB
     assert _graph_line([mem]) == ("CUDA graphs: 4 sizes captured, graph pool 2.0 MiB (estimated 2.0 MiB), capture "
                                   "step took 60.0 MiB of the device (estimated 76.0 MiB kept, 78.0 MiB at its peak)")
     primed = msgspec.structs.replace(mem, prime_device_bytes=96 * MiB)
-    assert ev.decode_line(ev.encode(primed)) == primed
+    assert wire.decode_line(wire.encode(primed)) == primed
     assert _graph_line([primed]).endswith(", after 96.0 MiB of one-time capture setup before the pools were sized")
     assert _graph_line([]) is None
     sized = ev.MemoryPoolSized(ts_ns=1, run_id="r", rank=0, state="init-memory-pool", source="mem_fraction", budget_bytes=1,

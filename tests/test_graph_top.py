@@ -15,6 +15,10 @@ from pipeline.core.errors import ConfigError
 from pipeline.platforms import profiles
 from states.build_mode import (batch_sizes_text, capture_batch_sizes, count_batch_sizes, default_max_bs, graph_max_bs,
                            graph_top)
+from plan_remedies import follow_every_alternative
+from plan_remedies import plan
+import time
+import tracemalloc
 
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -149,3 +153,74 @@ def test_plan_text_names_the_default():
     text = " ".join(proc.stdout.split())
     assert proc.returncode == 0
     assert "(35 sizes, largest 256); top: default for 131 GiB: 256 (sglang's rule)" in text
+
+
+def _plan_on_h200(argv: list[str], installed: bool) -> tuple[int, dict]:
+    """``plan --json`` on the h200 profile, with FlashInfer and Triton assumed installed or the default packages."""
+    import json
+
+    from conftest import run_main
+
+    if installed:
+        return plan(argv)
+    proc = run_main("plan", "--json", "--device-profile", "h200", *argv)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def _measured(argv: list[str], installed: bool) -> tuple[int, dict, float, int]:
+    """:func:`_plan`'s exit code and JSON, its seconds (untraced) and tracemalloc's peak bytes (a second call)."""
+    t0 = time.perf_counter()
+    rc, out = _plan_on_h200(argv, installed)
+    seconds = time.perf_counter() - t0
+    tracemalloc.start()
+    try:
+        assert _plan_on_h200(argv, installed) == (rc, out)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return rc, out, seconds, peak
+
+
+@pytest.mark.parametrize("top", ["100000000", "2147483647"])
+@pytest.mark.parametrize("installed", [False, True])
+def test_plan_refuses_a_huge_top_in_seconds_and_bounded_memory(monkeypatch, installed, top):
+    """The finding: ``--max-reqs 2147483647 --cuda-graph-max-bs 2147483647`` built ~268M batch sizes (10+ GB) in the
+    graphs' lower bound (at 1e8: 4.2 s and 1.3 GB); now refused in seconds with a peak under 200 MB — the pools'
+    refusal with the default packages, FlashInfer's workspace with it installed —, and every alternative of the
+    remedy then plans ok."""
+    argv = ["--max-reqs", top, "--cuda-graph-max-bs", top]
+    rc, out, seconds, peak = _measured(argv, installed)
+    assert seconds < 5 and peak < 200 * 2**20, (seconds, peak)
+    err = out["error"]
+    assert rc == 3 and err["code"] == ("workspace_too_small" if installed else "pool_exceeds_memory"), err
+    assert "--cuda-graph-max-bs 8192" in err["remedy"], err["remedy"]
+    if installed:
+        assert len(follow_every_alternative(argv, err["remedy"], monkeypatch)) == 1
+        return
+    assert err["state"] == "init-memory-pool" and "--disable-cuda-graph" in err["remedy"], err
+    assert err["remedy"].split(", or ") == [
+        "lower --max-reqs (at most 11865653 rows at this context length) and set --cuda-graph-max-bs 8192",
+        "lower --max-reqs (at most 29301301 rows at this context length) and set --disable-cuda-graph"], err["remedy"]
+    for fixed in (["--max-reqs", "11865653", "--cuda-graph-max-bs", "8192"],
+                  ["--max-reqs", "29301301", "--disable-cuda-graph"]):
+        rc, out = _plan_on_h200(fixed, False)
+        assert rc == 0 and out["ok"], out
+
+
+def test_the_series_is_never_listed_and_agrees_with_the_list():
+    """:class:`BatchSeries`: length, indexing, bisection and sum in O(1), equal to the listed series."""
+    import bisect
+
+    from pipeline.memory.pools import remedy_tops
+    from states.build_mode import BatchSeries, series_sum
+
+    for top in (1, 3, 8, 15, 16, 17, 24, 1000):
+        listed = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 8))
+        s = BatchSeries(top)
+        assert list(s) == listed and len(s) == len(listed) and series_sum(s) == sum(listed)
+        assert [s[i] for i in range(-len(s), len(s))] == listed * 2 and s[:3] == listed[:3]
+        assert remedy_tops(s) == listed[:-1]
+    huge = BatchSeries(2**31 - 1)
+    assert len(huge) == 268435458 and huge[-1] == 2147483640 and huge[4] == 16
+    assert series_sum(huge) == 15 + 268435454 * (16 + 2147483640) // 2
+    assert bisect.bisect_left(huge, 8193) == 1027 and remedy_tops(huge)[-1] == 8192

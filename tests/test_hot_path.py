@@ -1,4 +1,4 @@
-"""Nothing instruments the per-layer path (issue 13, section 8), shown on CPU.
+"""Nothing instruments the per-layer path, shown on CPU.
 
 The batch's device tensors (``req_pool_indices``, ``seq_lens``, ``out_cache_loc``, ``positions``,
 ``extend_*_lens``) are wrapped in :class:`NoHostRead`, a tensor subclass that — once armed — fails on

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import CONFIGS
+from conftest import CONFIGS, run_json
 from pipeline.core import settings as attn_settings
 from pipeline.core.contracts import AttentionArgs, ModelSpec, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError, ModelConfigError
@@ -249,3 +249,50 @@ def test_runner_refuses_a_pool_beyond_the_platforms_memory_before_allocating(lla
     assert e.value.info.code == "pool_exceeds_memory" and e.value.info.state == "init-memory-pool"
     assert runner.pools is None and "--mem-fraction 0.67" in e.value.info.remedy  # 0.9 of 48 MiB: a quarter kept as margin
     runner.close()
+
+
+# -- 4. rope_theta in a documented range ------------------------------------------------------------------------
+def _llama_with(**keys) -> dict:
+    import json
+
+    from conftest import ROOT
+
+    return {**json.loads((ROOT / "examples/configs/llama-3.1-8b.json").read_text()), **keys}
+
+
+@pytest.mark.parametrize("theta", [1e-300, 1e-40, 1e-20, 0.5, 1, 1.0000001e30, 1e300])
+@pytest.mark.parametrize("where", ["top", "rope_parameters"])
+def test_a_rope_theta_outside_its_range_is_refused_naming_the_key(theta, where):
+    """The finding: 1e-300, 1e-40 and 1e-20 were accepted, then verification failed blaming the backend. Now a
+    ModelConfigError at the key's JSON path, with the value, the range and the remedy."""
+    from pipeline.core.errors import ModelConfigError
+    from pipeline.core.model_spec import load_model_spec
+
+    cfg = _llama_with(rope_theta=theta) if where == "top" else {
+        **{k: v for k, v in _llama_with().items() if k not in ("rope_theta", "rope_scaling")},
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec(cfg)
+    info = e.value.info
+    assert info.code == "model_config_invalid" and info.allowed == ["a number in (1, 1e+30]"]
+    assert info.json_path == ("$.rope_theta" if where == "top" else "$.rope_parameters.rope_theta")
+    assert [(f.name, f.value) for f in info.flags] == [("rope_theta", float(theta))]
+    assert "must be in (1, 1e+30] (RoPE's base" in info.message and "config.json" in info.remedy
+
+
+@pytest.mark.parametrize("theta", [1.0001, 100, 10000, 500000.0, 3580165449.0, 1e30])
+def test_published_rope_thetas_are_accepted(theta):
+    from pipeline.core.model_spec import load_model_spec
+
+    assert load_model_spec(_llama_with(rope_theta=theta)).rope_theta == float(theta)
+
+
+def test_run_refuses_a_rope_theta_of_1e_20_before_loading(tmp_path):
+    """The CLI: exit 3 ``model_config_invalid`` in state args (it was ``verification_failed``, exit 1)."""
+    import json
+
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps(_llama_with(rope_theta=1e-20)))
+    rc, out = run_json("run", "--model", str(model), "--log-file", str(tmp_path / "l.jsonl"))
+    assert rc == 3 and out["error"]["code"] == "model_config_invalid" and out["error"]["state"] == "args", out
+    assert out["error"]["json_path"] == "$.rope_theta"

@@ -203,3 +203,30 @@ def test_runner_traces_cut_failed_split_or_doubled(capsys, tmp_path):
     capsys.readouterr()
     spans = [e for e in json.loads(perf.read_text())["traceEvents"] if e.get("cat") == "runner_state"]
     assert all(x["ts"] + x["dur"] <= y["ts"] + 1e-6 for x, y in zip(spans, spans[1:]))
+
+
+GOOD = Path(__file__).parent / "data" / "bad_inputs" / "traces" / "cli_run_ok.jsonl"
+
+
+def _reader(name, tmp_path, *logs):  # argv of a reader command over ``logs``
+    out = tmp_path / "g.mmd"
+    return {"inspect": ["inspect", "--json", *logs], "replay": ["replay", "--json", *logs],
+            "graph": ["graph", "-o", str(out), *logs]}[name]
+
+
+@pytest.mark.parametrize("command", ["inspect", "replay", "graph"])
+@pytest.mark.parametrize("order", ["missing-last", "missing-first", "missing-alone"])
+def test_a_missing_log_among_several_is_refused_naming_it(command, order, tmp_path, capsys):
+    """`replay good nope` exited 0 without mentioning nope, `inspect good nope` exited 0: every named log must be
+    readable, else exit 2 `trace_unreadable` naming it with the OS reason — as for a directory (item 6)."""
+    nope = str(tmp_path / "nope.jsonl")
+    logs = {"missing-last": [str(GOOD), nope], "missing-first": [nope, str(GOOD)], "missing-alone": [nope]}[order]
+    assert main(_reader(command, tmp_path, *logs)) == 2
+    text = capsys.readouterr()
+    both = " ".join((text.out + text.err).split())  # the human error wraps at spaces to the console's width
+    assert "trace_unreadable" in both and "No such file or directory" in both and nope in both
+
+
+@pytest.mark.parametrize("command", ["inspect", "replay", "graph"])
+def test_readable_logs_still_read(command, tmp_path, capsys):
+    assert main(_reader(command, tmp_path, str(GOOD), str(GOOD))) == 0

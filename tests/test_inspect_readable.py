@@ -1,4 +1,4 @@
-"""``inspect`` reads as the live run did (new-user trial, session 13): a multi-rank failure's text with real line ends
+"""``inspect`` reads as the live run did (session 13): a multi-rank failure's text with real line ends
 and dashes, every rank's value as ``rank 0: 8; rank 1: 16``, the flag the user set named (the capture list derived
 from ``--max-reqs`` said to be derived); ``inspect --diff`` saying ``not set`` and exiting as ``inspect`` does; a
 junk LOG named as a plain path; ``--slow-phase-s``'s warnings in ``run``'s report, its ``--json`` and ``inspect``.
@@ -13,16 +13,17 @@ import re
 import pytest
 
 from conftest import CONFIGS, run_main
-from pipeline.cli.report import render_error
-from pipeline.cli.wording import cli_error, command_dests
+from pipeline.cli.output import render_error
+from pipeline.cli.output import cli_error, command_dests
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
-from pipeline.core.decisions import Resolution, ResolvedAttentionBackendStr
+from pipeline.core.contracts import Resolution, ResolvedAttentionBackendStr
 from pipeline.core.errors import AttnSetupError
 from pipeline.core.eventlog import EventLog
 from pipeline.core.model_spec import load_model_spec
 from pipeline.setup.build import build_attention_backends
-from pipeline.setup.rank_exchange import RankReport, _diverging, _divergence, _row
+from pipeline.setup.distributed import RankReport, _diverging, _divergence, _row
 
 RES = Resolution(pair=ResolvedAttentionBackendStr(prefill="torch_native", decode="torch_native"),
                  rules={"prefill": "auto", "decode": "auto"})
@@ -145,7 +146,7 @@ def test_slow_phases_show_in_report_json_and_inspect(tmp_path):
     argv = ["run", "--device", "cpu", "--num-layers", "1", "--decode-steps", "1", "--slow-phase-s", "1e-6"]
     p = run_main(*argv, "--log-file", str(log))
     assert p.returncode == 0, p.stderr
-    recs = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    recs = [wire.decode_line(x) for x in log.read_bytes().splitlines()]
     slow = [r for r in recs if isinstance(r, ev.SlowPhase)]
     assert slow
     out = " ".join(p.stdout.split())

@@ -1,4 +1,4 @@
-"""How outputs end (session 13, adversarial I/O findings): a log that fills up while the last records are written, a
+"""How outputs end: a log that fills up while the last records are written, a
 metrics file or a perfetto timeline on a full disk or behind a symbolic link, a Ctrl-C while the run closes down or
 in the exit handlers, a log whose last line was cut short, and a verdict on a 1-column terminal.
 
@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_json
 from pipeline.cli import main
 from pipeline.core import events as ev
 from pipeline.observe.trace import read_trace
+from pipeline.core.errors import UsageError
+from pipeline.core.files import refuse_symlink
 
 FAST = ["--num-layers", "1", "--decode-steps", "1"]
 
@@ -353,3 +355,72 @@ def test_verdict_word_never_wraps(cols, capsys, monkeypatch, tmp_path):
     assert main(["run", "--device", "cpu", "--attention-backend", "flashmla", "--log-file",
                  str(tmp_path / "l.jsonl")]) == 3
     assert capsys.readouterr().out.splitlines()[-1] == "failed"
+
+
+# -- 2. a {run_id} --log-file is checked for path_conflict with the run id it gets -------------------------------
+def test_a_run_id_log_file_over_the_model_config_is_a_path_conflict(tmp_path, monkeypatch):
+    """The finding: ``ATTN_SETUP_RUN_ID=myrun … --model conf/myrun.json --log-file 'conf/{run_id}.json'`` was rc 0
+    with 37 JSON lines appended to the config; now exit 2 ``path_conflict`` naming both flags, the config as it was."""
+    from conftest import ROOT
+
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    model = conf / "myrun.json"
+    model.write_bytes((ROOT / "examples/configs/llama-3.1-8b.json").read_bytes())
+    before = model.read_bytes()
+    monkeypatch.setenv("ATTN_SETUP_RUN_ID", "myrun")
+    rc, out = run_json("run", "--model", str(model), "--log-file", str(conf / "{run_id}.json"))
+    err = out["error"]
+    assert rc == 2 and err["code"] == "path_conflict" and err["state"] == "args", err
+    assert [f["name"] for f in err["flags"]] == ["--log-file", "--model"] and err["flags"][0]["value"] == str(model)
+    assert err["remedy"] == "pass a different path to --log-file"
+    assert model.read_bytes() == before and sorted(p.name for p in conf.iterdir()) == ["myrun.json"]
+
+
+def test_a_run_id_log_file_over_the_metrics_file_is_a_path_conflict(tmp_path, monkeypatch):
+    """``ATTN_SETUP_RUN_ID=m2 … --log-file 'conf/{run_id}.jsonl' --metrics-file conf/m2.jsonl``: the log was replaced
+    by OpenMetrics text; now refused before anything is written."""
+    monkeypatch.setenv("ATTN_SETUP_RUN_ID", "m2")
+    rc, out = run_json("run", "--log-file", str(tmp_path / "{run_id}.jsonl"), "--metrics-file", str(tmp_path / "m2.jsonl"))
+    err = out["error"]
+    assert rc == 2 and err["code"] == "path_conflict", err
+    assert [f["name"] for f in err["flags"]] == ["--log-file", "--metrics-file"]
+    assert err["remedy"] == "pass a different path to --metrics-file" and list(tmp_path.iterdir()) == []
+
+
+def test_a_run_id_known_only_when_the_run_starts_is_checked_before_the_log_opens(tmp_path, monkeypatch):
+    """A run id not in the environment (a fresh one, a rank group's) is filled in as the run starts; the conflict
+    check runs again then, before the log opens: nothing written, exit 2 ``path_conflict``."""
+    import pipeline.core.eventlog as eventlog
+
+    monkeypatch.delenv("ATTN_SETUP_RUN_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(eventlog, "new_run_id", lambda: "fresh")
+    metrics = tmp_path / "fresh.rank0.jsonl"
+    rc, out = run_json("run", "--log-file", str(tmp_path / "{run_id}.rank{rank}.jsonl"), "--metrics-file", str(metrics))
+    err = out["error"]
+    assert rc == 2 and err["code"] == "path_conflict", err
+    assert err["flags"] == [{"name": "--log-file", "value": str(metrics)}, {"name": "--metrics-file",
+                                                                           "value": str(metrics)}]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_relative_link_remedy_names_the_path_from_here_and_following_it_writes_the_target(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "target.prom").write_text("")
+    os.symlink("target.prom", tmp_path / "d" / "rel.prom")
+    with pytest.raises(UsageError) as e:
+        refuse_symlink("d/rel.prom", flag="--metrics-file", what="--metrics-file")
+    remedy = e.value.info.remedy
+    assert "'d/target.prom'" in remedy, remedy
+    refuse_symlink("d/target.prom", flag="--metrics-file", what="--metrics-file")   # the path it names is no link
+
+
+def test_a_link_to_a_directory_is_not_offered_as_the_target(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "realdir").mkdir()
+    os.symlink("realdir", tmp_path / "dlink")
+    with pytest.raises(UsageError) as e:
+        refuse_symlink("dlink", flag="--perfetto", what="--perfetto")
+    assert "points to a directory" in e.value.info.remedy and "pass the link's target" not in e.value.info.remedy

@@ -1,4 +1,4 @@
-"""The KV-cache contract of pipeline/memory.py (issue 16): fp8 storage with per-layer scales, one latent buffer per
+"""The KV-cache contract of pipeline/memory.py: fp8 storage with per-layer scales, one latent buffer per
 MLA layer, and the backends and verification reading it.
 
 - the write rule ``stored = fp8(clamp(x / scale))`` against an fp8 rounding written here in float64 from the formats'

@@ -1,4 +1,4 @@
-"""Backends compute only with the layers they were built for (issue 13, section 1), checked once per layer.
+"""Backends compute only with the layers they were built for, checked once per layer.
 
 Every backend available on CPU — torch_native, triton under ``TRITON_INTERPRET=1``, flashinfer and fa3
 through tests/fake_flashinfer.py — is built by its registry factory for a set of layer kinds and

@@ -1,4 +1,4 @@
-"""How many layers a run built, said truly for a hybrid model (new-user trial #2, item 1).
+"""How many layers a run built, said truly for a hybrid model.
 
 Qwen3-Next with ``--num-layers 2`` builds layers 3 and 7: the stack spans layers 0-7 and 6 linear-attention layers
 in it are skipped. "8 of 48 layers built" and plan's "over 8 layers" read as 8 attention layers.
@@ -12,6 +12,7 @@ from conftest import ROOT
 
 from pipeline.cli import main
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.layer_span import layer_span, span_text
 
 QWEN3_NEXT = str(ROOT / "examples" / "configs" / "qwen3-next-80b-a3b-instruct.json")
@@ -39,7 +40,7 @@ def test_run_reports_attention_layers_built_for_a_hybrid(tmp_path, capsys):
     assert code == 0
     assert "2 attention layers built (layers 0-7: 6 linear-attention skipped) of 48" in out
     assert "8 of 48 layers built" not in out
-    loaded = next(r for r in map(ev.decode_line, log.read_bytes().splitlines()) if isinstance(r, ev.ModelLoaded))
+    loaded = next(r for r in map(wire.decode_line, log.read_bytes().splitlines()) if isinstance(r, ev.ModelLoaded))
     assert (loaded.num_layers, loaded.attention_layers) == (8, 2)  # num_layers keeps its meaning: the span
     assert loaded.skipped_layers == [{"kind": "linear_attention", "layer_ids": [0, 1, 2, 4, 5, 6]}]
 
@@ -60,8 +61,8 @@ def test_old_model_loaded_records_still_decode():
     """A model_loaded line written before attention_layers / skipped_layers decodes, both None."""
     rec = ev.ModelLoaded(ts_ns=1, run_id="r", rank=0, state="load-model", num_layers=2, num_hidden_layers=32,
                          param_bytes=1, dtype="bfloat16", seed=0)
-    line = json.loads(ev.encode(rec))
+    line = json.loads(wire.encode(rec))
     for k in ("attention_layers", "skipped_layers"):
         line.pop(k, None)
-    back = ev.decode_line(json.dumps(line).encode())
+    back = wire.decode_line(json.dumps(line).encode())
     assert back.attention_layers is None and back.skipped_layers is None

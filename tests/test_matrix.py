@@ -1,4 +1,4 @@
-"""Accepted means runs (issue 13 §9), CPU side: every combination the records accept is built and verified.
+"""Accepted means runs, CPU side: every combination the records accept is built and verified.
 
 The combinations, the acceptance question and the run are ``benchmarks/matrix_cells.py``'s (the GPU script
 ``benchmarks/accepted_matrix.py`` runs the same cells on the H200): backend × layer kind (full, window, softcap, sinks, chunked, MLA) × KV dtype
@@ -50,7 +50,7 @@ DONE: dict[str, dict[str, M.Row]] = {g: {} for g in GROUPS}
 @functools.lru_cache(maxsize=None)
 def group_rows(group: str) -> tuple[M.Row, ...]:
     """Every cell of ``group``, decided (status ``accepted`` or ``refused``)."""
-    from pipeline.setup.build import installed_by_import
+    from pipeline.backends.packages import installed_by_import
 
     profile, backends, must = GROUPS[group]
     cells = [c for c in M.cells(backends) if must is None or must in (c.prefill, c.decode)]
@@ -186,7 +186,7 @@ def test_a_graph_cell_that_captures_nothing_fails():
 
 def test_table_records_every_cell():
     """The table and summary of each group: every cell decided, the ones run with their error (this runs last, so
-    the cells verified in this session carry their results); ``ATTN_SETUP_MATRIX_OUT`` gets the files."""
+    the cells verified carry their results); ``ATTN_SETUP_MATRIX_OUT`` gets the files."""
     out_dir = os.environ.get("ATTN_SETUP_MATRIX_OUT")
     for group in GROUPS:
         picked = selected(group)

@@ -342,7 +342,7 @@ def test_layer_kinds_rejects_inconsistent_spec():
 
 
 # ------------------------------------------------------------------------------------------
-# Layers that are not softmax attention over the whole context (issue 13 §3)
+# Layers that are not softmax attention over the whole context
 # ------------------------------------------------------------------------------------------
 _QWEN3_NEXT = _cfg("qwen3-next-80b-a3b-instruct.json")
 _SCOUT = _cfg("llama-4-scout-17b-16e-instruct.json")
@@ -486,7 +486,7 @@ def test_qwen3_next_interval_property(n, interval):
 def test_computed_head_dim_names_the_keys_it_came_from(hidden, heads, nested):
     """Without ``head_dim``, the head dim is ``hidden_size / num_attention_heads``: an even integer is taken, anything
     else is refused naming those two keys (JSON path ``hidden_size``'s, inside ``text_config`` when nested) and the
-    quotient — never the absent ``head_dim`` key (issue 14: 4000 / 32 said "$.head_dim must be even"); a quotient above
+    quotient — never the absent ``head_dim`` key (4000 / 32 said "$.head_dim must be even"); a quotient above
     the largest head dim accepted (1024) is refused as an explicit one is."""
     cfg = _cfg("llama-3.1-8b.json")
     cfg.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=1)
@@ -511,7 +511,7 @@ def test_computed_head_dim_names_the_keys_it_came_from(hidden, heads, nested):
 
 def test_a_default_layer_rule_is_said_with_how_to_override_it():
     """A model_type without a layer rule and no layer list in its config gets a note naming the rule that read its
-    layers and the key that overrides it (issue 14: model_type "foobar" was taken as all-full silently); a known
+    layers and the key that overrides it (model_type "foobar" was taken as all-full silently); a known
     model_type or an explicit list gets none; following the note (layer_types) reads exactly those types."""
     from pipeline.core.model_spec import layer_rule_note
 

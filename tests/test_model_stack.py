@@ -18,7 +18,8 @@ from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.core.contracts import ForwardMode
 from pipeline.core.errors import ConfigError
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
-from pipeline.runtime.model import AttentionStack, _rope_complex, reference_forward, rope_neox, truncate_spec
+from pipeline.runtime.model import AttentionStack, _rope_complex, reference_forward, rope_neox
+from pipeline.core.spec import truncate_spec
 from pipeline.core.model_spec import load_model_spec
 from pipeline.runtime.reference import rel_err
 

@@ -1,4 +1,4 @@
-"""The caches added for issue 15's overhead criterion give exactly what the uncached code gives.
+"""The caches of the setup's hot path give exactly what the uncached code gives.
 
 ``layer_kinds`` is kept per spec, ``StepTable.transitions()`` is built once per table and the events' float-field
 map is computed per tag on first use; each is checked here against the computation it replaced, over every
@@ -15,6 +15,7 @@ import msgspec.inspect as mi
 import pytest
 
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core import spec as S
 from pipeline.core.errors import ModelConfigError
 from pipeline.core.model_spec import load_model_spec
@@ -75,12 +76,12 @@ def test_transitions_equal_the_table(table):
 
 def test_float_fields_lazy_equal_eager():
     memo: dict = {}
-    want = {ev.event_name(c): ev._float_spec(mi.type_info(c), memo) for c in ev.EVENT_TYPES}
-    assert dict(ev.FLOAT_FIELDS) == want
-    assert len(ev.FLOAT_FIELDS) == len(ev.EVENT_TYPES) and set(ev.FLOAT_FIELDS) == set(want)
-    assert ev.FLOAT_FIELDS.get("no_such_event") is None
+    want = {ev.event_name(c): wire._float_spec(mi.type_info(c), memo) for c in ev.EVENT_TYPES}
+    assert dict(wire.FLOAT_FIELDS) == want
+    assert len(wire.FLOAT_FIELDS) == len(ev.EVENT_TYPES) and set(wire.FLOAT_FIELDS) == set(want)
+    assert wire.FLOAT_FIELDS.get("no_such_event") is None
     with pytest.raises(KeyError):
-        ev.FLOAT_FIELDS["no_such_event"]
+        wire.FLOAT_FIELDS["no_such_event"]
     assert any(isinstance(v, dict) and any(isinstance(x, tuple) for x in v.values()) for v in want.values())
 
 
@@ -90,10 +91,10 @@ def test_nonfinite_float_reads_back_in_a_fresh_process(tmp_path):
     import sys
 
     rec = ev.Heartbeat(ts_ns=1, run_id="r", rank=0, state="resolve", what="jit", elapsed_s=float("nan"))
-    line = ev.encode(rec)
+    line = wire.encode(rec)
     assert b'"NaN"' in line
-    code = ("import sys, math; from pipeline.core import events as ev; "
-            "r = ev.decode_line(sys.stdin.buffer.read()); print(math.isnan(r.elapsed_s))")
+    code = ("import sys, math; from pipeline.core import wire; "
+            "r = wire.decode_line(sys.stdin.buffer.read()); print(math.isnan(r.elapsed_s))")
     out = subprocess.run([sys.executable, "-c", code], input=line, capture_output=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.stdout.strip() == b"True"

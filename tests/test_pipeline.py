@@ -8,6 +8,7 @@ import torch
 
 from conftest import cuda_facts
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.backends import registry
 from pipeline.backends.records import TORCH_NATIVE
 from pipeline.setup.build import build_attention_backends
@@ -238,7 +239,7 @@ def test_events_round_trip_through_json(llama, small_pool):
     """Every record a run emits decodes back to an equal typed record."""
     with _build(_req(llama, small_pool, enable_two_batch_overlap=True, moe_a2a_backend="deepep")) as out:
         for rec in out.events:
-            assert ev.decode_line(ev.encode(rec)) == rec
+            assert wire.decode_line(wire.encode(rec)) == rec
 
 
 def test_flashinfer_workspace_too_small_is_refused_in_build_mode_before_allocation(llama, small_pool):

@@ -202,7 +202,7 @@ def test_run_ignores_a_disagreement_that_changes_nothing():
 
 def test_installed_remedy_is_true_when_followed(capsys):
     """--installed replaces the assumed set: `--installed flashinfer` on h200 is refused with a remedy naming the
-    full set, and following that remedy plans (exit 0) on FlashInfer (trial #1, item 3)."""
+    full set, and following that remedy plans (exit 0) on FlashInfer (item 3)."""
     import json
 
     from pipeline.cli import main
@@ -226,7 +226,7 @@ def test_plan_shows_the_graph_sizes_and_lazy_memory_a_recorded_run_took(name, mo
     """``plan``'s ``cuda_graphs`` and ``npu_lazy_mem`` for each golden run's request and device facts equal what that
     run recorded: the decode batch sizes it captured (``runner_ready.graph_batch_sizes``, or the ``cuda_graph`` skip
     reason), and npu-lazy-mem's setting (bytes, source) and outcome (initialized, or the skip reason)."""
-    from pipeline.cli.plan_report import plan_report
+    from pipeline.cli.plan import plan_report
     from pipeline.core import events as ev
     from pipeline.core.contracts import SetupRequest
     from pipeline.core.errors import AttnSetupError
@@ -283,7 +283,7 @@ def test_plan_human_output_names_graph_sizes_and_lazy_memory(capsys, monkeypatch
 
 def test_plan_warns_about_lookalike_environment_variables(capsys, monkeypatch):
     """A set variable one edit away from one attn-setup reads gets the same stderr warning from plan as from run
-    (new-user trial #3: plan said nothing)."""
+    (plan said nothing)."""
     from pipeline.cli import main
 
     monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZ", "5")

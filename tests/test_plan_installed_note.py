@@ -1,5 +1,5 @@
 """``plan`` of a named profile on a machine that lacks a backend's package says that the packages came from this
-machine and which ``--installed`` value plans for a machine that has them (new-user trial #11: a CPU box's plan for an
+machine and which ``--installed`` value plans for a machine that has them (a CPU box's plan for an
 H200 quietly answered ``triton``, its rejection lines saying ``pip install flashinfer-python``); following it, no
 backend is rejected for a package."""
 
@@ -9,12 +9,15 @@ import json
 
 from conftest import run_main
 
-from pipeline.cli.plan_report import installed_note, plan_report
+from pipeline.cli.plan import installed_note, plan_report
+from pipeline.platforms.profiles import names as profile_names
+import pytest
+import re
 
 
 def _report(profile: str, installed: dict[str, bool]) -> dict:
     from pipeline.cli.flags import build_parser
-    from pipeline.cli.request import request_from
+    from pipeline.cli.flags import request_from
     from pipeline.platforms.profiles import get
 
     device = get(profile)
@@ -60,8 +63,29 @@ def test_the_human_plan_prints_it_before_the_verdict(monkeypatch):
 
 def test_no_note_where_the_packages_would_not_help():
     """b200 (sm100): flashinfer and fa3 are refused for the arch too, so assuming every package would not bring them
-    back; the note would be untrue (adversarial pass #5) and is not printed."""
+    back; the note would be untrue and is not printed."""
     lacking = {"torch": True, "triton": True, "flashinfer-python": False}
     rep = _report("b200", lacking)
     assert any("is not installed" in reason for side in rep["rejected"].values() for r in side for reason in r["reasons"])
     assert installed_note(rep, lacking, "b200", None) is None
+
+
+@pytest.mark.parametrize("value", ["bogus", "torch,bogus", "Foo,bar"])
+def test_installed_remedy_is_true_and_readable(value):
+    """``plan --installed bogus`` suggested ``--installed ''``, which a GPU profile then refused (exit 3,
+    capability_mismatch), in a garbled sentence. The remedy's value now plans on every profile."""
+    from conftest import run_main
+
+    for profile in profile_names():
+        err = _json(run_main("plan", "--installed", value, "--device-profile", profile, "--json"))["error"]
+        assert err["code"] == "out_of_domain"
+        remedy = err["remedy"]
+        assert "the names of the list" not in remedy
+        assert re.search(r"'(bogus|Foo)'.* (is not a package|are not packages) a plan reads", remedy), remedy
+        fixed = re.search(r"pass --installed (\S+) to plan", remedy).group(1)
+        assert fixed == "torch,triton,flashinfer"
+        assert run_main("plan", "--installed", fixed, "--device-profile", profile).returncode == 0, profile
+
+
+def _json(proc) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])

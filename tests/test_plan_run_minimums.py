@@ -22,8 +22,8 @@ def _run_minimums(max_reqs: int, page: int) -> tuple[int, int]:
     """(slots, context) ``run`` requires for these flags, from the RunnerConfig it builds, checked against the two
     check batches counted here (whole pages per request at 3 decode steps, plus the reserved page 0)."""
     from pipeline.cli.flags import build_parser
-    from pipeline.cli.request import request_from
-    from pipeline.cli.run_checks import runner_config
+    from pipeline.cli.flags import request_from
+    from pipeline.cli.run import runner_config
 
     ns = build_parser().parse_args(["run", "--device", "cpu", "--max-reqs", str(max_reqs), "--page-size", str(page)])
     cfg = runner_config(ns, request_from(ns, on_gpu=False))

@@ -16,9 +16,7 @@ import torch
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 from pipeline.core.errors import BuildError, ConfigError
 from pipeline.platforms import platform_for
-from pipeline.platforms.musa import MusaPlatform
-from pipeline.platforms.npu import NpuPlatform
-from pipeline.platforms.xpu import XpuPlatform
+from pipeline.platforms.vendor import MusaPlatform, NpuPlatform, XpuPlatform
 
 
 class FakeDeviceModule(types.SimpleNamespace):
@@ -167,7 +165,7 @@ def test_pipeline_on_npu_platform_calls_zbal_once(vendor, llama, draft, size, ca
     assert ("get_device_properties", 1) in dev.calls
 
 
-# --- device_unavailable: what this machine can use, and why not the rest (issue 14, item 12) ------------------
+# --- device_unavailable: what this machine can use, and why not the rest (item 12) ------------------
 @pytest.fixture
 def bare_host(monkeypatch):
     """A host with no accelerator: no CUDA device, no vendor plugin, ``torch.xpu`` with no device."""

@@ -1,4 +1,4 @@
-"""Terminal progress (issue 18 §2): shown on a TTY only, read from the run's records, never in --json."""
+"""Terminal progress: shown on a TTY only, read from the run's records, never in --json."""
 
 from __future__ import annotations
 

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 from pipeline.core.model_spec import load_model_spec
-from pipeline.setup.rank_digest import check_memory_balance, digest_fields, max_imbalance_from
+from pipeline.setup.distributed import check_memory_balance, digest_fields, max_imbalance_from
 from pipeline.setup.rank_watch import heartbeat_interval
 from pipeline.core.errors import MemoryImbalance, UsageError
 
@@ -60,7 +61,7 @@ def results(out: Path, sc: str, n: int) -> list[dict]:
 
 def trace(out: Path, sc: str, r: dict) -> list[ev.Event]:
     path = out / sc / f"{r['group_run_id']}.rank{r['rank']}.jsonl"
-    return [ev.decode_line(x) for x in path.read_bytes().splitlines()]
+    return [wire.decode_line(x) for x in path.read_bytes().splitlines()]
 
 
 def _flags(r: dict) -> dict:
@@ -93,7 +94,7 @@ def _check_divergence(out: Path, sc: str, n: int) -> None:
         assert set(per_rank) == {str(i) for i in range(n)}
         assert len({json.dumps(per_rank[str(i)]) for i in range(odd)}) == 1  # the others agree
         msg = r["error"]["message"]
-        from pipeline.setup.rank_exchange import DERIVED_WORDS
+        from pipeline.setup.distributed import DERIVED_WORDS
 
         named = f"{field}: rank 0: " in msg or f"{DERIVED_WORDS.get(field, field)} (derived from " in msg
         assert per_rank[str(odd)] != per_rank["0"] and named, msg   # a derived field names what it follows from
@@ -268,7 +269,8 @@ def test_jit_compile_is_what_a_stalled_rank_reports_doing():
 
     from pipeline.core.errors import RankStalled
     from pipeline.backends.flashinfer.jit import Variant, ensure_compiled
-    from pipeline.setup.rank_watch import Watch, current_doing
+    from pipeline.setup.rank_watch import Watch
+    from pipeline.core.heartbeat import current_doing
 
     store = dist.HashStore()
     w0, w1 = Watch(store, 0, 2, 0.5, "t"), Watch(store, 1, 2, 0.5, "t")
@@ -295,3 +297,22 @@ def test_jit_compile_is_what_a_stalled_rank_reports_doing():
     assert flags["stalled_rank"] == 1 and flags["last_state"] == "build-mode" and flags["timeout_s"] == 0.5
     assert 0.5 <= waited <= 0.5 + heartbeat_interval(0.5) + 0.2
     assert current_doing() == ""  # the mark ends with the compile
+
+
+def test_a_rank_that_recorded_no_request_is_not_compared():
+    from types import SimpleNamespace
+
+    from pipeline.observe.ranks import RankDifferences
+
+    class R(SimpleNamespace):
+        def decisions(self):
+            return dict(self.d)
+
+    started = SimpleNamespace(request={"args": {"page_size": 1}})
+    rd = RankDifferences()
+    rd.add(R(run_id="x", rank=0, started=started, d={"resolve": {"prefill": "torch_native"}}))
+    rd.add(R(run_id="x", rank=1, started=None, d={}))
+    assert rd.finish() == []
+    rd.add(R(run_id="y", rank=0, started=started, d={"resolve": {"prefill": "torch_native"}}))
+    rd.add(R(run_id="y", rank=1, started=started, d={"resolve": {"prefill": "triton"}}))
+    assert [f["key"] for f in rd.finish()] == ["resolve.prefill"]

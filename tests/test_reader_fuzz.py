@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.cli import main
 from pipeline.observe.trace import read_trace
 
@@ -27,7 +28,7 @@ BY_TAG: dict[str, list[dict]] = {}
 for _r in BASE:
     BY_TAG.setdefault(_r["event"], []).append(_r)
 TAGS = [ev.event_name(c) for c in ev.EVENT_TYPES]
-ENVELOPE = set(ev.ENVELOPE)
+ENVELOPE = set(wire.ENVELOPE)
 KEYS = sorted({k for r in BASE for k in r} | {"launch_id", "rules", "duration_ms", "elapsed_s", "started_ns",
                                                "max_rel_err", "exit_code", "command"})
 STRINGS = st.one_of(st.text(max_size=10), st.sampled_from([

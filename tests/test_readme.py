@@ -69,10 +69,27 @@ def test_every_dotted_pipeline_name_the_readme_names_resolves():
 
 
 def test_readme_gives_the_cpu_install_command_with_ci_s_torch_pin():
-    """The CPU-only install is spelled out (new-user trial #2, item 5): torch from PyTorch's CPU index, pinned to the
+    """The CPU-only install is spelled out: torch from PyTorch's CPU index, pinned to the
     version the two commands above (and CI) install, followed by the package install."""
     pin = re.search(r"pip install (torch==[\d.]+) &&", README).group(1)
     cmd = re.search(r"`(python3 -m pip install torch[^`]*--index-url https://download\.pytorch\.org/whl/cpu[^`]*)`",
                     README)
     assert cmd, "no CPU install command"
     assert f"install {pin} --index-url" in cmd.group(1) and cmd.group(1).endswith("python3 -m pip install -e '.[test]'")
+
+
+def test_config_readme_points_at_modules_that_exist():
+    """examples/configs/README.md named ``pipeline.model_spec.load_model_spec`` and ``LAYER_RULES`` in
+    ``pipeline/model_spec.py`` (both moved to ``pipeline/core/``): every module path it names exists."""
+    from conftest import ROOT
+
+    text = (ROOT / "examples" / "configs" / "README.md").read_text()
+    for path in re.findall(r"`(pipeline/[\w/.]+\.py)`", text):
+        assert (ROOT / path).is_file(), path
+    for dotted in re.findall(r"`(pipeline(?:\.\w+)+)`", text):
+        module, _, attr = dotted.rpartition(".")
+        assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), dotted
+        assert f"def {attr}" in (ROOT / (module.replace(".", "/") + ".py")).read_text(), dotted
+    assert "`LAYER_RULES` in `pipeline/core/layer_rules.py`" in text
+    assert "LAYER_RULES: dict" in (ROOT / "pipeline" / "core" / "layer_rules.py").read_text()
+    assert "--dtype auto` gives float16" in text  # gpt-oss: no torch_dtype

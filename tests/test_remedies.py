@@ -23,12 +23,12 @@ from conftest import CONFIGS
 from pipeline.backends import registry
 from pipeline.cli import build_parser, main
 from pipeline.cli.plan import installed_from
-from pipeline.cli.plan_report import plan_report
-from pipeline.cli.request import request_from
+from pipeline.cli.plan import plan_report
+from pipeline.cli.flags import request_from
 from pipeline.core.contracts import AttentionArgs, ErrorInfo
 from pipeline.core.errors import ConfigError, UsageError
 from pipeline.platforms.profiles import PROFILES
-from pipeline.cli.wording import cli_dests, to_cli
+from pipeline.cli.output import cli_dests, to_cli
 from remedy_fixes import Fix, apply, backends_named, fixes_of
 from test_bad_inputs import CASES, DATA
 
@@ -36,6 +36,7 @@ from test_bad_inputs import CASES, DATA
 CORPUS = [c for c in CASES if c.get("command", "run") != "read" and c["exit"] in (2, 3)
           and not c.get("setup") and not c.get("interrupt")]
 from test_resolve_table import ROWS, _model
+from conftest import run_main
 
 ALL = {"torch": True, "triton": True, "flashinfer-python": True}
 BACKEND_FLAGS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend",
@@ -281,7 +282,7 @@ def test_no_suggestion_for_a_name_close_to_nothing():
 ])
 def test_unavailable_sglang_names_advise_only_what_resolves(profile, model, name, want):
     """The issue's two false remedies: flashmla on an H200 MLA model offers exactly the backends serving MLA there
-    (flashinfer, torch_native, triton since issue 16), aiter on an MI300X only torch_native."""
+    (flashinfer, torch_native, triton since), aiter on an MI300X only torch_native."""
     from pipeline.core.contracts import PoolFacts, SetupRequest
     from pipeline.core.model_spec import load_model_spec
 
@@ -419,3 +420,44 @@ def test_every_fix_of_any_refusal_resolves_the_whole_request(case):
         _check_remedy(req, device, installed, e.info)
         cli = to_cli(e.info.remedy)
         assert not any(re.search(rf"(?<![\w.\-]){d}(?![\w\-])", cli) for d in cli_dests() if "_" in d), cli
+
+
+def _run(capsys, tmp_path, *argv):
+    code = main(["run", "--device", "cpu", "--json", "--log-file", str(tmp_path / "{run_id}.jsonl"), *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_page_size_remedy_is_enough_when_followed(capsys, tmp_path):
+    """--page-size 4096 with the default slots: the remedy names every slot verification needs (24576 with the
+    default 3 decode steps), and following it runs to ok — it asked for 8192, then 24576, before (item 5)."""
+    code, out = _run(capsys, tmp_path, "--page-size", "4096", "--decode-steps", "1", "--num-layers", "1")
+    assert code == 3 and out["error"]["code"] == "pool_budget_too_small"
+    slots = re.search(r"--num-token-slots (\d+)", out["error"]["remedy"]).group(1)
+    code, out = _run(capsys, tmp_path, "--page-size", "4096", "--decode-steps", "1", "--num-layers", "1",
+                     "--num-token-slots", slots)
+    assert code == 0 and out["ok"], out["error"]
+
+
+@pytest.mark.parametrize("page,given", [(16, 1), (16, 1000), (4096, 1), (64, 65)])
+def test_the_page_multiple_named_then_plans(page, given):
+    proc = run_main("plan", "--device-profile", "cpu", "--page-size", str(page), "--num-token-slots", str(given),
+                    "--json")
+    err = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
+    assert proc.returncode == 3 and err["code"] == "invalid_value", err
+    fix = err["remedy"].split("--num-token-slots ", 1)[1].split()[0]
+    assert int(fix) % page == 0 and int(fix) >= given
+    proc = run_main("plan", "--device-profile", "cpu", "--page-size", str(page), "--num-token-slots", fix, "--json")
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize("max_reqs,ctx,tail", [(1, 12, ""), (2, 40, ", or lower max_reqs or max_context_len"),
+                                               (1, 40, ", or lower max_context_len"), (4, 12, ", or lower max_reqs")])
+def test_a_budget_remedy_offers_only_what_can_go_lower(max_reqs, ctx, tail):
+    from pipeline.core.errors import ConfigError
+    from pipeline.memory.pools import size_pools
+
+    with pytest.raises(ConfigError) as e:
+        size_pools([], 1, "bfloat16", page_size=1, max_reqs=max_reqs, max_context_len=ctx, budget_bytes=1,
+                   min_slots=72, min_context_len=12)
+    assert e.value.info.code == "pool_budget_too_small" and e.value.info.remedy.endswith(f"bytes{tail}"), \
+        e.value.info.remedy

@@ -1,23 +1,27 @@
 """Memory remedies that name "the largest that fits" stay true when followed: each value is sized against the free
 memory less :func:`pipeline.memory.pools.remedy_margin` and rounded down, so a re-run on a machine whose free
-memory dropped by up to that margin passes the same check (a new-user trial followed ``--mem-fraction 0.84``, then
+memory dropped by up to that margin passes the same check (a followed ``--mem-fraction 0.84``, then
 0.83, 0.82 … down to 0.78 before one fitted)."""
 
 from __future__ import annotations
 
+from conftest import run_json
+
 import dataclasses
+import json
 import re
 
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
+from pipeline.cli import main
 from pipeline.core.contracts import DeviceFacts, PoolFacts, SetupRequest
 from pipeline.core.errors import ConfigError
 from pipeline.memory.pools import REMEDY_MARGIN_MIN_BYTES, remedy_available, remedy_margin
 from pipeline.core.spec import truncate_spec
 from pipeline.platforms.fake import FakePlatform
-from pipeline.runtime.pool_steps import fraction_remedy, size_for
+from pipeline.runtime.table import fraction_remedy, size_for
 from pipeline.runtime.runner import RunnerConfig
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -96,8 +100,8 @@ def test_workspace_remedy_fits_after_free_memory_moved(free, n, drop):
     """``workspace_exceeds_memory`` names a per-workspace size whose workspaces fit the free memory less the margin."""
     from types import SimpleNamespace as NS
 
-    from pipeline.core.decisions import BuildPlan, WorkspacePlan
-    from pipeline.setup.pools import check_workspace_memory
+    from pipeline.core.contracts import BuildPlan, WorkspacePlan
+    from pipeline.setup.instances import check_workspace_memory
 
     def check(avail: int, each: int) -> None:
         platform = FakePlatform(DeviceFacts(type="cpu", name="host", total_memory_bytes=2 * free), free_bytes=avail)
@@ -118,7 +122,7 @@ def test_workspace_remedy_fits_after_free_memory_moved(free, n, drop):
 def test_a_max_reqs_remedy_lowers_the_graph_sizes_above_it(llama, graphs):
     """``run --max-reqs 2147483647 --cuda-graph-max-bs 2147483647``: the remedy said only "lower --max-reqs (at most
     N rows …)", and that N with the graph top left as given was refused next (cuda_graph_max_bs above max_reqs).
-    The remedy now lowers the graph sizes with it, and following it passes both checks (s8adv)."""
+    The remedy now lowers the graph sizes with it, and following it passes both checks."""
     from pipeline.core.contracts import AttentionArgs
     from states.build_mode import check_graph_bs
 
@@ -136,3 +140,71 @@ def test_a_max_reqs_remedy_lowers_the_graph_sizes_above_it(llama, graphs):
                        pool=PoolFacts(max_reqs=rows, max_context_len=64, num_token_slots=64))
     size_for(platform, 0, RunnerConfig(request=req, num_layers=2), truncate_spec(llama, 2))
     check_graph_bs(req.args, rows)
+
+
+def _run(capsys, tmp_path, *argv):
+    code = main(["run", "--device", "cpu", "--json", "--log-file", str(tmp_path / "{run_id}.jsonl"), *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_mem_fraction_remedy_names_a_share_that_fits_here(capsys, tmp_path):
+    """`--mem-fraction 1.5` suggested "such as 0.8", which a CPU host refuses (item 9): a share too large for this
+    host (1.0, inside the flag's domain; 1.5 is outside it, exit 2) is refused with a remedy naming the largest share
+    in hundredths whose pools fit and hold the verification batches — checked by sizing (nothing is allocated):
+    that share passes, the next hundredth up does not (unless it is the 0.9 cap)."""
+    import argparse
+
+    from pipeline.cli import build_parser
+    from pipeline.cli.run import check_pool_for_checks, request_from
+    from pipeline.core.errors import ConfigError
+    from pipeline.platforms import platform_for
+
+    code, out = _run(capsys, tmp_path, "--mem-fraction", "1.0")
+    assert code == 3 and out["error"]["flags"][0]["name"] == "--mem-fraction"
+    frac = float(re.search(r"--mem-fraction (0\.\d+)", out["error"]["remedy"]).group(1))
+    ns = build_parser().parse_args(["run", "--device", "cpu", "--mem-fraction", str(frac)])
+    assert isinstance(ns, argparse.Namespace)
+    req, platform = request_from(ns, on_gpu=False), platform_for("cpu")
+    check_pool_for_checks(ns, req, platform, 0)
+    if frac < 0.9:
+        from pipeline.memory.pools import remedy_margin
+        from pipeline.platforms.cpu import host_available_bytes
+
+        total = platform.device_facts(0).total_memory_bytes  # the remedy keeps a margin; host memory also moves
+        ns.mem_fraction = round(frac + remedy_margin(host_available_bytes()) / total + 0.03, 2)
+        with pytest.raises(ConfigError):
+            check_pool_for_checks(ns, req, platform, 0)
+
+
+# -- 3. a --mem-fraction pool must hold run's verification batches ----------------------------------------------
+def test_a_mem_fraction_below_the_verification_batches_is_refused_and_its_remedy_runs_ok(tmp_path):
+    """The finding: ``--mem-fraction 1e-300`` was refused with "cover 49152 bytes" (2 slots), and following it
+    (2.1e-6, 53080 bytes) loaded the model and failed verification with ``kv_pool_exhausted``. Now the refusal
+    counts the 72 slots the verification batches need, as ``--mem-bytes``'s does, names a fraction, and that runs ok;
+    the finding's 2.1e-6 is refused before the model loads."""
+    import re
+
+    for frac in ("1e-300", "2.1e-6"):
+        rc, out = run_json("run", "--mem-fraction", frac, "--log-file", str(tmp_path / f"{frac}.jsonl"))
+        err = out["error"]
+        assert rc == 3 and err["code"] == "pool_budget_too_small" and err["state"] == "args", err
+        assert "72 token slots (the verification batches with --decode-steps 3)" in err["message"]
+        assert "(622592 bytes in all)" in err["message"] and err["allowed"] == [">= 622592 bytes"]
+    m = re.fullmatch(r"raise --mem-fraction to (\S+) or more \(it then covers 622592 bytes\), or lower --max-reqs "
+                     r"or --max-context-len", err["remedy"])
+    assert m, err["remedy"]
+    rc, out = run_json("run", "--mem-fraction", m.group(1), "--log-file", str(tmp_path / "ok.jsonl"))
+    assert rc == 0 and out["ok"] and out["error"] is None, out["error"]
+
+
+def test_fraction_covering_is_the_smallest_three_digit_fraction():
+    from pipeline.memory.pools import budget_from_fraction, fraction_covering
+
+    for need, total, allocated in [(622592, 25_280_000_000, 0), (1, 10, 0), (10, 10, 0), (5, 100, 50),
+                                   (123456789, 141_000_000_000, 17_000_000_000)]:
+        f = fraction_covering(need, total, allocated)
+        assert budget_from_fraction(f, total, allocated) >= need
+        m, e = f"{f:.2e}".split("e")
+        lower = float(f"{round(float(m) * 100) - 1}e{int(e) - 2}")
+        assert lower <= 0 or int(lower * total) - allocated < need, (need, total, f)
+    assert fraction_covering(11, 10) is None and fraction_covering(5, 0) is None and fraction_covering(10, 10) == 1.0

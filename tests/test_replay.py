@@ -9,6 +9,8 @@ import pipeline
 from pipeline import testing
 from pipeline.core.errors import UsageError
 from pipeline.observe.replay import Divergence, replay
+from pipeline.core import events as ev
+from pipeline.core import wire
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 ALL = sorted(GOLDEN.glob("*.jsonl"))
@@ -159,3 +161,69 @@ def test_dtype_refusal_is_recorded_and_replayed(tmp_path):
     assert (failed["error"]["code"], failed["error"]["state"]) == ("dtype_refused", "resolve")
     run = testing.assert_replays(path).runs[0]
     assert run.stopped == "failed in resolve as recorded"
+
+
+GOLDEN_TRACES = sorted((Path(__file__).resolve().parent / "data" / "golden").glob("*.jsonl"))
+
+
+def _cut(src: Path, n: int, dst: Path) -> Path:
+    dst.write_bytes(b"".join(src.read_bytes().splitlines(keepends=True)[:n]))
+    return dst
+
+
+@pytest.mark.parametrize("src", GOLDEN_TRACES, ids=lambda p: p.stem)
+def test_no_prefix_of_a_recorded_trace_diverges(src, tmp_path):
+    """Every prefix of every golden trace (each replays the same whole) replays the same or is trace_incomplete,
+    never a divergence: a value the cut left out is not compared."""
+    assert replay(src).same
+    lines = src.read_bytes().splitlines()
+    for n in range(1, len(lines)):
+        path = _cut(src, n, tmp_path / f"{n}.jsonl")
+        try:
+            got = replay(path)
+        except UsageError as e:
+            assert e.info.code == "trace_incomplete", (n, e.info.message)
+            assert "the trace ends in state" in e.info.message and e.exit_code == 2
+            continue
+        assert got.same and not any(r.ends_in for r in got.runs), (n, got)
+
+
+def _lazy_cut(tmp_path: Path) -> Path:
+    """A recorded ``run`` log cut right after its transition into npu-lazy-mem, as the finding's ``head -20``."""
+    src = next(p for p in GOLDEN_TRACES if p.stem == "h200_flashinfer")
+    lines = src.read_bytes().splitlines()
+    n = next(i for i, line in enumerate(lines, 1)
+             if (r := wire.decode_line(line)) and isinstance(r, ev.StateTransition) and r.to == "npu-lazy-mem")
+    return _cut(src, n, tmp_path / "inc.jsonl")
+
+
+def test_the_findings_cut_is_incomplete_not_diverged(tmp_path):
+    from conftest import run_main
+
+    inc = _lazy_cut(tmp_path)
+    proc = run_main("replay", str(inc))
+    assert proc.returncode == 2 and "DIVERGED" not in proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error [trace_incomplete]")
+    text = " ".join(proc.stderr.split())
+    assert "the trace ends in state 'npu-lazy-mem', before the run recorded its end" in text
+    assert "decision(s) recorded up to there are the same now" in text
+    err = json.loads(run_main("replay", str(inc), "--json").stdout)["error"]
+    assert err["code"] == "trace_incomplete"
+    assert {f["name"]: f["value"] for f in err["flags"]}["state"] == "npu-lazy-mem"
+    # inspect agrees: incomplete
+    assert ": incomplete" in run_main("inspect", str(inc)).stdout.splitlines()[0]
+
+
+def test_a_real_divergence_before_the_cut_is_still_one(tmp_path):
+    """Compare what was recorded: a recorded decision that differs is still DIVERGED (exit 1), cut or not."""
+    from conftest import run_main
+
+    inc = _lazy_cut(tmp_path)
+    lines = inc.read_bytes().splitlines()
+    i = next(i for i, line in enumerate(lines) if isinstance(wire.decode_line(line), ev.BuildPlanned))
+    rec = json.loads(lines[i])
+    rec["mode"] = "tbo"  # recorded normal: now a different mode than the rules decide
+    lines[i] = json.dumps(rec).encode()
+    inc.write_bytes(b"\n".join(lines) + b"\n")
+    proc = run_main("replay", str(inc))
+    assert proc.returncode == 1 and "DIVERGED in state 'build-mode'" in " ".join(proc.stdout.split())

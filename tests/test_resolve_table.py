@@ -1,7 +1,7 @@
 """Hand-written resolve table: profile × bundled config × flags → expected pair and rules, or the error.
 
 Every row was written by reading the capability records (pipeline/backends/records.py), the
-precedence and auto-priority rules (states/resolve.py docstring, backend-rules.md, issue 3) and
+precedence and auto-priority rules (states/resolve.py docstring, backend-rules.md) and
 the configs (examples/configs/README.md) — never by running the resolver. Each row cites its rule.
 
 Facts used (from the records): torch_native: every device type, any head dim, q bf16/fp16/fp32,
@@ -32,7 +32,7 @@ from typing import Any, Optional
 import msgspec
 import pytest
 
-from pipeline.cli.plan_report import plan_report
+from pipeline.cli.plan import plan_report
 from pipeline.core.contracts import AttentionArgs, ModelSpec, PoolFacts, SetupRequest
 from pipeline.core.errors import BackendUnavailable, BackendUnknown, CapabilityMismatch, ConfigError, ConflictingOptions
 from pipeline.core.model_spec import load_model_spec
@@ -100,7 +100,7 @@ TREE = {**SPEC, "speculative_num_steps": 3, "speculative_eagle_topk": 4, "specul
 A2A = {"moe_a2a_backend": "deepep"}  # an expert-parallel all-to-all: what sglang's TBO needs (or attention DP)
 
 ROWS: list[Row] = [
-    # --- auto-selection per device (issue 3 §3) ---------------------------------------------
+    # --- auto-selection per device ---------------------------------------------
     ok("cpu-llama", "auto: CPU -> torch_native", "cpu", "llama-3.1-8b", (TN, TN), AA, rejected=((), ()),
        skips=("cuda_graph",), mode="normal"),
     ok("cpu-gemma2", "auto: CPU -> torch_native (softcap+window)", "cpu", "gemma-2-9b", (TN, TN), AA),
@@ -175,7 +175,7 @@ ROWS: list[Row] = [
         err_flags=("attention_backend", "speculative_algorithm"), allowed=(FI, TN, TR), text=("speculative",)),
     err("cpu-encdec", "validation: encoder-decoder claimed by no backend", "cpu", "enc-dec", CapabilityMismatch,
         allowed=(), text=("encoder-decoder",)),
-    # --- explicit choices: passed or refused, never replaced (issue 3 §2-3) -------------------
+    # --- explicit choices: passed or refused, never replaced (§2-3) -------------------
     ok("cpu-tn-global", "precedence: global flag", "cpu", "llama-3.1-8b", (TN, TN), (GF, GF),
        flags={"attention_backend": TN}, rejected=((), ())),
     err("cpu-triton", "explicit: triton has no cpu device -> refused, allowed = working", "cpu", "llama-3.1-8b",
@@ -220,7 +220,8 @@ ROWS: list[Row] = [
        rejected=((FI, FA3, TR), (FI, FA3, TR))),
     ok("h200-fi-fp8", "explicit: flashinfer serves fp8 KV (e5m2) with a bf16 q", "h200", "llama-3.1-8b", (FI, FI),
        (GF, GF), flags={"attention_backend": FI, "kv_cache_dtype": "fp8_e5m2"}, skips=()),
-    err("h200-fa3-fp8", "explicit: fa3 with fp8 KV does not compile (FlashInfer 0.6.13) -> refused", "h200",
+    err("h200-fa3-fp8", "explicit: fa3 with fp8 KV (no compile in FlashInfer 0.6.13, unverified in 0.7.2) -> refused",
+        "h200",
         "llama-3.1-8b", CapabilityMismatch, flags={"attention_backend": FA3, "kv_cache_dtype": "fp8_e4m3"},
         err_flags=("kv_cache_dtype",), allowed=(FI, TN, TR), text=("kv_cache_dtype fp8_e4m3 is not supported",)),
     err("h200-fi-fp8-softcap", "explicit: flashinfer + fp8 KV + softcap/window layers refused", "h200", "gemma-2-9b",
@@ -234,7 +235,7 @@ ROWS: list[Row] = [
     err("h200-fi-missing", "explicit: package missing -> refused, not replaced", "h200", "llama-3.1-8b",
         CapabilityMismatch, flags={"attention_backend": FI}, installed=NOFI, allowed=(TN, TR),
         text=("flashinfer-python",)),
-    # --- --dtype auto as sglang does it; float16 refused as vLLM does (issue 13 §2) ------------
+    # --- --dtype auto as sglang does it; float16 refused as vLLM does ------------
     ok("h100-gemma2-auto", "dtype auto: a float32 Gemma checkpoint runs in bfloat16 (sglang) -> flashinfer", "h100",
        "gemma-2-9b", (FI, FI), AA, rejected=((), ()), dtype=("bfloat16", "auto:float32_to_bfloat16")),
     ok("h200-llama-fp32-auto", "dtype auto: a float32 non-Gemma checkpoint runs in float16 (sglang)", "h200",
@@ -252,7 +253,7 @@ ROWS: list[Row] = [
         allowed=("bfloat16", "float32", "auto"), text=("'gemma2'", "dtype='bfloat16'")),
     err("cpu-gemma3-half", "dtype: 'half' is float16, refused for gemma3_text", "cpu", "gemma-3-12b-it", ConfigError,
         flags={"dtype": "half"}, code="dtype_refused", err_flags=("dtype",), text=("gemma3_text",)),
-    # --- layers that are not softmax attention over the whole context (issue 13 §3) ----------
+    # --- layers that are not softmax attention over the whole context ----------
     ok("h200-qwen3next", "hybrid: the 12 full layers are served; 36 linear-attention layers need no backend", "h200",
        "qwen3-next-80b-a3b-instruct", (FI, FI), AA, rejected=((), ()), not_attention=(("linear_attention", 36),)),
     ok("cpu-qwen3next", "hybrid on CPU -> torch_native", "cpu", "qwen3-next-80b-a3b-instruct", (TN, TN), AA,
@@ -276,7 +277,7 @@ ROWS: list[Row] = [
     err("cpu-all-linear", "no attention layer at all: refused naming the layer type and ids", "cpu", "all-linear",
         CapabilityMismatch, code="no_attention_layers", err_flags=("linear_attention.layer_ids",),
         text=("linear_attention layers 0..3 (4)",)),
-    # --- precedence per half (issue 3 §2) ---------------------------------------------------
+    # --- precedence per half ---------------------------------------------------
     ok("h200-decode-only", "precedence: only decode flag -> prefill from auto, recorded", "h200", "llama-3.1-8b",
        (FI, TR), (AUTO, PF), flags={"decode_attention_backend": TR}, rejected=((), ()), mode="normal"),
     ok("h200-decode-only-nofi", "precedence: prefill auto records rejected candidates", "h200", "llama-3.1-8b",
@@ -291,7 +292,7 @@ ROWS: list[Row] = [
        flags={"attention_backend": TR, "prefill_attention_backend": FI}),
     ok("h200-decode-over-global", "precedence: decode phase flag > global flag", "h200", "llama-3.1-8b", (TR, TN),
        (GF, PF), flags={"attention_backend": TR, "decode_attention_backend": TN}, skips=("cuda_graph",)),
-    # --- names attn-setup knows but does not implement (issue 3 §1) --------------------------
+    # --- names attn-setup knows but does not implement --------------------------
     err("unknown-name", "registry: unknown name lists registered ones", "h200", "llama-3.1-8b", BackendUnknown,
         flags={"attention_backend": "flashattn9"}, code="backend_unknown", err_flags=("attention_backend",)),
     err("trtllm-mha", "registry: known sglang name -> unavailable, allowed = working here", "h200", "llama-3.1-8b",
@@ -303,7 +304,7 @@ ROWS: list[Row] = [
         flags={"decode_attention_backend": "flashmla"}, err_flags=("decode_attention_backend",), allowed=(FI, TN, TR)),
     err("ascend-name", "registry: ascend known, unavailable", "ascend-910b", "llama-3.1-8b", BackendUnavailable,
         flags={"attention_backend": "ascend"}, allowed=(TN,)),
-    # --- draft worker (issue 3 §2, §4) -------------------------------------------------------
+    # --- draft worker (§4) -------------------------------------------------------
     ok("draft-override", "precedence: draft override > everything on a draft worker", "h200", "llama-3.1-8b",
        (TR, TR), (DO, DO), flags={**SPEC, "attention_backend": FI, "speculative_draft_attention_backend": TR},
        draft=True),
@@ -332,7 +333,7 @@ ROWS: list[Row] = [
     err("draft-fa3", "validation: draft worker with a backend lacking speculative", "h200", "llama-3.1-8b",
         CapabilityMismatch, flags={"attention_backend": FA3}, draft=True,
         err_flags=("attention_backend", "is_draft_worker"), allowed=(FI, TN, TR)),
-    # --- modes (issue 3 §4) -----------------------------------------------------------------
+    # --- modes -----------------------------------------------------------------
     err("pdmux-tbo", "validation: PD-mux with TBO refused", "h200", "llama-3.1-8b", ConflictingOptions,
         flags={"enable_pdmux": True, "enable_two_batch_overlap": True}, code="conflicting_options",
         err_flags=("enable_pdmux", "enable_two_batch_overlap")),
@@ -354,7 +355,7 @@ ROWS: list[Row] = [
     err("tbo-no-dp", "validation: TBO without attention DP or an EP all-to-all refused (sglang)", "h200",
         "llama-3.1-8b", ConflictingOptions, flags={"enable_two_batch_overlap": True}, code="conflicting_options",
         err_flags=("enable_two_batch_overlap", "attn_dp_size", "moe_a2a_backend")),
-    # --- CUDA-graph downgrade (issue 3 §4) ----------------------------------------------------
+    # --- CUDA-graph downgrade ----------------------------------------------------
     ok("graph-off", "downgrade: none when graphs are disabled", "h200", "llama-3.1-8b", (TN, TN), (GF, GF),
        flags={"attention_backend": TN, "disable_cuda_graph": True}, skips=()),
     ok("graph-tn", "downgrade: torch_native decode cannot be captured", "h200", "llama-3.1-8b", (TN, TN), (GF, GF),
@@ -363,7 +364,7 @@ ROWS: list[Row] = [
        (TN, FI), (PF, PF), flags={"prefill_attention_backend": TN, "decode_attention_backend": FI}, skips=()),
     ok("graph-hybrid-tn", "downgrade: torch_native decode half -> skip", "h200", "llama-3.1-8b", (FI, TN), (PF, PF),
        flags={"prefill_attention_backend": FI, "decode_attention_backend": TN}, skips=("cuda_graph",)),
-    # --- the only capable backend not installed (issue 3 cases) --------------------------------
+    # --- the only capable backend not installed (cases) --------------------------------
     err("softcap-cpu-notorch", "not installed: one error saying so, no advice to use the missing backend", "cpu",
         "gemma-2-9b", CapabilityMismatch, installed=NONE, allowed=(), text=("only torch_native could", "torch")),
     err("softcap-b200-notorch", "not installed: sm100 leaves only torch_native, torch missing", "b200", "gemma-2-9b",

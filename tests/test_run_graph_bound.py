@@ -1,6 +1,6 @@
 """``run``'s preflight on a GPU with an absurd decode-graph top: the graphs' estimate is taken from its closed-form
-lower bound when that alone is beyond the device (as ``plan`` does, s11), so the refusal comes at once instead of
-after estimating ~268M batch sizes (s13plan left this open: ``pool_steps.graph_estimate`` built the full series).
+lower bound when that alone is beyond the device (as ``plan`` does), so the refusal comes at once instead of
+after estimating ~268M batch sizes (left this open: ``pool_steps.graph_estimate`` built the full series).
 A fake H200 (no GPU needed): the estimate the pool check sees is the bound, which is above 90 % of the device.
 (A top of 2**31 - 1 needs as many rows, whose req_to_token the setup refuses first.)"""
 
@@ -18,7 +18,7 @@ from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest
 from pipeline.memory.pools import POOL_MEMORY_SHARE
 from pipeline.core.spec import truncate_spec
 from pipeline.platforms.fake import FakePlatform
-from pipeline.runtime import pool_steps
+from pipeline.runtime import table
 from pipeline.runtime.runner import RunnerConfig
 
 TOP = 2 ** 30   # req_to_token at 26 tokens (run's shortest) is 111 GB: the pools fit, the graphs decide
@@ -40,10 +40,10 @@ def test_an_absurd_top_is_estimated_by_its_bound_at_once(llama):
     spec = truncate_spec(llama, 2)
     tracemalloc.start()
     t = time.monotonic()
-    est = pool_steps.graph_estimate(r, spec)
+    est = table.graph_estimate(r, spec)
     took, (_, peak) = time.monotonic() - t, tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert pool_steps.setup_decided(r, spec)[1].refused is None   # the setup accepted: the graphs are what decide
+    assert table.setup_decided(r, spec)[1].refused is None   # the setup accepted: the graphs are what decide
     assert est is not None and est.total_bytes > cuda_facts().total_memory_bytes * POOL_MEMORY_SHARE
     assert took < 20 and peak < 200 << 20, (took, peak)
 
@@ -54,7 +54,7 @@ def test_a_top_that_fits_gets_the_full_estimate(llama):
 
     r = _runner(llama, 64, 64)
     spec = truncate_spec(llama, 2)
-    est = pool_steps.graph_estimate(r, spec)
-    req, decided = pool_steps.setup_decided(r, spec)
+    est = table.graph_estimate(r, spec)
+    req, decided = table.setup_decided(r, spec)
     full = estimate_for_decided(req, decided)
     assert est is not None and msgspec.to_builtins(est) == msgspec.to_builtins(full)

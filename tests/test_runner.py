@@ -7,6 +7,7 @@ import pytest
 
 from conftest import CONFIGS, npu_facts
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
 from states.build_mode import capture_batch_sizes, skip_reason
 from pipeline.core.errors import BackendClosed, ConfigError, OrderingError
@@ -14,7 +15,8 @@ from pipeline.core.steps import GuardError
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.memory.pools import kv_bytes_per_token, size_pools
-from pipeline.runtime.runner import Runner, RunnerConfig, RunnerState
+from pipeline.runtime.runner import Runner, RunnerConfig
+from pipeline.runtime.table import RunnerState
 
 ORDER = ["init-distributed", "load-model", "init-memory-pool", "attention", "capture-cuda-graphs", "ready"]
 STEPS = ["init_distributed", "load_model", "init_memory_pool", "init_attention", "capture_cuda_graphs"]
@@ -265,7 +267,7 @@ def test_graph_sizes_one_rule_over_the_space():
     accepted exactly when every given size is reachable (list entries and the max within max_reqs) and the two
     fields agree (the max, when both are given, is the list's largest); an accepted request captures only sizes
     within max_reqs and, with the max given, up to it; a refused one names the field at fault and its remedy's
-    first change is then accepted (issue 14: max 4 with bs 8, and max 100 with max_reqs 8, were accepted silently)."""
+    first change is then accepted (max 4 with bs 8, and max 100 with max_reqs 8, were accepted silently)."""
     import re
 
     lists = [None, [1], [8], [1, 2, 4], [3, 16], [24, 5], [40]]
@@ -314,7 +316,7 @@ def test_skip_reason(args, dev, names, want):
 
 
 def test_compat_adapter_exposes_sglang_attributes(qwen):
-    from pipeline.setup.compat import ModelRunnerAttention
+    from pipeline.setup.build import ModelRunnerAttention
 
     req = SetupRequest(model=qwen, device="cpu", pool=POOL)
     m = ModelRunnerAttention(req, platform=FakePlatform(cpu_facts()))
@@ -363,7 +365,7 @@ def test_cli_mem_bytes_sizes_the_pool(tmp_path):
     proc = run_main("run", "--device", "cpu", "--json", "--num-layers", "3", "--mem-bytes", str(8 << 20),
                     "--log-file", str(tmp_path / "l.jsonl"))
     assert proc.returncode == 0, proc.stderr[-1500:]
-    recs = [ev.decode_line(x) for x in (tmp_path / "l.jsonl").read_bytes().splitlines()]
+    recs = [wire.decode_line(x) for x in (tmp_path / "l.jsonl").read_bytes().splitlines()]
     sized = next(r for r in recs if isinstance(r, ev.MemoryPoolSized))
     per_tok = 3 * 8 * 2 * 128 * 2   # llama: 3 layers x Hkv 8 x (K+V) 128 dims x bf16
     assert (sized.source, sized.bytes_per_token) == ("bytes", per_tok)

@@ -1,5 +1,5 @@
 """The library Runner asked for a device torch cannot use gives the typed device_unavailable, as the CLI does
-(new-user trial #1, item 2: raw AssertionError "Torch not compiled with CUDA enabled" in load-model)."""
+(raw AssertionError "Torch not compiled with CUDA enabled" in load-model)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,11 @@ import json
 
 from conftest import run_main
 from pipeline.core import events as ev
-from pipeline.observe.runview import outcomes, step_skips, timeline, verification_failure
-from pipeline.observe.trace import Run, read_trace
+from pipeline.core import wire
+from pipeline.observe.runs import outcomes, step_skips, timeline
+from pipeline.runtime.runner import verification_failure
+from pipeline.observe.trace import read_trace
+from pipeline.observe.runs import Run
 
 MS = 1_000_000
 
@@ -90,7 +93,7 @@ def test_an_mla_step_failure_names_its_reference_and_derived_tolerance():
     e = verification_failure([step("mla-absorbed", 0.004, 1e-2), step("mla-unabsorbed", 0.0311, 0.0212)])
     assert e.message == ("model steps failed verification against the float64 reference: "
                          "decode#143 (eager, mla-unabsorbed: 3.11e-02 > 2.12e-02)")
-    old = ev.decode_line(b'{"event":"model_step_verified","schema_version":1,"ts_ns":2,"run_id":"r","rank":0,'
+    old = wire.decode_line(b'{"event":"model_step_verified","schema_version":1,"ts_ns":2,"run_id":"r","rank":0,'
                          b'"state":"ready","outcome":"failed","step":"decode#1","mode":"decode","batch_size":4,'
                          b'"graph":false,"max_rel_err":0.02,"tol":0.01,"passed":false}')
     assert old.reference == "" and verification_failure([old]).message.endswith("decode#1 (eager: 2.00e-02 > 1e-02)")

@@ -1,4 +1,4 @@
-"""``slow_phase`` warnings come as each phase ends, tagged with that phase (new-user trial #2, item 2).
+"""``slow_phase`` warnings come as each phase ends, tagged with that phase.
 
 They all came at the end, tagged ``ready``. Now each phase that ends during the run is judged when the record that
 ends it is logged; only the phases known at the end (verification, model-steps, release, JIT variants) come with the
@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from pipeline.cli import main
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.eventlog import EventLog
-from pipeline.observe.slow_phase import SlowPhaseWatch, phase_state
+from pipeline.observe.startup import SlowPhaseWatch, phase_state
 from pipeline.observe.startup import emit_summary
 
 AT_END = {("verification", ""), ("model-steps", ""), ("release", "")}
 
 
 def _records(path):
-    return [ev.decode_line(x) for x in path.read_bytes().splitlines()]
+    return [wire.decode_line(x) for x in path.read_bytes().splitlines()]
 
 
 def test_each_slow_phase_follows_the_record_that_ended_it(tmp_path, capsys):

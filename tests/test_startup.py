@@ -1,4 +1,4 @@
-"""startup_summary, slow_phase and --metrics-file (issue 18 §1, §6)."""
+"""startup_summary, slow_phase and --metrics-file (§6)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ import pytest
 
 from conftest import run_main
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.errors import UsageError
 from pipeline.observe.startup import process_start_ns, slow_threshold, summarize
+from conftest import ROOT
+import os
 
 S = 1_000_000_000
 
@@ -133,7 +136,7 @@ def test_run_writes_summary_metrics_and_slow_phase(tmp_path):
     p = run_main("run", "--device", "cpu", "--json", "--num-layers", "1", "--decode-steps", "1", "--log-file",
                  str(log), "--metrics-file", str(prom), "--slow-phase-s", "0.05")
     assert p.returncode == 0, p.stderr[-2000:]
-    records = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    records = [wire.decode_line(x) for x in log.read_bytes().splitlines()]
     s = next(r for r in records if isinstance(r, ev.StartupSummary))
     slow = [r for r in records if isinstance(r, ev.SlowPhase)]
     assert sorted((r.phase, r.parent) for r in slow) == sorted((x.name, x.parent) for x in s.phases if x.seconds > 0.05)
@@ -155,7 +158,7 @@ def test_refused_run_still_ends_with_summary(tmp_path):
     p = run_main("run", "--device", "cpu", "--json", "--attention-backend", "flashmla", "--log-file", str(log),
                  "--metrics-file", str(prom))
     assert p.returncode == 3
-    records = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    records = [wire.decode_line(x) for x in log.read_bytes().splitlines()]
     assert isinstance(records[-2], ev.StartupSummary) and isinstance(records[-1], ev.CommandFinished)
     assert [x.name for x in records[-2].phases if not x.parent] == ["startup", "preflight"]
     assert {x.parent for x in records[-2].phases} == {"", "preflight"}  # the refusal's setup states ran there
@@ -201,7 +204,7 @@ def test_perfetto_slices_for_verification_model_steps_and_jit():
     """Two ranks: each rank's track (tid = rank) has a verify slice per instance (its duration, ending at the
     record), one model-steps slice (last verification to last step) and one slice per JIT variant from its start."""
     from pipeline.observe.perfetto import chrome_trace
-    from pipeline.observe.trace import Run, Trace
+    from pipeline.observe.runs import Run, Trace
 
     runs = []
     for rank in (0, 1):
@@ -226,7 +229,7 @@ def test_perfetto_slices_for_verification_model_steps_and_jit():
 def test_a_cold_start_is_named_in_the_summary_and_the_progress_line():
     """``import torch`` measured inside ``startup`` is its child with why it took long (bytecode compiled on a first
     run), ``startup``'s detail says it was a cold start, and the progress line leads with it; a warm import is a
-    child too, without the lead (new-user trial #2: ~11 s in startup, unexplained)."""
+    child too, without the lead (~11 s in startup, unexplained)."""
     from pipeline.core import events as ev
     from pipeline.observe.progress import cold_start_lead
     from pipeline.observe.startup import summarize, timed_torch_import
@@ -243,3 +246,31 @@ def test_a_cold_start_is_named_in_the_summary_and_the_progress_line():
     warm = summarize([cmd], start_ns=int(1e9), end_ns=int(13e9), startup_parts=[("import torch", 2.0, "cached")])
     assert "cold" not in warm["phases"][0].detail and cold_start_lead({"seconds": 2.0, "cold": False}) == ""
     assert timed_torch_import() == {"seconds": 0.0, "cold": False, "detail": "already imported"}  # torch is loaded
+
+
+GOLDEN = ROOT / "tests" / "data" / "golden"
+
+
+LOG = str(GOLDEN / "ok_default.jsonl")
+
+
+def test_readme_shows_the_summary_as_run_and_as_inspect_print_it():
+    """README's startup-summary samples: ``run``'s table (its title and box) and ``inspect``'s plain text."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Startup accounting", 1)[1].split("\n## ", 1)[0]
+    assert "startup summary (seconds; children indented under their phase)\n┏" in section
+    assert "\n  startup summary (seconds):\n    startup " in section
+    assert "a first run in a fresh environment, where Python compiles" not in section
+    assert "--no-compile" in section and "PYTHONDONTWRITEBYTECODE" in section
+
+
+def test_a_cold_torch_import_is_named_only_without_cached_bytecode(tmp_path):
+    """An empty ``PYTHONPYCACHEPREFIX`` (no bytecode cached for torch) is a cold import, named with its causes;
+    the next import in the same environment reads the cache Python wrote."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env.update(PYTHONPYCACHEPREFIX=str(tmp_path / "pyc"), PYTHONPATH=str(ROOT))
+    code = "import json; from pipeline.observe.startup import timed_torch_import as t; print(json.dumps(t()))"
+    first, second = (json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                               text=True, check=True, timeout=300).stdout) for _ in range(2))
+    assert first["cold"] and "--no-compile" in first["detail"] and "compiled" in first["detail"], first
+    assert not second["cold"] and second["detail"] == "cached bytecode", second

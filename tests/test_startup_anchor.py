@@ -15,6 +15,7 @@ import msgspec
 import pytest
 
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.observe.startup import process_start, summarize
 
 ROOT = Path(__file__).parent.parent
@@ -66,7 +67,7 @@ def test_run_after_a_subshell_wait_counts_startup_from_exec(tmp_path):
     t0, out = _after_sleep("-m", "pipeline.cli", "run", "--device", "cpu", "--num-layers", "100", "--log-file",
                            str(log), "--metrics-file", str(prom))
     assert "invalid_value" in out
-    records = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    records = [wire.decode_line(x) for x in log.read_bytes().splitlines()]
     s = next(r for r in records if isinstance(r, ev.StartupSummary))
     cmd = next(r for r in records if isinstance(r, ev.CommandStarted))
     top = {p.name: p.seconds for p in s.phases if not p.parent}

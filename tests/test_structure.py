@@ -12,6 +12,7 @@ no line cap per module, one for functions (a long function is split along the st
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -225,3 +226,26 @@ def test_functions_stay_short():
     functions = _function_sizes()
     assert [f for f in functions if f[0] > MAX_FUNCTION_LINES] == []
     assert max(functions)[0] > 50  # the count reads real files (not an empty walk)
+
+
+def test_the_architecture_page_maps_every_module():
+    """docs/architecture.md names every module of pipeline/ and states/ (by file name), and every ``*.py`` it names
+    exists: the map cannot drift from the code."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    files = {p.name for top in ("pipeline", "states") for p in (ROOT / top).rglob("*.py")
+             if p.name not in ("__init__.py", "__main__.py")}
+    named = set(re.findall(r"`(?:[\w/]*/)?(\w+\.py)`", page)) | set(re.findall(r"[(`](\w+\.py)\b", page))
+    assert sorted(files - named) == []
+    tests = {p.name for p in (ROOT / "tests").glob("*.py")}
+    assert sorted(n for n in named if n not in files | tests | {"__init__.py"}) == []
+
+
+def test_every_package_ships():
+    """pyproject.toml lists every package of pipeline/ and states/ (a folder with ``__init__.py``), so an install
+    holds every module the source tree has."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("pipeline", "states")
+             for p in (ROOT / top).rglob("__init__.py")}
+    assert found == listed

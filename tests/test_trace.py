@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.observe import trace as tr
 from pipeline.core.contracts import DeviceFacts, ErrorInfo, InstancePlan, Mode, Rejection, WorkspacePlan
 from pipeline.core.eventlog import EventLog
@@ -77,9 +78,9 @@ def test_every_record_type_has_a_sample():
 @pytest.mark.parametrize("cls", ev.EVENT_TYPES, ids=lambda c: ev.event_name(c))
 def test_round_trip_every_record_type(cls, tmp_path):
     rec = cls(ts_ns=123, run_id="r", rank=1, state="resolve", **SAMPLES[cls])
-    assert ev.decode_line(ev.encode(rec)) == rec
+    assert wire.decode_line(wire.encode(rec)) == rec
     path = tmp_path / "t.jsonl"
-    path.write_bytes(ev.encode(rec) + b"\n")
+    path.write_bytes(wire.encode(rec) + b"\n")
     t = tr.read_trace(path)
     assert t.skipped_lines == 0 and t.runs[0].records == [rec] and (t.runs[0].run_id, t.runs[0].rank) == ("r", 1)
 
@@ -100,10 +101,10 @@ def test_schema_policy_and_tolerance(tmp_path, monkeypatch):
     assert [s.line for s in t.skipped] == [2, 3, 4, 6, 7]
     assert t.dropped_fields == 1 and [r.ts_ns for r in t.runs[0].records] == [1, 2]
     # an old version passes through its upgrader (simulated: this reader at version 2, the line at 1)
-    from pipeline.observe import trace_decode  # the decoder's home since the split (trace re-exports its names)
+    from pipeline.observe import trace
 
-    monkeypatch.setattr(trace_decode, "SCHEMA_VERSION", 2)
-    monkeypatch.setattr(trace_decode, "UPGRADERS", {1: lambda o: {**{k: v for k, v in o.items() if k != "ms"}, "duration_ms": o["ms"]}})
+    monkeypatch.setattr(trace, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(trace, "UPGRADERS", {1: lambda o: {**{k: v for k, v in o.items() if k != "ms"}, "duration_ms": o["ms"]}})
     old = tmp_path / "old.jsonl"
     old.write_bytes(_line(schema_version=1, ms=4.0, duration_ms=None).replace(b'"duration_ms": null, ', b""))
     rec = tr.read_trace(old).runs[0].records[0]
@@ -145,6 +146,7 @@ def test_heartbeat_records(tmp_path):
 SCRIPT = """
 import os, signal, sys
 from pipeline.core import events as ev
+from pipeline.core import wire
 from pipeline.core.eventlog import EventLog
 log = EventLog("sig", 0, sys.argv[1])
 log.install_signal_handlers()
@@ -170,3 +172,69 @@ def test_sigterm_and_uncaught_exception_write_a_last_event(tmp_path, how):
         assert last.error.code == "internal_error" and "boom in build" in last.error.message
     run = tr.read_trace(path).runs[0]
     assert run.status == "failed" and run.states()[-1] == {**run.states()[-1], "state": "build-mode", "outcome": "failed"}
+
+
+# -- 6. inspect orders one launch's records by file position, not wall clock --------------------------------------
+def _clock_stepped_back(tmp_path, shift_ns: int = -3600 * 10**9, first: int = 10):
+    """``cli_run_ok.jsonl`` with the ``ts_ns`` of its records ``first``+ moved by ``shift_ns`` (a clock step)."""
+    import json
+
+    from conftest import ROOT
+
+    lines = (ROOT / "tests/data/bad_inputs/traces/cli_run_ok.jsonl").read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        d = json.loads(line)
+        d["ts_ns"] += shift_ns if i >= first else 0
+        out.append(json.dumps(d))
+    path = tmp_path / "clockback.jsonl"
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+def test_inspect_survives_a_wall_clock_step_back(tmp_path):
+    """The finding: records 10+ an hour back made ``attention`` appear twice, one copy ``incomplete``; the states
+    are now those of the unshifted trace, the run ok."""
+    import json
+
+    from conftest import ROOT, run_main
+
+    good = ROOT / "tests/data/bad_inputs/traces/cli_run_ok.jsonl"
+    want = json.loads(run_main("inspect", "--json", str(good)).stdout)["runs"][0]
+    proc = run_main("inspect", "--json", str(_clock_stepped_back(tmp_path)))
+    run = json.loads(proc.stdout)["runs"][0]
+    assert proc.returncode == 0 and run["ok"] and run["status"] == "ok", run["status"]
+    assert [(s["state"], s["outcome"]) for s in run["runner_states"]] == [
+        ("init-distributed", "ok"), ("load-model", "ok"), ("init-memory-pool", "ok"), ("attention", "ok"),
+        ("capture-cuda-graphs", "skipped"), ("ready", "ok")]
+    assert [s["state"] for s in run["states"]] == [s["state"] for s in want["states"]]
+
+
+def test_inspect_diff_keeps_runner_ready_after_a_clock_step(tmp_path):
+    """``inspect --diff`` of the trace against its clock-stepped copy lost ``runner:ready``; now every state."""
+    from conftest import ROOT, run_main
+
+    good = ROOT / "tests/data/bad_inputs/traces/cli_run_ok.jsonl"
+    import json
+
+    proc = run_main("inspect", "--diff", str(good), str(_clock_stepped_back(tmp_path)), "--json")
+    assert proc.returncode == 0, proc.stderr
+    states = json.loads(proc.stdout)["diff"]["ranks"][0]["states"]
+    assert {"machine": "runner", "state": "ready", "a_ms": 0.0, "b_ms": 0.0, "delta_ms": 0.0} in states
+    assert all(s["delta_ms"] == 0.0 for s in states) and len(states) == 12, states
+
+
+def test_pieces_of_one_launch_in_two_files_still_merge_in_time_order(tmp_path):
+    """A log split in two files, passed tail first: the pieces join by their first records' time, lines once."""
+    import json
+
+    from conftest import ROOT, run_main
+
+    lines = (ROOT / "tests/data/bad_inputs/traces/cli_run_ok.jsonl").read_text().splitlines(keepends=True)
+    head, tail = tmp_path / "head.jsonl", tmp_path / "tail.jsonl"
+    head.write_text("".join(lines[:20]))
+    tail.write_text("".join(lines[12:]))  # overlapping copies
+    run = json.loads(run_main("inspect", "--json", str(tail), str(head)).stdout)["runs"][0]
+    want = json.loads(run_main("inspect", "--json", str(ROOT / "tests/data/bad_inputs/traces/cli_run_ok.jsonl"))
+                      .stdout)["runs"][0]
+    assert run["ok"] and run["runner_states"] == want["runner_states"] and run["states"] == want["states"]

@@ -1,4 +1,4 @@
-"""``inspect --diff A B`` (issue 18 §5): per-state time deltas and changed decisions between two starts."""
+"""``inspect --diff A B``: per-state time deltas and changed decisions between two starts."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _start(tiny, path, faults=None, **args):
 
 @pytest.mark.parametrize("state", ["resolve", "build-mode"])
 def test_a_two_second_sleep_is_reported_in_its_state(tiny, tmp_path, state):
-    """A 2 s sleep injected at one state's fault point (issue 18 §5): the reported delta of every setup state is the
+    """A 2 s sleep injected at one state's fault point: the reported delta of every setup state is the
     change the test's own clock measured in that state, within ± 50 ms — the slept state's includes the whole
     measured sleep (≥ 2 s), no other state's does —, and no decision changed. The reference is each state's measured
     duration in both runs, not a fixed 2000 / 0 ms, so a loaded machine slowing the states' real work moves the

@@ -1,4 +1,4 @@
-"""Verification tests what runs (issue 13, section 1): the instances it checks are built for its windows.
+"""Verification tests what runs: the instances it checks are built for its windows.
 
 :func:`pipeline.runtime.verify.verify_built` rebuilds the plan (same backends, roles, mode, wrappers) from the
 verification spec whose sliding windows are capped at ``VERIFY_WINDOW``, so the windows bite within
@@ -27,7 +27,7 @@ from pipeline.backends.records import TORCH_NATIVE
 from pipeline.backends.torch_native import TorchNativeBackend
 from pipeline.setup.build import build_attention_backends
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, SetupRequest
-from pipeline.runtime.model import truncate_spec
+from pipeline.core.spec import truncate_spec
 from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.memory.pools import check_needs

@@ -45,7 +45,7 @@ class Scaled(TorchNativeBackend):
 
 @pytest.mark.parametrize("kv", ["bfloat16", "float16"])
 def test_fp32_compute_over_a_narrow_kv_cache_passes_at_fp32_tolerance(tiny, kv):
-    """The trial's exit 1 (2.35e-4 > 1e-4): now far below 1e-4, and a 1e-3 error — under fp16's own step — fails."""
+    """A reported exit 1 (2.35e-4 > 1e-4): now far below 1e-4, and a 1e-3 error — under fp16's own step — fails."""
     ok = _checks(tiny, dtype="float32", kv=kv)
     assert all(c.passed and c.tol == 1e-4 for c in ok) and max(c.max_rel_err for c in ok) < 1e-5, ok
     bad = [c for c in _checks(tiny, dtype="float32", kv=kv, decode_off=Scaled(1e-3)) if c.mode == "decode"]

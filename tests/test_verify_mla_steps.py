@@ -22,7 +22,7 @@ from pipeline.core.errors import BuildError
 from pipeline.core.model_spec import load_model_spec
 from pipeline.memory.pools import check_needs
 from pipeline.platforms.fake import FakePlatform
-from pipeline.runtime import model_steps, stack_reference
+from pipeline.runtime import model_steps
 from pipeline.runtime.model_steps import (REF_MLA_ABSORBED, REF_MLA_UNABSORBED, absorption_tolerance,
                                           verify_model_steps)
 from pipeline.runtime.runner import Runner, RunnerConfig
@@ -108,8 +108,8 @@ def test_a_wrong_absorption_shared_with_the_reference_fails_only_the_absorption_
     """The stack and the absorbed reference both absorb W_UK of the wrong head: the kernel check sees the same
     math on both sides and passes — the un-absorbed reference never uses the absorption, so that check fails.
     This is what a tolerance of ``|ref_absorbed - ref_unabsorbed|`` would have let through."""
-    right = stack_reference.absorb_query
-    monkeypatch.setattr(stack_reference, "absorb_query", lambda q, uk: right(q, _roll_heads(uk)))
+    right = model_steps.absorb_query
+    monkeypatch.setattr(model_steps, "absorb_query", lambda q, uk: right(q, _roll_heads(uk)))
     kernel, absorption = _by_ref(_checks(tiny_mla, steps=4, stack_wrong=("uk", _roll_heads)))
     assert kernel and all(c.passed for c in kernel), kernel
     assert absorption and not any(c.passed for c in absorption), absorption
@@ -132,7 +132,7 @@ def test_an_unknown_mla_path_is_a_typed_error(tiny_mla):
 
     st = AttentionStack(tiny_mla, dtype=torch.bfloat16, device="cpu", num_layers=1)
     with pytest.raises(BuildError) as e:
-        stack_reference.reference_forward_rounded(st, torch.zeros(2, st.hidden), mla_path="absorbd")
+        model_steps.reference_forward_rounded(st, torch.zeros(2, st.hidden), mla_path="absorbd")
     assert e.value.info.code == "reference_input_invalid" and "absorbed" in e.value.info.allowed
 
 
@@ -145,7 +145,7 @@ def test_the_two_float64_paths_agree_without_the_absorbed_roundings(tiny_mla):
 
     st = AttentionStack(tiny_mla, dtype=torch.bfloat16, device="cpu", num_layers=2, seed=3)
     x = torch.randn(24, st.hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    ref = lambda **kw: stack_reference.reference_forward_rounded(st, x, **kw)[0] - x.double()  # noqa: E731
+    ref = lambda **kw: model_steps.reference_forward_rounded(st, x, **kw)[0] - x.double()  # noqa: E731
     un, ax, ar = ref(mla_path="unabsorbed"), ref(mla_path="absorbed", absorbed_rounding=False), ref(mla_path="absorbed")
     assert rel_err(ax, un) < 1e-12
     assert 1e-5 < rel_err(ar, un) < 5e-2
@@ -156,6 +156,7 @@ def test_run_reports_which_reference_judged_each_step(tmp_path):
     trace records it, and the human table gets a reference column only for an MLA stack."""
     from conftest import run_main
     from pipeline.core import events as ev
+    from pipeline.core import wire
 
     cfg = tmp_path / "tiny-mla.json"
     cfg.write_text(json.dumps(TINY_MLA))
@@ -166,7 +167,7 @@ def test_run_reports_which_reference_judged_each_step(tmp_path):
     assert [(s["step"], s["reference"]) for s in steps] == [
         (label, ref) for label in ("extend", "chunked-extend", "decode#0", "decode#1")
         for ref in (REF_MLA_ABSORBED, REF_MLA_UNABSORBED)]
-    recs = [ev.decode_line(line) for line in log.read_bytes().splitlines()]
+    recs = [wire.decode_line(line) for line in log.read_bytes().splitlines()]
     assert [r.reference for r in recs if isinstance(r, ev.ModelStepVerified)] == [s["reference"] for s in steps]
     human = run_main("run", "--device", "cpu", "--model", str(cfg), "--log-file", str(log), "--decode-steps", "1")
     assert human.returncode == 0 and "reference" in human.stdout and "mla-unabsorbed" in human.stdout, human.stdout

@@ -1,5 +1,5 @@
 """The runner's step verification over many decode steps: no false failures from the stack's own bf16
-rounding, while a wrong backend still fails at 30 and 100 steps (new-user trial #1, item 1)."""
+rounding, while a wrong backend still fails at 30 and 100 steps."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pipeline.core.model_spec import load_model_spec
 from pipeline.platforms.fake import FakePlatform
 from pipeline.runtime.runner import Runner, RunnerConfig
 from pipeline.runtime.model_steps import verify_model_steps
-from pipeline.runtime.stack_reference import reference_forward_rounded
+from pipeline.runtime.model_steps import reference_forward_rounded
 
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 512, "num_hidden_layers": 4,
         "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "rope_theta": 500000.0,
@@ -70,7 +70,7 @@ def test_many_decode_steps_pass_in_bf16_and_a_wrong_decode_still_fails(tiny, ste
 
 
 def test_llama_30_steps_no_false_failure():
-    """The trial's case: Llama-3.1-8B, 2 layers, bf16, 30 decode steps failed at decode#28/#29 (1.1e-2, 1.2e-2)."""
+    """A reported case: Llama-3.1-8B, 2 layers, bf16, 30 decode steps failed at decode#28/#29 (1.1e-2, 1.2e-2)."""
     checks = _checks(load_model_spec(CONFIGS / "llama-3.1-8b.json"), 30)
     assert all(c.passed for c in checks), [c for c in checks if not c.passed]
 

@@ -1,4 +1,4 @@
-"""weights_exceed_memory (issue 14, second pass): the stack's weight bytes against an independent count of the
+"""weights_exceed_memory: the stack's weight bytes against an independent count of the
 tensors AttentionStack builds, and the refusal's remedy followed (the --num-layers it names then fits)."""
 
 from __future__ import annotations

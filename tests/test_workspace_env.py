@@ -1,6 +1,6 @@
 """A FlashInfer workspace size from SGLANG_FLASHINFER_WORKSPACE_SIZE goes through the one workspace check the flag
 goes through: a value below what the resolved backend needs is refused naming the variable, its value and the
-minimum, and the remedy (set the variable to that minimum) then plans (issue 18 §7)."""
+minimum, and the remedy (set the variable to that minimum) then plans."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_a_backend_without_a_workspace_does_not_read_the_variable(capsys, monkey
                                    "--cuda-graph-max-bs", "8192"]])
 def test_a_flag_sized_workspace_remedy_names_only_the_flag(argv, capsys, monkeypatch):
     """The remedy said "set --flashinfer-workspace-size (or SGLANG_FLASHINFER_WORKSPACE_SIZE) to at least N" for a size
-    the flag set, yet the flag wins over the variable: setting the variable to N planned the same refusal (s8adv).
+    the flag set, yet the flag wins over the variable: setting the variable to N planned the same refusal.
     Every alternative the remedy names now plans."""
     monkeypatch.delenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", raising=False)
     code, out = _plan(capsys, argv)
@@ -86,7 +86,7 @@ def test_a_flag_sized_workspace_remedy_names_only_the_flag(argv, capsys, monkeyp
 
 def test_a_default_sized_workspace_remedy_still_names_both(capsys, monkeypatch):
     monkeypatch.delenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", raising=False)
-    # 8192, not 100000: the graphs of a 100000 top (~9.7 TB estimated) are refused once the workspace fits (s9mem)
+    # 8192, not 100000: the graphs of a 100000 top (~9.7 TB estimated) are refused once the workspace fits
     argv = ["--max-reqs", "8192", "--cuda-graph-max-bs", "8192"]
     code, out = _plan(capsys, argv)
     need = {f["name"]: f["value"] for f in out["error"]["flags"]}["needed_bytes"]

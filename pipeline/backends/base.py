@@ -1,19 +1,6 @@
 """The attention backend interface (sglang's contract), the forward-batch record and the per-call layer check.
 
-An engine that already speaks sglang's ``AttentionBackend`` can plug any backend built here into
-its model: the method names and arguments match sglang's
-(``init_forward_metadata``, ``init_cuda_graph_state``, ``init_forward_metadata_capture_cuda_graph``,
-``init_forward_metadata_replay_cuda_graph``, ``get_cuda_graph_seq_len_fill_value``, ``forward``).
-
-Shapes (T = tokens in the batch, H = q heads, Hkv = kv heads, D = qk head dim, Dv = v head dim):
-
-- ``q``: [T, H, D] or [T, H*D]; ``k``: [T, Hkv, D]; ``v``: [T, Hkv, Dv]; dtype = the model dtype.
-- output: [T, H*Dv], same dtype as ``q``.
-- KV memory: see :mod:`pipeline.backends.memory` (``req_to_token`` [max_reqs, max_context_len] int32;
-  per-layer K/V buffers [num_token_slots, Hkv, D] / [num_token_slots, Hkv, Dv]).
-
-A closed backend (:func:`mark_closed`, applied by every subclass's ``close``) refuses each call of
-:data:`GUARDED_METHODS` with :class:`pipeline.core.errors.BackendClosed`, at no cost to an open one.
+Details: docs/internals.md, ``pipeline.backends.base``.
 """
 
 from __future__ import annotations
@@ -74,7 +61,6 @@ def _closing(close: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
     wrapper._marks_closed = True  # type: ignore[attr-defined]
     return wrapper
-
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,57 +1,6 @@
 """Paged KV memory: ``req_to_token``, per-layer K/V buffers and a page allocator.
 
-Layout (sglang's):
-
-- ``ReqToTokenPool.req_to_token``: [max_reqs, max_context_len] int32 — token ``t`` of the request
-  in row ``r`` lives in KV slot ``req_to_token[r, t]``.
-- ``KVPool.k_buffer[layer]``: [num_token_slots, Hkv, D]; ``v_buffer[layer]``: [num_token_slots, Hkv, Dv].
-- Pages: slots are handed out in whole pages of ``page_size`` tokens, so
-  ``req_to_token[r, t] == page(r, t // page_size) * page_size + t % page_size``.
-  Slot 0's page is reserved (sglang keeps slot 0 as the padding slot for CUDA graphs).
-
-The KV-cache contract every backend (torch_native, triton, flashinfer) reads and writes by
-----------------------------------------------------------------------------------------------
-
-**Storage dtype.** ``KVPool.dtype`` is one torch dtype for every layer: ``bfloat16``, ``float16``,
-``float32``, or fp8 — ``torch.float8_e4m3fn`` (``--kv-cache-dtype fp8_e4m3``: 4 exponent bits, max
-448, finite only) or ``torch.float8_e5m2`` (``fp8_e5m2``: 5 exponent bits, max 57344).
-
-**Per-layer scales.** ``KVPool.k_scales[layer_id]`` and ``KVPool.v_scales[layer_id]`` are Python
-floats (finite, > 0; default 1.0), one pair per layer, fixed when the pool is built (as sglang's
-``RadixAttention.k_scale`` / ``v_scale`` are read per layer from an fp8 checkpoint before the CUDA
-graphs are captured; FlashInfer takes them as Python floats in ``run()``, so they are baked into a
-captured graph). :meth:`KVPool.kv_scales` returns the pair. Scales other than 1.0 are only allowed
-on fp8 pools (a 16/32-bit cache stores values as they are).
-
-**Write** (:meth:`KVPool.set_kv_buffer`, the one writer every backend calls)::
-
-    stored = round_to_fp8(clamp(float32(x) / scale, -fp8_max, +fp8_max))
-
-rounding to nearest even; the clamp makes an out-of-range value saturate to ±max (torch's own cast
-saturates e4m3 but overflows e5m2 to inf, and differs between devices), NaN stays NaN. Non-fp8
-pools store ``x`` cast to the pool dtype (scale 1).
-
-**Read** (every backend, in registers or through FlashInfer's ``k_scale``/``v_scale``)::
-
-    real = float(stored) * scale
-
-so attention over an fp8 cache is attention over ``K = k_stored * k_scale`` and
-``V = v_stored * v_scale``; FlashInfer folds ``k_scale`` into the softmax scale and multiplies the
-output by ``v_scale``, which is the same math. The float64 reference of every test is attention over
-exactly these dequantized stored values (:mod:`pipeline.runtime.verify`).
-
-**MLA layers** (absorbed form: one latent KV head, ``D = kv_lora_rank + qk_rope_head_dim``, e.g.
-576, ``Dv = kv_lora_rank``, e.g. 512) hold ONE buffer: ``k_buffer[layer]`` [num_token_slots, 1, D]
-with rows ``[c_kv (Dv), k_rope (D - Dv)]``, and ``v_buffer[layer]`` is a view of its first ``Dv``
-dims (``k_buffer[layer][..., :Dv]``, same storage, row stride D) — sglang's ``MLATokenToKVPool``.
-Writes store K only (the ``v`` argument of :meth:`set_kv_buffer` is ignored for MLA layers, as in
-sglang, since absorbed ``v`` is ``c_kv``), and the pool's bytes per token are ``D`` elements, not
-``D + Dv``. FlashInfer's MLA wrapper reads ``c_kv`` and ``k_rope`` as two strided slices of the
-same buffer; our Triton MLA kernels and torch_native read the same rows.
-
-The storage dtypes and the write/read rule are :mod:`pipeline.backends.memory` (re-exported here).
-
-This module imports torch; it is only imported by backends and by verification.
+Details: docs/internals.md, ``pipeline.backends.memory``.
 """
 
 from __future__ import annotations
@@ -88,7 +37,7 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: Any = 1.0) -> torch.
 
     ``x``: any float tensor; ``dtype``: the pool's storage dtype; ``scale``: the layer's
     ``k_scale`` or ``v_scale``, a float or a one-element tensor (only fp8 pools take one other than 1.0). Returns a tensor of
-    ``dtype`` with ``x``'s shape. See the module docstring (the write rule).
+    ``dtype`` with ``x``'s shape. See docs/internals.md, ``pipeline.backends.memory`` (the write rule).
     """
     if not is_fp8(dtype):
         return x.to(dtype)
@@ -103,7 +52,6 @@ def dequantize_kv(stored: torch.Tensor, scale: float = 1.0, dtype: torch.dtype =
     """``float(stored) * scale`` in ``dtype`` (float32 by default): the value a stored K/V element means."""
     out = stored.to(dtype)
     return out * scale if scale != 1.0 else out
-
 
 
 def _check_scales(name: str, scales: Optional[Sequence[float]], num_layers: int, dtype: torch.dtype) -> list[float]:
@@ -150,9 +98,9 @@ class KVPool:
         is a view of its first Dv dims (needs ``Hkv == 1``, ``Dv < D`` and ``k_scale == v_scale``:
         the view's bytes were stored with the one latent scale).
     k_scales, v_scales : one float per layer (default all 1.0); only fp8 pools take values other
-        than 1.0. Fixed for the pool's life (see the module docstring).
+        than 1.0. Fixed for the pool's life (see docs/internals.md, ``pipeline.backends.memory``).
 
-    Attributes: ``k_buffer`` / ``v_buffer`` (lists of tensors, see the module docstring),
+    Attributes: ``k_buffer`` / ``v_buffer`` (lists of tensors, see docs/internals.md, ``pipeline.backends.memory``),
     ``k_scales`` / ``v_scales`` (lists of floats), ``size``, ``page_size``, ``dtype``, ``device``,
     ``mla_layers`` (frozenset of layer ids).
 

@@ -1,10 +1,14 @@
-"""The packages the backends need: distribution names, how each is imported and installed, and whether it is.
+"""The packages the backends need: distribution names, how each is imported and installed, the versions supported,
+and whether (and at which version) each is installed.
 
 Presence is read two ways: by distribution metadata (no import: what ``attn-setup plan`` and
 ``attn-setup backends`` use) and by a real import (what a run uses: a broken install counts as absent);
 resolve compares the two so that a run never silently decides differently from ``plan``
-(:func:`states.resolve.decide_for_run`). The names come from :data:`pipeline.backends.records.PACKAGES`,
-next to the capability records that list them. Torch-free unless a presence is checked by import.
+(:func:`states.resolve.decide_for_run`). A presence value (:data:`Presence`) is ``False`` (absent), the installed
+version (a string, read from the distribution's metadata: resolve checks it against :func:`supported_versions`) or
+``True`` (present, version not read: assumed, as ``plan --installed`` and traces recorded before versions were, or
+importable without metadata). The names and ranges come from :data:`pipeline.backends.records.PACKAGES`, next to the
+capability records that list them. Torch-free unless a presence is checked by import.
 """
 
 from __future__ import annotations
@@ -12,9 +16,14 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from pipeline.backends.records import PACKAGES as _PACKAGES
+
+Presence = Union[bool, str]
 
 
 def names() -> tuple[str, ...]:
@@ -27,10 +36,38 @@ def import_name(dist: str) -> str:
     return _PACKAGES[dist][0] if dist in _PACKAGES else dist
 
 
+def supported_versions(dist: str) -> SpecifierSet:
+    """The versions of ``dist`` attn-setup supports (the tested ones), e.g. ``==0.7.2``; any for an unknown one."""
+    return SpecifierSet(_PACKAGES[dist][1] if dist in _PACKAGES else "")
+
+
+def requirement(dist: str) -> str:
+    """``dist`` with its supported versions, as pip takes it: ``flashinfer-python==0.7.2``, ``torch>=2.11,<2.16``."""
+    return f"{dist}{_PACKAGES[dist][1]}" if dist in _PACKAGES else dist
+
+
 def install_hint(dist: str) -> str:
-    """How to install a distribution, for a "package missing" reason (``pip install 'flashinfer-python>=0.6.13,<0.7'``: the
-    pins of attn-setup's ``cuda`` extra, a command that works whether attn-setup came from PyPI or a clone)."""
-    return _PACKAGES[dist][1] if dist in _PACKAGES else f"pip install {dist}"
+    """How to install a supported version of a distribution, for a reason or remedy: ``pip install
+    'flashinfer-python==0.7.2'`` (the range of attn-setup's dependencies and ``cuda`` extra, a command that works
+    whether attn-setup came from PyPI or a clone)."""
+    return f"pip install '{requirement(dist)}'" if dist in _PACKAGES else f"pip install {dist}"
+
+
+def is_supported(dist: str, version: str) -> bool:
+    """Whether ``version`` (as its metadata spells it: ``2.13.0+cpu``) is in :func:`supported_versions`; a version that
+    is not PEP 440 is not. Pre-releases (a torch nightly) are not, unless the range names one."""
+    try:
+        return supported_versions(dist).contains(Version(version), prereleases=False)
+    except InvalidVersion:
+        return False
+
+
+def unsupported(dist: str, presence: Presence) -> Optional[str]:
+    """The installed version of ``dist`` when it is present at a version outside its supported range, else None
+    (absent, supported, or a presence whose version was not read)."""
+    if isinstance(presence, str) and not is_supported(dist, presence):
+        return presence
+    return None
 
 
 def canonical(name: str) -> Optional[str]:
@@ -43,30 +80,33 @@ def canonical(name: str) -> Optional[str]:
     return None
 
 
-def installed_by_metadata(packages: Optional[Sequence[str]] = None) -> dict[str, bool]:
-    """Presence by distribution metadata (no import) of ``packages`` (default: :func:`names`)."""
-    out = {}
-    for p in packages if packages is not None else names():
-        try:
-            importlib.metadata.version(p)
-            out[p] = True
-        except importlib.metadata.PackageNotFoundError:
-            out[p] = False
-    return out
+def metadata_version(dist: str) -> Optional[str]:
+    """The installed version of ``dist`` by its distribution metadata (no import), or None when absent."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def installed_by_metadata(packages: Optional[Sequence[str]] = None) -> dict[str, Presence]:
+    """Presence by distribution metadata (no import) of ``packages`` (default: :func:`names`): the version, or
+    False."""
+    return {p: metadata_version(p) or False for p in (packages if packages is not None else names())}
 
 
 def installed_by_import(packages: Optional[Sequence[str]] = None,
-                        errors: Optional[dict[str, str]] = None) -> dict[str, bool]:
-    """Presence by a real import of ``packages`` (default: :func:`names`); a broken install counts as absent.
+                        errors: Optional[dict[str, str]] = None) -> dict[str, Presence]:
+    """Presence by a real import of ``packages`` (default: :func:`names`): the metadata version of each package that
+    imports (True when it has no metadata), False for one that does not (a broken install counts as absent).
 
     ``errors``, when given, receives the import error text of each package that is there but failed.
     """
-    out = {}
+    out: dict[str, Presence] = {}
     for p in packages if packages is not None else names():
         mod = import_name(p)
         try:
             importlib.import_module(mod)
-            out[p] = True
+            out[p] = metadata_version(p) or True
         except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
             out[p] = False
             if errors is not None and importlib.util.find_spec(mod) is not None:

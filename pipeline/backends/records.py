@@ -51,22 +51,25 @@ FLASHINFER = Capability(
     fp8_kv_features=["mha"],
     tree_features=["mha", "logit_softcap"],
     workspace_bytes=384 * MiB,
-    source="sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default; FlashInfer 0.6.13 wrappers (fa2 prefill, "
-           "CUDA-core/tensor-core decode, attention-sink wrapper), verified on an H200 (sm90) only: "
-           "see benchmarks/RESULTS.md. fp8 KV (e4m3/e5m2, per-layer k_scale/v_scale passed to run()) with a "
+    source="sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default; FlashInfer 0.7.2 (the one supported version, "
+           "sglang 0.5.23's pin) wrappers: fa2 prefill, CUDA-core/tensor-core decode, the attention-sink variant "
+           "built under our own complete module name (0.7.2's sink wrapper still names it without head dims or KV "
+           "dtype), the MLA wrapper's canonical plan(metadata=MLAPlanMetadata.csr(...))/run(query=, kv_cache=). "
+           "Verified on an H200 (sm90) only, with 0.6.13 (see benchmarks/RESULTS.md; 0.7.2's run: tests/gpu and "
+           "the 0.7.2 tables there). fp8 KV (e4m3/e5m2, per-layer k_scale/v_scale passed to run()) with a "
            "bf16/fp16 q: CUDA-core and tensor-core decode and fa2 paged prefill, all within 6.9e-3 of float64 "
            "over the dequantized stored K/V on the H200 (RESULTS.md, 'fp8 KV and MLA facts'), for plain MHA/GQA "
-           "layers only: with windows or softcaps the fp8 variants were not compiled or verified, FlashInfer "
-           "0.6.13's attention-sink wrapper names its JIT module without the KV dtype, and the MLA wrapper's run() "
-           "takes no k_scale/v_scale, so those are refused with fp8 (fp8_kv_features). MLA (absorbed, "
-           "576/512 = DeepSeek-V2/V3, Kimi-K2): flashinfer.mla.BatchMLAPagedAttentionWrapper, backend fa3 on sm90 "
-           "and fa2 elsewhere, decode and causal extend, 16 and 128 heads, pages 1/16/64, within 5.4e-3 on the "
-           "H200. Speculative (sglang's flashinfer_backend.py): target verify = the paged prefill wrapper with "
-           "FlashInfer's packed custom mask (prefix columns set, the tree's ancestor mask after them; the fa2 kernels: "
-           "fa3 has no custom mask), draft decode of top-k branches = the decode wrapper over a page-size-1 view of "
-           "the pool with token-level indices (prefix then the branch's draft slots: any page size, no prefix-tail "
-           "copy), both CUDA-graph captured. Trees only for MHA/GQA layers with or without softcap: FlashInfer's "
-           "window counts KV indices, not tree positions, the sink wrapper and the MLA wrapper take no custom mask",
+           "layers only: with windows, softcaps or sinks the fp8 variants were not compiled or verified, nor was fp8 "
+           "MLA (0.7.2's MLA wrapper takes e4m3 with per-tensor ckv/kpe scales on sm90 and a bf16 q; not wired "
+           "here), so those are refused with fp8 (fp8_kv_features). MLA (absorbed, 576/512 = DeepSeek-V2/V3, Kimi-K2): "
+           "flashinfer.mla.BatchMLAPagedAttentionWrapper, backend fa3 on sm90 and fa2 elsewhere, decode and causal "
+           "extend, 16 and 128 heads, pages 1/16/64, within 5.4e-3 on the H200. Speculative (sglang's "
+           "flashinfer_backend.py): target verify = the paged prefill wrapper with FlashInfer's packed custom mask "
+           "(prefix columns set, the tree's ancestor mask after them; the fa2 kernels: fa3 has no custom mask), draft "
+           "decode of top-k branches = the decode wrapper over a page-size-1 view of the pool with token-level "
+           "indices (prefix then the branch's draft slots: any page size, no prefix-tail copy), both CUDA-graph "
+           "captured. Trees only for MHA/GQA layers with or without softcap: FlashInfer's window counts KV indices, "
+           "not tree positions, the sink wrapper and the MLA wrapper take no custom mask",
 )
 
 FA3 = Capability(
@@ -81,15 +84,16 @@ FA3 = Capability(
     packages=["torch", "flashinfer-python"],
     kv_dtype_matches_q=True,
     workspace_bytes=384 * MiB,
-    source="sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default; FlashInfer 0.6.13 backend='fa3' (sm90) "
+    source="sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default; FlashInfer 0.7.2 backend='fa3' (sm90) "
            "prefill kernels for extend and decode; only head dim 128 without window/softcap/sinks was "
-           "compiled and verified on the H200 (each fa3 variant is a ~110 s compile): see benchmarks/RESULTS.md. "
-           "No fp8 KV: backend='fa3' with a bf16 q and an fp8 (e4m3) KV cache fails to compile in FlashInfer "
-           "0.6.13 (ninja build failure on the H200, RESULTS.md 'fp8 KV and MLA facts'); e5m2 likewise (neither "
-           "compiled nor verified); use flashinfer (fa2 kernels) for fp8 KV. No MLA (the MLA wrapper is the flashinfer "
-           "backend's). No speculative decoding: FlashInfer's fa3 prefill has no custom mask (its dispatcher falls back "
-           "to fa2 for one), so target verify of EAGLE trees is the flashinfer backend's (sglang's fa3 backend is "
-           "FlashAttention-3 from sgl-kernel, not FlashInfer's)",
+           "compiled and verified on the H200 (each fa3 variant is a ~110 s compile; with 0.6.13, see "
+           "benchmarks/RESULTS.md). No fp8 KV: backend='fa3' with a bf16 q and an fp8 (e4m3) KV cache failed to "
+           "compile in FlashInfer 0.6.13 (ninja build failure on the H200, RESULTS.md 'fp8 KV and MLA facts') and "
+           "was not tried with 0.7.2; e5m2 likewise (neither compiled nor verified); use flashinfer (fa2 kernels) "
+           "for fp8 KV. No MLA (the MLA wrapper is the flashinfer backend's). No speculative decoding: FlashInfer's "
+           "fa3 prefill has no custom mask (its dispatcher falls back to fa2 for one), so target verify of EAGLE "
+           "trees is the flashinfer backend's (sglang's fa3 backend is FlashAttention-3 from sgl-kernel, not "
+           "FlashInfer's)",
 )
 
 TRITON_CAP = Capability(
@@ -133,7 +137,8 @@ TRITON_CAP = Capability(
 # FlashInfer 0.6.13 (fa3 MLA wrapper 136.4 µs; fa2 289.0) and our Triton MLA kernels' best swept config
 # (h64n64w8s2, 415.6 µs; the L2-prefetch default h64n64w8s3 measured 267.5 µs in the final H200 run, 0.52x): benchmarks/RESULTS.md, "fp8 KV and MLA facts" and "MLA decode". For an MLA model on
 # a listed arch, auto-selection tries these backends first, fastest first (registry.auto_candidates);
-# re-measure with ``python benchmarks/mla_decode.py`` (or benchmarks/p4_fp8_mla.py) and update the numbers.
+# re-measure with ``python benchmarks/mla_decode.py`` (or benchmarks/p4_fp8_mla.py) and update the numbers (due for
+# FlashInfer 0.7.2, whose MLA wrapper now plans through a backend object per plan() call).
 MLA_DECODE_US: dict[str, dict[str, float]] = {
     "sm90": {"flashinfer": 136.4, "triton": 415.6},
 }
@@ -203,9 +208,14 @@ AUTO_PRIORITY: dict[str, list[str]] = {
 }
 DEFAULT_PRIORITY = ["torch_native"]
 
-# Every package a record lists: distribution → (import name, how to install it).
+# Every package a record lists: distribution → (import name, the versions attn-setup supports: PEP 440 specifiers,
+# the tested ones). pyproject.toml's dependencies and ``cuda`` extra give the same ranges
+# (tests/test_coinstall.py); docs/install.md says how each end is tested. An installed version outside its range is
+# refused at resolve (``package_version_unsupported``), as a missing package is. FlashInfer: exactly 0.7.2, sglang
+# 0.5.23's pin (0.7.2.post1 changes ~490 files: other kernels, not tested). torch: 2.11 (the H200's, 2.11+cu130)
+# through 2.15. triton: 3.6 (the H200's, torch 2.11's) through 3.9 (this CI machine's; torch 2.14.1 pins ~=3.8.0).
 PACKAGES: dict[str, tuple[str, str]] = {
-    "torch": ("torch", "pip install torch"),
-    "triton": ("triton", "pip install 'triton>=3.4'"),
-    "flashinfer-python": ("flashinfer", "pip install 'flashinfer-python>=0.6.13,<0.7'"),
+    "torch": ("torch", ">=2.11,<2.16"),
+    "triton": ("triton", ">=3.6,<3.10"),
+    "flashinfer-python": ("flashinfer", "==0.7.2"),
 }

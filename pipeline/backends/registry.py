@@ -1,16 +1,6 @@
 """Backend registry: names → entries, each with its capability record, its rules and a lazily imported factory.
 
-An entry answers every backend-specific question the rest of the package asks, torch-free: may it serve
-this request (its :class:`Capability`, checked by :mod:`states.capability_check`), how large is its
-workspace and is it large enough (:meth:`BackendEntry.workspace`, :meth:`BackendEntry.check_workspace`), can
-its decode be captured in a CUDA graph (:attr:`BackendEntry.graphs`), which kernels does it JIT-compile
-(:meth:`BackendEntry.jit_variants`); the per-call layer check is each backend's own
-(:class:`pipeline.backends.base.PlannedLayers`). The registry also names the reference backend and the
-auto-selection order (:func:`reference_name`, :func:`auto_candidates`). Outside ``pipeline/backends/`` no
-code names a backend. The registry holds only the import path of each factory, so ``import pipeline``
-never imports torch, triton or flashinfer.
-
-Factories have the signature ``factory(ctx: BackendContext) -> AttentionBackend``.
+Details: docs/internals.md, ``pipeline.backends.registry``.
 """
 
 from __future__ import annotations
@@ -118,12 +108,12 @@ class BackendEntry:
         try:
             module = importlib.import_module(mod)
         except ImportError as e:
-            pk = ", ".join(self.capability.packages) or mod
+            pk = list(self.capability.packages) or [mod]
             raise BackendUnavailable(
                 f"backend {self.name!r} could not be imported: {e}",
                 flags=[("backend", self.name)],
-                remedy=f"install {pk} ({install_hint(pk)}: the pins of attn-setup's cuda extra), "
-                       "or choose another backend",
+                remedy=f"install {', '.join(pk)} ({'; '.join(install_hint(p) for p in pk)}: the versions attn-setup "
+                       "supports), or choose another backend",
             ) from e
         return getattr(module, fn)
 

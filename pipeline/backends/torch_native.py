@@ -1,26 +1,6 @@
 """torch_native: the reference backend — plain torch attention over the paged KV cache.
 
-Like sglang's ``TorchNativeAttnBackend`` it loops over the requests of a batch, gathers each
-request's keys and values through ``req_to_token`` and runs attention in fp32; it needs no
-workspace and does not support CUDA graphs (the base class raises; sglang turns graphs off for it).
-
-- extend (and draft extend): new tokens attend to their cached prefix and causally to each other; the new K/V are
-  first written to ``out_cache_loc`` (``save_kv_cache``).
-- decode: one new token per request attends to every cached token and itself.
-- target verify: each tree token attends to the prefix and to its ancestors and itself, at position
-  ``prefix + depth`` (windows and chunks count those positions): the tree mask applied exactly, the reference the
-  other backends' tree masks are checked against. Draft decode: each of a request's ``topk`` branches attends to the
-  committed prefix and its own draft tokens (:mod:`pipeline.backends.speculative`).
-- GQA (``H % Hkv == 0``), sliding window, chunked local attention (Llama-4: key j visible from
-  query i iff ``j // C == i // C``), logit softcap, attention sinks, MLA absorbed form
-  (``Dv != D``, one latent KV head; V read from the first Dv dims of the one latent buffer), any
-  ``page_size >= 1``; KV storage fp32/bf16/fp16 or fp8 (``float8_e4m3fn`` / ``float8_e5m2``): written
-  through the pool (``stored = fp8(x / scale)``) and read as ``float32(stored) * scale`` with the
-  layer's ``k_scale`` / ``v_scale`` from the pool (the contract in :mod:`pipeline.backends.memory`).
-- ``scaled_dot_product_attention`` is used when neither softcap nor sinks are set; explicit math
-  otherwise.
-
-The capability record is :data:`pipeline.backends.records.TORCH_NATIVE` (kept torch-free).
+Details: docs/internals.md, ``pipeline.backends.torch_native``.
 """
 
 from __future__ import annotations
@@ -209,7 +189,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, unit: Unit, layer
 
 
 class TorchNativeBackend(AttentionBackend):
-    """Per-request fp32 attention over the paged KV cache (see the module docstring).
+    """Per-request fp32 attention over the paged KV cache (see docs/internals.md, ``pipeline.backends.torch_native``).
 
     Parameters
     ----------

@@ -15,9 +15,9 @@ from typing import Any, Optional, Sequence
 
 import msgspec
 
-from pipeline.cli.domains import check_flags
-from pipeline.cli.outstreams import ReaderMayLeave, quiet
-from pipeline.cli.paths import check_paths
+from pipeline.cli.flags import check_flags
+from pipeline.cli.output import ReaderMayLeave, quiet
+from pipeline.cli.flags import check_paths
 from pipeline.cli.flags import (  # noqa: F401 (the parser's helpers, re-exported: this module held them)
     add_setup_flags, attention_args_from, build_parser, field_docs,
 )
@@ -77,14 +77,14 @@ def configure_logging(verbose: bool) -> None:
 
 def print_error(err: AttnSetupError, as_json: bool, command: Optional[str] = None) -> None:
     """One ErrorInfo in the command line's words: the flags of ``command`` (the subcommand) where a flag sets
-    the field, no Python ``None`` (:func:`pipeline.cli.wording.cli_error`)."""
-    from pipeline.cli.wording import cli_error, command_dests
+    the field, no Python ``None`` (:func:`pipeline.cli.output.cli_error`)."""
+    from pipeline.cli.output import cli_error, command_dests
 
     info = cli_error(err.info, command_dests(command))
     if as_json:
         sys.stdout.write(msgspec.json.encode({"ok": False, "error": info}).decode() + "\n")
     else:
-        from pipeline.cli.report import render_error
+        from pipeline.cli.output import render_error
 
         render_error(info)
 
@@ -135,13 +135,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     code; SIGINT (Ctrl-C, KeyboardInterrupt) is 130 with ``interrupted``; a closed pipe on stdout, on
     stderr or on both (``2>&1 | head -1``) changes nothing (the rest of that output is dropped,
     :class:`ReaderMayLeave`; a failed command keeps its own code), nor does a stream that cannot encode the
-    output (:class:`pipeline.cli.streams.SafeText`: ASCII stand-ins); any other write error on stdout or stderr
+    output (:class:`pipeline.cli.output.SafeText`: ASCII stand-ins); any other write error on stdout or stderr
     (``> /dev/full``) is exit 2 ``output_write_failed``, named on stderr when stderr works, unless the command
-    failed anyway (its code wins; :mod:`pipeline.cli.outstreams`); any other exception is 1 with
+    failed anyway (its code wins; :mod:`pipeline.cli.output`); any other exception is 1 with
     ``internal_error`` naming it.
     """
-    from pipeline.cli.outstreams import open_std_fds, report, std_stream
-    from pipeline.cli.streams import safe
+    from pipeline.cli.output import open_std_fds, report, std_stream
+    from pipeline.cli.output import safe
     from pipeline.core.errors import EXIT_FAILED
 
     closed = open_std_fds() if argv is None else frozenset()  # a process's own descriptors, not an in-process call's
@@ -169,7 +169,7 @@ def _sigint_now() -> Any:
 
 
 def _restore_sigint(handler: Any) -> None:
-    """An in-process caller's SIGINT handler back (``run``'s :func:`pipeline.cli.run_exit.finish_log` ignores SIGINT
+    """An in-process caller's SIGINT handler back (``run``'s :func:`pipeline.cli.run.finish_log` ignores SIGINT
     from its last record on, so that the process exits with the code it logged)."""
     import signal
 
@@ -196,7 +196,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from pipeline.core.errors import EXIT_FAILED, EXIT_INTERRUPTED, error_info_from
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    as_json = any(a == "--json" or a.startswith("--json=") for a in argv)  # s13: --json=1 is refused in JSON
+    as_json = any(a == "--json" or a.startswith("--json=") for a in argv)  # --json=1 is refused in JSON
     command = subcommand_of(argv)
     try:
         parser = build_parser()
@@ -206,12 +206,12 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # torch's C++ logs (c10d frames) only with -v
         ns._argv = argv
         check_verbose(ns)
-        check_flags(ns)  # every flag's domain (pipeline.cli.domains), before a command starts anything
-        check_paths(ns)  # the path flags together: UTF-8, no output over an input (pipeline.cli.paths)
+        check_flags(ns)  # every flag's domain (pipeline.cli.flags), before a command starts anything
+        check_paths(ns)  # the path flags together: UTF-8, no output over an input (pipeline.cli.flags)
         configure_logging(ns.verbose)
         return int(ns._cmd(ns))
     except AttnSetupError as e:
-        from pipeline.cli.request import device_as_written
+        from pipeline.cli.flags import device_as_written
 
         print_error(device_as_written(e, _flag_after(argv, "--device")), as_json, command)
         return e.exit_code
@@ -235,7 +235,7 @@ def _print_info(info: Any, as_json: bool) -> None:
         if as_json:
             sys.stdout.write(msgspec.json.encode({"ok": False, "error": info}).decode() + "\n")
         else:
-            from pipeline.cli.report import render_error
+            from pipeline.cli.output import render_error
 
             render_error(info)
     except (BrokenPipeError, OSError):

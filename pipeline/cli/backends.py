@@ -1,16 +1,6 @@
 """``attn-setup backends [--json | --markdown]``: every backend, its capability record, and whether it is installed.
 
-One row per registered backend, from the same :class:`~pipeline.backends.capability.Capability`
-records resolve checks requests against (:mod:`pipeline.backends.records`): the device types,
-compute capabilities (``sm90`` …; none listed = no limit) and features it serves, head dims,
-dtypes, page sizes, default workspace bytes, the packages it needs and whether they are installed
-here (distribution metadata, no import: the same answer ``attn-setup plan`` uses), and where its
-limits come from. The sglang backend names attn-setup knows but does not implement are listed with
-what to use instead.
-
-``--markdown`` prints ``docs/backends.md``, generated from the same records
-(``python3 -m pipeline.cli backends --markdown > docs/backends.md``; a test fails when they drift).
-Nothing here imports torch, triton or flashinfer. Exit 0.
+Details: docs/internals.md, ``pipeline.cli.backends``.
 """
 
 from __future__ import annotations
@@ -32,30 +22,47 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def records(installed: Optional[dict[str, bool]] = None) -> list[dict[str, Any]]:
-    """One dict per registered backend (name order): its capability record, factory and, when
-    ``installed`` (package → present) is given, ``installed`` (every package present) and ``packages``."""
+def records(installed: Optional[dict[str, bool | str]] = None) -> list[dict[str, Any]]:
+    """One dict per registered backend (name order): its capability record, factory, ``supported_versions`` (package
+    → the versions attn-setup supports, pip's spelling) and, when ``installed`` (package → presence:
+    :data:`pipeline.backends.packages.Presence`) is given, ``installed`` (every package present at a supported
+    version), ``package_status`` (package → present) and ``package_versions`` (package → version or null)."""
     import msgspec
 
-    from pipeline.backends import registry
+    from pipeline.backends import packages, registry
 
     out = []
     for name in registry.names():
         entry = registry.get(name)
-        rec: dict[str, Any] = {"name": name, **msgspec.to_builtins(entry.capability), "factory": entry.factory}
+        rec: dict[str, Any] = {"name": name, **msgspec.to_builtins(entry.capability), "factory": entry.factory,
+                               "supported_versions": {p: packages.requirement(p) for p in entry.capability.packages}}
         if installed is not None:
-            pkgs = {p: bool(installed.get(p, False)) for p in entry.capability.packages}
-            rec["installed"] = all(pkgs.values())
-            rec["package_status"] = pkgs
+            have = {p: installed.get(p, False) for p in entry.capability.packages}
+            rec["installed"] = all(v and packages.unsupported(p, v) is None for p, v in have.items())
+            rec["package_status"] = {p: bool(v) for p, v in have.items()}
+            rec["package_versions"] = {p: v if isinstance(v, str) else None for p, v in have.items()}
         out.append(rec)
     return out
 
 
-def report(installed: dict[str, bool]) -> dict[str, Any]:
+def report(installed: dict[str, bool | str]) -> dict[str, Any]:
     """The ``--json`` object: ``{backends: [...], known_unavailable: {name: use instead}}``."""
     from pipeline.backends.registry import KNOWN_UNAVAILABLE
 
     return {"backends": records(installed), "known_unavailable": dict(KNOWN_UNAVAILABLE)}
+
+
+def _why_not(rec: dict[str, Any]) -> str:
+    """``triton missing; flashinfer-python 0.6.13, supports ==0.7.2`` for a backend row that is not installed."""
+    from pipeline.backends import packages
+
+    out = []
+    for p, v in rec["package_versions"].items():
+        if not rec["package_status"][p]:
+            out.append(f"{p} missing")
+        elif v is not None and packages.unsupported(p, v) is not None:
+            out.append(f"{p} {v}, supports {packages.supported_versions(p)}")
+    return "; ".join(out)
 
 
 def _any(values: Optional[list[Any]], what: str) -> str:
@@ -77,7 +84,7 @@ def markdown() -> str:
     recs = records()
     for r in recs:
         lines.append(f"| `{r['name']}` | {', '.join(r['devices'])} | {_any(r['archs'], 'arch')} | "
-                     f"{', '.join(r['features'])} | {', '.join(r['packages'])} |")
+                     f"{', '.join(r['features'])} | {', '.join(r['supported_versions'].values())} |")
     for r in recs:
         ws = r["workspace_bytes"]
         lines += ["", f"## `{r['name']}`", "",
@@ -98,7 +105,8 @@ def markdown() -> str:
                     if r.get("tree_features") is not None and "speculative_tree" in r["features"] else []),
                   f"- page sizes: {_any(r['page_sizes'], 'page size >= 1')}",
                   f"- default workspace: {ws} bytes" + (f" ({ws >> 20} MiB)" if ws else " (needs none)"),
-                  f"- packages: {', '.join(r['packages'])}",
+                  "- packages (supported versions, see docs/install.md): "
+                  + ", ".join(r["supported_versions"].values()),
                   f"- factory: `{r['factory']}`",
                   f"- limits from: {r['source']}"]
     lines += ["", "## sglang backends attn-setup does not implement", "", "| name | use instead |", "|---|---|"]
@@ -111,7 +119,7 @@ def cmd(ns: argparse.Namespace) -> int:
     import sys
 
     from pipeline.backends import packages
-    from pipeline.cli import report as rp
+    from pipeline.cli import output as rp
 
     if ns.markdown:
         sys.stdout.write(markdown())
@@ -122,13 +130,12 @@ def cmd(ns: argparse.Namespace) -> int:
     if ns.json:
         rp.emit_json(rep)
         return EXIT_OK
-    from pipeline.cli.console import console, print_line, print_table
+    from pipeline.cli.output import console, print_line, print_table
 
     c = console()
     rows = []
     for r in rep["backends"]:
-        missing = [p for p, ok in r["package_status"].items() if not ok]
-        rows.append([r["name"], "yes" if r["installed"] else f"no ({', '.join(missing)})", ", ".join(r["devices"]),
+        rows.append([r["name"], "yes" if r["installed"] else f"no ({_why_not(r)})", ", ".join(r["devices"]),
                      _any(r["archs"], ""), ", ".join(r["features"]), _any(r["head_dims_qk"], ""),
                      ", ".join(r["kv_dtypes"])])
     print_table(c, "attention backends (capability records; installed = packages found by metadata)",

@@ -1,17 +1,6 @@
 """``attn-setup graph [LOG …] -o FILE|--json [--machine setup|runner]``: a state machine, a recorded run's path highlighted.
 
-``--machine setup`` (default) draws the six-state setup machine (:data:`pipeline.setup.table.SETUP`),
-``--machine runner`` the runner's outer machine (:data:`pipeline.runtime.table.RUNNER`: init-distributed …
-ready), both from their step tables. The format follows FILE's extension: ``.mmd`` — mermaid
-``stateDiagram-v2`` text produced by pytransitions' own diagram support
-(``GraphMachine(graph_engine="mermaid")``), always available; ``.dot`` — Graphviz source;
-``.svg``/``.png`` — rendered by Graphviz's ``dot`` program. When ``dot`` is not on PATH the command
-exits 2 (``graphviz_missing``, nothing written) and names it; ``.mmd`` still works. With LOGs (one
-or several, e.g. every rank's), the states the run went through are marked ``taken`` and the state
-it failed in ``failed`` (``--rank`` picks the run; default: the first failed run, else the first); a run that
-failed after the machine finished (verification after ``ready``/``done``) has that last state marked ``failed``.
-``--json`` prints the machine (states with their highlight, transitions) and the run's path as one object
-(:func:`machine_obj`).
+Details: docs/internals.md, ``pipeline.cli.graph``.
 """
 
 from __future__ import annotations
@@ -162,7 +151,7 @@ def machine_obj(taken: list[Any], failed: Optional[Any], run: Any, machine: str 
     """
     spec = machine_spec(machine)
     st = styles(taken, failed, machine)
-    from pipeline.cli.inspect_text import failure_of
+    from pipeline.cli.inspect import failure_of
 
     info = None if run is None else failure_of(run)  # in the command line's words (--attention-backend fa3)
     return {
@@ -194,7 +183,7 @@ def cmd(ns: argparse.Namespace) -> int:
         raise UsageError(f"writing {ext} needs Graphviz's 'dot' program, which is not on PATH", code="graphviz_missing",
                          flags=[("-o", ns.output)], allowed=[".mmd", ".dot"],
                          remedy="install Graphviz (apt-get install graphviz / brew install graphviz), or use -o FILE.mmd")
-    from pipeline.cli.log_paths import check_log_paths
+    from pipeline.cli.flags import check_log_paths
 
     check_log_paths(ns.logs)
     taken, failed, run = trace_path(ns.logs, ns.rank, ns.machine)
@@ -226,7 +215,7 @@ def cmd(ns: argparse.Namespace) -> int:
             raise UsageError(f"cannot write {str(out)!r}: {getattr(e, 'strerror', None) or e}", code="usage",
                              flags=[("-o", ns.output)], remedy="pick a writable output path") from None
     if ns.json:
-        from pipeline.cli.report import emit_json
+        from pipeline.cli.output import emit_json
 
         emit_json({"ok": True, **machine_obj(taken, failed, run, ns.machine),
                    "output": None if out is None else str(out)})

@@ -1,17 +1,6 @@
 """``attn-setup inspect LOG [LOG …]``: what a start did, read back from its trace.
 
-Per run (``run_id``, rank): a timeline table (state, start, duration, outcome; for an ``attn-setup
-run`` trace the runner's states with the setup machine's nested under ``attention``), the decisions, and
-for a failed start a short explanation (failed state, cause, the flag to change). Several logs
-merge by (run_id, rank, launch); where the ranks of one run_id decided differently is listed. Truncated or
-corrupt lines are counted and skipped. Exit codes: 0 every start succeeded · 1 a start failed or
-is incomplete · 2 nothing was readable (or a LOG is not a regular file); ``--diff`` the same over each rank's
-last start in either log.
-
-Logs are read streaming (:class:`pipeline.observe.trace.TraceReader`): runs are reported one at a time
-and let go, so memory stays bounded on huge logs; only ``--perfetto`` keeps every run (the
-timeline file holds them all anyway). Every string read from a log is printed as plain text (never
-rich markup), control characters escaped.
+Details: docs/internals.md, ``pipeline.cli.inspect``.
 """
 
 from __future__ import annotations
@@ -22,17 +11,187 @@ from typing import Any, Iterator, Optional
 
 import msgspec
 
-from pipeline.cli.inspect_text import (  # noqa: F401 (the text view's names, importable from here as before)
-    _COLOUR, _decision_lines, _fit, _is_tty, _safe, explain, failure_of, render_run, render_tail, run_lines,
-    terminal_cols,
-)
-from pipeline.cli.startup import slow_phases, summary_of, summary_rows  # noqa: F401
+from pipeline.cli.startup import slow_line, slow_phases, summary_of, summary_rows
 from pipeline.core.errors import EXIT_FAILED, EXIT_OK
 from pipeline.core.events import SlowPhase, StartupSummary
-from pipeline.core.model_spec import format_layer_ids  # noqa: F401 (importable from here before the split)
-from pipeline.observe.rank_summary import RankSummary, summary_lines  # noqa: F401
-from pipeline.observe.ranks import RankDifferences, rank_differences
-from pipeline.observe.trace import Run, Trace, TraceReader, nothing_readable
+from pipeline.core.model_spec import format_layer_ids
+from pipeline.core.value_text import value_text
+from pipeline.observe.ranks import rank_differences, RankDifferences, RankSummary, summary_lines
+from pipeline.observe.runs import device_text, nothing_readable, Run, Trace
+from pipeline.observe.trace import TraceReader
+
+
+def failure_of(run: Run) -> Any:
+    """The run's failure ErrorInfo in the command line's words, as ``run --json`` prints it
+    (:func:`pipeline.cli.output.cli_error`): the flags of the command that wrote the trace (its
+    ``command_started``; ``run``'s for a trace written by the library) wherever a flag sets the field."""
+    info = run.failure
+    if info is None:
+        return None
+    from pipeline.cli.output import cli_error, command_dests
+    from pipeline.core.events import CommandStarted
+
+    started = run.first(CommandStarted)
+    return cli_error(info, command_dests(started.command if started is not None else "run"))
+
+
+def explain(run: Run) -> list[str]:
+    """Lines explaining a failed or incomplete start: where, why, which flag to change (command-line flags only),
+    the other facts of the error (an ``env`` variable, a ``field`` such as ``limit_bytes``, an ``arg``) one a line."""
+    if run.status == "incomplete":
+        return [f"incomplete: no done/failed record; last seen in state {run.last_state!r} "
+                "(the process was killed or is still running)"]
+    info = failure_of(run)
+    if info is None:
+        return []
+    from pipeline.cli.output import change_lines, entry_rows
+
+    out = [f"failed in state {info.state!r}: [{info.code}] {info.message}"]  # printed with markup off
+    rows = entry_rows(info)
+    flags = [text for label, text in rows if label == "flag"]  # only flags are flags to change
+    change = _named_by(flags, info.remedy or "") or flags
+    out += change_lines(change)
+    out += [f"flag {text}" for text in flags if text not in change]   # context, as run's error block labels it
+    out += [f"{label} {text}" for label, text in rows if label != "flag"]
+    if info.allowed:
+        out.append("allowed: " + ", ".join(info.allowed))
+    if info.remedy:
+        out.append("remedy: " + info.remedy)
+    return out
+
+
+def _named_by(flags: list[str], remedy: str) -> list[str]:
+    """The entries (``"--flag = value"``) whose flag the remedy names, as a whole word: the flags to change when the
+    error carries context flags too (a capability refusal names ``--device`` and ``--model`` beside the
+    ``--attention-backend`` its remedy changes). Empty when the remedy names none of them (then all are listed)."""
+    import re
+
+    return [t for t in flags if re.search(rf"(?<![\w-]){re.escape(t.split(' = ', 1)[0])}(?![\w-])", remedy)]
+
+
+def _decision_lines(d: dict[str, Any]) -> list[str]:
+    out = []
+    if "device" in d:
+        out.append(f"device: {device_text(d['device'])}")  # as run's report prints it
+    if "resolved" in d:
+        r = d["resolved"]
+        rules = r["rules"]
+        out.append(f"resolved: prefill={r['prefill']} ({rules.get('prefill', '?')}), decode={r['decode']} "
+                   f"({rules.get('decode', '?')}), draft override={r['is_draft_override']}")
+        for half, rej in r["rejected"].items():
+            out += [f"  rejected for {half}: {x['backend']}: {'; '.join(x['reasons'])}" for x in rej]
+        out += [f"  not attention (no KV cache): {g['kind']} layers {format_layer_ids(g['layer_ids'])}"
+                for g in r.get("not_attention", [])]
+    for name, s in d.get("settings", {}).items():
+        out.append(f"setting: {name}={s['value']} (from {s['source']})")
+    if "plan" in d:
+        p = d["plan"]
+        out.append(f"plan: mode={p['mode']} hybrid={p['hybrid']} instances="
+                   + ", ".join(f"{i['role']}:{i['backend']}@{i['workspace']}" for i in p["instances"]))
+    out += [f"skipped ({s['state']}): {s['what']}: {s['reason']}" for s in d.get("skips", [])]
+    return out
+
+
+def _safe(text: Any, newlines: bool = False) -> str:
+    """A string from a log, safe to print: control characters (terminal escapes) shown escaped, each on its own —
+    the rest of the text as written (an em dash stays a dash). ``newlines``: line ends kept (a message that holds a
+    table), for the caller to split."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or (newlines and ch == "\n") else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
+
+
+def _text_lines(line: str, indent: str = "  ", more: str = "    ") -> list[str]:
+    """One line that may hold line ends (:func:`_safe` with ``newlines``) as lines: the first at ``indent``, the
+    ones after it at ``more`` (a table in an error message stays aligned under its sentence)."""
+    first, *rest = _safe(line, newlines=True).split("\n")
+    return [indent + first] + [more + r for r in rest]
+
+
+_COLOUR = {"ok": "\x1b[32m", "failed": "\x1b[31m"}
+
+
+def run_lines(run: Run, colour: bool = False) -> list[str]:
+    """One run as plain text lines: status, the timeline table, decisions, explanation.
+
+    Fixed-width text rather than rich tables: a log of 100,000 launches must print in seconds,
+    and every string read from a log goes out as text (never markup), control characters escaped.
+    """
+    status = run.status
+    if colour:
+        status = f"{_COLOUR.get(status, chr(27) + '[33m')}{status}\x1b[0m"
+    head = f"run {_safe(run.run_id)} rank {run.rank}" + (f" launch {_safe(run.launch_id)}" if run.launch_id else "")
+    outer, inner = run.runner_states(), run.states()
+    t0 = min([s["start_ns"] for s in outer + inner] or [0])
+    rows = []
+    for s in outer or inner:  # a runner's table nests the setup machine under its attention step
+        rows.append(("", s))
+        if outer and s["state"] == "attention":
+            rows += [("  ", i) for i in inner]
+    cells = [(ind + _safe(s["state"]), f"{(s['start_ns'] - t0) / 1e6:.2f}", f"{s['duration_ms']:.2f}",
+              _safe(s["outcome"])) for ind, s in rows]
+    w = max([len("state")] + [len(c[0]) for c in cells])
+    sw = max([len("start (ms)")] + [len(c[1]) for c in cells])
+    dw = max([len("duration (ms)")] + [len(c[2]) for c in cells])
+    lines = [f"{head}: {status}", f"  {'state':<{w}}  {'start (ms)':>{sw}}  {'duration (ms)':>{dw}}  outcome"]
+    lines += [f"  {a:<{w}}  {b:>{sw}}  {c:>{dw}}  {d}" for a, b, c, d in cells]
+    lines += ["  " + _safe(line) for line in _decision_lines(run.decisions())]
+    lines += [x for line in explain(run) for x in _text_lines(line)]
+    summary = summary_of(run.all(StartupSummary))
+    if summary is not None:
+        rows = summary_rows(summary)
+        pw = max(len(r[0]) for r in rows)
+        lines.append("  startup summary (seconds):")
+        lines += [_safe(f"    {a:<{pw}}  {b:>9}  {c}").rstrip() for a, b, c in rows]
+    slow = slow_line(run.all(SlowPhase))
+    if slow:
+        lines.append("  " + _safe(slow))
+    return lines
+
+
+def _fit(lines: list[str], cols: Optional[int]) -> list[str]:
+    """Lines broken at spaces to ``cols`` columns (:func:`pipeline.cli.output.wrap`), unchanged when None."""
+    if not cols:
+        return lines
+    from pipeline.cli.output import wrap_lines
+
+    return wrap_lines(lines, cols, "  ")
+
+
+def terminal_cols() -> int:
+    """The width human output follows (``COLUMNS``, else the terminal's, else 80: :mod:`pipeline.cli.output`)."""
+    from pipeline.cli.output import width
+
+    return width()
+
+
+def render_run(out: Any, run: Run, colour: bool = False, cols: Optional[int] = None) -> None:
+    """Write :func:`run_lines` to ``out`` (a text stream), wrapped at words to ``cols`` when given."""
+    out.write("\n".join(_fit(run_lines(run, colour), cols)) + "\n")
+
+
+def render_tail(out: Any, src: Any, differences: list[dict[str, Any]], ranks: Optional[RankSummary] = None,
+                cols: Optional[int] = None) -> None:
+    """Per-rank last states, waits and the critical path (several ranks), rank differences, skipped lines."""
+    lines = [_safe(x) for x in summary_lines(ranks)] if ranks is not None else []
+    for d in differences:
+        vals = ", ".join(f"rank {k}: {value_text(v)}" for k, v in d["values"].items())
+        lines.append(_safe(f"ranks differ in run {d['run_id']}: {d['key']}: {vals}"))
+    if src.skipped_lines or src.unreadable_files:
+        lines.append(_safe(f"skipped {src.skipped_lines} unreadable line(s)"
+                           + "".join(f"; {s.path}:{s.line} {s.reason}" for s in src.skipped[:5])
+                           + "".join(f"; {p}: unreadable file" for p in src.unreadable_files)))
+    if lines:
+        out.write("\n".join(_fit(lines, cols)) + "\n")
+
+
+def _is_tty(out: Any) -> bool:
+    try:
+        return bool(out.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -71,12 +230,6 @@ def _summary(runs: list[Run]) -> RankSummary:
     for r in runs:
         s.add(r)
     return s.finish()
-
-
-def report_obj(trace: Trace) -> dict[str, Any]:
-    """The whole ``--json`` object of a trace read into memory (``cmd`` streams the same shape)."""
-    return {"runs": [run_obj(r) for r in trace.runs],
-            **_tail_obj(trace, rank_differences(trace), _summary(trace.runs))}
 
 
 def render(trace: Trace) -> None:
@@ -124,7 +277,7 @@ def _diff(ns: argparse.Namespace) -> int:
 def cmd(ns: argparse.Namespace) -> int:
     if getattr(ns, "diff", False):
         return _diff(ns)
-    from pipeline.cli.log_paths import check_log_paths
+    from pipeline.cli.flags import check_log_paths
 
     check_log_paths(ns.logs)
     reader = TraceReader(ns.logs)
@@ -169,3 +322,4 @@ def cmd(ns: argparse.Namespace) -> int:
         render_tail(out, reader, diffs.finish(), ranks.finish(), cols)
         out.flush()
     return EXIT_OK if ok else EXIT_FAILED
+

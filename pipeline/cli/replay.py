@@ -32,18 +32,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def cmd(ns: argparse.Namespace) -> int:
     from pipeline.observe.replay import replay
 
-    from pipeline.cli.log_paths import check_log_paths
+    from pipeline.cli.flags import check_log_paths
 
     check_log_paths(ns.logs)
     result = replay(ns.logs)
     if ns.json:
-        from pipeline.cli.report import emit_json
+        from pipeline.cli.output import emit_json
 
         emit_json({"same": result.same, "runs": [{**msgspec.to_builtins(r), "same": r.same} for r in result.runs],
                    "divergence": None if result.divergence is None else msgspec.to_builtins(result.divergence),
                    "skipped_lines": result.skipped_lines})
     else:
-        from pipeline.cli.console import console, print_line
+        from pipeline.cli.output import console, print_line
 
         c = console()
         for r in result.runs:

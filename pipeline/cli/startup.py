@@ -24,7 +24,7 @@ def add_startup_flags(p: argparse.ArgumentParser) -> None:
                         "(default: env ATTN_SETUP_SLOW_PHASE_S, else off)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress display on a terminal (there is none on a non-TTY or with --json)")
-    from pipeline.cli.jit import add_flag
+    from pipeline.cli.warmup import add_flag
 
     add_flag(p)
 
@@ -168,7 +168,7 @@ def render_summary(summary: Optional[dict[str, Any]], records: Any = ()) -> None
     ``slow_phase`` warnings among ``records`` as one line (:func:`slow_line`)."""
     if not summary:
         return
-    from pipeline.cli.console import console, print_line, print_table
+    from pipeline.cli.output import console, print_line, print_table
 
     c = console()
     print_table(c, "startup summary (seconds; children indented under their phase)", ["phase", "s", "detail"],

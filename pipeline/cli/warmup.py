@@ -1,17 +1,13 @@
 """``attn-setup warmup``: compile every FlashInfer kernel variant a configuration needs, in parallel.
 
-Resolves exactly as ``run`` would on this machine (same flags, same device), lists the kernel
-variants the resolved backends JIT-compile for every attention layer kind of the model (each registry
-entry's :meth:`~pipeline.backends.registry.BackendEntry.jit_variants`), and compiles them in ``--jobs`` processes, each variant its
-own module, so the first real start finds them cached instead of "hanging" in a silent JIT.
-Exit codes as README: 0 every variant cached or compiled (also when nothing needs compiling),
-1 a compile failed, 2 usage, 3 configuration refused.
+Details: docs/internals.md, ``pipeline.cli.warmup``.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Optional
+
 from pipeline.core.numbers import ascii_int
 
 
@@ -52,9 +48,9 @@ def variants_for_request(request: Any, facts: Any, pair: Any) -> list[Any]:
 
 def cmd(ns: argparse.Namespace) -> int:
     """Resolve, list the variants, compile them; prints a table or one JSON object."""
-    from pipeline.cli import report as rp
+    from pipeline.cli import output as rp
     from pipeline.backends.packages import installed_by_import
-    from pipeline.cli.request import is_gpu_device, request_from
+    from pipeline.cli.flags import is_gpu_device, request_from
     from pipeline.backends.flashinfer.jit import warmup_variants
     from pipeline.platforms import parse_device, platform_for
     from states import resolve
@@ -73,7 +69,7 @@ def cmd(ns: argparse.Namespace) -> int:
     if ns.json:
         rp.emit_json(report)
     else:
-        from pipeline.cli.console import console, print_line
+        from pipeline.cli.output import console, print_line
 
         c = console()
         print_line(c, f"resolved: prefill={res.pair.prefill} decode={res.pair.decode}")
@@ -84,3 +80,76 @@ def cmd(ns: argparse.Namespace) -> int:
             print_line(c, report["note"])
         c.print("[bold green]ok[/]" if ok else "[bold red]failed[/]", soft_wrap=True)  # one word, never wrapped
     return 0 if ok else 1
+
+
+# flags that are not setup flags: dropped from the warmup command of the remedy (with their value when they take one)
+_NOT_SETUP = {"--require-warm-cache": 0, "--json": 0, "-v": 0, "--verbose": 0, "--no-progress": 0, "--log-file": 1,
+              "--metrics-file": 1, "--slow-phase-s": 1, "--decode-steps": 1, "--num-layers": 1, "--dist-timeout": 1,
+              "--mem-fraction": 1, "--mem-bytes": 1, "--device-profile": 1, "--installed": 1}
+
+
+def add_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--require-warm-cache", action="store_true",
+                   help="refuse (exit 3, cold_jit_cache) when a FlashInfer kernel variant this configuration needs "
+                        "is not in this machine's compile cache; the error names the warmup command that fixes it")
+
+
+def warmup_command(argv: list[str]) -> str:
+    """``attn-setup warmup`` with the setup flags of ``argv`` (``run``/``plan`` and their own flags dropped)."""
+    out, skip, args = [], 0, list(argv)
+    if args and args[0] in ("run", "plan"):
+        args = args[1:]
+    for a in args:
+        if skip:
+            skip -= 1
+            continue
+        name = a.split("=", 1)[0]
+        if name in _NOT_SETUP:
+            skip = _NOT_SETUP[name] if "=" not in a else 0
+            continue
+        out.append(a)
+    import shlex
+
+    return " ".join(["attn-setup", "warmup", *map(shlex.quote, out)])
+
+
+def cold_report(request: Any, facts: Any, pair: Any) -> list[dict[str, Any]]:
+    """The variants that would compile (:func:`pipeline.backends.flashinfer.jit.cold_variants`); [] without FlashInfer backends."""
+    from pipeline.backends.flashinfer.jit import cold_variants
+
+    variants = variants_for_request(request, facts, pair)
+    return cold_variants(variants, facts.arch or "") if variants else []
+
+
+def check_warm(ns: argparse.Namespace, cold: list[dict[str, Any]], state: str = "resolve") -> None:
+    """With ``--require-warm-cache``, refuse the first variant that would compile (ConfigError, exit 3)."""
+    from pipeline.core.errors import ConfigError
+
+    if not getattr(ns, "require_warm_cache", False) or not cold:
+        return
+    c = cold[0]
+    near = (f"; the nearest cached variant is {c['nearest']} (differs in {', '.join(c['differs'])})"
+            if c["nearest"] else "; nothing of this FlashInfer version and arch is cached")
+    version = c["flashinfer_version"] or "not installed"
+    cmd = warmup_command(list(getattr(ns, "_argv", [])))
+    profile = getattr(ns, "device_profile", None)
+    where = ("on this machine" if profile in (None, "auto") else
+             f"on the {profile} machine the plan is for (warmup compiles for the GPU it runs on)")
+    raise ConfigError(
+        f"{len(cold)} FlashInfer kernel variant(s) would compile at startup, first {c['variant']} "
+        f"(module {c['module']}, FlashInfer {version}){near}", code="cold_jit_cache", state=state,
+        flags=[("--require-warm-cache", True), ("variant", c["variant"])],
+        allowed=["every needed variant cached (attn-setup warmup)"],
+        remedy=f"run {cmd} {where} first, or drop --require-warm-cache")
+
+
+def estimate_line(cold: list[dict[str, Any]]) -> Optional[str]:
+    """``jit: N variant(s) would compile here (about S s from warmup records): …`` (None when all cached)."""
+    if not cold:
+        return None
+    known = [c["estimate_s"] for c in cold if c["estimate_s"] is not None]
+    est = (f"about {sum(known):.0f} s from warmup records" + (f", {len(cold) - len(known)} without one"
+                                                             if len(known) < len(cold) else "")
+           if known else "no warmup record beside the cache to estimate from")
+    return f"jit: {len(cold)} variant(s) would compile here ({est}): " + ", ".join(c["variant"] for c in cold)
+

@@ -58,7 +58,7 @@ SOFTCAP_RANGE = (1.0, 65504.0)        # Gemma-2: 50, Grok-1: 30; 65504 = float16
 PRE_ATTN_SCALAR_RANGE = (1.0, float(1 << 20))  # Gemma-2: 256 (9B), 144 (27B); scale = x ** -0.5 ∈ [2**-10, 1]
 YARN_FACTOR_RANGE = (1e-3, 1e4)       # DeepSeek-V2/V3: 40; the YaRN mscale grows with ln(factor)
 MSCALE_RANGE = (1e-3, 100.0)          # DeepSeek-V2/V3: mscale_all_dim 0.707 / 1.0
-# RoPE's base, low end exclusive (s13: 1e-300 ran, then verification failed blaming the backend). The frequencies
+# RoPE's base, low end exclusive (1e-300 ran, then verification failed blaming the backend). The frequencies
 # are theta ** (-2i / d), from 1 down to about 1 / theta: at theta = 1 every pair rotates alike, below 1 they
 # exceed a radian per position (1e-20: 1e20 rad, beyond float32's resolution: the rotation is noise); above 1e30
 # the lowest ones leave float32/bfloat16's normal range (1.2e-38) as d grows. Published: 100 (DINOv3 and Gemma

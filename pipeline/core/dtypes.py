@@ -1,35 +1,6 @@
 """The compute dtype (``dtype`` / ``--dtype``): the explicit choice, or the engines' rule for ``auto``.
 
-The one place the rule lives: resolve, ``plan``, the runner, the backends and verification all
-ask :func:`resolve_dtype` (:func:`model_dtype` is its value, :func:`kv_dtype` the KV cache's). Torch-free.
-
-``auto`` follows sglang (``python/sglang/srt/configs/model_config.py``, ``_get_and_verify_dtype``,
-checked in the current source), whose argument names this library uses:
-
-- a bfloat16 / float16 checkpoint keeps its dtype (rule ``checkpoint``);
-- a float32 checkpoint is downcast: to bfloat16 for the Gemma family (``model_type`` starting with
-  ``gemma``; sglang logs "For Gemma N, we downcast float32 to bfloat16 instead of float16"), to
-  float16 otherwise ("Following the common practice, we use float16 for float32 models")
-  (rules ``float32_to_bfloat16`` / ``float32_to_float16``);
-- a config without ``torch_dtype`` / ``dtype`` is read as float32 (sglang: "config.torch_dtype can
-  be None" → ``torch.float32``) and downcast the same way; its rules say so
-  (``missing_torch_dtype_as_float32_to_bfloat16`` / ``missing_torch_dtype_as_float32_to_float16``).
-
-vLLM refuses float16 for the model types of its ``_FLOAT16_NOT_SUPPORTED_MODELS`` table
-(``vllm/config/model.py``: gemma2, gemma3, gemma3_text, plamo2, glm4 — "Numerical instability.
-Please use bfloat16 or float32 instead."; ``_check_valid_dtype`` raises for an explicit float16).
-We refuse it too (:data:`FLOAT16_REFUSED`), and ``auto`` never picks a refused dtype: a float32
-checkpoint of such a type becomes bfloat16 even where sglang's prefix test would say float16
-(plamo2, glm4), and a float16 checkpoint of one becomes bfloat16 (rule
-``float16_refused_to_bfloat16``; vLLM's ``_resolve_auto_dtype`` likewise falls back to its
-preferred dtype when the checkpoint's is not allowed).
-
-Where vLLM differs, and we do not follow it: for a float32 checkpoint vLLM's current
-``_resolve_auto_dtype`` takes the platform's first supported dtype (CUDA sm80+: bfloat16 for
-every model; sm60–sm75: float16, or float32 for the types above), so a non-Gemma float32
-checkpoint gets bfloat16 there and float16 here (sglang). A config without ``torch_dtype`` /
-``dtype`` is read by :mod:`pipeline.core.model_spec` as float32 (``ModelSpec.dtype_missing``), as
-sglang reads it (vLLM reads the weights' safetensors dtypes instead, which we do not have).
+Details: docs/internals.md, ``pipeline.core.dtypes``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """Typed errors and :class:`ErrorInfo`, the one record each carries (re-exported by the contracts).
 
-Hierarchy::
-
-    AttnSetupError
-    ├── ConfigError            exit code 3: configuration refused, nothing allocated
-    │   ├── BackendUnknown      a backend name nobody knows
-    │   ├── BackendUnavailable  known name, not usable here (not implemented / package missing)
-    │   ├── CapabilityMismatch  the backend cannot serve this device, model or flag
-    │   ├── ConflictingOptions  two options that cannot be used together
-    │   ├── ModelConfigError    config.json unreadable or inconsistent (JSON path given)
-    │   └── RankDivergence      the ranks of one launch resolved differently (table rank → device → pair)
-    ├── OrderingError          a trigger fired out of order (current and expected state)
-    ├── RankExchangeError      exit code 1: a rank did not take part in the exchange within the timeout
-    │   └── RankStalled         a rank did not arrive at one of our waits (named, with its last heartbeat)
-    ├── MemoryImbalance        exit code 1: free device memory differs between ranks beyond the threshold
-    ├── BuildError             exit code 1: building or verifying a backend failed
-    │   └── LayerMismatch       a backend was called with a layer it was not built/planned for
-    ├── BackendClosed          exit code 1: a backend was used after ``close()`` released it
-    └── UsageError             exit code 2: bad command-line usage / unreadable file
-        └── InvalidValue        a flag's value outside its domain (range, choices, finite, non-empty)
-
-None of these derive from ValueError/TypeError on purpose: msgspec would otherwise fold them into
-its own ``ValidationError`` when they are raised from ``__post_init__`` and the ErrorInfo would
-be lost.
+Details: docs/internals.md, ``pipeline.core.errors``.
 """
 
 from __future__ import annotations
@@ -179,7 +157,7 @@ class RankStalled(RankExchangeError):
 
 class MemoryImbalance(AttnSetupError):
     """Free device memory at device-init differs between ranks by more than the allowed fraction
-    (sglang's tensor-parallel check; :mod:`pipeline.setup.rank_digest`). Raised on every rank, naming the
+    (sglang's tensor-parallel check; :mod:`pipeline.setup.distributed`). Raised on every rank, naming the
     lowest rank and every rank's free bytes."""
 
     code = "memory_imbalance"
@@ -215,7 +193,7 @@ class UsageError(AttnSetupError):
 
 
 class InvalidValue(UsageError):
-    """A command-line flag's value outside the flag's own domain (:data:`pipeline.cli.domains.FLAG_DOMAINS`):
+    """A command-line flag's value outside the flag's own domain (:data:`pipeline.cli.flags.FLAG_DOMAINS`):
     a number out of range, NaN or infinity, an unknown choice, an empty string, a value of the wrong type.
 
     Exit code 2, raised as the flags are read — before anything is allocated or a log file opened. ``info.flags``
@@ -229,7 +207,7 @@ class OutputWriteFailed(UsageError):
     """stdout or stderr could not be written, other than by a reader that left (a closed pipe changes nothing): a full
     disk, ``> /dev/full``, an I/O error. Exit code 2, as a ``--log-file`` that stops taking writes
     (``log_write_failed``): where the output goes is the invocation's to fix. A command that failed anyway keeps its
-    own code (:mod:`pipeline.cli.outstreams`). ``info.flags``: each lost stream and where it pointed."""
+    own code (:mod:`pipeline.cli.output`). ``info.flags``: each lost stream and where it pointed."""
 
     code = "output_write_failed"
 
@@ -278,7 +256,7 @@ INTERRUPTED_REMEDY = "the process was stopped from outside (Ctrl-C, scheduler, t
 
 
 LOGGED_REMEDY = "This is a bug or an environment failure; the log holds the full event."
-UNLOGGED_REMEDY = "This is a bug or an environment failure (no log holds it); report it with the command line"  # s13
+UNLOGGED_REMEDY = "This is a bug or an environment failure (no log holds it); report it with the command line"
 OUT_OF_MEMORY_REMEDY = ("the process ran out of host memory: lower the size flags or free memory on this machine; "
                         "if the sizes are modest, report it as a bug with the command line")
 

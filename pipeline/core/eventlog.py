@@ -1,15 +1,12 @@
 """Emitting event records: to the application's structlog logger, to a JSON-lines trace file, to memory.
 
-The library never configures logging. Records go to ``structlog.get_logger("attn_setup")`` bound
-with ``run_id``/``rank`` (the application decides where that goes), and — when the caller asks for
-a trace file — to a per-run structlog ``BytesLogger`` that writes exactly one msgspec-encoded JSON
-line per record and flushes it (so a crash loses nothing already emitted). Secret values given in
-``SetupRequest.secrets`` are replaced by ``"<redacted>"`` in both outputs — in string values, before
-encoding (never by rewriting encoded bytes, which would corrupt numbers and keys).
+Details: docs/internals.md, ``pipeline.core.eventlog``.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import os
 import re
 import signal
@@ -19,13 +16,78 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, IO, Iterator, Mapping, Optional
 
 import msgspec
 import structlog
 
-from pipeline.core import events as ev
+from pipeline.core import events as ev, wire
+from pipeline.core.contracts import SetupRequest
 from pipeline.core.files import ends_mid_line, open_regular
+
+
+def versions(installed: Mapping[str, bool]) -> dict[str, Optional[str]]:
+    """Versions recorded in the trace: attn-setup, Python, each package of ``installed`` (distribution → present)
+    and CUDA (torch's, when torch is installed)."""
+    return dict(_versions(tuple(installed.items())))
+
+
+@functools.lru_cache(maxsize=8)
+def _versions(installed_items: tuple[tuple[str, bool], ...]) -> tuple[tuple[str, Optional[str]], ...]:
+    """Cached per process: reading distribution metadata costs milliseconds and cannot change mid-run."""
+    installed = dict(installed_items)
+    import platform as _p
+
+    def ver(d: str) -> Optional[str]:
+        try:
+            return importlib.metadata.version(d)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    out = {"attn-setup": ver("attn-setup"), "python": _p.python_version()}
+    out.update({p: ver(p) for p in installed})
+    if installed.get("torch"):
+        import torch
+
+        out["cuda"] = torch.version.cuda
+    return tuple(out.items())
+
+
+def shared_run_id(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """``ATTN_SETUP_RUN_ID``, else torchrun's ``TORCHELASTIC_RUN_ID`` (``none`` counts as unset), or None: the run
+    id every rank of a launch shares, known before the run starts (``--log-file``'s ``{run_id}`` is checked with
+    it, :mod:`pipeline.cli.flags`). Raises UsageError naming the variable for a value that cannot name a file."""
+    import os
+
+    import re
+
+    env = os.environ if env is None else env
+    for var in ("ATTN_SETUP_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        shared = env.get(var)
+        if not shared or shared == "none":
+            continue
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", shared) or ".." in shared:
+            from pipeline.core.errors import UsageError
+
+            raise UsageError(f"{var}={shared!r} is not a usable run id (it names log files)", code="usage",
+                             flags=[(var, shared)], allowed=["1-128 of A-Z a-z 0-9 . _ -, not starting with . or -"],
+                             remedy=f"set {var} to a plain identifier such as job-42")
+        return shared
+    return None
+
+
+def new_run_id() -> str:
+    """A fresh run id, or the shared one (:func:`shared_run_id`) when set, so the ranks of one launch share a run id
+    and their traces merge by (run_id, rank)."""
+    return shared_run_id() or time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+
+
+def redacted_request(request: SetupRequest) -> dict[str, Any]:
+    """The request as builtins with every secret value replaced."""
+    data = msgspec.to_builtins(request)
+    data["secrets"] = {k: "<redacted>" for k in request.secrets}
+    return data
+
 
 REDACTED = "<redacted>"
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
@@ -52,10 +114,10 @@ def redactor(secrets: tuple[str, ...]) -> Optional[Callable[[str], str]]:
 
     Longer secrets are tried first at each position, so a secret that contains another is
     redacted whole; the text between two markers never contains a secret. Text reaches it as
-    written (lone surrogates already escaped, :func:`pipeline.core.events.clean_str`), so secrets are
+    written (lone surrogates already escaped, :func:`pipeline.core.wire.clean_str`), so secrets are
     matched in that form.
     """
-    secrets = tuple(sorted({ev.clean_str(s) for s in secrets if s}, key=len, reverse=True))
+    secrets = tuple(sorted({wire.clean_str(s) for s in secrets if s}, key=len, reverse=True))
     if not secrets:
         return None
     pattern = re.compile("|".join(re.escape(s) for s in secrets))
@@ -72,7 +134,7 @@ class EventLog:
         cut short, :func:`pipeline.core.files.ends_mid_line`); None = no file. It must
         be a regular file (or not exist yet): see :func:`open_regular`.
     secrets: values that must never appear in any output (redacted structurally: string values
-        only, before encoding — see :func:`pipeline.core.events.to_wire`).
+        only, before encoding — see :func:`pipeline.core.wire.to_wire`).
     launch_id: this launch's id (default: a fresh :func:`new_launch_id`), written in every record.
     flag: the name errors about ``path`` give it (the CLI passes ``--log-file``).
     raise_write_errors: raise the first write failure from :meth:`emit` (the CLI: a start whose
@@ -117,7 +179,7 @@ class EventLog:
 
     def _render(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> bytes:
         lead, self._lead = self._lead, b""
-        return lead + ev.encode(event_dict["record"], self._redact)
+        return lead + wire.encode(event_dict["record"], self._redact)
 
     def _write(self, record: ev.Event) -> None:
         """One line to the trace file; a failing write turns the file output off (see the class doc)."""
@@ -151,7 +213,7 @@ class EventLog:
             if self._file_log is not None:
                 self._write(record)
         if self._app_enabled(cls.level):
-            payload = ev.to_wire(record, self._redact) if self._redact is not None else msgspec.to_builtins(record)
+            payload = wire.to_wire(record, self._redact) if self._redact is not None else msgspec.to_builtins(record)
             name = payload.pop("event")
             for k in ("run_id", "rank", "launch_id"):
                 payload.pop(k, None)
@@ -271,3 +333,4 @@ class EventLog:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+

@@ -1,22 +1,6 @@
 """Test-only fault injection: make a run fail at a named point, to check cleanup and error records.
 
-Off in every shipped code path: the pipeline consults a :class:`Faults` object only when the
-caller passes one explicitly (``build_attention_backends(request, faults=Faults(at=[...]))``).
-No environment variable, import side effect or global switch turns it on, so an engine that
-does not pass ``faults=`` runs exactly the code it would run without this module.
-
-Fault points (:func:`points_of_run` lists those a successful run visits, in order; a step table lists its
-own: :meth:`pipeline.core.steps.StepTable.fault_points`)::
-
-    state:<state>              entering a state (before its work): each step of the setup table
-    state:<state>:done         the state's work done, just before its trigger fires
-    build:pools                before the KV pools (req_to_token, per-layer K/V) are allocated
-    build:workspace:<id>       before workspace <id> (``ws-shared``, ``ws-private-…``) is allocated
-    build:instance:<role>      before the factory of plan role <role> runs
-    build:instance:<role>:built  after that factory returned (the new backend is closed on a fault)
-    build:compose              every instance built and wrappers composed, before ``built`` fires
-
-A point matches a pattern by :func:`fnmatch.fnmatchcase` (``build:instance:*`` hits every role).
+Details: docs/internals.md, ``pipeline.core.faults``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ decimal ASCII only: Python's ``int()`` and ``float()`` take any Unicode decimal 
 digits, so ``--max-reqs ٣`` (Arabic-Indic three), ``３`` (fullwidth) and ``8_0`` would be 3, 3 and 80 — values no
 one typed as such. A flag's number is an optional sign and the digits 0-9 (a float also a point, an exponent,
 ``inf`` and ``nan``, which each flag's domain then checks). Anything else raises ValueError, which argparse reports
-as ``invalid int value`` / ``invalid float value``, and :func:`pipeline.cli.domains.parser_refusal` turns into the
+as ``invalid int value`` / ``invalid float value``, and :func:`pipeline.cli.flags.parser_refusal` turns into the
 flag's typed refusal (exit 2, naming the flag, the value and what it takes).
 
 :func:`largest_fitting` is the binary search every memory remedy uses (the pools, the graphs, the workspaces),

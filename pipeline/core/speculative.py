@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pipeline.core.decisions import SpeculativeParams
+from pipeline.core.contracts import SpeculativeParams
 from pipeline.core.errors import ConflictingOptions
 
 EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")

@@ -1,26 +1,7 @@
 """A model of PyTorch's CUDA caching allocator for one private pool, and the decode forward's allocations traced
 through it, tensor by tensor (what :mod:`pipeline.memory.graphs` estimates). Torch-free.
 
-The constants and block policy are those of ``c10/cuda/CUDACachingAllocator.cpp``:
-
-- every request is rounded up to a multiple of 512 bytes (``kMinBlockSize``);
-- requests of at most 1 MiB (``kSmallSize``) are *small*: they are carved out of 2 MiB segments
-  (``kSmallBuffer``) of the pool's small free list; a carved block is split whenever 512 bytes or more remain;
-- larger requests come from the large free list; a new segment is 20 MiB (``kLargeBuffer``) for a request
-  under 10 MiB (``kMinLargeAlloc``), else the request rounded up to 2 MiB (``kRoundLarge``); a large block is
-  split only when more than 1 MiB would remain;
-- a free block is the smallest one that fits (best fit); freed blocks merge with free neighbours of their
-  segment, and a block freed inside a capture is reused by later allocations of the same pool — within the
-  capture and by the smaller sizes captured after it (why sglang captures largest first);
-- segments of a graph pool are never returned while the graphs live.
-
-:func:`blas_workspace_bytes` sizes the cuBLAS workspace PyTorch keeps per (handle, stream), as
-``CublasHandlePool.cpp`` does. :func:`_decode_trace` replays what :meth:`pipeline.runtime.model.AttentionStack.forward`
-allocates and frees for one decode token per request, in order: the float32 residual stream, the normed input in
-the model dtype, the QKV projection and RoPE's float32 temporaries, the KV write (fp8 quantization's float32
-copies), the decode backend's own allocations (its registry entry's ``graph_decode_allocs``), the output
-projection, its float32 copy and the residual add; for absorbed MLA also the absorbed query, the latent, its norm
-and the up-projection.
+Details: docs/internals.md, ``pipeline.memory.allocator``.
 """
 
 from __future__ import annotations
@@ -147,7 +128,6 @@ class _Trace:
         for b in blocks:
             if b is not None:
                 self.pool.free(b)
-
 
 
 ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}

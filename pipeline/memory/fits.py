@@ -1,21 +1,7 @@
 """``attn-setup plan``'s check of the whole plan against the device profile — KV pools, decode CUDA graphs and
 workspaces together — so that it refuses what ``run`` certainly refuses, with remedies that pass the whole plan.
 
-``run`` refuses the KV pools and the graphs' estimate together above :data:`~pipeline.memory.pools.POOL_MEMORY_SHARE`
-(90 %) of the device's *free* memory (:func:`pipeline.memory.pools.check_fits`, ``pool_exceeds_memory``), and the
-graphs are captured after the workspaces were allocated. ``plan`` cannot know the free memory of the device a run
-will get, only the profile's *total*, which the free memory never exceeds. So :func:`check_plan_memory` counts what
-``plan`` can know without allocating, as ``run``'s preflight counts it (``req_to_token``, the KV pool of
-``--num-token-slots``, the graphs' estimate and the planned workspaces) against that total: the workspaces alone
-first (``workspace_exceeds_memory``, :mod:`pipeline.memory.workspaces`), then the graphs when they are what is too
-large, then the pools (``pool_exceeds_memory`` with run's remedy builder, :func:`pipeline.memory.pools.refuse_pools`).
-
-A FlashInfer workspace refusal (``workspace_too_small``) is told again with :func:`fits_beside`
-(:func:`retell_workspace_refusal`): build-mode's check bounds a remedy's workspace by each one's share of the device
-alone, while ``plan`` knows the pools and can estimate the graphs, so every alternative it names — the workspaces,
-the graphs up to the top it names and the KV pools ``run`` sizes — fits together within
-:data:`~pipeline.memory.pools.POOL_MEMORY_SHARE` of the profile's total less
-:func:`~pipeline.memory.pools.remedy_margin`. Pure decisions, no torch.
+Details: docs/internals.md, ``pipeline.memory.fits``.
 """
 
 from __future__ import annotations
@@ -26,7 +12,7 @@ from typing import Any, Callable, Mapping, Optional, TYPE_CHECKING
 import msgspec
 
 from pipeline.backends import registry
-from pipeline.core.driver import Decided
+from pipeline.core.steps import Decided
 from pipeline.core.errors import ConfigError
 from pipeline.core.numbers import largest_fitting, REMEDY_MAX_BS
 from pipeline.core.validation import MAX_BYTES
@@ -89,7 +75,7 @@ def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Opt
 
 def refuse_early(request: "SetupRequest", decided: "Decided", bound: Optional[GraphMemoryEstimate],
                  total_bytes: int, env: Mapping[str, str] = os.environ) -> None:
-    """s11: :func:`check_plan_memory` with the graphs' lower ``bound``
+    """:func:`check_plan_memory` with the graphs' lower ``bound``
     (:func:`pipeline.memory.graphs.lower_bound_for_decided`) in place of their estimate, when the bound alone
     already decides a refusal whose code and remedy are those the full estimate gives: the bound above 90 % of
     ``total_bytes``, or the bound with the workspaces and the KV pools above it while those two fit. The remedies
@@ -147,7 +133,6 @@ def check_graphs_fit_device(request: "SetupRequest", decided: "Decided", estimat
                ("total_memory_bytes", total_bytes)],
         allowed=[f"<= {max(share - ws - pool_bytes, 0)} bytes of decode CUDA graphs"],
         remedy=", or ".join(fixes) if fixes else "use a device with more memory (no graph size fits this one)")
-
 
 
 def _room(stack: "SetupRequest", d: Any, total_bytes: int) -> tuple[int, int]:

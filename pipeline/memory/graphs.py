@@ -1,53 +1,6 @@
 """Decode CUDA-graph memory, estimated before capture and torch-free: the bytes the graphs' private pool will hold.
 
-What is captured is :meth:`pipeline.runtime.model.AttentionStack.forward` for one decode token per request
-(``T = bs``), through the decode backend, for every batch size, largest first into one private memory pool
-(:class:`pipeline.runtime.cuda_graphs.DecodeGraphRunner`, as sglang's ``CudaGraphRunner``). Everything that
-forward allocates inside the capture comes from that pool and stays reserved by it for the graphs' life: the
-pool's size is what its *segments* add up to, not the bytes live at the end. So the estimate replays the
-forward's allocations and frees, tensor by tensor, through a model of PyTorch's CUDA caching allocator
-(:mod:`pipeline.memory.allocator`).
-
-What the forward allocates (float32 residual stream, the normed input in the model dtype, the QKV projection,
-RoPE's float32 temporaries, the backend's output, the output projection and its float32 copy, the residual add;
-for absorbed MLA the absorbed query, the latent, its norm and the up-projection) is written out in
-:func:`pipeline.memory.allocator._decode_trace` from ``AttentionStack.forward``; each backend's own allocations inside its decode forward
-come from its registry entry (:meth:`pipeline.backends.registry.BackendEntry.graph_decode_allocs`: FlashInfer's
-``run`` output, the Triton kernels' output; their split scratch lives in buffers made before capture). The outputs
-each graph returns (the residual stream and the EAGLE3 aux states) stay allocated after its capture.
-
-The capture step takes device memory outside that pool too, and the estimate counts it part by part
-(:class:`GraphMemoryEstimate`), each part replayed through its own model pool (the allocator keeps free blocks per
-stream, and the capture step's side stream is new):
-
-- ``state_bytes``: what stays allocated for replay — the runner's fixed input buffers (``hidden`` [max_bs, hidden] in
-  the model dtype, ``positions``/``req_pool_indices``/``out_cache_loc`` int64, ``seq_lens`` int32), the backend's
-  ``init_cuda_graph_state`` buffers and what it makes per captured size before capturing it (FlashInfer: one
-  ``use_cuda_graph`` wrapper per size and layer kind, each with its own 8 MiB int workspace), from its registry
-  entry (:meth:`~pipeline.backends.registry.BackendEntry.graph_state_allocs`);
-- ``warmup_bytes``: the warm-up forward before each capture on the capture step's one side stream (PyTorch's
-  capture rule) — the segments its temporaries need at their peak (cached for that stream until the
-  ``torch.cuda.empty_cache()`` that ``torch.cuda.graph`` runs before capturing gives them back, so this part is
-  needed while it runs rather than kept), and the cuBLAS workspace its first matmul makes, which PyTorch keeps for
-  each (handle, stream) pair and never frees (``at::cuda::getCurrentCUDABlasHandle``).
-  The capture itself runs on the same stream (sglang does the same), so it finds that workspace and the graph pool
-  holds none of it. :func:`blas_workspace_bytes` sizes it as PyTorch does (``CUBLAS_WORKSPACE_CONFIG``, else
-  32 MiB on sm90 — NVIDIA's recommendation for Hopper in the ``cublasSetWorkspace`` documentation — and
-  4096 KiB x 2 + 16 KiB x 8 elsewhere). The H200 probe showed why this matters: with a new stream per size each
-  size left 32 MiB behind (1.1 GiB for 35 sizes).
-
-``state_bytes`` and ``warmup_bytes`` assume nothing is cached for reuse beforehand (the warm-up's stream is new, so
-that holds for it); the total is what the capture step may take from the device.
-
-The runner's pool sizing takes the estimate out of the memory budget before sizing the KV pool, as vLLM's
-``determine_available_memory`` now subtracts its CUDA-graph memory estimate; ``attn-setup plan`` shows it. Its
-accuracy is measured on a GPU, against ``torch.cuda.memory_snapshot()`` of the real pool
-(``benchmarks/graph_memory.py``, ``benchmarks/RESULTS.md``).
-
-:func:`graph_memory_lower_bound` is a cheap lower bound of the estimate, so that ``plan`` refuses graphs the device
-profile cannot hold before estimating every captured size: it replays only the largest size and adds what every
-other size keeps for replay, counted from the smallest size (the registry entries' per-size state is nondecreasing
-in the size). Pure arithmetic, no torch.
+Details: docs/internals.md, ``pipeline.memory.graphs``.
 """
 
 from __future__ import annotations
@@ -64,7 +17,7 @@ from states.build_mode import BatchSeries, series_sum
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipeline.core.contracts import SetupRequest
-    from pipeline.core.driver import Decided
+    from pipeline.core.steps import Decided
     from pipeline.memory.pools import GraphTrial
 
 __all__ = ['GraphMemoryEstimate', 'estimate_graph_memory', 'estimate_for_decided', 'graph_trial', 'graphs_up_to', 'blas_workspace_bytes', 'PoolModel', 'MiB', 'graph_memory_lower_bound', 'lower_bound_for_decided']
@@ -72,7 +25,7 @@ __all__ = ['GraphMemoryEstimate', 'estimate_graph_memory', 'estimate_for_decided
 
 class GraphMemoryEstimate(NamedTuple):
     """The estimate, in bytes: ``total_bytes`` = ``pool_bytes`` + ``state_bytes`` + ``warmup_bytes`` (what the capture
-    step may take from the device, module docstring); ``per_bs``: what each size's capture adds to the graph pool
+    step may take from the device, docs/internals.md); ``per_bs``: what each size's capture adds to the graph pool
     (captured largest first, so the first holds most; they sum to ``pool_bytes``); ``blas_workspace_bytes``: the
     cuBLAS workspace request inside ``warmup_bytes``; ``num_layers`` (hidden layers spanned) and ``batch_sizes``:
     what it is for; ``lower_bound``: ``total_bytes`` is only a lower bound of the estimate
@@ -94,7 +47,6 @@ class GraphMemoryEstimate(NamedTuple):
 
 def _built_kinds(spec: ModelSpec) -> dict[int, LayerKind]:
     return {lid: kind for kind in spec.layer_kinds() for lid in kind.layer_ids if lid < spec.num_hidden_layers}
-
 
 
 def runner_buffer_bytes(max_bs: int, hidden_size: int, dtype: str, tokens_per_req: int = 1,
@@ -124,7 +76,8 @@ def estimate_graph_memory(spec: ModelSpec, *, dtype: str, kv_dtype: str, decode_
     ``mode`` / ``tokens_per_req``: a speculative worker's captured step (``target_verify`` of ``num_draft_tokens``,
     ``draft_decode`` of ``topk`` rows per request: the stack's forward runs ``bs * tokens_per_req`` rows, the backend
     keeps that mode's buffers; ``decode_backend`` is then the backend captured).
-    See the module docstring for the rules. An empty ``batch_sizes`` estimates 0 bytes. Raises BackendUnknown /
+    See docs/internals.md, ``pipeline.memory.graphs`` for the rules. An empty ``batch_sizes`` estimates 0 bytes.
+    Raises BackendUnknown /
     BackendUnavailable for a ``decode_backend`` the registry does not have.
     """
     entry = registry.get(decode_backend, flag="decode_attention_backend")
@@ -168,11 +121,6 @@ def _kinds_of(kinds: dict[int, LayerKind]) -> Iterator[LayerKind]:
         if not any(k is kinds[lid] for k in seen):
             seen.append(kinds[lid])
     yield from seen
-
-
-def iter_sizes(estimate: GraphMemoryEstimate) -> Iterator[tuple[int, int]]:
-    """``(bs, bytes)`` in capture order (largest first)."""
-    yield from sorted(estimate.per_bs.items(), reverse=True)
 
 
 def estimate_for_decided(request: "SetupRequest", decided: "Decided",
@@ -246,7 +194,6 @@ def graph_trial(request: "SetupRequest", decided: "Decided", estimate: Optional[
 
     return GraphTrial(estimate.batch_sizes, bool(args.cuda_graph_bs), args.cuda_graph_max_bs is not None,
                       bytes_at)
-
 
 
 def graph_memory_lower_bound(spec, *, dtype: str, kv_dtype: str, decode_backend: str, batch_sizes: Sequence[int],

@@ -1,32 +1,7 @@
 """The runner's static memory against the device: the KV pools sized from a budget (sglang's ``init_memory_pool``),
 the attention stack's weights, what ``run``'s checks need of the pools, and the refusals' remedies.
 
-The budget is either a fraction of the device's memory (``--mem-fraction``, sglang's ``mem_fraction_static``: the
-share of total device memory the static pools — weights and KV cache — may use; the weights already allocated are
-subtracted) or an explicit byte count, or an explicit slot count (``--num-token-slots``), in that order of
-precedence: slots > bytes > fraction.
-
-Bytes per token = Σ over the built layers of ``Hkv·(D_qk + D_v)·elem_size(kv_dtype)`` (sglang's ``cell_size``), and
-``D_qk·elem_size`` for an absorbed-MLA layer, whose one latent buffer holds V as a view of its first ``D_v`` dims
-(sglang's ``MLATokenToKVPool``); ``req_to_token`` costs ``max_reqs·max_context_len·4`` bytes (int32). The number
-of token slots is the rest of the budget divided by bytes per token, rounded *down* to whole pages, with at least
-two pages (page 0 is the reserved padding page).
-
-Decode CUDA graphs take their own memory after the pools are sized (:mod:`pipeline.memory.graphs` estimates it). A
-budget from ``--mem-fraction`` is reduced by that estimate before the KV pool is sized from it, as vLLM's
-``determine_available_memory`` takes its CUDA-graph estimate out of the memory the KV cache may use; an explicit
-``--mem-bytes`` or ``--num-token-slots`` is kept as given. Either way :func:`check_fits` counts the pools and the
-graphs together against :data:`POOL_MEMORY_SHARE` of the memory free now (:func:`available_bytes`), before anything
-is allocated, naming the input that set the size, the limit and a value that fits.
-
-The weights (:func:`weight_bytes`): per built attention layer ``(H·Dqk + 2·Hkv·Dqk)·hidden + hidden·H·Dv``
-elements (MHA/GQA), or for an absorbed-MLA layer ``q``, ``dkv``, ``W_UK``, ``W_UV`` and ``o``; in the model dtype on
-the device, and in float64 on the host for the verification reference. :func:`check_weights_fit` applies the same
-share rule to them.
-
-Remedies name values inside each flag's domain that then pass the same check; a flag no value of which can work is
-not offered. The graphs' side of a remedy is a :class:`GraphTrial` passed in by the caller. Pure arithmetic, no
-torch.
+Details: docs/internals.md, ``pipeline.memory.pools``.
 """
 
 from __future__ import annotations
@@ -139,7 +114,7 @@ def refuse_pools(s: Any, head: str, limit: int, fit: int, name: Callable[[str], 
         ways = [f"lower {name('max_reqs')} (at most {rows} rows at this context length){also}{more}"] * (rows >= 1)
         ways += ([f"lower {name('max_context_len')} (at most {ctx} tokens at this row count){more}"]
                  if ctx >= max(min_context_len, 1) else [])
-        if not ways and not gfix and s.source != "mem_fraction":  # fewer rows and fewer graphs together (s12ws)
+        if not ways and not gfix and s.source != "mem_fraction":  # fewer rows and fewer graphs together
             ways = rows_and_fewer_graphs(graphs, fit - kv_min - w, p.max_context_len * REQ_TO_TOKEN_ELEM_BYTES,
                                          lambda r: f"lower {name('max_reqs')} (at most {r} rows at this context "
                                                    f"length){more}")
@@ -179,8 +154,7 @@ def _too_large(p: Any, gr: int, w: int, limit: int) -> str:
 
 def rows_and_fewer_graphs(trial: Optional[GraphTrial], room: int, row_bytes: int,
                           rows_text: Callable[[int], str]) -> list[str]:
-    """The alternatives that lower ``max_reqs`` and the decode graphs together, for when neither alone fits (s12ws:
-    ``--max-context-len 2147483647 --max-reqs 16``, req_to_token of 137 GB beside graphs of 137 GB, got "free memory
+    """The alternatives that lower ``max_reqs`` and the decode graphs together, for when neither alone fits (``--max-context-len 2147483647 --max-reqs 16``, req_to_token of 137 GB beside graphs of 137 GB, got "free memory
     on the device"). ``room``: the bytes req_to_token and the graphs may take together; ``row_bytes``: one row of
     req_to_token (``max_context_len`` x 4); ``rows_text(r)``: the wording of at most ``r`` rows. Each names values
     that then fit: the largest captured top N below the current one (at most :data:`REMEDY_MAX_BS`) whose
@@ -205,7 +179,6 @@ def _either(ways: Sequence[str], tail: str = "") -> str:
     return ", or ".join(ways) + tail if ways else "free memory on the device (no value of these flags fits it)"
 
 
-
 KV_ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 Source = Literal["slots", "bytes", "mem_fraction"]
@@ -219,7 +192,7 @@ class PoolSizing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     all built layers; ``req_to_token_bytes`` / ``kv_bytes``: bytes the pools will hold;
     ``graph_reserve_bytes``: the decode CUDA graphs' estimated pool (0 without graphs), taken out of a
     ``mem_fraction`` budget before the KV pool was sized from it; ``workspace_bytes``: the planned FlashInfer
-    workspaces (0 without), counted with the pools against free memory (s10mem) but not taken out of a budget
+    workspaces (0 without), counted with the pools against free memory but not taken out of a budget
     (sglang allocates them outside ``mem_fraction_static``).
     """
 
@@ -316,7 +289,7 @@ def size_pools(kinds: Sequence[LayerKind], num_layers: int, kv_dtype: str, *, pa
                source: Source = "bytes", mem_fraction: Optional[float] = None, min_slots: int = 0,
                min_slots_for: str = "", graph_reserve_bytes: int = 0, workspace_bytes: int = 0,
                total_bytes: int = 0, allocated_bytes: int = 0, min_context_len: int = 1) -> PoolSizing:
-    """Size ``req_to_token`` and the K/V buffers; see the module docstring for the rules.
+    """Size ``req_to_token`` and the K/V buffers; see docs/internals.md, ``pipeline.memory.pools`` for the rules.
 
     Exactly one of ``num_token_slots`` (rounded up to whole pages) or ``budget_bytes`` must be
     given (``mem_fraction``: the fraction a ``source="mem_fraction"`` budget came from, for the
@@ -431,12 +404,11 @@ def check_fits(s: PoolSizing, available: int, *, device: str, cli: bool = True, 
 
 
 def _lowerable(max_reqs: int, max_context_len: int, min_context_len: int) -> str:
-    """The ", or lower …" tail of a budget remedy: only the sizes that can still go lower (adversarial pass #5: at
+    """The ", or lower …" tail of a budget remedy: only the sizes that can still go lower (at
     ``max_reqs`` 1 and the verification's shortest context it offered both, and neither could work).
     ``min_context_len``: the least ``max_context_len`` the caller accepts (``run``'s verification)."""
     names = (["max_reqs"] if max_reqs > 1 else []) + (["max_context_len"] if max_context_len > min_context_len else [])
     return f", or lower {' or '.join(names)}" if names else ""
-
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -518,7 +490,6 @@ def check_weights_fit(model: Any, num_layers: int, dtype: str, *, device_free: i
                       allowed=[f"num_layers <= {lo}" if lo >= 1 else "a model whose one layer fits"], remedy=remedy)
 
 
-
 # The two batches ``run``'s checks put through the stack (their modules hold the code that runs them): the built
 # instances' check (:mod:`pipeline.runtime.verify`: cached prefixes and new tokens per request, then decode steps)
 # and the model steps (:mod:`pipeline.runtime.model_steps`: an extend, a chunked extend, then decode steps).
@@ -555,7 +526,7 @@ def check_needs(max_reqs: int, page_size: int = 1, decode_steps: int = DEFAULT_D
     """:class:`CheckNeeds` of ``run``'s batches for a pool of ``max_reqs`` rows and ``page_size``, with
     ``decode_steps`` decode steps. Each batch takes its first ``min(len, max_reqs)`` requests. Torch-free, so that
     ``plan`` refuses what ``run`` would refuse and its remedies name values ``run`` accepts. ``spec`` (the settled
-    :class:`~pipeline.core.decisions.SpeculativeParams`, or None): a target worker's checks verify a tree of
+    :class:`~pipeline.core.contracts.SpeculativeParams`, or None): a target worker's checks verify a tree of
     ``num_draft_tokens`` per request on top of its tokens (a bound: the accepted path stays); a draft worker's
     (``draft``) run ``num_steps`` draft steps of ``topk`` branches, each step's tokens in fresh pages outside
     ``req_to_token``."""

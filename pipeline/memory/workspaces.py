@@ -5,7 +5,7 @@ largest batch they plan (their registry entries' ``check_workspace``), ``workspa
 :func:`check_workspaces_fit` refuses workspaces above :data:`~pipeline.memory.pools.POOL_MEMORY_SHARE` of the
 memory (``workspace_exceeds_memory``): ``plan`` against the device profile's *total* memory (it cannot know the
 free memory a run will find, at most that total), ``run``'s preflight against the memory free now — the same
-refusal as build-mode's (:func:`pipeline.setup.pools.check_workspace_memory`). The remedy is true: a workspace size
+refusal as build-mode's (:func:`pipeline.setup.instances.check_workspace_memory`). The remedy is true: a workspace size
 at or above what the backends need that fits beside the KV pools and the decode graphs, or, when even the need does
 not fit, that need at a smaller captured top, and that top; or no graphs. Pure decisions, no torch.
 """
@@ -26,7 +26,7 @@ PLAN_TOTAL_NOTE = ("plan cannot know the free memory a run will find, at most th
 
 def need_at(request: Any, d: Any, facts: Any) -> Callable[[int], int]:
     """``need(bs)``: the bytes each planned workspace must hold at least (the largest need of the backends sharing
-    one, :meth:`~pipeline.backends.registry.Backend.workspace_need`) when the decode graphs go up to ``bs`` (0: no
+    one, :meth:`~pipeline.backends.registry.BackendEntry.workspace_need`) when the decode graphs go up to ``bs`` (0: no
     graphs), for build-mode's decision ``d``."""
     kinds, plan = request.served_model.layer_kinds(), d.plan
     users = {ws.id: sorted({i.backend for i in plan.instances if i.workspace == ws.id}) for ws in plan.workspaces}
@@ -52,7 +52,7 @@ def graph_step(request: Any) -> dict[str, Any]:
 
 def workspace_setting(d: Any) -> tuple[str, Any]:
     """``(name, value)`` of the setting that sized the workspaces (its environment variable when that set it), as
-    :func:`pipeline.setup.pools.check_workspace_memory` names it; ``("workspace_bytes", None)`` without one."""
+    :func:`pipeline.setup.instances.check_workspace_memory` names it; ``("workspace_bytes", None)`` without one."""
     s = max(d.settings, key=lambda s: s.value) if d.settings else None
     if s is None:
         return "workspace_bytes", None
@@ -62,11 +62,11 @@ def workspace_setting(d: Any) -> tuple[str, Any]:
 def check_workspaces(req: Any, d: Any, facts: Any, fits: Any = None) -> None:
     """Build-mode's workspace check: each planned workspace of ``d`` (a
     :class:`~pipeline.setup.context.BuildDecision`) against the largest batch its users plan for ``req`` on the
-    device ``facts`` (each user's registry entry, :meth:`~pipeline.backends.registry.Backend.check_workspace`, graph
+    device ``facts`` (each user's registry entry, :meth:`~pipeline.backends.registry.BackendEntry.check_workspace`, graph
     sizes actually captured); build-mode's ``check`` calls it, and ``plan`` again with ``fits``. Raises its ConfigError
     ``workspace_too_small``, naming the variable or the field that set the size (the field wins); the remedy never
     names a workspace above each one's share of the device's total memory less
-    :func:`~pipeline.memory.pools.remedy_margin` (as :func:`pipeline.setup.pools.check_workspace_memory`'s),
+    :func:`~pipeline.memory.pools.remedy_margin` (as :func:`pipeline.setup.instances.check_workspace_memory`'s),
     nor, with ``fits(ws, bs)`` (``plan``'s: :func:`pipeline.memory.fits.fits_beside`), one that with the
     graphs up to ``bs`` does not fit beside the KV pools."""
     kinds, max_bs = req.served_model.layer_kinds(), d.graph_max_bs(req, facts)

@@ -1,19 +1,6 @@
 """A run's ``startup_summary`` in the OpenMetrics text format (``run --metrics-file PATH``).
 
-Format: OpenMetrics 1.0 text exposition (https://openmetrics.io; what Prometheus scrapes with
-``Accept: application/openmetrics-text``): ``# TYPE``/``# HELP`` lines, samples ``name{label="v"} value``,
-label values escaped (backslash, double quote, newline), ending with ``# EOF``. Families (all gauges
-describing one launch, labelled with ``run_id`` and ``rank``):
-
-- ``attn_setup_startup_phase_seconds{phase, parent}``: seconds per named phase (``parent=""`` top level);
-- ``attn_setup_startup_wall_seconds``, ``attn_setup_startup_unaccounted_seconds``,
-  ``attn_setup_startup_idle_before_start_seconds`` (the process's creation to its start: time it did not run,
-  outside the wall);
-- ``attn_setup_cuda_graph_bytes{bs}``: device bytes each captured decode graph took;
-- ``attn_setup_jit_variants{status}``: FlashInfer JIT variants compiled (``compiling``) and found cached
-  (``cached``) during the run.
-
-Torch-free; the tests parse the file with ``prometheus_client``'s OpenMetrics parser.
+Details: docs/internals.md, ``pipeline.observe.metrics``.
 """
 
 from __future__ import annotations

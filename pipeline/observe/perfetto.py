@@ -18,8 +18,8 @@ from typing import Any
 import msgspec
 
 from pipeline.core import events as ev
-from pipeline.observe.runview import ms_to_ns, s_to_ns
-from pipeline.observe.trace import Run, Trace
+from pipeline.observe.runs import ms_to_ns, s_to_ns
+from pipeline.observe.runs import Run, Trace
 
 # Records drawn as instants (the rest are drawn as slices or are part of the state slices).
 _INSTANTS = (ev.RunStarted, ev.DeviceInitialized, ev.SettingResolved, ev.BackendsResolved, ev.BuildPlanned,

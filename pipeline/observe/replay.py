@@ -1,31 +1,82 @@
 """Replay: re-run a recorded start's decisions and report the first place they now differ.
 
-``pipeline.replay(trace)`` takes a trace (path, paths, :class:`~pipeline.observe.trace.Trace`, a run or a
-list of records). For each run it rebuilds the :class:`SetupRequest` from ``run_started`` and walks the
-setup table (:data:`pipeline.setup.table.SETUP`) in the driver's replay mode
-(:func:`pipeline.core.driver.replay`): each step decides with the *recorded* inputs — the device facts of
-``device_initialized``, package presence from ``run_started.packages``, environment-backed settings from
-the ``setting_resolved`` records (never the current environment) — and its fields are compared with what
-was recorded. No GPU is touched and no backend is constructed. A recorded failure in a decision must fail
-again with the same error code and message; a failure after a state's decision (building a backend, the
-device itself) ends the comparison there. Nothing here imports torch.
+Details: docs/internals.md, ``pipeline.observe.replay``.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import msgspec
 
-from pipeline.core import driver
-from pipeline.core import events as ev
+from pipeline.core import events as ev, steps
 from pipeline.core.contracts import SetupRequest
 from pipeline.core.errors import AttnSetupError, UsageError
-from pipeline.observe.replay_redacted import (has_redacted, matches_around_redaction, redacted_request_fields,
-                                              request_redacted)
-from pipeline.observe.trace import Run, Trace, as_trace
+from pipeline.core.eventlog import REDACTED
+from pipeline.observe.trace import as_trace
+from pipeline.observe.runs import Run, Trace
 from pipeline.setup.context import SetupContext
 from pipeline.setup.table import SETUP
+
+
+_IGNORED = {"secrets", "run_id", "device_spelled_as"}  # top-level request fields that decide nothing
+
+
+def has_redacted(x: Any) -> bool:
+    """Whether any string in ``x`` (nested lists and dicts) holds the redaction marker."""
+    if isinstance(x, str):
+        return REDACTED in x
+    if isinstance(x, dict):
+        return any(has_redacted(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(has_redacted(v) for v in x)
+    return False
+
+
+def matches_around_redaction(recorded: Any, now: Any) -> bool:
+    """Whether ``now`` reads as ``recorded`` once each marker in ``recorded``'s strings stands for some non-empty
+    text (structure, keys and every other value equal)."""
+    if isinstance(recorded, str) and REDACTED in recorded:
+        if not isinstance(now, str):
+            return False
+        pattern = "(?:.+)".join(re.escape(p) for p in recorded.split(REDACTED))
+        return re.fullmatch(pattern, now, re.DOTALL) is not None
+    if isinstance(recorded, dict):
+        return (isinstance(now, dict) and recorded.keys() == now.keys()
+                and all(matches_around_redaction(v, now[k]) for k, v in recorded.items()))
+    if isinstance(recorded, (list, tuple)):
+        return (isinstance(now, (list, tuple)) and len(recorded) == len(now)
+                and all(matches_around_redaction(a, b) for a, b in zip(recorded, now)))
+    return recorded == now
+
+
+def redacted_request_fields(request: Any, path: str = "") -> list[str]:
+    """The dotted paths of the recorded ``request``'s values that hold the marker and decide something (the
+    secrets, the run id, the device's spelling and a model's ``source`` decide nothing)."""
+    out: list[str] = []
+    if isinstance(request, str):
+        return [path] if REDACTED in request else []
+    items = (request.items() if isinstance(request, dict) else enumerate(request)
+             if isinstance(request, (list, tuple)) else ())
+    for k, v in items:
+        if (not path and k in _IGNORED) or k == "source":
+            continue
+        out += redacted_request_fields(v, f"{path}.{k}" if path else str(k))
+    return out
+
+
+def request_redacted(run_id: str, rank: int, where: str, fields: list[str]) -> UsageError:
+    """``request_redacted`` (exit 2): the run's recorded request cannot be rebuilt, a secret having redacted
+    ``fields``; names the run, its ``run_started`` record (``where``) and the fields."""
+    shown = ", ".join(fields[:8]) + (f" and {len(fields) - 8} more" if len(fields) > 8 else "")
+    return UsageError(
+        f"run {run_id} rank {rank}: its run_started record{where} holds request values redacted because a secret "
+        f"occurs in them ({shown}); replay cannot rebuild the request from them",
+        code="request_redacted", flags=[("run_id", run_id), ("fields", fields)],
+        allowed=["a recorded request whose deciding values hold no secret"],
+        remedy="use secrets that do not occur in ordinary values (a device, a dtype, a backend or model name), "
+               "rerun and replay that trace; 'attn-setup inspect' still shows what this run did")
 
 
 class Divergence(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,7 +98,7 @@ class RunReplay(msgspec.Struct, frozen=True, kw_only=True):
     incomplete trace), or is empty. ``ends_in``: for a run that never recorded its end (``inspect``'s
     ``incomplete``) whose trace ends before its last decision, the state it ends in; else empty. ``redacted``: the
     checked fields whose recorded value held a secret's ``"<redacted>"`` marker, compared around it
-    (:mod:`pipeline.observe.replay_redacted`).
+    (:mod:`pipeline.observe.replay`).
     """
 
     run_id: str
@@ -194,7 +245,7 @@ class _Replayer:
         if started is None:
             raise _no_start(run)
         hidden = redacted_request_fields(started.request)
-        if hidden:  # s13: a secret equal to ordinary text; not trace_unreadable
+        if hidden:  # a secret equal to ordinary text; not trace_unreadable
             where = f" ({run.started_at[0]}:{run.started_at[1]})" if run.started_at else ""
             raise request_redacted(run.run_id, run.rank, where, hidden)
         try:
@@ -214,7 +265,7 @@ class _Replayer:
     def check(self, state: str, fld: str, recorded: Any, now: Any) -> None:
         recorded, now = _b(recorded), _b(now)
         if recorded != now and self.incomplete and state == self.last and _unrecorded(recorded, now):
-            raise driver.Stop(f"the trace ends in {state} before it recorded {fld}")  # compare only what was written
+            raise steps.Stop(f"the trace ends in {state} before it recorded {fld}")  # compare only what was written
         self.checked.append(f"{state}.{fld}")
         if recorded != now:
             if has_redacted(recorded) and matches_around_redaction(recorded, now):
@@ -229,12 +280,12 @@ class _Replayer:
         try:
             if facts is not None:
                 ctx = SetupContext(self.req, facts=facts.facts, installed=self.installed, env=self.env)
-                driver.replay(SETUP, ctx, run, self.error, self.check)
+                steps.replay(SETUP, ctx, run, self.error, self.check)
                 stopped = ""
         except _Diverged as e:
             return RunReplay(run_id=run.run_id, rank=run.rank, checked=self.checked, divergence=e.d,
                              launch_id=run.launch_id, redacted=self.redacted)
-        except driver.Stop as e:
+        except steps.Stop as e:
             stopped = str(e)
         ends_in = self.last if stopped and self.incomplete else ""
         return RunReplay(run_id=run.run_id, rank=run.rank, checked=self.checked, stopped=stopped,
@@ -257,12 +308,12 @@ def _replay_run(run: Run) -> RunReplay:
 
 
 def replay(trace: Any) -> ReplayResult:
-    """Re-run every recorded run's decisions; see the module docstring.
+    """Re-run every recorded run's decisions; see docs/internals.md, ``pipeline.observe.replay``.
 
     Parameters
     ----------
-    trace: a trace path (str/PathLike), a list of paths, a :class:`~pipeline.observe.trace.Trace`, a
-        :class:`~pipeline.observe.trace.Run` or a list of event records.
+    trace: a trace path (str/PathLike), a list of paths, a :class:`~pipeline.observe.runs.Trace`, a
+        :class:`~pipeline.observe.runs.Run` or a list of event records.
 
     Returns :class:`ReplayResult` (``.same``, ``.divergence`` = (state, field, recorded, now)). A
     run without ``run_started`` (a launch refused before the attention pipeline started, next to
@@ -296,3 +347,4 @@ def replay(trace: Any) -> ReplayResult:
     if any(r.ends_in for r in runs) and not any(r.divergence is not None for r in runs):
         raise _incomplete(runs, t.skipped_lines)
     return ReplayResult(runs=runs, skipped_lines=t.skipped_lines)
+

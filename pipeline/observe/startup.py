@@ -1,38 +1,85 @@
 """Startup accounting: where every second of an ``attn-setup run`` went (``startup_summary``).
 
-:func:`summarize` turns one launch's records into named phases, each a measured duration:
-
-- ``startup``: process start (:func:`process_start`: the kernel's creation time of this process, moved past
-  the time it did not run before attn-setup's first code — a shell's earlier commands before it ``exec``'d
-  Python —, reported apart as ``idle_before_start_s``) to ``command_started`` — the interpreter, the imports
-  (torch's included), argument parsing and reading the model config;
-- ``preflight``: ``command_started`` to ``runner_started`` (the refusals checked before allocating);
-- each runner state (``init-distributed``, ``load-model``, ``init-memory-pool`` — the pool allocation —,
-  ``attention``, ``capture-cuda-graphs``) from its ``runner_transition`` ``duration_ms``; children:
-  the setup machine's states (``state_transition``) and the FlashInfer JIT variants under ``attention``,
-  one ``bs=N`` per captured graph under ``capture-cuda-graphs`` (``cuda_graph_captured``);
-- ``verification``: ``runner_ready`` to the last ``instance_verified``, one child per instance
-  (its own ``duration_ms``);
-- ``model-steps``: the attention stack's extend/decode checks (to the last ``model_step_verified``);
-- ``release``: closing what was built, up to the summary.
-
-Top-level phases are disjoint; ``unaccounted_s`` is the wall time (process start to the summary) they
-do not cover. sglang's and TensorRT-LLM's startup logs name phases the same way (weights, memory pool,
-graph capture); vLLM's ``benchmarks`` measure process start to ready from outside — this module
-measures from inside, from the process's own start time, so the imports count.
-
-Nothing here runs on the hot path: it reads records after the run ended.
+Details: docs/internals.md, ``pipeline.observe.startup``.
 """
 
 from __future__ import annotations
 
 import os
-
-from pipeline.core.numbers import ascii_float
 import time
 from typing import Any, Iterable, NamedTuple, Optional
 
 from pipeline.core import events as ev
+from pipeline.core.numbers import ascii_float
+
+
+_ENDS = (ev.CommandStarted, ev.RunnerStarted, ev.RunFailed, ev.RunInterrupted, ev.RunnerTransition,
+         ev.StateTransition, ev.CudaGraphCaptured, ev.InstanceVerified)
+
+
+def phase_state(name: str, parent: str) -> str:
+    """The ``state`` a ``slow_phase`` record gets: the phase's own name for a top-level phase or a state; its
+    parent for a child that is not a state (``bs=8``, a verified instance, ``import torch``, ``jit:…``)."""
+    if not parent or parent in ("attention", "preflight"):  # setup states sit under attention or preflight
+        return name
+    return parent
+
+
+class SlowPhaseWatch:
+    """Log a ``slow_phase`` warning as each phase above ``threshold_s`` ends (docs/internals.md).
+
+    ``start_ns``: the process start (wall clock, ns; None: ``startup`` is left to the summary);
+    ``startup_parts``: ``(name, seconds, detail)`` measured inside ``startup`` (``import torch``).
+    :attr:`seen` holds the ``(name, parent)`` of every phase judged here, warned or not, so the summary
+    does not judge them again.
+    """
+
+    def __init__(self, log: Any, threshold_s: float, *, start_ns: Optional[int] = None,
+                 startup_parts: Iterable[tuple[str, float, str]] = ()) -> None:
+        self.log, self.threshold_s, self.start_ns = log, threshold_s, start_ns
+        self.startup_parts = list(startup_parts)
+        self.seen: set[tuple[str, str]] = set()
+        self._cmd: Any = None
+        self._runner = False
+        self._preflight_done = False
+
+    def install(self) -> "SlowPhaseWatch":
+        """Start observing the log; returns self."""
+        self.log.observers.append(self)
+        return self
+
+    def judge(self, name: str, parent: str, seconds: float) -> None:
+        """Record the phase as judged, and warn when it took longer than the threshold."""
+        self.seen.add((name, parent))
+        seconds = round(max(seconds, 0.0), 6)
+        if seconds > self.threshold_s:
+            self.log.emit(ev.SlowPhase, state=phase_state(name, parent), phase=name, parent=parent, seconds=seconds,
+                          threshold_s=self.threshold_s)
+
+    def __call__(self, r: ev.Event) -> None:
+        """Called with every record the log emits, right after it was written."""
+        if not isinstance(r, _ENDS):
+            return
+        if isinstance(r, ev.CommandStarted):
+            self._cmd = r
+            if self.start_ns is not None:
+                self.judge("startup", "", (r.ts_ns - self.start_ns) / 1e9)
+                for name, sec, _ in self.startup_parts:
+                    self.judge(name, "startup", sec)
+        elif isinstance(r, (ev.RunnerStarted, ev.RunFailed, ev.RunInterrupted)):
+            if self._cmd is not None and not self._preflight_done:
+                self._preflight_done = True
+                self.judge("preflight", "", (r.ts_ns - self._cmd.ts_ns) / 1e9)
+            self._runner = self._runner or isinstance(r, ev.RunnerStarted)
+        elif isinstance(r, ev.RunnerTransition):
+            self.judge(r.from_state, "", r.duration_ms / 1e3)
+        elif isinstance(r, ev.StateTransition):
+            self.judge(r.from_state, "attention" if self._runner else "preflight", r.duration_ms / 1e3)
+        elif isinstance(r, ev.CudaGraphCaptured):
+            self.judge(f"bs={r.bs}", "capture-cuda-graphs", r.capture_ms / 1e3)
+        else:
+            self.judge(r.role, "verification", r.duration_ms / 1e3)
+
 
 SLOW_PHASE_ENV = "ATTN_SETUP_SLOW_PHASE_S"
 SLOW_PHASE_FLAG = "--slow-phase-s"
@@ -231,10 +278,9 @@ def emit_summary(log: Any, *, start_ns: Optional[int], jit: Iterable[dict[str, A
     """Emit ``slow_phase`` warnings (phases over ``slow_s`` seconds) and the ``startup_summary``; returns it.
 
     ``judged``: ``(name, parent)`` of the phases already judged as they ended
-    (:class:`pipeline.observe.slow_phase.SlowPhaseWatch`); only the others are judged here — those known only
+    (:class:`pipeline.observe.startup.SlowPhaseWatch`); only the others are judged here — those known only
     now (``verification``, ``model-steps``, ``release``, the JIT variants) —, each tagged with its phase
-    (:func:`pipeline.observe.slow_phase.phase_state`), not with the state the run ended in."""
-    from pipeline.observe.slow_phase import phase_state
+    (:func:`pipeline.observe.startup.phase_state`), not with the state the run ended in."""
 
     s = summarize(log.records, start_ns=start_ns, end_ns=time.time_ns(), jit=jit, startup_parts=startup_parts,
                   created_ns=created_ns)
@@ -245,3 +291,4 @@ def emit_summary(log: Any, *, start_ns: Optional[int], jit: Iterable[dict[str, A
                 log.emit(ev.SlowPhase, state=phase_state(p.name, p.parent), phase=p.name, parent=p.parent,
                          seconds=p.seconds, threshold_s=slow_s)
     return log.emit(ev.StartupSummary, state=log.current_state, **s)
+

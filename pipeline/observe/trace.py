@@ -1,61 +1,151 @@
 """Reading traces back: JSON-lines event logs → typed records, grouped into runs by (run_id, rank, launch).
 
-The reader is tolerant: a line that is not JSON (a crash mid-write, a truncated copy), nests too
-deeply, is longer than :data:`MAX_LINE_BYTES`, or is not a known valid record is counted (with its
-reason: ``not_json``, ``too_deep``, ``line_too_long``, ``unknown_event``, ``newer_schema``,
-``invalid_record``) and skipped; everything else is kept. Several files merge: records are grouped
-by ``(run_id, rank, launch_id)`` — two launches that share a run id and a log file stay two runs —
-ordered by position in their file (one launch writes its records in order; a wall clock stepped back mid-run
-changes nothing; pieces in several files by their first records' ``ts_ns``), and a line read twice (a file passed twice, overlapping copies) counts once.
-
-Only regular files are read: a FIFO, a device or a directory is refused (``UsageError``
-``not_a_regular_file``, exit 2) instead of blocking or reading forever.
-
-Streaming (:class:`TraceReader`): the first pass reads only each line's envelope (run id, rank,
-launch id, time) and remembers, per run, the byte ranges its lines occupy (one range per
-contiguous piece); the second pass reads one run at a time from those ranges, yields it and lets
-it go. Memory is therefore bounded by the index (a few dozen bytes per contiguous piece of a run)
-plus the largest single run, not by the file — ``attn-setup inspect`` on a 1 GB log stays within a
-few hundred MB (``benchmarks/inspect_large_log.py``). :func:`read_trace` keeps every run (for
-replay, graph and tests).
-
-Schema policy for old traces
-----------------------------
-``schema_version`` (see :mod:`pipeline.core.events`) rises only when a field is removed or changes
-meaning; adding a field with a default keeps the version. Therefore:
-
-- a record with ``1 <= schema_version <= SCHEMA_VERSION`` is read; versions below the current one
-  pass through :data:`UPGRADERS` (``{old_version: fn(dict) -> dict}``, applied in order) first;
-  ``schema_version <= 0`` (never written by any version) is ``invalid_record``;
-- a record with a *newer* version is skipped and counted (``reason="newer_schema"``): this reader
-  cannot know what its fields mean;
-- a record of the current version carrying fields this reader does not know (written by a newer
-  attn-setup that added fields) is read with those fields dropped, counted in
-  :attr:`Trace.dropped_fields`;
-- an unknown ``event`` tag (or one that is not a string) is skipped and counted (``reason="unknown_event"``).
-
-Nothing here imports torch.
+Details: docs/internals.md, ``pipeline.observe.trace``.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field  # noqa: F401
-from typing import IO, Any, Callable, Iterator, Optional, Sequence, Union  # noqa: F401
+from typing import Any, Callable, IO, Iterator, Optional, Sequence, Union
 
 import msgspec
 
-from pipeline.core import events as ev
-from pipeline.core.contracts import SCHEMA_VERSION, ErrorInfo  # noqa: F401
+from pipeline.core import events as ev, wire
+from pipeline.core.contracts import SCHEMA_VERSION
 from pipeline.core.errors import UsageError
-from pipeline.observe.runview import timeline, verification_failure  # noqa: F401
-from pipeline.observe.trace_decode import (MAX_DEPTH, MAX_LINE_BYTES, UPGRADERS, _BY_TAG, _depth,  # noqa: F401
-                                           _may_be_deep, _upgrade, decode_record)
-from pipeline.observe.trace_lines import capped_lines, piece_lines
-from pipeline.observe.trace_view import _BY_CLASS, Run, SkippedLine, Trace, nothing_readable  # noqa: F401
+from pipeline.observe.runs import Run, SkippedLine, Trace
+
+
+UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+_BY_TAG = {ev.event_name(c): c for c in ev.EVENT_TYPES}
+MAX_LINE_BYTES = 4 << 20   # a run_started line of a 4096-layer model with a draft model is ~0.2 MB
+MAX_DEPTH = wire.MAX_DEPTH   # our records nest 6 deep; the writer never writes deeper than this
+
+
+def _upgrade(obj: dict[str, Any]) -> dict[str, Any]:
+    for v in sorted(UPGRADERS):
+        if obj.get("schema_version", 1) <= v:
+            obj = UPGRADERS[v](obj)
+            obj["schema_version"] = v + 1
+    return obj
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of decoded JSON (iterative: a hostile line must not exhaust the stack)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            deepest = max(deepest, d)
+            if d > MAX_DEPTH:
+                return d
+            stack.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return deepest
+
+
+def _may_be_deep(line: bytes) -> bool:
+    return line.count(b"[") + line.count(b"{") > MAX_DEPTH
+
+
+def decode_record(line: bytes) -> tuple[Optional[ev.Event], str, int]:
+    """(record or None, skip reason or "", number of unknown fields dropped) for one line.
+
+    Never raises for any input: every failure is a skip reason (see docs/internals.md, ``pipeline.observe.trace``).
+    """
+    if len(line) > MAX_LINE_BYTES:
+        return None, "line_too_long", 0
+    if not _may_be_deep(line):
+        try:  # the fast path: a current record as written
+            rec = wire._decoder.decode(line)
+            if rec.schema_version == SCHEMA_VERSION:
+                return rec, "", 0
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            pass
+    try:
+        obj = msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return None, "not_json", 0
+    except RecursionError:
+        return None, "too_deep", 0
+    if not isinstance(obj, dict) or type(obj.get("event")) is not str or obj["event"] not in _BY_TAG:
+        return None, "unknown_event", 0
+    if _depth(obj) > MAX_DEPTH:
+        return None, "too_deep", 0
+    version = obj.get("schema_version", 1)
+    if type(version) is not int:
+        return None, "invalid_record", 0
+    if version > SCHEMA_VERSION:
+        return None, "newer_schema", 0
+    if version < 1:
+        return None, "invalid_record", 0
+    try:
+        obj = wire.restore_floats(_upgrade(obj))
+        try:
+            return msgspec.convert(obj, ev.AnyEvent), "", 0
+        except msgspec.ValidationError:
+            cls = _BY_TAG[obj["event"]]
+            known = set(cls.__struct_encode_fields__) | {"event"}
+            kept = {k: v for k, v in obj.items() if k in known}
+            if len(kept) == len(obj):
+                return None, "invalid_record", 0
+            try:
+                return msgspec.convert(kept, ev.AnyEvent), "", len(obj) - len(kept)
+            except msgspec.ValidationError:
+                return None, "invalid_record", 0
+    except RecursionError:
+        return None, "too_deep", 0
+    except Exception:  # noqa: BLE001 - an upgrader choking on a hostile record: skip it, never crash
+        return None, "invalid_record", 0
+
+
+BLOCK = 1 << 20
+
+
+def capped_lines(fh: IO[bytes], start: int, end: Optional[int]) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) from ``start`` up to ``end``; lines over :data:`MAX_LINE_BYTES` come back as
+    ``b""`` after the rest of them was read past (never held whole)."""
+    fh.seek(start)
+    offset = start
+    while end is None or offset < end:
+        raw = fh.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        at = offset
+        offset += len(raw)
+        if len(raw) > MAX_LINE_BYTES:
+            while not raw.endswith(b"\n"):
+                raw = fh.readline(1 << 20)
+                if not raw:
+                    break
+                offset += len(raw)
+            yield at, b""
+            continue
+        yield at, raw
+
+
+def piece_lines(fh: IO[bytes], start: int, end: int) -> Iterator[bytes]:
+    """The lines of one piece, read in blocks (a piece holds only lines pass 1 kept: each at most
+    :data:`MAX_LINE_BYTES`, newline-terminated except possibly the file's last)."""
+    fh.seek(start)
+    left = end - start
+    while left > 0:
+        block = fh.read(min(left, BLOCK))
+        if not block:
+            return  # the file shrank since pass 1
+        left -= len(block)
+        if left > 0:
+            cut = block.rfind(b"\n") + 1
+            if 0 < cut < len(block):  # keep the partial last line for the next block
+                fh.seek(cut - len(block), os.SEEK_CUR)
+                left += len(block) - cut
+                block = block[:cut]
+        lines = block.split(b"\n")  # \n only, as pass 1 counted them
+        if lines and not lines[-1]:
+            lines.pop()
+        yield from lines
+
 
 SKIP_DETAILS = 100         # skipped lines listed with file:line (all are counted)
-
 
 
 class _Envelope(msgspec.Struct):
@@ -82,7 +172,7 @@ class _Entry:
 
 
 class TraceReader:
-    """Stream the runs of one or more trace files (see the module docstring): :meth:`runs` yields
+    """Stream the runs of one or more trace files (see docs/internals.md, ``pipeline.observe.trace``): :meth:`runs` yields
     each :class:`Run` complete and in order, holding one run at a time.
 
     After (or during) iteration: :attr:`skipped` (the first :data:`SKIP_DETAILS` skipped lines, in
@@ -209,7 +299,7 @@ class TraceReader:
                     self.unreadable_files.append(self.paths[fi])
         if not by_file:
             return None
-        # s13: by file position, not wall clock (a clock stepped back mid-run garbled inspect); pieces of one trace
+        # by file position, not wall clock (a clock stepped back mid-run garbled inspect); pieces of one trace
         # in several files (copies, a split log) in the order of their first records' time
         for fi in sorted(by_file, key=lambda f: (by_file[f][0].ts_ns, f)):
             run.records.extend(by_file[fi])
@@ -234,7 +324,7 @@ class TraceReader:
 
 
 def read_trace(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]) -> Trace:
-    """Read one or more JSON-lines traces (tolerant; see the module docstring), every run kept.
+    """Read one or more JSON-lines traces (tolerant; see docs/internals.md, ``pipeline.observe.trace``), every run kept.
 
     Never raises for bad content: missing or unreadable files go to ``unreadable_files``, bad lines
     to ``skipped``. Call :meth:`Trace.require_records` to insist on at least one record. Raises
@@ -258,3 +348,4 @@ def as_trace(obj: Any) -> Trace:
             groups.setdefault((r.run_id, r.rank, r.launch_id), Run(r.run_id, r.rank, launch_id=r.launch_id)).records.append(r)
         return Trace(runs=list(groups.values()))
     return read_trace(obj)
+

@@ -1,18 +1,6 @@
 """``attn-setup inspect --diff A.jsonl B.jsonl``: what changed between two starts, per rank.
 
-For each rank found in both logs (the last launch of that rank in each file), the difference B − A of
-
-- every state's duration, the runner's (``init-distributed`` … ``capture-cuda-graphs``) and the setup
-  machine's (``device-init`` … ``annotate``), in ms;
-- every ``startup_summary`` phase (JIT variants, graph batch sizes, verified instances included), in s;
-- every decision that changed: the resolved backends and their rules, settings (workspace bytes among
-  them), the build plan (mode, instances, workspaces with their bytes), skips and downgrades, the
-  annotation, the captured graph batch sizes — as ``key: A → B`` (a value absent on one side: ``not set``,
-  :func:`pipeline.core.value_text.value_text`). Device facts that vary from start to
-  start on the same machine (free memory) are left out.
-
-Torch-free. The numbers are the recorded ones (``duration_ms`` of the transitions), so a state that
-slept 2 s more in B shows a delta of 2000 ms ± the timer's noise.
+Details: docs/internals.md, ``pipeline.observe.trace_diff``.
 """
 
 from __future__ import annotations
@@ -24,7 +12,8 @@ import msgspec
 from pipeline.core import events as ev
 from pipeline.core.value_text import value_text
 from pipeline.observe.ranks import _flatten
-from pipeline.observe.trace import Run, read_trace
+from pipeline.observe.trace import read_trace
+from pipeline.observe.runs import Run
 
 _VOLATILE = ("free", "memory_allocated")  # device facts that change between starts on one machine
 
@@ -69,7 +58,7 @@ def _enc(v: Any) -> bytes:
 
 
 def diff_runs(a: Run, b: Run) -> dict[str, Any]:
-    """One rank's differences (see the module docstring); deltas are B − A."""
+    """One rank's differences (see docs/internals.md, ``pipeline.observe.trace_diff``); deltas are B − A."""
     da, db = _durations(a), _durations(b)
     states = [{"machine": m, "state": s, "a_ms": da.get((m, s)), "b_ms": db.get((m, s)),
                "delta_ms": None if (m, s) not in da or (m, s) not in db else round(db[(m, s)] - da[(m, s)], 3)}

@@ -2,14 +2,44 @@
 
 This replaces sglang's ``if device == "cuda" … elif "npu"`` chains. Importing this package does not
 import torch; each platform imports it when it first touches the device.
+
+The :class:`Platform` protocol is everything device-specific the pipeline needs.
 """
 
 from __future__ import annotations
 
-from pipeline.platforms.base import Platform
+from typing import Any, Optional, Protocol, runtime_checkable
+
+from pipeline.core.contracts import DeviceFacts
 from pipeline.core.errors import ConfigError
 
-__all__ = ["Platform", "platform_for", "parse_device", "device_survey", "device_unavailable"]
+
+@runtime_checkable
+class Platform(Protocol):
+    """One device type's effects.
+
+    - ``init_blas()``: initialise the BLAS handle (cuBLAS on cuda, muBLAS on musa) so the first
+      GEMM is not timed into something else; returns True if it did anything (sglang does this
+      only on cuda/musa).
+    - ``device_facts(index)``: :class:`DeviceFacts` of device ``index``.
+    - ``torch_device(index)``: the torch device string tensors go to (``"cuda:1"``).
+    - ``init_lazy_device_memory(nbytes, rank, world_size, cpu_group)``: NPU zbal lazy memory
+      (must run before CUDA/NPU graph capture); other platforms raise NotImplementedError.
+    - ``memory_allocated(index)``: device bytes currently allocated by torch (0 on CPU).
+    """
+
+    device_type: str
+
+    def init_blas(self) -> bool: ...
+
+    def device_facts(self, index: int) -> DeviceFacts: ...
+
+    def torch_device(self, index: int) -> str: ...
+
+    def init_lazy_device_memory(self, nbytes: int, rank: int, world_size: int, cpu_group: Optional[Any]) -> None: ...
+
+    def memory_allocated(self, index: int) -> int: ...
+
 
 # Device types that parse (pipeline.core.validation.DEVICE_TYPES) but that no platform here serves, and why.
 NO_PLATFORM = {"mps": "Apple MPS has no attn-setup platform and no backend record lists it"}
@@ -28,8 +58,8 @@ def parse_device(device: str) -> tuple[str, int]:
     return head, int(idx) if idx else 0
 
 
-_VENDOR = {"musa": ("pipeline.platforms.musa", "MusaPlatform"), "npu": ("pipeline.platforms.npu", "NpuPlatform"),
-           "xpu": ("pipeline.platforms.xpu", "XpuPlatform")}
+_VENDOR = {"musa": ("pipeline.platforms.vendor", "MusaPlatform"), "npu": ("pipeline.platforms.vendor", "NpuPlatform"),
+           "xpu": ("pipeline.platforms.vendor", "XpuPlatform")}  # imported when first asked for
 PLATFORM_TYPES = ("cpu", "cuda", *_VENDOR)  # the device types with an attn-setup platform
 
 
@@ -124,3 +154,4 @@ def device_unavailable(device: str, why: str, install: str = "") -> ConfigError:
         + (f". Not usable here: {others}" if others else ""),
         code="device_unavailable", flags=[("device", device)], allowed=usable,
         remedy=f"pass device='{usable[1] if len(usable) > 1 else 'cpu'}', or {where}")
+

@@ -1,14 +1,6 @@
-"""Shared plumbing for vendor platforms whose torch support ships as a plugin module.
+"""The vendor platforms whose torch support ships as a plugin module: MUSA, Ascend NPU and Intel XPU.
 
-MUSA (``torch_musa``), Ascend NPU (``torch_npu``) and Intel XPU (built into torch ≥ 2.4, older
-builds via ``intel_extension_for_pytorch``) all follow the same pattern: importing the plugin
-registers a device module at ``torch.<type>`` exposing ``is_available``, ``device_count``,
-``set_device``, ``get_device_properties`` and ``memory_allocated`` like ``torch.cuda`` does.
-:class:`VendorPlatform` holds that logic once; subclasses name the device type, the plugin and
-what differs (BLAS init on MUSA, zbal lazy memory on NPU).
-
-Untested on hardware: every vendor platform is exercised only against fake plugin modules
-injected into ``sys.modules`` (``tests/test_platforms.py``).
+Details: docs/internals.md, ``pipeline.platforms.vendor``.
 """
 
 from __future__ import annotations
@@ -17,7 +9,7 @@ import importlib
 from typing import Any, Optional
 
 from pipeline.core.contracts import DeviceFacts
-from pipeline.core.errors import ConfigError
+from pipeline.core.errors import BuildError, ConfigError
 
 
 class VendorPlatform:
@@ -89,3 +81,73 @@ class VendorPlatform:
 
     def memory_allocated(self, index: int = 0) -> int:
         return int(self.device_module().memory_allocated(index))
+
+
+class MusaPlatform(VendorPlatform):
+    """Platform for ``device=musa[:N]``."""
+
+    device_type = "musa"
+    plugin = "torch_musa"
+    vendor = "mthreads"
+
+    def init_blas(self) -> bool:
+        """Create the muBLAS handle with a 16x16 fp16 GEMM on the current MUSA device; returns True."""
+        mod = self.device_module()
+        self.warm_gemm(f"musa:{int(mod.current_device())}")
+        return True
+
+    def warm_gemm(self, device: str) -> None:
+        """One tiny GEMM on ``device`` (the first GEMM creates the BLAS handle)."""
+        import torch
+
+        a = torch.ones((16, 16), dtype=torch.float16, device=device)
+        (a @ a).sum().item()
+
+
+LAZY_MEM_ENTRY = "npu.init_zbal_lazy_mem"
+
+
+class NpuPlatform(VendorPlatform):
+    """Platform for ``device=npu[:N]``; ``lazy_mem_entry`` is the dotted attribute path under ``torch_npu``."""
+
+    device_type = "npu"
+    plugin = "torch_npu"
+    vendor = "huawei"
+
+    def __init__(self, lazy_mem_entry: str = LAZY_MEM_ENTRY) -> None:
+        super().__init__()
+        self.lazy_mem_entry = lazy_mem_entry
+
+    def init_lazy_device_memory(self, nbytes: int, rank: int, world_size: int, cpu_group: Optional[Any]) -> None:
+        """Call ``torch_npu.<lazy_mem_entry>(nbytes, rank=, world_size=, group=cpu_group)``.
+
+        ``nbytes`` > 0 bytes of zbal local memory per device. Raises :class:`BuildError`
+        (``npu_lazy_mem_unavailable``) when the installed ``torch_npu`` has no such entry point.
+        """
+        fn: Any = self.vendor_module()
+        for part in self.lazy_mem_entry.split("."):
+            fn = getattr(fn, part, None)
+            if fn is None:
+                raise BuildError(f"torch_npu has no {self.lazy_mem_entry} (zbal lazy memory)",
+                                 code="npu_lazy_mem_unavailable", flags=[("zbal_local_mem_size", nbytes)],
+                                 remedy="upgrade torch_npu, or set SGLANG_ZBAL_LOCAL_MEM_SIZE=0 to skip zbal")
+        fn(int(nbytes), rank=int(rank), world_size=int(world_size), group=cpu_group)
+
+
+class XpuPlatform(VendorPlatform):
+    """Platform for ``device=xpu[:N]``; ``sm_count`` is ``gpu_subslice_count`` when reported."""
+
+    device_type = "xpu"
+    plugin = None
+    vendor = "intel"
+
+    def device_facts(self, index: int = 0):
+        facts = super().device_facts(index)
+        props = self.device_module().get_device_properties(index)
+        subslices = int(getattr(props, "gpu_subslice_count", 0) or 0)
+        if subslices and not facts.sm_count:
+            import msgspec
+
+            facts = msgspec.structs.replace(facts, sm_count=subslices)
+        return facts
+

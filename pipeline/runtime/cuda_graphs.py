@@ -30,7 +30,6 @@ from pipeline.core.errors import ConfigError
 from pipeline.platforms.cuda import capture_graph, capture_stream
 
 
-
 def _graph_pool_bytes(torch: Any, pool: Any) -> int:
     """Device bytes (segment sizes, as the CUDA caching allocator reserved them) held by the private memory pool
     ``pool`` (a ``torch.cuda.graph_pool_handle()``), from ``torch.cuda.memory_snapshot()``; falls back to all

@@ -1,28 +1,6 @@
 """A real attention stack built from a Hugging Face config, run through a built attention backend.
 
-:class:`AttentionStack` is the attention half of a decoder (no MLP, no embeddings — the part this
-project initialises): per layer, an RMS norm, the QKV projection, rotary position embedding, paged
-attention through the backend (:class:`~pipeline.backends.base.AttentionLayer` per layer, with the
-layer kind's sliding window, logit softcap, scaling and — gpt-oss — per-head sink logits), the
-output projection and the residual add. Weights cannot be downloaded here, so they are random with
-a fixed seed (``randn / sqrt(fan_in)``, generated on CPU so every device gets the same values).
-``num_layers`` builds only the first N attention layers. A hybrid model's linear-attention / mamba
-layers (Qwen3-Next, Jamba) are not attention and are skipped: the stack runs only its attention
-layers, in order, each with its real layer id (the KV pool holds no buffer for the others).
-Llama-4's chunked layers run with their ``attention_chunk_size``; like every layer here they get
-RoPE (Llama-4's NoPE full layers would not), which changes the inputs, not the attention under test.
-
-MLA (DeepSeek-V2/V3) runs in the *absorbed* form, as sglang's MLA backends see it: the KV cache
-holds one latent head per token, ``[c_kv (kv_lora_rank, RMS-normed), k_rope (qk_rope_head_dim)]``
-(576 dims for DeepSeek-V2) with ``v = c_kv`` (512); the query's no-rope part is absorbed through
-``W_UK`` (``q_abs[h] = q_nope[h] @ W_UK[h]``, [kv_lora_rank]) and the latent output goes back through
-``W_UV`` per head before ``o_proj``. ``q_lora_rank`` is ignored (the query comes from one
-projection). :func:`reference_forward` computes the same layers in float64 *un-absorbed*
-(per-head ``k_nope = W_UK c`` and ``v = W_UV c``), so it checks the absorption too.
-
-RoPE: NeoX style (rotate halves) with ``rope_theta``, on the whole head for MHA/GQA and on the
-rope dims only for MLA; rope scaling (Llama-3's ``rope_scaling``) is not applied — it changes the
-frequencies, not the attention path under test.
+Details: docs/internals.md, ``pipeline.runtime.model``.
 """
 
 from __future__ import annotations

@@ -1,52 +1,157 @@
 """Steps through a ready runner, checked against the float64 dense reference of the stack.
 
-:func:`verify_model_steps` drives the runner's attention stack the way an engine does: an extend of
-new requests, an extend of more tokens on their cached prefixes (chunked prefill), then
-``decode_steps`` decode steps — each decode replayed from a CUDA graph when the runner captured
-one, else eager. Inputs are random hidden states (seeded); pages are handed out scrambled.
-After every step each request's outputs are compared with
-:func:`pipeline.runtime.stack_reference.reference_forward_rounded` over its whole history: float64 math that
-rounds to the stack's dtype where the stack does, so the stack's own bf16/fp16 rounding — which
-compounds through layers and decode steps — is not blamed on the backend, and the tolerance holds
-at any step count. Metric: ``max|Δout − Δref| / max|Δref|`` per request, where ``Δ`` is the
-stack's update to the residual stream (output minus input), so the input's own magnitude cannot
-hide an attention error; the worst request is reported per step.
-
-Which reference judged a check is :attr:`StepCheck.reference`:
-
-- :data:`REF_ROUNDED` (``"rounded"``): a stack without MLA layers — one check per step, the rounded reference,
-  tolerance :func:`_tol` (fp32 1e-4, bf16/fp16 1e-2).
-- An absorbed-MLA stack (DeepSeek-V2/V3, Kimi-K2) gets two checks per step, because the stack rounds two tensors
-  that only its absorbed form has (``q_abs = q_nope · W_UK`` and the latent attention output, both in the stack
-  dtype), and a reference that mirrors them no longer checks the absorption by itself:
-
-  * :data:`REF_MLA_ABSORBED` (``"mla-absorbed"``), the *kernel check*: the reference follows the absorbed path with
-    those two roundings too (``mla_path="absorbed"``), so the backend sees exactly the reference's inputs; held to
-    :func:`_tol`, as any layer.
-  * :data:`REF_MLA_UNABSORBED` (``"mla-unabsorbed"``), the *absorption check*: the un-absorbed reference (per-head
-    K/V expanded from the latent cache, the absorption identity never used), held to
-    :func:`absorption_tolerance`, derived per request from this batch (its docstring gives the derivation).
+Details: docs/internals.md, ``pipeline.runtime.model_steps``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
+from pipeline.backends.memory import (dequantize_kv, layer_kv_scales, make_draft_batch, make_forward_batch,
+                                      PageAllocator)
 from pipeline.core.contracts import ForwardMode
-from pipeline.backends.memory import (PageAllocator, dequantize_kv, layer_kv_scales, make_draft_batch,
-                                      make_forward_batch)
 from pipeline.backends.speculative import SpecInfo
-from pipeline.runtime.stack_reference import MLA_ABSORBED, MLA_UNABSORBED, reference_forward_rounded
-from pipeline.runtime.reference import rel_err
+from pipeline.core.errors import BuildError
+from pipeline.memory.pools import CHUNK_LENS, EXTEND_LENS
+from pipeline.runtime.model import _rope_complex, AttentionStack, EPS
+from pipeline.runtime.reference import reference_attention, rel_err
 from pipeline.runtime.spec_batches import accept_path, next_branches, random_path, random_tree
 
-__all__ = ["StepCheck", "verify_model_steps", "absorption_tolerance", "EXTEND_LENS", "CHUNK_LENS",
-           "REF_ROUNDED", "REF_MLA_ABSORBED", "REF_MLA_UNABSORBED", "F64_SLACK"]
 
-from pipeline.memory.pools import CHUNK_LENS, EXTEND_LENS  # noqa: E402 (the batch: shared with plan)
+MLA_ABSORBED = "absorbed"
+MLA_UNABSORBED = "unabsorbed"
+_MLA_PATHS = (MLA_UNABSORBED, MLA_ABSORBED)
+
+
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """The absorbed query ``q_abs[t, h] = q_nope[t, h] @ W_UK[h]``: q_nope [T, H, qk_nope_head_dim] and W_UK
+    [H, qk_nope_head_dim, kv_lora_rank] (the stack's ``uk``), both float64; returns [T, H, kv_lora_rank] float64.
+
+    So ``q_abs[t, h] · c[j] == q_nope[t, h] · (W_UK[h] c[j])``, the un-absorbed score's no-rope part (DeepSeek-V2
+    paper, section 2.1.2; sglang's ``forward_absorb``)."""
+    return torch.einsum("thn,hnc->thc", q_nope, w_uk)
+
+
+def expand_latent_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """The per-head output ``o[t, h] = W_UV[h] @ o_lat[t, h]``: o_lat [T, H, kv_lora_rank] (attention over the latent
+    values ``c``) and W_UV [H, v_head_dim, kv_lora_rank] (the stack's ``uv``), both float64; returns
+    [T, H, v_head_dim] float64 — equal to attention over the expanded values ``W_UV[h] c[j]`` because the softmax
+    weights sum linearly."""
+    return torch.einsum("thc,hvc->thv", o_lat, w_uv)
+
+
+def _note(errs: Optional[list[float]], k: torch.Tensor, k_ref: torch.Tensor, v: Optional[torch.Tensor],
+          v_ref: Optional[torch.Tensor]) -> None:
+    """Append the worse of ``rel_err(k, k_ref)`` and ``rel_err(v, v_ref)`` to ``errs`` (when given)."""
+    if errs is not None:
+        errs.append(max(rel_err(k, k_ref), 0.0 if v is None else rel_err(v, v_ref)))
+
+
+def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dtype: Optional[torch.dtype] = None,
+                              stored_kv: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None,
+                              kv_errs: Optional[list[float]] = None, *, mla_path: str = MLA_UNABSORBED,
+                              absorbed_rounding: bool = True, positions: Optional[torch.Tensor] = None,
+                              mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One request's sequence ``hidden`` [L, hidden_size] (positions ``0..L-1``) through ``stack`` in float64,
+    rounded like the stack; returns the output [L, hidden_size] and the aux states (float64, CPU).
+
+    ``positions`` [L] and ``mask`` [L, L] bool: a request whose tokens form a tree (speculative decoding: draft
+    trees verified, draft branches) — token ``i`` at its depth, seeing the tokens ``mask[i]`` marks (its ancestors and
+    itself), for RoPE and for attention alike; default ``0..L-1`` and causal.
+
+    ``kv_dtype``: a narrower cache dtype to round K/V through; ``stored_kv``: per layer, the dequantized K/V the
+    pool holds (MLA: the latent K [L, 1, kv_lora_rank + qk_rope_head_dim]), attended over instead; ``kv_errs``: gets
+    ``max|stored - recomputed| / max|recomputed|`` per layer (docs/internals.md). ``mla_path`` (MLA layers only):
+    :data:`MLA_UNABSORBED` (default, as before) or :data:`MLA_ABSORBED`; ``absorbed_rounding``: on the absorbed
+    path, round ``q_abs`` and the latent output to the stack dtype as the stack does (False: keep them float64,
+    which :mod:`pipeline.runtime.model_steps` uses to measure what those two roundings change). Non-MLA layers
+    ignore both. Raises BuildError (``reference_input_invalid``) for an unknown ``mla_path``, else only
+    reference_attention's shape errors."""
+    if mla_path not in _MLA_PATHS:
+        raise BuildError(f"reference_forward_rounded: mla_path={mla_path!r} is not allowed",
+                         code="reference_input_invalid", flags=[("mla_path", mla_path)], allowed=list(_MLA_PATHS),
+                         remedy=f"pass mla_path={MLA_ABSORBED!r} or {MLA_UNABSORBED!r}")
+    act = stack.dtype
+
+    def r(t: torch.Tensor) -> torch.Tensor:
+        return t.to(act).to(torch.float64)
+
+    def cached(t: torch.Tensor) -> torch.Tensor:
+        t = r(t)
+        return t if kv_dtype is None else t.to(kv_dtype).to(torch.float64)
+
+    f = lambda t: t.detach().to("cpu", torch.float64)  # noqa: E731
+    if getattr(stack, "_f64_weights", None) is None:  # shared with reference_forward: exact copies of `act` weights
+        stack._f64_weights = [{k: f(t) for k, t in w.items()} for w in stack.weights]
+    weights = stack._f64_weights
+    h, aux, n = f(hidden), [], hidden.shape[0]
+    pos = torch.arange(n) if positions is None else positions.cpu()
+    for idx, L in enumerate(stack.layers):
+        if stack.aux_hidden_state_layers and L.layer_id in stack.aux_hidden_state_layers:
+            aux.append(h)
+        w = weights[idx]
+        x = r(_rms(h))
+        stored = None if stored_kv is None else stored_kv[idx]
+        if L.is_mla:
+            qq, kk, vv = _mla_qkv(stack, L, w, x, pos, r, cached, stored, kv_errs, mla_path, absorbed_rounding)
+        else:
+            qq, kk, vv = _mha_qkv(stack, L, w, x, pos, r, cached, stored, kv_errs)
+        o = reference_attention(qq, kk, vv, q_positions=pos, scale=L.scaling, window=L.sliding_window,
+                                softcap=L.logit_softcap, sinks=None if L.sinks is None else f(L.sinks),
+                                chunk=L.attention_chunk_size, k_positions=None if positions is None else pos,
+                                mask=mask)
+        if L.is_mla and mla_path == MLA_ABSORBED:
+            o = expand_latent_output(r(o) if absorbed_rounding else o, w["uv"])
+        h = h + r(r(o).reshape(n, -1) @ w["o"].T)
+    return h, aux
+
+
+def _rms(t: torch.Tensor) -> torch.Tensor:
+    """RMS norm without weights (the stack's): ``t / sqrt(mean(t^2) + EPS)`` over the last dim."""
+    return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def _mla_qkv(stack: AttentionStack, L: Any, w: dict, x: torch.Tensor, pos: torch.Tensor, r: Any, cached: Any,
+             stored: Any, kv_errs: Optional[list[float]], mla_path: str, absorbed_rounding: bool) -> tuple:
+    """q, k, v (float64) of one MLA layer of :func:`reference_forward_rounded` on the normed input ``x`` [n, hidden]:
+    absorbed (one latent head: k = [c, k_rope], v = c, q = [q_nope W_UK, q_rope]) or un-absorbed (K/V expanded per
+    head through W_UK / W_UV); ``stored``: the pool's latent K of this layer, attended over instead."""
+    m, n, theta = stack.spec.mla, x.shape[0], stack.spec.rope_theta
+    q = r(x @ w["q"].T).reshape(n, L.num_heads, -1)
+    lat = r(x @ w["dkv"].T)
+    c = cached(_rms(lat[:, : m.kv_lora_rank]))
+    k_rope = cached(_rope_complex(lat[:, None, m.kv_lora_rank:], pos, theta))
+    if stored is not None:
+        _note(kv_errs, stored[0], torch.cat([c[:, None], k_rope], -1), None, None)
+        c, k_rope = stored[0][:, 0, : m.kv_lora_rank], stored[0][:, :, m.kv_lora_rank:]
+    q_rope = r(_rope_complex(q[..., m.qk_nope_head_dim:], pos, theta))
+    if mla_path == MLA_ABSORBED:
+        q_abs = absorb_query(q[..., : m.qk_nope_head_dim], w["uk"])
+        qq = torch.cat([r(q_abs) if absorbed_rounding else q_abs, q_rope], -1)
+        return qq, torch.cat([c[:, None], k_rope], dim=-1), c[:, None]
+    k_rope = k_rope.expand(n, L.num_heads, -1)
+    qq = torch.cat([q[..., : m.qk_nope_head_dim], q_rope], -1)
+    kk = torch.cat([torch.einsum("lc,hnc->lhn", c, w["uk"]), k_rope], dim=-1)
+    return qq, kk, torch.einsum("lc,hvc->lhv", c, w["uv"])
+
+
+def _mha_qkv(stack: AttentionStack, L: Any, w: dict, x: torch.Tensor, pos: torch.Tensor, r: Any, cached: Any,
+             stored: Any, kv_errs: Optional[list[float]]) -> tuple:
+    """q, k, v (float64) of one MHA/GQA layer of :func:`reference_forward_rounded`; ``stored``: the pool's (K, V)."""
+    n, d, hkv, theta = x.shape[0], L.head_dim, L.num_kv_heads, stack.spec.rope_theta
+    q, k, v = r(x @ w["qkv"].T).split([L.num_heads * d, hkv * d, hkv * d], dim=-1)
+    qq = r(_rope_complex(q.reshape(n, L.num_heads, d), pos, theta))
+    kk = cached(_rope_complex(k.reshape(n, hkv, d), pos, theta))
+    vv = cached(v.reshape(n, hkv, d))
+    if stored is not None:
+        _note(kv_errs, stored[0], kk, stored[1], vv)
+        kk, vv = stored
+    return qq, kk, vv
+
+
 REF_ROUNDED = "rounded"
 REF_MLA_ABSORBED = "mla-absorbed"
 REF_MLA_UNABSORBED = "mla-unabsorbed"
@@ -61,7 +166,7 @@ F64_SLACK = 1e-9
 class StepCheck:
     """One step's outcome: label, mode, batch size, whether replayed from a graph, worst error, tolerance, and
     the reference it was judged against (``reference``: :data:`REF_ROUNDED`, :data:`REF_MLA_ABSORBED` or
-    :data:`REF_MLA_UNABSORBED`; module docstring). With a per-request tolerance (the absorption check) the
+    :data:`REF_MLA_UNABSORBED`; docs/internals.md). With a per-request tolerance (the absorption check) the
     step reports the request nearest to or furthest over its tolerance (largest ``err / tol``): its error and
     its tolerance."""
 
@@ -190,7 +295,8 @@ def _steps(b: int, decode_steps: int, spec: Any, draft: bool) -> list[tuple[str,
 
 def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0, spec: Any = None,
                        draft: bool = False) -> list[StepCheck]:
-    """Run extend, chunked extend and decode steps through a ready ``runner``; see the module docstring.
+    """Run extend, chunked extend and decode steps through a ready ``runner``; see docs/internals.md,
+    ``pipeline.runtime.model_steps``.
 
     Uses ``req_to_token`` rows ``0..B-1`` (B = min(4, max_reqs)) and frees them afterwards.
     Tolerance: 1e-4 for float32 stacks, 1e-2 for bf16/fp16 (the residual stream is float32),
@@ -200,11 +306,12 @@ def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0, spe
     tolerance does not depend on the KV dtype or the context length; a ``kv-cache-write`` check is appended
     when the pool's K/V differ from the reference's recomputation by more than a step of the coarser dtype.
     A stack with MLA layers gets two checks per step, ``mla-absorbed`` (this tolerance) then ``mla-unabsorbed``
-    (:func:`absorption_tolerance`); see the module docstring. ``spec`` (the :class:`SpeculativeParams` served) adds
-    speculative steps (:func:`_steps`): a target-verify step of random trees (then each request's accepted path, its
-    KV moved as an engine moves it, and decodes on), or a draft extend and a round of draft-decode steps of
-    ``spec.topk`` branches (``draft``: a draft worker). Each request's tokens form a tree (:class:`_Tokens`), so each
-    request's reference is computed once, after the last step, over all its tokens with the tree's mask and depths
+    (:func:`absorption_tolerance`); see docs/internals.md, ``pipeline.runtime.model_steps``. ``spec`` (the
+    :class:`SpeculativeParams` served) adds speculative steps (:func:`_steps`): a target-verify step of random trees
+    (then each request's accepted path, its KV moved as an engine moves it, and decodes on), or a draft extend and a
+    round of draft-decode steps of ``spec.topk`` branches (``draft``: a draft worker). Each request's tokens form a
+    tree (:class:`_Tokens`), so each request's reference is computed once, after the last step, over all its tokens
+    with the tree's mask and depths
     as positions. Raises BuildError when the pools are too small.
     """
     stack, pools = runner.stack, runner.pools
@@ -271,7 +378,7 @@ def _compare(stack: Any, kv_dtype: torch.dtype, rows: list[int], toks: dict[int,
     """One reference per request over all its tokens (their tree's mask and depths) and stored K/V; worst
     per-request error per step.
 
-    A stack with MLA layers gets the two checks of the module docstring per step (absorbed first), from three
+    A stack with MLA layers gets the two checks of docs/internals.md per step (absorbed first), from three
     references per request: absorbed with and without the absorbed-only roundings, and un-absorbed."""
     kv_errs: list[float] = []
     tol = _tol(stack.dtype)
@@ -314,3 +421,4 @@ def _compare(stack: Any, kv_dtype: torch.dtype, rows: list[int], toks: dict[int,
                                 max_rel_err=max(kv_errs), tol=bound,
                                 reference=REF_MLA_ABSORBED if mla else REF_ROUNDED))
     return checks
+

@@ -1,37 +1,23 @@
 """Runner orchestration: a model runner's ``initialize()`` as an outer state machine.
 
-The table (:data:`pipeline.runtime.table.RUNNER`) orders the steps — ``init-distributed → load-model →
-init-memory-pool → attention → capture-cuda-graphs → ready`` (+ ``failed``) — and holds each step's decision
-and effect; the one driver (:mod:`pipeline.core.driver`) walks it. ``attention`` is the setup machine
-(:func:`pipeline.setup.build.build_attention_backends`) run over the pools this runner sized, writing to the same
-:class:`~pipeline.core.eventlog.EventLog`, so one trace holds both machines (``runner_transition`` records for
-this one, ``state_transition`` for the setup). :meth:`Runner.preflight` makes every decision before anything is
-allocated (the setup's included) and :meth:`Runner.initialize` then takes them, so a start resolves once.
-
-Ordering rules enforced (sglang keeps them in comments): the KV pool exists before any backend is
-built; decode CUDA-graph capture only after the pipeline reached ``done``, NPU zbal lazy memory was
-initialised or skipped with its reason, the configured EAGLE3 aux hidden-state layers were set on
-the model, the KV pool exists and — with several ranks — the ranks agreed on the resolution.
-A failure in any step moves the runner to ``failed``, logs ``run_failed`` whose ``error.state``
-names the step (the pipeline's own state for a failure inside ``attention``) and whose message
-gives the cause, releases what was built and re-raises.
+Details: docs/internals.md, ``pipeline.runtime.runner``.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
-from pipeline.core import driver
+from pipeline.core import steps
 from pipeline.core import events as ev
-from pipeline.core.contracts import SetupRequest
+from pipeline.core.contracts import ErrorInfo, SetupRequest
 from pipeline.core.errors import error_info_from
 from pipeline.core.eventlog import EventLog
 from pipeline.core.steps import TableMachine
 from pipeline.runtime.table import RUNNER, RunnerModel, RunnerState
 
-__all__ = ["RunnerConfig", "Runner", "RunnerState"]
+__all__ = ["RunnerConfig", "Runner", "RunnerState", "Verification"]
 
 # agree(resolution, request, cpu_group) -> detail str; raises a typed error when ranks disagree
 AgreeFn = Callable[[Any, SetupRequest, Any], str]
@@ -82,6 +68,48 @@ class RunnerConfig:
                               allowed=[want], remedy=f"pass a value of type {want} for {f.name}")
 
 
+VERIFY_REMEDY = "the backend computes wrong attention for this model; report it with the log"
+
+
+def verification_failure(records: Iterable[ev.Event]) -> Optional[ErrorInfo]:
+    """The ``verification_failed`` ErrorInfo of the failed ``instance_verified`` and ``model_step_verified``
+    records (None when none failed): each instance as ``role (backend: max_rel_err > tol)``, each model step as
+    ``step (graph|eager: max_rel_err > tol)`` — ``step (eager, mla-unabsorbed: …)`` when an MLA reference judged it
+    (the ``rounded`` reference and traces without one are not named). ``state``: ``done`` when an instance failed
+    (setup's last state), else ``ready`` (the runner's)."""
+    inst, steps = [], []
+    for r in records:
+        if isinstance(r, ev.InstanceVerified) and not r.passed:
+            inst.append(f"{r.role} ({r.backend}: {r.max_rel_err:.2e} > {tol_text(r.tol)})")
+        elif isinstance(r, ev.ModelStepVerified) and not r.passed:
+            how = ("graph" if r.graph else "eager") + (f", {r.reference}" if r.reference.startswith("mla-") else "")
+            steps.append(f"{r.step} ({how}: {r.max_rel_err:.2e} > {tol_text(r.tol)})")
+    if not inst and not steps:
+        return None
+    parts = ([f"instances failed verification against the float64 reference: {', '.join(inst)}"] if inst else []) \
+        + ([f"model steps failed verification against the float64 reference: {', '.join(steps)}"] if steps else [])
+    return ErrorInfo(code="verification_failed", state="done" if inst else "ready", message="; ".join(parts),
+                     remedy=VERIFY_REMEDY)
+
+
+def tol_text(tol: float) -> str:
+    """A tolerance as the reports print it: one digit when that is exact (``1e-02``), else three
+    (``1.43e-02``: the MLA absorption check's tolerance is derived per step, :mod:`pipeline.runtime.model_steps`)."""
+    short = f"{tol:.0e}"
+    return short if float(short) == tol else f"{tol:.2e}"
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What :meth:`Runner.verify` found: ``instances`` (:class:`~pipeline.runtime.verify.VerifyResult` per built
+    instance), ``steps`` (:class:`~pipeline.runtime.model_steps.StepCheck` per stack step) and ``error``
+    (``verification_failed`` naming every failure, None when all passed)."""
+
+    instances: list[Any]
+    steps: list[Any]
+    error: Optional[Any] = None
+
+
 class Runner:
     """Drives the outer machine. Call :meth:`initialize`, or the steps one by one in order.
 
@@ -102,7 +130,7 @@ class Runner:
 
     After ``ready``: ``stack`` (the :class:`~pipeline.runtime.model.AttentionStack`), ``pools``,
     ``backends`` (:class:`~pipeline.setup.result.AttentionBackends`), ``graphs``
-    (:class:`~pipeline.runtime.cuda_graphs.DecodeGraphRunner` or None) and :meth:`forward`. With PD-mux,
+    (:class:`~pipeline.runtime.cuda_graphs.DecodeGraphRunner` or None), :meth:`forward` and :meth:`verify`. With PD-mux,
     decode (eager and graphs) runs on ``decode_attn_backend``, the first decode backend of the
     group; the other group members are built and verified but not graph-captured here.
     """
@@ -111,7 +139,8 @@ class Runner:
                  log_file: Optional[str] = None, cpu_group: Any = None, agree: Optional[AgreeFn] = None,
                  installed: Optional[dict[str, bool]] = None, rank_group: Any = None) -> None:
         from pipeline.platforms import parse_device, platform_for
-        from pipeline.setup.build import new_run_id, open_event_log
+        from pipeline.setup.build import open_event_log
+        from pipeline.core.eventlog import new_run_id
 
         if not isinstance(config, RunnerConfig) or not isinstance(config.request, SetupRequest):
             from pipeline.core.errors import UsageError
@@ -132,7 +161,7 @@ class Runner:
         self.request = req
         self.sizing: Any = None
         self.setup_failed = False
-        self.preflighted: Optional[driver.Decided] = None
+        self.preflighted: Optional[steps.Decided] = None
         self.t0 = time.perf_counter()
         # each step's decision, kept by the driver under the step's ``result``
         self.load: Any = None
@@ -176,7 +205,7 @@ class Runner:
         self.machine.require_state(state)
         given = None if self.preflighted is None else self.preflighted.only("attention")
         try:
-            driver.run_step(RUNNER, RUNNER.step(state), self, self.machine, given=given)
+            steps.run_step(RUNNER, RUNNER.step(state), self, self.machine, given=given)
         except BaseException as exc:
             self._fail(state, exc)
             raise
@@ -206,11 +235,11 @@ class Runner:
         return a.detail if self.cpu_group is None and self.rank_group is None else None
 
     # -- steps ---------------------------------------------------------------------------------
-    def preflight(self) -> driver.Decided:
+    def preflight(self) -> steps.Decided:
         """Every step's decision before anything is allocated (the table in decide mode): the env settings, the
         dtype and the layers to build, the pool sizes against the device's memory, every setup decision, the graph
         sizes. A typed refusal is kept in the result; :meth:`initialize` then takes the setup's decisions."""
-        self.preflighted = driver.decide(RUNNER, self)
+        self.preflighted = steps.decide(RUNNER, self)
         return self.preflighted
 
     def init_distributed(self) -> None:
@@ -246,6 +275,35 @@ class Runner:
         for step in RUNNER.steps:
             self._run(step.state)
         return self
+
+    def verify(self, decode_steps: int = 3) -> "Verification":
+        """Check what ``initialize()`` built, in ``ready``: every built instance on a batch against the float64
+        reference (:func:`pipeline.runtime.verify.verify_built`, ``instance_verified`` each), then the stack's extend,
+        chunked extend and ``decode_steps`` decode steps (:func:`pipeline.runtime.model_steps.verify_model_steps`,
+        ``model_step_verified`` each). A failure is logged as ``run_failed`` and returned as ``error``
+        (``verification_failed``, :func:`pipeline.runtime.runner.verification_failure`); nothing is raised for it."""
+        from pipeline.runtime.runner import verification_failure
+        from pipeline.runtime.model_steps import verify_model_steps
+        from pipeline.runtime.verify import verify_built
+
+        self.machine.require_state(RUNNER.success)
+        emitted, instances = [], verify_built(self.backends, self.request, pools=self.pools, decode_steps=decode_steps)
+        for r in instances:
+            emitted.append(self.log.emit(
+                ev.InstanceVerified, state="done", outcome="ok" if r.passed else "failed", role=r.role,
+                backend=r.backend, max_rel_err=r.max_rel_err, tol=r.tol, passed=r.passed, duration_ms=r.duration_ms))
+        res = self.backends.resolution  # speculative decoding adds target-verify or draft-decode steps
+        checks = verify_model_steps(self, decode_steps=decode_steps, spec=None if res is None else res.speculative,
+                                    draft=self.request.is_draft_worker)
+        for c in checks:
+            emitted.append(self.log.emit(
+                ev.ModelStepVerified, state="ready", outcome="ok" if c.passed else "failed", step=c.step, mode=c.mode,
+                batch_size=c.batch_size, graph=c.graph, max_rel_err=c.max_rel_err, tol=c.tol, passed=c.passed,
+                reference=c.reference))
+        error = verification_failure(emitted)
+        if error is not None:
+            self.log.emit(ev.RunFailed, state=self.log.current_state, outcome="failed", error=error)
+        return Verification(instances=instances, steps=checks, error=error)
 
     # -- use -----------------------------------------------------------------------------------
     def forward(self, hidden: Any, forward_batch: Any) -> tuple[Any, list[Any], bool]:

@@ -1,6 +1,8 @@
 """The library entry point: walk the setup table (:data:`pipeline.setup.table.SETUP`) and return
 :class:`~pipeline.setup.result.AttentionBackends`; and the same decisions without any effect (``plan``, a
 run's preflight).
+
+Details: docs/internals.md, ``pipeline.setup.build``.
 """
 
 from __future__ import annotations
@@ -10,17 +12,15 @@ import time
 import traceback
 from typing import Any, Mapping, Optional
 
-from pipeline.backends.packages import installed_by_import  # noqa: F401 (its historical home: pipeline.build)
-from pipeline.core import driver
-from pipeline.core import events as ev
+from pipeline.core import events as ev, steps
 from pipeline.core.contracts import DeviceFacts, SetupRequest
-from pipeline.core.errors import UsageError, error_info_from
+from pipeline.core.errors import error_info_from, OrderingError, UsageError
 from pipeline.core.eventlog import EventLog
 from pipeline.core.faults import Faults
-from pipeline.core.runinfo import new_run_id, redacted_request, versions
+from pipeline.core.eventlog import new_run_id, redacted_request, versions
 from pipeline.core.steps import TableMachine
 from pipeline.platforms import platform_for
-from pipeline.platforms.base import Platform
+from pipeline.platforms import Platform
 from pipeline.setup.context import SetupContext
 from pipeline.setup.result import AttentionBackends, release
 from pipeline.setup.table import SETUP
@@ -34,22 +34,22 @@ def inputs_of(request: SetupRequest, installed: Optional[Mapping[str, bool]]) ->
 
 def decide_setup(request: SetupRequest, *, platform: Optional[Platform] = None, facts: Optional[DeviceFacts] = None,
                  installed: Optional[Mapping[str, bool]] = None, env: Mapping[str, str] = os.environ,
-                 rank_group: Any = None) -> driver.Decided:
+                 rank_group: Any = None) -> steps.Decided:
     """Every setup decision up to allocation, nothing applied: the setup table in decide mode.
 
     ``facts``: the device facts to decide for (``plan``: a named profile), else read from ``platform``
     (default: chosen from ``request.device``), as a run's device-init reads them; ``installed``: package
     presence (``plan``: metadata or ``--installed``), else by import checked against metadata, as a run decides.
-    Returns the :class:`~pipeline.core.driver.Decided` of device-init, resolve (``strict`` included), build-mode
+    Returns the :class:`~pipeline.core.steps.Decided` of device-init, resolve (``strict`` included), build-mode
     (the plan, the CUDA-graph sizes against ``max_reqs``, each workspace against the largest batch it plans)
-    and npu-lazy-mem — or the first typed refusal (:meth:`~pipeline.core.driver.Decided.raise_refusal`). A
+    and npu-lazy-mem — or the first typed refusal (:meth:`~pipeline.core.steps.Decided.raise_refusal`). A
     run given this result (``build_attention_backends(..., decided=)``) for the same inputs decides nothing
     again and raises the refusal at its own state, so it is logged where it happened.
     """
     if facts is None and platform is None:
         platform = platform_for(request.device)
     ctx = SetupContext(request, platform=platform, facts=facts, installed=installed, env=env, rank_group=rank_group)
-    return driver.decide(SETUP, ctx, inputs=inputs_of(request, installed))
+    return steps.decide(SETUP, ctx, inputs=inputs_of(request, installed))
 
 
 def decide_offline(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool]) -> tuple[Any, Any]:
@@ -157,7 +157,7 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
                              installed: Optional[Mapping[str, bool]] = None,
                              cpu_group: Any = None, rank_group: Any = None,
                              faults: Optional[Faults] = None,
-                             decided: Optional[driver.Decided] = None) -> AttentionBackends:
+                             decided: Optional[steps.Decided] = None) -> AttentionBackends:
     """Run ``device-init → resolve → build-mode → npu-lazy-mem → annotate → done`` (the setup table).
 
     Parameters
@@ -195,7 +195,7 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
                        pools=pools, cpu_group=cpu_group, rank_group=rank_group, faults=faults)
         log.emit(ev.RunStarted, state=ctx.state, request=redacted_request(request), versions=versions(ctx.installed),
                  packages=ctx.installed, platform=type(ctx.platform).__name__)
-        driver.run(SETUP, ctx, ctx.machine, faults=faults, given=decided)
+        steps.run(SETUP, ctx, ctx.machine, faults=faults, given=decided)
         out = result(ctx)
         _hand_over(ctx)
         log.emit(ev.RunFinished, state=SETUP.success, duration_ms=(time.perf_counter() - t0) * 1e3)
@@ -249,3 +249,66 @@ def open_event_log(run_id: str, rank: int, log_file: Any, secrets: tuple[str, ..
         return EventLog(run_id, rank, log_file, secrets=secrets)
     except OSError as e:
         raise bad(f"cannot be opened for appending: {e.strerror or e}") from None
+
+
+class ModelRunnerAttention:
+    """sglang ModelRunner's attention attributes, filled by :meth:`init_attention_backends`.
+
+    Parameters are those of :func:`pipeline.setup.build.build_attention_backends` (``pools``: the engine's
+    own ``req_to_token_pool`` and ``kv_pool``, built before the backends as sglang does).
+    """
+
+    def __init__(self, request: SetupRequest, *, pools: Optional[dict[str, Any]] = None, platform: Any = None,
+                 log_file: Optional[str] = None, cpu_group: Any = None, rank_group: Any = None,
+                 installed: Optional[dict[str, bool]] = None) -> None:
+        self.request = request
+        self._kw = dict(pools=pools, platform=platform, log_file=log_file, cpu_group=cpu_group, rank_group=rank_group,
+                        installed=installed)
+        self.attn_backend: Any = None
+        self.decode_attn_backend: Any = None
+        self.decode_attn_backend_group: list[Any] = []
+        self.prefill_attention_backend_str: Optional[str] = None
+        self.decode_attention_backend_str: Optional[str] = None
+        self.result: Any = None
+
+    def init_attention_backends(self) -> None:
+        """Run the pipeline and set the attributes; raises its typed errors unchanged.
+
+        Raises OrderingError (``out_of_order``) when called twice on the same object.
+        """
+        if self.result is not None:
+            raise OrderingError("init_attention_backends() already ran for this runner", state="done",
+                                flags=[("attn_backend", type(self.attn_backend).__name__)],
+                                remedy="call it once per model runner; close() and build a new one to re-initialise")
+
+        out = build_attention_backends(self.request, **self._kw)
+        self.result = out
+        self.attn_backend = out.attn_backend
+        self.decode_attn_backend = out.decode_attn_backend
+        self.decode_attn_backend_group = out.decode_attn_backend_group
+        self.prefill_attention_backend_str = out.prefill_attention_backend_str
+        self.decode_attention_backend_str = out.decode_attention_backend_str
+
+    def close(self) -> list[str]:
+        """Release what the pipeline built (not the engine's pools); returns what was released. After it, reading
+        the three backend attributes raises :class:`~pipeline.core.errors.BackendClosed` (as
+        :class:`~pipeline.setup.result.AttentionBackends` does); before ``init_attention_backends()`` there was
+        nothing to release and they stay None / None / []."""
+        from pipeline.setup.result import BACKEND_ACCESSORS
+
+        if self.result is None:
+            return []
+        released = self.result.close()
+        for name in BACKEND_ACCESSORS:
+            self.__dict__.pop(name, None)
+        return released
+
+    def __getattr__(self, name: str) -> Any:
+        """Only called for an attribute that is not there: a backend attribute after :meth:`close`."""
+        from pipeline.setup.result import BACKEND_ACCESSORS, closed_error
+
+        result = self.__dict__.get("result")
+        if name in BACKEND_ACCESSORS and result is not None and result.closed:
+            raise closed_error(type(self).__name__, name, result.run_id)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+

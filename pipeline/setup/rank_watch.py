@@ -1,22 +1,6 @@
 """Waits between ranks that never hang and name the rank that stalls.
 
-Every rank of a launch publishes **heartbeats** into the launch's key-value store (the
-``torch.distributed`` store of the rendezvous, reached over TCP from every rank): its last
-pipeline state, the wall time, and what it is busy with when known (a FlashInfer JIT variant
-being compiled, a test's injected sleep). A beat is written on every state transition and,
-while a run is in progress, every :attr:`Watch.every_s` seconds from the shared heartbeat
-thread (:mod:`pipeline.core.heartbeat`) — setup-time only, never per layer.
-
-Before each of our collectives (the memory exchange at device-init, the agreement at resolve,
-the pre-capture barrier) a rank **arrives**: it sets ``arrive/<n>/<rank>`` and waits until every
-rank's key exists. When ``timeout_s`` passes first, every waiting rank reads the missing ranks'
-last heartbeats, logs ``rank_stalled`` for each and raises :class:`~pipeline.core.errors.RankStalled`
-(exit 1). A rank that is absent can therefore never make the others hang, and the error says
-which rank, in which state, how long since it was last heard of, and what it was doing.
-
-Peers do less: vLLM's and sglang's startup barriers time out with torch's
-"Ranks 1 failed to pass monitoredBarrier" (when they time out at all); neither reports what the
-missing rank was doing.
+Details: docs/internals.md, ``pipeline.setup.rank_watch``.
 """
 
 from __future__ import annotations
@@ -25,7 +9,6 @@ import json
 import os
 
 from pipeline.core.numbers import ascii_float
-import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -52,7 +35,7 @@ def timeout_from_env(default: float, environ: Any = os.environ) -> float:
     raw = environ.get(ENV_TIMEOUT, "").strip()
     if not raw:
         return default
-    remedy = f"export {ENV_TIMEOUT}=60, or unset it (60 s), or pass --dist-timeout 60"  # s13: worded as a variable
+    remedy = f"export {ENV_TIMEOUT}=60, or unset it (60 s), or pass --dist-timeout 60"  # worded as a variable
     try:
         value = ascii_float(raw)
     except ValueError:

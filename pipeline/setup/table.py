@@ -4,7 +4,7 @@ Each row of :data:`SETUP` is a :class:`~pipeline.core.steps.Step`: the state, it
 invariant it protects, and the functions below by phase — ``decide`` (the pure decisions of :mod:`states`),
 ``log`` (the events that record the decision), ``check`` (refusals that need no device), ``apply`` (the
 effect; build-mode's is :func:`pipeline.setup.instances.apply_build`), ``compare`` (replay's fields) and
-``skips`` (``plan``'s list). The one driver (:mod:`pipeline.core.driver`) walks it for a run
+``skips`` (``plan``'s list). The one driver (:mod:`pipeline.core.steps`) walks it for a run
 (:func:`pipeline.setup.build.build_attention_backends`), for ``plan`` and a run's preflight (decide only) and
 for replay (decide against recorded facts); the machine, the order, the fault points and the diagram come
 from it too. ``failed`` is reachable from every state; ``done`` and ``failed`` are terminal.
@@ -20,7 +20,7 @@ from pipeline.backends.packages import installed_by_metadata
 from pipeline.core import events as ev
 from pipeline.core import settings
 from pipeline.core.contracts import Skip
-from pipeline.core.driver import Stop
+from pipeline.core.steps import Stop
 from pipeline.core.errors import error_info_from
 from pipeline.core.steps import Guard, Step, StepTable
 from pipeline.platforms import parse_device
@@ -28,7 +28,7 @@ from pipeline.setup.context import (
     SINGLE_RANK, Agreement, BuildDecision, DeviceDecision, LazyDecision, SetupContext,
 )
 from pipeline.setup.instances import apply_build
-from pipeline.setup.pools import check_pools_fit
+from pipeline.setup.instances import check_pools_fit
 from states import annotate, build_mode, device_init, fallback, npu_lazy_mem, resolve
 from pipeline.memory.workspaces import check_workspaces
 
@@ -82,7 +82,7 @@ def apply_device(ctx: SetupContext, d: DeviceDecision) -> None:
     ctx.torch_device = ctx.platform.torch_device(index)
     ctx.emit(ev.DeviceInitialized, facts=d.facts, blas_init=blas, spelled_as=ctx.request.device_spelled_as)
     if ctx.rank_group is not None and ctx.request.world_size > 1:
-        from pipeline.setup.rank_checks import balance_memory
+        from pipeline.setup.distributed import balance_memory
 
         balance_memory(ctx, index)
     ctx.model.device_facts = d.facts
@@ -129,7 +129,7 @@ def agree(ctx: SetupContext, res: Any, error: Any = None) -> Agreement:
             ctx.emit(ev.StepSkipped, outcome="skipped", what="rank_agreement", reason=reason)
         return Agreement(False, f"skipped: {reason}")
     from pipeline.setup.distributed import agree_on_resolution
-    from pipeline.setup.rank_digest import digest_fields
+    from pipeline.setup.distributed import digest_fields
 
     t, g = time.perf_counter(), ctx.rank_group
     table = agree_on_resolution(res, ctx.device.facts, group=g.cpu_group, rank=req.rank, world_size=req.world_size,

@@ -1,4 +1,4 @@
-"""``attn-setup run --device cuda`` for every bundled config, in process: every instance verifies (issue 13, section 1).
+"""``attn-setup run --device cuda`` for every bundled config, in process: every instance verifies.
 
 Default backend choice for each config under examples/configs/, plus the issue's two failing
 commands (Gemma-2 on flashinfer in bf16 with page 16; gpt-oss with page 16, auto → flashinfer). Each
@@ -29,13 +29,13 @@ CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 RUNS = [(p.name, []) for p in sorted(CONFIGS.glob("*.json"))] + [
     ("gemma-2-9b.json", ["--attention-backend", "flashinfer", "--dtype", "bfloat16", "--page-size", "16"]),
     ("gpt-oss-20b.json", ["--page-size", "16"]),
-    # issue 16: MLA by auto on a GPU backend with decode graphs; fp8 KV by auto on flashinfer
+    # MLA by auto on a GPU backend with decode graphs; fp8 KV by auto on flashinfer
     ("deepseek-v3.json", ["--num-layers", "2"]),
     ("deepseek-v2-lite.json", ["--page-size", "64"]),
     ("llama-3.1-8b.json", ["--kv-cache-dtype", "fp8_e4m3", "--page-size", "16"]),
     ("qwen3-8b.json", ["--kv-cache-dtype", "fp8_e5m2"]),
 ]
-# issue 16: these resolve a GPU backend by auto and replay their decode steps from captured graphs
+# these resolve a GPU backend by auto and replay their decode steps from captured graphs
 GPU_BY_AUTO = {"deepseek-v2-lite.json": "flashinfer", "deepseek-v3.json": "flashinfer"}
 WINDOWS = {"mistral-7b-v0.1.json": 4096, "gemma-2-9b.json": 4096, "gpt-oss-20b.json": 128}
 

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from pipeline.cli.flags import build_parser  # noqa: E402
-from pipeline.cli.request import request_from  # noqa: E402
+from pipeline.cli.flags import request_from  # noqa: E402
 from pipeline.cli.run import runner_config  # noqa: E402
 from pipeline.core import events as ev  # noqa: E402
 from pipeline.runtime.runner import Runner  # noqa: E402
@@ -61,7 +61,7 @@ def test_capture_memory_matches_the_estimate(model, max_reqs, tmp_path):
         # step_device_bytes is the device's free-memory drop, so this holds only with the GPU to this process
         # (gpu_check.sh runs this file alone; beside other GPU tests their allocations land in the drop).
         assert mem.step_device_bytes <= mem.total_estimate, (mem.step_device_bytes, mem.total_estimate)
-        # issue 18 §3: what the step keeps, estimated within ±10 % (the total also holds the warm-up's temporaries,
+        # what the step keeps, estimated within ±10 % (the total also holds the warm-up's temporaries,
         # given back before each capture)
         assert abs(mem.kept_estimate - mem.step_device_bytes) <= 0.10 * mem.step_device_bytes, \
             (mem.kept_estimate, mem.step_device_bytes)

@@ -1,4 +1,4 @@
-"""Eager TBO and hybrid steps make no device→host sync (issue 13, section 8), on a CUDA GPU.
+"""Eager TBO and hybrid steps make no device→host sync, on a CUDA GPU.
 
 A 2-layer Llama-3.1-8B attention model (one layer with a 64-key window) is built through the
 pipeline in TBO mode (flashinfer, triton) and as a hybrid (flashinfer prefill + triton decode, and
@@ -23,10 +23,10 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
 
 from pipeline.backends.base import AttentionLayer  # noqa: E402
 from pipeline.setup.build import build_attention_backends  # noqa: E402
-from pipeline.cli.request import default_model_path  # noqa: E402
+from pipeline.cli.flags import default_model_path  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, ForwardMode, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.backends.memory import PageAllocator, make_forward_batch  # noqa: E402
-from pipeline.runtime.model import truncate_spec  # noqa: E402
+from pipeline.core.spec import truncate_spec  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
 from pipeline.runtime.reference import reference_attention, rel_err  # noqa: E402
 

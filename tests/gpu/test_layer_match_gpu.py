@@ -1,4 +1,4 @@
-"""Window, softcap and sinks at the bundled models' real shapes, per backend, on a CUDA GPU (issue 13, section 1).
+"""Window, softcap and sinks at the bundled models' real shapes, per backend, on a CUDA GPU.
 
 Each backend is made by its registry factory for one layer kind and driven through paged extends
 (with and without a cached prefix) and decode steps whose contexts are longer than the window:

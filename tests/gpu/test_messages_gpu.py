@@ -19,6 +19,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
 
 from pipeline.cli import main  # noqa: E402
 from pipeline.core import events as ev  # noqa: E402
+from pipeline.core import wire
 
 
 def _main(*argv: str) -> tuple[int, dict]:
@@ -39,7 +40,7 @@ def test_plan_graph_sizes_are_what_the_run_captures(tmp_path, flags):
     code, run = _main("run", "--device", "cuda", "--json", "--num-layers", "1", "--decode-steps", "1",
                       "--log-file", str(log), *common)
     assert code == 0, run["error"]
-    recs = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    recs = [wire.decode_line(x) for x in log.read_bytes().splitlines()]
     captured = sorted(r.bs for r in recs if isinstance(r, ev.CudaGraphCaptured))
     ready = next(r for r in recs if isinstance(r, ev.RunnerReady))
     assert plan["cuda_graphs"]["capture"] is True

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pipeline.setup.build import build_attention_backends  # noqa: E402
-from pipeline.cli.request import default_model_path  # noqa: E402
+from pipeline.cli.flags import default_model_path  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.core.faults import Faults, InjectedFault, points_of_run  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402

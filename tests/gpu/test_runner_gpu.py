@@ -22,13 +22,14 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from pipeline.core import events as ev  # noqa: E402
-from pipeline.cli.request import default_model_path  # noqa: E402
+from pipeline.cli.flags import default_model_path  # noqa: E402
 from pipeline.core.contracts import AttentionArgs, ForwardMode, PoolFacts, SetupRequest  # noqa: E402
 from pipeline.backends.memory import PageAllocator, make_forward_batch  # noqa: E402
 from pipeline.runtime.model import reference_forward  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
 from pipeline.runtime.reference import rel_err  # noqa: E402
-from pipeline.runtime.runner import Runner, RunnerConfig, RunnerState  # noqa: E402
+from pipeline.runtime.runner import Runner, RunnerConfig  # noqa: E402
+from pipeline.runtime.table import RunnerState  # noqa: E402
 from pipeline.runtime.model_steps import verify_model_steps  # noqa: E402
 from conftest import gpu_backends  # noqa: E402
 

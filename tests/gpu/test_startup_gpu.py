@@ -1,4 +1,4 @@
-"""startup_summary on a GPU (issue 18 §1, §3, §6): graph bytes per batch size and JIT variants accounted.
+"""startup_summary on a GPU: graph bytes per batch size and JIT variants accounted.
 
 Run on the H200: ``python3 -m pytest -q -m gpu tests/gpu/test_startup_gpu.py``. A flashinfer run with decode
 graphs at bs 1, 2, 4, 8: every captured size has a ``capture-cuda-graphs`` phase and ``graph_bytes`` > 0 for the
@@ -21,6 +21,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from pipeline.core import events as ev  # noqa: E402
+from pipeline.core import wire
 from pipeline.cli import main  # noqa: E402
 
 
@@ -33,7 +34,7 @@ def test_flashinfer_graphs_accounted(tmp_path):
         code = main(["run", "--device", "cuda", "--attention-backend", "flashinfer", "--cuda-graph-bs", "1", "2", "4", "8",
                      "--json", "--log-file", str(log), "--metrics-file", str(prom)])
     assert code == 0, out.getvalue()[-3000:]
-    recs = [ev.decode_line(x) for x in log.read_bytes().splitlines()]
+    recs = [wire.decode_line(x) for x in log.read_bytes().splitlines()]
     caps = {r.bs: r.graph_bytes for r in recs if isinstance(r, ev.CudaGraphCaptured)}
     assert sorted(caps) == [1, 2, 4, 8] and caps[8] > 0 and all(b >= 0 for b in caps.values())
     s = next(r for r in recs if isinstance(r, ev.StartupSummary))

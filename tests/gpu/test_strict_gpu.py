@@ -53,7 +53,7 @@ def test_small_flashinfer_workspace_refused_before_the_model_loads(tmp_path, cap
 
 # What still has no GPU backend on sm90: fp8 KV on MLA layers (flashinfer and triton claim MLA and fp8, not both
 # together) and a float32 model (the GPU records take bf16/fp16 q only). DeepSeek MLA and fp8 KV alone now resolve
-# flashinfer (issue 16), so they no longer exercise the fallback.
+# flashinfer, so they no longer exercise the fallback.
 @pytest.mark.parametrize("flags", [["--model", str(CONFIGS / "deepseek-v2-lite.json"), "--kv-cache-dtype", "fp8_e4m3"],
                                    ["--dtype", "float32"]], ids=["deepseek-mla-fp8", "float32"])
 def test_reference_fallback_warns_strict_refuses_and_its_remedy_runs(tmp_path, capsys, flags):

@@ -1,4 +1,4 @@
-"""The Triton backend on a CUDA GPU: the grid of issue 7 against torch_native (fp32) and the float64 reference.
+"""The Triton backend on a CUDA GPU: its grid against torch_native (fp32) and the float64 reference.
 
 Batches 1…256, ragged contexts up to 32k, pages 1/16/64, GQA 1/4/8, head dims 64/96/128/256,
 bf16/fp16, sliding window / softcap / sinks. Outputs are NaN-poisoned first; the metric is

@@ -1,4 +1,4 @@
-"""Issue 14 (second pass) on a real GPU: ``weights_exceed_memory`` before load-model allocates.
+"""Issue 14 on a real GPU: ``weights_exceed_memory`` before load-model allocates.
 
 DeepSeek-V3 with all 61 attention layers needs ~35.7 GiB of bf16 weights on the device and ~143 GiB for their
 float64 verification copy on the host: the run is refused (exit 3) before any device memory is allocated, naming

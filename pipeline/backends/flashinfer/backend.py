@@ -1,55 +1,6 @@
 """The ``flashinfer`` and ``fa3`` backends: FlashInfer wrappers over the paged KV cache.
 
-One backend instance serves every layer kind of the model (full / sliding, with or without softcap
-or sinks); each kind has its own wrappers because FlashInfer compiles window and softcap in. A call
-whose layer differs from its planned kind (window, softcap, scale, sinks, heads, dims) or whose layer
-id was not planned raises ``LayerMismatch`` on its first call
-(:class:`~pipeline.backends.base.PlannedLayers`) instead of computing with the planned values.
-
-- **extend**: :class:`flashinfer.BatchPrefillWithRaggedKVCacheWrapper` on the new K/V when no
-  request has a cached prefix, else :class:`flashinfer.BatchPrefillWithPagedKVCacheWrapper` over
-  prefix + new tokens; causal, bottom-right aligned (FlashInfer's convention).
-- **decode**: :class:`flashinfer.BatchDecodeWithPagedKVCacheWrapper`, on CUDA cores or on the
-  prefill (tensor-core) kernel per :func:`~pipeline.backends.flashinfer.rules.use_tensor_core_decode`.
-- **sinks**: :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` (the only 0.6.13 fa2/fa3
-  path that honours sinks: the plain wrappers accept ``sinks=`` but only trtllm-gen uses it).
-- **MLA** (absorbed; one latent head of ``kv_lora_rank + rope`` = 576 dims, v = the first 512):
-  :class:`flashinfer.mla.BatchMLAPagedAttentionWrapper` for decode (``causal=False``, one query per
-  request) *and* for every extend (``causal=True``, bottom-right aligned, over prefix + new tokens),
-  with ``backend="fa3"`` on sm90 and ``"fa2"`` elsewhere (:func:`~pipeline.backends.flashinfer.jit.mla_backend`).
-  An extend without a cached prefix also uses the paged MLA wrapper, not the ragged prefill path:
-  the backend receives the *absorbed* q and the latent K (sglang's contract for MLA backends), and
-  the new tokens' latents are already in the pool when the layer runs, so the paged wrapper sees
-  them; the ragged path would need the un-absorbed per-head K/V (192/128 dims), which this
-  interface never receives (sglang's flashinfer_mla backend builds those in its model code). ``c_kv``
-  and ``k_rope`` are passed as two strided slices of the one latent buffer, q as two slices of q.
-- **fp8 KV** (``float8_e4m3fn`` / ``float8_e5m2``, bf16/fp16 q, plain MHA/GQA kinds): the pool
-  stores ``fp8(x / scale)`` (:mod:`pipeline.backends.memory`); ``run()`` gets the layer's ``k_scale`` and
-  ``v_scale`` (FlashInfer multiplies the softmax scale by ``k_scale`` and the output by ``v_scale``).
-  Decode runs on CUDA cores or tensor cores per
-  :data:`~pipeline.backends.flashinfer.rules.FP8_DECODE_PATH` (measured); every extend runs the
-  paged prefill wrapper, so that new tokens are read back as stored (fp8) like the prefix, never
-  at full precision from the ragged path.
-- ``fa3``: the same, with ``backend="fa3"`` (sm90 kernels) for extend *and* decode (no MLA, no fp8).
-
-``plan()`` runs once per forward batch in :meth:`init_forward_metadata`, outside any CUDA graph: the host-side
-``kv_indptr`` [B+1] / ``kv_last_page_len`` [B] int32 (:func:`host_page_meta`) and the page ids ``kv_indices``
-gathered on the device from ``req_to_token`` by one kernel (:func:`gather_kv_indices`: sglang's
-``create_flashinfer_kv_indices_triton``, with each request's start computed on the device too, so no host-to-device
-copy of its own; torch ops where Triton cannot run); ``run()`` once per layer.
-Paged layout: the pool's ``[num_token_slots, Hkv, D]`` buffer viewed as
-``[num_pages, page_size, Hkv, D]`` is FlashInfer's ``NHD`` paged cache; the page ids of request r
-are ``req_to_token[r, ::page_size] // page_size``. Sliding window W (key j visible from query i
-iff ``0 <= i - j < W``) is FlashInfer's ``window_left = W - 1``. The float workspace is the
-pool's (``ctx.workspace``); the backend never allocates its own.
-
-CUDA graphs (:class:`GraphState`): FlashInfer's ``use_cuda_graph=True`` wrappers freeze the batch size and the
-*addresses* of their index buffers; ``plan()`` (before every replay) rewrites their contents. As in sglang, one set of
-buffers sized for ``max_bs`` requests is allocated once in ``init_cuda_graph_state`` and each captured batch size
-gets wrappers over prefix slices of them (MLA: one ``BatchMLAPagedAttentionWrapper`` per size, each with
-FlashInfer's own 8 MiB int workspace). Padded slots (``seq_len = 1`` on request row 0, whose page 0 is reserved) are
-planned like real requests. A context FlashInfer cannot serve is refused before anything is allocated
-(:func:`_check_ctx`), and a missing package is named by :func:`import_flashinfer`.
+Details: docs/internals.md, ``pipeline.backends.flashinfer.backend``.
 """
 
 from __future__ import annotations
@@ -65,6 +16,7 @@ from pipeline.backends.flashinfer import rules
 from pipeline.backends.base import AttentionBackend, AttentionLayer, ForwardBatch, PlannedLayers
 from pipeline.backends.flashinfer.jit import ensure_compiled, mla_backend, Variant, variants_for
 from pipeline.backends.memory import is_fp8, layer_kv_scales
+from pipeline.backends.packages import install_hint
 from pipeline.backends.speculative import check_draft_batch, check_verify_batch, draft_token_table, full_mask_rows
 from pipeline.core.contracts import ForwardMode, LayerKind
 from pipeline.core.errors import BackendUnavailable, CapabilityMismatch, ConfigError
@@ -316,13 +268,13 @@ def import_flashinfer(name: str = "flashinfer") -> Any:
         raise BackendUnavailable(
             f"backend {name!r} needs the {PACKAGE} package, which is not installed ({e})",
             flags=[("attention_backend", name)], allowed=["torch_native", "triton"],
-            remedy="pip install 'flashinfer-python>=0.6.13,<0.7' (attn-setup's cuda extra), or choose another backend",
+            remedy=f"{install_hint(PACKAGE)} (attn-setup's cuda extra), or choose another backend",
         ) from e
     return flashinfer
 
 
 class MLAWrappers:
-    """The MLA wrapper of one absorbed-MLA layer kind (decode and extend; see the module docstring).
+    """The MLA wrapper of one absorbed-MLA layer kind (decode and extend; see docs/internals.md, ``pipeline.backends.flashinfer.backend``).
 
     ``kind.head_dim_v`` is ``kv_lora_rank`` (``head_dim_ckv``); ``head_dim_qk - head_dim_v`` the
     rope dims (``head_dim_kpe``). ``mla_backend``: FlashInfer's MLA backend, ``fa3`` or ``fa2``.
@@ -337,9 +289,11 @@ class MLAWrappers:
         self.wrapper = backend.mla_wrapper(self.mla_backend)
         self.active: Any = self.wrapper
         self.mode = "mla"
+        self.csr = fi.mla.MLAPlanMetadata.csr
         self.plan_kw = dict(num_heads=kind.num_heads, head_dim_ckv=kind.head_dim_v,
                             head_dim_kpe=kind.head_dim_qk - kind.head_dim_v, page_size=backend.page_size,
-                            sm_scale=kind.scaling, q_data_type=backend.q_dtype, kv_data_type=backend.kv_dtype)
+                            sm_scale=kind.scaling, q_data_type=backend.q_dtype, kv_data_type=backend.kv_dtype,
+                            query_layout="split", kv_cache_layout="split")
 
     def decode_wrapper(self, batch_size: int, kv_dtype: str) -> tuple[Any, str]:
         """(wrapper, ``"mla"``): the one MLA wrapper serves decode at every batch size."""
@@ -348,9 +302,15 @@ class MLAWrappers:
     def plan(self, wrapper: Any, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
              kv_lens: torch.Tensor, causal: bool, page_size: Optional[int] = None) -> None:
         """``plan()`` an MLA wrapper: indptrs and kv lengths [B] int32 on the host, page ids on the device
-        (``page_size``: of that page table, default the pool's)."""
+        (``page_size``: of that page table, default the pool's).
+
+        FlashInfer 0.7.2's canonical form (keywords only, ``metadata=MLAPlanMetadata.csr(...)``): the flat and
+        positional forms are deprecated there. The layouts are declared ``"split"`` — ``run()`` gets q as
+        (latent, rope) views and the cache as (``c_kv``, ``k_rope``) views of the one latent buffer, the tensors
+        0.6.13's ``run(q_nope, q_pe, ckv, kpe)`` took — where the canonical form would default to ``"packed"``.
+        """
         kw = self.plan_kw if page_size is None else {**self.plan_kw, "page_size": page_size}
-        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, causal=causal, **kw)
+        wrapper.plan(metadata=self.csr(qo_indptr, kv_indptr, kv_indices, kv_lens), causal=causal, **kw)
         self.active, self.mode = wrapper, "mla"
 
 
@@ -462,7 +422,7 @@ def _host_ints(host: Any, device: torch.Tensor) -> list[int]:
 
 
 class FlashInferBackend(AttentionBackend):
-    """FlashInfer attention over the pool's paged KV cache (see the module docstring).
+    """FlashInfer attention over the pool's paged KV cache (see docs/internals.md, ``pipeline.backends.flashinfer.backend``).
 
     Parameters: ``ctx`` (:class:`~pipeline.backends.registry.BackendContext`; its workspace
     buffer must be a uint8 CUDA tensor of at least the bytes :func:`sizing.workspace_need` gives),
@@ -512,8 +472,9 @@ class FlashInferBackend(AttentionBackend):
 
         Built as :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` builds it (the prefill wrapper with the
         ``AttentionSink`` variant's ``jit_args``), but under a module name that includes the head dims and the KV
-        dtype (:func:`pipeline.backends.flashinfer.jit.sink_uri`): FlashInfer 0.6.13's own name omits them, so two sink kinds of
-        different head dims in one process or JIT cache share one kernel and all but the first compute garbage.
+        dtype (:func:`pipeline.backends.flashinfer.jit.sink_uri`): FlashInfer's own name (0.6.13, and 0.7.2) omits
+        them, so two sink kinds of different head dims in one process or JIT cache would share one kernel and all but
+        the first compute garbage.
         """
         from pipeline.backends.flashinfer.jit import Variant, sink_jit_args, torch_dtype_name
 
@@ -796,9 +757,12 @@ class FlashInferBackend(AttentionBackend):
     @staticmethod
     def _run_mla(kw: MLAWrappers, q3: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], h: int,
                  dv: int) -> torch.Tensor:
-        """One MLA layer: q [T, H, D] split into its latent (Dv) and rope parts (views) → out [T, H, Dv]."""
+        """One MLA layer: q [T, H, D] split into its latent (Dv) and rope parts (views) → out [T, H, Dv].
+
+        FlashInfer 0.7.2's structural form (``query=``/``kv_cache=`` split pairs, as planned), not the deprecated
+        separate ``q_nope, q_pe, ckv_cache, kpe_cache`` arguments."""
         out = torch.empty((q3.shape[0], h, dv), dtype=q3.dtype, device=q3.device)
-        kw.active.run(q3[..., :dv], q3[..., dv:], kv[0], kv[1], out=out)
+        kw.active.run(query=(q3[..., :dv], q3[..., dv:]), kv_cache=kv, out=out)
         return out
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):

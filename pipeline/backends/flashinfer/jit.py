@@ -1,28 +1,7 @@
 """FlashInfer's kernel variants: which would compile (its cache read without torch or flashinfer), and each
 compile-or-load made visible before a backend first touches it.
 
-FlashInfer compiles each kernel *variant* (dtypes, head dims, sliding window on/off, logit softcap on/off, prefill
-backend, GPU arch) on first use: 15–25 s for a decode module, ~110 s for an sm90 fa3 prefill module. Unannounced,
-that looks like a hang (a reported sglang complaint). :func:`ensure_compiled` logs ``jit_variant`` (``status``
-``cached`` or ``compiling``), ``jit_heartbeat`` every ``heartbeat_s`` seconds while compiling, then
-``jit_variant_ready`` with the seconds (or ``jit_variant_failed``). Events go to
-``structlog.get_logger("attn_setup")``; this module never configures logging.
-Only :func:`spec_for` / :func:`load_variant` import torch and flashinfer (lazily).
-
-Where FlashInfer 0.6.13 keeps a built module (``flashinfer/jit/env.py``, ``flashinfer/jit/core.py``):
-
-- JIT cache: ``$FLASHINFER_WORKSPACE_BASE`` (default: the home directory) ``/.cache/flashinfer/<version>/
-  <arch>/cached_ops/<module>/<module>.so``, ``<arch>`` the target arch as nvcc names it without
-  ``compute_`` (``compilation_context.py``: SM 9.x and SM ≥ 10 get an ``a`` suffix, SM 12.0 ``0f``:
-  ``90a``, ``100a``, ``120f``; below SM 9 none: ``80``, ``89``);
-- AOT modules shipped in the package: ``<flashinfer package>/data/aot/<module>/<module>.so``
-  (found with ``importlib.util.find_spec``, which locates the package without running it).
-  A ``flashinfer-jit-cache`` package's directory is not looked at (it needs the package imported).
-
-``<module>`` is the variant's URI (``flashinfer/jit/attention/modules.py``), rebuilt by :func:`module_name` for the
-:class:`Variant` fields. ``attn-setup warmup`` records each compiled variant's seconds in
-``attn-setup-warmup-times.json`` beside ``cached_ops`` (:func:`record_seconds`), which ``plan`` reads to estimate
-the compile time of what would compile.
+Details: docs/internals.md, ``pipeline.backends.flashinfer.jit``.
 """
 
 from __future__ import annotations
@@ -47,17 +26,21 @@ TIMES_FILE = "attn-setup-warmup-times.json"
 
 
 def module_name(v: Any) -> str:
-    """FlashInfer's module URI of variant ``v`` (o dtype = q dtype, int32 indices, no RoPE in the kernel)."""
+    """The JIT module name of variant ``v`` in FlashInfer 0.7.2 (o dtype = q dtype, int32 indices, no RoPE in the
+    kernel, no profiler); for a sink variant our own module name (:func:`sink_uri`)."""
     q, kv = _SHORT.get(v.q_dtype, v.q_dtype), _SHORT.get(v.kv_dtype, v.kv_dtype)
     sm90 = "_sm90" if v.backend == "fa3" else ""
-    head = f"dtype_q_{q}_dtype_kv_{kv}_dtype_o_{q}_dtype_idx_i32_head_dim_qk_{v.head_dim_qk}_head_dim_vo_{v.head_dim_vo}_"
+    dtypes = f"dtype_q_{q}_dtype_kv_{kv}_dtype_o_{q}_dtype_idx_i32_"
+    if v.kind == "mla":
+        return (f"batch_mla_attention_{dtypes}head_dim_ckv_{v.head_dim_vo}_head_dim_kpe_{v.head_dim_qk - v.head_dim_vo}"
+                f"_profiler_False_planabi2{sm90}")
+    if v.kind == "sink":
+        return sink_uri(v, q, kv)
+    head = f"{dtypes}head_dim_qk_{v.head_dim_qk}_head_dim_vo_{v.head_dim_vo}_posenc_0_use_swa_{v.sliding_window}"
     if v.kind == "decode":
-        return (f"batch_decode_with_kv_cache_{head}posenc_0_use_swa_{v.sliding_window}"
-                f"_use_logits_cap_{v.logit_softcap}")
-    if v.kind == "prefill":
-        return (f"batch_prefill_with_kv_cache_{head}posenc_0_use_swa_{v.sliding_window}"
-                f"_use_logits_cap_{v.logit_softcap}_f16qk_False{sm90}")
-    return f"batch_prefill_with_attention_sink_kv_cache_{head}use_swa_{v.sliding_window}_{sm90}"
+        return f"batch_decode_with_kv_cache_{head}_use_logits_cap_{v.logit_softcap}"
+    stride = "_kv_stride_equal" if v.backend == "fa2" else ""
+    return f"batch_prefill_with_kv_cache_{head}_use_logits_cap_{v.logit_softcap}_f16qk_False{sm90}{stride}"
 
 
 def arch_dir(arch: str) -> str:
@@ -106,12 +89,12 @@ def cached_modules(version: str, arch: str, env: Mapping[str, str] = os.environ)
 
 def _fields(name: str) -> dict[str, str]:
     """The key fields a module name spells (kind, dtypes, head dims, switches, sm90), for comparing two."""
-    kind = ("decode" if name.startswith("batch_decode") else "sink" if "attention_sink" in name else
-            "prefill" if name.startswith("batch_prefill") else name)
-    out = {"kind": kind, "backend": "fa3" if name.endswith("_sm90") else "fa2/cuda_core"}
-    for key, pat in (("q_dtype", r"dtype_q_([a-z0-9]+)"), ("kv_dtype", r"dtype_kv_([a-z0-9]+)"),
-                     ("head_dim_qk", r"head_dim_qk_(\d+)"), ("head_dim_vo", r"head_dim_vo_(\d+)"),
-                     ("sliding_window", r"use_swa_(True|False)"), ("logit_softcap", r"use_logits_cap_(True|False)")):
+    kind = ("decode" if name.startswith("batch_decode") else "mla" if name.startswith("batch_mla") else
+            "sink" if "_sink_" in name else "prefill" if name.startswith("batch_prefill") else name)
+    out = {"kind": kind, "backend": "fa3" if name.endswith(("_sm90", "_fa3")) else "fa2/cuda_core"}
+    for key, pat in (("q_dtype", r"(?:dtype_q|_q)_([a-z0-9]+)"), ("kv_dtype", r"(?:dtype_kv|_kv)_([a-z0-9]+)"),
+                     ("head_dim_qk", r"(?:head_dim_qk_|_d)(\d+)"), ("head_dim_vo", r"(?:head_dim_vo_|_d\d+x)(\d+)"),
+                     ("sliding_window", r"_swa_(True|False)"), ("logit_softcap", r"use_logits_cap_(True|False)")):
         m = re.search(pat, name)
         out[key] = m.group(1) if m else "-"
     return out
@@ -169,7 +152,6 @@ def cold_variants(variants: Iterable[Any], arch: str, version: Optional[str] = N
         out.append({"variant": v.name, "module": name, "nearest": near, "differs": differs, "estimate_s": est,
                     "flashinfer_version": version})
     return out
-
 
 
 KINDS = ("decode", "prefill", "sink", "mla")
@@ -255,12 +237,13 @@ def torch_dtype_name(dtype: Any) -> str:
 def sink_uri(v: Variant, q_name: str, kv_name: str) -> str:
     """The JIT module name of an attention-sink variant: every compile-time parameter is in it.
 
-    FlashInfer 0.6.13's :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` names its module
-    ``batch_prefill_attention_sink_{q dtype}_swa_{bool}_{backend}`` — without the head dims or the KV dtype —
-    and its JIT cache is keyed by that name, so once a head_dim-64 sink module is built (gpt-oss) a later
-    head_dim-128 sink layer loads the head_dim-64 kernel and computes garbage (max rel err 1.4-2.0 on the H200 in
-    ``benchmarks/accepted_matrix.py --profile h200``; RESULTS.md "Accepted means runs on the H200"). We build the
-    same module under this complete name instead (``pipeline.backends.flashinfer.backend`` and the warm-up both use it).
+    FlashInfer's :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` (0.6.13, and still 0.7.2:
+    ``flashinfer/attention/_core.py``) names its module ``batch_prefill_attention_sink_{q dtype}_swa_{bool}_{backend}``
+    — without the head dims or the KV dtype — and its JIT cache is keyed by that name, so once a head_dim-64 sink
+    module is built (gpt-oss) a later head_dim-128 sink layer loads the head_dim-64 kernel and computes garbage (max
+    rel err 1.4-2.0 on the H200 with 0.6.13 in ``benchmarks/accepted_matrix.py --profile h200``; RESULTS.md
+    "Accepted means runs on the H200"). We build the same module under this complete name instead
+    (``pipeline.backends.flashinfer.backend`` and the warm-up both use it).
     """
     return (f"attn_setup_prefill_sink_q_{q_name}_kv_{kv_name}_d{v.head_dim_qk}x{v.head_dim_vo}"
             f"_swa_{v.sliding_window}_{v.backend}")
@@ -278,15 +261,19 @@ def sink_decl(backend: str, fi: Any = None) -> str:
 
 def sink_jit_args(v: Variant, fi: Any = None) -> tuple[list[Any], dict[str, Any]]:
     """(jit_args, jit_kwargs) of FlashInfer's customized batch-prefill module with the attention-sink variant
-    (extra tensor ``sink`` float32 [num_qo_heads], extra scalar ``sm_scale``), as
-    :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` passes them, named by :func:`sink_uri`."""
+    (extra tensor ``sink`` float32 [num_qo_heads], extra scalar ``sm_scale``), as FlashInfer 0.7.2's
+    :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` passes them — ``paged_kv_stride_mode``
+    ``"independent"`` for fa2 (one kernel for any K/V strides) and ``"runtime"`` for fa3 (the only mode fa3
+    compiles), ``module_surface="full"`` — named by :func:`sink_uri`."""
     import torch
 
     q, kv = getattr(torch, v.q_dtype), getattr(torch, v.kv_dtype)
     uri = sink_uri(v, _SHORT.get(v.q_dtype, v.q_dtype), _SHORT.get(v.kv_dtype, v.kv_dtype))
     args = [uri, q, kv, q, torch.int32, v.head_dim_qk, v.head_dim_vo, ["sink"], ["float"],
             ["sm_scale"], ["double"], "AttentionSink", sink_decl(v.backend, fi)]
-    return args, {"use_sliding_window": v.sliding_window, "use_fp16_qk_reduction": False, "pos_encoding_mode": 0}
+    return args, {"use_sliding_window": v.sliding_window, "use_fp16_qk_reduction": False, "pos_encoding_mode": 0,
+                  "paged_kv_stride_mode": "independent" if v.backend == "fa2" else "runtime",
+                  "module_surface": "full"}
 
 
 def _module_args(v: Variant) -> tuple:
@@ -305,7 +292,14 @@ def _mla_args(v: Variant) -> tuple:
 
 
 def spec_for(v: Variant) -> Any:
-    """FlashInfer's ``JitSpec`` for ``v`` (writes generated sources, compiles nothing)."""
+    """FlashInfer's ``JitSpec`` of the module ``v``'s wrappers load (writes generated sources, compiles nothing).
+
+    For fa2 prefill that is FlashInfer 0.7.2's equal-KV-stride module (``flashinfer.prefill.get_batch_prefill_module``
+    builds ``_gen_batch_prefill_primary_module`` for fa2, URI suffix ``_kv_stride_equal``, and a second,
+    independent-stride module only when a run gets K and V caches of different strides: in our pool, a layer whose
+    head_dim_qk differs from its head_dim_v), not the public ``gen_batch_prefill_module`` (the runtime-stride
+    module fa3 uses).
+    """
     from flashinfer.jit.attention import modules as m
 
     if v.kind == "mla":
@@ -313,7 +307,8 @@ def spec_for(v: Variant) -> Any:
     if v.kind == "decode":
         return m.gen_batch_decode_module(*_module_args(v))
     if v.kind == "prefill":
-        return m.gen_batch_prefill_module(v.backend, *_module_args(v), False)
+        gen = m._gen_batch_prefill_primary_module if v.backend == "fa2" else m.gen_batch_prefill_module
+        return gen(v.backend, *_module_args(v), False)
     args, kw = sink_jit_args(v)
     return m.gen_customize_batch_prefill_module(v.backend, *args, **kw)
 
@@ -327,7 +322,7 @@ def is_cached(v: Variant) -> bool:
 def load_variant(v: Variant) -> Any:
     """Compile (if needed) and load ``v`` through FlashInfer's own cached loaders."""
     if v.kind == "mla":
-        from flashinfer.mla._core import get_batch_mla_module
+        from flashinfer.mla import get_batch_mla_module
 
         return get_batch_mla_module(*_mla_args(v))
     if v.kind == "decode":

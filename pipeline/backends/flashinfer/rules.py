@@ -1,33 +1,6 @@
 """The ``flashinfer`` and ``fa3`` backends' own rules, torch-free: what their registry entries answer.
 
-- **workspace**: ``flashinfer_workspace_size`` when set, else ``SGLANG_FLASHINFER_WORKSPACE_SIZE``,
-  else sglang's default (:func:`flashinfer_workspace_size`); logged as ``setting_resolved``.
-- **workspace need and check**: the bytes FlashInfer's scheduler can ask for at the largest planned batch
-  (:func:`workspace_need`), checked against the size a backend gets in build-mode, ``plan`` and ``run``'s preflight
-  before anything is allocated (:func:`check_backend_workspace`), with a remedy whose every alternative then
-  passes — sglang fails instead with FlashInfer's "Out of workspace memory" during graph capture.
-- **JIT variants**: the kernel modules a build compiles (:func:`pipeline.backends.flashinfer.jit.variants_for`):
-  FA2 prefill plus CUDA-core decode for ``flashinfer``, FA3 prefill for ``fa3``.
-
-FlashInfer's ``plan()`` carves its split-KV scratch (partial outputs ``tmp_v`` and partial log-sum-exps ``tmp_s``,
-both float32) out of the caller-owned *float* workspace buffer. The amount depends only on the head shape, the SM
-count and — under CUDA-graph capture — the captured batch size. The formulas mirror FlashInfer 0.6.13's scheduler
-(``include/flashinfer/attention/scheduler.cuh``):
-
-- CUDA-core decode (``DecodePlan``): KV is split only while ``batch * num_kv_heads`` is below the
-  grid the kernel fills (``blocks_per_sm * num_sms``), so at most ``grid / num_kv_heads`` split
-  rows exist; we bound ``blocks_per_sm`` by 16 (>= 128 threads per CTA, 2048 threads per SM).
-  Bytes: ``H * rows * (Dv + 1) * 4``.
-- FA2 prefill / tensor-core decode (``PrefillPlan``): eager plans split into at most
-  ``2 * num_sms // num_kv_heads`` work tiles of ``cta_tile_q`` rows; a CUDA-graph plan pads to
-  ``max(that, ceil(bs * G / cta_tile_q) + bs - 1)`` tiles. Bytes: ``H * tiles * cta_tile_q * (Dv + 1) * 4``.
-- FA3 (``PrefillSM90Plan``) keeps no float scratch.
-- MLA (``MLAPlan``, shared by the fa2 and fa3 MLA wrappers): partial outputs in the output dtype
-  (2 bytes) and float32 partial LSEs for ``2 * num_clusters * cluster_tile_q`` rows, at most ``64 * num_sms``
-  whatever the batch: ``2 * 64 * num_sms * (2 * Dv + 4)`` bytes (17.4 MB for 132 SMs and Dv 512).
-
-Every allocation is 16-byte aligned; we add 16 bytes per buffer. The records list these rules
-(:data:`pipeline.backends.records.BUILTINS`); resolve, build-mode, plan, warmup and replay ask the entries.
+Details: docs/internals.md, ``pipeline.backends.flashinfer.rules``.
 """
 
 from __future__ import annotations
@@ -61,9 +34,11 @@ MLA_OUT_BYTES = 2  # FlashInfer's MLAPlan sizes partial outputs for a 16-bit out
 TENSOR_CORE_MIN_GROUP = 4
 TENSOR_CORE_MIN_BATCH = 8
 TENSOR_CORE_ALWAYS_GROUP = 8
-# GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (``DISPATCH_GQA_GROUP_SIZE`` in
-# include/flashinfer/utils.cuh, 0.6.13: 1, 2, 3, 4, 8); any other group ("Unsupported group_size: 7" for
-# Qwen2.5-7B's 28 q / 4 kv heads) must decode on the tensor-core (prefill) kernel, which takes any group.
+# GQA group sizes we decode on FlashInfer's CUDA-core kernel. It is compiled for 1, 2, 3, 4, 8 (0.6.13) and also 6
+# and 16 (0.7.2: ``DISPATCH_GQA_GROUP_SIZE`` in include/flashinfer/utils.cuh); any other group ("Unsupported
+# group_size: 7" for Qwen2.5-7B's 28 q / 4 kv heads) must decode on the tensor-core (prefill) kernel, which takes
+# any group. 16 would take tensor cores anyway (>= TENSOR_CORE_ALWAYS_GROUP); 6 stays on tensor cores until the
+# CUDA-core kernel is measured and verified for it.
 CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 
 
@@ -153,11 +128,17 @@ def cuda_core_decode_bytes(shape: HeadShape, num_sms: int) -> int:
     return _tmp_bytes(shape.num_qo_heads, rows, shape.head_dim_vo)
 
 
+def _partial_rows(tiles: int, tile: int, group: int) -> int:
+    """Query rows of FA2's partial outputs for ``tiles`` work tiles of ``tile`` packed rows (0.7.2:
+    ``max_partial_rows = ceil(padded_batch_size * cta_tile_q / gqa_group_size)``)."""
+    return -(-tiles * tile // max(group, 1))
+
+
 def fa2_eager_bytes(shape: HeadShape, num_sms: int) -> int:
     """Upper bound of FA2 prefill / tensor-core decode scratch for an eager plan (any batch)."""
     tiles = PREFILL_CTAS_PER_SM * num_sms // shape.num_kv_heads
     tile = 128 if shape.head_dim_vo < 256 else 64
-    return _tmp_bytes(shape.num_qo_heads, tiles * tile, shape.head_dim_vo)
+    return _tmp_bytes(shape.num_qo_heads, _partial_rows(tiles, tile, shape.group), shape.head_dim_vo)
 
 
 def fa2_graph_decode_bytes(shape: HeadShape, num_sms: int, batch_size: int, qo_len: int = 1) -> int:
@@ -169,11 +150,12 @@ def fa2_graph_decode_bytes(shape: HeadShape, num_sms: int, batch_size: int, qo_l
     tile = cta_tile_q((rows - batch_size + 1) * shape.group, shape.head_dim_vo)
     split_tiles = PREFILL_CTAS_PER_SM * num_sms // shape.num_kv_heads
     q_tiles = -(-rows * shape.group // tile) + batch_size - 1
-    return _tmp_bytes(shape.num_qo_heads, max(split_tiles, q_tiles) * tile, shape.head_dim_vo)
+    return _tmp_bytes(shape.num_qo_heads, _partial_rows(max(split_tiles, q_tiles), tile, shape.group),
+                      shape.head_dim_vo)
 
 
 def mla_bytes(shape: HeadShape, num_sms: int) -> int:
-    """Float scratch of an MLA plan (fa2 or fa3 MLA wrapper, eager or graph, any batch): see the module docstring."""
+    """Float scratch of an MLA plan (fa2 or fa3 MLA wrapper, eager or graph, any batch): see docs/internals.md, ``pipeline.backends.flashinfer.rules``."""
     rows = 2 * MLA_CTA_TILE_Q * num_sms
     return rows * shape.head_dim_vo * MLA_OUT_BYTES + rows * FLOAT_BYTES + 2 * ALIGN_BYTES
 
@@ -407,9 +389,10 @@ def _variants(prefill: str) -> Any:
     return variants
 
 
-# Every FlashInfer wrapper allocates its own int workspace on the device in ``__init__`` (8 MiB:
-# ``_int_workspace_buffer`` of BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper and
-# BatchMLAPagedAttentionWrapper, FlashInfer 0.6.13); prefill-class wrappers also a ``_kv_lens_buffer`` of 32768 int32.
+# Every FlashInfer wrapper allocates its own int workspace on the device (8 MiB: ``_int_workspace_buffer`` of
+# BatchDecodeWithPagedKVCacheWrapper and BatchPrefillWithPagedKVCacheWrapper in ``__init__``; FlashInfer 0.7.2's
+# BatchMLAPagedAttentionWrapper in its fa2/fa3 backend object at the first ``plan()``, which a CUDA-graph wrapper's
+# later plans reuse — before capture either way); prefill-class wrappers also a ``_kv_lens_buffer`` of 32768 int32.
 FI_INT_WORKSPACE_BYTES = 8 * MiB
 FI_KV_LENS_BYTES = 32768 * 4
 

@@ -1,34 +1,6 @@
 """``TritonAttnBackend``: sglang's AttentionBackend over our own Triton kernels and the paged KV cache.
 
-- Decode: :func:`~pipeline.backends.triton.launch.decode_attention` (split-K flash-decoding, GQA-aware,
-  LSE merge). CUDA graphs: :meth:`init_cuda_graph_state` allocates fixed-address buffers
-  (``req_pool_indices`` [max_bs] int64, ``seq_lens`` [max_bs] int32 and the fp32 split scratch) that
-  capture points the kernels at and :meth:`init_forward_metadata_replay_cuda_graph` refreshes; the
-  launch grid depends on the batch size only, so one graph serves any new lengths.
-- Speculative (sglang's ``triton_backend.py``): target verify = the extend kernel with a tree mask
-  (:mod:`pipeline.backends.speculative`); draft decode = the decode kernels over a per-branch token table. Both are
-  captured as sglang captures them (target verify of ``num_draft_tokens`` per request, draft decode of ``topk``
-  rows per request), their graph buffers made at the first (largest) capture of the mode.
-- Extend: :func:`~pipeline.backends.triton.launch.extend_attention` (prefix through ``req_to_token``,
-  causal among the new tokens), eager only, as in sglang's decode-only graph capture.
-- Both write the new K/V into the pool first when ``save_kv_cache`` (sglang's order).
-
-Layers: bf16/fp16, head dims up to 256 (D == Dv), any GQA ratio, sliding window, chunked local
-attention (Llama-4), logit softcap, attention sinks. Output: [T, H*Dv] in q's dtype.
-
-KV cache: q's dtype, or fp8 (``float8_e4m3fn`` / ``float8_e5m2``) read as stored and upcast in the
-kernels, dequantised with the pool's per-layer ``k_scale`` / ``v_scale`` (:func:`kv_scales`; real = stored
-* scale, as the pool quantises). Extend reads the new tokens in the stored format too, so every output is
-attention over what the pool holds (the float64 reference over the dequantised stored K/V).
-
-MLA layers (``layer.is_mla``: absorbed form, one latent KV head, D = kv_lora_rank + rope, Dv =
-kv_lora_rank) go to :mod:`.launch_mla` (decode and extend over the latent rows of the K buffer; the
-pool's V copy is not read); no window, chunk, softcap or sinks there.
-
-What it serves is checked before any launch: :func:`kernel_dims` (the layer kinds the factory accepts, refused with
-``CapabilityMismatch`` naming the model's fields) and :func:`check_call` (one forward call's layer and batch against
-the kernels and the pool's buffers: ``CapabilityMismatch`` for what the kernels lack, ``BuildError``
-``forward_input_invalid`` for a layer id, KV buffer or q that does not match).
+Details: docs/internals.md, ``pipeline.backends.triton.backend``.
 """
 
 from __future__ import annotations
@@ -101,7 +73,6 @@ def kernel_dims(kinds: Sequence[LayerKind]) -> list[tuple[int, int, int, int]]:
                 allowed=["D == Dv <= 256, no MLA"], remedy="use flashinfer or torch_native for this model")
         dims.append((kind.num_heads, kind.num_kv_heads, kind.head_dim_qk, kind.head_dim_v))
     return dims
-
 
 
 @dataclass

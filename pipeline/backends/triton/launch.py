@@ -1,21 +1,6 @@
 """Launchers of the Triton kernels: validate every input, then launch (nothing allocated before).
 
-Shapes (B requests, T new tokens, H q heads, Hkv kv heads, D qk dim, Dv v dim, S slots):
-
-- ``q``: [B or T, H, D] bf16 or fp16; ``k_buffer``/``v_buffer``: [S, Hkv, D] / [S, Hkv, Dv] (one layer
-  of the pool), both in ``q``'s dtype or both fp8 (``torch.float8_e4m3fn`` / ``float8_e5m2``: the stored
-  values, real = stored * ``k_scale`` / ``v_scale``, as the KV pool quantises them);
-  ``req_to_token``: [max_reqs, max_context_len] int32; ``req_pool_indices``: [B] int32/int64;
-  ``seq_lens``: [B] int32/int64 (decode: tokens *after* this step, the new one already in the pool);
-  ``out``: [B or T, H, Dv] in q's dtype.
-- ``k_scale`` / ``v_scale``: dequantisation scales, a Python float > 0 (default 1.0) or a one-element
-  float tensor on q's device (read in-kernel: a captured CUDA graph follows a changed value). They apply
-  to any KV dtype (1.0 for a bf16/fp16 cache leaves the result bit-identical to no scale).
-- Last dims must be contiguous (stride 1); other strides are free.
-
-Errors, raised before any launch: :class:`~pipeline.core.errors.CapabilityMismatch` for a dtype or head
-dim the kernels do not serve; :class:`~pipeline.core.errors.BuildError` (``bad_tensor``) for inconsistent
-shapes, dtypes, devices or strides.
+Details: docs/internals.md, ``pipeline.backends.triton.launch``.
 """
 
 from __future__ import annotations
@@ -180,7 +165,6 @@ def check_extend(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo
     return bsz, check_scale("k_scale", k_scale, dev), check_scale("v_scale", v_scale, dev)
 
 
-
 def check_tree(tree_mask: Any, tree_indptr: Any, positions: Any, bsz: int, t: int, device: torch.device) -> bool:
     """A target-verify batch's tree inputs of :func:`extend_attention` (all three or none); returns whether given."""
     given = [x is not None for x in (tree_mask, tree_indptr, positions)]
@@ -310,10 +294,10 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ``window_left``/``logits_soft_cap``/sinks semantics. ``attention_chunk_size`` (Llama-4 chunked
     local attention): the query sees only the keys of its own chunk, ``[(L-1)//C*C, L)``.
     Only the visible keys are read: each request's split ranges start at its window / chunk start.
-    fp8 K/V (``k_scale``/``v_scale`` as in the module docstring) are read as stored (half the bytes of
+    fp8 K/V (``k_scale``/``v_scale`` as in the docs/internals.md) are read as stored (half the bytes of
     bf16) and upcast in registers; the score scale is ``sm_scale * k_scale``, the output is multiplied
     by ``v_scale`` (FlashInfer's ``run(k_scale=, v_scale=)`` semantics). Raises the errors of the
-    module docstring.
+    docs/internals.md, ``pipeline.backends.triton.launch``.
     """
     ks_ptr, vs_ptr = check_decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out,
                                   sliding_window, logit_softcap, sinks, max_splits, attention_chunk_size,

@@ -1,31 +1,6 @@
 """Launchers of the absorbed-MLA Triton kernels (:mod:`.kernels.mla`): validate every input, then launch.
 
-Shapes (B requests, T new tokens, H q heads, S cache slots; DeepSeek-V2/V3 and Kimi-K2 have
-``Dv = kv_lora_rank = 512`` latent dims and ``D = Dv + qk_rope_head_dim = 576``):
-
-- ``q``: [B or T, H, D] bf16/fp16, the absorbed query (``[q_nope @ W_UK, q_rope]``);
-- ``kv_buffer``: [S, 1, D] — one layer of the latent cache, same dtype as ``q``. Row ``slot`` is
-  ``[c_kv (Dv), k_rope (D - Dv)]``; the values are its first ``Dv`` dims, read from the same row (as
-  sglang's ``MLATokenToKVPool``, whose value buffer is a view of the first ``kv_lora_rank`` dims of the
-  one latent buffer). Our :class:`~pipeline.backends.memory.KVPool` also keeps a V copy ([S, 1, Dv]) for the
-  backends that want one; these kernels never read it;
-- ``req_to_token``: [max_reqs, max_context_len] int32; ``req_pool_indices``: [B] int32/int64;
-  ``seq_lens``: [B] int32/int64 (decode: tokens *after* this step, the new one already in the cache);
-- ``out``: [B or T, H, Dv] in q's dtype (written and returned); ``Dv`` is read from it.
-- Last dims contiguous (stride 1); other strides are free (q may be a view).
-
-Softmax scale: pass the model's (``LayerKind.scaling`` / ``ModelSpec.scaling``:
-``(qk_nope + qk_rope) ** -0.5`` times YaRN's ``mscale ** 2``, see :mod:`pipeline.core.model_spec`) — the
-absorbed dims do not change it (FlashInfer's MLA docs: "use head dimension before matrix absorption").
-
-Errors, raised before any launch: :class:`~pipeline.core.errors.CapabilityMismatch` for what the kernels do
-not serve (q dtype other than bf16/fp16, cache dtype other than q's, Dv > 512 or rope dims > 128);
-:class:`~pipeline.core.errors.BuildError` (``bad_tensor``) for inconsistent shapes, dtypes, devices, strides
-or arguments, naming the argument.
-
-Tuning: the decode and extend tile configs, the defaults per arch class and head count, and the split-K cap chosen
-against wave quantisation; ``benchmarks/mla_decode.py --sweep`` times the candidates of :data:`SWEEP_DECODE`. Tile
-choices and their measurement: ``benchmarks/NOTES.md`` (MLA section).
+Details: docs/internals.md, ``pipeline.backends.triton.launch_mla``.
 """
 
 from __future__ import annotations
@@ -207,7 +182,6 @@ def _pow2(x: int) -> int:
     return triton.next_power_of_2(max(int(x), 1))
 
 
-
 def _interpreting() -> bool:
     """True under ``TRITON_INTERPRET=1`` (the kernels then upcast dot operands: the interpreter's bf16 dot is wrong)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -279,13 +253,13 @@ def mla_decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token:
     """Absorbed-MLA paged decode: one new query per request over its cached latent rows (itself included).
 
     ``q`` [B, H, D]; ``kv_buffer`` [S, 1, D]; ``out`` [B, H, Dv] (written, returned), all as in the
-    module docstring. ``max_splits``: split cap (:func:`mla_decode_max_splits`); the stage-1 grid is
+    docs/internals.md, ``pipeline.backends.triton.launch_mla``. ``max_splits``: split cap (:func:`mla_decode_max_splits`); the stage-1 grid is
     ``(cdiv(H, block_h), max_splits, B)`` and the merge grid ``(B, cdiv(H, merge_block_h))`` (no merge
     when 1). ``scratch``: fp32 with at least :func:`mla_decode_scratch_numel` elements (allocated when
     None and needed — pass a fixed buffer for CUDA graphs). No host synchronisation: capturable in a CUDA
     graph. Mirrors sglang's two-stage Triton MLA decode (grouped heads, split-K + LSE merge) with
     tensor-core tiles over heads.
-    Raises the errors of the module docstring.
+    Raises the errors of docs/internals.md.
     """
     cfg = config or default_mla_decode_config(q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 3 else 1,
                                               q.device if isinstance(q, torch.Tensor) else None)
@@ -362,7 +336,7 @@ def mla_extend_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_buffer: torch
     largest new-token count (a host int: it sizes the grid ``(cdiv(max_extend_len * H, block_m), B)``).
     Causal mask bottom-right aligned (new token i sees prefix + new tokens 0..i), as sglang's extend and
     FlashInfer's ``causal=True``. ``out`` [T, H, Dv] is written and returned. Raises the errors of the
-    module docstring.
+    docs/internals.md, ``pipeline.backends.triton.launch_mla``.
     """
     cfg = config or default_mla_extend_config(q.device if isinstance(q, torch.Tensor) else None)
     bsz, dv, dr = check_mla_extend(q, kv_new, kv_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens,

@@ -1,8 +1,8 @@
-"""Re-creates the generated ``p2adv_*`` flag cases of cases.json (issue 14, second pass): every integer / number
+"""Re-creates the generated ``flagvalue_*`` flag cases of cases.json: every integer / number
 flag of ``plan`` and ``run`` (run's own ones; the shared ones through plan) with values argparse cannot convert,
 with a value that starts with '-' (must be attached: ``--flag=VALUE``) and with no value. Each must be exit 2
 naming the flag in the ErrorInfo's ``flags``: ``out_of_domain`` for a value the flag's domain refuses
-(:mod:`pipeline.cli.domains`), ``usage`` for a value missing or detached. Run from the repository root: ``python3
+(:mod:`pipeline.cli.flags`), ``usage`` for a value missing or detached. Run from the repository root: ``python3
 tests/data/bad_inputs/gen_flag_cases.py`` (rewrites cases.json in place, keeping every other case)."""
 
 import argparse
@@ -24,7 +24,7 @@ def generated() -> list[dict]:
             longs = [o for o in a.option_strings if o.startswith("--")]
             if not longs or a.type not in (int, float) or (cmd == "run" and longs[0] in shared):
                 continue
-            flag, stem = longs[0], f"p2adv_{cmd}_{longs[0][2:].replace('-', '_')}"
+            flag, stem = longs[0], f"flagvalue_{cmd}_{longs[0][2:].replace('-', '_')}"
             for vn, v in VALUES:
                 if a.type is float and vn in ("decimal", "exp", "nan"):  # numbers to a float flag
                     continue

@@ -1,37 +1,6 @@
 """Flash-decoding over sglang's paged KV cache, in two kernels.
 
-Stage 1 (:func:`decode_split_kernel`), grid ``(B * Hkv, max_splits)``: program ``(b * Hkv + g, s)`` takes
-request ``b``'s visible keys, splits them into ``n_splits(b)`` contiguous ranges (a whole number of
-``BLOCK_N`` tiles each) and reduces range ``s`` for all ``G = H / Hkv`` query heads of kv head ``g``
-at once, so every K/V tile is read from memory once per kv group (GQA-aware). A request's kv heads are
-adjacent programs, so the programs resident together read each key's whole ``[Hkv, D]`` row of the pool (2 KB
-at 8 x 128 bf16) at about the same time rather than one head's 256 B of it per request (H200, B=256: 0.967 ->
-0.986x FlashInfer at ctx 4096, 0.963-0.969 -> 0.980 at ctx 32768; benchmarks/NOTES.md). Keys are gathered
-through ``req_to_token`` (slot = ``req_to_token[req, pos]``), so any page size works. It writes the
-range's normalised partial output and its log2-sum-exp.
-
-Stage 2 (:func:`decode_merge_kernel`), grid ``(B, H)``: merges the partials with their LSE
-weights and the optional attention-sink term, and writes the output in the model dtype.
-
-``n_splits(b)`` is computed inside both kernels from ``seq_lens[b]`` (at most ``max_splits``,
-one range per ``SPLIT_MIN`` keys at least), so the grid depends only on the batch size: a CUDA
-graph captured at batch size B replays correctly for any new lengths.
-
-fp8 KV (``float8_e4m3fn`` / ``float8_e5m2`` buffers, q bf16/fp16): tiles are loaded as stored (one byte per
-element: half the bytes of a 16-bit cache) and upcast to q's dtype in registers (exact: both fp8 formats
-embed in bf16 and fp16), the dots accumulate in fp32, ``k_scale`` is folded into the softmax scale and
-``v_scale`` multiplies the normalised output — the scale semantics of FlashInfer's ``run(k_scale=,
-v_scale=)`` (``sm_scale *= k_scale``, ``out *= v_scale``), with real = stored * scale as the KV pool
-writes. Scales come as fp32 values or, with ``K_SCALE_PTR`` / ``V_SCALE_PTR``, as one-element device
-tensors read in-kernel (vLLM's Triton kernels load theirs the same way), so a CUDA graph follows a
-changed scale without re-capture.
-
-Scores are kept in the log2 domain (``exp2``) with ``sm_scale * log2(e)`` folded in; the logit
-softcap (``cap * tanh(s / cap)``) is applied to the natural-unit score first, as FlashInfer and
-sglang do. Sliding window: key ``j`` is visible from query position ``i`` when ``i - j < window``.
-Chunked local attention (Llama-4): the query at position ``i = seq_len - 1`` sees keys from
-``(i // chunk) * chunk`` on, so its visible range starts at the later of the window start and the
-chunk start (both kernels recompute it from ``seq_len``, keeping CUDA-graph replays exact).
+Details: docs/internals.md, ``pipeline.backends.triton.kernels.decode``.
 """
 
 import triton
@@ -95,7 +64,7 @@ def decode_split_kernel(
     K/V tiles are read in the pool's dtype (q's, or fp8) and upcast to q's dtype before the dots;
     the stored scores are scaled by ``sm_scale * k_scale`` and the partial output by ``v_scale``.
     """
-    pid = tl.program_id(0)   # b * HKV + kvh: a request's kv heads run side by side (module docstring)
+    pid = tl.program_id(0)   # b * HKV + kvh: a request's kv heads run side by side (docs/internals.md)
     b = pid // HKV
     kvh = pid % HKV
     s = tl.program_id(1)

@@ -1,29 +1,6 @@
 """Extend (prefill with a cached prefix) over sglang's paged KV cache.
 
-Grid ``(H, B, cdiv(max_extend_len, BLOCK_M))``: program ``(h, b, ·)`` owns ``BLOCK_M`` new tokens
-of request ``b`` and query head ``h``, the blocks taken last-first (the longest causal rows start first, the
-short ones fill the tail). Head index varies fastest, so the ``G`` query heads of one kv group run side by side
-and read the same K/V tiles from L2. With ``PACK_GQA`` the grid is ``(Hkv, B, cdiv(max_extend_len * G,
-BLOCK_M))`` and a program's rows are (token, head) pairs of one kv group (token-major), so a K/V tile is loaded
-into shared memory once for all ``G`` heads.
-
-Phase 1 attends to the cached prefix ``[0, prefix_len)``, gathered through ``req_to_token`` from
-the pool (any page size). Phase 2 attends to the new tokens themselves, read contiguously from the
-``k``/``v`` tensors of this step (rows ``qo_indptr[b] …``), causally: new token ``i`` sees new
-token ``j`` when ``j <= i``. Each phase is cut into tiles that need a mask (the prefix's ragged end, the
-causal diagonal, a window's edge, every tile under chunked attention) and tiles that every row of the block
-sees whole, which skip building one. With a sliding window, key position ``kp`` is
-visible from query position ``qp`` when ``qp - kp < window``; phase 1 skips tiles wholly outside the window. With
-chunked local attention (Llama-4) it is visible when ``kp // chunk == qp // chunk``; both phases
-start at the chunk of the block's first query.
-Sink logits add ``exp(sink)`` to the softmax denominator. Scores use ``exp2`` with the scale
-folded in; softcap as in :mod:`.decode`. fp8 KV as in :mod:`.decode`: the pool's K/V and this step's
-new K/V are both given in the stored format (fp8, or q's dtype), upcast to q's dtype in registers,
-``k_scale`` folded into the score scale, ``v_scale`` applied to the normalised output.
-
-The key-tile loops: as FlashAttention-2 masks only its diagonal, :func:`_phase`
-picks how the cut runs: three loops (:func:`_attend`, masked / unmasked / masked) or one loop that masks by a
-runtime branch per tile (:func:`_attend_cut`). Tiling rationale and measurements: benchmarks/NOTES.md.
+Details: docs/internals.md, ``pipeline.backends.triton.kernels.extend``.
 """
 
 from __future__ import annotations
@@ -222,7 +199,6 @@ def _phase3(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, full_l
     return _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, c, end, n_keys, pos0,
                    score_scale, softcap, window, chunk, offs_n, offs_d, offs_dv, trow, kpos, D, DV, BLOCK_D, BLOCK_DV,
                    BLOCK_N, PAGED, True, USE_WINDOW, USE_SOFTCAP, USE_CHUNK, UPCAST, TREE)
-
 
 
 @triton.jit

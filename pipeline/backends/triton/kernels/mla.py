@@ -1,39 +1,6 @@
 """Absorbed-MLA attention over the paged latent cache (DeepSeek-V2/V3, Kimi-K2), in Triton.
 
-Absorbed form: one latent KV head. Per token the cache row holds ``DL`` latent dims (``kv_lora_rank``,
-512) followed by ``DR`` rope dims (``qk_rope_head_dim``, 64); q has H heads of ``DL + DR`` dims. Scores
-use all ``DL + DR`` dims; the values are the latent part of the same row, so one row is loaded once and
-used twice (``S = q_lat @ lat^T + q_rope @ rope^T``, ``O += P @ lat``). Every q head shares the one KV
-head, so a program takes ``BLOCK_H`` heads (or, in extend, ``BLOCK_M`` packed (token, head) rows) as the
-M dimension of ``tl.dot``: each latent tile is read once per block of rows and tensor cores do the
-work (fp32 accumulation). This is the layout sglang's Triton MLA decode (grouped kernel) and
-FlashInfer's ``BatchMLAPagedAttentionWrapper`` (64 packed q rows per CTA) use.
-
-Kernels (no validation here: see ``launch_mla.py``):
-
-- :func:`mla_decode_split_kernel`, grid ``(cdiv(H, BLOCK_H), max_splits, B)``: program ``(hb, s, b)``
-  reduces key range ``s`` of request ``b`` for heads ``hb * BLOCK_H …``. The head block is the fastest
-  grid axis, so the programs that read the same latent tiles run together (the second read hits L2).
-  With ``DIRECT`` (the split cap is 1: the batch alone fills the GPU) it writes the normalised output
-  in the model dtype; otherwise the partial output (fp32, or bf16 to halve the partials' traffic) and
-  its log2-sum-exp, merged by
-- :func:`mla_decode_merge_kernel`, grid ``(B, cdiv(H, MERGE_H))``: LSE-weighted sum of the partials,
-  looping over the splits one [MERGE_H, DL] block at a time (a [splits, 512] fp32 block per head would
-  not fit in registers).
-- :func:`mla_extend_kernel` runs extend over the same tiles (:func:`_mla_tile`), below.
-
-Split bounds are computed in-kernel from ``seq_lens`` (``n_splits = min(cdiv(len, SPLIT_MIN),
-max_splits)``), so the grid depends on the batch size only and a CUDA graph captured at batch size B
-replays correctly for new lengths. Scores are kept in the log2 domain with ``sm_scale * log2(e)``
-folded in (``exp2``).
-
-:func:`mla_extend_kernel`, grid ``(cdiv(max_extend_len * H, BLOCK_M), B)``: request ``b``'s new tokens times
-heads packed token-major (row ``r`` = token ``r // H``, head ``r % H``, as FlashInfer's MLA scheduler packs
-``qo_len * num_heads``); phase 1 attends to the cached prefix gathered through ``req_to_token``, phase 2 to the
-step's new latent rows, causally (bottom-right aligned: new token ``i`` sees prefix + new tokens ``0..i``).
-
-Rows are packed into the M dimension of ``tl.dot`` as the decode kernels pack heads, and both phases go through
-:func:`_mla_tile` (one latent tile loaded once, used for scores and values).
+Details: docs/internals.md, ``pipeline.backends.triton.kernels.mla``.
 """
 
 from __future__ import annotations
@@ -253,7 +220,6 @@ def mla_decode_merge_kernel(
         acc += w[:, None] * tl.load(o_rows + s * stride_os, mask=o_mask, other=0.0).to(tl.float32)
     out = _round(acc / tl.where(h_mask, denom, 1.0)[:, None], Out.dtype.element_ty, UPCAST)
     tl.store(Out + b * stride_outb + heads[:, None] * stride_outh + offs_l[None, :], out, mask=o_mask)
-
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Wording slips a new-user trial found (item 5): only flags in inspect's "flag to change" line, the LOG argument
+"""Wording: only flags in inspect's "flag to change" line, the LOG argument
 labelled as an argument, ``--device`` shown as written, a remedy for a device type with no platform that names the
 ones there are, and ``graph --json``'s failure in the command line's words with every key README lists.
 In-process through ``pipeline.cli.main``."""
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.cli import main
-from pipeline.cli.inspect_text import explain
+from pipeline.cli.inspect import explain
 from pipeline.core.errors import ErrorInfo, Flag
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -38,7 +38,7 @@ def test_flag_to_change_lists_only_flags(names):
 
 
 def test_inspect_of_a_pool_refusal_changes_only_the_flag(tmp_path, capsys):
-    """The trial's case: ``run --mem-fraction 1.0`` refused for memory; inspect names --mem-fraction as the flag to
+    """A reported case: ``run --mem-fraction 1.0`` refused for memory; inspect names --mem-fraction as the flag to
     change and limit_bytes apart."""
     log = tmp_path / "r.jsonl"
     assert main(["run", "--device", "cpu", "--mem-fraction", "1.0", "--log-file", str(log), "--json"]) == 3
@@ -57,33 +57,6 @@ def test_a_directory_as_log_is_labelled_the_log_argument(tmp_path, capsys):
     assert re.search(r"^  arg +LOG =", err, re.M) and "env    LOG" not in err, err
 
 
-def _no_cuda() -> bool:
-    import torch
-
-    return not torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not _no_cuda(), reason="needs a machine without CUDA")
-@pytest.mark.parametrize("written", ["gpu:1", "GPU", "cuda:1", "Cuda"])
-def test_device_is_shown_as_written(written, tmp_path, capsys):
-    """``--device gpu:1`` on a CPU host: the error (printed and logged) shows ``gpu:1``, not the platform's 'cuda'."""
-    log = tmp_path / "r.jsonl"
-    assert main(["run", "--device", written, "--log-file", str(log), "--json"]) == 3
-    err = json.loads(capsys.readouterr().out)["error"]
-    assert err["code"] == "device_unavailable" and err["flags"] == [{"name": "--device", "value": written}]
-    failed = [json.loads(ln) for ln in log.read_text().splitlines() if '"run_failed"' in ln]
-    assert failed and failed[-1]["error"]["flags"][0]["value"] == written
-    assert main(["warmup", "--device", written]) == 3
-    assert re.search(rf"flag +--device = '{re.escape(written)}'", capsys.readouterr().err)
-
-
-def test_a_device_with_no_platform_names_the_supported_types(tmp_path, capsys):
-    """``--device mps``: no accelerator or plugin would help; the remedy names the device types there are."""
-    assert main(["run", "--device", "mps", "--log-file", str(tmp_path / "r.jsonl"), "--json"]) == 3
-    remedy = json.loads(capsys.readouterr().out)["error"]["remedy"]
-    assert "cpu, cuda, musa, npu, xpu" in remedy and "torch plugin" not in remedy, remedy
-
-
 def test_graph_json_words_the_failure_with_flags_and_readme_lists_its_keys(tmp_path, capsys):
     """``graph --json`` of a failed ``--attention-backend fa3`` run: the failure names the flag, and every key of
     the object is in README's list for it."""
@@ -97,3 +70,31 @@ def test_graph_json_words_the_failure_with_flags_and_readme_lists_its_keys(tmp_p
     listed = re.search(r"`--json` prints `\{(ok, machine, [^`]*)\}`", README.read_text()).group(1)
     top = re.sub(r"\[[^\]]*\]|\{[^}]*\}", "", listed)  # the top-level keys, not the nested ones
     assert set(out) == {k.split(":")[0].strip() for k in top.split(",") if k.strip()}, (sorted(out), top)
+
+
+def _lines(flags: list[tuple[str, object]], remedy: str) -> list[str]:
+    info = ErrorInfo(code="capability_mismatch", state="resolve", message="m", remedy=remedy,
+                     flags=[Flag(name=n, value=v) for n, v in flags])
+    return explain(SimpleNamespace(status="failed", failure=info, first=lambda cls: None))
+
+
+def test_only_the_flag_the_remedy_changes_is_the_flag_to_change():
+    lines = _lines([("--attention-backend", "flashinfer"), ("--device", "cpu"), ("--model", "/x/llama.json")],
+                   "set --attention-backend to one of: torch_native")
+    assert "flag to change: --attention-backend = 'flashinfer'" in lines
+    assert "flag --device = 'cpu'" in lines and "flag --model = '/x/llama.json'" in lines
+    assert sum(ln.startswith("flag to change:") for ln in lines) == 1
+
+
+def test_a_flag_named_inside_another_is_not_taken_for_it():
+    """``--cuda-graph-max-bs`` in the remedy does not make ``--cuda-graph-bs`` (a prefix of its name elsewhere) or
+    ``--max-reqs`` flags to change; a whole-word match only."""
+    lines = _lines([("--cuda-graph-bs", "1 2"), ("--max-reqs", 8), ("--cuda-graph-max-bs", 300)],
+                   "set --cuda-graph-max-bs 8")
+    assert "flag to change: --cuda-graph-max-bs = 300" in lines
+    assert "flag --cuda-graph-bs = '1 2'" in lines and "flag --max-reqs = 8" in lines
+
+
+def test_every_flag_is_to_change_when_the_remedy_names_none():
+    lines = _lines([("--rank", 0), ("--world-size", 2)], "start every rank, or raise --dist-timeout")
+    assert "flag to change: --rank = 0, --world-size = 2" in lines

@@ -1,48 +1,117 @@
-"""The event records' wire form: the tagged union of every record, one JSON line per record and back.
+"""The event records' wire form: one JSON line per record (:func:`encode`) and back (:func:`decode_line`).
 
-A non-finite float is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` and a ``float`` field
-holding one of those strings reads back as the float (:mod:`pipeline.core.event_floats` knows where the floats
-are); strings UTF-8 cannot hold are escaped, secrets redacted, and a value nested deeper than readers keep is cut.
-See :mod:`pipeline.core.events` for the whole policy; import from there.
+JSON has no NaN or infinity, and msgspec would write them as ``null`` — a value the reader then refuses for a
+``float`` field, dropping the whole record. So a non-finite float is written as the string ``"NaN"``, ``"Infinity"``
+or ``"-Infinity"`` (the spelling protobuf's JSON mapping uses) and a ``float`` field holding one of those strings
+reads back as the float (:data:`FLOAT_FIELDS` says per record type where its float fields are, nested Structs and
+containers included); ``null`` in a ``float`` field that cannot be None (what older versions wrote) reads back as
+NaN. Inside free-form fields (``Any``: a request, a config) the string stays a string. A string holding a lone
+UTF-16 surrogate (which UTF-8 cannot encode) is written with the surrogate as the text ``\\udXXX``; secrets are
+redacted (never in the envelope or a machine's own names); a free-form value nested deeper than readers keep is
+written as ``"<nested too deep>"``. Every record therefore encodes, and every record encoded reads back
+(``tests/test_event_wire.py`` checks it over every record type with hypothesis).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Optional, Union
+import threading
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import msgspec
 import msgspec.inspect as mi
 
-from pipeline.core.event_base import Event
-from pipeline.core.event_floats import (  # noqa: F401 (their home before the split)
-    NONFINITE, FloatFields, _float_spec, _float_text, _restore,
-)
-from pipeline.core.events_observe import EnvVarLookalike, Heartbeat, JitVariantLoaded, SlowPhase, StartupSummary
-from pipeline.core.events_runner import (
-    CommandFinished, CommandStarted, CudaGraphCaptured, CudaGraphMemory, DistributedInitialized, InstanceVerified,
-    MemoryPoolSized,
-    ModelLoaded, ModelStepVerified, RunnerReady, RunnerStarted, RunnerTransition,
-)
-from pipeline.core.events_setup import (
-    BackendBuilt, BackendsAnnotated, BackendsResolved, BuildPlanned, DeviceInitialized, FeatureDowngraded,
-    LazyMemInitialized, MemoryBalanced, RankStalled, ReferenceFallback, ResolutionAgreed, ResourcesReleased,
-    RunFailed, RunFinished, RunInterrupted, RunStarted, SettingResolved, StateTransition, StepSkipped,
-)
+from pipeline.core.events import EVENT_TYPES, AnyEvent, Event
 
-AnyEvent = Union[
-    RunStarted, StateTransition, DeviceInitialized, SettingResolved, BackendsResolved, ResolutionAgreed, BuildPlanned,
-    RankStalled, MemoryBalanced,
-    BackendBuilt, StepSkipped, FeatureDowngraded, ReferenceFallback, LazyMemInitialized, BackendsAnnotated,
-    InstanceVerified, ResourcesReleased,
-    Heartbeat, RunFailed, RunFinished, RunInterrupted, RunnerStarted, RunnerTransition, DistributedInitialized,
-    ModelLoaded, MemoryPoolSized, CudaGraphCaptured, CudaGraphMemory, ModelStepVerified, RunnerReady, CommandStarted,
-    CommandFinished,
-    StartupSummary, SlowPhase, EnvVarLookalike, JitVariantLoaded,
-]
-EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
+
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _float_text(x: float) -> str:
+    return "NaN" if x != x else ("Infinity" if x > 0 else "-Infinity")
+
+
+def _float_spec(t: Any, memo: dict[type, Any]) -> Any:
+    """Where a msgspec type holds floats: "f" (a float), "f?" (a float or None), a dict field → spec (a
+    Struct), ("seq", spec) / ("map", spec) for containers, or None (no float inside)."""
+    if isinstance(t, mi.FloatType):
+        return "f"
+    if isinstance(t, mi.UnionType):
+        specs = [s for s in (_float_spec(u, memo) for u in t.types) if s is not None]
+        if not specs:
+            return None
+        return "f?" if specs[0] == "f" and t.includes_none else specs[0]
+    if isinstance(t, (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)):
+        s = _float_spec(t.item_type, memo)
+        return None if s is None else ("seq", s)
+    if isinstance(t, mi.TupleType):
+        specs = [s for s in (_float_spec(u, memo) for u in t.item_types) if s is not None]
+        return ("seq", specs[0]) if specs else None
+    if isinstance(t, mi.DictType):
+        s = _float_spec(t.value_type, memo)
+        return None if s is None else ("map", s)
+    if isinstance(t, mi.StructType):
+        if t.cls in memo:
+            return memo[t.cls]
+        memo[t.cls] = None
+        fields = {f.encode_name: s for f in t.fields if (s := _float_spec(f.type, memo)) is not None}
+        memo[t.cls] = fields or None
+        return memo[t.cls]
+    return None
+
+
+def _restore(x: Any, spec: Any) -> Any:
+    if spec == "f" or spec == "f?":
+        if type(x) is str:
+            return NONFINITE.get(x, x)
+        # null in a float field that cannot be None: what msgspec wrote for NaN/inf before the text
+        # form existed (a trace from an older attn-setup) — read it as NaN rather than drop the record
+        return math.nan if x is None and spec == "f" else x
+    if isinstance(spec, dict):
+        if type(x) is not dict:
+            return x
+        return {k: (_restore(v, spec[k]) if k in spec else v) for k, v in x.items()}
+    kind, inner = spec
+    if kind == "seq" and type(x) is list:
+        return [_restore(v, inner) for v in x]
+    if kind == "map" and type(x) is dict:
+        return {k: _restore(v, inner) for k, v in x.items()}
+    return x
+
+
+class FloatFields(Mapping[str, Any]):
+    """Event tag → where its float fields are (see :func:`_float_spec`; for ``"NaN"``/``"Infinity"`` text), over
+    ``by_tag`` (tag → record type; an unknown tag is a KeyError, as for a dict).
+
+    Computed per tag on first lookup, not at import: ``msgspec.inspect.type_info`` over every record type
+    took ~70 % of this module's import time, paid by every process (``plan`` included) whether or not it
+    ever reads a record with a non-finite float.
+    """
+
+    def __init__(self, by_tag: Mapping[str, type]) -> None:
+        self._by_tag = by_tag
+        self._memo: dict[type, Any] = {}
+        self._specs: dict[str, Any] = {}
+        self._lock = threading.Lock()  # the memo holds a placeholder while a Struct is being walked
+
+    def __getitem__(self, tag: str) -> Any:
+        try:
+            return self._specs[tag]
+        except KeyError:
+            cls = self._by_tag[tag]  # KeyError for an unknown tag, as a dict
+            with self._lock:
+                if tag not in self._specs:
+                    self._specs[tag] = _float_spec(mi.type_info(cls), self._memo)
+            return self._specs[tag]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_tag)
+
+    def __len__(self) -> int:
+        return len(self._by_tag)
+
+
 _BY_TAG: dict[str, type[Event]] = {c.__struct_config__.tag: c for c in EVENT_TYPES}  # type: ignore[misc]
-
 _decoder = msgspec.json.Decoder(AnyEvent)
 _encoder = msgspec.json.Encoder()
 
@@ -50,7 +119,7 @@ _encoder = msgspec.json.Encoder()
 # name or a run id must not rewrite the record's identity).
 ENVELOPE = ("event", "schema_version", "ts_ns", "run_id", "rank", "launch_id", "state", "outcome")
 # A transition's states and trigger are names from a machine's own closed set, never user text: a secret that happens
-# to equal one ("ready") must not rewrite it (adversarial pass #5: inspect then showed a "<redacted>" state).
+# to equal one ("ready") must not rewrite it (inspect then showed a "<redacted>" state).
 MACHINE_NAMES = {"runner_transition": ("from", "to", "trigger"), "state_transition": ("from", "to", "trigger")}
 
 
@@ -253,6 +322,3 @@ def decode_line(line: bytes | str) -> Event:
             raise
         return msgspec.convert(restore_floats(obj), AnyEvent)
 
-
-def event_name(cls: type[Event]) -> str:
-    return cls.__struct_config__.tag  # type: ignore[return-value]
