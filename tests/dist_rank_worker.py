@@ -54,10 +54,17 @@ FLIPS: dict[str, tuple[dict, dict]] = {
     "args.speculative_draft_attention_backend": ({"speculative_draft_attention_backend": "torch_native"},
                                                  {"is_draft_worker": True}),  # refused on a target worker
     "args.speculative_algorithm": ({"speculative_algorithm": "EAGLE"}, {}),
-    "args.speculative_eagle_topk": ({"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 2}, {}),
+    "args.speculative_num_steps": ({"speculative_algorithm": "EAGLE", "speculative_num_steps": 2,
+                                    "speculative_eagle_topk": 1}, {}),
+    "args.speculative_eagle_topk": ({"speculative_algorithm": "EAGLE", "speculative_num_steps": 3,
+                                     "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6}, {}),
+    "args.speculative_num_draft_tokens": ({"speculative_algorithm": "EAGLE", "speculative_num_steps": 3,
+                                           "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}, {}),
     "args.enable_pdmux": ({"enable_pdmux": True}, {}),
     "args.sm_group_num": ({"sm_group_num": 4}, {}),
     "args.enable_two_batch_overlap": ({"enable_two_batch_overlap": True, "moe_a2a_backend": "deepep"}, {}),
+    "args.attn_dp_size": ({"attn_dp_size": 2}, {}),  # the scenarios run on 2 ranks: a divisor of world_size
+    "args.moe_a2a_backend": ({"moe_a2a_backend": "deepep"}, {}),
     "args.kv_cache_dtype": ({"kv_cache_dtype": "float32"}, {}),
     "args.page_size": ({"page_size": 16}, {}),
     "args.disable_cuda_graph": ({"disable_cuda_graph": True}, {}),

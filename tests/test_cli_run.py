@@ -275,13 +275,15 @@ def test_failed_run_prints_its_error_last_under_a_rule(capsys, tmp_path):
     assert lines[0].startswith("attn-setup run failed (exit 3) in state resolve: conflicting_options:")
     rule = next(i for i, x in enumerate(lines) if x.startswith("attn-setup run failed (exit 3) ─"))
     assert lines[rule + 1].startswith("error [conflicting_options] in state resolve")
-    assert lines[-1] == "  remedy: drop --enable-pdmux"
+    assert lines[-1] == "  remedy: drop --enable-pdmux and --enable-two-batch-overlap"
     assert "startup summary" in out and "run failed" not in out
     out_lines = [x.strip() for x in out.splitlines() if x.strip()]
     assert out_lines[-1] == "failed" and out_lines.count("failed") == 1   # stdout's verdict last, after the summary
     assert main([*argv, "--json"]) == 3
     out, err = capsys.readouterr()
-    assert json.loads(out)["error"]["remedy"] == "drop --enable-pdmux" and "run failed" not in out + err
+    # dropping PD-mux alone leaves TBO, which needs attention DP or an EP all-to-all (sglang's rule)
+    assert json.loads(out)["error"]["remedy"] == "drop --enable-pdmux and --enable-two-batch-overlap"
+    assert "run failed" not in out + err
 
 
 def _ns(**kw):

@@ -241,12 +241,12 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
     speculative_algorithm: speculative decoding algorithm (case-insensitive; NEXTN is EAGLE); unset = none
     speculative_num_steps: draft decode steps per round; unset = sglang's default for the target model (Llama: 5, else 3), then speculative_eagle_topk and speculative_num_draft_tokens must be unset too
     speculative_eagle_topk: EAGLE branches per draft step (> 1: a tree verified with a custom mask); needs speculative_num_steps
-    speculative_num_draft_tokens: tokens per request in a target-verify batch (the tree's nodes); unset = speculative_num_steps + 1 when speculative_eagle_topk is 1
+    speculative_num_draft_tokens: tokens per request in a target verify batch (the tree's nodes); unset = speculative_num_steps + 1 when speculative_eagle_topk is 1
     enable_pdmux: PD-mux: one prefill backend on a private workspace, sm_group_num decode backends on one shared workspace (GPU only, not with TBO)
     sm_group_num: number of PD-mux decode backends (SM groups)
     enable_two_batch_overlap: TBO: a wrapper with a primary and two children, each serving half the batch (a recorded downgrade on a draft worker); needs attn_dp_size > 1 or moe_a2a_backend, as in sglang
-    attn_dp_size: attention data-parallel groups (sglang's --attn-dp-size; a divisor of world_size); only TBO reads it here
-    moe_a2a_backend: expert-parallel all-to-all backend of the MoE layers (sglang's; none = off); only TBO reads it here
+    attn_dp_size: attention data parallel groups (sglang's attn_dp_size; a divisor of world_size); only TBO reads it here
+    moe_a2a_backend: expert parallel all to all backend of the MoE layers (sglang's; none = off); only TBO reads it here
     kv_cache_dtype: storage dtype of the KV cache; auto = the model dtype
     page_size: tokens per KV-cache page
     disable_cuda_graph: capture no decode CUDA graphs

@@ -466,5 +466,5 @@ def create(ctx: Any) -> TritonAttnBackend:
     dims = kernel_dims(ctx.layer_kinds)
     sms = getattr(ctx.device, "sm_count", 0) or 132
     return TritonAttnBackend(torch_device=ctx.torch_device, layer_dims=dims, num_sms=sms, role=ctx.role,
-                             layer_kinds=ctx.layer_kinds, req_to_token_pool=ctx.req_to_token_pool)
+                             layer_kinds=ctx.layer_kinds, req_to_token_pool=getattr(ctx, "req_to_token_pool", None))
 
