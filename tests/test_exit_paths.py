@@ -65,8 +65,8 @@ def test_failed_verification_is_a_run_failed(tmp_path, capsys, monkeypatch):
 
     real = ms.verify_model_steps
 
-    def nan_steps(runner, decode_steps=3):
-        return [*real(runner, decode_steps=decode_steps),
+    def nan_steps(runner, decode_steps=3, **kw):  # kw: the speculative shape, if any
+        return [*real(runner, decode_steps=decode_steps, **kw),
                 ms.StepCheck(step="extend", mode="extend", batch_size=4, graph=False, max_rel_err=float("nan"), tol=2e-2)]
 
     monkeypatch.setattr(ms, "verify_model_steps", nan_steps)
