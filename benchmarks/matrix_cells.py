@@ -261,7 +261,8 @@ def _run_graph(req: SetupRequest, platform: Any, decode_steps: int) -> list[Any]
         captured = runner.graphs.mode.value  # a speculative target captures target verify, not decode
         eager = [s.step for s in steps if s.mode == captured and not s.graph]
         if eager or not any(s.mode == captured for s in steps):
-            raise RuntimeError(f"{captured} steps {', '.join(eager)} ran eagerly instead of replaying the captured graph")
+            raise RuntimeError(f"{captured} steps {', '.join(eager)} ran eagerly instead of replaying the captured "
+                               "graph")
         return checks + list(steps)
 
 

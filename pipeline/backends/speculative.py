@@ -1,30 +1,7 @@
 """What a speculative-decoding batch adds to a :class:`~pipeline.backends.base.ForwardBatch`, and the masks and index
 tables every backend builds from it.
 
-**Target verify** (``ForwardMode.TARGET_VERIFY``): request ``b`` verifies a tree of ``n_b`` draft tokens given by
-``SpecInfo.parents[b]`` — ``parents[b][0] == -1`` (the root: the bonus token) and ``0 <= parents[b][i] < i`` (a
-parent precedes its children, as in sglang's ``build_tree_kernel_efficient``, whose draft tokens are the
-``organize_draft_results`` top scores sorted by candidate index, parents first). The tokens occupy ``req_to_token``
-positions ``prefix .. prefix + n_b - 1`` (``extend_prefix_lens`` / ``extend_seq_lens``, ``seq_lens = prefix + n_b``:
-this library's extend convention; sglang's verify ``seq_lens`` excludes the draft tokens). Token ``i`` sits at
-position ``prefix + depth(i)`` and attends to the whole prefix and to its ancestors and itself in the tree — the
-mask sglang builds as ``TreeMaskMode.FULL_MASK`` (rows of ``prefix + n`` bits, prefix columns set) or
-``QLEN_ONLY`` (the ``[n, n]`` tree part): :func:`tree_mask` here. A chain (every parent ``i - 1``) is the causal
-mask of an extend. ``n_b`` may differ between requests in an eager batch (a one-token tree is a decode); a
-CUDA-graph batch has ``num_draft_tokens`` per request (sglang's ``draft_token_num``).
-
-**Draft decode** (``ForwardMode.DRAFT_DECODE``): each request runs ``topk`` branches; ``SpecInfo.draft_slots``
-[B, topk, s + 1] int64 holds each branch's draft-token KV slots so far (oldest first), the last being this step's
-(``out_cache_loc`` is ``draft_slots[:, :, -1]`` flattened). Branch ``(b, k)`` — query row ``b * topk + k`` — attends
-to the request's committed prefix (``req_to_token[row, :seq_lens[b]]``) and then to its own draft tokens, at
-positions ``seq_lens[b] .. seq_lens[b] + s``. Branches may share earlier slots (EAGLE re-selects its top-k every
-step, so a branch can continue another's path). This is sglang's multi-step draft decode
-(``FlashInferMultiStepDraftBackend``: ``generate_draft_decode_kv_indices`` writes, per branch, the prefix's indices
-and then the branch's draft indices); :func:`draft_token_table` builds the same table at token granularity, so any
-``page_size`` is served without sglang's copy of the prefix's last page per branch.
-
-**Draft extend** (``ForwardMode.DRAFT_EXTEND``) is a causal extend (sglang's ``DRAFT_EXTEND_V2``); it needs no
-``SpecInfo``.
+Details: docs/internals.md, ``pipeline.backends.speculative``.
 """
 
 from __future__ import annotations
@@ -79,7 +56,7 @@ def tree_mask(parents: Sequence[int]) -> torch.Tensor:
 @dataclass
 class SpecInfo:
     """The speculative part of a batch (sglang's ``EagleVerifyInput`` / ``EagleDraftInput``, the fields attention
-    reads): see the module docstring.
+    reads): see docs/internals.md, ``pipeline.backends.speculative``.
 
     ``topk``: branches per draft step; ``num_draft_tokens``: tree size of a target-verify batch (fixed in CUDA
     graphs); ``parents``: target verify, per request; ``draft_slots``: draft decode, [B, topk, s + 1] int64 on the

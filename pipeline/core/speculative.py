@@ -1,27 +1,6 @@
 """The speculative-decoding shape of a start — steps, top-k, draft tokens — settled as sglang 0.5.23 settles it.
 
-Rules mirrored from sglang's ``arg_groups/speculative_hook.py`` (``_handle_eagle_family``, ``_handle_ngram``,
-``_auto_choose_speculative_params``) and ``speculative/eagle_utils.py`` (``organize_draft_results``):
-
-- ``NEXTN`` is an alias of ``EAGLE``; ``EAGLE``, ``EAGLE3``, ``NEXTN`` and ``STANDALONE`` form the EAGLE family.
-- EAGLE family, ``speculative_num_steps`` unset: ``speculative_eagle_topk`` and ``speculative_num_draft_tokens`` must be
-  unset too (sglang asserts it) and the three come from the *target* model's first architecture:
-  ``LlamaForCausalLM`` and Grok-1 (5, 4, 8), ``STANDALONE`` and everything else (3, 1, 4). The target's, also on a
-  draft worker: the draft model's architecture (``LlamaForCausalLMEagle3`` …) would pick other defaults than the
-  target worker, and the two must serve one shape.
-- ``speculative_eagle_topk == 1``: ``speculative_num_draft_tokens`` is ``speculative_num_steps + 1`` (a chain: the
-  bonus token and one token per step). sglang overwrites any other value with a warning; an explicit other value is
-  refused here (an explicit choice is never replaced), an unset one is derived.
-- ``speculative_eagle_topk > 1``: the verified tree has ``speculative_num_draft_tokens`` nodes, the bonus token and
-  the ``num_draft_tokens - 1`` best of ``topk + (num_steps - 1) * topk**2`` candidates (``organize_draft_results``
-  takes ``torch.topk`` over them), so at most ``1 + topk + (num_steps - 1) * topk**2``. sglang leaves an unset
-  value ``None`` and fails later; it is refused here.
-- ``NGRAM``: top-k is sglang's ``speculative_ngram_max_bfs_breadth`` default (10; sglang overwrites
-  ``speculative_eagle_topk`` with it, so a given one is refused), ``speculative_num_draft_tokens`` defaults to 12 and
-  ``speculative_num_steps`` to ``num_draft_tokens // topk``.
-
-Which backend serves the shape (tree masks, page sizes) is each backend's capability record
-(:mod:`states.capability_check`). Pure and torch-free.
+Details: docs/internals.md, ``pipeline.core.speculative``.
 """
 
 from __future__ import annotations
@@ -117,8 +96,8 @@ def decide_speculative(args: Any, target: Any) -> Optional[SpeculativeParams]:
     ``args``: :class:`~pipeline.core.contracts.AttentionArgs`; ``target``: the *target* model's
     :class:`~pipeline.core.spec.ModelSpec` (its ``architectures`` pick sglang's defaults), on a draft worker too.
     Raises :class:`~pipeline.core.errors.ConflictingOptions` (``conflicting_options``, exit 3) naming the flags for
-    the combinations sglang asserts on, silently rewrites or fails on later (module docstring), each with a remedy
-    that then resolves.
+    the combinations sglang asserts on, silently rewrites or fails on later (docs/internals.md,
+    ``pipeline.core.speculative``), each with a remedy that then resolves.
     """
     if args.speculative_algorithm is None:
         return None

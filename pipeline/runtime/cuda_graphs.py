@@ -209,7 +209,8 @@ class DecodeGraphRunner:
 
         n, info = fb.batch_size, fb.spec_info
         if self.mode is ForwardMode.TARGET_VERIFY:
-            return self._spec_info(bs, parents=list(info.parents) + [list(range(-1, self.tokens_per_req - 1))] * (bs - n))
+            chain = list(range(-1, self.tokens_per_req - 1))  # the padding requests verify a chain
+            return self._spec_info(bs, parents=list(info.parents) + [chain] * (bs - n))
         slots = info.draft_slots
         if bs > n:
             slots = torch.cat([slots, torch.zeros((bs - n, *slots.shape[1:]), dtype=slots.dtype, device=slots.device)])

@@ -114,8 +114,8 @@ def _verify_errors(fb: Any, pools: _Pools, layer: AttentionLayer, q: torch.Tenso
         for i in range(n):
             mask[i, [prefix + j for j in path_to(parents, i)]] = True
         q_pos = prefix + depth
-        ref = _ref(layer, q[start: start + n], kk, vv, q_pos, torch.cat([torch.arange(prefix, device=kk.device), q_pos]),
-                   mask)
+        k_pos = torch.cat([torch.arange(prefix, device=kk.device), q_pos])
+        ref = _ref(layer, q[start: start + n], kk, vv, q_pos, k_pos, mask)
         e = rel_err(out[start: start + n], ref)
         worst = e if not e <= worst else worst
         start += n
