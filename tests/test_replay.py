@@ -227,3 +227,32 @@ def test_a_real_divergence_before_the_cut_is_still_one(tmp_path):
     inc.write_bytes(b"\n".join(lines) + b"\n")
     proc = run_main("replay", str(inc))
     assert proc.returncode == 1 and "DIVERGED in state 'build-mode'" in " ".join(proc.stdout.split())
+
+
+@pytest.mark.parametrize("garble", [False, True], ids=["removed", "garbled"])
+@pytest.mark.parametrize("src", [GOLDEN / "ok_default.jsonl", GOLDEN / "h200_hybrid.jsonl",
+                                 GOLDEN / "failed_pdmux.jsonl"], ids=lambda p: p.stem)
+def test_a_lost_line_in_a_run_that_goes_on_is_never_same(src, garble, tmp_path):
+    """Any one line of a complete trace removed or garbled: replay still compares every other decision, and is
+    never 'same' with fewer decisions checked than the whole trace; a lost decision record is trace_unreadable
+    (exit 2) naming the state and the record (and the unreadable line)."""
+    whole = len(replay(src).runs[0].checked)
+    lines = src.read_bytes().splitlines()
+    for i in range(1, len(lines) - 1):  # the first is run_started, the last ends the run
+        kept = lines[:i] + ([b'{"event": "garbled'] if garble else []) + lines[i + 1:]
+        path = tmp_path / f"{i}.jsonl"
+        path.write_bytes(b"\n".join(kept) + b"\n")
+        try:
+            got = replay(path)
+        except UsageError as e:
+            assert e.info.code == "trace_unreadable" and e.exit_code == 2, (i, e.info.message)
+            flags = {f.name: f.value for f in e.info.flags}
+            if "state" not in flags:  # the run's own first record is the one lost
+                assert "has no run_started record" in e.info.message, (i, e.info.message)
+                continue
+            assert flags["state"] in e.info.message and flags["record"] in e.info.message
+            if garble:
+                assert f"{path}:{i + 1} (not_json)" in e.info.message
+            continue
+        if got.same:
+            assert len(got.runs[0].checked) == whole, (i, lines[i][:80], got.runs[0])

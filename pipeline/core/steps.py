@@ -16,7 +16,7 @@ from transitions import Machine, MachineError
 from pipeline.core.errors import AttnSetupError, OrderingError
 from pipeline.core.faults import check as fault_point, Faults
 
-__all__ = ['Guard', 'Step', 'StepTable', 'TableMachine', 'GuardError', 'Decided', 'Stop', 'decide', 'run', 'run_step', 'replay']
+__all__ = ['Guard', 'Step', 'StepTable', 'TableMachine', 'GuardError', 'Decided', 'Stop', 'Unrecorded', 'decide', 'run', 'run_step', 'replay']
 
 
 class Guard(NamedTuple):
@@ -286,6 +286,15 @@ class Stop(Exception):
     """Replay cannot compare further: the recorded run ended here (the message says how)."""
 
 
+class Unrecorded(Stop):
+    """A state's decision record (``event``, its wire name) is not in the trace: the run ended there, or (when
+    the run's records go on past the state) the line was lost or unreadable."""
+
+    def __init__(self, state: str, event: str) -> None:
+        super().__init__(f"the trace ends before {state} recorded its decision")
+        self.state, self.event = state, event
+
+
 def _decide(step: Step, ctx: Any, given: Optional[Decided]) -> Any:
     """The step's decision: the given one, the given refusal raised, or ``decide(ctx)``; kept on ``ctx``."""
     try:
@@ -355,19 +364,28 @@ def decide(table: StepTable, ctx: Any, *, inputs: Any = None) -> Decided:
     return out
 
 
-def replay(table: StepTable, ctx: Any, recorded: Any, error: Any, check: Callable[[str, str, Any, Any], None]) -> None:
+def replay(table: StepTable, ctx: Any, recorded: Any, error: Any, check: Callable[[str, str, Any, Any], None],
+           missing: Optional[Callable[[str, str], None]] = None) -> None:
     """Decide every step of ``table`` for ``ctx`` (built from the recorded inputs) and compare with ``recorded``.
 
     ``recorded``: the run's records (``.records``, ``.first(cls)``, ``.all(cls)``); ``error``: the ErrorInfo of
     its failure, or None. ``check(state, field, recorded, now)`` raises on a difference. A step's typed refusal
     must match the recorded failure of its state (``error.code`` and ``error.message``), and a state that
     failed as recorded before its decision was logged must refuse now. Raises :class:`Stop` where the recorded
-    run ended (a state never entered, a failure, a decision not recorded).
+    run ended (a state never entered, a failure, a decision not recorded). A state whose record is absent
+    although the run's records go on past it (a lost or unreadable line) is passed to ``missing(state, event)``
+    and the walk goes on; without ``missing`` that too stops it.
     """
+    order = table.order
+    seen = [r.state for r in recorded.records] + [r.from_state for r in recorded.all(table.event)]
+    reached = max((order.index(s) for s in seen + [getattr(error, "state", "")] if s in order), default=0)
     entered = {table.steps[0].state} | {r.to for r in recorded.records if isinstance(r, table.event)}
-    for step in table.steps:
+    for i, step in enumerate(table.steps):
+        went_on = missing is not None and reached > i
         if step.state not in entered:
-            raise Stop(f"the trace ends before {step.state}")
+            if missing is None or reached < i:
+                raise Stop(f"the trace ends before {step.state}")
+            missing(step.state, "state_transition")
         failed = error if error is not None and error.state == step.state else None
         try:
             decision = step.decide(ctx) if step.decide is not None else None
@@ -378,8 +396,13 @@ def replay(table: StepTable, ctx: Any, recorded: Any, error: Any, check: Callabl
         logged = any(r.state == step.state and isinstance(r, step.emits) for r in recorded.records)
         if failed is not None and failed.code != "interrupted" and not logged:
             check(step.state, "error.code", failed.code, None)
-        for fld, was, now in (step.compare(ctx, recorded, decision) if step.compare is not None else ()):
-            check(step.state, fld, was, now)
+        try:
+            for fld, was, now in (step.compare(ctx, recorded, decision) if step.compare is not None else ()):
+                check(step.state, fld, was, now)
+        except Unrecorded as e:
+            if not went_on:
+                raise
+            missing(e.state, e.event)
         try:
             if step.check is not None:
                 step.check(ctx, decision)

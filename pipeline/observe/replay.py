@@ -95,7 +95,8 @@ class RunReplay(msgspec.Struct, frozen=True, kw_only=True):
     """One run's replay: ``checked`` lists the fields compared (in order); ``divergence`` or None.
 
     ``stopped`` says why comparison ended before ``done`` (a recorded effect failure, an
-    incomplete trace), or is empty. ``ends_in``: for a run that never recorded its end (``inspect``'s
+    incomplete trace), or is empty. ``unrecorded``: ``state:record`` of each decision record missing from a run whose
+    records go on past that state (a lost or unreadable line; the other decisions are still compared). ``ends_in``: for a run that never recorded its end (``inspect``'s
     ``incomplete``) whose trace ends before its last decision, the state it ends in; else empty. ``redacted``: the
     checked fields whose recorded value held a secret's ``"<redacted>"`` marker, compared around it
     (:mod:`pipeline.observe.replay`).
@@ -109,6 +110,7 @@ class RunReplay(msgspec.Struct, frozen=True, kw_only=True):
     launch_id: str = ""
     ends_in: str = ""
     redacted: list[str] = []
+    unrecorded: list[str] = []
 
     @property
     def same(self) -> bool:
@@ -210,6 +212,25 @@ def _incomplete(runs: list[RunReplay], skipped: int) -> UsageError:
                              "shows where it ends), or run the start again to record a complete trace")
 
 
+def _unrecorded_error(runs: list[RunReplay], t: Trace) -> UsageError:
+    """``trace_unreadable`` (exit 2): a run's records go on past a state whose decision record is not in the
+    trace; names the run, the state, the record and the unreadable lines the trace skipped (it may be one)."""
+    r = next(r for r in runs if r.unrecorded)
+    state, event = r.unrecorded[0].split(":", 1)
+    lines = [f"{s.path}:{s.line} ({s.reason})" for s in t.skipped[:3]]
+    where = (f"; the trace has {t.skipped_lines} unreadable line(s), the record may be one of them: "
+             + ", ".join(lines) if lines else "; no line of the trace was unreadable: the line is absent")
+    more = f" (also missing: {', '.join(r.unrecorded[1:])})" if len(r.unrecorded) > 1 else ""
+    return UsageError(f"run {r.run_id} rank {r.rank}" + (f" launch {r.launch_id}" if r.launch_id else "")
+                      + f": state {state!r} has no {event} line although the run's records go on after it{where}"
+                      + f"{more}; the other {len(r.checked)} decision(s) are the same now, but replay cannot say the "
+                      "start decides the same", code="trace_unreadable",
+                      flags=[("run_id", r.run_id), ("state", state), ("record", event)]
+                      + ([("unreadable_lines", lines)] if lines else []),
+                      remedy="replay the trace as the run wrote it (not edited or cut); `attn-setup inspect LOG` "
+                             "shows what the run did")
+
+
 def _cut_before_setup(run: Run) -> bool:
     """An unfinished ``run`` (or runner) trace that ends before the setup machine wrote anything: no run_started
     was lost, it was never written."""
@@ -241,6 +262,7 @@ class _Replayer:
         self.run = run
         self.checked: list[str] = []
         self.redacted: list[str] = []
+        self.unrecorded: list[str] = []
         started = run.started
         if started is None:
             raise _no_start(run)
@@ -277,19 +299,22 @@ class _Replayer:
         run = self.run
         facts = run.first(ev.DeviceInitialized)
         stopped = "device-init recorded no device facts (the device itself failed, or the trace ends)"
+        if facts is None and any(r.state in SETUP.order[1:] for r in run.records):  # the run went on past it
+            self.unrecorded.append(f"{SETUP.order[0]}:{ev.event_name(ev.DeviceInitialized)}")
         try:
             if facts is not None:
                 ctx = SetupContext(self.req, facts=facts.facts, installed=self.installed, env=self.env)
-                steps.replay(SETUP, ctx, run, self.error, self.check)
+                steps.replay(SETUP, ctx, run, self.error, self.check,
+                             missing=lambda state, event: self.unrecorded.append(f"{state}:{event}"))
                 stopped = ""
         except _Diverged as e:
             return RunReplay(run_id=run.run_id, rank=run.rank, checked=self.checked, divergence=e.d,
-                             launch_id=run.launch_id, redacted=self.redacted)
+                             launch_id=run.launch_id, redacted=self.redacted, unrecorded=self.unrecorded)
         except steps.Stop as e:
             stopped = str(e)
         ends_in = self.last if stopped and self.incomplete else ""
         return RunReplay(run_id=run.run_id, rank=run.rank, checked=self.checked, stopped=stopped,
-                         launch_id=run.launch_id, ends_in=ends_in, redacted=self.redacted)
+                         launch_id=run.launch_id, ends_in=ends_in, redacted=self.redacted, unrecorded=self.unrecorded)
 
 
 def _replay_run(run: Run) -> RunReplay:
@@ -346,5 +371,7 @@ def replay(trace: Any) -> ReplayResult:
         raise _nothing_to_replay(t.runs)
     if any(r.ends_in for r in runs) and not any(r.divergence is not None for r in runs):
         raise _incomplete(runs, t.skipped_lines)
+    if any(r.unrecorded for r in runs) and not any(r.divergence is not None for r in runs):
+        raise _unrecorded_error(runs, t)
     return ReplayResult(runs=runs, skipped_lines=t.skipped_lines)
 

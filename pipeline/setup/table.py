@@ -20,7 +20,7 @@ from pipeline.backends.packages import installed_by_metadata
 from pipeline.core import events as ev
 from pipeline.core import settings
 from pipeline.core.contracts import Skip
-from pipeline.core.steps import Stop
+from pipeline.core.steps import Unrecorded
 from pipeline.core.errors import error_info_from
 from pipeline.core.steps import Guard, Step, StepTable
 from pipeline.platforms import parse_device
@@ -38,7 +38,7 @@ Rows = Iterable[tuple[str, Any, Any]]
 def _recorded(recorded: Any, cls: type, state: str) -> Any:
     rec = recorded.first(cls)
     if rec is None:
-        raise Stop(f"the trace ends before {state} recorded its decision")
+        raise Unrecorded(state, ev.event_name(cls))
     return rec
 
 
@@ -229,7 +229,7 @@ def compare_lazy(ctx: SetupContext, recorded: Any, d: LazyDecision) -> Rows:
     lazy = recorded.first(ev.LazyMemInitialized)
     skip = next((s for s in recorded.all(ev.StepSkipped) if s.what == "npu_lazy_mem"), None)
     if lazy is None and skip is None:
-        raise Stop("the trace ends before npu-lazy-mem recorded its decision")
+        raise Unrecorded("npu-lazy-mem", ev.event_name(ev.StepSkipped))
     yield "run", lazy is not None, d.decision.run
     yield ("bytes", lazy.bytes, d.decision.nbytes) if d.decision.run else ("reason", skip.reason, d.decision.reason)
 
