@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import msgspec
 
@@ -128,8 +128,9 @@ def help_command(command: Optional[str]) -> str:
     return f"attn-setup {command} --help" if command else "attn-setup --help"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run one subcommand; returns its exit code (README's table).
+def main(argv: Optional[Sequence[str]] = None, *, started: Optional[Callable[[], None]] = None) -> int:
+    """Run one subcommand; returns its exit code (README's table). ``started`` (the console script's
+    :func:`pipeline.launch.take_over`) is called once interrupts are caught here.
 
     Every way out is an exit code with one ErrorInfo, never a traceback: typed errors keep their
     code; SIGINT (Ctrl-C, KeyboardInterrupt) is 130 with ``interrupted``; a closed pipe on stdout, on
@@ -145,40 +146,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from pipeline.core.errors import EXIT_FAILED
 
     closed = open_std_fds() if argv is None else frozenset()  # a process's own descriptors, not an in-process call's
-    sigint = _sigint_now() if argv is not None else None  # ``run`` ignores SIGINT once it logged its exit code
+    handlers = _handlers_now() if argv is not None else None  # ``run`` ignores SIGINT/SIGTERM once it logged its exit
     real_stdout, real_stderr = sys.stdout, sys.stderr
     out = ReaderMayLeave(safe(std_stream(real_stdout, 1, closed)), "stdout")
     err = ReaderMayLeave(safe(std_stream(real_stderr, 2, closed)), "stderr")
     sys.stdout, sys.stderr = out, err  # same exit code, any reader; a lost report is a failure
     code = EXIT_FAILED
     try:
-        code = _main(argv)
+        code = _main(argv, started)
     finally:
         try:  # buffered text meets a closed pipe or a full disk here, not in the caller's (or exit's) flush
             code = report(code, out, err)
         finally:
             sys.stdout, sys.stderr = real_stdout, real_stderr
-            _restore_sigint(sigint)
+            _restore_handlers(handlers)
     return code
 
 
-def _sigint_now() -> Any:
+def _handlers_now() -> Any:
     import signal
 
-    return signal.getsignal(signal.SIGINT)
+    return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
-def _restore_sigint(handler: Any) -> None:
-    """An in-process caller's SIGINT handler back (``run``'s :func:`pipeline.cli.run.finish_log` ignores SIGINT
-    from its last record on, so that the process exits with the code it logged)."""
+def _restore_handlers(handlers: Any) -> None:
+    """An in-process caller's SIGINT and SIGTERM handlers back (``run`` raises SIGTERM as an interrupt while it
+    unwinds and ignores both from its last record on, so that the process exits with the code it logged)."""
     import signal
 
-    if handler is None or signal.getsignal(signal.SIGINT) is handler:
-        return
-    try:
-        signal.signal(signal.SIGINT, handler)
-    except (ValueError, TypeError):  # not the main thread
-        pass
+    for s, handler in (handlers or {}).items():
+        if handler is None or signal.getsignal(s) is handler:
+            continue
+        try:
+            signal.signal(s, handler)
+        except (ValueError, TypeError):  # not the main thread
+            pass
 
 
 def _flag_after(argv: Sequence[str], flag: str) -> Optional[str]:
@@ -192,13 +194,15 @@ def _flag_after(argv: Sequence[str], flag: str) -> Optional[str]:
     return value
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
-    from pipeline.core.errors import EXIT_FAILED, EXIT_INTERRUPTED, error_info_from
+def _main(argv: Optional[Sequence[str]], started: Optional[Callable[[], None]] = None) -> int:
+    from pipeline.core.errors import EXIT_FAILED, error_info_from, interrupt_signal, signal_exit_code
 
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = any(a == "--json" or a.startswith("--json=") for a in argv)  # --json=1 is refused in JSON
     command = subcommand_of(argv)
     try:
+        if started is not None:
+            started()  # an interrupt from here on is caught below (before: the console script's clean exit)
         parser = build_parser()
         parser.argv = argv  # type: ignore[attr-defined]  # for "did you mean" hints on unknown flags
         ns = parser.parse_args(argv)
@@ -219,9 +223,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         err = UsageError(f"invalid flag value: {e}", code="usage", remedy=f"see '{help_command(command)}'")
         print_error(err, as_json, command)
         return EXIT_USAGE
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt as e:  # run printed its own report; this is SIGINT (or run's SIGTERM) elsewhere
         _print_info(error_info_from(e, "args"), as_json)
-        return EXIT_INTERRUPTED
+        return signal_exit_code(interrupt_signal(e))
     except BrokenPipeError:  # a pipe other than stdout/stderr (both wrapped in main) stopped the command unfinished
         quiet()
         return EXIT_FAILED
@@ -242,7 +246,7 @@ def _print_info(info: Any, as_json: bool) -> None:
         pass
 
 
-def entry() -> None:  # pragma: no cover - ends the process
+def entry(started: Optional[Callable[[], None]] = None) -> None:  # pragma: no cover - ends the process
     """The program's entry point (``attn-setup``, ``python -m pipeline.cli``): :func:`main`, then a fast exit.
 
     After the command has written its report, its log and its metrics file, the interpreter's own
@@ -257,9 +261,10 @@ def entry() -> None:  # pragma: no cover - ends the process
     import atexit
     import signal
 
-    code = main()
+    code = main(started=started)
     try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
     except (ValueError, OSError):  # pragma: no cover - entry() runs in the main thread
         pass
     try:

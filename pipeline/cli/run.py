@@ -22,8 +22,8 @@ from pipeline.cli.output import settle
 from pipeline.cli.startup import slow_warnings
 from pipeline.core import events as ev
 from pipeline.core.contracts import ErrorInfo, ModelSpec, SetupRequest
-from pipeline.core.errors import (AttnSetupError, ConfigError, error_info_from, EXIT_FAILED, EXIT_INTERRUPTED,
-    EXIT_OK, UsageError)
+from pipeline.core.errors import (AttnSetupError, ConfigError, error_info_from, EXIT_FAILED,
+    EXIT_OK, INTERRUPTED_REMEDY, UsageError, interrupt_signal, signal_exit_code)
 from pipeline.core.numbers import ascii_float, ascii_int
 from pipeline.memory.pools import weight_bytes
 
@@ -262,13 +262,15 @@ def _close_run(ns: argparse.Namespace, log: Any, runner: Any, group: Any, progre
 
 def _wrap_up(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], error: Optional[ErrorInfo], code: int,
              t_start: Optional[int]) -> tuple[Optional[ErrorInfo], int, Any]:
-    """The startup summary and the ``--metrics-file`` written with SIGINT held (:func:`sigint_held`: a Ctrl-C there
-    is logged as ``run_interrupted`` after them, exit 130), the signal handlers restored; a run that was otherwise ok
-    ends 2 when its log stopped taking writes (``log_write_failed``, also while the summary was written) or its
-    metrics file could not be written (``output_write_failed``). Never raises."""
+    """The startup summary and the ``--metrics-file`` written with SIGINT and SIGTERM held (:func:`signals_held`: a
+    signal there is logged as ``run_interrupted`` after them, exit 130 / 143), then the log's signal handlers
+    restored and SIGTERM raised as ``KeyboardInterrupt("SIGTERM")`` until :func:`finish_log` (a SIGTERM while the
+    report is printed ends 143 in the log and in the process); a run that was otherwise ok ends 2 when its log
+    stopped taking writes (``log_write_failed``, also while the summary was written) or its metrics file could not
+    be written (``output_write_failed``). Never raises."""
     summary = None
     try:
-        with sigint_held() as got:
+        with signals_held() as got:
             error, code = _interrupted_ends(log, *_log_failed(log, error, code))
             raising, log.raise_write_errors = log.raise_write_errors, False  # the summary goes on in memory
             try:
@@ -277,9 +279,10 @@ def _wrap_up(ns: argparse.Namespace, log: Any, jit: list[dict[str, Any]], error:
                 log.raise_write_errors = raising
             error, code = _metrics_failed(lost, *_log_failed(log, error, code))
         if got:
-            error, code = _deliver_sigint(log, error, code)
+            error, code = _deliver_signal(log, got[0], error, code)
     finally:
         log.restore_signal_handlers()
+        _sigterm_as_interrupt()
     return error, code, summary
 
 
@@ -303,39 +306,65 @@ def _metrics_failed(lost: Optional[AttnSetupError], error: Optional[ErrorInfo],
     return error, code
 
 
+TERMINATING = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextmanager
-def sigint_held() -> Iterator[list[int]]:
-    """SIGINT held while the body runs: a Ctrl-C there only appends to the yielded list (the body — the last records,
-    a file written whole — is never cut), and the handler it replaced is back afterwards. Does nothing off the main
-    thread (Python only lets the main thread set handlers) or when SIGINT is ignored (it stays ignored)."""
+def signals_held(signums: Sequence[int] = TERMINATING) -> Iterator[list[int]]:
+    """``signums`` held while the body runs: a signal there only appends its number to the yielded list (the body —
+    the last records, a file written whole — is never cut), and the handlers it replaced are back afterwards. Does
+    nothing off the main thread (Python only lets the main thread set handlers); an ignored signal stays ignored."""
     got: list[int] = []
-    prev = signal.getsignal(signal.SIGINT)
-    if prev in (signal.SIG_IGN, None):  # ignored since the process started (a background job): stays ignored
-        prev = None
-    else:
-        try:
-            signal.signal(signal.SIGINT, lambda signum, _frame: got.append(signum))
-        except ValueError:  # not the main thread
-            prev = None
+    prev: dict[int, Any] = {}
+    try:
+        for s in signums:
+            if signal.getsignal(s) not in (signal.SIG_IGN, None):  # ignored since the process started: stays so
+                prev[s] = signal.signal(s, lambda signum, _frame: got.append(signum))
+    except ValueError:  # not the main thread
+        pass
     try:
         yield got
     finally:
-        if prev is not None:
-            signal.signal(signal.SIGINT, prev)
+        for s, h in prev.items():
+            signal.signal(s, h)
 
 
-def _deliver_sigint(log: Any, error: Optional[ErrorInfo], code: int) -> tuple[Optional[ErrorInfo], int]:
-    """A Ctrl-C held by :func:`sigint_held` handed to the handler it held it from (the log's: ``run_interrupted``),
-    whose KeyboardInterrupt is exit 130 here, not an exception — as a Ctrl-C anywhere else in the run."""
-    handler = signal.getsignal(signal.SIGINT)
+def _sigterm_as_interrupt() -> None:
+    """From the summary on, SIGTERM unwinds like Ctrl-C (``KeyboardInterrupt("SIGTERM")``, exit 143 logged in
+    ``command_finished``) instead of killing the process after its exit code was printed or logged as another."""
+    def on_term(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
     try:
-        if callable(handler):
-            handler(signal.SIGINT, None)
-    except KeyboardInterrupt:
+        if signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, None):
+            signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread
+        pass
+
+
+def _install_handlers(log: Any) -> None:
+    """SIGTERM unwinds like Ctrl-C (what was built released, exit 143 logged), then the log's handlers (its
+    ``run_interrupted`` record) in front of both."""
+    _sigterm_as_interrupt()
+    log.install_signal_handlers()
+
+
+def _deliver_signal(log: Any, signum: int, error: Optional[ErrorInfo], code: int) -> tuple[Optional[ErrorInfo], int]:
+    """A signal held by :func:`signals_held`, logged as ``run_interrupted`` (unless the run had ended with a terminal
+    record already) and made the run's ending: ``interrupted``, exit 128 + its number — as the same signal anywhere
+    else in the run."""
+    name = signal.Signals(signum).name
+    info = ErrorInfo(code="interrupted", state=log.current_state,
+                     message=f"received {name} in state {log.current_state}", remedy=INTERRUPTED_REMEDY)
+    try:
+        if not _ended(log):
+            log.emit(ev.RunInterrupted, state=log.current_state, outcome="failed", reason="signal", signal=name,
+                     error=info)
+    except AttnSetupError:  # the log stopped taking writes: the signal's exit stands
         pass
     error, code = _interrupted_ends(log, error, code)
-    if code != EXIT_INTERRUPTED:  # the handler logged nothing (the run had failed already): still a Ctrl-C's exit
-        error, code = error_info_from(KeyboardInterrupt("SIGINT"), log.current_state), EXIT_INTERRUPTED
+    if code != signal_exit_code(name):  # the run had ended already: still the signal's exit
+        error, code = info, signal_exit_code(name)
     return error, code
 
 
@@ -347,22 +376,23 @@ def exit_code_of(e: BaseException, log: Any) -> int:
         try:
             if not _ended(log):
                 log.emit(ev.RunInterrupted, state=log.current_state, outcome="failed", reason="signal",
-                         signal="SIGINT", error=error_info_from(e, log.current_state))
-        except AttnSetupError:  # the log stopped taking writes just now: the Ctrl-C's exit stands
+                         signal=interrupt_signal(e), error=error_info_from(e, log.current_state))
+        except AttnSetupError:  # the log stopped taking writes just now: the signal's exit stands
             pass
-        return EXIT_INTERRUPTED
+        return signal_exit_code(interrupt_signal(e))
     return getattr(e, "exit_code", EXIT_FAILED)
 
 
 def finish_log(log: Any, code: int, t0: float) -> None:
     """``command_finished`` with the exit code and ``duration_ms`` (ms since ``t0``, ``time.perf_counter()``
     seconds), then the log closed: the trace's last record, on every exit :func:`cmd` controls. From here on SIGINT
-    is ignored in the main thread (the exit code is the one logged; :func:`pipeline.cli.main` gives an in-process
-    caller its handler back)."""
+    and SIGTERM are ignored in the main thread (the exit code is the one logged; :func:`pipeline.cli.main` gives an
+    in-process caller its handlers back)."""
     import time
 
     try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for s in TERMINATING:
+            signal.signal(s, signal.SIG_IGN)
     except ValueError:  # not the main thread
         pass
     try:
@@ -383,13 +413,13 @@ def _ended_by(e: BaseException, log: Any) -> tuple[ErrorInfo, int]:
         seen = next((r for r in reversed(log.records) if isinstance(r, ev.RunInterrupted)), None)
         error = seen.error if seen is not None else error_info_from(e, next(
             (r.state for r in reversed(log.records) if r.state != "failed"), log.current_state))
-        code = EXIT_INTERRUPTED
+        code = signal_exit_code(seen.signal if seen is not None else interrupt_signal(e))
     else:
         error, code = error_info_from(e, log.current_state), EXIT_FAILED
     if not _ended(log):
         if isinstance(e, KeyboardInterrupt):
-            log.emit(ev.RunInterrupted, state=log.current_state, outcome="failed", reason="signal", signal="SIGINT",
-                     error=error)
+            log.emit(ev.RunInterrupted, state=log.current_state, outcome="failed", reason="signal",
+                     signal=interrupt_signal(e), error=error)
         else:
             log.emit(ev.RunFailed, state=error.state if isinstance(e, AttnSetupError) else log.current_state,
                      outcome="failed", error=error)
@@ -401,9 +431,9 @@ def _interrupted_ends(log: Any, error: Optional[ErrorInfo], code: int) -> tuple[
     else happened after it (a handler that returned, an exception swallowed on the way out): never a run that
     logs an interruption and then says it succeeded."""
     seen = next((r for r in log.records if isinstance(r, ev.RunInterrupted) and r.reason == "signal"), None)
-    if seen is None or code == EXIT_INTERRUPTED:
+    if seen is None or code == signal_exit_code(seen.signal):
         return error, code
-    return seen.error, EXIT_INTERRUPTED
+    return seen.error, signal_exit_code(seen.signal)
 
 
 def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request: SetupRequest,
@@ -778,8 +808,8 @@ def cmd(ns: argparse.Namespace) -> int:
     Every exit once the log is open writes a terminal record: ``run_failed`` for a refusal, a
     crash or a failed verification (``run_interrupted`` first on SIGINT/SIGTERM), and on every
     exit it controls ``command_finished`` with the exit code — ``inspect`` calls the launch ok
-    only when that says 0. SIGINT ends with exit 130 (as SIGTERM ends with its signal), after
-    the unwinding released what was built. A trace-file write that fails stops the run there: exit 2
+    only when that says 0. SIGINT ends with exit 130 and SIGTERM with 143, after the unwinding released what was
+    built, in the log and in the process alike (from ``command_finished`` on both are ignored). A trace-file write that fails stops the run there: exit 2
     naming ``--log-file`` (``log_write_failed``), what was built released. A report that cannot be written (stdout
     or stderr, other than a closed pipe) makes an ok run exit 2 (``output_write_failed``,
     :func:`pipeline.cli.output.settle`); ``command_finished`` comes after the report, with that code.
@@ -806,7 +836,7 @@ def cmd(ns: argparse.Namespace) -> int:
     code, runner, checked, progress = EXIT_OK, None, None, None
     try:
         try:
-            log.install_signal_handlers()
+            _install_handlers(log)
             log.emit(ev.CommandStarted, state="args", command="run", argv=list(getattr(ns, "_argv", [])))
             notices += warn_env_lookalikes(log)
             if joined is not None:  # the rendezvous failed before the log could exist: its failure is this run's

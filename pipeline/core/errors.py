@@ -5,7 +5,7 @@ Details: docs/internals.md, ``pipeline.core.errors``.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import msgspec
 
@@ -261,6 +261,22 @@ OUT_OF_MEMORY_REMEDY = ("the process ran out of host memory: lower the size flag
                         "if the sizes are modest, report it as a bug with the command line")
 
 
+def interrupt_signal(exc: BaseException) -> str:
+    """The signal a KeyboardInterrupt stands for: ``SIGTERM`` when raised as ``KeyboardInterrupt("SIGTERM")`` (the
+    CLI's SIGTERM handler once a run's exit code is being decided), else ``SIGINT``."""
+    return "SIGTERM" if exc.args and exc.args[0] == "SIGTERM" else "SIGINT"
+
+
+def signal_exit_code(name: Optional[str]) -> int:
+    """The shell's exit code for a process ended by signal ``name``: 128 + its number (SIGINT 130, SIGTERM 143)."""
+    import signal
+
+    try:
+        return 128 + signal.Signals[name or "SIGINT"].value
+    except KeyError:
+        return EXIT_INTERRUPTED
+
+
 def error_info_from(exc: BaseException, state: str, *, logged: bool = True) -> ErrorInfo:
     """The ErrorInfo of any exception: typed errors keep theirs, KeyboardInterrupt (SIGINT) is
     ``interrupted``, others get ``internal_error`` — whose remedy points at the log only when ``logged`` (the caller
@@ -270,8 +286,8 @@ def error_info_from(exc: BaseException, state: str, *, logged: bool = True) -> E
             exc.with_state(state)
         return exc.info
     if isinstance(exc, KeyboardInterrupt):
-        return ErrorInfo(code="interrupted", state=state, message=f"interrupted (SIGINT) in state {state}",
-                         remedy=INTERRUPTED_REMEDY)
+        return ErrorInfo(code="interrupted", state=state,
+                         message=f"interrupted ({interrupt_signal(exc)}) in state {state}", remedy=INTERRUPTED_REMEDY)
     return ErrorInfo(code="internal_error", state=state, message=printable(f"{type(exc).__name__}: {exc}"),
                      remedy=OUT_OF_MEMORY_REMEDY if isinstance(exc, MemoryError) else
                      LOGGED_REMEDY if logged else UNLOGGED_REMEDY)

@@ -1,0 +1,85 @@
+"""A terminating signal at any point of ``run`` and of the command line's start: the process's exit code is the one
+the log records (``command_finished``) and the one ``--json`` reports, and an early Ctrl-C is a clean 130. Real
+processes (the exit status is what is tested), each a one-layer CPU run of ~2 s."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import ROOT
+
+# ``run`` with one of its functions wrapped so that the process sends itself a signal at that point
+SCRIPT = """
+import os, signal, sys
+import pipeline.cli.run as r
+where, sig = sys.argv[1], getattr(signal, sys.argv[2])
+real = getattr(r, where)
+def wrapped(*a, **kw):
+    if where == "finish_log":
+        real(*a, **kw)
+        os.kill(os.getpid(), sig)
+        return None
+    os.kill(os.getpid(), sig)
+    return real(*a, **kw)
+setattr(r, where, wrapped)
+sys.argv = ["attn-setup", *sys.argv[3:]]
+from pipeline.cli import entry
+entry()
+"""
+
+
+def _run(tmp_path, where: str, sig: str) -> tuple[int, dict, list[dict]]:
+    log = tmp_path / "l.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT), where, sig, "run", "--device", "cpu",
+                        "--num-layers", "1", "--decode-steps", "1", "--json", "--log-file", str(log)],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert "Traceback" not in p.stderr, p.stderr
+    recs = [json.loads(x) for x in log.read_text().splitlines()]
+    return p.returncode, json.loads(p.stdout), recs
+
+
+@pytest.mark.parametrize("where, sig, want", [
+    ("_summary", "SIGTERM", 143),   # while the startup summary is written
+    ("_print", "SIGTERM", 143),     # while the report is printed
+    ("finish_log", "SIGTERM", 0),   # after command_finished: the logged 0 stands
+    ("_summary", "SIGINT", 130),
+])
+def test_a_signal_near_the_end_exits_as_the_log_says(tmp_path, where, sig, want):
+    code, report, recs = _run(tmp_path, where, sig)
+    last = recs[-1]
+    assert last["event"] == "command_finished" and last["exit_code"] == code == want, (code, last)
+    assert report["ok"] is (want == 0)
+    if want:
+        (stop,) = [r for r in recs if r["event"] == "run_interrupted"]
+        assert stop["signal"] == sig and report["error"]["code"] == "interrupted"
+
+
+@pytest.mark.parametrize("after_s", [0.05, 0.12, 0.25, 0.5])
+def test_sigint_while_starting_is_a_clean_130(tmp_path, after_s):
+    """Ctrl-C while the console script imports the command line (~0.2 s) or torch: exit 130 and one
+    ``interrupted`` error, never a KeyboardInterrupt traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-c", "from pipeline.launch import main; main()", "run", "--device",
+                          "cpu", "--num-layers", "1", "--log-file", str(tmp_path / "l.jsonl")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    time.sleep(after_s)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, (p.returncode, err)
+    assert "interrupted" in err
+
+
+def test_the_console_script_is_the_early_entry():
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["attn-setup"] == "pipeline.launch:main"
