@@ -55,6 +55,10 @@ def test_a_failure_before_device_init_names_the_requested_device(monkeypatch, tm
 
 @pytest.mark.parametrize("flags", [["--max-reqs", "0"], ["--mem-fraction", "nan"]])
 def test_a_value_refused_as_the_flags_are_read_is_the_first_line(monkeypatch, tmp_path, flags):
-    """An out-of-domain value is refused before the run starts: the error is the output, from its first line."""
+    """An out-of-domain value is refused before the run starts: a failed run's headline from the first line, the
+    log line saying none was written, the verdict and the error in full, as every failed run prints them."""
     code, lines = _run_one_stream(monkeypatch, tmp_path, *flags)
-    assert code == 2 and lines[0].startswith(f"error [out_of_domain] in state args: {flags[0]} ")
+    assert code == 2 and lines[0].startswith(f"attn-setup run failed (exit 2) in state args: out_of_domain: {flags[0]} ")
+    assert any(line.startswith("log: none: refused at its command line") for line in lines)
+    assert "failed" in lines and any(line.startswith(f"error [out_of_domain] in state args: {flags[0]} ")
+                                     for line in lines)

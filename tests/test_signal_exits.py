@@ -83,3 +83,30 @@ def test_the_console_script_is_the_early_entry():
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["attn-setup"] == "pipeline.launch:main"
+
+
+# -- one behaviour for every failed run; its flags and model configs refused before torch is imported ----------
+REFUSED = [(["--model", "{bad}"], 3, "model_config_malformed"), (["--page-size", "0"], 2, "out_of_domain"),
+           (["--log-file", "{dir}"], 2, "usage"), (["--nope"], 2, "usage")]
+
+
+@pytest.mark.parametrize("extra, code, err", REFUSED, ids=lambda x: x if isinstance(x, str) else None)
+def test_a_run_refused_at_its_command_line_reports_as_every_failed_run(tmp_path, extra, code, err):
+    """A broken --model, a bad flag value, a bad --log-file: the run's headline, 'log: none', the verdict, the error
+    in full (exit 2/3) — never another command's format — and torch never imported (a fresh process)."""
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"bad')
+    argv = ["run", "--device", "cpu", *[a.format(bad=bad, dir=tmp_path) for a in extra]]
+    script = ("import sys, json; from pipeline.cli import main; c = main(sys.argv[1:]); "
+              "print(json.dumps([c, 'torch' in sys.modules]))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env, timeout=60)
+    got, torch_imported = json.loads(p.stdout.splitlines()[-1])
+    assert got == code and not torch_imported, (got, p.stderr)
+    assert " ".join(p.stderr.split()).startswith(f"attn-setup run failed (exit {code}) in state args: {err}: ")
+    assert "log: none: refused at its command line" in " ".join(p.stderr.split())
+    assert p.stdout.splitlines()[0] == "failed" and f"error [{err}] in state args" in p.stderr
+    p = subprocess.run([sys.executable, "-c", script, *argv, "--json"], capture_output=True, text=True, env=env,
+                       timeout=60)
+    report = json.loads(p.stdout.splitlines()[0])
+    assert report["ok"] is False and report["error"]["code"] == err and report["log_file"] is None

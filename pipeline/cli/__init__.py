@@ -200,6 +200,7 @@ def _main(argv: Optional[Sequence[str]], started: Optional[Callable[[], None]] =
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = any(a == "--json" or a.startswith("--json=") for a in argv)  # --json=1 is refused in JSON
     command = subcommand_of(argv)
+    ns = None
     try:
         if started is not None:
             started()  # an interrupt from here on is caught below (before: the console script's clean exit)
@@ -217,7 +218,13 @@ def _main(argv: Optional[Sequence[str]], started: Optional[Callable[[], None]] =
     except AttnSetupError as e:
         from pipeline.cli.flags import device_as_written
 
-        print_error(device_as_written(e, _flag_after(argv, "--device")), as_json, command)
+        e = device_as_written(e, _flag_after(argv, "--device"))
+        if command == "run" and getattr(ns, "_log", None) is None:  # refused before its log: no run report
+            from pipeline.cli.run import print_refused
+
+            print_refused(e, as_json)
+        else:
+            print_error(e, as_json, command)
         return e.exit_code
     except msgspec.ValidationError as e:
         err = UsageError(f"invalid flag value: {e}", code="usage", remedy=f"see '{help_command(command)}'")

@@ -471,6 +471,31 @@ def _print(ns: argparse.Namespace, report: dict[str, Any], records: Any, request
         rp.render_error(cli_error(error, command_dests("run")))
 
 
+NO_LOG = ("none: refused at its command line (flags, launch variables, model configs, the log path) before the run "
+          "started; nothing was imported, allocated or written")
+
+
+def print_refused(err: AttnSetupError, as_json: bool) -> None:
+    """A ``run`` refused before its log opened, printed as every failed run is (:func:`_print`): the headline, ``log:``
+    (here :data:`NO_LOG`), the verdict ``failed`` on stdout, then the error in full under the red rule; ``--json``:
+    ``{"ok": false, "error": …, "log_file": null}``."""
+    from pipeline.cli.output import cli_error, command_dests, console, width, wrap
+
+    info, code = cli_error(err.info, command_dests("run")), err.exit_code
+    if as_json:
+        rp.emit_json({"ok": False, "error": info, "log_file": None})
+        return
+    c = console(stderr=True)
+    for line in wrap(headline(info, code), width(c)):
+        c.print(f"[bold red]{escape(line)}[/]", soft_wrap=True)
+    for line in wrap(f"log: {NO_LOG}", width(c)):
+        c.print(escape(line), soft_wrap=True)
+    rp.render_verdict({"ok": False})
+    sys.stdout.flush()
+    c.rule(f"[bold red]attn-setup run failed (exit {code})[/]", style="red", align="left")
+    rp.render_error(info)
+
+
 def headline(info: ErrorInfo, code: int) -> str:
     """A failed run's first line: ``attn-setup run failed (exit 3) in state resolve: backend_unavailable: <message>;
     remedy: <remedy>``."""
@@ -821,6 +846,8 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.runtime.runner import Runner
     from pipeline.core.eventlog import new_run_id
 
+    log_path(ns.log_file, "0", ns.rank)  # the flags and model configs refused before torch is imported
+    request_from(ns, on_gpu=is_gpu_device(ns.device))
     ns._torch_import = timed_torch_import()  # named in the startup summary and the progress line (cold start)
     group, joined = _join(ns)
     on_gpu = is_gpu_device(ns.device)
@@ -828,7 +855,7 @@ def cmd(ns: argparse.Namespace) -> int:
     notices = _notices(ns, request, group is not None) if joined is None else []
     run_id = group.run_id if group is not None else new_run_id()
     log_file = checked_log_path(ns, run_id, request.rank)  # path_conflict again, the run id known
-    log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
+    log = ns._log = open_log(log_file, ns.log_file, run_id, request.rank, tuple(request.secrets.values()))
     t0 = time.perf_counter()
     t_start = _process_start(ns)
     ns._slow_watch = _watch_slow_phases(ns, log, t_start)
