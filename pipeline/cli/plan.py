@@ -374,6 +374,9 @@ def _decide(ns: argparse.Namespace) -> tuple[dict[str, Any], DeviceFacts, dict[s
     from pipeline.cli.run import check_plan_minimums
     from pipeline.platforms.profiles import get
 
+    from pipeline.setup.distributed import check_launch_env
+
+    check_launch_env()  # torchrun's variables refused as run refuses them (RANK outside WORLD_SIZE, no MASTER_ADDR)
     device = get(ns.device_profile)
     installed = installed_from(ns.installed)
     ns.device = device.device_str
