@@ -74,10 +74,23 @@ def _check_scales(name: str, scales: Optional[Sequence[float]], num_layers: int,
     return [float(s) for s in vals]
 
 
+def check_count(name: str, value: Any, lo: int = 1) -> int:
+    """``value`` as a size: an int (not a bool) >= ``lo``; else ConfigError ``invalid_value`` naming ``name`` (before
+    anything is allocated, never torch's raw error)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(f"{name}={value!r} is not an integer >= {lo}", code="invalid_value",
+                          flags=[(name, value if isinstance(value, (int, float, str)) else repr(value))],
+                          allowed=[f"an integer >= {lo}"], remedy=f"pass {name} as an integer >= {lo}")
+    return value
+
+
 class ReqToTokenPool:
-    """``req_to_token`` [max_reqs, max_context_len] int32 on ``device``."""
+    """``req_to_token`` [max_reqs, max_context_len] int32 on ``device``; both sizes integers >= 1 (ConfigError
+    ``invalid_value`` otherwise, before allocating)."""
 
     def __init__(self, max_reqs: int, max_context_len: int, device: str | torch.device) -> None:
+        check_count("max_reqs", max_reqs)
+        check_count("max_context_len", max_context_len)
         self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int32, device=device)
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
@@ -104,7 +117,8 @@ class KVPool:
     ``k_scales`` / ``v_scales`` (lists of floats), ``size``, ``page_size``, ``dtype``, ``device``,
     ``mla_layers`` (frozenset of layer ids).
 
-    Raises :class:`~pipeline.core.errors.ConfigError` (``invalid_value``) for a scale list of the wrong
+    Raises :class:`~pipeline.core.errors.ConfigError` (``invalid_value``) for a size that is not an integer >= 1 (a
+    layer dim: >= 0), a scale list of the wrong
     length, a scale that is not finite and positive, a non-unit scale on a non-fp8 pool, or an MLA
     layer whose dims are not one latent head with ``Dv < D`` — before allocating.
     """
@@ -112,6 +126,11 @@ class KVPool:
     def __init__(self, num_token_slots: int, page_size: int, layer_dims: Sequence[tuple[int, int, int]],
                  dtype: torch.dtype, device: str | torch.device, *, mla_layers: Collection[int] = (),
                  k_scales: Optional[Sequence[float]] = None, v_scales: Optional[Sequence[float]] = None) -> None:
+        check_count("num_token_slots", num_token_slots)
+        check_count("page_size", page_size)
+        for lid, dims in enumerate(layer_dims):
+            for what, x in zip(("Hkv", "D", "Dv"), dims):
+                check_count(f"layer_dims[{lid}].{what}", x, lo=0)
         n = len(layer_dims)
         self.k_scales = _check_scales("k_scales", k_scales, n, dtype)
         self.v_scales = _check_scales("v_scales", v_scales, n, dtype)

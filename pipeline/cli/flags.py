@@ -323,8 +323,14 @@ _PATH_FLAGS: dict[str, tuple[tuple[str, str, bool], ...]] = {
 
 
 def shown_path(path: str) -> str:
-    """``path`` as an ErrorInfo can carry it: undecodable bytes (lone surrogates) written as ``\\xNN``."""
-    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    """``path`` as an ErrorInfo can carry it: undecodable bytes (``surrogateescape``'s lone surrogates) written as
+    ``\\xNN``, any other lone surrogate as ``\\udNNN`` and a NUL as ``\\x00``."""
+    out = []
+    for ch in path:
+        o = ord(ch)
+        out.append(f"\\x{o - 0xDC00:02x}" if 0xDC80 <= o <= 0xDCFF else f"\\u{o:04x}" if 0xD800 <= o <= 0xDFFF
+                   else "\\x00" if o == 0 else ch)
+    return "".join(out)
 
 
 def named_paths(ns: argparse.Namespace) -> Iterator[tuple[str, str, bool]]:
@@ -337,6 +343,12 @@ def named_paths(ns: argparse.Namespace) -> Iterator[tuple[str, str, bool]]:
 
 
 def _check_utf8(flag: str, path: str) -> None:
+    """A path the OS can take: valid UTF-8 (``path_not_utf8``) and no NUL (``path_has_nul``; only an in-process
+    ``main(argv)`` can pass one), each a UsageError naming the flag."""
+    if "\x00" in path:
+        raise UsageError(f"{flag} '{shown_path(path)}' holds a NUL character, which no file name can",
+                         code="path_has_nul", flags=[(flag, shown_path(path))], allowed=["a path without NUL"],
+                         remedy=f"pass {flag} a path without the NUL (\\x00) character")
     try:
         path.encode("utf-8")
     except UnicodeEncodeError:
