@@ -45,3 +45,30 @@ def test_a_pool_size_that_is_no_size_is_refused_typed(make):
     with pytest.raises(ConfigError) as e:
         make()
     assert e.value.info.code == "invalid_value" and e.value.info.flags
+
+
+# -- an output written by name is whole or absent: a full disk (here: a file-size limit) leaves nothing behind ---
+FULL_DISK = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as ENOSPC on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))
+from pipeline.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [["graph", "-o", "{out}.dot"], ["graph", "-o", "{out}.mmd"],
+                                  ["graph", "{log}", "-o", "{out}.dot"], ["inspect", "{log}", "--perfetto", "{out}.json"]])
+def test_an_output_that_cannot_be_written_leaves_no_file(tmp_path, argv):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    log = ROOT / "tests" / "data" / "bad_inputs" / "traces" / "cli_run_ok.jsonl"
+    args = [a.format(out=tmp_path / "out", log=log) for a in argv]
+    p = subprocess.run([sys.executable, "-c", FULL_DISK, *args, "--json"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 2 and json.loads(p.stdout)["ok"] is False, (p.returncode, p.stdout, p.stderr)
+    assert os.listdir(tmp_path) == []

@@ -200,17 +200,17 @@ def cmd(ns: argparse.Namespace) -> int:
               f"{failed.value} ({info.code if info else 'failed'}): {failed.value} is marked failed; the machine "
               f"itself never moved to {fail_state}", file=sys.stderr)
     if out is not None:
-        from pipeline.core.files import check_output
+        from pipeline.core.files import check_output, replace_atomically
 
         check_output(out, flag="-o", what="the diagram file")  # a regular file; missing folders are created
-        try:
+        try:  # written whole or not at all: a full disk leaves no empty or cut file behind
             if ext == ".mmd":
-                out.write_text(mermaid(taken, failed, ns.machine))
+                replace_atomically(out, mermaid(taken, failed, ns.machine).encode())
             elif ext == ".dot":
-                out.write_text(dot(taken, failed, ns.machine))
+                replace_atomically(out, dot(taken, failed, ns.machine).encode())
             else:
-                subprocess.run(["dot", f"-T{ext[1:]}", "-o", str(out)],
-                               input=dot(taken, failed, ns.machine).encode(), check=True)
+                replace_atomically(out, subprocess.run(["dot", f"-T{ext[1:]}"], capture_output=True, check=True,
+                                                       input=dot(taken, failed, ns.machine).encode()).stdout)
         except (OSError, subprocess.CalledProcessError) as e:
             raise UsageError(f"cannot write {str(out)!r}: {getattr(e, 'strerror', None) or e}", code="usage",
                              flags=[("-o", ns.output)], remedy="pick a writable output path") from None
