@@ -177,3 +177,30 @@ def test_unbound_reference_computes_with_the_call():
     be = TorchNativeBackend()
     assert be.planned is None
     call(sc, be, dataclasses.replace(layer_of(KINDS[1], 1), sliding_window=2))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+def test_q_in_another_dtype_is_refused_before_any_write(name, mode, request):
+    """q in a dtype other than the one the backend was built for (the model's) is a LayerMismatch naming the layer,
+    q's dtype and the built one, before any K/V is written — never a result silently computed in q's dtype; a later
+    call in the built dtype goes through."""
+    sc, be = build(name, request)
+    layer = layer_of(KINDS[0], 0)
+    if mode is ForwardMode.DECODE:
+        call(sc, be, layer, ForwardMode.EXTEND, (0, 1), (3, 2))
+    built = str(sc.ctx.dtype)
+    other = torch.float16
+    new = (1, 1) if mode is ForwardMode.DECODE else (3, 2)
+    fb = sc.batch(mode, [0, 1], list(new))
+    be.init_forward_metadata(fb)
+    t = sum(new)
+    before = [x.clone() for x in sc.kv.k_buffer + sc.kv.v_buffer]
+    q, k, v = sc.randn(t, 8, 16), sc.randn(t, 2, 16), sc.randn(t, 2, 16)
+    with pytest.raises(LayerMismatch) as ei:
+        be.forward(q.to(other), k, v, layer, fb)
+    info = ei.value.info
+    assert [(f.name, f.value) for f in info.flags] == [("layer_id", 0), ("q.dtype", "float16")]
+    assert info.allowed == [built] and f"q is float16 in the call" in info.message and built in info.remedy
+    assert all(torch.equal(a, b) for a, b in zip(before, sc.kv.k_buffer + sc.kv.v_buffer))
+    assert be.forward(q, k, v, layer, fb).dtype == q.dtype

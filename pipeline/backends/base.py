@@ -176,19 +176,32 @@ class PlannedLayers:
     (one entry per layer id). :class:`AttentionLayer` is frozen, so a remembered object cannot change.
     """
 
-    __slots__ = ("kinds", "by_id", "backend", "role", "_seen")
+    __slots__ = ("kinds", "by_id", "backend", "role", "dtype", "_seen")
 
-    def __init__(self, kinds: Sequence[LayerKind], *, backend: str, role: str) -> None:
+    def __init__(self, kinds: Sequence[LayerKind], *, backend: str, role: str, dtype: Optional[str] = None) -> None:
         self.kinds = list(kinds)
         self.by_id = {lid: k for k in self.kinds for lid in k.layer_ids}
-        self.backend, self.role = backend, role
+        self.backend, self.role, self.dtype = backend, role, dtype
         self._seen: dict[int, Any] = {}
 
-    def check(self, layer: Any) -> None:
-        """Raise :class:`~pipeline.core.errors.LayerMismatch` unless ``layer`` matches what was built for its id."""
-        if self._seen.get(layer.layer_id) is not layer:
+    def check(self, layer: Any, q: Any = None) -> None:
+        """Raise :class:`~pipeline.core.errors.LayerMismatch` unless ``layer`` matches what was built for its id and
+        ``q`` (when given) is in the dtype the backend was built for (``dtype``, the model's: sglang's backends take
+        q in the model dtype and return it; another dtype would be computed and returned silently). Checked when a
+        layer object or q's dtype is new for its id."""
+        seen = self._seen.get(layer.layer_id)
+        qd = None if q is None else q.dtype
+        if seen is None or seen[0] is not layer or seen[1] is not qd:
             check_layer(self, layer)
-            self._seen[layer.layer_id] = layer
+            if qd is not None and self.dtype is not None and str(qd) != f"torch.{self.dtype}":
+                got = str(qd).replace("torch.", "")
+                raise LayerMismatch(
+                    f"layer {layer.layer_id}: q is {got} in the call, but the {self.backend} backend ({self.role}) "
+                    f"was built for {self.dtype} activations", state="forward",
+                    flags=[("layer_id", layer.layer_id), ("q.dtype", got)], allowed=[self.dtype],
+                    remedy=f"pass q (and k, v) as {self.dtype}, the model dtype the backend was built for "
+                           f"(q.to(torch.{self.dtype})), or build it for {got}")
+            self._seen[layer.layer_id] = (layer, qd)
 
 
 @dataclass

@@ -206,10 +206,11 @@ class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
 
     def __init__(self, *, torch_device: str | torch.device = "cpu", role: str = "primary",
-                 layer_kinds: Optional[Sequence[LayerKind]] = None) -> None:
+                 layer_kinds: Optional[Sequence[LayerKind]] = None, dtype: Optional[str] = None) -> None:
         self.torch_device = torch.device(torch_device)
         self.role = role
-        self.planned = None if layer_kinds is None else PlannedLayers(layer_kinds, backend=self.name, role=role)
+        self.planned = (None if layer_kinds is None else
+                        PlannedLayers(layer_kinds, backend=self.name, role=role, dtype=dtype))
         self._layout: Optional[tuple[ForwardBatch, list[tuple[int, int, int]], list[Unit]]] = None
         self.closed = False
 
@@ -225,7 +226,7 @@ class TorchNativeBackend(AttentionBackend):
 
     def _run(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         if self.planned is not None:
-            self.planned.check(layer)
+            self.planned.check(layer, q)
         layout, units = self._layout_for(fb)
         q3 = check_forward_inputs(q, k, v, layer, fb, save_kv_cache, layout)
         pool = fb.token_to_kv_pool
@@ -260,4 +261,5 @@ class TorchNativeBackend(AttentionBackend):
 
 def create(ctx: Any) -> TorchNativeBackend:
     """Registry factory: ``create(ctx: BackendContext) -> TorchNativeBackend`` (needs no workspace)."""
-    return TorchNativeBackend(torch_device=ctx.torch_device, role=ctx.role, layer_kinds=ctx.layer_kinds)
+    return TorchNativeBackend(torch_device=ctx.torch_device, role=ctx.role, layer_kinds=ctx.layer_kinds,
+                              dtype=getattr(ctx, "dtype", None))

@@ -447,7 +447,7 @@ class FlashInferBackend(AttentionBackend):
         self.jit_report = [ensure_compiled(v, heartbeat_s=heartbeat_s) for v in self.variants()]
         self.kinds = [(MLAWrappers if k.is_mla else KindWrappers)(self.fi, k, self) for k in ctx.layer_kinds]
         self.layer_kind = {lid: i for i, k in enumerate(ctx.layer_kinds) for lid in k.layer_ids}
-        self.planned = PlannedLayers(ctx.layer_kinds, backend=self.name, role=ctx.role)
+        self.planned = PlannedLayers(ctx.layer_kinds, backend=self.name, role=ctx.role, dtype=ctx.dtype)
         self._paged_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._layer_info: dict[int, tuple] = {}
         self._decode_sel: dict[int, list] = {}
@@ -718,27 +718,27 @@ class FlashInferBackend(AttentionBackend):
             self._paged_views[layer_id] = (lat[..., :dv], lat[..., dv:])
         return self._paged_views[layer_id]
 
-    def _layer(self, layer: AttentionLayer) -> tuple:
+    def _layer(self, layer: AttentionLayer, q: torch.Tensor) -> tuple:
         """(layer, kind wrappers, paged K/V, H, D, H*Dv, run kwargs, Dv) of ``layer``, made on the first call
         with this layer object after checking it against the plan (:class:`PlannedLayers`: ``LayerMismatch``
         for a window, softcap, scale, sinks, heads or dims other than the planned wrappers', or an unplanned
         layer id). The run kwargs carry the layer's ``k_scale``/``v_scale`` for an fp8 cache whose scales
         are not 1 (read once from the pool: they are fixed for its life)."""
-        self.planned.check(layer)
+        self.planned.check(layer, q)
         kw = self.kinds[self.layer_kind[layer.layer_id]]
         kv = self.mla_kv(layer.layer_id) if kw.mla else self.paged_kv(layer.layer_id)
         ks, vs = layer_kv_scales(self.kv_pool, layer.layer_id) if self.fp8 else (1.0, 1.0)
         run_kw = {"k_scale": ks, "v_scale": vs} if (ks, vs) != (1.0, 1.0) else {}
         info = (layer, kw, kv, layer.num_heads, layer.head_dim, layer.num_heads * layer.v_head_dim, run_kw,
-                layer.v_head_dim)
+                layer.v_head_dim, q.dtype)
         self._layer_info[layer.layer_id] = info
         return info
 
     def _run(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         info = self._layer_info.get(layer.layer_id)
-        if info is None or info[0] is not layer:
-            info = self._layer(layer)
-        _, kw, kv, h, d, hdv, run_kw, dv = info
+        if info is None or info[0] is not layer or info[8] is not q.dtype:
+            info = self._layer(layer, q)
+        _, kw, kv, h, d, hdv, run_kw, dv, _ = info
         if save_kv_cache and k is not None:
             fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         if kw.mode == "draft":
@@ -779,9 +779,9 @@ class FlashInferBackend(AttentionBackend):
         instead of being recomputed from ``q.device`` in every call.
         """
         info = self._layer_info.get(layer.layer_id)
-        if info is None or info[0] is not layer:  # first call with this layer object: checked against the plan
-            info = self._layer(layer)
-        _, kw, kv, h, d, hdv, run_kw, dv = info
+        if info is None or info[0] is not layer or info[8] is not q.dtype:  # a new layer object or q dtype: checked
+            info = self._layer(layer, q)
+        _, kw, kv, h, d, hdv, run_kw, dv, _ = info
         if save_kv_cache and k is not None:
             forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         if kw.mode == "draft":

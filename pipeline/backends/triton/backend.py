@@ -157,13 +157,15 @@ class TritonAttnBackend(AttentionBackend):
                  extend_config: Optional[launch.ExtendConfig] = None,
                  mla_decode_config: Optional[launch_mla.MLADecodeConfig] = None,
                  mla_extend_config: Optional[launch_mla.MLAExtendConfig] = None,
-                 layer_kinds: Optional[Sequence[LayerKind]] = None, req_to_token_pool: Any = None) -> None:
+                 layer_kinds: Optional[Sequence[LayerKind]] = None, req_to_token_pool: Any = None,
+                 dtype: Optional[str] = None) -> None:
         self.torch_device = torch.device(torch_device)
         self.req_to_token_pool = req_to_token_pool  # draft-decode graphs build their token table from it
         self.layer_dims = list(layer_dims)
         self.num_sms = int(num_sms)
         self.role = role
-        self.planned = None if layer_kinds is None else PlannedLayers(layer_kinds, backend=self.name, role=role)
+        self.planned = (None if layer_kinds is None else
+                        PlannedLayers(layer_kinds, backend=self.name, role=role, dtype=dtype))
         self.decode_config = decode_config
         self.extend_config = extend_config
         self.mla_decode_config = mla_decode_config
@@ -364,7 +366,7 @@ class TritonAttnBackend(AttentionBackend):
         """Check the layer against its plan, the kernels and the KV buffers (:func:`check_call`), write
         the new K/V when asked; returns q as [T, H, D]."""
         if self.planned is not None:
-            self.planned.check(layer)
+            self.planned.check(layer, q)
         check_call(q, layer, fb)
         t, h, d = fb.num_tokens, layer.num_heads, layer.head_dim
         if save_kv_cache:
@@ -466,5 +468,6 @@ def create(ctx: Any) -> TritonAttnBackend:
     dims = kernel_dims(ctx.layer_kinds)
     sms = getattr(ctx.device, "sm_count", 0) or 132
     return TritonAttnBackend(torch_device=ctx.torch_device, layer_dims=dims, num_sms=sms, role=ctx.role,
-                             layer_kinds=ctx.layer_kinds, req_to_token_pool=getattr(ctx, "req_to_token_pool", None))
+                             layer_kinds=ctx.layer_kinds, req_to_token_pool=getattr(ctx, "req_to_token_pool", None),
+                             dtype=getattr(ctx, "dtype", None))
 
