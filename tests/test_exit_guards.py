@@ -195,3 +195,29 @@ def test_error_info_from_points_at_the_log_only_when_logged(logged):
 
     info = error_info_from(ValueError("v"), "resolve", logged=logged)
     assert info.code == "internal_error" and ("the log holds the full event" in info.remedy) is logged
+
+
+@pytest.mark.parametrize("where, phase", [("pipeline.runtime.verify.verify_built", "verification"),
+                                          ("pipeline.runtime.model_steps.verify_model_steps", "model steps")])
+def test_ctrl_c_while_verifying_names_the_phase(monkeypatch, tmp_path, capsys, sigint, where, phase):
+    """A Ctrl-C during the checks after 'ready' is named by its phase in the message (headline, --json) and in the
+    log's run_interrupted record, not only 'in state ready'."""
+    import importlib
+
+    mod_name, fn = where.rsplit(".", 1)
+    mod = importlib.import_module(mod_name)
+    real = getattr(mod, fn)
+
+    def interrupted(*a, **kw):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(mod, fn, interrupted)
+    log = tmp_path / "l.jsonl"
+    assert main([*RUN, "--json", "--log-file", str(log)]) == 130
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert err["code"] == "interrupted" and f" during {phase}" in err["message"], err
+    (stop,) = [r for r in _records(log) if r["event"] == "run_interrupted"]
+    assert f"during {phase}" in stop["error"]["message"]
+    assert main([*RUN, "--log-file", str(tmp_path / "m.jsonl")]) == 130
+    assert f"during {phase}" in " ".join(capsys.readouterr().err.split()[:30])

@@ -354,8 +354,8 @@ def _deliver_signal(log: Any, signum: int, error: Optional[ErrorInfo], code: int
     record already) and made the run's ending: ``interrupted``, exit 128 + its number — as the same signal anywhere
     else in the run."""
     name = signal.Signals(signum).name
-    info = ErrorInfo(code="interrupted", state=log.current_state,
-                     message=f"received {name} in state {log.current_state}", remedy=INTERRUPTED_REMEDY)
+    info = ErrorInfo(code="interrupted", state=log.current_state, message=f"received {name} in {log.where}",
+                     remedy=INTERRUPTED_REMEDY)
     try:
         if not _ended(log):
             log.emit(ev.RunInterrupted, state=log.current_state, outcome="failed", reason="signal", signal=name,

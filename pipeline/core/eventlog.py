@@ -162,6 +162,7 @@ class EventLog:
         self.observers: list[Callable[[ev.Event], None]] = []
         self.write_error: Any = None
         self.raise_write_errors = raise_write_errors
+        self.phase = ""  # what the run does inside its state (``verification``, ``model steps``): named on a signal
         self._redact = redactor(tuple(secrets))
         self._lock = threading.RLock()  # re-entrant: a signal handler may emit while the main thread holds it
         self._app = structlog.get_logger("attn_setup").bind(run_id=run_id, rank=rank)
@@ -236,6 +237,20 @@ class EventLog:
                 return r.state
         return "device-init"
 
+    @property
+    def where(self) -> str:
+        """``state ready`` or, inside a phase, ``state ready during verification``: where a signal found the run."""
+        return f"state {self.current_state}" + (f" during {self.phase}" if self.phase else "")
+
+    @contextmanager
+    def in_phase(self, phase: str) -> Iterator[None]:
+        """:attr:`phase` set to ``phase`` while the body runs (the previous one back afterwards)."""
+        prev, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = prev
+
     @contextmanager
     def heartbeat(self, what: str, every_s: float = 10.0) -> Iterator[None]:
         """Emit a ``heartbeat`` record ("still in <state>: <what> after N s") every ``every_s``
@@ -286,7 +301,7 @@ class EventLog:
         def on_signal(signum: int, frame: Any) -> None:
             name = signal.Signals(signum).name
             self._interrupted("signal", name, ErrorInfo(
-                code="interrupted", state=self.current_state, message=f"received {name} in state {self.current_state}",
+                code="interrupted", state=self.current_state, message=f"received {name} in {self.where}",
                 remedy=INTERRUPTED_REMEDY))
             prev = self._prev_handlers.get(signum, signal.SIG_DFL)
             if callable(prev):  # e.g. Python's SIGINT handler: raises KeyboardInterrupt, the process goes on

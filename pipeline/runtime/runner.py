@@ -287,14 +287,17 @@ class Runner:
         from pipeline.runtime.verify import verify_built
 
         self.machine.require_state(RUNNER.success)
-        emitted, instances = [], verify_built(self.backends, self.request, pools=self.pools, decode_steps=decode_steps)
+        with self.log.in_phase("verification"):  # a Ctrl-C here is named 'in state ready during verification'
+            instances = verify_built(self.backends, self.request, pools=self.pools, decode_steps=decode_steps)
+        emitted = []
         for r in instances:
             emitted.append(self.log.emit(
                 ev.InstanceVerified, state="done", outcome="ok" if r.passed else "failed", role=r.role,
                 backend=r.backend, max_rel_err=r.max_rel_err, tol=r.tol, passed=r.passed, duration_ms=r.duration_ms))
         res = self.backends.resolution  # speculative decoding adds target-verify or draft-decode steps
-        checks = verify_model_steps(self, decode_steps=decode_steps, spec=None if res is None else res.speculative,
-                                    draft=self.request.is_draft_worker)
+        with self.log.in_phase("model steps"):
+            checks = verify_model_steps(self, decode_steps=decode_steps, spec=None if res is None else res.speculative,
+                                        draft=self.request.is_draft_worker)
         for c in checks:
             emitted.append(self.log.emit(
                 ev.ModelStepVerified, state="ready", outcome="ok" if c.passed else "failed", step=c.step, mode=c.mode,
