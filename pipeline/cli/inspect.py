@@ -138,6 +138,7 @@ def run_lines(run: Run, colour: bool = False) -> list[str]:
     lines = [f"{head}: {status}", f"  {'state':<{w}}  {'start (ms)':>{sw}}  {'duration (ms)':>{dw}}  outcome"]
     lines += [f"  {a:<{w}}  {b:>{sw}}  {c:>{dw}}  {d}" for a, b, c, d in cells]
     lines += ["  " + _safe(line) for line in _decision_lines(run.decisions())]
+    lines += verification_lines(*verification_obj(run))
     lines += [x for line in explain(run) for x in _text_lines(line)]
     summary = summary_of(run.all(StartupSummary))
     if summary is not None:
@@ -149,6 +150,47 @@ def run_lines(run: Run, colour: bool = False) -> list[str]:
     if slow:
         lines.append("  " + _safe(slow))
     return lines
+
+
+def verification_obj(run: Run) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(verified, model_steps)`` as ``run --json`` reports them, read from the run's ``instance_verified`` and
+    ``model_step_verified`` records (empty lists for a run that stopped before its checks)."""
+    from pipeline.core import events as ev
+
+    verified = [{"role": r.role, "backend": r.backend, "max_rel_err": r.max_rel_err, "tol": r.tol,
+                 "passed": r.passed} for r in run.all(ev.InstanceVerified)]
+    steps = [{"step": c.step, "mode": c.mode, "batch_size": c.batch_size, "graph": c.graph,
+              "max_rel_err": c.max_rel_err, "tol": c.tol, "passed": c.passed, "reference": c.reference}
+             for c in run.all(ev.ModelStepVerified)]
+    return verified, steps
+
+
+def _table(title: str, head: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    return [f"  {title}:"] + ["    " + "  ".join(f"{c:<{w}}" for c, w in zip(r, widths)).rstrip()
+                              for r in [head] + rows]
+
+
+def verification_lines(verified: list[dict[str, Any]], steps: list[dict[str, Any]]) -> list[str]:
+    """``run``'s two verification tables as text: each built instance and each model step against the float64
+    reference, with max rel err, tolerance and verdict."""
+    from pipeline.runtime.runner import tol_text
+
+    out: list[str] = []
+    if verified:
+        out += _table("verification vs float64 reference (max|out-ref|/max|ref|)",
+                      ["role", "backend", "max rel err", "tol", "passed"],
+                      [[_safe(v["role"]), _safe(v["backend"]), f"{v['max_rel_err']:.2e}", tol_text(v["tol"]),
+                        "yes" if v["passed"] else "NO"] for v in verified])
+    if steps:
+        refs = any(s["reference"].startswith("mla-") for s in steps)
+        out += _table("attention stack steps vs float64 dense reference (max|dout-dref|/max|dref|)",
+                      ["step", "bs", "graph"] + (["reference"] if refs else []) + ["max rel err", "tol", "passed"],
+                      [[_safe(s["step"]), str(s["batch_size"]), "yes" if s["graph"] else "no"]
+                       + ([_safe(s["reference"])] if refs else [])
+                       + [f"{s['max_rel_err']:.2e}", tol_text(s["tol"]), "yes" if s["passed"] else "NO"]
+                       for s in steps])
+    return out
 
 
 def _fit(lines: list[str], cols: Optional[int]) -> list[str]:
@@ -210,9 +252,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run_obj(run: Run) -> dict[str, Any]:
     """The ``--json`` shape of one run (``failure`` worded as :func:`failure_of` says)."""
     failure = failure_of(run)
+    verified, steps = verification_obj(run)
     return {"run_id": run.run_id, "rank": run.rank, "launch_id": run.launch_id, "ok": run.ok, "status": run.status,
             "last_state": run.last_state, "states": run.states(), "runner_states": run.runner_states(),
-            "decisions": run.decisions(),
+            "decisions": run.decisions(), "verified": verified, "model_steps": steps,
             "failure": None if failure is None else msgspec.to_builtins(failure),
             "summary": summary_of(run.all(StartupSummary)), "slow_phases": slow_phases(run.all(SlowPhase))}
 
