@@ -310,6 +310,13 @@ def _diff(ns: argparse.Namespace) -> int:
         if _first_then_rest(reader.runs()) is None:
             raise nothing_readable(reader)
     d = diff_logs(*ns.logs)
+    for r in d["ranks"]:  # each failure in the command line's words, as inspect shows it (failure_of)
+        for side in ("failure_a", "failure_b"):
+            if r[side] is not None:
+                from pipeline.cli.output import cli_error, command_dests
+                from pipeline.core.contracts import ErrorInfo
+
+                r[side] = msgspec.to_builtins(cli_error(msgspec.convert(r[side], ErrorInfo), command_dests("run")))
     if ns.json:
         sys.stdout.write(msgspec.json.encode({"diff": d}).decode() + "\n")
     else:

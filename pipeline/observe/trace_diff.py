@@ -70,8 +70,14 @@ def diff_runs(a: Run, b: Run) -> dict[str, Any]:
     fa, fb = decisions(a), decisions(b)
     changed = [{"key": k, "a": fa.get(k), "b": fb.get(k)} for k in list(fa) + [k for k in fb if k not in fa]
                if _enc(fa.get(k)) != _enc(fb.get(k))]
+    changed.sort(key=lambda c: not c["key"].startswith("args."))  # the inputs asked for first: the likely cause
     return {"rank": a.rank, "run_a": a.run_id, "run_b": b.run_id, "status_a": a.status, "status_b": b.status,
-            "states": states, "phases": phases, "decisions": changed}
+            "failure_a": _failure(a), "failure_b": _failure(b), "states": states, "phases": phases,
+            "decisions": changed}
+
+
+def _failure(run: Run) -> Optional[dict[str, Any]]:
+    return None if run.failure is None else msgspec.to_builtins(run.failure)
 
 
 def diff_logs(path_a: str, path_b: str) -> dict[str, Any]:
@@ -98,6 +104,15 @@ def diff_lines(d: dict[str, Any], safe: Any = str) -> list[str]:
             if n > 1:
                 lines.append(safe(f"  {side.upper()} holds {n} starts of rank {r['rank']} (appended runs): comparing "
                                   f"the last, run {r['run_' + side]}; split the log to compare another"))
+        inputs = [c for c in r["decisions"] if c["key"].startswith("args.")]
+        for c in inputs:  # the cause first: what was asked differently, then how a failed side ended
+            lines.append(safe(f"  changed input {c['key']}: {value_text(c['a'])} -> {value_text(c['b'])}"))
+        for side in ("b", "a"):
+            f = r.get(f"failure_{side}")
+            if f is not None:
+                lines.append(safe(f"  {side.upper()} failed in state {f['state']!r}: [{f['code']}] {f['message']}"))
+                if f.get("remedy"):
+                    lines.append(safe(f"    remedy: {f['remedy']}"))
         w = max([5] + [len(s["state"]) + 9 for s in r["states"]])
         lines.append(f"  {'state':<{w}}  {'A ms':>10}  {'B ms':>10}  {'delta ms':>10}")
         for s in r["states"]:
@@ -112,7 +127,7 @@ def diff_lines(d: dict[str, Any], safe: Any = str) -> list[str]:
                                   f"({_num(p['b_s'] if p['a_s'] is None else p['a_s'], '.3f')} s)"))
             else:
                 lines.append(safe(f"  phase {name}: {p['a_s']:.3f} s -> {p['b_s']:.3f} s ({p['delta_s']:+.3f} s)"))
-        for c in r["decisions"]:
+        for c in r["decisions"][len(inputs):]:
             lines.append(safe(f"  changed {c['key']}: {value_text(c['a'])} -> {value_text(c['b'])}"))
         if not r["decisions"]:
             lines.append("  no decision changed")
