@@ -169,8 +169,12 @@ def _choice(v: Any, names: Mapping[str, str], path: str, flag: str, allowed: str
     number) is refused naming ``path``, never looked up (a list or object is not even hashable)."""
     if isinstance(v, str) and v in names:
         return names[v]
-    raise ModelConfigError(f"{path}={_show(v)} {why}", flags=[(flag, v)], json_path=path, allowed=[allowed],
-                           remedy=CONFIG_REMEDY)
+    from pipeline.core.validation import nearest_name
+
+    near = nearest_name(v, names) if isinstance(v, str) else None
+    raise ModelConfigError(f"{path}={_show(v)} {why}" + (f"; did you mean {near!r}?" if near else ""),
+                           flags=[(flag, v)], json_path=path, allowed=[allowed],
+                           remedy=(f"set {path} to {near!r} in config.json, or " if near else "") + CONFIG_REMEDY)
 
 
 def _show(v: Any) -> str:

@@ -27,10 +27,21 @@ DEVICE_ALLOWED = ("auto", "cpu", "cuda[:N]", "musa[:N]", "npu[:N]", "xpu[:N]",
                   "any letter case (CUDA:0 = cuda:0)", "gpu[:N] = cuda[:N]")
 
 
+# Other engines' and torch's spellings of our values: vLLM's ``--kv-cache-dtype fp8`` is e4m3 (its CUDA default),
+# torch names the fp8 dtypes ``float8_e4m3fn`` / ``float8_e5m2``.
+OTHER_SPELLINGS = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
+                   "float8_e5m2": "fp8_e5m2", "torch.bfloat16": "bfloat16", "torch.float16": "float16",
+                   "torch.float32": "float32"}
+
+
 def nearest_name(name: str, known: Any) -> Optional[str]:
-    """The name in ``known`` nearest ``name`` for a "did you mean": difflib's ratio over lower-cased names (cutoff
-    0.6), returned as spelled in ``known``; None when nothing is near enough. Raises nothing."""
+    """The name in ``known`` nearest ``name`` for a "did you mean": another engine's spelling of a known name
+    (:data:`OTHER_SPELLINGS`), else difflib's ratio over lower-cased names (cutoff 0.6), returned as spelled in
+    ``known``; None when nothing is near enough. Raises nothing."""
     lower = {k.lower(): k for k in known}
+    alias = OTHER_SPELLINGS.get(name.strip().lower())
+    if alias is not None and alias in lower:
+        return lower[alias]
     hit = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.6)
     return lower[hit[0]] if hit else None
 
