@@ -13,7 +13,7 @@ import msgspec
 from pipeline.cli.output import print_stderr_lines
 from pipeline.core.contracts import DeviceFacts, Resolution, SetupRequest
 from pipeline.core.errors import AttnSetupError, EXIT_OK, Flag, UsageError
-from pipeline.core.numbers import ascii_int
+from pipeline.core.numbers import ascii_float, ascii_int
 from pipeline.observe.runs import device_view
 
 
@@ -53,7 +53,38 @@ def run_stack(request: SetupRequest, num_layers: Any = None) -> Optional[SetupRe
     return msgspec.structs.replace(request, **{field: truncate_spec(served, n)})
 
 
-def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = None) -> dict[str, Any]:
+def pool_obj(s: Any, budget: Any, total: int) -> dict[str, Any]:
+    """``pool`` of plan JSON: the KV pool ``run`` sizes with these flags — ``source`` (``slots``, ``bytes`` from
+    ``--mem-bytes``, ``mem_fraction``), ``mem_fraction``/``mem_bytes`` as given, the profile's ``total_memory_bytes``,
+    the ``budget_bytes`` left for the pools (null for ``slots``), ``num_token_slots``, ``bytes_per_token``,
+    ``kv_bytes``, ``req_to_token_bytes``, and the decode graphs' ``graph_reserve_bytes`` a ``--mem-fraction`` budget
+    is reduced by first."""
+    return {"source": s.source, "mem_fraction": budget.mem_fraction, "mem_bytes": budget.mem_bytes,
+            "total_memory_bytes": total, "budget_bytes": s.budget_bytes, "num_token_slots": s.facts.num_token_slots,
+            "page_size": s.facts.page_size, "bytes_per_token": s.bytes_per_token, "kv_bytes": s.kv_bytes,
+            "req_to_token_bytes": s.req_to_token_bytes, "graph_reserve_bytes": s.graph_reserve_bytes}
+
+
+def pool_line(report: dict[str, Any]) -> str:
+    """``KV pool: 1,234 token slots x 4.0 KiB = … from --mem-fraction 0.8 of 141 GiB (graphs' 2 GiB first)``."""
+    from pipeline.cli.output import fmt_bytes
+
+    p = report.get("pool")
+    if not p:
+        return ""
+    head = (f"KV pool: {p['num_token_slots']} token slots x {fmt_bytes(p['bytes_per_token'])} = "
+            f"{fmt_bytes(p['kv_bytes'])}, req_to_token {fmt_bytes(p['req_to_token_bytes'])}")
+    if p["source"] == "mem_fraction":
+        return (head + f" (from --mem-fraction {p['mem_fraction']:g} of the profile's "
+                f"{fmt_bytes(p['total_memory_bytes'])}: {fmt_bytes(p['budget_bytes'])} for the pools after the decode "
+                f"graphs' {fmt_bytes(p['graph_reserve_bytes'])})")
+    if p["source"] == "bytes":
+        return head + f" (from --mem-bytes {p['mem_bytes']})"
+    return head + " (from --num-token-slots)"
+
+
+def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = None, budget: Any = None
+                       ) -> dict[str, Any]:
     """``{cuda_graph_bytes_estimate, cuda_graph_estimate}`` for the stack ``run`` builds with ``num_layers`` (None:
     run's default) — :func:`pipeline.memory.graphs.estimate_for_decided`, as run's pool sizing calls it; 0 and None
     when no decode graphs are captured. Raises ConfigError for ``num_layers`` outside the model's attention layers,
@@ -62,19 +93,21 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
     from pipeline.core.layer_span import span_fields, span_of
     from pipeline.memory.graphs import estimate_for_decided
     from pipeline.memory.graphs import lower_bound_for_decided
-    from pipeline.memory.fits import check_plan_memory, refuse_early
+    from pipeline.memory.fits import Budget, check_plan_memory, plan_pools, refuse_early
 
+    budget = budget or Budget()
     served, cut = request.served_model, run_stack(request, num_layers)
     if cut is None:
         return {"cuda_graph_bytes_estimate": 0, "cuda_graph_estimate": None}
     spec = cut.served_model
     total = decided["device-init"].facts.total_memory_bytes
-    refuse_early(cut, decided, lower_bound_for_decided(cut, decided), total)  # before estimating every size
+    refuse_early(cut, decided, lower_bound_for_decided(cut, decided), total, budget=budget)  # before every size
     est = estimate_for_decided(cut, decided)
-    check_plan_memory(cut, decided, est, total)
+    check_plan_memory(cut, decided, est, total, budget=budget)
+    pool = pool_obj(plan_pools(cut, est, decided["build-mode"].plan.workspace_bytes, budget, total), budget, total)
     if est is None:
-        return {"cuda_graph_bytes_estimate": 0, "cuda_graph_estimate": None}
-    return {"cuda_graph_bytes_estimate": est.total_bytes,
+        return {"cuda_graph_bytes_estimate": 0, "cuda_graph_estimate": None, "pool": pool}
+    return {"pool": pool, "cuda_graph_bytes_estimate": est.total_bytes,
             "cuda_graph_estimate": {"num_layers": est.num_layers, **span_fields(span_of(spec, served)),
                                     "num_hidden_layers": served.num_hidden_layers, "batch_sizes": est.batch_sizes,
                                     "pool_bytes": est.pool_bytes, "state_bytes": est.state_bytes,
@@ -134,7 +167,7 @@ def _retell_workspace_refusal(request: SetupRequest, decided: Any, device: Devic
 
 
 def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[str, bool | str],
-                num_layers: Any = None) -> dict[str, Any]:
+                num_layers: Any = None, budget: Any = None) -> dict[str, Any]:
     """The plan report for ``request`` on ``device`` (raises the typed error of a refusal).
 
     ``installed``: each package's presence (:data:`pipeline.backends.packages.Presence`); the report's
@@ -146,7 +179,8 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
     ``max_reqs``, each workspace against the largest batch it plans, npu-lazy-mem — so ``plan`` refuses what
     a run would refuse. ``warnings``: the reference fallback and every downgrade
     (:func:`states.fallback.warnings_for`), as a run logs them. ``num_layers``: the layers ``run`` would build,
-    for the CUDA-graph memory estimate (:func:`graph_estimate_obj`).
+    for the CUDA-graph memory estimate (:func:`graph_estimate_obj`); ``budget``: ``--mem-fraction`` / ``--mem-bytes``
+    (:class:`pipeline.memory.fits.Budget`), the KV pool sized from them against the profile's memory (``pool``).
     """
     from pipeline.cli import output as rp
     from pipeline.setup.build import decide_setup
@@ -164,7 +198,7 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
             + rp.layer_rule_warnings(request),
             "cuda_graphs": cuda_graphs_obj(request, decided["build-mode"].graphs, device, res.speculative),
             "npu_lazy_mem": lazy_mem_obj(decided["npu-lazy-mem"]),
-            **graph_estimate_obj(request, decided, num_layers)}
+            **graph_estimate_obj(request, decided, num_layers, budget)}
 
 
 def cuda_graphs_obj(request: SetupRequest, graphs: Any, device: Optional[DeviceFacts] = None,
@@ -270,10 +304,23 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     plan.add_argument("--num-layers", type=ascii_int, default=None,
                       help="the attention layers `attn-setup run` builds with these flags, for the CUDA-graph memory "
                            "estimate (default as run's: 2, or as many as it takes to include every attention kind)")
+    budget = plan.add_mutually_exclusive_group()
+    budget.add_argument("--mem-fraction", type=ascii_float, default=None,
+                        help="size the KV pool as run does from this share of the profile's device memory (sglang's "
+                             "mem_fraction_static), less the decode graphs' estimate; reported as 'pool' "
+                             "(default: unset, the pool has --num-token-slots slots)")
+    budget.add_argument("--mem-bytes", type=ascii_int, default=None,
+                        help="size the KV pool as run does from this many bytes (default: unset, as --mem-fraction)")
     from pipeline.cli.warmup import add_flag
 
     add_flag(plan)
     return plan
+
+
+def _budget(ns: argparse.Namespace) -> Any:
+    from pipeline.memory.fits import Budget
+
+    return Budget(mem_fraction=getattr(ns, "mem_fraction", None), mem_bytes=getattr(ns, "mem_bytes", None))
 
 
 def installed_from(flag: str | None) -> dict[str, bool | str]:
@@ -383,7 +430,7 @@ def _decide(ns: argparse.Namespace) -> tuple[dict[str, Any], DeviceFacts, dict[s
     request = request_from(ns, on_gpu=device.type != "cpu")
     check_plan_minimums(request)  # what run refuses from its flags alone (its verification batches' needs)
     try:
-        report = plan_report(request, device, installed, getattr(ns, "num_layers", None))
+        report = plan_report(request, device, installed, getattr(ns, "num_layers", None), _budget(ns))
     except AttnSetupError as e:
         if ns.installed is not None:
             installed_hint(e, request, device, installed)
@@ -429,7 +476,7 @@ def cmd(ns: argparse.Namespace) -> int:
         print_line(console(), line)
     if report.get("cuda_graph_estimate"):
         print_line(console(), graph_estimate_line(report))
-    for line in (estimate_line(report["jit_cold"]), installed_note(report, installed, ns.device_profile,
+    for line in (pool_line(report), estimate_line(report["jit_cold"]), installed_note(report, installed, ns.device_profile,
                                                                       ns.installed)):
         if line:
             print_line(console(), line)

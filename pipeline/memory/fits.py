@@ -25,23 +25,50 @@ if TYPE_CHECKING:  # pragma: no cover
     from pipeline.core.contracts import SetupRequest
 
 
-def plan_pools(request: "SetupRequest", estimate: Optional[GraphMemoryEstimate], ws: int) -> Any:
+class Budget(msgspec.Struct, frozen=True, kw_only=True):
+    """How ``run`` is asked to size its KV pool: ``mem_fraction`` (sglang's mem_fraction_static, of the device's
+    total memory) or ``mem_bytes``; neither: ``pool.num_token_slots`` slots."""
+
+    mem_fraction: Optional[float] = None
+    mem_bytes: Optional[int] = None
+
+
+def plan_pools(request: "SetupRequest", estimate: Optional[GraphMemoryEstimate], ws: int,
+               budget: Optional[Budget] = None, total_bytes: int = 0) -> Any:
     """The :class:`~pipeline.memory.pools.PoolSizing` ``run`` sizes for ``request`` (its served model the
-    stack run builds) when no ``--mem-bytes`` / ``--mem-fraction`` is given: ``req_to_token`` and the KV pool of
-    ``pool.num_token_slots`` (:func:`pipeline.memory.pools.size_pools`, bytes), with the graphs' estimate and
-    the workspaces' ``ws`` bytes recorded beside them. Raises size_pools' ConfigError for a pool below two pages."""
+    stack run builds): ``req_to_token`` and the KV pool (:func:`pipeline.memory.pools.size_pools`, bytes) of
+    ``pool.num_token_slots``, or of ``budget`` — ``mem_bytes``, or ``mem_fraction`` of ``total_bytes`` (the profile's
+    device memory, nothing allocated yet) less the graphs' estimate, as run's init-memory-pool takes it —, with the
+    graphs' estimate and the workspaces' ``ws`` bytes recorded beside them. Raises size_pools' ConfigError for a pool
+    below two pages or a budget that cannot hold the verification batches; ConfigError ``invalid_value`` naming
+    ``--mem-fraction`` when the profile's memory is unknown."""
     from pipeline.core.dtypes import kv_dtype
-    from pipeline.memory.pools import size_pools
+    from pipeline.core.speculative import settled
+    from pipeline.memory.pools import budget_from_fraction, check_needs, size_pools
 
     spec, p = request.served_model, request.pool
+    kw: dict[str, Any] = dict(num_token_slots=p.num_token_slots)
+    if budget is not None and (budget.mem_bytes is not None or budget.mem_fraction is not None):
+        if budget.mem_bytes is not None:
+            kw = dict(budget_bytes=budget.mem_bytes, source="bytes")
+        elif not total_bytes:
+            raise ConfigError("--mem-fraction is a share of the device's memory, and this device profile names none",
+                              code="invalid_value", flags=[("mem_fraction", budget.mem_fraction)],
+                              allowed=["a --device-profile with memory (e.g. h200)", "--mem-bytes"],
+                              remedy="pass --device-profile NAME of the GPU to plan for, or --mem-bytes")
+        else:
+            kw = dict(budget_bytes=budget_from_fraction(budget.mem_fraction, total_bytes), source="mem_fraction",
+                      mem_fraction=budget.mem_fraction, total_bytes=total_bytes)
+        needs = check_needs(p.max_reqs, request.args.page_size, spec=settled(request), draft=request.is_draft_worker)
+        kw.update(min_slots=needs.slots, min_slots_for="the verification batches of 'attn-setup run'",
+                  min_context_len=needs.context)
     return size_pools(spec.layer_kinds(), spec.num_hidden_layers, kv_dtype(request.args, spec),
                       page_size=request.args.page_size, max_reqs=p.max_reqs, max_context_len=p.max_context_len,
-                      num_token_slots=p.num_token_slots, graph_reserve_bytes=0 if estimate is None else
-                      estimate.total_bytes, workspace_bytes=ws)
+                      graph_reserve_bytes=0 if estimate is None else estimate.total_bytes, workspace_bytes=ws, **kw)
 
 
 def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Optional[GraphMemoryEstimate],
-                      total_bytes: int, env: Mapping[str, str] = os.environ) -> None:
+                      total_bytes: int, env: Mapping[str, str] = os.environ, budget: Optional[Budget] = None) -> None:
     """``plan``'s memory refusals against ``total_bytes`` (the profile's device memory; 0: unknown, none), in the
     order their remedies need: the planned workspaces alone above 90 % (``workspace_exceeds_memory``), the graphs
     (:func:`check_graphs_fit_device`), then ``req_to_token`` + the KV pool + the graphs + the workspaces above 90 %
@@ -54,7 +81,7 @@ def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Opt
         return
     d, facts = decided["build-mode"], decided["device-init"].facts
     ws = d.plan.workspace_bytes
-    s = plan_pools(request, estimate, ws)
+    s = plan_pools(request, estimate, ws, budget, total_bytes)
     pools, g = s.req_to_token_bytes + s.kv_bytes, s.graph_reserve_bytes
     check_workspaces_fit(request, d, facts, total_bytes, pool_bytes=pools, graph_bytes=g, total=True,
                          device=facts.name or facts.type)
@@ -62,6 +89,7 @@ def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Opt
     args = request.args
     try:
         check_fits(s, total_bytes, device=facts.name or facts.type, of_total=True,
+                   mem_fraction=None if budget is None else budget.mem_fraction,
                    graph_top=args.cuda_graph_max_bs or max(args.cuda_graph_bs or [0]),
                    graphs=graph_trial(request, decided, estimate, env=env),
                    min_slots=check_needs(request.pool.max_reqs, args.page_size, spec=settled(request),
@@ -74,7 +102,7 @@ def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Opt
 
 
 def refuse_early(request: "SetupRequest", decided: "Decided", bound: Optional[GraphMemoryEstimate],
-                 total_bytes: int, env: Mapping[str, str] = os.environ) -> None:
+                 total_bytes: int, env: Mapping[str, str] = os.environ, budget: Optional[Budget] = None) -> None:
     """:func:`check_plan_memory` with the graphs' lower ``bound``
     (:func:`pipeline.memory.graphs.lower_bound_for_decided`) in place of their estimate, when the bound alone
     already decides a refusal whose code and remedy are those the full estimate gives: the bound above 90 % of
@@ -87,11 +115,11 @@ def refuse_early(request: "SetupRequest", decided: "Decided", bound: Optional[Gr
     share = int(total_bytes * POOL_MEMORY_SHARE)
     if bound.total_bytes <= share:
         ws = decided["build-mode"].plan.workspace_bytes
-        s = plan_pools(request, None, ws)
+        s = plan_pools(request, None, ws, budget, total_bytes)
         rest = ws + s.req_to_token_bytes + s.kv_bytes
         if rest > share or bound.total_bytes + rest <= share:
             return
-    check_plan_memory(request, decided, bound, total_bytes, env)
+    check_plan_memory(request, decided, bound, total_bytes, env, budget)
 
 
 def check_graphs_fit_device(request: "SetupRequest", decided: "Decided", estimate: Optional[GraphMemoryEstimate],
