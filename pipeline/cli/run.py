@@ -830,14 +830,14 @@ def _join(ns: argparse.Namespace) -> tuple[Any, Optional[AttnSetupError]]:
 def cmd(ns: argparse.Namespace) -> int:
     """Run the runner flow, verify every instance and the stack's steps, print the report; returns the exit code.
 
-    Every exit once the log is open writes a terminal record: ``run_failed`` for a refusal, a
-    crash or a failed verification (``run_interrupted`` first on SIGINT/SIGTERM), and on every
-    exit it controls ``command_finished`` with the exit code — ``inspect`` calls the launch ok
-    only when that says 0. SIGINT ends with exit 130 and SIGTERM with 143, after the unwinding released what was
-    built, in the log and in the process alike (from ``command_finished`` on both are ignored). A trace-file write that fails stops the run there: exit 2
-    naming ``--log-file`` (``log_write_failed``), what was built released. A report that cannot be written (stdout
-    or stderr, other than a closed pipe) makes an ok run exit 2 (``output_write_failed``,
-    :func:`pipeline.cli.output.settle`); ``command_finished`` comes after the report, with that code.
+    Flags, model configs and the log path are refused before torch is imported. Every exit once the log is open
+    writes a terminal record: ``run_failed`` for a refusal, a crash or a failed verification (``run_interrupted``
+    first on SIGINT/SIGTERM), and on every exit it controls ``command_finished`` with the exit code — ``inspect``
+    calls the launch ok only when that says 0. SIGINT ends with exit 130 and SIGTERM with 143, after the unwinding
+    released what was built, in the log and in the process alike (both ignored from ``command_finished`` on). A
+    trace-file write that fails stops the run there: exit 2 naming ``--log-file`` (``log_write_failed``), what was
+    built released. A report that cannot be written (stdout or stderr, other than a closed pipe) makes an ok run exit
+    2 (``output_write_failed``, :func:`pipeline.cli.output.settle`); ``command_finished`` comes after the report.
     """
     import time
 
@@ -846,12 +846,10 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.runtime.runner import Runner
     from pipeline.core.eventlog import new_run_id
 
-    log_path(ns.log_file, "0", ns.rank)  # the flags and model configs refused before torch is imported
-    request_from(ns, on_gpu=is_gpu_device(ns.device))
+    log_path(ns.log_file, "0", ns.rank), request_from(ns, on_gpu=is_gpu_device(ns.device))  # before torch
     ns._torch_import = timed_torch_import()  # named in the startup summary and the progress line (cold start)
     group, joined = _join(ns)
-    on_gpu = is_gpu_device(ns.device)
-    request = request_from(ns, on_gpu=on_gpu)
+    request = request_from(ns, on_gpu=is_gpu_device(ns.device))  # ns.device: torchrun's rank's, once joined
     notices = _notices(ns, request, group is not None) if joined is None else []
     run_id = group.run_id if group is not None else new_run_id()
     log_file = checked_log_path(ns, run_id, request.rank)  # path_conflict again, the run id known
