@@ -33,12 +33,18 @@ def _starting(signum: int, _frame: object) -> None:
     os._exit(128 + signum)
 
 
-def main() -> None:  # pragma: no cover - ends the process
-    """Set the early handlers (an ignored signal stays ignored), then run :func:`pipeline.cli.entry`, which puts
-    Python's own handling back once it can turn an interrupt into its ErrorInfo."""
+def _install() -> None:
+    """The early handlers, an ignored signal left ignored; only the console script imports this module, and its
+    first act is this (so there is no gap before :func:`main` runs)."""
     for s in _SIGNALS:
         if signal.getsignal(s) is not signal.SIG_IGN:
             signal.signal(s, _starting)
+
+
+def main() -> None:  # pragma: no cover - ends the process
+    """The early handlers (set on import, again here), then :func:`pipeline.cli.entry`, which puts Python's own
+    handling back once it can turn an interrupt into its ErrorInfo."""
+    _install()
     from pipeline.cli import entry
 
     entry(started=take_over)
@@ -50,3 +56,6 @@ def take_over() -> None:
     for s, default in zip(_SIGNALS, (signal.default_int_handler, signal.SIG_DFL)):
         if signal.getsignal(s) is _starting:
             signal.signal(s, default)
+
+
+_install()
