@@ -1,4 +1,4 @@
-"""Emitting event records: to the application's structlog logger, to a JSON-lines trace file, to memory.
+"""Emitting event records: to the application (its structlog once configured, else the quiet `attn_setup` logging logger), to a JSON-lines trace file, to memory.
 
 Details: docs/internals.md, ``pipeline.core.eventlog``.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import logging
 import os
 import re
 import signal
@@ -91,6 +92,11 @@ def redacted_request(request: SetupRequest) -> dict[str, Any]:
 
 REDACTED = "<redacted>"
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+# Quiet by default: the events reach the application's structlog once it configured structlog, else the standard
+# ``logging`` logger ``attn_setup``, which writes nothing until the application configures logging (a library's
+# NullHandler, not a configuration: no root handler, no level is set).
+STD_LOGGER = logging.getLogger("attn_setup")
+STD_LOGGER.addHandler(logging.NullHandler())
 SECRET_ENV_PREFIX = "ATTN_SETUP_SECRET_"
 
 
@@ -198,7 +204,8 @@ class EventLog:
                 f"writing the log file {str(self.path)!r} failed: {getattr(e, 'strerror', None) or e}",
                 code="log_write_failed", flags=[(self.flag, str(self.path))],
                 remedy=f"free space on its filesystem or pick another path for {self.flag}")
-            self._app.warning("trace_write_failed", path=str(self.path), error=str(self.write_error.info.message))
+            self._tell_app("warning", "trace_write_failed",
+                           lambda: {"path": str(self.path), "error": str(self.write_error.info.message)})
             if self.raise_write_errors:
                 raise self.write_error
 
@@ -213,20 +220,28 @@ class EventLog:
             self.records.append(record)
             if self._file_log is not None:
                 self._write(record)
-        if self._app_enabled(cls.level):
-            payload = wire.to_wire(record, self._redact) if self._redact is not None else msgspec.to_builtins(record)
-            name = payload.pop("event")
-            for k in ("run_id", "rank", "launch_id"):
-                payload.pop(k, None)
-            getattr(self._app, cls.level)(name, **payload)
+        self._tell_app(cls.level, ev.event_name(cls), lambda: self._payload(record))
         for observe in self.observers:
             observe(record)
         return record
 
-    def _app_enabled(self, level: str) -> bool:
-        """Whether the application's logger would keep this level (skips building the payload if not)."""
-        check = getattr(self._app, "is_enabled_for", None)
-        return True if check is None else bool(check(_LEVELS[level]))
+    def _payload(self, record: ev.Event) -> dict[str, Any]:
+        payload = wire.to_wire(record, self._redact) if self._redact is not None else msgspec.to_builtins(record)
+        for k in ("event", "run_id", "rank", "launch_id"):
+            payload.pop(k, None)
+        return payload
+
+    def _tell_app(self, level: str, name: str, payload: Callable[[], dict[str, Any]]) -> None:
+        """One event to the application: its structlog when configured (``structlog.configure``), else the ``logging``
+        logger ``attn_setup`` (:data:`STD_LOGGER`: silent until the application configures logging); the payload is
+        built only when the level is kept."""
+        if structlog.is_configured():
+            check = getattr(self._app, "is_enabled_for", None)
+            if check is None or check(_LEVELS[level]):
+                getattr(self._app, level)(name, **payload())
+        elif STD_LOGGER.isEnabledFor(_LEVELS[level]):
+            STD_LOGGER.log(_LEVELS[level], "%s %s", name, msgspec.json.encode(payload()).decode(),
+                           extra={"run_id": self.run_id, "rank": self.rank})
 
     @property
     def current_state(self) -> str:
