@@ -1,4 +1,5 @@
-"""Emitting event records: to the application (its structlog once configured, else the quiet `attn_setup` logging logger), to a JSON-lines trace file, to memory.
+"""Emitting event records: to the application (its structlog once configured, else the quiet ``attn_setup``
+logging logger), to a JSON-lines trace file, to memory.
 
 Details: docs/internals.md, ``pipeline.core.eventlog``.
 """
