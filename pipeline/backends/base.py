@@ -10,7 +10,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Callable, NamedTuple, Optional, Sequence, TYPE_CHECKING
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, TYPE_CHECKING
 
 from pipeline.core.contracts import ForwardMode, LayerKind
 from pipeline.core.errors import LayerMismatch
@@ -90,6 +90,40 @@ class AttentionLayer:
     sinks: Optional["torch.Tensor"] = None
     is_mla: bool = False
     attention_chunk_size: Optional[int] = None
+
+    @classmethod
+    def from_kind(cls, kind: LayerKind, layer_id: int, sinks: Optional["torch.Tensor"] = None) -> "AttentionLayer":
+        """Layer ``layer_id`` of ``kind`` (a :class:`LayerKind` of ``ModelSpec.layer_kinds()``): the kind's heads, head
+        dims (``head_dim_qk`` → ``head_dim``, ``head_dim_v`` → ``v_head_dim``), scale, window, softcap, MLA and chunk
+        size, as the backends built for it check them. ``sinks`` [H] float32: the layer's sink logits, needed by
+        (and only by) a kind with ``has_sinks``. Raises :class:`~pipeline.core.errors.LayerMismatch` for a
+        ``layer_id`` not of ``kind`` or sinks given or missing against the kind."""
+        if layer_id not in kind.layer_ids:
+            raise LayerMismatch(f"layer {layer_id} is not a {kind.kind} layer of this kind (its layers: "
+                                f"{_ranges(sorted(kind.layer_ids))})", state="forward", flags=[("layer_id", layer_id)],
+                                allowed=[_ranges(sorted(kind.layer_ids))],
+                                remedy="take each layer from attention_layers(spec), or its own kind")
+        if (sinks is not None) != kind.has_sinks:
+            raise LayerMismatch(f"layer {layer_id}: its kind {'has' if kind.has_sinks else 'has no'} attention sinks, "
+                                f"and sinks were {'given' if sinks is not None else 'not given'}", state="forward",
+                                flags=[("layer_id", layer_id), ("sinks", sinks is not None)],
+                                allowed=[str(kind.has_sinks)],
+                                remedy="pass the layer's [num_heads] float32 sink logits" if kind.has_sinks else
+                                       "drop sinks: this kind has none")
+        return cls(layer_id=layer_id, num_heads=kind.num_heads, num_kv_heads=kind.num_kv_heads,
+                   head_dim=kind.head_dim_qk, v_head_dim=kind.head_dim_v, scaling=kind.scaling,
+                   sliding_window=kind.sliding_window, logit_softcap=kind.logit_softcap, sinks=sinks,
+                   is_mla=kind.is_mla, attention_chunk_size=kind.attention_chunk_size)
+
+
+def attention_layers(spec: Any, sinks: Optional[Mapping[int, "torch.Tensor"]] = None) -> list[AttentionLayer]:
+    """Every attention layer of ``spec`` (a ``ModelSpec``) as the :class:`AttentionLayer` its backends expect, in
+    layer-id order (layers no attention backend computes, e.g. linear attention, are not in it):
+    :meth:`AttentionLayer.from_kind` over ``spec.layer_kinds()``. ``sinks``: layer id → its sink logits, for the
+    layers of a kind with sinks (gpt-oss)."""
+    sinks = sinks or {}
+    layers = [AttentionLayer.from_kind(k, lid, sinks.get(lid)) for k in spec.layer_kinds() for lid in k.layer_ids]
+    return sorted(layers, key=lambda layer: layer.layer_id)
 
 
 class LayerField(NamedTuple):
