@@ -154,8 +154,39 @@ def graph_reserve_bytes(r: Any, spec: Any) -> int:
     return 0 if est is None else est.total_bytes
 
 
+_BUDGET_FLAGS = {"num_token_slots", "mem_bytes", "mem_fraction"}
+
+
+def name_the_floor(e: ConfigError, cfg: Any, spec: Any, device_type: str) -> ConfigError:
+    """On a CPU (host memory other processes share), a refusal of a pool size or budget also names the small pool
+    ``run``'s checks need — ``--num-token-slots`` of :attr:`cfg.min_token_slots` (whole pages) or the ``--mem-bytes``
+    that holds it with ``req_to_token`` — beside the remedy's largest value that fits; ``e`` itself otherwise."""
+    from pipeline.memory.pools import REQ_TO_TOKEN_ELEM_BYTES, kv_bytes_per_token, slot_floor
+
+    if (device_type != "cpu" or e.info.code not in ("pool_exceeds_memory", "invalid_value")  # too large, not small
+            or not {f.name for f in e.info.flags} & _BUDGET_FLAGS or not cfg.min_token_slots):
+        return e
+    req = cfg.request
+    floor = slot_floor(cfg.min_token_slots, req.args.page_size)
+    need = (req.pool.max_reqs * req.pool.max_context_len * REQ_TO_TOKEN_ELEM_BYTES
+            + floor * kv_bytes_per_token(spec.layer_kinds(), spec.num_hidden_layers, kv_dtype(req.args, spec)))
+    tail = (f"; this CPU's memory is shared with other processes: {cfg.min_token_slots_for or 'the checks'} need only "
+            f"--num-token-slots {floor} or --mem-bytes {need} (pass one of them alone)")
+    e.info = msgspec.structs.replace(e.info, remedy=(e.info.remedy or "").rstrip(".") + tail)
+    return e
+
+
 def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0, spare: bool = False,
              graphs: Any = None, workspace: int = 0) -> Any:
+    """:func:`_size_for`, a refusal on a CPU naming the small pool the checks need too (:func:`name_the_floor`)."""
+    try:
+        return _size_for(platform, index, cfg, spec, graph_reserve, spare, graphs, workspace)
+    except ConfigError as e:
+        raise name_the_floor(e, cfg, spec, getattr(platform, "device_type", "")) from None
+
+
+def _size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0, spare: bool = False,
+              graphs: Any = None, workspace: int = 0) -> Any:
     """:func:`decide_pools`' sizing for ``cfg`` (a RunnerConfig, its ``mem_fraction`` already checked) and the
     built ``spec`` on ``platform``'s device ``index``; nothing is allocated. Raises the sizing's ConfigError.
     ``config.min_token_slots`` binds every pool (the default slots too, so a ``--num-token-slots`` remedy is enough
