@@ -4,6 +4,8 @@
 # which .whl/prelude.sh unpacks into /tmp/site with its dist-info):
 #   source .whl/prelude.sh; bash benchmarks/gpu_check.sh PART "$OUT"
 # PART:
+#   warm       compile the FlashInfer variants the other parts use: `attn-setup warmup` per bundled config and mode,
+#              8 processes at a time (each variant compiles once; then save-aot brings them back) -> warm_*.log
 #   probe      the short FlashInfer compatibility probe to run first on a new FlashInfer: tests/gpu/test_flashinfer_api.py
 #              (installed version, JIT module names, every wrapper kind warns nothing: GQA, sinks, MLA) -> probe.log
 #   tests      every GPU-marked test except the Triton kernel files (tests/gpu/, the capability records' GPU claims,
@@ -32,10 +34,10 @@
 # fa3 prefill) did not change from 0.6.13 to 0.7.2 while the code did. The unversioned .whl/fi-aot.t{gz,xz}.part-* of
 # earlier sessions hold 0.6.13 modules. Every step has a hard timeout. $OUT/summary.txt collects the lines that say
 # pass/fail and the tables.
-PART=${1:?usage: gpu_check.sh probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot OUTDIR}
+PART=${1:?usage: gpu_check.sh warm|probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot OUTDIR}
 OUT=${2:?usage: gpu_check.sh PART OUTDIR}
-case $PART in probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot) ;;
-  *) echo "unknown part '$PART' (probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot)" >&2; exit 2 ;; esac
+case $PART in warm|probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot) ;;
+  *) echo "unknown part '$PART' (warm|probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot)" >&2; exit 2 ;; esac
 mkdir -p "$OUT"; S=$OUT/summary.txt; T0=$(date +%s)
 el(){ echo "$(( $(date +%s) - T0 )) s"; }
 note(){ echo "$*" | tee -a "$S"; }
@@ -61,6 +63,23 @@ run(){ name=$1; shift; mkdir -p "$OUT/traces"
 
 C=examples/configs
 case $PART in
+  warm)
+    W="--device cuda --page-size 16 --jobs 2"
+    { for m in llama-3.1-8b gemma-2-9b gemma-3-12b-it gpt-oss-20b deepseek-v2-lite deepseek-v3 qwen3-next-80b-a3b-instruct \
+               llama-4-scout-17b-16e-instruct mistral-7b-v0.1 qwen2.5-7b; do
+        echo "$m flashinfer --attention-backend flashinfer --model $C/$m.json"; done
+      echo "llama-fa3 --attention-backend fa3"
+      echo "llama-hybrid --prefill-attention-backend fa3 --decode-attention-backend triton"
+      echo "llama-fp8e4 --attention-backend flashinfer --kv-cache-dtype fp8_e4m3"
+      echo "llama-fp8e5 --attention-backend flashinfer --kv-cache-dtype fp8_e5m2"
+      echo "llama-pdmux --attention-backend flashinfer --enable-pdmux --sm-group-num 4"
+      echo "llama-spec --attention-backend flashinfer --speculative-algorithm EAGLE --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 --speculative-num-steps 3"
+      echo "llama-spec-draft --draft-worker --speculative-algorithm EAGLE --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 --speculative-num-steps 3"
+      echo "gemma2-auto --model $C/gemma-2-9b.json"; echo "gptoss-auto --model $C/gpt-oss-20b.json"
+    } | while read -r name args; do echo "$name|$args"; done > /tmp/warm.list
+    cat /tmp/warm.list | xargs -P 8 -I{} bash -c 'n=${1%%|*}; a=${1#*|}; timeout 280 python3 -m pipeline.cli warmup '"$W"' $a \
+      > "'"$OUT"'/warm_$n.log" 2>&1; echo "warm $n rc=$?"' _ {} | tee -a "$S"
+    note "warm done at $(el)" ;;
   probe)
     pytest_part probe tests/gpu/test_flashinfer_api.py -k "not fa3 and (supported_one or own or gqa or sinks or mla or \
 workspace)" ;;
