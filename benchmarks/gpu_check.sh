@@ -76,7 +76,7 @@ case $PART in
       echo "llama-spec --attention-backend flashinfer --speculative-algorithm EAGLE --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 --speculative-num-steps 3"
       echo "llama-spec-draft --draft-worker --speculative-algorithm EAGLE --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 --speculative-num-steps 3"
       echo "gemma2-auto --model $C/gemma-2-9b.json"; echo "gptoss-auto --model $C/gpt-oss-20b.json"
-    } | while read -r name args; do echo "$name|$args"; done > /tmp/warm.list
+    } | while read -r name args; do echo "$name|$args"; done | sort -t'|' -k1,1 -s | awk '/fa3|spec|hybrid/{print; next} {r=r $0 "\n"} END{printf "%s", r}' > /tmp/warm.list
     timeout 330 xargs -P 8 -a /tmp/warm.list -I{} bash -c 'n=${1%%|*}; a=${1#*|}; timeout 280 python3 -m pipeline.cli warmup '"$W"' $a \
       > "'"$OUT"'/warm_$n.log" 2>&1; echo "warm $n rc=$?"' _ {} | tee -a "$S"
     note "warm done at $(el)" ;;
