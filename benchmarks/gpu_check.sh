@@ -67,7 +67,7 @@ case $PART in
     W="--device cuda --page-size 16 --jobs 2"
     { for m in llama-3.1-8b gemma-2-9b gemma-3-12b-it gpt-oss-20b deepseek-v2-lite deepseek-v3 qwen3-next-80b-a3b-instruct \
                llama-4-scout-17b-16e-instruct mistral-7b-v0.1 qwen2.5-7b; do
-        echo "$m flashinfer --attention-backend flashinfer --model $C/$m.json"; done
+        echo "$m --attention-backend flashinfer --model $C/$m.json"; done
       echo "llama-fa3 --attention-backend fa3"
       echo "llama-hybrid --prefill-attention-backend fa3 --decode-attention-backend triton"
       echo "llama-fp8e4 --attention-backend flashinfer --kv-cache-dtype fp8_e4m3"
