@@ -9,6 +9,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+def user_docs() -> str:
+    """README.md and every page of docs/, joined: the user documentation tests check statements against."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in pages)
+
 try:  # Triton's interpreter mode is fixed when triton is first imported: decide it before any test does.
     import torch as _torch
 
