@@ -28,6 +28,7 @@
 #              benchmarks/speculative_trees.py (the backends x shapes x graph table)   -> spec_trees.log/.json
 #   save-aot   pack the FlashInfer JIT modules compiled here into $OUT/fi-aot-<version>.txz.part-* (carry them back
 #              into .whl/)
+# pytest parts run GPU_TEST_PROCS (default 4) worker processes (pytest-xdist, carried in .whl).
 # Every part first restores the carried FlashInfer AOT modules of the installed FlashInfer version
 # (.whl/fi-aot-<version>.t{gz,xz}.part-*), so nothing is JIT-compiled that was compiled before. Modules of another
 # version are never restored: FlashInfer loads <package>/data/aot/<module>/<module>.so by name, and many names (decode,
@@ -49,7 +50,7 @@ if ls .whl/fi-aot.t?z.part-* >/dev/null 2>&1; then note "not restored: .whl/fi-a
 note "part $PART; flashinfer $FIV; AOT modules restored: $(ls $AOT | wc -l)"
 
 pytest_part(){ name=$1; shift
-  timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=10 "$@" > "$OUT/$name.log" 2>&1
+  timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=10 -n ${GPU_TEST_PROCS:-4} "$@" > "$OUT/$name.log" 2>&1
   note "pytest $name rc=$? at $(el)"; tail -n 30 "$OUT/$name.log" >> "$S"; }
 
 show(){ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d.get('resolved') or {}; print(d['ok'], \
