@@ -149,6 +149,7 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
     for the CUDA-graph memory estimate (:func:`graph_estimate_obj`).
     """
     from pipeline.cli import output as rp
+    from pipeline.core.shard import shard_fields
     from pipeline.setup.build import decide_setup
     from states.fallback import warnings_for
 
@@ -163,7 +164,7 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
             "warnings": warnings_obj(warnings_for(res, list(res.skips) + list(plan.skips), device))
             + rp.layer_rule_warnings(request),
             "cuda_graphs": cuda_graphs_obj(request, decided["build-mode"].graphs, device, res.speculative),
-            "npu_lazy_mem": lazy_mem_obj(decided["npu-lazy-mem"]),
+            "npu_lazy_mem": lazy_mem_obj(decided["npu-lazy-mem"]), "shard": shard_fields(request),
             **graph_estimate_obj(request, decided, num_layers)}
 
 
@@ -388,6 +389,7 @@ def _decide(ns: argparse.Namespace) -> tuple[dict[str, Any], DeviceFacts, dict[s
     report["jit_cold"] = cold_report(request, device, SimpleNamespace(**{h: report["resolved"][h]
                                                                          for h in ("prefill", "decode")}))
     check_warm(ns, report["jit_cold"])
+    report["_whole"] = request.whole_model
     return report, device, installed
 
 
@@ -412,15 +414,20 @@ def cmd(ns: argparse.Namespace) -> int:
         print_stderr_lines(warnings)
         raise
     if ns.json:
+        report.pop("_whole")
         print_stderr_lines(warnings)
         rp.emit_json(report)
         return EXIT_OK
     from pipeline.cli.output import console, print_line
+    from pipeline.core.shard import shard_line
     from pipeline.cli.warmup import estimate_line
 
     print_stderr_lines(warnings)
     print_line(console(), f"device: {device.name or device.type} ({device.arch or device.type}) from "
                           f"{device.source}; installed: {_installed_text(installed)}")
+    whole = report.pop("_whole")
+    print_line(console(), shard_line(report["shard"], whole.num_attention_heads, whole.num_key_value_heads,
+                                     whole.num_hidden_layers, whole.is_mla))
     rp.render_tables(report, report["rejected"], verdict=False)
     for line in decision_lines(report):
         print_line(console(), line)
