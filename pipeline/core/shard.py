@@ -141,6 +141,34 @@ def check_tp(heads: int, kv: int, tp: int, *, is_mla: bool = False) -> None:
                       remedy=f"pass --tp-size {fix}")
 
 
+def check_stages(model: Any, parts: list[int]) -> None:
+    """Refuse (``pp_size_invalid``) a partition with a stage that holds no attention layer of a model that has some
+    (a hybrid: Qwen3-Next's full layers are every 4th): that stage has nothing for an attention backend to serve.
+    The remedy names the largest pp size whose every stage holds one."""
+    from pipeline.core.spec import ATTENTION_LAYER_TYPES
+
+    attn = [t in ATTENTION_LAYER_TYPES for t in model.layer_types]
+    if len(parts) == 1 or not any(attn):
+        return
+
+    def empty(ps: list[int]) -> list[int]:
+        bounds = [sum(ps[:i]) for i in range(len(ps) + 1)]
+        return [i for i in range(len(ps)) if not any(attn[bounds[i]:bounds[i + 1]])]
+
+    bad = empty(parts)
+    if not bad:
+        return
+    n = len(parts)
+    fits = [p for p in range(n - 1, 0, -1) if not empty(pp_partition(len(attn), p, {}))]
+    s = sum(parts[:bad[0]])
+    raise ConfigError(f"pipeline stage {bad[0]} of pp_size={n} (layers {s}-{s + parts[bad[0]] - 1}) holds no attention "
+                      f"layer: nothing for an attention backend to serve there", code="pp_size_invalid",
+                      flags=[("pp_size", n), ("stages_without_attention", bad), ("partition", parts)],
+                      allowed=[f"a pp size whose every stage holds an attention layer: at most {fits[0]}"],
+                      remedy=f"pass --pp-size {fits[0]}, or set {PARTITION_ENV} so that every stage holds an attention "
+                      "layer")
+
+
 def plan_layout(model: Any, *, tp_size: int, pp_size: int, rank: int, attn_dp_size: int = 1,
                 environ: Mapping[str, str] = os.environ) -> ShardLayout:
     """The :class:`ShardLayout` of global ``rank`` for ``model`` (a whole :class:`ModelSpec`) under tp × pp.
@@ -165,6 +193,7 @@ def plan_layout(model: Any, *, tp_size: int, pp_size: int, rank: int, attn_dp_si
         kv_per, kv_start = kv // attn_tp, a_rank * (kv // attn_tp)
     else:
         kv_per, kv_start = 1, a_rank // (attn_tp // kv)
+    check_stages(model, parts)
     start = sum(parts[:pp_rank])
     rec = msgspec.to_builtins(model)
     rec.pop("source", None)
@@ -253,8 +282,8 @@ def shard_fields(request: Any) -> dict[str, Any]:
 
 def shard_line(fields: Mapping[str, Any], total_heads: int, total_kv_heads: int, total_layers: int,
                is_mla: bool = False) -> str:
-    """The human one-liner of :func:`shard_fields`: ``shard: tp 8 rank 0, pp 1 stage 0: 8 of 64 heads, 1 of 8 kv
-    heads (replicated), layers 0-79 of 80``."""
+    """The human one-liner of :func:`shard_fields`: ``shard: tp_size 16 tp_rank 0, pp_size 1 pp_rank 0: 4 of 64
+    heads, 1 of 8 kv heads (replicated: 2 ranks share each), layers 0-79 of 80``."""
     f = fields
     s, e = f["layer_range"]
     if is_mla:
@@ -263,5 +292,5 @@ def shard_line(fields: Mapping[str, Any], total_heads: int, total_kv_heads: int,
         kv = f"{f['num_kv_heads']} of {total_kv_heads} kv heads" + (
             f" (replicated: {f['tp_size'] // total_kv_heads} ranks share each)" if total_kv_heads < f["tp_size"]
             else "")
-    return (f"shard: tp {f['tp_size']} rank {f['tp_rank']}, pp {f['pp_size']} stage {f['pp_rank']}: "
+    return (f"shard: tp_size {f['tp_size']} tp_rank {f['tp_rank']}, pp_size {f['pp_size']} pp_rank {f['pp_rank']}: "
             f"{f['num_heads']} of {total_heads} heads, {kv}, layers {s}-{e - 1} of {total_layers}")
