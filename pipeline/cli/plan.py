@@ -182,7 +182,7 @@ def cuda_graphs_obj(request: SetupRequest, graphs: Any, device: Optional[DeviceF
     ``default for 131 GiB: 256 (sglang's rule)``; null without graphs)."""
     from states.build_mode import graph_mode, graph_sizes, graph_top
 
-    kw = dict(device=device, world_size=request.world_size)
+    kw = dict(device=device, world_size=request.tp_size)
     count, largest, sizes = graph_sizes(request.args, request.pool.max_reqs, graphs.capture, **kw)
     top = graph_top(request.args, request.pool.max_reqs, **kw) if graphs.capture else None
     return {"capture": graphs.capture, "reason": graphs.reason, "batch_sizes": sizes, "count": count,

@@ -554,7 +554,7 @@ def _top_text(records: Any, request: Optional[SetupRequest]) -> str:
     if request is None or init is None:
         return ""
     try:
-        top = graph_top(request.args, request.pool.max_reqs, device=init.facts, world_size=request.world_size)
+        top = graph_top(request.args, request.pool.max_reqs, device=init.facts, world_size=request.tp_size)
     except AttnSetupError:
         return ""
     return f" (top: {top.text})"

@@ -373,6 +373,12 @@ class SetupRequest(msgspec.Struct, **_STRUCT):
         return self.model
 
     @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks: ``args.tp_size``, unset ``world_size // args.pp_size`` (what sglang's defaults that
+        scale with the launch, such as the largest CUDA-graph batch, read as ``tp_size``)."""
+        return self.args.tp_size or max(self.world_size // self.args.pp_size, 1)
+
+    @property
     def served_model(self) -> ModelSpec:
         """This rank's shard of :attr:`whole_model` (:mod:`pipeline.core.shard`: its heads and its stage's
         layers; the whole model at tp 1 x pp 1)."""

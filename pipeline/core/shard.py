@@ -179,7 +179,8 @@ def plan_layout(model: Any, *, tp_size: int, pp_size: int, rank: int, attn_dp_si
         raise ConfigError(f"attn_dp_size={attn_dp_size} does not divide tp_size={tp_size} (sglang: tp_size must be "
                           "divisible by dp_size)", code="conflicting_options",
                           flags=[("attn_dp_size", attn_dp_size), ("tp_size", tp_size)],
-                          allowed=[f"a divisor of {tp_size}"], remedy=f"set --attn-dp-size to a divisor of {tp_size}")
+                          allowed=[f"a divisor of {tp_size}"], remedy=f"pass --attn-dp-size "
+                          f"{max(d for d in range(1, attn_dp_size + 1) if tp_size % d == 0)} (a divisor of {tp_size})")
     attn_tp = tp_size // attn_dp_size
     heads, kv = model.num_attention_heads, model.num_key_value_heads
     check_tp(heads, kv, attn_tp, is_mla=model.mla is not None)

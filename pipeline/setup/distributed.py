@@ -104,7 +104,7 @@ def digest_fields(request: Any, installed: Mapping[str, bool], device: Any = Non
     out["dtype.kv_cache"] = safe(lambda: kv_dtype(args, request.served_model))
     out["cuda_graph_bs"] = ("disabled" if args.disable_cuda_graph else
                             safe(lambda: batch_sizes_text(args, pool.max_reqs, device=device,
-                                                         world_size=request.world_size)))
+                                                         world_size=request.tp_size)))
     for k, v in sorted(versions(installed).items()):
         out[f"versions.{k}"] = str(v)
     out["capabilities"] = _capabilities_text()

@@ -255,7 +255,7 @@ def build_like(backends: Any, request: SetupRequest, model: Any, pools: Optional
     pools = pools if pools is not None else backends.pools
     kinds, ws_pool = model.layer_kinds(), backends.workspace_pool
     max_bs = graph_max_bs(request.args, request.pool.max_reqs, backends.graphs.capture, device=backends.device_facts,
-                          world_size=request.world_size)
+                          world_size=request.tp_size)
 
     def make(inst: InstancePlan) -> Any:
         ws = ws_pool.get(inst.workspace) if inst.workspace else None
