@@ -145,9 +145,8 @@ def check_stages(model: Any, parts: list[int]) -> None:
     """Refuse (``pp_size_invalid``) a partition with a stage that holds no attention layer of a model that has some
     (a hybrid: Qwen3-Next's full layers are every 4th): that stage has nothing for an attention backend to serve.
     The remedy names the largest pp size whose every stage holds one."""
-    from pipeline.core.spec import ATTENTION_LAYER_TYPES
-
-    attn = [t in ATTENTION_LAYER_TYPES for t in model.layer_types]
+    other = {i for g in model.not_attention() for i in g.layer_ids}
+    attn = [i not in other for i in range(len(model.layer_types))]
     if len(parts) == 1 or not any(attn):
         return
 
