@@ -221,3 +221,20 @@ def test_given_pools_hold_exactly_the_stages_layers():
         build_attention_backends(req, installed=inst, pools=pools(m))
     assert ei.value.info.code == "pools_mismatch"
     assert "a list of 16 per-layer buffers (pipeline stage 1: layers 16-31, indexed from 0)" in ei.value.info.allowed[0]
+
+
+def test_capability_is_decided_for_the_stage(tmp_path):
+    """Qwen2 with sliding layers from max_window_layers on (HF Qwen2Config): under pp 2, fa3 (no windows) serves stage
+    0 (all full) and refuses stage 1 (all sliding), naming that stage's layers by their ids in the whole model."""
+    cfg = json.loads((CONFIGS / "qwen2.5-7b.json").read_text())
+    cfg.update(use_sliding_window=True, max_window_layers=14, sliding_window=4096)
+    path = tmp_path / "qwen2-sliding.json"
+    path.write_text(json.dumps(cfg))
+    base = ["--device-profile", "h200", "--installed", "torch,triton,flashinfer", "--attention-backend", "fa3",
+            "--pp-size", "2", "--model", str(path)]
+    rc, out = _plan(*base, "--rank", "0")
+    assert rc == 0 and out["shard"]["layer_range"] == [0, 14] and out["resolved"]["prefill"] == "fa3"
+    rc, out = _plan(*base, "--rank", "1")
+    assert rc == 3 and out["error"]["code"] == "capability_mismatch"
+    assert "sliding layers (layers 14..27 (14) of pipeline stage 1)" in out["error"]["message"]
+    assert _plan(*base[:-4], "--model", str(path))[0] == 3  # the whole model is refused too
