@@ -238,3 +238,27 @@ def test_capability_is_decided_for_the_stage(tmp_path):
     assert rc == 3 and out["error"]["code"] == "capability_mismatch"
     assert "sliding layers (layers 14..27 (14) of pipeline stage 1)" in out["error"]["message"]
     assert _plan(*base[:-4], "--model", str(path))[0] == 3  # the whole model is refused too
+
+
+def test_attention_dp_splits_heads_over_the_attention_tp_ranks():
+    """sglang compute_dp_attention_world_info: attn_tp_size = tp / dp, attn_tp_rank = tp_rank % attn_tp_size."""
+    m = load_model_spec(CONFIGS / "llama-3.1-8b.json")
+    lays = [plan_layout(m, tp_size=4, pp_size=1, rank=r, attn_dp_size=2) for r in range(4)]
+    assert [(x.attn_tp_size, x.attn_tp_rank, x.num_heads, x.head_start, x.num_kv_heads) for x in lays] == [
+        (2, 0, 16, 0, 4), (2, 1, 16, 16, 4), (2, 0, 16, 0, 4), (2, 1, 16, 16, 4)]
+    req = SetupRequest(model=m, rank=1, world_size=2, args=AttentionArgs(attn_dp_size=2))
+    assert req.served_model.num_attention_heads == 32  # tp 2 = dp 2: each rank holds every head
+
+
+@pytest.mark.parametrize("tp,pp,world,ok", [(None, 1, 4, True), (None, 3, 4, False), (2, 2, 4, True),
+                                            (4, 2, 4, False), (None, 2, 4, True)])
+def test_the_launch_is_tp_times_pp(tp, pp, world, ok):
+    m = load_model_spec(CONFIGS / "llama-3.1-8b.json")
+    make = lambda: SetupRequest(model=m, world_size=world, args=AttentionArgs(tp_size=tp, pp_size=pp))  # noqa: E731
+    if ok:
+        assert make().tp_size * pp == world
+        return
+    with pytest.raises(ConfigError) as ei:
+        make()
+    assert ei.value.info.code == "conflicting_options" and ("world_size", world) in [
+        (f.name, f.value) for f in ei.value.info.flags]
