@@ -373,6 +373,7 @@ def _decide(ns: argparse.Namespace) -> tuple[dict[str, Any], DeviceFacts, dict[s
     from pipeline.cli.warmup import check_warm, cold_report
     from pipeline.cli.flags import request_from
     from pipeline.cli.run import check_plan_minimums
+    from pipeline.core.shard import shard_summary
     from pipeline.platforms.profiles import get
 
     device = get(ns.device_profile)
@@ -389,7 +390,7 @@ def _decide(ns: argparse.Namespace) -> tuple[dict[str, Any], DeviceFacts, dict[s
     report["jit_cold"] = cold_report(request, device, SimpleNamespace(**{h: report["resolved"][h]
                                                                          for h in ("prefill", "decode")}))
     check_warm(ns, report["jit_cold"])
-    report["_whole"] = request.whole_model
+    report["_shard_line"] = shard_summary(request)
     return report, device, installed
 
 
@@ -414,20 +415,17 @@ def cmd(ns: argparse.Namespace) -> int:
         print_stderr_lines(warnings)
         raise
     if ns.json:
-        report.pop("_whole")
+        report.pop("_shard_line")
         print_stderr_lines(warnings)
         rp.emit_json(report)
         return EXIT_OK
     from pipeline.cli.output import console, print_line
-    from pipeline.core.shard import shard_line
     from pipeline.cli.warmup import estimate_line
 
     print_stderr_lines(warnings)
     print_line(console(), f"device: {device.name or device.type} ({device.arch or device.type}) from "
                           f"{device.source}; installed: {_installed_text(installed)}")
-    whole = report.pop("_whole")
-    print_line(console(), shard_line(report["shard"], whole.num_attention_heads, whole.num_key_value_heads,
-                                     whole.num_hidden_layers, whole.is_mla))
+    print_line(console(), report.pop("_shard_line"))
     rp.render_tables(report, report["rejected"], verdict=False)
     for line in decision_lines(report):
         print_line(console(), line)

@@ -585,6 +585,10 @@ def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[
     c = console()
     if request is not None:
         print_line(c, model_line(request, records))
+        if request.world_size > 1:
+            from pipeline.core.shard import shard_summary
+
+            print_line(c, shard_summary(request))
     for line in (device_line(report, request), _pool_line(records), _graph_line(records, request)):
         if line:
             print_line(c, line)

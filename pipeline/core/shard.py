@@ -294,3 +294,10 @@ def shard_line(fields: Mapping[str, Any], total_heads: int, total_kv_heads: int,
             else "")
     return (f"shard: tp_size {f['tp_size']} tp_rank {f['tp_rank']}, pp_size {f['pp_size']} pp_rank {f['pp_rank']}: "
             f"{f['num_heads']} of {total_heads} heads, {kv}, layers {s}-{e - 1} of {total_layers}")
+
+
+def shard_summary(request: Any) -> str:
+    """:func:`shard_line` of a request's rank (``plan`` and ``run`` print it)."""
+    lay = layout_of(request)
+    return shard_line(shard_fields(request), lay.total_heads, lay.total_kv_heads, lay.total_layers,
+                      request.served_model.is_mla)
