@@ -262,3 +262,11 @@ def test_the_launch_is_tp_times_pp(tp, pp, world, ok):
         make()
     assert ei.value.info.code == "conflicting_options" and ("world_size", world) in [
         (f.name, f.value) for f in ei.value.info.flags]
+
+
+def test_a_misspelt_partition_variable_is_named():
+    from pipeline.core.settings import env_lookalikes
+
+    assert env_lookalikes({"SGLANG_PP_LAYER_PARTITON": "16,16"}) == [("SGLANG_PP_LAYER_PARTITON",
+                                                                      "SGLANG_PP_LAYER_PARTITION")]
+    assert env_lookalikes({"SGLANG_PP_LAYER_PARTITION": "16,16"}) == []

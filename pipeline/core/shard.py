@@ -68,14 +68,6 @@ class ShardLayout(msgspec.Struct, **_STRUCT):
     def is_whole(self) -> bool:
         return self.tp_size == 1 and self.pp_size == 1
 
-    def text(self) -> str:
-        """``tp 2 (rank 1) x pp 2 (stage 0): heads 16/32, kv heads 4/8, layers 0-15 of 32`` (one line)."""
-        kv = f"kv heads {self.num_kv_heads}/{self.total_kv_heads}" + (" replicated" if self.kv_replicated else "")
-        dp = f", attention tp {self.attn_tp_size} (rank {self.attn_tp_rank})" if self.attn_tp_size != self.tp_size else ""
-        s, e = self.layer_range
-        return (f"tp {self.tp_size} (rank {self.tp_rank}) x pp {self.pp_size} (stage {self.pp_rank}){dp}: heads "
-                f"{self.num_heads}/{self.total_heads}, {kv}, layers {s}-{e - 1} of {self.total_layers}")
-
     def grid_text(self) -> str:
         """The layout every rank shares (no rank of its own): what the rank digest compares."""
         return (f"tp {self.tp_size} x pp {self.pp_size}, attention tp {self.attn_tp_size}; heads "
