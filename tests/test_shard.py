@@ -270,3 +270,15 @@ def test_a_misspelt_partition_variable_is_named():
     assert env_lookalikes({"SGLANG_PP_LAYER_PARTITON": "16,16"}) == [("SGLANG_PP_LAYER_PARTITON",
                                                                       "SGLANG_PP_LAYER_PARTITION")]
     assert env_lookalikes({"SGLANG_PP_LAYER_PARTITION": "16,16"}) == []
+
+
+def test_a_stage_names_its_layers_by_their_ids_in_the_whole_model():
+    """plan's CUDA-graph line and run's model line of pipeline stage 1 (layers 16-31 of Llama-3.1-8B)."""
+    plan = " ".join(run_main("plan", "--device-profile", "h200", "--installed", "torch,triton,flashinfer",
+                             "--pp-size", "2", "--rank", "1").stdout.split())
+    assert "over 2 attention layers (layers 16-17 of pipeline stage 1)" in plan
+    run = run_main("run", "--device", "cpu", "--pp-size", "2", "--rank", "1")
+    text = " ".join(run.stdout.split())
+    assert run.returncode == 0, run.stderr
+    assert "2 attention layers built (layers 16-17 of pipeline stage 1) of 32" in text
+    assert "shard: tp_size 1 tp_rank 0, pp_size 2 pp_rank 1: 32 of 32 heads, 8 of 8 kv heads, layers 16-31 of 32" in text

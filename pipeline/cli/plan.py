@@ -77,6 +77,8 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
     return {"cuda_graph_bytes_estimate": est.total_bytes,
             "cuda_graph_estimate": {"num_layers": est.num_layers, **span_fields(span_of(spec, served)),
                                     "num_hidden_layers": served.num_hidden_layers, "batch_sizes": est.batch_sizes,
+                                    **({"first_layer": served.shard.layer_range[0], "pp_rank": served.shard.pp_rank}
+                                       if served.shard is not None and served.shard.pp_size > 1 else {}),
                                     "pool_bytes": est.pool_bytes, "state_bytes": est.state_bytes,
                                     "warmup_bytes": est.warmup_bytes, "blas_workspace_bytes": est.blas_workspace_bytes,
                                     "per_bs": {str(b): v for b, v in sorted(est.per_bs.items(), reverse=True)},
@@ -85,13 +87,19 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
 
 
 def _layers_built(e: dict[str, Any]) -> str:
-    """``2 attention layers (layers 0-7: 6 linear-attention skipped)`` for a ``cuda_graph_estimate``."""
+    """``2 attention layers (layers 0-7: 6 linear-attention skipped)`` for a ``cuda_graph_estimate``; a pipeline
+    stage's ``(layers 16-17 of pipeline stage 1)``."""
     from pipeline.core.layer_span import LayerSpan, span_detail
     from pipeline.core.spec import LayerGroup
 
     n = e.get("attention_layers", e["num_layers"])
     skipped = [LayerGroup(kind=g["kind"], layer_ids=g["layer_ids"]) for g in e.get("skipped_layers") or []]
     s = LayerSpan(n, e["num_layers"], e.get("num_hidden_layers", e["num_layers"]), skipped)
+    if "first_layer" in e:  # a pipeline stage: its layers by their ids in the whole model
+        a = e["first_layer"]
+        skip = "".join(f", {len(g.layer_ids)} {g.kind.replace('_', '-')} skipped" for g in skipped)
+        return (f"{n} attention layer{'' if n == 1 else 's'} (layers {a}-{a + s.span - 1} of pipeline stage "
+                f"{e['pp_rank']}{skip})")
     return f"{n} attention layer{'' if n == 1 else 's'} ({span_detail(s)})"
 
 

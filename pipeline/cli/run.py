@@ -495,7 +495,13 @@ def model_line(request: SetupRequest, records: Any) -> str:
     def one(m: ModelSpec, serves: bool) -> str:
         arch = f" ({', '.join(map(_safe, m.architectures))})" if m.architectures else ""
         layers = ""
-        if serves and built is not None:
+        lay = request.served_model.shard
+        if serves and built is not None and lay is not None and lay.pp_size > 1:  # a stage: its layers, whole-model ids
+            s, stage = lay.layer_range[0], request.served_model
+            span = layer_span(list(stage.layer_types), built, lay.total_layers)
+            layers = (f", {span.attention} attention layer{'s' * (span.attention != 1)} built (layers {s}-"
+                      f"{s + built - 1} of pipeline stage {lay.pp_rank}) of {lay.total_layers}")
+        elif serves and built is not None:
             layers = ", " + span_text(layer_span(list(m.layer_types), built, m.num_hidden_layers))
         return f"{_safe(m.model_type)}{arch} from {_safe(m.source or 'a dict')}{layers}"
 
