@@ -34,6 +34,10 @@ INSTALLED = {"torch": True, "triton": False, "flashinfer-python": False}
 MODEL = load_model_spec({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 512,
                          "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 4,
                          "torch_dtype": "bfloat16"}, source="tiny-llama")
+MLA = load_model_spec({"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 256,
+                       "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2,
+                       "kv_lora_rank": 64, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,
+                       "q_lora_rank": None, "torch_dtype": "bfloat16"}, source="tiny-mla")
 POOL = PoolFacts(max_reqs=6, max_context_len=64, num_token_slots=256)
 
 
@@ -48,8 +52,8 @@ def swapped(layout_fn, rank: int):
 
 
 def run_one(g: distributed.RankGroup, sc: str, outdir: Path) -> dict:
-    tp, pp = map(int, re.match(r"tp(\d+)pp(\d+)", sc).groups())
-    req = SetupRequest(model=MODEL, args=AttentionArgs(tp_size=tp, pp_size=pp, attention_backend="torch_native"),
+    tp, pp = map(int, re.match(r"(?:mla_)?tp(\d+)pp(\d+)", sc).groups())
+    req = SetupRequest(model=MLA if sc.startswith("mla_") else MODEL, args=AttentionArgs(tp_size=tp, pp_size=pp, attention_backend="torch_native"),
                        device=g.device, rank=g.rank, world_size=g.world_size, pool=POOL)
     patch = (mock.patch.object(shard, "plan_layout", swapped(shard.plan_layout, g.world_size - 1))
              if sc.endswith(":swap") else mock.patch.dict({}))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 WORKER = Path(__file__).resolve().parent / "dist_shard_worker.py"
-TWO = ["tp2pp1", "tp1pp2", "tp2pp1:swap"]
+TWO = ["tp2pp1", "tp1pp2", "tp2pp1:swap", "mla_tp2pp1"]
 FOUR = ["tp4pp1", "tp2pp2"]
 
 
@@ -44,6 +44,7 @@ def _results(out: Path, sc: str, n: int) -> list[dict]:
     (2, "tp1pp2", [(0, 0, 8, 2, 0, [0, 2]), (0, 1, 8, 2, 0, [2, 4])]),
     (4, "tp4pp1", [(r, 0, 2, 1, r // 2, [0, 4]) for r in range(4)]),  # 2 kv heads over 4 ranks: replicated
     (4, "tp2pp2", [(0, 0, 4, 1, 0, [0, 2]), (1, 0, 4, 1, 1, [0, 2]), (0, 1, 4, 1, 0, [2, 4]), (1, 1, 4, 1, 1, [2, 4])]),
+    (2, "mla_tp2pp1", [(0, 0, 2, 2, 0, [0, 2]), (1, 0, 2, 2, 2, [0, 2])]),  # un-absorbed kv heads split with q
 ])
 def test_each_rank_builds_verifies_and_the_world_matches_the_whole_model(launched, n, sc, want):
     """(tp_rank, pp_rank, heads, kv heads, first kv head, layer range) per rank as sglang lays them out; every rank's
@@ -54,7 +55,8 @@ def test_each_rank_builds_verifies_and_the_world_matches_the_whole_model(launche
     assert got == want
     for r in rs:
         lo, hi = r["layout"]["layer_range"]
-        assert [k["num_heads"] for k in r["kinds"]] == [r["layout"]["num_heads"]]
+        assert [(k["num_heads"], k["num_kv_heads"]) for k in r["kinds"]] == [
+            (r["layout"]["num_heads"], 1 if sc.startswith("mla_") else r["layout"]["num_kv_heads"])]  # MLA: 1 latent
         assert sum(len(k["layer_ids"]) for k in r["kinds"]) == hi - lo
         assert r["own"] and all(v["passed"] for v in r["own"]), r["own"]
         w = r["world"]
