@@ -246,7 +246,7 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
     enable_pdmux: PD-mux: one prefill backend on a private workspace, sm_group_num decode backends on one shared workspace (GPU only, not with TBO)
     sm_group_num: number of PD-mux decode backends (SM groups)
     enable_two_batch_overlap: TBO: a wrapper with a primary and two children, each serving half the batch (a recorded downgrade on a draft worker); needs attn_dp_size > 1 or moe_a2a_backend, as in sglang
-    attn_dp_size: attention data parallel groups (sglang's attn_dp_size; a divisor of world_size); only TBO reads it here
+    attn_dp_size: attention data parallel groups (sglang's attn_dp_size; a divisor of tp_size): attention heads are split over tp_size / attn_dp_size ranks; TBO reads it too
     tp_size: tensor parallel ranks (sglang's tp_size): each serves num_attention_heads / tp_size query heads and its kv heads (replicated when fewer than tp_size); unset = world_size / pp_size
     pp_size: pipeline parallel stages (sglang's pp_size): each serves its range of layers (sglang's get_pp_indices); tp_size x pp_size must equal world_size
     moe_a2a_backend: expert parallel all to all backend of the MoE layers (sglang's; none = off); only TBO reads it here
