@@ -129,7 +129,7 @@ def test_diff_says_not_set_and_exits_as_inspect(tiny, tmp_path):
     _start(tiny, a, attention_backend="torch_native")
     _start(tiny, b)
     p = run_main("inspect", "--diff", str(a), str(b))
-    assert p.returncode == 0 and "changed args.attention_backend: 'torch_native' -> not set" in p.stdout, p.stdout
+    assert p.returncode == 0 and "changed input args.attention_backend: 'torch_native' -> not set" in p.stdout, p.stdout
     assert not REPRS.search(p.stdout), p.stdout
     assert json.loads(run_main("inspect", "--diff", "--json", str(a), str(b)).stdout)["diff"]["ok"] is True
     with pytest.raises(AttnSetupError):
