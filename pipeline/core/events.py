@@ -9,7 +9,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 import msgspec
 
-from pipeline.core.contracts import (DeviceFacts, ErrorInfo, InstancePlan, LayerGroup, Mode, Rejection,
+from pipeline.core.contracts import (DeviceFacts, ErrorInfo, Evidence, InstancePlan, LayerGroup, Mode, Rejection,
     SCHEMA_VERSION, SpeculativeParams, WorkspacePlan)
 
 
@@ -81,7 +81,8 @@ class BackendsResolved(Event, tag="backends_resolved", kw_only=True):
     """resolve's decision: the pair, the rule per half, every rejected candidate with reasons, the
     model's layers that no attention backend serves (``not_attention``: linear attention, mamba) and the
     speculative shape served (``speculative``: steps, top-k, draft tokens and where they came from; None without
-    speculative decoding)."""
+    speculative decoding) and, per half, the evidence for auto's choice (``evidence``: the measured table's row,
+    ``unmeasured`` or ``explicit``)."""
 
     prefill: str
     decode: str
@@ -90,6 +91,7 @@ class BackendsResolved(Event, tag="backends_resolved", kw_only=True):
     rejected: dict[str, list[Rejection]] = {}
     not_attention: list[LayerGroup] = []
     speculative: SpeculativeParams | None = None
+    evidence: dict[str, Evidence] = {}
 
 
 class RankRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -117,7 +117,8 @@ class Domain:
         if self.kind == "device":
             return device_spelling(v) is not None
         if self.kind == "packages":
-            names = [p.strip().lower() for p in v.split(",") if p.strip()] if isinstance(v, str) else [None]
+            names = [p.split("==")[0].strip().lower() for p in v.split(",") if p.strip()] if isinstance(v, str) \
+                else [None]  # NAME or NAME==VERSION
             return all(n in self._choices() for n in names)
         raise ValueError(f"unknown domain kind {self.kind!r}")
 
@@ -127,7 +128,8 @@ class Domain:
         enough, or the domain holds no names. Raises nothing."""
         if self.kind not in ("choice", "packages") or not isinstance(v, str) or self.admits(v):
             return None
-        names = [p.strip() for p in v.split(",") if p.strip()] if self.kind == "packages" else [v.strip()]
+        names = [p.split("==")[0].strip() for p in v.split(",") if p.strip()] if self.kind == "packages" \
+            else [v.strip()]
         lowered = [c.lower() for c in self.choices]
         for name in names:
             if name.lower() not in lowered:

@@ -109,7 +109,7 @@ def log_resolution(ctx: SetupContext, res: Any) -> None:
         ctx.emit(ev.SettingResolved, field="dtype", value=res.dtype.value, source=res.dtype.source)
     ctx.emit(ev.BackendsResolved, prefill=res.pair.prefill, decode=res.pair.decode,
              is_draft_override=res.pair.is_draft_override, rules=dict(res.rules), rejected=res.rejected,
-             not_attention=list(res.not_attention), speculative=res.speculative)
+             not_attention=list(res.not_attention), speculative=res.speculative, evidence=res.evidence)
     fb = fallback.reference_fallback(res, facts)
     if fb is not None:
         ctx.emit(ev.ReferenceFallback, halves=fb.what.split("+"), backend=registry.reference_name(),
@@ -162,6 +162,8 @@ def compare_resolution(ctx: SetupContext, recorded: Any, res: Any) -> Rows:
                 ("rules", rec.rules, dict(res.rules)), ("rejected", rec.rejected, res.rejected),
                 ("not_attention", rec.not_attention, res.not_attention),
                 ("speculative", rec.speculative, res.speculative))
+    if rec.evidence:  # traces recorded before the measured table have none
+        yield "evidence", rec.evidence, res.evidence
     yield from _skip_rows(recorded, "resolve", res.skips)
     fb, now = recorded.first(ev.ReferenceFallback), fallback.reference_fallback(res, ctx.device.facts)
     yield "reference_fallback", None if fb is None else fb.halves, None if now is None else now.what.split("+")
