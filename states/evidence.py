@@ -19,7 +19,6 @@ from packaging.version import InvalidVersion, Version
 
 import pipeline
 from pipeline.core.contracts import DeviceFacts, Evidence, ModelSpec
-from pipeline.platforms.profiles import profile_of
 
 DATA_PATH = pathlib.Path(pipeline.__file__).resolve().parent / "data" / "auto_evidence.json"
 SCRIPT = "benchmarks/auto_evidence.py"
@@ -81,8 +80,10 @@ def load(path: Optional[pathlib.Path | str] = None) -> Table | str:
 
 
 def device_class(device: DeviceFacts) -> str:
-    """The device's class in the table: its profile (``h200``), else its arch (``sm90``), else its type."""
-    return profile_of(device) or device.arch or device.type
+    """The device's class in the table: the first word of the GPU's name after the vendor's (``NVIDIA H200`` →
+    ``h200``), else its arch (``sm90``), else its type (``cpu``)."""
+    words = [w for w in device.name.split() if w.upper() not in ("NVIDIA", "AMD", "TESLA")]
+    return words[0].lower() if words and device.type != "cpu" else device.arch or device.type
 
 
 def layer_kind(model: ModelSpec) -> str:

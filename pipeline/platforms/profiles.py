@@ -85,18 +85,11 @@ def get(name: str, *, detector: Optional[Callable[[], DeviceFacts]] = None) -> D
     return PROFILES[name]
 
 
-def profile_of(facts: DeviceFacts) -> Optional[str]:
-    """The profile whose GPU ``facts`` describe, by name and compute capability (``NVIDIA H200`` sm90 → ``h200``),
-    or None."""
+def _with_sm_count(facts: DeviceFacts) -> DeviceFacts:
     for hint, prof in _NAME_HINTS:
         if hint in facts.name and PROFILES[prof].compute_capability == facts.compute_capability:
-            return prof
-    return None
-
-
-def _with_sm_count(facts: DeviceFacts) -> DeviceFacts:
-    prof = profile_of(facts)
-    return facts if prof is None else msgspec.structs.replace(facts, sm_count=PROFILES[prof].sm_count)
+            return msgspec.structs.replace(facts, sm_count=PROFILES[prof].sm_count)
+    return facts
 
 
 def from_nvml(index: int = 0) -> Optional[DeviceFacts]:
