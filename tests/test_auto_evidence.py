@@ -159,3 +159,26 @@ def test_benchmark_dry_run_writes_a_table_plan_reads(tmp_path, monkeypatch):
     assert t.rows[-1].failed == {"fa3": "RuntimeError('dry run: no GPU')"}  # recorded, not raised
     assert t.rows[-1].times_us == {"flashinfer": 157.0, "triton": 150.0}
     assert json.loads(out.read_text())["rows"][0]["source"] == "benchmarks/auto_evidence.py"
+
+
+def test_backends_resolved_records_the_evidence_and_replay_rechecks_it(table_at, tmp_path):
+    """The trace's backends_resolved holds the evidence; replay with the same table agrees, with other measured
+    times (same choice, another ratio) it diverges at resolve / evidence."""
+    import pipeline
+    from pipeline import testing
+    from pipeline.core.contracts import AttentionArgs, SetupRequest
+    from pipeline.core.model_spec import load_model_spec
+    from pipeline.observe.replay import replay
+
+    table_at(_table())
+    req = SetupRequest(args=AttentionArgs(prefill_attention_backend="torch_native"), model=load_model_spec(GPT_OSS),
+                       device="cuda:0", pool=pipeline.PoolFacts(max_reqs=2, max_context_len=64, num_token_slots=64))
+    path = tmp_path / "t.jsonl"
+    testing.record_trace(req, path, facts=testing.cuda_facts(name="NVIDIA H200"), installed=HERE)
+    rec = next(json.loads(x) for x in path.read_text().splitlines() if '"backends_resolved"' in x)
+    assert rec["decode"] == "triton" and rec["evidence"]["decode"]["kind"] == "measured"
+    assert rec["evidence"]["prefill"]["kind"] == "explicit"
+    assert replay(path).divergence is None
+    table_at(_table(times_us={"flashinfer": 120.0, "triton": 100.0}))
+    d = replay(path).divergence
+    assert (d.state, d.field) == ("resolve", "evidence")
