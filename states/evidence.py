@@ -26,6 +26,7 @@ SCRIPT = "benchmarks/auto_evidence.py"
 LAYER_KINDS = {"mla": "MLA layers", "sinks": "sink layers", "softcap": "softcapped layers",
                "chunked": "chunked layers", "sliding": "sliding-window layers", "full": "full layers"}
 _EXACT = ("flashinfer-python",)  # compared exactly; the others major.minor
+NO_ROW = "no measured row"  # the reason's start when the table has nothing for this request (human output omits it)
 
 
 class Row(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -144,12 +145,12 @@ def order(half: str, candidates: Sequence[str], capable: Callable[[str], bool], 
         return cands, Evidence(kind="explicit")
     table = load() if table is None else table
     if isinstance(table, str):
-        return cands, _unmeasured(table)
+        return cands, _unmeasured(f"{NO_ROW}: {table}")
     cls, kind = device_class(device), layer_kind(model)
     row = next((r for r in table.rows if r.device_class in (cls, device.arch) and r.phase == half
                 and r.layer_kind == kind and r.kv_dtype == kv), None)
     if row is None:
-        return cands, _unmeasured(f"no measured row for {half} of {LAYER_KINDS[kind]} with {kv} KV on {cls}")
+        return cands, _unmeasured(f"{NO_ROW} for {half} of {LAYER_KINDS[kind]} with {kv} KV on {cls}")
     bad = version_mismatch(table.versions, installed)
     if bad:
         return cands, _unmeasured(bad)

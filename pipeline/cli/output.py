@@ -200,8 +200,9 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
         if sp:
             print_line(c, f"speculative: {sp['algorithm']} {sp['num_steps']} steps, top-k {sp['topk']}, "
                           f"{sp['num_draft_tokens']} draft tokens per verify ({sp['source']})")
-        for line in (res.get("evidence_text") or {}).values():
-            print_line(c, line)
+        for line in (res.get("evidence_text") or {}).values():  # a table with nothing for this request: no line
+            if ev_mod.NO_ROW not in line:
+                print_line(c, line)
         for g in res.get("not_attention") or []:
             print_line(c, f"not attention (no KV cache, computed by the model's own kernels): {g['kind']} layers "
                           f"{_layers_text(g['layer_ids'])}")
