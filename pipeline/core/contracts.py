@@ -91,7 +91,7 @@ class SpeculativeParams(msgspec.Struct, **_STRUCT):
         return self.topk > 1
 
 
-class Evidence(msgspec.Struct, **_STRUCT):
+class Evidence(msgspec.Struct, omit_defaults=True, **_STRUCT):
     """Why auto-selection put a backend first for one phase (:mod:`states.evidence`).
 
     ``kind``: ``measured`` (a row of the measured table matched: ``source`` is ``"<script>, <date>"``, ``device``
