@@ -57,8 +57,7 @@ def host_page_meta(seq_lens: Sequence[int], page_size: int) -> tuple[torch.Tenso
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # triton.jit fixes its mode at decoration, as here
 
 if triton is not None:
-    # Pointer alignment and stride values are not specialized: slices at any offset (e.g. a TBO child's
-    # half of the batch) reuse the kernel compiled at build instead of compiling in their first step.
+    # Alignment and strides not specialized: slices at any offset (a TBO child's half) reuse the build's kernel.
     _NO_SPEC = ["req_pool_indices", "seq_lens", "out", "stride_row", "stride_rpi", "stride_sl", "total"]
     _jit_kw = {"do_not_specialize": _NO_SPEC}
     if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
@@ -67,9 +66,8 @@ if triton is not None:
     @triton.jit(**_jit_kw)
     def _kv_indices_kernel(req_to_token, stride_row, stride_col, req_pool_indices, stride_rpi, seq_lens, stride_sl,
                            out, total, page_size, BLOCK: tl.constexpr):
-        # one program per request r; its first output position is the page count of requests 0..r-1,
-        # summed in BLOCK-wide chunks (no batch-size constexpr, so one compiled kernel serves every B);
-        # stores are masked to the host's page total, so device lengths that disagree cannot overrun out
+        # one program per request r, writing from the page count of requests 0..r-1 (one kernel for every B); stores
+        # masked to the host's page total
         r = tl.program_id(0)
         c = tl.program_id(1)  # this program's share of request r's pages: chunks c, c + nc, c + 2 nc, ...
         nc = tl.num_programs(1)

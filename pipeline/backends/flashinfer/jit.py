@@ -390,10 +390,8 @@ def warmup_variants(variants: Sequence[Variant], jobs: int = 4) -> list[dict[str
     return results
 
 
-# FlashInfer MLA backend per arch: the sm90 (Hopper) fa3 MLA kernels are 2.1x faster than fa2 at 128 heads
-# (H200, bf16, page 16, graph replay: B=64 ctx 4096 136.4 vs 289.0 µs; B=256 508 vs 1119; B=64 ctx 32768
-# 1063 vs 2373 — benchmarks/RESULTS.md "fp8 KV and MLA facts"); FlashInfer's own ``backend="auto"``
-# (``determine_mla_backend``) also picks fa3 where sm90a is supported. Other arches have only fa2.
+# FlashInfer MLA backend per arch: fa3 on sm90 (2.1x fa2 at 128 heads, benchmarks/RESULTS.md, as FlashInfer's
+# ``determine_mla_backend``); fa2 elsewhere.
 MLA_FA3_ARCHS = ("sm90",)
 
 
