@@ -116,7 +116,6 @@ def graph_estimate(r: Any, spec: Any) -> Any:
 def _bound_if_beyond_device(r: Any, req: Any, decided: Any) -> Any:
     """The graphs' closed-form lower bound when it alone exceeds the pools' share of device memory, else None (then the
     per-size estimate is never built; ``plan`` refuses the same way)."""
-    from pipeline.memory.pools import POOL_MEMORY_SHARE
     from pipeline.memory.graphs import lower_bound_for_decided
 
     total = r.platform.device_facts(r.index).total_memory_bytes

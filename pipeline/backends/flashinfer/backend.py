@@ -1,7 +1,4 @@
-"""The ``flashinfer`` and ``fa3`` backends: FlashInfer wrappers over the paged KV cache.
-
-Details: docs/internals.md, ``pipeline.backends.flashinfer.backend``.
-"""
+"""The ``flashinfer`` and ``fa3`` backends: FlashInfer wrappers over the paged KV cache."""
 
 from __future__ import annotations
 
