@@ -164,9 +164,7 @@ def _series_top(top: int) -> int:
 def capture_batch_sizes(args: AttentionArgs, max_reqs: int, *, device: Optional[DeviceFacts] = None,
                         world_size: int = 1, state: str = "build-mode") -> list[int]:
     """The decode batch sizes to capture, ascending: ``cuda_graph_bs``, else sglang's series 1, 2, 4, 8, 16, 24, … up to
-    :func:`graph_top`.
-
-    Raises ConfigError (``invalid_value``, in ``state``) naming ``cuda_graph_bs`` and ``max_reqs``.
+    :func:`graph_top`. Raises ConfigError (``invalid_value``, in ``state``) naming ``cuda_graph_bs`` and ``max_reqs``.
     """
     return list(capture_series(args, max_reqs, device=device, world_size=world_size, state=state))
 

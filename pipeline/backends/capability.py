@@ -69,12 +69,10 @@ class BackendRules:
 
 
 class WorkspaceQuery(msgspec.Struct, frozen=True, kw_only=True):
-    """What a workspace check asks of one backend's workspace (build-mode, ``plan``, ``run``'s preflight).
-
-    ``kinds``, ``num_sms``, ``max_reqs``, ``graph_max_bs`` (0: no graphs); for the remedy: ``graph_bs`` /
-    ``graph_bs_given``, ``max_bs_given``, ``env_var`` (""), ``field_given``, ``max_bytes`` (0: unknown), ``fits(ws,
-    bs)`` (:func:`pipeline.memory.fits.fits_beside`; None: ``max_bytes`` alone); ``graph_mode`` / ``graph_tokens``.
-    """
+    """What a workspace check asks of one backend's workspace (build-mode, ``plan``, ``run``'s preflight). ``kinds``,
+    ``num_sms``, ``max_reqs``, ``graph_max_bs`` (0: no graphs); for the remedy: ``graph_bs`` / ``graph_bs_given``,
+    ``max_bs_given``, ``env_var`` (""), ``field_given``, ``max_bytes`` (0: unknown), ``fits(ws, bs)``
+    (:func:`pipeline.memory.fits.fits_beside`; None: ``max_bytes`` alone); ``graph_mode`` / ``graph_tokens``."""
 
     kinds: Any
     num_sms: int

@@ -246,10 +246,8 @@ class PageAllocator:
 def make_forward_batch(mode: ForwardMode, reqs: Sequence[int], new_tokens: Sequence[int], allocator: PageAllocator,
                        kv_pool: KVPool, spec_info: Any = None) -> ForwardBatch:
     """Allocate ``new_tokens[i]`` slots for request row ``reqs[i]`` and build the batch on the pool's device.
-
     ``DECODE``: each 1; ``TARGET_VERIFY``: ``spec_info`` holds each tree, at ``prefix + depth``; draft decode:
-    :func:`make_draft_batch`.
-    """
+    :func:`make_draft_batch`."""
     if mode is ForwardMode.DECODE and any(n != 1 for n in new_tokens):
         raise BuildError("a decode batch has exactly one new token per request", code="bad_batch")
     dev = kv_pool.device

@@ -53,11 +53,8 @@ def tree_mask(parents: Sequence[int]) -> torch.Tensor:
 @dataclass
 class SpecInfo:
     """The speculative part of a batch (the fields of sglang's ``EagleVerifyInput`` / ``EagleDraftInput`` attention
-    reads).
-
-    ``topk``; ``num_draft_tokens`` (fixed in graphs); ``parents``: target verify, per request; ``draft_slots``: draft
-    decode, [B, topk, s + 1] int64 on the pool's device. Host-side derivations are cached per batch.
-    """
+    reads). ``topk``; ``num_draft_tokens`` (fixed in graphs); ``parents``: target verify, per request; ``draft_slots``:
+    draft decode, [B, topk, s + 1] int64 on the pool's device. Host-side derivations are cached per batch."""
 
     topk: int = 1
     num_draft_tokens: int = 0
@@ -141,12 +138,10 @@ def check_draft_batch(spec: Optional[SpecInfo], batch_size: int, num_tokens: int
 def draft_token_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                       draft_slots: torch.Tensor, width: int, out: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(table [B * topk, width] int32, kv_lens [B * topk] int32) of a draft-decode batch on the pool's device.
-
-    Row ``b * topk + k``: request ``b``'s prefix slots then branch ``k``'s draft slots, 0 past its length; ``kv_lens =
-    prefix + s + 1``. ``out`` [>= B * topk, width] int32 is written in place. No host sync (sglang's
-    ``generate_draft_decode_kv_indices``).
-    """
+    """(table [B * topk, width] int32, kv_lens [B * topk] int32) of a draft-decode batch on the pool's device. Row ``b *
+    topk + k``: request ``b``'s prefix slots then branch ``k``'s draft slots, 0 past its length; ``kv_lens = prefix + s
+    + 1``. ``out`` [>= B * topk, width] int32 is written in place. No host sync (sglang's
+    ``generate_draft_decode_kv_indices``)."""
     b, topk, s1 = draft_slots.shape
     rows = b * topk
     dev = req_to_token.device

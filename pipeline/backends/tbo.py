@@ -64,11 +64,9 @@ def split_batch(fb: ForwardBatch) -> list[tuple[ForwardBatch, int, int]]:
 
 
 class TboAttnBackend(AttentionBackend):
-    """TBO wrapper over ``primary`` and ``children = [child0, child1]`` (three distinct instances).
-
-    Metadata: primary on the whole batch, each child on its half; ``forward`` returns [T, H*Dv] in batch order.
-    CUDA-graph hooks go to the primary (as sglang).
-    """
+    """TBO wrapper over ``primary`` and ``children = [child0, child1]`` (three distinct instances). Metadata: primary on
+    the whole batch, each child on its half; ``forward`` returns [T, H*Dv] in batch order. CUDA-graph hooks go to the
+    primary (as sglang)."""
 
     name = "tbo"
 

@@ -51,12 +51,9 @@ def _check_layer(layer: AttentionLayer, fb: ForwardBatch) -> None:
 def check_forward_inputs(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                          layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool,
                          layout: Optional[list[tuple[int, int, int]]] = None) -> torch.Tensor:
-    """Validate one layer call; returns ``q`` as [T, H, D].
-
-    ``q`` [T, H, D] or [T, H*D], fp32/bf16/fp16, on the pool's device; ``k`` [T, Hkv, D] / ``v`` [T, Hkv, Dv] when
-    ``save_kv_cache``; ``layout``: :func:`batch_layout` if known. Raises :class:`BuildError` (``forward_input_invalid``)
-    before any write.
-    """
+    """Validate one layer call; returns ``q`` as [T, H, D]. ``q`` [T, H, D] or [T, H*D], fp32/bf16/fp16, on the pool's
+    device; ``k`` [T, Hkv, D] / ``v`` [T, Hkv, Dv] when ``save_kv_cache``; ``layout``: :func:`batch_layout` if known.
+    Raises :class:`BuildError` (``forward_input_invalid``) before any write."""
     _check_layer(layer, fb)
     t, h, d, dv, hkv = fb.num_tokens, layer.num_heads, layer.head_dim, layer.v_head_dim, layer.num_kv_heads
     if q.dtype not in Q_DTYPES:
@@ -182,10 +179,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, unit: Unit, layer
 
 class TorchNativeBackend(AttentionBackend):
     """Per-request fp32 attention over the paged KV cache (pools come with each :class:`ForwardBatch`).
-
     ``torch_device``; ``role``; ``layer_kinds``: checked per layer object (``LayerMismatch`` before any write; None:
-    trust each call's layer).
-    """
+    trust each call's layer)."""
 
     name = "torch_native"
 

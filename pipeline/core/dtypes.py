@@ -61,10 +61,8 @@ def _auto(model: "ModelSpec") -> DtypeChoice:
 def resolve_dtype(args: "AttentionArgs", model: "ModelSpec") -> DtypeChoice:
     """The compute dtype of ``model`` under ``args.dtype`` (``auto`` or a name) and its rule: a
     :class:`~pipeline.core.contracts.DtypeChoice` (``value`` canonical, ``source`` ``"field"`` or ``"auto:<rule>"``).
-
     Raises ConfigError (``dtype_refused``, exit 3, state ``resolve``) for an explicit float16 on a model type in
-    :data:`FLOAT16_REFUSED`.
-    """
+    :data:`FLOAT16_REFUSED`."""
     if args.dtype == "auto":
         return _auto(model)
     value = norm_dtype(args.dtype)

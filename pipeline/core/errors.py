@@ -16,12 +16,10 @@ class Flag(msgspec.Struct, **_STRUCT):
 
 
 class ErrorInfo(msgspec.Struct, **_STRUCT):
-    """The one error shape every command prints and every failure event carries.
-
-    ``code``: stable snake_case; ``state``: the state raised in, or ``"args"``; ``flags``: flags/fields with values;
-    ``json_path``: e.g. ``$.num_attention_heads`` or None; ``message``: one sentence; ``allowed``: values or backends
-    that would work; ``remedy``: one line.
-    """
+    """The one error shape every command prints and every failure event carries. ``code``: stable snake_case; ``state``:
+    the state raised in, or ``"args"``; ``flags``: flags/fields with values; ``json_path``: e.g.
+    ``$.num_attention_heads`` or None; ``message``: one sentence; ``allowed``: values or backends that would work;
+    ``remedy``: one line."""
 
     code: str
     state: str
@@ -116,10 +114,8 @@ class ModelConfigError(ConfigError):
 
 class RankDivergence(ConfigError):
     """The ranks of one launch disagree (pair, attention args or device); raised on every rank before allocation.
-
     ``info.flags``: one ``rank[i]`` entry per rank and ``diverging``; ``derived`` maps a field differing only because
-    another does to that one (``{"cuda_graph_bs": "pool.max_reqs"}``).
-    """
+    another does to that one (``{"cuda_graph_bs": "pool.max_reqs"}``)."""
 
     code = "rank_divergence"
 

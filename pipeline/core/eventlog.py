@@ -233,12 +233,10 @@ class EventLog:
                       error=info)
 
     def install_signal_handlers(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> bool:
-        """Write a last ``run_interrupted`` record on SIGTERM, SIGINT and an uncaught exception (the CLI calls it).
-
-        The previous handler runs afterwards (SIGINT: KeyboardInterrupt, exit 130); an ignored signal stays ignored; a
+        """Write a last ``run_interrupted`` record on SIGTERM, SIGINT and an uncaught exception (the CLI calls it). The
+        previous handler runs afterwards (SIGINT: KeyboardInterrupt, exit 130); an ignored signal stays ignored; a
         returning handler is followed by KeyboardInterrupt. Returns False off the main thread (the exception hook is
-        set).
-        """
+        set)."""
         from pipeline.core.contracts import ErrorInfo
         from pipeline.core.errors import INTERRUPTED_REMEDY, error_info_from
 

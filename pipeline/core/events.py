@@ -15,11 +15,9 @@ Ns = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # wall-clock ns (time
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="event"):
-    """Fields every record carries; ``level`` (class attribute) is the log level it is emitted at.
-
-    ``launch_id`` separates launches sharing a ``run_id`` and a log file (``""`` in older traces). The reader refuses
-    ``schema_version < 1``, ``ts_ns`` outside ``[0, 2**63)`` and ``rank < 0``.
-    """
+    """Fields every record carries; ``level`` (class attribute) is the log level it is emitted at. ``launch_id``
+    separates launches sharing a ``run_id`` and a log file (``""`` in older traces). The reader refuses ``schema_version
+    < 1``, ``ts_ns`` outside ``[0, 2**63)`` and ``rank < 0``."""
 
     level: ClassVar[str] = "info"
     schema_version: Annotated[int, msgspec.Meta(ge=1)] = SCHEMA_VERSION
@@ -106,10 +104,8 @@ class ResolutionAgreed(Event, tag="resolution_agreed", kw_only=True):
 
 class RankStalled(Event, tag="rank_stalled", kw_only=True):
     """This rank waited ``waited_s`` at ``waiting_at`` and rank ``stalled_rank`` never arrived (one record per missing
-    rank).
-
-    ``last_state`` (``"never heard"`` when none), ``seconds_since_heartbeat`` (None when none), ``doing`` (``""``).
-    """
+    rank). ``last_state`` (``"never heard"`` when none), ``seconds_since_heartbeat`` (None when none), ``doing``
+    (``""``)."""
 
     level: ClassVar[str] = "error"
     stalled_rank: int
@@ -289,11 +285,8 @@ class MemoryPoolSized(Event, tag="memory_pool_sized", kw_only=True):
 
 class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
     """One CUDA graph captured: ``bs``, capture time (warm-up included), ``mode`` (``decode``, ``target_verify``,
-    ``draft_decode``).
-
-    ``graph_bytes``: added to the shared private pool; ``device_bytes``: free memory before minus after (may be <= 0);
-    ``graph_bytes_estimate``: :mod:`pipeline.memory.graphs`'s estimate (all 0 in older traces).
-    """
+    ``draft_decode``). ``graph_bytes``: added to the shared private pool; ``device_bytes``: free memory before minus
+    after (may be <= 0); ``graph_bytes_estimate``: :mod:`pipeline.memory.graphs`'s estimate (all 0 in older traces)."""
 
     bs: int
     capture_ms: float
@@ -305,12 +298,10 @@ class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
 
 
 class CudaGraphMemory(Event, tag="cuda_graph_memory", kw_only=True):
-    """Graph capture done: measured against :mod:`pipeline.memory.graphs`'s estimates (bytes).
-
-    Estimates: ``pool_estimate``, ``state_estimate``, ``warmup_estimate`` (``blas_workspace_bytes`` of it),
-    ``total_estimate``; measured: ``pool_bytes`` (``memory_snapshot()``), ``step_device_bytes``, ``prime_device_bytes``
-    (:func:`pipeline.platforms.cuda.prime_capture`'s one-time costs; 0 when paid before or in older traces).
-    """
+    """Graph capture done: measured against :mod:`pipeline.memory.graphs`'s estimates (bytes). Estimates:
+    ``pool_estimate``, ``state_estimate``, ``warmup_estimate`` (``blas_workspace_bytes`` of it), ``total_estimate``;
+    measured: ``pool_bytes`` (``memory_snapshot()``), ``step_device_bytes``, ``prime_device_bytes``
+    (:func:`pipeline.platforms.cuda.prime_capture`'s one-time costs; 0 when paid before or in older traces)."""
 
     backend: str
     batch_sizes: list[int]
@@ -391,10 +382,8 @@ class PhaseTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 class StartupSummary(Event, tag="startup_summary", kw_only=True):
     """Where a launch's wall time went (:mod:`pipeline.observe.startup`), the last record before ``command_finished``.
-
     ``wall_s`` from ``process_start_ns`` (0 when unknown): ``created_ns`` moved past ``idle_before_start_s``;
-    ``coverage`` = top-level phases / ``wall_s``.
-    """
+    ``coverage`` = top-level phases / ``wall_s``."""
 
     wall_s: float
     phases: list[PhaseTime]

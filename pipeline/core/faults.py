@@ -20,12 +20,9 @@ class InjectedFault(AttnSetupError):
 
 
 class Faults:
-    """Which points raise, and what every point saw.
-
-    ``at``: fnmatch patterns that raise; ``make_error``: ``point -> BaseException`` instead of :class:`InjectedFault`;
-    ``sleep_s`` > 0: sleep and continue instead (a stalled rank). Attributes ``visited``, ``fired``, ``objects`` (weak
-    references to what :meth:`hit` saw, to check cleanup).
-    """
+    """Which points raise, and what every point saw. ``at``: fnmatch patterns that raise; ``make_error``: ``point ->
+    BaseException`` instead of :class:`InjectedFault`; ``sleep_s`` > 0: sleep and continue instead (a stalled rank).
+    Attributes ``visited``, ``fired``, ``objects`` (weak references to what :meth:`hit` saw, to check cleanup)."""
 
     def __init__(self, at: Iterable[str] = (), *,
                  make_error: Optional[Callable[[str], BaseException]] = None, sleep_s: float = 0.0) -> None:

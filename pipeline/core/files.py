@@ -113,11 +113,8 @@ def replace_atomically(path: str | os.PathLike, data: bytes) -> None:
 
 def open_regular(path: str | os.PathLike, mode: str, *, flag: str, what: str) -> IO[bytes]:
     """Open ``path`` for ``"rb"``, ``"ab"`` or ``"wb"`` (the latter two create it and its folders), non-blocking and
-    checked by ``fstat`` to be a regular file.
-
-    Raises :class:`UsageError` naming ``flag`` (exit 2): ``not_a_regular_file``, or ``file_unreadable`` /
-    ``log_file_unwritable`` for an ``OSError``.
-    """
+    checked by ``fstat`` to be a regular file. Raises :class:`UsageError` naming ``flag`` (exit 2):
+    ``not_a_regular_file``, or ``file_unreadable`` / ``log_file_unwritable`` for an ``OSError``."""
     p = os.fspath(path)
     try:  # a FIFO with no reader fails a non-blocking open for writing (ENXIO): name what it is instead
         _refuse_irregular(os.stat(p).st_mode, p, flag=flag, what=what)

@@ -55,11 +55,9 @@ class Step:
 
 @dataclass(frozen=True)
 class StepTable:
-    """A machine's steps in order, its success state and how its messages name things.
-
-    ``machine`` (``setup``, ``runner``); ``success``: terminal state; ``event``: the move's record type; ``label``: how
-    an error names a trigger; ``remedy``: out-of-order advice; ``enum_name``/``module``: the derived Enum's identity.
-    """
+    """A machine's steps in order, its success state and how its messages name things. ``machine`` (``setup``,
+    ``runner``); ``success``: terminal state; ``event``: the move's record type; ``label``: how an error names a
+    trigger; ``remedy``: out-of-order advice; ``enum_name``/``module``: the derived Enum's identity."""
 
     machine: str
     steps: tuple[Step, ...]
@@ -150,10 +148,8 @@ class GuardError(OrderingError):
 
 class TableMachine:
     """A pytransitions ``Machine`` over ``model`` for ``table``, with typed errors and timing.
-
     ``on_transition(from_state, to_state, trigger, duration_ms)`` after every move; :meth:`fire` raises OrderingError /
-    GuardError; :meth:`require_state` and :meth:`require` check before work starts.
-    """
+    GuardError; :meth:`require_state` and :meth:`require` check before work starts."""
 
     def __init__(self, table: StepTable, model: Any,
                  on_transition: Optional[Callable[[Any, Any, str, float], None]] = None) -> None:
@@ -343,11 +339,9 @@ def decide(table: StepTable, ctx: Any, *, inputs: Any = None) -> Decided:
 
 def replay(table: StepTable, ctx: Any, recorded: Any, error: Any, check: Callable[[str, str, Any, Any], None]) -> None:
     """Decide every step of ``table`` for ``ctx`` and compare with ``recorded`` (``.records``, ``.first``, ``.all``).
-
     ``error``: the recorded failure's ErrorInfo or None; ``check(state, field, recorded, now)`` raises on a difference.
     A typed refusal must match the recorded failure (code and message). Raises :class:`Stop` where the recorded run
-    ended.
-    """
+    ended."""
     entered = {table.steps[0].state} | {r.to for r in recorded.records if isinstance(r, table.event)}
     for step in table.steps:
         if step.state not in entered:

@@ -76,12 +76,10 @@ def _num(v: float) -> str:
 
 @dataclass(frozen=True)
 class Domain:
-    """The values one setting takes.
-
-    ``kind``: ``int`` (``lo``..``hi`` inclusive), ``float`` (finite; ``lo_open``/``hi_open``), ``choice`` (``any_case``
-    ignores case and blanks), ``text`` (non-empty), ``device`` (:func:`device_spelling`), ``packages`` (comma-separated
-    subset, ``''`` = none). ``hidden`` choices are admitted unlisted; ``example``: an in-domain value for remedies.
-    """
+    """The values one setting takes. ``kind``: ``int`` (``lo``..``hi`` inclusive), ``float`` (finite;
+    ``lo_open``/``hi_open``), ``choice`` (``any_case`` ignores case and blanks), ``text`` (non-empty), ``device``
+    (:func:`device_spelling`), ``packages`` (comma-separated subset, ``''`` = none). ``hidden`` choices are admitted
+    unlisted; ``example``: an in-domain value for remedies."""
 
     kind: str
     example: Any

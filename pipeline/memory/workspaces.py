@@ -76,12 +76,9 @@ def check_workspaces(req: Any, d: Any, facts: Any, fits: Any = None) -> None:
 def check_workspaces_fit(request: Any, d: Any, facts: Any, memory_bytes: int, *, pool_bytes: int = 0,
                          graph_bytes: int = 0, total: bool = False, device: str = "") -> None:
     """Raise ConfigError ``workspace_exceeds_memory`` (state ``build-mode``) when the planned workspaces are above
-    :data:`POOL_MEMORY_SHARE` of ``memory_bytes`` (0: no check).
-
-    ``pool_bytes`` / ``graph_bytes`` must fit beside them. Remedy: each workspace at its share less the margin and those
-    bytes (when >= the need); else the need at a smaller top (<= :data:`~pipeline.core.numbers.REMEDY_MAX_BS`); else
-    ``disable_cuda_graph``; else a larger device.
-    """
+    :data:`POOL_MEMORY_SHARE` of ``memory_bytes`` (0: no check). ``pool_bytes`` / ``graph_bytes`` must fit beside them.
+    Remedy: each workspace at its share less the margin and those bytes (when >= the need); else the need at a smaller
+    top (<= :data:`~pipeline.core.numbers.REMEDY_MAX_BS`); else ``disable_cuda_graph``; else a larger device."""
     from pipeline.core.numbers import REMEDY_MAX_BS, largest_fitting
 
     ws, n = d.plan.workspace_bytes, max(len(d.plan.workspaces), 1)

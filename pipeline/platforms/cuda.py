@@ -103,11 +103,8 @@ def prime_capture(device: Any = None) -> int:
 
 def capture_graph(fn: Callable[[], Any], pool: Any = None, stream: Any = None) -> tuple[Any, Any]:
     """Capture ``fn`` into a ``torch.cuda.CUDAGraph`` after one side-stream warm-up: ``(graph, out)``, ``out`` rewritten
-    by each replay.
-
-    ``pool``: a shared ``graph_pool_handle()``; ``stream``: the same for every capture of a series (default
-    :func:`capture_stream`). Raises what capture raises.
-    """
+    by each replay. ``pool``: a shared ``graph_pool_handle()``; ``stream``: the same for every capture of a series
+    (default :func:`capture_stream`). Raises what capture raises."""
     import torch
 
     side = stream if stream is not None else capture_stream()

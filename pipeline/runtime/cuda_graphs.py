@@ -34,12 +34,10 @@ def _as_id(pool_id: Any) -> Any:
 
 
 class DecodeGraphRunner:
-    """Captured graphs of ``stack`` through ``backend`` for ``batch_sizes`` (requests).
-
-    ``mode``: ``DECODE``, ``TARGET_VERIFY`` or ``DRAFT_DECODE`` (with ``spec``: ``tokens_per_req`` rows each);
-    ``on_captured(bs, capture_ms)`` after each capture; :attr:`step_device_bytes`: free memory before the buffers minus
-    after the last capture; :attr:`capture_ms`: bs → ms (warm-up included).
-    """
+    """Captured graphs of ``stack`` through ``backend`` for ``batch_sizes`` (requests). ``mode``: ``DECODE``,
+    ``TARGET_VERIFY`` or ``DRAFT_DECODE`` (with ``spec``: ``tokens_per_req`` rows each); ``on_captured(bs, capture_ms)``
+    after each capture; :attr:`step_device_bytes`: free memory before the buffers minus after the last capture;
+    :attr:`capture_ms`: bs → ms (warm-up included)."""
 
     def __init__(self, stack: Any, backend: Any, req_to_token_pool: Any, kv_pool: Any,
                  batch_sizes: Sequence[int], mode: ForwardMode = ForwardMode.DECODE, spec: Any = None) -> None:

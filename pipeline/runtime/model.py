@@ -149,11 +149,9 @@ def _rope_complex(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Ten
 def reference_forward(stack: AttentionStack, hidden: torch.Tensor, kv_dtype: Optional[torch.dtype] = None,
                       store_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One request's sequence [L, hidden_size] through the stack in float64, dense and causal: (output (CPU), aux).
-
     Apart from :meth:`AttentionStack.forward`: no backend or cache, complex RoPE, MLA un-absorbed. ``kv_dtype``: round
     what the cache stores through it; ``store_dtype``: round every tensor the stack hands on (five points) so the
-    comparison measures the attention path.
-    """
+    comparison measures the attention path."""
     def cached(t: torch.Tensor) -> torch.Tensor:
         return t if kv_dtype is None else t.to(kv_dtype).to(torch.float64)
 

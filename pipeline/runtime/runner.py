@@ -66,10 +66,8 @@ VERIFY_REMEDY = "the backend computes wrong attention for this model; report it 
 
 def verification_failure(records: Iterable[ev.Event]) -> Optional[ErrorInfo]:
     """The ``verification_failed`` ErrorInfo of failed ``instance_verified`` / ``model_step_verified`` records, or None.
-
     Instances read ``role (backend: max_rel_err > tol)``, steps ``step (graph|eager[, mla-…]: max_rel_err > tol)``;
-    ``state`` is ``done`` when an instance failed, else ``ready``.
-    """
+    ``state`` is ``done`` when an instance failed, else ``ready``."""
     inst, steps = [], []
     for r in records:
         if isinstance(r, ev.InstanceVerified) and not r.passed:

@@ -326,12 +326,10 @@ def verification_model(model: ModelSpec, window: int = VERIFY_WINDOW,
 
 def verify_built(backends: Any, request: SetupRequest, *, pools: Optional[dict[str, Any]] = None,
                  decode_steps: int = 3, seed: int = 0) -> list[VerifyResult]:
-    """Verify a build the way it runs: every planned instance, then the top wrapper if it is not one.
-
-    ``pools`` default ``backends.pools``. When :func:`verification_model` changes the spec the plan is rebuilt from it
+    """Verify a build the way it runs: every planned instance, then the top wrapper if it is not one. ``pools`` default
+    ``backends.pools``. When :func:`verification_model` changes the spec the plan is rebuilt from it
     (:func:`pipeline.setup.instances.build_like`) and closed afterwards. Roles as in the plan plus ``<mode>.wrapper``.
-    Raises what :func:`verify_backend` or a factory raises.
-    """
+    Raises what :func:`verify_backend` or a factory raises."""
     from pipeline.setup.instances import build_like
     from pipeline.core.dtypes import model_dtype
 

@@ -31,12 +31,10 @@ def inputs_of(request: SetupRequest, installed: Optional[Mapping[str, bool]]) ->
 def decide_setup(request: SetupRequest, *, platform: Optional[Platform] = None, facts: Optional[DeviceFacts] = None,
                  installed: Optional[Mapping[str, bool]] = None, env: Mapping[str, str] = os.environ,
                  rank_group: Any = None) -> steps.Decided:
-    """Every setup decision up to allocation, nothing applied: the setup table in decide mode.
-
-    ``facts``: device facts (``plan``: a profile), else read from ``platform``; ``installed``: package presence, else
-    imports checked against metadata. Returns the :class:`~pipeline.core.steps.Decided` of device-init, resolve,
-    build-mode and npu-lazy-mem, or the first refusal; ``build_attention_backends(..., decided=)`` reuses it.
-    """
+    """Every setup decision up to allocation, nothing applied: the setup table in decide mode. ``facts``: device facts
+    (``plan``: a profile), else read from ``platform``; ``installed``: package presence, else imports checked against
+    metadata. Returns the :class:`~pipeline.core.steps.Decided` of device-init, resolve, build-mode and npu-lazy-mem, or
+    the first refusal; ``build_attention_backends(..., decided=)`` reuses it."""
     if facts is None and platform is None:
         platform = platform_for(request.device)
     ctx = SetupContext(request, platform=platform, facts=facts, installed=installed, env=env, rank_group=rank_group)

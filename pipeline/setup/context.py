@@ -100,12 +100,9 @@ class SetupModel:
 
 
 class SetupContext:
-    """One setup's inputs, decisions and effects.
-
-    ``facts``: given instead of read from ``platform`` (``plan``, replay); ``installed``: given presence (None: imports
-    checked against metadata); ``env``: where ``SGLANG_*`` settings are read. Run mode: the log, ``pools`` (None: built
-    here), CPU / rank groups, test-only ``faults``.
-    """
+    """One setup's inputs, decisions and effects. ``facts``: given instead of read from ``platform`` (``plan``, replay);
+    ``installed``: given presence (None: imports checked against metadata); ``env``: where ``SGLANG_*`` settings are
+    read. Run mode: the log, ``pools`` (None: built here), CPU / rank groups, test-only ``faults``."""
 
     def __init__(self, request: SetupRequest, *, platform: Any = None, facts: Optional[DeviceFacts] = None,
                  installed: Optional[Mapping[str, bool]] = None, env: Mapping[str, str] = os.environ,

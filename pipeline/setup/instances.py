@@ -94,11 +94,9 @@ def _check_tensor(field: str, t: Any, shape: tuple, dtype: Any, dev: Any) -> Non
 
 def check_given_pools(ctx: SetupContext) -> None:
     """Refuse engine pools the request's ``PoolFacts`` or the model do not describe: ConfigError ``pools_mismatch``
-    before any allocation.
-
-    Checked: both keys; ``req_to_token`` [max_reqs, max_context_len] int32; per layer K [num_token_slots, Hkv, D] and V
-    [num_token_slots, Hkv, Dv] of the KV dtype on the run's device (MLA: V a view of K); ``page_size``.
-    """
+    before any allocation. Checked: both keys; ``req_to_token`` [max_reqs, max_context_len] int32; per layer K
+    [num_token_slots, Hkv, D] and V [num_token_slots, Hkv, Dv] of the KV dtype on the run's device (MLA: V a view of K);
+    ``page_size``."""
     import torch
 
     from pipeline.backends.memory import torch_dtype
@@ -218,11 +216,9 @@ def _fault_after_factory(faults: Any, role: str, backend: Any) -> None:
 
 def build_like(backends: Any, request: SetupRequest, model: Any, pools: Optional[Mapping[str, Any]] = None) -> Built:
     """Build ``backends``' plan again for ``model`` (same layer ids and dims; per-kind parameters may differ, e.g.
-    :func:`pipeline.runtime.verify.verification_model`'s windows), on the same workspaces, pools and graph size.
-
-    Logs nothing; returns a :class:`~pipeline.setup.context.Built` whose ``instances`` the caller closes. Raises what a
-    factory raises, after closing those already built.
-    """
+    :func:`pipeline.runtime.verify.verification_model`'s windows), on the same workspaces, pools and graph size. Logs
+    nothing; returns a :class:`~pipeline.setup.context.Built` whose ``instances`` the caller closes. Raises what a
+    factory raises, after closing those already built."""
     from states.build_mode import graph_max_bs
 
     pools = pools if pools is not None else backends.pools

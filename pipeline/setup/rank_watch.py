@@ -24,9 +24,8 @@ def heartbeat_interval(timeout_s: float) -> float:
 
 
 def timeout_from_env(default: float, environ: Any = os.environ) -> float:
-    """``ATTN_SETUP_DIST_TIMEOUT`` (seconds, in (0, 86400]) when set, else ``default``.
-
-    Raises :class:`UsageError` naming the variable when it is not such a number."""
+    """``ATTN_SETUP_DIST_TIMEOUT`` (seconds, in (0, 86400]) when set, else ``default``. Raises :class:`UsageError`
+    naming the variable when it is not such a number."""
     from pipeline.setup.distributed import check_timeout
 
     raw = environ.get(ENV_TIMEOUT, "").strip()
@@ -46,11 +45,9 @@ def timeout_from_env(default: float, environ: Any = os.environ) -> float:
 
 
 class Watch:
-    """One process's heartbeats and arrival-checked waits within one launch.
-
-    ``store``: a ``torch.distributed.Store`` (keys ``attn-setup/<run_id>/…``); ``timeout_s``: before missing ranks are
-    reported. Collectives are numbered in call order: every rank makes the same sequence of waits.
-    """
+    """One process's heartbeats and arrival-checked waits within one launch. ``store``: a ``torch.distributed.Store``
+    (keys ``attn-setup/<run_id>/…``); ``timeout_s``: before missing ranks are reported. Collectives are numbered in call
+    order: every rank makes the same sequence of waits."""
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float, run_id: str = "") -> None:
         import torch.distributed as dist

@@ -27,10 +27,8 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 
 def host_page_meta(seq_lens: Sequence[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(kv_indptr [B+1] int32 CPU, last_page_len [B] int32 CPU, total pages) for ``seq_lens`` tokens (each >= 1).
-
-    Pure Python up to 64 requests, torch CPU ops above (their cost does not grow with B); pageable, not pinned.
-    """
+    """(kv_indptr [B+1] int32 CPU, last_page_len [B] int32 CPU, total pages) for ``seq_lens`` tokens (each >= 1); pure
+    Python up to 64 requests, torch CPU ops above."""
     if page_size < 1:
         raise ValueError(f"page_size={page_size}: must be >= 1 (the KV pool's page size)")
     if seq_lens and min(seq_lens) < 1:
@@ -255,11 +253,8 @@ def import_flashinfer(name: str = "flashinfer") -> Any:
 
 
 class MLAWrappers:
-    """The MLA wrapper of one absorbed-MLA layer kind (decode and extend).
-
-    ``kind.head_dim_v`` is ``kv_lora_rank``; ``head_dim_qk - head_dim_v`` the rope dims. ``mla_backend``:
-    ``fa3``/``fa2``.
-    """
+    """The MLA wrapper of one absorbed-MLA layer kind (decode and extend): ``kind.head_dim_v`` is ``kv_lora_rank``,
+    ``head_dim_qk - head_dim_v`` the rope dims; ``mla_backend`` ``fa3``/``fa2``."""
 
     mla = True
     sinks = False
@@ -282,11 +277,8 @@ class MLAWrappers:
 
     def plan(self, wrapper: Any, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
              kv_lens: torch.Tensor, causal: bool, page_size: Optional[int] = None) -> None:
-        """``plan()`` an MLA wrapper: indptrs and kv lengths [B] int32 host, page ids on the device.
-
-        FlashInfer 0.7.2's keyword form (``MLAPlanMetadata.csr``) with ``"split"`` layouts: ``run()`` gets (latent,
-        rope) views of q and of the one latent cache buffer.
-        """
+        """``plan()`` an MLA wrapper (indptrs and kv lengths [B] int32 host, page ids on the device) in FlashInfer
+        0.7.2's keyword form (``MLAPlanMetadata.csr``) with ``"split"`` (latent, rope) layouts."""
         kw = self.plan_kw if page_size is None else {**self.plan_kw, "page_size": page_size}
         wrapper.plan(metadata=self.csr(qo_indptr, kv_indptr, kv_indices, kv_lens), causal=causal, **kw)
         self.active, self.mode = wrapper, "mla"
@@ -396,11 +388,9 @@ def _host_ints(host: Any, device: torch.Tensor) -> list[int]:
 
 
 class FlashInferBackend(AttentionBackend):
-    """FlashInfer attention over the pool's paged KV cache (docs/internals.md).
-
-    ``ctx``: a :class:`~pipeline.backends.registry.BackendContext` with a uint8 CUDA workspace; ``prefill_backend``
-    ``"fa2"`` (name ``flashinfer``) or ``"fa3"`` (name ``fa3``). Output ``[T, H * Dv]`` in q's dtype.
-    """
+    """FlashInfer attention over the pool's paged KV cache (docs/internals.md): ``ctx`` a
+    :class:`~pipeline.backends.registry.BackendContext` with a uint8 CUDA workspace; ``prefill_backend`` ``"fa2"`` (name
+    ``flashinfer``) or ``"fa3"`` (name ``fa3``); output ``[T, H * Dv]`` in q's dtype."""
 
     def __init__(self, ctx: Any, prefill_backend: str = "fa2", *, heartbeat_s: float = 10.0) -> None:
         self.fi = import_flashinfer(ctx.name)
@@ -440,11 +430,8 @@ class FlashInferBackend(AttentionBackend):
         return self.fi.mla.BatchMLAPagedAttentionWrapper(self.workspace, backend=mla_backend, **graph_bufs)
 
     def sink_wrapper(self, kind: LayerKind, window_left: int, **graph_bufs: Any) -> Any:
-        """A paged prefill wrapper with FlashInfer's attention-sink variant for ``kind``.
-
-        Named by :func:`pipeline.backends.flashinfer.jit.sink_uri` (head dims and KV dtype included): FlashInfer's own
-        name omits them, so two sink kinds would share one kernel.
-        """
+        """A paged prefill wrapper with the attention-sink variant for ``kind``, named by
+        :func:`pipeline.backends.flashinfer.jit.sink_uri` (FlashInfer's own name omits head dims and KV dtype)."""
         from pipeline.backends.flashinfer.jit import Variant, sink_jit_args, torch_dtype_name
 
         v = Variant(kind="sink", backend=self.prefill_backend, q_dtype=torch_dtype_name(self.q_dtype),
@@ -458,11 +445,8 @@ class FlashInferBackend(AttentionBackend):
     def page_table(self, req_pool_indices: torch.Tensor, seq_lens: list[int],
                    seq_lens_dev: Optional[torch.Tensor] = None,
                    out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
-        """(kv_indptr [B+1] int32 CPU, kv_indices [P] int32 device, last_page_len [B] int32 CPU).
-
-        ``seq_lens``: host ints; ``seq_lens_dev``: the same on the pool's device (copied when absent); ``out``: a
-        CUDA-graph buffer to write the page ids into.
-        """
+        """(kv_indptr [B+1] int32 CPU, kv_indices [P] int32 device, last_page_len [B] int32 CPU) from host ``seq_lens``;
+        ``seq_lens_dev`` on the pool's device (copied when absent); ``out``: a CUDA-graph buffer for the page ids."""
         r2t = self.req_pool.req_to_token
         indptr, last, total = host_page_meta(seq_lens, self.page_size)
         if not isinstance(seq_lens_dev, torch.Tensor) or seq_lens_dev.device != r2t.device:
@@ -474,10 +458,8 @@ class FlashInferBackend(AttentionBackend):
     def plan_decode(self, kinds_wrappers: list[tuple[Any, Any, str]], req_pool_indices: torch.Tensor,
                     seq_lens: list[int], seq_lens_dev: Optional[torch.Tensor] = None,
                     indices_out: Optional[torch.Tensor] = None) -> None:
-        """Plan every kind's decode wrapper for one batch (outside any CUDA graph).
-
-        ``kinds_wrappers``: (kind wrappers, wrapper, class ``"decode"`` / ``"prefill"`` (sink) / ``"mla"``).
-        """
+        """Plan every kind's decode wrapper for one batch, outside graphs; ``kinds_wrappers``: (kind wrappers, wrapper,
+        class ``"decode"`` / ``"prefill"`` / ``"mla"``)."""
         indptr, indices, last = self.page_table(req_pool_indices, seq_lens, seq_lens_dev, indices_out)
         self.plan_decode_tables(kinds_wrappers, indptr, indices, last, seq_lens, self.page_size, "decode")
 
@@ -509,10 +491,8 @@ class FlashInferBackend(AttentionBackend):
     def draft_tables(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_host: list[int],
                      spec_info: Any, indices_out: Optional[torch.Tensor] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """A draft decode's token-level page table: (indptr [R+1], indices [sum lens] int32 on the device, last [R]
-        all 1, kv lens per row), R = B * topk branch rows, page size 1 (:func:`draft_token_table`: each branch's
-        prefix slots then its draft slots; sglang's ``generate_draft_decode_kv_indices`` does it at page level).
-        ``seq_lens`` / ``seq_host``: the committed prefixes on the device / host."""
+        """A draft decode's token-level page table (indptr [R+1], indices int32 on the device, last [R] all 1, kv lens),
+        R = B * topk rows, page size 1 (:func:`draft_token_table`); ``seq_lens`` / ``seq_host``: committed prefixes."""
         slots = spec_info.draft_slots
         r2t = self.req_pool.req_to_token
         topk, s1 = slots.shape[1], slots.shape[2]
@@ -539,11 +519,8 @@ class FlashInferBackend(AttentionBackend):
     def plan_verify(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, prefix: list[int],
                     new: list[int], spec_info: Any, wrappers: Optional[list[Any]] = None,
                     indices_out: Optional[torch.Tensor] = None) -> None:
-        """Plan a target verify of EAGLE trees (``new[b]`` tokens after ``prefix[b]``) with FlashInfer's custom mask.
-
-        Per request ``[n, prefix + n]`` bits (sglang's ``FULL_MASK``); indptrs go to the mask's device for
-        ``segment_packbits``.
-        """
+        """Plan a target verify of EAGLE trees (``new[b]`` tokens after ``prefix[b]``) with FlashInfer's custom mask,
+        per request ``[n, prefix + n]`` bits (sglang's ``FULL_MASK``)."""
         spec = check_verify_batch(spec_info, prefix, new)
         dev = self.kv_pool.device
         indptr, indices, last = self.page_table(req_pool_indices, [p + e for p, e in zip(prefix, new)], seq_lens,
@@ -686,11 +663,8 @@ class FlashInferBackend(AttentionBackend):
 
     def _layer(self, layer: AttentionLayer) -> tuple:
         """(layer, kind wrappers, paged K/V, H, D, H*Dv, run kwargs, Dv) of ``layer``, checked against the plan on first
-        use.
-
-        Raises ``LayerMismatch`` (:class:`PlannedLayers`) for an unplanned layer or other geometry; run kwargs carry
-        ``k_scale``/``v_scale`` of an fp8 cache whose scales are not 1.
-        """
+        use. Raises ``LayerMismatch`` (:class:`PlannedLayers`) for an unplanned layer or other geometry; run kwargs
+        carry ``k_scale``/``v_scale`` of an fp8 cache whose scales are not 1."""
         self.planned.check(layer)
         kw = self.kinds[self.layer_kind[layer.layer_id]]
         kv = self.mla_kv(layer.layer_id) if kw.mla else self.paged_kv(layer.layer_id)
@@ -724,10 +698,8 @@ class FlashInferBackend(AttentionBackend):
     @staticmethod
     def _run_mla(kw: MLAWrappers, q3: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], h: int,
                  dv: int) -> torch.Tensor:
-        """One MLA layer: q [T, H, D] split into its latent (Dv) and rope parts (views) → out [T, H, Dv].
-
-        FlashInfer 0.7.2's structural form (``query=``/``kv_cache=`` split pairs, as planned), not the deprecated
-        separate ``q_nope, q_pe, ckv_cache, kpe_cache`` arguments."""
+        """One MLA layer: q [T, H, D] split into latent (Dv) and rope views → out [T, H, Dv], in 0.7.2's
+        ``query=``/``kv_cache=`` form."""
         out = torch.empty((q3.shape[0], h, dv), dtype=q3.dtype, device=q3.device)
         kw.active.run(query=(q3[..., :dv], q3[..., dv:]), kv_cache=kv, out=out)
         return out
@@ -737,10 +709,8 @@ class FlashInferBackend(AttentionBackend):
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        """Decode: one token per request over its whole (or windowed) cached context.
-
-        Common case is one dict lookup, the q/o views and ``run`` (host-bound); ``enable_pdl`` is the build's decision.
-        """
+        """Decode: one token per request over its (windowed) cached context; the common case is one dict lookup and
+        ``run``."""
         info = self._layer_info.get(layer.layer_id)
         if info is None or info[0] is not layer:  # first call with this layer object: checked against the plan
             info = self._layer(layer)

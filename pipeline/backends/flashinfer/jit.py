@@ -128,11 +128,9 @@ def record_seconds(version: str, arch: str, results: Iterable[tuple[str, float]]
 
 def cold_variants(variants: Iterable[Any], arch: str, version: Optional[str] = None,
                   env: Mapping[str, str] = os.environ) -> list[dict[str, Any]]:
-    """Each variant that would compile here: ``{variant, module, nearest, differs, estimate_s}``.
-
-    ``version``: FlashInfer's (default installed). ``estimate_s``: recorded seconds for the module, else the kind's
-    median, else None.
-    """
+    """Each variant that would compile here: ``{variant, module, nearest, differs, estimate_s}``. ``version``:
+    FlashInfer's (default installed). ``estimate_s``: recorded seconds for the module, else the kind's median, else
+    None."""
     version = version or flashinfer_version()
     cached = cached_modules(version, arch, env) if version else set()
     times = recorded_seconds(version, arch, env) if version else {}
@@ -161,11 +159,9 @@ def _log():
 
 @dataclass(frozen=True)
 class Variant:
-    """One FlashInfer kernel module.
-
-    ``kind``: ``decode`` / ``prefill`` / ``sink`` / ``mla``; ``backend``: ``fa2``/``fa3``, ``"cuda_core"`` for decode;
-    dtypes: torch names; ``sliding_window``/``logit_softcap``: compile-time switches; ``arch``: e.g. ``"sm90"``.
-    """
+    """One FlashInfer kernel module. ``kind``: ``decode`` / ``prefill`` / ``sink`` / ``mla``; ``backend``:
+    ``fa2``/``fa3``, ``"cuda_core"`` for decode; dtypes: torch names; ``sliding_window``/``logit_softcap``: compile-time
+    switches; ``arch``: e.g. ``"sm90"``."""
 
     kind: str
     backend: str
@@ -192,11 +188,9 @@ class Variant:
 
 def variants_for(layer_kinds: Sequence[Any], prefill_backend: str, q_dtype: str, kv_dtype: str,
                  arch: str) -> list[Variant]:
-    """The FlashInfer variants a backend needs for ``layer_kinds`` (torch-free).
-
-    ``fa2`` adds CUDA-core decode kernels; sink kinds use the sink variant only, MLA kinds the MLA module
-    (:func:`mla_backend`). Dtypes are torch names; ``fp8_e4m3``/``fp8_e5m2`` are accepted.
-    """
+    """The FlashInfer variants a backend needs for ``layer_kinds`` (torch-free). ``fa2`` adds CUDA-core decode kernels;
+    sink kinds use the sink variant only, MLA kinds the MLA module (:func:`mla_backend`). Dtypes are torch names;
+    ``fp8_e4m3``/``fp8_e5m2`` are accepted."""
 
     q_dtype, kv_dtype = _TORCH_NAME.get(q_dtype, q_dtype), _TORCH_NAME.get(kv_dtype, kv_dtype)
     out: list[Variant] = []
@@ -222,9 +216,7 @@ def torch_dtype_name(dtype: Any) -> str:
 
 def sink_uri(v: Variant, q_name: str, kv_name: str) -> str:
     """JIT module name of an attention-sink variant with every compile-time parameter (head dims, KV dtype) in it.
-
-    FlashInfer's own name omits them, so a second sink head_dim would load the first one's kernel.
-    """
+    FlashInfer's own name omits them, so a second sink head_dim would load the first one's kernel."""
     return (f"attn_setup_prefill_sink_q_{q_name}_kv_{kv_name}_d{v.head_dim_qk}x{v.head_dim_vo}"
             f"_swa_{v.sliding_window}_{v.backend}")
 
@@ -328,9 +320,7 @@ def heartbeat(what: str, every_s: float = 10.0, *, log: Any = None) -> Iterator[
 def ensure_compiled(v: Variant, *, heartbeat_s: float = 10.0, loader: Optional[Callable[[Variant], Any]] = None,
                     cached: Optional[Callable[[Variant], bool]] = None, log: Any = None) -> dict[str, Any]:
     """Log cached/compiling for ``v``, compile it with heartbeats, log the time: ``{"variant", "status", "seconds"}``.
-
-    Re-raises the loader's exception after logging ``jit_variant_failed``.
-    """
+    Re-raises the loader's exception after logging ``jit_variant_failed``."""
     log = log or _log()
     loader, cached = loader or load_variant, cached or is_cached
     status = "cached" if cached(v) else "compiling"
@@ -367,10 +357,7 @@ def _compile_in_child(fields: dict[str, Any]) -> dict[str, Any]:
 
 def warmup_variants(variants: Sequence[Variant], jobs: int = 4) -> list[dict[str, Any]]:
     """Compile ``variants`` in ``jobs`` processes: per variant ``variant``, ``status``, ``seconds``, ``error``, in
-    order.
-
-    Logs ``jit_warmup_start`` / ``jit_warmup_variant`` / ``jit_warmup_done``; needs CUDA and FlashInfer.
-    """
+    order. Logs ``jit_warmup_start`` / ``jit_warmup_variant`` / ``jit_warmup_done``; needs CUDA and FlashInfer."""
     import multiprocessing as mp
 
     log = _log()

@@ -138,11 +138,9 @@ def workspace_need(shapes: Iterable[HeadShape], *, num_sms: int, max_batch_size:
                    cuda_graph_max_bs: int = 0, prefill_backend: str = "fa2", graph_mode: str = "decode",
                    graph_tokens: int = 1) -> WorkspaceNeed:
     """Float-workspace bytes (:class:`WorkspaceNeed`, ``parts`` naming the largest term per path) for the largest batch.
-
     ``num_sms`` > 0; ``max_batch_size``: max of ``max_reqs`` and the graph sizes; ``cuda_graph_max_bs``: 0 without
     graphs; ``prefill_backend``: ``"fa2"`` or ``"fa3"`` (no float scratch); ``graph_mode``/``graph_tokens``: what the
-    graphs capture (``decode``, ``target_verify`` or ``draft_decode`` with that many rows per request).
-    """
+    graphs capture (``decode``, ``target_verify`` or ``draft_decode`` with that many rows per request)."""
     parts: dict[str, int] = {"cuda_core_decode": 0, "fa2_eager": 0, "fa2_graph_decode": 0, "mla": 0}
     for s in shapes:
         if s.mla:  # the MLA wrapper serves every step of an MLA kind
@@ -172,11 +170,9 @@ WORKSPACE_ENV = "SGLANG_FLASHINFER_WORKSPACE_SIZE"
 def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: str = WORKSPACE_FIELD,
                          state: str = "build-mode", graph_fix: str = "", env_var: str = "",
                          raise_fits: bool = True, field_given: bool = False) -> None:
-    """Raise :class:`ConfigError` (``workspace_too_small``) when ``size_bytes < need.bytes``.
-
-    Names ``field_name`` (or ``env_var`` first when the value came from it) and ``needed_bytes``; the remedy raises the
-    field/variable only when ``raise_fits``, else offers ``graph_fix``.
-    """
+    """Raise :class:`ConfigError` (``workspace_too_small``) when ``size_bytes < need.bytes``. Names ``field_name`` (or
+    ``env_var`` first when the value came from it) and ``needed_bytes``; the remedy raises the field/variable only when
+    ``raise_fits``, else offers ``graph_fix``."""
     if size_bytes >= need.bytes:
         return
     worst = max(need.parts, key=need.parts.get) if need.parts else "plan"
@@ -218,11 +214,9 @@ def backend_need(q: WorkspaceQuery, *, backend: str) -> int:
 
 def check_backend_workspace(size_bytes: int, q: WorkspaceQuery, *, backend: str, state: str = "build-mode") -> None:
     """The one workspace check (build-mode, ``plan``, ``run``'s preflight): ``size_bytes`` against the need of ``q``.
-
     ``backend``: ``"flashinfer"`` or ``"fa3"``. Raises ConfigError ``workspace_too_small`` whose every remedy passes: a
     larger workspace (<= ``min(max_bytes, MAX_BYTES)``, fitting), a smaller largest captured batch (<=
-    :data:`REMEDY_MAX_BS`), both, or ``disable_cuda_graph=True``.
-    """
+    :data:`REMEDY_MAX_BS`), both, or ``disable_cuda_graph=True``."""
     from pipeline.core.validation import MAX_BYTES
 
     shapes, fits = shapes_of(q.kinds), q.fits
@@ -290,10 +284,8 @@ FIELD = "flashinfer_workspace_size"
 def flashinfer_workspace_size(args: AttentionArgs, model: ModelSpec,
                               env: Mapping[str, str] = os.environ) -> tuple[int, Source]:
     """Bytes of the FlashInfer workspace and their source: the field, else ``SGLANG_FLASHINFER_WORKSPACE_SIZE``, else
-    sglang's default (512 MiB for :data:`WORKSPACE_512_MIB_ARCHITECTURES`, 384 MiB otherwise).
-
-    Raises ConfigError for an env value that is not a byte count.
-    """
+    sglang's default (512 MiB for :data:`WORKSPACE_512_MIB_ARCHITECTURES`, 384 MiB otherwise). Raises ConfigError for an
+    env value that is not a byte count."""
     given = explicit_or_env(args, FIELD, env)
     if given is not None:
         return given

@@ -129,12 +129,10 @@ def stored_kv(x: torch.Tensor, buf_dtype: torch.dtype, scale: Any) -> torch.Tens
 
 
 class TritonAttnBackend(AttentionBackend):
-    """Paged decode/extend attention through this package's Triton kernels.
-
-    ``torch_device``: the pools' device (``"cpu"`` only under ``TRITON_INTERPRET=1``); ``layer_dims``: ``(H, Hkv, D,
-    Dv)`` per kind (sizes graph scratch); ``num_sms``: sets the decode split cap; ``role``; ``layer_kinds``: checked per
-    layer object (``LayerMismatch``; None: trust each call's layer); ``req_to_token_pool``: for draft-decode graphs.
-    """
+    """Paged decode/extend attention through this package's Triton kernels. ``torch_device``: the pools' device
+    (``"cpu"`` only under ``TRITON_INTERPRET=1``); ``layer_dims``: ``(H, Hkv, D, Dv)`` per kind (sizes graph scratch);
+    ``num_sms``: sets the decode split cap; ``role``; ``layer_kinds``: checked per layer object (``LayerMismatch``;
+    None: trust each call's layer); ``req_to_token_pool``: for draft-decode graphs."""
 
     name = "triton"
 
@@ -440,11 +438,8 @@ class TritonAttnBackend(AttentionBackend):
 
 
 def create(ctx: Any) -> TritonAttnBackend:
-    """Registry factory ``create(ctx) -> TritonAttnBackend`` (no workspace).
-
-    Raises CapabilityMismatch for D != Dv or D > 256 without MLA; MLA with > 1 KV head, kv_lora_rank > 512 or rope >
-    128.
-    """
+    """Registry factory ``create(ctx) -> TritonAttnBackend`` (no workspace). Raises CapabilityMismatch for D != Dv or D
+    > 256 without MLA; MLA with > 1 KV head, kv_lora_rank > 512 or rope > 128."""
     dims = kernel_dims(ctx.layer_kinds)
     sms = getattr(ctx.device, "sm_count", 0) or 132
     return TritonAttnBackend(torch_device=ctx.torch_device, layer_dims=dims, num_sms=sms, role=ctx.role,

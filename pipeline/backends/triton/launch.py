@@ -194,11 +194,9 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Extend tuning: ``block_m`` query rows and ``block_n`` keys per program, warps, stages.
-
-    ``pack_gqa``: a program's rows are (token, q head) pairs of one kv group (as FlashInfer), filling tiles of short
-    extends; None: packed when the group has > 1 head and ``max_extend_len < block_m`` (:func:`extend_packs_gqa`).
-    """
+    """Extend tuning: ``block_m`` query rows and ``block_n`` keys per program, warps, stages. ``pack_gqa``: a program's
+    rows are (token, q head) pairs of one kv group (as FlashInfer), filling tiles of short extends; None: packed when
+    the group has > 1 head and ``max_extend_len < block_m`` (:func:`extend_packs_gqa`)."""
 
     block_m: int = 128
     block_n: int = 64

@@ -223,13 +223,10 @@ def mla_decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token:
                          req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,
                          sm_scale: float, max_splits: int, scratch: Optional[torch.Tensor] = None,
                          config: Optional[MLADecodeConfig] = None) -> torch.Tensor:
-    """Absorbed-MLA paged decode: one new query per request over its cached latent rows (itself included).
-
-    ``q`` [B, H, D]; ``kv_buffer`` [S, 1, D]; ``out`` [B, H, Dv] (written, returned). Grid ``(cdiv(H, block_h),
-    max_splits, B)``, merge ``(B, cdiv(H, merge_block_h))`` (none when 1). ``scratch``: fp32, >=
-    :func:`mla_decode_scratch_numel` (fixed for CUDA graphs). No host sync. sglang's two-stage Triton MLA decode. Raises
-    the errors of docs/internals.md.
-    """
+    """Absorbed-MLA paged decode: one new query per request over its cached latent rows (itself included). ``q`` [B, H,
+    D]; ``kv_buffer`` [S, 1, D]; ``out`` [B, H, Dv] (written, returned). Grid ``(cdiv(H, block_h), max_splits, B)``,
+    merge ``(B, cdiv(H, merge_block_h))`` (none when 1). ``scratch``: fp32, >= :func:`mla_decode_scratch_numel` (fixed
+    for CUDA graphs). No host sync. sglang's two-stage Triton MLA decode. Raises the errors of docs/internals.md."""
     cfg = config or default_mla_decode_config(q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 3 else 1,
                                               q.device if isinstance(q, torch.Tensor) else None)
     dv, dr = check_mla_decode(q, kv_buffer, req_to_token, req_pool_indices, seq_lens, out, sm_scale, max_splits,
@@ -298,11 +295,9 @@ def mla_extend_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_buffer: torch
                          out: torch.Tensor, *, max_extend_len: int, sm_scale: float,
                          config: Optional[MLAExtendConfig] = None) -> torch.Tensor:
     """Absorbed-MLA extend: new tokens attend to their paged prefix and causally to each other (bottom-right aligned).
-
     ``q`` [T, H, D], ``kv_new`` [T, 1, D]; ``qo_indptr`` [B+1]; ``prefix_lens`` [B] (via ``req_to_token``);
     ``max_extend_len``: host int, grid ``(cdiv(max_extend_len * H, block_m), B)``; ``out`` [T, H, Dv] written and
-    returned. Raises the errors of docs/internals.md.
-    """
+    returned. Raises the errors of docs/internals.md."""
     cfg = config or default_mla_extend_config(q.device if isinstance(q, torch.Tensor) else None)
     bsz, dv, dr = check_mla_extend(q, kv_new, kv_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens,
                                    out, sm_scale, max_extend_len, cfg)

@@ -77,12 +77,10 @@ def _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, hi, n_
             D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr, USE_WINDOW: tl.constexpr,
             USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr, TREE: tl.constexpr):
-    """Online softmax over key tiles ``[lo, hi)`` (step ``BLOCK_N``) of one phase's keys ``0 … n_keys-1``.
-
-    Key ``i`` sits at ``pos0 + i``, row ``R2T[i]`` (``PAGED`` prefix) or ``i`` (new tokens). Without ``MASK`` every key
-    is visible to every row (caller proved it). ``PAGED`` loads ``req_to_token`` rows one tile ahead so K/V gathers
-    pipeline (benchmarks/NOTES.md); keys at or past ``hi`` get row 0 and are masked.
-    """
+    """Online softmax over key tiles ``[lo, hi)`` (step ``BLOCK_N``) of one phase's keys ``0 … n_keys-1``. Key ``i``
+    sits at ``pos0 + i``, row ``R2T[i]`` (``PAGED`` prefix) or ``i`` (new tokens). Without ``MASK`` every key is visible
+    to every row (caller proved it). ``PAGED`` loads ``req_to_token`` rows one tile ahead so K/V gathers pipeline
+    (benchmarks/NOTES.md); keys at or past ``hi`` get row 0 and are masked."""
     nxt = (offs_n * 0).to(tl.int64)
     if PAGED:
         nxt = tl.load(R2T + lo + offs_n, mask=(lo + offs_n) < hi, other=0).to(tl.int64)
