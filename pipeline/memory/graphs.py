@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Iterator, Mapping, NamedTuple, Optional, Sequence, TYPE_CHECKING
+from typing import Any, Iterator, Mapping, NamedTuple, Optional, Sequence, TYPE_CHECKING
 
 from pipeline.backends import registry
 from pipeline.core.contracts import LayerKind, ModelSpec
@@ -111,18 +111,23 @@ def estimate_for_decided(request: "SetupRequest", decided: "Decided",
                          ) -> Optional[GraphMemoryEstimate]:
     """The estimate for a setup decided torch-free (:func:`pipeline.setup.build.decide_setup`) for ``request`` as the
     runner builds it, or None without graphs or when refused; ``plan`` and the runner's pool sizing both call it."""
-    from pipeline.core.dtypes import kv_dtype, model_dtype
     from states.build_mode import capture_batch_sizes
+
+    return _for_decided(estimate_graph_memory, capture_batch_sizes, request, decided, aux_layers, env)
+
+
+def _for_decided(estimator: Any, series: Any, request: "SetupRequest", decided: "Decided", aux_layers: Sequence[int],
+                 env: Mapping[str, str]) -> Optional[GraphMemoryEstimate]:
+    """``estimator`` over the sizes ``series`` gives for a decided setup, or None without graphs or when refused."""
+    from pipeline.core.dtypes import kv_dtype, model_dtype
 
     if decided.refused is not None or not decided["build-mode"].graphs.capture:
         return None
     spec, args, facts = request.served_model, request.args, decided["device-init"].facts
-    return estimate_graph_memory(spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
-                                 batch_sizes=capture_batch_sizes(args, request.pool.max_reqs, device=facts,
-                                                                 world_size=request.world_size),
-                                 arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
-                                 page_size=args.page_size, num_sms=facts.sm_count, env=env,
-                                 **captured_step(request, decided))
+    return estimator(spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
+                     batch_sizes=series(args, request.pool.max_reqs, device=facts, world_size=request.world_size),
+                     arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
+                     page_size=args.page_size, num_sms=facts.sm_count, env=env, **captured_step(request, decided))
 
 
 def captured_step(request: "SetupRequest", decided: "Decided") -> dict:
@@ -207,15 +212,6 @@ def lower_bound_for_decided(request: "SetupRequest", decided: "Decided", aux_lay
                             env: Mapping[str, str] = os.environ) -> Optional[GraphMemoryEstimate]:
     """:func:`graph_memory_lower_bound` for what :func:`pipeline.memory.graphs.estimate_for_decided` estimates (same
     request, sizes, backend and device), or None where that is None."""
-    from pipeline.core.dtypes import kv_dtype, model_dtype
     from states.build_mode import capture_series
 
-    if decided.refused is not None or not decided["build-mode"].graphs.capture:
-        return None
-    spec, args, facts = request.served_model, request.args, decided["device-init"].facts
-    return graph_memory_lower_bound(
-        spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
-        batch_sizes=capture_series(args, request.pool.max_reqs, device=facts, world_size=request.world_size),
-        arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
-        page_size=args.page_size, num_sms=facts.sm_count, env=env, **captured_step(request, decided))
-
+    return _for_decided(graph_memory_lower_bound, capture_series, request, decided, aux_layers, env)
