@@ -28,6 +28,7 @@
 #              benchmarks/speculative_trees.py (the backends x shapes x graph table)   -> spec_trees.log/.json
 #   save-aot   pack the FlashInfer JIT modules compiled here into $OUT/fi-aot-<version>.txz.part-* (carry them back
 #              into .whl/)
+# pytest parts run GPU_TEST_PROCS (default 4) worker processes (pytest-xdist, carried in .whl).
 # Every part first restores the carried FlashInfer AOT modules of the installed FlashInfer version
 # (.whl/fi-aot-<version>.t{gz,xz}.part-*), so nothing is JIT-compiled that was compiled before. Modules of another
 # version are never restored: FlashInfer loads <package>/data/aot/<module>/<module>.so by name, and many names (decode,
@@ -49,7 +50,7 @@ if ls .whl/fi-aot.t?z.part-* >/dev/null 2>&1; then note "not restored: .whl/fi-a
 note "part $PART; flashinfer $FIV; AOT modules restored: $(ls $AOT | wc -l)"
 
 pytest_part(){ name=$1; shift
-  timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=10 "$@" > "$OUT/$name.log" 2>&1
+  timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=10 -n ${GPU_TEST_PROCS:-4} "$@" > "$OUT/$name.log" 2>&1
   note "pytest $name rc=$? at $(el)"; tail -n 30 "$OUT/$name.log" >> "$S"; }
 
 show(){ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d.get('resolved') or {}; print(d['ok'], \
@@ -116,18 +117,19 @@ workspace)" ;;
     timeout 200 python3 benchmarks/wrapper_overhead.py --out "$OUT/wrapper" > "$OUT/wrapper_overhead.log" 2>&1
     note "wrapper_overhead rc=$? at $(el)"; tail -n 20 "$OUT/wrapper_overhead.log" >> "$S" ;;
   triton)
+    SWEEP=${SWEEP---sweep}   # SWEEP= (empty): the default shapes only, about half the time
     mkdir -p "$OUT/fi_ok"
     for w in $(python3 benchmarks/triton_kernels.py --warm list); do
       timeout 140 python3 benchmarks/triton_kernels.py --warm "$w" --fi-ok "$OUT/fi_ok" > "$OUT/warm_$w.log" 2>&1 &
     done
     timeout 140 python3 benchmarks/mla_decode.py --warm > "$OUT/warm_mla.log" 2>&1 &
-    timeout 160 python3 benchmarks/triton_kernels.py --sweep --precompile 5 --precompile-only > "$OUT/precompile_tk.log" 2>&1 &
-    timeout 160 python3 benchmarks/mla_decode.py --sweep --precompile 5 --precompile-only > "$OUT/precompile_mla.log" 2>&1 &
+    timeout 160 python3 benchmarks/triton_kernels.py $SWEEP --precompile 5 --precompile-only > "$OUT/precompile_tk.log" 2>&1 &
+    timeout 160 python3 benchmarks/mla_decode.py $SWEEP --precompile 5 --precompile-only > "$OUT/precompile_mla.log" 2>&1 &
     wait; note "warm-ups and precompiles done at $(el); flashinfer modules ready: $(ls "$OUT/fi_ok" | tr '\n' ' ')"
-    timeout 200 python3 benchmarks/triton_kernels.py --runs 3 --sweep --fi-ok "$OUT/fi_ok" --out "$OUT" \
+    timeout 200 python3 benchmarks/triton_kernels.py --runs 3 $SWEEP --fi-ok "$OUT/fi_ok" --out "$OUT" \
       > "$OUT/triton_kernels.log" 2>&1
     note "triton_kernels rc=$? at $(el)"; sed -n '/^targets/,$p' "$OUT/triton_kernels.log" | head -60 >> "$S"
-    timeout 150 python3 benchmarks/mla_decode.py --sweep --out "$OUT" > "$OUT/mla_bench.log" 2>&1
+    timeout 150 python3 benchmarks/mla_decode.py $SWEEP --out "$OUT" > "$OUT/mla_bench.log" 2>&1
     note "mla_decode rc=$? at $(el)"; grep -E "^sweep |^target|^device" "$OUT/mla_bench.log" >> "$S" ;;
   mla-fp8)
     timeout 400 python3 benchmarks/flashinfer_mla_fp8.py --out "$OUT" > "$OUT/flashinfer_mla_fp8.log" 2>&1

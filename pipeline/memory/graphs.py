@@ -125,7 +125,7 @@ def _for_decided(estimator: Any, series: Any, request: "SetupRequest", decided: 
         return None
     spec, args, facts = request.served_model, request.args, decided["device-init"].facts
     return estimator(spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
-                     batch_sizes=series(args, request.pool.max_reqs, device=facts, world_size=request.world_size),
+                     batch_sizes=series(args, request.pool.max_reqs, device=facts, world_size=request.tp_size),
                      arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
                      page_size=args.page_size, num_sms=facts.sm_count, env=env, **captured_step(request, decided))
 

@@ -94,9 +94,10 @@ def _check_tensor(field: str, t: Any, shape: tuple, dtype: Any, dev: Any) -> Non
 
 def check_given_pools(ctx: SetupContext) -> None:
     """Refuse engine pools the request's ``PoolFacts`` or the model do not describe: ConfigError ``pools_mismatch``
-    before any allocation. Checked: both keys; ``req_to_token`` [max_reqs, max_context_len] int32; per layer K
-    [num_token_slots, Hkv, D] and V [num_token_slots, Hkv, Dv] of the KV dtype on the run's device (MLA: V a view of K);
-    ``page_size``."""
+    before any allocation. Checked: both keys; ``req_to_token`` [max_reqs, max_context_len] int32; one K/V buffer per
+    layer of the served model (a pipeline stage: its own layers from 0, as sglang's ``layer_id - start_layer``); per
+    layer K [num_token_slots, Hkv, D] and V [num_token_slots, Hkv, Dv] of the KV dtype on the run's device (MLA: V a
+    view of K); ``page_size``."""
     import torch
 
     from pipeline.backends.memory import torch_dtype
@@ -114,9 +115,13 @@ def check_given_pools(ctx: SetupContext) -> None:
     kvd, n = torch_dtype(kv_dtype(req.args, model)), model.num_hidden_layers
     kb, vb = getattr(kv, "k_buffer", None), getattr(kv, "v_buffer", None)
     for name, bufs in (("k_buffer", kb), ("v_buffer", vb)):
-        if not isinstance(bufs, (list, tuple)) or len(bufs) < n:
+        if not isinstance(bufs, (list, tuple)) or len(bufs) != n:
+            stage = model.shard is not None and model.shard.pp_size > 1
+            where = f" (pipeline stage {model.shard.pp_rank}: layers {model.shard.layer_range[0]}-" \
+                    f"{model.shard.layer_range[0] + n - 1}, indexed from 0)" if stage else ""
             raise _bad(f"kv_pool.{name}", f"{type(bufs).__name__} of "
-                       f"{len(bufs) if isinstance(bufs, (list, tuple)) else '-'}", f"a list of {n} per-layer buffers")
+                       f"{len(bufs) if isinstance(bufs, (list, tuple)) else '-'}",
+                       f"a list of {n} per-layer buffers{where}")
     for k in model.layer_kinds():
         for lid in k.layer_ids:
             _check_tensor(f"kv_pool.k_buffer[{lid}]", kb[lid], (p.num_token_slots, k.num_kv_heads, k.head_dim_qk),
@@ -224,7 +229,7 @@ def build_like(backends: Any, request: SetupRequest, model: Any, pools: Optional
     pools = pools if pools is not None else backends.pools
     kinds, ws_pool = model.layer_kinds(), backends.workspace_pool
     max_bs = graph_max_bs(request.args, request.pool.max_reqs, backends.graphs.capture, device=backends.device_facts,
-                          world_size=request.world_size)
+                          world_size=request.tp_size)
 
     def make(inst: InstancePlan) -> Any:
         ws = ws_pool.get(inst.workspace) if inst.workspace else None

@@ -344,8 +344,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
     if bsz == 0 or max_extend_len == 0 or t == 0:
         return out
     cfg = config or default_extend_config(d, q.device)
-    # the tree-mask tile is one more shared-memory buffer per stage: 3 stages of 128x128 overflow sm90's 227 KB
-    stages = min(cfg.num_stages, 2) if tree and config is None else cfg.num_stages
+    stages = min(cfg.num_stages, 2) if tree and config is None else cfg.num_stages  # + mask tile: 3 overflow sm90
     pack = extend_packs_gqa(cfg, h // hkv, max_extend_len)
     if pack:
         grid = (hkv, bsz, triton.cdiv(max_extend_len * (h // hkv), cfg.block_m))
