@@ -1,4 +1,5 @@
-"""build-mode: which instances to build, on which workspace, and the decode CUDA graphs they are captured for."""
+"""build-mode: which instances to build, on which workspace, and the decode CUDA graphs they are captured for
+(docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Warnings and strict mode: the reference fallback, downgrades, and their refusal under ``strict``."""
+"""Warnings and strict mode: the reference fallback, downgrades, and their refusal under ``strict`` (docs/internals.md).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Backend registry: names → entries, each with its capability record, its rules and a lazily imported factory."""
+"""Backend registry: names → entries, each with its capability record, its rules and a lazily imported factory
+(docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""torch_native: the reference backend — plain torch attention over the paged KV cache."""
+"""torch_native: the reference backend — plain torch attention over the paged KV cache (docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The compute dtype (``dtype`` / ``--dtype``): the explicit choice, or the engines' rule for ``auto``."""
+"""The compute dtype (``dtype`` / ``--dtype``): the explicit choice, or the engines' rule for ``auto``
+(docs/internals.md)."""
 
 from __future__ import annotations
 

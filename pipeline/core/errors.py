@@ -1,4 +1,5 @@
-"""Typed errors and :class:`ErrorInfo`, the one record each carries (re-exported by the contracts)."""
+"""Typed errors and :class:`ErrorInfo`, the one record each carries (re-exported by the contracts) (docs/internals.md).
+"""
 
 from __future__ import annotations
 

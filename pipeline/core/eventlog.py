@@ -1,4 +1,5 @@
-"""Emitting event records: to the application's structlog logger, to a JSON-lines trace file, to memory."""
+"""Emitting event records: to the application's structlog logger, to a JSON-lines trace file, to memory
+(docs/internals.md)."""
 
 from __future__ import annotations
 

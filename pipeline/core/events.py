@@ -1,4 +1,5 @@
-"""Event records: one per transition and per decision, schema-versioned, a tagged union (:data:`AnyEvent`)."""
+"""Event records: one per transition and per decision, schema-versioned, a tagged union (:data:`AnyEvent`)
+(docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Test-only fault injection: make a run fail at a named point, to check cleanup and error records."""
+"""Test-only fault injection: make a run fail at a named point, to check cleanup and error records (docs/internals.md).
+"""
 
 from __future__ import annotations
 

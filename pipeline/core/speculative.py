@@ -1,4 +1,5 @@
-"""The speculative-decoding shape of a start — steps, top-k, draft tokens — settled as sglang 0.5.23 settles it."""
+"""The speculative-decoding shape of a start — steps, top-k, draft tokens — settled as sglang 0.5.23 settles it
+(docs/internals.md)."""
 
 from __future__ import annotations
 

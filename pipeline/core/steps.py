@@ -1,4 +1,4 @@
-"""Step tables: one record per step of a state machine, and everything derived from the table."""
+"""Step tables: one record per step of a state machine, and everything derived from the table (docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Checks of values before anything is allocated: field checks run from the contracts' ``__post_init__``, and the value
-domains and device spellings the library and the command line share."""
+domains and device spellings the library and the command line share (docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A model of PyTorch's CUDA caching allocator for one private pool, and the decode forward's allocations traced through
-it (what :mod:`pipeline.memory.graphs` estimates). Torch-free."""
+it (what :mod:`pipeline.memory.graphs` estimates). Torch-free (docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``attn-setup plan``'s check of the whole plan against the device profile (KV pools, decode CUDA graphs, workspaces),
-refusing what ``run`` certainly refuses, with remedies that pass the whole plan."""
+refusing what ``run`` certainly refuses, with remedies that pass the whole plan (docs/internals.md)."""
 
 from __future__ import annotations
 

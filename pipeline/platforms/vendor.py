@@ -1,4 +1,5 @@
-"""The vendor platforms whose torch support ships as a plugin module: MUSA, Ascend NPU and Intel XPU."""
+"""The vendor platforms whose torch support ships as a plugin module: MUSA, Ascend NPU and Intel XPU
+(docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A real attention stack built from a Hugging Face config, run through a built attention backend."""
+"""A real attention stack built from a Hugging Face config, run through a built attention backend (docs/internals.md).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The runner's machine as one table (a model runner's ``initialize()``), each step's decision and effect."""
+"""The runner's machine as one table (a model runner's ``initialize()``), each step's decision and effect
+(docs/internals.md)."""
 
 from __future__ import annotations
 

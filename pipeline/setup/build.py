@@ -1,5 +1,6 @@
 """The library entry point: walk the setup table (:data:`pipeline.setup.table.SETUP`) and return
-:class:`~pipeline.setup.result.AttentionBackends`; and the same decisions without effect (``plan``, preflight)."""
+:class:`~pipeline.setup.result.AttentionBackends`; and the same decisions without effect (``plan``, preflight)
+(docs/internals.md)."""
 
 from __future__ import annotations
 

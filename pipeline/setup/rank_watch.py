@@ -1,4 +1,4 @@
-"""Waits between ranks that never hang and name the rank that stalls."""
+"""Waits between ranks that never hang and name the rank that stalls (docs/internals.md)."""
 
 from __future__ import annotations
 

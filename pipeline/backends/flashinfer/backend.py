@@ -1,4 +1,4 @@
-"""The ``flashinfer`` and ``fa3`` backends: FlashInfer wrappers over the paged KV cache."""
+"""The ``flashinfer`` and ``fa3`` backends: FlashInfer wrappers over the paged KV cache (docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``TritonAttnBackend``: sglang's AttentionBackend over our own Triton kernels and the paged KV cache."""
+"""``TritonAttnBackend``: sglang's AttentionBackend over our own Triton kernels and the paged KV cache
+(docs/internals.md)."""
 
 from __future__ import annotations
 

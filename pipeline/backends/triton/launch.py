@@ -1,4 +1,4 @@
-"""Launchers of the Triton kernels: validate every input, then launch (nothing allocated before)."""
+"""Launchers of the Triton kernels: validate every input, then launch (nothing allocated before) (docs/internals.md)."""
 
 from __future__ import annotations
 

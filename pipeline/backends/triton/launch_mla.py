@@ -1,4 +1,5 @@
-"""Launchers of the absorbed-MLA Triton kernels (:mod:`.kernels.mla`): validate every input, then launch."""
+"""Launchers of the absorbed-MLA Triton kernels (:mod:`.kernels.mla`): validate every input, then launch
+(docs/internals.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Flash-decoding over sglang's paged KV cache, in two kernels."""
+"""Flash-decoding over sglang's paged KV cache, in two kernels (docs/internals.md)."""
 
 import triton
 import triton.language as tl

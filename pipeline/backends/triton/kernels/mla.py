@@ -1,4 +1,4 @@
-"""Absorbed-MLA attention over the paged latent cache (DeepSeek-V2/V3, Kimi-K2), in Triton."""
+"""Absorbed-MLA attention over the paged latent cache (DeepSeek-V2/V3, Kimi-K2), in Triton (docs/internals.md)."""
 
 from __future__ import annotations
 
