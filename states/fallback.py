@@ -8,8 +8,7 @@ from typing import Any, Mapping, Optional, Sequence
 from pipeline.backends import registry
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, Resolution, SetupWarning, Skip
 from pipeline.core.errors import CapabilityMismatch
-from states.build_mode import decide_mode
-from states.build_mode import decide_graphs
+from states.build_mode import decide_mode, decide_graphs
 
 
 def one_of(names: Sequence[str]) -> str:

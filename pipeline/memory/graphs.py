@@ -7,9 +7,7 @@ from typing import Any, Iterator, Mapping, NamedTuple, Optional, Sequence, TYPE_
 
 from pipeline.backends import registry
 from pipeline.core.contracts import LayerKind, ModelSpec
-from pipeline.memory.allocator import (_decode_trace, _Trace, blas_workspace_bytes,
-    ELEM_BYTES, MiB,
-    PoolModel)
+from pipeline.memory.allocator import _decode_trace, _Trace, blas_workspace_bytes, ELEM_BYTES, MiB, PoolModel
 from states.build_mode import BatchSeries, series_sum
 
 if TYPE_CHECKING:  # pragma: no cover

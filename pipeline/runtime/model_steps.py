@@ -7,8 +7,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from pipeline.backends.memory import (dequantize_kv, layer_kv_scales, make_draft_batch, make_forward_batch,
-                                      PageAllocator)
+from pipeline.backends.memory import dequantize_kv, layer_kv_scales, make_draft_batch, make_forward_batch, PageAllocator
 from pipeline.core.contracts import ForwardMode
 from pipeline.backends.speculative import SpecInfo
 from pipeline.core.errors import BuildError

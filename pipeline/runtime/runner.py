@@ -6,8 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
-from pipeline.core import steps
-from pipeline.core import events as ev
+from pipeline.core import steps, events as ev
 from pipeline.core.contracts import ErrorInfo, SetupRequest
 from pipeline.core.errors import error_info_from
 from pipeline.core.eventlog import EventLog

@@ -12,12 +12,10 @@ from typing import Any, Mapping, Optional
 from pipeline.core import events as ev, steps
 from pipeline.core.contracts import DeviceFacts, SetupRequest
 from pipeline.core.errors import error_info_from, OrderingError, UsageError
-from pipeline.core.eventlog import EventLog
+from pipeline.core.eventlog import EventLog, new_run_id, redacted_request, versions
 from pipeline.core.faults import Faults
-from pipeline.core.eventlog import new_run_id, redacted_request, versions
 from pipeline.core.steps import TableMachine
-from pipeline.platforms import platform_for
-from pipeline.platforms import Platform
+from pipeline.platforms import platform_for, Platform
 from pipeline.setup.context import SetupContext
 from pipeline.setup.result import AttentionBackends, release
 from pipeline.setup.table import SETUP

@@ -12,18 +12,13 @@ from typing import Any, Iterable
 
 from pipeline.backends import registry
 from pipeline.backends.packages import installed_by_metadata
-from pipeline.core import events as ev
-from pipeline.core import settings
+from pipeline.core import events as ev, settings
 from pipeline.core.contracts import Skip
-from pipeline.core.steps import Stop
+from pipeline.core.steps import Stop, Guard, Step, StepTable
 from pipeline.core.errors import error_info_from
-from pipeline.core.steps import Guard, Step, StepTable
 from pipeline.platforms import parse_device
-from pipeline.setup.context import (
-    SINGLE_RANK, Agreement, BuildDecision, DeviceDecision, LazyDecision, SetupContext,
-)
-from pipeline.setup.instances import apply_build
-from pipeline.setup.instances import check_pools_fit
+from pipeline.setup.context import SINGLE_RANK, Agreement, BuildDecision, DeviceDecision, LazyDecision, SetupContext
+from pipeline.setup.instances import apply_build, check_pools_fit
 from states import annotate, build_mode, device_init, fallback, npu_lazy_mem, resolve
 from pipeline.memory.workspaces import check_workspaces
 
