@@ -214,9 +214,8 @@ class GraphDecision(NamedTuple):
 
 
 def graph_mode(spec: Any, is_draft_worker: bool) -> str:
-    """The step CUDA graphs capture (a ``ForwardMode`` value), as sglang's graph runners choose it: a speculative
-    target worker captures target verify (its ``CudaGraphRunner`` with ``TARGET_VERIFY``), a draft worker with a
-    speculative shape its draft decode (``EAGLEDraftCudaGraphRunner``), every other worker decode."""
+    """The step CUDA graphs capture (a ``ForwardMode`` value), as sglang's graph runners: target verify on a speculative
+    target, draft decode on a draft worker, else decode."""
     if spec is None:
         return "decode"
     return "draft_decode" if is_draft_worker else "target_verify"

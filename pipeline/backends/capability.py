@@ -90,7 +90,6 @@ class WorkspaceQuery(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def decode_output_only(kind: Any, bs: int, q_elem_bytes: int) -> list[tuple[int, bool]]:
-    """A decode forward that allocates only its output ``[bs, H, Dv]`` in q's dtype (``q_elem_bytes`` each) and
-    keeps its scratch in buffers made before capture: FlashInfer's ``run`` (``out`` left to it, or made by our MLA
-    path) and our Triton launchers (split scratch from ``init_cuda_graph_state``)."""
+    """A decode forward allocating only its output ``[bs, H, Dv]`` in q's dtype, scratch in buffers made before capture
+    (FlashInfer's ``run``, our Triton launchers)."""
     return [(bs * kind.num_heads * kind.head_dim_v * q_elem_bytes, True)]

@@ -156,9 +156,8 @@ class KVPool:
             vb[loc] = quantize_kv(v.reshape(-1, vb.shape[1], vb.shape[2]), vb.dtype, self.v_scales[layer_id])
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy every layer's K/V at slots ``src`` [n] to slots ``dst`` [n] (int64; the stored values, scales unchanged):
-        what an engine does after target verify with the accepted draft tokens' KV (sglang's ``move_kv_cache``), so
-        they sit at consecutive positions of the request's pages."""
+        """Copy every layer's stored K/V at slots ``src`` [n] to ``dst`` [n] (int64), as sglang's ``move_kv_cache``
+        after target verify."""
         for lid, (kb, vb) in enumerate(zip(self.k_buffer, self.v_buffer)):
             if kb.numel():
                 kb[dst] = kb[src]
@@ -282,9 +281,8 @@ def make_forward_batch(mode: ForwardMode, reqs: Sequence[int], new_tokens: Seque
 
 def make_draft_batch(reqs: Sequence[int], draft_slots: torch.Tensor, allocator: PageAllocator,
                      kv_pool: KVPool) -> ForwardBatch:
-    """A ``DRAFT_DECODE`` batch: request row ``reqs[b]`` (its committed tokens as the allocator holds them) with
-    ``topk`` branches whose draft-token slots so far are ``draft_slots[b]`` [topk, s + 1] (the last: this step's
-    token, at position ``prefix + s``); see :mod:`pipeline.backends.speculative`."""
+    """A ``DRAFT_DECODE`` batch: request row ``reqs[b]`` with ``topk`` branches whose draft slots are ``draft_slots[b]``
+    [topk, s + 1] (the last at ``prefix + s``)."""
     from pipeline.backends.speculative import SpecInfo
 
     dev = kv_pool.device

@@ -41,9 +41,8 @@ def requirement(dist: str) -> str:
 
 
 def install_hint(dist: str) -> str:
-    """How to install a supported version of a distribution, for a reason or remedy: ``pip install
-    'flashinfer-python==0.7.2'`` (the range of attn-setup's dependencies and ``cuda`` extra, a command that works
-    whether attn-setup came from PyPI or a clone)."""
+    """How to install a supported version of a distribution (``pip install 'flashinfer-python==0.7.2'``), for a reason
+    or remedy."""
     return f"pip install '{requirement(dist)}'" if dist in _PACKAGES else f"pip install {dist}"
 
 

@@ -61,8 +61,7 @@ class BackendEntry:
 
     def check_workspace(self, nbytes: int, query: WorkspaceQuery) -> None:
         """Refuse a workspace of ``nbytes`` too small for the largest batch ``query`` plans (ConfigError
-        ``workspace_too_small``, with a remedy every alternative of which then passes and fits); a backend without
-        such a rule needs no check."""
+        ``workspace_too_small``); no rule, no check."""
         if self.rules.check_workspace is not None:
             self.rules.check_workspace(nbytes, query)
 
@@ -77,8 +76,7 @@ class BackendEntry:
 
     def graph_decode_allocs(self, kind: "LayerKind", bs: int, q_elem_bytes: int) -> list[tuple[int, bool]]:
         """``[(nbytes, is_output)]`` its decode forward allocates for one layer of ``kind`` at ``bs`` requests, in
-        order (the CUDA-graph memory estimate replays them: :mod:`pipeline.memory.graphs`); without a rule of its
-        own, the output ``[bs, H, Dv]`` in q's dtype alone."""
+        order; default: the output alone."""
         from pipeline.backends.capability import decode_output_only
 
         rule = self.rules.graph_decode_allocs or decode_output_only

@@ -102,9 +102,8 @@ def batch_layout(fb: ForwardBatch) -> list[tuple[int, int, int]]:
 
 
 class Unit(NamedTuple):
-    """One attention problem of a batch: output rows ``[start, start + n)``, the KV slots it reads [s] int64,
-    the query positions [n] and key positions [s] (int64), and an extra visibility mask [n, s] (None: causal by
-    position only)."""
+    """One attention problem: output rows ``[start, start + n)``, KV slots [s] int64, query [n] / key [s] positions, and
+    an extra mask [n, s] (None: causal)."""
 
     start: int
     n: int

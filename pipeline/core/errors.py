@@ -137,9 +137,8 @@ class RankStalled(RankExchangeError):
 
 
 class MemoryImbalance(AttnSetupError):
-    """Free device memory at device-init differs between ranks by more than the allowed fraction
-    (sglang's tensor-parallel check; :mod:`pipeline.setup.distributed`). Raised on every rank, naming the
-    lowest rank and every rank's free bytes."""
+    """Free device memory at device-init differs between ranks beyond the allowed fraction (sglang's TP check); raised
+    on every rank with every rank's bytes."""
 
     code = "memory_imbalance"
     exit_code = EXIT_FAILED

@@ -52,9 +52,8 @@ def _versions(installed_items: tuple[tuple[str, bool], ...]) -> tuple[tuple[str,
 
 
 def shared_run_id(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """``ATTN_SETUP_RUN_ID``, else torchrun's ``TORCHELASTIC_RUN_ID`` (``none`` counts as unset), or None: the run
-    id every rank of a launch shares, known before the run starts (``--log-file``'s ``{run_id}`` is checked with
-    it, :mod:`pipeline.cli.flags`). Raises UsageError naming the variable for a value that cannot name a file."""
+    """``ATTN_SETUP_RUN_ID``, else ``TORCHELASTIC_RUN_ID`` (``none`` = unset), or None: the launch's shared run id.
+    Raises UsageError for a value that cannot name a file."""
     import os
 
     import re

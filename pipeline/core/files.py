@@ -45,9 +45,8 @@ def make_parent(path: str | os.PathLike, *, flag: str, code: str = "usage") -> N
 
 
 def check_output(path: str | os.PathLike, *, flag: str, what: str) -> None:
-    """An output path a command writes by name (``--metrics-file``, ``graph -o``) before it writes: an existing
-    target must be a regular file (a device such as ``/dev/full`` would be replaced by a rename, a FIFO would block a
-    write), and missing folders are created (:func:`make_parent`). Raises :class:`UsageError` naming ``flag``."""
+    """Check an output path before writing: an existing target must be a regular file; missing folders are created.
+    Raises :class:`UsageError` naming ``flag``."""
     p = os.fspath(path)
     try:
         mode = os.stat(p).st_mode

@@ -40,9 +40,8 @@ REMEDY_MAX_BS = 8192
 
 
 def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool]) -> Optional[int]:
-    """The largest of ``candidates`` (ascending) with ``fits``, or None: the largest is tried first (a lowered top
-    often fits at once), then a binary search, O(log n) calls — valid because ``fits`` holds on a prefix (the
-    estimate is nondecreasing in the top, :class:`pipeline.memory.pools.GraphTrial`)."""
+    """The largest of ``candidates`` (ascending) with ``fits`` (which holds on a prefix), or None: the largest first,
+    then a binary search."""
     if not candidates or not fits(candidates[0]):
         return None
     if fits(candidates[-1]):

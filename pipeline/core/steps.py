@@ -128,9 +128,8 @@ class StepTable:
 
     @cached_property
     def machine_rules(self) -> Machine:
-        """One pytransitions ``Machine`` with this table's states and transitions and no model, built on first use
-        and shared: :class:`TableMachine` registers each run's model with it and removes it again at once (the
-        model keeps its trigger methods; the shared machine keeps no reference to any run)."""
+        """One shared pytransitions ``Machine`` with this table's states and transitions, built on first use;
+        :class:`TableMachine` adds each run's model and removes it at once."""
         return Machine(model=[], states=list(self.State), transitions=self.transitions(),
                        initial=self.State(self.steps[0].state), auto_transitions=False, send_event=False)
 

@@ -132,9 +132,8 @@ TOO_DEEP = "<nested too deep>"
 
 
 def _wire(x: Any, redact: Optional[Callable[[str], str]], depth: int = 0, closed: Any = None) -> Any:
-    """Builtins ready for JSON: non-finite floats as text, strings cleaned (and redacted, except where
-    ``closed`` marks a Literal/Enum value, which redaction would make invalid), and a container nested
-    deeper than a reader keeps replaced by :data:`TOO_DEEP`."""
+    """Builtins ready for JSON: non-finite floats as text, strings cleaned (and redacted unless ``closed``), too-deep
+    containers as :data:`TOO_DEEP`."""
     t = type(x)
     if t is str:
         return redact(_clean_str(x)) if redact is not None and closed is not True else _clean_str(x)

@@ -129,9 +129,8 @@ def _for_decided(estimator: Any, series: Any, request: "SetupRequest", decided: 
 
 
 def captured_step(request: "SetupRequest", decided: "Decided") -> dict:
-    """What the graphs capture for a decided setup (:func:`states.build_mode.graph_mode`): the backend captured
-    (``decode_backend``), the ``mode`` and the rows per request (``tokens_per_req``: a target worker's
-    ``num_draft_tokens``, a draft worker's ``topk``, else 1)."""
+    """What the graphs capture for a decided setup: ``decode_backend``, ``mode`` (:func:`states.build_mode.graph_mode`)
+    and ``tokens_per_req``."""
     from states.build_mode import graph_backend, graph_mode
 
     res = decided["resolve"]

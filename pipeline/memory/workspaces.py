@@ -20,9 +20,8 @@ PLAN_TOTAL_NOTE = ("plan cannot know the free memory a run will find, at most th
 
 
 def need_at(request: Any, d: Any, facts: Any) -> Callable[[int], int]:
-    """``need(bs)``: the bytes each planned workspace must hold at least (the largest need of the backends sharing
-    one, :meth:`~pipeline.backends.registry.BackendEntry.workspace_need`) when the decode graphs go up to ``bs`` (0: no
-    graphs), for build-mode's decision ``d``."""
+    """``need(bs)``: the bytes each planned workspace of ``d`` must hold (its users' largest need) with graphs up to
+    ``bs`` (0: none)."""
     kinds, plan = request.served_model.layer_kinds(), d.plan
     users = {ws.id: sorted({i.backend for i in plan.instances if i.workspace == ws.id}) for ws in plan.workspaces}
 

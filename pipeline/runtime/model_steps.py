@@ -242,9 +242,8 @@ def _pool_kv(stack: Any, kv: Any, slots: torch.Tensor) -> list[list[tuple[torch.
 
 
 def _steps(b: int, decode_steps: int, spec: Any, draft: bool) -> list[tuple[str, ForwardMode, list[int]]]:
-    """extend, chunked extend, decodes; a target worker verifies trees of ``num_draft_tokens`` after the first
-    decode (replayed from its CUDA graph where one is captured), a draft worker draft-extends its chunk and runs a
-    round of draft-decode steps."""
+    """extend, chunked extend, decodes; a target worker verifies trees after the first decode, a draft worker
+    draft-extends and runs draft-decode steps."""
     ext = ForwardMode.DRAFT_EXTEND if spec is not None and draft else ForwardMode.EXTEND
     steps = [("extend", ForwardMode.EXTEND, list(EXTEND_LENS[:b])),
              ("draft-extend" if draft and spec is not None else "chunked-extend", ext, list(CHUNK_LENS[:b]))]

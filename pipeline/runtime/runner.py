@@ -91,9 +91,8 @@ def tol_text(tol: float) -> str:
 
 @dataclass(frozen=True)
 class Verification:
-    """What :meth:`Runner.verify` found: ``instances`` (:class:`~pipeline.runtime.verify.VerifyResult` per built
-    instance), ``steps`` (:class:`~pipeline.runtime.model_steps.StepCheck` per stack step) and ``error``
-    (``verification_failed`` naming every failure, None when all passed)."""
+    """What :meth:`Runner.verify` found: ``instances`` (VerifyResult each), ``steps`` (StepCheck each), ``error``
+    (``verification_failed``, or None)."""
 
     instances: list[Any]
     steps: list[Any]

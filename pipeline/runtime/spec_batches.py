@@ -43,9 +43,8 @@ def random_path(parents: Sequence[int], gen: torch.Generator) -> list[int]:
 
 
 def accept_path(allocator: PageAllocator, kv_pool: KVPool, row: int, prefix: int, path: Sequence[int]) -> None:
-    """Keep ``path`` (tree indices, root first) of the tree verified at positions ``prefix ..`` of request ``row``:
-    their KV moves to positions ``prefix .. prefix + len(path) - 1`` (sglang's ``move_kv_cache`` after verify) and
-    the request is cut there."""
+    """Keep ``path`` (root first) of the tree verified at ``prefix ..`` of request ``row``: its KV moves to consecutive
+    positions (sglang's ``move_kv_cache``), the rest is cut."""
     r2t = allocator.req_pool.req_to_token[row].to(torch.int64)
     src = r2t[[prefix + i for i in path]].to(kv_pool.device)
     dst = r2t[prefix: prefix + len(path)].to(kv_pool.device)
@@ -55,9 +54,8 @@ def accept_path(allocator: PageAllocator, kv_pool: KVPool, row: int, prefix: int
 
 def next_branches(prev: torch.Tensor | None, rows: Sequence[int], topk: int, allocator: PageAllocator,
                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One draft step's ``(draft_slots [B, topk, s + 1], parent_branch [B, topk])``: each branch continues the path of
-    a random branch of the previous step (all of them the root's at the first step, ``prev`` None) with a fresh
-    slot for this step's token (:meth:`PageAllocator.scratch`)."""
+    """One draft step's ``(draft_slots [B, topk, s + 1], parent_branch [B, topk])``: each branch continues a random
+    previous branch with a fresh slot."""
     b = len(rows)
     new = torch.stack([allocator.scratch(r, topk) for r in rows]).view(b, topk, 1)
     if prev is None:

@@ -58,9 +58,8 @@ def decide_pools(r: Any) -> Any:
 
 
 def setup_decided(r: Any, spec: Any) -> Any:
-    """``(request, decided)``: the setup decided torch-free (:func:`pipeline.setup.build.decide_setup`) for this
-    run's request serving ``spec``, before the pools are sized (the backends, their workspaces and whether graphs
-    are captured depend on ``max_reqs``, not on the pool's size); computed once per runner and spec (kept on ``r``)."""
+    """``(request, decided)``: :func:`pipeline.setup.build.decide_setup` for this run's request serving ``spec``, before
+    pool sizing; cached on ``r``."""
     kept = getattr(r, "setup_decided_for", None)
     if kept is not None and kept[0] is spec:
         return kept[1]

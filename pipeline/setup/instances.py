@@ -27,9 +27,8 @@ GIVEN_POOLS_REMEDY = ("build the pools from the same sizes as the SetupRequest's
 
 
 def check_workspace_memory(ctx: SetupContext, d: Any) -> None:
-    """Refuse planned workspaces larger than :data:`POOL_MEMORY_SHARE` of the device's free memory (ConfigError
-    ``workspace_exceeds_memory`` naming the setting that sized them and a size that fits the free memory less
-    :func:`~pipeline.memory.pools.remedy_margin`)."""
+    """Refuse planned workspaces above :data:`POOL_MEMORY_SHARE` of free memory (ConfigError
+    ``workspace_exceeds_memory`` with a size that fits)."""
     plan = d.plan
     total = plan.workspace_bytes
     avail = available_bytes(ctx.platform, parse_device(ctx.request.device)[1]) if total else 0
@@ -60,9 +59,8 @@ def check_pools_fit(ctx: SetupContext) -> None:
 
 
 def make_pools(ctx: SetupContext) -> None:
-    """The KV pools for ``request.pool`` and the served model (build-mode's ``check`` has refused them already when
-    they cannot fit the device's free memory: :func:`check_pools_fit`); or, when the engine passed its own, those
-    checked (:func:`check_given_pools`)."""
+    """The KV pools for ``request.pool`` and the served model, or the engine's own pools, checked
+    (:func:`check_given_pools`)."""
     if ctx.given_pools is not None:
         check_given_pools(ctx)
         return

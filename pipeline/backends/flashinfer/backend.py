@@ -466,9 +466,8 @@ class FlashInferBackend(AttentionBackend):
     def plan_decode_tables(self, kinds_wrappers: list[tuple[Any, Any, str]], indptr: torch.Tensor,
                            indices: torch.Tensor, last: torch.Tensor, kv_lens: list[int], page_size: int,
                            mode: str) -> None:
-        """Plan the decode wrappers over a page table (``indptr`` [R+1] / ``last`` [R] int32 on the host,
-        ``indices`` on the device) of ``page_size``-token pages; ``mode`` ``"decode"`` or ``"draft"`` (a draft decode
-        over the page-size-1 view: :meth:`token_kv`)."""
+        """Plan the decode wrappers over a page table (``indptr`` [R+1] / ``last`` [R] int32 host, ``indices`` device);
+        ``mode`` ``"decode"`` or ``"draft"`` (page-size-1 view, :meth:`token_kv`)."""
         qo = kv_lens_t = None
         for kw, w, cls in kinds_wrappers:
             k = kw.kind

@@ -222,9 +222,8 @@ def sink_uri(v: Variant, q_name: str, kv_name: str) -> str:
 
 
 def sink_decl(backend: str, fi: Any = None) -> str:
-    """FlashInfer's ``AttentionSink`` variant declaration (CUDA source) for ``backend`` (``fa2``/``fa3``), from
-    ``flashinfer.jit.attention.variants.attention_sink_decl`` — of ``fi`` (the flashinfer module the backend
-    holds) when it exposes it, else imported."""
+    """FlashInfer's ``AttentionSink`` variant declaration (CUDA source) for ``backend``, from ``fi``'s
+    ``attention_sink_decl`` when exposed, else imported."""
     variants = getattr(getattr(getattr(fi, "jit", None), "attention", None), "variants", None)
     if variants is None:
         from flashinfer.jit.attention import variants

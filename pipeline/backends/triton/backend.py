@@ -123,9 +123,8 @@ def kv_scales(layer: AttentionLayer, pool: Any) -> tuple[Any, Any]:
 
 
 def stored_kv(x: torch.Tensor, buf_dtype: torch.dtype, scale: Any) -> torch.Tensor:
-    """``x`` in a KV buffer's stored format, by the pool's write rule (:func:`pipeline.backends.memory.quantize_kv`:
-    a plain cast for 16/32-bit buffers, ``round_to_fp8(clamp(x / scale, -max, max))`` for fp8 ones). ``x`` already in
-    ``buf_dtype`` is returned as it is (already stored)."""
+    """``x`` in a KV buffer's stored format (:func:`pipeline.backends.memory.quantize_kv`); returned as is when already
+    ``buf_dtype``."""
     return x if x.dtype == buf_dtype else quantize_kv(x, buf_dtype, scale)
 
 
@@ -264,9 +263,8 @@ class TritonAttnBackend(AttentionBackend):
 
     def _verify_graph_meta(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, spec_info: Any,
                            seq_lens_cpu: Optional[list[int]]) -> _ExtendMeta:
-        """Target verify in a graph: ``num_draft_tokens`` (n) per request, the prefix ``seq_lens - n``; fixed buffers
-        for the rows, prefixes, ``qo_indptr`` (0, n, 2n …), the [n, n] tree masks (a chain's is causal: in a graph the
-        kernel always reads one) and the tokens' positions, refreshed from the batch's trees (outside the graph)."""
+        """Target verify in a graph: fixed buffers for rows, prefixes (``seq_lens - n``), ``qo_indptr``, [n, n] tree
+        masks and positions, refreshed outside the graph."""
         n = spec_info.num_draft_tokens
         pre = [s - n for s in (seq_lens_cpu if seq_lens_cpu is not None else seq_lens[:bs].tolist())][:bs]
         spec = check_verify_batch(spec_info, pre, [n] * bs)

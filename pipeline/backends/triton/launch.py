@@ -49,9 +49,8 @@ def kv_dtypes(q_dtype: torch.dtype) -> tuple:
 
 
 def check_scale(name: str, s: Any, device: torch.device) -> bool:
-    """A dequantisation scale (``k_scale`` / ``v_scale``): a finite float > 0, or a one-element float tensor
-    on ``device`` (read in-kernel, so CUDA graphs follow its value; its value is not checked: no host sync).
-    Returns True for a tensor."""
+    """A dequantisation scale: a finite float > 0, or a one-element float tensor on ``device`` (value unchecked: no host
+    sync). Returns True for a tensor."""
     if isinstance(s, torch.Tensor):
         if s.numel() != 1 or s.dtype not in SCALE_DTYPES:
             raise bad(f"{name}", f"{s.dtype}[{tuple(s.shape)}]", "a float > 0 or a one-element float32 tensor",

@@ -92,9 +92,8 @@ def _mla_tile(acc, m_i, l_i, q_lat, q_rope, KV, slot, n_mask, vis, stride_kt, qk
 @triton.jit
 def _prefetch_l2(KV, slot, valid, stride_kt, ROW_LINES: tl.constexpr, LINES_PAD: tl.constexpr,
                  LINE_ELEMS: tl.constexpr, ENABLED: tl.constexpr):
-    """Ask L2 for the cache rows ``slot`` [BLOCK_N] (where ``valid``): one ``prefetch.global.L2`` per 128-byte
-    line of each row (``ROW_LINES`` lines, padded to ``LINES_PAD``). Fire and forget: nothing waits on it.
-    Off under the interpreter (ENABLED false), where PTX cannot run."""
+    """Ask L2 for the cache rows ``slot`` [BLOCK_N] (where ``valid``), one ``prefetch.global.L2`` per 128-byte line;
+    fire and forget, off under the interpreter."""
     if ENABLED:
         lines = tl.arange(0, LINES_PAD)[None, :]
         want = (valid[:, None] & (lines < ROW_LINES)).to(tl.int32)
