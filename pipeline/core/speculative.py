@@ -8,7 +8,6 @@ from typing import Any, Optional
 from pipeline.core.contracts import SpeculativeParams
 from pipeline.core.errors import ConflictingOptions
 
-EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 # sglang's _auto_choose_speculative_params: (num_steps, topk, num_draft_tokens) per target architecture
 AUTO_TREE_ARCHS = ("LlamaForCausalLM", "Grok1ForCausalLM", "Grok1VForCausalLM")
 AUTO_TREE = (5, 4, 8)

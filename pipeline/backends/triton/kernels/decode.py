@@ -3,8 +3,6 @@
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _split_bounds(seq_len, window, chunk, max_splits, SPLIT_MIN: tl.constexpr, BLOCK_N: tl.constexpr,
