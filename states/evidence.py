@@ -5,7 +5,8 @@ per (device class, phase, layer kind, KV dtype) with each candidate backend's me
 A row applies when the device class matches, the installed ``flashinfer-python`` is the measured one exactly and
 ``torch`` / ``triton`` match major.minor, and every capable candidate the row does not exclude was timed: then the
 fastest of them goes first (the capability records still decide what is allowed). Otherwise the fixed priority
-stands and the evidence says ``unmeasured`` with the reason. Torch-free: msgspec only.
+stands and the evidence says ``unmeasured`` with the reason. A winner less than :data:`MIN_GAIN` faster than the
+priority's choice leaves the priority in place (``measured``, with the reason). Torch-free: msgspec only.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ SCRIPT = "benchmarks/auto_evidence.py"
 LAYER_KINDS = {"mla": "MLA layers", "sinks": "sink layers", "softcap": "softcapped layers",
                "chunked": "chunked layers", "sliding": "sliding-window layers", "full": "full layers"}
 _EXACT = ("flashinfer-python",)  # compared exactly; the others major.minor
+# A measured winner replaces the fixed priority's choice only when at least this much faster: same-process runs of
+# one kernel differ by up to ~3 % (benchmarks/RESULTS.md), so a smaller gap is noise, not a ranking.
+MIN_GAIN = 1.05
 NO_ROW = "no measured row"  # the reason's start when the table has nothing for this request (human output omits it)
 
 
@@ -163,10 +167,14 @@ def order(half: str, candidates: Sequence[str], capable: Callable[[str], bool], 
         return cands, _unmeasured(f"only {able[0] if able else 'no backend'} measured and capable here: "
                                   "nothing to compare")
     best, nxt = sorted(able, key=lambda n: row.times_us[n])[:2]  # stable: a tie keeps the priority
+    keep, reason = able[0], ""
+    if best != keep and row.times_us[keep] / row.times_us[best] < MIN_GAIN:  # within noise: the priority stands
+        best, nxt = keep, best
+        reason = f"{nxt} measured less than {MIN_GAIN:.2f}× faster: the fixed priority stands"
     first = next(i for i, n in enumerate(cands) if capable(n))
     ranked = cands[:first] + [best] + [n for n in cands[first:] if n != best]
     return ranked, Evidence(kind="measured", source=f"{row.source}, {table.date}", device=table.gpu,
-                            versions=dict(table.versions), next=nxt,
+                            versions=dict(table.versions), next=nxt, reason=reason,
                             ratio_vs_next=round(row.times_us[nxt] / row.times_us[best], 3), layers=LAYER_KINDS[kind])
 
 
@@ -174,7 +182,7 @@ def text(half: str, backend: str, ev: Evidence) -> str:
     """The human line: ``decode: triton — 1.51× flashinfer for sink layers on NVIDIA H200 (source, date)``."""
     if ev.kind == "measured":
         return (f"{half}: {backend} — {ev.ratio_vs_next:.2f}× {ev.next} for {ev.layers} on {ev.device} "
-                f"({ev.source})")
+                f"({ev.source})" + (f"; {ev.reason}" if ev.reason else ""))
     if ev.kind == "explicit":
         return f"{half}: {backend} — explicit"
     return f"{half}: {backend} — unmeasured: {ev.reason} (fixed priority)"

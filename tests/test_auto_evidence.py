@@ -98,6 +98,18 @@ def test_torch_and_triton_match_by_major_minor(table_at):
     assert _plan()["decode"] == "flashinfer"
 
 
+def test_a_winner_within_noise_keeps_the_fixed_priority(table_at):
+    """Triton measured 1.01x faster (decode on the H200, FlashInfer 0.7.2) is within run-to-run noise: flashinfer,
+    the priority's choice, stays, with the measurement and the reason; 1.05x is enough to move."""
+    table_at(_table(times_us={"flashinfer": 268.6, "triton": 266.0}))
+    res = _plan()
+    assert res["decode"] == "flashinfer" and res["evidence"]["decode"]["next"] == "triton"
+    assert res["evidence"]["decode"]["ratio_vs_next"] == round(266.0 / 268.6, 3)
+    assert "less than 1.05× faster: the fixed priority stands" in res["evidence_text"]["decode"]
+    table_at(_table(times_us={"flashinfer": 105.0, "triton": 100.0}))
+    assert _plan()["decode"] == "triton"
+
+
 def test_explicit_flag_wins(table_at):
     table_at(_table())
     res = _plan("--decode-attention-backend", "flashinfer")
