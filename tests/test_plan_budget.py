@@ -37,3 +37,14 @@ def test_a_budget_run_refuses_plan_refuses():
     assert err["code"] == "pool_budget_too_small" and err["flags"][0]["name"] == "--mem-bytes"
     err = json.loads(run_main("plan", "--device-profile", "cpu", "--mem-fraction", "0.5", "--json").stdout)["error"]
     assert err["code"] == "invalid_value" and "--mem-bytes" in err["remedy"]
+
+
+def test_two_pool_sizes_are_refused_not_one_dropped():
+    """--num-token-slots with --mem-bytes / --mem-fraction: run took the slots and dropped the budget silently; both
+    commands now refuse the pair naming both flags."""
+    for budget in (["--mem-bytes", str(64 << 20)], ["--mem-fraction", "0.5"]):
+        for cmd in (["run", "--device", "cpu"], ["plan"]):
+            p = run_main(*cmd, "--num-token-slots", "256", *budget, "--json")
+            err = json.loads(p.stdout)["error"]
+            assert p.returncode == 2 and err["code"] == "out_of_domain", (cmd, budget, err)
+            assert "--num-token-slots" in err["message"] and budget[0] in err["message"]

@@ -234,8 +234,20 @@ def check_env_sizes(ns: argparse.Namespace, env: Any = os.environ) -> None:
                                       f"{allowed}, e.g. {name}={fd.domain.example}")
 
 
+def _one_pool_size(ns: argparse.Namespace, fd: FlagDomain) -> Optional[InvalidValue]:
+    """``--num-token-slots`` with ``--mem-bytes`` or ``--mem-fraction``: one sizes the pool; the other would be
+    dropped silently."""
+    other = next((f for f in ("mem_bytes", "mem_fraction") if getattr(ns, f, None) is not None), None)
+    if fd.dest != "num_token_slots" or other is None:
+        return None
+    flag = "--" + other.replace("_", "-")
+    return refusal(fd, ns.num_token_slots, f"--num-token-slots and {flag} both size the KV pool",
+                   allowed=f"--num-token-slots or {flag}, not both",
+                   fix=f"drop --num-token-slots (the pool is then sized from {flag}) or drop {flag}")
+
+
 CROSS_CHECKS: tuple[Callable[[argparse.Namespace, FlagDomain], Optional[InvalidValue]], ...] = (
-    _rank_in_world, _graph_rank_needs_log)
+    _rank_in_world, _graph_rank_needs_log, _one_pool_size)
 
 
 def check_flags(ns: argparse.Namespace) -> None:
