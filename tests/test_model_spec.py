@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from pipeline.core.contracts import ModelSpec
 from pipeline.core.errors import EXIT_REFUSED, EXIT_USAGE, ConfigError, ModelConfigError, UsageError
 from pipeline.core.model_spec import (
-    DEFAULT_MODEL_CONFIG, LAYER_RULES, attention_prefix, format_layer_ids, layer_kinds, layers_covering_every_kind,
+    DEFAULT_MODEL_CONFIG, attention_prefix, format_layer_ids, layer_kinds, layers_covering_every_kind,
     load_model_spec,
 )
 
@@ -204,10 +204,12 @@ def test_mla_without_rope_scaling_has_plain_scale():
     assert load_model_spec(c).scaling == 192**-0.5
 
 
-def test_rule_table_cites_every_entry():
-    """Each implicit rule carries a citation of where it comes from."""
-    assert {"gemma2", "qwen2", "qwen3", "mistral", "gpt_oss", "deepseek_v2"} <= set(LAYER_RULES)
-    assert all(r.cite for r in LAYER_RULES.values())
+def test_own_rules_cite_every_entry():
+    """Each family rule kept beside transformers carries a citation of the code it mirrors."""
+    from pipeline.core.layer_rules import OWN_FAMILIES
+
+    assert {"baichuan", "internlm2", "mimo", "nemotron-nas"} <= set(OWN_FAMILIES)
+    assert all(r.cite for r in OWN_FAMILIES.values())
 
 
 def test_module_does_not_import_torch():
@@ -509,24 +511,16 @@ def test_computed_head_dim_names_the_keys_it_came_from(hidden, heads, nested):
     assert load_model_spec(fixed).head_dim == head_dim
 
 
-def test_a_default_layer_rule_is_said_with_how_to_override_it():
-    """A model_type without a layer rule and no layer list in its config gets a note naming the rule that read its
-    layers and the key that overrides it (model_type "foobar" was taken as all-full silently); a known
-    model_type or an explicit list gets none; following the note (layer_types) reads exactly those types."""
-    from pipeline.core.model_spec import layer_rule_note
-
-    for path in CONFIGS.glob("*.json"):
-        assert layer_rule_note(path) is None, path
-    base = {**_cfg("llama-3.1-8b.json"), "model_type": "foobar", "num_hidden_layers": 4}
-    note = layer_rule_note(base)
-    assert "model_type \"foobar\"" in note and "every layer is full attention" in note and "layer_types" in note
-    assert load_model_spec(base).layer_types == ["full"] * 4
-    assert "every layer slides" in layer_rule_note({**base, "sliding_window": 128})
-    hybrid = {**base, "full_attention_interval": 2, "linear_num_value_heads": 8}
-    assert "Qwen3-Next layout" in layer_rule_note(hybrid)
-    listed = {**base, "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 64}
-    assert layer_rule_note(listed) is None
-    assert load_model_spec(listed).layer_types == ["sliding", "full"] * 2
-    nested = {"model_type": "llava", "text_config": base}
-    assert "foobar" in layer_rule_note(nested)
-    assert layer_rule_note({**base, "model_type": "llama"}) is None
+def test_an_unknown_model_type_is_refused_naming_its_attention_fields():
+    """A model_type neither transformers nor our rules know is refused (``unknown_architecture``, exit 3) naming the
+    model_type and the attention-relevant fields present; it was read as all-full ("foobar") with a warning."""
+    base = {**_cfg("llama-3.1-8b.json"), "model_type": "foobar", "num_hidden_layers": 4, "sliding_window": 128}
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec(base)
+    info = e.value.info
+    assert info.code == "unknown_architecture" and e.value.exit_code == 3
+    assert ("model_type", "foobar") in [(f.name, f.value) for f in info.flags]
+    assert "sliding_window" in info.message and "config.json" not in info.remedy
+    with pytest.raises(ModelConfigError, match="foobar"):
+        load_model_spec({"model_type": "llava", "text_config": {**base, "model_type": "foobar"}})
+    assert load_model_spec({**base, "model_type": "mistral"}).layer_types == ["sliding"] * 4

@@ -1,0 +1,188 @@
+"""transformers' configuration classes, loaded offline and torch-free, as the source of a model's structure.
+
+:func:`text_config` builds the class transformers maps a ``model_type`` to (``CONFIG_MAPPING_NAMES``; never
+``trust_remote_code``, no network, no weights) from a parsed ``config.json`` and returns its text (decoder) config,
+or None when transformers does not know the ``model_type``. Only ``configuration_auto`` and the one
+``configuration_<module>`` module are imported: the ``transformers`` / ``transformers.models`` package inits (a scan of
+every model directory) are skipped, and while torch is not imported yet it is hidden so transformers does not import
+it (``plan`` stays torch-free). :func:`forget_torchless` drops those modules so a later import that needs torch
+(the model oracle) gets the whole library.
+
+Raises ModelConfigError ``package_version_unsupported`` when the installed transformers is outside
+:data:`TRANSFORMERS_SPEC` (or absent), ``model_config_malformed`` when the class refuses the file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+import types
+from typing import Any, Mapping, Optional
+
+from pipeline.core.errors import ModelConfigError
+
+# The versions whose configuration classes attn-setup reads (pyproject.toml gives the same range; sglang 0.5.23 pins
+# 5.19.0, the tested one).
+TRANSFORMERS_SPEC = ">=5.17,<6"
+_TORCHLESS = "_attn_setup_torchless"
+
+
+def transformers_version() -> Optional[str]:
+    """The installed transformers version by its metadata (no import), or None when absent."""
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _check_version() -> None:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    have = transformers_version()
+    try:
+        ok = have is not None and SpecifierSet(TRANSFORMERS_SPEC).contains(Version(have), prereleases=False)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise ModelConfigError(
+            f"transformers {have or '(not installed)'} is outside the supported range {TRANSFORMERS_SPEC}: its "
+            "configuration classes are what a model's layers are read from", code="package_version_unsupported",
+            flags=[("transformers", have)], allowed=[f"transformers{TRANSFORMERS_SPEC}"],
+            remedy=f"pip install 'transformers{TRANSFORMERS_SPEC}'")
+
+
+def _import(name: str) -> Any:
+    """``importlib.import_module(name)``; before torch is imported, without the package inits and with torch
+    hidden (``sys.modules['torch'] = None`` makes transformers' ``is_torch_available()`` false)."""
+    if "torch" in sys.modules and sys.modules["torch"] is not None:
+        return importlib.import_module(name)
+    if "transformers" not in sys.modules:
+        spec = importlib.util.find_spec("transformers")
+        root = spec.submodule_search_locations[0]
+        for pkg, path in (("transformers", root), ("transformers.models", f"{root}/models")):
+            mod = types.ModuleType(pkg)
+            mod.__path__, mod.__spec__ = [path], spec if pkg == "transformers" else None
+            mod.__version__ = transformers_version()
+            setattr(mod, _TORCHLESS, True)
+            sys.modules[pkg] = mod
+        sys.modules["transformers"].models = sys.modules["transformers.models"]
+    hidden = "torch" not in sys.modules
+    if hidden:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        return importlib.import_module(name)
+    finally:
+        if hidden:
+            del sys.modules["torch"]
+
+
+def forget_torchless() -> None:
+    """Drop transformers' modules if :func:`text_config` imported them without torch, so the next import loads the
+    whole library with torch (class identities of configs built before then are not kept)."""
+    top = sys.modules.get("transformers")
+    if top is not None and getattr(top, _TORCHLESS, False):
+        for name in [n for n in sys.modules if n == "transformers" or n.startswith("transformers.")]:
+            del sys.modules[name]
+
+
+_CLASSES: dict[str, Optional[type]] = {}
+
+
+def config_class(model_type: str) -> Optional[type]:
+    """The configuration class transformers maps ``model_type`` to, or None when it has none."""
+    if model_type in _CLASSES:
+        return _CLASSES[model_type]
+    _check_version()
+    auto = _import("transformers.models.auto.configuration_auto")
+    name = auto.CONFIG_MAPPING_NAMES.get(model_type)
+    cls = None
+    if name is not None:
+        module = auto.model_type_to_module_name(model_type)
+        cls = getattr(_import(f"transformers.models.{module}.configuration_{module}"), name)
+    _CLASSES[model_type] = cls
+    return cls
+
+
+def text_config(data: Mapping[str, Any], model_type: str) -> Optional[Any]:
+    """transformers' text config built from ``data`` (the whole config.json) by ``model_type``'s class, or None when
+    transformers does not know ``model_type``. Raises ModelConfigError (``model_config_malformed``) naming the class
+    and its message when the class refuses the values."""
+    cls = config_class(model_type)
+    if cls is None:
+        return None
+    import logging
+
+    quiet = logging.getLogger("transformers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # class-default notes ("forcing last layer to full_attention") are not ours to print
+    kwargs = {k: v for k, v in data.items() if k not in ("transformers_version", "architectures")}
+    try:
+        for _ in range(8):
+            try:
+                cfg = cls(**kwargs)
+                return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+            except Exception as e:  # noqa: BLE001 - huggingface_hub's StrictDataclassFieldValidationError and kin
+                field = _refused_field(e)
+                # a published file's value the class's type check refuses (Llama-4's attn_temperature_tuning: 4 for
+                # a bool) on a field attention is not read from: read the class default instead
+                if field is None or not _drop(kwargs, field):
+                    raise
+        raise ValueError("too many fields refused")
+    except Exception as e:  # noqa: BLE001 - the class's own validation, whatever it raises
+        raise ModelConfigError(
+            f"transformers {transformers_version()} {cls.__name__} refuses this config: {str(e)[:300]}",
+            code="model_config_malformed", json_path="$", flags=[("model_type", model_type)],
+            allowed=[f"a config {cls.__name__} accepts"],
+            remedy="compare config.json with the model's published one on the Hub") from None
+    finally:
+        quiet.setLevel(level)
+
+
+# Fields attention is read from: a value the class refuses here is the file's problem, never dropped.
+_READ_FIELDS = frozenset({"num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "v_head_dim",
+                          "hidden_size", "layer_types", "layers_block_type", "sliding_window", "attention_chunk_size",
+                          "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "query_pre_attn_scalar",
+                          "attn_logit_softcapping", "use_sliding_window", "max_window_layers", "text_config",
+                          "model_type", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
+                          "attention_multiplier", "index_topk", "rope_scaling", "rope_parameters", "rope_theta"})
+
+
+def _refused_field(e: Exception) -> Optional[str]:
+    """The field a strict-dataclass type check refused, when it is one attention is not read from."""
+    import re
+
+    if type(e).__name__ != "StrictDataclassFieldValidationError":
+        return None
+    m = re.search(r"field '([^']+)'", str(e))
+    return m.group(1) if m and m.group(1) not in _READ_FIELDS else None
+
+
+def _drop(kwargs: dict[str, Any], field: str) -> bool:
+    """Remove ``field`` from ``kwargs`` or its ``text_config`` (copied); whether it was there."""
+    if field in kwargs:
+        del kwargs[field]
+        return True
+    inner = kwargs.get("text_config")
+    if isinstance(inner, Mapping) and field in inner:
+        kwargs["text_config"] = {k: v for k, v in inner.items() if k != field}
+        return True
+    return False
+
+
+def as_dict(cfg: Any) -> dict[str, Any]:
+    """A config object's fields (class defaults included) as a plain dict, per-layer attributes read globally."""
+    het = getattr(cfg, "is_heterogeneous", False)
+    if het:
+        cfg.allow_global_per_layer_attribute_access = True
+    try:
+        out = {k: v for k, v in vars(cfg).items() if not k.startswith("_")} | cfg.to_dict()
+        for key in ("num_hidden_layers", "layers_block_type"):  # properties on some classes (NemotronHConfig)
+            if out.get(key) is None and getattr(cfg, key, None) is not None:
+                out[key] = getattr(cfg, key)
+        return out
+    finally:
+        if het:
+            cfg.allow_global_per_layer_attribute_access = False
