@@ -168,7 +168,10 @@ def _head_dims(c: _Cfg, hidden: int, heads: int, mla: MLADims | None, allow_v: b
     class has one (``allow_v``: MiMo-V2-Flash's 192 / 128)."""
     if mla is not None:
         return mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
-    head_dim = c.integer("head_dim")
+    raw = c.data.maps[0] if isinstance(c.data, ChainMap) else c.data
+    derived = raw.get("head_dim") is None and c.get("head_dim") == hidden // heads
+    # transformers derived it as hidden_size // num_attention_heads: checked as computed here
+    head_dim = None if derived else c.integer("head_dim")
     if head_dim is None:  # computed as HF's LlamaConfig does: hidden_size // num_attention_heads
         if hidden % heads or (hidden // heads) % 2 or hidden // heads > UPPER["head_dim"]:
             raise _computed_head_dim(c, hidden, heads)
@@ -275,6 +278,13 @@ def _unknown(c: _Cfg, model_type: str) -> ModelConfigError:
 def _hf_types(c: _Cfg, hf: Any, hfd: Mapping[str, Any], model_type: str, n: int) -> list[str]:
     """Per-layer types from transformers' config: ``layer_types``, else ``layers_block_type`` (a property on some
     classes), else every layer full, or sliding for :data:`SLIDES_EVERY_LAYER` when ``sliding_window`` is set."""
+    raw = c.data.maps[0] if isinstance(c.data, ChainMap) else c.data
+    if raw.get("attn_type_list") is not None and raw.get("layer_types") is None:
+        flags = raw["attn_type_list"]  # MiniMax: 1 softmax, 0 lightning (linear) attention; MiniMaxConfig ignores it
+        if not isinstance(flags, list) or len(flags) != n or any(isinstance(f, bool) or f not in (0, 1) for f in flags):
+            raise c.bad("attn_type_list", flags, f"a list of {n} entries, each 0 or 1",
+                        "must give each layer 1 (softmax attention) or 0 (linear attention)")
+        return ["full" if f else "linear_attention" for f in flags]
     key, listed = None, None
     for key in ("layer_types", "layers_block_type"):
         listed = hfd.get(key) if hfd.get(key) is not None else getattr(hf, key, None)
@@ -300,7 +310,10 @@ def _hf_types(c: _Cfg, hf: Any, hfd: Mapping[str, Any], model_type: str, n: int)
             odd.setdefault(str(t), []).append(i)
     for t, ids in odd.items():
         raise _feature(c, key, t, ids, SPARSE_LAYER_TYPES.get(t, f"layer type {t!r} is not one attn-setup knows"))
-    return [LAYER_TYPE_NAMES[t] for t in listed]
+    out = [LAYER_TYPE_NAMES[t] for t in listed]
+    if "chunked" in out and c.get("attention_chunk_size") is None:  # no chunk: transformers' mask and sglang are causal
+        out = ["full" if t == "chunked" else t for t in out]
+    return out
 
 
 def _per_layer(c: _Cfg, hf: Any, i: int, key: str, default: int) -> int:
@@ -362,8 +375,16 @@ def _check_raw(c: _Cfg) -> None:
                                        allowed=sorted(LAYER_TYPE_NAMES), remedy=CONFIG_REMEDY)
     for key in ("sliding_window", "attention_chunk_size", "max_position_embeddings", "vocab_size"):
         c.integer(key)
-    for key in ("attn_layer_period", "attn_layer_offset"):
-        c.integer(key, lo=0)
+    period, offset = c.integer("attn_layer_period", 8), c.integer("attn_layer_offset", 4, lo=0)
+    if offset >= period:
+        raise c.bad("attn_layer_offset", offset, f"an integer in [0, {period - 1}]",
+                    f"must be smaller than attn_layer_period={period} (transformers' JambaConfig checks the same)")
+    c.integer("full_attention_interval")
+    flags = c.get("no_rope_layers")
+    if flags and (not isinstance(flags, list) or len(flags) < (n or 0)
+                  or any(isinstance(f, bool) or f not in (0, 1) for f in flags)):
+        raise c.bad("no_rope_layers", flags, f"a list of at least {n} entries, each 0 or 1",
+                    f"must give each of the {n} layers 0 (NoPE, full attention) or 1 (RoPE, chunked attention)")
 
 
 def _build(top: _Cfg, source: str) -> ModelSpec:
