@@ -389,7 +389,14 @@ def _check_raw(c: _Cfg) -> None:
 
 def _build(top: _Cfg, source: str) -> ModelSpec:
     c = _text_cfg(top)
-    model_type = c.text("model_type") or top.text("model_type", required=True)
+    model_type = c.text("model_type") or top.text("model_type")
+    if model_type is None:
+        raise ModelConfigError(
+            "the file names no model_type, so it is not a Hugging Face transformers config.json (a training "
+            "framework's config, say): which layers attend cannot be read from it", code="unknown_architecture",
+            json_path=top.at("model_type"), flags=[("model_type", None)],
+            allowed=["a config.json with model_type"],
+            remedy="pass the model's Hugging Face configuration (the file transformers reads: it has model_type)")
     top_type = top.text("model_type") or model_type
     archs = top.get("architectures")
     archs = [] if archs is None else archs  # absent or null; any other falsy value (0, "", {}) is refused
@@ -427,6 +434,16 @@ def _build(top: _Cfg, source: str) -> ModelSpec:
         raise _feature(c, "position_embedding_type", "alibi", attn_ids, "ALiBi position biases")
     if c.get("index_topk") is not None and attn_ids:
         raise _feature(c, "index_topk", c.get("index_topk"), attn_ids, SPARSE_LAYER_TYPES["indexed_attention"])
+    if c.get("use_bidirectional_attention") == "all":  # "vision": bidirectional among image tokens only (as Gemma-3)
+        raise _feature(c, "use_bidirectional_attention", "all", attn_ids,
+                       "every query also attends to later tokens (not causal)")
+    shared = c.get("num_kv_shared_layers")
+    if isinstance(shared, int) and not isinstance(shared, bool) and 0 < shared < n_layers:
+        # modeling_gemma4.Gemma4TextAttention: layers >= num_hidden_layers - num_kv_shared_layers read the KV of the
+        # last earlier layer of their type and write none
+        raise _feature(c, "num_kv_shared_layers", shared, [i for i in attn_ids if i >= n_layers - shared],
+                       "these layers reuse an earlier layer's KV cache and write none, while attn-setup sizes and "
+                       "writes a KV cache per attention layer")
     hidden, _, heads, kv = _heads(c)
     mla = _mla(c)
     head_dim, v_dim = _head_dims(c, hidden, heads, mla, allow_v=hf is not None)
