@@ -387,7 +387,9 @@ def _check_raw(c: _Cfg) -> None:
                     f"must give each of the {n} layers 0 (NoPE, full attention) or 1 (RoPE, chunked attention)")
 
 
-def _build(top: _Cfg, source: str) -> ModelSpec:
+def _identify(top: _Cfg) -> tuple[_Cfg, str, Any, Any, Mapping[str, Any]]:
+    """(text config view, model_type, own rule or None, transformers' text config or None, its fields): the file's
+    values first, then the class's defaults and derived fields. Raises ``unknown_architecture``."""
     c = _text_cfg(top)
     model_type = c.text("model_type") or top.text("model_type")
     if model_type is None:
@@ -397,36 +399,28 @@ def _build(top: _Cfg, source: str) -> ModelSpec:
             json_path=top.at("model_type"), flags=[("model_type", None)],
             allowed=["a config.json with model_type"],
             remedy="pass the model's Hugging Face configuration (the file transformers reads: it has model_type)")
-    top_type = top.text("model_type") or model_type
-    archs = top.get("architectures")
-    archs = [] if archs is None else archs  # absent or null; any other falsy value (0, "", {}) is refused
-    if not isinstance(archs, list) or not all(is_text(a) for a in archs):
-        raise top.bad("architectures", archs, "a list of strings", "must be a list of strings")
     own = OWN_FAMILIES.get(model_type)
-    hf, hfd = None, {}
-    if own is None:
-        try:
-            hf = hf_config.text_config(top.data, top_type)
-            if hf is None and top_type != model_type:
-                hf = hf_config.text_config(c.data, model_type)
-        except ModelConfigError:
-            _check_raw(c)  # a bad published value is named by its JSON path; else the class's own refusal
-            raise
-        if hf is None:
-            raise _unknown(c, model_type)
-        hfd = hf_config.as_dict(hf)
-        # the published values win; transformers' class supplies what the file leaves out (its defaults, derived
-        # num_hidden_layers, head_dim ...)
-        c = _Cfg(ChainMap({k: v for k, v in c.data.items() if v is not None}, hfd), c.path)
-    n_layers = c.integer("num_hidden_layers", required=True)
     if own is not None:
-        kinds = own.layers(c, n_layers)
-        if own.alibi(c):
-            raise _feature(c, "hidden_size", c.get("hidden_size"), list(range(n_layers)),
-                           f"ALiBi position biases ({own.cite})")
-    else:
-        kinds = _hf_types(c, hf, hfd, model_type, n_layers)
+        return c, model_type, own, None, {}
+    top_type = top.text("model_type") or model_type
+    try:
+        hf = hf_config.text_config(top.data, top_type)
+        if hf is None and top_type != model_type:
+            hf = hf_config.text_config(c.data, model_type)
+    except ModelConfigError:
+        _check_raw(c)  # a bad published value is named by its JSON path; else the class's own refusal
+        raise
+    if hf is None:
+        raise _unknown(c, model_type)
+    hfd = hf_config.as_dict(hf)
+    return _Cfg(ChainMap({k: v for k, v in c.data.items() if v is not None}, hfd), c.path), model_type, None, hf, hfd
+
+
+def _refuse_unhonoured(c: _Cfg, own: Any, n_layers: int, kinds: list[str]) -> None:
+    """``unsupported_attention_feature`` for a field that changes attention and that nothing here computes."""
     attn_ids = [i for i, t in enumerate(kinds) if t in ATTENTION_LAYER_TYPES]
+    if own is not None and own.alibi(c):
+        raise _feature(c, "hidden_size", c.get("hidden_size"), attn_ids, f"ALiBi position biases ({own.cite})")
     for key in ("alibi", "use_alibi"):
         if c.get(key):
             raise _feature(c, key, c.get(key), attn_ids, "ALiBi position biases")
@@ -444,6 +438,17 @@ def _build(top: _Cfg, source: str) -> ModelSpec:
         raise _feature(c, "num_kv_shared_layers", shared, [i for i in attn_ids if i >= n_layers - shared],
                        "these layers reuse an earlier layer's KV cache and write none, while attn-setup sizes and "
                        "writes a KV cache per attention layer")
+
+
+def _build(top: _Cfg, source: str) -> ModelSpec:
+    archs = top.get("architectures")
+    archs = [] if archs is None else archs  # absent or null; any other falsy value (0, "", {}) is refused
+    if not isinstance(archs, list) or not all(is_text(a) for a in archs):
+        raise top.bad("architectures", archs, "a list of strings", "must be a list of strings")
+    c, model_type, own, hf, hfd = _identify(top)
+    n_layers = c.integer("num_hidden_layers", required=True)
+    kinds = own.layers(c, n_layers) if own is not None else _hf_types(c, hf, hfd, model_type, n_layers)
+    _refuse_unhonoured(c, own, n_layers, kinds)
     hidden, _, heads, kv = _heads(c)
     mla = _mla(c)
     head_dim, v_dim = _head_dims(c, hidden, heads, mla, allow_v=hf is not None)
