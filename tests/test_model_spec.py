@@ -521,3 +521,32 @@ def test_an_unknown_model_type_is_refused_naming_its_attention_fields():
     with pytest.raises(ModelConfigError, match="foobar"):
         load_model_spec({"model_type": "llava", "text_config": {**base, "model_type": "foobar"}})
     assert load_model_spec({**base, "model_type": "mistral"}).layer_types == ["sliding"] * 4
+
+
+@pytest.mark.parametrize("version", ["4.57.6", "6.0.0", None])
+def test_transformers_outside_the_supported_range_is_refused(monkeypatch, version):
+    """The configuration classes of a transformers outside TRANSFORMERS_SPEC (or none) are not read: the model is
+    refused ``package_version_unsupported`` (exit 3) with the pip command that installs a supported one."""
+    from packaging.specifiers import SpecifierSet
+
+    from pipeline.core import hf_config
+
+    assert "5.19.0" in SpecifierSet(hf_config.TRANSFORMERS_SPEC)
+    monkeypatch.setattr(hf_config, "transformers_version", lambda: version)
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec(_cfg("llama-3.1-8b.json"))
+    info = e.value.info
+    assert info.code == "package_version_unsupported" and e.value.exit_code == EXIT_REFUSED
+    assert info.flags[0].value == version and f"transformers{hf_config.TRANSFORMERS_SPEC}" in info.remedy
+
+
+def test_plan_reads_the_model_without_importing_torch():
+    """Reading a published config through transformers' class imports neither torch nor transformers' model
+    registry (only configuration_auto and the family's configuration module)."""
+    code = ("import sys; from pipeline.core.model_spec import load_model_spec; "
+            f"s = load_model_spec({str(CONFIGS / 'gemma-3-12b-it.json')!r}); "
+            "assert s.layer_types.count('full') == 8, s.layer_types; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert 'transformers.models.llama.modeling_llama' not in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -93,9 +93,9 @@ _CLASSES: dict[str, Optional[type]] = {}
 
 def config_class(model_type: str) -> Optional[type]:
     """The configuration class transformers maps ``model_type`` to, or None when it has none."""
+    _check_version()
     if model_type in _CLASSES:
         return _CLASSES[model_type]
-    _check_version()
     auto = _import("transformers.models.auto.configuration_auto")
     name = auto.CONFIG_MAPPING_NAMES.get(model_type)
     cls = None
@@ -104,6 +104,20 @@ def config_class(model_type: str) -> Optional[type]:
         cls = getattr(_import(f"transformers.models.{module}.configuration_{module}"), name)
     _CLASSES[model_type] = cls
     return cls
+
+
+def build(cls: type, data: Mapping[str, Any]) -> Any:
+    """``cls(**data)``; a value the class's type check refuses on a field attention is not read from (Llama-4's
+    published ``attn_temperature_tuning: 4`` for a bool) is left to the class default. Raises what the class raises."""
+    kwargs = {k: v for k, v in data.items() if k not in ("transformers_version", "architectures", "auto_map")}
+    for _ in range(8):
+        try:
+            return cls(**kwargs)
+        except Exception as e:  # noqa: BLE001 - huggingface_hub's StrictDataclassFieldValidationError and kin
+            field = _refused_field(e)
+            if field is None or not _drop(kwargs, field):
+                raise
+    raise ValueError("too many fields refused")
 
 
 def text_config(data: Mapping[str, Any], model_type: str) -> Optional[Any]:
@@ -118,19 +132,9 @@ def text_config(data: Mapping[str, Any], model_type: str) -> Optional[Any]:
     quiet = logging.getLogger("transformers")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # class-default notes ("forcing last layer to full_attention") are not ours to print
-    kwargs = {k: v for k, v in data.items() if k not in ("transformers_version", "architectures")}
     try:
-        for _ in range(8):
-            try:
-                cfg = cls(**kwargs)
-                return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-            except Exception as e:  # noqa: BLE001 - huggingface_hub's StrictDataclassFieldValidationError and kin
-                field = _refused_field(e)
-                # a published file's value the class's type check refuses (Llama-4's attn_temperature_tuning: 4 for
-                # a bool) on a field attention is not read from: read the class default instead
-                if field is None or not _drop(kwargs, field):
-                    raise
-        raise ValueError("too many fields refused")
+        cfg = build(cls, data)
+        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     except Exception as e:  # noqa: BLE001 - the class's own validation, whatever it raises
         raise ModelConfigError(
             f"transformers {transformers_version()} {cls.__name__} refuses this config: {str(e)[:300]}",

@@ -41,6 +41,7 @@ class OwnRule(NamedTuple):
     layers: Callable[[_Cfg, int], list[str]]
     cite: str
     alibi: Callable[[_Cfg], bool] = lambda c: False
+    reference: str | None = None  # the transformers model_type whose code computes the same layers (the oracle's)
 
 
 def _all_full(c: _Cfg, n: int) -> list[str]:
@@ -70,12 +71,14 @@ def _nas_blocks(c: _Cfg, n: int) -> list[str]:
 OWN_FAMILIES: dict[str, OwnRule] = {
     "baichuan": OwnRule(_all_full, "sglang models/baichuan.py: hidden_size 4096 (7B) uses RoPE, otherwise (13B) ALiBi",
                         alibi=lambda c: c.get("hidden_size") != 4096),
-    "internlm2": OwnRule(_all_full, "sglang models/internlm2.py: packed wqkv, causal attention on every layer"),
+    "internlm2": OwnRule(_all_full, "sglang models/internlm2.py: packed wqkv, causal attention on every layer",
+                         reference="llama"),
     "mimo": OwnRule(_qwen_window_layers, "sglang models/mimo.py (Qwen2 layers): sliding_window only when "
-                                         "use_sliding_window, on layers i >= max_window_layers"),
-    "exaone": OwnRule(_all_full, "sglang models/exaone.py: Llama-style attention on every layer, no window"),
+                                         "use_sliding_window, on layers i >= max_window_layers", reference="qwen2"),
+    "exaone": OwnRule(_all_full, "sglang models/exaone.py: Llama-style attention on every layer, no window",
+                      reference="llama"),
     "kimi_k2": OwnRule(_all_full, "sglang serves Kimi-K2 (architectures DeepseekV3ForCausalLM) with models/deepseek_v2.py: "
-                                  "MLA on every layer"),
+                                  "MLA on every layer", reference="deepseek_v3"),
     "nemotron-nas": OwnRule(_nas_blocks, "sglang models/nemotron_nas.py DeciLMDecoderLayer: block_configs[i].attention "
                                          "no_op / replace_with_linear / n_heads_in_group"),
 }
