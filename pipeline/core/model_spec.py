@@ -360,8 +360,27 @@ def _shapes(c: _Cfg, hf: Any, hfd: Mapping[str, Any], model_type: str, kinds: li
 def _check_raw(c: _Cfg) -> None:
     """The file's own values checked as :func:`_build` reads them (raises the first bad one with its JSON path)."""
     n = c.integer("num_hidden_layers")
-    hidden, _, heads, _ = _heads(_Cfg(ChainMap(dict(c.data), {"num_hidden_layers": n or 1}), c.path))
-    _head_dims(c, hidden, heads, _mla(c), allow_v=True)
+    _check_lists(c, n)
+    for key in ("sliding_window", "attention_chunk_size", "max_position_embeddings", "vocab_size"):
+        c.integer(key)
+    _in_range(c, "query_pre_attn_scalar", c.num("query_pre_attn_scalar"), PRE_ATTN_SCALAR_RANGE,
+              "the softmax scale is its inverse square root")
+    for key in ("torch_dtype", "dtype"):
+        if c.get(key) is not None:
+            _choice(c.get(key), _DTYPES, c.at(key), key, "bfloat16, float16 or float32", "is not a supported model dtype")
+    period, offset = c.integer("attn_layer_period", 8), c.integer("attn_layer_offset", 4, lo=0)
+    if offset >= period:
+        raise c.bad("attn_layer_offset", offset, f"an integer in [0, {period - 1}]",
+                    f"must be smaller than attn_layer_period={period} (transformers' JambaConfig checks the same)")
+    c.integer("full_attention_interval")
+    if "hidden_size" in c.data and "num_attention_heads" in c.data:  # a null one too: the class refused it
+        hidden, _, heads, _ = _heads(_Cfg(ChainMap(dict(c.data), {"num_hidden_layers": n or 1}), c.path))
+        _head_dims(c, hidden, heads, _mla(c), allow_v=True)
+
+
+def _check_lists(c: _Cfg, n: int | None) -> None:
+    """The file's per-layer lists: one entry per layer, each a layer type name transformers knows (it refuses
+    others, as does this), ``no_rope_layers`` entries 0 or 1."""
     for key in ("layer_types", "layers_block_type"):
         listed = c.get(key)
         if listed is None:
@@ -369,17 +388,10 @@ def _check_raw(c: _Cfg) -> None:
         if not isinstance(listed, list) or (n is not None and len(listed) != n):
             raise c.bad(key, listed, f"a list of {n} layer types", f"must list one type per layer (num_hidden_layers={n})")
         for i, t in enumerate(listed):
-            if not isinstance(t, str):
-                raise ModelConfigError(f"{c.at(key)}[{i}]={_show(t)} is not a layer type name",
+            if not isinstance(t, str) or t not in LAYER_TYPE_NAMES and t not in SPARSE_LAYER_TYPES:
+                raise ModelConfigError(f"{c.at(key)}[{i}]={_show(t)} is not a layer type transformers knows",
                                        flags=[(f"{key}[{i}]", t)], json_path=f"{c.at(key)}[{i}]",
                                        allowed=sorted(LAYER_TYPE_NAMES), remedy=CONFIG_REMEDY)
-    for key in ("sliding_window", "attention_chunk_size", "max_position_embeddings", "vocab_size"):
-        c.integer(key)
-    period, offset = c.integer("attn_layer_period", 8), c.integer("attn_layer_offset", 4, lo=0)
-    if offset >= period:
-        raise c.bad("attn_layer_offset", offset, f"an integer in [0, {period - 1}]",
-                    f"must be smaller than attn_layer_period={period} (transformers' JambaConfig checks the same)")
-    c.integer("full_attention_interval")
     flags = c.get("no_rope_layers")
     if flags and (not isinstance(flags, list) or len(flags) < (n or 0)
                   or any(isinstance(f, bool) or f not in (0, 1) for f in flags)):
@@ -407,12 +419,18 @@ def _identify(top: _Cfg) -> tuple[_Cfg, str, Any, Any, Mapping[str, Any]]:
         hf = hf_config.text_config(top.data, top_type)
         if hf is None and top_type != model_type:
             hf = hf_config.text_config(c.data, model_type)
+        hfd = hf_config.as_dict(hf) if hf is not None else {}
     except ModelConfigError:
         _check_raw(c)  # a bad published value is named by its JSON path; else the class's own refusal
         raise
+    except Exception as e:  # noqa: BLE001 - the class's to_dict on a value it took (a dtype list)
+        _check_raw(c)
+        raise ModelConfigError(f"transformers cannot read this config back: {type(e).__name__}: {str(e)[:200]}",
+                               code="model_config_malformed", json_path="$", flags=[("model_type", model_type)],
+                               allowed=["a config transformers reads"],
+                               remedy="compare config.json with the model's published one on the Hub") from None
     if hf is None:
         raise _unknown(c, model_type)
-    hfd = hf_config.as_dict(hf)
     return _Cfg(ChainMap({k: v for k, v in c.data.items() if v is not None}, hfd), c.path), model_type, None, hf, hfd
 
 
@@ -447,11 +465,13 @@ def _build(top: _Cfg, source: str) -> ModelSpec:
         raise top.bad("architectures", archs, "a list of strings", "must be a list of strings")
     c, model_type, own, hf, hfd = _identify(top)
     n_layers = c.integer("num_hidden_layers", required=True)
+    _check_lists(_Cfg(c.data.maps[0], c.path) if isinstance(c.data, ChainMap) else c, n_layers)
     kinds = own.layers(c, n_layers) if own is not None else _hf_types(c, hf, hfd, model_type, n_layers)
     _refuse_unhonoured(c, own, n_layers, kinds)
     hidden, _, heads, kv = _heads(c)
     mla = _mla(c)
-    head_dim, v_dim = _head_dims(c, hidden, heads, mla, allow_v=hf is not None)
+    # a v head dim of its own only where the class has the field (MiMoV2FlashConfig); others' models ignore the key
+    head_dim, v_dim = _head_dims(c, hidden, heads, mla, allow_v="v_head_dim" in getattr(type(hf), "__annotations__", {}))
     window = c.integer("sliding_window", required=True) if "sliding" in kinds else None
     chunk = c.integer("attention_chunk_size", required=True) if "chunked" in kinds else None
     dtype, dtype_missing = _dtype(c, top)

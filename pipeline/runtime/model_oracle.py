@@ -38,7 +38,10 @@ _SHRINK = {"intermediate_size": 64, "moe_intermediate_size": 32, "shared_expert_
            "expert_intermediate_size": 32, "vocab_size": 512, "vocab_size_per_layer_input": 512,
            "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
            "num_experts_per_token": 2, "routed_expert_hidden_size": 32,
-           "top_k_experts": 2, "n_group": 1, "topk_group": 1, "moe_latent_size": None}
+           "top_k_experts": 2, "n_group": 1, "topk_group": 1, "moe_latent_size": None,
+           # Gated DeltaNet (Qwen3-Next / Qwen3.5) linear-attention layers: not the layers we serve
+           "linear_num_value_heads": 2, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
+           "linear_value_head_dim": 32}
 TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 _NAME = "attn_setup_oracle"
 
