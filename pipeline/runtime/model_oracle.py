@@ -26,6 +26,7 @@ import msgspec
 import torch
 
 from pipeline.backends.base import AttentionLayer
+from pipeline.backends.records import REFERENCE_BACKEND
 from pipeline.backends.memory import KVPool, PageAllocator, ReqToTokenPool, make_forward_batch
 from pipeline.core.contracts import ForwardMode, LayerKind, ModelSpec
 from pipeline.core.errors import AttnSetupError
@@ -187,7 +188,7 @@ def _attention_fn(spec: ModelSpec, backend: str, run_dtype: torch.dtype, out: li
     return attend
 
 
-def check_model(src: Any, backend: str = "torch_native", *, dtype: torch.dtype = torch.float32,
+def check_model(src: Any, backend: str = REFERENCE_BACKEND, *, dtype: torch.dtype = torch.float32,
                 device: str = "cpu", seq: Optional[int] = None, max_seq: int = 1200, seed: int = 0,
                 num_attention_layers: Optional[int] = None, spec: Optional[ModelSpec] = None,
                 backend_dtype: Optional[torch.dtype] = None) -> list[LayerCheck]:
