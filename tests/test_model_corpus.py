@@ -1,7 +1,9 @@
-"""Every published config.json of tests/data/model_configs has a pinned outcome through ``plan``'s reader: accepted
-with its layer-kind summary (kind, heads, kv heads, qk / v dims, window, sinks, K = V, layer count) and its
-not-attention groups, or refused with the exact error code and field. The pins were checked against transformers'
-own configuration classes and modeling code (docs/models.md); no refusal of a published file tells the user to fix it.
+"""Every published config.json of tests/data/model_configs has a pinned outcome: accepted with its layer-kind summary
+(kind, heads, kv heads, qk / v dims, scale, window, sinks, K = V, layer count) and its not-attention groups, or refused
+with the exact error code and field — through the reader and through ``plan --json`` in-process (same exit code and
+error code). The accepted readings are checked against the model's own code by tests/test_model_oracle.py; no refusal
+of a published file tells the user to fix it. ``run --device cpu`` builds and verifies a few of them (a heterogeneous
+Gemma-4 with K = V full layers, a Qwen3.5 hybrid, an own-rule family).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_json
 from pipeline.core.errors import AttnSetupError
 from pipeline.core.model_spec import load_model_spec
 
@@ -40,3 +43,24 @@ def test_corpus_outcome(path):
     got = outcome(path)
     assert got == PINS[path.name]
     assert not got.get("blames_file")
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_plan_agrees(path):
+    code, out = run_json("plan", "--device-profile", "h200", "--model", str(path))
+    pin = PINS[path.name]
+    if "code" in pin:
+        assert code == 3 and out["error"]["code"] == pin["code"], out
+        assert "fix" not in out["error"]["remedy"].lower()
+    else:
+        assert code == 0 and out["ok"], out
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param("google-gemma-4-31b-it.json", marks=pytest.mark.slow),  # 6 layers of hidden 5376: ~40 s on 2 cores
+    "qwen-qwen3.5-9b.json", "xiaomimimo-mimo-7b-base.json"])
+def test_run_on_cpu_verifies(name):
+    """Every attention kind built (the default --num-layers covers them) and verified against float64."""
+    code, out = run_json("run", "--model", str(CORPUS / name), "--decode-steps", "0")
+    assert code == 0 and out["ok"], out.get("error")
+    assert out["verified"] and all(v["passed"] for v in out["verified"]), out["verified"]
