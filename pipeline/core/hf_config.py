@@ -56,7 +56,8 @@ def _check_version() -> None:
 
 def _import(name: str) -> Any:
     """``importlib.import_module(name)``; before torch is imported, without the package inits and with torch
-    hidden (``sys.modules['torch'] = None`` makes transformers' ``is_torch_available()`` false)."""
+    hidden (``sys.modules['torch'] = None`` makes transformers' ``is_torch_available()`` false): the modules so
+    imported serve configuration classes only (:func:`forget_torchless`)."""
     if "torch" in sys.modules and sys.modules["torch"] is not None:
         return importlib.import_module(name)
     if "transformers" not in sys.modules:
@@ -69,14 +70,18 @@ def _import(name: str) -> Any:
             setattr(mod, _TORCHLESS, True)
             sys.modules[pkg] = mod
         sys.modules["transformers"].models = sys.modules["transformers.models"]
-    hidden = "torch" not in sys.modules
-    if hidden:
-        sys.modules["torch"] = None  # type: ignore[assignment]
+    # trio: an optional async backend of httpcore2 (imported by huggingface_hub); packages_distributions(): a scan of
+    # every installed distribution transformers' import_utils runs at import (each ~0.1 s; neither is read here)
+    hidden = [n for n in ("torch", "trio") if n not in sys.modules]
+    for n in hidden:
+        sys.modules[n] = None  # type: ignore[assignment]
+    scan, importlib.metadata.packages_distributions = importlib.metadata.packages_distributions, dict
     try:
         return importlib.import_module(name)
     finally:
-        if hidden:
-            del sys.modules["torch"]
+        importlib.metadata.packages_distributions = scan
+        for n in hidden:
+            del sys.modules[n]
 
 
 def forget_torchless() -> None:
