@@ -17,13 +17,14 @@ from typing import Any, Callable, Mapping, NamedTuple
 from pipeline.core.config_reader import _Cfg
 
 # transformers' layer type names (``layer_types`` / ``layers_block_type``) → ours; "mamba" is also spelled
-# "linear_attention" by transformers 5 (JambaConfig, NemotronHConfig).
+# "linear_attention" by transformers 5 (JambaConfig, NemotronHConfig); "conv": LFM2's short-convolution blocks.
 LAYER_TYPE_NAMES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
                     "attention": "full", "linear_attention": "linear_attention", "mamba": "mamba", "moe": "moe",
-                    "mlp": "mlp", "full": "full", "sliding": "sliding", "chunked": "chunked"}
+                    "mlp": "mlp", "conv": "conv", "full": "full", "sliding": "sliding", "chunked": "chunked"}
 # Layer types that are attention attn-setup does not compute yet: refused as ``unsupported_attention_feature``.
 SPARSE_LAYER_TYPES = {
     "indexed_attention": "DeepSeek sparse attention: an indexer picks index_topk keys per query (DSA)",
+    "deepseek_sparse_attention": "DeepSeek sparse attention: an indexer picks the keys each query sees (DSA)",
     "compressed_sparse_attention": "compressed sparse attention (DeepSeek-V4)",
     "heavily_compressed_attention": "heavily compressed attention (DeepSeek-V4)",
     "hybrid": "a mamba block with a shared attention block whose input is the hidden state concatenated with the "

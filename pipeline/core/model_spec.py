@@ -378,9 +378,10 @@ def _check_raw(c: _Cfg) -> None:
         _head_dims(c, hidden, heads, _mla(c), allow_v=True)
 
 
-def _check_lists(c: _Cfg, n: int | None) -> None:
-    """The file's per-layer lists: one entry per layer, each a layer type name transformers knows (it refuses
-    others, as does this), ``no_rope_layers`` entries 0 or 1."""
+def _check_lists(c: _Cfg, n: int | None, names: bool = True) -> None:
+    """The file's per-layer lists: one entry per layer, each a string (``names``: one attn-setup knows — where
+    transformers' class refused the file; a name the class took is read or refused as a feature by
+    :func:`_hf_types`), ``no_rope_layers`` entries 0 or 1."""
     for key in ("layer_types", "layers_block_type"):
         listed = c.get(key)
         if listed is None:
@@ -388,7 +389,7 @@ def _check_lists(c: _Cfg, n: int | None) -> None:
         if not isinstance(listed, list) or (n is not None and len(listed) != n):
             raise c.bad(key, listed, f"a list of {n} layer types", f"must list one type per layer (num_hidden_layers={n})")
         for i, t in enumerate(listed):
-            if not isinstance(t, str) or t not in LAYER_TYPE_NAMES and t not in SPARSE_LAYER_TYPES:
+            if not isinstance(t, str) or names and t not in LAYER_TYPE_NAMES and t not in SPARSE_LAYER_TYPES:
                 raise ModelConfigError(f"{c.at(key)}[{i}]={_show(t)} is not a layer type transformers knows",
                                        flags=[(f"{key}[{i}]", t)], json_path=f"{c.at(key)}[{i}]",
                                        allowed=sorted(LAYER_TYPE_NAMES), remedy=CONFIG_REMEDY)
@@ -465,7 +466,7 @@ def _build(top: _Cfg, source: str) -> ModelSpec:
         raise top.bad("architectures", archs, "a list of strings", "must be a list of strings")
     c, model_type, own, hf, hfd = _identify(top)
     n_layers = c.integer("num_hidden_layers", required=True)
-    _check_lists(_Cfg(c.data.maps[0], c.path) if isinstance(c.data, ChainMap) else c, n_layers)
+    _check_lists(_Cfg(c.data.maps[0], c.path) if isinstance(c.data, ChainMap) else c, n_layers, names=own is not None)
     kinds = own.layers(c, n_layers) if own is not None else _hf_types(c, hf, hfd, model_type, n_layers)
     _refuse_unhonoured(c, own, n_layers, kinds)
     hidden, _, heads, kv = _heads(c)

@@ -45,9 +45,9 @@ class MLADims(msgspec.Struct, **_STRUCT):
 # ``ModelSpec.layer_types``: the attention kinds plus the layer types that are not softmax
 # attention over a KV cache (computed by the model's own linear-attention / state-space kernels).
 ATTENTION_LAYER_TYPES = ("full", "sliding", "chunked")
-NOT_ATTENTION_LAYER_TYPES = ("linear_attention", "mamba", "moe", "mlp", "no_op", "linear")
+NOT_ATTENTION_LAYER_TYPES = ("linear_attention", "mamba", "moe", "mlp", "no_op", "linear", "conv")
 AttentionLayerType = Literal["full", "sliding", "chunked"]
-LayerType = Literal["full", "sliding", "chunked", "linear_attention", "mamba", "moe", "mlp", "no_op", "linear"]
+LayerType = Literal["full", "sliding", "chunked", "linear_attention", "mamba", "moe", "mlp", "no_op", "linear", "conv"]
 
 
 class LayerKind(msgspec.Struct, **_STRUCT):
@@ -96,7 +96,7 @@ class LayerShape(msgspec.Struct, **_STRUCT):
 class LayerGroup(msgspec.Struct, **_STRUCT):
     """Layers of one type that no attention backend computes (``kind``: ``linear_attention``, ``mamba``, ``moe``,
     ``mlp`` (MoE-/MLP-only blocks), ``no_op`` (NAS blocks without attention), ``linear`` (NAS attention replaced by a
-    linear map)), with their ids: they keep no KV cache, so the pools, the model stack and the
+    linear map), ``conv`` (LFM2's short convolutions)), with their ids: they keep no KV cache, so the pools, the model stack and the
     verification cover only the attention layers."""
 
     kind: str
