@@ -4,6 +4,8 @@
 # which .whl/prelude.sh unpacks into /tmp/site with its dist-info):
 #   source .whl/prelude.sh; bash benchmarks/gpu_check.sh PART "$OUT"
 # PART:
+#   warm       compile the FlashInfer variants the other parts use: `attn-setup warmup` per bundled config and mode,
+#              8 processes at a time (each variant compiles once; then save-aot brings them back) -> warm_*.log
 #   probe      the short FlashInfer compatibility probe to run first on a new FlashInfer: tests/gpu/test_flashinfer_api.py
 #              (installed version, JIT module names, every wrapper kind warns nothing: GQA, sinks, MLA) -> probe.log
 #   tests      every GPU-marked test except the Triton kernel files (tests/gpu/, the capability records' GPU claims,
@@ -26,16 +28,17 @@
 #              benchmarks/speculative_trees.py (the backends x shapes x graph table)   -> spec_trees.log/.json
 #   save-aot   pack the FlashInfer JIT modules compiled here into $OUT/fi-aot-<version>.txz.part-* (carry them back
 #              into .whl/)
+# pytest parts run GPU_TEST_PROCS (default 4) worker processes (pytest-xdist, carried in .whl).
 # Every part first restores the carried FlashInfer AOT modules of the installed FlashInfer version
 # (.whl/fi-aot-<version>.t{gz,xz}.part-*), so nothing is JIT-compiled that was compiled before. Modules of another
 # version are never restored: FlashInfer loads <package>/data/aot/<module>/<module>.so by name, and many names (decode,
 # fa3 prefill) did not change from 0.6.13 to 0.7.2 while the code did. The unversioned .whl/fi-aot.t{gz,xz}.part-* of
 # earlier sessions hold 0.6.13 modules. Every step has a hard timeout. $OUT/summary.txt collects the lines that say
 # pass/fail and the tables.
-PART=${1:?usage: gpu_check.sh probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot OUTDIR}
+PART=${1:?usage: gpu_check.sh warm|probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot OUTDIR}
 OUT=${2:?usage: gpu_check.sh PART OUTDIR}
-case $PART in probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot) ;;
-  *) echo "unknown part '$PART' (probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot)" >&2; exit 2 ;; esac
+case $PART in warm|probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot) ;;
+  *) echo "unknown part '$PART' (warm|probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot)" >&2; exit 2 ;; esac
 mkdir -p "$OUT"; S=$OUT/summary.txt; T0=$(date +%s)
 el(){ echo "$(( $(date +%s) - T0 )) s"; }
 note(){ echo "$*" | tee -a "$S"; }
@@ -47,7 +50,7 @@ if ls .whl/fi-aot.t?z.part-* >/dev/null 2>&1; then note "not restored: .whl/fi-a
 note "part $PART; flashinfer $FIV; AOT modules restored: $(ls $AOT | wc -l)"
 
 pytest_part(){ name=$1; shift
-  timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=10 "$@" > "$OUT/$name.log" 2>&1
+  timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=10 -n ${GPU_TEST_PROCS:-4} "$@" > "$OUT/$name.log" 2>&1
   note "pytest $name rc=$? at $(el)"; tail -n 30 "$OUT/$name.log" >> "$S"; }
 
 show(){ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d.get('resolved') or {}; print(d['ok'], \
@@ -61,6 +64,23 @@ run(){ name=$1; shift; mkdir -p "$OUT/traces"
 
 C=examples/configs
 case $PART in
+  warm)
+    W="--device cuda --page-size 16 --jobs 2"
+    { for m in llama-3.1-8b gemma-2-9b gemma-3-12b-it gpt-oss-20b deepseek-v2-lite deepseek-v3 qwen3-next-80b-a3b-instruct \
+               llama-4-scout-17b-16e-instruct mistral-7b-v0.1 qwen2.5-7b; do
+        echo "$m --attention-backend flashinfer --model $C/$m.json"; done
+      echo "llama-fa3 --attention-backend fa3"
+      echo "llama-hybrid --prefill-attention-backend fa3 --decode-attention-backend triton"
+      echo "llama-fp8e4 --attention-backend flashinfer --kv-cache-dtype fp8_e4m3"
+      echo "llama-fp8e5 --attention-backend flashinfer --kv-cache-dtype fp8_e5m2"
+      echo "llama-pdmux --attention-backend flashinfer --enable-pdmux --sm-group-num 4"
+      echo "llama-spec --attention-backend flashinfer --speculative-algorithm EAGLE --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 --speculative-num-steps 3"
+      echo "llama-spec-draft --draft-worker --speculative-algorithm EAGLE --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 --speculative-num-steps 3"
+      echo "gemma2-auto --model $C/gemma-2-9b.json"; echo "gptoss-auto --model $C/gpt-oss-20b.json"
+    } | while read -r name args; do echo "$name|$args"; done | sort -t'|' -k1,1 -s | awk '/fa3|spec|hybrid/{print; next} {r=r $0 "\n"} END{printf "%s", r}' > /tmp/warm.list
+    timeout 330 xargs -P 8 -a /tmp/warm.list -I{} bash -c 'n=${1%%|*}; a=${1#*|}; timeout 280 python3 -m pipeline.cli warmup '"$W"' $a \
+      > "'"$OUT"'/warm_$n.log" 2>&1; echo "warm $n rc=$?"' _ {} | tee -a "$S"
+    note "warm done at $(el)" ;;
   probe)
     pytest_part probe tests/gpu/test_flashinfer_api.py -k "not fa3 and (supported_one or own or gqa or sinks or mla or \
 workspace)" ;;
@@ -97,18 +117,19 @@ workspace)" ;;
     timeout 200 python3 benchmarks/wrapper_overhead.py --out "$OUT/wrapper" > "$OUT/wrapper_overhead.log" 2>&1
     note "wrapper_overhead rc=$? at $(el)"; tail -n 20 "$OUT/wrapper_overhead.log" >> "$S" ;;
   triton)
+    SWEEP=${SWEEP---sweep}   # SWEEP= (empty): the default shapes only, about half the time
     mkdir -p "$OUT/fi_ok"
     for w in $(python3 benchmarks/triton_kernels.py --warm list); do
       timeout 140 python3 benchmarks/triton_kernels.py --warm "$w" --fi-ok "$OUT/fi_ok" > "$OUT/warm_$w.log" 2>&1 &
     done
     timeout 140 python3 benchmarks/mla_decode.py --warm > "$OUT/warm_mla.log" 2>&1 &
-    timeout 160 python3 benchmarks/triton_kernels.py --sweep --precompile 5 --precompile-only > "$OUT/precompile_tk.log" 2>&1 &
-    timeout 160 python3 benchmarks/mla_decode.py --sweep --precompile 5 --precompile-only > "$OUT/precompile_mla.log" 2>&1 &
+    timeout 160 python3 benchmarks/triton_kernels.py $SWEEP --precompile 5 --precompile-only > "$OUT/precompile_tk.log" 2>&1 &
+    timeout 160 python3 benchmarks/mla_decode.py $SWEEP --precompile 5 --precompile-only > "$OUT/precompile_mla.log" 2>&1 &
     wait; note "warm-ups and precompiles done at $(el); flashinfer modules ready: $(ls "$OUT/fi_ok" | tr '\n' ' ')"
-    timeout 200 python3 benchmarks/triton_kernels.py --runs 3 --sweep --fi-ok "$OUT/fi_ok" --out "$OUT" \
+    timeout 200 python3 benchmarks/triton_kernels.py --runs 3 $SWEEP --fi-ok "$OUT/fi_ok" --out "$OUT" \
       > "$OUT/triton_kernels.log" 2>&1
     note "triton_kernels rc=$? at $(el)"; sed -n '/^targets/,$p' "$OUT/triton_kernels.log" | head -60 >> "$S"
-    timeout 150 python3 benchmarks/mla_decode.py --sweep --out "$OUT" > "$OUT/mla_bench.log" 2>&1
+    timeout 150 python3 benchmarks/mla_decode.py $SWEEP --out "$OUT" > "$OUT/mla_bench.log" 2>&1
     note "mla_decode rc=$? at $(el)"; grep -E "^sweep |^target|^device" "$OUT/mla_bench.log" >> "$S" ;;
   mla-fp8)
     timeout 400 python3 benchmarks/flashinfer_mla_fp8.py --out "$OUT" > "$OUT/flashinfer_mla_fp8.log" 2>&1

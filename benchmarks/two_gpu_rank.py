@@ -47,17 +47,19 @@ def main(argv: list[str]) -> None:
 
 
 def _stall_in_resolve(seconds: float) -> None:
-    from pipeline.setup import build
+    """Sleep ``seconds`` on entering resolve's decision (``states.resolve.decide_for_run``, which the setup table
+    calls in state resolve), with heartbeats saying ``doing: injected sleep (two_gpu_check)``."""
     from pipeline.core.heartbeat import doing
+    from states import resolve
 
-    real = build._Run.resolve
+    real = resolve.decide_for_run
 
-    def slow(self):  # noqa: ANN001 - the pipeline's own method, wrapped
+    def slow(*args, **kwargs):  # noqa: ANN002, ANN003 - the decision's own arguments, passed on
         with doing("injected sleep (two_gpu_check)"):
             time.sleep(seconds)
-        return real(self)
+        return real(*args, **kwargs)
 
-    build._Run.resolve = slow
+    resolve.decide_for_run = slow
 
 
 if __name__ == "__main__":

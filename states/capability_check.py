@@ -77,8 +77,10 @@ def model_reasons_with_flags(cap: Capability, model: ModelSpec) -> list[Reason]:
         out.append(Reason("MHA/GQA (non-MLA) models are not supported; this backend is MLA-only", (mf,)))
     if model.is_encoder_decoder and not cap.has("encoder_decoder"):
         out.append(Reason("encoder-decoder (cross attention) is not supported", (mf,)))
+    lay = model.shard
+    off, stage = (lay.layer_range[0], f" of pipeline stage {lay.pp_rank}") if lay and lay.pp_size > 1 else (0, "")
     for k in model.layer_kinds():
-        where = f"{k.kind} layers ({_layers(k.layer_ids)})"
+        where = f"{k.kind} layers ({_layers([i + off for i in k.layer_ids])}{stage})"
         if k.is_mla and cap.mla_head_dims is not None:
             if [k.head_dim_qk, k.head_dim_v] not in cap.mla_head_dims:
                 out.append(Reason(f"MLA head dims {k.head_dim_qk}/{k.head_dim_v} (qk/v, absorbed) of {where} are not "

@@ -9,6 +9,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+def user_docs() -> str:
+    """README.md and every page of docs/, joined: the user documentation tests check statements against."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in pages)
+
 try:  # Triton's interpreter mode is fixed when triton is first imported: decide it before any test does.
     import torch as _torch
 
@@ -39,8 +45,19 @@ def gpu_backends(arch: "str | None" = None, installed_only: bool = False) -> lis
     return out
 
 
+# `pytest -m smoke`: a one-minute subset over the main paths (contracts and resolve, the pipeline on CPU, the torch
+# reference against float64, plan, run, replay, the docs' contracts).
+SMOKE_FILES = {"test_pipeline.py", "test_resolve_table.py", "test_torch_native.py", "test_plan_cli.py", "test_cli_run.py",
+               "test_replay.py", "test_readme.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the smoke marker must be on the items by then
 def pytest_collection_modifyitems(config, items):
-    """Skip GPU-marked tests when torch sees no CUDA device (reported as skipped, never silent)."""
+    """Mark the smoke subset; skip GPU-marked tests when torch sees no CUDA device (reported as skipped, never
+    silent)."""
+    for item in items:
+        if item.path.name in SMOKE_FILES:
+            item.add_marker(pytest.mark.smoke)
     try:
         import torch
 

@@ -36,6 +36,7 @@ from pipeline.core.contracts import AttentionArgs, DeviceFacts, PoolFacts, Setup
 from pipeline.core.errors import AttnSetupError  # noqa: E402
 from pipeline.core.faults import Faults  # noqa: E402
 from pipeline.core.model_spec import load_model_spec  # noqa: E402
+from pipeline.core.shard import PARTITION_ENV  # noqa: E402
 from pipeline.core.spec import truncate_spec  # noqa: E402
 from pipeline.platforms.fake import FakePlatform  # noqa: E402
 
@@ -64,6 +65,9 @@ FLIPS: dict[str, tuple[dict, dict]] = {
     "args.sm_group_num": ({"sm_group_num": 4}, {}),
     "args.enable_two_batch_overlap": ({"enable_two_batch_overlap": True, "moe_a2a_backend": "deepep"}, {}),
     "args.attn_dp_size": ({"attn_dp_size": 2}, {}),  # the scenarios run on 2 ranks: a divisor of world_size
+    "args.tp_size": ({"tp_size": 2}, {}),  # the others leave it unset (world_size / pp_size): the same 2 ranks
+    "args.pp_size": ({"pp_size": 2}, {}),  # 1 tp x 2 stages: a valid launch, another layout
+    "shard": ({}, {}),  # every rank pp 2; the odd rank's SGLANG_PP_LAYER_PARTITION moves the stage boundary
     "args.moe_a2a_backend": ({"moe_a2a_backend": "deepep"}, {}),
     "args.kv_cache_dtype": ({"kv_cache_dtype": "float32"}, {}),
     "args.page_size": ({"page_size": 16}, {}),
@@ -89,7 +93,7 @@ FLIPS: dict[str, tuple[dict, dict]] = {
 
 def request(g: distributed.RankGroup, sc: str, device: str) -> SetupRequest:
     args_kw, req_kw = FLIPS.get(sc.partition(":")[2], ({}, {})) if g.rank == g.world_size - 1 else ({}, {})
-    args = AttentionArgs(**args_kw)
+    args = AttentionArgs(**args_kw, **({"pp_size": 2} if sc == "flip:shard" else {}))
     pool = PoolFacts(**{**POOL, **{k: v for k, v in req_kw.items() if k in POOL}}, page_size=args.page_size)
     rest = {k: v for k, v in req_kw.items() if k not in POOL}
     return SetupRequest(**{"model": MODEL, **rest}, args=args, device=device, rank=g.rank, world_size=g.world_size,
@@ -104,6 +108,8 @@ def patched(g: distributed.RankGroup, sc: str):
     if field.startswith("versions."):
         real = eventlog.versions
         return mock.patch.object(eventlog, "versions", lambda inst: {**real(inst), field[9:]: "0.0.0-other"})
+    if field == "shard":
+        return mock.patch.dict(os.environ, {PARTITION_ENV: "20,12"})
     if field == "capabilities":
         return mock.patch.object(distributed, "_capabilities_text", lambda: "sha256:0000000000000000")
     return mock.patch.dict({})

@@ -16,6 +16,7 @@ from pipeline.cli import main
 from pipeline.cli.inspect import explain
 from pipeline.core.errors import ErrorInfo, Flag
 
+from conftest import user_docs  # noqa: E402
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -67,7 +68,7 @@ def test_graph_json_words_the_failure_with_flags_and_readme_lists_its_keys(tmp_p
     out = json.loads(capsys.readouterr().out)
     message = out["path"]["failure"]["message"]
     assert "--attention-backend fa3" in message and "attention_backend=" not in message, message
-    listed = re.search(r"`--json` prints `\{(ok, machine, [^`]*)\}`", README.read_text()).group(1)
+    listed = re.search(r"`--json` prints `\{(ok, machine, [^`]*)\}`", user_docs()).group(1)
     top = re.sub(r"\[[^\]]*\]|\{[^}]*\}", "", listed)  # the top-level keys, not the nested ones
     assert set(out) == {k.split(":")[0].strip() for k in top.split(",") if k.strip()}, (sorted(out), top)
 

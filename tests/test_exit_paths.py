@@ -267,11 +267,11 @@ def test_a_bad_model_file_keeps_its_code_as_readme_now_says():
     """README's pipe paragraph said "a bad --model is still 2", but a --model that reads
     and is not JSON has always been ``model_config_malformed``, exit 3 (a refused configuration; a nested-bracket
     file is pinned at 3); only an unreadable one is 2. The code stays, README says which is which."""
-    from conftest import ROOT, run_main
+    from conftest import ROOT, run_main, user_docs
 
     assert run_main("plan", "--model", str(ROOT / "examples/configs/README.md")).returncode == 3
     assert run_main("plan", "--model", str(ROOT / "no-such-config.json")).returncode == 2
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join(user_docs().split())
     assert "a bad `--model` is still 2" not in readme
     assert "a `--model` that cannot be read — `config_unreadable` — is still 2" in readme
     assert "`model_config_malformed`, e.g. not JSON — still 3" in readme

@@ -1,13 +1,15 @@
-"""README contracts: the two commands, the CI test command, the exit-code table, the event catalogue."""
+"""README and docs/ contracts: the two commands, the CI test command, the exit-code table, the event catalogue in
+docs/events.md, README's length, and every path, dotted name and relative link the user docs name."""
 
 from __future__ import annotations
 
 import re
 
-from conftest import ROOT
+from conftest import ROOT, user_docs
 from pipeline.core import events as ev
 
 README = (ROOT / "README.md").read_text()
+DOCS = user_docs()
 
 
 def test_ci_runs_the_readme_test_command():
@@ -24,8 +26,9 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_event_catalogue_matches_the_structs():
-    """The README event table is exactly what the event Structs generate."""
-    block = re.search(r"<!-- events:begin -->\n(.*?)\n<!-- events:end -->", README, re.S).group(1)
+    """docs/events.md's event table is exactly what the event Structs generate."""
+    text = (ROOT / "docs" / "events.md").read_text()
+    block = re.search(r"<!-- events:begin -->\n(.*?)\n<!-- events:end -->", text, re.S).group(1)
     assert block == ev.catalogue_markdown()
 
 
@@ -39,20 +42,20 @@ def test_exit_code_table():
 
 
 def test_every_source_path_the_readme_names_exists():
-    """Every ``pipeline/…`` / ``states/…`` / ``tests/…`` / ``benchmarks/…`` / ``examples/…`` path the README names
-    exists."""
-    paths = set(re.findall(r"(?<![\w./-])((?:pipeline|states|tests|benchmarks|examples|docs)/[\w./-]*\w)", README))
+    """Every ``pipeline/…`` / ``states/…`` / ``tests/…`` / ``benchmarks/…`` / ``examples/…`` path README or docs/
+    names exists."""
+    paths = set(re.findall(r"(?<![\w./-])((?:pipeline|states|tests|benchmarks|examples|docs)/[\w./-]*\w)", DOCS))
     assert "pipeline/core/dtypes.py" in paths and "pipeline/backends/memory.py" in paths
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert missing == [], missing
 
 
 def test_every_dotted_pipeline_name_the_readme_names_resolves():
-    """Every ```pipeline.x.y``` the README names is a module or a name in one."""
+    """Every ```pipeline.x.y``` README or docs/ names is a module or a name in one."""
     import importlib
 
     bad = []
-    for ref in sorted(set(re.findall(r"`(pipeline(?:\.\w+)+)", README))):
+    for ref in sorted(set(re.findall(r"`(pipeline(?:\.\w+)+)", DOCS))):
         parts = ref.split(".")
         for i in range(len(parts), 0, -1):
             try:
@@ -94,3 +97,36 @@ def test_config_readme_points_at_modules_that_exist():
     rules = (ROOT / "pipeline" / "core" / "layer_rules.py").read_text()
     assert "OWN_FAMILIES: dict" in rules and "def modeling_overrides" in rules
     assert "--dtype auto` gives float16" in text  # gpt-oss: no torch_dtype
+
+
+def test_readme_is_a_front_page():
+    """README stays the user's front page (at most 250 lines); the reference lives in docs/."""
+    assert len(README.splitlines()) <= 250
+
+
+def _anchors(text: str) -> set[str]:
+    out = set(re.findall(r'<a id="([^"]+)"', text))
+    in_code = False
+    for line in text.splitlines():
+        in_code ^= line.startswith("```")
+        if not in_code and re.match(r"#{1,6} ", line):
+            out.add(re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-"))
+    return out
+
+
+def test_every_relative_link_in_the_user_docs_resolves():
+    """Every relative link of README.md, docs/*.md and benchmarks/README.md points at a file that exists, and its
+    ``#anchor`` at a heading (or ``<a id>``) of that file."""
+    bad = []
+    for page in [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.name}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
+                bad.append(f"{page.name}: {target} (no such heading)")
+    assert bad == [], bad

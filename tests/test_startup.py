@@ -256,8 +256,7 @@ LOG = str(GOLDEN / "ok_default.jsonl")
 
 def test_readme_shows_the_summary_as_run_and_as_inspect_print_it():
     """README's startup-summary samples: ``run``'s table (its title and box) and ``inspect``'s plain text."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Startup accounting", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "startup.md").read_text(encoding="utf-8")
     assert "startup summary (seconds; children indented under their phase)\n┏" in section
     assert "\n  startup summary (seconds):\n    startup " in section
     assert "a first run in a fresh environment, where Python compiles" not in section

@@ -89,7 +89,7 @@ FLAG_DOMAINS: tuple[FlagDomain, ...] = (
     FlagDomain("--num-token-slots", "num_token_slots", SETUP, _int(1, MAX_POOL_DIM, 1024),
                "1024 on CPU, 65536 on GPU, in whole pages"),
     FlagDomain("--rank", "rank", SETUP, _int(0, MAX_POOL_DIM - 1, 0), "0"),  # below the largest --world-size
-    FlagDomain("--world-size", "world_size", SETUP, _int(1, MAX_POOL_DIM, 1), "1"),
+    FlagDomain("--world-size", "world_size", SETUP, _int(1, MAX_POOL_DIM, 1), "--tp-size x --pp-size"),
     *(FlagDomain(f"--{d.replace('_', '-')}", d, SETUP, _BACKENDS, "auto-select" if d == "attention_backend" else
                  "--attention-backend's", hint=_SERVES) for d in ("attention_backend", "prefill_attention_backend",
                                                     "decode_attention_backend", "speculative_draft_attention_backend")),
@@ -102,6 +102,8 @@ FLAG_DOMAINS: tuple[FlagDomain, ...] = (
     FlagDomain("--speculative-num-draft-tokens", "speculative_num_draft_tokens", SETUP, _int(1, MAX_SPEC, 4),
                "--speculative-num-steps + 1 with top-k 1; sglang's default for the target model (Llama: 8, else 4)"),
     FlagDomain("--attn-dp-size", "attn_dp_size", SETUP, _int(1, MAX_POOL_DIM, 1), "1"),
+    FlagDomain("--tp-size", "tp_size", SETUP, _int(1, MAX_POOL_DIM, 2), "--world-size / --pp-size"),
+    FlagDomain("--pp-size", "pp_size", SETUP, _int(1, MAX_POOL_DIM, 2), "1"),
     FlagDomain("--moe-a2a-backend", "moe_a2a_backend", SETUP, Domain("choice", "none", choices=MOE_A2A_BACKENDS),
                "none"),
     FlagDomain("--sm-group-num", "sm_group_num", SETUP, _int(1, MAX_POOL_DIM, 3), "3"),
@@ -249,6 +251,8 @@ def check_flags(ns: argparse.Namespace) -> None:
         if fd.distinct and len(set(values)) != len(values):
             raise refusal(fd, value, f"{fd.flag} lists a value twice", allowed="distinct values",
                           fix=f"list each value once: {fd.flag} {' '.join(map(str, dict.fromkeys(values)))}")
+    if ns.command in SETUP and getattr(ns, "world_size", 1) is None:  # unset: the ranks tp x pp asks for
+        ns.world_size = (getattr(ns, "tp_size", None) or 1) * getattr(ns, "pp_size", 1)
     for fd in given:
         for check in CROSS_CHECKS:
             err = check(ns, fd)
@@ -688,7 +692,8 @@ def add_setup_flags(p: argparse.ArgumentParser, *, device: bool = True) -> None:
     p.add_argument("--num-token-slots", type=ascii_int, default=None,
                    help="KV slots per layer (default 1024 on CPU, 65536 on GPU)")
     p.add_argument("--rank", type=ascii_int, default=0, help="this process's rank (default 0; RANK under torchrun)")
-    p.add_argument("--world-size", type=ascii_int, default=1, help="number of ranks (default 1)")
+    p.add_argument("--world-size", type=ascii_int, default=None,
+                   help="number of ranks (default: --tp-size x --pp-size, else 1; WORLD_SIZE under torchrun)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables (errors too)")
     add_attention_flags(p)
 
@@ -809,7 +814,7 @@ def request_from(ns: argparse.Namespace, *, on_gpu: bool) -> SetupRequest:
     device = device_of(ns)
     return SetupRequest(args=args, model=model, draft_model=draft, is_draft_worker=ns.draft_worker,
                         device=device.canonical, device_spelled_as=device.spelled_as, rank=ns.rank,
-                        world_size=ns.world_size,
+                        world_size=ns.world_size or (args.tp_size or 1) * args.pp_size,
                         pool=pool_facts(ns, args, on_gpu), secrets=secrets_from_env())
 
 

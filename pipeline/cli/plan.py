@@ -77,6 +77,8 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
     return {"cuda_graph_bytes_estimate": est.total_bytes,
             "cuda_graph_estimate": {"num_layers": est.num_layers, **span_fields(span_of(spec, served)),
                                     "num_hidden_layers": served.num_hidden_layers, "batch_sizes": est.batch_sizes,
+                                    **({"first_layer": served.shard.layer_range[0], "pp_rank": served.shard.pp_rank}
+                                       if served.shard is not None and served.shard.pp_size > 1 else {}),
                                     "pool_bytes": est.pool_bytes, "state_bytes": est.state_bytes,
                                     "warmup_bytes": est.warmup_bytes, "blas_workspace_bytes": est.blas_workspace_bytes,
                                     "per_bs": {str(b): v for b, v in sorted(est.per_bs.items(), reverse=True)},
@@ -85,13 +87,19 @@ def graph_estimate_obj(request: SetupRequest, decided: Any, num_layers: Any = No
 
 
 def _layers_built(e: dict[str, Any]) -> str:
-    """``2 attention layers (layers 0-7: 6 linear-attention skipped)`` for a ``cuda_graph_estimate``."""
+    """``2 attention layers (layers 0-7: 6 linear-attention skipped)`` for a ``cuda_graph_estimate``; a pipeline
+    stage's ``(layers 16-17 of pipeline stage 1)``."""
     from pipeline.core.layer_span import LayerSpan, span_detail
     from pipeline.core.spec import LayerGroup
 
     n = e.get("attention_layers", e["num_layers"])
     skipped = [LayerGroup(kind=g["kind"], layer_ids=g["layer_ids"]) for g in e.get("skipped_layers") or []]
     s = LayerSpan(n, e["num_layers"], e.get("num_hidden_layers", e["num_layers"]), skipped)
+    if "first_layer" in e:  # a pipeline stage: its layers by their ids in the whole model
+        a = e["first_layer"]
+        skip = "".join(f", {len(g.layer_ids)} {g.kind.replace('_', '-')} skipped" for g in skipped)
+        return (f"{n} attention layer{'' if n == 1 else 's'} (layers {a}-{a + s.span - 1} of pipeline stage "
+                f"{e['pp_rank']}{skip})")
     return f"{n} attention layer{'' if n == 1 else 's'} ({span_detail(s)})"
 
 
@@ -149,6 +157,7 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
     for the CUDA-graph memory estimate (:func:`graph_estimate_obj`).
     """
     from pipeline.cli import output as rp
+    from pipeline.core.shard import shard_fields
     from pipeline.setup.build import decide_setup
     from states.fallback import warnings_for
 
@@ -162,7 +171,7 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
             "skips": skips_of(decided),
             "warnings": warnings_obj(warnings_for(res, list(res.skips) + list(plan.skips), device)),
             "cuda_graphs": cuda_graphs_obj(request, decided["build-mode"].graphs, device, res.speculative),
-            "npu_lazy_mem": lazy_mem_obj(decided["npu-lazy-mem"]),
+            "npu_lazy_mem": lazy_mem_obj(decided["npu-lazy-mem"]), "shard": shard_fields(request),
             **graph_estimate_obj(request, decided, num_layers)}
 
 
@@ -180,7 +189,7 @@ def cuda_graphs_obj(request: SetupRequest, graphs: Any, device: Optional[DeviceF
     ``default for 131 GiB: 256 (sglang's rule)``; null without graphs)."""
     from states.build_mode import graph_mode, graph_sizes, graph_top
 
-    kw = dict(device=device, world_size=request.world_size)
+    kw = dict(device=device, world_size=request.tp_size)
     count, largest, sizes = graph_sizes(request.args, request.pool.max_reqs, graphs.capture, **kw)
     top = graph_top(request.args, request.pool.max_reqs, **kw) if graphs.capture else None
     return {"capture": graphs.capture, "reason": graphs.reason, "batch_sizes": sizes, "count": count,
@@ -371,6 +380,7 @@ def _decide(ns: argparse.Namespace) -> tuple[dict[str, Any], DeviceFacts, dict[s
     from pipeline.cli.warmup import check_warm, cold_report
     from pipeline.cli.flags import request_from
     from pipeline.cli.run import check_plan_minimums
+    from pipeline.core.shard import shard_summary
     from pipeline.platforms.profiles import get
 
     device = get(ns.device_profile)
@@ -387,6 +397,7 @@ def _decide(ns: argparse.Namespace) -> tuple[dict[str, Any], DeviceFacts, dict[s
     report["jit_cold"] = cold_report(request, device, SimpleNamespace(**{h: report["resolved"][h]
                                                                          for h in ("prefill", "decode")}))
     check_warm(ns, report["jit_cold"])
+    report["_shard_line"] = shard_summary(request)
     return report, device, installed
 
 
@@ -411,6 +422,7 @@ def cmd(ns: argparse.Namespace) -> int:
         print_stderr_lines(warnings)
         raise
     if ns.json:
+        report.pop("_shard_line")
         print_stderr_lines(warnings)
         rp.emit_json(report)
         return EXIT_OK
@@ -420,6 +432,7 @@ def cmd(ns: argparse.Namespace) -> int:
     print_stderr_lines(warnings)
     print_line(console(), f"device: {device.name or device.type} ({device.arch or device.type}) from "
                           f"{device.source}; installed: {_installed_text(installed)}")
+    print_line(console(), report.pop("_shard_line"))
     rp.render_tables(report, report["rejected"], verdict=False)
     for line in decision_lines(report):
         print_line(console(), line)

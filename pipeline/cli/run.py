@@ -495,7 +495,13 @@ def model_line(request: SetupRequest, records: Any) -> str:
     def one(m: ModelSpec, serves: bool) -> str:
         arch = f" ({', '.join(map(_safe, m.architectures))})" if m.architectures else ""
         layers = ""
-        if serves and built is not None:
+        lay = request.served_model.shard
+        if serves and built is not None and lay is not None and lay.pp_size > 1:  # a stage: its layers, whole-model ids
+            s, stage = lay.layer_range[0], request.served_model
+            span = layer_span(list(stage.layer_types), built, lay.total_layers)
+            layers = (f", {span.attention} attention layer{'s' * (span.attention != 1)} built (layers {s}-"
+                      f"{s + built - 1} of pipeline stage {lay.pp_rank}) of {lay.total_layers}")
+        elif serves and built is not None:
             layers = ", " + span_text(layer_span(list(m.layer_types), built, m.num_hidden_layers))
         return f"{_safe(m.model_type)}{arch} from {_safe(m.source or 'a dict')}{layers}"
 
@@ -554,7 +560,7 @@ def _top_text(records: Any, request: Optional[SetupRequest]) -> str:
     if request is None or init is None:
         return ""
     try:
-        top = graph_top(request.args, request.pool.max_reqs, device=init.facts, world_size=request.world_size)
+        top = graph_top(request.args, request.pool.max_reqs, device=init.facts, world_size=request.tp_size)
     except AttnSetupError:
         return ""
     return f" (top: {top.text})"
@@ -585,6 +591,10 @@ def _render_runner(report: dict[str, Any], records: Any = (), request: Optional[
     c = console()
     if request is not None:
         print_line(c, model_line(request, records))
+        if request.world_size > 1:
+            from pipeline.core.shard import shard_summary
+
+            print_line(c, shard_summary(request))
     for line in (device_line(report, request), _pool_line(records), _graph_line(records, request)):
         if line:
             print_line(c, line)

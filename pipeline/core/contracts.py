@@ -23,6 +23,7 @@ from pipeline.core.spec import (  # noqa: F401
     ATTENTION_LAYER_TYPES, NOT_ATTENTION_LAYER_TYPES, AttentionLayerType, LayerGroup, LayerKind, LayerType, MLADims,
     ModelSpec,
 )
+from pipeline.core.shard import served_shard
 from pipeline.core.validation import check_attention_args, check_pool_facts, check_setup_request
 
 
@@ -243,7 +244,9 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
     enable_pdmux: PD-mux: one prefill backend on a private workspace, sm_group_num decode backends on one shared workspace (GPU only, not with TBO)
     sm_group_num: number of PD-mux decode backends (SM groups)
     enable_two_batch_overlap: TBO: a wrapper with a primary and two children, each serving half the batch (a recorded downgrade on a draft worker); needs attn_dp_size > 1 or moe_a2a_backend, as in sglang
-    attn_dp_size: attention data parallel groups (sglang's attn_dp_size; a divisor of world_size); only TBO reads it here
+    attn_dp_size: attention data parallel groups (sglang's attn_dp_size; a divisor of tp_size): attention heads are split over tp_size / attn_dp_size ranks; TBO reads it too
+    tp_size: tensor parallel ranks (sglang's tp_size): each serves num_attention_heads / tp_size query heads and its kv heads (replicated when fewer than tp_size); unset = world_size / pp_size
+    pp_size: pipeline parallel stages (sglang's pp_size): each serves its range of layers (sglang's get_pp_indices); tp_size x pp_size must equal world_size
     moe_a2a_backend: expert parallel all to all backend of the MoE layers (sglang's; none = off); only TBO reads it here
     kv_cache_dtype: storage dtype of the KV cache; auto = the model dtype
     page_size: tokens per KV-cache page
@@ -269,6 +272,8 @@ class AttentionArgs(msgspec.Struct, **_STRUCT):
     sm_group_num: int = 3
     enable_two_batch_overlap: bool = False
     attn_dp_size: int = 1
+    tp_size: int | None = None
+    pp_size: int = 1
     moe_a2a_backend: str = "none"
     kv_cache_dtype: str = "auto"
     page_size: int = 1
@@ -359,9 +364,23 @@ class SetupRequest(msgspec.Struct, **_STRUCT):
         check_setup_request(self)
 
     @property
-    def served_model(self) -> ModelSpec:
-        """The model this worker serves: the draft model on a draft worker when given."""
+    def whole_model(self) -> ModelSpec:
+        """The model this worker serves, all heads and layers: the draft model on a draft worker when given."""
         if self.is_draft_worker and self.draft_model is not None:
             return self.draft_model
         return self.model
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks: ``args.tp_size``, unset ``world_size // args.pp_size`` (what sglang's defaults that
+        scale with the launch, such as the largest CUDA-graph batch, read as ``tp_size``)."""
+        return self.args.tp_size or max(self.world_size // self.args.pp_size, 1)
+
+    @property
+    def served_model(self) -> ModelSpec:
+        """This rank's shard of :attr:`whole_model` (:mod:`pipeline.core.shard`: its heads and its stage's
+        layers; the whole model at tp 1 x pp 1)."""
+        a = self.args
+        return served_shard(self.whole_model, tp_size=a.tp_size, pp_size=a.pp_size, rank=self.rank,
+                            world_size=self.world_size, attn_dp_size=a.attn_dp_size)
 

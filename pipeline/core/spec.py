@@ -12,6 +12,7 @@ from typing import Literal, Optional
 import msgspec
 
 from pipeline.core.errors import ConfigError, ModelConfigError
+from pipeline.core.shard import ShardLayout
 from pipeline.core.validation import check_types
 
 _STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
@@ -125,6 +126,7 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     in heads, dims, scale, sinks or K = V; None = every attention layer has the fields above.
     ``dtype`` is the checkpoint's (``torch_dtype`` / ``dtype``); ``dtype_missing``: the config names
     neither, so ``dtype`` is ``float32``, as sglang's ``_get_and_verify_dtype`` reads a missing one.
+    ``shard``: set on one rank's view (:mod:`pipeline.core.shard`): heads, kv heads and layers are the rank's.
     """
 
     model_type: str
@@ -151,6 +153,7 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     vocab_size: int = 32000
     attention_chunk_size: int | None = None
     layer_shapes: list[LayerShape | None] | None = None
+    shard: ShardLayout | None = None
 
     def __post_init__(self) -> None:
         check_types(self)  # a ModelSpec built by hand gets the types load_model_spec guarantees

@@ -405,6 +405,8 @@ def check_attention_args(a: Any) -> None:
     for field in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
         _positive(field, getattr(a, field), upper=MAX_SPEC)
     _positive("attn_dp_size", a.attn_dp_size, upper=MAX_POOL_DIM)
+    _positive("tp_size", a.tp_size, upper=MAX_POOL_DIM)
+    _positive("pp_size", a.pp_size, upper=MAX_POOL_DIM)
     check_types(a)
     if a.cuda_graph_bs is not None:
         if not isinstance(a.cuda_graph_bs, (list, tuple)):
@@ -472,6 +474,10 @@ def check_setup_request(r: Any) -> None:
             flags=[("attn_dp_size", r.args.attn_dp_size), ("world_size", r.world_size)],
             allowed=[f"a divisor of {r.world_size}"],
             remedy=f"set attn_dp_size to a divisor of world_size={r.world_size}, or world_size to a multiple of it")
+    from pipeline.core.shard import check_world
+
+    check_world(r.args.tp_size, r.args.pp_size, r.world_size)
+    r.served_model  # the rank's shard: tp_size_invalid / pp_size_invalid before anything is allocated
     if r.pool.page_size != r.args.page_size:
         raise ConfigError(
             f"pool.page_size={r.pool.page_size} differs from page_size={r.args.page_size}",

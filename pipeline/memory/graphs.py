@@ -142,7 +142,7 @@ def estimate_for_decided(request: "SetupRequest", decided: "Decided",
     spec, args, facts = request.served_model, request.args, decided["device-init"].facts
     return estimate_graph_memory(spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
                                  batch_sizes=capture_batch_sizes(args, request.pool.max_reqs, device=facts,
-                                                                 world_size=request.world_size),
+                                                                 world_size=request.tp_size),
                                  arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
                                  page_size=args.page_size, num_sms=facts.sm_count, env=env,
                                  **captured_step(request, decided))
@@ -249,7 +249,7 @@ def lower_bound_for_decided(request: "SetupRequest", decided: "Decided", aux_lay
     spec, args, facts = request.served_model, request.args, decided["device-init"].facts
     return graph_memory_lower_bound(
         spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
-        batch_sizes=capture_series(args, request.pool.max_reqs, device=facts, world_size=request.world_size),
+        batch_sizes=capture_series(args, request.pool.max_reqs, device=facts, world_size=request.tp_size),
         arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
         page_size=args.page_size, num_sms=facts.sm_count, env=env, **captured_step(request, decided))
 

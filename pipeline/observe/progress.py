@@ -129,7 +129,7 @@ def progress_for(ns: Any, log: Any, request: Any) -> Any:
             from states.build_mode import count_batch_sizes
 
             return count_batch_sizes(request.args, request.pool.max_reqs, device=facts,
-                                     world_size=request.world_size)
+                                     world_size=request.tp_size)
         except Exception:  # noqa: BLE001 - refused later by preflight with its own error
             return 0
 

@@ -288,6 +288,8 @@ class Runner:
 
         self.machine.require_state(RUNNER.success)
         emitted, instances = [], verify_built(self.backends, self.request, pools=self.pools, decode_steps=decode_steps)
+        if self.request.world_size > 1 and self.cpu_group is not None:  # the TP ranks together vs the whole model
+            instances += self._world_check()
         for r in instances:
             emitted.append(self.log.emit(
                 ev.InstanceVerified, state="done", outcome="ok" if r.passed else "failed", role=r.role,
@@ -304,6 +306,19 @@ class Runner:
         if error is not None:
             self.log.emit(ev.RunFailed, state=self.log.current_state, outcome="failed", error=error)
         return Verification(instances=instances, steps=checks, error=error)
+
+    def _world_check(self) -> list[Any]:
+        """:func:`pipeline.runtime.world_check.world_check` on the serving backend, over the CPU group (every rank
+        takes part); [] when this rank's stage has no attention layer."""
+        from pipeline.core.dtypes import model_dtype
+        from pipeline.runtime.world_check import world_check
+
+        b, req = self.backends, self.request
+        r = world_check(b.attn_backend, req, kv_pool=self.pools["kv_pool"],
+                        req_to_token_pool=self.pools["req_to_token_pool"], torch_device=b.torch_device,
+                        dtype=model_dtype(req.args, req.served_model), name=b.plan.instances[0].backend,
+                        group=self.cpu_group, seed=self.config.seed)
+        return [] if r is None else [r]
 
     # -- use -----------------------------------------------------------------------------------
     def forward(self, hidden: Any, forward_batch: Any) -> tuple[Any, list[Any], bool]:

@@ -45,7 +45,7 @@ def make_pools(kind: LayerKind, prefix_lens: Sequence[int], extra: int, page_siz
     """``(req_to_token pool, KV pool)`` with rows ``1..B`` for ``prefix_lens`` plus ``extra`` tokens each in their rows
     and ``scratch`` slots each outside them (draft tokens); one layer of ``kind``. Build a backend over these
     (:func:`check_verify` / :func:`check_draft` take them as ``pools``)."""
-    ctx = max(prefix_lens) + extra + page_size
+    ctx = max(prefix_lens) + extra + scratch + page_size  # a draft branch runs step + 1 <= scratch tokens past its prefix
     per_req = -(-(max(prefix_lens) + extra) // page_size) + -(-scratch // page_size)
     slots = (per_req * len(prefix_lens) + 2 * len(prefix_lens) + 4) * page_size
     r2t = ReqToTokenPool(len(prefix_lens) + 1, ctx, device)

@@ -409,7 +409,7 @@ def decide_capture(r: Any) -> CaptureDecision:
     req = r.request if out is not None else attention_request(r)
     facts = out.device_facts if out is not None else r.attention["device-init"].facts
     return CaptureDecision(graphs=g, sizes=capture_batch_sizes(req.args, req.pool.max_reqs, device=facts,
-                                                               world_size=req.world_size) if g.capture else [])
+                                                               world_size=req.tp_size) if g.capture else [])
 
 
 def capture(r: Any, d: CaptureDecision) -> None:

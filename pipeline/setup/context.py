@@ -43,7 +43,7 @@ class BuildDecision(NamedTuple):
         from states.build_mode import graph_max_bs
 
         return graph_max_bs(request.args, request.pool.max_reqs, self.graphs.capture, device=device,
-                            world_size=request.world_size)
+                            world_size=request.tp_size)
 
 
 class LazyDecision(NamedTuple):

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 import msgspec
 
 from pipeline.core import events as ev
-from pipeline.core.contracts import AttentionArgs, DeviceFacts, ErrorInfo, Resolution
+from pipeline.core.contracts import ATTENTION_LAYER_TYPES, AttentionArgs, DeviceFacts, ErrorInfo, Resolution
 from pipeline.core.errors import ConfigError, MemoryImbalance, RankDivergence, RankExchangeError, UsageError
 from pipeline.core.events import RankRow
 from pipeline.core.numbers import ascii_float
@@ -47,8 +47,22 @@ def _model_text(model: Any, layers_apart: bool = False) -> str:
 
 
 def _layers_text(model: Any) -> str:
-    """The layers the served model spans (``--num-layers`` cuts them) and a hash of their kinds."""
+    """The layers the served model spans (``--num-layers`` cuts them) and a hash of their kinds; a pipeline stage
+    (its own layers: :mod:`pipeline.core.shard`) says ``whole stage`` or how many attention layers it builds."""
+    lay = model.shard
+    if lay is not None and lay.pp_size > 1:
+        s, e = lay.layer_range
+        built = sum(1 for t in model.layer_types if t in ATTENTION_LAYER_TYPES)
+        return "whole stage" if model.num_hidden_layers == e - s else f"first {built} attention layers of each stage"
     return f"{model.num_hidden_layers} layers, kinds sha256:{_sha(list(model.layer_types or []))}"
+
+
+def _served_text(model: Any) -> str:
+    """The served model as every rank must share it: a shard is named by its whole model (the heads and layers
+    each rank holds differ; the layout is compared as ``shard``)."""
+    if model.shard is None:
+        return _model_text(model, layers_apart=True)
+    return f"{model.model_type} {'/'.join(model.architectures or [])} sha256:{model.shard.model_sha}"
 
 
 def _capabilities_text() -> str:
@@ -78,8 +92,9 @@ def digest_fields(request: Any, installed: Mapping[str, bool], device: Any = Non
         except AttnSetupError as e:
             return f"error: {e.info.code}"
 
-    out = {"model": _model_text(request.served_model, layers_apart=True),
-           "num_layers": _layers_text(request.served_model),
+    served = request.served_model
+    out = {"model": _served_text(served), "num_layers": _layers_text(served),
+           "shard": "whole model" if served.shard is None else served.shard.grid_text(),
            "draft_model": _model_text(request.draft_model),
            "is_draft_worker": str(request.is_draft_worker).lower()}
     for f in pool.__struct_fields__:
@@ -89,7 +104,7 @@ def digest_fields(request: Any, installed: Mapping[str, bool], device: Any = Non
     out["dtype.kv_cache"] = safe(lambda: kv_dtype(args, request.served_model))
     out["cuda_graph_bs"] = ("disabled" if args.disable_cuda_graph else
                             safe(lambda: batch_sizes_text(args, pool.max_reqs, device=device,
-                                                         world_size=request.world_size)))
+                                                         world_size=request.tp_size)))
     for k, v in sorted(versions(installed).items()):
         out[f"versions.{k}"] = str(v)
     out["capabilities"] = _capabilities_text()

@@ -106,7 +106,9 @@ def check_given_pools(ctx: SetupContext) -> None:
 
     The workspace bound and the backends' buffers are sized from ``request.pool`` and the layer kinds, so
     pools that differ would be read past their end or under-sized (sglang builds both from one ModelRunner
-    config). Checked: both keys; ``req_to_token`` [max_reqs, max_context_len] int32; per model layer a K
+    config). Checked: both keys; ``req_to_token`` [max_reqs, max_context_len] int32; exactly one K/V buffer per layer of
+    the served model (a pipeline stage: its own layers, from 0, as sglang's pools index ``layer_id - start_layer``);
+    per layer a K
     [num_token_slots, Hkv, D] and V [num_token_slots, Hkv, Dv] buffer of the KV dtype, on the run's device
     (an MLA layer's V a view of its K buffer's first Dv dims); ``page_size``. Raises ConfigError ``pools_mismatch`` (naming the field, what it holds and what is needed)
     before any allocation.
@@ -128,9 +130,13 @@ def check_given_pools(ctx: SetupContext) -> None:
     kvd, n = torch_dtype(kv_dtype(req.args, model)), model.num_hidden_layers
     kb, vb = getattr(kv, "k_buffer", None), getattr(kv, "v_buffer", None)
     for name, bufs in (("k_buffer", kb), ("v_buffer", vb)):
-        if not isinstance(bufs, (list, tuple)) or len(bufs) < n:
+        if not isinstance(bufs, (list, tuple)) or len(bufs) != n:
+            stage = model.shard is not None and model.shard.pp_size > 1
+            where = f" (pipeline stage {model.shard.pp_rank}: layers {model.shard.layer_range[0]}-" \
+                    f"{model.shard.layer_range[0] + n - 1}, indexed from 0)" if stage else ""
             raise _bad(f"kv_pool.{name}", f"{type(bufs).__name__} of "
-                       f"{len(bufs) if isinstance(bufs, (list, tuple)) else '-'}", f"a list of {n} per-layer buffers")
+                       f"{len(bufs) if isinstance(bufs, (list, tuple)) else '-'}",
+                       f"a list of {n} per-layer buffers{where}")
     for k in model.layer_kinds():
         for lid in k.layer_ids:
             _check_tensor(f"kv_pool.k_buffer[{lid}]", kb[lid], (p.num_token_slots, k.num_kv_heads, k.head_dim_qk),
@@ -249,7 +255,7 @@ def build_like(backends: Any, request: SetupRequest, model: Any, pools: Optional
     pools = pools if pools is not None else backends.pools
     kinds, ws_pool = model.layer_kinds(), backends.workspace_pool
     max_bs = graph_max_bs(request.args, request.pool.max_reqs, backends.graphs.capture, device=backends.device_facts,
-                          world_size=request.world_size)
+                          world_size=request.tp_size)
 
     def make(inst: InstancePlan) -> Any:
         ws = ws_pool.get(inst.workspace) if inst.workspace else None

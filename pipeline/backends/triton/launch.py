@@ -378,6 +378,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
     if bsz == 0 or max_extend_len == 0 or t == 0:
         return out
     cfg = config or default_extend_config(d, q.device)
+    stages = min(cfg.num_stages, 2) if tree and config is None else cfg.num_stages  # + mask tile: 3 overflow sm90
     pack = extend_packs_gqa(cfg, h // hkv, max_extend_len)
     if pack:
         grid = (hkv, bsz, triton.cdiv(max_extend_len * (h // hkv), cfg.block_m))
@@ -396,6 +397,6 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
         D=d, DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=logit_softcap is not None, HAS_SINKS=sinks is not None,
         UPCAST=_interpreting(), USE_CHUNK=attention_chunk_size is not None, K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
-        PACK_GQA=pack, USE_TREE=tree, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PACK_GQA=pack, USE_TREE=tree, num_warps=cfg.num_warps, num_stages=stages)
     return out
 
