@@ -550,3 +550,16 @@ def test_plan_reads_the_model_without_importing_torch():
             "assert 'transformers.models.llama.modeling_llama' not in sys.modules")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_heterogeneous_layers_shard_per_kind(tp):
+    """A rank's view of Gemma-4 (sliding 32 heads / 16 kv of 256, full 32 / 4 kv of 512, K = V) splits each kind's
+    heads and kv heads by tp (kv heads replicated below tp), dims, scale and K = V kept."""
+    from pipeline.core.shard import plan_layout, shard_spec
+
+    whole = load_model_spec(ROOT / "tests" / "data" / "model_configs" / "google-gemma-4-31b-it.json")
+    view = shard_spec(whole, plan_layout(whole, tp_size=tp, pp_size=1, rank=tp - 1))
+    for w, v in zip(whole.layer_kinds(), view.layer_kinds()):
+        assert (v.num_heads, v.num_kv_heads) == (w.num_heads // tp, max(1, w.num_kv_heads // tp))
+        assert (v.head_dim_qk, v.scaling, v.k_eq_v, v.layer_ids) == (w.head_dim_qk, w.scaling, w.k_eq_v, w.layer_ids)
