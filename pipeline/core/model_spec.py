@@ -248,8 +248,8 @@ def _dtype(c: _Cfg, top: _Cfg) -> tuple[str, bool]:
 
 # Substrings of config keys that can bear on attention: an unknown family's error names the ones present.
 _ATTENTION_HINTS = ("window", "pattern", "layer_types", "block_type", "per_layer", "sparse", "index", "alibi",
-                    "linear", "mamba", "ssm", "head", "kv_lora", "attn", "attention", "chunk", "sink", "softcap",
-                    "block_configs", "cross")
+                    "linear", "mamba", "ssm", "heads", "head_dim", "kv_lora", "attn", "attention", "chunk", "sink",
+                    "softcap", "block_configs", "cross")
 _FEATURE_REMEDY = ("none in attn-setup yet: the file is valid as published, but no attn-setup backend computes this "
                    "attention (docs/models.md lists what is served)")
 
@@ -264,7 +264,9 @@ def _feature(c: _Cfg, field: str, value: Any, ids: list[int], why: str) -> Model
 
 
 def _unknown(c: _Cfg, model_type: str) -> ModelConfigError:
-    present = [k for k in c.data if not k.startswith("_") and any(h in k for h in _ATTENTION_HINTS)]
+    present = [k for k, v in c.data.items()
+               if v is not None and not k.startswith("_") and not k.endswith(("_bias", "_dropout"))
+               and any(h in k for h in _ATTENTION_HINTS)]
     ver = hf_config.transformers_version()
     return ModelConfigError(
         f"model_type {_show(model_type)} is known neither to transformers {ver} nor to attn-setup's own rules, so "
