@@ -563,3 +563,24 @@ def test_heterogeneous_layers_shard_per_kind(tp):
     for w, v in zip(whole.layer_kinds(), view.layer_kinds()):
         assert (v.num_heads, v.num_kv_heads) == (w.num_heads // tp, max(1, w.num_kv_heads // tp))
         assert (v.head_dim_qk, v.scaling, v.k_eq_v, v.layer_ids) == (w.head_dim_qk, w.scaling, w.k_eq_v, w.layer_ids)
+
+
+def test_a_cached_reading_reads_the_same(tmp_path, monkeypatch):
+    """transformers' reading of a file is cached by content and transformers version: a second read (no transformers
+    import) gives the same spec; a corrupt cache entry is read afresh; ATTN_SETUP_CACHE_DIR=off caches nothing."""
+    from pipeline.core import hf_config
+
+    monkeypatch.setenv("ATTN_SETUP_CACHE_DIR", str(tmp_path))
+    path = ROOT / "tests" / "data" / "model_configs" / "google-gemma-4-31b-it.json"
+    first = load_model_spec(path)
+    files = list((tmp_path / "hf-readings").glob("*.json"))
+    assert len(files) == 1
+    calls = []
+    monkeypatch.setattr(hf_config, "text_config", lambda *a: calls.append(a))
+    assert load_model_spec(path) == first and calls == []
+    files[0].write_text("{not json")
+    monkeypatch.undo()
+    monkeypatch.setenv("ATTN_SETUP_CACHE_DIR", str(tmp_path))
+    assert load_model_spec(path) == first
+    monkeypatch.setenv("ATTN_SETUP_CACHE_DIR", "off")
+    assert hf_config._cache_path({"model_type": "llama"}, "llama") is None

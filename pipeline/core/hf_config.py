@@ -14,12 +14,17 @@ Raises ModelConfigError ``package_version_unsupported`` when the installed trans
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import os
+import pathlib
 import sys
 import types
 from typing import Any, Mapping, Optional
+
+import msgspec
 
 from pipeline.core.errors import ModelConfigError
 
@@ -179,6 +184,89 @@ def _drop(kwargs: dict[str, Any], field: str) -> bool:
         kwargs["text_config"] = {k: v for k, v in inner.items() if k != field}
         return True
     return False
+
+
+class Reading(msgspec.Struct, frozen=True, kw_only=True):
+    """What the reader takes from transformers' text config (JSON-safe, so it can be cached): the class name, its
+    fields (class defaults and derived ones included; values JSON cannot hold read as null), the per-layer list and
+    its key (``layer_types`` / ``layers_block_type``, a property on some classes), the per-layer heads / kv heads /
+    head dim of a heterogeneous config, and whether the class has a ``v_head_dim`` field of its own."""
+
+    cls: str
+    fields: dict[str, Any]
+    layers: Optional[list[Any]] = None
+    layers_key: Optional[str] = None
+    per_layer: Optional[list[dict[str, Any]]] = None
+    has_v_field: bool = False
+
+
+_PER_LAYER_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim")
+# Bumped when what a Reading holds changes: cached readings of an older layout are not used.
+READING_VERSION = 1
+
+
+def _reading(cfg: Any) -> Reading:
+    fields = as_dict(cfg)
+    layers, key = None, None
+    for key in ("layer_types", "layers_block_type"):
+        layers = fields.get(key) if fields.get(key) is not None else getattr(cfg, key, None)
+        if layers is not None:
+            break
+    per_layer = None
+    if getattr(cfg, "is_heterogeneous", False):
+        per_layer = [{k: getattr(lc, k, None) for k in _PER_LAYER_KEYS} for lc in cfg.per_layer_config]
+    safe = msgspec.json.decode(msgspec.json.encode(fields, enc_hook=lambda o: None))
+    return Reading(cls=type(cfg).__name__, fields=safe, layers=None if layers is None else list(layers),
+                   layers_key=key if layers is not None else None, per_layer=per_layer,
+                   has_v_field="v_head_dim" in getattr(type(cfg), "__annotations__", {}))
+
+
+def _cache_path(data: Mapping[str, Any], model_type: str) -> Optional[pathlib.Path]:
+    """Where the reading of ``data`` is cached (``$ATTN_SETUP_CACHE_DIR``, else ``$XDG_CACHE_HOME/attn-setup``, else
+    ``~/.cache/attn-setup``; ``ATTN_SETUP_CACHE_DIR=off``: none), keyed by the file's content, the model_type, the
+    transformers version and :data:`READING_VERSION`."""
+    base = os.environ.get("ATTN_SETUP_CACHE_DIR")
+    if base == "off":
+        return None
+    if not base:
+        base = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "attn-setup")
+    try:
+        key = msgspec.json.encode([data, model_type, transformers_version(), READING_VERSION], order="sorted")
+    except (TypeError, msgspec.EncodeError):
+        return None
+    return pathlib.Path(base) / "hf-readings" / f"{hashlib.sha256(key).hexdigest()[:32]}.json"
+
+
+def read(data: Mapping[str, Any], model_type: str) -> Optional[Reading]:
+    """:func:`text_config` of ``data`` as a :class:`Reading` (None when transformers does not know ``model_type``),
+    from the cache when this file was read before by this transformers version (a reading needs transformers'
+    import, ~0.3 s; a cached one a file read). Raises as :func:`text_config`."""
+    _check_version()
+    path = _cache_path(data, model_type)
+    if path is not None and path.is_file():
+        try:
+            return msgspec.json.decode(path.read_bytes(), type=Reading)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            pass
+    cfg = text_config(data, model_type)
+    if cfg is None:
+        return None
+    try:
+        reading = _reading(cfg)
+    except Exception as e:  # noqa: BLE001 - the class's to_dict on a value it took (a dtype list)
+        raise ModelConfigError(f"transformers cannot read this config back: {type(e).__name__}: {str(e)[:200]}",
+                               code="model_config_malformed", json_path="$", flags=[("model_type", model_type)],
+                               allowed=["a config transformers reads"],
+                               remedy="compare config.json with the model's published one on the Hub") from None
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(msgspec.json.encode(reading))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # an unwritable cache only costs the next read its import
+    return reading
 
 
 def as_dict(cfg: Any) -> dict[str, Any]:

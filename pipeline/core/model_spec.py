@@ -24,7 +24,7 @@ import math
 import os
 import pathlib
 from collections import ChainMap
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import msgspec
 
@@ -277,7 +277,7 @@ def _unknown(c: _Cfg, model_type: str) -> ModelConfigError:
         remedy="none for this file: attn-setup does not read this family yet (docs/models.md says how one is added)")
 
 
-def _hf_types(c: _Cfg, hf: Any, hfd: Mapping[str, Any], model_type: str, n: int) -> list[str]:
+def _hf_types(c: _Cfg, hf: hf_config.Reading, hfd: Mapping[str, Any], model_type: str, n: int) -> list[str]:
     """Per-layer types from transformers' config: ``layer_types``, else ``layers_block_type`` (a property on some
     classes), else every layer full, or sliding for :data:`SLIDES_EVERY_LAYER` when ``sliding_window`` is set."""
     raw = c.data.maps[0] if isinstance(c.data, ChainMap) else c.data
@@ -287,11 +287,7 @@ def _hf_types(c: _Cfg, hf: Any, hfd: Mapping[str, Any], model_type: str, n: int)
             raise c.bad("attn_type_list", flags, f"a list of {n} entries, each 0 or 1",
                         "must give each layer 1 (softmax attention) or 0 (linear attention)")
         return ["full" if f else "linear_attention" for f in flags]
-    key, listed = None, None
-    for key in ("layer_types", "layers_block_type"):
-        listed = hfd.get(key) if hfd.get(key) is not None else getattr(hf, key, None)
-        if listed is not None:
-            break
+    key, listed = hf.layers_key, hf.layers
     if listed is None:
         if hfd.get("cross_attention_layers"):
             ids = list(hfd["cross_attention_layers"])
@@ -301,7 +297,7 @@ def _hf_types(c: _Cfg, hf: Any, hfd: Mapping[str, Any], model_type: str, n: int)
             if model_type in SLIDES_EVERY_LAYER:
                 return ["sliding"] * n
             raise _feature(c, "sliding_window", window, list(range(n)),
-                           f"transformers' {type(hf).__name__} lists no layer_types, so its configuration does not "
+                           f"transformers' {hf.cls} lists no layer_types, so its configuration does not "
                            "say which layers slide")
         return ["full"] * n
     if not isinstance(listed, list) or len(listed) != n:
@@ -318,10 +314,10 @@ def _hf_types(c: _Cfg, hf: Any, hfd: Mapping[str, Any], model_type: str, n: int)
     return out
 
 
-def _per_layer(c: _Cfg, hf: Any, i: int, key: str, default: int) -> int:
+def _per_layer(c: _Cfg, hf: Optional[hf_config.Reading], i: int, key: str, default: int) -> int:
     """Layer ``i``'s ``key``: transformers' per-layer config (Gemma-4), a ``<key>_per_layer`` list, else ``default``."""
-    if hf is not None and getattr(hf, "is_heterogeneous", False):
-        v = getattr(hf.per_layer_config[i], key, None)
+    if hf is not None and hf.per_layer is not None:
+        v = hf.per_layer[i].get(key)
         return default if v is None else v
     listed = c.get(f"{key}_per_layer")
     if isinstance(listed, list) and len(listed) > i and isinstance(listed[i], int) and not isinstance(listed[i], bool):
@@ -329,7 +325,7 @@ def _per_layer(c: _Cfg, hf: Any, i: int, key: str, default: int) -> int:
     return default
 
 
-def _shapes(c: _Cfg, hf: Any, hfd: Mapping[str, Any], model_type: str, kinds: list[str], uniform: LayerShape,
+def _shapes(c: _Cfg, hf: Optional[hf_config.Reading], hfd: Mapping[str, Any], model_type: str, kinds: list[str], uniform: LayerShape,
             mla: MLADims | None) -> list[LayerShape | None] | None:
     """Each attention layer's :class:`LayerShape`; None when all equal ``uniform`` (the spec's own fields)."""
     out: list[LayerShape | None] = []
@@ -419,21 +415,15 @@ def _identify(top: _Cfg) -> tuple[_Cfg, str, Any, Any, Mapping[str, Any]]:
         return c, model_type, own, None, {}
     top_type = top.text("model_type") or model_type
     try:
-        hf = hf_config.text_config(top.data, top_type)
+        hf = hf_config.read(top.data, top_type)
         if hf is None and top_type != model_type:
-            hf = hf_config.text_config(c.data, model_type)
-        hfd = hf_config.as_dict(hf) if hf is not None else {}
+            hf = hf_config.read(c.data, model_type)
     except ModelConfigError:
         _check_raw(c)  # a bad published value is named by its JSON path; else the class's own refusal
         raise
-    except Exception as e:  # noqa: BLE001 - the class's to_dict on a value it took (a dtype list)
-        _check_raw(c)
-        raise ModelConfigError(f"transformers cannot read this config back: {type(e).__name__}: {str(e)[:200]}",
-                               code="model_config_malformed", json_path="$", flags=[("model_type", model_type)],
-                               allowed=["a config transformers reads"],
-                               remedy="compare config.json with the model's published one on the Hub") from None
     if hf is None:
         raise _unknown(c, model_type)
+    hfd = hf.fields
     return _Cfg(ChainMap({k: v for k, v in c.data.items() if v is not None}, hfd), c.path), model_type, None, hf, hfd
 
 
@@ -474,7 +464,7 @@ def _build(top: _Cfg, source: str) -> ModelSpec:
     hidden, _, heads, kv = _heads(c)
     mla = _mla(c)
     # a v head dim of its own only where the class has the field (MiMoV2FlashConfig); others' models ignore the key
-    head_dim, v_dim = _head_dims(c, hidden, heads, mla, allow_v="v_head_dim" in getattr(type(hf), "__annotations__", {}))
+    head_dim, v_dim = _head_dims(c, hidden, heads, mla, allow_v=hf is not None and hf.has_v_field)
     window = c.integer("sliding_window", required=True) if "sliding" in kinds else None
     chunk = c.integer("attention_chunk_size", required=True) if "chunked" in kinds else None
     dtype, dtype_missing = _dtype(c, top)
