@@ -6,7 +6,9 @@ or None when transformers does not know the ``model_type``. Only ``configuration
 ``configuration_<module>`` module are imported: the ``transformers`` / ``transformers.models`` package inits (a scan of
 every model directory) are skipped, and while torch is not imported yet it is hidden so transformers does not import
 it (``plan`` stays torch-free). :func:`forget_torchless` drops those modules so a later import that needs torch
-(the model oracle) gets the whole library.
+(the model oracle) gets the whole library. :func:`read` gives what the reader takes from that config as a JSON-safe
+:class:`Reading`, cached per file content and transformers version (a plan of a model read before imports no
+transformers).
 
 Raises ModelConfigError ``package_version_unsupported`` when the installed transformers is outside
 :data:`TRANSFORMERS_SPEC` (or absent), ``model_config_malformed`` when the class refuses the file.
@@ -96,6 +98,7 @@ def forget_torchless() -> None:
     if top is not None and getattr(top, _TORCHLESS, False):
         for name in [n for n in sys.modules if n == "transformers" or n.startswith("transformers.")]:
             del sys.modules[name]
+        _CLASSES.clear()
 
 
 _CLASSES: dict[str, Optional[type]] = {}
@@ -232,7 +235,7 @@ def _cache_path(data: Mapping[str, Any], model_type: str) -> Optional[pathlib.Pa
         base = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "attn-setup")
     try:
         key = msgspec.json.encode([data, model_type, transformers_version(), READING_VERSION], order="sorted")
-    except (TypeError, msgspec.EncodeError):
+    except (TypeError, ValueError, msgspec.EncodeError):  # a value JSON cannot hold (a 5000-digit integer): uncached
         return None
     return pathlib.Path(base) / "hf-readings" / f"{hashlib.sha256(key).hexdigest()[:32]}.json"
 

@@ -226,12 +226,16 @@ def _run(data: Mapping[str, Any], spec: ModelSpec, backend: str, dtype: torch.dt
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    text = oracle_config(data, spec, num_attention_layers=n_attn, shrink_hidden=shrink_hidden)
-    cfg_cls = CONFIG_MAPPING[reference or text["model_type"]]
     from pipeline.core.hf_config import build
 
-    cfg = build(cfg_cls, {k: v for k, v in text.items() if k != "model_type"})
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg  # a flat multimodal config: its text part
+    text = oracle_config(data, spec, num_attention_layers=n_attn, shrink_hidden=shrink_hidden)
+    if reference:  # an own family: the transformers family whose code computes the same layers
+        cfg = build(CONFIG_MAPPING[reference], {k: v for k, v in text.items() if k != "model_type"})
+    elif isinstance(data.get("text_config"), Mapping):  # a text config reached through its multimodal wrapper
+        cfg = build(CONFIG_MAPPING[data["model_type"]], {**data, "text_config": text}).get_text_config()
+    else:  # a flat config (a flat multimodal one too: its text part)
+        cfg = build(CONFIG_MAPPING[text["model_type"]], {k: v for k, v in text.items() if k != "model_type"})
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     results: list[LayerCheck] = []
     AttentionInterface.register(_NAME, _attention_fn(spec, backend, run_dtype, results))
     AttentionMaskInterface.register(_NAME, ALL_MASK_ATTENTION_FUNCTIONS["eager"])  # the masks eager attention takes
