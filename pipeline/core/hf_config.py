@@ -33,6 +33,7 @@ from pipeline.core.errors import ModelConfigError
 # The versions whose configuration classes attn-setup reads (pyproject.toml gives the same range; sglang 0.5.23 pins
 # 5.19.0, the tested one).
 TRANSFORMERS_SPEC = ">=5.17,<6"
+CACHE_ENV = "ATTN_SETUP_CACHE_DIR"
 _TORCHLESS = "_attn_setup_torchless"
 
 
@@ -228,7 +229,7 @@ def _cache_path(data: Mapping[str, Any], model_type: str) -> Optional[pathlib.Pa
     """Where the reading of ``data`` is cached (``$ATTN_SETUP_CACHE_DIR``, else ``$XDG_CACHE_HOME/attn-setup``, else
     ``~/.cache/attn-setup``; ``ATTN_SETUP_CACHE_DIR=off``: none), keyed by the file's content, the model_type, the
     transformers version and :data:`READING_VERSION`."""
-    base = os.environ.get("ATTN_SETUP_CACHE_DIR")
+    base = os.environ.get(CACHE_ENV)
     if base == "off":
         return None
     if not base:
