@@ -231,7 +231,7 @@ def _run(data: Mapping[str, Any], spec: ModelSpec, backend: str, dtype: torch.dt
     text = oracle_config(data, spec, num_attention_layers=n_attn, shrink_hidden=shrink_hidden)
     if reference:  # an own family: the transformers family whose code computes the same layers
         cfg = build(CONFIG_MAPPING[reference], {k: v for k, v in text.items() if k != "model_type"})
-    elif isinstance(data.get("text_config"), Mapping):  # a text config reached through its multimodal wrapper
+    elif isinstance(data.get("text_config"), Mapping) and data.get("model_type") in CONFIG_MAPPING:  # via its wrapper
         cfg = build(CONFIG_MAPPING[data["model_type"]], {**data, "text_config": text}).get_text_config()
     else:  # a flat config (a flat multimodal one too: its text part)
         cfg = build(CONFIG_MAPPING[text["model_type"]], {k: v for k, v in text.items() if k != "model_type"})
