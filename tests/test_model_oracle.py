@@ -93,3 +93,14 @@ def test_a_wrong_window_fails_on_the_output_alone():
         oracle._mismatch = keep
     sliding = [r for r in results if r.kind == "sliding"]
     assert sliding and all(r.mismatch is None and r.rel_err > r.tol for r in sliding), results
+
+
+def test_asymmetric_dims_doubled_kv_heads_and_sliding_sinks_match_the_model_code():
+    """MiMo-V2-Flash's reading (qk 192 / v 128; sliding layers with twice the kv heads and sinks, as its modeling code
+    builds them) against MiMoV2FlashAttention itself, past the 128-key window."""
+    base = {k: v for k, v in json.loads(GPT_OSS.with_name("llama-3.1-8b.json").read_text()).items()
+            if k not in ("num_key_value_heads", "rope_scaling")}
+    cfg = {**base, "model_type": "mimo_v2_flash", "num_hidden_layers": 4, "head_dim": 192, "v_head_dim": 128,
+           "num_key_value_heads": 4, "sliding_window": 128, "layer_types": ["full_attention", "sliding_attention"] * 2}
+    results = check_model(cfg, seq=136)
+    assert {r.kind for r in results} == {"full", "sliding"} and all(r.passed for r in results), results

@@ -584,3 +584,31 @@ def test_a_cached_reading_reads_the_same(tmp_path, monkeypatch):
     assert load_model_spec(path) == first
     monkeypatch.setenv("ATTN_SETUP_CACHE_DIR", "off")
     assert hf_config._cache_path({"model_type": "llama"}, "llama") is None
+
+
+def test_families_the_issue_named_read_as_their_code_says():
+    """NAS block_configs (no-op / linear blocks, kv heads = heads / n_heads_in_group per block), Baichuan (7B RoPE
+    served, 13B ALiBi refused by name), Cohere2 (every 4th layer full: transformers' Cohere2Config), MiMo-V2-Flash
+    (qk 192 / v 128; sliding layers with twice the kv heads and sinks, MiMoV2FlashAttention)."""
+    base = {k: v for k, v in _cfg("llama-3.1-8b.json").items() if k != "num_key_value_heads"}
+    rope = copy.deepcopy(base["rope_scaling"])
+    blocks = [{"attention": {"n_heads_in_group": 8}}, {"attention": {"no_op": True}},
+              {"attention": {"n_heads_in_group": 4}}, {"attention": {"replace_with_linear": True}}]
+    nas = load_model_spec({**base, "model_type": "nemotron-nas", "num_hidden_layers": 4, "block_configs": blocks})
+    assert [(k.num_kv_heads, k.layer_ids) for k in nas.layer_kinds()] == [(32 // 8, [0]), (32 // 4, [2])]
+    assert [(g.kind, g.layer_ids) for g in nas.not_attention()] == [("no_op", [1]), ("linear", [3])]
+    assert load_model_spec({**base, "model_type": "baichuan"}).layer_types == ["full"] * 32
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec({**base, "model_type": "baichuan", "hidden_size": 5120, "num_attention_heads": 40})
+    assert e.value.info.code == "unsupported_attention_feature" and "ALiBi" in e.value.info.message
+    cohere = load_model_spec({**base, "model_type": "cohere2", "num_hidden_layers": 8, "sliding_window": 4096,
+                              "sliding_window_pattern": 4})
+    assert [i for i, t in enumerate(cohere.layer_types) if t == "full"] == [3, 7]
+    assert base["rope_scaling"] == rope  # transformers' classes standardize a copy, never the caller's dict
+    base.pop("rope_scaling")  # MiMoV2FlashConfig takes rope_theta inside a llama3 rope block only
+    mimo = load_model_spec({**base, "model_type": "mimo_v2_flash", "num_hidden_layers": 4, "head_dim": 192,
+                            "v_head_dim": 128, "num_key_value_heads": 4, "sliding_window": 128,
+                            "layer_types": ["full_attention", "sliding_attention"] * 2})
+    kinds = {k.kind: k for k in mimo.layer_kinds()}
+    assert (kinds["full"].head_dim_qk, kinds["full"].head_dim_v, kinds["full"].num_kv_heads) == (192, 128, 4)
+    assert (kinds["sliding"].num_kv_heads, kinds["sliding"].has_sinks, kinds["full"].has_sinks) == (8, True, False)

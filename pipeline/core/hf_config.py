@@ -123,7 +123,11 @@ def config_class(model_type: str) -> Optional[type]:
 def build(cls: type, data: Mapping[str, Any]) -> Any:
     """``cls(**data)``; a value the class's type check refuses on a field attention is not read from (Llama-4's
     published ``attn_temperature_tuning: 4`` for a bool) is left to the class default. Raises what the class raises."""
-    kwargs = {k: v for k, v in data.items() if k not in ("transformers_version", "architectures", "auto_map")}
+    import copy
+
+    # a copy: the classes standardize nested dicts in place (rope_parameters gains rope_theta), the caller's file stays
+    kwargs = copy.deepcopy({k: v for k, v in data.items() if k not in ("transformers_version", "architectures",
+                                                                        "auto_map")})
     for _ in range(8):
         try:
             return cls(**kwargs)
