@@ -26,6 +26,8 @@
 #              triton, eager and CUDA-graph replay)                                    -> spec.log
 #   spec-bench `run` with the EAGLE flags (flashinfer and triton target workers, a draft worker) and
 #              benchmarks/speculative_trees.py (the backends x shapes x graph table)   -> spec_trees.log/.json
+#   auto       benchmarks/auto_evidence.py: --warm (every case built and run once: JIT compiles), then the measured
+#              table auto orders by                  -> $OUT/auto_evidence.json (copy to pipeline/data/), auto_*.log
 #   save-aot   pack the FlashInfer JIT modules compiled here into $OUT/fi-aot-<version>.txz.part-* (carry them back
 #              into .whl/)
 # pytest parts run GPU_TEST_PROCS (default 4) worker processes (pytest-xdist, carried in .whl).
@@ -35,10 +37,10 @@
 # fa3 prefill) did not change from 0.6.13 to 0.7.2 while the code did. The unversioned .whl/fi-aot.t{gz,xz}.part-* of
 # earlier sessions hold 0.6.13 modules. Every step has a hard timeout. $OUT/summary.txt collects the lines that say
 # pass/fail and the tables.
-PART=${1:?usage: gpu_check.sh warm|probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot OUTDIR}
+PART=${1:?usage: gpu_check.sh warm|probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|auto|save-aot OUTDIR}
 OUT=${2:?usage: gpu_check.sh PART OUTDIR}
-case $PART in warm|probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot) ;;
-  *) echo "unknown part '$PART' (warm|probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|save-aot)" >&2; exit 2 ;; esac
+case $PART in warm|probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|auto|save-aot) ;;
+  *) echo "unknown part '$PART' (warm|probe|tests|kernels|runs|bundled|bench|triton|mla-fp8|startup|spec|spec-bench|auto|save-aot)" >&2; exit 2 ;; esac
 mkdir -p "$OUT"; S=$OUT/summary.txt; T0=$(date +%s)
 el(){ echo "$(( $(date +%s) - T0 )) s"; }
 note(){ echo "$*" | tee -a "$S"; }
@@ -160,6 +162,11 @@ workspace)" ;;
     run h200_spec_draft --draft-worker --page-size 16 --cuda-graph-bs 1 2 4 8 $E
     timeout 360 python3 benchmarks/speculative_trees.py --out "$OUT/spec_trees.json" > "$OUT/spec_trees.log" 2>&1
     note "speculative_trees rc=$? at $(el)"; tail -n 26 "$OUT/spec_trees.log" >> "$S" ;;
+  auto)
+    timeout 330 python3 benchmarks/auto_evidence.py --warm > "$OUT/auto_warm.log" 2>&1
+    note "auto_evidence --warm rc=$? at $(el)"; grep failed "$OUT/auto_warm.log" >> "$S"
+    timeout 200 python3 benchmarks/auto_evidence.py --out "$OUT/auto_evidence.json" > "$OUT/auto_evidence.log" 2>&1
+    note "auto_evidence rc=$? at $(el)"; cat "$OUT/auto_evidence.log" >> "$S" ;;
   save-aot)
     # this FlashInfer version's modules only: the JIT cache keeps one directory per version
     st=/tmp/aotstage; rm -rf $st; mkdir -p $st; cp -r $AOT/. $st/ 2>/dev/null

@@ -2,13 +2,9 @@
 
 ::
 
-    from pipeline.testing import assert_replays, record_trace, FakePlatform, cuda_facts
+from pipeline.testing import assert_replays, record_trace, FakePlatform, cuda_facts
 
-    def test_yesterdays_start_still_decides_the_same():
-        assert_replays("tests/data/golden/ok_default.jsonl")
-
-Nothing here needs a GPU; :func:`record_trace` runs the real pipeline on a :class:`FakePlatform`
-(tensors on CPU), so it needs torch.
+def test_yesterdays_start_still_decides_the_same(): assert_replays("tests/data/golden/ok_default.jsonl")
 """
 
 from __future__ import annotations
@@ -54,12 +50,8 @@ def cuda_facts(cc: tuple[int, int] = (9, 0), name: str = "NVIDIA H100", index: i
 
 def record_trace(request: SetupRequest, path: str | os.PathLike, *, facts: Optional[DeviceFacts] = None,
                  installed: Optional[Mapping[str, bool]] = None) -> Trace:
-    """Run the real pipeline on a :class:`FakePlatform` reporting ``facts`` (tensors on CPU) and
-    write its trace to ``path``; a refused or failed start is recorded too (its error is swallowed).
-
-    ``installed`` overrides package presence (distribution name → present: with only ``torch`` present a fake
-    GPU resolves to the reference backend). Returns the trace read back.
-    """
+    """Run the real pipeline on a :class:`FakePlatform` reporting ``facts`` and write its trace to ``path`` (a refusal
+    is recorded and swallowed); ``installed`` overrides presence. Returns the trace read back."""
     from pipeline.setup.build import build_attention_backends
     from pipeline.core.errors import AttnSetupError
 

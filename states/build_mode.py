@@ -1,7 +1,5 @@
-"""build-mode: which instances to build, on which workspace, and the decode CUDA graphs they are captured for.
-
-Details: docs/internals.md, ``states.build_mode``.
-"""
+"""build-mode: which instances to build, on which workspace, and the decode CUDA graphs they are captured for
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -66,21 +64,12 @@ def series_sum(sizes: Sequence[int]) -> int:
 
 
 def check_graph_bs(args: AttentionArgs, max_reqs: int, *, state: str = "build-mode") -> None:
-    """The one rule for graph sizes the user gives: an unreachable or conflicting size is refused, never clamped or
-    ignored silently (sglang does both: ``get_batch_sizes_to_capture`` drops sizes above the request pool and adds
-    the pool's size; ``ServerArgs`` replaces ``cuda_graph_max_bs`` by ``max(cuda_graph_bs)``). In order:
+    """The one rule for user graph sizes: refused, never clamped (sglang clamps). In order: a ``cuda_graph_bs`` entry
+    outside ``1..max_reqs``; ``cuda_graph_max_bs`` given with ``cuda_graph_bs`` and not its largest
+    (``conflicting_options``); ``cuda_graph_max_bs`` above ``max_reqs``.
 
-    - a ``cuda_graph_bs`` entry outside ``1..max_reqs`` (a captured batch holds one ``req_to_token`` row per
-      request: a larger one is never run);
-    - ``cuda_graph_max_bs`` given with ``cuda_graph_bs`` and not equal to its largest size (``conflicting_options``:
-      the list decides what is captured);
-    - ``cuda_graph_max_bs`` above ``max_reqs`` (unreachable, as a list entry above it is).
-
-    Checked on every device (also where graphs are not captured), as ``plan`` and ``run``'s preflight check them.
-    Costs O(len(cuda_graph_bs)), whatever ``max_reqs`` is, so it may run before any size is checked.
-
-    Raises ConfigError (``invalid_value`` / ``conflicting_options``, in ``state``) naming both fields with their
-    numbers, the allowed values and a remedy that then passes.
+    Checked on every device, O(len(cuda_graph_bs)). Raises ConfigError (``invalid_value`` / ``conflicting_options``, in
+    ``state``) naming both fields and numbers, the allowed values and a remedy.
     """
     bad = sorted(b for b in args.cuda_graph_bs or () if not 1 <= b <= max_reqs)
     if bad:
@@ -114,10 +103,8 @@ def check_graph_bs(args: AttentionArgs, max_reqs: int, *, state: str = "build-mo
                    f"device's memory, is capped at max_reqs), or raise max_reqs to at least {top}")
 
 
-# sglang's default ``cuda_graph_max_bs`` by the device's total memory (``ServerArgs._handle_gpu_memory_settings`` in
-# python/sglang/srt/server_args.py; gpu_mem in MiB): (below this many MiB, tp_size < 4, tp_size >= 4). The last row
-# (B200, MI300: 160 GiB and more) has no bound. sglang then keeps only sizes <= the request pool
-# (``get_batch_sizes_to_capture``: ``bs <= req_to_token_pool.size and bs <= cuda_graph_max_bs``).
+# sglang's default ``cuda_graph_max_bs`` by total device memory (``ServerArgs._handle_gpu_memory_settings``): (below
+# MiB, tp_size < 4, tp_size >= 4); the last row has no bound. sglang keeps sizes <= the request pool.
 SGLANG_MAX_BS_BY_MEMORY: tuple[tuple[Optional[int], int, int], ...] = (
     (20 * 1024, 8, 8),       # T4, 4080
     (35 * 1024, 24, 80),     # A10, 4090, 5090
@@ -126,19 +113,13 @@ SGLANG_MAX_BS_BY_MEMORY: tuple[tuple[Optional[int], int, int], ...] = (
     (160 * 1024, 256, 512),  # H20, H200
     (None, 512, 512),        # B200, MI300
 )
-# sglang's fallback when the device memory is unknown (gpu_mem None); ours also for CPU, where graphs are never
-# captured and the value only enters the ranks' digest and plan's (not captured) report.
+# sglang's fallback when device memory is unknown; ours on CPU too (never captured).
 SGLANG_MAX_BS_NO_MEMORY = 160
 
 
 class GraphTop(NamedTuple):
-    """The top of the capture series and where it came from.
-
-    ``bs``: the bound the series is cut at (the largest size captured is the last series entry <= ``bs``);
-    ``source``: ``cuda_graph_bs`` (the list's largest), ``cuda_graph_max_bs`` (the user's value, kept as given),
-    ``default`` (sglang's memory-derived default) or ``max_reqs`` (the default capped by the pool's rows);
-    ``text``: that, in words, for plan's and run's output.
-    """
+    """The top of the capture series: ``bs`` (cut bound), ``source`` (``cuda_graph_bs``, ``cuda_graph_max_bs``,
+    ``default`` or ``max_reqs``), ``text`` (in words)."""
 
     bs: int
     source: str
@@ -146,11 +127,8 @@ class GraphTop(NamedTuple):
 
 
 def default_max_bs(device: Optional[DeviceFacts], world_size: int = 1) -> tuple[int, str]:
-    """sglang's default ``cuda_graph_max_bs`` for ``device`` and ``world_size`` (sglang's ``tp_size``) and the words
-    saying so: :data:`SGLANG_MAX_BS_BY_MEMORY` by the device's total memory (sglang's
-    ``ServerArgs._handle_gpu_memory_settings``: e.g. 256 below 160 GiB and 512 above it, with tp < 4), or
-    :data:`SGLANG_MAX_BS_NO_MEMORY` (160, sglang's fallback without a memory reading) for a CPU, no device or a
-    device whose total memory is unknown (0). O(1)."""
+    """sglang's default ``cuda_graph_max_bs`` for ``device`` and ``world_size`` (tp_size) and its words:
+    :data:`SGLANG_MAX_BS_BY_MEMORY`, or :data:`SGLANG_MAX_BS_NO_MEMORY` (160) without a memory reading."""
     mem = device.total_memory_bytes if device is not None and device.type != "cpu" else 0
     if mem <= 0:
         why = "a CPU" if device is not None and device.type == "cpu" else "no known device memory"
@@ -166,13 +144,8 @@ def default_max_bs(device: Optional[DeviceFacts], world_size: int = 1) -> tuple[
 
 def graph_top(args: AttentionArgs, max_reqs: int, *, device: Optional[DeviceFacts] = None,
               world_size: int = 1) -> GraphTop:
-    """The top of the decode capture series (the one rule; :func:`capture_batch_sizes`, :func:`count_batch_sizes`,
-    :func:`graph_max_bs` and :func:`batch_sizes_text` all cut the series here): the largest of ``cuda_graph_bs``
-    when given; else ``cuda_graph_max_bs`` when given (kept as given: :func:`check_graph_bs` has refused one above
-    ``max_reqs``, never clamped); else ``min(max_reqs, default)``, ``default`` being sglang's memory-derived
-    ``cuda_graph_max_bs`` (:func:`default_max_bs`: 256 on an H200 at tp < 4; sglang likewise caps its captured
-    sizes by the request pool). ``device``: the decided device's facts (None: no memory known, sglang's fallback
-    160); ``world_size``: the ranks (sglang's tp_size). Raises what :func:`check_graph_bs` raises."""
+    """The top of the decode capture series (every series function cuts here): the largest ``cuda_graph_bs``, else
+    ``cuda_graph_max_bs``, else ``min(max_reqs, default_max_bs)``. Raises what :func:`check_graph_bs` raises."""
     check_graph_bs(args, max_reqs)
     if args.cuda_graph_bs:
         return GraphTop(max(args.cuda_graph_bs), "cuda_graph_bs", "the largest of cuda_graph_bs")
@@ -191,16 +164,8 @@ def _series_top(top: int) -> int:
 
 def capture_batch_sizes(args: AttentionArgs, max_reqs: int, *, device: Optional[DeviceFacts] = None,
                         world_size: int = 1, state: str = "build-mode") -> list[int]:
-    """The decode batch sizes to capture, ascending (the one implementation of this rule).
-
-    ``cuda_graph_bs`` when given (checked by :func:`check_graph_bs`), else sglang's series 1, 2, 4, 8, 16, 24, 32,
-    … (step 8 from 16, ``get_batch_sizes_to_capture``) up to :func:`graph_top`: ``cuda_graph_max_bs`` when given,
-    else sglang's default for the device's memory (``ServerArgs._handle_gpu_memory_settings``; ``device`` and
-    ``world_size`` as :func:`graph_top`) capped by ``max_reqs``. ``plan``, ``run``'s preflight and the capture
-    itself call this; checks made before the pools are sized (whose ``max_reqs`` may still be absurd) use
-    :func:`check_graph_bs` and :func:`graph_max_bs`, which never build the series.
-
-    Raises ConfigError (``invalid_value``, in ``state``) naming ``cuda_graph_bs`` and ``max_reqs`` with both numbers.
+    """The decode batch sizes to capture, ascending: ``cuda_graph_bs``, else sglang's series 1, 2, 4, 8, 16, 24, … up to
+    :func:`graph_top`. Raises ConfigError (``invalid_value``, in ``state``) naming ``cuda_graph_bs`` and ``max_reqs``.
     """
     return list(capture_series(args, max_reqs, device=device, world_size=world_size, state=state))
 
@@ -240,12 +205,8 @@ def batch_sizes_text(args: AttentionArgs, max_reqs: int, limit: int = 4096, *,
 
 
 class GraphDecision(NamedTuple):
-    """Whether decode CUDA graphs are captured and, if not, why.
-
-    ``downgrade``: graphs exist on this device and are lost because of the decode backend (a
-    ``feature_downgraded`` warning, refused under ``strict``); False when they are switched off by
-    the user or do not apply (no CUDA device).
-    """
+    """Whether decode CUDA graphs are captured; ``downgrade``: lost because of the decode backend (a warning, refused
+    under ``strict``), False when off by the user or not applicable."""
 
     capture: bool
     reason: str = ""
@@ -253,9 +214,8 @@ class GraphDecision(NamedTuple):
 
 
 def graph_mode(spec: Any, is_draft_worker: bool) -> str:
-    """The step CUDA graphs capture (a ``ForwardMode`` value), as sglang's graph runners choose it: a speculative
-    target worker captures target verify (its ``CudaGraphRunner`` with ``TARGET_VERIFY``), a draft worker with a
-    speculative shape its draft decode (``EAGLEDraftCudaGraphRunner``), every other worker decode."""
+    """The step CUDA graphs capture (a ``ForwardMode`` value), as sglang's graph runners: target verify on a speculative
+    target, draft decode on a draft worker, else decode."""
     if spec is None:
         return "decode"
     return "draft_decode" if is_draft_worker else "target_verify"
@@ -268,12 +228,8 @@ def graph_backend(pair: Any, spec: Any, is_draft_worker: bool) -> str:
 
 
 def decide_graphs(args: AttentionArgs, device_type: str, decode_backends: Sequence[str]) -> GraphDecision:
-    """The one CUDA-graph rule (resolve records it, the runner's capture step obeys it).
-
-    Checked in order: ``disable_cuda_graph`` (off, no downgrade); a device other than cuda (does not
-    apply); any decode backend whose registry entry cannot be captured (its record lacks ``cuda_graph``: a
-    downgrade, as sglang turns graphs off for its reference backend).
-    """
+    """The one CUDA-graph rule, in order: ``disable_cuda_graph`` (off); not cuda (does not apply); a decode backend
+    whose entry lacks ``cuda_graph`` (a downgrade, as sglang)."""
     if args.disable_cuda_graph:
         return GraphDecision(False, "disable_cuda_graph is set")
     if device_type != "cuda":
@@ -343,11 +299,8 @@ def _tops(mode: Mode, sm_group_num: int) -> list[tuple[str, bool]]:
 
 def decide(args: AttentionArgs, pair: ResolvedAttentionBackendStr, *, is_draft_worker: bool,
            workspace_bytes: Callable[[str], int]) -> BuildPlan:
-    """The plan: instances ``[{role, backend, workspace}]`` and workspaces ``[{id, owner, bytes, shared_by}]``.
-
-    ``workspace_bytes(backend)`` gives the bytes one backend needs (0 = none; a 0-byte workspace
-    is still planned so the sharing rule is visible for every backend).
-    """
+    """The plan: instances ``[{role, backend, workspace}]`` and workspaces ``[{id, owner, bytes, shared_by}]``;
+    ``workspace_bytes(backend)`` gives bytes (0-byte workspaces are still planned)."""
     mode, skips = decide_mode(args, is_draft_worker)
     hybrid = pair.prefill != pair.decode
     instances: list[InstancePlan] = []

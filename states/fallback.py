@@ -1,6 +1,4 @@
-"""Warnings and strict mode: the reference fallback, downgrades, and their refusal under ``strict``.
-
-Details: docs/internals.md, ``states.fallback``.
+"""Warnings and strict mode: the reference fallback, downgrades, and their refusal under ``strict`` (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -10,8 +8,7 @@ from typing import Any, Mapping, Optional, Sequence
 from pipeline.backends import registry
 from pipeline.core.contracts import AttentionArgs, DeviceFacts, Resolution, SetupWarning, Skip
 from pipeline.core.errors import CapabilityMismatch
-from states.build_mode import decide_mode
-from states.build_mode import decide_graphs
+from states.build_mode import decide_mode, decide_graphs
 
 
 def one_of(names: Sequence[str]) -> str:
@@ -20,11 +17,8 @@ def one_of(names: Sequence[str]) -> str:
 
 
 def assignments(fix: Mapping[str, Any]) -> str:
-    """Library wording of field changes: ``set a='x' and b=True, and drop c`` (``c=False`` or ``c=None``, back to
-    unset, is "drop c").
-
-    The CLI rewrites each ``field=value`` / ``drop field`` into its flag (``--a x``, ``--b``, ``drop --c``).
-    """
+    """Library wording of field changes: ``set a='x' and b=True, and drop c`` (``c=False``/``None`` is "drop c"); the
+    CLI rewrites each into its flag."""
     sets = [f"{k}={v!r}" for k, v in fix.items() if v is not False and v is not None]
     drops = [k for k, v in fix.items() if v is False or v is None]
     out = ("set " + " and ".join(sets)) if sets else ""
@@ -34,10 +28,8 @@ def assignments(fix: Mapping[str, Any]) -> str:
 
 
 class StrictRefusal(CapabilityMismatch):
-    """A fallback or downgrade refused because ``strict`` is set (``reference_fallback`` / ``downgrade_refused``).
-
-    ``avoid`` holds the field assignments that accept or avoid every refused fallback and downgrade.
-    """
+    """A fallback or downgrade refused under ``strict`` (``reference_fallback`` / ``downgrade_refused``); ``avoid``: the
+    field assignments that accept or avoid every one."""
 
     def __init__(self, message: str, *, avoid: Mapping[str, Any], **kw: Any) -> None:
         super().__init__(message, **kw)
@@ -45,12 +37,9 @@ class StrictRefusal(CapabilityMismatch):
 
 
 def graph_skips(args: AttentionArgs, decode: str, device: DeviceFacts) -> list[Skip]:
-    """CUDA graphs not captured, from the one rule (:func:`states.build_mode.decide_graphs`).
-
-    No skip when graphs are captured or the user turned them off. On a non-CUDA device graphs do
-    not apply (``downgrade=False``); on a CUDA device with a decode backend that cannot be captured
-    they are a downgrade, avoided by ``disable_cuda_graph=True``.
-    """
+    """CUDA graphs not captured (:func:`states.build_mode.decide_graphs`): none when captured or turned off; off CUDA
+    they do not apply (``downgrade=False``); an uncapturable decode backend is a downgrade
+    (``disable_cuda_graph=True``)."""
     d = decide_graphs(args, device.type, [decode])
     if d.capture or args.disable_cuda_graph:
         return []
@@ -63,13 +52,8 @@ def _device_name(device: DeviceFacts) -> str:
 
 
 def reference_fallback(res: Resolution, device: DeviceFacts) -> Optional[SetupWarning]:
-    """The ``reference_fallback`` warning when auto-selection put the reference backend
-    (:func:`pipeline.backends.registry.reference_name`) on an accelerator.
-
-    Any device but ``cpu`` counts (the reference is slow everywhere else). Only halves resolved by
-    ``auto`` count: choosing the reference explicitly is the user's choice. ``avoid`` accepts it
-    explicitly (``attention_backend``, or the phase field of the one half that fell back).
-    """
+    """The ``reference_fallback`` warning when ``auto`` put the reference backend on a device other than ``cpu``;
+    ``avoid`` accepts it explicitly (``attention_backend`` or the one fallen-back half's field)."""
     if device.type == "cpu":
         return None
     reference = registry.reference_name()
@@ -88,10 +72,7 @@ def reference_fallback(res: Resolution, device: DeviceFacts) -> Optional[SetupWa
 
 
 def warnings_for(res: Resolution, skips: Sequence[Skip], device: DeviceFacts) -> list[SetupWarning]:
-    """Every warning of a start: the reference fallback (if any), then each downgrade among ``skips``.
-
-    ``skips``: resolve's and build-mode's (``res.skips + plan.skips``). ``attn-setup plan`` lists
-    these; a run logs the same as ``reference_fallback`` and ``feature_downgraded`` events.
+    """Every warning of a start: the reference fallback, then each downgrade in ``skips`` (``res.skips + plan.skips``).
     """
     fb = reference_fallback(res, device)
     return ([fb] if fb else []) + [SetupWarning(code="feature_downgraded", what=s.what, message=s.reason,
@@ -99,12 +80,8 @@ def warnings_for(res: Resolution, skips: Sequence[Skip], device: DeviceFacts) ->
 
 
 def refuse_strict(res: Resolution, args: AttentionArgs, device: DeviceFacts, is_draft_worker: bool) -> None:
-    """Under ``strict``: raise :class:`StrictRefusal` (state resolve) for a reference fallback or any downgrade.
-
-    Build-mode's downgrade (TBO on a draft worker) is decided here too (:func:`decide_mode`), so
-    one refusal names every field needed: accepting the reference backend explicitly, ``disable_cuda_graph``,
-    dropping ``enable_two_batch_overlap``.
-    """
+    """Under ``strict``: raise :class:`StrictRefusal` (state resolve) for a reference fallback or any downgrade (TBO on
+    a draft worker included, :func:`decide_mode`), naming every field needed."""
     if not args.strict:
         return
     found = warnings_for(res, list(res.skips) + decide_mode(args, is_draft_worker)[1], device)

@@ -1,10 +1,5 @@
-"""npu-lazy-mem: NPU zbal lazy device memory, which must exist before graph capture.
-
-Rule (sglang): run only when the device is ``npu``, the zbal size (field > env
-``SGLANG_ZBAL_LOCAL_MEM_SIZE`` > 0) is positive and this is not a draft worker; it is called with
-the world group's rank, world size and CPU process group. Otherwise skipped with the reason. The
-decision only: the setup table's npu-lazy-mem step (:mod:`pipeline.setup.table`) applies it.
-"""
+"""npu-lazy-mem: NPU zbal lazy device memory before graph capture (sglang's rule: ``npu``, zbal size > 0, not a draft
+worker; world rank, size and CPU group). Otherwise skipped with the reason."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Remedies that are true: what to change so that a refused start resolves, tried rather than guessed.
 
-Resolve's refusals offer the backends its survey finds able to serve the request (never a fixed
-hint), each completed through :func:`complete_fix`: the request with the fix applied is decided
-again and, while it is refused with a fix of its own (strict's fields, a second flag's backend, a
-mode to drop), that fix is added — so a remedy names everything the start needs. An unknown name
-gets the closest known one (:func:`suggest`: registered, installed or not, or sglang's), with the
-package it needs. Refusals carry their fixes as data (``err.fixes``; a :class:`StrictRefusal`'s
-``avoid``) for that completion. Pure decisions, no torch; the decide function is passed in.
+Resolve's refusals offer the backends its survey finds able to serve the request, each completed by
+:func:`complete_fix`; an unknown name gets the closest known one (:func:`suggest`). Refusals carry their fixes as data
+(``err.fixes``; a :class:`StrictRefusal`'s ``avoid``). Pure decisions, no torch.
 """
 
 from __future__ import annotations
@@ -36,13 +32,8 @@ def fixes_of(err: ConfigError) -> list[dict[str, Any]]:
 def complete_fix(decide: ProbeDecide, args: AttentionArgs, model: ModelSpec, device: DeviceFacts,
                  installed: Mapping[str, bool], is_draft_worker: bool,
                  fix: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """``fix`` extended until the request resolves: ``(fix, resolved)``.
-
-    The request with ``fix`` applied is tried through ``decide`` (resolve's, as a probe); while it is refused with a fix
-    of its own (strict's fields, another flag's backend, a mode to drop) that agrees with what ``fix``
-    already sets, that fix is added and the request tried again. So a remedy names everything the
-    start needs — also a second fault the first fix would only reveal. ``resolved`` is False when a
-    refusal without such a fix remains (e.g. a package to install); ``fix`` is then the best so far.
+    """``(fix, resolved)``: ``fix`` extended, through ``decide`` as a probe, with each agreeing fix the next refusal
+    carries until the request resolves; ``resolved`` False (best ``fix`` so far) when a refusal without a fix remains.
     """
     for _ in range(8):
         try:
@@ -123,12 +114,8 @@ class Survey:
 
 
 class Remedies:
-    """The remedies of one resolve request, checked against it.
-
-    ``survey``: every backend's reasons for the request (:class:`Survey`); ``decide``: resolve's
-    decision as a probe; ``probe``: this request is itself a trial, so its remedies are not tried
-    (they name the survey's working backends as they are).
-    """
+    """The remedies of one resolve request: ``survey`` (:class:`Survey`), ``decide`` (resolve's, as a probe), ``probe``
+    (this request is itself a trial: remedies are not tried)."""
 
     def __init__(self, decide: ProbeDecide, args: AttentionArgs, model: ModelSpec, device: DeviceFacts,
                  installed: Mapping[str, bool], is_draft_worker: bool, survey: "Survey", probe: bool) -> None:
@@ -172,11 +159,9 @@ class Remedies:
         return ", or ".join(parts) if parts else self.without_working()
 
     def flag_fixes(self) -> list[dict[str, Any]]:
-        """Field changes that make an installed backend serve the request: for each backend whose every reason
-        carries a fix (:attr:`states.capability_check.Reason.fix`, e.g. ``speculative_eagle_topk=1`` where tree
-        verification is not served), those fixes together, completed with what the rest of the request needs
-        (:func:`complete_fix`) and kept only when the request then resolves — in registry order, each once,
-        none that another contains. A probe returns none (its remedies are not tried)."""
+        """Field changes that make an installed backend serve the request: each backend whose every reason carries a fix
+        (:attr:`states.capability_check.Reason.fix`), completed (:func:`complete_fix`) and kept when it resolves;
+        registry order, none contained in another; none for a probe."""
         if self.probe:
             return []
         out = []
@@ -204,11 +189,8 @@ class Remedies:
 
 
 def suggest(name: str, ctx: Remedies) -> tuple[Optional[str], str]:
-    """(the closest known backend name, one sentence about it) for an unknown ``name``.
-
-    Matched over every name attn-setup knows — registered (installed or not) and sglang's that it
-    does not implement — case-insensitively, with difflib's ratio (cutoff 0.6).
-    """
+    """(closest known backend name, one sentence) for an unknown ``name``: registered or sglang's, case-insensitive,
+    difflib ratio >= 0.6."""
     best = nearest_name(name, registry.known_names())
     if best is None:
         return None, ""

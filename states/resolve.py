@@ -18,6 +18,7 @@ from pipeline.core.errors import BackendUnavailable, BackendUnknown, CapabilityM
 from pipeline.core.model_spec import format_layer_ids
 from pipeline.core.speculative import decide_speculative
 from states.build_mode import graph_backend
+from states import evidence
 from states.capability_check import Reason
 from states.fallback import assignments, graph_skips, refuse_strict
 from states.remedies import complete_fix, minimal, Remedies, suggest, Survey
@@ -160,7 +161,8 @@ def _refuse_explicit(half: str, rule: Rule, name: str, flag: str, bad: list[Reas
     return err
 
 
-def _pick(half: str, explicit: Optional[Explicit], ctx: Remedies) -> tuple[str, Rule, list[Rejection]]:
+def _pick(half: str, explicit: Optional[Explicit], ctx: Remedies,
+          order: list[str]) -> tuple[str, Rule, list[Rejection]]:
     survey, device = ctx.survey, ctx.device
     if explicit is not None:
         rule, name, flag = explicit
@@ -170,7 +172,7 @@ def _pick(half: str, explicit: Optional[Explicit], ctx: Remedies) -> tuple[str, 
             raise _refuse_explicit(half, rule, name, flag, bad, ctx)
         return name, rule, []
     rejected: list[Rejection] = []
-    for name in auto_candidates(device, ctx.model):
+    for name in order:
         bad = survey.why[name]
         if not bad:
             return name, "auto", rejected
@@ -243,9 +245,13 @@ def _decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dr
     survey = Survey(args=args, model=model, device=device, installed=installed, is_draft_worker=is_draft_worker,
                     spec=spec)
     ctx = Remedies(trial, args, model, device, installed, is_draft_worker, survey, probe)
-    picks, rules, rejected = {}, {}, {}
+    picks, rules, rejected, why = {}, {}, {}, {}
     for half in ("prefill", "decode"):
-        name, rule, rej = _pick(half, explicit_choice(args, half, is_draft_worker), ctx)
+        explicit = explicit_choice(args, half, is_draft_worker)
+        order, why[half] = evidence.order(half, auto_candidates(device, model), lambda n: not survey.why[n],
+                                          model=model, device=device, kv=evidence.kv_dtype(args.kv_cache_dtype,
+                                          dtype.value), installed=installed, explicit=explicit is not None)
+        name, rule, rej = _pick(half, explicit, ctx, order)
         picks[half], rules[half] = name, rule
         if rej:
             rejected[half] = rej
@@ -253,7 +259,7 @@ def _decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dr
                                        is_draft_override=rules["prefill"] == "draft_override")
     captured = graph_backend(pair, spec, is_draft_worker)  # target verify is captured on the prefill half
     res = Resolution(pair=pair, rules=rules, rejected=rejected, skips=graph_skips(args, captured, device),
-                     dtype=dtype, not_attention=model.not_attention(), speculative=spec)
+                     dtype=dtype, not_attention=model.not_attention(), speculative=spec, evidence=why)
     refuse_strict(res, args, device, is_draft_worker)
     return res
 

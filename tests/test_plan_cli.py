@@ -34,9 +34,12 @@ def test_h200_plan_json_has_run_objects_and_rejected():
     """h200 + flashinfer missing: triton pair, rejected per half, plan and skips objects as run prints."""
     rc, out = plan("--device-profile", "h200", "--installed", "torch,triton")
     assert rc == 0 and out["ok"] is True
+    text = out["resolved"].pop("evidence_text")  # versions assumed, not known: the measured table cannot apply
     assert out["resolved"] == {"prefill": "triton", "decode": "triton", "is_draft_override": False,
                                "rules": {"prefill": "auto", "decode": "auto"},
-                               "dtype": {"value": "bfloat16", "source": "auto:checkpoint"}, "not_attention": []}
+                               "dtype": {"value": "bfloat16", "source": "auto:checkpoint"}, "not_attention": [],
+                               "evidence": {"prefill": "unmeasured", "decode": "unmeasured"}}
+    assert text["decode"].startswith("decode: triton — unmeasured: ")
     assert [r["backend"] for r in out["rejected"]["prefill"]] == ["flashinfer", "fa3"]
     assert any("flashinfer-python" in x for x in out["rejected"]["decode"][0]["reasons"])
     assert out["plan"] == {"mode": "normal", "hybrid": False,

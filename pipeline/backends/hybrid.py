@@ -1,11 +1,7 @@
-"""Hybrid wrapper: one backend for extend (prefill), another for decode.
+"""Hybrid wrapper (sglang's ``HybridAttnBackend``): one backend for extend, another for decode.
 
-Built when the resolved prefill and decode backend names differ (sglang's ``HybridAttnBackend``,
-which sglang calls experimental). Extend batches — planning and every layer call — go to the
-prefill backend, decode batches to the decode backend; target verify and draft extend are extend-shaped and go to
-the prefill backend (sglang's default ``speculative_attention_mode="prefill"``), draft decode to the decode backend
-(CUDA graphs likewise: a speculative target worker captures target verify on the prefill backend); nothing is recorded per call (tests observe
-the halves through spies). CUDA-graph hooks go to the backend of the captured mode (decode: the decode backend).
+Extend, target verify and draft extend go to the prefill backend, decode and draft decode to the decode backend;
+CUDA-graph hooks to the captured mode's backend.
 """
 
 from __future__ import annotations
@@ -18,11 +14,8 @@ __all__ = ["HybridAttnBackend"]
 
 
 class HybridAttnBackend(AttentionBackend):
-    """Route extend → ``prefill_backend`` and decode → ``decode_backend``.
-
-    Both may be any :class:`AttentionBackend` (also the same object). Outputs are the routed
-    backend's: [T, H*Dv] in q's dtype. :meth:`close` closes each distinct object once.
-    """
+    """Route extend → ``prefill_backend``, decode → ``decode_backend`` (may be one object): [T, H*Dv] in q's dtype;
+    :meth:`close` closes each distinct object once."""
 
     name = "hybrid"
 

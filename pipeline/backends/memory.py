@@ -1,7 +1,4 @@
-"""Paged KV memory: ``req_to_token``, per-layer K/V buffers and a page allocator.
-
-Details: docs/internals.md, ``pipeline.backends.memory``.
-"""
+"""Paged KV memory: ``req_to_token``, per-layer K/V buffers and a page allocator (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -33,12 +30,8 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: Any = 1.0) -> torch.Tensor:
-    """What the pool stores for ``x``: ``round(clamp(x / scale))`` in fp8, else ``x`` cast to ``dtype``.
-
-    ``x``: any float tensor; ``dtype``: the pool's storage dtype; ``scale``: the layer's
-    ``k_scale`` or ``v_scale``, a float or a one-element tensor (only fp8 pools take one other than 1.0). Returns a tensor of
-    ``dtype`` with ``x``'s shape. See docs/internals.md, ``pipeline.backends.memory`` (the write rule).
-    """
+    """What the pool stores for ``x``: ``round(clamp(x / scale))`` in fp8, else ``x`` cast to ``dtype`` (same shape).
+    ``scale``: float or one-element tensor (not 1.0 only for fp8)."""
     if not is_fp8(dtype):
         return x.to(dtype)
     fmax = torch.finfo(dtype).max
@@ -84,29 +77,16 @@ class ReqToTokenPool:
 
 
 class KVPool:
-    """Per-layer K/V buffers, one pair per layer, and the per-layer fp8 scales.
+    """Per-layer K/V buffers and per-layer fp8 scales.
 
-    Parameters
-    ----------
-    num_token_slots : slots per layer (a multiple of ``page_size`` for FlashInfer's paged view).
-    page_size : tokens per page (>= 1).
-    layer_dims : ``layer_dims[i] = (Hkv, D, Dv)`` for layer i (``(0, 0, 0)`` for a layer that holds
-        no KV, e.g. a linear-attention layer of a hybrid).
-    dtype : the storage dtype of every layer (bf16, fp16, fp32, ``float8_e4m3fn``, ``float8_e5m2``).
-    device : where the buffers live.
-    mla_layers : ids of absorbed-MLA layers: they hold one latent buffer [S, 1, D] and ``v_buffer``
-        is a view of its first Dv dims (needs ``Hkv == 1``, ``Dv < D`` and ``k_scale == v_scale``:
-        the view's bytes were stored with the one latent scale).
-    k_scales, v_scales : one float per layer (default all 1.0); only fp8 pools take values other
-        than 1.0. Fixed for the pool's life (see docs/internals.md, ``pipeline.backends.memory``).
+    ``num_token_slots`` per layer (a multiple of ``page_size`` >= 1); ``layer_dims[i] = (Hkv, D, Dv)`` (``(0, 0, 0)``
+    holds no KV); ``dtype``: bf16, fp16, fp32, ``float8_e4m3fn`` or ``float8_e5m2``; ``mla_layers``: one latent buffer
+    [S, 1, D] with ``v_buffer`` a view of its first Dv dims (``Hkv == 1``, ``Dv < D``, ``k_scale == v_scale``);
+    ``k_scales``/``v_scales``: one float per layer (default 1.0, fixed for the pool's life). Attributes ``k_buffer``,
+    ``v_buffer``, ``k_scales``, ``v_scales``, ``size``, ``page_size``, ``dtype``, ``device``, ``mla_layers``.
 
-    Attributes: ``k_buffer`` / ``v_buffer`` (lists of tensors, see docs/internals.md, ``pipeline.backends.memory``),
-    ``k_scales`` / ``v_scales`` (lists of floats), ``size``, ``page_size``, ``dtype``, ``device``,
-    ``mla_layers`` (frozenset of layer ids).
-
-    Raises :class:`~pipeline.core.errors.ConfigError` (``invalid_value``) for a scale list of the wrong
-    length, a scale that is not finite and positive, a non-unit scale on a non-fp8 pool, or an MLA
-    layer whose dims are not one latent head with ``Dv < D`` — before allocating.
+    Raises :class:`~pipeline.core.errors.ConfigError` (``invalid_value``) before allocating for a wrong-length,
+    non-finite, non-positive or (non-fp8) non-unit scale, or a bad MLA layer.
     """
 
     def __init__(self, num_token_slots: int, page_size: int, layer_dims: Sequence[tuple[int, int, int]],
@@ -169,19 +149,15 @@ class KVPool:
         return self.k_scales[layer_id], self.v_scales[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor]) -> None:
-        """Write new K [T, Hkv, D] and V [T, Hkv, Dv] at slots ``loc`` [T] int64 (quantized per the write rule).
-
-        For an MLA layer only K is written (``v`` may be None; V is the first Dv dims of K).
-        """
+        """Write K [T, Hkv, D] and V [T, Hkv, Dv] at slots ``loc`` [T] int64, quantized; MLA layers write K only."""
         kb, vb = self.k_buffer[layer_id], self.v_buffer[layer_id]
         kb[loc] = quantize_kv(k.reshape(-1, kb.shape[1], kb.shape[2]), kb.dtype, self.k_scales[layer_id])
         if layer_id not in self.mla_layers:
             vb[loc] = quantize_kv(v.reshape(-1, vb.shape[1], vb.shape[2]), vb.dtype, self.v_scales[layer_id])
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy every layer's K/V at slots ``src`` [n] to slots ``dst`` [n] (int64; the stored values, scales unchanged):
-        what an engine does after target verify with the accepted draft tokens' KV (sglang's ``move_kv_cache``), so
-        they sit at consecutive positions of the request's pages."""
+        """Copy every layer's stored K/V at slots ``src`` [n] to ``dst`` [n] (int64), as sglang's ``move_kv_cache``
+        after target verify."""
         for lid, (kb, vb) in enumerate(zip(self.k_buffer, self.v_buffer)):
             if kb.numel():
                 kb[dst] = kb[src]
@@ -195,21 +171,14 @@ class KVPool:
 
 
 def layer_kv_scales(pool: Any, layer_id: int) -> tuple[float, float]:
-    """``(k_scale, v_scale)`` of ``layer_id`` in ``pool``; (1.0, 1.0) for an engine's pool without scales.
-
-    An engine pool that does not carry ``k_scales``/``v_scales`` stores values unscaled, which is
-    scale 1.0 under the read rule. Host-only (Python floats).
-    """
+    """``(k_scale, v_scale)`` of ``layer_id`` in ``pool`` as Python floats; (1.0, 1.0) for a pool without scales."""
     ks, vs = getattr(pool, "k_scales", None), getattr(pool, "v_scales", None)
     return (ks[layer_id] if ks is not None else 1.0, vs[layer_id] if vs is not None else 1.0)
 
 
 class PageAllocator:
-    """Hands out whole pages of KV slots per request and fills ``req_to_token``.
-
-    Pages are given out in a scrambled order so that tests exercise non-contiguous page tables.
-    Raises :class:`BuildError` (``kv_pool_exhausted``) when no page is free.
-    """
+    """Hands out whole pages per request, in scrambled order, and fills ``req_to_token``; raises :class:`BuildError`
+    (``kv_pool_exhausted``) when none is free."""
 
     def __init__(self, req_pool: ReqToTokenPool, num_token_slots: int, page_size: int, seed: int = 0) -> None:
         self.req_pool = req_pool
@@ -275,12 +244,9 @@ class PageAllocator:
 
 def make_forward_batch(mode: ForwardMode, reqs: Sequence[int], new_tokens: Sequence[int], allocator: PageAllocator,
                        kv_pool: KVPool, spec_info: Any = None) -> ForwardBatch:
-    """Allocate slots for ``new_tokens[i]`` more tokens of request row ``reqs[i]`` and build the batch.
-
-    For ``DECODE`` every ``new_tokens[i]`` must be 1. ``TARGET_VERIFY``: ``spec_info`` (a
-    :class:`~pipeline.backends.speculative.SpecInfo`) holds each request's tree of ``new_tokens[i]`` tokens, placed at
-    positions ``prefix + depth``. Draft decode: :func:`make_draft_batch`. Tensors live on the KV pool's device.
-    """
+    """Allocate ``new_tokens[i]`` slots for request row ``reqs[i]`` and build the batch on the pool's device.
+    ``DECODE``: each 1; ``TARGET_VERIFY``: ``spec_info`` holds each tree, at ``prefix + depth``; draft decode:
+    :func:`make_draft_batch`."""
     if mode is ForwardMode.DECODE and any(n != 1 for n in new_tokens):
         raise BuildError("a decode batch has exactly one new token per request", code="bad_batch")
     dev = kv_pool.device
@@ -315,9 +281,8 @@ def make_forward_batch(mode: ForwardMode, reqs: Sequence[int], new_tokens: Seque
 
 def make_draft_batch(reqs: Sequence[int], draft_slots: torch.Tensor, allocator: PageAllocator,
                      kv_pool: KVPool) -> ForwardBatch:
-    """A ``DRAFT_DECODE`` batch: request row ``reqs[b]`` (its committed tokens as the allocator holds them) with
-    ``topk`` branches whose draft-token slots so far are ``draft_slots[b]`` [topk, s + 1] (the last: this step's
-    token, at position ``prefix + s``); see :mod:`pipeline.backends.speculative`."""
+    """A ``DRAFT_DECODE`` batch: request row ``reqs[b]`` with ``topk`` branches whose draft slots are ``draft_slots[b]``
+    [topk, s + 1] (the last at ``prefix + s``)."""
     from pipeline.backends.speculative import SpecInfo
 
     dev = kv_pool.device

@@ -1,14 +1,8 @@
-"""The packages the backends need: distribution names, how each is imported and installed, the versions supported,
-and whether (and at which version) each is installed.
+"""The packages the backends need: names, import and install names, supported versions, and installed presence.
 
-Presence is read two ways: by distribution metadata (no import: what ``attn-setup plan`` and
-``attn-setup backends`` use) and by a real import (what a run uses: a broken install counts as absent);
-resolve compares the two so that a run never silently decides differently from ``plan``
-(:func:`states.resolve.decide_for_run`). A presence value (:data:`Presence`) is ``False`` (absent), the installed
-version (a string, read from the distribution's metadata: resolve checks it against :func:`supported_versions`) or
-``True`` (present, version not read: assumed, as ``plan --installed`` and traces recorded before versions were, or
-importable without metadata). The names and ranges come from :data:`pipeline.backends.records.PACKAGES`, next to the
-capability records that list them. Torch-free unless a presence is checked by import.
+Presence by metadata (``plan``, ``backends``) or by import (a run; resolve compares both,
+:func:`states.resolve.decide_for_run`). :data:`Presence`: False, the installed version, or True (version not read).
+Names and ranges: :data:`pipeline.backends.records.PACKAGES`. Torch-free unless checked by import.
 """
 
 from __future__ import annotations
@@ -47,9 +41,8 @@ def requirement(dist: str) -> str:
 
 
 def install_hint(dist: str) -> str:
-    """How to install a supported version of a distribution, for a reason or remedy: ``pip install
-    'flashinfer-python==0.7.2'`` (the range of attn-setup's dependencies and ``cuda`` extra, a command that works
-    whether attn-setup came from PyPI or a clone)."""
+    """How to install a supported version of a distribution (``pip install 'flashinfer-python==0.7.2'``), for a reason
+    or remedy."""
     return f"pip install '{requirement(dist)}'" if dist in _PACKAGES else f"pip install {dist}"
 
 
@@ -96,11 +89,8 @@ def installed_by_metadata(packages: Optional[Sequence[str]] = None) -> dict[str,
 
 def installed_by_import(packages: Optional[Sequence[str]] = None,
                         errors: Optional[dict[str, str]] = None) -> dict[str, Presence]:
-    """Presence by a real import of ``packages`` (default: :func:`names`): the metadata version of each package that
-    imports (True when it has no metadata), False for one that does not (a broken install counts as absent).
-
-    ``errors``, when given, receives the import error text of each package that is there but failed.
-    """
+    """Presence by import of ``packages`` (default :func:`names`): metadata version (True without one) or False;
+    ``errors`` receives each failed import's text."""
     out: dict[str, Presence] = {}
     for p in packages if packages is not None else names():
         mod = import_name(p)

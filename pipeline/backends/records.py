@@ -1,11 +1,5 @@
-"""Capability records of the built-in backends, as data, with each one's rules, the reference backend, the
-auto-selection order and the packages they need.
-
-They live in one torch-free module (instead of inside each backend module) so that resolve and
-``attn-setup plan`` can read them without importing torch, triton or flashinfer; each record names
-its factory, which sits in the backend's own module. ``tests/test_capabilities.py`` runs a real case
-for every claim and checks resolve refuses everything unclaimed.
-"""
+"""Capability records of the built-in backends as torch-free data, with their rules, the reference backend, the
+auto-selection order and the packages they need (tests/test_capabilities.py checks every claim)."""
 
 from __future__ import annotations
 
@@ -132,36 +126,23 @@ TRITON_CAP = Capability(
            "kernel has no tree mask)",
 )
 
-# Measured MLA decode step per arch (µs, lower is faster): DeepSeek-V3 dims (128 q heads, one latent head of
-# 512 + 64, bf16), B=64 requests x 4096 tokens, page 16, CUDA-graph replay, median — on the H200 with
-# FlashInfer 0.6.13 (fa3 MLA wrapper 136.4 µs; fa2 289.0) and our Triton MLA kernels' best swept config
-# (h64n64w8s2, 415.6 µs; the L2-prefetch default h64n64w8s3 measured 267.5 µs in the final H200 run, 0.52x): benchmarks/RESULTS.md, "fp8 KV and MLA facts" and "MLA decode". For an MLA model on
-# a listed arch, auto-selection tries these backends first, fastest first (registry.auto_candidates);
-# re-measure with ``python benchmarks/mla_decode.py`` (or benchmarks/p4_fp8_mla.py) and update the numbers (due for
-# FlashInfer 0.7.2, whose MLA wrapper now plans through a backend object per plan() call).
+# Measured MLA decode step per arch (µs; DeepSeek-V3 dims, B=64 x 4096, page 16, graph replay; benchmarks/RESULTS.md
+# "MLA decode"): auto-selection tries these first for MLA, fastest first. Re-measure with benchmarks/mla_decode.py.
 MLA_DECODE_US: dict[str, dict[str, float]] = {
     "sm90": {"flashinfer": 136.4, "triton": 415.6},
 }
 
-# name, capability, "module:factory", rules (what the entry decides beyond its record)
-# Stage-1 programs per SM our Triton decode kernels aim for (``launch.DecodeConfig.programs_per_sm``; kept here
-# torch-free for the CUDA-graph memory estimate, tests/test_graph_memory.py checks they agree).
+# Stage-1 programs per SM of our Triton decode kernels (tests/test_graph_memory.py checks ``launch.DecodeConfig``).
 TRITON_PROGRAMS_PER_SM = 8
 _MLA_BLOCK_H = 64  # ``launch_mla.MLADecodeConfig.block_h``
 
 
 def triton_graph_state_allocs(kinds: Any, batch_sizes: Any, *, max_context_len: int, page_size: int,
                               num_sms: int, mode: str = "decode", tokens_per_req: int = 1) -> list[tuple[int, int]]:
-    """What our Triton backend's ``init_cuda_graph_state`` allocates (``[(0, nbytes)]``): ``req_pool_indices``
-    [max_bs] int64, ``seq_lens`` [max_bs] int32 and the fp32 split scratch for every size up to ``max_bs`` and
-    every kind — ``B * S`` rows of ``H * (Dv + 1)`` floats, where ``B * S`` (batch times splits) is at most
-    ``max(max_bs, programs_per_sm * SMs / Hkv)`` for MHA/GQA (:func:`launch.decode_max_splits` without its cap: a
-    bound) and ``max(max_bs, 2 * programs_per_sm * SMs / ceil(H / block_h) + 1)`` for MLA (its split candidates,
-    bounded with the MHA programs per SM). Nothing per captured size. Speculative modes add their buffers, made at
-    the first capture: ``target_verify`` (n = ``tokens_per_req``) rows [max_bs] int64, prefixes [max_bs] int32,
-    positions [max_bs * n] int64, tree masks [max_bs * n * n] uint8, ``qo_indptr`` and mask offsets [max_bs + 1]
-    int32; ``draft_decode`` (n = top-k) for ``max_bs * n`` rows: the token table [rows, max_context_len] int32,
-    lengths int32, row ids int64 and the split scratch at that many rows."""
+    """``[(0, nbytes)]`` of our Triton backend's ``init_cuda_graph_state``: ``req_pool_indices`` [max_bs] int64,
+    ``seq_lens`` [max_bs] int32 and fp32 split scratch bounded for every size and kind; speculative modes add their
+    buffers (target verify: rows, prefixes, positions, tree masks, indptrs; draft decode: token table, lengths, row ids
+    and scratch for ``max_bs * n`` rows)."""
     mb = max(batch_sizes)
     out = [(0, mb * 8), (0, mb * 4), (0, _scratch_rows(kinds, mb, num_sms) * 4)]
     n = tokens_per_req
@@ -186,6 +167,7 @@ def _scratch_rows(kinds: Any, mb: int, num_sms: int) -> int:
     return rows
 
 
+# name, capability, "module:factory", rules (what the entry decides beyond its record)
 BUILTINS: list[tuple[str, Capability, str, BackendRules]] = [
     ("torch_native", TORCH_NATIVE, "pipeline.backends.torch_native:create", BackendRules()),
     ("flashinfer", FLASHINFER, "pipeline.backends.flashinfer.backend:create", FLASHINFER_RULES),
@@ -195,25 +177,19 @@ BUILTINS: list[tuple[str, Capability, str, BackendRules]] = [
      BackendRules(graph_decode_allocs=decode_output_only, graph_state_allocs=triton_graph_state_allocs)),
 ]
 
-# The reference backend: correct everywhere, slow, no CUDA graphs. Landing on it by auto-selection on an
-# accelerator is a warning (refused under strict); choosing it explicitly is not.
+# The reference backend: correct everywhere, slow, no CUDA graphs; auto-selected on an accelerator it warns.
 REFERENCE_BACKEND = "torch_native"
 
-# Auto-selection priority per device type (backend-rules.md: sglang prefers fa3/flashinfer on NVIDIA, then
-# triton; vLLM SM 8-9: FLASH_ATTN > FLASHINFER > TRITON). The capability records prune the list per request:
-# on sm80-sm90 flashinfer when installed, else triton; fa3 (sm90 only) is considered after flashinfer so an
-# arch it lacks is recorded as its reason; sm100+/ROCm fall to what the records allow.
+# Auto-selection priority per device type (backend-rules.md: sglang's and vLLM's orders), pruned per request by the
+# capability records.
 AUTO_PRIORITY: dict[str, list[str]] = {
     "cuda": ["flashinfer", "fa3", "triton", "torch_native"],
 }
 DEFAULT_PRIORITY = ["torch_native"]
 
-# Every package a record lists: distribution → (import name, the versions attn-setup supports: PEP 440 specifiers,
-# the tested ones). pyproject.toml's dependencies and ``cuda`` extra give the same ranges
-# (tests/test_coinstall.py); docs/install.md says how each end is tested. An installed version outside its range is
-# refused at resolve (``package_version_unsupported``), as a missing package is. FlashInfer: exactly 0.7.2, sglang
-# 0.5.23's pin (0.7.2.post1 changes ~490 files: other kernels, not tested). torch: 2.11 (the H200's, 2.11+cu130)
-# through 2.15. triton: 3.6 (the H200's, torch 2.11's) through 3.9 (this CI machine's; torch 2.14.1 pins ~=3.8.0).
+# Every package a record lists: distribution → (import name, supported PEP 440 range, as pyproject.toml:
+# tests/test_coinstall.py). Outside it resolve refuses ``package_version_unsupported``. FlashInfer 0.7.2 is sglang
+# 0.5.23's pin.
 PACKAGES: dict[str, tuple[str, str]] = {
     "torch": ("torch", ">=2.11,<2.16"),
     "triton": ("triton", ">=3.6,<3.10"),

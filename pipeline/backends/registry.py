@@ -1,7 +1,5 @@
-"""Backend registry: names → entries, each with its capability record, its rules and a lazily imported factory.
-
-Details: docs/internals.md, ``pipeline.backends.registry``.
-"""
+"""Backend registry: names → entries, each with its capability record, its rules and a lazily imported factory
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -23,11 +21,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class BackendContext:
-    """What a factory receives: facts, pools and its workspace — never the whole runner.
-
-    ``torch_device``: e.g. ``"cpu"`` or ``"cuda:0"``; ``role``: the instance's role in the plan
-    (``"primary"``, ``"tbo_child_0"``, ``"pdmux_decode_2"`` …); ``dtype``: model dtype name.
-    """
+    """What a factory receives: facts, pools and its workspace — never the whole runner. ``torch_device``
+    (``"cuda:0"``), ``role`` (``"primary"``, ``"tbo_child_0"`` …), ``dtype``: model dtype name."""
 
     name: str
     role: str
@@ -66,8 +61,7 @@ class BackendEntry:
 
     def check_workspace(self, nbytes: int, query: WorkspaceQuery) -> None:
         """Refuse a workspace of ``nbytes`` too small for the largest batch ``query`` plans (ConfigError
-        ``workspace_too_small``, with a remedy every alternative of which then passes and fits); a backend without
-        such a rule needs no check."""
+        ``workspace_too_small``); no rule, no check."""
         if self.rules.check_workspace is not None:
             self.rules.check_workspace(nbytes, query)
 
@@ -82,8 +76,7 @@ class BackendEntry:
 
     def graph_decode_allocs(self, kind: "LayerKind", bs: int, q_elem_bytes: int) -> list[tuple[int, bool]]:
         """``[(nbytes, is_output)]`` its decode forward allocates for one layer of ``kind`` at ``bs`` requests, in
-        order (the CUDA-graph memory estimate replays them: :mod:`pipeline.memory.graphs`); without a rule of its
-        own, the output ``[bs, H, Dv]`` in q's dtype alone."""
+        order; default: the output alone."""
         from pipeline.backends.capability import decode_output_only
 
         rule = self.rules.graph_decode_allocs or decode_output_only
@@ -92,10 +85,8 @@ class BackendEntry:
     def graph_state_allocs(self, kinds: Sequence["LayerKind"], batch_sizes: Sequence[int], *, max_context_len: int,
                            page_size: int, num_sms: int, mode: str = "decode",
                            tokens_per_req: int = 1) -> list[tuple[int, int]]:
-        """``[(bs, nbytes)]`` it allocates outside the graph pool for graph capture and keeps (``bs`` 0:
-        ``init_cuda_graph_state`` and a speculative mode's buffers, made at its first capture; else that size's
-        capture-time metadata, sizes largest first); none without a rule of its own. ``mode``: the captured step
-        (``decode``, ``target_verify``, ``draft_decode``) with ``tokens_per_req`` rows per request."""
+        """``[(bs, nbytes)]`` allocated outside the graph pool for capture and kept (``bs`` 0: graph state and
+        speculative buffers; else per size, largest first); ``mode`` with ``tokens_per_req`` rows per request."""
         if self.rules.graph_state_allocs is None:
             return []
         kw = {} if mode == "decode" else {"mode": mode, "tokens_per_req": tokens_per_req}
@@ -120,9 +111,7 @@ class BackendEntry:
 
 _REGISTRY: dict[str, BackendEntry] = {}
 
-# sglang backend names attn-setup knows but does not implement, with what each is in sglang (for the
-# message). What to use instead depends on the request, so resolve computes it (the backends that
-# resolve for this device, model and flags) rather than a fixed hint here.
+# sglang backend names attn-setup knows but does not implement, with what each is (resolve computes alternatives).
 KNOWN_UNAVAILABLE: dict[str, str] = {
     "trtllm_mha": "TensorRT-LLM MHA kernels",
     "trtllm_mla": "TensorRT-LLM MLA kernels",
@@ -163,12 +152,8 @@ def names() -> list[str]:
 
 
 def get(name: str, *, flag: str = "attention_backend") -> BackendEntry:
-    """The entry for ``name``; raises BackendUnavailable (known sglang name) or BackendUnknown.
-
-    ``flag`` is the field that named it (for the error). Without a request to check against, the
-    error's allowed values are every registered backend; resolve narrows them to the ones that
-    resolve for its request.
-    """
+    """The entry for ``name`` (``flag`` names the field); raises BackendUnavailable (known sglang name) or
+    BackendUnknown listing every registered backend."""
     _ensure_builtins()
     if name in _REGISTRY:
         return _REGISTRY[name]
@@ -209,13 +194,9 @@ def reference_name() -> str:
 
 
 def auto_candidates(device_type: str, arch: str = "", mla: bool = False) -> list[str]:
-    """The registered backends auto-selection considers on ``device_type``, in priority order.
-
-    For an MLA model (``mla``) on an ``arch`` with measured MLA decode times
-    (:data:`pipeline.backends.records.MLA_DECODE_US`) the measured backends come first, fastest first, then the
-    rest of :data:`~pipeline.backends.records.AUTO_PRIORITY` in its order (sglang picks per arch by hand: fa3 on
-    Hopper, where our fa3 serves no MLA; vLLM walks a priority list; we let the measurement order it).
-    """
+    """The backends auto-selection considers on ``device_type``, in priority order: for MLA on an ``arch`` with
+    :data:`pipeline.backends.records.MLA_DECODE_US` the measured ones fastest first, then
+    :data:`~pipeline.backends.records.AUTO_PRIORITY`."""
     from pipeline.backends import records
 
     known = set(names())

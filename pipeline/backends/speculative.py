@@ -1,8 +1,5 @@
 """What a speculative-decoding batch adds to a :class:`~pipeline.backends.base.ForwardBatch`, and the masks and index
-tables every backend builds from it.
-
-Details: docs/internals.md, ``pipeline.backends.speculative``.
-"""
+tables every backend builds from it (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -55,13 +52,9 @@ def tree_mask(parents: Sequence[int]) -> torch.Tensor:
 
 @dataclass
 class SpecInfo:
-    """The speculative part of a batch (sglang's ``EagleVerifyInput`` / ``EagleDraftInput``, the fields attention
-    reads): see docs/internals.md, ``pipeline.backends.speculative``.
-
-    ``topk``: branches per draft step; ``num_draft_tokens``: tree size of a target-verify batch (fixed in CUDA
-    graphs); ``parents``: target verify, per request; ``draft_slots``: draft decode, [B, topk, s + 1] int64 on the
-    pool's device. Host-side derivations (depths, masks) are cached per batch.
-    """
+    """The speculative part of a batch (the fields of sglang's ``EagleVerifyInput`` / ``EagleDraftInput`` attention
+    reads). ``topk``; ``num_draft_tokens`` (fixed in graphs); ``parents``: target verify, per request; ``draft_slots``:
+    draft decode, [B, topk, s + 1] int64 on the pool's device. Host-side derivations are cached per batch."""
 
     topk: int = 1
     num_draft_tokens: int = 0
@@ -145,14 +138,10 @@ def check_draft_batch(spec: Optional[SpecInfo], batch_size: int, num_tokens: int
 def draft_token_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                       draft_slots: torch.Tensor, width: int, out: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(table [B * topk, width] int32, kv_lens [B * topk] int32) of a draft-decode batch, on the pool's device.
-
-    Row ``b * topk + k`` holds request ``b``'s prefix slots (``req_to_token[req_pool_indices[b], :prefix_lens[b]]``)
-    then branch ``k``'s draft slots; ``kv_lens = prefix + s + 1``. ``width`` >= the longest row (a CUDA-graph buffer's
-    fixed width); cells past a row's length are 0 (the reserved padding slot). ``out`` [>= B * topk, width] int32 is
-    written in place when given (rows beyond the batch are left alone). Torch ops only, no host sync: the same work
-    as sglang's ``generate_draft_decode_kv_indices`` kernel, run once per batch outside any graph.
-    """
+    """(table [B * topk, width] int32, kv_lens [B * topk] int32) of a draft-decode batch on the pool's device. Row ``b *
+    topk + k``: request ``b``'s prefix slots then branch ``k``'s draft slots, 0 past its length; ``kv_lens = prefix + s
+    + 1``. ``out`` [>= B * topk, width] int32 is written in place. No host sync (sglang's
+    ``generate_draft_decode_kv_indices``)."""
     b, topk, s1 = draft_slots.shape
     rows = b * topk
     dev = req_to_token.device

@@ -1,14 +1,8 @@
-"""Two-batch overlap (TBO) wrapper: one primary and two children built by the same factory.
+"""Two-batch overlap (TBO) wrapper: one primary and two children built by the same factory (sglang's
+``TboAttnBackend``).
 
-sglang's ``TboAttnBackend`` keeps a primary backend for the whole batch and two children, each of
-which serves one micro-batch while the other one's communication overlaps. Here the wrapper does
-the split itself so the rule is visible and testable: the first ``ceil(B/2)`` requests go to child
-0, the rest to child 1 (a batch of one request goes to child 0 only). Each child gets its own
-sub-:class:`ForwardBatch` (rows, seq lens, prefix/new lens, ``out_cache_loc`` and ``positions``
-sliced to its requests' tokens, and a speculative batch's trees or draft branches), is planned with ``init_forward_metadata`` and run with
-``forward``; outputs are concatenated in batch order. The per-layer path keeps no record and reads
-nothing from the device (tests observe the children through spies); the split is computed once per
-batch from the host lengths the batch carries.
+The first ``ceil(B/2)`` requests go to child 0, the rest to child 1 (B = 1: child 0 only), each with its own sliced
+:class:`ForwardBatch`; outputs are concatenated in batch order. The split is computed once per batch from host data.
 """
 
 from __future__ import annotations
@@ -57,11 +51,8 @@ def _sub_batch(fb: ForwardBatch, r0: int, r1: int, t0: int, t1: int) -> ForwardB
 
 
 def split_batch(fb: ForwardBatch) -> list[tuple[ForwardBatch, int, int]]:
-    """Split into at most two sub-batches: ``[(sub_batch, token_start, token_end), …]``.
-
-    Child 0 gets the first ``ceil(B/2)`` requests, child 1 the rest (absent when B = 1).
-    Token ranges index the batch's new tokens (``q``/``k``/``v`` rows).
-    """
+    """``[(sub_batch, token_start, token_end), …]``: child 0 the first ``ceil(B/2)`` requests, child 1 the rest (none
+    when B = 1); token ranges index ``q``/``k``/``v`` rows."""
     counts = _token_counts(fb)
     cut_r = split_point(fb.batch_size)
     cut_t = sum(counts[:cut_r])
@@ -73,13 +64,9 @@ def split_batch(fb: ForwardBatch) -> list[tuple[ForwardBatch, int, int]]:
 
 
 class TboAttnBackend(AttentionBackend):
-    """TBO wrapper over ``primary`` and ``children = [child0, child1]`` (three distinct instances).
-
-    ``init_forward_metadata(fb)`` plans the primary on the whole batch (as sglang does) and each
-    child on its half; ``forward`` runs each child on its half of ``q``/``k``/``v`` and returns
-    [T, H*Dv] in batch order. CUDA-graph hooks go to the primary (sglang captures the full batch
-    with the primary); torch_native children and primaries refuse them.
-    """
+    """TBO wrapper over ``primary`` and ``children = [child0, child1]`` (three distinct instances). Metadata: primary on
+    the whole batch, each child on its half; ``forward`` returns [T, H*Dv] in batch order. CUDA-graph hooks go to the
+    primary (as sglang)."""
 
     name = "tbo"
 

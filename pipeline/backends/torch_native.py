@@ -1,7 +1,4 @@
-"""torch_native: the reference backend — plain torch attention over the paged KV cache.
-
-Details: docs/internals.md, ``pipeline.backends.torch_native``.
-"""
+"""torch_native: the reference backend — plain torch attention over the paged KV cache (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -54,13 +51,9 @@ def _check_layer(layer: AttentionLayer, fb: ForwardBatch) -> None:
 def check_forward_inputs(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                          layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool,
                          layout: Optional[list[tuple[int, int, int]]] = None) -> torch.Tensor:
-    """Validate one layer call; returns ``q`` viewed as [T, H, D].
-
-    ``layout`` is the batch's :func:`batch_layout` when already computed (read from fb otherwise).
-    ``q``: [T, H, D] or [T, H*D], fp32/bf16/fp16, on the KV pool's device. ``k``: [T, Hkv, D] and
-    ``v``: [T, Hkv, Dv] (or flattened last dims) when ``save_kv_cache``; otherwise may be None.
-    Raises :class:`BuildError` (``forward_input_invalid``) naming the field, before any write.
-    """
+    """Validate one layer call; returns ``q`` as [T, H, D]. ``q`` [T, H, D] or [T, H*D], fp32/bf16/fp16, on the pool's
+    device; ``k`` [T, Hkv, D] / ``v`` [T, Hkv, Dv] when ``save_kv_cache``; ``layout``: :func:`batch_layout` if known.
+    Raises :class:`BuildError` (``forward_input_invalid``) before any write."""
     _check_layer(layer, fb)
     t, h, d, dv, hkv = fb.num_tokens, layer.num_heads, layer.head_dim, layer.v_head_dim, layer.num_kv_heads
     if q.dtype not in Q_DTYPES:
@@ -83,12 +76,8 @@ def check_forward_inputs(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional
 
 
 def batch_layout(fb: ForwardBatch) -> list[tuple[int, int, int]]:
-    """Per request ``(req_to_token row, cached prefix length, new tokens)``, from host data.
-
-    Extend (draft extend, target verify) reads ``extend_prefix_lens[_cpu]`` / ``extend_seq_lens[_cpu]``; decode has
-    one new token after ``seq_len - 1`` cached ones; draft decode has ``topk`` rows after ``seq_len`` committed tokens.
-    Raises BuildError if the batch is inconsistent.
-    """
+    """Per request ``(req_to_token row, cached prefix length, new tokens)`` from host data (extend, decode, draft decode
+    of ``topk`` rows). Raises BuildError for an inconsistent batch."""
     rows = [int(r) for r in fb.req_pool_indices.tolist()]
     seq = list(fb.seq_lens_cpu) or [int(s) for s in fb.seq_lens.tolist()]
     if fb.is_draft_decode():
@@ -113,9 +102,8 @@ def batch_layout(fb: ForwardBatch) -> list[tuple[int, int, int]]:
 
 
 class Unit(NamedTuple):
-    """One attention problem of a batch: output rows ``[start, start + n)``, the KV slots it reads [s] int64,
-    the query positions [n] and key positions [s] (int64), and an extra visibility mask [n, s] (None: causal by
-    position only)."""
+    """One attention problem: output rows ``[start, start + n)``, KV slots [s] int64, query [n] / key [s] positions, and
+    an extra mask [n, s] (None: causal)."""
 
     start: int
     n: int
@@ -189,19 +177,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, unit: Unit, layer
 
 
 class TorchNativeBackend(AttentionBackend):
-    """Per-request fp32 attention over the paged KV cache (see docs/internals.md, ``pipeline.backends.torch_native``).
-
-    Parameters
-    ----------
-    torch_device : device the pools live on (``"cpu"``, ``"cuda:0"`` …).
-    role : the instance's role in the build plan (``"primary"``, ``"tbo_child_0"`` …).
-    layer_kinds : the layer kinds it is built for (the registry factory always passes the model's):
-        every call's layer is then checked against its kind once per layer object
-        (:class:`~pipeline.backends.base.PlannedLayers`; ``LayerMismatch`` before any write). None
-        (direct use as a reference) computes with whatever each call's layer says.
-
-    The pools come with each :class:`ForwardBatch` (``req_to_token_pool``, ``token_to_kv_pool``).
-    """
+    """Per-request fp32 attention over the paged KV cache (pools come with each :class:`ForwardBatch`).
+    ``torch_device``; ``role``; ``layer_kinds``: checked per layer object (``LayerMismatch`` before any write; None:
+    trust each call's layer)."""
 
     name = "torch_native"
 

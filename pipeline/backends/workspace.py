@@ -1,12 +1,7 @@
 """Workspace buffers, handed out as "shared" or "private" and accounted in bytes.
 
-FlashInfer-style backends need a caller-owned uint8 scratch buffer. sglang keeps one module-level
-buffer shared by every backend and lets PD-mux's prefill backend ask for a new one through a
-side-channel attribute on the runner; here the plan names each workspace and who shares it, and
-the pool owns (and releases) them.
-
-Rule (PD-mux, from sglang): the prefill backend gets a private workspace; every decode-group
-member shares one. TBO's children and a hybrid's halves share the one shared workspace.
+Rule (sglang PD-mux): the prefill backend gets a private workspace, every decode-group member shares one; TBO children
+and hybrid halves share the shared one.
 """
 
 from __future__ import annotations
@@ -32,12 +27,8 @@ class Workspace:
 
 
 class WorkspacePool:
-    """Allocates the planned workspaces on ``torch_device`` and releases them in :meth:`release_all`.
-
-    One :class:`Workspace` per :class:`WorkspacePlan`: a private plan gets its own buffer, the
-    shared plan one buffer handed to every role in ``shared_by`` (the same object, so sharing is
-    checkable with ``is``). Sizes are bytes; torch is imported lazily.
-    """
+    """Allocates the planned workspaces (bytes) on ``torch_device``, one :class:`Workspace` per :class:`WorkspacePlan`
+    (shared: the same object for every role), released by :meth:`release_all`."""
 
     def __init__(self, torch_device: str) -> None:
         self.torch_device = torch_device

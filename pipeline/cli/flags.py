@@ -70,7 +70,8 @@ def _known_packages(value: Any) -> str:
     cut to the names that are packages — ``''`` when none is — may leave a GPU profile no backend), or the
     default."""
     every = ",".join(packages.import_name(d) for d in packages.names())
-    unknown = [p.strip() for p in str(value).split(",") if p.strip() and p.strip().lower() not in _PACKAGES]
+    unknown = [p.strip() for p in str(value).split(",")
+               if p.strip() and p.split("==")[0].strip().lower() not in _PACKAGES]
     what = ", ".join(repr(u) for u in unknown) or repr(str(value))
     return (f"{what} {'is not a package' if len(unknown) <= 1 else 'are not packages'} a plan reads; pass "
             f"--installed {every} to plan as if every one were installed, or drop --installed to read this "

@@ -21,15 +21,19 @@ from pipeline.core.contracts import BuildPlan, DtypeChoice, ErrorInfo, Resolutio
 from pipeline.core.errors import EXIT_OK, OutputWriteFailed
 from pipeline.core.model_spec import format_layer_ids
 from pipeline.core.value_text import value_text
+from states import evidence as ev_mod
 
 
 def _resolved(prefill: str, decode: str, is_draft_override: bool, rules: Any, dtype: Any,
-              not_attention: Any, speculative: Any = None) -> dict[str, Any]:
+              not_attention: Any, speculative: Any = None, evidence: Any = None) -> dict[str, Any]:
     out = {"prefill": prefill, "decode": decode, "is_draft_override": is_draft_override, "rules": dict(rules),
            "dtype": None if dtype is None else {"value": dtype.value, "source": dtype.source},
            "not_attention": msgspec.to_builtins(list(not_attention))}
     if speculative is not None:
         out["speculative"] = msgspec.to_builtins(speculative)
+    if evidence:  # traces recorded before the measured table have none
+        out["evidence"] = ev_mod.as_json(evidence)
+        out["evidence_text"] = {h: ev_mod.text(h, out[h], e) for h, e in evidence.items()}
     return out
 
 
@@ -39,12 +43,13 @@ def resolved_obj(res: Optional[Resolution]) -> Optional[dict[str, Any]]:
     ``{prefill, decode, is_draft_override, rules, dtype: {value, source}, not_attention: [{kind, layer_ids}]}``
     — ``dtype.source`` is ``field`` or ``auto:<rule>`` (:data:`pipeline.core.dtypes.AUTO_RULES`);
     ``not_attention`` lists the layers no attention backend serves (linear attention, mamba); with speculative
-    decoding, ``speculative: {algorithm, num_steps, topk, num_draft_tokens, source}`` (the settled shape).
+    decoding, ``speculative: {algorithm, num_steps, topk, num_draft_tokens, source}`` (the settled shape);
+    ``evidence: {prefill, decode}`` (:func:`states.evidence.as_json`) with ``evidence_text``, each half's line.
     """
     if res is None:
         return None
     return _resolved(res.pair.prefill, res.pair.decode, res.pair.is_draft_override, res.rules, res.dtype,
-                     res.not_attention, res.speculative)
+                     res.not_attention, res.speculative, res.evidence)
 
 
 def resolved_from(records: Iterable[ev.Event]) -> Optional[dict[str, Any]]:
@@ -55,7 +60,7 @@ def resolved_from(records: Iterable[ev.Event]) -> Optional[dict[str, Any]]:
     d = next((r for r in records if isinstance(r, ev.SettingResolved) and r.field == "dtype"), None)
     return None if e is None else _resolved(e.prefill, e.decode, e.is_draft_override, e.rules,
                                             None if d is None else DtypeChoice(value=str(d.value), source=d.source),
-                                            e.not_attention, e.speculative)
+                                            e.not_attention, e.speculative, e.evidence)
 
 
 def _layers_text(ids: list[int]) -> str:
@@ -176,6 +181,9 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
         if sp:
             print_line(c, f"speculative: {sp['algorithm']} {sp['num_steps']} steps, top-k {sp['topk']}, "
                           f"{sp['num_draft_tokens']} draft tokens per verify ({sp['source']})")
+        for line in (res.get("evidence_text") or {}).values():  # a table with nothing for this request: no line
+            if ev_mod.NO_ROW not in line:
+                print_line(c, line)
         for g in res.get("not_attention") or []:
             print_line(c, f"not attention (no KV cache, computed by the model's own kernels): {g['kind']} layers "
                           f"{_layers_text(g['layer_ids'])}")

@@ -273,7 +273,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     plan.add_argument("--installed", default=None, metavar="PKG,…",
                       help=f"the complete set of packages to assume installed, comma-separated, from "
                            f"{', '.join(packages.names())} (or their import names); it replaces what is installed "
-                           "here, it does not add to it: a GPU plan needs torch,triton,… too; '' = none "
+                           "here, it does not add to it: a GPU plan needs torch,triton,… too; NAME==VERSION assumes "
+                           "that version (the measured table's evidence compares versions); '' = none "
                            "(default: read from package metadata, no import)")
     plan.add_argument("--num-layers", type=ascii_int, default=None,
                       help="the attention layers `attn-setup run` builds with these flags, for the CUDA-graph memory "
@@ -285,8 +286,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def installed_from(flag: str | None) -> dict[str, bool | str]:
-    """Package presence: the ``--installed`` list (present, at a supported version: assumed), or distribution
-    metadata (no import: the installed version, checked by resolve, or False).
+    """Package presence: the ``--installed`` list (present, at a supported version: assumed; ``NAME==VERSION``:
+    at that version, checked by resolve), or distribution metadata (no import: the installed version, or False).
 
     Accepts the distribution names the backends need (:func:`pipeline.backends.packages.names`) and their
     import names, case-insensitively (:func:`pipeline.backends.packages.canonical`).
@@ -297,7 +298,8 @@ def installed_from(flag: str | None) -> dict[str, bool | str]:
     dists = packages.names()
     if flag is None:
         return packages.installed_by_metadata(dists)
-    given = [p.strip() for p in flag.split(",") if p.strip()]
+    pins = dict((p.split("==", 1) + [""])[:2] for p in (x.strip() for x in flag.split(",")) if p)
+    given = list(pins)
     canon = [packages.canonical(p) for p in given]
     unknown = [p for p, c in zip(given, canon) if c is None]
     if unknown:
@@ -307,7 +309,8 @@ def installed_from(flag: str | None) -> dict[str, bool | str]:
                          allowed=list(dists) + [i for i in imports if i not in dists],
                          remedy=f"list distribution names ({', '.join(dists)}) or import names ({', '.join(imports)}), "
                                 "comma-separated, or '' for none")
-    return {p: p in canon for p in dists}
+    vers = {c: pins[g].strip() for g, c in zip(given, canon) if pins[g].strip()}
+    return {p: vers.get(p, p in canon) for p in dists}
 
 
 def _installed_text(installed: Mapping[str, bool | str]) -> str:

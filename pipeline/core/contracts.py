@@ -91,12 +91,32 @@ class SpeculativeParams(msgspec.Struct, **_STRUCT):
         return self.topk > 1
 
 
+class Evidence(msgspec.Struct, omit_defaults=True, **_STRUCT):
+    """Why auto-selection put a backend first for one phase (:mod:`states.evidence`).
+
+    ``kind``: ``measured`` (a row of the measured table matched: ``source`` is ``"<script>, <date>"``, ``device``
+    the GPU it ran on, ``versions`` its packages, ``next`` the runner-up and ``ratio_vs_next`` its time over the
+    chosen one's, ``layers`` the layer kind in words), ``unmeasured`` (the fixed priority stood; ``reason`` says
+    why) or ``explicit`` (a flag chose).
+    """
+
+    kind: Literal["measured", "unmeasured", "explicit"]
+    source: str = ""
+    device: str = ""
+    versions: dict[str, str] = {}
+    next: str | None = None
+    ratio_vs_next: float | None = None
+    layers: str = ""
+    reason: str = ""
+
+
 class Resolution(msgspec.Struct, **_STRUCT):
     """Output of the resolve state: the pair, the rule per half, and what auto-selection refused.
 
     ``dtype``: the compute dtype and the rule that chose it; ``not_attention``: the model's layers
     that no attention backend computes (linear attention, mamba), left to the model's own kernels;
-    ``speculative``: the speculative-decoding shape served (None without ``speculative_algorithm``).
+    ``speculative``: the speculative-decoding shape served (None without ``speculative_algorithm``);
+    ``evidence``: per half, why auto put its backend first (:class:`Evidence`).
     """
 
     pair: ResolvedAttentionBackendStr
@@ -106,6 +126,7 @@ class Resolution(msgspec.Struct, **_STRUCT):
     dtype: DtypeChoice | None = None
     not_attention: list[LayerGroup] = []
     speculative: SpeculativeParams | None = None
+    evidence: dict[str, Evidence] = {}
 
 
 class Skip(msgspec.Struct, **_STRUCT):

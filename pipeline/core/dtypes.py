@@ -1,7 +1,5 @@
-"""The compute dtype (``dtype`` / ``--dtype``): the explicit choice, or the engines' rule for ``auto``.
-
-Details: docs/internals.md, ``pipeline.core.dtypes``.
-"""
+"""The compute dtype (``dtype`` / ``--dtype``): the explicit choice, or the engines' rule for ``auto``
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -62,25 +60,10 @@ def _auto(model: "ModelSpec") -> DtypeChoice:
 
 
 def resolve_dtype(args: "AttentionArgs", model: "ModelSpec") -> DtypeChoice:
-    """The compute (q / activation) dtype of ``model`` under ``args.dtype``, and the rule that set it.
-
-    Parameters
-    ----------
-    args : the attention flags; ``args.dtype`` is ``auto`` or a dtype name (``bfloat16``,
-        ``float16``/``half``, ``float32``/``float``).
-    model : the served model (``model.dtype`` is the checkpoint's dtype, ``model.model_type``
-        keys the Gemma / float16 rules).
-
-    Returns
-    -------
-    :class:`~pipeline.core.contracts.DtypeChoice` — ``value`` a canonical name (``bfloat16``,
-    ``float16``, ``float32``), ``source`` ``"field"`` or ``"auto:<rule>"`` (:data:`AUTO_RULES`).
-
-    Raises
-    ------
-    ConfigError (``dtype_refused``, exit 3, state ``resolve``): an explicit float16 for a model
-    type in :data:`FLOAT16_REFUSED`, naming ``dtype``, the model type and the dtypes that work.
-    """
+    """The compute dtype of ``model`` under ``args.dtype`` (``auto`` or a name) and its rule: a
+    :class:`~pipeline.core.contracts.DtypeChoice` (``value`` canonical, ``source`` ``"field"`` or ``"auto:<rule>"``).
+    Raises ConfigError (``dtype_refused``, exit 3, state ``resolve``) for an explicit float16 on a model type in
+    :data:`FLOAT16_REFUSED`."""
     if args.dtype == "auto":
         return _auto(model)
     value = norm_dtype(args.dtype)

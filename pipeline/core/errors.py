@@ -1,6 +1,4 @@
-"""Typed errors and :class:`ErrorInfo`, the one record each carries (re-exported by the contracts).
-
-Details: docs/internals.md, ``pipeline.core.errors``.
+"""Typed errors and :class:`ErrorInfo`, the one record each carries (re-exported by the contracts) (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -19,19 +17,10 @@ class Flag(msgspec.Struct, **_STRUCT):
 
 
 class ErrorInfo(msgspec.Struct, **_STRUCT):
-    """The one error shape every command prints and every failure event carries.
-
-    Fields
-    ------
-    code: stable snake_case error code (e.g. ``backend_unknown``).
-    state: the pipeline state the error was raised in (``"resolve"``…), or ``"args"`` for input
-        validation before the machine starts.
-    flags: the flags/fields involved, with their values.
-    json_path: JSON path into the offending document (``$.num_attention_heads``), or None.
-    message: one sentence saying what is wrong.
-    allowed: the allowed values, or the backends that would work here.
-    remedy: one line saying what to change.
-    """
+    """The one error shape every command prints and every failure event carries. ``code``: stable snake_case; ``state``:
+    the state raised in, or ``"args"``; ``flags``: flags/fields with values; ``json_path``: e.g.
+    ``$.num_attention_heads`` or None; ``message``: one sentence; ``allowed``: values or backends that would work;
+    ``remedy``: one line."""
 
     code: str
     state: str
@@ -125,14 +114,9 @@ class ModelConfigError(ConfigError):
 
 
 class RankDivergence(ConfigError):
-    """The ranks of one torch.distributed launch disagree (resolved pair, attention args or device).
-
-    Raised on *every* rank together (each compares the same gathered table), before anything is
-    allocated. ``info.flags`` holds one ``rank[i]`` entry per rank (device, host, prefill, decode)
-    and ``diverging`` names the fields that differ; ``derived`` (only when one applies) maps a field that differs
-    only because another does to that one (``{"cuda_graph_bs": "pool.max_reqs"}``); the message carries the same
-    table as text.
-    """
+    """The ranks of one launch disagree (pair, attention args or device); raised on every rank before allocation.
+    ``info.flags``: one ``rank[i]`` entry per rank and ``diverging``; ``derived`` maps a field differing only because
+    another does to that one (``{"cuda_graph_bs": "pool.max_reqs"}``)."""
 
     code = "rank_divergence"
 
@@ -145,20 +129,16 @@ class RankExchangeError(AttnSetupError):
 
 
 class RankStalled(RankExchangeError):
-    """A rank did not arrive at one of our waits within the timeout (:mod:`pipeline.setup.rank_watch`).
-
-    ``info.flags``: ``stalled_rank``, ``last_state``, ``seconds_since_heartbeat`` (None when never
-    heard), ``doing`` (what it was busy with, when known), ``stalled`` (every missing rank),
-    ``waiting_at`` and ``timeout_s``. Raised on every rank that waited.
-    """
+    """A rank did not arrive at a wait within the timeout (:mod:`pipeline.setup.rank_watch`), raised on every waiting
+    rank. ``info.flags``: ``stalled_rank``, ``last_state``, ``seconds_since_heartbeat``, ``doing``, ``stalled``,
+    ``waiting_at``, ``timeout_s``."""
 
     code = "rank_stalled"
 
 
 class MemoryImbalance(AttnSetupError):
-    """Free device memory at device-init differs between ranks by more than the allowed fraction
-    (sglang's tensor-parallel check; :mod:`pipeline.setup.distributed`). Raised on every rank, naming the
-    lowest rank and every rank's free bytes."""
+    """Free device memory at device-init differs between ranks beyond the allowed fraction (sglang's TP check); raised
+    on every rank with every rank's bytes."""
 
     code = "memory_imbalance"
     exit_code = EXIT_FAILED
@@ -175,14 +155,8 @@ class BuildError(AttnSetupError):
 
 
 class LayerMismatch(BuildError):
-    """A backend was called with a layer that differs from the one it was built (planned) for.
-
-    Raised by :meth:`pipeline.backends.base.PlannedLayers.check` on the first call with a layer
-    object, before anything is written: ``info.flags`` holds ``layer_id`` and ``layer.<field>``
-    (the call's value), ``info.allowed`` the built value. FlashInfer bakes window, softcap, scale
-    and sinks into each layer kind's planned wrappers, so a backend never computes with a layer
-    whose parameters differ from the plan; every backend applies the same check.
-    """
+    """A backend was called with a layer other than the planned one (:meth:`pipeline.backends.base.PlannedLayers.check`,
+    before any write): ``info.flags`` ``layer_id`` and ``layer.<field>``, ``info.allowed`` the built value."""
 
     code = "layer_mismatch"
 
@@ -193,31 +167,21 @@ class UsageError(AttnSetupError):
 
 
 class InvalidValue(UsageError):
-    """A command-line flag's value outside the flag's own domain (:data:`pipeline.cli.flags.FLAG_DOMAINS`):
-    a number out of range, NaN or infinity, an unknown choice, an empty string, a value of the wrong type.
-
-    Exit code 2, raised as the flags are read — before anything is allocated or a log file opened. ``info.flags``
-    holds the flag and the value given, ``info.allowed`` the domain, ``info.remedy`` a value that passes.
-    """
+    """A flag's value outside its domain (:data:`pipeline.cli.flags.FLAG_DOMAINS`), exit 2, raised as flags are read;
+    ``info.remedy`` a value that passes."""
 
     code = "out_of_domain"
 
 
 class OutputWriteFailed(UsageError):
-    """stdout or stderr could not be written, other than by a reader that left (a closed pipe changes nothing): a full
-    disk, ``> /dev/full``, an I/O error. Exit code 2, as a ``--log-file`` that stops taking writes
-    (``log_write_failed``): where the output goes is the invocation's to fix. A command that failed anyway keeps its
-    own code (:mod:`pipeline.cli.output`). ``info.flags``: each lost stream and where it pointed."""
+    """stdout or stderr could not be written (not a closed pipe): exit 2 unless the command failed anyway;
+    ``info.flags``: each lost stream and its target."""
 
     code = "output_write_failed"
 
 
 class BackendClosed(AttnSetupError):
-    """A backend (or its wrapper) was called after ``close()`` released its buffers.
-
-    Raised by every forward / metadata / CUDA-graph method of a closed
-    :class:`pipeline.backends.base.AttentionBackend` instead of reading freed buffers.
-    """
+    """A backend (or wrapper) was called after ``close()``; raised instead of reading freed buffers."""
 
     code = "backend_closed"
     exit_code = EXIT_FAILED

@@ -1,7 +1,5 @@
-"""Emitting event records: to the application's structlog logger, to a JSON-lines trace file, to memory.
-
-Details: docs/internals.md, ``pipeline.core.eventlog``.
-"""
+"""Emitting event records: to the application's structlog logger, to a JSON-lines trace file, to memory
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -54,9 +52,8 @@ def _versions(installed_items: tuple[tuple[str, bool], ...]) -> tuple[tuple[str,
 
 
 def shared_run_id(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """``ATTN_SETUP_RUN_ID``, else torchrun's ``TORCHELASTIC_RUN_ID`` (``none`` counts as unset), or None: the run
-    id every rank of a launch shares, known before the run starts (``--log-file``'s ``{run_id}`` is checked with
-    it, :mod:`pipeline.cli.flags`). Raises UsageError naming the variable for a value that cannot name a file."""
+    """``ATTN_SETUP_RUN_ID``, else ``TORCHELASTIC_RUN_ID`` (``none`` = unset), or None: the launch's shared run id.
+    Raises UsageError for a value that cannot name a file."""
     import os
 
     import re
@@ -95,11 +92,7 @@ SECRET_ENV_PREFIX = "ATTN_SETUP_SECRET_"
 
 
 def secrets_from_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """Secrets passed to the CLI as ``ATTN_SETUP_SECRET_<NAME>=value`` → ``{NAME: value}``.
-
-    An engine's secret arguments (API keys, hub tokens) go into ``SetupRequest.secrets`` this way
-    rather than on the command line, where ``ps`` would show them; empty values are ignored.
-    """
+    """``ATTN_SETUP_SECRET_<NAME>=value`` → ``{NAME: value}`` (kept off the command line); empty values ignored."""
     return {k[len(SECRET_ENV_PREFIX):]: v for k, v in sorted(environ.items())
             if k.startswith(SECRET_ENV_PREFIX) and len(k) > len(SECRET_ENV_PREFIX) and v}
 
@@ -110,13 +103,8 @@ def new_launch_id() -> str:
 
 
 def redactor(secrets: tuple[str, ...]) -> Optional[Callable[[str], str]]:
-    """``f(text)`` replacing every occurrence of any secret by ``"<redacted>"`` (None without secrets).
-
-    Longer secrets are tried first at each position, so a secret that contains another is
-    redacted whole; the text between two markers never contains a secret. Text reaches it as
-    written (lone surrogates already escaped, :func:`pipeline.core.wire.clean_str`), so secrets are
-    matched in that form.
-    """
+    """``f(text)`` replacing every secret by ``"<redacted>"`` (None without secrets); longer secrets first, matched in
+    :func:`pipeline.core.wire.clean_str`'s escaped form."""
     secrets = tuple(sorted({wire.clean_str(s) for s in secrets if s}, key=len, reverse=True))
     if not secrets:
         return None
@@ -127,26 +115,14 @@ def redactor(secrets: tuple[str, ...]) -> Optional[Callable[[str], str]]:
 class EventLog:
     """The sink for one run's events.
 
-    Parameters
-    ----------
-    run_id, rank: bound into every record.
-    path: JSON-lines trace file (parent folders are created; appended to — after a newline when its last line was
-        cut short, :func:`pipeline.core.files.ends_mid_line`); None = no file. It must
-        be a regular file (or not exist yet): see :func:`open_regular`.
-    secrets: values that must never appear in any output (redacted structurally: string values
-        only, before encoding — see :func:`pipeline.core.wire.to_wire`).
-    launch_id: this launch's id (default: a fresh :func:`new_launch_id`), written in every record.
-    flag: the name errors about ``path`` give it (the CLI passes ``--log-file``).
-    raise_write_errors: raise the first write failure from :meth:`emit` (the CLI: a start whose
-        trace cannot be written stops there, exit 2) instead of only recording it; an attribute the caller may
-        turn off later (``run``'s exit path: its last records go on in memory, :attr:`write_error` judged after).
+    ``run_id``, ``rank``, ``launch_id`` (default :func:`new_launch_id`): in every record. ``path``: JSON-lines trace,
+    appended to (after a newline when cut mid-line), a regular file (:func:`open_regular`); None = no file. ``secrets``:
+    redacted from string values (:func:`pipeline.core.wire.to_wire`). ``flag``: the name errors give ``path``.
+    ``raise_write_errors``: :meth:`emit` raises the first write failure (attribute, may be turned off later).
 
-    Raises :class:`pipeline.core.errors.UsageError` (exit 2) when ``path`` cannot be opened for
-    appending or is not a regular file. A write that fails later (disk full, I/O error) by default
-    never raises from :meth:`emit` — logging must not break an engine's start — : the file output
-    stops, the records stay in memory, the application's logger gets one ``trace_write_failed``
-    warning, and :attr:`write_error` holds the typed error (code ``log_write_failed``) for the
-    caller to act on.
+    Raises :class:`pipeline.core.errors.UsageError` when ``path`` cannot be opened. Later write failures by default stop
+    the file only: records stay in memory, one ``trace_write_failed`` warning, :attr:`write_error`
+    (``log_write_failed``).
     """
 
     def __init__(self, run_id: str, rank: int = 0, path: Optional[str | os.PathLike] = None,
@@ -202,10 +178,8 @@ class EventLog:
                 raise self.write_error
 
     def emit(self, cls: type[ev.Event], *, state: str, outcome: ev.Outcome = "ok", **fields: Any) -> ev.Event:
-        """Build a record of type ``cls`` (timestamped now), store it, and send it to both outputs.
-
-        Raises for an I/O failure of the trace file only with ``raise_write_errors`` (and then once).
-        """
+        """Build a record of type ``cls`` (timestamped now), store it and send it to both outputs; raises a trace I/O
+        failure only with ``raise_write_errors`` (once)."""
         record = cls(ts_ns=time.time_ns(), run_id=self.run_id, rank=self.rank, launch_id=self.launch_id, state=state,
                      outcome=outcome, **fields)
         with self._lock:
@@ -259,18 +233,10 @@ class EventLog:
                       error=info)
 
     def install_signal_handlers(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> bool:
-        """Write a last ``run_interrupted`` record on SIGTERM, SIGINT and an uncaught exception.
-
-        Never done on import: the CLI calls it (and :meth:`restore_signal_handlers` when done).
-        Afterwards the previous handler runs: Python's SIGINT handler raises KeyboardInterrupt,
-        which unwinds the start (its failure paths release what was built and log it) and which
-        the CLI turns into exit 130; a default SIGTERM closes the file and terminates the
-        process. A signal ignored when this is called (``SIG_IGN``: a shell's background job inherits SIGINT
-        ignored) stays ignored and logs nothing; once ``run_interrupted`` is logged for a signal the run never goes
-        on (a previous handler that returns is followed by KeyboardInterrupt). Returns False when not called from
-        the main thread (Python only lets the main
-        thread set signal handlers); the exception hook is set anyway.
-        """
+        """Write a last ``run_interrupted`` record on SIGTERM, SIGINT and an uncaught exception (the CLI calls it). The
+        previous handler runs afterwards (SIGINT: KeyboardInterrupt, exit 130); an ignored signal stays ignored; a
+        returning handler is followed by KeyboardInterrupt. Returns False off the main thread (the exception hook is
+        set)."""
         from pipeline.core.contracts import ErrorInfo
         from pipeline.core.errors import INTERRUPTED_REMEDY, error_info_from
 

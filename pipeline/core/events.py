@@ -1,7 +1,5 @@
-"""Event records: one per transition and per decision, schema-versioned, a tagged union (:data:`AnyEvent`).
-
-Details: docs/internals.md, ``pipeline.core.events``.
-"""
+"""Event records: one per transition and per decision, schema-versioned, a tagged union (:data:`AnyEvent`)
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 import msgspec
 
-from pipeline.core.contracts import (DeviceFacts, ErrorInfo, InstancePlan, LayerGroup, Mode, Rejection,
+from pipeline.core.contracts import (DeviceFacts, ErrorInfo, Evidence, InstancePlan, LayerGroup, Mode, Rejection,
     SCHEMA_VERSION, SpeculativeParams, WorkspacePlan)
 
 
@@ -18,14 +16,9 @@ Ns = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # wall-clock ns (time
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="event"):
-    """Fields every record carries. ``level`` (class attribute) is the log level it is emitted at.
-
-    ``launch_id`` identifies one process's :class:`~pipeline.core.eventlog.EventLog` (a launch): two
-    launches that share a ``run_id`` and a log file (``ATTN_SETUP_RUN_ID`` reused, a retried start)
-    stay separate runs when read back. ``""`` in traces written before the field existed.
-    The reader refuses ``schema_version < 1``, ``ts_ns`` outside ``[0, 2**63)`` and ``rank < 0``
-    (values the writer never produces).
-    """
+    """Fields every record carries; ``level`` (class attribute) is the log level it is emitted at. ``launch_id``
+    separates launches sharing a ``run_id`` and a log file (``""`` in older traces). The reader refuses ``schema_version
+    < 1``, ``ts_ns`` outside ``[0, 2**63)`` and ``rank < 0``."""
 
     level: ClassVar[str] = "info"
     schema_version: Annotated[int, msgspec.Meta(ge=1)] = SCHEMA_VERSION
@@ -38,9 +31,8 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
 
 class RunStarted(Event, tag="run_started", kw_only=True):
-    """The inputs (redacted request, model, packages) and versions, so the run can be replayed. ``packages``: each
-    distribution's presence as resolve saw it — False, True, or the installed version resolve checked against the
-    supported range (traces recorded before that hold booleans, replayed as before)."""
+    """Inputs (redacted request, model, packages) and versions, for replay. ``packages``: False, True or the installed
+    version resolve checked (older traces: booleans)."""
 
     request: dict[str, Any]
     versions: dict[str, str | None] = {}
@@ -67,9 +59,8 @@ class DeviceInitialized(Event, tag="device_initialized", kw_only=True):
 
 
 class SettingResolved(Event, tag="setting_resolved", kw_only=True):
-    """Which source won for a setting: ``field`` > ``env`` > ``default`` for those sglang also reads
-    from the environment; for ``dtype`` (state ``resolve``) ``field`` or ``auto:<rule>``, the rule of
-    :data:`pipeline.core.dtypes.AUTO_RULES` that chose it."""
+    """Which source won for a setting: ``field`` > ``env`` > ``default``; for ``dtype``, ``field`` or ``auto:<rule>``
+    (:data:`pipeline.core.dtypes.AUTO_RULES`)."""
 
     field: str
     value: Any = None
@@ -78,10 +69,8 @@ class SettingResolved(Event, tag="setting_resolved", kw_only=True):
 
 
 class BackendsResolved(Event, tag="backends_resolved", kw_only=True):
-    """resolve's decision: the pair, the rule per half, every rejected candidate with reasons, the
-    model's layers that no attention backend serves (``not_attention``: linear attention, mamba) and the
-    speculative shape served (``speculative``: steps, top-k, draft tokens and where they came from; None without
-    speculative decoding)."""
+    """resolve's decision: the pair, the rule per half, rejected candidates with reasons, ``not_attention`` layers,
+    the ``speculative`` shape (None without speculative decoding) and per half the ``evidence`` for auto's choice."""
 
     prefill: str
     decode: str
@@ -90,14 +79,12 @@ class BackendsResolved(Event, tag="backends_resolved", kw_only=True):
     rejected: dict[str, list[Rejection]] = {}
     not_attention: list[LayerGroup] = []
     speculative: SpeculativeParams | None = None
+    evidence: dict[str, Evidence] = {}
 
 
 class RankRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One rank's line in the many-ranks table: where it runs and what it resolved.
-
-    ``prefill``/``decode`` are ``"-"`` and ``error`` holds the error code when that rank's own
-    resolve failed.
-    """
+    """One rank's line in the many-ranks table; ``prefill``/``decode`` are ``"-"`` and ``error`` the code when its
+    resolve failed."""
 
     rank: int
     host: str
@@ -109,9 +96,7 @@ class RankRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 class ResolutionAgreed(Event, tag="resolution_agreed", kw_only=True):
-    """Every rank of the launch resolved the same pair with the same attention args (resolve state).
-
-    ``table`` has one :class:`RankRow` per rank, in rank order; ``duration_ms`` is the exchange.
+    """Every rank resolved the same pair and attention args: ``table`` one :class:`RankRow` per rank, ``duration_ms``.
     """
 
     world_size: int
@@ -120,13 +105,9 @@ class ResolutionAgreed(Event, tag="resolution_agreed", kw_only=True):
 
 
 class RankStalled(Event, tag="rank_stalled", kw_only=True):
-    """This rank waited ``waited_s`` seconds at ``waiting_at`` and rank ``stalled_rank`` never arrived
-    (one record per missing rank, written by every waiting rank just before it fails).
-
-    ``last_state``: the stalled rank's last published state (``"never heard"`` when none);
-    ``seconds_since_heartbeat``: age of its last heartbeat (None when none); ``doing``: what it
-    reported being busy with (``""`` when unknown). See :mod:`pipeline.setup.rank_watch`.
-    """
+    """This rank waited ``waited_s`` at ``waiting_at`` and rank ``stalled_rank`` never arrived (one record per missing
+    rank). ``last_state`` (``"never heard"`` when none), ``seconds_since_heartbeat`` (None when none), ``doing``
+    (``""``)."""
 
     level: ClassVar[str] = "error"
     stalled_rank: int
@@ -171,9 +152,8 @@ class StepSkipped(Event, tag="step_skipped", kw_only=True):
 
 
 class FeatureDowngraded(Event, tag="feature_downgraded", kw_only=True):
-    """One of the allowed downgrades, a warning: TBO dropped on a draft worker; CUDA graphs off on a CUDA
-    device because the decode backend cannot be captured. ``avoid``: the fields that avoid it
-    (``{"disable_cuda_graph": true}``, ``{"enable_two_batch_overlap": false}``); with ``strict`` it is refused."""
+    """An allowed downgrade, a warning (TBO dropped on a draft worker; CUDA graphs off for an uncapturable decode
+    backend). ``avoid``: the fields that avoid it; with ``strict`` it is refused."""
 
     level: ClassVar[str] = "warning"
     what: str
@@ -182,12 +162,8 @@ class FeatureDowngraded(Event, tag="feature_downgraded", kw_only=True):
 
 
 class ReferenceFallback(Event, tag="reference_fallback", kw_only=True):
-    """Auto-selection put ``torch_native``, the slow reference backend, on an accelerator: a warning.
-
-    ``halves``: the halves that fell back; ``device``: type and arch; ``rejected``: every auto
-    candidate refused for those halves, with every reason; ``avoid``: the field that accepts the
-    reference backend explicitly (with ``strict`` the start is refused instead); ``message``: one line.
-    """
+    """Auto-selection put ``torch_native`` on an accelerator, a warning: ``halves``, ``device``, ``rejected``, ``avoid``
+    (the field accepting it explicitly; ``strict`` refuses instead), ``message``."""
 
     level: ClassVar[str] = "warning"
     halves: list[str]
@@ -229,9 +205,7 @@ class RunFailed(Event, tag="run_failed", kw_only=True):
 
 
 class RunInterrupted(Event, tag="run_interrupted", kw_only=True):
-    """The process is going away mid-run: a signal (``SIGTERM``) or an uncaught exception.
-
-    The last record such a run writes; ``state`` is the state it was in, ``error`` says why.
+    """The process is going away mid-run (signal or uncaught exception): the last record, with ``state`` and ``error``.
     """
 
     level: ClassVar[str] = "error"
@@ -281,11 +255,8 @@ class DistributedInitialized(Event, tag="distributed_initialized", kw_only=True)
 
 
 class ModelLoaded(Event, tag="model_loaded", kw_only=True):
-    """load-model: the attention stack built (random weights, fixed seed) and its size in bytes.
-
-    ``num_layers``: the hidden layers the stack spans (ids ``0..num_layers-1``); ``attention_layers``: how many of
-    them are attention layers, built; ``skipped_layers``: the others (``[{kind, layer_ids}]``: a hybrid's
-    linear-attention / mamba layers, not built). Both None in traces written before they were logged."""
+    """load-model: the attention stack built (random weights, fixed seed), its bytes, ``num_layers``,
+    ``attention_layers`` and ``skipped_layers`` (``[{kind, layer_ids}]``; both None in older traces)."""
 
     num_layers: int
     num_hidden_layers: int
@@ -298,11 +269,9 @@ class ModelLoaded(Event, tag="model_loaded", kw_only=True):
 
 
 class MemoryPoolSized(Event, tag="memory_pool_sized", kw_only=True):
-    """init-memory-pool: where the size came from, tokens and bytes of ``req_to_token`` and the K/V buffers.
-
-    ``graph_bytes_estimate``: the decode CUDA graphs' estimated private pool (:mod:`pipeline.memory.graphs`), taken
-    out of a ``mem_fraction`` budget before the pools were sized (``budget_bytes`` is what was left for them) and
-    counted with them against free memory; 0 without graphs and in traces written before it was estimated."""
+    """init-memory-pool: size source, tokens and bytes of ``req_to_token`` and K/V; ``graph_bytes_estimate`` (decode
+    graphs' pool, taken from the ``mem_fraction`` budget before ``budget_bytes``; 0 without graphs or in older traces).
+    """
 
     source: str
     budget_bytes: int | None = None
@@ -317,16 +286,9 @@ class MemoryPoolSized(Event, tag="memory_pool_sized", kw_only=True):
 
 
 class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
-    """One decode CUDA graph captured: batch size and capture time (warm-up run included).
-
-    ``graph_bytes``: bytes this batch size's capture added to the graphs' private memory pool (the sizes share one
-    pool, captured largest first, so smaller sizes mostly reuse it); ``device_bytes``: device memory free before
-    the capture minus free after (``torch.cuda.mem_get_info``; can be 0 or below when the allocator released
-    cached blocks to make room). Both 0 in traces written before they were measured. ``graph_bytes_estimate``:
-    what :mod:`pipeline.memory.graphs` estimated this size's capture adds to the pool (0 in older traces). ``mode``:
-    the captured step (``decode``; a speculative worker's ``target_verify`` or ``draft_decode``, whose ``bs``
-    requests hold ``num_draft_tokens`` or ``topk`` rows each).
-    """
+    """One CUDA graph captured: ``bs``, capture time (warm-up included), ``mode`` (``decode``, ``target_verify``,
+    ``draft_decode``). ``graph_bytes``: added to the shared private pool; ``device_bytes``: free memory before minus
+    after (may be <= 0); ``graph_bytes_estimate``: :mod:`pipeline.memory.graphs`'s estimate (all 0 in older traces)."""
 
     bs: int
     capture_ms: float
@@ -338,18 +300,10 @@ class CudaGraphCaptured(Event, tag="cuda_graph_captured", kw_only=True):
 
 
 class CudaGraphMemory(Event, tag="cuda_graph_memory", kw_only=True):
-    """Decode-graph capture done: what it took against what :mod:`pipeline.memory.graphs` estimated (bytes).
-
-    Estimated, by part: ``pool_estimate`` (the graphs' private pool), ``state_estimate`` (buffers kept for replay:
-    the runner's inputs, the backend's graph state and per-size wrappers), ``warmup_estimate`` (the warm-up stream's
-    cached temporaries and its cuBLAS workspace, ``blas_workspace_bytes`` of it), ``total_estimate`` (their sum,
-    what pool sizing set aside). Measured: ``pool_bytes`` (the private pool's segments,
-    ``torch.cuda.memory_snapshot()``) and ``step_device_bytes`` (free device memory before the capture step's first
-    buffer minus after its last capture). ``prime_device_bytes``: free device memory the process's one-time capture
-    costs took before the pool budget was read (:func:`pipeline.platforms.cuda.prime_capture`: PyTorch's
-    stream pool, lazily loaded graph machinery), outside the step and its estimate; 0 when the process had paid them
-    before, and in older traces.
-    """
+    """Graph capture done: measured against :mod:`pipeline.memory.graphs`'s estimates (bytes). Estimates:
+    ``pool_estimate``, ``state_estimate``, ``warmup_estimate`` (``blas_workspace_bytes`` of it), ``total_estimate``;
+    measured: ``pool_bytes`` (``memory_snapshot()``), ``step_device_bytes``, ``prime_device_bytes``
+    (:func:`pipeline.platforms.cuda.prime_capture`'s one-time costs; 0 when paid before or in older traces)."""
 
     backend: str
     batch_sizes: list[int]
@@ -364,19 +318,14 @@ class CudaGraphMemory(Event, tag="cuda_graph_memory", kw_only=True):
 
     @property
     def kept_estimate(self) -> int:
-        """Bytes the estimate says the capture step keeps once it is done: ``total_estimate`` less the warm-up's
-        temporaries (``warmup_estimate`` minus its cuBLAS workspace), which ``torch.cuda.graph`` gives back with the
-        ``empty_cache()`` before each capture. Compare it with ``step_device_bytes`` (measured after the last
-        capture); ``total_estimate`` is the step's peak, what pool sizing sets aside."""
+        """Bytes the capture step keeps: ``total_estimate`` less the warm-up's temporaries (compare
+        ``step_device_bytes``)."""
         return self.total_estimate - self.warmup_estimate + self.blas_workspace_bytes
 
 
 class ModelStepVerified(Event, tag="model_step_verified", kw_only=True):
-    """One extend/decode step of the attention stack checked against the float64 dense reference.
-
-    ``reference``: which one (:attr:`pipeline.runtime.model_steps.StepCheck.reference`): ``rounded``, or for an MLA
-    stack ``mla-absorbed`` (the kernel check) and ``mla-unabsorbed`` (the absorption check, two records per step);
-    ``""`` in traces written before it was recorded."""
+    """One extend/decode step checked against the float64 dense reference; ``reference``: ``rounded``, ``mla-absorbed``
+    or ``mla-unabsorbed`` (``""`` in older traces)."""
 
     step: str
     mode: str
@@ -398,10 +347,7 @@ class RunnerReady(Event, tag="runner_ready", kw_only=True):
 
 
 class CommandStarted(Event, tag="command_started", kw_only=True):
-    """A command-line launch began (``attn-setup run``): the subcommand and its arguments.
-
-    A launch that has one is ok (``inspect``) only when its ``command_finished`` says exit code 0:
-    one killed after the runner reached ``ready`` but before its checks ended is incomplete.
+    """A command-line launch began: subcommand and arguments. Such a launch is ok only with ``command_finished`` exit 0.
     """
 
     command: str
@@ -418,11 +364,7 @@ class CommandFinished(Event, tag="command_finished", kw_only=True):
 
 
 class Heartbeat(Event, tag="heartbeat", kw_only=True):
-    """Emitted while a long step (JIT compile, graph capture) is still running.
-
-    ``started_ns`` (wall clock) is when the step began, so a timeline can draw it as a slice;
-    ``message`` reads "still in <state>: <what> after N s".
-    """
+    """Emitted while a long step (JIT compile, graph capture) runs; ``started_ns`` (wall clock) and ``message``."""
 
     what: str
     elapsed_s: float
@@ -441,12 +383,9 @@ class PhaseTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 
 class StartupSummary(Event, tag="startup_summary", kw_only=True):
-    """Where the wall time of a launch went (:mod:`pipeline.observe.startup`): the last record before
-    ``command_finished``, on every exit it controls. ``wall_s`` from the process start
-    (``process_start_ns``, 0 when unknown) to this record; ``coverage`` = top-level phases / ``wall_s``.
-    The process start is its creation (``created_ns``, the kernel's ``fork`` time; 0 when unknown) moved past
-    ``idle_before_start_s``: the time between creation and attn-setup's first code in which the process did not
-    run (a shell's earlier commands before it ``exec``'d Python), which no phase and not ``wall_s`` counts."""
+    """Where a launch's wall time went (:mod:`pipeline.observe.startup`), the last record before ``command_finished``.
+    ``wall_s`` from ``process_start_ns`` (0 when unknown): ``created_ns`` moved past ``idle_before_start_s``;
+    ``coverage`` = top-level phases / ``wall_s``."""
 
     wall_s: float
     phases: list[PhaseTime]
@@ -458,9 +397,8 @@ class StartupSummary(Event, tag="startup_summary", kw_only=True):
 
 
 class SlowPhase(Event, tag="slow_phase", kw_only=True):
-    """A phase took longer than the threshold (``--slow-phase-s`` / ``ATTN_SETUP_SLOW_PHASE_S``): a warning,
-    logged when the phase ends (:mod:`pipeline.observe.startup`), ``state`` = the phase (a child that is not a
-    state: its parent)."""
+    """A phase exceeded ``--slow-phase-s`` / ``ATTN_SETUP_SLOW_PHASE_S``, a warning; ``state``: the phase (or its
+    parent)."""
 
     level: ClassVar[str] = "warning"
     retrospective: ClassVar[bool] = True  # about a phase that ended: not the state the run is in
@@ -471,9 +409,8 @@ class SlowPhase(Event, tag="slow_phase", kw_only=True):
 
 
 class JitVariantLoaded(Event, tag="jit_variant_loaded", kw_only=True):
-    """A FlashInfer JIT variant a backend of this run loaded: found ``cached`` or ``compiling`` (then
-    compiled), ``seconds`` from ``started_ns`` (wall clock); ``fields``: the variant's key fields (kind,
-    backend, dtypes, head dims, sliding window / softcap switches, arch). Written at the end of ``run``."""
+    """A FlashInfer JIT variant loaded (``cached`` or ``compiling``), ``seconds`` from ``started_ns``, key ``fields``.
+    """
 
     variant: str
     status: str
@@ -530,9 +467,7 @@ def catalogue_markdown() -> str:
 
 
 def print_catalogue(stream: Any = None) -> int:
-    """Write :func:`catalogue_markdown` to ``stream`` (stdout) for ``python -m pipeline.core.events``; returns the
-    exit code, 0. A reader that leaves early (``| head -3``) ends it quietly, as it does the CLI's commands: the
-    rest is dropped and stdout pointed at /dev/null, so the interpreter's last flush finds no closed pipe."""
+    """Write :func:`catalogue_markdown` to ``stream`` (stdout); returns 0, and ends quietly on a closed pipe."""
     import os
     import sys
 

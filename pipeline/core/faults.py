@@ -1,6 +1,4 @@
-"""Test-only fault injection: make a run fail at a named point, to check cleanup and error records.
-
-Details: docs/internals.md, ``pipeline.core.faults``.
+"""Test-only fault injection: make a run fail at a named point, to check cleanup and error records (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -15,9 +13,7 @@ __all__ = ["Faults", "InjectedFault", "points_of_run"]
 
 
 class InjectedFault(AttnSetupError):
-    """The error a :class:`Faults` point raises by default (``code="injected_fault"``, exit 1).
-
-    ``info.flags`` names the point: ``[("fault_point", "build:instance:primary")]``.
+    """The error a :class:`Faults` point raises by default (``injected_fault``, exit 1; ``info.flags`` names the point).
     """
 
     code = "injected_fault"
@@ -25,23 +21,9 @@ class InjectedFault(AttnSetupError):
 
 
 class Faults:
-    """Which points raise, and what every point saw.
-
-    Parameters
-    ----------
-    at : fault-point patterns that raise when reached (fnmatch syntax); empty = only record.
-    make_error : ``point -> BaseException`` to raise instead of :class:`InjectedFault`
-        (e.g. ``lambda p: RuntimeError(p)`` to mimic an untyped crash, or ``MemoryError``).
-    sleep_s : when > 0, a matching point sleeps this many seconds and then continues instead of
-        raising (a stalled rank: heartbeats say ``doing: injected sleep at <point>``).
-
-    Attributes
-    ----------
-    visited : every point reached, in order (also on runs that do not fail).
-    fired : the points that raised.
-    objects : weak references to the objects handed to :meth:`hit` (pools, workspaces, backends),
-        so a test can check that each one is garbage once the failed run has been cleaned up.
-    """
+    """Which points raise, and what every point saw. ``at``: fnmatch patterns that raise; ``make_error``: ``point ->
+    BaseException`` instead of :class:`InjectedFault`; ``sleep_s`` > 0: sleep and continue instead (a stalled rank).
+    Attributes ``visited``, ``fired``, ``objects`` (weak references to what :meth:`hit` saw, to check cleanup)."""
 
     def __init__(self, at: Iterable[str] = (), *,
                  make_error: Optional[Callable[[str], BaseException]] = None, sleep_s: float = 0.0) -> None:

@@ -1,10 +1,4 @@
-"""Opening user-named files safely: regular files only, reads capped.
-
-A path on the command line can name anything: a FIFO (opening it, or reading it, blocks until a
-writer comes — forever), ``/dev/zero`` or ``/dev/urandom`` (never end), ``/dev/full`` (every write
-fails), a directory. Every file attn-setup reads or appends to by name goes through
-:func:`open_regular`; bounded reads through :func:`read_capped`. Nothing here imports torch.
-"""
+"""Opening user-named files safely: regular files only (no FIFO, device or directory), reads capped; no torch."""
 
 from __future__ import annotations
 
@@ -36,11 +30,8 @@ def _ancestors(path: str) -> list[str]:
 
 
 def make_parent(path: str | os.PathLike, *, flag: str, code: str = "usage") -> None:
-    """Create the missing folders above an output file, as every output-path flag does (``--log-file``,
-    ``--perfetto``, ``--metrics-file``, ``graph -o``: one rule, the one the default ``./attn-setup-logs/`` needs).
-
-    Raises :class:`UsageError` (``code``, exit 2) naming ``flag`` when a folder cannot be created (a parent is a
-    file or a device, no permission)."""
+    """Create the missing folders above an output file (every output-path flag). Raises :class:`UsageError` (``code``,
+    exit 2) naming ``flag`` when one cannot be created."""
     p = os.fspath(path)
     parent = os.path.dirname(os.path.abspath(p))
     try:
@@ -54,9 +45,8 @@ def make_parent(path: str | os.PathLike, *, flag: str, code: str = "usage") -> N
 
 
 def check_output(path: str | os.PathLike, *, flag: str, what: str) -> None:
-    """An output path a command writes by name (``--metrics-file``, ``graph -o``) before it writes: an existing
-    target must be a regular file (a device such as ``/dev/full`` would be replaced by a rename, a FIFO would block a
-    write), and missing folders are created (:func:`make_parent`). Raises :class:`UsageError` naming ``flag``."""
+    """Check an output path before writing: an existing target must be a regular file; missing folders are created.
+    Raises :class:`UsageError` naming ``flag``."""
     p = os.fspath(path)
     try:
         mode = os.stat(p).st_mode
@@ -68,10 +58,8 @@ def check_output(path: str | os.PathLike, *, flag: str, what: str) -> None:
 
 
 def refuse_symlink(path: str | os.PathLike, *, flag: str, what: str) -> None:
-    """An output written through a temporary file renamed over it (``--metrics-file``, ``--perfetto``) must not be a
-    symbolic link: the rename would replace the link by a regular file, not write where it points (a link to
-    ``/proc/self/fd/1`` would turn into a file). Raises :class:`UsageError` ``output_is_symlink`` naming ``flag``
-    and the link's target."""
+    """Raise :class:`UsageError` ``output_is_symlink`` naming ``flag`` and the target when an output replaced by rename
+    (``--metrics-file``, ``--perfetto``) is a symbolic link."""
     p = os.fspath(path)
     if not os.path.islink(p):
         return
@@ -103,10 +91,8 @@ def check_replaceable(path: str | os.PathLike) -> None:
 
 
 def replace_atomically(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` whole or not at all: a temporary file beside it (``PATH.tmp<pid>``, same folder so
-    the rename stays on one file system), flushed, renamed over ``path``; removed whenever a step fails, so a full
-    disk leaves neither a truncated ``path`` nor a temporary file. Raises OSError, also for an existing ``path`` that
-    is a symbolic link or not a regular file (never touched)."""
+    """Write ``data`` to ``path`` whole or not at all (``PATH.tmp<pid>`` beside it, flushed, renamed; removed on
+    failure). Raises OSError, also for an existing symlink or non-regular ``path`` (never touched)."""
     p = os.fspath(path)
     check_replaceable(p)
     tmp = f"{p}.tmp{os.getpid()}"
@@ -125,18 +111,9 @@ def replace_atomically(path: str | os.PathLike, data: bytes) -> None:
 
 
 def open_regular(path: str | os.PathLike, mode: str, *, flag: str, what: str) -> IO[bytes]:
-    """Open ``path`` for binary reading (``"rb"``), appending (``"ab"``) or writing (``"wb"``; both
-    create a missing file and its missing folders, :func:`make_parent`), refusing anything that is not a regular
-    file.
-
-    A FIFO would block the open (or every read) forever and a device (``/dev/zero``,
-    ``/dev/urandom``, ``/dev/full``) never ends or fails every write, so the file is opened
-    non-blocking, checked with ``fstat`` (no race between check and use) and only then used.
-
-    Raises :class:`UsageError` naming ``flag`` (exit 2): ``not_a_regular_file``, or
-    ``file_unreadable`` / ``log_file_unwritable`` for an ``OSError`` (missing, a directory,
-    permissions).
-    """
+    """Open ``path`` for ``"rb"``, ``"ab"`` or ``"wb"`` (the latter two create it and its folders), non-blocking and
+    checked by ``fstat`` to be a regular file. Raises :class:`UsageError` naming ``flag`` (exit 2):
+    ``not_a_regular_file``, or ``file_unreadable`` / ``log_file_unwritable`` for an ``OSError``."""
     p = os.fspath(path)
     try:  # a FIFO with no reader fails a non-blocking open for writing (ENXIO): name what it is instead
         _refuse_irregular(os.stat(p).st_mode, p, flag=flag, what=what)
@@ -178,11 +155,8 @@ def ends_mid_line(path: str | os.PathLike) -> bool:
 
 
 def read_capped(path: str | os.PathLike, limit: int, *, flag: str, what: str) -> bytes:
-    """The whole content of the regular file ``path`` if it holds at most ``limit`` bytes.
-
-    Raises :class:`UsageError` naming ``flag`` (exit 2): those of :func:`open_regular`, and
-    ``file_too_large`` when the file is larger than ``limit`` (only ``limit + 1`` bytes are read).
-    """
+    """The content of regular file ``path`` if at most ``limit`` bytes; :class:`UsageError` naming ``flag`` as
+    :func:`open_regular`, or ``file_too_large``."""
     with open_regular(path, "rb", flag=flag, what=what) as fh:
         try:
             data = fh.read(limit + 1)

@@ -1,9 +1,5 @@
-"""A periodic beat while a long step runs (JIT compiles, graph capture): one shared mechanism.
-
-One daemon thread per process serves every active beat, so entering and leaving a step costs a
-lock and a dict update rather than a thread start and join (a start's hot path must stay cheap:
-``benchmarks/pipeline_overhead.py``). The thread starts on first use, never on import.
-"""
+"""A periodic beat while a long step runs (JIT compiles, graph capture): one lazily started daemon thread serves every
+beat."""
 
 from __future__ import annotations
 
@@ -46,10 +42,7 @@ def _ensure_thread() -> None:
 
 @contextmanager
 def beating(every_s: float, beat: Callable[[float], None], name: str = "") -> Iterator[None]:
-    """Call ``beat(elapsed_s)`` every ``every_s`` seconds while the body runs.
-
-    ``name`` is for debugging only. Beats stop as soon as the body ends (normally or by an
-    exception); a beat already running when it ends may still finish.
+    """Call ``beat(elapsed_s)`` every ``every_s`` seconds while the body runs (``name``: debugging); stops when it ends.
     """
     t0 = time.monotonic()
     key = next(_ids)

@@ -1,12 +1,5 @@
-"""What a stack cut to its first N attention layers holds, counted and said in words.
-
-``attn-setup run --num-layers N`` builds the first N *attention* layers (:func:`pipeline.core.spec.truncate_spec`):
-for a hybrid model (Qwen3-Next: three linear-attention layers, then one full) those span more hidden layers
-than N, and the linear-attention / mamba layers inside the span are skipped, not built. "8 of 48 layers built"
-read as 8 attention layers; :func:`span_text` says ``2 attention layers built (layers 0-7: 6 linear-attention
-skipped) of 48`` instead. ``run``'s model line, ``plan``'s CUDA-graph line and the ``model_loaded`` event
-(:func:`span_fields`) use it.
-"""
+"""What a stack cut to its first N attention layers holds, in words: ``2 attention layers built (layers 0-7: 6
+linear-attention skipped) of 48`` (:func:`span_text`, :func:`span_fields`)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """Numbers as the command line reads them and as the remedies search them.
 
-The number parsers of the integer and float flags and of the ``ATTN_SETUP_*`` variables that stand for them take
-decimal ASCII only: Python's ``int()`` and ``float()`` take any Unicode decimal digit and underscores between
-digits, so ``--max-reqs ٣`` (Arabic-Indic three), ``３`` (fullwidth) and ``8_0`` would be 3, 3 and 80 — values no
-one typed as such. A flag's number is an optional sign and the digits 0-9 (a float also a point, an exponent,
-``inf`` and ``nan``, which each flag's domain then checks). Anything else raises ValueError, which argparse reports
-as ``invalid int value`` / ``invalid float value``, and :func:`pipeline.cli.flags.parser_refusal` turns into the
-flag's typed refusal (exit 2, naming the flag, the value and what it takes).
-
-:func:`largest_fitting` is the binary search every memory remedy uses (the pools, the graphs, the workspaces),
-bounded by :data:`REMEDY_MAX_BS`.
+Flag and ``ATTN_SETUP_*`` numbers take ASCII decimal only (``int()`` would take ``٣``, ``３``, ``8_0``); anything else is
+ValueError, which :func:`pipeline.cli.flags.parser_refusal` makes the flag's typed refusal. :func:`largest_fitting`: the
+memory remedies' binary search, bounded by :data:`REMEDY_MAX_BS`.
 """
 
 from __future__ import annotations
@@ -42,17 +35,13 @@ ascii_int.__name__ = "int"  # argparse names the type in its message: "invalid i
 ascii_float.__name__ = "float"
 
 
-# A remedy never names a largest captured batch above this (the pool, graph and FlashInfer workspace remedies all
-# use it): its series (1, 2, 4, 8, 16, 24, … 8192: 1027 sizes) is estimated in about a second, so a remedy search
-# stays within seconds, while a workspace fitting 2**48 bytes would fit ~850M captured requests, a series no plan or
-# capture gets through.
+# Remedies never name a largest captured batch above this: its series (1027 sizes) is estimated in about a second.
 REMEDY_MAX_BS = 8192
 
 
 def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool]) -> Optional[int]:
-    """The largest of ``candidates`` (ascending) with ``fits``, or None: the largest is tried first (a lowered top
-    often fits at once), then a binary search, O(log n) calls — valid because ``fits`` holds on a prefix (the
-    estimate is nondecreasing in the top, :class:`pipeline.memory.pools.GraphTrial`)."""
+    """The largest of ``candidates`` (ascending) with ``fits`` (which holds on a prefix), or None: the largest first,
+    then a binary search."""
     if not candidates or not fits(candidates[0]):
         return None
     if fits(candidates[-1]):

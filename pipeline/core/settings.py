@@ -1,13 +1,8 @@
-"""Settings sglang also reads from the environment: explicit field > env var > default.
+"""Settings sglang also reads from the environment: explicit field > env var > default, logged as ``setting_resolved``.
 
-- ``zbal_local_mem_size`` ↔ ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` (bytes; default 0 = off).
-- ``flashinfer_workspace_size`` ↔ ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` (bytes; the default is the
-  FlashInfer backends' own rule: :func:`pipeline.backends.flashinfer.rules.flashinfer_workspace_size`).
-
-The resolved value and the source that won (a :class:`Setting`) are logged as a ``setting_resolved`` event. A value
-from the environment passes the same check as the field (:func:`pipeline.core.validation.check_size`),
-so ``SGLANG_FLASHINFER_WORKSPACE_SIZE=0`` is refused like ``--flashinfer-workspace-size 0``;
-:func:`check_env` runs both checks up front, before anything is allocated.
+``zbal_local_mem_size`` ↔ ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` (bytes, default 0 = off); ``flashinfer_workspace_size`` ↔
+``SGLANG_FLASHINFER_WORKSPACE_SIZE`` (default :func:`pipeline.backends.flashinfer.rules.flashinfer_workspace_size`). An
+env value is checked like the field (:func:`check_env`, up front).
 """
 
 from __future__ import annotations
@@ -60,10 +55,7 @@ def _from_env(env: Mapping[str, str], field: str) -> Optional[int]:
 
 
 def check_env(env: Mapping[str, str] = os.environ) -> None:
-    """Check every size env var sglang also reads (set or not), as its field is checked.
-
-    Raises ConfigError (``invalid_value``) naming the variable, its value and the allowed range.
-    """
+    """Check every size env var sglang also reads; ConfigError (``invalid_value``) naming variable, value and range."""
     for field in ENV_VARS:
         _from_env(env, field)
 
@@ -111,11 +103,8 @@ def _edit_distance(a: str, b: str, cap: int) -> int:
 
 
 def env_lookalikes(env: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
-    """``(name, known)`` for every set variable that is not one attn-setup reads but looks like one: the
-    same letters in another case, or within :data:`LOOKALIKE_DISTANCE` edits of a known name (a typo such
-    as ``SGLANG_FLASHINFER_WORKSPACE_SIZ``, which would otherwise be ignored without a word). Sorted by name.
-    ``run`` logs each as an ``env_var_lookalike`` warning; nothing is refused (the variable may be another tool's).
-    """
+    """``(name, known)`` for each set variable that looks like one attn-setup reads (other case, or within
+    :data:`LOOKALIKE_DISTANCE` edits), sorted; ``run`` warns ``env_var_lookalike``, nothing is refused."""
     out = []
     for name in env:
         if name in KNOWN_ENV_VARS or name.startswith(SECRET_PREFIX):

@@ -1,7 +1,5 @@
-"""The speculative-decoding shape of a start — steps, top-k, draft tokens — settled as sglang 0.5.23 settles it.
-
-Details: docs/internals.md, ``pipeline.core.speculative``.
-"""
+"""The speculative-decoding shape of a start — steps, top-k, draft tokens — settled as sglang 0.5.23 settles it
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +8,6 @@ from typing import Any, Optional
 from pipeline.core.contracts import SpeculativeParams
 from pipeline.core.errors import ConflictingOptions
 
-EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 # sglang's _auto_choose_speculative_params: (num_steps, topk, num_draft_tokens) per target architecture
 AUTO_TREE_ARCHS = ("LlamaForCausalLM", "Grok1ForCausalLM", "Grok1VForCausalLM")
 AUTO_TREE = (5, 4, 8)
@@ -91,14 +88,9 @@ def _without_steps(args: Any, auto: tuple[int, int, int]) -> list[dict[str, Any]
 
 
 def decide_speculative(args: Any, target: Any) -> Optional[SpeculativeParams]:
-    """The (steps, top-k, draft tokens) this start serves, or None without ``speculative_algorithm``.
-
-    ``args``: :class:`~pipeline.core.contracts.AttentionArgs`; ``target``: the *target* model's
-    :class:`~pipeline.core.spec.ModelSpec` (its ``architectures`` pick sglang's defaults), on a draft worker too.
-    Raises :class:`~pipeline.core.errors.ConflictingOptions` (``conflicting_options``, exit 3) naming the flags for
-    the combinations sglang asserts on, silently rewrites or fails on later (docs/internals.md,
-    ``pipeline.core.speculative``), each with a remedy that then resolves.
-    """
+    """The (steps, top-k, draft tokens) this start serves, or None without ``speculative_algorithm``; ``target``: the
+    target model's spec (picks sglang's defaults). Raises :class:`~pipeline.core.errors.ConflictingOptions` (exit 3) for
+    combinations sglang asserts on or rewrites, with a remedy."""
     if args.speculative_algorithm is None:
         return None
     algo = args.speculative_algorithm.upper()

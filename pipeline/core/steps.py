@@ -1,7 +1,4 @@
-"""Step tables: one record per step of a state machine, and everything derived from the table.
-
-Details: docs/internals.md, ``pipeline.core.steps``.
-"""
+"""Step tables: one record per step of a state machine, and everything derived from the table (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -58,14 +55,9 @@ class Step:
 
 @dataclass(frozen=True)
 class StepTable:
-    """A machine's steps in order, its success state and how its messages name things.
-
-    ``machine``: the machine's name (``setup``, ``runner``); ``success``: the terminal state reached after the
-    last step (``failed`` is reachable from every other state by the ``fail`` trigger); ``event``: the record
-    type each move is logged as (``state_transition``, ``runner_transition``); ``label``: how an error names a
-    trigger; ``remedy``: what an out-of-order error advises; ``enum_name``/``module``: the derived Enum's name
-    and module (so its members pickle and print like a hand-written one).
-    """
+    """A machine's steps in order, its success state and how its messages name things. ``machine`` (``setup``,
+    ``runner``); ``success``: terminal state; ``event``: the move's record type; ``label``: how an error names a
+    trigger; ``remedy``: out-of-order advice; ``enum_name``/``module``: the derived Enum's identity."""
 
     machine: str
     steps: tuple[Step, ...]
@@ -120,11 +112,6 @@ class StepTable:
         """guard name → the invariant it protects."""
         return {g.name: g.invariant for s in self.steps for g in self.guards(s)}
 
-    @property
-    def skip_markers(self) -> dict[str, str]:
-        """``step_skipped`` ``what`` → the state it marks as skipped as a whole."""
-        return {s.skip: s.state for s in self.steps if s.skip}
-
     def fault_points(self, inner: Optional[Callable[[Step], Iterable[str]]] = None) -> list[str]:
         """The fault points a successful run visits, in order: ``state:<s>``, the step's own (``inner(step)``
         when given, else its ``faults`` patterns), ``state:<s>:done``."""
@@ -141,9 +128,8 @@ class StepTable:
 
     @cached_property
     def machine_rules(self) -> Machine:
-        """One pytransitions ``Machine`` with this table's states and transitions and no model, built on first use
-        and shared: :class:`TableMachine` registers each run's model with it and removes it again at once (the
-        model keeps its trigger methods; the shared machine keeps no reference to any run)."""
+        """One shared pytransitions ``Machine`` with this table's states and transitions, built on first use;
+        :class:`TableMachine` adds each run's model and removes it at once."""
         return Machine(model=[], states=list(self.State), transitions=self.transitions(),
                        initial=self.State(self.steps[0].state), auto_transitions=False, send_event=False)
 
@@ -161,11 +147,8 @@ class GuardError(OrderingError):
 
 class TableMachine:
     """A pytransitions ``Machine`` over ``model`` for ``table``, with typed errors and timing.
-
-    ``on_transition(from_state, to_state, trigger, duration_ms)`` is called after every move; states are
-    members of ``table.State``. :meth:`fire` refuses out-of-order triggers (OrderingError) and blocked guards
-    (GuardError); :meth:`require_state` and :meth:`require` check before work starts.
-    """
+    ``on_transition(from_state, to_state, trigger, duration_ms)`` after every move; :meth:`fire` raises OrderingError /
+    GuardError; :meth:`require_state` and :meth:`require` check before work starts."""
 
     def __init__(self, table: StepTable, model: Any,
                  on_transition: Optional[Callable[[Any, Any, str, float], None]] = None) -> None:
@@ -256,10 +239,8 @@ class TableMachine:
 
 @dataclass
 class Decided:
-    """What a decide-only walk found: each step's decision by state, in table order, and the refusal that
-    stopped it (``(state, error)``; the state's decision is present when its ``check`` refused it, absent
-    when its ``decide`` did). ``inputs``: what the decisions were made from (a caller's key: a run takes
-    them only for equal inputs)."""
+    """A decide-only walk: each state's decision in table order, the refusal that stopped it (``(state, error)``), and
+    the ``inputs`` they were made from."""
 
     table: StepTable
     decisions: dict[str, Any] = field(default_factory=dict)
@@ -356,14 +337,10 @@ def decide(table: StepTable, ctx: Any, *, inputs: Any = None) -> Decided:
 
 
 def replay(table: StepTable, ctx: Any, recorded: Any, error: Any, check: Callable[[str, str, Any, Any], None]) -> None:
-    """Decide every step of ``table`` for ``ctx`` (built from the recorded inputs) and compare with ``recorded``.
-
-    ``recorded``: the run's records (``.records``, ``.first(cls)``, ``.all(cls)``); ``error``: the ErrorInfo of
-    its failure, or None. ``check(state, field, recorded, now)`` raises on a difference. A step's typed refusal
-    must match the recorded failure of its state (``error.code`` and ``error.message``), and a state that
-    failed as recorded before its decision was logged must refuse now. Raises :class:`Stop` where the recorded
-    run ended (a state never entered, a failure, a decision not recorded).
-    """
+    """Decide every step of ``table`` for ``ctx`` and compare with ``recorded`` (``.records``, ``.first``, ``.all``).
+    ``error``: the recorded failure's ErrorInfo or None; ``check(state, field, recorded, now)`` raises on a difference.
+    A typed refusal must match the recorded failure (code and message). Raises :class:`Stop` where the recorded run
+    ended."""
     entered = {table.steps[0].state} | {r.to for r in recorded.records if isinstance(r, table.event)}
     for step in table.steps:
         if step.state not in entered:

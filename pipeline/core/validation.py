@@ -1,8 +1,5 @@
-"""Checks of values before anything is allocated: field-level checks run from the contracts' ``__post_init__``,
-value domains and device spellings the library and the command line share.
-
-Details: docs/internals.md, ``pipeline.core.validation``.
-"""
+"""Checks of values before anything is allocated: field checks run from the contracts' ``__post_init__``, and the value
+domains and device spellings the library and the command line share (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -79,15 +76,10 @@ def _num(v: float) -> str:
 
 @dataclass(frozen=True)
 class Domain:
-    """The values one setting takes.
-
-    ``kind``: ``int`` (``lo``..``hi``, inclusive), ``float`` (finite; ``lo``/``hi`` inclusive unless
-    ``lo_open``/``hi_open``), ``choice`` (``choices``; ``any_case`` ignores letter case and blanks around),
-    ``text`` (non-empty), ``device`` (:func:`device_spelling`), ``packages`` (a comma-separated subset of
-    ``choices``, ``''`` = none).
-    ``hidden`` choices are admitted but not listed (known names refused later with a more specific error).
-    ``example`` is a value inside the domain, offered by remedies.
-    """
+    """The values one setting takes. ``kind``: ``int`` (``lo``..``hi`` inclusive), ``float`` (finite;
+    ``lo_open``/``hi_open``), ``choice`` (``any_case`` ignores case and blanks), ``text`` (non-empty), ``device``
+    (:func:`device_spelling`), ``packages`` (comma-separated subset, ``''`` = none). ``hidden`` choices are admitted
+    unlisted; ``example``: an in-domain value for remedies."""
 
     kind: str
     example: Any
@@ -117,7 +109,8 @@ class Domain:
         if self.kind == "device":
             return device_spelling(v) is not None
         if self.kind == "packages":
-            names = [p.strip().lower() for p in v.split(",") if p.strip()] if isinstance(v, str) else [None]
+            names = [p.split("==")[0].strip().lower() for p in v.split(",") if p.strip()] if isinstance(v, str) \
+                else [None]  # NAME or NAME==VERSION
             return all(n in self._choices() for n in names)
         raise ValueError(f"unknown domain kind {self.kind!r}")
 
@@ -127,7 +120,8 @@ class Domain:
         enough, or the domain holds no names. Raises nothing."""
         if self.kind not in ("choice", "packages") or not isinstance(v, str) or self.admits(v):
             return None
-        names = [p.strip() for p in v.split(",") if p.strip()] if self.kind == "packages" else [v.strip()]
+        names = [p.split("==")[0].strip() for p in v.split(",") if p.strip()] if self.kind == "packages" \
+            else [v.strip()]
         lowered = [c.lower() for c in self.choices]
         for name in names:
             if name.lower() not in lowered:
@@ -185,8 +179,7 @@ def check_draft_fields(r: Any) -> None:
                                  "speculative_draft_attention_backend")
 
 
-# One alias set for --dtype and --kv-cache-dtype (sglang's dtype takes half/float, its kv_cache_dtype bf16: both take
-# every spelling here); canonical name -> its spellings. pipeline.core.dtypes.norm_dtype maps each to its name.
+# One alias set for --dtype and --kv-cache-dtype: canonical name -> spellings (pipeline.core.dtypes.norm_dtype).
 DTYPE_SPELLINGS = {"bfloat16": ("bfloat16", "bf16"), "float16": ("float16", "fp16", "half"),
                    "float32": ("float32", "fp32", "float")}
 _FLOATS = tuple(a for names in DTYPE_SPELLINGS.values() for a in names)
@@ -194,17 +187,14 @@ KV_CACHE_DTYPES = ("auto", *_FLOATS, "fp8_e4m3", "fp8_e5m2")
 MODEL_DTYPES = ("auto", *_FLOATS)
 MAX_PAGE_SIZE = 4096
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
-# sglang 0.5.23's --moe-a2a-backend choices (arg_groups/fields/exec_.py); "none" = no expert-parallel all-to-all.
-# Written as one string: two of them are FlashInfer's MoE all-to-all kernels, which share a name with its attention
-# backend (tests/test_structure.py keeps attention backend names inside pipeline/backends).
+# sglang 0.5.23's --moe-a2a-backend choices ("none" = no all-to-all), one string: tests/test_structure.py keeps
+# attention backend names inside pipeline/backends.
 MOE_A2A_BACKENDS = tuple("none deepep mooncake nixl mori ascend_fuseep flashinfer megamoe deepep_v2 ascend_tp pplx "
                          "flashinfer_megamoe".split())
 MAX_SPEC = 1024  # upper bound of the speculative counts (steps, top-k, draft tokens): far above any real tree
-# Byte sizes (workspaces, lazy memory) above this are typos: far above any device's memory, and
-# well inside torch's int64 sizes. build-mode also checks a workspace against the device's memory.
+# Byte sizes above this are typos (far above any device, inside int64).
 MAX_BYTES = 1 << 48
-# req_to_token holds int32 token locations and seq lens are int32 (sglang's ReqToTokenPool), so no
-# pool dimension can exceed the int32 range.
+# req_to_token and seq lens are int32 (sglang's ReqToTokenPool): no pool dimension exceeds int32.
 MAX_POOL_DIM = (1 << 31) - 1
 DEVICE_TYPES = ("auto", "cpu", "cuda", "musa", "npu", "xpu", "mps")
 _DEVICE = re.compile(r"(auto|cpu)|(cuda|musa|npu|xpu|mps)(?::([0-9]{1,6}))?", re.ASCII)
@@ -212,11 +202,7 @@ _DEVICE = re.compile(r"(auto|cpu)|(cuda|musa|npu|xpu|mps)(?::([0-9]{1,6}))?", re
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
-# --------------------------------------------------------------------------------------------
-# Types: msgspec checks field types when it decodes or converts, not when Python code calls a
-# Struct's constructor, so every input contract checks its own fields here (library callers get
-# the same typed error the CLI's flags get).
-# --------------------------------------------------------------------------------------------
+# Types: msgspec does not check a Struct's constructor arguments, so every input contract checks its fields here.
 
 _HINTS: dict[type, dict[str, Any]] = {}
 
@@ -252,11 +238,8 @@ def is_text(v: Any) -> bool:
 
 
 def matches(v: Any, tp: Any) -> bool:
-    """Whether ``v`` is a value of the annotation ``tp`` as msgspec would decode it.
-
-    ``int`` excludes bool and values outside int64; ``float`` accepts ints; ``str`` must be valid
-    UTF-8 text; ``list``/``tuple``/``dict`` are checked element by element; Structs by isinstance.
-    """
+    """Whether ``v`` is a value of annotation ``tp`` as msgspec would decode it (``int``: no bool, int64; ``float``
+    takes ints; ``str`` valid UTF-8; containers element-wise; Structs by isinstance)."""
     if tp is Any:
         return True
     if tp is type(None):
@@ -302,11 +285,7 @@ _TYPE_REMEDY = {
 
 
 def check_types(obj: msgspec.Struct, prefix: str = "") -> None:
-    """Raise ConfigError (``invalid_value``) for the first field whose value is not of its annotated type.
-
-    The error names the field (``prefix`` + name), its value, the expected type and a remedy. Run
-    from the input contracts' ``__post_init__`` before their domain checks.
-    """
+    """Raise ConfigError (``invalid_value``) for the first field (``prefix`` + name) not of its annotated type."""
     cls = type(obj)
     for name, tp in _hints(cls).items():
         if name not in cls.__struct_fields__:
@@ -335,13 +314,8 @@ def _describe(v: Any) -> str:
 
 
 def check_size(field: str, value: Optional[int], *, allow_zero: bool, source: Optional[str] = None) -> None:
-    """The one check of a byte-size setting, wherever its value came from.
-
-    ``value`` must be an integer in ``[0 or 1, MAX_BYTES]``. ``source`` names where it came from
-    when that is not the field itself (an environment variable such as
-    ``SGLANG_FLASHINFER_WORKSPACE_SIZE``): the error then names that variable, so the flag and the
-    variable with the same value are refused alike. Raises ConfigError (``invalid_value``).
-    """
+    """The one byte-size check: ``value`` an integer in ``[0 or 1, MAX_BYTES]``; ``source`` (e.g.
+    ``SGLANG_FLASHINFER_WORKSPACE_SIZE``) is named instead of the field. Raises ConfigError (``invalid_value``)."""
     if value is None:
         return
     lo = 0 if allow_zero else 1
@@ -365,11 +339,8 @@ def _short(v: Any) -> str:
 
 
 def check_device(device: str) -> None:
-    """``auto``, ``cpu``, or an accelerator type with an optional ASCII index (``cuda``, ``cuda:1`` …).
-
-    Raises ConfigError (``invalid_value``, flag ``device``) for anything else — a non-ASCII digit
-    such as ``cuda:²`` included (``str.isdigit`` accepts it, ``int()`` does not).
-    """
+    """``auto``, ``cpu``, or an accelerator type with an optional ASCII index (``cuda:1``); else ConfigError
+    (``invalid_value``, flag ``device``)."""
     if not isinstance(device, str) or not _DEVICE.fullmatch(device):
         _bad("device", device, ["auto", "cpu", "cuda", "cuda:N", "musa[:N]", "npu[:N]", "xpu[:N]"],
              "set device='auto' to pick this machine's accelerator, or device='cpu' (N: 0-9 digits)")
@@ -443,12 +414,8 @@ def check_attention_args(a: Any) -> None:
 
 
 def check_pool_facts(p: Any) -> None:
-    """Type and domain checks of :class:`PoolFacts` (raises ConfigError).
-
-    Each size is in ``[1, 2**31 - 1]``: ``req_to_token`` stores int32 token locations (sglang's
-    ``ReqToTokenPool``), so a larger pool could not be addressed. Whether the pools fit the
-    device's memory is checked where they are allocated (:func:`pipeline.memory.pools.check_fits`).
-    """
+    """Type and domain checks of :class:`PoolFacts` (ConfigError): each size in ``[1, 2**31 - 1]`` (int32
+    ``req_to_token``)."""
     _positive("pool.max_reqs", p.max_reqs, upper=MAX_POOL_DIM)
     _positive("pool.max_context_len", p.max_context_len, upper=MAX_POOL_DIM)
     _positive("pool.num_token_slots", p.num_token_slots, upper=MAX_POOL_DIM)

@@ -1,7 +1,4 @@
-"""One value (a flag's, a field's, a recorded decision's) as people read it: never a Python repr.
-
-Details: docs/internals.md, ``pipeline.core.value_text``.
-"""
+"""One value (a flag's, a field's, a recorded decision's) as people read it: never a Python repr (docs/internals.md)."""
 
 from __future__ import annotations
 

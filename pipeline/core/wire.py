@@ -1,15 +1,9 @@
 """The event records' wire form: one JSON line per record (:func:`encode`) and back (:func:`decode_line`).
 
-JSON has no NaN or infinity, and msgspec would write them as ``null`` — a value the reader then refuses for a
-``float`` field, dropping the whole record. So a non-finite float is written as the string ``"NaN"``, ``"Infinity"``
-or ``"-Infinity"`` (the spelling protobuf's JSON mapping uses) and a ``float`` field holding one of those strings
-reads back as the float (:data:`FLOAT_FIELDS` says per record type where its float fields are, nested Structs and
-containers included); ``null`` in a ``float`` field that cannot be None (what older versions wrote) reads back as
-NaN. Inside free-form fields (``Any``: a request, a config) the string stays a string. A string holding a lone
-UTF-16 surrogate (which UTF-8 cannot encode) is written with the surrogate as the text ``\\udXXX``; secrets are
-redacted (never in the envelope or a machine's own names); a free-form value nested deeper than readers keep is
-written as ``"<nested too deep>"``. Every record therefore encodes, and every record encoded reads back
-(``tests/test_event_wire.py`` checks it over every record type with hypothesis).
+Non-finite floats are written ``"NaN"``/``"Infinity"``/``"-Infinity"`` (protobuf's JSON spelling) and read back as
+floats in ``float`` fields (:data:`FLOAT_FIELDS`; ``null`` there reads as NaN), strings elsewhere. Lone surrogates are
+written ``\\udXXX``, secrets redacted, too-deep free-form values ``"<nested too deep>"``: every record encodes and reads
+back (tests/test_event_wire.py).
 """
 
 from __future__ import annotations
@@ -80,13 +74,8 @@ def _restore(x: Any, spec: Any) -> Any:
 
 
 class FloatFields(Mapping[str, Any]):
-    """Event tag → where its float fields are (see :func:`_float_spec`; for ``"NaN"``/``"Infinity"`` text), over
-    ``by_tag`` (tag → record type; an unknown tag is a KeyError, as for a dict).
-
-    Computed per tag on first lookup, not at import: ``msgspec.inspect.type_info`` over every record type
-    took ~70 % of this module's import time, paid by every process (``plan`` included) whether or not it
-    ever reads a record with a non-finite float.
-    """
+    """Event tag → where its float fields are (:func:`_float_spec`) over ``by_tag`` (unknown tag: KeyError); computed
+    per tag on first lookup to keep import cheap."""
 
     def __init__(self, by_tag: Mapping[str, type]) -> None:
         self._by_tag = by_tag
@@ -115,11 +104,9 @@ _BY_TAG: dict[str, type[Event]] = {c.__struct_config__.tag: c for c in EVENT_TYP
 _decoder = msgspec.json.Decoder(AnyEvent)
 _encoder = msgspec.json.Encoder()
 
-# Envelope fields: identifiers the library writes itself, never redacted (a secret equal to a state
-# name or a run id must not rewrite the record's identity).
+# Envelope fields: identifiers the library writes itself, never redacted.
 ENVELOPE = ("event", "schema_version", "ts_ns", "run_id", "rank", "launch_id", "state", "outcome")
-# A transition's states and trigger are names from a machine's own closed set, never user text: a secret that happens
-# to equal one ("ready") must not rewrite it (inspect then showed a "<redacted>" state).
+# A transition's states and trigger: a machine's closed names, never user text, never redacted.
 MACHINE_NAMES = {"runner_transition": ("from", "to", "trigger"), "state_transition": ("from", "to", "trigger")}
 
 
@@ -145,9 +132,8 @@ TOO_DEEP = "<nested too deep>"
 
 
 def _wire(x: Any, redact: Optional[Callable[[str], str]], depth: int = 0, closed: Any = None) -> Any:
-    """Builtins ready for JSON: non-finite floats as text, strings cleaned (and redacted, except where
-    ``closed`` marks a Literal/Enum value, which redaction would make invalid), and a container nested
-    deeper than a reader keeps replaced by :data:`TOO_DEEP`."""
+    """Builtins ready for JSON: non-finite floats as text, strings cleaned (and redacted unless ``closed``), too-deep
+    containers as :data:`TOO_DEEP`."""
     t = type(x)
     if t is str:
         return redact(_clean_str(x)) if redact is not None and closed is not True else _clean_str(x)
@@ -196,11 +182,9 @@ _CLOSED: dict[type, dict[str, Any]] = {}
 
 
 def to_wire(event: Event, redact: Optional[Callable[[str], str]] = None) -> dict[str, Any]:
-    """The record as the JSON object written for it: builtins, non-finite floats as ``"NaN"`` /
-    ``"Infinity"`` / ``"-Infinity"``, lone surrogates escaped, and — with ``redact`` — every string
-    *value* outside the envelope (:data:`ENVELOPE`) and outside Literal/Enum fields passed through
-    ``redact`` after escaping (keys never are; ``redact`` gets text as written, so it must match
-    secrets in that form too — see :func:`pipeline.core.eventlog.redactor`)."""
+    """The record as the JSON object written: builtins, non-finite floats as text, lone surrogates escaped and, with
+    ``redact``, every string value outside the envelope (:data:`ENVELOPE`) and Literal/Enum fields redacted after
+    escaping (keys never)."""
     cls = type(event)
     closed = _CLOSED.get(cls)
     if closed is None:
@@ -218,10 +202,7 @@ _LEAVES = (str, int, bool, type(None), bytes)  # values that never need the wire
 
 
 def _needs_wire(x: Any, depth: int = 0) -> bool:
-    """Whether a free-form value holds a non-finite float or nests too deep for the fast path.
-
-    Loops rather than ``any(...)`` and skips the plain leaves without a call: the request a ``run_started``
-    record carries has ~100 of them, walked on every setup."""
+    """Whether a free-form value holds a non-finite float or nests too deep for the fast path."""
     t = type(x)
     if t is float:
         return not math.isfinite(x)
@@ -244,13 +225,8 @@ def _needs_wire(x: Any, depth: int = 0) -> bool:
 
 
 def encode(event: Event, redact: Optional[Callable[[str], str]] = None) -> bytes:
-    """One JSON line (without the newline); see :func:`to_wire`. Never raises for a well-typed record,
-    and never writes one a reader skips (a free-form value nested deeper than :data:`MAX_DEPTH`
-    allows is written as :data:`TOO_DEEP`).
-
-    Without ``redact``, a record with only finite floats and UTF-8-encodable strings (nearly all) is
-    encoded by msgspec directly — the same bytes, without building its builtins first.
-    """
+    """One JSON line (no newline), see :func:`to_wire`; never raises for a well-typed record (values deeper than
+    :data:`MAX_DEPTH` become :data:`TOO_DEEP`). Without ``redact`` the common case is encoded by msgspec directly."""
     if redact is None:
         floats, anys = _fast_plan(type(event))
         if floats is not None and all(_finite(getattr(event, f)) for f in floats) and not any(
@@ -310,10 +286,7 @@ def restore_floats(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode_line(line: bytes | str) -> Event:
-    """Decode one JSON line back into its typed record (raises ``msgspec.DecodeError``/``ValidationError``).
-
-    Non-finite floats written as text (see the module docstring) read back as floats.
-    """
+    """Decode one JSON line into its typed record (raises ``msgspec.DecodeError``/``ValidationError``)."""
     try:
         return _decoder.decode(line)
     except msgspec.ValidationError:

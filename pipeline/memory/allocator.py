@@ -1,8 +1,5 @@
-"""A model of PyTorch's CUDA caching allocator for one private pool, and the decode forward's allocations traced
-through it, tensor by tensor (what :mod:`pipeline.memory.graphs` estimates). Torch-free.
-
-Details: docs/internals.md, ``pipeline.memory.allocator``.
-"""
+"""A model of PyTorch's CUDA caching allocator for one private pool, and the decode forward's allocations traced through
+it (what :mod:`pipeline.memory.graphs` estimates). Torch-free (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -23,17 +20,13 @@ K_LARGE_BUFFER = 20 * MiB     # kLargeBuffer: the segment a request between 1 an
 K_MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: from here on a segment is the request rounded to kRoundLarge
 K_ROUND_LARGE = 2 * MiB       # kRoundLarge
 
-# PyTorch's default cuBLAS workspace (CublasHandlePool.cpp, parseChosenWorkspaceSize): ":4096:8" (32 MiB) on
-# Hopper, ":4096:2:16:8" (8 MiB + 128 KiB) elsewhere; CUBLAS_WORKSPACE_CONFIG overrides both.
+# PyTorch's default cuBLAS workspace: ":4096:8" (32 MiB) on Hopper, ":4096:2:16:8" elsewhere.
 BLAS_WORKSPACE_32MIB_ARCHS = ("sm90",)
 
 
 def blas_workspace_bytes(arch: str, env: Mapping[str, str] = os.environ) -> int:
-    """Bytes of the cuBLAS workspace PyTorch allocates per (handle, stream) on ``arch`` (``"sm90"`` …).
-
-    ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KIB:COUNT`` pairs, summed, as PyTorch parses it) when set and readable,
-    else 32 MiB on :data:`BLAS_WORKSPACE_32MIB_ARCHS` and 4096 KiB x 2 + 16 KiB x 8 elsewhere.
-    """
+    """Bytes of the cuBLAS workspace per (handle, stream) on ``arch``: ``CUBLAS_WORKSPACE_CONFIG`` summed when readable,
+    else 32 MiB on :data:`BLAS_WORKSPACE_32MIB_ARCHS`, 4096 KiB x 2 + 16 KiB x 8 elsewhere."""
     text = env.get("CUBLAS_WORKSPACE_CONFIG", "")
     pairs = re.findall(r":([0-9]+):([0-9]+)", text)
     if pairs:
@@ -42,11 +35,8 @@ def blas_workspace_bytes(arch: str, env: Mapping[str, str] = os.environ) -> int:
 
 
 class PoolModel:
-    """One private memory pool of PyTorch's CUDA caching allocator (one stream), as its rules are documented.
-
-    :meth:`malloc` returns a block handle, :meth:`free` returns it; :attr:`reserved` is the bytes of every segment
-    created (what ``torch.cuda.memory_snapshot()`` reports for the pool). Pure Python, no device.
-    """
+    """One private pool of PyTorch's CUDA caching allocator (one stream): :meth:`malloc` / :meth:`free` block handles,
+    :attr:`reserved` the bytes of every segment. Pure Python."""
 
     def __init__(self) -> None:
         self.reserved = 0

@@ -1,8 +1,5 @@
-"""``attn-setup plan``'s check of the whole plan against the device profile — KV pools, decode CUDA graphs and
-workspaces together — so that it refuses what ``run`` certainly refuses, with remedies that pass the whole plan.
-
-Details: docs/internals.md, ``pipeline.memory.fits``.
-"""
+"""``attn-setup plan``'s check of the whole plan against the device profile (KV pools, decode CUDA graphs, workspaces),
+refusing what ``run`` certainly refuses, with remedies that pass the whole plan (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -26,10 +23,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def plan_pools(request: "SetupRequest", estimate: Optional[GraphMemoryEstimate], ws: int) -> Any:
-    """The :class:`~pipeline.memory.pools.PoolSizing` ``run`` sizes for ``request`` (its served model the
-    stack run builds) when no ``--mem-bytes`` / ``--mem-fraction`` is given: ``req_to_token`` and the KV pool of
-    ``pool.num_token_slots`` (:func:`pipeline.memory.pools.size_pools`, bytes), with the graphs' estimate and
-    the workspaces' ``ws`` bytes recorded beside them. Raises size_pools' ConfigError for a pool below two pages."""
+    """The :class:`~pipeline.memory.pools.PoolSizing` ``run`` makes for ``request`` without ``--mem-bytes`` /
+    ``--mem-fraction``, with graphs and ``ws`` workspace bytes beside. Raises ConfigError for a pool below two pages."""
     from pipeline.core.dtypes import kv_dtype
     from pipeline.memory.pools import size_pools
 
@@ -42,11 +37,9 @@ def plan_pools(request: "SetupRequest", estimate: Optional[GraphMemoryEstimate],
 
 def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Optional[GraphMemoryEstimate],
                       total_bytes: int, env: Mapping[str, str] = os.environ) -> None:
-    """``plan``'s memory refusals against ``total_bytes`` (the profile's device memory; 0: unknown, none), in the
-    order their remedies need: the planned workspaces alone above 90 % (``workspace_exceeds_memory``), the graphs
-    (:func:`check_graphs_fit_device`), then ``req_to_token`` + the KV pool + the graphs + the workspaces above 90 %
-    (``pool_exceeds_memory``, state ``init-memory-pool``, with ``run``'s remedy builder; every alternative then
-    plans ok). ``request``'s served model is the stack ``run`` builds. Common path: a pool sizing and sums."""
+    """``plan``'s memory refusals against ``total_bytes`` (0: none), in order: workspaces alone above 90 %
+    (``workspace_exceeds_memory``), the graphs (:func:`check_graphs_fit_device`), then pools + graphs + workspaces above
+    90 % (``pool_exceeds_memory``, state ``init-memory-pool``, with ``run``'s remedies)."""
     from pipeline.core.speculative import settled
     from pipeline.memory.pools import check_fits, check_needs
 
@@ -75,13 +68,8 @@ def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Opt
 
 def refuse_early(request: "SetupRequest", decided: "Decided", bound: Optional[GraphMemoryEstimate],
                  total_bytes: int, env: Mapping[str, str] = os.environ) -> None:
-    """:func:`check_plan_memory` with the graphs' lower ``bound``
-    (:func:`pipeline.memory.graphs.lower_bound_for_decided`) in place of their estimate, when the bound alone
-    already decides a refusal whose code and remedy are those the full estimate gives: the bound above 90 % of
-    ``total_bytes``, or the bound with the workspaces and the KV pools above it while those two fit. The remedies
-    then do not depend on the graphs' bytes (only on their sizes, and on the room the pools and workspaces leave),
-    so they are the same; only the message's graph bytes are the bound's. Returns when the bound decides nothing
-    (the full estimate is needed), so an accepted top is estimated as before."""
+    """:func:`check_plan_memory` with the graphs' lower ``bound`` when that alone decides a refusal (same code and
+    remedy as the full estimate); returns otherwise."""
     if bound is None or not total_bytes:
         return
     share = int(total_bytes * POOL_MEMORY_SHARE)
@@ -96,18 +84,13 @@ def refuse_early(request: "SetupRequest", decided: "Decided", bound: Optional[Gr
 
 def check_graphs_fit_device(request: "SetupRequest", decided: "Decided", estimate: Optional[GraphMemoryEstimate],
                             total_bytes: int, env: Mapping[str, str] = os.environ, pool_bytes: int = 0) -> None:
-    """Raise ConfigError ``pool_exceeds_memory`` (state ``init-memory-pool``, where ``run`` refuses it) when the
-    graphs' ``estimate`` (bytes) is above 90 % of ``total_bytes`` (the profile's device memory), or the estimate plus
-    the planned workspaces (``decided["build-mode"].plan.workspaces``, bytes) and the KV pools (``pool_bytes``) above
-    90 % of it while those two fit (else the pools are what to refuse: :func:`check_plan_memory`). Nothing to check
-    without graphs (``estimate`` None) or a memory reading (``total_bytes`` 0).
+    """Raise ConfigError ``pool_exceeds_memory`` (state ``init-memory-pool``) when the graphs' ``estimate`` is above 90
+    % of ``total_bytes``, or with workspaces and ``pool_bytes`` above it while those two fit; nothing without an
+    estimate or memory reading.
 
-    The remedy's alternatives (:func:`pipeline.memory.pools.graph_fixes`) then pass this check: the largest
-    captured top (at most :data:`~pipeline.core.numbers.REMEDY_MAX_BS`) whose estimate fits both bounds less
-    :func:`~pipeline.memory.pools.remedy_margin` of the total, found by a binary search over the captured sizes
-    (the estimate is nondecreasing in the top); and ``disable_cuda_graph`` when the workspaces alone fit 90 % of that.
-    Costs nothing on the common path (two comparisons); the search runs only for a refusal. Workspaces above 90 %
-    of the total by themselves are :mod:`pipeline.memory.workspaces`'s refusal, checked first.
+    Remedies (:func:`pipeline.memory.pools.graph_fixes`): the largest top (<=
+    :data:`~pipeline.core.numbers.REMEDY_MAX_BS`) fitting less :func:`~pipeline.memory.pools.remedy_margin`, by binary
+    search, or ``disable_cuda_graph``.
     """
     if estimate is None or not total_bytes:
         return
@@ -155,15 +138,9 @@ def _graph_bytes(r: "SetupRequest", dec: Decided, bound: bool, env: Mapping[str,
 
 def fits_beside(stack: "SetupRequest", decided: Decided, total_bytes: int,
                 env: Mapping[str, str] = os.environ) -> Callable[[int, int], bool]:
-    """``fits(ws, bs)``: whether the planned workspaces the workspace setting sizes, each at ``ws`` bytes, the
-    other planned workspaces as they are, the decode graphs up to ``bs`` (0: none; the estimate of
-    :func:`~pipeline.memory.graphs.estimate_for_decided` for ``stack`` cut to that top,
-    :func:`~pipeline.memory.graphs.graphs_up_to`) and the KV pools of ``stack`` (:func:`plan_pools`) are together
-    at most 90 % of ``total_bytes`` less the remedy margin. ``stack``: the request as ``run`` builds it (its served
-    model cut to ``--num-layers``), as ``plan``'s memory checks count it; ``decided``: ``plan``'s decide walk
-    (a refusal it holds is ignored here). Once false it stays false as ``ws`` or ``bs`` grows (the estimate is
-    nondecreasing in the top), as the remedy's binary searches need. Each top's graphs are estimated once, after
-    their lower bound (:mod:`pipeline.memory.graphs`, O(1) in the top) did not already rule it out."""
+    """``fits(ws, bs)``: whether the workspaces the setting sizes at ``ws`` bytes, the other workspaces, graphs up to
+    ``bs`` (0: none) and ``stack``'s KV pools fit 90 % of ``total_bytes`` less the remedy margin; monotone in ``ws`` and
+    ``bs`` (for binary search). ``decided``: ``plan``'s walk (its refusal ignored)."""
     dec = _unrefused(decided)
     d = dec["build-mode"]
     now, (room, n) = d.graph_max_bs(stack, dec["device-init"].facts), _room(stack, d, total_bytes)
@@ -190,15 +167,9 @@ def _unrefused(decided: Decided) -> Decided:
 
 def rows_fix(request: "SetupRequest", stack: "SetupRequest", decided: Decided, total_bytes: int,
              env: Mapping[str, str] = os.environ) -> str:
-    """The alternative that lowers ``max_reqs`` (library wording), for when no workspace or graph size can work
-    because the KV pools leave no room (``--max-reqs 2147483647``: 8 TiB of ``req_to_token``): the largest
-    ``max_reqs`` R below the one asked, at least the largest ``cuda_graph_bs`` size (a size above it is refused),
-    with which the whole plan fits, as :func:`fits_beside` counts it — the KV pools of R rows; the graphs, their
-    top capped at R (sglang's default top is; a ``cuda_graph_max_bs`` above R is lowered to R or
-    :data:`~pipeline.core.numbers.REMEDY_MAX_BS`, the lower, and named); each sized workspace at the larger of
-    its size and what the backends need at R rows and that top (named when above its size; at most 2**48 bytes,
-    the flag's domain). "" when not even one row fits. Binary search (everything grows with R): O(log max_reqs)
-    lower bounds, and estimates where they pass, one per graph top."""
+    """The alternative lowering ``max_reqs`` (library wording): the largest R below the one asked (>= the largest
+    ``cuda_graph_bs``) with which the whole plan fits (:func:`fits_beside`; graphs capped at R, workspaces resized, <=
+    2**48). "" when not even one row fits. Binary search."""
     dec = _unrefused(decided)
     d, facts, args = dec["build-mode"], dec["device-init"].facts, request.args
     name, size = workspace_setting(d)
@@ -240,11 +211,9 @@ NO_ROOM = "lower max_context_len or num_token_slots (the KV pools leave the work
 
 def retell_workspace_refusal(request: "SetupRequest", stack: "SetupRequest", decided: Decided, total_bytes: int,
                              env: Mapping[str, str] = os.environ) -> None:
-    """When ``decided`` (``plan``'s decide walk for ``request``) was refused in build-mode with
-    ``workspace_too_small``, raise that refusal again — the same check, code, message and fields — with the remedy
-    :func:`fits_beside` bounds (``stack``: the request as ``run`` builds it, see there); when no workspace or graph
-    size can work, :func:`rows_fix` (or, when not even that fits, :data:`NO_ROOM`). Else return. Without a memory
-    reading (``total_bytes`` 0) the refusal stays as it was."""
+    """Re-raise a build-mode ``workspace_too_small`` refusal in ``decided`` (same code, message, fields) with the remedy
+    :func:`fits_beside` bounds, or :func:`rows_fix` / :data:`NO_ROOM`; else return. Unchanged without ``total_bytes``.
+    """
     refused = decided.refused
     if refused is None or total_bytes <= 0 or refused[0] != "build-mode" \
             or getattr(getattr(refused[1], "info", None), "code", None) != "workspace_too_small":

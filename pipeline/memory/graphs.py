@@ -1,18 +1,13 @@
-"""Decode CUDA-graph memory, estimated before capture and torch-free: the bytes the graphs' private pool will hold.
-
-Details: docs/internals.md, ``pipeline.memory.graphs``.
-"""
+"""Decode CUDA-graph memory, estimated before capture and torch-free (docs/internals.md)."""
 
 from __future__ import annotations
 
 import os
-from typing import Iterator, Mapping, NamedTuple, Optional, Sequence, TYPE_CHECKING
+from typing import Any, Iterator, Mapping, NamedTuple, Optional, Sequence, TYPE_CHECKING
 
 from pipeline.backends import registry
 from pipeline.core.contracts import LayerKind, ModelSpec
-from pipeline.memory.allocator import (_decode_trace, _Trace, blas_workspace_bytes,
-    ELEM_BYTES, MiB,
-    PoolModel)
+from pipeline.memory.allocator import _decode_trace, _Trace, blas_workspace_bytes, ELEM_BYTES, MiB, PoolModel
 from states.build_mode import BatchSeries, series_sum
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -24,13 +19,10 @@ __all__ = ['GraphMemoryEstimate', 'estimate_graph_memory', 'estimate_for_decided
 
 
 class GraphMemoryEstimate(NamedTuple):
-    """The estimate, in bytes: ``total_bytes`` = ``pool_bytes`` + ``state_bytes`` + ``warmup_bytes`` (what the capture
-    step may take from the device, docs/internals.md); ``per_bs``: what each size's capture adds to the graph pool
-    (captured largest first, so the first holds most; they sum to ``pool_bytes``); ``blas_workspace_bytes``: the
-    cuBLAS workspace request inside ``warmup_bytes``; ``num_layers`` (hidden layers spanned) and ``batch_sizes``:
-    what it is for; ``lower_bound``: ``total_bytes`` is only a lower bound of the estimate
-    (:mod:`pipeline.memory.graphs`, ``per_bs`` empty); ``mode`` / ``tokens_per_req``: the captured step and its rows
-    per request (``decode``, 1; a speculative worker's ``target_verify`` or ``draft_decode``)."""
+    """The estimate in bytes: ``total_bytes`` = ``pool_bytes`` + ``state_bytes`` + ``warmup_bytes``; ``per_bs``: each
+    size's addition to the pool (largest first; sums to ``pool_bytes``); ``blas_workspace_bytes`` (within
+    ``warmup_bytes``); ``num_layers``, ``batch_sizes``; ``lower_bound`` (``per_bs`` empty); ``mode`` /
+    ``tokens_per_req``."""
 
     total_bytes: int
     per_bs: dict[int, int]
@@ -51,10 +43,8 @@ def _built_kinds(spec: ModelSpec) -> dict[int, LayerKind]:
 
 def runner_buffer_bytes(max_bs: int, hidden_size: int, dtype: str, tokens_per_req: int = 1,
                         mode: str = "decode") -> tuple[int, ...]:
-    """Bytes of :class:`pipeline.runtime.cuda_graphs.DecodeGraphRunner`'s fixed input buffers at ``max_bs`` requests
-    of ``tokens_per_req`` rows: ``hidden`` [rows, hidden_size] in ``dtype``, ``positions`` int64 [rows],
-    ``req_pool_indices`` int64 [max_bs], ``seq_lens`` int32 [max_bs], ``out_cache_loc`` int64 [rows]; target verify
-    adds its prefix and tree lengths, int32 [max_bs] each."""
+    """Bytes of the graph runner's fixed inputs at ``max_bs`` requests of ``tokens_per_req`` rows (``hidden``,
+    ``positions``, ``req_pool_indices``, ``seq_lens``, ``out_cache_loc``; target verify adds two int32 [max_bs])."""
     rows = max_bs * tokens_per_req
     out = (rows * hidden_size * ELEM_BYTES[dtype], rows * 8, max_bs * 8, max_bs * 4, rows * 8)
     return out + ((max_bs * 4, max_bs * 4) if mode == "target_verify" else ())
@@ -64,21 +54,12 @@ def estimate_graph_memory(spec: ModelSpec, *, dtype: str, kv_dtype: str, decode_
                           max_context_len: int = 1024, page_size: int = 1, num_sms: int = 1,
                           env: Mapping[str, str] = os.environ, mode: str = "decode",
                           tokens_per_req: int = 1) -> GraphMemoryEstimate:
-    """Bytes decode-graph capture of every size in ``batch_sizes`` takes: the graphs' private pool, the state kept
-    for replay and the warm-up's stream (:class:`GraphMemoryEstimate`).
+    """Bytes decode-graph capture of every size in ``batch_sizes`` takes (:class:`GraphMemoryEstimate`; empty → 0).
 
-    ``spec``: the served model as the runner builds it (already cut to its ``num_layers``; every attention layer
-    of it is in the stack); ``dtype``: the compute dtype name (``"bfloat16"`` …); ``kv_dtype``: the KV cache's
-    (``"fp8_e4m3"`` …); ``decode_backend``: the registry name that decodes (its entry's
-    ``graph_decode_allocs``); ``batch_sizes``: the captured sizes (any order; captured largest first);
-    ``arch``: the device arch (``"sm90"``), for the cuBLAS workspace; ``aux_layers``: EAGLE3 aux layer ids;
-    ``max_context_len`` (tokens), ``page_size`` and ``num_sms``: what the backend's graph buffers are sized from;
-    ``mode`` / ``tokens_per_req``: a speculative worker's captured step (``target_verify`` of ``num_draft_tokens``,
-    ``draft_decode`` of ``topk`` rows per request: the stack's forward runs ``bs * tokens_per_req`` rows, the backend
-    keeps that mode's buffers; ``decode_backend`` is then the backend captured).
-    See docs/internals.md, ``pipeline.memory.graphs`` for the rules. An empty ``batch_sizes`` estimates 0 bytes.
-    Raises BackendUnknown /
-    BackendUnavailable for a ``decode_backend`` the registry does not have.
+    ``spec``: the served model as built; ``dtype`` / ``kv_dtype``: names; ``decode_backend``: registry name (its
+    ``graph_decode_allocs``); ``arch``: for the cuBLAS workspace; ``aux_layers``: EAGLE3; ``max_context_len``,
+    ``page_size``, ``num_sms``: size the backend's buffers; ``mode`` / ``tokens_per_req``: a speculative captured step.
+    Raises BackendUnknown / BackendUnavailable for an unknown ``decode_backend``.
     """
     entry = registry.get(decode_backend, flag="decode_attention_backend")
     elem = ELEM_BYTES[dtype]
@@ -126,32 +107,30 @@ def _kinds_of(kinds: dict[int, LayerKind]) -> Iterator[LayerKind]:
 def estimate_for_decided(request: "SetupRequest", decided: "Decided",
                          aux_layers: Sequence[int] = (), env: Mapping[str, str] = os.environ
                          ) -> Optional[GraphMemoryEstimate]:
-    """The estimate for a setup decided torch-free (:func:`pipeline.setup.build.decide_setup`), or None when it
-    captures no decode graphs or was refused (the refusal is raised where it happens, not here).
-
-    ``request``: the request as the runner builds it (``served_model`` cut to the layers built, as
-    ``attn-setup run``'s ``--num-layers``); the sizes are :func:`states.build_mode.capture_batch_sizes` for its
-    ``max_reqs``, the decode backend the resolved one, the arch the decided device's. ``attn-setup plan`` and the
-    runner's pool sizing both call this, so they agree.
-    """
-    from pipeline.core.dtypes import kv_dtype, model_dtype
+    """The estimate for a setup decided torch-free (:func:`pipeline.setup.build.decide_setup`) for ``request`` as the
+    runner builds it, or None without graphs or when refused; ``plan`` and the runner's pool sizing both call it."""
     from states.build_mode import capture_batch_sizes
+
+    return _for_decided(estimate_graph_memory, capture_batch_sizes, request, decided, aux_layers, env)
+
+
+def _for_decided(estimator: Any, series: Any, request: "SetupRequest", decided: "Decided", aux_layers: Sequence[int],
+                 env: Mapping[str, str]) -> Optional[GraphMemoryEstimate]:
+    """``estimator`` over the sizes ``series`` gives for a decided setup, or None without graphs or when refused."""
+    from pipeline.core.dtypes import kv_dtype, model_dtype
 
     if decided.refused is not None or not decided["build-mode"].graphs.capture:
         return None
     spec, args, facts = request.served_model, request.args, decided["device-init"].facts
-    return estimate_graph_memory(spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
-                                 batch_sizes=capture_batch_sizes(args, request.pool.max_reqs, device=facts,
-                                                                 world_size=request.tp_size),
-                                 arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
-                                 page_size=args.page_size, num_sms=facts.sm_count, env=env,
-                                 **captured_step(request, decided))
+    return estimator(spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
+                     batch_sizes=series(args, request.pool.max_reqs, device=facts, world_size=request.tp_size),
+                     arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
+                     page_size=args.page_size, num_sms=facts.sm_count, env=env, **captured_step(request, decided))
 
 
 def captured_step(request: "SetupRequest", decided: "Decided") -> dict:
-    """What the graphs capture for a decided setup (:func:`states.build_mode.graph_mode`): the backend captured
-    (``decode_backend``), the ``mode`` and the rows per request (``tokens_per_req``: a target worker's
-    ``num_draft_tokens``, a draft worker's ``topk``, else 1)."""
+    """What the graphs capture for a decided setup: ``decode_backend``, ``mode`` (:func:`states.build_mode.graph_mode`)
+    and ``tokens_per_req``."""
     from states.build_mode import graph_backend, graph_mode
 
     res = decided["resolve"]
@@ -163,10 +142,8 @@ def captured_step(request: "SetupRequest", decided: "Decided") -> dict:
 
 
 def graphs_up_to(request: "SetupRequest", n: int) -> "SetupRequest":
-    """``request`` with its decode graphs cut to the top ``n``, as a remedy that lowers them words it:
-    ``cuda_graph_max_bs=n``, or with a ``cuda_graph_bs`` list its sizes up to ``n`` (and, when that was set too,
-    ``cuda_graph_max_bs`` the largest of them, which it must equal). The list must keep a size (``n`` at least its
-    smallest): an empty one is refused where it is estimated."""
+    """``request`` with its graphs cut to top ``n`` (``cuda_graph_max_bs=n`` or the list's sizes up to ``n``, >= its
+    smallest)."""
     import msgspec
 
     args = request.args
@@ -178,10 +155,8 @@ def graphs_up_to(request: "SetupRequest", n: int) -> "SetupRequest":
 
 def graph_trial(request: "SetupRequest", decided: "Decided", estimate: Optional[GraphMemoryEstimate],
                 aux_layers: Sequence[int] = (), env: Mapping[str, str] = os.environ) -> Optional["GraphTrial"]:
-    """The captured graphs of ``estimate`` as a :class:`pipeline.memory.pools.GraphTrial`, for a memory remedy
-    that lowers their top: ``bytes_at(n)`` is :func:`estimate_for_decided` (bytes) for ``request`` with the sizes cut
-    to those up to ``n`` (``cuda_graph_max_bs=n``, or the ``cuda_graph_bs`` list's sizes up to ``n``) on the same
-    decided setup — nondecreasing in ``n``. None without graphs."""
+    """The graphs of ``estimate`` as a :class:`pipeline.memory.pools.GraphTrial` (``bytes_at(n)`` nondecreasing), or
+    None."""
     from pipeline.memory.pools import GraphTrial
 
     if estimate is None or not estimate.batch_sizes:
@@ -200,20 +175,13 @@ def graph_memory_lower_bound(spec, *, dtype: str, kv_dtype: str, decode_backend:
                              arch: str = "", aux_layers: Sequence[int] = (), max_context_len: int = 1024,
                              page_size: int = 1, num_sms: int = 1, env: Mapping[str, str] = os.environ,
                              mode: str = "decode", tokens_per_req: int = 1) -> GraphMemoryEstimate:
-    """A :class:`GraphMemoryEstimate` (``lower_bound`` True, ``per_bs`` empty) whose ``total_bytes`` is at most
-    :func:`~pipeline.memory.graphs.estimate_graph_memory`'s for the same arguments, computed from
-    the largest size alone: O(1) in the sizes (a :class:`~states.build_mode.BatchSeries` is never listed; other
-    sizes are sorted). Same arguments as that.
+    """A :class:`GraphMemoryEstimate` (``lower_bound`` True, ``per_bs`` empty) at most :func:`estimate_graph_memory`'s
+    ``total_bytes``, from the largest size alone: O(1) in the sizes, same arguments.
 
-    Why it is a lower bound of the full estimate's ``total_bytes``:
-
-    - the graph pool and the warm-up stream start with the largest size exactly as with it alone, and a model pool's
-      reserved bytes never shrink, so each is at least the largest size's alone;
-    - each captured graph's output (the float32 residual stream [bs, hidden]) stays allocated in the graph pool for the
-      graphs' life, so the pool holds at least the sum of those over the sizes;
-    - the replay state is never freed, so its reserved bytes are at least both the largest size's alone and the bytes
-      of every state request (rounded to 512), that is those of the largest size plus each other size's, at least the
-      smallest size's per-size state each."""
+    A lower bound because pool and warm-up stream start as with the largest size alone and never shrink; each graph's
+    float32 output [bs, hidden] stays in the pool; replay state is never freed (at least the largest size's plus each
+    other size's smallest per-size state).
+    """
     sizes = batch_sizes if isinstance(batch_sizes, BatchSeries) else sorted(set(int(b) for b in batch_sizes))
     kw = dict(dtype=dtype, kv_dtype=kv_dtype, decode_backend=decode_backend, arch=arch, aux_layers=aux_layers,
               max_context_len=max_context_len, page_size=page_size, num_sms=num_sms, env=env, mode=mode,
@@ -241,15 +209,6 @@ def lower_bound_for_decided(request: "SetupRequest", decided: "Decided", aux_lay
                             env: Mapping[str, str] = os.environ) -> Optional[GraphMemoryEstimate]:
     """:func:`graph_memory_lower_bound` for what :func:`pipeline.memory.graphs.estimate_for_decided` estimates (same
     request, sizes, backend and device), or None where that is None."""
-    from pipeline.core.dtypes import kv_dtype, model_dtype
     from states.build_mode import capture_series
 
-    if decided.refused is not None or not decided["build-mode"].graphs.capture:
-        return None
-    spec, args, facts = request.served_model, request.args, decided["device-init"].facts
-    return graph_memory_lower_bound(
-        spec, dtype=model_dtype(args, spec), kv_dtype=kv_dtype(args, spec),
-        batch_sizes=capture_series(args, request.pool.max_reqs, device=facts, world_size=request.tp_size),
-        arch=facts.arch, aux_layers=aux_layers, max_context_len=request.pool.max_context_len,
-        page_size=args.page_size, num_sms=facts.sm_count, env=env, **captured_step(request, decided))
-
+    return _for_decided(graph_memory_lower_bound, capture_series, request, decided, aux_layers, env)

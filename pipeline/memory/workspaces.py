@@ -1,13 +1,8 @@
-"""The planned backend workspaces against the need and the device's memory, before anything is allocated.
+"""The planned backend workspaces against the need and the device's memory, before anything is allocated; torch-free.
 
-:func:`check_workspaces` is build-mode's check: each planned workspace against what its backends need for the
-largest batch they plan (their registry entries' ``check_workspace``), ``workspace_too_small`` otherwise.
-:func:`check_workspaces_fit` refuses workspaces above :data:`~pipeline.memory.pools.POOL_MEMORY_SHARE` of the
-memory (``workspace_exceeds_memory``): ``plan`` against the device profile's *total* memory (it cannot know the
-free memory a run will find, at most that total), ``run``'s preflight against the memory free now — the same
-refusal as build-mode's (:func:`pipeline.setup.instances.check_workspace_memory`). The remedy is true: a workspace size
-at or above what the backends need that fits beside the KV pools and the decode graphs, or, when even the need does
-not fit, that need at a smaller captured top, and that top; or no graphs. Pure decisions, no torch.
+:func:`check_workspaces`: build-mode's ``workspace_too_small`` check. :func:`check_workspaces_fit`:
+``workspace_exceeds_memory`` above :data:`~pipeline.memory.pools.POOL_MEMORY_SHARE` of the profile's total (``plan``) or
+free memory (preflight). Remedies are true: a size that fits beside pools and graphs, a smaller top, or no graphs.
 """
 
 from __future__ import annotations
@@ -25,9 +20,8 @@ PLAN_TOTAL_NOTE = ("plan cannot know the free memory a run will find, at most th
 
 
 def need_at(request: Any, d: Any, facts: Any) -> Callable[[int], int]:
-    """``need(bs)``: the bytes each planned workspace must hold at least (the largest need of the backends sharing
-    one, :meth:`~pipeline.backends.registry.BackendEntry.workspace_need`) when the decode graphs go up to ``bs`` (0: no
-    graphs), for build-mode's decision ``d``."""
+    """``need(bs)``: the bytes each planned workspace of ``d`` must hold (its users' largest need) with graphs up to
+    ``bs`` (0: none)."""
     kinds, plan = request.served_model.layer_kinds(), d.plan
     users = {ws.id: sorted({i.backend for i in plan.instances if i.workspace == ws.id}) for ws in plan.workspaces}
 
@@ -60,15 +54,10 @@ def workspace_setting(d: Any) -> tuple[str, Any]:
 
 
 def check_workspaces(req: Any, d: Any, facts: Any, fits: Any = None) -> None:
-    """Build-mode's workspace check: each planned workspace of ``d`` (a
-    :class:`~pipeline.setup.context.BuildDecision`) against the largest batch its users plan for ``req`` on the
-    device ``facts`` (each user's registry entry, :meth:`~pipeline.backends.registry.BackendEntry.check_workspace`, graph
-    sizes actually captured); build-mode's ``check`` calls it, and ``plan`` again with ``fits``. Raises its ConfigError
-    ``workspace_too_small``, naming the variable or the field that set the size (the field wins); the remedy never
-    names a workspace above each one's share of the device's total memory less
-    :func:`~pipeline.memory.pools.remedy_margin` (as :func:`pipeline.setup.instances.check_workspace_memory`'s),
-    nor, with ``fits(ws, bs)`` (``plan``'s: :func:`pipeline.memory.fits.fits_beside`), one that with the
-    graphs up to ``bs`` does not fit beside the KV pools."""
+    """Build-mode's check of each planned workspace of ``d`` against the largest batch its users plan
+    (:meth:`~pipeline.backends.registry.BackendEntry.check_workspace`). Raises ConfigError ``workspace_too_small``
+    naming the variable or field; the remedy stays within each one's memory share less the margin and, with ``fits(ws,
+    bs)``, beside the KV pools."""
     kinds, max_bs = req.served_model.layer_kinds(), d.graph_max_bs(req, facts)
     from_env = {s.value: s.env_var for s in d.settings if s.source == "env" and s.env_var}
     from_field = {s.value for s in d.settings if s.source == "field"}
@@ -85,16 +74,10 @@ def check_workspaces(req: Any, d: Any, facts: Any, fits: Any = None) -> None:
 
 def check_workspaces_fit(request: Any, d: Any, facts: Any, memory_bytes: int, *, pool_bytes: int = 0,
                          graph_bytes: int = 0, total: bool = False, device: str = "") -> None:
-    """Raise ConfigError ``workspace_exceeds_memory`` (state ``build-mode``) when build-mode's planned workspaces
-    (``d.plan.workspaces``, bytes) are above :data:`POOL_MEMORY_SHARE` of ``memory_bytes`` — the profile's total
-    (``total``, plan) or the free memory (run's preflight); 0 = unknown, no check.
-
-    ``pool_bytes`` / ``graph_bytes``: the KV pools' and the decode graphs' bytes that must fit beside them (what
-    :func:`pipeline.memory.pools.check_fits` counts with the workspaces), for the remedy: each workspace at most
-    its share of 90 % of ``memory_bytes`` less :func:`~pipeline.memory.pools.remedy_margin`, less those bytes,
-    named only when that is at least the need; else the need at the largest smaller captured top (at most
-    :data:`~pipeline.core.numbers.REMEDY_MAX_BS`) whose need fits, with that top; else the
-    eager need with ``disable_cuda_graph``; else a device with more memory. Costs one sum on the common path."""
+    """Raise ConfigError ``workspace_exceeds_memory`` (state ``build-mode``) when the planned workspaces are above
+    :data:`POOL_MEMORY_SHARE` of ``memory_bytes`` (0: no check). ``pool_bytes`` / ``graph_bytes`` must fit beside them.
+    Remedy: each workspace at its share less the margin and those bytes (when >= the need); else the need at a smaller
+    top (<= :data:`~pipeline.core.numbers.REMEDY_MAX_BS`); else ``disable_cuda_graph``; else a larger device."""
     from pipeline.core.numbers import REMEDY_MAX_BS, largest_fitting
 
     ws, n = d.plan.workspace_bytes, max(len(d.plan.workspaces), 1)

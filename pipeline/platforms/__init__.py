@@ -1,10 +1,5 @@
-"""Platforms: one implementation of :class:`Platform` per device type, chosen by :func:`platform_for`.
-
-This replaces sglang's ``if device == "cuda" … elif "npu"`` chains. Importing this package does not
-import torch; each platform imports it when it first touches the device.
-
-The :class:`Platform` protocol is everything device-specific the pipeline needs.
-"""
+"""Platforms: one :class:`Platform` per device type, chosen by :func:`platform_for` (no ``if device == …`` chains).
+Importing this package does not import torch."""
 
 from __future__ import annotations
 
@@ -16,17 +11,9 @@ from pipeline.core.errors import ConfigError
 
 @runtime_checkable
 class Platform(Protocol):
-    """One device type's effects.
-
-    - ``init_blas()``: initialise the BLAS handle (cuBLAS on cuda, muBLAS on musa) so the first
-      GEMM is not timed into something else; returns True if it did anything (sglang does this
-      only on cuda/musa).
-    - ``device_facts(index)``: :class:`DeviceFacts` of device ``index``.
-    - ``torch_device(index)``: the torch device string tensors go to (``"cuda:1"``).
-    - ``init_lazy_device_memory(nbytes, rank, world_size, cpu_group)``: NPU zbal lazy memory
-      (must run before CUDA/NPU graph capture); other platforms raise NotImplementedError.
-    - ``memory_allocated(index)``: device bytes currently allocated by torch (0 on CPU).
-    """
+    """One device type's effects: ``init_blas()`` (True if it did anything; cuda/musa), ``device_facts(index)``,
+    ``torch_device(index)`` (``"cuda:1"``), ``init_lazy_device_memory(nbytes, rank, world_size, cpu_group)`` (NPU only,
+    before graph capture; else NotImplementedError), ``memory_allocated(index)`` (0 on CPU)."""
 
     device_type: str
 
@@ -46,11 +33,8 @@ NO_PLATFORM = {"mps": "Apple MPS has no attn-setup platform and no backend recor
 
 
 def parse_device(device: str) -> tuple[str, int]:
-    """``"cuda:1"`` → ("cuda", 1); ``"cpu"`` → ("cpu", 0); ``"auto"`` → ("auto", 0).
-
-    Raises ConfigError (``invalid_value``, flag ``device``) for a string that is not a device
-    (:func:`pipeline.core.validation.check_device`), e.g. ``cuda:²``.
-    """
+    """``"cuda:1"`` → ("cuda", 1); ``"cpu"`` → ("cpu", 0); ``"auto"`` → ("auto", 0). Raises ConfigError
+    (``invalid_value``, flag ``device``) otherwise."""
     from pipeline.core.validation import check_device
 
     check_device(device)
@@ -64,11 +48,8 @@ PLATFORM_TYPES = ("cpu", "cuda", *_VENDOR)  # the device types with an attn-setu
 
 
 def platform_for(device: str) -> Platform:
-    """The platform for a device string (``auto`` picks CUDA when torch sees a GPU, else CPU).
-
-    musa/npu/xpu platforms import their vendor plugin lazily, when they first touch the device.
-    Raises :class:`ConfigError` (``device_unavailable``) when the device type is not present.
-    """
+    """The platform for a device string (``auto``: CUDA when torch sees a GPU, else CPU); vendor plugins load lazily.
+    Raises :class:`ConfigError` (``device_unavailable``) when the type is not present."""
     kind, _ = parse_device(device)
     if kind == "auto":
         import torch
@@ -120,13 +101,8 @@ def _why_not(kind: str) -> tuple[int, str]:
 
 
 def device_survey() -> tuple[list[str], dict[str, str]]:
-    """What ``device`` may be on this machine: ``(usable, not_here)``.
-
-    ``usable``: ``cpu`` and one ``<type>:<index>`` per device torch sees (cuda, musa, npu, xpu);
-    ``not_here``: each other device type with why it is not usable (no GPU, a CPU-only torch build, the
-    vendor plugin not installed, no platform at all). Imports torch (and an installed vendor plugin): call it
-    on an error path, never on a start that works.
-    """
+    """``(usable, not_here)``: ``cpu`` and one ``<type>:<index>`` per device torch sees; each other type with why not.
+    Imports torch: error paths only."""
     usable, not_here = ["cpu"], {}
     for kind in ("cuda", *_VENDOR):
         count, why = _why_not(kind)
@@ -137,11 +113,9 @@ def device_survey() -> tuple[list[str], dict[str, str]]:
 
 
 def device_unavailable(device: str, why: str, install: str = "") -> ConfigError:
-    """The ``device_unavailable`` ConfigError for ``device`` (as the user wrote it): ``why`` it cannot be used,
-    ``allowed`` the devices usable on this machine and, in the message, why each other device type is not
-    (:func:`device_survey`) — so ``--device npu`` on a CPU-only host never lists ``cuda`` as allowed. The remedy
-    picks a usable device; ``install`` names the plugin that would make ``device`` usable; for a device type with no
-    platform (``mps``) it names the types that have one (:data:`PLATFORM_TYPES`). Raises nothing (returns it)."""
+    """The ``device_unavailable`` ConfigError (returned) for ``device``: ``why``, ``allowed`` the usable devices, each
+    other type's reason (:func:`device_survey`), a remedy picking a usable device, ``install`` the plugin, or for a type
+    without platform the :data:`PLATFORM_TYPES`."""
     usable, not_here = device_survey()
     kind = device.partition(":")[0]
     others = ", ".join(f"{k} ({w})" for k, w in not_here.items() if k != kind)

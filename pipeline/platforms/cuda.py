@@ -70,11 +70,8 @@ _PRIMED: dict[int, int] = {}  # device index -> device bytes the priming took (m
 
 
 def capture_stream(device: Any = None) -> Any:
-    """This process's capture stream on ``device`` (a ``torch.device``, an index, or None for the current device):
-    created once, then given to every capture (:func:`capture_graph`, :class:`pipeline.runtime.cuda_graphs.DecodeGraphRunner`), as sglang keeps
-    one graph-capture stream per process. Why one: the first ``torch.cuda.Stream()`` of a process creates PyTorch's
-    whole stream pool (~70 MiB outside the caching allocator on the H200), and cuBLAS keeps a workspace per (handle,
-    stream) that is never freed (32 MiB on sm90) — a stream per capture or per runner paid it again each time."""
+    """This process's one capture stream on ``device`` (a ``torch.device``, index or None), as sglang: each new stream
+    would cost the stream pool and a never-freed cuBLAS workspace again."""
     import torch
 
     idx = device if isinstance(device, int) else None if device is None else torch.device(device).index
@@ -86,15 +83,8 @@ def capture_stream(device: Any = None) -> Any:
 
 
 def prime_capture(device: Any = None) -> int:
-    """Pay a process's one-time CUDA-graph costs on ``device`` now, before the KV pool's budget is read from free
-    memory, and return the device bytes they took (free memory before minus after, ``torch.cuda.mem_get_info``);
-    0 when this process had primed ``device`` already.
-
-    The costs (H200, ``benchmarks/first_capture_probe.py``, RESULTS.md): PyTorch's stream pool, created with the
-    first side stream (~70 MiB), and the CUDA graph machinery the driver loads lazily at the first capture (~90 MiB
-    under the default ``CUDA_MODULE_LOADING=LAZY``, 0 under EAGER). Both sit outside PyTorch's allocator, so
-    :mod:`pipeline.memory.graphs` cannot model them per capture; paid here, the capture step's own drop stays within
-    that estimate. What is captured is one in-place add on a 1-element tensor (no graph-pool memory)."""
+    """Pay the process's one-time graph costs on ``device`` (stream pool, lazily loaded graph machinery; outside the
+    allocator) before the pool budget is read; returns the free bytes they took, 0 when already primed."""
     import torch
 
     s = capture_stream(device)
@@ -112,18 +102,9 @@ def prime_capture(device: Any = None) -> int:
 
 
 def capture_graph(fn: Callable[[], Any], pool: Any = None, stream: Any = None) -> tuple[Any, Any]:
-    """Capture ``fn`` into a ``torch.cuda.CUDAGraph`` after one warm-up call on a side stream, and return
-    ``(graph, out)``: ``out`` is what ``fn`` returned inside the capture, the static tensor each replay rewrites.
-
-    The warm-up follows PyTorch's CUDA-graph rule (the first call may allocate or lazily initialise what capture
-    forbids, and must not run on the legacy default stream); ``pool`` is a ``torch.cuda.graph_pool_handle()`` shared
-    by several captures (sglang captures its batch sizes largest first into one pool). ``stream``: the side stream
-    for the warm-up and the capture; give the same one to every capture of a series, as sglang does: cuBLAS keeps a
-    workspace per (handle, stream) that is never freed (32 MiB on sm90), so a fresh stream per captured size cost
-    32 MiB per size on the H200 (1.1 GiB for sglang's 35 sizes up to 256). None: this process's capture stream
-    on the current device (:func:`capture_stream`).
-    Raises what capture raises (``RuntimeError`` on a host sync or an illegal call inside ``fn``).
-    """
+    """Capture ``fn`` into a ``torch.cuda.CUDAGraph`` after one side-stream warm-up: ``(graph, out)``, ``out`` rewritten
+    by each replay. ``pool``: a shared ``graph_pool_handle()``; ``stream``: the same for every capture of a series
+    (default :func:`capture_stream`). Raises what capture raises."""
     import torch
 
     side = stream if stream is not None else capture_stream()

@@ -8,14 +8,8 @@ from pipeline.core.contracts import DeviceFacts
 
 
 class FakePlatform:
-    """Pretends to be ``facts.type`` while tensors live on ``torch_device_str`` (default CPU).
-
-    ``free_bytes``: when given, ``memory_available(index)`` reports it (free device memory, bytes).
-    ``prime_bytes``: what the first ``prime_graph_capture`` reports paying (bytes).
-
-    ``calls`` records ``(method, args)`` in call order, so tests can check e.g. that zbal lazy
-    memory was initialised once, with the right rank and world size, before graph capture.
-    """
+    """Pretends to be ``facts.type`` with tensors on ``torch_device_str`` (CPU); ``free_bytes``: reported free memory;
+    ``prime_bytes``: first ``prime_graph_capture``'s bytes; ``calls``: ``(method, args)`` in order."""
 
     def __init__(self, facts: DeviceFacts, torch_device_str: str = "cpu", free_bytes: Optional[int] = None,
                  prime_bytes: int = 0) -> None:

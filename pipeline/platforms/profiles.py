@@ -1,14 +1,7 @@
 """Named device profiles for ``attn-setup plan``, and ``auto``: this machine, found without torch.
 
-Each profile is a :class:`~pipeline.core.contracts.DeviceFacts` record whose ``source`` says where its
-numbers come from. Memory is in bytes as the vendor states it (decimal GB, or GiB where the
-vendor says GiB); ``sm_count`` is streaming multiprocessors (compute units on AMD). ROCm builds of
-torch report AMD GPUs as ``cuda`` with ``compute_capability`` = the gfx major/minor (gfx942 →
-(9, 4)), so ``mi300x`` has ``arch == "sm94"``, which no CUDA-arch list contains.
-
-``auto`` (:func:`detect`) never imports torch: NVML through ``pynvml`` (the ``nvidia-ml-py``
-distribution) if importable, else ``nvidia-smi --query-gpu=…``, else the ``cpu`` profile.
-Nothing here imports torch, triton or flashinfer.
+Memory in bytes as the vendor states it; ``sm_count``: SMs (compute units on AMD; ROCm's ``cuda`` arch ``sm94`` for
+gfx942). ``auto`` (:func:`detect`): ``pynvml`` if importable, else ``nvidia-smi``, else ``cpu``.
 """
 
 from __future__ import annotations
@@ -70,11 +63,8 @@ def names() -> list[str]:
 
 
 def get(name: str, *, detector: Optional[Callable[[], DeviceFacts]] = None) -> DeviceFacts:
-    """The DeviceFacts of profile ``name`` (case-insensitive: ``H200`` is ``h200``); ``auto`` runs
-    :func:`detect` (or ``detector``).
-
-    Raises :class:`UsageError` (exit 2, ``unknown_profile``) naming the allowed profiles.
-    """
+    """The DeviceFacts of profile ``name`` (case-insensitive; ``auto`` runs :func:`detect` or ``detector``). Raises
+    :class:`UsageError` (exit 2, ``unknown_profile``) naming the allowed ones."""
     given, name = name, name.strip().lower()
     if name == "auto":
         return (detector or detect)()
@@ -116,11 +106,8 @@ def from_nvml(index: int = 0) -> Optional[DeviceFacts]:
 
 
 def parse_nvidia_smi(text: str) -> Optional[DeviceFacts]:
-    """Facts of the first GPU from ``nvidia-smi --query-gpu=<NVIDIA_SMI_QUERY> --format=csv,noheader,nounits``.
-
-    Columns: index, name, compute_cap (``"9.0"``), memory.total (MiB), driver_version. Returns None
-    when there is no usable line (no GPU, an old driver without ``compute_cap``).
-    """
+    """Facts of the first GPU from ``nvidia-smi --query-gpu=<NVIDIA_SMI_QUERY> --format=csv,noheader,nounits`` (index,
+    name, compute_cap, memory MiB, driver), or None without a usable line."""
     for line in text.strip().splitlines():
         cols = [c.strip() for c in line.split(",")]
         if len(cols) < 4:

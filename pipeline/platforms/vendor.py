@@ -1,7 +1,5 @@
-"""The vendor platforms whose torch support ships as a plugin module: MUSA, Ascend NPU and Intel XPU.
-
-Details: docs/internals.md, ``pipeline.platforms.vendor``.
-"""
+"""The vendor platforms whose torch support ships as a plugin module: MUSA, Ascend NPU and Intel XPU
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -13,11 +11,8 @@ from pipeline.core.errors import BuildError, ConfigError
 
 
 class VendorPlatform:
-    """Base of the plugin-backed platforms; ``device_type`` and ``plugin`` are set by subclasses.
-
-    ``plugin``: the import name of the vendor module (None = nothing to import, the device module
-    is built into torch); ``vendor``: recorded in :class:`DeviceFacts`.
-    """
+    """Base of the plugin-backed platforms: ``device_type``, ``plugin`` (import name; None = built into torch),
+    ``vendor``."""
 
     device_type = "?"
     plugin: Optional[str] = None
@@ -119,11 +114,8 @@ class NpuPlatform(VendorPlatform):
         self.lazy_mem_entry = lazy_mem_entry
 
     def init_lazy_device_memory(self, nbytes: int, rank: int, world_size: int, cpu_group: Optional[Any]) -> None:
-        """Call ``torch_npu.<lazy_mem_entry>(nbytes, rank=, world_size=, group=cpu_group)``.
-
-        ``nbytes`` > 0 bytes of zbal local memory per device. Raises :class:`BuildError`
-        (``npu_lazy_mem_unavailable``) when the installed ``torch_npu`` has no such entry point.
-        """
+        """``torch_npu.<lazy_mem_entry>(nbytes, rank=, world_size=, group=cpu_group)``, ``nbytes`` > 0. Raises
+        :class:`BuildError` (``npu_lazy_mem_unavailable``) without that entry point."""
         fn: Any = self.vendor_module()
         for part in self.lazy_mem_entry.split("."):
             fn = getattr(fn, part, None)

@@ -1,23 +1,10 @@
 """CUDA graphs: capture the attention stack's decode step (or a speculative step) per batch size, replay it later.
 
-As sglang's ``CudaGraphRunner``: fixed-address input buffers sized for the largest batch
-(``hidden`` [max_bs, hidden_size], ``positions`` [max_bs] int64, ``req_pool_indices`` [max_bs]
-int64, ``seq_lens`` [max_bs] int32, ``out_cache_loc`` [max_bs] int64), the backend's
-``init_cuda_graph_state(max_bs, max_bs)``, then for each batch size (largest first, sharing one
-memory pool) ``init_forward_metadata_capture_cuda_graph`` + a warm-up run on a side stream + the
-capture. A replay copies a real decode batch into the buffers, pads it to the next captured size
-(padded rows: request row 0, ``seq_len`` = the backend's fill value, KV slot 0 — page 0 is the
-reserved padding page), calls ``init_forward_metadata_replay_cuda_graph`` outside the graph and
-replays. Only decode is captured (sglang runs extend eagerly). Whether graphs are captured, and for which
-batch sizes, is decided once, torch-free, by :mod:`states.build_mode`.
-
-With speculative decoding the captured step is the worker's own, as sglang's runners capture it (its
-``CudaGraphRunner`` captures ``TARGET_VERIFY`` on a speculative target, ``EAGLEDraftCudaGraphRunner`` the draft
-decode): a target worker's target verify of ``num_draft_tokens`` tokens per request (``bs * num_draft_tokens`` query
-rows; the tree of each replayed batch goes to the backend's metadata, outside the graph), a draft worker's draft
-decode of ``topk`` branches per request (``bs * topk`` rows; any draft step replays the one graph). The fixed
-buffers then hold ``max_bs * tokens_per_req`` rows; a padded request verifies a chain at prefix 0 on row 0, or
-drafts from row 0, in the padding slot.
+As sglang's ``CudaGraphRunner``: fixed-address inputs for the largest batch, the backend's ``init_cuda_graph_state``,
+then per size (largest first, one pool) capture metadata, a side-stream warm-up and the capture. A replay copies the
+batch in, pads it to the next captured size (request row 0, the backend's fill ``seq_len``, KV slot 0), sets replay
+metadata outside the graph and replays. Speculative workers capture their own step (target verify of
+``num_draft_tokens`` rows, draft decode of ``topk`` rows per request). Which sizes: :mod:`states.build_mode`.
 """
 
 from __future__ import annotations
@@ -31,15 +18,9 @@ from pipeline.platforms.cuda import capture_graph, capture_stream
 
 
 def _graph_pool_bytes(torch: Any, pool: Any) -> int:
-    """Device bytes (segment sizes, as the CUDA caching allocator reserved them) held by the private memory pool
-    ``pool`` (a ``torch.cuda.graph_pool_handle()``), from ``torch.cuda.memory_snapshot()``; falls back to all
-    reserved bytes (``torch.cuda.memory_reserved()``) on a torch whose snapshot does not name segment pools.
-
-    Why the pool and not reserved bytes before/after: once the KV pools take most of the device, the allocator frees
-    cached blocks of the default pool to make room for the graph's pool, so the reserved total can stay flat (the
-    H200 run showed 0 bytes for a bs=8 capture) while the graph holds megabytes. Called once per captured size,
-    never per layer or per replay.
-    """
+    """Bytes of segments held by the private pool ``pool`` (``torch.cuda.memory_snapshot()``; all reserved bytes on a
+    torch that does not name pools). Reserved-before/after misses them when the allocator frees cached blocks to make
+    room."""
     segments = torch.cuda.memory_snapshot()
     if segments and "segment_pool_id" not in segments[0]:
         return int(torch.cuda.memory_reserved())
@@ -53,15 +34,10 @@ def _as_id(pool_id: Any) -> Any:
 
 
 class DecodeGraphRunner:
-    """Captured graphs of ``stack`` through ``backend`` for batch sizes ``batch_sizes`` (requests).
-
-    ``mode``: the captured step — ``DECODE`` (default), ``TARGET_VERIFY`` or ``DRAFT_DECODE`` — with ``spec`` (the
-    :class:`~pipeline.core.contracts.SpeculativeParams` served) for the speculative ones: each request then has
-    ``tokens_per_req`` rows (``num_draft_tokens`` or ``topk``). ``on_captured(bs, capture_ms)`` is called after each
-    capture (the runner logs it). :attr:`step_device_bytes`: device memory free when this runner was made (before its
-    buffers) minus free after the last capture — the whole capture step: buffers, the backend's graph state, the
-    warm-up stream, the pool. :attr:`capture_ms` maps bs → milliseconds spent capturing (warm-up run included).
-    """
+    """Captured graphs of ``stack`` through ``backend`` for ``batch_sizes`` (requests). ``mode``: ``DECODE``,
+    ``TARGET_VERIFY`` or ``DRAFT_DECODE`` (with ``spec``: ``tokens_per_req`` rows each); ``on_captured(bs, capture_ms)``
+    after each capture; :attr:`step_device_bytes`: free memory before the buffers minus after the last capture;
+    :attr:`capture_ms`: bs → ms (warm-up included)."""
 
     def __init__(self, stack: Any, backend: Any, req_to_token_pool: Any, kv_pool: Any,
                  batch_sizes: Sequence[int], mode: ForwardMode = ForwardMode.DECODE, spec: Any = None) -> None:
@@ -170,11 +146,8 @@ class DecodeGraphRunner:
         return fb.num_tokens == fb.batch_size * self.tokens_per_req
 
     def replay(self, hidden: Any, forward_batch: Any) -> tuple[Any, list[Any]]:
-        """Replay the captured step for a real batch; returns (output [rows, hidden], aux list) copies.
-
-        ``hidden`` [rows, hidden_size]; ``forward_batch`` a batch of the captured mode and B <= max captured size.
-        Padded requests: row 0, ``seq_len`` the backend's fill value (target verify: a chain at prefix 0), KV slot 0.
-        """
+        """Replay the captured step for a real batch (B <= max captured size, ``hidden`` [rows, hidden_size]); returns
+        copies of (output [rows, hidden], aux list)."""
         import torch
 
         fb, n = forward_batch, forward_batch.batch_size

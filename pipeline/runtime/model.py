@@ -1,6 +1,4 @@
-"""A real attention stack built from a Hugging Face config, run through a built attention backend.
-
-Details: docs/internals.md, ``pipeline.runtime.model``.
+"""A real attention stack built from a Hugging Face config, run through a built attention backend (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -36,21 +34,13 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
 
 
 class AttentionStack:
-    """The first ``num_layers`` attention layers of ``spec`` with random weights (seed ``seed``).
+    """The first ``num_layers`` attention layers of ``spec`` (dims from ``spec.layer_kinds()``), random weights
+    (``seed``).
 
-    Parameters
-    ----------
-    spec : the model (already truncated or not); dims per layer come from ``spec.layer_kinds()``.
-    dtype : weights / activations dtype (torch dtype); device : where the weights live.
-    num_layers : build only the first N attention layers (default: all); ``self.num_layers`` is then
-        the number of hidden layers they span (ids ``0..num_layers-1``, non-attention ones skipped).
-
-    ``layers[i]``: the :class:`AttentionLayer` of the i-th attention layer (``layer_id`` its id in
-    the model); ``weights[i]``: its tensors
-    (MHA: ``qkv`` [H·D + 2·Hkv·D, hidden] — with Dv = D — and ``o`` [hidden, H·Dv]; MLA: ``q``
-    [H·(nope+rope), hidden], ``dkv`` [kv_lora+rope, hidden], ``uk`` [H, nope, kv_lora], ``uv``
-    [H, v_head, kv_lora], ``o`` [hidden, H·v_head]). Raises ConfigError for a model whose qk and v
-    head dims differ without MLA (no such HF config is bundled).
+    ``self.num_layers``: hidden layers spanned. ``layers[i]``: the i-th :class:`AttentionLayer`; ``weights[i]``: MHA
+    ``qkv`` [H·D + 2·Hkv·D, hidden], ``o`` [hidden, H·Dv]; MLA ``q`` [H·(nope+rope), hidden], ``dkv`` [kv_lora+rope,
+    hidden], ``uk`` [H, nope, kv_lora], ``uv`` [H, v_head, kv_lora], ``o`` [hidden, H·v_head]. Raises ConfigError when
+    qk and v head dims differ without MLA.
     """
 
     def __init__(self, spec: ModelSpec, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
@@ -103,12 +93,8 @@ class AttentionStack:
         return sum(t.numel() * t.element_size() for t in ts)
 
     def set_aux_hidden_state_layers(self, layer_ids: Sequence[int]) -> None:
-        """EAGLE3-style capture: :meth:`forward` also returns the residual stream *entering* these layers.
-
-        Raises ConfigError (``invalid_value``) for ids that are not built attention layers (outside
-        ``0..num_layers-1``, or a hybrid's linear-attention / mamba layer). Must be set before
-        CUDA-graph capture: a captured graph records which tensors it writes.
-        """
+        """EAGLE3-style capture: :meth:`forward` also returns the residual stream entering these layers (set before
+        graph capture). Raises ConfigError (``invalid_value``) for ids that are not built attention layers."""
         built = [L.layer_id for L in self.layers]
         bad = [i for i in layer_ids if i not in built]
         if bad:
@@ -140,14 +126,9 @@ class AttentionStack:
 
     def forward(self, hidden: torch.Tensor, forward_batch: ForwardBatch,
                 backend: AttentionBackend) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run every layer on ``hidden`` [T, hidden_size] (model dtype) for ``forward_batch``.
-
-        K/V of the new tokens are written into the batch's KV pool by the backend. The residual
-        stream is kept in float32 (each layer's input is normed and cast to the model dtype).
-        Returns the residual stream after the last layer [T, hidden_size] float32 and the aux
-        hidden states (one [T, hidden_size] float32 per configured aux layer, in order; [] when
-        not configured).
-        """
+        """Run every layer on ``hidden`` [T, hidden_size] (model dtype); the backend writes new K/V. Returns the float32
+        residual stream [T, hidden_size] and the aux hidden states (one float32 [T, hidden_size] per aux layer; [] if
+        none)."""
         pos, h, aux = forward_batch.positions, hidden.float(), []
         for idx, L in enumerate(self.layers):
             if self.aux_hidden_state_layers and L.layer_id in self.aux_hidden_state_layers:
@@ -172,18 +153,10 @@ def _rope_complex(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Ten
 
 def reference_forward(stack: AttentionStack, hidden: torch.Tensor, kv_dtype: Optional[torch.dtype] = None,
                       store_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One request's whole sequence [L, hidden_size] through the stack in float64, dense and causal.
-
-    Written apart from :meth:`AttentionStack.forward`: no backend, no KV cache, complex-number RoPE,
-    MLA un-absorbed (per-head ``k_nope = c @ W_UK[h]^T``, ``v = c @ W_UV[h]^T``). ``kv_dtype``
-    (e.g. ``torch.float8_e4m3fn``): round what the KV cache stores (K and V; for MLA the latent
-    ``c`` and ``k_rope``) through that dtype, as the cache does. ``store_dtype`` (the stack's dtype,
-    e.g. ``torch.bfloat16``): round every tensor the stack hands on in that dtype — the normed layer
-    input, the projections, q/k after RoPE, the attention output and the output projection — so that
-    the comparison measures the attention path, not the stack's own bf16 storage (five roundings of
-    2^-9 each, worth ~1e-2 of ``max|Δ|`` on small models); the arithmetic stays float64. Returns the
-    float64 output [L, hidden_size] (CPU) and the aux hidden states like ``forward``.
-    """
+    """One request's sequence [L, hidden_size] through the stack in float64, dense and causal: (output (CPU), aux).
+    Apart from :meth:`AttentionStack.forward`: no backend or cache, complex RoPE, MLA un-absorbed. ``kv_dtype``: round
+    what the cache stores through it; ``store_dtype``: round every tensor the stack hands on (five points) so the
+    comparison measures the attention path."""
     def cached(t: torch.Tensor) -> torch.Tensor:
         return t if kv_dtype is None else t.to(kv_dtype).to(torch.float64)
 

@@ -1,7 +1,4 @@
-"""Steps through a ready runner, checked against the float64 dense reference of the stack.
-
-Details: docs/internals.md, ``pipeline.runtime.model_steps``.
-"""
+"""Steps through a ready runner, checked against the float64 dense reference of the stack (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -10,8 +7,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from pipeline.backends.memory import (dequantize_kv, layer_kv_scales, make_draft_batch, make_forward_batch,
-                                      PageAllocator)
+from pipeline.backends.memory import dequantize_kv, layer_kv_scales, make_draft_batch, make_forward_batch, PageAllocator
 from pipeline.core.contracts import ForwardMode
 from pipeline.backends.speculative import SpecInfo
 from pipeline.core.errors import BuildError
@@ -27,19 +23,14 @@ _MLA_PATHS = (MLA_UNABSORBED, MLA_ABSORBED)
 
 
 def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """The absorbed query ``q_abs[t, h] = q_nope[t, h] @ W_UK[h]``: q_nope [T, H, qk_nope_head_dim] and W_UK
-    [H, qk_nope_head_dim, kv_lora_rank] (the stack's ``uk``), both float64; returns [T, H, kv_lora_rank] float64.
-
-    So ``q_abs[t, h] · c[j] == q_nope[t, h] · (W_UK[h] c[j])``, the un-absorbed score's no-rope part (DeepSeek-V2
-    paper, section 2.1.2; sglang's ``forward_absorb``)."""
+    """``q_abs[t, h] = q_nope[t, h] @ W_UK[h]``: [T, H, qk_nope] x [H, qk_nope, kv_lora_rank] -> [T, H, kv_lora_rank],
+    float64 (sglang's ``forward_absorb``)."""
     return torch.einsum("thn,hnc->thc", q_nope, w_uk)
 
 
 def expand_latent_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """The per-head output ``o[t, h] = W_UV[h] @ o_lat[t, h]``: o_lat [T, H, kv_lora_rank] (attention over the latent
-    values ``c``) and W_UV [H, v_head_dim, kv_lora_rank] (the stack's ``uv``), both float64; returns
-    [T, H, v_head_dim] float64 — equal to attention over the expanded values ``W_UV[h] c[j]`` because the softmax
-    weights sum linearly."""
+    """``o[t, h] = W_UV[h] @ o_lat[t, h]``: o_lat [T, H, kv_lora_rank], W_UV [H, v_head_dim, kv_lora_rank] -> [T, H,
+    v_head_dim], float64."""
     return torch.einsum("thc,hvc->thv", o_lat, w_uv)
 
 
@@ -55,21 +46,14 @@ def reference_forward_rounded(stack: AttentionStack, hidden: torch.Tensor, kv_dt
                               kv_errs: Optional[list[float]] = None, *, mla_path: str = MLA_UNABSORBED,
                               absorbed_rounding: bool = True, positions: Optional[torch.Tensor] = None,
                               mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One request's sequence ``hidden`` [L, hidden_size] (positions ``0..L-1``) through ``stack`` in float64,
-    rounded like the stack; returns the output [L, hidden_size] and the aux states (float64, CPU).
+    """One request's ``hidden`` [L, hidden_size] through ``stack`` in float64, rounded like the stack: (output, aux).
 
-    ``positions`` [L] and ``mask`` [L, L] bool: a request whose tokens form a tree (speculative decoding: draft
-    trees verified, draft branches) — token ``i`` at its depth, seeing the tokens ``mask[i]`` marks (its ancestors and
-    itself), for RoPE and for attention alike; default ``0..L-1`` and causal.
-
-    ``kv_dtype``: a narrower cache dtype to round K/V through; ``stored_kv``: per layer, the dequantized K/V the
-    pool holds (MLA: the latent K [L, 1, kv_lora_rank + qk_rope_head_dim]), attended over instead; ``kv_errs``: gets
-    ``max|stored - recomputed| / max|recomputed|`` per layer (docs/internals.md). ``mla_path`` (MLA layers only):
-    :data:`MLA_UNABSORBED` (default, as before) or :data:`MLA_ABSORBED`; ``absorbed_rounding``: on the absorbed
-    path, round ``q_abs`` and the latent output to the stack dtype as the stack does (False: keep them float64,
-    which :mod:`pipeline.runtime.model_steps` uses to measure what those two roundings change). Non-MLA layers
-    ignore both. Raises BuildError (``reference_input_invalid``) for an unknown ``mla_path``, else only
-    reference_attention's shape errors."""
+    ``positions`` [L] / ``mask`` [L, L] bool: a token tree (default ``0..L-1``, causal). ``kv_dtype``: round K/V through
+    it; ``stored_kv``: the pool's dequantized K/V per layer to attend over; ``kv_errs``: receives the stored vs
+    recomputed relative error per layer. MLA only: ``mla_path`` :data:`MLA_UNABSORBED` (default) or
+    :data:`MLA_ABSORBED`; ``absorbed_rounding``: round ``q_abs`` and the latent output as the stack does. Raises
+    BuildError (``reference_input_invalid``) for an unknown ``mla_path``.
+    """
     if mla_path not in _MLA_PATHS:
         raise BuildError(f"reference_forward_rounded: mla_path={mla_path!r} is not allowed",
                          code="reference_input_invalid", flags=[("mla_path", mla_path)], allowed=list(_MLA_PATHS),
@@ -155,20 +139,15 @@ def _mha_qkv(stack: AttentionStack, L: Any, w: dict, x: torch.Tensor, pos: torch
 REF_ROUNDED = "rounded"
 REF_MLA_ABSORBED = "mla-absorbed"
 REF_MLA_UNABSORBED = "mla-unabsorbed"
-# What two float64 evaluations of the same attention in different association orders (absorbed vs un-absorbed)
-# may differ by, relative to max|Δ|: float64 rounding is ~1e-16 per operation over sums of a few hundred terms
-# (~1e-13), and the stack-dtype roundings after it mostly erase even that (measured 0 on 160 tokens of the bundled
-# DeepSeek-V2-Lite, 2 layers); a wrong absorption moves Δ by 5e-2 and more (tests/test_verify_mla_steps.py).
+# What two float64 evaluations in different association orders may differ by, relative to max|Δ| (~1e-13; a wrong
+# absorption moves Δ by >= 5e-2, tests/test_verify_mla_steps.py).
 F64_SLACK = 1e-9
 
 
 @dataclass(frozen=True)
 class StepCheck:
-    """One step's outcome: label, mode, batch size, whether replayed from a graph, worst error, tolerance, and
-    the reference it was judged against (``reference``: :data:`REF_ROUNDED`, :data:`REF_MLA_ABSORBED` or
-    :data:`REF_MLA_UNABSORBED`; docs/internals.md). With a per-request tolerance (the absorption check) the
-    step reports the request nearest to or furthest over its tolerance (largest ``err / tol``): its error and
-    its tolerance."""
+    """One step's outcome: label, mode, batch size, replayed, worst error, tolerance and ``reference``; with per-request
+    tolerances, the request with the largest ``err / tol``."""
 
     step: str
     mode: str
@@ -191,30 +170,17 @@ def _tol(dtype: torch.dtype) -> float:
 
 def absorption_tolerance(tol: float, d_rounded: torch.Tensor, d_exact: torch.Tensor,
                          d_unabsorbed: torch.Tensor) -> float:
-    """The absorption check's tolerance for one request's outputs in one step.
+    """The absorption check's tolerance for one request in one step.
 
-    Arguments are the stack's update to the residual stream ``Δ`` [T, hidden_size] (float64) per float64 reference:
-    ``d_rounded`` absorbed with the stack's two absorbed-only roundings (``r(q_abs)``, ``r(o_lat)``), ``d_exact``
-    absorbed without them, ``d_unabsorbed`` un-absorbed; ``tol`` the kernel check's tolerance (:func:`_tol`).
-    Returns ``tol · max|d_rounded| / M + max|d_rounded − d_exact| / M + F64_SLACK``, ``M =
-    max|d_unabsorbed|`` (1 when that is 0, as :func:`rel_err`).
+    Arguments: the stack's residual update ``Δ`` [T, hidden_size] float64 per reference — ``d_rounded`` (absorbed, with
+    the two absorbed-only roundings), ``d_exact`` (absorbed, without), ``d_unabsorbed`` — and the kernel check's
+    ``tol``. Returns ``tol · max|d_rounded| / M + max|d_rounded − d_exact| / M + F64_SLACK``, ``M = max|d_unabsorbed|``
+    (1 when 0).
 
-    Derivation (triangle inequality, every norm the max-abs norm):
-    ``|out − un| ≤ |out − ar| + |ar − ax| + |ax − un|``. The first term is what the kernel check bounds
-    (``≤ tol · max|ar|`` when it passes); the second is the float64-computed effect of the two roundings on this
-    very batch — through softmax, every later layer and every later step that reads this token — with the math
-    otherwise identical, so it measures rounding and nothing else; the third is zero in exact arithmetic (the
-    absorption identity), so only :data:`F64_SLACK` is allowed for it. A wrong absorption (a transposed or
-    perturbed ``W_UK``/``W_UV``, a wrong head slot) in the stack *and* in the absorbed reference passes the kernel
-    check but leaves ``|ax − un|`` large, and ``ar − ax`` does not grow with it (both share the wrong math),
-    so this check fails. Why not ``|ar − un|`` as the allowance (the obvious "effect of the roundings"): it
-    contains ``|ax − un|``, so by the same inequality it would pass whenever the kernel check passes — a check
-    that cannot fail. An analytic bound from the unit roundoff (2^-8 · |q_abs| · |c| per score, 2^-8 · |o_lat|
-    per output, pushed through softmax, W_UV, W_o and every later layer and step) was not chosen: it multiplies
-    worst-case factors (norms, softmax sensitivity) that no one batch reaches, so it would allow more than the
-    roundings do here, while the batch's own float64 effect is exact for what is checked. A float64 difference
-    can in principle flip a later stack-dtype rounding (a value within ~1e-16 relative of a rounding boundary:
-    about 1e-16 / 2^-9 per rounded value); that would show as a failure of about one bf16 step, never as a pass.
+    Derivation: ``|out − un| ≤ |out − ar| + |ar − ax| + |ax − un|``: the kernel check bounds the first, the second is
+    this batch's float64 effect of the roundings, the third is 0 exactly (absorption identity), so a wrong absorption
+    leaves it large and fails. ``|ar − un|`` as allowance would contain ``|ax − un|`` and could not fail; an analytic
+    roundoff bound would allow more than the roundings do.
     """
     m = float(d_unabsorbed.abs().max()) if d_unabsorbed.numel() else 0.0
     m = m if m > 0 else 1.0  # rel_err's convention: an all-zero reference gives the absolute error
@@ -276,9 +242,8 @@ def _pool_kv(stack: Any, kv: Any, slots: torch.Tensor) -> list[list[tuple[torch.
 
 
 def _steps(b: int, decode_steps: int, spec: Any, draft: bool) -> list[tuple[str, ForwardMode, list[int]]]:
-    """extend, chunked extend, decodes; a target worker verifies trees of ``num_draft_tokens`` after the first
-    decode (replayed from its CUDA graph where one is captured), a draft worker draft-extends its chunk and runs a
-    round of draft-decode steps."""
+    """extend, chunked extend, decodes; a target worker verifies trees after the first decode, a draft worker
+    draft-extends and runs draft-decode steps."""
     ext = ForwardMode.DRAFT_EXTEND if spec is not None and draft else ForwardMode.EXTEND
     steps = [("extend", ForwardMode.EXTEND, list(EXTEND_LENS[:b])),
              ("draft-extend" if draft and spec is not None else "chunked-extend", ext, list(CHUNK_LENS[:b]))]
@@ -295,24 +260,14 @@ def _steps(b: int, decode_steps: int, spec: Any, draft: bool) -> list[tuple[str,
 
 def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0, spec: Any = None,
                        draft: bool = False) -> list[StepCheck]:
-    """Run extend, chunked extend and decode steps through a ready ``runner``; see docs/internals.md,
-    ``pipeline.runtime.model_steps``.
+    """Run extend, chunked extend and decode steps through a ready ``runner`` (docs/internals.md).
 
-    Uses ``req_to_token`` rows ``0..B-1`` (B = min(4, max_reqs)) and frees them afterwards.
-    Tolerance: 1e-4 for float32 stacks, 1e-2 for bf16/fp16 (the residual stream is float32),
-    against a reference rounded like the stack (so the tolerance bounds the attention kernel's own
-    error, independent of ``decode_steps`` and depth);
-    every layer of the reference attends over the K/V the pool holds (dequantized; any KV dtype), so the
-    tolerance does not depend on the KV dtype or the context length; a ``kv-cache-write`` check is appended
-    when the pool's K/V differ from the reference's recomputation by more than a step of the coarser dtype.
-    A stack with MLA layers gets two checks per step, ``mla-absorbed`` (this tolerance) then ``mla-unabsorbed``
-    (:func:`absorption_tolerance`); see docs/internals.md, ``pipeline.runtime.model_steps``. ``spec`` (the
-    :class:`SpeculativeParams` served) adds speculative steps (:func:`_steps`): a target-verify step of random trees
-    (then each request's accepted path, its KV moved as an engine moves it, and decodes on), or a draft extend and a
-    round of draft-decode steps of ``spec.topk`` branches (``draft``: a draft worker). Each request's tokens form a
-    tree (:class:`_Tokens`), so each request's reference is computed once, after the last step, over all its tokens
-    with the tree's mask and depths
-    as positions. Raises BuildError when the pools are too small.
+    Uses ``req_to_token`` rows ``0..min(4, max_reqs)-1`` and frees them. Tolerance 1e-4 (float32) / 1e-2 (bf16/fp16)
+    against a reference rounded like the stack over the K/V the pool holds; a ``kv-cache-write`` check is added when the
+    pool's K/V stray by more than a step of the coarser dtype. MLA stacks get ``mla-absorbed`` then ``mla-unabsorbed``
+    (:func:`absorption_tolerance`). ``spec`` adds speculative steps (target verify of random trees, or with ``draft``
+    draft extend and decode of ``spec.topk`` branches); each request's reference is computed once over its tree. Raises
+    BuildError when the pools are too small.
     """
     stack, pools = runner.stack, runner.pools
     req_pool, kv = pools["req_to_token_pool"], pools["kv_pool"]
@@ -336,10 +291,8 @@ def verify_model_steps(runner: Any, *, decode_steps: int = 3, seed: int = 0, spe
 
 def _run_step(runner: Any, mode: ForwardMode, rows: list[int], new: list[int], alloc: PageAllocator,
               toks: dict[int, _Tokens], spec: Any, branches: list[Any], gen: torch.Generator) -> tuple[bool, list]:
-    """One step through the runner: its batch (trees for target verify, the next branches for draft decode), random
-    inputs, the stored K/V of its tokens, each request's new tokens added to its tree; after target verify each
-    request keeps an accepted path (KV moved). Returns (replayed from a graph, per request (token indices, input,
-    output))."""
+    """One step through the runner with random inputs; returns (replayed, per request (token indices, input, output)).
+    After target verify each request keeps an accepted path (KV moved)."""
     stack, kv = runner.stack, runner.pools["kv_pool"]
     trees = [random_tree(n, spec.topk, spec.num_steps, gen) for n in new] \
         if mode is ForwardMode.TARGET_VERIFY else None
@@ -375,11 +328,7 @@ def _run_step(runner: Any, mode: ForwardMode, rows: list[int], new: list[int], a
 
 def _compare(stack: Any, kv_dtype: torch.dtype, rows: list[int], toks: dict[int, _Tokens], outs: list[Any],
              b: int) -> list[StepCheck]:
-    """One reference per request over all its tokens (their tree's mask and depths) and stored K/V; worst
-    per-request error per step.
-
-    A stack with MLA layers gets the two checks of docs/internals.md per step (absorbed first), from three
-    references per request: absorbed with and without the absorbed-only roundings, and un-absorbed."""
+    """Worst per-request error per step against one reference per request over its tree (three for MLA stacks)."""
     kv_errs: list[float] = []
     tol = _tol(stack.dtype)
     mla = any(L.is_mla for L in stack.layers)

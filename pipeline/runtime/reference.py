@@ -1,14 +1,5 @@
-"""Dense float64 reference attention over un-paged K/V, one request at a time.
-
-This is the yardstick every backend is checked against (tests and ``attn-setup run``'s
-verification). It is deliberately written apart from the backends: it never sees ``req_to_token``,
-the paged KV pool or ``scaled_dot_product_attention``; it takes one request's keys and values as
-plain tensors (positions ``0..L-1``, or given, for a speculative tree) and spells the math out: ``q @ k^T * scale``,
-optional logit softcap, causal + sliding-window + chunked-local mask on absolute positions and an optional explicit
-mask (an EAGLE tree's ancestors), optional attention sinks, softmax, ``@ v``.
-
-Error metric used with it everywhere: :func:`rel_err` = ``max|out - ref| / max|ref|``.
-"""
+"""Dense float64 reference attention over un-paged K/V, one request at a time: the yardstick every backend is checked
+against, written apart from the backends. Error metric: :func:`rel_err`."""
 
 from __future__ import annotations
 
@@ -57,38 +48,13 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
                         sinks: Optional[torch.Tensor] = None, chunk: Optional[int] = None,
                         k_positions: Optional[torch.Tensor] = None,
                         mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Attention of one request's queries over all of its keys, in float64.
+    """Attention of one request's queries over all of its keys, in float64: [Tq, H, Dv] on q's device.
 
-    Parameters
-    ----------
-    q : [Tq, H, D] any float dtype — the queries (upcast to float64).
-    k : [L, Hkv, D] — every key of the request, key ``j`` at absolute position ``j``.
-    v : [L, Hkv, Dv] — every value of the request (``Dv`` may differ from ``D``: MLA absorbed form
-        uses D = kv_lora_rank + rope dim, e.g. 576, and Dv = kv_lora_rank, e.g. 512).
-    q_positions : [Tq] int — absolute position of each query (prefix included).
-    scale : softmax scale applied to ``q @ k^T``.
-    window : sliding window in keys, the query itself included: key ``j`` is visible from query
-        ``i`` iff ``0 <= i - j < window`` (HF / sglang convention); None = causal only.
-    softcap : logit softcap: scaled scores become ``softcap * tanh(s / softcap)`` (Gemma-2).
-    sinks : [H] per-head sink logits (gpt-oss): each adds ``exp(sink_h)`` to the softmax
-        denominator of head ``h`` and attends to no value.
-    chunk : chunked local attention (Llama-4's ``attention_chunk_size``): key ``j`` is visible from
-        query ``i`` only when ``j // chunk == i // chunk`` (a window that resets at chunk
-        boundaries; HF's chunked-attention mask); None = no chunking. Combines with ``window``.
-    k_positions : [L] int — each key's position (default ``0..L-1``). Speculative trees put several tokens at one
-        position (siblings at the same depth); causality, window and chunk compare positions.
-    mask : [Tq, L] bool — a key is visible only where it is True too (an EAGLE tree: the prefix and the query's
-        ancestors and itself); None = causal by position only.
-
-    GQA: query head ``h`` reads kv head ``h // (H // Hkv)``.
-
-    Returns
-    -------
-    [Tq, H, Dv] float64 on q's device.
-
-    Raises
-    ------
-    BuildError (``reference_input_invalid``) for inconsistent shapes, positions, window or chunk.
+    ``q`` [Tq, H, D] any float dtype; ``k`` [L, Hkv, D]; ``v`` [L, Hkv, Dv]; ``q_positions`` [Tq] int; ``scale``;
+    ``window``: key ``j`` visible from ``i`` iff ``0 <= i - j < window`` (None: causal); ``softcap``: ``softcap * tanh(s
+    / softcap)``; ``sinks`` [H]: add ``exp(sink_h)`` to the denominator; ``chunk``: visible only when ``j // chunk == i
+    // chunk``; ``k_positions`` [L] (default ``0..L-1``); ``mask`` [Tq, L] bool: visible only where also True. GQA: head
+    ``h`` reads kv head ``h // (H // Hkv)``. Raises BuildError (``reference_input_invalid``) for inconsistent inputs.
     """
     _check(q, k, v, q_positions, window, sinks, chunk, k_positions, mask)
     f64 = torch.float64
@@ -132,11 +98,8 @@ def _visible(q_positions: torch.Tensor, k_positions: Optional[torch.Tensor], num
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``max|out - ref| / max|ref|`` computed in float64; NaN/inf in ``out`` give ``inf``.
-
-    ``out`` and ``ref`` must have the same number of elements (they are flattened). If ``ref`` is
-    all zeros the absolute error is returned.
-    """
+    """``max|out - ref| / max|ref|`` in float64 over flattened tensors of equal size; ``inf`` for NaN/inf in ``out``;
+    absolute error when ``ref`` is all zeros."""
     o = out.detach().to(torch.float64).reshape(-1)
     r = ref.detach().to(device=o.device, dtype=torch.float64).reshape(-1)
     if not bool(torch.isfinite(o).all()):

@@ -1,7 +1,4 @@
-"""Runner orchestration: a model runner's ``initialize()`` as an outer state machine.
-
-Details: docs/internals.md, ``pipeline.runtime.runner``.
-"""
+"""Runner orchestration: a model runner's ``initialize()`` as an outer state machine (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -9,8 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
-from pipeline.core import steps
-from pipeline.core import events as ev
+from pipeline.core import steps, events as ev
 from pipeline.core.contracts import ErrorInfo, SetupRequest
 from pipeline.core.errors import error_info_from
 from pipeline.core.eventlog import EventLog
@@ -27,13 +23,11 @@ AgreeFn = Callable[[Any, SetupRequest, Any], str]
 class RunnerConfig:
     """What ``initialize()`` needs beyond the :class:`SetupRequest`.
 
-    ``num_layers``: build only the first N attention layers (None = all; a hybrid model's linear-attention /
-    mamba layers are skipped, not counted). ``seed``: weight seed. Pool size (first given wins): ``num_token_slots``
-    > ``mem_bytes`` (a byte budget) > ``mem_fraction`` (share of device memory, weights subtracted) >
-    ``request.pool.num_token_slots``. ``aux_hidden_state_layers``: EAGLE3 ids of the layers whose inputs it returns.
-    ``min_token_slots``: the fewest token slots a pool sized from ``num_token_slots`` or ``mem_bytes`` must
-    hold (``attn-setup run``: what its verification batches take); ``min_token_slots_for`` says what needs them;
-    ``min_context_len``: the least ``max_context_len`` (tokens) a pool remedy may name (what ``run``'s checks reach)."""
+    ``num_layers``: first N attention layers (None = all); ``seed``: weight seed. Pool size, first given wins:
+    ``num_token_slots`` > ``mem_bytes`` > ``mem_fraction`` (weights subtracted) > ``request.pool.num_token_slots``.
+    ``aux_hidden_state_layers``: EAGLE3 layer ids. ``min_token_slots`` (what ``min_token_slots_for`` needs them for) and
+    ``min_context_len``: the least a pool or its remedy may hold.
+    """
 
     request: SetupRequest
     num_layers: Optional[int] = None
@@ -47,10 +41,8 @@ class RunnerConfig:
     min_context_len: int = 1
 
     def __post_init__(self) -> None:
-        """Every field but ``request`` (which :class:`Runner` checks) against its annotation, as the msgspec
-        contracts check theirs (:func:`pipeline.core.validation.matches`): a wrong type is ConfigError
-        ``invalid_value`` naming the field, its value and the type, before anything is built — not a TypeError
-        from deep inside load-model (``num_layers="2"`` compared an int with a str there)."""
+        """Every field but ``request`` against its annotation (:func:`pipeline.core.validation.matches`): ConfigError
+        ``invalid_value`` naming field, value and type, before anything is built."""
         import dataclasses
         import typing
 
@@ -72,11 +64,9 @@ VERIFY_REMEDY = "the backend computes wrong attention for this model; report it 
 
 
 def verification_failure(records: Iterable[ev.Event]) -> Optional[ErrorInfo]:
-    """The ``verification_failed`` ErrorInfo of the failed ``instance_verified`` and ``model_step_verified``
-    records (None when none failed): each instance as ``role (backend: max_rel_err > tol)``, each model step as
-    ``step (graph|eager: max_rel_err > tol)`` — ``step (eager, mla-unabsorbed: …)`` when an MLA reference judged it
-    (the ``rounded`` reference and traces without one are not named). ``state``: ``done`` when an instance failed
-    (setup's last state), else ``ready`` (the runner's)."""
+    """The ``verification_failed`` ErrorInfo of failed ``instance_verified`` / ``model_step_verified`` records, or None.
+    Instances read ``role (backend: max_rel_err > tol)``, steps ``step (graph|eager[, mla-…]: max_rel_err > tol)``;
+    ``state`` is ``done`` when an instance failed, else ``ready``."""
     inst, steps = [], []
     for r in records:
         if isinstance(r, ev.InstanceVerified) and not r.passed:
@@ -101,9 +91,8 @@ def tol_text(tol: float) -> str:
 
 @dataclass(frozen=True)
 class Verification:
-    """What :meth:`Runner.verify` found: ``instances`` (:class:`~pipeline.runtime.verify.VerifyResult` per built
-    instance), ``steps`` (:class:`~pipeline.runtime.model_steps.StepCheck` per stack step) and ``error``
-    (``verification_failed`` naming every failure, None when all passed)."""
+    """What :meth:`Runner.verify` found: ``instances`` (VerifyResult each), ``steps`` (StepCheck each), ``error``
+    (``verification_failed``, or None)."""
 
     instances: list[Any]
     steps: list[Any]
@@ -111,28 +100,13 @@ class Verification:
 
 
 class Runner:
-    """Drives the outer machine. Call :meth:`initialize`, or the steps one by one in order.
+    """Drives the outer machine: call :meth:`initialize`, or the steps one by one in order.
 
-    Parameters
-    ----------
-    config : :class:`RunnerConfig`. platform : device platform (default from ``request.device``).
-    log / log_file : an EventLog to emit to, or a trace path for a new one (checked up front:
-        :func:`pipeline.setup.build.open_event_log` raises UsageError ``log_file_unwritable``).
-    cpu_group : the world's CPU process group (passed to NPU lazy memory).
-    rank_group : a :class:`pipeline.setup.distributed.RankGroup` (``init_from_env()``): the pipeline's
-        resolve state then exchanges the resolution with every rank (``resolution_agreed``).
-    agree : an alternative rank-agreement exchange run after the pipeline
-        (``agree(resolution, request, cpu_group) -> detail``; raises when ranks disagree).
-        With ``world_size > 1`` and a process group (``cpu_group``/``rank_group``), capture is
-        refused unless one of the two recorded an agreement; with no process group at all the
-        pipeline records the exchange as skipped with its reason, which the guard accepts.
-    installed : package presence override passed to the pipeline.
-
-    After ``ready``: ``stack`` (the :class:`~pipeline.runtime.model.AttentionStack`), ``pools``,
-    ``backends`` (:class:`~pipeline.setup.result.AttentionBackends`), ``graphs``
-    (:class:`~pipeline.runtime.cuda_graphs.DecodeGraphRunner` or None), :meth:`forward` and :meth:`verify`. With PD-mux,
-    decode (eager and graphs) runs on ``decode_attn_backend``, the first decode backend of the
-    group; the other group members are built and verified but not graph-captured here.
+    ``log`` / ``log_file``: an EventLog, or a trace path (UsageError ``log_file_unwritable``); ``cpu_group``: for NPU
+    lazy memory; ``rank_group``: resolve exchanges the resolution with every rank; ``agree(resolution, request,
+    cpu_group)``: an alternative exchange (with ``world_size > 1`` and a group, capture needs one of them);
+    ``installed``: package override. After ``ready``: ``stack``, ``pools``, ``backends``, ``graphs`` (or None),
+    :meth:`forward`, :meth:`verify`; with PD-mux decode runs on ``decode_attn_backend``.
     """
 
     def __init__(self, config: RunnerConfig, *, platform: Any = None, log: Optional[EventLog] = None,
@@ -277,11 +251,9 @@ class Runner:
         return self
 
     def verify(self, decode_steps: int = 3) -> "Verification":
-        """Check what ``initialize()`` built, in ``ready``: every built instance on a batch against the float64
-        reference (:func:`pipeline.runtime.verify.verify_built`, ``instance_verified`` each), then the stack's extend,
-        chunked extend and ``decode_steps`` decode steps (:func:`pipeline.runtime.model_steps.verify_model_steps`,
-        ``model_step_verified`` each). A failure is logged as ``run_failed`` and returned as ``error``
-        (``verification_failed``, :func:`pipeline.runtime.runner.verification_failure`); nothing is raised for it."""
+        """Check the build in ``ready``: every instance (``instance_verified``), then extend, chunked extend and
+        ``decode_steps`` decodes (``model_step_verified``). A failure is logged ``run_failed`` and returned as ``error``
+        (``verification_failed``), never raised."""
         from pipeline.runtime.runner import verification_failure
         from pipeline.runtime.model_steps import verify_model_steps
         from pipeline.runtime.verify import verify_built
@@ -322,9 +294,7 @@ class Runner:
 
     # -- use -----------------------------------------------------------------------------------
     def forward(self, hidden: Any, forward_batch: Any) -> tuple[Any, list[Any], bool]:
-        """One step of the stack: decode replayed from a graph when one fits, else eager.
-
-        Returns (output [T, hidden_size], aux hidden states, replayed_from_graph).
+        """One step of the stack (graph replay when one fits): (output [T, hidden_size], aux hidden states, replayed).
         """
         g = self.graphs
         if g is not None and g.can_run(forward_batch):

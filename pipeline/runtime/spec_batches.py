@@ -1,13 +1,6 @@
-"""Speculative batches for verification: random EAGLE-shaped trees, accepting a path, and draft branches.
-
-What an engine's speculative worker does around the attention calls, reduced to what attention sees
-(sglang's ``eagle_utils`` / ``eagle_worker_v2``): a target-verify batch holds per request a tree of draft tokens
-(:func:`random_tree`: parents first, at most ``topk`` children per node, at most ``num_steps`` deep — every tree
-EAGLE can propose and more); after it the engine keeps one root-to-node path (:func:`accept_path`: the accepted
-tokens' KV moved to consecutive positions, the rest of the tree's pages freed). A draft round runs ``num_steps``
-draft decode steps of ``topk`` branches; at each step a branch continues its own path or another branch's (EAGLE
-re-selects its top-k among ``topk**2`` candidates), so branches share earlier slots (:func:`next_branches`).
-"""
+"""Speculative batches for verification (sglang's ``eagle_utils``): :func:`random_tree` (parents first, <= ``topk``
+children, <= ``num_steps`` deep), :func:`accept_path` (KV of the accepted path moved, the rest freed) and
+:func:`next_branches` (draft branches sharing earlier slots)."""
 
 from __future__ import annotations
 
@@ -16,7 +9,6 @@ from typing import Sequence
 import torch
 
 from pipeline.backends.memory import KVPool, PageAllocator
-from pipeline.backends.speculative import tree_depths
 
 
 def random_tree(n: int, topk: int, num_steps: int, gen: torch.Generator) -> list[int]:
@@ -51,9 +43,8 @@ def random_path(parents: Sequence[int], gen: torch.Generator) -> list[int]:
 
 
 def accept_path(allocator: PageAllocator, kv_pool: KVPool, row: int, prefix: int, path: Sequence[int]) -> None:
-    """Keep ``path`` (tree indices, root first) of the tree verified at positions ``prefix ..`` of request ``row``:
-    their KV moves to positions ``prefix .. prefix + len(path) - 1`` (sglang's ``move_kv_cache`` after verify) and
-    the request is cut there."""
+    """Keep ``path`` (root first) of the tree verified at ``prefix ..`` of request ``row``: its KV moves to consecutive
+    positions (sglang's ``move_kv_cache``), the rest is cut."""
     r2t = allocator.req_pool.req_to_token[row].to(torch.int64)
     src = r2t[[prefix + i for i in path]].to(kv_pool.device)
     dst = r2t[prefix: prefix + len(path)].to(kv_pool.device)
@@ -63,9 +54,8 @@ def accept_path(allocator: PageAllocator, kv_pool: KVPool, row: int, prefix: int
 
 def next_branches(prev: torch.Tensor | None, rows: Sequence[int], topk: int, allocator: PageAllocator,
                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One draft step's ``(draft_slots [B, topk, s + 1], parent_branch [B, topk])``: each branch continues the path of
-    a random branch of the previous step (all of them the root's at the first step, ``prev`` None) with a fresh
-    slot for this step's token (:meth:`PageAllocator.scratch`)."""
+    """One draft step's ``(draft_slots [B, topk, s + 1], parent_branch [B, topk])``: each branch continues a random
+    previous branch with a fresh slot."""
     b = len(rows)
     new = torch.stack([allocator.scratch(r, topk) for r in rows]).view(b, topk, 1)
     if prev is None:
@@ -73,8 +63,3 @@ def next_branches(prev: torch.Tensor | None, rows: Sequence[int], topk: int, all
     parent = torch.randint(prev.shape[1], (b, topk), generator=gen)
     kept = torch.gather(prev.cpu(), 1, parent.view(b, topk, 1).expand(b, topk, prev.shape[2]))
     return torch.cat([kept, new], dim=2), parent
-
-
-def tree_positions(parents: Sequence[int], prefix: int) -> list[int]:
-    """``prefix + depth`` of each tree token (their RoPE positions)."""
-    return [prefix + d for d in tree_depths(parents)]

@@ -1,13 +1,10 @@
 """One speculative attention step through a backend — eager or replayed from a CUDA graph — against float64.
 
-:func:`check_verify` runs a target verify of random EAGLE trees (``num_draft_tokens`` per request, the shape's top-k
-and depth) over cached prefixes of the given lengths; :func:`check_draft` runs one draft-decode step of ``topk``
-branches per request, each branch ``step + 1`` draft tokens deep. Both fill the pool with random K/V, compare every
-output row with :func:`pipeline.runtime.reference.reference_attention` in float64 over the K/V the pool holds (the tree
-mask built from the paths to the root, positions ``prefix + depth``; a branch's prefix and its own draft tokens), and
-time the layer call with CUDA events. With ``graph=True`` the step is captured once (sglang's capture hooks) and
-replayed for a *new* batch — new trees or branches, new q/k/v — after the replay metadata, so a stale mask or token
-table shows as an error. Used by tests/gpu/test_speculative_gpu.py and benchmarks/speculative_trees.py.
+:func:`check_verify`: a target verify of random EAGLE trees over cached prefixes; :func:`check_draft`: one draft-decode
+step of ``topk`` branches per request. Both fill the pool with random K/V, compare every output row with
+:func:`pipeline.runtime.reference.reference_attention` over the stored K/V and time the call with CUDA events; with
+``graph=True`` the step is captured once and replayed for a new batch (a stale mask or table shows as an error). Used by
+tests/gpu/test_speculative_gpu.py and benchmarks/speculative_trees.py.
 """
 
 from __future__ import annotations
@@ -236,9 +233,8 @@ def check_draft(backend: Any, kind: LayerKind, *, prefix_lens: Sequence[int], to
 def backend_over(name: str, kind: LayerKind, pools: tuple[ReqToTokenPool, KVPool], *, device: str = "cuda",
                  workspace_bytes: int = 512 << 20, dtype: Optional[str] = None) -> Any:
     """The registered backend ``name`` built by its factory over ``pools`` for one layer of ``kind``, as the setup
-    builds it (a :class:`~pipeline.backends.registry.BackendContext` with the device's facts, a workspace of
-    ``workspace_bytes`` when the record needs one, q dtype ``dtype``: default the pool's, bfloat16 over fp8); the
-    caller closes it."""
+    builds it (workspace of ``workspace_bytes`` when needed; ``dtype`` default the pool's, bf16 over fp8); the caller
+    closes it."""
     from pipeline.backends.memory import is_fp8
 
     from pipeline.backends import registry

@@ -1,7 +1,5 @@
-"""The runner's machine as one table (a model runner's ``initialize()``), each step's decision and effect.
-
-Details: docs/internals.md, ``pipeline.runtime.table``.
-"""
+"""The runner's machine as one table (a model runner's ``initialize()``), each step's decision and effect
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -26,21 +24,14 @@ def served_field(req: Any, spec: Any) -> dict[str, Any]:
 
 # -- init-memory-pool: req_to_token and the per-layer K/V buffers, sized from the budget -----------------------
 def decide_pools(r: Any) -> Any:
-    """The pool sizes (slots > bytes > fraction of the device's memory, weights already there subtracted), refused
-    when above the device's memory or its free share, or below ``config.min_token_slots``; a ``mem_fraction``
-    outside (0, 1] is refused with a remedy naming the largest share that fits this device (:func:`fraction_remedy`).
+    """The pool sizes (slots > bytes > fraction of device memory less weights), refused above the device's memory or
+    free share or below ``config.min_token_slots``; a ``mem_fraction`` outside (0, 1] is refused with
+    :func:`fraction_remedy`.
 
-    When decode graphs will be captured, the process's one-time capture costs are paid first (the platform's
-    ``prime_graph_capture``; on CUDA :func:`pipeline.platforms.cuda.prime_capture`: PyTorch's stream pool and
-    lazily loaded graph machinery, ~160 MiB outside the allocator on the H200), so the free memory the budget is
-    read from no longer holds them; ``r.capture_prime_bytes`` keeps what they took (the ``cuda_graph_memory``
-    event's ``prime_device_bytes``).
-
-    The planned FlashInfer workspaces (:func:`workspace_bytes`) count with the pools and the graphs (they
-    were checked only after the pools were allocated, and without the graphs, so graphs and workspaces too large
-    together failed out of memory during capture): workspaces alone above 90 % of the free memory are refused first
-    (``workspace_exceeds_memory``, :func:`pipeline.memory.workspaces.check_workspaces_fit`), then the sum by
-    :func:`size_for`."""
+    With decode graphs the platform's ``prime_graph_capture`` runs first so the budget is read after those one-time
+    costs (kept in ``r.capture_prime_bytes``). Planned FlashInfer workspaces count with pools and graphs: above 90 % of
+    free memory alone they are refused (``workspace_exceeds_memory``), then the sum by :func:`size_for`.
+    """
     cfg = r.config
     if cfg.mem_fraction is not None:
         try:
@@ -67,9 +58,8 @@ def decide_pools(r: Any) -> Any:
 
 
 def setup_decided(r: Any, spec: Any) -> Any:
-    """``(request, decided)``: the setup decided torch-free (:func:`pipeline.setup.build.decide_setup`) for this
-    run's request serving ``spec``, before the pools are sized (the backends, their workspaces and whether graphs
-    are captured depend on ``max_reqs``, not on the pool's size); computed once per runner and spec (kept on ``r``)."""
+    """``(request, decided)``: :func:`pipeline.setup.build.decide_setup` for this run's request serving ``spec``, before
+    pool sizing; cached on ``r``."""
     kept = getattr(r, "setup_decided_for", None)
     if kept is not None and kept[0] is spec:
         return kept[1]
@@ -102,12 +92,9 @@ def workspace_bytes(r: Any, spec: Any) -> int:
 
 
 def graph_estimate(r: Any, spec: Any) -> Any:
-    """The decode CUDA graphs' estimated memory (:class:`pipeline.memory.graphs.GraphMemoryEstimate`) for this run's
-    built ``spec``, from the setup decided torch-free for it (:func:`pipeline.setup.build.decide_setup`: the decode
-    backend and whether it is captured depend on ``max_reqs``, not on the pool's size); None when no graphs are
-    captured (CPU, ``--disable-cuda-graph``, a decode backend without graphs) or the setup is refused. Computed once
-    per runner and spec (kept on ``r``); where graphs cannot apply at all (:func:`states.build_mode.decide_graphs` before
-    any backend is known) nothing is resolved for it, so such a run still resolves once."""
+    """The decode graphs' estimated memory (:class:`pipeline.memory.graphs.GraphMemoryEstimate`) for the built ``spec``,
+    from :func:`pipeline.setup.build.decide_setup`; None without graphs or when the setup is refused. Cached on ``r``.
+    """
     from states.build_mode import decide_graphs
 
     cfg = r.config
@@ -127,12 +114,8 @@ def graph_estimate(r: Any, spec: Any) -> Any:
 
 
 def _bound_if_beyond_device(r: Any, req: Any, decided: Any) -> Any:
-    """The graphs' lower bound (:func:`pipeline.memory.graphs.lower_bound_for_decided`, closed form whatever the
-    top) when it alone is above the share of the device's total memory the pools may use, else None. Then the run
-    is refused whatever the full estimate says, and the full estimate, one entry per captured size, is not built: a
-    ``--cuda-graph-max-bs`` of 2**31 - 1 would list ~268M sizes (``plan`` refuses from the bound the same way,
-    :func:`pipeline.memory.fits.refuse_early`)."""
-    from pipeline.memory.pools import POOL_MEMORY_SHARE
+    """The graphs' closed-form lower bound when it alone exceeds the pools' share of device memory, else None (then the
+    per-size estimate is never built; ``plan`` refuses the same way)."""
     from pipeline.memory.graphs import lower_bound_for_decided
 
     total = r.platform.device_facts(r.index).total_memory_bytes
@@ -156,18 +139,15 @@ def graph_reserve_bytes(r: Any, spec: Any) -> int:
 
 def size_for(platform: Any, index: int, cfg: Any, spec: Any, graph_reserve: int = 0, spare: bool = False,
              graphs: Any = None, workspace: int = 0) -> Any:
-    """:func:`decide_pools`' sizing for ``cfg`` (a RunnerConfig, its ``mem_fraction`` already checked) and the
-    built ``spec`` on ``platform``'s device ``index``; nothing is allocated. Raises the sizing's ConfigError.
-    ``config.min_token_slots`` binds every pool (the default slots too, so a ``--num-token-slots`` remedy is enough
-    when followed; a ``mem_fraction`` pool too, whose refusal names the fraction that covers it). ``graph_reserve``: the decode graphs' estimated bytes
-    (:func:`graph_reserve_bytes`), out of a ``mem_fraction`` budget and counted against free memory
-    (:func:`pipeline.memory.pools.size_pools`). ``spare``: check against the free memory less
-    :func:`~pipeline.memory.pools.remedy_margin` (what a remedy is sized for). A ``--mem-bytes`` above the
-    device's total is a ConfigError (``invalid_value``) naming a value that fits. ``graphs``: the graphs behind
-    ``graph_reserve`` (:func:`graph_trial_of`), for a remedy that lowers or drops them; every remedy names values
-    inside their flags' domains, at least ``cfg.min_token_slots`` slots and ``cfg.min_context_len`` tokens.
-    ``workspace``: the planned workspaces' bytes (:func:`workspace_bytes`), counted with the pools and the graphs
-    against free memory (not taken out of a ``mem_fraction`` budget: sglang allocates them outside it)."""
+    """:func:`decide_pools`' sizing for ``cfg`` and the built ``spec`` on ``platform``'s device ``index``; allocates
+    nothing.
+
+    Raises the sizing's ConfigError (``invalid_value`` for ``--mem-bytes`` above the device's total).
+    ``config.min_token_slots`` binds every pool. ``graph_reserve``: graph bytes out of a ``mem_fraction`` budget;
+    ``spare``: check against free memory less :func:`~pipeline.memory.pools.remedy_margin`; ``graphs``: for a remedy
+    lowering them; ``workspace``: counted against free memory outside the budget (as sglang). Every remedy is inside its
+    flags' domains.
+    """
     req = cfg.request
     p, facts = req.pool, platform.device_facts(index)
     if cfg.mem_bytes is not None and facts.total_memory_bytes and cfg.mem_bytes > facts.total_memory_bytes:

@@ -1,7 +1,4 @@
-"""Verification harness: run a real batch through a built backend and compare with the reference.
-
-Details: docs/internals.md, ``pipeline.runtime.verify``.
-"""
+"""Verification harness: run a real batch through a built backend and compare with the reference (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -163,11 +160,8 @@ _Q_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class VerifyResult(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Outcome of verifying one built instance.
-
-    ``max_rel_err``: worst ``max|out - ref| / max|ref|`` over kinds, steps and requests
-    (``inf`` when the backend produced NaN/inf); ``passed``: ``max_rel_err <= tol``.
-    """
+    """Outcome of verifying one instance: ``max_rel_err`` (worst ``max|out - ref| / max|ref|``, ``inf`` for NaN/inf),
+    ``passed`` = ``max_rel_err <= tol``."""
 
     role: str
     backend: str
@@ -188,33 +182,22 @@ def _torch_dtype(dtype: Any) -> torch.dtype:
     return torch_dtype(name)
 
 
-# Allowed max|out - ref| / max|ref| per q (compute) dtype. The KV-cache dtype does not change it: the
-# reference is attention over the *dequantized stored* K/V (fp8 rounding of K/V is part of the input,
-# not an error), and every backend upcasts fp8 exactly (e4m3/e5m2 values are exact in bf16/fp16/fp32)
-# and applies k_scale/v_scale in fp32 (FlashInfer: k_scale folded into the softmax scale, the output
-# multiplied by v_scale — one more bf16 rounding, within the bf16 bound). fp32 q: torch_native's fp32
-# math (1e-4); bf16/fp16 q: half-precision q and P@V products (1e-2; FlashInfer fp8 measured <= 6.9e-3
-# on the H200, /work/notes/gpu_facts.md and benchmarks/RESULTS.md).
+# Allowed max|out - ref| / max|ref| per q dtype, for every KV dtype (the reference reads the dequantized stored K/V):
+# fp32 1e-4, bf16/fp16 1e-2 (FlashInfer fp8 measured <= 6.9e-3, benchmarks/RESULTS.md).
 TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
 
 
 def tolerance(dtype: Any, kv_dtype: Any = None) -> float:
-    """Allowed relative error for q/output dtype ``dtype`` over a KV cache of ``kv_dtype``.
-
-    :data:`TOLERANCE`: fp32 1e-4, bf16/fp16 1e-2, for every KV dtype (bf16, fp16, fp32, fp8 e4m3/e5m2)
-    because the reference reads the dequantized stored K/V. ``kv_dtype`` (a name or torch dtype) is
-    accepted so callers state both; it does not loosen the bound.
-    """
+    """Allowed relative error for q/output ``dtype``: :data:`TOLERANCE` (fp32 1e-4, bf16/fp16 1e-2) for every
+    ``kv_dtype``, as the reference reads the dequantized stored K/V."""
     name = str(_torch_dtype(dtype)).replace("torch.", "")
     return TOLERANCE[name]
 
 
 def _steps(rows: Sequence[int], decode_steps: int, spec: Optional[SpeculativeParams] = None,
            draft: bool = False) -> list[tuple[str, ForwardMode, list[int], list[int]]]:
-    """The batch's steps: prefix extend, extend, decodes. With ``spec``: a target worker verifies a tree per request
-    after the first decode (one request's tree is a single token: a decode among the trees) and decodes on from the
-    accepted paths; a draft worker's extend is a draft extend, followed by a round of ``spec.num_steps`` draft-decode
-    steps of ``spec.topk`` branches."""
+    """The batch's steps: prefix extend, extend, decodes; with ``spec`` a target verify of trees after the first decode,
+    or a draft extend and ``spec.num_steps`` draft-decode steps of ``spec.topk`` branches."""
     b = len(rows)
     pre = [(r, p) for r, p in zip(rows, PREFIX_LENS[:b]) if p > 0]
     steps = [("prefix-extend", ForwardMode.EXTEND, [r for r, _ in pre], [p for _, p in pre])] if pre else []
@@ -261,26 +244,12 @@ def verify_backend(backend: AttentionBackend, *, role: str, name: str, model: Op
                    dtype: Any, seed: int = 0, decode_steps: int = 3,
                    layer_kinds: Optional[Sequence[LayerKind]] = None, notes: Sequence[str] = (),
                    spec: Optional[SpeculativeParams] = None, draft: bool = False) -> VerifyResult:
-    """Verify one instance on the engine's pools; see docs/internals.md, ``pipeline.runtime.verify``
-    for the batch.
+    """Verify one instance on the engine's pools (batch: docs/internals.md); returns :class:`VerifyResult`.
 
-    Parameters
-    ----------
-    backend : the built instance (a wrapper is driven as a whole).
-    role, name : the instance's plan role and backend name (copied into the result).
-    model : the model the backend was built for; its ``layer_kinds()`` are tested, with each kind's
-        own window, softcap, scale and sinks (a backend built for other values raises
-        ``LayerMismatch``). ``layer_kinds`` (if given) is used instead, and ``model`` may then be None.
-    req_to_token_pool, kv_pool : the pools the backend was built for; rows ``0..B-1`` (B <= 5) of
-        ``req_to_token`` and scrambled pages of ``kv_pool`` are used, the rows are zeroed after.
-    torch_device : device of the pools; dtype : q/k/v dtype (name or torch dtype).
-    notes : what the caller changed for verification (e.g. shrunk windows), appended to the detail.
-    spec, draft : the speculative shape served and whether the backend is a draft worker's: a target worker's batch
-        adds a target-verify step of random trees (``spec``'s top-k and steps; one request a single-token tree), a
-        draft worker's a draft extend and a round of draft-decode steps (:func:`_steps`).
-
-    Returns :class:`VerifyResult`. Raises :class:`BuildError` when the pools cannot hold the batch
-    or do not match the model; exceptions from the backend propagate unchanged.
+    ``model``'s ``layer_kinds()`` (or ``layer_kinds``, then ``model`` may be None) are tested with each kind's own
+    window, softcap, scale and sinks. Rows ``0..B-1`` (B <= 5) of ``req_to_token`` are used and zeroed after. ``notes``:
+    appended to the detail. ``spec``/``draft``: add speculative steps (:func:`_steps`). Raises :class:`BuildError` when
+    the pools cannot hold the batch or mismatch the model; backend errors propagate.
     """
     qdtype, tol = _torch_dtype(dtype), tolerance(dtype, kv_pool.dtype)
     device = torch.device(torch_device)
@@ -340,14 +309,8 @@ def verify_all(instances: Iterable[tuple[str, str, AttentionBackend]], **kwargs:
 
 def verification_model(model: ModelSpec, window: int = VERIFY_WINDOW,
                        chunk: int = VERIFY_CHUNK) -> tuple[ModelSpec, list[str]]:
-    """The spec verification builds its instances from, and what was changed (for the detail).
-
-    ``model`` with its sliding window capped at ``window`` keys and its attention chunk (Llama-4's
-    chunked local layers) capped at ``chunk`` tokens (the verification requests hold at most 26
-    tokens, so a 4096 or 128-key window or an 8192-token chunk would never mask anything); every other
-    field — layer ids, heads, dims, scale, softcap, sinks, MLA — is the served model's. Returns
-    ``(model, [])`` unchanged when nothing needs capping.
-    """
+    """``(model, changes)``: ``model`` with its sliding window capped at ``window`` and attention chunk at ``chunk``
+    (the requests hold <= 26 tokens); ``(model, [])`` when nothing needs capping."""
     changes, notes = {}, []
     if model.sliding_window is not None and model.sliding_window > window:
         changes["sliding_window"] = window
@@ -363,17 +326,10 @@ def verification_model(model: ModelSpec, window: int = VERIFY_WINDOW,
 
 def verify_built(backends: Any, request: SetupRequest, *, pools: Optional[dict[str, Any]] = None,
                  decode_steps: int = 3, seed: int = 0) -> list[VerifyResult]:
-    """Verify a build the way it runs: every planned instance, then the top wrapper if it is not one.
-
-    ``backends``: the :class:`~pipeline.setup.result.AttentionBackends` of ``request`` (its served model);
-    ``pools``: the pools it was built over (default ``backends.pools``; a runner passes its own).
-    When :func:`verification_model` changes the spec, the plan is built again from it
-    (:func:`pipeline.setup.instances.build_like`: same backends, roles, mode, wrappers, workspaces and pools),
-    those instances are verified with the verification spec's layers and closed afterwards; else the
-    built instances themselves are. q/k/v dtype: the request's model dtype. Roles as in the plan
-    (``tbo.child0``, ``pdmux.decode1``, ``primary.prefill`` …) plus ``<mode>.wrapper``.
-    Raises what :func:`verify_backend` or a factory raises.
-    """
+    """Verify a build the way it runs: every planned instance, then the top wrapper if it is not one. ``pools`` default
+    ``backends.pools``. When :func:`verification_model` changes the spec the plan is rebuilt from it
+    (:func:`pipeline.setup.instances.build_like`) and closed afterwards. Roles as in the plan plus ``<mode>.wrapper``.
+    Raises what :func:`verify_backend` or a factory raises."""
     from pipeline.setup.instances import build_like
     from pipeline.core.dtypes import model_dtype
 

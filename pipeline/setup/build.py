@@ -1,9 +1,6 @@
 """The library entry point: walk the setup table (:data:`pipeline.setup.table.SETUP`) and return
-:class:`~pipeline.setup.result.AttentionBackends`; and the same decisions without any effect (``plan``, a
-run's preflight).
-
-Details: docs/internals.md, ``pipeline.setup.build``.
-"""
+:class:`~pipeline.setup.result.AttentionBackends`; and the same decisions without effect (``plan``, preflight)
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -15,12 +12,10 @@ from typing import Any, Mapping, Optional
 from pipeline.core import events as ev, steps
 from pipeline.core.contracts import DeviceFacts, SetupRequest
 from pipeline.core.errors import error_info_from, OrderingError, UsageError
-from pipeline.core.eventlog import EventLog
+from pipeline.core.eventlog import EventLog, new_run_id, redacted_request, versions
 from pipeline.core.faults import Faults
-from pipeline.core.eventlog import new_run_id, redacted_request, versions
 from pipeline.core.steps import TableMachine
-from pipeline.platforms import platform_for
-from pipeline.platforms import Platform
+from pipeline.platforms import platform_for, Platform
 from pipeline.setup.context import SetupContext
 from pipeline.setup.result import AttentionBackends, release
 from pipeline.setup.table import SETUP
@@ -35,17 +30,10 @@ def inputs_of(request: SetupRequest, installed: Optional[Mapping[str, bool]]) ->
 def decide_setup(request: SetupRequest, *, platform: Optional[Platform] = None, facts: Optional[DeviceFacts] = None,
                  installed: Optional[Mapping[str, bool]] = None, env: Mapping[str, str] = os.environ,
                  rank_group: Any = None) -> steps.Decided:
-    """Every setup decision up to allocation, nothing applied: the setup table in decide mode.
-
-    ``facts``: the device facts to decide for (``plan``: a named profile), else read from ``platform``
-    (default: chosen from ``request.device``), as a run's device-init reads them; ``installed``: package
-    presence (``plan``: metadata or ``--installed``), else by import checked against metadata, as a run decides.
-    Returns the :class:`~pipeline.core.steps.Decided` of device-init, resolve (``strict`` included), build-mode
-    (the plan, the CUDA-graph sizes against ``max_reqs``, each workspace against the largest batch it plans)
-    and npu-lazy-mem — or the first typed refusal (:meth:`~pipeline.core.steps.Decided.raise_refusal`). A
-    run given this result (``build_attention_backends(..., decided=)``) for the same inputs decides nothing
-    again and raises the refusal at its own state, so it is logged where it happened.
-    """
+    """Every setup decision up to allocation, nothing applied: the setup table in decide mode. ``facts``: device facts
+    (``plan``: a profile), else read from ``platform``; ``installed``: package presence, else imports checked against
+    metadata. Returns the :class:`~pipeline.core.steps.Decided` of device-init, resolve, build-mode and npu-lazy-mem, or
+    the first refusal; ``build_attention_backends(..., decided=)`` reuses it."""
     if facts is None and platform is None:
         platform = platform_for(request.device)
     ctx = SetupContext(request, platform=platform, facts=facts, installed=installed, env=env, rank_group=rank_group)
@@ -74,10 +62,8 @@ def result(ctx: SetupContext) -> AttentionBackends:
 
 
 def _hand_over(ctx: SetupContext) -> None:
-    """After a successful build the caller's :class:`AttentionBackends` owns the backends, workspaces and pools: the
-    context drops its references and its machine (whose callbacks close over the context, a reference cycle), so
-    ``close()`` on the result returns the memory at once, not at the next cyclic garbage collection (an in-process
-    ``run`` held a 130 GB KV pool alive after it returned, until gc ran)."""
+    """Hand backends, workspaces and pools to the caller's :class:`AttentionBackends`: the context drops its references
+    and machine (a reference cycle), so ``close()`` frees memory at once."""
     _drop_built(ctx)
     ctx.machine = None
 
@@ -160,30 +146,16 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
                              decided: Optional[steps.Decided] = None) -> AttentionBackends:
     """Run ``device-init → resolve → build-mode → npu-lazy-mem → annotate → done`` (the setup table).
 
-    Parameters
-    ----------
-    request: the immutable inputs (args, model, pools' sizes, device, rank …).
-    platform: the device platform (default: chosen from ``request.device``); tests pass a fake.
-    log / log_file: an :class:`EventLog` to emit to, or a JSON-lines trace path for a new one
-        (checked before anything runs: :func:`open_event_log`).
-    pools: the engine's own KV pools ``{"req_to_token_pool": …, "kv_pool": …}`` (sglang builds
-        them before the backends); default: built here from ``request.pool``.
-    installed: package presence override (default: real imports of torch/triton/flashinfer).
-    cpu_group: the world's CPU process group, passed to NPU lazy memory init.
-    rank_group: a :class:`pipeline.setup.distributed.RankGroup` (from ``init_from_env()``) when
-        ``request.world_size > 1``: device-init checks the rank's own device, resolve exchanges
-        the resolution with every rank (``ranks_agreed``, or :class:`RankDivergence` on all ranks),
-        its run id is used when ``request.run_id`` is None, its CPU group when ``cpu_group`` is None.
-    faults: test-only fault injection (:class:`pipeline.core.faults.Faults`); None in shipped code.
-    decided: what :func:`decide_setup` found for the same inputs (a runner's preflight): taken instead of
-        deciding again, its refusal raised at its own state; ignored when the inputs differ.
+    ``request``: the immutable inputs; ``platform``: default from ``request.device``; ``log`` / ``log_file``: an
+    :class:`EventLog` or a trace path (:func:`open_event_log`); ``pools``: the engine's own ``{"req_to_token_pool",
+    "kv_pool"}`` (default: built from ``request.pool``); ``installed``: package override; ``cpu_group``: for NPU lazy
+    memory; ``rank_group``: a :class:`pipeline.setup.distributed.RankGroup` when ``world_size > 1`` (resolution
+    exchanged, :class:`RankDivergence` on all ranks; its run id and CPU group as defaults); ``faults``: test-only;
+    ``decided``: :func:`decide_setup`'s result for the same inputs.
 
-    Returns :class:`AttentionBackends` (with what was decided: resolution, plan, CUDA graphs, NPU lazy
-    memory, the ranks' agreement, the settings). Raises the typed error that failed the run (ConfigError
-    subclasses for refused configurations, BuildError …) after the machine entered ``failed``,
-    the failure was logged with its ErrorInfo, and everything allocated was released;
-    :class:`UsageError` before the machine starts for a request that is not a SetupRequest, pools
-    that are not a dict, or a ``log_file`` that cannot be a trace file.
+    Returns :class:`AttentionBackends`. Raises the typed error of the failure after ``failed`` was entered, logged and
+    everything released; :class:`UsageError` before starting for a non-SetupRequest, non-dict pools or a bad
+    ``log_file``.
     """
     _check_call(request, pools)
     log, own_log = _run_log(request, log, log_file, rank_group)
@@ -214,14 +186,9 @@ def build_attention_backends(request: SetupRequest, *, platform: Optional[Platfo
 
 def open_event_log(run_id: str, rank: int, log_file: Any, secrets: tuple[str, ...] = (),
                    name: str = "log_file") -> EventLog:
-    """The EventLog for a library call's ``log_file=`` argument, checked before anything runs.
-
-    ``log_file`` is None (no trace file) or a path (str / os.PathLike) that is absent or a regular
-    file; its parent folders are created. Raises :class:`UsageError` (``log_file_unwritable``,
-    exit 2) naming ``name`` for another type, a directory, a device, FIFO or socket (``/dev/full``
-    takes the open and fails every write; a FIFO blocks the open until a reader comes), or a path
-    that cannot be opened for appending.
-    """
+    """The EventLog for ``log_file=`` (None or a path, absent or a regular file; parents created). Raises
+    :class:`UsageError` (``log_file_unwritable``, exit 2) naming ``name`` for another type, a directory, device, FIFO or
+    socket, or a path that cannot be opened for appending."""
     import stat
 
     if log_file is None:
@@ -252,11 +219,8 @@ def open_event_log(run_id: str, rank: int, log_file: Any, secrets: tuple[str, ..
 
 
 class ModelRunnerAttention:
-    """sglang ModelRunner's attention attributes, filled by :meth:`init_attention_backends`.
-
-    Parameters are those of :func:`pipeline.setup.build.build_attention_backends` (``pools``: the engine's
-    own ``req_to_token_pool`` and ``kv_pool``, built before the backends as sglang does).
-    """
+    """sglang ModelRunner's attention attributes, filled by :meth:`init_attention_backends`; parameters as
+    :func:`build_attention_backends`."""
 
     def __init__(self, request: SetupRequest, *, pools: Optional[dict[str, Any]] = None, platform: Any = None,
                  log_file: Optional[str] = None, cpu_group: Any = None, rank_group: Any = None,
@@ -272,10 +236,8 @@ class ModelRunnerAttention:
         self.result: Any = None
 
     def init_attention_backends(self) -> None:
-        """Run the pipeline and set the attributes; raises its typed errors unchanged.
-
-        Raises OrderingError (``out_of_order``) when called twice on the same object.
-        """
+        """Run the pipeline and set the attributes (typed errors unchanged); OrderingError (``out_of_order``) on a
+        second call."""
         if self.result is not None:
             raise OrderingError("init_attention_backends() already ran for this runner", state="done",
                                 flags=[("attn_backend", type(self.attn_backend).__name__)],
@@ -290,10 +252,8 @@ class ModelRunnerAttention:
         self.decode_attention_backend_str = out.decode_attention_backend_str
 
     def close(self) -> list[str]:
-        """Release what the pipeline built (not the engine's pools); returns what was released. After it, reading
-        the three backend attributes raises :class:`~pipeline.core.errors.BackendClosed` (as
-        :class:`~pipeline.setup.result.AttentionBackends` does); before ``init_attention_backends()`` there was
-        nothing to release and they stay None / None / []."""
+        """Release what the pipeline built (not the engine's pools) and return it; afterwards the backend attributes
+        raise :class:`~pipeline.core.errors.BackendClosed` (None / None / [] before ``init_attention_backends()``)."""
         from pipeline.setup.result import BACKEND_ACCESSORS
 
         if self.result is None:

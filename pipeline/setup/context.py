@@ -1,11 +1,5 @@
-"""What the setup machine's steps share: the inputs of one setup, the decisions taken, the effects made.
-
-:class:`SetupModel` is the machine's model: what each step established, read by the guards.
-:class:`SetupContext` is what every step of :data:`pipeline.setup.table.SETUP` gets, in every mode: the
-request and where its facts come from (a platform, or given facts for ``plan`` and replay), the package
-presence and the environment the settings are read from; the driver keeps each step's decision on it
-(``device``, ``resolution``, ``build``, ``lazy``); in run mode also the log, the machine and what was built.
-"""
+"""What the setup machine's steps share: :class:`SetupModel` (what each step established, read by guards) and
+:class:`SetupContext` (inputs, decisions and, in run mode, the log, machine and what was built)."""
 
 from __future__ import annotations
 
@@ -106,14 +100,9 @@ class SetupModel:
 
 
 class SetupContext:
-    """One setup's inputs, decisions and effects (see the module docstring).
-
-    ``facts``: device facts given instead of read from ``platform`` (``plan``: a profile; replay: the
-    recorded ones). ``installed``: package presence given (``plan``, replay, tests); None = by import, checked
-    against package metadata (:func:`states.resolve.decide_for_run`). ``env``: where settings read
-    ``SGLANG_*`` variables (replay: the recorded values). The rest is run mode's: the log, the engine's
-    ``pools`` (None: built here), the CPU / rank groups, test-only ``faults``.
-    """
+    """One setup's inputs, decisions and effects. ``facts``: given instead of read from ``platform`` (``plan``, replay);
+    ``installed``: given presence (None: imports checked against metadata); ``env``: where ``SGLANG_*`` settings are
+    read. Run mode: the log, ``pools`` (None: built here), CPU / rank groups, test-only ``faults``."""
 
     def __init__(self, request: SetupRequest, *, platform: Any = None, facts: Optional[DeviceFacts] = None,
                  installed: Optional[Mapping[str, bool]] = None, env: Mapping[str, str] = os.environ,

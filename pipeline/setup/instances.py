@@ -1,12 +1,7 @@
 """build-mode's effect: the KV pools, the planned workspaces, every backend instance and the wrappers over them.
 
-:func:`apply_build` carries out a :class:`~pipeline.setup.context.BuildDecision` for a run (fault points
-``build:pools``, ``build:workspace:<id>``, ``build:instance:<role>``, ``build:instance:<role>:built``,
-``build:compose``); :func:`build_instances` builds a plan's instances through a factory and composes the
-wrappers (PD-mux's groups, TBO's primary and children, a hybrid's halves), so a failure half-way leaves
-exactly what must be released; :func:`build_like` builds a finished run's plan again for another spec
-(verification's capped windows). Before anything is allocated the workspaces and KV pools are checked against the
-device; the pools are built from ``request.pool``, or the engine's own pools are checked against it.
+:func:`apply_build` carries out a :class:`~pipeline.setup.context.BuildDecision` (fault points ``build:pools``,
+``build:workspace:<id>``, ``build:instance:<role>``, ``build:instance:<role>:built``, ``build:compose``).
 """
 
 from __future__ import annotations
@@ -32,9 +27,8 @@ GIVEN_POOLS_REMEDY = ("build the pools from the same sizes as the SetupRequest's
 
 
 def check_workspace_memory(ctx: SetupContext, d: Any) -> None:
-    """Refuse planned workspaces larger than :data:`POOL_MEMORY_SHARE` of the device's free memory (ConfigError
-    ``workspace_exceeds_memory`` naming the setting that sized them and a size that fits the free memory less
-    :func:`~pipeline.memory.pools.remedy_margin`)."""
+    """Refuse planned workspaces above :data:`POOL_MEMORY_SHARE` of free memory (ConfigError
+    ``workspace_exceeds_memory`` with a size that fits)."""
     plan = d.plan
     total = plan.workspace_bytes
     avail = available_bytes(ctx.platform, parse_device(ctx.request.device)[1]) if total else 0
@@ -52,13 +46,9 @@ def check_workspace_memory(ctx: SetupContext, d: Any) -> None:
 
 
 def check_pools_fit(ctx: SetupContext) -> None:
-    """Refuse the KV pools ``request.pool`` asks for (``req_to_token`` + every layer's K/V) when they cannot fit the
-    free memory of the run's device: ConfigError ``pool_exceeds_memory`` naming the ``pool.*`` field that decides
-    it (:func:`pipeline.memory.pools.check_fits`). Reads free memory, allocates nothing; build-mode's ``check``
-    calls it before its workspace checks (a pool of 2**31 rows is the problem to name, not the workspace its graphs
-    would need). In a run that check comes right before build-mode's ``apply``, which allocates the pools
-    (:func:`make_pools`) without reading free memory a second time: nothing is allocated in between, and on CPU one
-    read of ``/proc/meminfo`` costs ~50 µs, a twentieth of a whole setup."""
+    """Refuse KV pools ``request.pool`` asks for that cannot fit the device's free memory: ConfigError
+    ``pool_exceeds_memory`` naming the deciding ``pool.*`` field (:func:`pipeline.memory.pools.check_fits`). Allocates
+    nothing; runs before build-mode's workspace checks."""
     req = ctx.request
     p, model = req.pool, req.served_model
     per_tok = kv_bytes_per_token(model.layer_kinds(), model.num_hidden_layers, kv_dtype(req.args, model))
@@ -69,9 +59,8 @@ def check_pools_fit(ctx: SetupContext) -> None:
 
 
 def make_pools(ctx: SetupContext) -> None:
-    """The KV pools for ``request.pool`` and the served model (build-mode's ``check`` has refused them already when
-    they cannot fit the device's free memory: :func:`check_pools_fit`); or, when the engine passed its own, those
-    checked (:func:`check_given_pools`)."""
+    """The KV pools for ``request.pool`` and the served model, or the engine's own pools, checked
+    (:func:`check_given_pools`)."""
     if ctx.given_pools is not None:
         check_given_pools(ctx)
         return
@@ -102,17 +91,11 @@ def _check_tensor(field: str, t: Any, shape: tuple, dtype: Any, dev: Any) -> Non
 
 
 def check_given_pools(ctx: SetupContext) -> None:
-    """Refuse engine pools that the request's ``PoolFacts`` or the model do not describe.
-
-    The workspace bound and the backends' buffers are sized from ``request.pool`` and the layer kinds, so
-    pools that differ would be read past their end or under-sized (sglang builds both from one ModelRunner
-    config). Checked: both keys; ``req_to_token`` [max_reqs, max_context_len] int32; exactly one K/V buffer per layer of
-    the served model (a pipeline stage: its own layers, from 0, as sglang's pools index ``layer_id - start_layer``);
-    per layer a K
-    [num_token_slots, Hkv, D] and V [num_token_slots, Hkv, Dv] buffer of the KV dtype, on the run's device
-    (an MLA layer's V a view of its K buffer's first Dv dims); ``page_size``. Raises ConfigError ``pools_mismatch`` (naming the field, what it holds and what is needed)
-    before any allocation.
-    """
+    """Refuse engine pools the request's ``PoolFacts`` or the model do not describe: ConfigError ``pools_mismatch``
+    before any allocation. Checked: both keys; ``req_to_token`` [max_reqs, max_context_len] int32; one K/V buffer per
+    layer of the served model (a pipeline stage: its own layers from 0, as sglang's ``layer_id - start_layer``); per
+    layer K [num_token_slots, Hkv, D] and V [num_token_slots, Hkv, Dv] of the KV dtype on the run's device (MLA: V a
+    view of K); ``page_size``."""
     import torch
 
     from pipeline.backends.memory import torch_dtype
@@ -158,12 +141,8 @@ def _compose(plan: BuildPlan, instances: dict[str, Any], top: str) -> Any:
 
 
 def build_instances(plan: BuildPlan, make_instance: Callable[[InstancePlan], Any], built: Built) -> Built:
-    """Build every planned instance through ``make_instance`` and compose the wrappers of ``plan.mode``.
-
-    Instances are added to ``built.instances`` as they are made, so a failure half-way leaves ``built``
-    listing exactly what must be released. PD-mux: ``attn_backend`` is the prefill instance and the decode
-    group the ``pdmux.decodeN`` instances (``decode_attn_backend`` the first); TBO: a wrapper over the primary
-    and two children; else the primary. With ``plan.hybrid`` each of those is a prefill/decode hybrid.
+    """Build every planned instance via ``make_instance`` (added to ``built.instances`` as made) and compose the
+    wrappers of ``plan.mode``: PD-mux prefill + ``pdmux.decodeN``, TBO primary + two children, optional hybrid halves.
     """
     built.plan = plan
     for inst in plan.instances:
@@ -239,17 +218,10 @@ def _fault_after_factory(faults: Any, role: str, backend: Any) -> None:
 
 
 def build_like(backends: Any, request: SetupRequest, model: Any, pools: Optional[Mapping[str, Any]] = None) -> Built:
-    """Build ``backends``' plan again for ``model``: the same instances (roles, backends, mode, wrappers).
-
-    ``model`` must have the layers of the served model (same ids and dims); what may differ is a per-kind
-    parameter the backends bake in, e.g. the shrunk sliding windows of
-    :func:`pipeline.runtime.verify.verification_model`, so that a check runs on instances built for exactly the
-    layers it calls them with. Each instance gets the factory, role, device facts, workspace (the same buffer:
-    the copies run only while the originals are idle), pools (``pools`` or ``backends.pools``) and graph size of
-    the original build; the refusals of the factories apply again. No pipeline event is logged. Returns a
-    :class:`~pipeline.setup.context.Built`; the caller closes its ``instances`` (they own no workspace or pool).
-    Raises what a factory raises, after closing the instances already built.
-    """
+    """Build ``backends``' plan again for ``model`` (same layer ids and dims; per-kind parameters may differ, e.g.
+    :func:`pipeline.runtime.verify.verification_model`'s windows), on the same workspaces, pools and graph size. Logs
+    nothing; returns a :class:`~pipeline.setup.context.Built` whose ``instances`` the caller closes. Raises what a
+    factory raises, after closing those already built."""
     from states.build_mode import graph_max_bs
 
     pools = pools if pools is not None else backends.pools

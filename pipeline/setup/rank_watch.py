@@ -1,7 +1,4 @@
-"""Waits between ranks that never hang and name the rank that stalls.
-
-Details: docs/internals.md, ``pipeline.setup.rank_watch``.
-"""
+"""Waits between ranks that never hang and name the rank that stalls (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -27,9 +24,8 @@ def heartbeat_interval(timeout_s: float) -> float:
 
 
 def timeout_from_env(default: float, environ: Any = os.environ) -> float:
-    """``ATTN_SETUP_DIST_TIMEOUT`` (seconds, in (0, 86400]) when set, else ``default``.
-
-    Raises :class:`UsageError` naming the variable when it is not such a number."""
+    """``ATTN_SETUP_DIST_TIMEOUT`` (seconds, in (0, 86400]) when set, else ``default``. Raises :class:`UsageError`
+    naming the variable when it is not such a number."""
     from pipeline.setup.distributed import check_timeout
 
     raw = environ.get(ENV_TIMEOUT, "").strip()
@@ -49,17 +45,9 @@ def timeout_from_env(default: float, environ: Any = os.environ) -> float:
 
 
 class Watch:
-    """One process's heartbeats and arrival-checked waits within one launch.
-
-    Parameters
-    ----------
-    store : a ``torch.distributed.Store`` every rank reaches (keys are prefixed ``attn-setup/<run_id>/``).
-    rank, world_size : this rank and the launch size.
-    timeout_s : seconds a wait lasts before the missing ranks are reported stalled.
-
-    Collectives are numbered in call order, so every rank must make the same sequence of waits
-    (the pipeline does: one per exchange, also on a rank whose own resolve failed).
-    """
+    """One process's heartbeats and arrival-checked waits within one launch. ``store``: a ``torch.distributed.Store``
+    (keys ``attn-setup/<run_id>/…``); ``timeout_s``: before missing ranks are reported. Collectives are numbered in call
+    order: every rank makes the same sequence of waits."""
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float, run_id: str = "") -> None:
         import torch.distributed as dist
@@ -102,10 +90,8 @@ class Watch:
         return {}
 
     def wait_all(self, what: str, state: str) -> float:
-        """Arrive at the next collective (``what``, in ``state``) and wait for every rank to arrive.
-
-        Returns the seconds waited. Raises :class:`RankStalled` on this rank when a rank has not
-        arrived within ``timeout_s`` (after logging ``rank_stalled`` for each missing rank)."""
+        """Arrive at the next collective (``what``, in ``state``), wait for every rank and return the seconds waited.
+        Raises :class:`RankStalled` after logging ``rank_stalled`` per missing rank."""
         self.seq += 1
         prefix = f"arrive/{self.seq}/"
         self.store.set(prefix + str(self.rank), what)

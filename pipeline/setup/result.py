@@ -10,24 +10,13 @@ from pipeline.core.contracts import BuildPlan, DeviceFacts, Resolution, Skip
 
 @dataclass
 class AttentionBackends:
-    """The built backends, with sglang's ModelRunner attribute names, plus what the run decided.
+    """The built backends with sglang's ModelRunner attribute names, plus what the run decided.
 
-    ``attn_backend``: the top-level backend (a TBO or hybrid wrapper where the mode asks);
-    ``decode_attn_backend``: PD-mux's first decode backend, else None;
-    ``decode_attn_backend_group``: PD-mux's ``sm_group_num`` decode backends, else [];
-    ``prefill_attention_backend_str`` / ``decode_attention_backend_str``: the resolved names.
-    ``instances`` maps plan role → concrete backend; ``pools`` holds the KV pools the pipeline built
-    (empty when the engine passed its own with ``pools=``: the engine keeps owning those).
-    ``device_facts``: what device-init found (the instances were built for it).
-    What the run decided, typed, for the caller to act on (a runner reads these, never the log):
-    ``resolution`` and ``plan``; ``graphs`` (:class:`states.build_mode.GraphDecision`: decode CUDA graphs captured,
-    or why not); ``lazy_mem`` (:class:`states.npu_lazy_mem.LazyMemDecision`: NPU zbal memory initialised, or
-    why not); ``agreement`` (:class:`pipeline.setup.context.Agreement`: how the ranks agreed on the
-    resolution); ``settings`` (the :class:`~pipeline.core.settings.Setting` of each sized buffer).
-    ``close()`` (or ``with``) releases every backend buffer, workspace and pool this run owns; after it, reading
-    ``attn_backend``, ``decode_attn_backend`` or ``decode_attn_backend_group`` raises
-    :class:`pipeline.core.errors.BackendClosed` naming ``close()`` (a reference kept from before raises it when
-    called). The open path pays nothing: the check runs only for an attribute that is no longer there.
+    ``attn_backend`` (top-level, maybe a wrapper), ``decode_attn_backend`` / ``decode_attn_backend_group`` (PD-mux; else
+    None / []), ``prefill_attention_backend_str`` / ``decode_attention_backend_str``; ``instances``: role → backend;
+    ``pools``: those built here (empty for engine pools); ``device_facts``; ``resolution``, ``plan``, ``graphs``,
+    ``lazy_mem``, ``agreement``, ``settings``. ``close()`` (or ``with``) releases what this run owns; then the backend
+    attributes raise :class:`pipeline.core.errors.BackendClosed`.
     """
 
     attn_backend: Any

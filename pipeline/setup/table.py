@@ -1,13 +1,8 @@
 """The setup machine as one table: ``device-init → resolve → build-mode → npu-lazy-mem → annotate → done``.
 
-Each row of :data:`SETUP` is a :class:`~pipeline.core.steps.Step`: the state, its trigger, its guard and the
-invariant it protects, and the functions below by phase — ``decide`` (the pure decisions of :mod:`states`),
-``log`` (the events that record the decision), ``check`` (refusals that need no device), ``apply`` (the
-effect; build-mode's is :func:`pipeline.setup.instances.apply_build`), ``compare`` (replay's fields) and
-``skips`` (``plan``'s list). The one driver (:mod:`pipeline.core.steps`) walks it for a run
-(:func:`pipeline.setup.build.build_attention_backends`), for ``plan`` and a run's preflight (decide only) and
-for replay (decide against recorded facts); the machine, the order, the fault points and the diagram come
-from it too. ``failed`` is reachable from every state; ``done`` and ``failed`` are terminal.
+Each :data:`SETUP` row is a :class:`~pipeline.core.steps.Step` with ``decide``, ``log``, ``check``, ``apply``,
+``compare`` and ``skips``; :mod:`pipeline.core.steps` walks it for a run, ``plan`` / preflight and replay. ``failed`` is
+reachable from every state.
 """
 
 from __future__ import annotations
@@ -17,18 +12,13 @@ from typing import Any, Iterable
 
 from pipeline.backends import registry
 from pipeline.backends.packages import installed_by_metadata
-from pipeline.core import events as ev
-from pipeline.core import settings
+from pipeline.core import events as ev, settings
 from pipeline.core.contracts import Skip
-from pipeline.core.steps import Stop
+from pipeline.core.steps import Stop, Guard, Step, StepTable
 from pipeline.core.errors import error_info_from
-from pipeline.core.steps import Guard, Step, StepTable
 from pipeline.platforms import parse_device
-from pipeline.setup.context import (
-    SINGLE_RANK, Agreement, BuildDecision, DeviceDecision, LazyDecision, SetupContext,
-)
-from pipeline.setup.instances import apply_build
-from pipeline.setup.instances import check_pools_fit
+from pipeline.setup.context import SINGLE_RANK, Agreement, BuildDecision, DeviceDecision, LazyDecision, SetupContext
+from pipeline.setup.instances import apply_build, check_pools_fit
 from states import annotate, build_mode, device_init, fallback, npu_lazy_mem, resolve
 from pipeline.memory.workspaces import check_workspaces
 
@@ -109,7 +99,7 @@ def log_resolution(ctx: SetupContext, res: Any) -> None:
         ctx.emit(ev.SettingResolved, field="dtype", value=res.dtype.value, source=res.dtype.source)
     ctx.emit(ev.BackendsResolved, prefill=res.pair.prefill, decode=res.pair.decode,
              is_draft_override=res.pair.is_draft_override, rules=dict(res.rules), rejected=res.rejected,
-             not_attention=list(res.not_attention), speculative=res.speculative)
+             not_attention=list(res.not_attention), speculative=res.speculative, evidence=res.evidence)
     fb = fallback.reference_fallback(res, facts)
     if fb is not None:
         ctx.emit(ev.ReferenceFallback, halves=fb.what.split("+"), backend=registry.reference_name(),
@@ -162,6 +152,8 @@ def compare_resolution(ctx: SetupContext, recorded: Any, res: Any) -> Rows:
                 ("rules", rec.rules, dict(res.rules)), ("rejected", rec.rejected, res.rejected),
                 ("not_attention", rec.not_attention, res.not_attention),
                 ("speculative", rec.speculative, res.speculative))
+    if rec.evidence:  # traces recorded before the measured table have none
+        yield "evidence", rec.evidence, res.evidence
     yield from _skip_rows(recorded, "resolve", res.skips)
     fb, now = recorded.first(ev.ReferenceFallback), fallback.reference_fallback(res, ctx.device.facts)
     yield "reference_fallback", None if fb is None else fb.halves, None if now is None else now.what.split("+")

@@ -1,7 +1,4 @@
-"""The ``flashinfer`` and ``fa3`` backends: FlashInfer wrappers over the paged KV cache.
-
-Details: docs/internals.md, ``pipeline.backends.flashinfer.backend``.
-"""
+"""The ``flashinfer`` and ``fa3`` backends: FlashInfer wrappers over the paged KV cache (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -30,14 +27,8 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 
 def host_page_meta(seq_lens: Sequence[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(kv_indptr [B+1] int32 CPU, last_page_len [B] int32 CPU, total pages) for ``seq_lens`` tokens.
-
-    ``seq_lens`` are tokens per request after this step (each >= 1). Up to 64 requests: pure Python
-    on ints and one tensor (cheaper than torch CPU ops where the host bounds a decode step); above,
-    a few torch CPU ops (their cost does not grow with B). Page-locked copies were measured too: on
-    the H200 host ``pin_memory()`` cost ~30 µs a step and GPU-bound steps gained nothing, so the
-    tensors stay pageable.
-    """
+    """(kv_indptr [B+1] int32 CPU, last_page_len [B] int32 CPU, total pages) for ``seq_lens`` tokens (each >= 1); pure
+    Python up to 64 requests, torch CPU ops above."""
     if page_size < 1:
         raise ValueError(f"page_size={page_size}: must be >= 1 (the KV pool's page size)")
     if seq_lens and min(seq_lens) < 1:
@@ -61,8 +52,7 @@ def host_page_meta(seq_lens: Sequence[int], page_size: int) -> tuple[torch.Tenso
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # triton.jit fixes its mode at decoration, as here
 
 if triton is not None:
-    # Pointer alignment and stride values are not specialized: slices at any offset (e.g. a TBO child's
-    # half of the batch) reuse the kernel compiled at build instead of compiling in their first step.
+    # Alignment and strides not specialized: slices at any offset (a TBO child's half) reuse the build's kernel.
     _NO_SPEC = ["req_pool_indices", "seq_lens", "out", "stride_row", "stride_rpi", "stride_sl", "total"]
     _jit_kw = {"do_not_specialize": _NO_SPEC}
     if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
@@ -71,9 +61,8 @@ if triton is not None:
     @triton.jit(**_jit_kw)
     def _kv_indices_kernel(req_to_token, stride_row, stride_col, req_pool_indices, stride_rpi, seq_lens, stride_sl,
                            out, total, page_size, BLOCK: tl.constexpr):
-        # one program per request r; its first output position is the page count of requests 0..r-1,
-        # summed in BLOCK-wide chunks (no batch-size constexpr, so one compiled kernel serves every B);
-        # stores are masked to the host's page total, so device lengths that disagree cannot overrun out
+        # one program per request r, writing from the page count of requests 0..r-1 (one kernel for every B); stores
+        # masked to the host's page total
         r = tl.program_id(0)
         c = tl.program_id(1)  # this program's share of request r's pages: chunks c, c + nc, c + 2 nc, ...
         nc = tl.num_programs(1)
@@ -106,16 +95,11 @@ def gather_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
                       impl: str = "auto") -> torch.Tensor:
     """Page ids of a batch, gathered from ``req_to_token`` on its device: [total_pages] int32.
 
-    ``req_to_token`` [max_reqs, max_context_len] int32 (token slot ids), ``req_pool_indices`` [B]
-    int (rows), ``seq_lens`` [B] int on the same device (tokens per request, >= 1), ``total_pages``
-    = ``sum(ceil(seq_lens / page_size))`` (the host knows it). ``out`` (int32, >= total_pages
-    elements, e.g. a CUDA-graph buffer) is written in place when given. ``impl``: ``"triton"``,
-    ``"torch"`` or ``"auto"`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, torch otherwise).
-
-    Any strides are accepted. Preconditions (not checked on this per-step path, as in sglang): rows
-    and lengths lie within ``req_to_token``; the kernel never writes past ``total_pages`` even if the
-    device lengths disagree with it. Raises ValueError when ``out`` is too small or not a contiguous
-    int32 tensor on the pool's device, when ``impl`` is unknown, or when ``impl="triton"`` cannot run here.
+    ``req_to_token`` [max_reqs, max_context_len] int32, ``req_pool_indices`` [B] int, ``seq_lens`` [B] int (>= 1, same
+    device), ``total_pages`` = ``sum(ceil(seq_lens / page_size))``; ``out`` (int32, >= total_pages, e.g. a CUDA-graph
+    buffer) is written in place. ``impl``: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton on CUDA or under
+    ``TRITON_INTERPRET=1``). Rows and lengths are not checked (as in sglang); writes stop at ``total_pages``. Raises
+    ValueError for a too small / non-contiguous / non-int32 ``out``, an unknown ``impl``, or Triton not runnable.
     """
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl={impl!r}: allowed 'auto', 'triton', 'torch'")
@@ -154,18 +138,13 @@ def gather_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor
 
 
 class GraphState:
-    """Buffers for ``max_bs`` requests of up to ``max_context_len`` tokens, and wrappers per bs.
+    """Buffers for ``max_bs`` requests of up to ``max_context_len`` tokens, and wrappers per bs (all int32, pool's
+    device).
 
-    ``indptr`` [max_bs+1] int32, ``indices`` [max_bs * ceil(max_context_len / page_size)] int32,
-    ``last_page_len`` [max_bs] int32, ``qo_indptr`` [max_bs+1] int32 (0..max_bs, for the prefill-
-    class wrappers used by sink layers and the MLA wrappers), ``kv_len`` [max_bs] int32 (tokens per
-    request, for the MLA wrappers); all on the KV pool's device.
-
-    Speculative graphs (made at the first, largest, capture of their mode): target verify — per size and kind a
-    paged prefill wrapper over the same page-table buffers with its own ``qo_indptr`` (0, n, 2n …), FlashInfer's
-    ``custom_mask_buf`` (``max_bs`` packed [n, max_context_len] masks) and ``mask_indptr_buf``; draft decode — a
-    token-level set of the buffers above for ``max_bs * topk`` rows (indices ``rows * max_context_len``) and the
-    decode wrappers per row count, as sglang's multi-step draft backend keeps its own ``kv_indptr`` / ``kv_indices``.
+    ``indptr`` [max_bs+1], ``indices`` [max_bs * ceil(max_context_len / page_size)], ``last_page_len`` [max_bs],
+    ``qo_indptr`` [max_bs+1] (sink and MLA wrappers), ``kv_len`` [max_bs] (MLA). Speculative graphs add, per size:
+    target verify — a paged prefill wrapper with its own ``qo_indptr``, ``custom_mask_buf`` and ``mask_indptr_buf``;
+    draft decode — a token-level copy of the buffers for ``max_bs * topk`` rows (sglang's multi-step draft backend).
     """
 
     def __init__(self, backend: "FlashInferBackend", max_bs: int, max_num_tokens: int) -> None:
@@ -274,11 +253,8 @@ def import_flashinfer(name: str = "flashinfer") -> Any:
 
 
 class MLAWrappers:
-    """The MLA wrapper of one absorbed-MLA layer kind (decode and extend; see docs/internals.md, ``pipeline.backends.flashinfer.backend``).
-
-    ``kind.head_dim_v`` is ``kv_lora_rank`` (``head_dim_ckv``); ``head_dim_qk - head_dim_v`` the
-    rope dims (``head_dim_kpe``). ``mla_backend``: FlashInfer's MLA backend, ``fa3`` or ``fa2``.
-    """
+    """The MLA wrapper of one absorbed-MLA layer kind (decode and extend): ``kind.head_dim_v`` is ``kv_lora_rank``,
+    ``head_dim_qk - head_dim_v`` the rope dims; ``mla_backend`` ``fa3``/``fa2``."""
 
     mla = True
     sinks = False
@@ -301,14 +277,8 @@ class MLAWrappers:
 
     def plan(self, wrapper: Any, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
              kv_lens: torch.Tensor, causal: bool, page_size: Optional[int] = None) -> None:
-        """``plan()`` an MLA wrapper: indptrs and kv lengths [B] int32 on the host, page ids on the device
-        (``page_size``: of that page table, default the pool's).
-
-        FlashInfer 0.7.2's canonical form (keywords only, ``metadata=MLAPlanMetadata.csr(...)``): the flat and
-        positional forms are deprecated there. The layouts are declared ``"split"`` — ``run()`` gets q as
-        (latent, rope) views and the cache as (``c_kv``, ``k_rope``) views of the one latent buffer, the tensors
-        0.6.13's ``run(q_nope, q_pe, ckv, kpe)`` took — where the canonical form would default to ``"packed"``.
-        """
+        """``plan()`` an MLA wrapper (indptrs and kv lengths [B] int32 host, page ids on the device) in FlashInfer
+        0.7.2's keyword form (``MLAPlanMetadata.csr``) with ``"split"`` (latent, rope) layouts."""
         kw = self.plan_kw if page_size is None else {**self.plan_kw, "page_size": page_size}
         wrapper.plan(metadata=self.csr(qo_indptr, kv_indptr, kv_indices, kv_lens), causal=causal, **kw)
         self.active, self.mode = wrapper, "mla"
@@ -353,11 +323,7 @@ class KindWrappers:
 
 
 def _check_ctx(ctx: Any, prefill_backend: str) -> None:
-    """Refuse, before allocating, what the backend cannot serve (device, arch, layout, a missing workspace).
-
-    The workspace's size is checked once, in build-mode, through the registry entry
-    (:mod:`pipeline.backends.flashinfer.rules`), before anything is allocated.
-    """
+    """Refuse, before allocating, what the backend cannot serve (device, arch, layout, a missing workspace)."""
     if ctx.device.type != "cuda":
         raise CapabilityMismatch(f"{ctx.name} runs on CUDA devices only", flags=[("device", ctx.device.type)],
                                  allowed=["cuda"], remedy="use torch_native on this device")
@@ -422,13 +388,9 @@ def _host_ints(host: Any, device: torch.Tensor) -> list[int]:
 
 
 class FlashInferBackend(AttentionBackend):
-    """FlashInfer attention over the pool's paged KV cache (see docs/internals.md, ``pipeline.backends.flashinfer.backend``).
-
-    Parameters: ``ctx`` (:class:`~pipeline.backends.registry.BackendContext`; its workspace
-    buffer must be a uint8 CUDA tensor of at least the bytes :func:`sizing.workspace_need` gives),
-    ``prefill_backend`` ``"fa2"`` (name ``flashinfer``) or ``"fa3"`` (name ``fa3``).
-    Forward shapes follow :mod:`pipeline.backends.base`; output ``[T, H * Dv]`` in q's dtype.
-    """
+    """FlashInfer attention over the pool's paged KV cache (docs/internals.md): ``ctx`` a
+    :class:`~pipeline.backends.registry.BackendContext` with a uint8 CUDA workspace; ``prefill_backend`` ``"fa2"`` (name
+    ``flashinfer``) or ``"fa3"`` (name ``fa3``); output ``[T, H * Dv]`` in q's dtype."""
 
     def __init__(self, ctx: Any, prefill_backend: str = "fa2", *, heartbeat_s: float = 10.0) -> None:
         self.fi = import_flashinfer(ctx.name)
@@ -468,14 +430,8 @@ class FlashInferBackend(AttentionBackend):
         return self.fi.mla.BatchMLAPagedAttentionWrapper(self.workspace, backend=mla_backend, **graph_bufs)
 
     def sink_wrapper(self, kind: LayerKind, window_left: int, **graph_bufs: Any) -> Any:
-        """A paged prefill wrapper running FlashInfer's attention-sink variant for ``kind``.
-
-        Built as :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` builds it (the prefill wrapper with the
-        ``AttentionSink`` variant's ``jit_args``), but under a module name that includes the head dims and the KV
-        dtype (:func:`pipeline.backends.flashinfer.jit.sink_uri`): FlashInfer's own name (0.6.13, and 0.7.2) omits
-        them, so two sink kinds of different head dims in one process or JIT cache would share one kernel and all but
-        the first compute garbage.
-        """
+        """A paged prefill wrapper with the attention-sink variant for ``kind``, named by
+        :func:`pipeline.backends.flashinfer.jit.sink_uri` (FlashInfer's own name omits head dims and KV dtype)."""
         from pipeline.backends.flashinfer.jit import Variant, sink_jit_args, torch_dtype_name
 
         v = Variant(kind="sink", backend=self.prefill_backend, q_dtype=torch_dtype_name(self.q_dtype),
@@ -489,13 +445,8 @@ class FlashInferBackend(AttentionBackend):
     def page_table(self, req_pool_indices: torch.Tensor, seq_lens: list[int],
                    seq_lens_dev: Optional[torch.Tensor] = None,
                    out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
-        """(kv_indptr [B+1] int32 CPU, kv_indices [P] int32 device, last_page_len [B] int32 CPU).
-
-        ``seq_lens`` (host ints) give the host metadata (:func:`kv_indices.host_page_meta`);
-        ``seq_lens_dev`` (the same lengths on the pool's device, e.g. ``ForwardBatch.seq_lens``;
-        copied from ``seq_lens`` when absent) feeds the one-launch device gather
-        (:func:`kv_indices.gather_kv_indices`), written into ``out`` when given (a CUDA-graph buffer).
-        """
+        """(kv_indptr [B+1] int32 CPU, kv_indices [P] int32 device, last_page_len [B] int32 CPU) from host ``seq_lens``;
+        ``seq_lens_dev`` on the pool's device (copied when absent); ``out``: a CUDA-graph buffer for the page ids."""
         r2t = self.req_pool.req_to_token
         indptr, last, total = host_page_meta(seq_lens, self.page_size)
         if not isinstance(seq_lens_dev, torch.Tensor) or seq_lens_dev.device != r2t.device:
@@ -507,20 +458,16 @@ class FlashInferBackend(AttentionBackend):
     def plan_decode(self, kinds_wrappers: list[tuple[Any, Any, str]], req_pool_indices: torch.Tensor,
                     seq_lens: list[int], seq_lens_dev: Optional[torch.Tensor] = None,
                     indices_out: Optional[torch.Tensor] = None) -> None:
-        """Plan every kind's decode wrapper for one batch (outside any CUDA graph).
-
-        ``kinds_wrappers``: (kind wrappers, wrapper, class) with class ``"decode"``, ``"prefill"``
-        (sink kinds) or ``"mla"`` (see :meth:`KindWrappers.decode_wrapper`).
-        """
+        """Plan every kind's decode wrapper for one batch, outside graphs; ``kinds_wrappers``: (kind wrappers, wrapper,
+        class ``"decode"`` / ``"prefill"`` / ``"mla"``)."""
         indptr, indices, last = self.page_table(req_pool_indices, seq_lens, seq_lens_dev, indices_out)
         self.plan_decode_tables(kinds_wrappers, indptr, indices, last, seq_lens, self.page_size, "decode")
 
     def plan_decode_tables(self, kinds_wrappers: list[tuple[Any, Any, str]], indptr: torch.Tensor,
                            indices: torch.Tensor, last: torch.Tensor, kv_lens: list[int], page_size: int,
                            mode: str) -> None:
-        """Plan the decode wrappers over a page table (``indptr`` [R+1] / ``last`` [R] int32 on the host,
-        ``indices`` on the device) of ``page_size``-token pages; ``mode`` ``"decode"`` or ``"draft"`` (a draft decode
-        over the page-size-1 view: :meth:`token_kv`)."""
+        """Plan the decode wrappers over a page table (``indptr`` [R+1] / ``last`` [R] int32 host, ``indices`` device);
+        ``mode`` ``"decode"`` or ``"draft"`` (page-size-1 view, :meth:`token_kv`)."""
         qo = kv_lens_t = None
         for kw, w, cls in kinds_wrappers:
             k = kw.kind
@@ -543,10 +490,8 @@ class FlashInferBackend(AttentionBackend):
     def draft_tables(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_host: list[int],
                      spec_info: Any, indices_out: Optional[torch.Tensor] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """A draft decode's token-level page table: (indptr [R+1], indices [sum lens] int32 on the device, last [R]
-        all 1, kv lens per row), R = B * topk branch rows, page size 1 (:func:`draft_token_table`: each branch's
-        prefix slots then its draft slots; sglang's ``generate_draft_decode_kv_indices`` does it at page level).
-        ``seq_lens`` / ``seq_host``: the committed prefixes on the device / host."""
+        """A draft decode's token-level page table (indptr [R+1], indices int32 on the device, last [R] all 1, kv lens),
+        R = B * topk rows, page size 1 (:func:`draft_token_table`); ``seq_lens`` / ``seq_host``: committed prefixes."""
         slots = spec_info.draft_slots
         r2t = self.req_pool.req_to_token
         topk, s1 = slots.shape[1], slots.shape[2]
@@ -573,11 +518,8 @@ class FlashInferBackend(AttentionBackend):
     def plan_verify(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, prefix: list[int],
                     new: list[int], spec_info: Any, wrappers: Optional[list[Any]] = None,
                     indices_out: Optional[torch.Tensor] = None) -> None:
-        """Plan a target verify of EAGLE trees (``new[b]`` tokens after ``prefix[b]``): each kind's paged prefill wrapper
-        (``wrappers``: CUDA-graph ones per kind) over prefix + tree tokens with FlashInfer's custom mask — per request
-        ``[n, prefix + n]`` bits, prefix columns set, the tree's ancestor mask after them (:func:`full_mask_rows`;
-        sglang's ``FULL_MASK``), packed by ``plan()``. The indptrs go to the device with the mask: FlashInfer packs it
-        with ``segment_packbits``, which wants its indptr on the mask's device (0.6.13; 0.7.2 moves it itself)."""
+        """Plan a target verify of EAGLE trees (``new[b]`` tokens after ``prefix[b]``) with FlashInfer's custom mask,
+        per request ``[n, prefix + n]`` bits (sglang's ``FULL_MASK``)."""
         spec = check_verify_batch(spec_info, prefix, new)
         dev = self.kv_pool.device
         indptr, indices, last = self.page_table(req_pool_indices, [p + e for p, e in zip(prefix, new)], seq_lens,
@@ -719,11 +661,9 @@ class FlashInferBackend(AttentionBackend):
         return self._paged_views[layer_id]
 
     def _layer(self, layer: AttentionLayer) -> tuple:
-        """(layer, kind wrappers, paged K/V, H, D, H*Dv, run kwargs, Dv) of ``layer``, made on the first call
-        with this layer object after checking it against the plan (:class:`PlannedLayers`: ``LayerMismatch``
-        for a window, softcap, scale, sinks, heads or dims other than the planned wrappers', or an unplanned
-        layer id). The run kwargs carry the layer's ``k_scale``/``v_scale`` for an fp8 cache whose scales
-        are not 1 (read once from the pool: they are fixed for its life)."""
+        """(layer, kind wrappers, paged K/V, H, D, H*Dv, run kwargs, Dv) of ``layer``, checked against the plan on first
+        use. Raises ``LayerMismatch`` (:class:`PlannedLayers`) for an unplanned layer or other geometry; run kwargs
+        carry ``k_scale``/``v_scale`` of an fp8 cache whose scales are not 1."""
         self.planned.check(layer)
         kw = self.kinds[self.layer_kind[layer.layer_id]]
         kv = self.mla_kv(layer.layer_id) if kw.mla else self.paged_kv(layer.layer_id)
@@ -757,10 +697,8 @@ class FlashInferBackend(AttentionBackend):
     @staticmethod
     def _run_mla(kw: MLAWrappers, q3: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], h: int,
                  dv: int) -> torch.Tensor:
-        """One MLA layer: q [T, H, D] split into its latent (Dv) and rope parts (views) → out [T, H, Dv].
-
-        FlashInfer 0.7.2's structural form (``query=``/``kv_cache=`` split pairs, as planned), not the deprecated
-        separate ``q_nope, q_pe, ckv_cache, kpe_cache`` arguments."""
+        """One MLA layer: q [T, H, D] split into latent (Dv) and rope views → out [T, H, Dv], in 0.7.2's
+        ``query=``/``kv_cache=`` form."""
         out = torch.empty((q3.shape[0], h, dv), dtype=q3.dtype, device=q3.device)
         kw.active.run(query=(q3[..., :dv], q3[..., dv:]), kv_cache=kv, out=out)
         return out
@@ -770,14 +708,8 @@ class FlashInferBackend(AttentionBackend):
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        """Decode: one token per request over its whole (or windowed) cached context.
-
-        The common case (no sinks, no MLA) is kept to one dict lookup (whose entry remembers the layer
-        object checked against the plan on its first call), the q/o views and FlashInfer's
-        ``run``: an eager small-batch decode step is bound by host time. ``enable_pdl`` is passed
-        as decided at build (FlashInfer's own default, ``device_support_pdl``: sm90 and newer)
-        instead of being recomputed from ``q.device`` in every call.
-        """
+        """Decode: one token per request over its (windowed) cached context; the common case is one dict lookup and
+        ``run``."""
         info = self._layer_info.get(layer.layer_id)
         if info is None or info[0] is not layer:  # first call with this layer object: checked against the plan
             info = self._layer(layer)

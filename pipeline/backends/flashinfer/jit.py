@@ -1,8 +1,4 @@
-"""FlashInfer's kernel variants: which would compile (its cache read without torch or flashinfer), and each
-compile-or-load made visible before a backend first touches it.
-
-Details: docs/internals.md, ``pipeline.backends.flashinfer.jit``.
-"""
+"""FlashInfer's kernel variants: which would compile, and each compile-or-load logged (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -132,12 +128,9 @@ def record_seconds(version: str, arch: str, results: Iterable[tuple[str, float]]
 
 def cold_variants(variants: Iterable[Any], arch: str, version: Optional[str] = None,
                   env: Mapping[str, str] = os.environ) -> list[dict[str, Any]]:
-    """Each variant that would compile on this machine: ``{variant, module, nearest, differs, estimate_s}``.
-
-    ``version``: FlashInfer's (default: the installed one; without one nothing can be cached, so
-    every variant would compile). ``estimate_s``: the seconds ``warmup`` recorded for that module, else
-    the median recorded for the same kind, else None (no record beside the cache).
-    """
+    """Each variant that would compile here: ``{variant, module, nearest, differs, estimate_s}``. ``version``:
+    FlashInfer's (default installed). ``estimate_s``: recorded seconds for the module, else the kind's median, else
+    None."""
     version = version or flashinfer_version()
     cached = cached_modules(version, arch, env) if version else set()
     times = recorded_seconds(version, arch, env) if version else {}
@@ -166,16 +159,9 @@ def _log():
 
 @dataclass(frozen=True)
 class Variant:
-    """One FlashInfer kernel module.
-
-    ``kind``: ``decode`` (CUDA-core batch decode), ``prefill`` (batch prefill, also used for
-    tensor-core decode), ``sink`` (prefill kernel with the attention-sink variant) or ``mla``
-    (:class:`flashinfer.mla.BatchMLAPagedAttentionWrapper`'s module: ``head_dim_vo`` is
-    ``head_dim_ckv`` = kv_lora_rank, ``head_dim_qk - head_dim_vo`` is ``head_dim_kpe``);
-    ``backend``: ``fa2``/``fa3`` for prefill, sink and mla, ``"cuda_core"`` for decode;
-    dtypes are torch dtype names; ``sliding_window``/``logit_softcap`` are the compile-time
-    switches (FlashInfer compiles one module per combination); ``arch`` is e.g. ``"sm90"``.
-    """
+    """One FlashInfer kernel module. ``kind``: ``decode`` / ``prefill`` / ``sink`` / ``mla``; ``backend``:
+    ``fa2``/``fa3``, ``"cuda_core"`` for decode; dtypes: torch names; ``sliding_window``/``logit_softcap``: compile-time
+    switches; ``arch``: e.g. ``"sm90"``."""
 
     kind: str
     backend: str
@@ -202,15 +188,9 @@ class Variant:
 
 def variants_for(layer_kinds: Sequence[Any], prefill_backend: str, q_dtype: str, kv_dtype: str,
                  arch: str) -> list[Variant]:
-    """The FlashInfer kernel variants a backend needs for ``layer_kinds`` (torch-free).
-
-    ``prefill_backend``: ``fa2`` (the ``flashinfer`` backend: prefill kernels for extend and
-    tensor-core decode, plus the CUDA-core decode kernels) or ``fa3`` (prefill kernels for both).
-    Layer kinds with sinks use the attention-sink variant only; MLA kinds the MLA module only, with
-    the MLA backend of ``arch`` (:func:`pipeline.backends.flashinfer.jit.mla_backend`: fa3 on sm90).
-    Dtypes are torch dtype names (the KV dtype an fp8 one, e.g. ``float8_e4m3fn``, for an fp8 cache;
-    our ``fp8_e4m3`` / ``fp8_e5m2`` are accepted and written as torch's).
-    """
+    """The FlashInfer variants a backend needs for ``layer_kinds`` (torch-free). ``fa2`` adds CUDA-core decode kernels;
+    sink kinds use the sink variant only, MLA kinds the MLA module (:func:`mla_backend`). Dtypes are torch names;
+    ``fp8_e4m3``/``fp8_e5m2`` are accepted."""
 
     q_dtype, kv_dtype = _TORCH_NAME.get(q_dtype, q_dtype), _TORCH_NAME.get(kv_dtype, kv_dtype)
     out: list[Variant] = []
@@ -235,24 +215,15 @@ def torch_dtype_name(dtype: Any) -> str:
 
 
 def sink_uri(v: Variant, q_name: str, kv_name: str) -> str:
-    """The JIT module name of an attention-sink variant: every compile-time parameter is in it.
-
-    FlashInfer's :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` (0.6.13, and still 0.7.2:
-    ``flashinfer/attention/_core.py``) names its module ``batch_prefill_attention_sink_{q dtype}_swa_{bool}_{backend}``
-    — without the head dims or the KV dtype — and its JIT cache is keyed by that name, so once a head_dim-64 sink
-    module is built (gpt-oss) a later head_dim-128 sink layer loads the head_dim-64 kernel and computes garbage (max
-    rel err 1.4-2.0 on the H200 with 0.6.13 in ``benchmarks/accepted_matrix.py --profile h200``; RESULTS.md
-    "Accepted means runs on the H200"). We build the same module under this complete name instead
-    (``pipeline.backends.flashinfer.backend`` and the warm-up both use it).
-    """
+    """JIT module name of an attention-sink variant with every compile-time parameter (head dims, KV dtype) in it.
+    FlashInfer's own name omits them, so a second sink head_dim would load the first one's kernel."""
     return (f"attn_setup_prefill_sink_q_{q_name}_kv_{kv_name}_d{v.head_dim_qk}x{v.head_dim_vo}"
             f"_swa_{v.sliding_window}_{v.backend}")
 
 
 def sink_decl(backend: str, fi: Any = None) -> str:
-    """FlashInfer's ``AttentionSink`` variant declaration (CUDA source) for ``backend`` (``fa2``/``fa3``), from
-    ``flashinfer.jit.attention.variants.attention_sink_decl`` — of ``fi`` (the flashinfer module the backend
-    holds) when it exposes it, else imported."""
+    """FlashInfer's ``AttentionSink`` variant declaration (CUDA source) for ``backend``, from ``fi``'s
+    ``attention_sink_decl`` when exposed, else imported."""
     variants = getattr(getattr(getattr(fi, "jit", None), "attention", None), "variants", None)
     if variants is None:
         from flashinfer.jit.attention import variants
@@ -260,11 +231,8 @@ def sink_decl(backend: str, fi: Any = None) -> str:
 
 
 def sink_jit_args(v: Variant, fi: Any = None) -> tuple[list[Any], dict[str, Any]]:
-    """(jit_args, jit_kwargs) of FlashInfer's customized batch-prefill module with the attention-sink variant
-    (extra tensor ``sink`` float32 [num_qo_heads], extra scalar ``sm_scale``), as FlashInfer 0.7.2's
-    :class:`flashinfer.BatchAttentionWithAttentionSinkWrapper` passes them — ``paged_kv_stride_mode``
-    ``"independent"`` for fa2 (one kernel for any K/V strides) and ``"runtime"`` for fa3 (the only mode fa3
-    compiles), ``module_surface="full"`` — named by :func:`sink_uri`."""
+    """(jit_args, jit_kwargs) of the prefill module with the attention-sink variant, as FlashInfer 0.7.2 passes them
+    (stride mode ``"independent"`` for fa2, ``"runtime"`` for fa3), named by :func:`sink_uri`."""
     import torch
 
     q, kv = getattr(torch, v.q_dtype), getattr(torch, v.kv_dtype)
@@ -292,14 +260,8 @@ def _mla_args(v: Variant) -> tuple:
 
 
 def spec_for(v: Variant) -> Any:
-    """FlashInfer's ``JitSpec`` of the module ``v``'s wrappers load (writes generated sources, compiles nothing).
-
-    For fa2 prefill that is FlashInfer 0.7.2's equal-KV-stride module (``flashinfer.prefill.get_batch_prefill_module``
-    builds ``_gen_batch_prefill_primary_module`` for fa2, URI suffix ``_kv_stride_equal``, and a second,
-    independent-stride module only when a run gets K and V caches of different strides: in our pool, a layer whose
-    head_dim_qk differs from its head_dim_v), not the public ``gen_batch_prefill_module`` (the runtime-stride
-    module fa3 uses).
-    """
+    """FlashInfer's ``JitSpec`` of the module ``v``'s wrappers load (writes sources, compiles nothing); fa2 prefill is
+    the equal-KV-stride module."""
     from flashinfer.jit.attention import modules as m
 
     if v.kind == "mla":
@@ -356,12 +318,8 @@ def heartbeat(what: str, every_s: float = 10.0, *, log: Any = None) -> Iterator[
 
 def ensure_compiled(v: Variant, *, heartbeat_s: float = 10.0, loader: Optional[Callable[[Variant], Any]] = None,
                     cached: Optional[Callable[[Variant], bool]] = None, log: Any = None) -> dict[str, Any]:
-    """Log cached/compiling for ``v``, compile it with heartbeats, and log the time taken.
-
-    ``loader``/``cached`` default to :func:`load_variant` / :func:`is_cached` (tests pass fakes).
-    Returns ``{"variant", "status", "seconds"}``; re-raises the loader's exception after logging
-    ``jit_variant_failed``.
-    """
+    """Log cached/compiling for ``v``, compile it with heartbeats, log the time: ``{"variant", "status", "seconds"}``.
+    Re-raises the loader's exception after logging ``jit_variant_failed``."""
     log = log or _log()
     loader, cached = loader or load_variant, cached or is_cached
     status = "cached" if cached(v) else "compiling"
@@ -397,12 +355,8 @@ def _compile_in_child(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def warmup_variants(variants: Sequence[Variant], jobs: int = 4) -> list[dict[str, Any]]:
-    """Compile ``variants`` in ``jobs`` parallel processes (each variant is its own module).
-
-    Returns one record per variant, in input order: ``variant``, ``status``
-    (``cached``/``compiled``/``failed``), ``seconds``, ``error``. Logs ``jit_warmup_start`` /
-    ``jit_warmup_variant`` / ``jit_warmup_done``. Needs a CUDA device and FlashInfer.
-    """
+    """Compile ``variants`` in ``jobs`` processes: per variant ``variant``, ``status``, ``seconds``, ``error``, in
+    order. Logs ``jit_warmup_start`` / ``jit_warmup_variant`` / ``jit_warmup_done``; needs CUDA and FlashInfer."""
     import multiprocessing as mp
 
     log = _log()
@@ -422,10 +376,8 @@ def warmup_variants(variants: Sequence[Variant], jobs: int = 4) -> list[dict[str
     return results
 
 
-# FlashInfer MLA backend per arch: the sm90 (Hopper) fa3 MLA kernels are 2.1x faster than fa2 at 128 heads
-# (H200, bf16, page 16, graph replay: B=64 ctx 4096 136.4 vs 289.0 µs; B=256 508 vs 1119; B=64 ctx 32768
-# 1063 vs 2373 — benchmarks/RESULTS.md "fp8 KV and MLA facts"); FlashInfer's own ``backend="auto"``
-# (``determine_mla_backend``) also picks fa3 where sm90a is supported. Other arches have only fa2.
+# FlashInfer MLA backend per arch: fa3 on sm90 (2.1x fa2 at 128 heads, benchmarks/RESULTS.md, as FlashInfer's
+# ``determine_mla_backend``); fa2 elsewhere.
 MLA_FA3_ARCHS = ("sm90",)
 
 

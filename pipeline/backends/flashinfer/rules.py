@@ -1,7 +1,4 @@
-"""The ``flashinfer`` and ``fa3`` backends' own rules, torch-free: what their registry entries answer.
-
-Details: docs/internals.md, ``pipeline.backends.flashinfer.rules``.
-"""
+"""The ``flashinfer`` and ``fa3`` backends' own rules, torch-free (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -21,7 +18,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 MiB = 1 << 20
 DEFAULT_WORKSPACE_BYTES = 384 * MiB
-DEFAULT_WORKSPACE_SOURCE = "sglang SGLANG_FLASHINFER_WORKSPACE_SIZE default"
 FLOAT_BYTES = 4
 ALIGN_BYTES = 16
 MAX_DECODE_BLOCKS_PER_SM = 16
@@ -29,26 +25,19 @@ PREFILL_CTAS_PER_SM = 2
 MLA_CTA_TILE_Q = 64
 MLA_OUT_BYTES = 2  # FlashInfer's MLAPlan sizes partial outputs for a 16-bit output dtype
 
-# Tensor-core (prefill-kernel) decode pays once the GQA group and the batch are both large
-# enough; measured on the H200 (see benchmarks/RESULTS.md, "FlashInfer backends").
+# Tensor-core decode pays once GQA group and batch are large enough (H200, benchmarks/RESULTS.md).
 TENSOR_CORE_MIN_GROUP = 4
 TENSOR_CORE_MIN_BATCH = 8
 TENSOR_CORE_ALWAYS_GROUP = 8
-# GQA group sizes we decode on FlashInfer's CUDA-core kernel. It is compiled for 1, 2, 3, 4, 8 (0.6.13) and also 6
-# and 16 (0.7.2: ``DISPATCH_GQA_GROUP_SIZE`` in include/flashinfer/utils.cuh); any other group ("Unsupported
-# group_size: 7" for Qwen2.5-7B's 28 q / 4 kv heads) must decode on the tensor-core (prefill) kernel, which takes
-# any group. 16 would take tensor cores anyway (>= TENSOR_CORE_ALWAYS_GROUP); 6 stays on tensor cores until the
-# CUDA-core kernel is measured and verified for it.
+# GQA groups FlashInfer's CUDA-core decode kernel is compiled for (``DISPATCH_GQA_GROUP_SIZE``); any other group decodes
+# on the tensor-core kernel.
 CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
 
 
 @dataclass(frozen=True)
 class HeadShape:
-    """One layer kind's attention heads: q heads ``H``, kv heads ``Hkv``, v head dim ``Dv``.
-
-    ``sinks``: the kind has attention sinks, so its decode also runs the prefill kernel.
-    ``mla``: an absorbed-MLA kind, served by FlashInfer's MLA wrapper for decode and extend.
-    """
+    """One layer kind's heads: q ``H``, kv ``Hkv``, v head dim ``Dv``; ``sinks`` (decode runs the prefill kernel),
+    ``mla``."""
 
     num_qo_heads: int
     num_kv_heads: int
@@ -70,15 +59,8 @@ class WorkspaceNeed:
     parts: dict[str, int] = field(default_factory=dict)
 
 
-# Decode path for an fp8 KV cache (bf16/fp16 q), per GQA group: "cuda_core" or "tensor_core". The rule is
-# this table; groups it lacks decode on tensor cores (as sglang always does for fp8). Measured on the H200
-# (FlashInfer 0.6.13, D 128, page 16, CUDA-graph replay; ``python3 benchmarks/flashinfer_mla_fp8.py``, table
-# "fp8_decode" in benchmarks/RESULTS.md): 32/8 heads — tensor cores 2133 µs (1.01x its bf16 step), CUDA cores
-# 4880 µs (2.30x); 64/8 — tensor cores 1.03x, CUDA cores 4.55x; 32/32 (MHA, group 1) — CUDA cores 0.61x
-# (e4m3) / 0.60x (e5m2), tensor cores 1.04x. So only group 1 decodes fp8 on CUDA cores (FlashInfer's CUDA-core
-# kernel loads fp8 and upcasts in registers, which pays off when there is no head group to share a tile);
-# every GQA group uses the tensor-core (prefill-kernel) path. Groups 2 and 3 were not measured: they follow
-# group 4. On GQA fp8 halves the KV bytes but not the step time (47 % of the copy ceiling, see RESULTS.md).
+# fp8 KV decode path per GQA group; groups absent use tensor cores (as sglang). Measured: benchmarks/RESULTS.md
+# "fp8_decode".
 FP8_DECODE_PATH: dict[int, str] = {1: "cuda_core"}
 
 
@@ -88,19 +70,12 @@ def is_fp8_name(kv_dtype: str) -> bool:
 
 
 def use_tensor_core_decode(group: int, batch_size: int, kv_dtype: str = "bfloat16") -> bool:
-    """Whether decode should run FlashInfer's prefill (tensor-core) kernel instead of CUDA cores.
+    """Whether decode runs FlashInfer's prefill (tensor-core) kernel instead of CUDA cores.
 
-    ``group``: q heads per kv head; ``batch_size``: requests in the decode batch; ``kv_dtype``: the
-    KV-cache dtype name (ours or torch's). A GQA group the CUDA-core kernel is not compiled for
-    (:data:`CUDA_CORE_DECODE_GROUPS`) always uses tensor cores. fp8 KV follows
-    :data:`FP8_DECODE_PATH` (measured, see there). bf16/fp16: a group >=
-    :data:`TENSOR_CORE_ALWAYS_GROUP` always uses tensor cores; a group >= :data:`TENSOR_CORE_MIN_GROUP`
-    does from :data:`TENSOR_CORE_MIN_BATCH` requests on. Measured on the H200 (H=32, D=128, bf16,
-    page 16): group 8 tc is never slower (1.0-2.7x faster), group 4 loses <= 2 µs below 8 requests at
-    short contexts and wins up to 1.6x from there, group 1 is a tie (CUDA cores kept).
-
-    :func:`workspace_need` sizes the graph term for tensor cores wherever either rule (16-bit or fp8)
-    uses them, so the bound holds for every KV dtype however :data:`FP8_DECODE_PATH` is set.
+    ``group``: q heads per kv head; ``kv_dtype``: ours or torch's name. Groups outside :data:`CUDA_CORE_DECODE_GROUPS`
+    always use tensor cores; fp8 follows :data:`FP8_DECODE_PATH`; bf16/fp16 from :data:`TENSOR_CORE_ALWAYS_GROUP`, or
+    from :data:`TENSOR_CORE_MIN_GROUP` at :data:`TENSOR_CORE_MIN_BATCH` requests (H200 measurements:
+    benchmarks/RESULTS.md).
     """
     if group not in CUDA_CORE_DECODE_GROUPS:
         return True
@@ -142,10 +117,8 @@ def fa2_eager_bytes(shape: HeadShape, num_sms: int) -> int:
 
 
 def fa2_graph_decode_bytes(shape: HeadShape, num_sms: int, batch_size: int, qo_len: int = 1) -> int:
-    """Exact FA2 scratch of a tensor-core decode plan captured at ``batch_size`` requests (``qo_len`` query rows
-    each: a target verify's ``num_draft_tokens``, planned on the same prefill kernel). FlashInfer's planner in
-    CUDA-graph mode bounds the tiles from the total rows: the tile from the longest request the total allows
-    (``total - batch_size + 1`` rows), ``ceil(total * group / tile) + batch_size - 1`` tiles."""
+    """Exact FA2 scratch of a tensor-core decode plan captured at ``batch_size`` requests of ``qo_len`` rows, bounded as
+    FlashInfer's CUDA-graph planner bounds its tiles from the total rows."""
     rows = batch_size * qo_len
     tile = cta_tile_q((rows - batch_size + 1) * shape.group, shape.head_dim_vo)
     split_tiles = PREFILL_CTAS_PER_SM * num_sms // shape.num_kv_heads
@@ -163,23 +136,10 @@ def mla_bytes(shape: HeadShape, num_sms: int) -> int:
 def workspace_need(shapes: Iterable[HeadShape], *, num_sms: int, max_batch_size: int,
                    cuda_graph_max_bs: int = 0, prefill_backend: str = "fa2", graph_mode: str = "decode",
                    graph_tokens: int = 1) -> WorkspaceNeed:
-    """Float-workspace bytes a FlashInfer backend needs for the largest batch it will plan.
-
-    Parameters
-    ----------
-    shapes: the head shapes of every layer kind the backend serves.
-    num_sms: streaming multiprocessors of the device (``DeviceFacts.sm_count``), > 0.
-    max_batch_size: the largest batch planned: max of the request pool (``max_reqs``) and the
-        CUDA-graph batch sizes.
-    cuda_graph_max_bs: largest captured batch size, 0 when CUDA graphs are off.
-    prefill_backend: ``"fa2"`` (the ``flashinfer`` backend) or ``"fa3"`` (the ``fa3`` backend,
-        whose SM90 kernels keep no float scratch).
-    graph_mode, graph_tokens: what the graphs capture (``decode``; a speculative worker's ``target_verify`` of
-        ``graph_tokens`` query rows per request on the prefill kernel, or ``draft_decode`` of ``graph_tokens``
-        branch rows per request).
-
-    Returns a :class:`WorkspaceNeed`; ``parts`` names the largest term per path.
-    """
+    """Float-workspace bytes (:class:`WorkspaceNeed`, ``parts`` naming the largest term per path) for the largest batch.
+    ``num_sms`` > 0; ``max_batch_size``: max of ``max_reqs`` and the graph sizes; ``cuda_graph_max_bs``: 0 without
+    graphs; ``prefill_backend``: ``"fa2"`` or ``"fa3"`` (no float scratch); ``graph_mode``/``graph_tokens``: what the
+    graphs capture (``decode``, ``target_verify`` or ``draft_decode`` with that many rows per request)."""
     parts: dict[str, int] = {"cuda_core_decode": 0, "fa2_eager": 0, "fa2_graph_decode": 0, "mla": 0}
     for s in shapes:
         if s.mla:  # the MLA wrapper serves every step of an MLA kind
@@ -209,17 +169,9 @@ WORKSPACE_ENV = "SGLANG_FLASHINFER_WORKSPACE_SIZE"
 def check_workspace_size(size_bytes: int, need: WorkspaceNeed, *, field_name: str = WORKSPACE_FIELD,
                          state: str = "build-mode", graph_fix: str = "", env_var: str = "",
                          raise_fits: bool = True, field_given: bool = False) -> None:
-    """Raise :class:`ConfigError` (``workspace_too_small``) when ``size_bytes < need.bytes``.
-
-    The one check of the workspace size, whichever source set it. The error names ``field_name`` and its
-    value — or, when the value came from the environment (``env_var``, e.g.
-    ``SGLANG_FLASHINFER_WORKSPACE_SIZE=1000``), that variable with its value first and the field after it
-    (value None), as :func:`pipeline.core.validation.check_size` names a variable — the minimum this backend can
-    use (``needed_bytes``: the bytes its largest planned batch needs, and the kernel path that needs them) and
-    the remedy: set the field (or, unless ``field_given`` — the field set the size, and it wins over the variable —,
-    the variable) to at least that — only when ``raise_fits`` (that size is a value the flag takes and the device
-    can hold) —, or ``graph_fix`` (a change to the captured batch sizes that then passes) when given.
-    """
+    """Raise :class:`ConfigError` (``workspace_too_small``) when ``size_bytes < need.bytes``. Names ``field_name`` (or
+    ``env_var`` first when the value came from it) and ``needed_bytes``; the remedy raises the field/variable only when
+    ``raise_fits``, else offers ``graph_fix``."""
     if size_bytes >= need.bytes:
         return
     worst = max(need.parts, key=need.parts.get) if need.parts else "plan"
@@ -260,22 +212,10 @@ def backend_need(q: WorkspaceQuery, *, backend: str) -> int:
 
 
 def check_backend_workspace(size_bytes: int, q: WorkspaceQuery, *, backend: str, state: str = "build-mode") -> None:
-    """The one workspace check (build-mode, ``plan`` and ``run``'s preflight call it, through the registry entry):
-    ``size_bytes``, the workspace the backend gets, against the need for the largest batch ``q`` plans
-    (:class:`~pipeline.backends.capability.WorkspaceQuery`); ``backend``: ``"flashinfer"`` (fa2 kernels) or
-    ``"fa3"``. Raises ConfigError ``workspace_too_small``.
-
-    Every alternative of the remedy then passes this check with a value the flags take, and ``fits``:
-
-    - a larger workspace, only when the need is at most ``min(max_bytes, MAX_BYTES)`` (``MAX_BYTES`` = 2**48, the
-      ``--flashinfer-workspace-size`` domain) and fits;
-    - a smaller largest captured batch that fits the workspace as it is (``cuda_graph_max_bs=N``, or the list's
-      sizes up to N), N at most :data:`REMEDY_MAX_BS`;
-    - when neither alone can work (the workspace cannot be raised enough and fits not even one captured request),
-      both: a workspace of the need at such an N and that N;
-    - when no captured batch fits at all, ``disable_cuda_graph=True`` (with the eager need as the workspace when
-      the workspace is below it) if that fits.
-    """
+    """The one workspace check (build-mode, ``plan``, ``run``'s preflight): ``size_bytes`` against the need of ``q``.
+    ``backend``: ``"flashinfer"`` or ``"fa3"``. Raises ConfigError ``workspace_too_small`` whose every remedy passes: a
+    larger workspace (<= ``min(max_bytes, MAX_BYTES)``, fitting), a smaller largest captured batch (<=
+    :data:`REMEDY_MAX_BS`), both, or ``disable_cuda_graph=True``."""
     from pipeline.core.validation import MAX_BYTES
 
     shapes, fits = shapes_of(q.kinds), q.fits
@@ -297,11 +237,8 @@ def check_backend_workspace(size_bytes: int, q: WorkspaceQuery, *, backend: str,
 
 
 def _sizes_wording(list_given: bool, graph_bs: Sequence[int], max_bs_given: bool) -> Callable[[int], str]:
-    """``sizes(n)``: the change that makes ``n`` the largest captured batch (library wording) —
-    ``set cuda_graph_max_bs=n``, or with a list ``use only sizes up to n in cuda_graph_bs`` (with ``max_bs_given``,
-    ``cuda_graph_max_bs`` set too, which must equal the list's largest size: ``use only sizes up to m in
-    cuda_graph_bs and set cuda_graph_max_bs=m``, ``m`` the list's largest size up to ``n``) —, or "" where the list
-    (when known) keeps no size."""
+    """The change making ``n`` the largest captured batch (``set cuda_graph_max_bs=n`` or ``use only sizes up to n in
+    cuda_graph_bs``), or "" when the list keeps no size."""
     def sizes(n: int) -> str:
         if not list_given:
             return f"set cuda_graph_max_bs={n}"
@@ -315,14 +252,9 @@ def _sizes_wording(list_given: bool, graph_bs: Sequence[int], max_bs_given: bool
 
 def _graph_fix(size_bytes: int, need_at: Callable[[int], int], room: Callable[[int, int], bool], *, top: int,
                graphs: bool, sizes: Callable[[int], str], name: str, raise_fits: bool) -> str:
-    """The remedy's alternative that changes the captured sizes (library wording), or "": the largest top ``N`` in
-    ``1..top`` whose need fits the workspace as it is and ``room(size_bytes, N)``; else, unless raising the workspace
-    works (``raise_fits``), the need at the largest ``N`` with ``room(need_at(N), N)`` and that ``N``; else no graphs
-    (``room`` at 0), with the eager need as the workspace when it is above ``size_bytes``. Each search is
-    :func:`~pipeline.core.numbers.largest_fitting` over ``1..top``: the need and the graphs' bytes grow with ``N``
-    (:func:`fa2_graph_decode_bytes` is nondecreasing in the batch, and tensor-core decode only turns on as it grows), so
-    each predicate holds on a prefix.
-    ``sizes``: :func:`_sizes_wording`'s (a list cut to no size is no alternative)."""
+    """The remedy's captured-size alternative, or "": the largest ``N`` fitting the workspace as is, else (unless
+    ``raise_fits``) a workspace of the need at ``N`` and that ``N``, else no graphs; each search is
+    :func:`~pipeline.core.numbers.largest_fitting` (needs grow with ``N``)."""
     fits = largest_fitting(range(1, top + 1), lambda bs: need_at(bs) <= size_bytes and room(size_bytes, bs))
     if fits is not None and sizes(fits):
         return sizes(fits)
@@ -341,12 +273,8 @@ def _graph_fix(size_bytes: int, need_at: Callable[[int], int], room: Callable[[i
 MiB = 1 << 20
 FLASHINFER_WORKSPACE_DEFAULT = 384 * MiB
 FLASHINFER_WORKSPACE_QWEN = 512 * MiB
-# sglang's FlashInferAttnBackend.__init__ (python/sglang/srt/layers/attention/flashinfer_backend.py,
-# sgl-project/sglang at 0005834c, "Qwen2/Qwen3 models require higher flashinfer workspace size")
-# raises the workspace to 512 MiB when hf_config.architectures contains one of these names, and
-# keys on nothing else: not model_type, so Qwen2-MoE, Qwen3-MoE, Qwen2-VL and Qwen2.5-VL keep 384 MiB
-# while MiMo gets 512 MiB. sglang assigns the value inside the backend, so there it also beats an
-# env var; here explicit field > env var > this default, so an explicit value is never replaced.
+# sglang's FlashInferAttnBackend raises the workspace to 512 MiB for these ``architectures`` names only; here an
+# explicit field > env var > this default.
 WORKSPACE_512_MIB_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMoForCausalLM",
                                    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 FIELD = "flashinfer_workspace_size"
@@ -354,13 +282,9 @@ FIELD = "flashinfer_workspace_size"
 
 def flashinfer_workspace_size(args: AttentionArgs, model: ModelSpec,
                               env: Mapping[str, str] = os.environ) -> tuple[int, Source]:
-    """Bytes of the FlashInfer workspace buffer and where the value came from.
-
-    ``flashinfer_workspace_size`` when set, else ``SGLANG_FLASHINFER_WORKSPACE_SIZE``, else 512 MiB
-    when ``model.architectures`` names one of :data:`WORKSPACE_512_MIB_ARCHITECTURES` (sglang's
-    rule, matched on the architecture name exactly as sglang does) and 384 MiB otherwise.
-    Raises ConfigError for an env value that is not a byte count.
-    """
+    """Bytes of the FlashInfer workspace and their source: the field, else ``SGLANG_FLASHINFER_WORKSPACE_SIZE``, else
+    sglang's default (512 MiB for :data:`WORKSPACE_512_MIB_ARCHITECTURES`, 384 MiB otherwise). Raises ConfigError for an
+    env value that is not a byte count."""
     given = explicit_or_env(args, FIELD, env)
     if given is not None:
         return given
@@ -389,26 +313,17 @@ def _variants(prefill: str) -> Any:
     return variants
 
 
-# Every FlashInfer wrapper allocates its own int workspace on the device (8 MiB: ``_int_workspace_buffer`` of
-# BatchDecodeWithPagedKVCacheWrapper and BatchPrefillWithPagedKVCacheWrapper in ``__init__``; FlashInfer 0.7.2's
-# BatchMLAPagedAttentionWrapper in its fa2/fa3 backend object at the first ``plan()``, which a CUDA-graph wrapper's
-# later plans reuse — before capture either way); prefill-class wrappers also a ``_kv_lens_buffer`` of 32768 int32.
+# Every FlashInfer wrapper allocates its own 8 MiB int workspace before capture; prefill-class wrappers also a 32768
+# int32 ``_kv_lens_buffer``.
 FI_INT_WORKSPACE_BYTES = 8 * MiB
 FI_KV_LENS_BYTES = 32768 * 4
 
 
 def graph_state_allocs(kinds: Sequence[Any], batch_sizes: Sequence[int], *, max_context_len: int, page_size: int,
                        num_sms: int, mode: str = "decode", tokens_per_req: int = 1) -> list[tuple[int, int]]:
-    """What graph capture allocates outside the graph pool, in order (``[(bs, nbytes)]``, bs 0 first):
-    :class:`pipeline.backends.flashinfer.backend.GraphState`'s int32 buffers for the largest size (``indptr``,
-    ``indices`` of ``max_bs * ceil(max_context_len / page_size)`` pages, ``last_page_len``, ``qo_indptr``,
-    ``kv_len``), then per captured size and layer kind the ``use_cuda_graph`` wrapper made for it — its own 8 MiB
-    int workspace (:data:`FI_INT_WORKSPACE_BYTES`), a prefill-class (sink) wrapper's kv-lens buffer, a tensor-core
-    decode wrapper's ``qo_indptr`` [bs+1] int32. sglang's FlashInfer backend makes its capture wrappers per size
-    the same way. ``target_verify`` (``tokens_per_req`` = n tokens per request): the verify ``qo_indptr``, the
-    custom-mask buffer (``max_bs`` packed ``[n, max_context_len]`` masks) and its indptr, and per size and kind a
-    paged prefill wrapper; ``draft_decode`` (n = top-k rows per request): the token-level buffers for
-    ``max_bs * n`` rows and the decode wrappers per row count."""
+    """``[(bs, nbytes)]`` graph capture allocates outside the graph pool, bs 0 first: :class:`GraphState`'s buffers,
+    then per size and kind the capture wrapper's 8 MiB int workspace and buffers (as sglang), plus the verify mask
+    buffers or the draft rows' buffers for ``target_verify`` / ``draft_decode`` (``tokens_per_req`` rows)."""
     mb = max(batch_sizes)
     pages = -(-max_context_len // max(page_size, 1))
     out = [(0, (mb + 1) * 4), (0, mb * pages * 4), (0, mb * 4), (0, (mb + 1) * 4), (0, mb * 4)]
@@ -436,8 +351,7 @@ def _wrapper_allocs(kinds: Sequence[Any], rows: int, bs: int) -> list[tuple[int,
     return out
 
 
-# CUDA-graph memory: decode allocates only its output inside a capture (``run`` makes ``out`` [bs, H, Dv]; the MLA
-# path makes it before calling ``run``); the split scratch lives in the workspace, made before capture.
+# Decode allocates only its output inside a capture; split scratch lives in the workspace.
 FLASHINFER_RULES = BackendRules(workspace=workspace, check_workspace=_checker("flashinfer"),
                                 workspace_need=_need("flashinfer"),
                                 jit_variants=_variants("fa2"), graph_decode_allocs=decode_output_only,

@@ -1,7 +1,5 @@
-"""``TritonAttnBackend``: sglang's AttentionBackend over our own Triton kernels and the paged KV cache.
-
-Details: docs/internals.md, ``pipeline.backends.triton.backend``.
-"""
+"""``TritonAttnBackend``: sglang's AttentionBackend over our own Triton kernels and the paged KV cache
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -115,10 +113,8 @@ def _host_lens(fb: ForwardBatch) -> list[int]:
 
 
 def kv_scales(layer: AttentionLayer, pool: Any) -> tuple[Any, Any]:
-    """``(k_scale, v_scale)`` for ``layer``'s KV cache, real = stored * scale: the pool's per-layer scales
-    (``pool.kv_scales(layer_id)``, the KV contract of :mod:`pipeline.backends.memory`: the scales it quantised with)
-    when the pool has them; else the layer's ``k_scale`` / ``v_scale`` attributes (sglang's RadixAttention
-    carries them per layer); else 1.0. Each is a float or a one-element tensor."""
+    """``(k_scale, v_scale)`` of ``layer``'s KV cache (real = stored * scale): the pool's ``kv_scales(layer_id)``, else
+    the layer's attributes, else 1.0; floats or one-element tensors."""
     get = getattr(pool, "kv_scales", None)
     if callable(get):
         return get(layer.layer_id)
@@ -127,28 +123,16 @@ def kv_scales(layer: AttentionLayer, pool: Any) -> tuple[Any, Any]:
 
 
 def stored_kv(x: torch.Tensor, buf_dtype: torch.dtype, scale: Any) -> torch.Tensor:
-    """``x`` in a KV buffer's stored format, by the pool's write rule (:func:`pipeline.backends.memory.quantize_kv`:
-    a plain cast for 16/32-bit buffers, ``round_to_fp8(clamp(x / scale, -max, max))`` for fp8 ones). ``x`` already in
-    ``buf_dtype`` is returned as it is (already stored)."""
+    """``x`` in a KV buffer's stored format (:func:`pipeline.backends.memory.quantize_kv`); returned as is when already
+    ``buf_dtype``."""
     return x if x.dtype == buf_dtype else quantize_kv(x, buf_dtype, scale)
 
 
 class TritonAttnBackend(AttentionBackend):
-    """Paged decode/extend attention through this package's Triton kernels.
-
-    Parameters
-    ----------
-    torch_device : the device of the pools (``"cuda:0"``; ``"cpu"`` only under ``TRITON_INTERPRET=1``).
-    layer_dims : ``(H, Hkv, D, Dv)`` of every layer kind served (sizes the CUDA-graph scratch).
-    num_sms : multiprocessor count (sets the decode split cap per batch size).
-    role : the instance's role in the build plan.
-    layer_kinds : the layer kinds it is built for (the registry factory always passes the model's):
-        every call's layer is then checked against its kind once per layer object
-        (:class:`~pipeline.backends.base.PlannedLayers`; ``LayerMismatch`` before any write).
-        None computes with whatever each call's layer says (direct use in kernel tests).
-    req_to_token_pool : the pool it serves (draft-decode CUDA graphs rebuild their token table from it before each
-        replay, where no batch is passed); None is fine without them.
-    """
+    """Paged decode/extend attention through this package's Triton kernels. ``torch_device``: the pools' device
+    (``"cpu"`` only under ``TRITON_INTERPRET=1``); ``layer_dims``: ``(H, Hkv, D, Dv)`` per kind (sizes graph scratch);
+    ``num_sms``: sets the decode split cap; ``role``; ``layer_kinds``: checked per layer object (``LayerMismatch``;
+    None: trust each call's layer); ``req_to_token_pool``: for draft-decode graphs."""
 
     name = "triton"
 
@@ -238,12 +222,8 @@ class TritonAttnBackend(AttentionBackend):
         return launch.decode_scratch_numel(bs, h, dv, self._max_splits(bs, hkv))
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate the fixed-address decode buffers for batches of up to ``max_bs`` requests.
-
-        ``req_pool_indices`` [max_bs] int64 (0 = sglang's padding row), ``seq_lens`` [max_bs] int32
-        (filled with :meth:`get_cuda_graph_seq_len_fill_value`), and fp32 scratch large enough for
-        every batch size ``<= max_bs`` and every layer kind.
-        """
+        """Allocate fixed-address decode buffers for up to ``max_bs`` requests: ``req_pool_indices`` [max_bs] int64 (0 =
+        padding row), ``seq_lens`` [max_bs] int32, fp32 scratch for every size and kind."""
         if max_bs < 1:
             raise call_error("max_bs", max_bs, ">= 1", "capture at least one batch size")
         need = max(self._scratch_numel(bs, h, hkv, d, dv)
@@ -283,9 +263,8 @@ class TritonAttnBackend(AttentionBackend):
 
     def _verify_graph_meta(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, spec_info: Any,
                            seq_lens_cpu: Optional[list[int]]) -> _ExtendMeta:
-        """Target verify in a graph: ``num_draft_tokens`` (n) per request, the prefix ``seq_lens - n``; fixed buffers
-        for the rows, prefixes, ``qo_indptr`` (0, n, 2n …), the [n, n] tree masks (a chain's is causal: in a graph the
-        kernel always reads one) and the tokens' positions, refreshed from the batch's trees (outside the graph)."""
+        """Target verify in a graph: fixed buffers for rows, prefixes (``seq_lens - n``), ``qo_indptr``, [n, n] tree
+        masks and positions, refreshed outside the graph."""
         n = spec_info.num_draft_tokens
         pre = [s - n for s in (seq_lens_cpu if seq_lens_cpu is not None else seq_lens[:bs].tolist())][:bs]
         spec = check_verify_batch(spec_info, pre, [n] * bs)
@@ -458,11 +437,8 @@ class TritonAttnBackend(AttentionBackend):
 
 
 def create(ctx: Any) -> TritonAttnBackend:
-    """Registry factory: ``create(ctx: BackendContext) -> TritonAttnBackend`` (needs no workspace).
-
-    Raises CapabilityMismatch for a layer kind the kernels cannot serve (D != Dv or D > 256 without MLA;
-    MLA with more than one KV head, kv_lora_rank > 512 or rope dims > 128).
-    """
+    """Registry factory ``create(ctx) -> TritonAttnBackend`` (no workspace). Raises CapabilityMismatch for D != Dv or D
+    > 256 without MLA; MLA with > 1 KV head, kv_lora_rank > 512 or rope > 128."""
     dims = kernel_dims(ctx.layer_kinds)
     sms = getattr(ctx.device, "sm_count", 0) or 132
     return TritonAttnBackend(torch_device=ctx.torch_device, layer_dims=dims, num_sms=sms, role=ctx.role,

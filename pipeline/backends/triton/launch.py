@@ -1,7 +1,4 @@
-"""Launchers of the Triton kernels: validate every input, then launch (nothing allocated before).
-
-Details: docs/internals.md, ``pipeline.backends.triton.launch``.
-"""
+"""Launchers of the Triton kernels: validate every input, then launch (nothing allocated before) (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -52,9 +49,8 @@ def kv_dtypes(q_dtype: torch.dtype) -> tuple:
 
 
 def check_scale(name: str, s: Any, device: torch.device) -> bool:
-    """A dequantisation scale (``k_scale`` / ``v_scale``): a finite float > 0, or a one-element float tensor
-    on ``device`` (read in-kernel, so CUDA graphs follow its value; its value is not checked: no host sync).
-    Returns True for a tensor."""
+    """A dequantisation scale: a finite float > 0, or a one-element float tensor on ``device`` (value unchecked: no host
+    sync). Returns True for a tensor."""
     if isinstance(s, torch.Tensor):
         if s.numel() != 1 or s.dtype not in SCALE_DTYPES:
             raise bad(f"{name}", f"{s.dtype}[{tuple(s.shape)}]", "a float > 0 or a one-element float32 tensor",
@@ -181,14 +177,9 @@ def check_tree(tree_mask: Any, tree_indptr: Any, positions: Any, bsz: int, t: in
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tuning of the decode kernels: tile of keys, warps, pipeline depth and split policy.
-
-    ``block_n``: keys per tile; ``block_n_single``: keys per tile when the batch alone fills the GPU
-    (split cap 1: long sequential loops); ``split_min``: fewest keys per split (a request gets
-    ``ceil(len / split_min)`` splits, capped); ``programs_per_sm``: target stage-1 programs per SM,
-    which sets the split cap for a batch size; ``num_warps_single``: warps per stage-1 program when the batch
-    alone fills the GPU (None: ``num_warps``).
-    """
+    """Decode tuning: ``block_n`` keys per tile (``block_n_single`` when the batch alone fills the GPU), ``split_min``
+    fewest keys per split, ``programs_per_sm`` (sets the split cap), warps (``num_warps_single``: unsplit; None =
+    ``num_warps``), stages."""
 
     block_n: int = 64
     block_n_single: int = 64
@@ -202,14 +193,9 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Tuning of the extend kernel: query rows and key tile per program, warps, pipeline depth.
-
-    ``pack_gqa``: a program's ``block_m`` rows are (token, q head) pairs of one kv group (token-major; FlashInfer
-    packs GQA rows the same way) instead of ``block_m`` tokens of one q head. Same work and K/V traffic for
-    long extends, but a batch of short extends (chunked prefill: 64 new tokens under 128-row tiles) fills
-    its tiles instead of leaving half the MMA rows empty. None (default): packed when the group has more
-    than one head and ``max_extend_len < block_m`` (:func:`extend_packs_gqa`).
-    """
+    """Extend tuning: ``block_m`` query rows and ``block_n`` keys per program, warps, stages. ``pack_gqa``: a program's
+    rows are (token, q head) pairs of one kv group (as FlashInfer), filling tiles of short extends; None: packed when
+    the group has > 1 head and ``max_extend_len < block_m`` (:func:`extend_packs_gqa`)."""
 
     block_m: int = 128
     block_n: int = 64
@@ -223,11 +209,8 @@ def _is_sm90(device: Optional[torch.device]) -> bool:
 
 
 def default_decode_config(head_dim: int, device: Optional[torch.device] = None) -> DecodeConfig:
-    """Decode config by head dim and arch (H200-tuned, see benchmarks/NOTES.md): 64-key tiles, 3 stages on sm90
-    (about 96 KB of shared memory at D 128: two programs per SM; 128-key tiles for unsplit batches took one SM
-    each and were 1-2 % slower at B=256), 2 warps per unsplit program on sm90 (B=256: 0.976-0.993 -> 0.999-1.000x
-    FlashInfer at ctx 32768, 1.005 -> 1.010 at ctx 4096, same process, alternated), 2 stages elsewhere; 32-key
-    tiles for D > 128."""
+    """Decode config by head dim and arch (H200-tuned, benchmarks/NOTES.md): 64-key tiles, 3 stages and 2 unsplit warps
+    on sm90, 2 stages elsewhere; 32-key tiles for D > 128."""
     if head_dim > 128:
         return DecodeConfig(block_n=32, block_n_single=32, num_stages=2)
     if device is not None and not _is_sm90(device):
@@ -254,12 +237,8 @@ def extend_packs_gqa(cfg: ExtendConfig, group: int, max_extend_len: int) -> bool
 
 
 def decode_max_splits(batch_size: int, num_kv_heads: int, num_sms: int, cfg: DecodeConfig) -> int:
-    """The split cap for a batch size: ``floor(programs_per_sm * SMs / (B * Hkv))``, in [1, cap].
-
-    Rounding down keeps the stage-1 grid at or just under a whole number of waves (rounding up once
-    left a third, nearly empty wave at B=8, ctx 32768: 0.73x FlashInfer). Depends only on the batch
-    size (fixed per captured CUDA graph), never on sequence lengths.
-    """
+    """The split cap for a batch size: ``floor(programs_per_sm * SMs / (B * Hkv))`` in [1, cap]; rounding down avoids a
+    nearly empty last wave. Depends only on B (fixed per captured graph)."""
     want = (cfg.programs_per_sm * max(num_sms, 1)) // max(batch_size * num_kv_heads, 1)
     return int(min(max(want, 1), cfg.max_splits_cap))
 
@@ -287,17 +266,11 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      v_scale: Scale = 1.0) -> torch.Tensor:
     """Paged flash-decoding: one new query per request over its cached keys (itself included).
 
-    ``q`` [B, H, D]; ``out`` [B, H, Dv] (written, returned). ``scratch``: fp32, at least
-    :func:`decode_scratch_numel` elements (allocated when None — pass a fixed buffer for CUDA graphs).
-    ``max_splits``: split cap (see :func:`decode_max_splits`); the stage-1 grid is ``(B * Hkv, max_splits)``.
-    Mirrors sglang's two-stage Triton decode (split-K + LSE merge) with FlashInfer's
-    ``window_left``/``logits_soft_cap``/sinks semantics. ``attention_chunk_size`` (Llama-4 chunked
-    local attention): the query sees only the keys of its own chunk, ``[(L-1)//C*C, L)``.
-    Only the visible keys are read: each request's split ranges start at its window / chunk start.
-    fp8 K/V (``k_scale``/``v_scale`` as in the docs/internals.md) are read as stored (half the bytes of
-    bf16) and upcast in registers; the score scale is ``sm_scale * k_scale``, the output is multiplied
-    by ``v_scale`` (FlashInfer's ``run(k_scale=, v_scale=)`` semantics). Raises the errors of the
-    docs/internals.md, ``pipeline.backends.triton.launch``.
+    ``q`` [B, H, D]; ``out`` [B, H, Dv] (written, returned); ``scratch`` fp32 of :func:`decode_scratch_numel` elements
+    (fixed for CUDA graphs; allocated when None); ``max_splits``: stage-1 grid ``(B * Hkv, max_splits)``. sglang's
+    two-stage Triton decode with FlashInfer's ``window_left``/``logits_soft_cap``/sinks semantics;
+    ``attention_chunk_size``: keys ``[(L-1)//C*C, L)`` only. fp8 K/V are read as stored; score scale ``sm_scale *
+    k_scale``, output times ``v_scale``. Raises the errors in docs/internals.md.
     """
     ks_ptr, vs_ptr = check_decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out,
                                   sliding_window, logit_softcap, sinks, max_splits, attention_chunk_size,
@@ -349,25 +322,17 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
                      v_scale: Scale = 1.0, tree_mask: Optional[torch.Tensor] = None,
                      tree_indptr: Optional[torch.Tensor] = None,
                      positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Extend attention over a paged prefix plus the step's own tokens (causal), ragged batch.
+    """Extend attention over a paged prefix plus the step's own tokens (causal), ragged batch (sglang's
+    ``extend_attention_fwd``).
 
-    ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] / [T, Hkv, Dv]: the new tokens, request after request,
-    in the pool's stored format (its dtype; for fp8 the quantised values, which the same ``k_scale`` /
-    ``v_scale`` dequantise — so the result is attention over what the pool holds);
-    ``qo_indptr`` [B+1] int32/int64 (request b owns rows ``qo_indptr[b]:qo_indptr[b+1]``);
-    ``prefix_lens`` [B] cached tokens per request (read from the pool through ``req_to_token``);
-    ``max_extend_len``: the largest new-token count (a host int: it sizes the grid).
-    ``out`` [T, H, Dv] is written and returned. Mirrors sglang's Triton ``extend_attention_fwd``.
-    ``attention_chunk_size``: chunked local attention (key at position p visible from the query at
-    position i iff ``p // C == i // C``), None = off. With a window or chunk, key tiles wholly before the
-    first visible key of a block of queries are never read.
+    ``q`` [T, H, D], ``k``/``v`` [T, Hkv, D/Dv]: new tokens in the pool's stored format (fp8: quantised, same scales);
+    ``qo_indptr`` [B+1] int32/int64; ``prefix_lens`` [B] (read via ``req_to_token``); ``max_extend_len``: host int
+    (sizes the grid); ``out`` [T, H, Dv] written and returned; ``attention_chunk_size``: key p visible from query i iff
+    ``p // C == i // C``.
 
-    Target verify (``tree_mask``, ``tree_indptr``, ``positions``, all three or none): the new tokens of request
-    ``b`` are an EAGLE tree; ``tree_mask`` [sum n_b^2] uint8 holds each request's [n_b, n_b] ancestor-or-self mask
-    row-major from ``tree_indptr[b]`` ([B+1] int32/int64), ``positions`` [T] int32/int64 each token's position
-    (``prefix + depth``); a parent precedes its children (:mod:`pipeline.backends.speculative`). As sglang's Triton
-    extend with ``custom_mask`` / ``mask_indptr``, with the mask's prefix columns implied (all set) and windows and
-    chunks counted on the positions.
+    Target verify (``tree_mask``, ``tree_indptr``, ``positions``: all or none): request ``b``'s new tokens are an EAGLE
+    tree, ``tree_mask`` [sum n_b^2] uint8 row-major ancestor-or-self masks from ``tree_indptr[b]``, ``positions`` [T]
+    (``prefix + depth``); prefix columns implied, windows and chunks on positions (sglang's ``custom_mask``).
     """
     bsz, ks_ptr, vs_ptr = check_extend(q, k, v, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr,
                                        prefix_lens, out, sliding_window, logit_softcap, sinks, max_extend_len,

@@ -1,7 +1,5 @@
-"""Launchers of the absorbed-MLA Triton kernels (:mod:`.kernels.mla`): validate every input, then launch.
-
-Details: docs/internals.md, ``pipeline.backends.triton.launch_mla``.
-"""
+"""Launchers of the absorbed-MLA Triton kernels (:mod:`.kernels.mla`): validate every input, then launch
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -24,21 +22,13 @@ MLA_MAX_ROPE_DIM = 128
 
 @dataclass(frozen=True)
 class MLADecodeConfig:
-    """Tuning of the MLA decode kernels.
+    """MLA decode tuning.
 
-    ``block_h``: q heads per program (the M of ``tl.dot``; >= 16); ``block_n``: cache rows per tile
-    (>= 16); ``num_warps``/``num_stages``: Triton's; ``split_min``: fewest keys per split (a request gets
-    ``ceil(len / split_min)`` splits, capped); ``programs_per_sm``: stage-1 programs resident per SM
-    (shared memory / registers allow 1 at 64 heads), which with the batch size sets the split cap
-    (:func:`mla_decode_max_splits`); ``max_splits_cap``: hard cap;
-    ``detach``: compute the softmax in a region so Triton splits the score tile over the warp groups
-    instead of replicating it (matters at 64 heads x 8 warps, see :mod:`.kernels.mla`);
-    ``lazy_rescale``: raise the running max only when it grows by more than 2^8 (skips most [M, 512]
-    accumulator rescales; exact); ``partial_bf16``: store the split partials in bf16 instead of fp32
-    (half the partials' bytes — at B=8, ctx 4096 with 8 splits fp32 partials move about as many bytes
-    as the latent itself — for one more bf16 rounding of the output, as FlashInfer's MLA stores its
-    partial outputs in the output dtype); ``merge_block_h``: heads per merge program (a power of two;
-    1 = one program per (request, head), the most parallel).
+    ``block_h`` q heads and ``block_n`` rows per tile (>= 16); warps, stages; ``split_min``: fewest keys per split;
+    ``programs_per_sm`` with B sets the split cap (``max_splits_cap`` hard cap); ``detach``: softmax in a region so
+    Triton splits the score tile over warp groups; ``lazy_rescale``: rescale only when the max grows > 2^8 (exact);
+    ``partial_bf16``: bf16 split partials (as FlashInfer's MLA); ``merge_block_h``: heads per merge program (power of
+    2).
     """
 
     block_h: int = 64
@@ -67,19 +57,13 @@ class MLAExtendConfig:
     lazy_rescale: bool = True
 
 
-# Default decode configs by head count (the smallest key >= H; the largest key above that), per arch
-# class. sm90: 227 KB of shared memory per block; "other" tiles fit 99 KB (sm86/89; sm80 has 163 KB).
-# Registers / shared memory / spills of each were read from an offline sm90 (and sm80/89) compile.
-# Rationale and the H200 measurements: benchmarks/NOTES.md, "MLA decode".
+# Default decode configs by head count (smallest key >= H), per arch class (sm90: 227 KB shared memory; other 99 KB).
+# Measurements: benchmarks/NOTES.md, "MLA decode".
 MLA_DECODE_CONFIGS: dict[str, dict[int, MLADecodeConfig]] = {
     "sm90": {
-        # 16 heads (DeepSeek-V2-Lite, or V3 at TP 8): memory-bound; mma.sync tiles of 16 rows, 180
-        # registers x 4 warps and 56 KB: two programs per SM.
+        # 16 heads: memory-bound, mma.sync 16-row tiles, two programs per SM.
         16: MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, split_min=128, programs_per_sm=2),
-        # More heads: 64 heads per program on wgmma (two warp groups split the 512 output dims, 128 fp32
-        # accumulator registers each), 64-row latent tiles double-buffered with the req_to_token indices
-        # copied a stage ahead (3 stages: 225 KB, no spill), eager rescale (the lazy one's block-wide vote
-        # cost more than the multiplies on the H200: 0.280 vs 0.237x at 32-key tiles), 64-key splits.
+        # More heads: 64 per program on wgmma, 64-row tiles, 3 stages (225 KB, no spill), eager rescale, 64-key splits.
         128: MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, split_min=64, programs_per_sm=1,
                              lazy_rescale=False),
     },
@@ -99,8 +83,7 @@ def _sweep_cfg(**kw) -> MLADecodeConfig:
     return MLADecodeConfig(**{**base, **kw})
 
 
-# Candidates ``benchmarks/mla_decode.py --sweep`` times at 128 heads (name, config); one GPU run picks. Offline
-# sm90 compile (Triton 3.9): shared memory / registers / spill bytes in the comments.
+# Candidates ``benchmarks/mla_decode.py --sweep`` times at 128 heads (sm90 shared memory / registers in comments).
 SWEEP_DECODE: list[tuple[str, MLADecodeConfig]] = [
     ("h64n64w8s3-pf", _sweep_cfg(prefetch=True)),                                          # 225 KB, 255, 16
     ("h64n64w8s2-pf", _sweep_cfg(num_stages=2, prefetch=True)),                            # 224 KB, 255, 24
@@ -144,18 +127,9 @@ def mla_split_candidates(batch_size: int, num_heads: int, num_sms: int, cfg: MLA
 
 @functools.lru_cache(maxsize=4096)
 def mla_decode_max_splits(batch_size: int, num_heads: int, num_sms: int, cfg: MLADecodeConfig) -> int:
-    """Split cap for a batch size, chosen against wave quantisation.
-
-    With ``P = B * cdiv(H, block_h)`` programs per split and ``slots = programs_per_sm * SMs`` running
-    at once, ``s`` splits take about ``ceil(P * s / slots) / s`` (in units of one unsplit request's time).
-    Candidates stop at two waves' worth of programs (:func:`mla_split_candidates`): more splits mostly
-    add partial outputs (``B * H * s * 512 * 4`` B written and merged), which the model leaves out; a
-    larger cap is taken only when it cuts the modelled time by more than :data:`SPLIT_GAIN`. Unlike a
-    plain ``floor(slots / P)`` this splits B=40 x 2 head blocks (80 programs: 61 % of 132 SMs busy) three
-    ways (240 programs in 2 waves, 2/3 of the time) and leaves B=64 (128 programs) unsplit. Depends on the
-    batch size (and the layer), never on sequence lengths, so it is fixed per captured CUDA graph. 1 means
-    the batch fills the GPU: stage 1 writes the output itself (no merge).
-    """
+    """Split cap for a batch size against wave quantisation: ``s`` splits of ``P = B * cdiv(H, block_h)`` programs take
+    about ``ceil(P * s / slots) / s``; candidates up to two waves (:func:`mla_split_candidates`), a larger cap only when
+    it gains more than :data:`SPLIT_GAIN`. Independent of sequence lengths; 1 = no merge."""
     programs = max(batch_size, 1) * triton.cdiv(num_heads, cfg.block_h)
     slots = max(cfg.programs_per_sm * num_sms, 1)
     best, best_t = 1, float(triton.cdiv(programs, slots))
@@ -250,17 +224,10 @@ def mla_decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token:
                          req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,
                          sm_scale: float, max_splits: int, scratch: Optional[torch.Tensor] = None,
                          config: Optional[MLADecodeConfig] = None) -> torch.Tensor:
-    """Absorbed-MLA paged decode: one new query per request over its cached latent rows (itself included).
-
-    ``q`` [B, H, D]; ``kv_buffer`` [S, 1, D]; ``out`` [B, H, Dv] (written, returned), all as in the
-    docs/internals.md, ``pipeline.backends.triton.launch_mla``. ``max_splits``: split cap (:func:`mla_decode_max_splits`); the stage-1 grid is
-    ``(cdiv(H, block_h), max_splits, B)`` and the merge grid ``(B, cdiv(H, merge_block_h))`` (no merge
-    when 1). ``scratch``: fp32 with at least :func:`mla_decode_scratch_numel` elements (allocated when
-    None and needed — pass a fixed buffer for CUDA graphs). No host synchronisation: capturable in a CUDA
-    graph. Mirrors sglang's two-stage Triton MLA decode (grouped heads, split-K + LSE merge) with
-    tensor-core tiles over heads.
-    Raises the errors of docs/internals.md.
-    """
+    """Absorbed-MLA paged decode: one new query per request over its cached latent rows (itself included). ``q`` [B, H,
+    D]; ``kv_buffer`` [S, 1, D]; ``out`` [B, H, Dv] (written, returned). Grid ``(cdiv(H, block_h), max_splits, B)``,
+    merge ``(B, cdiv(H, merge_block_h))`` (none when 1). ``scratch``: fp32, >= :func:`mla_decode_scratch_numel` (fixed
+    for CUDA graphs). No host sync. sglang's two-stage Triton MLA decode. Raises the errors of docs/internals.md."""
     cfg = config or default_mla_decode_config(q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 3 else 1,
                                               q.device if isinstance(q, torch.Tensor) else None)
     dv, dr = check_mla_decode(q, kv_buffer, req_to_token, req_pool_indices, seq_lens, out, sm_scale, max_splits,
@@ -328,16 +295,10 @@ def mla_extend_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_buffer: torch
                          req_pool_indices: torch.Tensor, qo_indptr: torch.Tensor, prefix_lens: torch.Tensor,
                          out: torch.Tensor, *, max_extend_len: int, sm_scale: float,
                          config: Optional[MLAExtendConfig] = None) -> torch.Tensor:
-    """Absorbed-MLA extend: new tokens attend to their paged cached prefix and causally to each other.
-
-    ``q`` [T, H, D] and ``kv_new`` [T, 1, D] (the step's new latent rows), request after request;
-    ``qo_indptr`` [B+1] (request b owns rows ``qo_indptr[b]:qo_indptr[b+1]``); ``prefix_lens`` [B]
-    cached tokens per request, read from ``kv_buffer`` through ``req_to_token``; ``max_extend_len``: the
-    largest new-token count (a host int: it sizes the grid ``(cdiv(max_extend_len * H, block_m), B)``).
-    Causal mask bottom-right aligned (new token i sees prefix + new tokens 0..i), as sglang's extend and
-    FlashInfer's ``causal=True``. ``out`` [T, H, Dv] is written and returned. Raises the errors of the
-    docs/internals.md, ``pipeline.backends.triton.launch_mla``.
-    """
+    """Absorbed-MLA extend: new tokens attend to their paged prefix and causally to each other (bottom-right aligned).
+    ``q`` [T, H, D], ``kv_new`` [T, 1, D]; ``qo_indptr`` [B+1]; ``prefix_lens`` [B] (via ``req_to_token``);
+    ``max_extend_len``: host int, grid ``(cdiv(max_extend_len * H, block_m), B)``; ``out`` [T, H, Dv] written and
+    returned. Raises the errors of docs/internals.md."""
     cfg = config or default_mla_extend_config(q.device if isinstance(q, torch.Tensor) else None)
     bsz, dv, dr = check_mla_extend(q, kv_new, kv_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens,
                                    out, sm_scale, max_extend_len, cfg)

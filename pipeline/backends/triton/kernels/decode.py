@@ -1,12 +1,7 @@
-"""Flash-decoding over sglang's paged KV cache, in two kernels.
-
-Details: docs/internals.md, ``pipeline.backends.triton.kernels.decode``.
-"""
+"""Flash-decoding over sglang's paged KV cache, in two kernels (docs/internals.md)."""
 
 import triton
 import triton.language as tl
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -59,11 +54,8 @@ def decode_split_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, USE_CHUNK: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
 ):
-    """Stage 1: partial attention of one (request, kv head, key range) for its G query heads.
-
-    K/V tiles are read in the pool's dtype (q's, or fp8) and upcast to q's dtype before the dots;
-    the stored scores are scaled by ``sm_scale * k_scale`` and the partial output by ``v_scale``.
-    """
+    """Stage 1: partial attention of one (request, kv head, key range) for its G query heads; K/V upcast to q's dtype,
+    scores scaled by ``sm_scale * k_scale``, output by ``v_scale``."""
     pid = tl.program_id(0)   # b * HKV + kvh: a request's kv heads run side by side (docs/internals.md)
     b = pid // HKV
     kvh = pid % HKV

@@ -1,7 +1,4 @@
-"""Extend (prefill with a cached prefix) over sglang's paged KV cache.
-
-Details: docs/internals.md, ``pipeline.backends.triton.kernels.extend``.
-"""
+"""Extend (prefill with a cached prefix) over sglang's paged KV cache (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -26,10 +23,8 @@ def _load_rows(base, rows, stride, offs, n_mask, WIDTH: tl.constexpr, BLOCK: tl.
 
 @triton.jit
 def _scores(q, k, score_scale, softcap, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
-    """``(qk, c)``: the raw (or softcapped) scores of ``q`` against the key tile and the factor that puts them in
-    log2 units. The scale is not applied to the whole tile first: it goes into the row max and into ``qk * c -
-    m`` of the exponent, one fused multiply-add per score instead of a multiply and a subtract (H200: +1-2 % on
-    every extend row; softmax arithmetic, not the MMAs, bounds a 128 x 128 tile at D 128)."""
+    """``(qk, c)``: raw (or softcapped) scores of ``q`` against the key tile and the factor to log2 units; the scale is
+    fused into the exponent's ``qk * c - m`` (one FMA per score)."""
     qk = _dot(q, tl.trans(k), UPCAST)
     c = score_scale * 1.4426950408889634
     if USE_SOFTCAP:
@@ -82,20 +77,10 @@ def _attend(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, hi, n_
             D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             BLOCK_N: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr, USE_WINDOW: tl.constexpr,
             USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr, TREE: tl.constexpr):
-    """Online softmax over key tiles ``[lo, hi)`` (step ``BLOCK_N``) of one phase's keys ``0 … n_keys-1``.
-
-    Key ``i`` of the phase sits at position ``pos0 + i``; its row is ``R2T[i]`` (``PAGED``, the cached prefix)
-    or ``i`` (this step's new tokens, ``Kb``/``Vb`` already at the request's first row). Without ``MASK`` every
-    key of every tile is visible to every row (the caller proved it), so no mask is built and the loads are
-    plain.
-
-    ``PAGED``: each tile's ``req_to_token`` rows are loaded one iteration ahead (loop-carried), so the K/V
-    gathers of a tile never wait on an index load issued in the same iteration: the software pipeline then
-    prefetches K/V as it does for contiguous keys (H200, 64 x 512 new on a 3584 prefix: 344 -> 386 TFLOP/s; the
-    same kernel on contiguous slots without any index load reaches 394, benchmarks/NOTES.md). Keys at or past
-    ``hi`` get row 0 (only the last range of a phase ends off a tile boundary, at ``n_keys``, where they are
-    masked out anyway).
-    """
+    """Online softmax over key tiles ``[lo, hi)`` (step ``BLOCK_N``) of one phase's keys ``0 … n_keys-1``. Key ``i``
+    sits at ``pos0 + i``, row ``R2T[i]`` (``PAGED`` prefix) or ``i`` (new tokens). Without ``MASK`` every key is visible
+    to every row (caller proved it). ``PAGED`` loads ``req_to_token`` rows one tile ahead so K/V gathers pipeline
+    (benchmarks/NOTES.md); keys at or past ``hi`` get row 0 and are masked."""
     nxt = (offs_n * 0).to(tl.int64)
     if PAGED:
         nxt = tl.load(R2T + lo + offs_n, mask=(lo + offs_n) < hi, other=0).to(tl.int64)
@@ -122,13 +107,8 @@ def _attend_cut(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, b,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_N: tl.constexpr, PAGED: tl.constexpr, USE_WINDOW: tl.constexpr,
                 USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr, TREE: tl.constexpr):
-    """:func:`_attend` over ``[lo, hi)`` in ONE loop: a tile outside ``[b, c)`` builds its mask behind a runtime
-    branch instead of running in a loop of its own. Loads are never masked: a key at or past ``hi`` (prefix) or
-    ``n_keys`` (new tokens) reads the range's last real row instead, so no padding slot or stale row enters the
-    ``P V`` dot even with probability 0 (a NaN there would poison it); the scores mask it out (every tile that
-    holds one lies at or past ``c``). Each loop of its own fills and drains the software pipeline once; with a
-    window's edge tiles that cost more than the branch (H200, 8 x 512 new on a 32256 prefix, window 4096: 881
-    -> 732 us, outputs bit-equal; benchmarks/NOTES.md)."""
+    """:func:`_attend` over ``[lo, hi)`` in one loop, tiles outside ``[b, c)`` masked behind a runtime branch. Loads are
+    never masked: keys past the end read the last real row (no NaN enters ``P V``) and the scores mask them."""
     nxt = (offs_n * 0).to(tl.int64)
     safe = nxt
     if PAGED:   # the range's last row, for keys past hi; the index loads stay contiguous (vectorised)
@@ -159,15 +139,9 @@ def _phase(acc, l_i, m_i, q, q_pos, Kb, Vb, R2T, stride_k, stride_v, lo, full_lo
            D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
            BLOCK_N: tl.constexpr, PAGED: tl.constexpr, USE_WINDOW: tl.constexpr,
            USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr, UPCAST: tl.constexpr, TREE: tl.constexpr):
-    """One phase's tiles ``[lo, end)`` (``lo`` a multiple of ``BLOCK_N``): masked ``[lo, b)``, unmasked ``[b, c)``
-    and masked ``[c, end)``, where ``[full_lo, full_hi)`` (both multiples of ``BLOCK_N``) holds the tiles whose
-    every key every row of the block sees. ``lo >= end`` (a window or chunk that starts past the prefix) leaves
-    all three empty; ``lo <= b <= c <= end`` otherwise.
-
-    With a window the three ranges run as one loop (:func:`_attend_cut`; the unmasked range stops at ``end``'s
-    last whole tile): 17 % faster on the H200. Without one, three loops (:func:`_attend`): one loop for both
-    phases was 1 % slower on 64 x 512 new on a 3584 prefix, and one loop for the new tokens only was 4 % slower
-    on 8 x 4096 new (benchmarks/NOTES.md)."""
+    """One phase's tiles ``[lo, end)``: masked ``[lo, b)``, unmasked ``[b, c)`` (within ``[full_lo, full_hi)``), masked
+    ``[c, end)``; ``lo >= end`` leaves all empty. With a window one loop (:func:`_attend_cut`), else three
+    (benchmarks/NOTES.md)."""
     if USE_WINDOW:
         whole = (end // BLOCK_N) * BLOCK_N
         b = tl.maximum(lo, tl.minimum(full_lo, whole))
@@ -216,18 +190,13 @@ def extend_kernel(
 ):
     """One block of query rows of one request: prefix phase, then causal phase.
 
-    Grid ``(H or Hkv, B, num_blocks)``; block ``mb`` is ``num_blocks - 1 - program_id(2)``, so the blocks with
-    the most keys (the last new tokens see the longest causal history) start first and the short ones fill the
-    tail. Rows: without ``PACK_GQA`` program ``(h, b, ·)`` owns new tokens ``mb * BLOCK_M …`` of q head ``h``;
-    with it, program ``(kvh, b, ·)`` owns ``BLOCK_M`` (token, head) rows of kv head ``kvh``'s ``G`` q heads,
-    packed token-major (row ``r`` = token ``r // G``, head ``kvh * G + r % G``, as FlashInfer packs
-    ``qo_len * group_size`` rows for GQA), so each K/V tile is read once per group instead of ``G`` times.
+    Grid ``(H or Hkv, B, num_blocks)``; block ``mb = num_blocks - 1 - program_id(2)`` (longest first). ``PACK_GQA``:
+    program ``(kvh, b, ·)`` owns ``BLOCK_M`` token-major (token, head) rows of kv head ``kvh``'s ``G`` q heads (row
+    ``r`` = token ``r // G``, head ``kvh * G + r % G``, as FlashInfer), else new tokens ``mb * BLOCK_M …`` of q head
+    ``h``.
 
-    ``USE_TREE`` (target verify, sglang's custom mask of its Triton extend kernel): request ``b``'s new tokens are a
-    tree; ``TreeMask[TreeIndptr[b] + i * n + j]`` (uint8) says token ``i`` sees token ``j`` (its ancestors and itself;
-    a parent precedes its children, so no row sees a later token); ``Positions`` [T] are the tokens' positions
-    (``prefix + depth``), for windows and chunks. The prefix is seen whole (within window and chunk); no new-token
-    tile is taken as fully visible.
+    ``USE_TREE`` (target verify, sglang's custom mask): ``TreeMask[TreeIndptr[b] + i * n + j]`` (uint8) says token ``i``
+    sees ``j``; ``Positions`` [T] (``prefix + depth``) for windows and chunks; the prefix is seen whole.
     """
     pid0 = tl.program_id(0)
     b = tl.program_id(1)
@@ -282,8 +251,8 @@ def extend_kernel(
         full_from = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
         full_from2 = tl.cdiv(tl.maximum(tok_end - window, 0), BLOCK_N) * BLOCK_N
 
-    # Phase 1: cached prefix, gathered through req_to_token; from the first key the block's first token sees (a tree
-    # token is at prefix + depth >= prefix, its depth not ordered by index: bound by the root's position).
+    # Phase 1: cached prefix via req_to_token, from the first key the block's first token sees (trees: the root's
+    # position).
     first_pos = prefix + tok_first
     if USE_TREE:
         first_pos = prefix
@@ -302,9 +271,8 @@ def extend_kernel(
                            offs_n, offs_d, offs_dv, trow, kpos, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, USE_WINDOW,
                            USE_SOFTCAP, USE_CHUNK, UPCAST, False)
 
-    # Phase 2: the new tokens themselves, causally, read from this step's k/v. Tiles wholly at or before
-    # the block's first token are seen by every row (causal); the diagonal tiles are masked. A tree: every tile from
-    # the first masked (a row's ancestors are anywhere before it).
+    # Phase 2: the new tokens, causally; tiles before the block's first token are fully visible, diagonal ones masked
+    # (trees: every tile from the first masked).
     lo2 = prefix * 0
     if USE_TREE:
         full_end2 = lo2

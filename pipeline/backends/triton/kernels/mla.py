@@ -1,7 +1,4 @@
-"""Absorbed-MLA attention over the paged latent cache (DeepSeek-V2/V3, Kimi-K2), in Triton.
-
-Details: docs/internals.md, ``pipeline.backends.triton.kernels.mla``.
-"""
+"""Absorbed-MLA attention over the paged latent cache (DeepSeek-V2/V3, Kimi-K2), in Triton (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -46,13 +43,8 @@ def _mla_bounds(seq_len, max_splits, SPLIT_MIN: tl.constexpr, BLOCK_N: tl.conste
 
 @triton.jit
 def _softmax_step(qk, vis, m_i, l_i, acc, LAZY: tl.constexpr):
-    """Online softmax of one tile of scaled log2-domain scores ``qk`` [M, N].
-
-    Returns (p [M, N] fp32, acc rescaled to the new running max, m, l). With ``LAZY`` the running max
-    is only raised when some row's tile max exceeds it by more than 8 (a factor 2^8), as FlashAttention-4
-    does: otherwise the [M, Dv] rescale of ``acc`` (128 multiplies per thread per tile at 64 x 512) is
-    skipped. Exact either way: out = acc / l with both taken against the same max, and p <= 2^8.
-    """
+    """Online softmax of one tile of scaled log2 scores ``qk`` [M, N]: (p [M, N] fp32, rescaled acc, m, l). ``LAZY``
+    raises the max only when a row exceeds it by > 8 (FlashAttention-4's trick; exact, p <= 2^8)."""
     qk = tl.where(vis, qk, float("-inf"))
     m_cand = tl.maximum(m_i, tl.max(qk, 1))
     if LAZY:
@@ -74,10 +66,8 @@ def _softmax_step(qk, vis, m_i, l_i, acc, LAZY: tl.constexpr):
 def _mla_tile(acc, m_i, l_i, q_lat, q_rope, KV, slot, n_mask, vis, stride_kt, qk_scale,
               DL: tl.constexpr, DR: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
               DETACH: tl.constexpr, LAZY: tl.constexpr, UPCAST: tl.constexpr):
-    """One key tile: load the latent + rope rows at ``slot`` [BLOCK_N] once, score, online softmax, P @ lat.
-
-    ``vis`` [M, BLOCK_N]: which (row, key) pairs count. Rows of ``acc`` [M, BLOCK_L] fp32.
-    """
+    """One key tile: load latent + rope rows at ``slot`` [BLOCK_N] once, score, online softmax, P @ lat; ``vis`` [M,
+    BLOCK_N] marks the counted pairs; ``acc`` [M, BLOCK_L] fp32."""
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     row = KV + slot[:, None] * stride_kt
@@ -87,12 +77,8 @@ def _mla_tile(acc, m_i, l_i, q_lat, q_rope, KV, slot, n_mask, vis, stride_kt, qk
     # gets Triton's chained-dot warp layout (see DETACH below).
     qk = _dot(q_lat, tl.trans(lat), UPCAST) * qk_scale + _dot(q_rope, tl.trans(rope), UPCAST) * qk_scale
     if DETACH:
-        # Same math in both branches (qk_scale > 0 always: the launcher checks it). Computing the softmax
-        # inside a region hides the P @ lat dot from the scores dot's forward slice, so Triton does not
-        # give the scores dot the "chained dot" warp layout [num_warps, 1] — which at 64 rows and 8 warps
-        # replicates the scores on both warp groups (twice the QK tensor work) — but splits the keys over
-        # the warp groups (checked in the sm90 TTGIR: warpsPerCTA [4, 2], and 230 instead of 255+spilled
-        # registers; benchmarks/NOTES.md).
+        # Same math in both branches: a region hides P @ lat from the scores dot, so Triton splits keys over warp groups
+        # instead of replicating scores (benchmarks/NOTES.md).
         if qk_scale > 0:
             p, acc, m_i, l_i = _softmax_step(qk, vis, m_i, l_i, acc, LAZY)
         else:
@@ -106,9 +92,8 @@ def _mla_tile(acc, m_i, l_i, q_lat, q_rope, KV, slot, n_mask, vis, stride_kt, qk
 @triton.jit
 def _prefetch_l2(KV, slot, valid, stride_kt, ROW_LINES: tl.constexpr, LINES_PAD: tl.constexpr,
                  LINE_ELEMS: tl.constexpr, ENABLED: tl.constexpr):
-    """Ask L2 for the cache rows ``slot`` [BLOCK_N] (where ``valid``): one ``prefetch.global.L2`` per 128-byte
-    line of each row (``ROW_LINES`` lines, padded to ``LINES_PAD``). Fire and forget: nothing waits on it.
-    Off under the interpreter (ENABLED false), where PTX cannot run."""
+    """Ask L2 for the cache rows ``slot`` [BLOCK_N] (where ``valid``), one ``prefetch.global.L2`` per 128-byte line;
+    fire and forget, off under the interpreter."""
     if ENABLED:
         lines = tl.arange(0, LINES_PAD)[None, :]
         want = (valid[:, None] & (lines < ROW_LINES)).to(tl.int32)
@@ -128,14 +113,8 @@ def mla_decode_split_kernel(
     DETACH: tl.constexpr, LAZY: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
     ROW_LINES: tl.constexpr, LINES_PAD: tl.constexpr, LINE_ELEMS: tl.constexpr,
 ):
-    """Stage 1: one (head block, key range, request): partial attention of BLOCK_H heads.
-
-    With ``PREFETCH`` each iteration loads the slots of the tile two ahead first and, after the tile's math,
-    asks L2 for those rows (``prefetch.global.L2``): Triton's pipeline copies tile i+1 into shared memory
-    only after issuing tile i's P @ lat, so that copy waits on HBM latency plus the tile's share of
-    bandwidth unless the rows are already in L2 (72 KB per 64-key tile; the H200 run's 415 us for h64n64w8s2
-    at B=64 ctx 4096 is ~11 k cycles per tile, benchmarks/NOTES.md). Results are identical with or without it.
-    """
+    """Stage 1: one (head block, key range, request): partial attention of BLOCK_H heads. ``PREFETCH`` asks L2 for the
+    rows of the tile two ahead (benchmarks/NOTES.md); results are identical either way."""
     hb = tl.program_id(0)
     s = tl.program_id(1)
     b = tl.program_id(2)
