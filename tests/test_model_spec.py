@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from pipeline.core.contracts import ModelSpec
 from pipeline.core.errors import EXIT_REFUSED, EXIT_USAGE, ConfigError, ModelConfigError, UsageError
 from pipeline.core.model_spec import (
-    DEFAULT_MODEL_CONFIG, LAYER_RULES, attention_prefix, format_layer_ids, layer_kinds, layers_covering_every_kind,
+    DEFAULT_MODEL_CONFIG, attention_prefix, format_layer_ids, layer_kinds, layers_covering_every_kind,
     load_model_spec,
 )
 
@@ -204,10 +204,12 @@ def test_mla_without_rope_scaling_has_plain_scale():
     assert load_model_spec(c).scaling == 192**-0.5
 
 
-def test_rule_table_cites_every_entry():
-    """Each implicit rule carries a citation of where it comes from."""
-    assert {"gemma2", "qwen2", "qwen3", "mistral", "gpt_oss", "deepseek_v2"} <= set(LAYER_RULES)
-    assert all(r.cite for r in LAYER_RULES.values())
+def test_own_rules_cite_every_entry():
+    """Each family rule kept beside transformers carries a citation of the code it mirrors."""
+    from pipeline.core.layer_rules import OWN_FAMILIES
+
+    assert {"baichuan", "internlm2", "mimo", "nemotron-nas"} <= set(OWN_FAMILIES)
+    assert all(r.cite for r in OWN_FAMILIES.values())
 
 
 def test_module_does_not_import_torch():
@@ -235,8 +237,6 @@ def _with(**changes) -> dict:
 
 BAD_DICTS = [
     # (id, config, json_path, flag name, flag value)
-    ("missing_heads", _with(num_attention_heads=...), "$.num_attention_heads", "num_attention_heads", None),
-    ("missing_hidden", _with(hidden_size=...), "$.hidden_size", "hidden_size", None),
     ("missing_model_type", _with(model_type=...), "$.model_type", "model_type", None),
     ("layers_as_string", _with(num_hidden_layers="32"), "$.num_hidden_layers", "num_hidden_layers", "32"),
     ("kv_heads_bool", _with(num_key_value_heads=True), "$.num_key_value_heads", "num_key_value_heads", True),
@@ -249,14 +249,8 @@ BAD_DICTS = [
     ("bad_dtype", _with(torch_dtype="int8"), "$.torch_dtype", "torch_dtype", "int8"),
     ("layer_types_short", _with(layer_types=["full_attention"] * 3), "$.layer_types", "layer_types",
      ["full_attention"] * 3),
-    ("layer_type_unknown", _with(layer_types=["full_attention"] * 3 + ["hyena"] + ["full_attention"] * 28),
-     "$.layer_types[3]", "layer_types[3]", "hyena"),
     ("layer_type_not_string", _with(layer_types=["full_attention"] * 31 + [1]), "$.layer_types[31]",
      "layer_types[31]", 1),
-    ("chunked_without_chunk_size", _with(layer_types=["chunked_attention"] * 32), "$.attention_chunk_size",
-     "attention_chunk_size", None),
-    ("block_type_unknown", _with(layers_block_type=["attention"] * 31 + ["hybrid"]), "$.layers_block_type[31]",
-     "layers_block_type[31]", "hybrid"),
     ("attn_offset_not_below_period", _with(model_type="jamba", attn_layer_period=4, attn_layer_offset=4),
      "$.attn_layer_offset", "attn_layer_offset", 4),
     ("full_attention_interval_zero", _with(model_type="qwen3_next", full_attention_interval=0),
@@ -269,13 +263,7 @@ BAD_DICTS = [
     ("chunk_size_zero", {"model_type": "llama4", "text_config": _with(model_type="llama4_text",
                                                                      attention_chunk_size=0)},
      "$.text_config.attention_chunk_size", "attention_chunk_size", 0),
-    ("sliding_without_window", _with(model_type="mistral", layer_types=["sliding_attention"] * 32),
-     "$.sliding_window", "sliding_window", None),
-    ("text_config_missing_heads", {"model_type": "llava", "text_config": _with(num_attention_heads=...)},
-     "$.text_config.num_attention_heads", "num_attention_heads", None),
     ("text_config_not_object", {"model_type": "llava", "text_config": [1]}, "$.text_config", "text_config", [1]),
-    ("mla_missing_rope_dim", {k: v for k, v in _cfg("deepseek-v2-lite.json").items() if k != "qk_rope_head_dim"},
-     "$.qk_rope_head_dim", "qk_rope_head_dim", None),
     ("nan_rope_theta", _with(rope_theta=float("nan")), "$.rope_theta", "rope_theta", None),
 ]
 
@@ -293,7 +281,8 @@ def test_bad_config_raises_typed_error(case):
         assert math.isnan(info.flags[0].value)
     else:
         assert info.flags[0].value == value
-    assert info.allowed and info.remedy and info.code == "model_config_invalid"
+    assert info.allowed and info.remedy
+    assert info.code == ("unknown_architecture" if path == "$.model_type" else "model_config_invalid")
 
 
 @pytest.mark.parametrize("text, line", [
@@ -371,22 +360,25 @@ def test_linear_attention_in_layer_types_of_any_model_type_is_read_not_refused()
     assert [(g.kind, len(g.layer_ids)) for g in s.not_attention()] == [("linear_attention", 24)]
 
 
-def test_qwen_style_hybrid_of_an_unknown_model_type_uses_the_interval():
-    """full_attention_interval plus linear_* keys without a rule: the Qwen3-Next layout, not all-full."""
-    c = _with(model_type="some_new_hybrid", full_attention_interval=4, linear_num_value_heads=32)
-    assert load_model_spec(c).layer_types == ["full" if (i + 1) % 4 == 0 else "linear_attention" for i in range(32)]
+def test_class_defaults_and_refused_layer_types():
+    """What a file leaves out is transformers' class default (LlamaConfig's 32 heads, DeepseekV2Config's
+    qk_rope_head_dim 64), as the model's own code reads it; a layer type attn-setup does not compute is refused
+    naming it (``unsupported_attention_feature``); chunked layers without a chunk size are causal (full)."""
+    from transformers.models.deepseek_v2.configuration_deepseek_v2 import DeepseekV2Config
+    from transformers.models.llama.configuration_llama import LlamaConfig
 
-
-def test_jamba_period_offset_and_explicit_block_types():
-    """Jamba: attention iff i % attn_layer_period == attn_layer_offset (HF defaults 8, 4), else mamba;
-    an explicit layers_block_type wins; an unknown model_type with the two keys reads the same way."""
-    jamba = _with(model_type="jamba")
-    assert [i for i, t in enumerate(load_model_spec(jamba).layer_types) if t == "full"] == [4, 12, 20, 28]
-    odd = load_model_spec(_with(model_type="other", attn_layer_period=2, attn_layer_offset=1))
-    assert odd.layer_types == ["mamba", "full"] * 16
-    listed = load_model_spec(_with(model_type="jamba", layers_block_type=["attention", "mamba"] * 16))
-    assert listed.layer_types == ["full", "mamba"] * 16
-    assert [(g.kind, g.layer_ids) for g in listed.not_attention()] == [("mamba", list(range(1, 32, 2)))]
+    assert load_model_spec(_with(num_attention_heads=...)).num_attention_heads == LlamaConfig().num_attention_heads
+    mla = {k: v for k, v in _cfg("deepseek-v2-lite.json").items() if k != "qk_rope_head_dim"}
+    assert load_model_spec(mla).mla.qk_rope_head_dim == DeepseekV2Config().qk_rope_head_dim
+    for key, names in (("layer_types", ["full_attention"] * 31 + ["indexed_attention"]),
+                       ("layers_block_type", ["attention"] * 31 + ["hybrid"])):
+        with pytest.raises(ModelConfigError) as e:
+            load_model_spec(_with(model_type="jamba" if key == "layers_block_type" else "llama", **{key: names}))
+        assert e.value.info.code in ("unsupported_attention_feature", "model_config_malformed"), e.value.info
+    for mt in ("some_new_hybrid", "other"):
+        with pytest.raises(ModelConfigError) as e:
+            load_model_spec(_with(model_type=mt, full_attention_interval=4, attn_layer_period=2))
+        assert e.value.info.code == "unknown_architecture"
 
 
 def test_minimax_attn_type_list():
@@ -447,17 +439,23 @@ def test_format_layer_ids_is_exact():
 
 
 _TYPE_NAMES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
-               "attention": "full", "linear_attention": "linear_attention", "mamba": "mamba"}
+               "attention": "full", "linear_attention": "linear_attention",
+               "mamba": "linear_attention"}  # transformers 5 spells mamba layers linear_attention
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.sampled_from(sorted(_TYPE_NAMES)), min_size=1, max_size=40), st.sampled_from(["llama", "x"]))
+@given(st.lists(st.sampled_from(sorted(_TYPE_NAMES)), min_size=1, max_size=40), st.sampled_from(["llama", "mistral"]))
 def test_any_layer_type_list_reads_to_a_partition(names, model_type):
     """Any per-layer list: each name maps to its type; attention kinds and not-attention groups partition the
     layers in first-layer order; windows / chunks sit only on their kinds."""
     c = _with(model_type=model_type, num_hidden_layers=len(names), layer_types=names, sliding_window=5,
               attention_chunk_size=6)
-    s = load_model_spec(c)
+    try:
+        s = load_model_spec(c)
+    except ModelConfigError as e:  # transformers' own class refuses a layer type its model does not build
+        assert e.value.info.code == "model_config_malformed" if hasattr(e, "value") else e.info.code == \
+            "model_config_malformed"
+        return
     assert s.layer_types == [_TYPE_NAMES[n] for n in names]
     kinds, others = s.layer_kinds(), s.not_attention()
     ids = sorted([i for k in kinds for i in k.layer_ids] + [i for g in others for i in g.layer_ids])
@@ -506,27 +504,111 @@ def test_computed_head_dim_names_the_keys_it_came_from(hidden, heads, nested):
     fixed = copy.deepcopy(cfg)  # the remedy: add the model's head_dim
     head_dim = min(1024, 2 * max(1, q // 2))
     (fixed["text_config"] if nested else fixed)["head_dim"] = head_dim
-    assert load_model_spec(fixed).head_dim == head_dim
+    if r == 0:  # transformers' classes refuse a hidden_size that is no multiple of the heads whatever head_dim says
+        assert load_model_spec(fixed).head_dim == head_dim
 
 
-def test_a_default_layer_rule_is_said_with_how_to_override_it():
-    """A model_type without a layer rule and no layer list in its config gets a note naming the rule that read its
-    layers and the key that overrides it (model_type "foobar" was taken as all-full silently); a known
-    model_type or an explicit list gets none; following the note (layer_types) reads exactly those types."""
-    from pipeline.core.model_spec import layer_rule_note
+def test_an_unknown_model_type_is_refused_naming_its_attention_fields():
+    """A model_type neither transformers nor our rules know is refused (``unknown_architecture``, exit 3) naming the
+    model_type and the attention-relevant fields present; it was read as all-full ("foobar") with a warning."""
+    base = {**_cfg("llama-3.1-8b.json"), "model_type": "foobar", "num_hidden_layers": 4, "sliding_window": 128}
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec(base)
+    info = e.value.info
+    assert info.code == "unknown_architecture" and e.value.exit_code == 3
+    assert ("model_type", "foobar") in [(f.name, f.value) for f in info.flags]
+    assert "sliding_window" in info.message and "config.json" not in info.remedy
+    with pytest.raises(ModelConfigError, match="foobar"):
+        load_model_spec({"model_type": "llava", "text_config": {**base, "model_type": "foobar"}})
+    assert load_model_spec({**base, "model_type": "mistral"}).layer_types == ["sliding"] * 4
 
-    for path in CONFIGS.glob("*.json"):
-        assert layer_rule_note(path) is None, path
-    base = {**_cfg("llama-3.1-8b.json"), "model_type": "foobar", "num_hidden_layers": 4}
-    note = layer_rule_note(base)
-    assert "model_type \"foobar\"" in note and "every layer is full attention" in note and "layer_types" in note
-    assert load_model_spec(base).layer_types == ["full"] * 4
-    assert "every layer slides" in layer_rule_note({**base, "sliding_window": 128})
-    hybrid = {**base, "full_attention_interval": 2, "linear_num_value_heads": 8}
-    assert "Qwen3-Next layout" in layer_rule_note(hybrid)
-    listed = {**base, "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 64}
-    assert layer_rule_note(listed) is None
-    assert load_model_spec(listed).layer_types == ["sliding", "full"] * 2
-    nested = {"model_type": "llava", "text_config": base}
-    assert "foobar" in layer_rule_note(nested)
-    assert layer_rule_note({**base, "model_type": "llama"}) is None
+
+@pytest.mark.parametrize("version", ["4.57.6", "6.0.0", None])
+def test_transformers_outside_the_supported_range_is_refused(monkeypatch, version):
+    """The configuration classes of a transformers outside TRANSFORMERS_SPEC (or none) are not read: the model is
+    refused ``package_version_unsupported`` (exit 3) with the pip command that installs a supported one."""
+    from packaging.specifiers import SpecifierSet
+
+    from pipeline.core import hf_config
+
+    assert "5.19.0" in SpecifierSet(hf_config.TRANSFORMERS_SPEC)
+    monkeypatch.setattr(hf_config, "transformers_version", lambda: version)
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec(_cfg("llama-3.1-8b.json"))
+    info = e.value.info
+    assert info.code == "package_version_unsupported" and e.value.exit_code == EXIT_REFUSED
+    assert info.flags[0].value == version and f"transformers{hf_config.TRANSFORMERS_SPEC}" in info.remedy
+
+
+def test_plan_reads_the_model_without_importing_torch():
+    """Reading a published config through transformers' class imports neither torch nor transformers' model
+    registry (only configuration_auto and the family's configuration module)."""
+    code = ("import sys; from pipeline.core.model_spec import load_model_spec; "
+            f"s = load_model_spec({str(CONFIGS / 'gemma-3-12b-it.json')!r}); "
+            "assert s.layer_types.count('full') == 8, s.layer_types; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert 'transformers.models.llama.modeling_llama' not in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_heterogeneous_layers_shard_per_kind(tp):
+    """A rank's view of Gemma-4 (sliding 32 heads / 16 kv of 256, full 32 / 4 kv of 512, K = V) splits each kind's
+    heads and kv heads by tp (kv heads replicated below tp), dims, scale and K = V kept."""
+    from pipeline.core.shard import plan_layout, shard_spec
+
+    whole = load_model_spec(ROOT / "tests" / "data" / "model_configs" / "google-gemma-4-31b-it.json")
+    view = shard_spec(whole, plan_layout(whole, tp_size=tp, pp_size=1, rank=tp - 1))
+    for w, v in zip(whole.layer_kinds(), view.layer_kinds()):
+        assert (v.num_heads, v.num_kv_heads) == (w.num_heads // tp, max(1, w.num_kv_heads // tp))
+        assert (v.head_dim_qk, v.scaling, v.k_eq_v, v.layer_ids) == (w.head_dim_qk, w.scaling, w.k_eq_v, w.layer_ids)
+
+
+def test_a_cached_reading_reads_the_same(tmp_path, monkeypatch):
+    """transformers' reading of a file is cached by content and transformers version: a second read (no transformers
+    import) gives the same spec; a corrupt cache entry is read afresh; ATTN_SETUP_CACHE_DIR=off caches nothing."""
+    from pipeline.core import hf_config
+
+    monkeypatch.setenv("ATTN_SETUP_CACHE_DIR", str(tmp_path))
+    path = ROOT / "tests" / "data" / "model_configs" / "google-gemma-4-31b-it.json"
+    first = load_model_spec(path)
+    files = list((tmp_path / "hf-readings").glob("*.json"))
+    assert len(files) == 1
+    calls = []
+    monkeypatch.setattr(hf_config, "text_config", lambda *a: calls.append(a))
+    assert load_model_spec(path) == first and calls == []
+    files[0].write_text("{not json")
+    monkeypatch.undo()
+    monkeypatch.setenv("ATTN_SETUP_CACHE_DIR", str(tmp_path))
+    assert load_model_spec(path) == first
+    monkeypatch.setenv("ATTN_SETUP_CACHE_DIR", "off")
+    assert hf_config._cache_path({"model_type": "llama"}, "llama") is None
+
+
+def test_families_the_issue_named_read_as_their_code_says():
+    """NAS block_configs (no-op / linear blocks, kv heads = heads / n_heads_in_group per block), Baichuan (7B RoPE
+    served, 13B ALiBi refused by name), Cohere2 (every 4th layer full: transformers' Cohere2Config), MiMo-V2-Flash
+    (qk 192 / v 128; sliding layers with twice the kv heads and sinks, MiMoV2FlashAttention)."""
+    base = {k: v for k, v in _cfg("llama-3.1-8b.json").items() if k != "num_key_value_heads"}
+    rope = copy.deepcopy(base["rope_scaling"])
+    blocks = [{"attention": {"n_heads_in_group": 8}}, {"attention": {"no_op": True}},
+              {"attention": {"n_heads_in_group": 4}}, {"attention": {"replace_with_linear": True}}]
+    nas = load_model_spec({**base, "model_type": "nemotron-nas", "num_hidden_layers": 4, "block_configs": blocks})
+    assert [(k.num_kv_heads, k.layer_ids) for k in nas.layer_kinds()] == [(32 // 8, [0]), (32 // 4, [2])]
+    assert [(g.kind, g.layer_ids) for g in nas.not_attention()] == [("no_op", [1]), ("linear", [3])]
+    assert load_model_spec({**base, "model_type": "baichuan"}).layer_types == ["full"] * 32
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec({**base, "model_type": "baichuan", "hidden_size": 5120, "num_attention_heads": 40})
+    assert e.value.info.code == "unsupported_attention_feature" and "ALiBi" in e.value.info.message
+    cohere = load_model_spec({**base, "model_type": "cohere2", "num_hidden_layers": 8, "sliding_window": 4096,
+                              "sliding_window_pattern": 4})
+    assert [i for i, t in enumerate(cohere.layer_types) if t == "full"] == [3, 7]
+    assert base["rope_scaling"] == rope  # transformers' classes standardize a copy, never the caller's dict
+    base.pop("rope_scaling")  # MiMoV2FlashConfig takes rope_theta inside a llama3 rope block only
+    mimo = load_model_spec({**base, "model_type": "mimo_v2_flash", "num_hidden_layers": 4, "head_dim": 192,
+                            "v_head_dim": 128, "num_key_value_heads": 4, "sliding_window": 128,
+                            "layer_types": ["full_attention", "sliding_attention"] * 2})
+    kinds = {k.kind: k for k in mimo.layer_kinds()}
+    assert (kinds["full"].head_dim_qk, kinds["full"].head_dim_v, kinds["full"].num_kv_heads) == (192, 128, 4)
+    assert (kinds["sliding"].num_kv_heads, kinds["sliding"].has_sinks, kinds["full"].has_sinks) == (8, True, False)

@@ -82,8 +82,8 @@ def test_readme_gives_the_cpu_install_command_with_ci_s_torch_pin():
 
 
 def test_config_readme_points_at_modules_that_exist():
-    """examples/configs/README.md named ``pipeline.model_spec.load_model_spec`` and ``LAYER_RULES`` in
-    ``pipeline/model_spec.py`` (both moved to ``pipeline/core/``): every module path it names exists."""
+    """examples/configs/README.md names modules and rule tables that exist (it named ``LAYER_RULES`` in
+    ``pipeline/model_spec.py`` after both had moved): every module path it names exists."""
     from conftest import ROOT
 
     text = (ROOT / "examples" / "configs" / "README.md").read_text()
@@ -93,8 +93,9 @@ def test_config_readme_points_at_modules_that_exist():
         module, _, attr = dotted.rpartition(".")
         assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), dotted
         assert f"def {attr}" in (ROOT / (module.replace(".", "/") + ".py")).read_text(), dotted
-    assert "`LAYER_RULES` in `pipeline/core/layer_rules.py`" in text
-    assert "LAYER_RULES: dict" in (ROOT / "pipeline" / "core" / "layer_rules.py").read_text()
+    assert "`OWN_FAMILIES` and `modeling_overrides` in `pipeline/core/layer_rules.py`" in text
+    rules = (ROOT / "pipeline" / "core" / "layer_rules.py").read_text()
+    assert "OWN_FAMILIES: dict" in rules and "def modeling_overrides" in rules
     assert "--dtype auto` gives float16" in text  # gpt-oss: no torch_dtype
 
 

@@ -98,32 +98,13 @@ def warnings_from(records: Iterable[ev.Event]) -> list[dict[str, Any]]:
     return [msgspec.to_builtins(w) for w in out]
 
 
-def layer_rule_warnings(request: Any) -> list[dict[str, Any]]:
-    """``layer_rule_default`` warnings (:class:`~pipeline.core.contracts.SetupWarning`) for the model and the draft
-    model whose layers a default rule read (:func:`pipeline.core.model_spec.layer_rule_note`: a ``model_type`` without
-    a layer rule and no layer list in the config), each naming the rule applied and how to override it."""
-    from pipeline.core.model_spec import layer_rule_note
-
-    out = []
-    for what, spec in (("model", request.model), ("draft_model", request.draft_model)):
-        if spec is None or not spec.source or spec.source == "dict":
-            continue
-        try:
-            note = layer_rule_note(spec.source)
-        except Exception:  # noqa: BLE001 - the config was read once already; a note is never an error
-            note = None
-        if note:
-            out.append(msgspec.to_builtins(SetupWarning(code="layer_rule_default", what=what, message=note)))
-    return out
-
-
 def warning_line(warnings: list[dict[str, Any]]) -> Optional[str]:
     """The one warning line run/plan print for their warnings (None without any): what fell back or was
     downgraded and why — each warning's message, as ``--json``'s ``warnings`` give it, in the command line's
     words —, the flags that accept or avoid it, and that ``--strict`` refuses it. The rejected candidates'
     own reasons are in the ``rejected`` lines."""
-    # layer_rule_default: each its own line (render_tables); slow_phase: one line under the startup summary
-    warnings = [w for w in warnings if w["code"] not in ("layer_rule_default", "slow_phase")]
+    # slow_phase: one line under the startup summary
+    warnings = [w for w in warnings if w["code"] != "slow_phase"]
     if not warnings:
         return None
 
@@ -225,9 +206,6 @@ def render_tables(report: dict[str, Any], rejected: Optional[dict[str, Any]] = N
     line = warning_line(report.get("warnings") or [])
     if line:
         print_line(c, line, style="bold yellow")
-    for w in report.get("warnings") or []:
-        if w["code"] == "layer_rule_default":
-            print_line(c, f"warning: {w['what']}: {w['message']}", style="bold yellow")
     if report.get("verified"):
         print_table(c, "verification vs float64 reference (max|out-ref|/max|ref|)",
                     ["role", "backend", "max rel err", "tol", "passed"],

@@ -203,8 +203,7 @@ def plan_report(request: SetupRequest, device: DeviceFacts, installed: Mapping[s
             "package_versions": {p: v if isinstance(v, str) else None for p, v in installed.items()},
             "resolved": rp.resolved_obj(res), "plan": rp.plan_obj(plan), "rejected": rejected_obj(res),
             "skips": skips_of(decided),
-            "warnings": warnings_obj(warnings_for(res, list(res.skips) + list(plan.skips), device))
-            + rp.layer_rule_warnings(request),
+            "warnings": warnings_obj(warnings_for(res, list(res.skips) + list(plan.skips), device)),
             "cuda_graphs": cuda_graphs_obj(request, decided["build-mode"].graphs, device, res.speculative),
             "npu_lazy_mem": lazy_mem_obj(decided["npu-lazy-mem"]), "shard": shard_fields(request),
             **graph_estimate_obj(request, decided, num_layers, budget)}

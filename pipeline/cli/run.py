@@ -887,7 +887,7 @@ def cmd(ns: argparse.Namespace) -> int:
         finally:
             error, code, summary = _close_run(ns, log, runner, group, progress, error, code, t_start)
         report = _report(log, run_id, code, checked, log_file, error)
-        report["warnings"] += rp.layer_rule_warnings(request) + slow_warnings(log.records)
+        report["warnings"] += slow_warnings(log.records)
         report["summary"] = summary_obj(summary)
         _print(ns, report, log.records, request, error, code, notices=notices)
         code = settle(code)  # a report lost to a write error (not a closed pipe) fails an ok run: exit 2

@@ -149,9 +149,7 @@ class SetupWarning(msgspec.Struct, **_STRUCT):
     """One thing a start did that a user should know: the ``warnings`` list of ``run``/``plan --json``.
 
     ``code``: ``reference_fallback`` (auto-selection landed on ``torch_native`` on an accelerator)
-    or ``feature_downgraded`` (a :class:`Skip` with ``downgrade=True``) or ``layer_rule_default`` (a config's layers
-    read by a default rule: its ``model_type`` has no layer rule and it lists no layer types; ``what`` is ``model`` or
-    ``draft_model``) or ``slow_phase`` (``run``: a startup phase above ``--slow-phase-s``; ``what`` is the phase,
+    or ``feature_downgraded`` (a :class:`Skip` with ``downgrade=True``) or ``slow_phase`` (``run``: a startup phase above ``--slow-phase-s``; ``what`` is the phase,
     ``parent/name`` for a child such as ``startup/import torch``). ``what``: the halves that fell back (``prefill``/``decode``/``prefill+decode``) or the feature
     lost (``cuda_graph`` …).
     ``message``: one short sentence. ``avoid``: field assignments that accept or avoid it (what
@@ -159,7 +157,7 @@ class SetupWarning(msgspec.Struct, **_STRUCT):
     its reasons.
     """
 
-    code: Literal["reference_fallback", "feature_downgraded", "layer_rule_default", "slow_phase"]
+    code: Literal["reference_fallback", "feature_downgraded", "slow_phase"]
     what: str
     message: str
     avoid: dict[str, Any] = {}

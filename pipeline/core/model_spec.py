@@ -1,24 +1,21 @@
 """Read a Hugging Face ``config.json`` into a :class:`~pipeline.core.contracts.ModelSpec`.
 
-Fields are read as published (``num_key_value_heads`` defaults to the head count, ``head_dim``
-to ``hidden_size // num_attention_heads``); a multimodal config that wraps its language model in
-``text_config`` is read from there. What a config leaves implicit (which layers use a sliding
-window, which are chunked local attention, which are not attention at all, whether attention sinks
-exist, and the HF class defaults a sparse config leaves out) is decided by the per-``model_type``
-table :data:`~pipeline.core.layer_rules.LAYER_RULES`, the only place such rules live. An explicit per-layer list
-(``layer_types``, else ``layers_block_type``, else MiniMax's ``attn_type_list``) always wins over
-the table. Unknown extra keys are ignored: HF configs carry many.
+Structure comes from transformers' own configuration class for the ``model_type`` (:mod:`pipeline.core.hf_config`:
+per-layer ``layer_types`` / ``layers_block_type``, per-layer configs, class defaults such as Gemma-2's head_dim 256);
+the published values are validated here with their JSON paths. Families transformers lacks and what a family's
+modeling code sets beyond its configuration are the cited rules of :mod:`pipeline.core.layer_rules`. Nothing is
+guessed: an unknown ``model_type`` is ``unknown_architecture``, attention we do not compute (sparse / indexed layers,
+ALiBi, cross-attention, a window no class says where to apply) is ``unsupported_attention_feature``, both exit 3.
 
-Layers that are not softmax attention over a KV cache — Qwen3-Next's linear-attention (Gated
-DeltaNet) layers, Jamba's mamba layers — are read as ``"linear_attention"`` / ``"mamba"`` in
-``ModelSpec.layer_types``; they form no :class:`LayerKind` (no backend computes them, no KV cache
-is sized for them) and are listed by ``ModelSpec.not_attention()``.
+Layers that are not softmax attention over a KV cache (linear attention, mamba, MoE- or MLP-only blocks, NAS no-op
+blocks) are kept in ``ModelSpec.layer_types`` with their ids, form no :class:`LayerKind` and get no KV cache.
+Attention layers that differ in heads, dims, scale, sinks or K = V get their own ``ModelSpec.layer_shapes`` entries
+and so their own kind.
 
 Bad input raises :class:`pipeline.core.errors.ModelConfigError` (exit code 3) with the JSON path of the
 offending key; an unreadable file, one that is not a regular file (a FIFO, ``/dev/zero``) or one
 over :data:`MAX_CONFIG_BYTES` raises :class:`pipeline.core.errors.UsageError` (exit code 2) before
-reading more than that.
-Nothing here imports torch.
+reading more than that. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -27,17 +24,22 @@ import math
 import os
 import pathlib
 from collections import ChainMap
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
+
+import msgspec
 
 from pipeline.core.config_reader import (  # noqa: F401 (MAX_CONFIG_BYTES … re-exported: this module held them)
     DEFAULT_UPPER, MAX_CONFIG_BYTES, MAX_INT_DIGITS, MSCALE_RANGE, PRE_ATTN_SCALAR_RANGE, ROPE_THETA_RANGE,
     SOFTCAP_RANGE, UPPER, YARN_FACTOR_RANGE, _Cfg, _choice, _in_range, _read_json, _show,
 )
+from pipeline.core import hf_config
 from pipeline.core.errors import ModelConfigError, UsageError
-from pipeline.core.layer_rules import DEFAULT_RULE, LAYER_RULES, LayerRule, _layer_types  # noqa: F401
+from pipeline.core.layer_rules import (
+    LAYER_TYPE_NAMES, OWN_FAMILIES, SLIDES_EVERY_LAYER, SPARSE_LAYER_TYPES, modeling_overrides, nas_kv_heads,
+)
 from pipeline.core.spec import (  # noqa: F401 (layer_kinds … re-exported: this module held them)
-    ATTENTION_LAYER_TYPES, CONFIG_REMEDY, MLADims, ModelSpec, attention_layer_ids, attention_prefix, format_layer_ids,
-    layer_kinds, layers_covering_every_kind,
+    ATTENTION_LAYER_TYPES, CONFIG_REMEDY, LayerShape, MLADims, ModelSpec, attention_layer_ids, attention_prefix,
+    format_layer_ids, layer_kinds, layers_covering_every_kind,
 )
 from pipeline.core.validation import is_text
 
@@ -46,31 +48,6 @@ DEFAULT_MODEL_CONFIG = BUNDLED_CONFIG_DIR / "llama-3.1-8b.json"
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
            "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
-
-
-def layer_rule_note(src: str | os.PathLike | Mapping[str, Any]) -> str | None:
-    """Which rule read the layers of a config whose ``model_type`` has no :data:`LAYER_RULES` entry and that lists
-    no layer types itself (``layer_types`` / ``layers_block_type`` / ``attn_type_list``) — one sentence naming the
-    rule applied and how to override it — else None (a known model type, or an explicit list: nothing was
-    guessed). ``src`` is a config :func:`load_model_spec` has read (this reads it again, as it did)."""
-    data = _read_json(pathlib.Path(src)) if isinstance(src, (str, os.PathLike)) else src
-    top = _Cfg(data, "$")
-    c = _text_cfg(top)
-    model_type = c.get("model_type") or top.get("model_type")
-    if model_type in LAYER_RULES or any(c.get(k) is not None
-                                        for k in ("layer_types", "layers_block_type", "attn_type_list")):
-        return None
-    if c.get("full_attention_interval") is not None and any(k.startswith("linear_") for k in c.data):
-        rule = "the Qwen3-Next layout (full attention every full_attention_interval-th layer, linear attention between)"
-    elif c.get("attn_layer_period") is not None and c.get("attn_layer_offset") is not None:
-        rule = "the Jamba layout (attention where i % attn_layer_period == attn_layer_offset, mamba elsewhere)"
-    elif c.get("sliding_window") is not None:
-        rule = f"the default rule ({DEFAULT_RULE.cite}): every layer slides over sliding_window"
-    else:
-        rule = f"the default rule ({DEFAULT_RULE.cite}): every layer is full attention"
-    return (f"model_type {_show(model_type)} has no layer rule in attn-setup (LAYER_RULES), so its layers were read "
-            f"by {rule}; if that is wrong, list every layer in config.json's layer_types (full_attention, "
-            "sliding_attention, chunked_attention, linear_attention or mamba, one per layer)")
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -186,11 +163,15 @@ def _computed_head_dim(c: _Cfg, hidden: int, heads: int) -> ModelConfigError:
                "model's published config on the Hub)")
 
 
-def _head_dims(c: _Cfg, hidden: int, heads: int, mla: MLADims | None) -> tuple[int, int]:
-    """(qk head dim, v head dim) of the un-absorbed model."""
+def _head_dims(c: _Cfg, hidden: int, heads: int, mla: MLADims | None, allow_v: bool = False) -> tuple[int, int]:
+    """(qk head dim, v head dim) of the un-absorbed model; a v dim of its own outside MLA only where transformers'
+    class has one (``allow_v``: MiMo-V2-Flash's 192 / 128)."""
     if mla is not None:
         return mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
-    head_dim = c.integer("head_dim")
+    raw = c.data.maps[0] if isinstance(c.data, ChainMap) else c.data
+    derived = raw.get("head_dim") is None and c.get("head_dim") == hidden // heads
+    # transformers derived it as hidden_size // num_attention_heads: checked as computed here
+    head_dim = None if derived else c.integer("head_dim")
     if head_dim is None:  # computed as HF's LlamaConfig does: hidden_size // num_attention_heads
         if hidden % heads or (hidden // heads) % 2 or hidden // heads > UPPER["head_dim"]:
             raise _computed_head_dim(c, hidden, heads)
@@ -198,7 +179,7 @@ def _head_dims(c: _Cfg, hidden: int, heads: int, mla: MLADims | None) -> tuple[i
     if head_dim % 2:
         raise c.bad("head_dim", head_dim, "an even integer", "must be even (rotary embeddings rotate pairs of dims)")
     v_dim = c.integer("v_head_dim", head_dim)
-    if v_dim != head_dim:  # only MLA has its own v dim (HF configs of other decoders have one head_dim)
+    if v_dim != head_dim and not allow_v:  # only MLA has its own v dim (HF configs of other decoders have one head_dim)
         raise c.bad("v_head_dim", v_dim, f"{head_dim} (= head_dim) unless the model is MLA (kv_lora_rank set)",
                     f"must equal head_dim={head_dim} on a model without MLA: one head dim serves q, k and v "
                     "(the attention stack, the KV pool and every backend's non-MLA path)")
@@ -234,11 +215,18 @@ def _scaling(c: _Cfg, head_dim: int, mla: MLADims | None) -> float:
 
 
 def _rope_theta(c: _Cfg) -> float:
-    """``rope_theta`` (top level, else in the RoPE block; default 10000) in ``ROPE_THETA_RANGE``, low end
-    exclusive (config_reader says why), else ModelConfigError at its JSON path."""
-    theta, at, rope = c.num("rope_theta"), c, _rope_block(c)
-    if theta is None and rope is not None:
-        theta, at = rope[1].num("rope_theta"), rope[1]
+    """``rope_theta`` (top level, else in a RoPE block — transformers 5's ``rope_parameters``, per layer type the full
+    layers' —; default 10000) in ``ROPE_THETA_RANGE``, low end exclusive (config_reader says why), else
+    ModelConfigError at its JSON path."""
+    theta, at = c.num("rope_theta"), c
+    for key in ("rope_scaling", "rope_parameters"):
+        block = c.get(key)
+        if theta is not None or not isinstance(block, Mapping):
+            continue
+        at = _Cfg(block, c.at(key))
+        if isinstance(block.get("full_attention"), Mapping):
+            at = _Cfg(block["full_attention"], at.at("full_attention"))
+        theta = at.num("rope_theta")
     lo, hi = ROPE_THETA_RANGE
     if theta is not None and not lo < theta <= hi:
         raise at.bad("rope_theta", theta, f"a number in ({lo:g}, {hi:g}]", f"must be in ({lo:g}, {hi:g}] (RoPE's "
@@ -258,31 +246,244 @@ def _dtype(c: _Cfg, top: _Cfg) -> tuple[str, bool]:
     return "float32", True
 
 
-def _build(top: _Cfg, source: str) -> ModelSpec:
+# Substrings of config keys that can bear on attention: an unknown family's error names the ones present.
+_ATTENTION_HINTS = ("window", "pattern", "layer_types", "block_type", "per_layer", "sparse", "index", "alibi",
+                    "linear", "mamba", "ssm", "heads", "head_dim", "kv_lora", "attn", "attention", "chunk", "sink",
+                    "softcap", "block_configs", "cross")
+_FEATURE_REMEDY = ("none in attn-setup yet: the file is valid as published, but no attn-setup backend computes this "
+                   "attention (docs/models.md lists what is served)")
+
+
+def _feature(c: _Cfg, field: str, value: Any, ids: list[int], why: str) -> ModelConfigError:
+    """``unsupported_attention_feature``: ``field`` changes what layers ``ids`` compute and nothing here honours it."""
+    return ModelConfigError(
+        f"{c.at(field)}={_show(value)} changes attention on layers {format_layer_ids(ids)}: {why}; attn-setup does "
+        "not compute it, and serving the model as if it were absent would be wrong", code="unsupported_attention_feature",
+        json_path=c.at(field), flags=[(field, value), ("layer_ids", format_layer_ids(ids))],
+        allowed=["a model whose attention attn-setup computes"], remedy=_FEATURE_REMEDY)
+
+
+def _unknown(c: _Cfg, model_type: str) -> ModelConfigError:
+    present = [k for k, v in c.data.items()
+               if v is not None and not k.startswith("_") and not k.endswith(("_bias", "_dropout"))
+               and any(h in k for h in _ATTENTION_HINTS)]
+    ver = hf_config.transformers_version()
+    return ModelConfigError(
+        f"model_type {_show(model_type)} is known neither to transformers {ver} nor to attn-setup's own rules, so "
+        "which layers attend and how cannot be read without guessing; attention-relevant fields present: "
+        f"{', '.join(present) or 'none'}", code="unknown_architecture", json_path=c.at("model_type"),
+        flags=[("model_type", model_type)] + [(k, c.get(k)) for k in present[:12]],
+        allowed=sorted(OWN_FAMILIES) + ["a model_type transformers' CONFIG_MAPPING_NAMES holds"],
+        remedy="none for this file: attn-setup does not read this family yet (docs/models.md says how one is added)")
+
+
+def _hf_types(c: _Cfg, hf: hf_config.Reading, hfd: Mapping[str, Any], model_type: str, n: int) -> list[str]:
+    """Per-layer types from transformers' config: ``layer_types``, else ``layers_block_type`` (a property on some
+    classes), else every layer full, or sliding for :data:`SLIDES_EVERY_LAYER` when ``sliding_window`` is set."""
+    raw = c.data.maps[0] if isinstance(c.data, ChainMap) else c.data
+    if raw.get("attn_type_list") is not None and raw.get("layer_types") is None:
+        flags = raw["attn_type_list"]  # MiniMax: 1 softmax, 0 lightning (linear) attention; MiniMaxConfig ignores it
+        if not isinstance(flags, list) or len(flags) != n or any(isinstance(f, bool) or f not in (0, 1) for f in flags):
+            raise c.bad("attn_type_list", flags, f"a list of {n} entries, each 0 or 1",
+                        "must give each layer 1 (softmax attention) or 0 (linear attention)")
+        return ["full" if f else "linear_attention" for f in flags]
+    key, listed = hf.layers_key, hf.layers
+    if listed is None:
+        if hfd.get("cross_attention_layers"):
+            ids = list(hfd["cross_attention_layers"])
+            raise _feature(c, "cross_attention_layers", ids, ids, "cross-attention to the vision encoder's states")
+        window = hfd.get("sliding_window")
+        if window:
+            if model_type in SLIDES_EVERY_LAYER:
+                return ["sliding"] * n
+            raise _feature(c, "sliding_window", window, list(range(n)),
+                           f"transformers' {hf.cls} lists no layer_types, so its configuration does not "
+                           "say which layers slide")
+        return ["full"] * n
+    if not isinstance(listed, list) or len(listed) != n:
+        raise c.bad(key, listed, f"a list of {n} layer types", f"must list one type per layer (num_hidden_layers={n})")
+    odd: dict[str, list[int]] = {}
+    for i, t in enumerate(listed):
+        if t not in LAYER_TYPE_NAMES:
+            odd.setdefault(str(t), []).append(i)
+    for t, ids in odd.items():
+        raise _feature(c, key, t, ids, SPARSE_LAYER_TYPES.get(t, f"layer type {t!r} is not one attn-setup knows"))
+    out = [LAYER_TYPE_NAMES[t] for t in listed]
+    if "chunked" in out and c.get("attention_chunk_size") is None:  # no chunk: transformers' mask and sglang are causal
+        out = ["full" if t == "chunked" else t for t in out]
+    return out
+
+
+def _per_layer(c: _Cfg, hf: Optional[hf_config.Reading], i: int, key: str, default: int) -> int:
+    """Layer ``i``'s ``key``: transformers' per-layer config (Gemma-4), a ``<key>_per_layer`` list, else ``default``."""
+    if hf is not None and hf.per_layer is not None:
+        v = hf.per_layer[i].get(key)
+        return default if v is None else v
+    listed = c.get(f"{key}_per_layer")
+    if isinstance(listed, list) and len(listed) > i and isinstance(listed[i], int) and not isinstance(listed[i], bool):
+        return listed[i]
+    return default
+
+
+def _shapes(c: _Cfg, hf: Optional[hf_config.Reading], hfd: Mapping[str, Any], model_type: str, kinds: list[str], uniform: LayerShape,
+            mla: MLADims | None) -> list[LayerShape | None] | None:
+    """Each attention layer's :class:`LayerShape`; None when all equal ``uniform`` (the spec's own fields)."""
+    out: list[LayerShape | None] = []
+    qpas = c.num("query_pre_attn_scalar")
+    for i, t in enumerate(kinds):
+        if t not in ATTENTION_LAYER_TYPES:
+            out.append(None)
+            continue
+        ov = modeling_overrides(model_type, hfd, t)
+        if mla is not None:
+            out.append(msgspec.structs.replace(uniform, has_sinks=ov.get("has_sinks", uniform.has_sinks)))
+            continue
+        heads = _per_layer(c, hf, i, "num_attention_heads", uniform.num_heads)
+        if model_type == "nemotron-nas":
+            kv = nas_kv_heads(c, i, heads)
+        else:
+            kv = _per_layer(c, hf, i, "num_key_value_heads", uniform.num_kv_heads) * ov.get("kv_factor", 1)
+        qk = _per_layer(c, hf, i, "head_dim", uniform.head_dim_qk)
+        v = qk if qk != uniform.head_dim_qk else uniform.head_dim_v
+        if heads % kv:
+            raise c.bad("num_key_value_heads", kv, f"a divisor of {heads}", f"(layer {i}) must divide the layer's "
+                        f"{heads} attention heads")
+        scale = ov.get("scaling", uniform.scaling if qk == uniform.head_dim_qk else (qpas or qk) ** -0.5)
+        out.append(LayerShape(num_heads=heads, num_kv_heads=kv, head_dim_qk=qk, head_dim_v=v, scaling=scale,
+                              has_sinks=ov.get("has_sinks", False), k_eq_v=ov.get("k_eq_v", False)))
+    attn = [s for s in out if s is not None]
+    return None if all(s == uniform for s in attn) else out
+
+
+def _check_raw(c: _Cfg) -> None:
+    """The file's own values checked as :func:`_build` reads them (raises the first bad one with its JSON path)."""
+    n = c.integer("num_hidden_layers")
+    _check_lists(c, n)
+    for key in ("sliding_window", "attention_chunk_size", "max_position_embeddings", "vocab_size"):
+        c.integer(key)
+    _in_range(c, "query_pre_attn_scalar", c.num("query_pre_attn_scalar"), PRE_ATTN_SCALAR_RANGE,
+              "the softmax scale is its inverse square root")
+    for key in ("torch_dtype", "dtype"):
+        if c.get(key) is not None:
+            _choice(c.get(key), _DTYPES, c.at(key), key, "bfloat16, float16 or float32", "is not a supported model dtype")
+    period, offset = c.integer("attn_layer_period", 8), c.integer("attn_layer_offset", 4, lo=0)
+    if offset >= period:
+        raise c.bad("attn_layer_offset", offset, f"an integer in [0, {period - 1}]",
+                    f"must be smaller than attn_layer_period={period} (transformers' JambaConfig checks the same)")
+    c.integer("full_attention_interval")
+    if "hidden_size" in c.data and "num_attention_heads" in c.data:  # a null one too: the class refused it
+        hidden, _, heads, _ = _heads(_Cfg(ChainMap(dict(c.data), {"num_hidden_layers": n or 1}), c.path))
+        _head_dims(c, hidden, heads, _mla(c), allow_v=True)
+
+
+def _check_lists(c: _Cfg, n: int | None, names: bool = True) -> None:
+    """The file's per-layer lists: one entry per layer, each a string (``names``: one attn-setup knows — where
+    transformers' class refused the file; a name the class took is read or refused as a feature by
+    :func:`_hf_types`), ``no_rope_layers`` entries 0 or 1."""
+    for key in ("layer_types", "layers_block_type"):
+        listed = c.get(key)
+        if listed is None:
+            continue
+        if not isinstance(listed, list) or (n is not None and len(listed) != n):
+            raise c.bad(key, listed, f"a list of {n} layer types", f"must list one type per layer (num_hidden_layers={n})")
+        for i, t in enumerate(listed):
+            if not isinstance(t, str) or names and t not in LAYER_TYPE_NAMES and t not in SPARSE_LAYER_TYPES:
+                raise ModelConfigError(f"{c.at(key)}[{i}]={_show(t)} is not a layer type transformers knows",
+                                       flags=[(f"{key}[{i}]", t)], json_path=f"{c.at(key)}[{i}]",
+                                       allowed=sorted(LAYER_TYPE_NAMES), remedy=CONFIG_REMEDY)
+    flags = c.get("no_rope_layers")
+    if flags and (not isinstance(flags, list) or len(flags) < (n or 0)
+                  or any(isinstance(f, bool) or f not in (0, 1) for f in flags)):
+        raise c.bad("no_rope_layers", flags, f"a list of at least {n} entries, each 0 or 1",
+                    f"must give each of the {n} layers 0 (NoPE, full attention) or 1 (RoPE, chunked attention)")
+
+
+def _identify(top: _Cfg) -> tuple[_Cfg, str, Any, Any, Mapping[str, Any]]:
+    """(text config view, model_type, own rule or None, transformers' text config or None, its fields): the file's
+    values first, then the class's defaults and derived fields. Raises ``unknown_architecture``."""
     c = _text_cfg(top)
-    model_type = c.text("model_type") or top.text("model_type", required=True)
+    model_type = c.text("model_type") or top.text("model_type")
+    if model_type is None:
+        raise ModelConfigError(
+            "the file names no model_type, so it is not a Hugging Face transformers config.json (a training "
+            "framework's config, say): which layers attend cannot be read from it", code="unknown_architecture",
+            json_path=top.at("model_type"), flags=[("model_type", None)],
+            allowed=["a config.json with model_type"],
+            remedy="pass the model's Hugging Face configuration (the file transformers reads: it has model_type)")
+    own = OWN_FAMILIES.get(model_type)
+    if own is not None:
+        return c, model_type, own, None, {}
+    top_type = top.text("model_type") or model_type
+    try:
+        hf = hf_config.read(top.data, top_type)
+        if hf is None and top_type != model_type:
+            hf = hf_config.read(c.data, model_type)
+    except ModelConfigError:
+        _check_raw(c)  # a bad published value is named by its JSON path; else the class's own refusal
+        raise
+    if hf is None:
+        raise _unknown(c, model_type)
+    hfd = hf.fields
+    return _Cfg(ChainMap({k: v for k, v in c.data.items() if v is not None}, hfd), c.path), model_type, None, hf, hfd
+
+
+def _refuse_unhonoured(c: _Cfg, own: Any, n_layers: int, kinds: list[str]) -> None:
+    """``unsupported_attention_feature`` for a field that changes attention and that nothing here computes."""
+    attn_ids = [i for i, t in enumerate(kinds) if t in ATTENTION_LAYER_TYPES]
+    if own is not None and own.alibi(c):
+        raise _feature(c, "hidden_size", c.get("hidden_size"), attn_ids, f"ALiBi position biases ({own.cite})")
+    for key in ("alibi", "use_alibi"):
+        if c.get(key):
+            raise _feature(c, key, c.get(key), attn_ids, "ALiBi position biases")
+    if c.get("position_embedding_type") == "alibi":
+        raise _feature(c, "position_embedding_type", "alibi", attn_ids, "ALiBi position biases")
+    if c.get("index_topk") is not None and attn_ids:
+        raise _feature(c, "index_topk", c.get("index_topk"), attn_ids, SPARSE_LAYER_TYPES["indexed_attention"])
+    if c.get("use_bidirectional_attention") == "all":  # "vision": bidirectional among image tokens only (as Gemma-3)
+        raise _feature(c, "use_bidirectional_attention", "all", attn_ids,
+                       "every query also attends to later tokens (not causal)")
+    shared = c.get("num_kv_shared_layers")
+    if isinstance(shared, int) and not isinstance(shared, bool) and 0 < shared < n_layers:
+        # modeling_gemma4.Gemma4TextAttention: layers >= num_hidden_layers - num_kv_shared_layers read the KV of the
+        # last earlier layer of their type and write none
+        raise _feature(c, "num_kv_shared_layers", shared, [i for i in attn_ids if i >= n_layers - shared],
+                       "these layers reuse an earlier layer's KV cache and write none, while attn-setup sizes and "
+                       "writes a KV cache per attention layer")
+
+
+def _build(top: _Cfg, source: str) -> ModelSpec:
     archs = top.get("architectures")
     archs = [] if archs is None else archs  # absent or null; any other falsy value (0, "", {}) is refused
     if not isinstance(archs, list) or not all(is_text(a) for a in archs):
         raise top.bad("architectures", archs, "a list of strings", "must be a list of strings")
-    rule = LAYER_RULES.get(model_type)
-    if rule is not None and rule.defaults:  # HF class defaults for the keys a published config leaves out
-        c = _Cfg(ChainMap(dict(c.data), dict(rule.defaults)), c.path)
-    hidden, n_layers, heads, kv = _heads(c)
+    c, model_type, own, hf, hfd = _identify(top)
+    n_layers = c.integer("num_hidden_layers", required=True)
+    _check_lists(_Cfg(c.data.maps[0], c.path) if isinstance(c.data, ChainMap) else c, n_layers, names=own is not None)
+    kinds = own.layers(c, n_layers) if own is not None else _hf_types(c, hf, hfd, model_type, n_layers)
+    _refuse_unhonoured(c, own, n_layers, kinds)
+    hidden, _, heads, kv = _heads(c)
     mla = _mla(c)
-    head_dim, v_dim = _head_dims(c, hidden, heads, mla)
-    kinds = _layer_types(c, n_layers, rule)
+    # a v head dim of its own only where the class has the field (MiMoV2FlashConfig); others' models ignore the key
+    head_dim, v_dim = _head_dims(c, hidden, heads, mla, allow_v=hf is not None and hf.has_v_field)
     window = c.integer("sliding_window", required=True) if "sliding" in kinds else None
     chunk = c.integer("attention_chunk_size", required=True) if "chunked" in kinds else None
     dtype, dtype_missing = _dtype(c, top)
+    scaling = _scaling(c, head_dim, mla)
+    uniform = LayerShape(num_heads=heads, num_kv_heads=1 if mla else kv,
+                         head_dim_qk=mla.absorbed_qk_dim if mla else head_dim,
+                         head_dim_v=mla.absorbed_v_dim if mla else v_dim, scaling=scaling)
+    shapes = _shapes(c, hf, hfd, model_type, kinds, uniform, mla)
+    sinks = shapes is not None and all(s.has_sinks for s in shapes if s is not None)
+    if sinks:
+        shapes = _shapes(c, hf, hfd, model_type, kinds, msgspec.structs.replace(uniform, has_sinks=True), mla)
     return ModelSpec(
         model_type=model_type, architectures=list(archs), source=source, hidden_size=hidden,
         num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv,
-        head_dim=head_dim, v_head_dim=v_dim, scaling=_scaling(c, head_dim, mla), layer_types=kinds,
+        head_dim=head_dim, v_head_dim=v_dim, scaling=scaling, layer_types=kinds,
         sliding_window=window,
         logit_softcap=_in_range(c, "attn_logit_softcapping", c.num("attn_logit_softcapping"), SOFTCAP_RANGE,
                                 "logits become cap * tanh(logit / cap)"),
-        has_attention_sinks=(rule or DEFAULT_RULE).has_sinks, mla=mla,
+        has_attention_sinks=sinks, mla=mla, layer_shapes=shapes,
         is_encoder_decoder=top.flag("is_encoder_decoder") or c.flag("is_encoder_decoder"),
         dtype=dtype, dtype_missing=dtype_missing, rope_theta=_rope_theta(c),
         max_position_embeddings=c.integer("max_position_embeddings", 4096),

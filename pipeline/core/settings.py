@@ -15,6 +15,7 @@ import msgspec
 
 from pipeline.core.contracts import AttentionArgs
 from pipeline.core.errors import ConfigError
+from pipeline.core.hf_config import CACHE_ENV
 from pipeline.core.shard import PARTITION_ENV
 from pipeline.core.validation import check_size
 
@@ -80,7 +81,7 @@ def zbal_local_mem_size(args: AttentionArgs, env: Mapping[str, str] = os.environ
 
 
 # Every environment variable attn-setup reads by exact name (ATTN_SETUP_SECRET_<NAME> is a prefix, any name).
-KNOWN_ENV_VARS = (*ENV_VARS.values(), PARTITION_ENV, "ATTN_SETUP_RUN_ID", "ATTN_SETUP_SLOW_PHASE_S")
+KNOWN_ENV_VARS = (*ENV_VARS.values(), PARTITION_ENV, CACHE_ENV, "ATTN_SETUP_RUN_ID", "ATTN_SETUP_SLOW_PHASE_S")
 SECRET_PREFIX = "ATTN_SETUP_SECRET_"
 LOOKALIKE_DISTANCE = 2  # edits (insert, delete, substitute, swap two neighbours) from a known name
 

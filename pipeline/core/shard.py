@@ -204,8 +204,21 @@ def shard_spec(model: Any, layout: ShardLayout) -> Any:
     if layout.is_whole or getattr(model, "shard", None) is not None:
         return model
     s, e = layout.layer_range
+    shapes = getattr(model, "layer_shapes", None)
+    if shapes is not None:  # heterogeneous layers (Gemma-4, per-layer heads): each split as the uniform heads are
+        shapes = [None if x is None else _shard_shape(x, layout, model.mla is not None) for x in shapes[s:e]]
     return msgspec.structs.replace(model, num_attention_heads=layout.num_heads, num_key_value_heads=layout.num_kv_heads,
-                                   num_hidden_layers=e - s, layer_types=list(model.layer_types[s:e]), shard=layout)
+                                   num_hidden_layers=e - s, layer_types=list(model.layer_types[s:e]), shard=layout,
+                                   layer_shapes=shapes)
+
+
+def _shard_shape(shape: Any, layout: ShardLayout, is_mla: bool) -> Any:
+    """One layer's :class:`~pipeline.core.spec.LayerShape` on this rank (:func:`plan_layout`'s rule; MLA's one latent
+    kv head replicated). Raises ``tp_size_invalid`` when the layer's heads do not split."""
+    tp, r = layout.attn_tp_size, layout.attn_tp_rank
+    check_tp(shape.num_heads, shape.num_kv_heads, tp, is_mla=is_mla)
+    kv = shape.num_kv_heads if is_mla else shape.num_kv_heads // tp if shape.num_kv_heads >= tp else 1
+    return msgspec.structs.replace(shape, num_heads=shape.num_heads // tp, num_kv_heads=kv)
 
 
 _VIEWS: dict[tuple, tuple[Any, Any]] = {}

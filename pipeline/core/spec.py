@@ -46,9 +46,9 @@ class MLADims(msgspec.Struct, **_STRUCT):
 # ``ModelSpec.layer_types``: the attention kinds plus the layer types that are not softmax
 # attention over a KV cache (computed by the model's own linear-attention / state-space kernels).
 ATTENTION_LAYER_TYPES = ("full", "sliding", "chunked")
-NOT_ATTENTION_LAYER_TYPES = ("linear_attention", "mamba")
+NOT_ATTENTION_LAYER_TYPES = ("linear_attention", "mamba", "moe", "mlp", "no_op", "linear", "conv")
 AttentionLayerType = Literal["full", "sliding", "chunked"]
-LayerType = Literal["full", "sliding", "chunked", "linear_attention", "mamba"]
+LayerType = Literal["full", "sliding", "chunked", "linear_attention", "mamba", "moe", "mlp", "no_op", "linear", "conv"]
 
 
 class LayerKind(msgspec.Struct, **_STRUCT):
@@ -77,11 +77,27 @@ class LayerKind(msgspec.Struct, **_STRUCT):
     is_mla: bool = False
     layer_ids: list[int] = []
     attention_chunk_size: int | None = None
+    k_eq_v: bool = False
+
+
+class LayerShape(msgspec.Struct, **_STRUCT):
+    """What one attention layer's attention computes when a model's layers differ (Gemma-4's global layers, NAS
+    blocks, per-layer head counts, MiMo-V2-Flash's sliding layers): heads, kv heads, qk / v head dims, softmax
+    scale, whether its sinks exist and whether K = V (Gemma-4 ``attention_k_eq_v``: the keys serve as values)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_v: int
+    scaling: float
+    has_sinks: bool = False
+    k_eq_v: bool = False
 
 
 class LayerGroup(msgspec.Struct, **_STRUCT):
-    """Layers of one type that no attention backend computes (``kind``: ``linear_attention`` or
-    ``mamba``), with their ids: they keep no KV cache, so the pools, the model stack and the
+    """Layers of one type that no attention backend computes (``kind``: ``linear_attention``, ``mamba``, ``moe``,
+    ``mlp`` (MoE-/MLP-only blocks), ``no_op`` (NAS blocks without attention), ``linear`` (NAS attention replaced by a
+    linear map), ``conv`` (LFM2's short convolutions)), with their ids: they keep no KV cache, so the pools, the model stack and the
     verification cover only the attention layers."""
 
     kind: str
@@ -106,6 +122,8 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     256 local / 512 global); None = every layer uses ``head_dim``/``v_head_dim``.
     ``scaling`` is the softmax scale (``query_pre_attn_scalar ** -0.5`` where set, else
     ``head_dim ** -0.5``; for MLA ``(qk_nope + qk_rope) ** -0.5``).
+    ``layer_shapes``: one entry per layer (None for layers that are not attention) when the attention layers differ
+    in heads, dims, scale, sinks or K = V; None = every attention layer has the fields above.
     ``dtype`` is the checkpoint's (``torch_dtype`` / ``dtype``); ``dtype_missing``: the config names
     neither, so ``dtype`` is ``float32``, as sglang's ``_get_and_verify_dtype`` reads a missing one.
     ``shard``: set on one rank's view (:mod:`pipeline.core.shard`): heads, kv heads and layers are the rank's.
@@ -134,6 +152,7 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     max_position_embeddings: int = 4096
     vocab_size: int = 32000
     attention_chunk_size: int | None = None
+    layer_shapes: list[LayerShape | None] | None = None
     shard: ShardLayout | None = None
 
     def __post_init__(self) -> None:
@@ -203,24 +222,32 @@ def _layer_kinds(spec: ModelSpec) -> list[LayerKind]:
                                flags=[("layer_types", len(spec.layer_types)),
                                       ("num_hidden_layers", spec.num_hidden_layers)],
                                allowed=[f"{spec.num_hidden_layers} entries"], remedy=CONFIG_REMEDY)
-    groups: dict[str, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(spec.layer_types):
         if t in ATTENTION_LAYER_TYPES:
-            groups.setdefault(t, []).append(i)
+            groups.setdefault((t, _shape(spec, t, i)), []).append(i)
     for kind, key in (("sliding", "sliding_window"), ("chunked", "attention_chunk_size")):
-        if kind in groups and getattr(spec, key) is None:
+        if any(t == kind for t, _ in groups) and getattr(spec, key) is None:
             raise ModelConfigError(f"{kind} layers need {key}", json_path=f"$.{key}", flags=[(key, None)],
                                    allowed=["an integer >= 1"], remedy=CONFIG_REMEDY)
-    mla = spec.mla
     return [LayerKind(
-        kind=t, num_heads=spec.num_attention_heads,
-        num_kv_heads=1 if mla else spec.num_key_value_heads,
-        head_dim_qk=mla.absorbed_qk_dim if mla else _kind_dim(spec, t, spec.head_dim),
-        head_dim_v=mla.absorbed_v_dim if mla else _kind_dim(spec, t, spec.v_head_dim), scaling=spec.scaling,
-        sliding_window=spec.sliding_window if t == "sliding" else None,
-        logit_softcap=spec.logit_softcap, has_sinks=spec.has_attention_sinks,
-        is_mla=mla is not None, layer_ids=ids,
-        attention_chunk_size=spec.attention_chunk_size if t == "chunked" else None) for t, ids in groups.items()]
+        kind=t, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim_qk=s.head_dim_qk, head_dim_v=s.head_dim_v,
+        scaling=s.scaling, sliding_window=spec.sliding_window if t == "sliding" else None,
+        logit_softcap=spec.logit_softcap, has_sinks=s.has_sinks, is_mla=spec.mla is not None, layer_ids=ids,
+        attention_chunk_size=spec.attention_chunk_size if t == "chunked" else None, k_eq_v=s.k_eq_v)
+        for (t, s), ids in groups.items()]
+
+
+def _shape(spec: ModelSpec, t: str, i: int) -> LayerShape:
+    """Layer ``i``'s attention as a backend sees it: its own :class:`LayerShape` when the spec lists them, else the
+    spec's uniform fields (MLA absorbed: one latent KV head of ``kv_lora_rank + qk_rope_head_dim``)."""
+    if spec.layer_shapes is not None and spec.layer_shapes[i] is not None:
+        return spec.layer_shapes[i]
+    mla = spec.mla
+    return LayerShape(num_heads=spec.num_attention_heads, num_kv_heads=1 if mla else spec.num_key_value_heads,
+                      head_dim_qk=mla.absorbed_qk_dim if mla else _kind_dim(spec, t, spec.head_dim),
+                      head_dim_v=mla.absorbed_v_dim if mla else _kind_dim(spec, t, spec.v_head_dim),
+                      scaling=spec.scaling, has_sinks=spec.has_attention_sinks)
 
 
 def format_layer_ids(ids: list[int]) -> str:
@@ -290,4 +317,5 @@ def truncate_spec(spec: ModelSpec, num_layers: Optional[int]) -> ModelSpec:
     n = attention_prefix(spec, num_layers)
     if n == spec.num_hidden_layers:
         return spec
-    return msgspec.structs.replace(spec, num_hidden_layers=n, layer_types=spec.layer_types[:n])
+    return msgspec.structs.replace(spec, num_hidden_layers=n, layer_types=spec.layer_types[:n],
+                                   layer_shapes=None if spec.layer_shapes is None else spec.layer_shapes[:n])

@@ -81,7 +81,11 @@ class AttentionStack:
                     "uv": self._rand(gen, h, m.v_head_dim, m.kv_lora_rank),
                     "o": self._rand(gen, hid, h * m.v_head_dim)}
         d, hkv = kind.head_dim_qk, kind.num_kv_heads
-        return {"qkv": self._rand(gen, (h + 2 * hkv) * d, hid), "o": self._rand(gen, hid, h * d)}
+        qkv = self._rand(gen, (h + 2 * hkv) * d, hid)
+        gain = 1.0 / (kind.scaling * math.sqrt(d))
+        if gain < 1.0:  # a scale above 1/sqrt(d) (Gemma-4: 1.0, its q / k RMS-normed): logits kept at unit size,
+            qkv[: h * d] *= gain  # as those norms keep the model's, not a one-hot softmax no dtype can resolve
+        return {"qkv": qkv, "o": self._rand(gen, hid, h * d)}
 
     def param_bytes(self) -> int:
         """Bytes held by the weights (sinks included)."""
