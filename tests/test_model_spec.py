@@ -612,3 +612,22 @@ def test_families_the_issue_named_read_as_their_code_says():
     kinds = {k.kind: k for k in mimo.layer_kinds()}
     assert (kinds["full"].head_dim_qk, kinds["full"].head_dim_v, kinds["full"].num_kv_heads) == (192, 128, 4)
     assert (kinds["sliding"].num_kv_heads, kinds["sliding"].has_sinks, kinds["full"].has_sinks) == (8, True, False)
+
+
+def test_a_reading_leaves_no_partial_transformers_behind():
+    """A reading imports transformers' configuration modules without torch and without the package init; that
+    partial package must not stay in ``sys.modules`` after it (a later ``from transformers import AddedToken``, by an
+    engine or a library's optional integration, found it and failed on the GPU machine). A second reading reuses the
+    modules; the whole library then imports as usual."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys; os.environ['ATTN_SETUP_CACHE_DIR'] = 'off'\n"
+            "from pipeline.core.model_spec import DEFAULT_MODEL_CONFIG, load_model_spec\n"
+            "a = load_model_spec(DEFAULT_MODEL_CONFIG)\n"
+            "assert 'transformers' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)\n"
+            "assert load_model_spec(DEFAULT_MODEL_CONFIG) == a and 'transformers' not in sys.modules\n"
+            "from transformers import AddedToken, LlamaConfig\n"
+            "print(LlamaConfig.__module__)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0 and "configuration_llama" in p.stdout, p.stderr[-2000:]

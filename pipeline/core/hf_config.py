@@ -92,6 +92,29 @@ def _import(name: str) -> Any:
             del sys.modules[n]
 
 
+_STASH: dict[str, types.ModuleType] = {}
+
+
+class _TorchlessModules:
+    """Around one reading: the torch-free transformers modules an earlier reading imported are put back into
+    ``sys.modules`` (unless the whole library was imported since), and taken out again after, so nothing imported
+    later in the process (torch's and FlashInfer's optional integrations, an engine) finds the partial package."""
+
+    def __enter__(self) -> None:
+        top = sys.modules.get("transformers")
+        if top is None:
+            sys.modules.update(_STASH)
+        elif not getattr(top, _TORCHLESS, False):
+            _STASH.clear()
+            _CLASSES.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        top = sys.modules.get("transformers")
+        if top is not None and getattr(top, _TORCHLESS, False):
+            for name in [n for n in sys.modules if n == "transformers" or n.startswith("transformers.")]:
+                _STASH[name] = sys.modules.pop(name)
+
+
 def forget_torchless() -> None:
     """Drop transformers' modules if :func:`text_config` imported them without torch, so the next import loads the
     whole library with torch (class identities of configs built before then are not kept)."""
@@ -99,7 +122,8 @@ def forget_torchless() -> None:
     if top is not None and getattr(top, _TORCHLESS, False):
         for name in [n for n in sys.modules if n == "transformers" or n.startswith("transformers.")]:
             del sys.modules[name]
-        _CLASSES.clear()
+    _STASH.clear()
+    _CLASSES.clear()
 
 
 _CLASSES: dict[str, Optional[type]] = {}
@@ -256,16 +280,17 @@ def read(data: Mapping[str, Any], model_type: str) -> Optional[Reading]:
             return msgspec.json.decode(path.read_bytes(), type=Reading)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             pass
-    cfg = text_config(data, model_type)
-    if cfg is None:
+    with _TorchlessModules():
+        cfg = text_config(data, model_type)
+        try:
+            reading = None if cfg is None else _reading(cfg)
+        except Exception as e:  # noqa: BLE001 - the class's to_dict on a value it took (a dtype list)
+            raise ModelConfigError(f"transformers cannot read this config back: {type(e).__name__}: {str(e)[:200]}",
+                                   code="model_config_malformed", json_path="$", flags=[("model_type", model_type)],
+                                   allowed=["a config transformers reads"],
+                                   remedy="compare config.json with the model's published one on the Hub") from None
+    if reading is None:
         return None
-    try:
-        reading = _reading(cfg)
-    except Exception as e:  # noqa: BLE001 - the class's to_dict on a value it took (a dtype list)
-        raise ModelConfigError(f"transformers cannot read this config back: {type(e).__name__}: {str(e)[:200]}",
-                               code="model_config_malformed", json_path="$", flags=[("model_type", model_type)],
-                               allowed=["a config transformers reads"],
-                               remedy="compare config.json with the model's published one on the Hub") from None
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
