@@ -128,12 +128,17 @@ def test_every_record_round_trips(rec):
     got, want = msgspec.to_builtins(back), msgspec.to_builtins(rec)
     floats = _typed_floats(rec)
     assert got.keys() == want.keys()
-    nested = {k: v[1] for k, v in (wire.FLOAT_FIELDS[ev.event_name(type(rec))] or {}).items()
-              if isinstance(v, tuple) and v[0] == "seq"}
+    spec = wire.FLOAT_FIELDS[ev.event_name(type(rec))] or {}
+    nested = {k: v for k, v in spec.items() if isinstance(v, tuple) and v[0] in ("seq", "map")}
+
+    def typed(item: dict, fields: dict) -> dict:
+        return {f: (x if fields.get(f) in ("f", "f?") else _expected(x)) for f, x in item.items()}
+
     for k in want:
-        if k in nested:  # a list of Structs with typed float fields (startup_summary's phases)
-            exp = [{f: (x if nested[k].get(f) in ("f", "f?") else _expected(x)) for f, x in item.items()}
-                   for item in want[k]]
+        if k in nested:  # Structs with typed float fields in a list (startup_summary's phases) or a map (evidence)
+            kind, fields = nested[k]
+            exp = ([typed(item, fields) for item in want[k]] if kind == "seq"
+                   else {_expected(key): typed(item, fields) for key, item in want[k].items()})
             assert _same(got[k], exp), k
             continue
         assert _same(got[k], _expected(want[k], typed_float=k in floats)), k

@@ -94,7 +94,7 @@ def test_a_redacted_decision_is_compared_around_the_marker(secret_traces):
     assert rc == 0 and out["same"] and out["divergence"] is None, out
     run = out["runs"][0]
     assert run["redacted"] == ["resolve.prefill", "resolve.decode", "build-mode.instances", "annotate.names"]
-    assert len(run["checked"]) == 20 and run["stopped"] == ""
+    assert len(run["checked"]) == 21 and run["stopped"] == ""  # every decision the run recorded
 
 
 @pytest.mark.parametrize("secret,fields", [
