@@ -631,3 +631,47 @@ def test_a_reading_leaves_no_partial_transformers_behind():
             "print(LlamaConfig.__module__)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0 and "configuration_llama" in p.stdout, p.stderr[-2000:]
+
+
+_CORPUS = ROOT / "tests" / "data" / "model_configs"
+
+
+@pytest.mark.parametrize("value", [20.0, "20", 35, 36, -1, float("nan"), [20], True, 0.0, {"n": 20}])
+def test_kv_sharing_that_cannot_be_read_is_refused_not_served_as_absent(value):
+    """Gemma-4 E2B's text_config.num_kv_shared_layers (35 layers): 20 is refused as a feature; any value other than
+    absent / 0 / null that is not an integer in [1, 34] is model_config_malformed at its JSON path, never read as 0."""
+    data = json.loads((_CORPUS / "google-gemma-4-e2b-it.json").read_text())
+    data["text_config"]["num_kv_shared_layers"] = 20
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec(data)
+    assert e.value.info.code == "unsupported_attention_feature" and "15..34" in e.value.info.message
+    data["text_config"]["num_kv_shared_layers"] = value
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec(data)
+    assert (e.value.info.code, e.value.info.json_path) == ("model_config_malformed", "$.text_config.num_kv_shared_layers")
+    assert "[0, 34]" in e.value.info.allowed[0]
+    for unset in (0, None):
+        data["text_config"]["num_kv_shared_layers"] = unset
+        assert load_model_spec(data).num_hidden_layers == 35
+
+
+@pytest.mark.parametrize("key, refused, bad, unset", [
+    ("index_topk", 2048, ["2048", 2048.0, -1, [2048]], [None, 0]),
+    ("use_alibi", True, ["true", 1, 1.0, [True]], [None, False, 0]),
+    ("alibi", True, ["yes", 2, {}], [None, False]),
+    ("position_embedding_type", "ALiBi", [1, ["alibi"]], [None, "rope"]),
+    ("use_bidirectional_attention", True, ["ALL", 1, [True]], [None, False]),
+])
+def test_every_refused_when_set_field_treats_set_alike(key, refused, bad, unset):
+    """Each attention field refused when set: its set value is a feature refusal, an unreadable one
+    model_config_malformed at its JSON path, only absent / null / 0 (a flag: false) read as unset."""
+    base = _cfg("llama-3.1-8b.json")
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec({**base, key: refused})
+    assert (e.value.info.code, e.value.info.json_path) == ("unsupported_attention_feature", f"$.{key}")
+    for v in bad:
+        with pytest.raises(ModelConfigError) as e:
+            load_model_spec({**base, key: v})
+        assert (e.value.info.code, e.value.info.json_path) == ("model_config_malformed", f"$.{key}"), v
+    for v in unset:
+        assert load_model_spec({**base, key: v}).num_hidden_layers == 32

@@ -289,8 +289,9 @@ def _hf_types(c: _Cfg, hf: hf_config.Reading, hfd: Mapping[str, Any], model_type
         return ["full" if f else "linear_attention" for f in flags]
     key, listed = hf.layers_key, hf.layers
     if listed is None:
-        if hfd.get("cross_attention_layers"):
-            ids = list(hfd["cross_attention_layers"])
+        ids = _when_set(_Cfg(hfd, c.path), "cross_attention_layers", f"a list of layer ids in [0, {n - 1}]",
+                        lambda v: isinstance(v, list) and all(_is_int(i, 0, n - 1) for i in v))
+        if ids:
             raise _feature(c, "cross_attention_layers", ids, ids, "cross-attention to the vision encoder's states")
         window = hfd.get("sliding_window")
         if window:
@@ -427,23 +428,48 @@ def _identify(top: _Cfg) -> tuple[_Cfg, str, Any, Any, Mapping[str, Any]]:
     return _Cfg(ChainMap({k: v for k, v in c.data.items() if v is not None}, hfd), c.path), model_type, None, hf, hfd
 
 
+def _when_set(c: _Cfg, key: str, allowed: str, ok: Any, *, boolean: bool = False) -> Any:
+    """A field that changes attention and is refused when set: None when absent, null or 0 (``boolean``: false);
+    the value when ``ok(value)``; any other value (20.0, "20", NaN, a list, out of range) is ModelConfigError
+    ``model_config_malformed`` at its JSON path, never read as absent."""
+    v = c.get(key)
+    if v is None or (type(v) is int and v == 0) or (boolean and v is False):
+        return None
+    if not ok(v):
+        raise ModelConfigError(
+            f"{c.at(key)}={_show(v)} is not {allowed}: it changes attention, so a value that cannot be read is "
+            "refused, never served as if absent", code="model_config_malformed", json_path=c.at(key),
+            flags=[(key, v)], allowed=[allowed], remedy=CONFIG_REMEDY)
+    return v
+
+
+def _is_int(v: Any, lo: int, hi: int) -> bool:
+    return type(v) is int and lo <= v <= hi
+
+
 def _refuse_unhonoured(c: _Cfg, own: Any, n_layers: int, kinds: list[str]) -> None:
-    """``unsupported_attention_feature`` for a field that changes attention and that nothing here computes."""
+    """``unsupported_attention_feature`` for a field that changes attention and that nothing here computes; a value
+    of such a field that is neither unset nor readable is ``model_config_malformed`` (:func:`_when_set`)."""
     attn_ids = [i for i, t in enumerate(kinds) if t in ATTENTION_LAYER_TYPES]
     if own is not None and own.alibi(c):
         raise _feature(c, "hidden_size", c.get("hidden_size"), attn_ids, f"ALiBi position biases ({own.cite})")
     for key in ("alibi", "use_alibi"):
-        if c.get(key):
+        if _when_set(c, key, "true or false", lambda v: v is True, boolean=True):
             raise _feature(c, key, c.get(key), attn_ids, "ALiBi position biases")
-    if c.get("position_embedding_type") == "alibi":
-        raise _feature(c, "position_embedding_type", "alibi", attn_ids, "ALiBi position biases")
-    if c.get("index_topk") is not None and attn_ids:
+    pos = _when_set(c, "position_embedding_type", "a string", lambda v: isinstance(v, str))
+    if isinstance(pos, str) and pos.strip().lower() == "alibi":
+        raise _feature(c, "position_embedding_type", pos, attn_ids, "ALiBi position biases")
+    if _when_set(c, "index_topk", "an integer >= 1", lambda v: _is_int(v, 1, DEFAULT_UPPER)) and attn_ids:
         raise _feature(c, "index_topk", c.get("index_topk"), attn_ids, SPARSE_LAYER_TYPES["indexed_attention"])
-    if c.get("use_bidirectional_attention") == "all":  # "vision": bidirectional among image tokens only (as Gemma-3)
-        raise _feature(c, "use_bidirectional_attention", "all", attn_ids,
+    # Gemma-3: true (every query also sees later tokens); Gemma-4: "all" or "vision" (among image tokens only)
+    bidi = _when_set(c, "use_bidirectional_attention", 'true, false, null, "all" or "vision"',
+                     lambda v: v is True or v in ("all", "vision"), boolean=True)
+    if bidi is True or bidi == "all":
+        raise _feature(c, "use_bidirectional_attention", bidi, attn_ids,
                        "every query also attends to later tokens (not causal)")
-    shared = c.get("num_kv_shared_layers")
-    if isinstance(shared, int) and not isinstance(shared, bool) and 0 < shared < n_layers:
+    shared = _when_set(c, "num_kv_shared_layers", f"an integer in [0, {n_layers - 1}] (num_hidden_layers={n_layers})",
+                       lambda v: _is_int(v, 1, n_layers - 1))
+    if shared:
         # modeling_gemma4.Gemma4TextAttention: layers >= num_hidden_layers - num_kv_shared_layers read the KV of the
         # last earlier layer of their type and write none
         raise _feature(c, "num_kv_shared_layers", shared, [i for i in attn_ids if i >= n_layers - shared],
