@@ -675,3 +675,36 @@ def test_every_refused_when_set_field_treats_set_alike(key, refused, bad, unset)
         assert (e.value.info.code, e.value.info.json_path) == ("model_config_malformed", f"$.{key}"), v
     for v in unset:
         assert load_model_spec({**base, key: v}).num_hidden_layers == 32
+
+
+@pytest.mark.parametrize("value", [10**9, 4097, 0, -1, 48.0, "48", None, True, 5])
+def test_per_layer_heads_are_checked_as_the_global_ones(value):
+    """Laguna's num_attention_heads_per_layer (48 / 64 heads, 8 kv heads): an entry outside [1, 4096] (the bound of
+    num_attention_heads), not an integer, or not a multiple of the kv heads is model_config_malformed naming
+    $.num_attention_heads_per_layer[0] and the value, before anything is sized from it."""
+    data = json.loads((_CORPUS / "poolside-laguna-xs.2-fp8.json").read_text())
+    kinds = {(k.num_heads, k.num_kv_heads) for k in load_model_spec(data).layer_kinds()}
+    assert kinds == {(48, 8), (64, 8)}
+    data["num_attention_heads_per_layer"][0] = value
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec(data)
+    info = e.value.info
+    assert (info.code, info.json_path) == ("model_config_malformed", "$.num_attention_heads_per_layer[0]")
+    assert json.dumps(value) in info.message
+    data["num_attention_heads_per_layer"] = data["num_attention_heads_per_layer"][1:]
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec(data)
+    assert (e.value.info.code, e.value.info.json_path) == ("model_config_malformed", "$.num_attention_heads_per_layer")
+
+
+@pytest.mark.parametrize("key, value", [("global_head_dim", 10**9), ("global_head_dim", 513),
+                                        ("num_global_key_value_heads", 5000), ("num_global_key_value_heads", 3)])
+def test_per_layer_config_values_are_checked_at_their_source_field(key, value):
+    """Gemma-4 31B's full layers take global_head_dim / num_global_key_value_heads through transformers' per-layer
+    config: out of range, odd or not dividing the 32 heads is model_config_malformed at that field's JSON path."""
+    data = json.loads((_CORPUS / "google-gemma-4-31b-it.json").read_text())
+    data["text_config"][key] = value
+    with pytest.raises(ModelConfigError) as e:
+        load_model_spec(data)
+    assert (e.value.info.code, e.value.info.json_path) == ("model_config_malformed", f"$.text_config.{key}")
+    assert str(value) in e.value.info.message

@@ -315,15 +315,38 @@ def _hf_types(c: _Cfg, hf: hf_config.Reading, hfd: Mapping[str, Any], model_type
     return out
 
 
-def _per_layer(c: _Cfg, hf: Optional[hf_config.Reading], i: int, key: str, default: int) -> int:
-    """Layer ``i``'s ``key``: transformers' per-layer config (Gemma-4), a ``<key>_per_layer`` list, else ``default``."""
+# Where a per-layer value of transformers' per-layer config (Gemma-4) comes from in the file.
+_PER_LAYER_SOURCES = {"num_attention_heads": ("num_attention_heads",),
+                      "num_key_value_heads": ("num_key_value_heads", "num_global_key_value_heads"),
+                      "head_dim": ("head_dim", "global_head_dim")}
+
+
+def _per_layer(c: _Cfg, hf: Optional[hf_config.Reading], i: int, n: int, key: str, default: int) -> tuple[int, str]:
+    """Layer ``i``'s ``key`` and its JSON path: transformers' per-layer config (Gemma-4), a ``<key>_per_layer`` list
+    of ``n`` entries, else ``default``. Checked as the global key is (an integer in [1, UPPER[key]], a head dim even),
+    else ModelConfigError ``model_config_malformed`` naming the path and value."""
     if hf is not None and hf.per_layer is not None:
         v = hf.per_layer[i].get(key)
-        return default if v is None else v
-    listed = c.get(f"{key}_per_layer")
-    if isinstance(listed, list) and len(listed) > i and isinstance(listed[i], int) and not isinstance(listed[i], bool):
-        return listed[i]
-    return default
+        if v is None:
+            return default, c.at(key)
+        path = next((c.at(k) for k in _PER_LAYER_SOURCES[key] if c.get(k) == v and type(c.get(k)) is type(v)),
+                    f"{c.at(key)} (layer {i} of transformers' {hf.cls})")
+    else:
+        listed = c.get(f"{key}_per_layer")
+        if listed is None:
+            return default, c.at(key)
+        if not isinstance(listed, list) or len(listed) != n:
+            raise _malformed(c.at(f"{key}_per_layer"), listed, f"a list of {n} integers (num_hidden_layers={n})")
+        v, path = listed[i], f"{c.at(key + '_per_layer')}[{i}]"
+    hi = UPPER[key]
+    if type(v) is not int or not 1 <= v <= hi or (key == "head_dim" and v % 2):
+        raise _malformed(path, v, f"an {'even ' if key == 'head_dim' else ''}integer in [1, {hi}] (as {key})")
+    return v, path
+
+
+def _malformed(path: str, v: Any, allowed: str) -> ModelConfigError:
+    return ModelConfigError(f"{path}={_show(v)} is not {allowed}", code="model_config_malformed", json_path=path,
+                            flags=[(path.rsplit(".", 1)[-1], v)], allowed=[allowed], remedy=CONFIG_REMEDY)
 
 
 def _shapes(c: _Cfg, hf: Optional[hf_config.Reading], hfd: Mapping[str, Any], model_type: str, kinds: list[str], uniform: LayerShape,
@@ -339,16 +362,21 @@ def _shapes(c: _Cfg, hf: Optional[hf_config.Reading], hfd: Mapping[str, Any], mo
         if mla is not None:
             out.append(msgspec.structs.replace(uniform, has_sinks=ov.get("has_sinks", uniform.has_sinks)))
             continue
-        heads = _per_layer(c, hf, i, "num_attention_heads", uniform.num_heads)
+        n = len(kinds)
+        heads, heads_at = _per_layer(c, hf, i, n, "num_attention_heads", uniform.num_heads)
         if model_type == "nemotron-nas":
-            kv = nas_kv_heads(c, i, heads)
+            kv, kv_at = nas_kv_heads(c, i, heads), c.at(f"block_configs[{i}].attention.n_heads_in_group")
         else:
-            kv = _per_layer(c, hf, i, "num_key_value_heads", uniform.num_kv_heads) * ov.get("kv_factor", 1)
-        qk = _per_layer(c, hf, i, "head_dim", uniform.head_dim_qk)
+            kv, kv_at = _per_layer(c, hf, i, n, "num_key_value_heads", uniform.num_kv_heads)
+            kv *= ov.get("kv_factor", 1)
+        qk = _per_layer(c, hf, i, n, "head_dim", uniform.head_dim_qk)[0]
         v = qk if qk != uniform.head_dim_qk else uniform.head_dim_v
         if heads % kv:
-            raise c.bad("num_key_value_heads", kv, f"a divisor of {heads}", f"(layer {i}) must divide the layer's "
-                        f"{heads} attention heads")
+            at = heads_at if heads_at != c.at("num_attention_heads") else kv_at
+            raise ModelConfigError(
+                f"layer {i}: {heads_at}={heads} attention heads is not a multiple of {kv_at}={kv} kv heads",
+                code="model_config_malformed", json_path=at, flags=[(heads_at, heads), (kv_at, kv)],
+                allowed=[f"kv heads dividing {heads}"], remedy=CONFIG_REMEDY)
         scale = ov.get("scaling", uniform.scaling if qk == uniform.head_dim_qk else (qpas or qk) ** -0.5)
         out.append(LayerShape(num_heads=heads, num_kv_heads=kv, head_dim_qk=qk, head_dim_v=v, scaling=scale,
                               has_sinks=ov.get("has_sinks", False), k_eq_v=ov.get("k_eq_v", False)))
@@ -360,6 +388,9 @@ def _check_raw(c: _Cfg) -> None:
     """The file's own values checked as :func:`_build` reads them (raises the first bad one with its JSON path)."""
     n = c.integer("num_hidden_layers")
     _check_lists(c, n)
+    for key in _PER_LAYER_SOURCES:  # Laguna's num_attention_heads_per_layer, …: length and entries
+        for i in range(n or 0) if c.get(f"{key}_per_layer") is not None else ():
+            _per_layer(c, None, i, n, key, 0)
     for key in ("sliding_window", "attention_chunk_size", "max_position_embeddings", "vocab_size"):
         c.integer(key)
     _in_range(c, "query_pre_attn_scalar", c.num("query_pre_attn_scalar"), PRE_ATTN_SCALAR_RANGE,
