@@ -661,6 +661,7 @@ def test_kv_sharing_that_cannot_be_read_is_refused_not_served_as_absent(value):
     ("alibi", True, ["yes", 2, {}], [None, False]),
     ("position_embedding_type", "ALiBi", [1, ["alibi"]], [None, "rope"]),
     ("use_bidirectional_attention", True, ["ALL", 1, [True]], [None, False]),
+    ("sliding_window", 4096, [0.0, [], "", "4096", -1], [None, 0]),  # no layer_types: which layers slide is unsaid
 ])
 def test_every_refused_when_set_field_treats_set_alike(key, refused, bad, unset):
     """Each attention field refused when set: its set value is a feature refusal, an unreadable one

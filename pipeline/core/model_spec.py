@@ -293,7 +293,8 @@ def _hf_types(c: _Cfg, hf: hf_config.Reading, hfd: Mapping[str, Any], model_type
                         lambda v: isinstance(v, list) and all(_is_int(i, 0, n - 1) for i in v))
         if ids:
             raise _feature(c, "cross_attention_layers", ids, ids, "cross-attention to the vision encoder's states")
-        window = hfd.get("sliding_window")
+        window = _when_set(_Cfg(hfd, c.path), "sliding_window", f"an integer in [1, {UPPER['sliding_window']}]",
+                           lambda v: _is_int(v, 1, UPPER["sliding_window"]))
         if window:
             if model_type in SLIDES_EVERY_LAYER:
                 return ["sliding"] * n
