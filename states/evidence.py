@@ -136,17 +136,20 @@ def _unmeasured(reason: str) -> Evidence:
 
 def order(half: str, candidates: Sequence[str], capable: Callable[[str], bool], *, model: ModelSpec,
           device: DeviceFacts, kv: str, installed: Mapping[str, bool | str], explicit: bool,
-          table: Table | str | None = None) -> tuple[list[str], Evidence]:
+          table: Table | str | None = None, speculative: bool = False) -> tuple[list[str], Evidence]:
     """Auto's candidates for ``half`` (``prefill``/``decode``) in the order to try, and the evidence for it.
 
     ``candidates``: the fixed priority; ``capable(name)``: whether the capability records allow ``name`` here;
-    ``kv``: the KV dtype (:func:`kv_dtype`); ``table``: default :func:`load`. When a row applies, its fastest
+    ``kv``: the KV dtype (:func:`kv_dtype`); ``table``: default :func:`load`; ``speculative``: the prefill half
+    serves target verify / draft extend, which the table does not time (unmeasured). When a row applies, its fastest
     capable backend takes the place of the first capable candidate (those refused before it stay, so the rejected
     list is the fixed priority's); otherwise the order is unchanged.
     """
     cands = list(candidates)
     if explicit:
         return cands, Evidence(kind="explicit")
+    if speculative and half == "prefill":  # the prefill half runs target verify / draft extend: not what was timed
+        return cands, _unmeasured("the table times plain extend, not speculative target verify or draft extend")
     table = load() if table is None else table
     if isinstance(table, str):
         return cands, _unmeasured(f"{NO_ROW}: {table}")

@@ -250,7 +250,8 @@ def _decide(args: AttentionArgs, model: ModelSpec, device: DeviceFacts, *, is_dr
         explicit = explicit_choice(args, half, is_draft_worker)
         order, why[half] = evidence.order(half, auto_candidates(device, model), lambda n: not survey.why[n],
                                           model=model, device=device, kv=evidence.kv_dtype(args.kv_cache_dtype,
-                                          dtype.value), installed=installed, explicit=explicit is not None)
+                                          dtype.value), installed=installed, explicit=explicit is not None,
+                                          speculative=spec is not None)
         name, rule, rej = _pick(half, explicit, ctx, order)
         picks[half], rules[half] = name, rule
         if rej:

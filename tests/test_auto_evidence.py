@@ -203,3 +203,19 @@ def test_backends_resolved_records_the_evidence_and_replay_rechecks_it(table_at,
     table_at(_table(times_us={"flashinfer": 120.0, "triton": 100.0}))
     d = replay(path).divergence
     assert (d.state, d.field) == ("resolve", "evidence")
+
+
+def test_speculative_prefill_is_unmeasured_by_plain_extend_rows():
+    """With EAGLE the prefill half serves target verify over trees, which the table's plain extend rows do not
+    time: it keeps the fixed priority (flashinfer on the H200) and says why; without EAGLE the row applies."""
+    t = evidence.load()
+    argv = ("plan", "--device-profile", t.device_class, "--installed",
+            ",".join(f"{k}=={v}" for k, v in t.versions.items()))
+    eagle = ("--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens",
+             "8", "--speculative-num-steps", "3")
+    rc, out = run_json(*argv, *eagle)
+    res = out["resolved"]
+    assert rc == 0 and res["prefill"] == "flashinfer" and res["evidence"]["prefill"] == "unmeasured"
+    assert "not speculative target verify" in res["evidence_text"]["prefill"]
+    rc, out = run_json(*argv)
+    assert rc == 0 and isinstance(out["resolved"]["evidence"]["prefill"], dict)

@@ -116,3 +116,32 @@ def test_a_run_refused_at_its_command_line_reports_as_every_failed_run(tmp_path,
                        timeout=60)
     report = json.loads(p.stdout.splitlines()[0])
     assert report["ok"] is False and report["error"]["code"] == err and report["log_file"] is None
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_the_torch_import_waits_for_the_whole_import(sig):
+    """A Ctrl-C or SIGTERM inside ``import torch`` left torch half-imported (the run then failed with
+    ``internal_error: cannot load module more than once``) or was lost: run holds both signals until the import is
+    whole, then ends as an interrupt (KeyboardInterrupt, SIGTERM named) before its log opens."""
+    import os
+    import signal
+
+    from pipeline.cli import run as run_cmd
+
+    steps = []
+
+    def importing() -> dict:
+        steps.append("begun")
+        os.kill(os.getpid(), getattr(signal, sig))  # arrives mid-import
+        steps.append("whole")
+        return {"seconds": 0.0}
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(KeyboardInterrupt) as e:
+            run_cmd._import_torch_whole(importing)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    assert steps == ["begun", "whole"]
+    assert ("SIGTERM" in str(e.value)) == (sig == "SIGTERM")

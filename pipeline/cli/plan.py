@@ -74,6 +74,7 @@ def pool_line(report: dict[str, Any]) -> str:
         return ""
     head = (f"KV pool: {p['num_token_slots']} token slots x {fmt_bytes(p['bytes_per_token'])} = "
             f"{fmt_bytes(p['kv_bytes'])}, req_to_token {fmt_bytes(p['req_to_token_bytes'])}")
+    head += " for the layers run builds (--num-layers), not a server's whole model"
     if p["source"] == "mem_fraction":
         return (head + f" (from --mem-fraction {p['mem_fraction']:g} of the profile's "
                 f"{fmt_bytes(p['total_memory_bytes'])}: {fmt_bytes(p['budget_bytes'])} for the pools after the decode "

@@ -329,6 +329,28 @@ def signals_held(signums: Sequence[int] = TERMINATING) -> Iterator[list[int]]:
             signal.signal(s, h)
 
 
+def _import_torch_whole(timed_import: Any) -> dict[str, Any]:
+    """``timed_import()`` with SIGINT and SIGTERM held (recorded, not acted on) until torch is imported: a signal
+    inside the import left torch half-imported (the next import failed: ``internal_error``) or was lost. A held
+    signal then ends the command as an interrupt before the log opens (130 / 143, ``interrupted``)."""
+    _sigterm_as_interrupt()
+    got: list[int] = []
+    prev = {}
+    try:
+        for s in TERMINATING:
+            if signal.getsignal(s) not in (signal.SIG_IGN, None):  # ignored since the process started: stays so
+                prev[s] = signal.signal(s, lambda signum, _frame: got.append(signum))
+    except ValueError:  # not the main thread: nothing to hold
+        return timed_import()
+    try:
+        return timed_import()
+    finally:
+        for s, h in prev.items():
+            signal.signal(s, h)
+        if got:
+            raise KeyboardInterrupt(*(["SIGTERM"] if got[0] == signal.SIGTERM else []))
+
+
 def _sigterm_as_interrupt() -> None:
     """From the summary on, SIGTERM unwinds like Ctrl-C (``KeyboardInterrupt("SIGTERM")``, exit 143 logged in
     ``command_finished``) instead of killing the process after its exit code was printed or logged as another."""
@@ -857,7 +879,7 @@ def cmd(ns: argparse.Namespace) -> int:
     from pipeline.core.eventlog import new_run_id
 
     log_path(ns.log_file, "0", ns.rank), request_from(ns, on_gpu=is_gpu_device(ns.device))  # before torch
-    ns._torch_import = timed_torch_import()  # named in the startup summary and the progress line (cold start)
+    ns._torch_import = _import_torch_whole(timed_torch_import)  # named in the startup summary (cold start)
     group, joined = _join(ns)
     request = request_from(ns, on_gpu=is_gpu_device(ns.device))  # ns.device: torchrun's rank's, once joined
     notices = _notices(ns, request, group is not None) if joined is None else []
