@@ -3,7 +3,7 @@
 Exit codes, and only these: 0 every run decides the same now · 1 a run diverged (the first
 divergence is printed as state, field, recorded, now) · 2 the trace is unreadable (nothing to
 replay from, a LOG that is not a regular file, or a recorded request/input this version cannot
-use: ``trace_unreadable`` naming the run and its ``run_started`` record; a decision record missing or unreadable
+use: ``trace_unreadable`` naming the run and its ``run_started`` record; a decision record (or one that feeds a decision, such as step_skipped for skips) missing or unreadable
 in a run whose records go on past its state: ``trace_unreadable`` naming the state, the record and the skipped
 lines, every other decision still compared), or it reads but holds no
 decision to replay (every run stopped before resolve: ``nothing_to_replay`` naming each run, the
