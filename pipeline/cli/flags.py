@@ -264,6 +264,12 @@ def check_flags(ns: argparse.Namespace) -> None:
         if fd.distinct and len(set(values)) != len(values):
             raise refusal(fd, value, f"{fd.flag} lists a value twice", allowed="distinct values",
                           fix=f"list each value once: {fd.flag} {' '.join(map(str, dict.fromkeys(values)))}")
+    if ns.command == "plan" and "WORLD_SIZE" in os.environ:  # under torchrun plan takes RANK/WORLD_SIZE as run does
+        from pipeline.setup.distributed import check_launch_env
+
+        rank, world, _ = check_launch_env()
+        if world > 1:  # the flags when given (--rank 0 is the default, so RANK wins over it)
+            ns.world_size, ns.rank = world if ns.world_size is None else ns.world_size, ns.rank or rank
     if ns.command in SETUP and getattr(ns, "world_size", 1) is None:  # unset: the ranks tp x pp asks for
         ns.world_size = (getattr(ns, "tp_size", None) or 1) * getattr(ns, "pp_size", 1)
     for fd in given:

@@ -3,7 +3,7 @@
 Exit codes, and only these: 0 every run decides the same now · 1 a run diverged (the first
 divergence is printed as state, field, recorded, now) · 2 the trace is unreadable (nothing to
 replay from, a LOG that is not a regular file, or a recorded request/input this version cannot
-use: ``trace_unreadable`` naming the run and its ``run_started`` record; a decision record missing or unreadable
+use: ``trace_unreadable`` naming the run and its ``run_started`` record; a decision record (or one that feeds a decision, such as step_skipped for skips) missing or unreadable
 in a run whose records go on past its state: ``trace_unreadable`` naming the state, the record and the skipped
 lines, every other decision still compared), or it reads but holds no
 decision to replay (every run stopped before resolve: ``nothing_to_replay`` naming each run, the
@@ -45,23 +45,24 @@ def cmd(ns: argparse.Namespace) -> int:
                    "divergence": None if result.divergence is None else msgspec.to_builtins(result.divergence),
                    "skipped_lines": result.skipped_lines})
     else:
+        from pipeline.cli.inspect import _safe  # trace text: terminal escapes shown escaped, as inspect does
         from pipeline.cli.output import console, print_line
 
         c = console()
         for r in result.runs:
             head = f"run {r.run_id} rank {r.rank}" + (f" launch {r.launch_id}" if r.launch_id else "") + ": "
             if r.ends_in:  # printed when another run diverged; alone it is trace_incomplete (exit 2)
-                print_line(c, head + f"incomplete: the trace ends in state {r.ends_in!r} ({len(r.checked)} decisions "
-                                     "recorded up to there, the same)")
+                print_line(c, _safe(head + f"incomplete: the trace ends in state {r.ends_in!r} ({len(r.checked)} decisions "
+                                     "recorded up to there, the same)"))
             elif r.divergence is None:
-                print_line(c, head + f"same ({len(r.checked)} decisions checked)"
+                print_line(c, _safe(head + f"same ({len(r.checked)} decisions checked)"
                            + (f"; {len(r.redacted)} compared around a secret's <redacted> marker: "
                               + ", ".join(r.redacted) if r.redacted else "")
-                           + (f"; stopped: {r.stopped}" if r.stopped else ""))
+                           + (f"; stopped: {r.stopped}" if r.stopped else "")))
             else:
                 d = r.divergence
-                print_line(c, head + f"DIVERGED in state {d.state!r}, field {d.field!r}: recorded {d.recorded!r}, "
-                                     f"now {d.now!r}")
+                print_line(c, _safe(head + f"DIVERGED in state {d.state!r}, field {d.field!r}: recorded {d.recorded!r}, "
+                                     f"now {d.now!r}"))
         if result.skipped_lines:
             print_line(c, f"skipped {result.skipped_lines} unreadable line(s)")
     return EXIT_OK if result.same else EXIT_FAILED

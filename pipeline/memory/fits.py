@@ -81,7 +81,7 @@ def check_plan_memory(request: "SetupRequest", decided: "Decided", estimate: Opt
     check_graphs_fit_device(request, decided, estimate, total_bytes, env, pool_bytes=pools)
     args = request.args
     try:
-        check_fits(s, total_bytes, device=facts.name or facts.type, of_total=True,
+        check_fits(s, total_bytes, device=facts.name or facts.type, of_total=True, total_bytes=total_bytes,
                    mem_fraction=None if budget is None else budget.mem_fraction,
                    graph_top=args.cuda_graph_max_bs or max(args.cuda_graph_bs or [0]),
                    graphs=graph_trial(request, decided, estimate, env=env),

@@ -255,11 +255,25 @@ def _unreadable(run: Run, why: str) -> UsageError:
                              "'attn-setup inspect' still shows what the run did")
 
 
+_RECORD_OF = {"skips": "step_skipped or feature_downgraded", "setting": "setting_resolved"}
+
+
+def _fewer(recorded: Any, now: Any) -> bool:
+    """``recorded`` is what ``now`` would be with records lost: never written, or a list missing some of its items
+    (the rest in order)."""
+    if recorded is None:
+        return True
+    if not (isinstance(recorded, list) and isinstance(now, list) and len(recorded) < len(now)):
+        return False
+    rest = iter(now)
+    return all(any(x == y for y in rest) for x in recorded)
+
+
 class _Replayer:
     """One run's replay: its recorded inputs, and the fields compared so far."""
 
-    def __init__(self, run: Run) -> None:
-        self.run = run
+    def __init__(self, run: Run, skipped_lines: int = 0) -> None:
+        self.run, self.skipped_lines = run, skipped_lines
         self.checked: list[str] = []
         self.redacted: list[str] = []
         self.unrecorded: list[str] = []
@@ -288,6 +302,8 @@ class _Replayer:
         recorded, now = _b(recorded), _b(now)
         if recorded != now and self.incomplete and state == self.last and _unrecorded(recorded, now):
             raise steps.Stop(f"the trace ends in {state} before it recorded {fld}")  # compare only what was written
+        if recorded != now and self.skipped_lines and _fewer(recorded, now):  # the rest may be the unreadable lines
+            raise steps.Unrecorded(state, _RECORD_OF.get(fld.split(".", 1)[0], f"{fld} record"))
         self.checked.append(f"{state}.{fld}")
         if recorded != now:
             if has_redacted(recorded) and matches_around_redaction(recorded, now):
@@ -317,10 +333,10 @@ class _Replayer:
                          launch_id=run.launch_id, ends_in=ends_in, redacted=self.redacted, unrecorded=self.unrecorded)
 
 
-def _replay_run(run: Run) -> RunReplay:
+def _replay_run(run: Run, skipped_lines: int = 0) -> RunReplay:
     """One run's replay; a recorded input this version cannot even use is ``trace_unreadable``."""
     try:
-        return _Replayer(run).replay()
+        return _Replayer(run, skipped_lines).replay()
     except _Diverged as e:  # a divergence found outside a state (a refused recorded setting)
         return RunReplay(run_id=run.run_id, rank=run.rank, checked=[], divergence=e.d, launch_id=run.launch_id)
     except UsageError:
@@ -366,7 +382,7 @@ def replay(trace: Any) -> ReplayResult:
                                   stopped="the trace ends before the attention pipeline started" if cut else
                                   f"no run_started record: {_no_start_reason(r)}", ends_in=r.last_state if cut else ""))
         else:
-            runs.append(_replay_run(r))
+            runs.append(_replay_run(r, t.skipped_lines))
     if early and not any(r.checked or r.divergence is not None for r in runs):
         raise _nothing_to_replay(t.runs)
     if any(r.ends_in for r in runs) and not any(r.divergence is not None for r in runs):
