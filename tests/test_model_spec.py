@@ -639,7 +639,7 @@ _CORPUS = ROOT / "tests" / "data" / "model_configs"
 @pytest.mark.parametrize("value", [20.0, "20", 35, 36, -1, float("nan"), [20], True, 0.0, {"n": 20}])
 def test_kv_sharing_that_cannot_be_read_is_refused_not_served_as_absent(value):
     """Gemma-4 E2B's text_config.num_kv_shared_layers (35 layers): 20 is refused as a feature; any value other than
-    absent / 0 / null that is not an integer in [1, 34] is model_config_malformed at its JSON path, never read as 0."""
+    absent / 0 / null that is not an integer in [1, 34] is model_config_invalid at its JSON path, never read as 0."""
     data = json.loads((_CORPUS / "google-gemma-4-e2b-it.json").read_text())
     data["text_config"]["num_kv_shared_layers"] = 20
     with pytest.raises(ModelConfigError) as e:
@@ -648,7 +648,7 @@ def test_kv_sharing_that_cannot_be_read_is_refused_not_served_as_absent(value):
     data["text_config"]["num_kv_shared_layers"] = value
     with pytest.raises(ModelConfigError) as e:
         load_model_spec(data)
-    assert (e.value.info.code, e.value.info.json_path) == ("model_config_malformed", "$.text_config.num_kv_shared_layers")
+    assert (e.value.info.code, e.value.info.json_path) == ("model_config_invalid", "$.text_config.num_kv_shared_layers")
     assert "[0, 34]" in e.value.info.allowed[0]
     for unset in (0, None):
         data["text_config"]["num_kv_shared_layers"] = unset
@@ -665,7 +665,7 @@ def test_kv_sharing_that_cannot_be_read_is_refused_not_served_as_absent(value):
 ])
 def test_every_refused_when_set_field_treats_set_alike(key, refused, bad, unset):
     """Each attention field refused when set: its set value is a feature refusal, an unreadable one
-    model_config_malformed at its JSON path, only absent / null / 0 (a flag: false) read as unset."""
+    model_config_invalid at its JSON path, only absent / null / 0 (a flag: false) read as unset."""
     base = _cfg("llama-3.1-8b.json")
     with pytest.raises(ModelConfigError) as e:
         load_model_spec({**base, key: refused})
@@ -673,7 +673,7 @@ def test_every_refused_when_set_field_treats_set_alike(key, refused, bad, unset)
     for v in bad:
         with pytest.raises(ModelConfigError) as e:
             load_model_spec({**base, key: v})
-        assert (e.value.info.code, e.value.info.json_path) == ("model_config_malformed", f"$.{key}"), v
+        assert (e.value.info.code, e.value.info.json_path) == ("model_config_invalid", f"$.{key}"), v
     for v in unset:
         assert load_model_spec({**base, key: v}).num_hidden_layers == 32
 
@@ -681,7 +681,7 @@ def test_every_refused_when_set_field_treats_set_alike(key, refused, bad, unset)
 @pytest.mark.parametrize("value", [10**9, 4097, 0, -1, 48.0, "48", None, True, 5])
 def test_per_layer_heads_are_checked_as_the_global_ones(value):
     """Laguna's num_attention_heads_per_layer (48 / 64 heads, 8 kv heads): an entry outside [1, 4096] (the bound of
-    num_attention_heads), not an integer, or not a multiple of the kv heads is model_config_malformed naming
+    num_attention_heads), not an integer, or not a multiple of the kv heads is model_config_invalid naming
     $.num_attention_heads_per_layer[0] and the value, before anything is sized from it."""
     data = json.loads((_CORPUS / "poolside-laguna-xs.2-fp8.json").read_text())
     kinds = {(k.num_heads, k.num_kv_heads) for k in load_model_spec(data).layer_kinds()}
@@ -690,22 +690,22 @@ def test_per_layer_heads_are_checked_as_the_global_ones(value):
     with pytest.raises(ModelConfigError) as e:
         load_model_spec(data)
     info = e.value.info
-    assert (info.code, info.json_path) == ("model_config_malformed", "$.num_attention_heads_per_layer[0]")
+    assert (info.code, info.json_path) == ("model_config_invalid", "$.num_attention_heads_per_layer[0]")
     assert json.dumps(value) in info.message
     data["num_attention_heads_per_layer"] = data["num_attention_heads_per_layer"][1:]
     with pytest.raises(ModelConfigError) as e:
         load_model_spec(data)
-    assert (e.value.info.code, e.value.info.json_path) == ("model_config_malformed", "$.num_attention_heads_per_layer")
+    assert (e.value.info.code, e.value.info.json_path) == ("model_config_invalid", "$.num_attention_heads_per_layer")
 
 
 @pytest.mark.parametrize("key, value", [("global_head_dim", 10**9), ("global_head_dim", 513),
                                         ("num_global_key_value_heads", 5000), ("num_global_key_value_heads", 3)])
 def test_per_layer_config_values_are_checked_at_their_source_field(key, value):
     """Gemma-4 31B's full layers take global_head_dim / num_global_key_value_heads through transformers' per-layer
-    config: out of range, odd or not dividing the 32 heads is model_config_malformed at that field's JSON path."""
+    config: out of range, odd or not dividing the 32 heads is model_config_invalid at that field's JSON path."""
     data = json.loads((_CORPUS / "google-gemma-4-31b-it.json").read_text())
     data["text_config"][key] = value
     with pytest.raises(ModelConfigError) as e:
         load_model_spec(data)
-    assert (e.value.info.code, e.value.info.json_path) == ("model_config_malformed", f"$.text_config.{key}")
+    assert (e.value.info.code, e.value.info.json_path) == ("model_config_invalid", f"$.text_config.{key}")
     assert str(value) in e.value.info.message

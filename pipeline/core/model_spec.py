@@ -325,7 +325,7 @@ _PER_LAYER_SOURCES = {"num_attention_heads": ("num_attention_heads",),
 def _per_layer(c: _Cfg, hf: Optional[hf_config.Reading], i: int, n: int, key: str, default: int) -> tuple[int, str]:
     """Layer ``i``'s ``key`` and its JSON path: transformers' per-layer config (Gemma-4), a ``<key>_per_layer`` list
     of ``n`` entries, else ``default``. Checked as the global key is (an integer in [1, UPPER[key]], a head dim even),
-    else ModelConfigError ``model_config_malformed`` naming the path and value."""
+    else ModelConfigError ``model_config_invalid`` naming the path and value."""
     if hf is not None and hf.per_layer is not None:
         v = hf.per_layer[i].get(key)
         if v is None:
@@ -346,7 +346,7 @@ def _per_layer(c: _Cfg, hf: Optional[hf_config.Reading], i: int, n: int, key: st
 
 
 def _malformed(path: str, v: Any, allowed: str) -> ModelConfigError:
-    return ModelConfigError(f"{path}={_show(v)} is not {allowed}", code="model_config_malformed", json_path=path,
+    return ModelConfigError(f"{path}={_show(v)} is not {allowed}", code="model_config_invalid", json_path=path,
                             flags=[(path.rsplit(".", 1)[-1], v)], allowed=[allowed], remedy=CONFIG_REMEDY)
 
 
@@ -376,7 +376,7 @@ def _shapes(c: _Cfg, hf: Optional[hf_config.Reading], hfd: Mapping[str, Any], mo
             at = heads_at if heads_at != c.at("num_attention_heads") else kv_at
             raise ModelConfigError(
                 f"layer {i}: {heads_at}={heads} attention heads is not a multiple of {kv_at}={kv} kv heads",
-                code="model_config_malformed", json_path=at, flags=[(heads_at, heads), (kv_at, kv)],
+                code="model_config_invalid", json_path=at, flags=[(heads_at, heads), (kv_at, kv)],
                 allowed=[f"kv heads dividing {heads}"], remedy=CONFIG_REMEDY)
         scale = ov.get("scaling", uniform.scaling if qk == uniform.head_dim_qk else (qpas or qk) ** -0.5)
         out.append(LayerShape(num_heads=heads, num_kv_heads=kv, head_dim_qk=qk, head_dim_v=v, scaling=scale,
@@ -463,14 +463,14 @@ def _identify(top: _Cfg) -> tuple[_Cfg, str, Any, Any, Mapping[str, Any]]:
 def _when_set(c: _Cfg, key: str, allowed: str, ok: Any, *, boolean: bool = False) -> Any:
     """A field that changes attention and is refused when set: None when absent, null or 0 (``boolean``: false);
     the value when ``ok(value)``; any other value (20.0, "20", NaN, a list, out of range) is ModelConfigError
-    ``model_config_malformed`` at its JSON path, never read as absent."""
+    ``model_config_invalid`` at its JSON path, never read as absent."""
     v = c.get(key)
     if v is None or (type(v) is int and v == 0) or (boolean and v is False):
         return None
     if not ok(v):
         raise ModelConfigError(
             f"{c.at(key)}={_show(v)} is not {allowed}: it changes attention, so a value that cannot be read is "
-            "refused, never served as if absent", code="model_config_malformed", json_path=c.at(key),
+            "refused, never served as if absent", code="model_config_invalid", json_path=c.at(key),
             flags=[(key, v)], allowed=[allowed], remedy=CONFIG_REMEDY)
     return v
 
@@ -481,7 +481,7 @@ def _is_int(v: Any, lo: int, hi: int) -> bool:
 
 def _refuse_unhonoured(c: _Cfg, own: Any, n_layers: int, kinds: list[str]) -> None:
     """``unsupported_attention_feature`` for a field that changes attention and that nothing here computes; a value
-    of such a field that is neither unset nor readable is ``model_config_malformed`` (:func:`_when_set`)."""
+    of such a field that is neither unset nor readable is ``model_config_invalid`` (:func:`_when_set`)."""
     attn_ids = [i for i, t in enumerate(kinds) if t in ATTENTION_LAYER_TYPES]
     if own is not None and own.alibi(c):
         raise _feature(c, "hidden_size", c.get("hidden_size"), attn_ids, f"ALiBi position biases ({own.cite})")
