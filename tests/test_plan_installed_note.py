@@ -89,3 +89,17 @@ def test_installed_remedy_is_true_and_readable(value):
 
 def _json(proc) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("flag, word", [("torch==2.13.0,torch==2.11.0", "torch more than once"),
+                                        ("torch,TORCH", "torch more than once"),
+                                        ("torch,,triton", "empty entry")])
+def test_installed_names_each_package_once(flag, word, capsys):
+    """``--installed`` naming a package twice kept one of the two silently; an empty entry passed unnoticed. Both
+    are usage errors (exit 2) naming the flag; ``''`` (nothing installed) is no usage error."""
+    from pipeline.cli import main
+
+    assert main(["plan", "--installed", flag]) == 2
+    err = capsys.readouterr().err
+    assert word in err and "--installed" in err
+    assert main(["plan", "--installed", ""]) != 2  # nothing installed: refused for that (3), not a usage error

@@ -346,10 +346,19 @@ def installed_from(flag: str | None) -> dict[str, bool | str]:
     dists = packages.names()
     if flag is None:
         return packages.installed_by_metadata(dists)
-    pins = dict((p.split("==", 1) + [""])[:2] for p in (x.strip() for x in flag.split(",")) if p)
-    given = list(pins)
+    entries = [x.strip() for x in flag.split(",")] if flag.strip() else []
+    pairs = [(e.split("==", 1) + [""])[:2] for e in entries]
+    pins = dict(pairs)
+    given = [name for name, _ in pairs]
     canon = [packages.canonical(p) for p in given]
     unknown = [p for p, c in zip(given, canon) if c is None]
+    twice = sorted({c for c in canon if c is not None and canon.count(c) > 1})
+    if "" in given or twice:
+        what = f"names {', '.join(twice)} more than once" if twice else "has an empty entry"
+        raise UsageError(f"--installed {what}: {flag!r}", code="usage", flags=[("--installed", flag)],
+                         allowed=["each package once, comma-separated (NAME or NAME==VERSION)"],
+                         remedy="list each package once, e.g. --installed torch==2.11.0,triton==3.6.0,"
+                                "flashinfer-python==0.7.2")
     if unknown:
         imports = list(dict.fromkeys(packages.import_name(d) for d in dists))
         raise UsageError(f"--installed names unknown package(s): {', '.join(unknown)}", code="usage",
