@@ -330,25 +330,15 @@ def signals_held(signums: Sequence[int] = TERMINATING) -> Iterator[list[int]]:
 
 
 def _import_torch_whole(timed_import: Any) -> dict[str, Any]:
-    """``timed_import()`` with SIGINT and SIGTERM held (recorded, not acted on) until torch is imported: a signal
+    """``timed_import()`` with SIGINT and SIGTERM held (:func:`signals_held`) until torch is imported: a signal
     inside the import left torch half-imported (the next import failed: ``internal_error``) or was lost. A held
     signal then ends the command as an interrupt before the log opens (130 / 143, ``interrupted``)."""
     _sigterm_as_interrupt()
-    got: list[int] = []
-    prev = {}
-    try:
-        for s in TERMINATING:
-            if signal.getsignal(s) not in (signal.SIG_IGN, None):  # ignored since the process started: stays so
-                prev[s] = signal.signal(s, lambda signum, _frame: got.append(signum))
-    except ValueError:  # not the main thread: nothing to hold
-        return timed_import()
-    try:
-        return timed_import()
-    finally:
-        for s, h in prev.items():
-            signal.signal(s, h)
-        if got:
-            raise KeyboardInterrupt(*(["SIGTERM"] if got[0] == signal.SIGTERM else []))
+    with signals_held() as got:
+        result = timed_import()
+    if got:
+        raise KeyboardInterrupt(*(["SIGTERM"] if got[0] == signal.SIGTERM else []))
+    return result
 
 
 def _sigterm_as_interrupt() -> None:
